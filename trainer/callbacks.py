@@ -1,0 +1,80 @@
+"""Trainer callbacks: push each checkpoint to the store in the background, and stop cleanly on SIGTERM."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+from transformers import TrainerCallback
+
+from trainer.checkpoints import Store, prune
+
+log = logging.getLogger(__name__)
+
+
+def _snapshot(src: Path, dest: Path) -> Path:
+    """Hard-link a checkpoint aside, so HF's rotation can delete the original while we upload."""
+    shutil.rmtree(dest, ignore_errors=True)
+    shutil.copytree(src, dest, copy_function=_link_or_copy)
+    return dest
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+class CheckpointSync(TrainerCallback):
+    """After HF writes `checkpoint-N`, upload it (manifest last) on a background thread and prune old ones."""
+
+    def __init__(self, store: Store, keep: int, staging: Path):
+        self.store, self.keep, self.staging = store, keep, staging
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-upload")
+        self._pending: list[Future] = []
+
+    def _upload(self, snapshot: Path, step: int) -> None:
+        self.store.put(snapshot, step)
+        prune(self.store, self.keep)
+        shutil.rmtree(snapshot, ignore_errors=True)
+        log.info("checkpoint %d complete in %r", step, self.store)
+
+    def on_save(self, args, state, control, **kwargs):
+        self.raise_failures()
+        step = state.global_step
+        snapshot = _snapshot(Path(args.output_dir) / f"checkpoint-{step}", self.staging / f"checkpoint-{step}")
+        self._pending.append(self._pool.submit(self._upload, snapshot, step))
+
+    def raise_failures(self) -> None:
+        for future in [f for f in self._pending if f.done()]:
+            self._pending.remove(future)
+            future.result()  # re-raises an upload error in the training thread
+
+    def wait(self) -> None:
+        """Block until every checkpoint is in the store."""
+        for future in self._pending:
+            future.result()
+        self._pending.clear()
+
+
+class StopOnSigterm(TrainerCallback):
+    """SIGTERM (a spot preemption notice, a cancel) saves a checkpoint at the end of the current step and stops."""
+
+    def __init__(self):
+        self.received = False
+        signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame):
+        log.warning("SIGTERM: saving a checkpoint after this step, then exiting")
+        self.received = True
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.received:
+            control.should_save = True
+            control.should_training_stop = True
+        return control

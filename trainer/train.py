@@ -1,0 +1,144 @@
+"""One GRPO training job: TRL's GRPOTrainer with a PEFT LoRA adapter, resumable from the checkpoint store.
+
+Run it alone on any node: `python -m trainer --spec job.json`. Exit codes: 0 finished (max_steps or
+early stop), 75 interrupted by SIGTERM after a checkpoint (relaunch to resume), 2 bad spec, 1 failure.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+from trainer.spec import JobSpec, TrainResult
+
+log = logging.getLogger(__name__)
+EXIT_INTERRUPTED = 75  # EX_TEMPFAIL: try again
+
+
+def grpo_args(spec: JobSpec, output_dir: Path, report_to: list[str]):
+    """GRPOConfig from the spec: the user's passthrough fields plus what resume and the store require."""
+    import torch
+    from trl import GRPOConfig
+
+    user = dict(spec.train.grpo)
+    user.setdefault("bf16", torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+    user.setdefault("report_to", report_to)
+    if spec.train.early_stopping_patience:
+        user.setdefault("eval_strategy", "steps")
+        user.setdefault("eval_steps", spec.train.checkpoint_every)
+        user.setdefault("metric_for_best_model", "reward")
+        user.setdefault("greater_is_better", True)
+        user.setdefault("per_device_eval_batch_size", user.get("num_generations", 8))
+    return GRPOConfig(
+        output_dir=str(output_dir),
+        save_strategy="steps",
+        save_steps=spec.train.checkpoint_every,
+        save_total_limit=spec.train.keep_checkpoints,
+        **user,
+    )
+
+
+def _ensure_mlflow_run(spec: JobSpec) -> str | None:
+    """The run this job logs into: the launcher's (so a relaunch continues it) or a new one."""
+    if not spec.mlflow_tracking_uri:
+        return None
+    import mlflow
+
+    os.environ["MLFLOW_TRACKING_URI"] = spec.mlflow_tracking_uri
+    os.environ["MLFLOW_EXPERIMENT_NAME"] = spec.mlflow_experiment
+    run_id = spec.mlflow_run_id
+    if run_id is None:
+        client = mlflow.MlflowClient(spec.mlflow_tracking_uri)
+        experiment = client.get_experiment_by_name(spec.mlflow_experiment)
+        exp_id = experiment.experiment_id if experiment else client.create_experiment(spec.mlflow_experiment)
+        run_id = client.create_run(exp_id, run_name="train").info.run_id
+    os.environ["MLFLOW_RUN_ID"] = run_id  # transformers' MLflowCallback resumes this run
+    return run_id
+
+
+def run(spec: JobSpec) -> TrainResult:
+    from datasets import load_dataset
+    from peft import LoraConfig
+    from transformers import EarlyStoppingCallback
+    from trl import GRPOTrainer
+
+    from trainer.callbacks import CheckpointSync, StopOnSigterm
+    from trainer.checkpoints import open_store
+    from trainer.loading import load_model
+    from trainer.rewards import resolve_reward
+
+    started = time.monotonic()
+    stop = StopOnSigterm()  # first: a SIGTERM during model loading must not kill the job uncleanly
+    work = Path(spec.work_dir)
+    store = open_store(spec.checkpoint_uri, spec.train.s3_endpoint_url)
+    store.check()
+    steps = store.complete_steps()
+    resume = store.fetch(steps[-1], work / "resume") if steps else None
+    if resume:
+        log.info("resuming from step %d in %r", steps[-1], store)
+
+    run_id = _ensure_mlflow_run(spec)
+    args = grpo_args(spec, work / "hf", ["mlflow"] if run_id else [])
+    model, tokenizer = load_model(spec.model_path, spec.model)
+    train_ds = load_dataset("json", data_files=spec.train_file, split="train")
+    val_ds = load_dataset("json", data_files=spec.val_file, split="train") if spec.val_file else None
+    sync = CheckpointSync(store, spec.train.keep_checkpoints, work / "staging")
+    callbacks = [sync, stop]
+    if spec.train.early_stopping_patience:
+        if val_ds is None:
+            raise ValueError("train.early_stopping_patience needs a validation split (val_file)")
+        callbacks.append(EarlyStoppingCallback(spec.train.early_stopping_patience))
+
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=[resolve_reward(name) for name in spec.train.rewards],
+        args=args,
+        train_dataset=train_ds,
+        eval_dataset=val_ds,
+        processing_class=tokenizer,
+        peft_config=LoraConfig(task_type="CAUSAL_LM", **spec.train.lora),
+        callbacks=callbacks,
+    )
+    output = trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    sync.wait()  # the newest checkpoint must be in the store before we report or exit
+
+    state = trainer.state
+    finished = state.global_step >= state.max_steps
+    adapter_dir = None
+    if not stop.received or finished:
+        adapter_dir = spec.adapter_dir
+        shutil.rmtree(adapter_dir, ignore_errors=True)
+        trainer.save_model(adapter_dir)
+        if run_id:
+            import mlflow
+
+            mlflow.MlflowClient(spec.mlflow_tracking_uri).log_artifacts(run_id, adapter_dir, "adapter")
+    result = TrainResult(
+        adapter_dir=adapter_dir,
+        global_step=state.global_step,
+        max_steps=state.max_steps,
+        resumed_from_step=steps[-1] if resume else None,
+        interrupted=stop.received and not finished,
+        stopped_early=not stop.received and not finished,
+        mlflow_run_id=run_id,
+        train_runtime_s=time.monotonic() - started,
+        metrics={k: float(v) for k, v in output.metrics.items() if isinstance(v, int | float)},
+    )
+    (work / "result.json").write_text(result.model_dump_json(indent=1))
+    return result
+
+
+def main(spec_path: str) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        spec = JobSpec.read(Path(spec_path))
+    except (OSError, ValueError) as exc:
+        log.error("bad job spec %s: %s", spec_path, exc)
+        return 2
+    result = run(spec)
+    print(json.dumps({"global_step": result.global_step, "interrupted": result.interrupted}))
+    return EXIT_INTERRUPTED if result.interrupted else 0
