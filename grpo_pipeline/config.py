@@ -57,6 +57,22 @@ class ModelConfig(StrictModel):
     double_quant: bool = Field(False, description="nested 4-bit quantization: ~0.4 bit/param less memory")
     compute_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
+    @field_validator("base")
+    @classmethod
+    def _path_exists(cls, v: str) -> str:
+        if looks_like_path(v) and not Path(v).expanduser().exists():
+            raise ValueError(f"{v} does not exist; give a model directory, a .gguf file, a hub id or '{DEMO_MODEL}'")
+        return v
+
+
+def looks_like_path(base: str) -> bool:
+    """A model reference that must be a local file or directory (a hub id is 'org/name').
+
+    >>> looks_like_path("./models/x"), looks_like_path("Qwen/Qwen2.5-7B-Instruct")
+    (True, False)
+    """
+    return base.startswith(("/", "./", "../", "~")) or base.endswith(".gguf") or Path(base).exists()
+
 
 def _close(name: str, allowed: typing.Iterable[str]) -> str:
     match = difflib.get_close_matches(name, list(allowed), n=1)

@@ -11,6 +11,8 @@ import json
 import random
 from pathlib import Path
 
+from prefect import task
+
 from grpo_pipeline.config import DemoTaskConfig
 
 PROMPT = "What is {a} + {b}? Reply with just the number."
@@ -73,3 +75,8 @@ def write_splits(splits: dict[str, list[dict]], directory: Path) -> dict[str, Pa
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
         paths[split] = path
     return paths
+
+
+@task(name="demo-data")
+def demo_data_task(cfg: DemoTaskConfig, directory: Path) -> dict[str, Path]:
+    return write_splits(generate(cfg), directory)

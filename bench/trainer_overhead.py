@@ -1,0 +1,54 @@
+"""Benchmark: our trainer's step time against a plain TRL GRPOTrainer script, same model and settings.
+
+Goal: ratio <= 1.0 (the pipeline's trainer adds no overhead). Both run the demo model with the demo
+config's GRPO settings for a few steps, alternating, and report HF's own `train_runtime`.
+
+    python -m bench.trainer_overhead [--steps 6] [--repeats 2] [--tiny]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from bench.harness import compare
+from grpo_pipeline.config import load_config
+from tasks.demo_task import generate, write_splits
+from tasks.model import create_random_model, ensure_demo_model
+from tasks.train import build_job_spec
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--tiny", action="store_true", help="a tiny random model instead of SmolLM2-135M")
+    args = parser.parse_args()
+
+    cfg = load_config(ROOT / "configs" / "demo-cpu.yaml", [f"train.grpo.max_steps={args.steps}",
+                                                           f"train.checkpoint_every={max(1, args.steps // 2)}"])
+    work = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
+    model = create_random_model(work / "tiny") if args.tiny else ensure_demo_model(cfg.data_dir / "models")
+    splits = write_splits(generate(cfg.data.demo), work / "data")
+    spec = build_job_spec(cfg, str(model), splits, work / "run", mlflow_run_id=None)
+    spec = spec.model_copy(update={"mlflow_tracking_uri": None})  # the baseline logs nowhere either
+    spec_path = spec.write(work / "job.json")
+    compare(
+        "trainer_overhead" + ("_tiny" if args.tiny else ""),
+        baseline=[sys.executable, str(ROOT / "bench" / "plain_trl.py"), "--spec", str(spec_path)],
+        candidate=[sys.executable, "-m", "trainer", "--spec", str(spec_path)],
+        metric="metrics.train_runtime",
+        repeats=args.repeats,
+        before_each=lambda: shutil.rmtree(work / "run", ignore_errors=True),
+        model=str(model),
+        steps=args.steps,
+    )
+
+
+if __name__ == "__main__":
+    main()

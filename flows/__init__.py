@@ -1,0 +1,1 @@
+"""Prefect flows only; the work lives in tasks/."""

@@ -1,0 +1,104 @@
+"""`grpo-pipeline`: run the pipeline, show the resolved configuration.
+
+Exit codes (for CI): 0 completed; 1 the pipeline failed; 2 the configuration or an input is invalid
+(unknown key, wrong type, missing model, unreachable or unwritable checkpoint store).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from grpo_pipeline.config import ConfigError, load_config
+
+EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo-cpu.yaml"
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="GRPO fine-tuning pipeline.")
+err = Console(stderr=True, soft_wrap=True)
+
+ConfigOpt = Annotated[
+    Optional[Path], typer.Option("--config", "-c", help="pipeline YAML; default: configs/demo-cpu.yaml")
+]
+SetOpt = Annotated[
+    Optional[list[str]], typer.Option("--set", help="override, e.g. --set train.grpo.max_steps=20 (repeatable)")
+]
+
+
+def _config_path(config: Path | None) -> Path:
+    if config is not None:
+        return config
+    if not DEFAULT_CONFIG.is_file():
+        err.print(f"[red]no --config given and the demo config {DEFAULT_CONFIG} is missing; pass --config PATH")
+        raise typer.Exit(EXIT_CONFIG)
+    return DEFAULT_CONFIG
+
+
+def _load(config: Path | None, overrides: list[str] | None):
+    path = _config_path(config)
+    try:
+        return path, load_config(path, overrides or [])
+    except ConfigError as exc:
+        err.print(f"[red]{exc}")
+        raise typer.Exit(EXIT_CONFIG) from None
+
+
+@app.command()
+def run(
+    config: ConfigOpt = None,
+    overrides: SetOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print a machine-readable summary on stdout")] = False,
+) -> None:
+    """Run the pipeline (the CPU demo by default) and print base and trained holdout reward."""
+    path, _ = _load(config, overrides)
+    from flows.pipeline import grpo_pipeline  # heavy imports only once the config is known to be good
+    from tasks.model import ModelNotFound
+    from trainer.checkpoints import CheckpointStoreError
+
+    try:
+        summary = grpo_pipeline(config_path=str(path), overrides=list(overrides or []))
+    except (ModelNotFound, CheckpointStoreError) as exc:
+        _fail(as_json, str(exc), EXIT_CONFIG)
+    except Exception as exc:  # the flow's own log has the traceback
+        _fail(as_json, f"{type(exc).__name__}: {exc}", EXIT_FAILED)
+    if as_json:
+        print(json.dumps(summary, indent=2))
+        return
+    holdout = summary["holdout"]
+    table = Table(title=f"holdout ({holdout['n']} prompts, greedy)")
+    table.add_column("metric")
+    table.add_column("base", justify="right")
+    table.add_column("trained", justify="right")
+    table.add_row("reward (sum)", f"{holdout['base_reward']:.3f}", f"{holdout['trained_reward']:.3f}")
+    for name in holdout["base"]:
+        table.add_row(name, f"{holdout['base'][name]:.3f}", f"{holdout['trained'][name]:.3f}")
+    Console().print(table)
+    Console().print(f"adapter: {summary['train']['adapter_dir']}   MLflow run: {summary['mlflow']['run_id']}")
+
+
+def _fail(as_json: bool, message: str, code: int) -> None:
+    if as_json:
+        print(json.dumps({"status": "failed", "error": message, "exit_code": code}))
+    err.print(f"[red]{message}")
+    raise typer.Exit(code)
+
+
+@app.command("config")
+def show_config(config: ConfigOpt = None, overrides: SetOpt = None) -> None:
+    """Print the resolved configuration (defaults + YAML + --set) as JSON."""
+    _, cfg = _load(config, overrides)
+    print(cfg.model_dump_json(indent=2))
+
+
+def main() -> None:  # pragma: no cover - `python -m grpo_pipeline.cli`
+    sys.exit(app())
+
+
+if __name__ == "__main__":
+    main()

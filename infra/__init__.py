@@ -1,0 +1,1 @@
+"""Launchers and the local service stack."""

@@ -1,0 +1,85 @@
+"""Run a training job as a local subprocess, with a managed job's recovery rule.
+
+A SkyPilot managed job relaunches after a preemption or an error until it is done or out of restarts,
+and the trainer resumes from its newest complete checkpoint; this launcher does the same on one machine.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import subprocess
+import sys
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from trainer.spec import JobSpec, TrainResult
+
+log = logging.getLogger(__name__)
+NOT_RETRYABLE = {2}  # a bad spec fails the same way every time
+
+
+class TrainingFailed(RuntimeError):
+    pass
+
+
+@dataclass
+class LocalHandle:
+    spec: JobSpec
+    spec_path: Path
+    process: subprocess.Popen
+    restarts: int = 0
+    cancelled: bool = False
+    tail: deque = field(default_factory=lambda: deque(maxlen=30))
+
+
+class LocalLauncher:
+    def __init__(self, max_restarts: int = 3, on_line=None):
+        self.max_restarts = max_restarts
+        self.on_line = on_line or (lambda line: log.info("trainer: %s", line))
+
+    def _start(self, spec_path: Path) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-m", "trainer", "--spec", str(spec_path)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+        )
+
+    def launch(self, spec: JobSpec) -> LocalHandle:
+        spec_path = spec.write(Path(spec.work_dir) / "job.json")
+        return LocalHandle(spec, spec_path, self._start(spec_path))
+
+    def wait(self, handle: LocalHandle) -> TrainResult:
+        log_path = Path(handle.spec.work_dir) / "trainer.log"
+        while True:
+            with log_path.open("a") as log_file:
+                for line in handle.process.stdout:
+                    log_file.write(line)
+                    handle.tail.append(line.rstrip())
+                    self.on_line(line.rstrip())
+            code = handle.process.wait()
+            if code == 0:
+                result = TrainResult.model_validate_json((Path(handle.spec.work_dir) / "result.json").read_text())
+                return result.model_copy(update={"restarts": handle.restarts})
+            if handle.cancelled:
+                raise TrainingFailed("training was cancelled")
+            if code in NOT_RETRYABLE or handle.restarts >= self.max_restarts:
+                raise TrainingFailed(
+                    f"trainer exited with code {code} after {handle.restarts} restart(s); log: {log_path}\n"
+                    + "\n".join(handle.tail)
+                )
+            handle.restarts += 1
+            log.warning("trainer exited with code %d; relaunching (%d/%d)", code, handle.restarts, self.max_restarts)
+            handle.process = self._start(handle.spec_path)
+
+    def cancel(self, handle: LocalHandle, grace_s: float = 60) -> None:
+        """SIGTERM lets the trainer checkpoint; SIGKILL after the grace period."""
+        handle.cancelled = True
+        handle.process.send_signal(signal.SIGTERM)
+        try:
+            handle.process.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            handle.process.kill()

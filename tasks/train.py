@@ -1,0 +1,78 @@
+"""Training stage: turn the pipeline config into a job spec (pure), then run it through a launcher."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import ast
+
+from prefect import task
+
+from grpo_pipeline.config import PipelineConfig
+from infra.launch import LocalLauncher
+from trainer.checkpoints import open_store
+from trainer.spec import JobSpec, TrainResult
+
+SHOWN_METRICS = ("reward", "reward_std", "loss", "completions/mean_length", "step_time")
+
+
+def preflight(cfg: PipelineConfig) -> None:
+    """Fail before any work is done when the configured checkpoint store cannot be written."""
+    if cfg.train.checkpoint_uri:
+        open_store(cfg.train.checkpoint_uri, cfg.train.s3_endpoint_url).check()
+
+
+def progress_line(line: str) -> str | None:
+    """A short summary of one of HF's per-step log dicts; None for any other trainer output.
+
+    >>> progress_line("{'loss': 0.5, 'reward': 0.25, 'step_time': 9.87, 'epoch': 0.01}")
+    'loss=0.5 reward=0.25 step_time=9.87'
+    """
+    if not line.startswith("{'loss'"):
+        return None
+    try:
+        logs = ast.literal_eval(line)
+    except (ValueError, SyntaxError):
+        return None
+    return " ".join(f"{k}={logs[k]:.4g}" for k in SHOWN_METRICS if k in logs)
+
+
+def build_job_spec(
+    cfg: PipelineConfig, model_path: str, splits: dict[str, Path], run_dir: Path, mlflow_run_id: str | None
+) -> JobSpec:
+    """Everything the trainer needs, with paths made absolute so the job can run from anywhere."""
+    run_dir = run_dir.resolve()
+    return JobSpec(
+        model_path=model_path,
+        model=cfg.model,
+        train=cfg.train,
+        train_file=str(Path(splits["train"]).resolve()),
+        val_file=str(Path(splits["val"]).resolve()) if cfg.train.early_stopping_patience else None,
+        work_dir=str(run_dir / "train"),
+        checkpoint_uri=cfg.train.checkpoint_uri or str(run_dir / "checkpoints"),
+        adapter_dir=str(run_dir / "adapter"),
+        mlflow_tracking_uri=cfg.mlflow_uri,
+        mlflow_experiment=cfg.tracking.experiment,
+        mlflow_run_id=mlflow_run_id,
+    )
+
+
+@task(name="train")
+def train_task(spec: JobSpec) -> TrainResult:
+    from prefect.logging import get_run_logger
+
+    logger = get_run_logger()
+
+    def show(line: str) -> None:
+        if summary := progress_line(line):
+            logger.info(summary)
+
+    launcher = LocalLauncher(spec.train.max_restarts, on_line=show)
+    handle = launcher.launch(spec)
+    try:
+        return launcher.wait(handle)
+    except BaseException:
+        # A cancelled flow run (or Ctrl-C) must not leave the trainer running on its own.
+        if handle.process.poll() is None:
+            launcher.cancel(handle)
+        raise

@@ -1,0 +1,83 @@
+"""The pipeline flow under Prefect (ephemeral server) through the CLI, as a CI job would call it."""
+
+import json
+import os
+import subprocess
+import sys
+
+import mlflow
+import pytest
+import yaml
+
+pytestmark = pytest.mark.integration
+
+
+def _cli(*args, cwd, prefect_home):
+    env = {**os.environ, "PREFECT_HOME": str(prefect_home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    return subprocess.run([sys.executable, "-m", "grpo_pipeline.cli", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=900)
+
+
+@pytest.fixture
+def tiny_yaml(tmp_path, tiny_model):
+    cfg = {
+        "data_dir": str(tmp_path / "data"),
+        "data": {"demo": {"max_operand": 9, "n_train": 32, "n_val": 4, "n_holdout": 6}},
+        "model": {"base": str(tiny_model)},
+        "train": {
+            "checkpoint_every": 1,
+            "grpo": {"max_steps": 2, "num_generations": 4, "per_device_train_batch_size": 4,
+                     "max_completion_length": 6, "logging_steps": 1},
+            "lora": {"r": 4, "target_modules": "all-linear"},
+        },
+        "evaluate": {"max_new_tokens": 6, "batch_size": 4},
+    }
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_run_json_summary_and_mlflow_lineage(tmp_path, tiny_yaml):
+    proc = _cli("run", "--config", str(tiny_yaml), "--json", cwd=tmp_path, prefect_home=tmp_path / "prefect")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = json.loads(proc.stdout)
+    holdout = summary["holdout"]
+    assert holdout["n"] == 6
+    assert {"base_reward", "trained_reward"} <= holdout.keys()
+    assert summary["train"]["global_step"] == 2
+
+    client = mlflow.MlflowClient(summary["mlflow"]["tracking_uri"])
+    parent = summary["mlflow"]["run_id"]
+    children = client.search_runs([summary["mlflow"]["experiment_id"]],
+                                  filter_string=f"tags.mlflow.parentRunId = '{parent}'")
+    by_name = {r.info.run_name: r for r in children}
+    assert set(by_name) == {"data", "model", "evaluate-base", "train", "evaluate-candidate"}
+    train = by_name["train"]
+    assert train.data.params["max_steps"] == "2"
+    assert "reward" in train.data.metrics
+    assert [f.path for f in client.list_artifacts(train.info.run_id, "adapter")]
+    assert client.get_run(parent).data.metrics["holdout/trained_reward"] == pytest.approx(holdout["trained_reward"])
+    assert "summary.json" in [f.path for f in client.list_artifacts(parent)]
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("train.grpo.lerning_rate=1", "did you mean 'learning_rate'"),
+        ("model.base=/no/such/model", "/no/such/model does not exist"),
+    ],
+)
+def test_bad_input_exits_2_and_writes_nothing(tmp_path, tiny_yaml, override, message):
+    proc = _cli("run", "--config", str(tiny_yaml), "--set", override, cwd=tmp_path, prefect_home=tmp_path / "p")
+    assert proc.returncode == 2
+    assert message in proc.stderr
+    assert not (tmp_path / "data").exists()
+
+
+def test_unreachable_s3_store_fails_before_any_work(tmp_path, tiny_yaml):
+    proc = _cli("run", "--config", str(tiny_yaml), "--json", "--set", "train.checkpoint_uri=s3://ckpt/run",
+                "--set", "train.s3_endpoint_url=http://127.0.0.1:9", cwd=tmp_path, prefect_home=tmp_path / "p")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.splitlines()[-1])["status"] == "failed"
+    assert "cannot write to s3://ckpt/run at http://127.0.0.1:9" in proc.stderr
+    assert not (tmp_path / "data" / "runs").exists()

@@ -1,0 +1,120 @@
+"""The trainer on a tiny random Llama: real GRPO steps, real checkpoints, real process kills."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import mlflow
+import pytest
+
+from trainer.checkpoints import MANIFEST, LocalStore
+from trainer.spec import JobSpec, TrainResult
+
+pytestmark = pytest.mark.integration
+
+
+def _spec(tmp_path, tiny_model, tiny_splits, cfg, **extra) -> JobSpec:
+    return JobSpec(
+        model_path=str(tiny_model),
+        model=cfg.model,
+        train=cfg.train,
+        train_file=str(tiny_splits["train"]),
+        val_file=str(tiny_splits["val"]),
+        work_dir=str(tmp_path / "work"),
+        checkpoint_uri=str(tmp_path / "ckpt"),
+        adapter_dir=str(tmp_path / "adapter"),
+        **extra,
+    )
+
+
+def _run_trainer(spec: JobSpec, tmp_path) -> subprocess.Popen:
+    path = spec.write(tmp_path / "job.json")
+    return subprocess.Popen([sys.executable, "-m", "trainer", "--spec", str(path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_trains_logs_to_mlflow_and_saves_a_loadable_adapter(tmp_path, tiny_model, tiny_splits, tiny_config):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from trainer.train import run
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = tiny_config("train.grpo.max_steps=3", "train.checkpoint_every=2")
+    result = run(_spec(tmp_path, tiny_model, tiny_splits, cfg, mlflow_tracking_uri=uri))
+
+    assert (result.global_step, result.resumed_from_step, result.interrupted) == (3, None, False)
+    assert LocalStore(tmp_path / "ckpt").complete_steps() == [2, 3]
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), result.adapter_dir)
+    assert any("lora_A" in name for name, _ in model.named_parameters())
+
+    client = mlflow.MlflowClient(uri)
+    run_ = client.get_run(result.mlflow_run_id)
+    assert run_.data.params["learning_rate"] == "0.001"
+    assert len(client.get_metric_history(run_.info.run_id, "reward")) == 3
+    assert "adapter/adapter_model.safetensors" in [
+        f.path for f in client.list_artifacts(run_.info.run_id, "adapter")
+    ]
+
+
+def test_sigkill_then_rerun_resumes_from_the_last_complete_checkpoint(tmp_path, tiny_model, tiny_splits, tiny_config):
+    cfg = tiny_config("train.grpo.max_steps=40", "train.checkpoint_every=4", "train.keep_checkpoints=2")
+    spec = _spec(tmp_path, tiny_model, tiny_splits, cfg)
+    store = LocalStore(spec.checkpoint_uri)
+    proc = _run_trainer(spec, tmp_path)
+    deadline = time.monotonic() + 240
+    while not store.complete_steps() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)  # no chance to clean up: a hard preemption
+    proc.wait()
+    steps = store.complete_steps()
+    assert steps and steps[-1] < 40, "the kill should land mid-run"
+
+    proc = _run_trainer(spec, tmp_path)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-3000:]
+    result = TrainResult.model_validate_json((tmp_path / "work" / "result.json").read_text())
+    assert result.resumed_from_step == steps[-1]
+    assert result.global_step == 40
+    state = json.loads((tmp_path / "ckpt" / "checkpoint-40" / "trainer_state.json").read_text())
+    assert state["global_step"] == 40
+
+
+def test_resume_skips_a_checkpoint_whose_manifest_is_missing(tmp_path, tiny_model, tiny_splits, tiny_config):
+    from trainer.train import run
+
+    cfg = tiny_config("train.grpo.max_steps=4", "train.checkpoint_every=2")
+    spec = _spec(tmp_path, tiny_model, tiny_splits, cfg)
+    run(spec)
+    (tmp_path / "ckpt" / "checkpoint-4" / MANIFEST).unlink()  # cut off before its manifest landed
+    result = run(spec)
+    assert result.resumed_from_step == 2
+    assert result.global_step == 4
+
+
+def test_sigterm_checkpoints_and_exits_with_the_retry_code(tmp_path, tiny_model, tiny_splits, tiny_config):
+    from trainer.train import EXIT_INTERRUPTED
+
+    cfg = tiny_config("train.grpo.max_steps=400", "train.checkpoint_every=1000")
+    spec = _spec(tmp_path, tiny_model, tiny_splits, cfg)
+    proc = _run_trainer(spec, tmp_path)
+    log = tmp_path / "work" / "hf"
+    deadline = time.monotonic() + 240
+    while not log.exists() and time.monotonic() < deadline:  # the trainer is in its loop
+        time.sleep(0.05)
+    time.sleep(2)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == EXIT_INTERRUPTED, out[-3000:]
+    steps = LocalStore(spec.checkpoint_uri).complete_steps()
+    assert len(steps) == 1 and 0 < steps[0] < 400
+
+
+def test_bad_spec_exits_2(tmp_path):
+    (tmp_path / "job.json").write_text('{"model_path": 1}')
+    proc = subprocess.run([sys.executable, "-m", "trainer", "--spec", str(tmp_path / "job.json")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "bad job spec" in proc.stderr

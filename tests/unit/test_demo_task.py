@@ -1,0 +1,25 @@
+from grpo_pipeline.config import DemoTaskConfig
+from tasks.demo_task import generate, split_of
+from tasks.evaluate import score
+
+
+def test_growing_the_task_never_moves_a_question_between_splits():
+    small = {(a, b): split_of(f"{a}+{b}") for a in range(10) for b in range(10)}
+    grown = {(a, b): split_of(f"{a}+{b}") for a in range(30) for b in range(30)}
+    assert all(grown[k] == v for k, v in small.items())
+
+
+def test_generation_is_deterministic_and_disjoint():
+    cfg = DemoTaskConfig(max_operand=20, n_train=100, n_val=8, n_holdout=40)
+    first, second = generate(cfg), generate(cfg)
+    assert first == second
+    keys = {s: {r["key"] for r in rows} for s, rows in first.items()}
+    assert not keys["train"] & keys["holdout"] and not keys["val"] & keys["holdout"]
+    assert all(r["answer"] == str(eval(r["key"])) for r in first["holdout"])
+
+
+def test_score_sums_rewards_per_sample():
+    rows = [{"answer": "7", "key": "3+4"}, {"answer": "9", "key": "4+5"}]
+    result = score(rows, ["7", "4 + 5 = 9"], ["correct_answer", "number_only"])
+    assert [r["total"] for r in result.rows] == [2.0, 0.0]
+    assert result.reward == 1.0 and result.per_reward == {"correct_answer": 0.5, "number_only": 0.5}
