@@ -26,7 +26,7 @@ def progress_line(line: str) -> str | None:
     """A short summary of one of HF's per-step log dicts; None for any other trainer output.
 
     >>> progress_line("{'loss': 0.5, 'reward': 0.25, 'step_time': 9.87, 'epoch': 0.01}")
-    'loss=0.5 reward=0.25 step_time=9.87'
+    'reward=0.25 loss=0.5 step_time=9.87'
     """
     if not line.startswith("{'loss'"):
         return None

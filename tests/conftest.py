@@ -40,3 +40,12 @@ def tiny_config():
         return load_config(None, [*TINY_TRAIN, *overrides])
 
     return make
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint(tmp_path_factory):
+    """A real S3 API (SeaweedFS) on loopback with a bucket named `ckpt`."""
+    from tests.services import seaweedfs_s3
+
+    with seaweedfs_s3(tmp_path_factory.mktemp("seaweedfs"), bucket="ckpt") as endpoint:
+        yield endpoint

@@ -32,6 +32,8 @@ def grpo_args(spec: JobSpec, output_dir: Path, report_to: list[str]):
         user.setdefault("metric_for_best_model", "reward")
         user.setdefault("greater_is_better", True)
         user.setdefault("per_device_eval_batch_size", user.get("num_generations", 8))
+        # The patience counter lives in the checkpoint; a resumed job must not start it afresh.
+        user.setdefault("restore_callback_states_from_checkpoint", True)
     return GRPOConfig(
         output_dir=str(output_dir),
         save_strategy="steps",

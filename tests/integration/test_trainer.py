@@ -118,3 +118,14 @@ def test_bad_spec_exits_2(tmp_path):
                           capture_output=True, text=True)
     assert proc.returncode == 2
     assert "bad job spec" in proc.stderr
+
+
+def test_early_stopping_on_validation_reward(tmp_path, tiny_model, tiny_splits, tiny_config):
+    from trainer.train import run
+
+    # A random tiny model never improves its validation reward: patience 1 stops at the second evaluation.
+    cfg = tiny_config("train.grpo.max_steps=50", "train.checkpoint_every=2", "train.early_stopping_patience=1")
+    result = run(_spec(tmp_path, tiny_model, tiny_splits, cfg))
+    assert result.stopped_early
+    assert result.global_step == 4
+    assert result.adapter_dir is not None
