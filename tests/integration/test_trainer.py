@@ -129,3 +129,21 @@ def test_early_stopping_on_validation_reward(tmp_path, tiny_model, tiny_splits, 
     assert result.stopped_early
     assert result.global_step == 4
     assert result.adapter_dir is not None
+
+
+def test_qlora_nf4_base_trains_and_resumes(tmp_path, tiny_model, tiny_splits, tiny_config):
+    """bitsandbytes 4-bit loading and LoRA backward run on the CPU, so QLoRA is tested here too."""
+    import bitsandbytes as bnb
+
+    from trainer.loading import load_model
+    from trainer.train import run
+
+    cfg = tiny_config("model.quantization=nf4", "model.double_quant=true",
+                      "train.grpo.max_steps=2", "train.checkpoint_every=1")
+    model, _ = load_model(str(tiny_model), cfg.model)
+    assert any(isinstance(m, bnb.nn.Linear4bit) for m in model.modules())
+    first = run(_spec(tmp_path, tiny_model, tiny_splits, cfg))
+    assert first.global_step == 2
+    longer = cfg.model_copy(update={"train": cfg.train.model_copy(update={"grpo": {**cfg.train.grpo, "max_steps": 3}})})
+    second = run(_spec(tmp_path, tiny_model, tiny_splits, longer))
+    assert (second.resumed_from_step, second.global_step) == (2, 3)
