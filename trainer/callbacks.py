@@ -11,7 +11,8 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from trainer.checkpoints import Store, prune
+from trainer.checkpoints import Store, checkpoint_name, prune
+from trainer.tracking import CommittedMetrics
 
 log = logging.getLogger(__name__)
 
@@ -31,15 +32,18 @@ def _link_or_copy(src: str, dst: str) -> None:
 
 
 class CheckpointSync(TrainerCallback):
-    """After HF writes `checkpoint-N`, upload it (manifest last) on a background thread and prune old ones."""
+    """After HF writes `checkpoint-N`, upload it (manifest last) on a background thread, then log the
+    metrics it covers to MLflow, then prune old checkpoints."""
 
-    def __init__(self, store: Store, keep: int, staging: Path):
-        self.store, self.keep, self.staging = store, keep, staging
+    def __init__(self, store: Store, keep: int, staging: Path, metrics: CommittedMetrics | None = None):
+        self.store, self.keep, self.staging, self.metrics = store, keep, staging, metrics
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-upload")
         self._pending: list[Future] = []
 
-    def _upload(self, snapshot: Path, step: int) -> None:
-        self.store.put(snapshot, step)
+    def _upload(self, snapshot: Path, step: int, entries: list) -> None:
+        self.store.put(snapshot, checkpoint_name(step), step)
+        if self.metrics:
+            self.metrics.commit(entries)
         prune(self.store, self.keep)
         shutil.rmtree(snapshot, ignore_errors=True)
         log.info("checkpoint %d complete in %r", step, self.store)
@@ -47,8 +51,11 @@ class CheckpointSync(TrainerCallback):
     def on_save(self, args, state, control, **kwargs):
         self.raise_failures()
         step = state.global_step
-        snapshot = _snapshot(Path(args.output_dir) / f"checkpoint-{step}", self.staging / f"checkpoint-{step}")
-        self._pending.append(self._pool.submit(self._upload, snapshot, step))
+        name = checkpoint_name(step)
+        snapshot = _snapshot(Path(args.output_dir) / name, self.staging / name)
+        entries = self.metrics.take(step) if self.metrics else []
+        CommittedMetrics.write(entries, snapshot)
+        self._pending.append(self._pool.submit(self._upload, snapshot, step, entries))
 
     def raise_failures(self) -> None:
         for future in [f for f in self._pending if f.done()]:

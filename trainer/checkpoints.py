@@ -1,7 +1,8 @@
 """Checkpoint store: a local directory or an `s3://bucket/prefix`, where a checkpoint counts once its manifest is in.
 
-Layout: `<root>/checkpoint-<step>/<files...>` and `<root>/checkpoint-<step>/manifest.json`, the manifest
-written last. A checkpoint cut off by a preemption has no manifest and is never resumed from.
+Layout: `<root>/<entry>/<files...>` and `<root>/<entry>/manifest.json`, the manifest written last; an
+entry is `checkpoint-<step>` or `final` (the finished adapter and the job's result). An entry cut off by a
+preemption has no manifest and is never used.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 MANIFEST = "manifest.json"
+FINAL = "final"
 _STEP = re.compile(r"checkpoint-(\d+)/" + re.escape(MANIFEST) + "$")
 
 
@@ -47,6 +49,10 @@ def steps_with_manifest(keys: list[str]) -> list[int]:
     return sorted(int(m.group(1)) for k in keys if (m := _STEP.search(k)))
 
 
+def checkpoint_name(step: int) -> str:
+    return f"checkpoint-{step}"
+
+
 class LocalStore:
     def __init__(self, root: str | Path):
         self.root = Path(root).expanduser()
@@ -68,9 +74,12 @@ class LocalStore:
             return []
         return steps_with_manifest([p.relative_to(self.root).as_posix() for p in self.root.glob(f"checkpoint-*/{MANIFEST}")])
 
-    def put(self, local_dir: Path, step: int) -> None:
+    def has(self, name: str) -> bool:
+        return (self.root / name / MANIFEST).is_file()
+
+    def put(self, local_dir: Path, name: str, step: int) -> None:
         manifest = build_manifest(local_dir, step)
-        dest = self.root / f"checkpoint-{step}"
+        dest = self.root / name
         shutil.rmtree(dest, ignore_errors=True)
         for name in manifest["files"]:
             (dest / name).parent.mkdir(parents=True, exist_ok=True)
@@ -79,13 +88,13 @@ class LocalStore:
         tmp.write_text(json.dumps(manifest, indent=1))
         os.replace(tmp, dest / MANIFEST)  # atomic: the manifest is there whole or not at all
 
-    def fetch(self, step: int, scratch: Path) -> Path:
-        directory = self.root / f"checkpoint-{step}"
+    def fetch(self, name: str, scratch: Path) -> Path:
+        directory = self.root / name
         verify(directory, json.loads((directory / MANIFEST).read_text()))
         return directory
 
-    def delete(self, step: int) -> None:
-        directory = self.root / f"checkpoint-{step}"
+    def delete(self, name: str) -> None:
+        directory = self.root / name
         (directory / MANIFEST).unlink(missing_ok=True)  # first: it stops counting before files go
         shutil.rmtree(directory, ignore_errors=True)
 
@@ -103,7 +112,8 @@ class S3Store:
             import boto3
             from botocore.config import Config
 
-            client = boto3.client(
+            # A session of its own: boto3's default session caches credentials for the process's lifetime.
+            client = boto3.session.Session().client(
                 "s3",
                 endpoint_url=endpoint_url,
                 config=Config(connect_timeout=5, read_timeout=60, retries={"max_attempts": 3, "mode": "standard"}),
@@ -142,27 +152,29 @@ class S3Store:
         keys = self._keys(base + "/" if base else "")
         return steps_with_manifest([k.removeprefix(base + "/") if base else k for k in keys])
 
-    def put(self, local_dir: Path, step: int) -> None:
-        manifest = build_manifest(local_dir, step)
-        for name in manifest["files"]:
-            self.s3.upload_file(str(local_dir / name), self.bucket, self._key(f"checkpoint-{step}", name))
-        body = json.dumps(manifest, indent=1).encode()
-        self.s3.put_object(Bucket=self.bucket, Key=self._key(f"checkpoint-{step}", MANIFEST), Body=body)
+    def has(self, name: str) -> bool:
+        return bool(self._keys(self._key(name, MANIFEST)))
 
-    def fetch(self, step: int, scratch: Path) -> Path:
-        directory = scratch / f"checkpoint-{step}"
+    def put(self, local_dir: Path, name: str, step: int) -> None:
+        manifest = build_manifest(local_dir, step)
+        for file in manifest["files"]:
+            self.s3.upload_file(str(local_dir / file), self.bucket, self._key(name, file))
+        body = json.dumps(manifest, indent=1).encode()
+        self.s3.put_object(Bucket=self.bucket, Key=self._key(name, MANIFEST), Body=body)
+
+    def fetch(self, name: str, scratch: Path) -> Path:
+        directory = scratch / name
         shutil.rmtree(directory, ignore_errors=True)
-        raw = self.s3.get_object(Bucket=self.bucket, Key=self._key(f"checkpoint-{step}", MANIFEST))["Body"].read()
-        manifest = json.loads(raw)
-        for name in manifest["files"]:
-            (directory / name).parent.mkdir(parents=True, exist_ok=True)
-            self.s3.download_file(self.bucket, self._key(f"checkpoint-{step}", name), str(directory / name))
+        manifest = json.loads(self.s3.get_object(Bucket=self.bucket, Key=self._key(name, MANIFEST))["Body"].read())
+        for file in manifest["files"]:
+            (directory / file).parent.mkdir(parents=True, exist_ok=True)
+            self.s3.download_file(self.bucket, self._key(name, file), str(directory / file))
         verify(directory, manifest)
         return directory
 
-    def delete(self, step: int) -> None:
-        self.s3.delete_object(Bucket=self.bucket, Key=self._key(f"checkpoint-{step}", MANIFEST))
-        for key in self._keys(self._key(f"checkpoint-{step}") + "/"):
+    def delete(self, name: str) -> None:
+        self.s3.delete_object(Bucket=self.bucket, Key=self._key(name, MANIFEST))
+        for key in self._keys(self._key(name) + "/"):
             self.s3.delete_object(Bucket=self.bucket, Key=key)
 
 
@@ -181,4 +193,4 @@ def open_store(uri: str, endpoint_url: str | None = None) -> Store:
 def prune(store: Store, keep: int) -> None:
     """Delete all but the newest `keep` complete checkpoints."""
     for step in store.complete_steps()[:-keep]:
-        store.delete(step)
+        store.delete(checkpoint_name(step))

@@ -7,25 +7,27 @@ early stop), 75 interrupted by SIGTERM after a checkpoint (relaunch to resume), 
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import time
 from pathlib import Path
 
+from trainer.checkpoints import FINAL, MANIFEST, checkpoint_name, open_store
 from trainer.spec import JobSpec, TrainResult
+from trainer.tracking import METRICS_FILE, CommittedMetrics, numeric
 
 log = logging.getLogger(__name__)
 EXIT_INTERRUPTED = 75  # EX_TEMPFAIL: try again
+RESULT_FILE = "result.json"
 
 
-def grpo_args(spec: JobSpec, output_dir: Path, report_to: list[str]):
+def grpo_args(spec: JobSpec, output_dir: Path):
     """GRPOConfig from the spec: the user's passthrough fields plus what resume and the store require."""
     import torch
     from trl import GRPOConfig
 
     user = dict(spec.train.grpo)
     user.setdefault("bf16", torch.cuda.is_available() and torch.cuda.is_bf16_supported())
-    user.setdefault("report_to", report_to)
+    user.setdefault("report_to", [])  # MLflow is logged by CommittedMetrics, once per step across restarts
     if spec.train.early_stopping_patience:
         user.setdefault("eval_strategy", "steps")
         user.setdefault("eval_steps", spec.train.checkpoint_every)
@@ -47,18 +49,31 @@ def _ensure_mlflow_run(spec: JobSpec) -> str | None:
     """The run this job logs into: the launcher's (so a relaunch continues it) or a new one."""
     if not spec.mlflow_tracking_uri:
         return None
-    import mlflow
+    from mlflow import MlflowClient
 
-    os.environ["MLFLOW_TRACKING_URI"] = spec.mlflow_tracking_uri
-    os.environ["MLFLOW_EXPERIMENT_NAME"] = spec.mlflow_experiment
-    run_id = spec.mlflow_run_id
-    if run_id is None:
-        client = mlflow.MlflowClient(spec.mlflow_tracking_uri)
-        experiment = client.get_experiment_by_name(spec.mlflow_experiment)
-        exp_id = experiment.experiment_id if experiment else client.create_experiment(spec.mlflow_experiment)
-        run_id = client.create_run(exp_id, run_name="train").info.run_id
-    os.environ["MLFLOW_RUN_ID"] = run_id  # transformers' MLflowCallback resumes this run
-    return run_id
+    if spec.mlflow_run_id:
+        return spec.mlflow_run_id
+    client = MlflowClient(spec.mlflow_tracking_uri)
+    experiment = client.get_experiment_by_name(spec.mlflow_experiment)
+    exp_id = experiment.experiment_id if experiment else client.create_experiment(spec.mlflow_experiment)
+    return client.create_run(exp_id, run_name="train").info.run_id
+
+
+def _report(spec: JobSpec, result: TrainResult) -> TrainResult:
+    Path(spec.work_dir).mkdir(parents=True, exist_ok=True)
+    (Path(spec.work_dir) / "result.json").write_text(result.model_dump_json(indent=1))
+    return result
+
+
+def _already_finished(spec: JobSpec, store, metrics: CommittedMetrics | None) -> TrainResult:
+    """A relaunch after the job finished (killed between its last upload and its exit): report, don't retrain."""
+    final = store.fetch(FINAL, Path(spec.work_dir) / "fetched")
+    shutil.rmtree(spec.adapter_dir, ignore_errors=True)
+    shutil.copytree(final, spec.adapter_dir, ignore=shutil.ignore_patterns(RESULT_FILE, METRICS_FILE, MANIFEST))
+    if metrics:
+        metrics.commit(CommittedMetrics.read(final))
+    result = TrainResult.model_validate_json((final / RESULT_FILE).read_text())
+    return _report(spec, result.model_copy(update={"adapter_dir": spec.adapter_dir}))
 
 
 def run(spec: JobSpec) -> TrainResult:
@@ -68,7 +83,6 @@ def run(spec: JobSpec) -> TrainResult:
     from trl import GRPOTrainer
 
     from trainer.callbacks import CheckpointSync, StopOnSigterm
-    from trainer.checkpoints import open_store
     from trainer.loading import load_model
     from trainer.rewards import resolve_reward
 
@@ -77,18 +91,23 @@ def run(spec: JobSpec) -> TrainResult:
     work = Path(spec.work_dir)
     store = open_store(spec.checkpoint_uri, spec.train.s3_endpoint_url)
     store.check()
+    run_id = _ensure_mlflow_run(spec)
+    metrics = CommittedMetrics(spec.mlflow_tracking_uri, run_id) if run_id else None
+    if store.has(FINAL):
+        return _already_finished(spec, store, metrics)
     steps = store.complete_steps()
-    resume = store.fetch(steps[-1], work / "resume") if steps else None
+    resume = store.fetch(checkpoint_name(steps[-1]), work / "resume") if steps else None
     if resume:
         log.info("resuming from step %d in %r", steps[-1], store)
+        if metrics:  # in case the kill came between the checkpoint's manifest and its MLflow commit
+            metrics.commit(CommittedMetrics.read(resume))
 
-    run_id = _ensure_mlflow_run(spec)
-    args = grpo_args(spec, work / "hf", ["mlflow"] if run_id else [])
+    args = grpo_args(spec, work / "hf")
     model, tokenizer = load_model(spec.model_path, spec.model)
     train_ds = load_dataset("json", data_files=spec.train_file, split="train")
     val_ds = load_dataset("json", data_files=spec.val_file, split="train") if spec.val_file else None
-    sync = CheckpointSync(store, spec.train.keep_checkpoints, work / "staging")
-    callbacks = [sync, stop]
+    sync = CheckpointSync(store, spec.train.keep_checkpoints, work / "staging", metrics)
+    callbacks = [sync, stop] + ([metrics] if metrics else [])
     if spec.train.early_stopping_patience:
         if val_ds is None:
             raise ValueError("train.early_stopping_patience needs a validation split (val_file)")
@@ -109,28 +128,39 @@ def run(spec: JobSpec) -> TrainResult:
 
     state = trainer.state
     finished = state.global_step >= state.max_steps
-    adapter_dir = None
-    if not stop.received or finished:
-        adapter_dir = spec.adapter_dir
-        shutil.rmtree(adapter_dir, ignore_errors=True)
-        trainer.save_model(adapter_dir)
-        if run_id:
-            import mlflow
-
-            mlflow.MlflowClient(spec.mlflow_tracking_uri).log_artifacts(run_id, adapter_dir, "adapter")
+    interrupted = stop.received and not finished
     result = TrainResult(
-        adapter_dir=adapter_dir,
+        adapter_dir=None if interrupted else spec.adapter_dir,
         global_step=state.global_step,
         max_steps=state.max_steps,
         resumed_from_step=steps[-1] if resume else None,
-        interrupted=stop.received and not finished,
+        interrupted=interrupted,
         stopped_early=not stop.received and not finished,
         mlflow_run_id=run_id,
         train_runtime_s=time.monotonic() - started,
-        metrics={k: float(v) for k, v in output.metrics.items() if isinstance(v, int | float)},
+        metrics=numeric(output.metrics),
     )
-    (work / "result.json").write_text(result.model_dump_json(indent=1))
-    return result
+    if not interrupted:
+        _publish(spec, trainer, store, result, metrics)
+    return _report(spec, result)
+
+
+def _publish(spec: JobSpec, trainer, store, result: TrainResult, metrics: CommittedMetrics | None) -> None:
+    """Save the adapter, log it, and store it as the `final` entry (with the result and last metrics)."""
+    shutil.rmtree(spec.adapter_dir, ignore_errors=True)
+    trainer.save_model(spec.adapter_dir)
+    if metrics:
+        metrics.client.log_artifacts(result.mlflow_run_id, spec.adapter_dir, "adapter")
+    final = Path(spec.work_dir) / "final"
+    shutil.rmtree(final, ignore_errors=True)
+    shutil.copytree(spec.adapter_dir, final)
+    (final / RESULT_FILE).write_text(result.model_dump_json(indent=1))
+    tail = metrics.take() if metrics else []
+    CommittedMetrics.write(tail, final)
+    store.put(final, FINAL, result.global_step)
+    if metrics:
+        metrics.commit(tail)
+        metrics.client.set_terminated(result.mlflow_run_id)
 
 
 def main(spec_path: str) -> int:

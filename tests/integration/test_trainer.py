@@ -9,7 +9,7 @@ import time
 import mlflow
 import pytest
 
-from trainer.checkpoints import MANIFEST, LocalStore
+from trainer.checkpoints import FINAL, MANIFEST, LocalStore
 from trainer.spec import JobSpec, TrainResult
 
 pytestmark = pytest.mark.integration
@@ -88,7 +88,9 @@ def test_resume_skips_a_checkpoint_whose_manifest_is_missing(tmp_path, tiny_mode
     cfg = tiny_config("train.grpo.max_steps=4", "train.checkpoint_every=2")
     spec = _spec(tmp_path, tiny_model, tiny_splits, cfg)
     run(spec)
-    (tmp_path / "ckpt" / "checkpoint-4" / MANIFEST).unlink()  # cut off before its manifest landed
+    # As if killed while uploading checkpoint 4, before the final adapter was stored.
+    LocalStore(spec.checkpoint_uri).delete(FINAL)
+    (tmp_path / "ckpt" / "checkpoint-4" / MANIFEST).unlink()
     result = run(spec)
     assert result.resumed_from_step == 2
     assert result.global_step == 4
@@ -144,6 +146,7 @@ def test_qlora_nf4_base_trains_and_resumes(tmp_path, tiny_model, tiny_splits, ti
     assert any(isinstance(m, bnb.nn.Linear4bit) for m in model.modules())
     first = run(_spec(tmp_path, tiny_model, tiny_splits, cfg))
     assert first.global_step == 2
+    LocalStore(tmp_path / "ckpt").delete(FINAL)  # same store, longer job: resume instead of reporting done
     longer = cfg.model_copy(update={"train": cfg.train.model_copy(update={"grpo": {**cfg.train.grpo, "max_steps": 3}})})
     second = run(_spec(tmp_path, tiny_model, tiny_splits, longer))
     assert (second.resumed_from_step, second.global_step) == (2, 3)

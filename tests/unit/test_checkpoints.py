@@ -15,7 +15,7 @@ def _checkpoint(tmp_path, step, payload=b"weights"):
 
 def test_manifest_written_last_and_lists_every_file(tmp_path):
     store = LocalStore(tmp_path / "store")
-    store.put(_checkpoint(tmp_path, 2), 2)
+    store.put(_checkpoint(tmp_path, 2), f"checkpoint-{2}", 2)
     manifest = json.loads((tmp_path / "store" / "checkpoint-2" / MANIFEST).read_text())
     assert manifest["step"] == 2
     assert set(manifest["files"]) == {"adapter.bin", "sub/state.json"}
@@ -24,8 +24,8 @@ def test_manifest_written_last_and_lists_every_file(tmp_path):
 
 def test_checkpoint_without_manifest_is_skipped(tmp_path):
     store = LocalStore(tmp_path / "store")
-    store.put(_checkpoint(tmp_path, 2), 2)
-    store.put(_checkpoint(tmp_path, 4), 4)
+    store.put(_checkpoint(tmp_path, 2), f"checkpoint-{2}", 2)
+    store.put(_checkpoint(tmp_path, 4), f"checkpoint-{4}", 4)
     (tmp_path / "store" / "checkpoint-4" / MANIFEST).unlink()  # as if preempted mid-upload
     (tmp_path / "store" / "checkpoint-6").mkdir()
     assert store.complete_steps() == [2]
@@ -33,16 +33,16 @@ def test_checkpoint_without_manifest_is_skipped(tmp_path):
 
 def test_truncated_file_fails_verification(tmp_path):
     store = LocalStore(tmp_path / "store")
-    store.put(_checkpoint(tmp_path, 3), 3)
+    store.put(_checkpoint(tmp_path, 3), f"checkpoint-{3}", 3)
     (tmp_path / "store" / "checkpoint-3" / "adapter.bin").write_bytes(b"x")
     with pytest.raises(CheckpointStoreError, match="missing or truncated"):
-        store.fetch(3, tmp_path / "scratch")
+        store.fetch("checkpoint-3", tmp_path / "scratch")
 
 
 def test_prune_keeps_newest(tmp_path):
     store = LocalStore(tmp_path / "store")
     for step in (1, 2, 3, 4):
-        store.put(_checkpoint(tmp_path, step), step)
+        store.put(_checkpoint(tmp_path, step), f"checkpoint-{step}", step)
     prune(store, keep=2)
     assert store.complete_steps() == [3, 4]
     assert not (tmp_path / "store" / "checkpoint-1").exists()
