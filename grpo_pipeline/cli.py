@@ -1,7 +1,7 @@
 """`grpo-pipeline`: run the pipeline, show the resolved configuration.
 
 Exit codes (for CI): 0 completed; 1 the pipeline failed; 2 the configuration or an input is invalid
-(unknown key, wrong type, missing model, unreachable or unwritable checkpoint store).
+(unknown key, wrong type, missing model, unreachable or unwritable checkpoint store, no SkyPilot cloud).
 """
 
 from __future__ import annotations
@@ -62,12 +62,13 @@ def run(
     # writer ("database is locked") on a fresh PREFECT_HOME; the pipeline needs no telemetry.
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     from flows.pipeline import grpo_pipeline  # heavy imports only once the config is known to be good
+    from infra.launch.skypilot import SkyPreflightError
     from tasks.model import ModelNotFound
     from trainer.checkpoints import CheckpointStoreError
 
     try:
         summary = grpo_pipeline(config_path=str(path), overrides=list(overrides or []))
-    except (ModelNotFound, CheckpointStoreError) as exc:
+    except (ModelNotFound, CheckpointStoreError, SkyPreflightError) as exc:
         _fail(as_json, str(exc), EXIT_CONFIG)
     except Exception as exc:  # the flow's own log has the traceback
         _fail(as_json, f"{type(exc).__name__}: {exc}", EXIT_FAILED)

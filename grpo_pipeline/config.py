@@ -105,6 +105,17 @@ def _check_passthrough(values: dict[str, Any], cls_path: str, owned: set[str]) -
     return values
 
 
+class SkyConfig(StrictModel):
+    """How `train.launcher=sky` launches the trainer as a SkyPilot managed job."""
+
+    task_yaml: str = Field("sky/train.yaml", description="SkyPilot task YAML, relative to the project root")
+    accelerators: list[str] | None = Field(
+        None, description="ordered GPU candidates, e.g. ['H100:1', 'A100-80GB:1']; default: the YAML's list"
+    )
+    use_spot: bool = Field(True, description="spot instances: 60-80% cheaper, preemptions resumed from checkpoints")
+    poll_seconds: float = Field(30, gt=0, description="how often the job's state is read")
+
+
 # Fields of GRPOConfig that the trainer derives from the spec; letting YAML set them would break resume.
 GRPO_OWNED = {"output_dir", "save_strategy", "save_steps", "save_total_limit", "resume_from_checkpoint"}
 
@@ -124,7 +135,11 @@ class TrainConfig(StrictModel):
     early_stopping_patience: int | None = Field(
         None, ge=1, description="stop after this many evaluations without a better validation reward"
     )
-    max_restarts: int = Field(3, ge=0, description="relaunches after an abnormal trainer exit")
+    max_restarts: int = Field(3, ge=0, description="relaunches after an abnormal trainer exit (not preemptions)")
+    launcher: Literal["local", "sky"] = Field(
+        "local", description="local: a subprocess here; sky: a SkyPilot managed job on spot GPUs"
+    )
+    sky: SkyConfig = SkyConfig()
     s3_endpoint_url: str | None = Field(None, description="S3-compatible endpoint (MinIO, SeaweedFS); AWS when unset")
 
     @field_validator("grpo")

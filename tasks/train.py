@@ -9,7 +9,7 @@ import ast
 from prefect import task
 
 from grpo_pipeline.config import PipelineConfig
-from infra.launch import LocalLauncher
+from infra.launch import LocalLauncher, TrainingFailed
 from trainer.checkpoints import open_store
 from trainer.spec import JobSpec, TrainResult
 
@@ -17,8 +17,12 @@ SHOWN_METRICS = ("reward", "reward_std", "loss", "completions/mean_length", "ste
 
 
 def preflight(cfg: PipelineConfig) -> None:
-    """Fail before any work is done when the configured checkpoint store cannot be written."""
-    if cfg.train.checkpoint_uri:
+    """Fail before any work is done when the checkpoint store, or SkyPilot, cannot do what the run needs."""
+    if cfg.train.launcher == "sky":
+        from infra.launch.skypilot import preflight as sky_preflight
+
+        sky_preflight(cfg)
+    elif cfg.train.checkpoint_uri:
         open_store(cfg.train.checkpoint_uri, cfg.train.s3_endpoint_url).check()
 
 
@@ -67,12 +71,18 @@ def train_task(spec: JobSpec) -> TrainResult:
         if summary := progress_line(line):
             logger.info(summary)
 
-    launcher = LocalLauncher(spec.train.max_restarts, on_line=show)
+    if spec.train.launcher == "sky":
+        from infra.launch.skypilot import SkyLauncher
+
+        launcher = SkyLauncher(spec.train.sky, spec.train.max_restarts, on_status=logger.info)
+    else:
+        launcher = LocalLauncher(spec.train.max_restarts, on_line=show)
     handle = launcher.launch(spec)
     try:
         return launcher.wait(handle)
+    except TrainingFailed:
+        raise
     except BaseException:
-        # A cancelled flow run (or Ctrl-C) must not leave the trainer running on its own.
-        if handle.process.poll() is None:
-            launcher.cancel(handle)
+        # A cancelled flow run (or Ctrl-C) must not leave the trainer running, or a GPU rented, on its own.
+        launcher.cancel(handle)
         raise

@@ -45,7 +45,7 @@ def tiny_config():
 @pytest.fixture(scope="session")
 def s3_endpoint(tmp_path_factory):
     """A real S3 API (SeaweedFS) on loopback with a bucket named `ckpt`."""
-    from tests.services import seaweedfs_s3
+    from infra.services import seaweedfs_s3
 
     with seaweedfs_s3(tmp_path_factory.mktemp("seaweedfs"), bucket="ckpt") as endpoint:
         yield endpoint

@@ -46,4 +46,5 @@ class TrainResult(BaseModel):
     mlflow_run_id: str | None
     train_runtime_s: float
     metrics: dict[str, float]
-    restarts: int = 0  # filled by the launcher
+    restarts: int = 0  # filled by the launcher: relaunches after a preemption or an error
+    gpu_hours: float | None = None  # filled by launchers that rent GPUs

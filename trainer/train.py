@@ -65,15 +65,22 @@ def _report(spec: JobSpec, result: TrainResult) -> TrainResult:
     return result
 
 
-def _already_finished(spec: JobSpec, store, metrics: CommittedMetrics | None) -> TrainResult:
-    """A relaunch after the job finished (killed between its last upload and its exit): report, don't retrain."""
+def collect_final(spec: JobSpec, store=None) -> tuple[TrainResult, Path]:
+    """The finished job's result, with its adapter copied from the store's `final` entry to `adapter_dir`."""
+    store = store or open_store(spec.checkpoint_uri, spec.train.s3_endpoint_url)
     final = store.fetch(FINAL, Path(spec.work_dir) / "fetched")
     shutil.rmtree(spec.adapter_dir, ignore_errors=True)
     shutil.copytree(final, spec.adapter_dir, ignore=shutil.ignore_patterns(RESULT_FILE, METRICS_FILE, MANIFEST))
+    result = TrainResult.model_validate_json((final / RESULT_FILE).read_text())
+    return result.model_copy(update={"adapter_dir": spec.adapter_dir}), final
+
+
+def _already_finished(spec: JobSpec, store, metrics: CommittedMetrics | None) -> TrainResult:
+    """A relaunch after the job finished (killed between its last upload and its exit): report, don't retrain."""
+    result, final = collect_final(spec, store)
     if metrics:
         metrics.commit(CommittedMetrics.read(final))
-    result = TrainResult.model_validate_json((final / RESULT_FILE).read_text())
-    return _report(spec, result.model_copy(update={"adapter_dir": spec.adapter_dir}))
+    return _report(spec, result)
 
 
 def run(spec: JobSpec) -> TrainResult:

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import mlflow
 import pytest
@@ -12,8 +13,8 @@ import yaml
 pytestmark = pytest.mark.integration
 
 
-def _cli(*args, cwd, prefect_home):
-    env = {**os.environ, "PREFECT_HOME": str(prefect_home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+def _cli(*args, cwd, prefect_home, extra_env=None):
+    env = {**os.environ, "PREFECT_HOME": str(prefect_home), **(extra_env or {})}
     return subprocess.run([sys.executable, "-m", "grpo_pipeline.cli", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=900)
 
@@ -81,3 +82,19 @@ def test_unreachable_s3_store_fails_before_any_work(tmp_path, tiny_yaml):
     assert json.loads(proc.stdout.splitlines()[-1])["status"] == "failed"
     assert "cannot write to s3://ckpt/run at http://127.0.0.1:9" in proc.stderr
     assert not (tmp_path / "data" / "runs").exists()
+
+
+def test_sky_launcher_without_a_cloud_stops_at_preflight(tmp_path, tiny_yaml, s3_endpoint):
+    home = tmp_path / "home"  # SkyPilot keeps its state and API server under ~/.sky: keep them out of $HOME
+    env = {"HOME": str(home)}
+    try:
+        proc = _cli("run", "--config", str(tiny_yaml), "--set", "train.launcher=sky",
+                    "--set", "train.checkpoint_uri=s3://ckpt/sky", "--set", f"train.s3_endpoint_url={s3_endpoint}",
+                    "--set", "tracking.mlflow_tracking_uri=http://127.0.0.1:9", cwd=tmp_path,
+                    prefect_home=tmp_path / "p", extra_env=env)
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        assert "SkyPilot has no cloud enabled: run `sky check`" in proc.stderr
+        assert not (tmp_path / "data" / "runs").exists()
+    finally:
+        subprocess.run([str(Path(sys.executable).parent / "sky"), "api", "stop"], env={**os.environ, **env},
+                       capture_output=True, timeout=120)

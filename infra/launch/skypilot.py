@@ -1,0 +1,188 @@
+"""Launch the trainer as a SkyPilot managed job on spot GPUs, follow it, collect its adapter from the store.
+
+SkyPilot recovers a preempted job (relaunching it, another region first); the trainer resumes from its
+newest complete checkpoint in S3. Turning a job spec into a `sky.Task` is a pure function
+(`task_config`), so tests inspect exactly what would be launched without a cloud.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from grpo_pipeline.config import PipelineConfig, SkyConfig
+from infra.launch.local import TrainingFailed
+from trainer.checkpoints import CheckpointStoreError, open_store
+from trainer.spec import JobSpec, TrainResult
+from trainer.train import collect_final
+
+log = logging.getLogger(__name__)
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+NODE_JOB_DIR = "/grpo/job"  # where sky/*.yaml mounts JOB_DIR
+NODE_MODEL_DIR = "/grpo/model"
+NODE_WORK_DIR = "/tmp/grpo-work"  # node-local scratch; everything that matters goes to the store
+TERMINAL_OK = {"SUCCEEDED"}
+TERMINAL_BAD = {"CANCELLED", "FAILED", "FAILED_SETUP", "FAILED_PRECHECKS", "FAILED_NO_RESOURCE", "FAILED_CONTROLLER"}
+
+
+class SkyPreflightError(RuntimeError):
+    pass
+
+
+def node_spec(spec: JobSpec) -> JobSpec:
+    """The same job with the paths it has on the GPU node.
+
+    >>> from grpo_pipeline.config import ModelConfig, TrainConfig
+    >>> s = JobSpec(model_path="Qwen/Qwen2.5-7B-Instruct", model=ModelConfig(), train=TrainConfig(),
+    ...             train_file="/x/train.jsonl", work_dir="/x/w", checkpoint_uri="s3://b/r", adapter_dir="/x/a")
+    >>> node_spec(s).train_file, node_spec(s).model_path
+    ('/grpo/job/data/train.jsonl', 'Qwen/Qwen2.5-7B-Instruct')
+    """
+    local_model = Path(spec.model_path).is_dir()
+    return spec.model_copy(
+        update={
+            "model_path": NODE_MODEL_DIR if local_model else spec.model_path,
+            "train_file": f"{NODE_JOB_DIR}/data/train.jsonl",
+            "val_file": f"{NODE_JOB_DIR}/data/val.jsonl" if spec.val_file else None,
+            "work_dir": NODE_WORK_DIR,
+            "adapter_dir": f"{NODE_WORK_DIR}/adapter",
+        }
+    )
+
+
+def write_job_dir(spec: JobSpec, job_dir: Path) -> Path:
+    """The folder SkyPilot uploads to the node: the node's job.json and the data files."""
+    shutil.rmtree(job_dir, ignore_errors=True)
+    (job_dir / "data").mkdir(parents=True)
+    shutil.copy2(spec.train_file, job_dir / "data" / "train.jsonl")
+    if spec.val_file:
+        shutil.copy2(spec.val_file, job_dir / "data" / "val.jsonl")
+    node_spec(spec).write(job_dir / "job.json")
+    return job_dir
+
+
+def task_config(base: dict[str, Any], spec: JobSpec, job_dir: Path, sky_cfg: SkyConfig, max_restarts: int) -> dict:
+    """The task YAML with this job filled in: job folder, local model mount, GPU candidates, spot, recovery."""
+    config = yaml.safe_load(yaml.safe_dump(base))  # a deep copy
+    config.setdefault("envs", {})["JOB_DIR"] = str(job_dir.resolve())
+    config["workdir"] = str(PROJECT_ROOT)
+    if Path(spec.model_path).is_dir():
+        config.setdefault("file_mounts", {})[NODE_MODEL_DIR] = str(Path(spec.model_path).resolve())
+    resources = config.setdefault("resources", {})
+    if sky_cfg.accelerators:
+        resources.pop("any_of", None)
+        resources["ordered"] = [{"accelerators": a} for a in sky_cfg.accelerators]
+    resources["use_spot"] = sky_cfg.use_spot
+    recovery = resources.setdefault("job_recovery", {})
+    recovery["max_restarts_on_errors"] = max_restarts
+    return config
+
+
+def build_task(spec: JobSpec, job_dir: Path, sky_cfg: SkyConfig, max_restarts: int, environ: dict[str, str]):
+    """A `sky.Task`, validated by SkyPilot's own parser; declared secrets come from `environ`."""
+    import sky
+
+    base = yaml.safe_load((PROJECT_ROOT / sky_cfg.task_yaml).read_text())
+    config = task_config(base, spec, job_dir, sky_cfg, max_restarts)
+    secrets = [(k, environ[k]) for k in (config.get("secrets") or {}) if environ.get(k)]
+    return sky.Task.from_yaml_config(config, secrets_overrides=secrets)
+
+
+def preflight(cfg: PipelineConfig) -> None:
+    """Everything a managed job needs, checked before anything is launched, each failure naming its fix."""
+    uri = cfg.train.checkpoint_uri or ""
+    if not uri.startswith("s3://"):
+        raise SkyPreflightError(
+            "train.launcher=sky needs checkpoints a spot node can reach: set train.checkpoint_uri=s3://bucket/prefix"
+        )
+    if not cfg.mlflow_uri.startswith(("http://", "https://", "databricks")):
+        raise SkyPreflightError(
+            f"train.launcher=sky needs an MLflow server the node can reach, not {cfg.mlflow_uri}: "
+            "set tracking.mlflow_tracking_uri=http(s)://..."
+        )
+    try:
+        open_store(uri, cfg.train.s3_endpoint_url).check()
+    except CheckpointStoreError as exc:
+        raise SkyPreflightError(str(exc)) from None
+    from sky.client import sdk
+
+    sdk.get(sdk.check(None, verbose=False))  # refreshes credentials; starts a local API server if none
+    if not sdk.get(sdk.enabled_clouds()):
+        raise SkyPreflightError(
+            "SkyPilot has no cloud enabled: run `sky check` and follow its hints (cloud credentials, "
+            "or a Kubernetes context), or use train.launcher=local"
+        )
+
+
+@dataclass
+class SkyHandle:
+    spec: JobSpec
+    job_id: int
+
+
+class SkyLauncher:
+    def __init__(self, sky_cfg: SkyConfig, max_restarts: int, on_status=None):
+        self.sky_cfg, self.max_restarts = sky_cfg, max_restarts
+        self.on_status = on_status or (lambda msg: log.info(msg))
+
+    def launch(self, spec: JobSpec) -> SkyHandle:
+        import os
+
+        import sky
+
+        job_dir = write_job_dir(spec, Path(spec.work_dir) / "sky-job")
+        task = build_task(spec, job_dir, self.sky_cfg, self.max_restarts, dict(os.environ))
+        job_ids, _ = sky.stream_and_get(sky.jobs.launch(task, name=f"grpo-{Path(spec.work_dir).parent.name}"))
+        self.on_status(f"managed job {job_ids[0]} submitted")
+        return SkyHandle(spec, job_ids[0])
+
+    def _record(self, job_id: int):
+        import sky
+
+        records = sky.get(sky.jobs.queue(refresh=False, job_ids=[job_id]))
+        records = records[0] if isinstance(records, tuple) else records
+        return records[0]
+
+    def wait(self, handle: SkyHandle) -> TrainResult:
+        last = None
+        while True:
+            record = self._record(handle.job_id)
+            status = getattr(record.status, "value", str(record.status))
+            if status != last:
+                self.on_status(f"managed job {handle.job_id}: {status} (recoveries: {record.recovery_count})")
+                last = status
+            if status in TERMINAL_OK | TERMINAL_BAD:
+                break
+            time.sleep(self.sky_cfg.poll_seconds)
+        if status in TERMINAL_BAD:
+            raise TrainingFailed(
+                f"managed job {handle.job_id} ended {status}: {record.failure_reason or ''}\n{self._tail(handle)}"
+            )
+        gpus = sum(int(a) for a in (record.accelerators or {}).values()) or 1
+        result, _ = collect_final(handle.spec)
+        return result.model_copy(
+            update={"restarts": record.recovery_count or 0, "gpu_hours": (record.job_duration or 0) / 3600 * gpus}
+        )
+
+    def _tail(self, handle: SkyHandle, lines: int = 40) -> str:
+        import sky
+
+        out = io.StringIO()
+        try:
+            sky.jobs.tail_logs(job_id=handle.job_id, follow=False, tail=lines, output_stream=out)
+        except Exception as exc:  # the logs are a courtesy; the failure reason is already in the message
+            return f"(logs unavailable: {exc})"
+        return out.getvalue()
+
+    def cancel(self, handle: SkyHandle) -> None:
+        import sky
+
+        sky.get(sky.jobs.cancel(job_ids=[handle.job_id]))
+        self.on_status(f"managed job {handle.job_id} cancelled")

@@ -1,0 +1,77 @@
+"""SkyPilot task YAMLs and the spec -> sky.Task conversion, checked with SkyPilot's own parser."""
+
+from pathlib import Path
+
+import pytest
+import sky
+import yaml
+
+from grpo_pipeline.config import ModelConfig, SkyConfig, TrainConfig
+from infra.launch.skypilot import PROJECT_ROOT, build_task, node_spec, write_job_dir
+from trainer.spec import JobSpec
+
+
+@pytest.mark.parametrize("path", sorted((PROJECT_ROOT / "sky").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_sky_yaml_parses_and_runs_the_trainer(path):
+    task = sky.Task.from_yaml(str(path))
+    assert all(r.use_spot for r in task.resources)
+    assert "python -m trainer --spec /grpo/job/job.json" in task.run
+    assert path.read_text().startswith("# "), "each YAML starts with what it is for"
+    assert "sky jobs launch sky/" in path.read_text()
+
+
+def _spec(tmp_path, model_path):
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"prompt": "1+1", "answer": "2"}\n')
+    return JobSpec(model_path=str(model_path), model=ModelConfig(), train=TrainConfig(), train_file=str(data),
+                   work_dir=str(tmp_path / "w"), checkpoint_uri="s3://bucket/run", adapter_dir=str(tmp_path / "a"),
+                   mlflow_tracking_uri="http://mlflow:5000", mlflow_run_id="abc")
+
+
+def test_spec_to_task_sets_spot_recovery_mounts_envs_and_secrets(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    spec = _spec(tmp_path, model)
+    job_dir = write_job_dir(spec, tmp_path / "job")
+    cfg = SkyConfig(accelerators=["A100-80GB:1", "L40S:1"])
+    task = build_task(spec, job_dir, cfg, max_restarts=5, environ={"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"})
+
+    assert [dict(r.accelerators) for r in task.resources] == [{"A100-80GB": 1}, {"L40S": 1}]
+    assert all(r.use_spot and r.job_recovery["max_restarts_on_errors"] == 5 for r in task.resources)
+    assert all(r.job_recovery["recover_on_exit_codes"] == [75] for r in task.resources)
+    assert task.envs["JOB_DIR"] == str(job_dir.resolve())
+    assert task.file_mounts == {"/grpo/job": str(job_dir.resolve()), "/grpo/model": str(model.resolve())}
+    assert {k: v.get_secret_value() for k, v in task.secrets.items()} == {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"}
+
+    shipped = JobSpec.read(job_dir / "job.json")
+    assert shipped.model_path == "/grpo/model" and shipped.train_file == "/grpo/job/data/train.jsonl"
+    assert shipped.mlflow_run_id == "abc"  # a recovered job continues the same MLflow run
+    assert (job_dir / "data" / "train.jsonl").read_text() == Path(spec.train_file).read_text()
+
+
+def test_on_demand_and_hub_model(tmp_path):
+    spec = _spec(tmp_path, "Qwen/Qwen2.5-7B-Instruct")
+    task = build_task(spec, write_job_dir(spec, tmp_path / "job"), SkyConfig(use_spot=False), 3, environ={})
+    assert not any(r.use_spot for r in task.resources)
+    assert "/grpo/model" not in task.file_mounts
+    assert node_spec(spec).model_path == "Qwen/Qwen2.5-7B-Instruct"
+    base = yaml.safe_load((PROJECT_ROOT / "sky" / "train.yaml").read_text())
+    assert [dict(r.accelerators) for r in task.resources] == [
+        {k: int(v)} for a in base["resources"]["ordered"] for k, v in [a["accelerators"].split(":")]
+    ]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["train.launcher=sky"], "set train.checkpoint_uri=s3://bucket/prefix"),
+        (["train.launcher=sky", "train.checkpoint_uri=s3://b/r"], "set tracking.mlflow_tracking_uri=http(s)://"),
+    ],
+)
+def test_preflight_names_what_a_managed_job_needs(overrides, message):
+    from grpo_pipeline.config import load_config
+    from infra.launch.skypilot import SkyPreflightError, preflight
+
+    with pytest.raises(SkyPreflightError) as err:
+        preflight(load_config(None, overrides))
+    assert message in str(err.value)
