@@ -28,6 +28,7 @@ e2e: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m bench.trainer_overhead
+	$(PY) -m bench.checkpoint_overhead
 
 clean:
 	rm -rf $(VENV) .grpo

@@ -169,9 +169,35 @@ class EvalConfig(StrictModel):
     batch_size: int = Field(32, ge=1)
 
 
+class PromotionPolicy(StrictModel):
+    """When a candidate may replace the baseline (the champion, or the base model when there is none)."""
+
+    metric: str = Field("total", description="per-prompt column compared: 'total' (sum of rewards) or a reward name")
+    min_effect: float = Field(0.0, description="the confidence interval's lower bound must exceed this")
+    confidence: float = Field(0.95, gt=0.5, lt=1)
+    min_samples: int = Field(100, ge=1, description="fewer paired prompts than this adds a warning with the detectable effect")
+    guardrails: dict[str, float] = Field(
+        default_factory=lambda: {"length": 0.5},
+        description="column -> tolerated regression: a reward's drop, or 'length' as a relative increase",
+    )
+    reward_tolerance: float = Field(0.05, ge=0, description="tolerated drop of each reward not listed in guardrails")
+
+
+class MergeConfig(StrictModel):
+    """Merge the adapter into a full-precision copy of the base, for serving without PEFT."""
+
+    enabled: bool = Field(False, description="merged weights are as large as the base: off for the CPU demo")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="never 4-bit: merging into quantized weights loses the adapter's precision"
+    )
+    verify_prompts: int = Field(8, ge=1, description="holdout prompts whose logits must match base + adapter")
+    tolerance: float = Field(1e-3, gt=0, description="largest allowed |logit difference|, merged vs unmerged")
+
+
 class TrackingConfig(StrictModel):
     mlflow_tracking_uri: str | None = Field(None, description="default: sqlite file under data_dir")
     experiment: str = "grpo-pipeline"
+    registered_model: str = Field("grpo-adapter", description="MLflow registered model holding candidates and aliases")
 
 
 class PipelineConfig(StrictModel):
@@ -180,6 +206,8 @@ class PipelineConfig(StrictModel):
     model: ModelConfig = ModelConfig()
     train: TrainConfig = TrainConfig()
     evaluate: EvalConfig = EvalConfig()
+    merge: MergeConfig = MergeConfig()
+    promote: PromotionPolicy = PromotionPolicy()
     tracking: TrackingConfig = TrackingConfig()
 
     @property

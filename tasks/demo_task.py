@@ -77,6 +77,14 @@ def write_splits(splits: dict[str, list[dict]], directory: Path) -> dict[str, Pa
     return paths
 
 
+def fingerprint(splits: dict[str, Path]) -> str:
+    """A content hash over every split file, so a model version names exactly the data it saw."""
+    digest = hashlib.sha256()
+    for name in sorted(splits):
+        digest.update(name.encode() + b"\0" + Path(splits[name]).read_bytes())
+    return digest.hexdigest()[:16]
+
+
 @task(name="demo-data")
 def demo_data_task(cfg: DemoTaskConfig, directory: Path) -> dict[str, Path]:
     return write_splits(generate(cfg), directory)

@@ -29,10 +29,10 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
-def score(rows: list[dict], completions: list[str], rewards: list[str]) -> EvalResult:
-    """Score completions with each reward; pure, so it is tested without a model.
+def score(rows: list[dict], completions: list[str], rewards: list[str], lengths: list[int]) -> EvalResult:
+    """Score completions with each reward and keep their token lengths; pure, so it is tested without a model.
 
-    >>> r = score([{"answer": "3"}, {"answer": "5"}], ["3", "five"], ["correct_answer"])
+    >>> r = score([{"answer": "3"}, {"answer": "5"}], ["3", "five"], ["correct_answer"], [1, 1])
     >>> r.reward, r.per_reward
     (0.5, {'correct_answer': 0.5})
     """
@@ -41,7 +41,13 @@ def score(rows: list[dict], completions: list[str], rewards: list[str]) -> EvalR
     out_rows = []
     for i, row in enumerate(rows):
         scores = {name: per_sample[name][i] for name in rewards}
-        out_rows.append({"key": row.get("key", i), "completion": completions[i], **scores, "total": sum(scores.values())})
+        out_rows.append({
+            "key": row.get("key", i),
+            "completion": completions[i],
+            **scores,
+            "total": sum(scores.values()),
+            "length": lengths[i],
+        })
     return EvalResult(
         reward=statistics.fmean(r["total"] for r in out_rows) if out_rows else 0.0,
         per_reward={name: statistics.fmean(per_sample[name]) for name in rewards} if out_rows else {},
@@ -50,8 +56,10 @@ def score(rows: list[dict], completions: list[str], rewards: list[str]) -> EvalR
     )
 
 
-def generate(model, tokenizer, prompts: list, max_new_tokens: int, batch_size: int, label: str = "") -> list[str]:
-    """Greedy completions for chat prompts, in batches, with a progress bar."""
+def generate(
+    model, tokenizer, prompts: list, max_new_tokens: int, batch_size: int, label: str = ""
+) -> tuple[list[str], list[int]]:
+    """Greedy completions for chat prompts and their lengths in tokens, in batches, with a progress bar."""
     import torch
     from rich.console import Console
     from rich.progress import Progress
@@ -59,6 +67,7 @@ def generate(model, tokenizer, prompts: list, max_new_tokens: int, batch_size: i
     tokenizer.padding_side = "left"  # decoder-only models continue from the right edge
     texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
     out: list[str] = []
+    lengths: list[int] = []
     with Progress(console=Console(stderr=True), transient=True) as progress, torch.inference_mode():
         bar = progress.add_task(f"evaluating {label}".strip(), total=len(texts))
         for start in range(0, len(texts), batch_size):
@@ -66,9 +75,11 @@ def generate(model, tokenizer, prompts: list, max_new_tokens: int, batch_size: i
             generated = model.generate(
                 **batch, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
             )
-            out += tokenizer.batch_decode(generated[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
+            new_tokens = generated[:, batch["input_ids"].shape[1] :]
+            out += tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
+            lengths += (new_tokens != tokenizer.pad_token_id).sum(dim=1).tolist()
             progress.advance(bar, len(batch["input_ids"]))
-    return out
+    return out, lengths
 
 
 def evaluate_model(
@@ -85,9 +96,10 @@ def evaluate_model(
     rows = read_jsonl(holdout)
     model, tokenizer = load_model(model_path, model_cfg, adapter=adapter)
     model.eval()
-    completions = generate(model, tokenizer, [r["prompt"] for r in rows], max_new_tokens, batch_size,
-                           label="candidate" if adapter else "base")
-    return score(rows, [completion_text(c) for c in completions], rewards)
+    completions, lengths = generate(
+        model, tokenizer, [r["prompt"] for r in rows], max_new_tokens, batch_size, label="candidate" if adapter else "base"
+    )
+    return score(rows, [completion_text(c) for c in completions], rewards, lengths)
 
 
 evaluate_task = task(evaluate_model, name="evaluate")

@@ -74,7 +74,7 @@ def train_task(spec: JobSpec) -> TrainResult:
     if spec.train.launcher == "sky":
         from infra.launch.skypilot import SkyLauncher
 
-        launcher = SkyLauncher(spec.train.sky, spec.train.max_restarts, on_status=logger.info)
+        launcher = SkyLauncher(spec.train.sky, spec.train.max_restarts, on_status=logger.info, on_line=show)
     else:
         launcher = LocalLauncher(spec.train.max_restarts, on_line=show)
     handle = launcher.launch(spec)

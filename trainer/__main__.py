@@ -1,10 +1,14 @@
 """`python -m trainer --spec job.json`: run one GRPO training job (see trainer/train.py for exit codes)."""
 
-import argparse
-import sys
+import time
 
-from trainer.train import main
+STARTED = time.monotonic()  # before the heavy imports: a restart's cost includes them
+
+import argparse  # noqa: E402
+import sys  # noqa: E402
+
+from trainer.train import main  # noqa: E402
 
 parser = argparse.ArgumentParser(prog="python -m trainer", description=__doc__)
 parser.add_argument("--spec", required=True, help="path to a JobSpec JSON file")
-sys.exit(main(parser.parse_args().spec))
+sys.exit(main(parser.parse_args().spec, STARTED))

@@ -6,6 +6,7 @@ import logging
 import os
 import shutil
 import signal
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -85,3 +86,14 @@ class StopOnSigterm(TrainerCallback):
             control.should_save = True
             control.should_training_stop = True
         return control
+
+
+class FirstStepTimer(TrainerCallback):
+    """Seconds from the job's start to its first completed step: what a (re)start costs before work resumes."""
+
+    def __init__(self, started: float):
+        self.started, self.seconds = started, None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.seconds is None:
+            self.seconds = time.monotonic() - self.started

@@ -45,6 +45,7 @@ class TrainResult(BaseModel):
     stopped_early: bool
     mlflow_run_id: str | None
     train_runtime_s: float
+    first_step_s: float | None = None  # job start to first completed step (model load, fetch, resume)
     metrics: dict[str, float]
     restarts: int = 0  # filled by the launcher: relaunches after a preemption or an error
     gpu_hours: float | None = None  # filled by launchers that rent GPUs

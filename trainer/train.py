@@ -83,17 +83,17 @@ def _already_finished(spec: JobSpec, store, metrics: CommittedMetrics | None) ->
     return _report(spec, result)
 
 
-def run(spec: JobSpec) -> TrainResult:
+def run(spec: JobSpec, started: float | None = None) -> TrainResult:
     from datasets import load_dataset
     from peft import LoraConfig
     from transformers import EarlyStoppingCallback
     from trl import GRPOTrainer
 
-    from trainer.callbacks import CheckpointSync, StopOnSigterm
+    from trainer.callbacks import CheckpointSync, FirstStepTimer, StopOnSigterm
     from trainer.loading import load_model
     from trainer.rewards import resolve_reward
 
-    started = time.monotonic()
+    started = started or time.monotonic()
     stop = StopOnSigterm()  # first: a SIGTERM during model loading must not kill the job uncleanly
     work = Path(spec.work_dir)
     store = open_store(spec.checkpoint_uri, spec.train.s3_endpoint_url)
@@ -114,7 +114,8 @@ def run(spec: JobSpec) -> TrainResult:
     train_ds = load_dataset("json", data_files=spec.train_file, split="train")
     val_ds = load_dataset("json", data_files=spec.val_file, split="train") if spec.val_file else None
     sync = CheckpointSync(store, spec.train.keep_checkpoints, work / "staging", metrics)
-    callbacks = [sync, stop] + ([metrics] if metrics else [])
+    timer = FirstStepTimer(started)
+    callbacks = [sync, stop, timer] + ([metrics] if metrics else [])
     if spec.train.early_stopping_patience:
         if val_ds is None:
             raise ValueError("train.early_stopping_patience needs a validation split (val_file)")
@@ -145,6 +146,7 @@ def run(spec: JobSpec) -> TrainResult:
         stopped_early=not stop.received and not finished,
         mlflow_run_id=run_id,
         train_runtime_s=time.monotonic() - started,
+        first_step_s=timer.seconds,
         metrics=numeric(output.metrics),
     )
     if not interrupted:
@@ -170,13 +172,13 @@ def _publish(spec: JobSpec, trainer, store, result: TrainResult, metrics: Commit
         metrics.client.set_terminated(result.mlflow_run_id)
 
 
-def main(spec_path: str) -> int:
+def main(spec_path: str, started: float | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         spec = JobSpec.read(Path(spec_path))
     except (OSError, ValueError) as exc:
         log.error("bad job spec %s: %s", spec_path, exc)
         return 2
-    result = run(spec)
+    result = run(spec, started)
     print(result.model_dump_json())  # last line of stdout: the result, for launchers and benchmarks
     return EXIT_INTERRUPTED if result.interrupted else 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import logging
 import shutil
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -127,10 +128,25 @@ class SkyHandle:
     job_id: int
 
 
+class _Lines(io.TextIOBase):
+    """A text stream that hands each complete line to a callback (for SkyPilot's log streaming)."""
+
+    def __init__(self, on_line):
+        self.on_line, self.buffer = on_line, ""
+
+    def write(self, text: str) -> int:
+        self.buffer += text
+        *lines, self.buffer = self.buffer.split("\n")
+        for line in lines:
+            self.on_line(line.rstrip("\r"))
+        return len(text)
+
+
 class SkyLauncher:
-    def __init__(self, sky_cfg: SkyConfig, max_restarts: int, on_status=None):
+    def __init__(self, sky_cfg: SkyConfig, max_restarts: int, on_status=None, on_line=None):
         self.sky_cfg, self.max_restarts = sky_cfg, max_restarts
         self.on_status = on_status or (lambda msg: log.info(msg))
+        self.on_line = on_line or (lambda line: log.debug("trainer: %s", line))
 
     def launch(self, spec: JobSpec) -> SkyHandle:
         import os
@@ -150,7 +166,16 @@ class SkyLauncher:
         records = records[0] if isinstance(records, tuple) else records
         return records[0]
 
+    def _stream_logs(self, handle: SkyHandle) -> None:
+        import sky
+
+        try:  # follows the job across recoveries until it ends
+            sky.jobs.tail_logs(job_id=handle.job_id, follow=True, output_stream=_Lines(self.on_line))
+        except Exception as exc:  # the state loop below still decides the outcome
+            log.warning("log streaming of managed job %d stopped: %s", handle.job_id, exc)
+
     def wait(self, handle: SkyHandle) -> TrainResult:
+        threading.Thread(target=self._stream_logs, args=(handle,), daemon=True).start()
         last = None
         while True:
             record = self._record(handle.job_id)

@@ -52,13 +52,47 @@ def test_run_json_summary_and_mlflow_lineage(tmp_path, tiny_yaml):
     children = client.search_runs([summary["mlflow"]["experiment_id"]],
                                   filter_string=f"tags.mlflow.parentRunId = '{parent}'")
     by_name = {r.info.run_name: r for r in children}
-    assert set(by_name) == {"data", "model", "evaluate-base", "train", "evaluate-candidate"}
+    assert set(by_name) == {"data", "model", "evaluate-base", "train", "evaluate-candidate", "decide"}
+    assert "decision.json" in [f.path for f in client.list_artifacts(by_name["decide"].info.run_id)]
     train = by_name["train"]
     assert train.data.params["max_steps"] == "2"
     assert "reward" in train.data.metrics
     assert [f.path for f in client.list_artifacts(train.info.run_id, "adapter")]
     assert client.get_run(parent).data.metrics["holdout/trained_reward"] == pytest.approx(holdout["trained_reward"])
-    assert "summary.json" in [f.path for f in client.list_artifacts(parent)]
+    assert {"summary.json", "report.md", "comparison.png"} <= {f.path for f in client.list_artifacts(parent)}
+    decision = summary["decision"]
+    assert decision["reasons"] and "total" in decision["stats"]
+    assert summary["registry"]["decided_against"] is None  # no champion yet: the base model is the baseline
+    alias = "champion" if decision["promote"] else "challenger"
+    assert summary["registry"]["aliases"][alias] == summary["registry"]["candidate_version"]
+
+
+def test_second_run_decides_against_the_champion_and_rollback_restores_it(tmp_path, tiny_yaml):
+    # A permissive policy, so the tiny random model's candidates are promoted and the aliases move.
+    lenient = ["--set", "promote.min_effect=-10", "--set", "promote.reward_tolerance=10",
+               "--set", "promote.guardrails={}"]
+    home = {"cwd": tmp_path, "prefect_home": tmp_path / "prefect"}
+    first = _cli("run", "--config", str(tiny_yaml), "--json", *lenient, **home)
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = _cli("run", "--config", str(tiny_yaml), "--json", "--fail-on-reject", *lenient, **home)
+    assert second.returncode == 0, second.stderr[-3000:]
+    v1 = json.loads(first.stdout)["registry"]["candidate_version"]
+    summary = json.loads(second.stdout)
+    assert summary["registry"]["decided_against"] == v1
+    assert "champion_reward" in summary["holdout"]
+    v2 = summary["registry"]["candidate_version"]
+    assert summary["registry"]["aliases"] == {"champion": v2, "challenger": None, "previous-champion": v1}
+
+    strict = _cli("run", "--config", str(tiny_yaml), "--json", "--fail-on-reject", "--set", "promote.min_effect=10",
+                  **home)
+    assert strict.returncode == 3, strict.stderr[-3000:]  # not promoted, and CI asked to fail on that
+    assert json.loads(strict.stdout)["decision"]["promote"] is False
+
+    rollback = _cli("rollback", "--config", str(tiny_yaml), "--reason", "regression seen in production", **home)
+    assert rollback.returncode == 0, rollback.stderr[-2000:]
+    status = _cli("registry", "--config", str(tiny_yaml), **home)
+    aliases = json.loads(status.stdout)
+    assert aliases["champion"] == v1 and aliases["previous-champion"] == v2
 
 
 @pytest.mark.parametrize(

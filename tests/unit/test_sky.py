@@ -75,3 +75,13 @@ def test_preflight_names_what_a_managed_job_needs(overrides, message):
     with pytest.raises(SkyPreflightError) as err:
         preflight(load_config(None, overrides))
     assert message in str(err.value)
+
+
+def test_streamed_log_text_reaches_the_callback_line_by_line():
+    from infra.launch.skypilot import _Lines
+
+    lines = []
+    stream = _Lines(lines.append)
+    stream.write("{'loss': 0.1}\n{'lo")
+    stream.write("ss': 0.2}\r\npartial")
+    assert lines == ["{'loss': 0.1}", "{'loss': 0.2}"]

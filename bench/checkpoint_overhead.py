@@ -1,0 +1,105 @@
+"""Benchmark: what surviving preemption costs, against a real S3 API (SeaweedFS on loopback).
+
+1. Step time with a checkpoint every step to S3 against no checkpoints at all.   Goal: ratio <= 1.10.
+2. Time from a restart to its first new step (fetch + resume) against a cold start. Goal: ratio <= 1.5.
+3. Seconds of work a preemption costs with the demo config's checkpoint interval (derived from 1 and 2).
+
+    python -m bench.checkpoint_overhead [--steps 6] [--repeats 2] [--tiny]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from bench.harness import RESULTS, compare
+from grpo_pipeline.config import load_config
+from infra.services import seaweedfs_s3
+from tasks.demo_task import generate, write_splits
+from tasks.model import create_random_model, ensure_demo_model
+from tasks.train import build_job_spec
+from trainer.checkpoints import FINAL, S3Store, checkpoint_name
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAINER = [sys.executable, "-m", "trainer", "--spec"]
+
+
+def _clear(store: S3Store) -> None:
+    for key in store._keys(store.prefix + "/"):
+        store.s3.delete_object(Bucket=store.bucket, Key=key)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--tiny", action="store_true", help="a tiny random model instead of SmolLM2-135M")
+    args = parser.parse_args()
+    demo = load_config(ROOT / "configs" / "demo-cpu.yaml")
+    work = Path(tempfile.mkdtemp(prefix="bench-ckpt-"))
+    model = create_random_model(work / "tiny") if args.tiny else ensure_demo_model(demo.data_dir / "models")
+    splits = write_splits(generate(demo.data.demo), work / "data")
+    suffix = "_tiny" if args.tiny else ""
+
+    with seaweedfs_s3(work / "s3", bucket="bench") as endpoint:
+
+        def spec_file(name: str, *overrides: str) -> tuple[Path, S3Store]:
+            cfg = load_config(ROOT / "configs" / "demo-cpu.yaml", [f"train.s3_endpoint_url={endpoint}", *overrides])
+            spec = build_job_spec(cfg, str(model), splits, work / name, mlflow_run_id=None)
+            spec = spec.model_copy(update={"mlflow_tracking_uri": None, "checkpoint_uri": f"s3://bench/{name}"})
+            return spec.write(work / f"{name}.json"), S3Store(spec.checkpoint_uri, endpoint_url=endpoint)
+
+        steps = f"train.grpo.max_steps={args.steps}"
+        none_path, none_store = spec_file("none", steps, "train.checkpoint_every=100000")
+        every_path, every_store = spec_file("every", steps, "train.checkpoint_every=1", "train.keep_checkpoints=2")
+        steady = compare(
+            "checkpoint_every_step_s3" + suffix,
+            baseline=[*TRAINER, str(none_path)],
+            candidate=[*TRAINER, str(every_path)],
+            metric="metrics.train_runtime",
+            repeats=args.repeats,
+            before_each=lambda: (_clear(none_store), _clear(every_store)),
+            steps=args.steps,
+            model=str(model),
+        )
+
+        three = ["train.grpo.max_steps=3", "train.checkpoint_every=1", "train.keep_checkpoints=3"]
+        cold_path, cold_store = spec_file("cold", *three)
+        warm_path, warm_store = spec_file("warm", *three)
+        subprocess.run([*TRAINER, str(warm_path)], check=True, capture_output=True)  # checkpoints 1..3
+
+        def reset() -> None:  # cold: an empty store; warm: checkpoints 1-2 in the store, so it resumes at 2
+            _clear(cold_store)
+            warm_store.delete(FINAL)
+            warm_store.delete(checkpoint_name(3))
+
+        restart = compare(
+            "restart_vs_cold_start" + suffix,
+            baseline=[*TRAINER, str(cold_path)],
+            candidate=[*TRAINER, str(warm_path)],
+            metric="first_step_s",
+            repeats=args.repeats,
+            before_each=reset,
+            model=str(model),
+        )
+
+    step_s = steady["median"]["baseline"] / args.steps
+    restart_extra_s = restart["median"]["candidate"] - step_s
+    interval = demo.train.checkpoint_every
+    lost = {
+        "checkpoint_every": interval,
+        "step_s": step_s,
+        "restart_to_first_step_s": restart["median"]["candidate"],
+        # on average a preemption lands mid-interval; then the restart loads, fetches and resumes
+        "expected_lost_s": interval / 2 * step_s + restart_extra_s,
+    }
+    (RESULTS / f"preemption_cost{suffix}.json").write_text(json.dumps(lost, indent=1))
+    print(f"[preemption_cost] {json.dumps(lost)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""The run's report: a Markdown summary of the A/B decision and a PNG of per-metric means with the interval."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def render_markdown(summary: dict) -> str:
+    """The decision, its reasons and the holdout numbers, as Markdown (MLflow artifact, Prefect artifact)."""
+    decision, holdout = summary["decision"], summary["holdout"]
+    verdict = "**promoted**" if decision["promote"] else "**not promoted**"
+    baseline = summary["registry"]["decided_against"] or "the base model"
+    lines = [
+        f"# GRPO run: candidate {verdict}",
+        "",
+        f"Candidate version {summary['registry']['candidate_version']} against {baseline}"
+        f" on {holdout['n']} holdout prompts (greedy).",
+        "",
+        "## Reasons",
+        *[f"- {reason}" for reason in decision["reasons"]],
+        "",
+        "## Holdout",
+        "",
+        "| metric | base | " + ("champion | " if holdout.get("champion") else "") + "candidate |",
+        "|---|---|" + ("---|" if holdout.get("champion") else "") + "---|",
+    ]
+    for name in holdout["trained"]:
+        champion = f"{holdout['champion'][name]:.3f} | " if holdout.get("champion") else ""
+        lines.append(f"| {name} | {holdout['base'][name]:.3f} | {champion}{holdout['trained'][name]:.3f} |")
+    lines += ["", f"Aliases after this run: {summary['registry']['aliases']}", ""]
+    return "\n".join(lines)
+
+
+def plot_comparison(summary: dict, path: Path) -> Path:
+    """Bars of baseline vs candidate per reward, and the primary difference with its interval."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on servers
+    import matplotlib.pyplot as plt
+
+    holdout, stats = summary["holdout"], summary["decision"]["stats"]
+    baseline = holdout.get("champion") or holdout["base"]
+    names = list(holdout["trained"])
+    fig, (bars, delta) = plt.subplots(1, 2, figsize=(9, 3.5), gridspec_kw={"width_ratios": [2, 1]})
+    xs = range(len(names))
+    bars.bar([x - 0.2 for x in xs], [baseline[n] for n in names], width=0.4, label="baseline")
+    bars.bar([x + 0.2 for x in xs], [holdout["trained"][n] for n in names], width=0.4, label="candidate")
+    bars.set_xticks(list(xs), names)
+    bars.set_ylabel("holdout mean")
+    bars.legend()
+    metric = next((k for k in stats if k != "guardrails"), None)
+    if metric:
+        s = stats[metric]
+        delta.errorbar([0], [s["mean_diff"]], yerr=[[s["mean_diff"] - s["ci_low"]], [s["ci_high"] - s["mean_diff"]]],
+                       fmt="o", capsize=8)
+        delta.axhline(0, color="grey", linewidth=0.8)
+        delta.set_xticks([0], [f"{metric}\ncandidate - baseline"])
+        delta.set_title("paired difference, 95% CI")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
