@@ -29,6 +29,7 @@ e2e: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m bench.trainer_overhead
 	$(PY) -m bench.checkpoint_overhead
+	$(PY) -m bench.eval_throughput
 
 clean:
 	rm -rf $(VENV) .grpo

@@ -29,12 +29,13 @@ from tasks.train import build_job_spec, preflight, train_task
 
 
 def _log_eval(result: EvalResult, name: str) -> None:
-    mlflow.log_metrics({"reward": result.reward, **{f"reward/{k}": v for k, v in result.per_reward.items()}})
+    mlflow.log_metrics({"reward": result.reward, **{f"reward/{k}": v for k, v in result.per_reward.items()},
+                        **result.metrics})
     columns = {k: [row[k] for row in result.rows] for k in result.rows[0]} if result.rows else {}
     mlflow.log_table(columns, artifact_file=f"{name}_samples.json")
 
 
-def _champion_eval(cfg: PipelineConfig, registry: Registry, version: str, holdout: Path, run_dir: Path, **kw):
+def _champion_eval(cfg: PipelineConfig, registry: Registry, version: str, holdout: Path, run_dir: Path):
     """Evaluate the current champion on the same holdout, on the base it was trained on."""
     mv = registry.client.get_model_version(registry.name, version)
     adapter = mlflow.artifacts.download_artifacts(artifact_uri=mv.source, dst_path=str(run_dir / "champion"))
@@ -42,7 +43,7 @@ def _champion_eval(cfg: PipelineConfig, registry: Registry, version: str, holdou
         update={"base": mv.tags.get("base_model", cfg.model.base), "quantization": mv.tags.get("quantization", "none")}
     )
     path = resolve_model_task(champion_model, cfg.data_dir / "models")
-    return evaluate_task(path, champion_model, holdout, cfg.train.rewards, adapter=adapter, **kw)
+    return evaluate_task(path, champion_model, holdout, cfg.train.rewards, cfg.evaluate, adapter=adapter)
 
 
 def _version_tags(cfg: PipelineConfig, splits: dict, result, parent_run_id: str) -> dict[str, str]:
@@ -63,7 +64,6 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
     exp_id = setup_tracking(cfg.mlflow_uri, cfg.tracking.experiment, cfg.data_dir / "mlartifacts")
     registry = Registry(mlflow.MlflowClient(cfg.mlflow_uri), cfg.tracking.registered_model)
     rewards = cfg.train.rewards
-    eval_kwargs = {"max_new_tokens": cfg.evaluate.max_new_tokens, "batch_size": cfg.evaluate.batch_size}
     with mlflow.start_run(run_name="grpo-pipeline") as parent:
         mlflow.log_dict(cfg.model_dump(mode="json"), "config.json")
         with mlflow.start_run(run_name="data", nested=True):
@@ -73,7 +73,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
             model_path = resolve_model_task(cfg.model, cfg.data_dir / "models")
             mlflow.log_params({"base": cfg.model.base, "path": model_path, "quantization": cfg.model.quantization})
         with mlflow.start_run(run_name="evaluate-base", nested=True):
-            base = evaluate_task(model_path, cfg.model, splits["holdout"], rewards, **eval_kwargs)
+            base = evaluate_task(model_path, cfg.model, splits["holdout"], rewards, cfg.evaluate)
             _log_eval(base, "base")
 
         train_run_id = create_child_run(exp_id, parent.info.run_id, "train")
@@ -81,14 +81,14 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
 
         with mlflow.start_run(run_name="evaluate-candidate", nested=True):
             trained = evaluate_task(
-                model_path, cfg.model, splits["holdout"], rewards, adapter=result.adapter_dir, **eval_kwargs
+                model_path, cfg.model, splits["holdout"], rewards, cfg.evaluate, adapter=result.adapter_dir
             )
             _log_eval(trained, "candidate")
         decided_against = registry.version_of(CHAMPION)  # the baseline: the champion, or the base model
         champion = None
         if decided_against:
             with mlflow.start_run(run_name="evaluate-champion", nested=True):
-                champion = _champion_eval(cfg, registry, decided_against, splits["holdout"], run_dir, **eval_kwargs)
+                champion = _champion_eval(cfg, registry, decided_against, splits["holdout"], run_dir)
                 _log_eval(champion, "champion")
 
         merged = None
@@ -123,10 +123,10 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
                 "base_reward": base.reward,
                 "trained_reward": trained.reward,
                 "gain": trained.reward - base.reward,
-                "base": base.per_reward,
-                "trained": trained.per_reward,
+                "base": base.per_reward | base.metrics,
+                "trained": trained.per_reward | trained.metrics,
             }
-            | ({"champion_reward": champion.reward, "champion": champion.per_reward} if champion else {}),
+            | ({"champion_reward": champion.reward, "champion": champion.per_reward | champion.metrics} if champion else {}),
             "train": result.model_dump(exclude={"metrics"}) | {"metrics": result.metrics},
             "merge": merged,
             "decision": decision.model_dump(),

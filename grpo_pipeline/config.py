@@ -166,7 +166,12 @@ class TrainConfig(StrictModel):
 
 class EvalConfig(StrictModel):
     max_new_tokens: int = Field(16, ge=1)
-    batch_size: int = Field(32, ge=1)
+    batch_size: int = Field(32, ge=1, description="prompts per generate() call; more = faster, more memory")
+    samples_k: int = Field(0, ge=0, description="sampled completions per prompt for pass@k; 0 = greedy only")
+    temperature: float = Field(0.8, gt=0, description="sampling temperature for pass@k")
+    seed: int = Field(0, description="sampling seed: the candidate and the champion draw alike")
+    accuracy_reward: str | None = Field("correct_answer", description="reward that says a completion is right")
+    format_reward: str | None = Field("number_only", description="reward that says a completion is well formed")
 
 
 class PromotionPolicy(StrictModel):

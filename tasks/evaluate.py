@@ -1,7 +1,8 @@
-"""Evaluation: greedy, batched generation on a holdout, scored by every reward, per sample.
+"""Evaluation: greedy, batched generation on a holdout, scored by every reward, per sample; plus pass@k
+from k sampled completions when `evaluate.samples_k` is set.
 
-The base model and the trained candidate see the same prompts with the same decoding, so their
-per-sample scores can be compared pairwise.
+The base model, the champion and the candidate see the same prompts with the same decoding and seed, so
+their per-sample scores can be compared pairwise.
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ from pydantic import BaseModel
 
 from trainer.loading import load_model
 from trainer.rewards import completion_text, resolve_reward
-from grpo_pipeline.config import ModelConfig
+from grpo_pipeline.config import EvalConfig, ModelConfig
 
 
 class EvalResult(BaseModel):
     reward: float  # mean over samples of the summed rewards, as GRPO sees them
     per_reward: dict[str, float]
+    metrics: dict[str, float] = {}  # accuracy, format_rate, mean_length, pass@k
     n: int
     rows: list[dict]
 
@@ -82,24 +84,66 @@ def generate(
     return out, lengths
 
 
+def summary_metrics(result: EvalResult, cfg: EvalConfig) -> dict[str, float]:
+    """Accuracy, format rate and mean length from the per-sample rows.
+
+    >>> rows = [{"correct_answer": 1.0, "number_only": 1.0, "length": 2}, {"correct_answer": 0.0, "number_only": 1.0, "length": 4}]
+    >>> summary_metrics(EvalResult(reward=0, per_reward={}, n=2, rows=rows), EvalConfig())
+    {'mean_length': 3.0, 'accuracy': 0.5, 'format_rate': 1.0}
+    """
+    out = {"mean_length": statistics.fmean(r["length"] for r in result.rows)} if result.rows else {}
+    for name, column in (("accuracy", cfg.accuracy_reward), ("format_rate", cfg.format_reward)):
+        if column and result.rows and column in result.rows[0]:
+            out[name] = statistics.fmean(r[column] for r in result.rows)
+    return out
+
+
+def pass_at_k(model, tokenizer, rows: list[dict], cfg: EvalConfig) -> list[float]:
+    """1.0 per prompt when any of k sampled completions is right (n = k, so the estimate is exact for k)."""
+    import torch
+
+    reward = resolve_reward(cfg.accuracy_reward)
+    torch.manual_seed(cfg.seed)
+    passed = []
+    for start in range(0, len(rows), cfg.batch_size):
+        batch_rows = rows[start : start + cfg.batch_size]
+        texts = [tokenizer.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True) for r in batch_rows]
+        batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        with torch.inference_mode():
+            out = model.generate(**batch, max_new_tokens=cfg.max_new_tokens, do_sample=True,
+                                 temperature=cfg.temperature, num_return_sequences=cfg.samples_k,
+                                 pad_token_id=tokenizer.pad_token_id)
+        completions = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
+        columns = {k: [r[k] for r in batch_rows for _ in range(cfg.samples_k)] for k in batch_rows[0] if k != "prompt"}
+        scores = reward(completions, **columns)
+        passed += [float(any(scores[i * cfg.samples_k : (i + 1) * cfg.samples_k])) for i in range(len(batch_rows))]
+    return passed
+
+
 def evaluate_model(
     model_path: str,
     model_cfg: ModelConfig,
     holdout: Path,
     rewards: list[str],
-    *,
+    cfg: EvalConfig,
     adapter: str | None = None,
-    max_new_tokens: int = 16,
-    batch_size: int = 32,
 ) -> EvalResult:
     """Load a base model (plus an adapter when given) and score it on a holdout file."""
     rows = read_jsonl(holdout)
     model, tokenizer = load_model(model_path, model_cfg, adapter=adapter)
     model.eval()
     completions, lengths = generate(
-        model, tokenizer, [r["prompt"] for r in rows], max_new_tokens, batch_size, label="candidate" if adapter else "base"
+        model, tokenizer, [r["prompt"] for r in rows], cfg.max_new_tokens, cfg.batch_size,
+        label="candidate" if adapter else "base",
     )
-    return score(rows, [completion_text(c) for c in completions], rewards, lengths)
+    result = score(rows, [completion_text(c) for c in completions], rewards, lengths)
+    metrics = summary_metrics(result, cfg)
+    if cfg.samples_k and cfg.accuracy_reward:
+        passed = pass_at_k(model, tokenizer, rows, cfg)
+        for row, value in zip(result.rows, passed, strict=True):
+            row[f"pass_at_{cfg.samples_k}"] = value
+        metrics[f"pass_at_{cfg.samples_k}"] = statistics.fmean(passed)
+    return result.model_copy(update={"metrics": metrics})
 
 
 evaluate_task = task(evaluate_model, name="evaluate")

@@ -40,7 +40,7 @@ def plot_comparison(summary: dict, path: Path) -> Path:
 
     holdout, stats = summary["holdout"], summary["decision"]["stats"]
     baseline = holdout.get("champion") or holdout["base"]
-    names = list(holdout["trained"])
+    names = [n for n in holdout["trained"] if n != "mean_length"]  # rates and rewards share a 0..1 scale
     fig, (bars, delta) = plt.subplots(1, 2, figsize=(9, 3.5), gridspec_kw={"width_ratios": [2, 1]})
     xs = range(len(names))
     bars.bar([x - 0.2 for x in xs], [baseline[n] for n in names], width=0.4, label="baseline")

@@ -74,12 +74,15 @@ def test_second_run_decides_against_the_champion_and_rollback_restores_it(tmp_pa
     home = {"cwd": tmp_path, "prefect_home": tmp_path / "prefect"}
     first = _cli("run", "--config", str(tiny_yaml), "--json", *lenient, **home)
     assert first.returncode == 0, first.stderr[-3000:]
-    second = _cli("run", "--config", str(tiny_yaml), "--json", "--fail-on-reject", *lenient, **home)
+    second = _cli("run", "--config", str(tiny_yaml), "--json", "--fail-on-reject", *lenient,
+                  "--set", "merge.enabled=true", "--set", "evaluate.samples_k=3", **home)
     assert second.returncode == 0, second.stderr[-3000:]
     v1 = json.loads(first.stdout)["registry"]["candidate_version"]
     summary = json.loads(second.stdout)
     assert summary["registry"]["decided_against"] == v1
     assert "champion_reward" in summary["holdout"]
+    assert 0 <= summary["holdout"]["trained"]["pass_at_3"] <= 1
+    assert summary["merge"]["max_logit_difference"] <= 1e-3
     v2 = summary["registry"]["candidate_version"]
     assert summary["registry"]["aliases"] == {"champion": v2, "challenger": None, "previous-champion": v1}
 
