@@ -34,10 +34,13 @@ def build_manifest(directory: Path, step: int) -> dict:
 
 
 def verify(directory: Path, manifest: dict) -> None:
+    """Every file the manifest lists is there, whole and unchanged; a resume never starts from a bad copy."""
     for name, meta in manifest["files"].items():
         path = directory / name
         if not path.is_file() or path.stat().st_size != meta["size"]:
             raise CheckpointStoreError(f"checkpoint file {path} is missing or truncated")
+        if hashlib.sha256(path.read_bytes()).hexdigest() != meta["sha256"]:
+            raise CheckpointStoreError(f"checkpoint file {path} does not match its manifest's sha256")
 
 
 def steps_with_manifest(keys: list[str]) -> list[int]:

@@ -39,6 +39,14 @@ def test_truncated_file_fails_verification(tmp_path):
         store.fetch("checkpoint-3", tmp_path / "scratch")
 
 
+def test_corrupted_file_fails_verification(tmp_path):
+    store = LocalStore(tmp_path / "store")
+    store.put(_checkpoint(tmp_path, 3), f"checkpoint-{3}", 3)
+    (tmp_path / "store" / "checkpoint-3" / "adapter.bin").write_bytes(b"x" * len(b"weights" * 3))
+    with pytest.raises(CheckpointStoreError, match="sha256"):
+        store.fetch("checkpoint-3", tmp_path / "scratch")
+
+
 def test_prune_keeps_newest(tmp_path):
     store = LocalStore(tmp_path / "store")
     for step in (1, 2, 3, 4):
