@@ -128,7 +128,7 @@ class TrainConfig(StrictModel):
         description="names from trainer.rewards.REWARDS, or dotted paths 'package.module:function'",
     )
     checkpoint_uri: str | None = Field(
-        None, description="local directory or s3://bucket/prefix; default: under data_dir/runs/<run>"
+        None, description="root for checkpoints, a local directory or s3://bucket/prefix; each run writes under <root>/<run>; default: data_dir/runs/<run>/checkpoints"
     )
     checkpoint_every: int = Field(10, ge=1, description="steps between checkpoints: the most a preemption loses")
     keep_checkpoints: int = Field(2, ge=1, description="complete checkpoints kept in the store")

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import ast
+from pathlib import Path
 
 from prefect import task
 
@@ -44,8 +43,14 @@ def progress_line(line: str) -> str | None:
 def build_job_spec(
     cfg: PipelineConfig, model_path: str, splits: dict[str, Path], run_dir: Path, mlflow_run_id: str | None
 ) -> JobSpec:
-    """Everything the trainer needs, with paths made absolute so the job can run from anywhere."""
+    """Everything the trainer needs, with paths made absolute so the job can run from anywhere.
+
+    Checkpoints go under the run's own name: a configured `train.checkpoint_uri` is a root shared by
+    runs, and a new run must never resume from (or report) another run's checkpoints.
+    """
     run_dir = run_dir.resolve()
+    root = cfg.train.checkpoint_uri
+    checkpoints = f"{root.rstrip('/')}/{run_dir.name}" if root else str(run_dir / "checkpoints")
     return JobSpec(
         model_path=model_path,
         model=cfg.model,
@@ -53,7 +58,7 @@ def build_job_spec(
         train_file=str(Path(splits["train"]).resolve()),
         val_file=str(Path(splits["val"]).resolve()) if cfg.train.early_stopping_patience else None,
         work_dir=str(run_dir / "train"),
-        checkpoint_uri=cfg.train.checkpoint_uri or str(run_dir / "checkpoints"),
+        checkpoint_uri=checkpoints,
         adapter_dir=str(run_dir / "adapter"),
         mlflow_tracking_uri=cfg.mlflow_uri,
         mlflow_experiment=cfg.tracking.experiment,

@@ -130,19 +130,26 @@ class S3Store:
         return "/".join(p for p in (self.prefix, *parts) if p)
 
     def check(self) -> None:
-        """Fail early, naming the endpoint, when the bucket cannot be reached or written."""
+        """Fail early, naming the endpoint, when the bucket is missing, unreachable or not writable."""
         from botocore.exceptions import BotoCoreError, ClientError
 
+        where = self.endpoint_url or "AWS S3"
+        fix = "Check train.s3_endpoint_url, that the bucket exists, and AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY"
+        try:
+            # Some S3 servers create a missing bucket on the first write; ask for it explicitly first.
+            self.s3.head_bucket(Bucket=self.bucket)
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchBucket"):
+                raise CheckpointStoreError(f"bucket {self.bucket} does not exist at {where}; create it. {fix}") from None
+            raise CheckpointStoreError(f"cannot write to {self.uri} at {where}: {exc}. {fix}") from None
+        except BotoCoreError as exc:
+            raise CheckpointStoreError(f"cannot write to {self.uri} at {where}: {exc}. {fix}") from None
         probe = self._key(".write-probe")
         try:
             self.s3.put_object(Bucket=self.bucket, Key=probe, Body=b"ok")
             self.s3.delete_object(Bucket=self.bucket, Key=probe)
         except (BotoCoreError, ClientError) as exc:
-            where = self.endpoint_url or "AWS S3"
-            raise CheckpointStoreError(
-                f"cannot write to {self.uri} at {where}: {exc}. Check train.s3_endpoint_url, that the bucket "
-                "exists, and AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY"
-            ) from None
+            raise CheckpointStoreError(f"cannot write to {self.uri} at {where}: {exc}. {fix}") from None
 
     def _keys(self, prefix: str) -> list[str]:
         keys = []

@@ -18,13 +18,23 @@ pytestmark = pytest.mark.integration
 MAX_STEPS, INTERVAL, KILLS = 45, 5, 3
 
 
+def slow_reward(completions, **_):
+    """A reward that takes 0.3 s, so that a step of the tiny model outlasts a checkpoint upload as on a GPU."""
+    time.sleep(0.3)
+    return [0.0] * len(completions)
+
+
 def _current_step(log: Path) -> int:
     found = re.findall(rf"(\d+)/{MAX_STEPS} \[", log.read_text()) if log.exists() else []
     return int(found[-1]) if found else 0
 
 
 def _chaos(handle, store: S3Store, log: Path, kills: list, seed: int = 7) -> None:
-    """Kill the trainer 1..INTERVAL-1 steps after each new complete checkpoint: a random point mid-interval."""
+    """Kill the trainer 1..INTERVAL-2 steps after each new complete checkpoint: a random point mid-interval.
+
+    The step is read from the trainer's progress output, which reaches the log a step or so late; the
+    margin of two steps keeps each kill inside the interval it aims at.
+    """
     rng = random.Random(seed)
     seen = 0
     while len(kills) < KILLS:
@@ -35,7 +45,7 @@ def _chaos(handle, store: S3Store, log: Path, kills: list, seed: int = 7) -> Non
                 break
             time.sleep(0.05)
         checkpoint = steps[-1]
-        target = checkpoint + rng.randint(1, INTERVAL - 1)
+        target = checkpoint + rng.randint(1, INTERVAL - 2)
         while _current_step(log) < target and handle.process.poll() is None and time.monotonic() < deadline:
             time.sleep(0.01)
         handle.process.kill()
@@ -53,7 +63,7 @@ def test_three_sigkills_lose_little_and_log_each_step_once(tmp_path, s3_endpoint
     run_id = client.create_run(client.create_experiment("preempt")).info.run_id
     cfg = tiny_config(f"train.grpo.max_steps={MAX_STEPS}", f"train.checkpoint_every={INTERVAL}",
                       "train.max_restarts=5", f"train.s3_endpoint_url={s3_endpoint}",
-                      "train.grpo.max_completion_length=12")
+                      f"train.rewards=[correct_answer, {__name__}:slow_reward]")
     spec = JobSpec(model_path=str(tiny_model), model=cfg.model, train=cfg.train,
                    train_file=str(tiny_splits["train"]), work_dir=str(tmp_path / "work"),
                    checkpoint_uri="s3://ckpt/preempt", adapter_dir=str(tmp_path / "adapter"),

@@ -38,7 +38,7 @@ def test_put_list_fetch_prune(tmp_path, s3_endpoint):
 def test_missing_bucket_is_named(s3_endpoint):
     from trainer.checkpoints import CheckpointStoreError
 
-    with pytest.raises(CheckpointStoreError, match="cannot write to s3://no-such-bucket/x"):
+    with pytest.raises(CheckpointStoreError, match="bucket no-such-bucket does not exist at http://127.0.0.1"):
         S3Store("s3://no-such-bucket/x", endpoint_url=s3_endpoint).check()
 
 
