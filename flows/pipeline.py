@@ -13,7 +13,7 @@ from pathlib import Path
 
 import mlflow
 from prefect import flow
-from prefect.artifacts import create_markdown_artifact
+from prefect.artifacts import create_image_artifact, create_markdown_artifact
 from prefect.runtime import flow_run
 
 from grpo_pipeline.config import PipelineConfig, load_config
@@ -24,7 +24,7 @@ from tasks.evaluate import EvalResult, evaluate_task, read_jsonl
 from tasks.merge import merge_task
 from tasks.model import resolve_model_task
 from tasks.registry import CHAMPION, Registry
-from tasks.report import plot_comparison, render_markdown
+from tasks.report import artifact_url, plot_comparison, render_markdown
 from tasks.train import build_job_spec, preflight, train_task
 
 
@@ -151,6 +151,9 @@ def _report(summary: dict, run_dir: Path) -> None:
     mlflow.log_text(markdown, "report.md")
     mlflow.log_artifact(str(plot_comparison(summary, run_dir / "comparison.png")))
     create_markdown_artifact(markdown, key="grpo-decision", description="A/B decision of this GRPO run")
+    url = artifact_url(summary["mlflow"]["tracking_uri"], summary["mlflow"]["run_id"], "comparison.png")
+    if url:  # the Prefect UI loads images by URL; an MLflow server serves its artifacts by URL
+        create_image_artifact(url, key="grpo-comparison", description="candidate against baseline, with the 95% CI")
 
 
 @flow(name="grpo-pipeline", log_prints=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from urllib.parse import urlencode
 
 
 def render_markdown(summary: dict) -> str:
@@ -60,3 +61,18 @@ def plot_comparison(summary: dict, path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def artifact_url(tracking_uri: str, run_id: str, path: str) -> str | None:
+    """Where a browser (the Prefect UI) can load a run's artifact: the MLflow server's artifact route.
+
+    A local SQLite store has no server to ask, so there is no such URL.
+
+    >>> artifact_url("http://mlflow:5000/", "abc", "comparison.png")
+    'http://mlflow:5000/get-artifact?path=comparison.png&run_uuid=abc'
+    >>> artifact_url("sqlite:///x.db", "abc", "comparison.png") is None
+    True
+    """
+    if not tracking_uri.startswith(("http://", "https://")):
+        return None
+    return f"{tracking_uri.rstrip('/')}/get-artifact?{urlencode({'path': path, 'run_uuid': run_id})}"

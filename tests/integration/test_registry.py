@@ -87,3 +87,23 @@ def test_two_promotions_racing_leave_exactly_one_champion(registry, tmp_path):
     assert sorted(outcomes.values()) == ["moved", "promoted"]
     winner = next(v for v, o in outcomes.items() if o == "promoted")
     assert registry.aliases() == {CHAMPION: winner, CHALLENGER: None, PREVIOUS: v1}
+
+
+def test_report_chart_is_served_at_the_url_given_to_the_prefect_ui(mlflow_server_uri, tmp_path):
+    """The flow hands Prefect an image URL; the MLflow server must answer it with the PNG (from S3)."""
+    import urllib.request
+
+    from tasks.report import artifact_url, plot_comparison
+
+    summary = {
+        "holdout": {"trained": {"correct_answer": 0.6}, "base": {"correct_answer": 0.2}},
+        "decision": {"stats": {"total": {"mean_diff": 0.4, "ci_low": 0.3, "ci_high": 0.5}}},
+    }
+    png = plot_comparison(summary, tmp_path / "comparison.png")
+    client = mlflow.MlflowClient(mlflow_server_uri)
+    exp = client.get_experiment_by_name("report-tests") or client.get_experiment(client.create_experiment("report-tests"))
+    run_id = client.create_run(exp.experiment_id).info.run_id
+    client.log_artifact(run_id, str(png))
+    with urllib.request.urlopen(artifact_url(mlflow_server_uri, run_id, "comparison.png"), timeout=30) as response:
+        body = response.read()
+    assert body.startswith(b"\x89PNG") and body == png.read_bytes()
