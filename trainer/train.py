@@ -61,7 +61,7 @@ def _ensure_mlflow_run(spec: JobSpec) -> str | None:
 
 def _report(spec: JobSpec, result: TrainResult) -> TrainResult:
     Path(spec.work_dir).mkdir(parents=True, exist_ok=True)
-    (Path(spec.work_dir) / "result.json").write_text(result.model_dump_json(indent=1))
+    (Path(spec.work_dir) / RESULT_FILE).write_text(result.model_dump_json(indent=1))
     return result
 
 
