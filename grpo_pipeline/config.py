@@ -165,6 +165,9 @@ class TrainConfig(StrictModel):
 
 
 class EvalConfig(StrictModel):
+    engine: Literal["auto", "transformers", "vllm"] = Field(
+        "auto", description="auto: vLLM on a CUDA GPU when the [gpu] extra is installed, else batched transformers"
+    )
     max_new_tokens: int = Field(16, ge=1)
     batch_size: int = Field(32, ge=1, description="prompts per generate() call; more = faster, more memory")
     samples_k: int = Field(0, ge=0, description="sampled completions per prompt for pass@k; 0 = greedy only")

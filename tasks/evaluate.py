@@ -120,6 +120,54 @@ def pass_at_k(model, tokenizer, rows: list[dict], cfg: EvalConfig) -> list[float
     return passed
 
 
+VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # the ranks vLLM accepts as max_lora_rank
+
+
+def vllm_usable() -> bool:
+    """vLLM generates on CUDA GPUs; the [gpu] extra installs it."""
+    import importlib.util
+
+    import torch
+
+    return importlib.util.find_spec("vllm") is not None and torch.cuda.is_available()
+
+
+def generate_vllm(
+    model_path: str, model_cfg: ModelConfig, adapter: str | None, texts: list[str], cfg: EvalConfig
+) -> tuple[list[str], list[int], list[list[str]]]:
+    """Greedy completions and their token lengths, plus k samples per prompt when `cfg.samples_k` is set."""
+    from vllm import LLM, SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    rank = json.loads((Path(adapter) / "adapter_config.json").read_text())["r"] if adapter else 0
+    llm = LLM(
+        model=model_path,
+        dtype=model_cfg.compute_dtype,
+        seed=cfg.seed,
+        quantization="bitsandbytes" if model_cfg.quantization != "none" else None,
+        enable_lora=adapter is not None,
+        max_lora_rank=next(r for r in VLLM_LORA_RANKS if r >= rank),
+    )
+    lora = LoRARequest("candidate", 1, adapter) if adapter else None
+    greedy = llm.generate(texts, SamplingParams(temperature=0.0, max_tokens=cfg.max_new_tokens), lora_request=lora)
+    samples: list[list[str]] = []
+    if cfg.samples_k:
+        params = SamplingParams(n=cfg.samples_k, temperature=cfg.temperature, seed=cfg.seed,
+                                max_tokens=cfg.max_new_tokens)
+        samples = [[c.text for c in o.outputs] for o in llm.generate(texts, params, lora_request=lora)]
+    return [o.outputs[0].text for o in greedy], [len(o.outputs[0].token_ids) for o in greedy], samples
+
+
+def _passed(rows: list[dict], samples: list[list[str]], reward_name: str) -> list[float]:
+    """1.0 per prompt when any of its samples is right."""
+    reward = resolve_reward(reward_name)
+    out = []
+    for row, completions in zip(rows, samples, strict=True):
+        columns = {k: [row[k]] * len(completions) for k in row if k != "prompt"}
+        out.append(float(any(reward(completions, **columns))))
+    return out
+
+
 def evaluate_model(
     model_path: str,
     model_cfg: ModelConfig,
@@ -130,16 +178,26 @@ def evaluate_model(
 ) -> EvalResult:
     """Load a base model (plus an adapter when given) and score it on a holdout file."""
     rows = read_jsonl(holdout)
-    model, tokenizer = load_model(model_path, model_cfg, adapter=adapter)
-    model.eval()
-    completions, lengths = generate(
-        model, tokenizer, [r["prompt"] for r in rows], cfg.max_new_tokens, cfg.batch_size,
-        label="candidate" if adapter else "base",
-    )
+    use_vllm = cfg.engine == "vllm" or (cfg.engine == "auto" and vllm_usable())
+    if use_vllm:
+        if not vllm_usable():
+            raise RuntimeError("evaluate.engine=vllm needs vLLM (pip install '.[gpu]') and a CUDA GPU; use 'auto'")
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        texts = [tokenizer.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True) for r in rows]
+        completions, lengths, samples = generate_vllm(model_path, model_cfg, adapter, texts, cfg)
+    else:
+        model, tokenizer = load_model(model_path, model_cfg, adapter=adapter)
+        model.eval()
+        completions, lengths = generate(
+            model, tokenizer, [r["prompt"] for r in rows], cfg.max_new_tokens, cfg.batch_size,
+            label="candidate" if adapter else "base",
+        )
     result = score(rows, [completion_text(c) for c in completions], rewards, lengths)
     metrics = summary_metrics(result, cfg)
     if cfg.samples_k and cfg.accuracy_reward:
-        passed = pass_at_k(model, tokenizer, rows, cfg)
+        passed = _passed(rows, samples, cfg.accuracy_reward) if use_vllm else pass_at_k(model, tokenizer, rows, cfg)
         for row, value in zip(result.rows, passed, strict=True):
             row[f"pass_at_{cfg.samples_k}"] = value
         metrics[f"pass_at_{cfg.samples_k}"] = statistics.fmean(passed)

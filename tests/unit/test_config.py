@@ -67,3 +67,15 @@ def test_each_run_checkpoints_under_its_own_name(tmp_path):
     assert one.checkpoint_uri != two.checkpoint_uri
     local = build_job_spec(load_config(None), "m", splits, tmp_path / "r", None)
     assert local.checkpoint_uri == str((tmp_path / "r" / "checkpoints").resolve())
+
+
+def test_vllm_engine_without_vllm_says_how_to_get_it(tmp_path):
+    from grpo_pipeline.config import EvalConfig, ModelConfig
+    from tasks.evaluate import evaluate_model, vllm_usable
+
+    if vllm_usable():
+        pytest.skip("vLLM is usable here")
+    holdout = tmp_path / "holdout.jsonl"
+    holdout.write_text('{"prompt": [{"role": "user", "content": "1+1"}], "answer": "2"}\n')
+    with pytest.raises(RuntimeError, match=r"pip install '.\[gpu\]'"):
+        evaluate_model("unused", ModelConfig(), holdout, ["correct_answer"], EvalConfig(engine="vllm"))
