@@ -9,14 +9,13 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from bench.harness import RESULTS, compare
+from bench.harness import RESULTS, compare, training_bench_args
 from grpo_pipeline.config import load_config
 from infra.services import seaweedfs_s3
 from tasks.demo_task import generate, write_splits
@@ -34,11 +33,7 @@ def _clear(store: S3Store) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--tiny", action="store_true", help="a tiny random model instead of SmolLM2-135M")
-    args = parser.parse_args()
+    args = training_bench_args(__doc__)
     demo = load_config(ROOT / "configs" / "demo-cpu.yaml")
     work = Path(tempfile.mkdtemp(prefix="bench-ckpt-"))
     model = create_random_model(work / "tiny") if args.tiny else ensure_demo_model(demo.data_dir / "models")

@@ -35,6 +35,15 @@ def metric_of(stdout: str, metric: str) -> float:
     return float(value)
 
 
+def training_bench_args(description: str) -> argparse.Namespace:
+    """The options every training benchmark takes: steps per run, rounds, and a tiny model for a quick look."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--tiny", action="store_true", help="a tiny random model instead of SmolLM2-135M")
+    return parser.parse_args()
+
+
 def run_once(cmd: list[str], metric: str) -> float:
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:

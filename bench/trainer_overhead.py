@@ -8,13 +8,12 @@ config's GRPO settings for a few steps, alternating, and report HF's own `train_
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import sys
 import tempfile
 from pathlib import Path
 
-from bench.harness import compare
+from bench.harness import compare, training_bench_args
 from grpo_pipeline.config import load_config
 from tasks.demo_task import generate, write_splits
 from tasks.model import create_random_model, ensure_demo_model
@@ -24,11 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--tiny", action="store_true", help="a tiny random model instead of SmolLM2-135M")
-    args = parser.parse_args()
+    args = training_bench_args(__doc__)
 
     cfg = load_config(ROOT / "configs" / "demo-cpu.yaml", [f"train.grpo.max_steps={args.steps}",
                                                            f"train.checkpoint_every={max(1, args.steps // 2)}"])
