@@ -103,14 +103,15 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
         with mlflow.start_run(run_name="decide", nested=True):
             decision = decide_promotion(trained.rows, (champion or base).rows, cfg.promote, rewards)
             mlflow.log_dict(decision.model_dump(), "decision.json")  # logged before any alias moves
-            mlflow.set_tags({"decision": "promote" if decision.promote else "reject"})
+            verdict = "promote" if decision.promote else "reject"
+            mlflow.set_tags({"decision": verdict})
         tags = _version_tags(cfg, splits, result, parent.info.run_id)
         if merged:
             tags["merged_source"] = merged["source"]
         version = registry.register(f"runs:/{train_run_id}/adapter", train_run_id, tags)
         moves = registry.settle(
             version, decided_against, decision.promote,
-            {"decision": "promote" if decision.promote else "reject", "decision_reasons": " | ".join(decision.reasons)[:5000]},
+            {"decision": verdict, "decision_reasons": " | ".join(decision.reasons)[:5000]},
         )
 
         summary = {
@@ -139,7 +140,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
             },
         }
         mlflow.log_metrics({f"holdout/{k}": summary["holdout"][k] for k in ("base_reward", "trained_reward", "gain")})
-        mlflow.set_tags({"decision": "promote" if decision.promote else "reject", "candidate_version": version})
+        mlflow.set_tags({"decision": verdict, "candidate_version": version})
         mlflow.log_dict(summary, "summary.json")
         _report(summary, run_dir)
     return summary

@@ -58,6 +58,11 @@ def score(rows: list[dict], completions: list[str], rewards: list[str], lengths:
     )
 
 
+def render(tokenizer, prompts: list) -> list[str]:
+    """Chat prompts as the model's own template writes them, ready for generation."""
+    return [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
+
+
 def generate(
     model, tokenizer, prompts: list, max_new_tokens: int, batch_size: int, label: str = ""
 ) -> tuple[list[str], list[int]]:
@@ -67,7 +72,7 @@ def generate(
     from rich.progress import Progress
 
     tokenizer.padding_side = "left"  # decoder-only models continue from the right edge
-    texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
+    texts = render(tokenizer, prompts)
     out: list[str] = []
     lengths: list[int] = []
     with Progress(console=Console(stderr=True), transient=True) as progress, torch.inference_mode():
@@ -98,26 +103,37 @@ def summary_metrics(result: EvalResult, cfg: EvalConfig) -> dict[str, float]:
     return out
 
 
-def pass_at_k(model, tokenizer, rows: list[dict], cfg: EvalConfig) -> list[float]:
-    """1.0 per prompt when any of k sampled completions is right (n = k, so the estimate is exact for k)."""
+def sample(model, tokenizer, rows: list[dict], cfg: EvalConfig) -> list[list[str]]:
+    """k sampled completions per prompt (transformers), seeded so every model draws alike."""
     import torch
 
-    reward = resolve_reward(cfg.accuracy_reward)
     torch.manual_seed(cfg.seed)
-    passed = []
+    samples: list[list[str]] = []
+    k = cfg.samples_k
     for start in range(0, len(rows), cfg.batch_size):
-        batch_rows = rows[start : start + cfg.batch_size]
-        texts = [tokenizer.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True) for r in batch_rows]
+        texts = render(tokenizer, [r["prompt"] for r in rows[start : start + cfg.batch_size]])
         batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
         with torch.inference_mode():
             out = model.generate(**batch, max_new_tokens=cfg.max_new_tokens, do_sample=True,
-                                 temperature=cfg.temperature, num_return_sequences=cfg.samples_k,
+                                 temperature=cfg.temperature, num_return_sequences=k,
                                  pad_token_id=tokenizer.pad_token_id)
         completions = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
-        columns = {k: [r[k] for r in batch_rows for _ in range(cfg.samples_k)] for k in batch_rows[0] if k != "prompt"}
-        scores = reward(completions, **columns)
-        passed += [float(any(scores[i * cfg.samples_k : (i + 1) * cfg.samples_k])) for i in range(len(batch_rows))]
-    return passed
+        samples += [completions[i * k : (i + 1) * k] for i in range(len(texts))]
+    return samples
+
+
+def pass_at_k(rows: list[dict], samples: list[list[str]], reward_name: str) -> list[float]:
+    """1.0 per prompt when any of its k samples is right (n = k samples, so the estimate is exact for k).
+
+    >>> pass_at_k([{"answer": "4"}, {"answer": "5"}], [["3", "4"], ["6", "7"]], "correct_answer")
+    [1.0, 0.0]
+    """
+    reward = resolve_reward(reward_name)
+    out = []
+    for row, completions in zip(rows, samples, strict=True):
+        columns = {k: [row[k]] * len(completions) for k in row if k != "prompt"}
+        out.append(float(any(reward(completions, **columns))))
+    return out
 
 
 VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # the ranks vLLM accepts as max_lora_rank
@@ -158,16 +174,6 @@ def generate_vllm(
     return [o.outputs[0].text for o in greedy], [len(o.outputs[0].token_ids) for o in greedy], samples
 
 
-def _passed(rows: list[dict], samples: list[list[str]], reward_name: str) -> list[float]:
-    """1.0 per prompt when any of its samples is right."""
-    reward = resolve_reward(reward_name)
-    out = []
-    for row, completions in zip(rows, samples, strict=True):
-        columns = {k: [row[k]] * len(completions) for k in row if k != "prompt"}
-        out.append(float(any(reward(completions, **columns))))
-    return out
-
-
 def evaluate_model(
     model_path: str,
     model_cfg: ModelConfig,
@@ -185,8 +191,9 @@ def evaluate_model(
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(model_path)
-        texts = [tokenizer.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True) for r in rows]
-        completions, lengths, samples = generate_vllm(model_path, model_cfg, adapter, texts, cfg)
+        completions, lengths, samples = generate_vllm(
+            model_path, model_cfg, adapter, render(tokenizer, [r["prompt"] for r in rows]), cfg
+        )
     else:
         model, tokenizer = load_model(model_path, model_cfg, adapter=adapter)
         model.eval()
@@ -197,7 +204,9 @@ def evaluate_model(
     result = score(rows, [completion_text(c) for c in completions], rewards, lengths)
     metrics = summary_metrics(result, cfg)
     if cfg.samples_k and cfg.accuracy_reward:
-        passed = _passed(rows, samples, cfg.accuracy_reward) if use_vllm else pass_at_k(model, tokenizer, rows, cfg)
+        if not use_vllm:
+            samples = sample(model, tokenizer, rows, cfg)
+        passed = pass_at_k(rows, samples, cfg.accuracy_reward)
         for row, value in zip(result.rows, passed, strict=True):
             row[f"pass_at_{cfg.samples_k}"] = value
         metrics[f"pass_at_{cfg.samples_k}"] = statistics.fmean(passed)

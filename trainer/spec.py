@@ -34,8 +34,11 @@ class JobSpec(BaseModel):
         return cls.model_validate_json(Path(path).read_text())
 
 
+RESULT_FILE = "result.json"
+
+
 class TrainResult(BaseModel):
-    """What the trainer leaves in `<work_dir>/result.json`."""
+    """What the trainer leaves in `<work_dir>/result.json` (and in the store's `final` entry)."""
 
     adapter_dir: str | None
     global_step: int

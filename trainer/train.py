@@ -12,12 +12,11 @@ import time
 from pathlib import Path
 
 from trainer.checkpoints import FINAL, MANIFEST, checkpoint_name, open_store
-from trainer.spec import JobSpec, TrainResult
+from trainer.spec import RESULT_FILE, JobSpec, TrainResult
 from trainer.tracking import METRICS_FILE, CommittedMetrics, numeric
 
 log = logging.getLogger(__name__)
 EXIT_INTERRUPTED = 75  # EX_TEMPFAIL: try again
-RESULT_FILE = "result.json"
 
 
 def grpo_args(spec: JobSpec, output_dir: Path):

@@ -14,7 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainer.spec import JobSpec, TrainResult
+from trainer.spec import RESULT_FILE, JobSpec, TrainResult
 
 log = logging.getLogger(__name__)
 NOT_RETRYABLE = {2}  # a bad spec fails the same way every time
@@ -62,7 +62,7 @@ class LocalLauncher:
                     self.on_line(line.rstrip())
             code = handle.process.wait()
             if code == 0:
-                result = TrainResult.model_validate_json((Path(handle.spec.work_dir) / "result.json").read_text())
+                result = TrainResult.model_validate_json((Path(handle.spec.work_dir) / RESULT_FILE).read_text())
                 return result.model_copy(update={"restarts": handle.restarts})
             if handle.cancelled:
                 raise TrainingFailed("training was cancelled")
