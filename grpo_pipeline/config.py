@@ -56,6 +56,14 @@ class ModelConfig(StrictModel):
     )
     double_quant: bool = Field(False, description="nested 4-bit quantization: ~0.4 bit/param less memory")
     compute_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    candidates: list[str] = Field(
+        default_factory=list,
+        description="bases to choose from (same forms as base), each scored zero-shot on val and priced; empty: just base",
+    )
+    max_quantization_cost: QuantizationBound | None = Field(
+        None, description="measure quantized against unquantized on val and refuse the mode past these bounds; None: off"
+    )
+
 
     @field_validator("base")
     @classmethod
@@ -63,6 +71,44 @@ class ModelConfig(StrictModel):
         if looks_like_path(v) and not Path(v).expanduser().exists():
             raise ValueError(f"{v} does not exist; give a model directory, a .gguf file, a hub id or '{DEMO_MODEL}'")
         return v
+
+
+    @field_validator("candidates")
+    @classmethod
+    def _candidates_exist(cls, v: list[str]) -> list[str]:
+        return [cls._path_exists(c) for c in v]
+
+
+class QuantizationBound(StrictModel):
+    """How much quality a quantized base may lose against the unquantized one, measured on val rows."""
+
+    max_reward_drop: float = Field(0.05, ge=0, description="mean summed reward, unquantized minus quantized")
+    max_perplexity_ratio: float = Field(1.10, ge=1, description="perplexity of the reference answers, quantized / unquantized")
+    rows: int = Field(32, ge=1, description="val rows measured; more = surer, slower")
+
+
+class PlanConfig(StrictModel):
+    """GPU memory, GPU choice, batch split, time and cost before training (`tasks.plan`), and the budget guard."""
+
+    budget_usd: float | None = Field(None, ge=0, description="refuse a run estimated above this many USD; None: no limit")
+    gpu_catalog: str | None = Field(None, description="YAML merged over configs/gpus.yaml (your prices, more GPUs)")
+    target_effective_batch: int | None = Field(
+        None, ge=1, description="completions per optimizer step; None: per_device_train_batch_size x gradient_accumulation_steps"
+    )
+    spot: bool | None = Field(None, description="price spot GPUs; None: train.sky.use_spot")
+    optimizer: Literal[
+        "adamw_torch", "adamw_torch_fused", "adamw_8bit", "adamw_bnb_8bit", "paged_adamw_8bit", "paged_adamw_32bit"
+    ] | None = Field(None, description="None: train.grpo.optim (TRL's default adamw_torch_fused)")
+    gradient_checkpointing: bool | Literal["auto"] = Field(
+        "auto", description="auto: off when a group of num_generations fits without it (it costs ~1/3 more compute)"
+    )
+    prompt_tokens: int = Field(256, ge=1, description="typical prompt length in tokens, chat template included")
+    preemption_overhead: float = Field(0.10, ge=0, description="expected extra spot GPU-time from preemptions (lost steps, restarts)")
+    mfu: float = Field(0.35, gt=0, le=1, description="assumed model FLOPs utilisation for the time estimate")
+    daily_projection: bool = Field(True, description="also project the monthly cost of retraining daily")
+    allowed_gpus: list[str] | None = Field(
+        None, description="GPU types to choose from; None: train.sky.accelerators (or sky/train.yaml's list) when launcher=sky"
+    )
 
 
 def looks_like_path(base: str) -> bool:
@@ -212,6 +258,7 @@ class PipelineConfig(StrictModel):
     data_dir: Path = Field(Path(".grpo"), description="runs, the MLflow database and the model cache")
     data: DataConfig = DataConfig()
     model: ModelConfig = ModelConfig()
+    plan: PlanConfig = PlanConfig()
     train: TrainConfig = TrainConfig()
     evaluate: EvalConfig = EvalConfig()
     merge: MergeConfig = MergeConfig()
