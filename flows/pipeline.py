@@ -3,6 +3,10 @@ champion -> merge (when enabled) -> decide -> register and move aliases -> repor
 
 Every stage is a nested MLflow run under one parent run; the summary this flow returns is what
 `grpo-pipeline run --json` prints.
+
+A retried flow run (the Prefect UI's Retry, or a flow-level retry) resumes after its last completed
+stage: the expensive stages are cached on their inputs and the flow run id, with results persisted, and
+the retry reuses the same run directory, MLflow parent run and stage runs, and model version.
 """
 
 from __future__ import annotations
@@ -11,10 +15,15 @@ import json
 from datetime import datetime
 from pathlib import Path
 
+from contextlib import contextmanager
+from typing import Literal
+
 import mlflow
-from prefect import flow
+from prefect import flow, task
 from prefect.artifacts import create_image_artifact, create_markdown_artifact
+from prefect.cache_policies import INPUTS, NO_CACHE, RUN_ID, TASK_SOURCE
 from prefect.runtime import flow_run
+from prefect.tasks import exponential_backoff
 
 from grpo_pipeline.config import PipelineConfig, load_config
 from grpo_pipeline.tracking import create_child_run, setup_tracking
@@ -23,9 +32,72 @@ from tasks.demo_task import demo_data_task, fingerprint
 from tasks.evaluate import EvalResult, evaluate_task, read_jsonl
 from tasks.merge import merge_task
 from tasks.model import resolve_model_task
-from tasks.registry import CHAMPION, Registry
+from tasks.registry import CHAMPION, ChampionMoved, Registry, RegistryError
 from tasks.report import artifact_url, plot_comparison, render_markdown
 from tasks.train import build_job_spec, preflight, train_task
+
+
+# Within one flow run, a stage whose inputs and code are unchanged returns its persisted result, so a
+# retry does no second data pass, training or evaluation. A new flow run computes everything afresh.
+RESUMABLE = INPUTS + TASK_SOURCE + RUN_ID
+
+
+def _resumable(stage):
+    return stage.with_options(cache_policy=RESUMABLE, persist_result=True)
+
+
+def _not_a_decision(task, task_run, state) -> bool:
+    """Retry registry calls on service errors, never on a lost race or a held lock."""
+    try:
+        state.result()
+    except (ChampionMoved, RegistryError):
+        return False
+    except Exception:
+        return True
+    return False
+
+
+@task(name="register", cache_policy=NO_CACHE, retries=3, retry_delay_seconds=exponential_backoff(backoff_factor=5),
+      retry_condition_fn=_not_a_decision)
+def register_task(registry: Registry, source: str, run_id: str, tags: dict, decided_against: str | None,
+                  promote: bool, decision_tags: dict) -> tuple[str, list]:
+    version = registry.register(source, run_id, tags)
+    return version, registry.settle(version, decided_against, promote, decision_tags)
+
+
+@task(name="fetch-champion", cache_policy=NO_CACHE, retries=3, retry_delay_seconds=exponential_backoff(backoff_factor=5))
+def fetch_champion_task(registry: Registry, version: str, dst: Path) -> tuple[str, dict]:
+    mv = registry.client.get_model_version(registry.name, version)
+    return mlflow.artifacts.download_artifacts(artifact_uri=mv.source, dst_path=str(dst)), mv.tags
+
+
+@contextmanager
+def _stage(parent_run_id: str, name: str):
+    """The stage's nested MLflow run, reopened when a retry of this flow run reaches the stage again."""
+    existing = _child_run(parent_run_id, name)
+    with mlflow.start_run(run_id=existing, run_name=None if existing else name, nested=True) as run:
+        yield run
+
+
+def _child_run(parent_run_id: str, name: str) -> str | None:
+    found = mlflow.search_runs(
+        filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}' and attributes.run_name = '{name}'",
+        output_format="list", max_results=1,
+    )
+    return found[0].info.run_id if found else None
+
+
+def _parent_run(flow_run_id: str) -> str | None:
+    found = mlflow.search_runs(
+        filter_string=f"tags.prefect_flow_run_id = '{flow_run_id}'", output_format="list", max_results=1
+    )
+    return found[0].info.run_id if found else None
+
+
+def _run_dir(cfg: PipelineConfig) -> Path:
+    """One directory per flow run, the same for every retry of it."""
+    started = flow_run.scheduled_start_time or datetime.now()
+    return cfg.data_dir / "runs" / f"{started:%Y%m%d-%H%M%S}-{(flow_run.id or 'local')[:8]}"
 
 
 def _log_eval(result: EvalResult, name: str) -> None:
@@ -37,13 +109,12 @@ def _log_eval(result: EvalResult, name: str) -> None:
 
 def _champion_eval(cfg: PipelineConfig, registry: Registry, version: str, holdout: Path, run_dir: Path):
     """Evaluate the current champion on the same holdout, on the base it was trained on."""
-    mv = registry.client.get_model_version(registry.name, version)
-    adapter = mlflow.artifacts.download_artifacts(artifact_uri=mv.source, dst_path=str(run_dir / "champion"))
+    adapter, tags = fetch_champion_task(registry, version, run_dir / "champion")
     champion_model = cfg.model.model_copy(
-        update={"base": mv.tags.get("base_model", cfg.model.base), "quantization": mv.tags.get("quantization", "none")}
+        update={"base": tags.get("base_model", cfg.model.base), "quantization": tags.get("quantization", "none")}
     )
     path = resolve_model_task(champion_model, cfg.data_dir / "models")
-    return evaluate_task(path, champion_model, holdout, cfg.train.rewards, cfg.evaluate, adapter=adapter)
+    return _resumable(evaluate_task)(path, champion_model, holdout, cfg.train.rewards, cfg.evaluate, adapter=adapter)
 
 
 def _version_tags(cfg: PipelineConfig, splits: dict, result, parent_run_id: str) -> dict[str, str]:
@@ -60,63 +131,65 @@ def _version_tags(cfg: PipelineConfig, splits: dict, result, parent_run_id: str)
 def run_pipeline(cfg: PipelineConfig) -> dict:
     """The stages in order; called inside the Prefect flow so each task is tracked."""
     preflight(cfg)
-    run_dir = cfg.data_dir / "runs" / f"{datetime.now():%Y%m%d-%H%M%S}-{(flow_run.id or 'local')[:8]}"
+    run_dir = _run_dir(cfg)
     exp_id = setup_tracking(cfg.mlflow_uri, cfg.tracking.experiment, cfg.data_dir / "mlartifacts")
     registry = Registry(mlflow.MlflowClient(cfg.mlflow_uri), cfg.tracking.registered_model)
     rewards = cfg.train.rewards
-    with mlflow.start_run(run_name="grpo-pipeline") as parent:
+    flow_run_id = flow_run.id or "local"
+    with mlflow.start_run(run_id=_parent_run(flow_run_id), run_name="grpo-pipeline",
+                          tags={"prefect_flow_run_id": flow_run_id}) as parent:
+        parent_id = parent.info.run_id
         mlflow.log_dict(cfg.model_dump(mode="json"), "config.json")
-        with mlflow.start_run(run_name="data", nested=True):
-            splits = demo_data_task(cfg.data.demo, run_dir / "data")
+        with _stage(parent_id, "data"):
+            splits = _resumable(demo_data_task)(cfg.data.demo, run_dir / "data")
             mlflow.log_params({f"rows_{k}": len(Path(v).read_text().splitlines()) for k, v in splits.items()})
-        with mlflow.start_run(run_name="model", nested=True):
+        with _stage(parent_id, "model"):
             model_path = resolve_model_task(cfg.model, cfg.data_dir / "models")
             mlflow.log_params({"base": cfg.model.base, "path": model_path, "quantization": cfg.model.quantization})
-        with mlflow.start_run(run_name="evaluate-base", nested=True):
-            base = evaluate_task(model_path, cfg.model, splits["holdout"], rewards, cfg.evaluate)
+        with _stage(parent_id, "evaluate-base"):
+            base = _resumable(evaluate_task)(model_path, cfg.model, splits["holdout"], rewards, cfg.evaluate)
             _log_eval(base, "base")
 
-        train_run_id = create_child_run(exp_id, parent.info.run_id, "train")
-        result = train_task(build_job_spec(cfg, model_path, splits, run_dir, train_run_id))
+        train_run_id = _child_run(parent_id, "train") or create_child_run(exp_id, parent_id, "train")
+        result = _resumable(train_task)(build_job_spec(cfg, model_path, splits, run_dir, train_run_id))
 
-        with mlflow.start_run(run_name="evaluate-candidate", nested=True):
-            trained = evaluate_task(
+        with _stage(parent_id, "evaluate-candidate"):
+            trained = _resumable(evaluate_task)(
                 model_path, cfg.model, splits["holdout"], rewards, cfg.evaluate, adapter=result.adapter_dir
             )
             _log_eval(trained, "candidate")
         decided_against = registry.version_of(CHAMPION)  # the baseline: the champion, or the base model
         champion = None
         if decided_against:
-            with mlflow.start_run(run_name="evaluate-champion", nested=True):
+            with _stage(parent_id, "evaluate-champion"):
                 champion = _champion_eval(cfg, registry, decided_against, splits["holdout"], run_dir)
                 _log_eval(champion, "champion")
 
         merged = None
         if cfg.merge.enabled:
-            with mlflow.start_run(run_name="merge", nested=True) as merge_run:
+            with _stage(parent_id, "merge") as merge_run:
                 prompts = [str(r["prompt"]) for r in read_jsonl(splits["holdout"])]
-                merged = merge_task(model_path, result.adapter_dir, run_dir / "merged", prompts, cfg.merge)
+                merged = _resumable(merge_task)(model_path, result.adapter_dir, run_dir / "merged", prompts, cfg.merge)
                 mlflow.log_metric("max_logit_difference", merged["max_logit_difference"])
                 mlflow.log_artifacts(merged["merged_dir"], "merged")
                 merged["source"] = f"runs:/{merge_run.info.run_id}/merged"
 
-        with mlflow.start_run(run_name="decide", nested=True):
+        with _stage(parent_id, "decide"):
             decision = decide_promotion(trained.rows, (champion or base).rows, cfg.promote, rewards)
             mlflow.log_dict(decision.model_dump(), "decision.json")  # logged before any alias moves
             verdict = "promote" if decision.promote else "reject"
             mlflow.set_tags({"decision": verdict})
-        tags = _version_tags(cfg, splits, result, parent.info.run_id)
+        tags = _version_tags(cfg, splits, result, parent_id)
         if merged:
             tags["merged_source"] = merged["source"]
-        version = registry.register(f"runs:/{train_run_id}/adapter", train_run_id, tags)
-        moves = registry.settle(
-            version, decided_against, decision.promote,
+        version, moves = register_task(
+            registry, f"runs:/{train_run_id}/adapter", train_run_id, tags, decided_against, decision.promote,
             {"decision": verdict, "decision_reasons": " | ".join(decision.reasons)[:5000]},
         )
 
         summary = {
             "status": "completed",
-            "mlflow": {"tracking_uri": cfg.mlflow_uri, "run_id": parent.info.run_id, "experiment_id": exp_id},
+            "mlflow": {"tracking_uri": cfg.mlflow_uri, "run_id": parent_id, "experiment_id": exp_id},
             "run_dir": str(run_dir.resolve()),
             "model": {"base": cfg.model.base, "path": model_path, "quantization": cfg.model.quantization},
             "holdout": {
@@ -157,12 +230,33 @@ def _report(summary: dict, run_dir: Path) -> None:
         create_image_artifact(url, key="grpo-comparison", description="candidate against baseline, with the 95% CI")
 
 
+def flow_overrides(overrides: list[str] | None, launcher: str | None, budget_usd: float | None) -> list[str]:
+    """The flow's form fields as config overrides, applied after the user's own.
+
+    >>> flow_overrides(["train.grpo.max_steps=5"], "sky", 40.0)
+    ['train.grpo.max_steps=5', 'train.launcher=sky', 'plan.budget_usd=40.0']
+    """
+    extra = [f"train.launcher={launcher}"] if launcher else []
+    extra += [f"plan.budget_usd={budget_usd}"] if budget_usd is not None else []
+    return [*(overrides or []), *extra]
+
+
 @flow(name="grpo-pipeline", log_prints=True)
-def grpo_pipeline(config_path: str | None = None, overrides: list[str] | None = None) -> dict:
-    """Run the GRPO pipeline.
+def grpo_pipeline(
+    config_path: str | None = None,
+    overrides: list[str] | None = None,
+    launcher: Literal["local", "sky"] | None = None,
+    budget_usd: float | None = None,
+) -> dict:
+    """Run the GRPO pipeline: data, base model, training, evaluation, A/B decision, registry.
 
     Args:
-        config_path: pipeline YAML (e.g. configs/demo-cpu.yaml); None runs the built-in defaults.
+        config_path: pipeline YAML, relative to the project (e.g. configs/demo-cpu.yaml); empty runs the
+            built-in defaults.
         overrides: `stage.key=value` assignments applied on top, e.g. `train.grpo.max_steps=20`.
+        launcher: where training runs: `local` (a subprocess on the worker) or `sky` (a SkyPilot managed
+            spot job); empty keeps the config's `train.launcher`.
+        budget_usd: refuse to train when the planner's cost estimate passes this many dollars; empty keeps
+            the config's `plan.budget_usd`.
     """
-    return run_pipeline(load_config(config_path, overrides or []))
+    return run_pipeline(load_config(config_path, flow_overrides(overrides, launcher, budget_usd)))

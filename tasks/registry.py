@@ -89,10 +89,13 @@ class Registry:
     def aliases(self) -> dict[str, str | None]:
         return {alias: self.version_of(alias) for alias in (CHAMPION, CHALLENGER, PREVIOUS)}
 
-    def register(self, source: str, run_id: str | None, tags: dict[str, str]) -> str:
+    def register(self, source: str, run_id: str, tags: dict[str, str]) -> str:
+        """The candidate's version; a retried pipeline run finds the one it registered before."""
         self.ensure()
-        version = self.client.create_model_version(self.name, source, run_id=run_id, tags=tags)
-        return version.version
+        for existing in self.client.search_model_versions(f"run_id = '{run_id}'"):
+            if existing.name == self.name and existing.source == source:
+                return existing.version
+        return self.client.create_model_version(self.name, source, run_id=run_id, tags=tags).version
 
     def tag(self, version: str, tags: dict[str, str]) -> None:
         for key, value in tags.items():
@@ -142,6 +145,8 @@ class Registry:
         """Move the aliases for a decision, unless the champion moved since the decision was made."""
         with self.lock():
             champion = self.version_of(CHAMPION)
+            if self.version_of(CHAMPION if promote else CHALLENGER) == candidate:
+                return []  # settled by an earlier attempt of this run, which failed after it
             if champion != decided_against:
                 raise ChampionMoved(
                     f"the champion is now version {champion}, but the decision was made against "

@@ -135,3 +135,57 @@ def test_sky_launcher_without_a_cloud_stops_at_preflight(tmp_path, tiny_yaml, s3
     finally:
         subprocess.run([str(Path(sys.executable).parent / "sky"), "api", "stop"], env={**os.environ, **env},
                        capture_output=True, timeout=120)
+
+
+RETRY_SCRIPT = """
+import json, sys
+import flows.pipeline as pipeline
+from infra.launch import LocalLauncher
+from prefect import get_client
+from prefect.runtime import flow_run
+
+launches, decisions = [], []
+launch = LocalLauncher.launch
+LocalLauncher.launch = lambda self, spec: launches.append(spec) or launch(self, spec)
+decide = pipeline.decide_promotion
+
+def fail_once_after_training(*args, **kwargs):
+    decisions.append(1)
+    if len(decisions) == 1:
+        raise RuntimeError("injected failure after training")
+    return decide(*args, **kwargs)
+
+pipeline.decide_promotion = fail_once_after_training
+state = pipeline.grpo_pipeline.with_options(retries=1, retry_delay_seconds=0)(
+    config_path=sys.argv[1], return_state=True)
+with get_client(sync_client=True) as client:
+    runs = client.read_task_runs()
+    states = {}
+    for run in runs:
+        states.setdefault(run.name.rsplit("-", 1)[0], []).append(run.state.name)
+print(json.dumps({"summary": state.result(), "launches": len(launches), "decisions": len(decisions),
+                  "task_states": states}))
+"""
+
+
+def test_a_retried_flow_run_resumes_after_training(tmp_path, tiny_yaml):
+    """A failure after training, then the flow run's retry: nothing before the failure runs again."""
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    proc = subprocess.run([sys.executable, "-c", RETRY_SCRIPT, str(tiny_yaml)], cwd=Path(__file__).parents[2],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.splitlines()[-1])
+    assert out["decisions"] == 2  # the injected failure happened, and the retry got past it
+    assert out["launches"] == 1  # the trainer was not launched again
+    assert out["summary"]["status"] == "completed"
+    assert "Cached" in out["task_states"]["train"] and "Cached" in out["task_states"]["evaluate"]
+
+    client = mlflow.MlflowClient(out["summary"]["mlflow"]["tracking_uri"])
+    experiment = out["summary"]["mlflow"]["experiment_id"]
+    parents = client.search_runs([experiment], filter_string="attributes.run_name = 'grpo-pipeline'")
+    assert len(parents) == 1  # the retry continued the same MLflow run
+    children = client.search_runs([experiment], filter_string=f"tags.mlflow.parentRunId = '{parents[0].info.run_id}'")
+    names = sorted(r.info.run_name for r in children)
+    assert names == sorted(set(names)), names  # one run per stage, however many attempts
+    versions = client.search_model_versions(f"name = '{out['summary']['registry']['model']}'")
+    assert len(versions) == 1
