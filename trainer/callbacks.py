@@ -1,7 +1,9 @@
-"""Trainer callbacks: push each checkpoint to the store in the background, and stop cleanly on SIGTERM."""
+"""Trainer callbacks: push each checkpoint to the store in the background, stop cleanly on SIGTERM, and
+report validation rewards on stdout for a parent that prunes on them (hyperparameter search)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -97,3 +99,38 @@ class FirstStepTimer(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if self.seconds is None:
             self.seconds = time.monotonic() - self.started
+
+
+PROGRESS_TAG = "grpo-progress"
+
+
+class ReportValidation(TrainerCallback):
+    """Print each validation reward as one tagged JSON line on stdout.
+
+    Stdout is what every launcher already carries back to the parent: the local launcher's pipe, and
+    SkyPilot's log tail of a managed job (a file in the node's work dir would not reach a parent that
+    watches a spot node). The hyperparameter search reads these lines to report to Optuna and prune.
+    """
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        if state.is_world_process_zero and metrics and "eval_reward" in metrics:
+            report = {"step": state.global_step, "val_reward": float(metrics["eval_reward"])}
+            print(f"{PROGRESS_TAG} {json.dumps(report)}", flush=True)  # flushed: stdout is a pipe
+
+
+def parse_progress(line: str) -> dict | None:
+    """The report in a line of trainer output (SkyPilot may prefix lines), or None.
+
+    >>> parse_progress('(grpo-hpo-trial, pid=42) grpo-progress {"step": 4, "val_reward": 0.5}')
+    {'step': 4, 'val_reward': 0.5}
+    >>> parse_progress("{'loss': 0.1}") is None
+    True
+    """
+    _, tag, payload = line.partition(PROGRESS_TAG + " ")
+    if not tag:
+        return None
+    try:
+        report = json.loads(payload)
+    except ValueError:
+        return None
+    return report if isinstance(report, dict) and {"step", "val_reward"} <= report.keys() else None

@@ -88,7 +88,7 @@ def run(spec: JobSpec, started: float | None = None) -> TrainResult:
     from transformers import EarlyStoppingCallback
     from trl import GRPOTrainer
 
-    from trainer.callbacks import CheckpointSync, FirstStepTimer, StopOnSigterm
+    from trainer.callbacks import CheckpointSync, FirstStepTimer, ReportValidation, StopOnSigterm
     from trainer.loading import load_model
     from trainer.rewards import resolve_reward
 
@@ -114,7 +114,7 @@ def run(spec: JobSpec, started: float | None = None) -> TrainResult:
     val_ds = load_dataset("json", data_files=spec.val_file, split="train") if spec.val_file else None
     sync = CheckpointSync(store, spec.train.keep_checkpoints, work / "staging", metrics)
     timer = FirstStepTimer(started)
-    callbacks = [sync, stop, timer] + ([metrics] if metrics else [])
+    callbacks = [sync, stop, timer, ReportValidation()] + ([metrics] if metrics else [])
     if spec.train.early_stopping_patience:
         if val_ds is None:
             raise ValueError("train.early_stopping_patience needs a validation split (val_file)")
@@ -155,8 +155,13 @@ def run(spec: JobSpec, started: float | None = None) -> TrainResult:
 
 def _publish(spec: JobSpec, trainer, store, result: TrainResult, metrics: CommittedMetrics | None) -> None:
     """Save the adapter, log it, and store it as the `final` entry (with the result and last metrics)."""
+    from transformers.trainer import TRAINING_ARGS_NAME
+
     shutil.rmtree(spec.adapter_dir, ignore_errors=True)
     trainer.save_model(spec.adapter_dir)
+    # HF also pickles its TrainingArguments beside the adapter; the published adapter holds safetensors and
+    # JSON only (nothing a consumer could unpickle), and the arguments are the train run's MLflow params.
+    (Path(spec.adapter_dir) / TRAINING_ARGS_NAME).unlink(missing_ok=True)
     if metrics:
         metrics.client.log_artifacts(result.mlflow_run_id, spec.adapter_dir, "adapter")
     final = Path(spec.work_dir) / "final"
