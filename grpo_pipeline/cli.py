@@ -313,6 +313,115 @@ def _print_data_report(report, version) -> None:
                   f"quarantine {version.quarantine}")
 
 
+@app.command("plan")
+def plan_cmd(
+    model: Annotated[Optional[str], typer.Option(help="known id (qwen2.5-7b, meta-llama/Llama-3.1-70B, ...), config.json or model dir; default: the --config's model.base")] = None,
+    quant: Annotated[str, typer.Option(help="none | nf4 | fp4 | int8")] = "none",
+    double_quant: Annotated[bool, typer.Option(help="nested 4-bit quantization")] = False,
+    lora_rank: Annotated[int, typer.Option(help="LoRA rank; 0 = full fine-tuning")] = 16,
+    targets: Annotated[str, typer.Option(help="LoRA targets: all-linear or q_proj,v_proj,...")] = "all-linear",
+    optimizer: Annotated[str, typer.Option(help="adamw_torch(_fused) | adamw_8bit | paged_adamw_8bit | paged_adamw_32bit")] = "adamw_torch_fused",
+    dtype: Annotated[str, typer.Option(help="bfloat16 | float16 | float32")] = "bfloat16",
+    batch: Annotated[int, typer.Option(help="effective batch: completions per optimizer step")] = 64,
+    num_generations: Annotated[int, typer.Option(help="completions per prompt")] = 8,
+    prompt_tokens: Annotated[int, typer.Option()] = 256,
+    completion_tokens: Annotated[int, typer.Option()] = 512,
+    steps: Annotated[int, typer.Option(help="optimizer steps")] = 500,
+    beta: Annotated[float, typer.Option(help="KL coefficient (full fine-tuning keeps a reference copy when > 0)")] = 0.0,
+    vllm: Annotated[bool, typer.Option(help="generate with colocated vLLM")] = False,
+    checkpointing: Annotated[str, typer.Option("--gradient-checkpointing", help="auto | on | off")] = "auto",
+    gpus: Annotated[Optional[str], typer.Option(help="allowed GPU types, comma-separated; default: the whole catalog")] = None,
+    spot: Annotated[bool, typer.Option("--spot/--on-demand")] = True,
+    budget: Annotated[Optional[float], typer.Option(help="refuse (exit 2) when the estimate is above this many USD")] = None,
+    catalog: Annotated[Optional[Path], typer.Option(help="YAML merged over configs/gpus.yaml")] = None,
+    mfu: Annotated[float, typer.Option(help="assumed model FLOPs utilisation")] = 0.35,
+    as_json: Annotated[bool, typer.Option("--json", help="print the plan as JSON")] = False,
+    config: ConfigOpt = None,
+    overrides: SetOpt = None,
+) -> None:
+    """GPU memory, GPU choice, batch settings, time and cost of a GRPO run, offline and without torch."""
+    from tasks import plan as planner  # pure Python: no torch, transformers or Prefect on this path
+
+    try:
+        if model is None:
+            _, cfg = _load(config, overrides)
+            result = planner.plan_stage(cfg)
+            budget = cfg.plan.budget_usd if budget is None else budget
+        else:
+            name, model_config = planner.load_model_config(model)
+            work = planner.Workload(
+                model=name, quantization=quant, double_quant=double_quant, dtype=dtype, lora_rank=lora_rank,
+                lora_targets=targets, optimizer=optimizer, prompt_tokens=prompt_tokens,
+                completion_tokens=completion_tokens, num_generations=num_generations, effective_batch=batch,
+                max_steps=steps, beta=beta, vllm=vllm,
+                gradient_checkpointing={"on": True, "off": False}.get(checkpointing, checkpointing),
+            )
+            result = planner.make_plan(model_config, work, planner.load_catalog(catalog), spot=spot,
+                                       allowed=gpus.split(",") if gpus else None, assumptions=planner.Assumptions(mfu=mfu))
+    except (ConfigError, ValueError) as exc:  # PlanError and pydantic's ValidationError included
+        err.print(f"[red]{exc}")
+        raise typer.Exit(EXIT_CONFIG) from None
+    if as_json:
+        print(json.dumps(result.report(), indent=2))
+    else:
+        for table in planner.plan_tables(result):
+            Console().print(table)
+    try:
+        planner.check_budget(result, budget)
+    except planner.BudgetExceeded as exc:
+        err.print(f"[red]{exc}")
+        raise typer.Exit(EXIT_CONFIG) from None
+
+
+@app.command("data")
+def data_cmd(
+    config: ConfigOpt = None,
+    overrides: SetOpt = None,
+    out: Annotated[Optional[Path], typer.Option(help="where versions go; default: <data_dir>/datasets")] = None,
+    tokenizer: Annotated[Optional[str], typer.Option(help="tokenizer dir for the token bounds; default: model.base when on disk")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print the report as JSON on stdout")] = False,
+) -> None:
+    """Build the dataset version (load, validate, dedup, split, decontaminate) and print its report."""
+    _, cfg = _load(config, overrides)
+    from tasks.data import DataQualityError, build_dataset, default_tokenizer
+
+    tok = tokenizer or default_tokenizer(cfg)
+    try:
+        version = build_dataset(cfg.data, out or cfg.data_dir / "datasets", tok, cfg.train.rewards)
+    except ConfigError as exc:
+        _fail(as_json, str(exc), EXIT_CONFIG)
+    except DataQualityError as exc:  # bad input: the report still says why
+        if as_json:
+            print(json.dumps({"status": "failed", "error": str(exc), "exit_code": EXIT_CONFIG,
+                              "report": exc.report.model_dump(mode="json")}))
+        else:
+            _print_data_report(exc.report, None)
+        err.print(f"[red]{exc}")
+        raise typer.Exit(EXIT_CONFIG) from None
+    if as_json:
+        print(json.dumps({"status": "completed", **version.model_dump(mode="json")}, indent=2))
+        raise typer.Exit(EXIT_OK)
+    _print_data_report(version.report, version)
+
+
+def _print_data_report(report, version) -> None:
+    out = Console()
+    table = Table(title=f"data: {report.source} ({report.rows_read} rows read, {report.seconds:.1f} s)")
+    table.add_column("rows")
+    table.add_column("count", justify="right")
+    for split, n in report.splits.items():
+        table.add_row(f"kept: {split}", str(n))
+    for reason, n in report.dropped.items():
+        table.add_row(f"dropped: {reason}", str(n))
+    table.add_row("dropped fraction", f"{report.dropped_fraction:.2%} (max {report.max_dropped_fraction:.0%})")
+    out.print(table)
+    for check, how in report.checks.items():
+        out.print(f"  {check}: {how}")
+    if version is not None:
+        out.print(f"fingerprint {version.fingerprint}; splits in {Path(version.splits['train']).parent}; "
+                  f"quarantine {version.quarantine}")
+
+
 @app.command("config")
 def show_config(config: ConfigOpt = None, overrides: SetOpt = None) -> None:
     """Print the resolved configuration (defaults + YAML + --set) as JSON."""

@@ -1,0 +1,321 @@
+"""The planner: shipped model configs, the seed's memory figures, monotonic properties, GPU choice, budget
+guard, actual cost and the `plan` command. Pure: no model, no torch."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tasks.plan import (
+    GIB, KNOWN_MODELS, Assumptions, BudgetExceeded, PlanError, Workload, actual_cost, architecture, check_budget,
+    estimate_memory, load_catalog, load_model_config, make_plan, plan_local,
+)
+
+GB = 1e9  # the seed states its figures in GB
+
+# Published parameter counts (model cards), in billions.
+PUBLISHED = {
+    "qwen2.5-0.5b": 0.49, "qwen2.5-1.5b": 1.54, "qwen2.5-3b": 3.09, "qwen2.5-7b": 7.61, "qwen2.5-14b": 14.7,
+    "qwen2.5-32b": 32.5, "qwen2.5-72b": 72.7, "llama-3.2-1b": 1.23, "llama-3.2-3b": 3.21, "llama-3.1-8b": 8.03,
+    "llama-3.1-70b": 70.6, "smollm2-135m": 0.135,
+}
+
+
+def cfg(name: str) -> dict:
+    return load_model_config(name)[1]
+
+
+@pytest.mark.parametrize("name", sorted(KNOWN_MODELS))
+def test_shipped_configs_have_the_published_sizes(name):
+    assert architecture(cfg(name)).params / 1e9 == pytest.approx(PUBLISHED[name], rel=0.015)
+
+
+def test_shipped_configs_are_valid_transformers_configs():
+    from transformers import AutoConfig
+
+    for name in KNOWN_MODELS:
+        c = cfg(name)
+        hf = AutoConfig.for_model(**c)
+        assert (hf.hidden_size, hf.num_hidden_layers, hf.num_key_value_heads) == (
+            c["hidden_size"], c["num_hidden_layers"], c["num_key_value_heads"])
+
+
+def test_models_by_hub_id_path_and_directory(tmp_path):
+    assert load_model_config("meta-llama/Llama-3.1-70B-Instruct")[0] == "llama-3.1-70b"
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg("qwen2.5-0.5b")))
+    assert load_model_config(str(tmp_path / "m"))[1]["hidden_size"] == 896
+    assert load_model_config(str(tmp_path / "m" / "config.json"))[1]["hidden_size"] == 896
+    with pytest.raises(PlanError, match="config.json path"):
+        load_model_config("org/unknown-model")
+    with pytest.raises(PlanError, match="mixture-of-experts"):
+        architecture({**cfg("qwen2.5-0.5b"), "num_local_experts": 8})
+
+
+# --- the seed's figures: 7B FP16 + LoRA 25-38 GB (14 weights, 0.5-4 adapters, 8-16 optimizer, 2-4 activations)
+
+SEVEN_B = dict(quantization="none", dtype="bfloat16", lora_rank=16, lora_targets="all-linear",
+               optimizer="adamw_torch", gradient_checkpointing=True, per_device_batch=8, prompt_tokens=256,
+               completion_tokens=512)
+
+
+def test_7b_weights_match_the_seed_per_parameter():
+    est = estimate_memory(cfg("qwen2.5-7b"), **SEVEN_B)
+    # 2 bytes per parameter: the seed's 14 GB is a 7.0 B model; Qwen2.5-7B has 7.62 B parameters
+    assert est.weights == pytest.approx(2 * est.params, rel=1e-9)
+    assert 14 * GB <= est.weights <= 16 * GB
+
+
+@pytest.mark.parametrize("rank", [16, 64])
+def test_7b_adapter_training_state_is_in_the_seeds_adapter_range(rank):
+    est = estimate_memory(cfg("qwen2.5-7b"), **{**SEVEN_B, "lora_rank": rank})
+    # weights alone are 4 bytes per adapter parameter (0.16 GB at r=16); with their gradients and AdamW
+    # states it is 16 bytes per parameter: 0.65 GB at r=16, 2.6 GB at r=64
+    assert 0.5 * GB <= est.adapter + est.gradients + est.optimizer <= 4 * GB
+
+
+@pytest.mark.parametrize("completion", [256, 512])
+def test_7b_activations_with_checkpointing_are_in_the_seeds_range(completion):
+    est = estimate_memory(cfg("qwen2.5-7b"), **{**SEVEN_B, "completion_tokens": completion})
+    assert 2 * GB <= est.activations <= 4 * GB
+
+
+def test_seed_optimizer_figure_is_full_model_optimizer_state_not_lora():
+    lora = estimate_memory(cfg("qwen2.5-7b"), **SEVEN_B)
+    assert lora.optimizer < 0.5 * GB  # AdamW over 40 M adapter parameters: 0.32 GB
+    full_8bit = estimate_memory(cfg("qwen2.5-7b"), **{**SEVEN_B, "lora_rank": 0, "optimizer": "adamw_8bit"})
+    assert 8 * GB <= full_8bit.optimizer <= 16 * GB  # 2 bytes x 7.62 B parameters: where 8-16 GB comes from
+    # with that optimizer figure in place of the adapter's, the total lands in the seed's 25-38 GB
+    assert 25 * GB <= lora.total - lora.optimizer + full_8bit.optimizer <= 38 * GB
+    # as LoRA actually trains, the 7B run needs ~21 GB
+    assert 19 * GB <= lora.total <= 23 * GB
+
+
+def test_70b_qlora_against_the_seeds_76_to_86_gb():
+    seventy = cfg("llama-3.1-70b")
+    common = dict(quantization="nf4", dtype="bfloat16", lora_rank=16, gradient_checkpointing=True, prompt_tokens=256)
+    default = estimate_memory(seventy, **common, per_device_batch=8, completion_tokens=512)
+    assert 55 * GB <= default.total <= 64 * GB  # 42.7 GB of 4-bit weights + 12.9 GB activations + the rest
+    # the seed's range is what 16 sequences of 1024 tokens per micro-batch need: 34 GB of activations
+    long = estimate_memory(seventy, **common, per_device_batch=16, completion_tokens=768)
+    assert 76 * GB <= long.total <= 86 * GB
+
+
+def test_quantization_orders_the_weights():
+    sizes = [estimate_memory(cfg("qwen2.5-7b"), quantization=q, double_quant=dq).weights
+             for q, dq in (("none", False), ("int8", False), ("nf4", False), ("nf4", True))]
+    assert sizes == sorted(sizes, reverse=True)
+    assert estimate_memory(cfg("qwen2.5-7b"), dtype="float32").weights == pytest.approx(2 * sizes[0], abs=1)
+
+
+def test_full_fine_tuning_and_reference_model():
+    c = cfg("qwen2.5-0.5b")
+    full = estimate_memory(c, lora_rank=0, beta=0.0)
+    assert full.trainable_params == full.params and full.gradients == full.weights
+    assert estimate_memory(c, lora_rank=0, beta=0.04).reference == full.weights
+    assert estimate_memory(c, lora_rank=16, beta=0.04).reference == 0  # the adapter-disabled base is the reference
+    with pytest.raises(PlanError, match="quantized"):
+        estimate_memory(c, lora_rank=0, quantization="nf4")
+
+
+def test_vllm_share_replaces_the_transformers_kv_cache():
+    c = cfg("qwen2.5-7b")
+    hf, vl = estimate_memory(c), estimate_memory(c, vllm=True)
+    assert vl.kv_cache == 0 and hf.kv_cache > 0
+    assert vl.vllm > hf.weights  # its own copy of the weights, the KV pool and ~1 GiB of graphs
+
+
+def test_sharding_divides_persistent_state():
+    c = cfg("llama-3.1-70b")
+    one, four = estimate_memory(c, quantization="nf4"), estimate_memory(c, quantization="nf4", shards=4)
+    assert four.weights == pytest.approx(one.weights / 4, rel=1e-6) and four.activations == one.activations
+
+
+# --- monotonic properties
+
+SETTINGS = dict(
+    rank=st.integers(1, 256), batch=st.integers(1, 64), prompt=st.integers(0, 4096), completion=st.integers(1, 4096),
+    quant=st.sampled_from(["none", "nf4", "fp4", "int8"]), ckpt=st.booleans(), vllm=st.booleans(),
+    model=st.sampled_from(sorted(KNOWN_MODELS)),
+)
+
+
+def _est(model, quant, rank, batch, prompt, completion, ckpt, vllm):
+    return estimate_memory(cfg(model), quantization=quant, lora_rank=rank, per_device_batch=batch,
+                           prompt_tokens=prompt, completion_tokens=completion, gradient_checkpointing=ckpt, vllm=vllm)
+
+
+@settings(max_examples=150, deadline=None)
+@given(**SETTINGS, more=st.integers(1, 64))
+def test_more_rank_batch_or_context_never_lowers_memory(model, quant, rank, batch, prompt, completion, ckpt, vllm, more):
+    base = _est(model, quant, rank, batch, prompt, completion, ckpt, vllm).total
+    assert _est(model, quant, rank + more, batch, prompt, completion, ckpt, vllm).total >= base
+    assert _est(model, quant, rank, batch + more, prompt, completion, ckpt, vllm).total >= base
+    assert _est(model, quant, rank, batch, prompt + more, completion, ckpt, vllm).total >= base
+    assert _est(model, quant, rank, batch, prompt, completion + more, ckpt, vllm).total >= base
+
+
+@settings(max_examples=150, deadline=None)
+@given(**{k: v for k, v in SETTINGS.items() if k != "ckpt"})
+def test_gradient_checkpointing_never_raises_memory(model, quant, rank, batch, prompt, completion, vllm):
+    on = _est(model, quant, rank, batch, prompt, completion, True, vllm)
+    off = _est(model, quant, rank, batch, prompt, completion, False, vllm)
+    assert on.total <= off.total and on.activations <= off.activations
+
+
+@settings(max_examples=100, deadline=None)
+@given(hidden_heads=st.sampled_from([(512, 8), (1024, 16), (2048, 16), (4096, 32)]), layers=st.integers(2, 96),
+       kv=st.sampled_from([1, 2, 4, 8]), mult=st.integers(2, 6), vocab=st.integers(1000, 260000),
+       rank=st.integers(1, 128), batch=st.integers(1, 32), tokens=st.integers(16, 8192))
+def test_properties_hold_for_any_dense_architecture(hidden_heads, layers, kv, mult, vocab, rank, batch, tokens):
+    hidden, heads = hidden_heads
+    c = {"hidden_size": hidden, "intermediate_size": hidden * mult, "num_hidden_layers": layers,
+         "num_attention_heads": heads, "num_key_value_heads": kv, "vocab_size": vocab}
+    kw = dict(per_device_batch=batch, completion_tokens=tokens)
+    assert estimate_memory(c, gradient_checkpointing=True, lora_rank=rank, **kw).total <= estimate_memory(
+        c, gradient_checkpointing=False, lora_rank=rank, **kw).total
+    assert estimate_memory(c, lora_rank=rank + 1, **kw).total >= estimate_memory(c, lora_rank=rank, **kw).total
+
+
+# --- choosing a GPU
+
+
+def test_plan_picks_the_cheapest_option_and_splits_the_batch():
+    work = Workload(model="qwen2.5-7b", quantization="nf4", effective_batch=64, num_generations=8)
+    plan = make_plan(cfg("qwen2.5-7b"), work)
+    fitting = [o for o in plan.options if o.fits]
+    assert plan.estimate.usd == min(o.usd for o in fitting)
+    s = plan.settings
+    assert s.per_device_train_batch_size * s.gradient_accumulation_steps * s.count == 64
+    assert (s.per_device_train_batch_size * s.count * s.steps_per_generation) % 8 == 0
+    assert plan.memory.total <= plan.options[[o.gpu for o in plan.options].index(s.gpu)].capacity_gib * GIB
+    assert plan.estimate.spot_usd < plan.estimate.on_demand_usd and plan.estimate.pricing == "spot"
+    assert plan.estimate.monthly_usd == pytest.approx(30 * plan.estimate.usd)
+
+
+def test_plan_respects_allowed_gpus_and_shards_when_one_is_too_small():
+    plan = make_plan(cfg("llama-3.1-70b"), Workload(model="llama-3.1-70b", quantization="nf4"), allowed=["L4"])
+    assert plan.settings.gpu == "L4" and plan.settings.count > 1 and plan.settings.strategy == "fsdp"
+    assert [o.gpu for o in plan.options] == ["L4"]
+
+
+def test_nothing_fits_says_what_to_change():
+    with pytest.raises(PlanError, match="needs at least .* GiB per GPU.*model.quantization=nf4"):
+        make_plan(cfg("qwen2.5-72b"), Workload(model="qwen2.5-72b", lora_rank=0, optimizer="adamw_torch"),
+                  allowed=["A10G"], assumptions=Assumptions(max_gpus=1))
+    with pytest.raises(PlanError, match="multiple of num_generations"):
+        make_plan(cfg("qwen2.5-0.5b"), Workload(model="x", effective_batch=20, num_generations=8))
+
+
+def test_checkpointing_auto_turns_on_only_when_needed():
+    small = make_plan(cfg("qwen2.5-0.5b"), Workload(model="q", completion_tokens=256), allowed=["H100"])
+    assert small.settings.gradient_checkpointing is False
+    big = make_plan(cfg("qwen2.5-7b"), Workload(model="q"), allowed=["A10G"])
+    assert big.settings.gradient_checkpointing is True
+
+
+def test_faster_gpus_take_less_time_and_h100_beats_a100_on_time():
+    work = Workload(model="qwen2.5-7b", quantization="nf4")
+    plan = make_plan(cfg("qwen2.5-7b"), work, allowed=["A100-80GB", "H100"])
+    hours = {o.gpu: o.hours for o in plan.options}
+    assert hours["H100"] < hours["A100-80GB"]
+
+
+def test_budget_guard_refuses_with_the_estimate():
+    plan = make_plan(cfg("qwen2.5-7b"), Workload(model="qwen2.5-7b", quantization="nf4", max_steps=2000))
+    check_budget(plan, None)
+    check_budget(plan, plan.estimate.usd + 0.01)
+    with pytest.raises(BudgetExceeded, match=rf"\${plan.estimate.usd:,.2f} \(spot, 1x {plan.settings.gpu}"):
+        check_budget(plan, plan.estimate.usd / 2)
+
+
+def test_actual_cost_is_gpu_hours_times_the_chosen_price():
+    c = cfg("qwen2.5-0.5b")
+    spot = make_plan(c, Workload(model="q", max_steps=10), allowed=["A100-80GB"], spot=True)
+    od = make_plan(c, Workload(model="q", max_steps=10), allowed=["A100-80GB"], spot=False)
+    gpu = load_catalog().gpus["A100-80GB"]
+    assert actual_cost(3.0, spot) == pytest.approx(3.0 * gpu.spot_usd_h)
+    assert actual_cost(3.0, od) == pytest.approx(3.0 * gpu.on_demand_usd_h)
+    assert actual_cost(None, od) == 0.0
+
+
+def test_local_cpu_is_explicit_and_free():
+    plan = plan_local(cfg("smollm2-135m"), Workload(model="s", dtype="float32", effective_batch=16),
+                      per_device_batch=16, gradient_accumulation=1, gradient_checkpointing=False)
+    assert plan.settings.gpu == "local-cpu" and plan.estimate.usd == 0 and plan.estimate.hours is None
+    assert actual_cost(5.0, plan) == 0.0
+    assert any("cost 0 USD" in n for n in plan.notes)
+
+
+def test_catalog_override_merges_field_by_field(tmp_path):
+    user = tmp_path / "gpus.yaml"
+    user.write_text("as_of: '2030-01'\ngpus:\n  H100: {spot_usd_h: 0.5}\n  MI300X: {memory_gib: 192, bf16_tflops: 1307,"
+                    " bandwidth_tbs: 5.3, on_demand_usd_h: 4.0, spot_usd_h: 2.0}\n")
+    catalog = load_catalog(user)
+    assert catalog.as_of == "2030-01" and catalog.gpus["H100"].spot_usd_h == 0.5
+    assert catalog.gpus["H100"].memory_gib == load_catalog().gpus["H100"].memory_gib
+    assert catalog.get("mi300x").memory_gib == 192
+    with pytest.raises(PlanError, match="not found"):
+        load_catalog(tmp_path / "missing.yaml")
+    (tmp_path / "bad.yaml").write_text("gpus:\n  H100: {memory_gib: -1}\n")
+    with pytest.raises(PlanError, match="invalid"):
+        load_catalog(tmp_path / "bad.yaml")
+
+
+# --- the pipeline config and the CLI
+
+
+def test_plan_from_the_pipeline_config(tiny_config):
+    from tasks.plan import plan_for_config
+
+    local = plan_for_config(tiny_config(), cfg("smollm2-135m"), "smollm2-135m")
+    assert local.settings.gpu == "local-cpu" and local.estimate.usd == 0
+    sky = tiny_config("train.launcher=sky", "model.compute_dtype=bfloat16", "train.grpo.max_steps=100",
+                      "train.sky.accelerators=[L4:1, A10G:1]", "plan.spot=false")
+    p = plan_for_config(sky, cfg("qwen2.5-1.5b"), "qwen2.5-1.5b")
+    assert p.settings.gpu in ("L4", "A10G") and p.estimate.pricing == "on-demand"
+    assert {o.gpu for o in p.options} == {"L4", "A10G"}
+    no_steps = tiny_config("train.launcher=sky")
+    with pytest.raises(PlanError, match="max_steps"):
+        plan_for_config(no_steps, cfg("qwen2.5-1.5b"), "q")
+
+
+def _cli(*args: str) -> tuple[subprocess.CompletedProcess, float]:
+    started = time.perf_counter()
+    code = ("import sys; from grpo_pipeline.cli import app; app(sys.argv[1:]) if False else None;"
+            "from typer.main import get_command; cmd = get_command(app);"
+            "rc = cmd.main(sys.argv[1:], standalone_mode=False) or 0;"
+            "heavy = [m for m in ('torch', 'transformers', 'prefect', 'trl') if m in sys.modules];"
+            "sys.exit(90 if heavy else rc)")
+    proc = subprocess.run([sys.executable, "-c", code, "plan", *args], capture_output=True, text=True)
+    return proc, time.perf_counter() - started
+
+
+@pytest.mark.parametrize("model", ["qwen2.5-7b", "meta-llama/Llama-3.1-70B-Instruct"])
+def test_cli_plan_answers_in_under_two_seconds_without_torch(model):
+    proc, seconds = _cli("--model", model, "--quant", "nf4", "--lora-rank", "16", "--json")
+    assert proc.returncode == 0, proc.stderr  # 90: torch, transformers or Prefect was imported
+    out = json.loads(proc.stdout)
+    assert out["settings"]["gpu"] and out["memory_gib"]["total"] > 5 and out["estimate"]["usd"] > 0
+    assert seconds < 2.0
+
+
+def test_cli_plan_refuses_bad_input_and_budget_with_exit_2():
+    from typer.testing import CliRunner
+
+    from grpo_pipeline.cli import app
+
+    runner = CliRunner()
+    unknown = runner.invoke(app, ["plan", "--model", "org/nope"])
+    assert unknown.exit_code == 2 and "config.json" in unknown.output
+    over = runner.invoke(app, ["plan", "--model", "qwen2.5-7b", "--budget", "0.5"])
+    assert over.exit_code == 2 and "exceeds plan.budget_usd = $0.50" in over.output
+    table = runner.invoke(app, ["plan", "--model", "qwen2.5-7b", "--quant", "nf4", "--gpus", "H100"])
+    assert table.exit_code == 0 and "activations" in table.output and "H100" in table.output
