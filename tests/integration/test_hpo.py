@@ -12,8 +12,9 @@ import pytest
 import yaml
 
 from grpo_pipeline.config import load_config
-from tasks.hpo import apply_best, open_study, storage_url
+from tasks.hpo import apply_best, open_study, search, storage_url
 from tasks.train import build_job_spec
+from tests.unit.test_hpo import _quick
 
 pytestmark = pytest.mark.integration
 
@@ -88,3 +89,14 @@ def test_search_prunes_fails_one_trial_only_and_feeds_the_best_to_training(tmp_p
     best = apply_best(cfg, result["overrides"])
     spec = build_job_spec(best, str(cfg.model.base), tiny_splits, tmp_path / "run", None)
     assert (spec.train.lora["r"], spec.train.lora["lora_alpha"], spec.train.grpo["learning_rate"]) == (8, 16, 2e-3)
+
+
+def test_the_study_lives_in_postgresql_when_configured(tmp_path):
+    from infra.services import postgres
+
+    with postgres(tmp_path / "pg", "optuna") as url:
+        c = load_config(None, [f"data_dir={tmp_path}", f"hpo.storage={url}", "hpo.study_name=pg", "hpo.trials=2"])
+        result = search(c, "m", {}, tmp_path, run_one=_quick([0.4, 0.7]))  # no training: the storage is what is tested
+        assert result.storage.startswith("postgresql") and result.best_value == 0.7
+        assert len(optuna.load_study(study_name="pg", storage=url).trials) == 2
+        assert not (tmp_path / "optuna.db").exists()

@@ -1,0 +1,145 @@
+"""The search's pure parts and its study bookkeeping (storage, budget, warm start, failure summary), with no
+trainer: `search` takes the function that runs one trial, and these tests hand it a quick one."""
+
+import optuna
+import pytest
+
+from grpo_pipeline.config import ConfigError, load_config
+from tasks.hpo import (
+    HPOFailed,
+    TrialFailed,
+    TrialOutcome,
+    apply_best,
+    open_study,
+    search,
+    storage_url,
+    suggest,
+    to_overrides,
+    trial_config,
+)
+
+
+@pytest.fixture
+def cfg(tmp_path):
+    def make(*overrides):
+        return load_config(None, [f"data_dir={tmp_path}", "hpo.study_name=s-{date}", *overrides])
+
+    return make
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("hpo.space.learning_rate={low: 0, high: 1.0e-3, log: true}", "hpo.space.learning_rate: a log-scale range needs low > 0"),
+        ("hpo.space.learning_rate={low: 1.0e-3, high: 1.0e-4}", "low (0.001) must be below high (0.0001)"),
+        ("hpo.space.lora_r={choices: [0, 8]}", "hpo.space.lora_r: 0 is out of range; it must be >= 1"),
+        ("hpo.space.lora_r={choices: [4.5]}", "hpo.space.lora_r: 4.5 is not an integer"),
+        ("hpo.space.temperature={low: 0.7}", "give low and high (a range) or choices (a list)"),
+        ("hpo.space.num_generations={choices: [3, 4]}", "[3] do not divide the generation batch (8 completions)"),
+        ("hpo.steps=7", "steps (7) must be a multiple of eval_every (5)"),
+        ("hpo.pruner=threshold", "pruner 'threshold' needs prune_below"),
+        ("hpo.storage=optuna.db", "is not a database URL"),
+        ("hpo.study_name=x-{day}", "the only placeholder is {date}"),
+        ("hpo.space={lora_r: null, lora_alpha_ratio: null, learning_rate: null}", "nothing to search"),
+    ],
+)
+def test_invalid_search_settings_fail_validation_with_the_field_and_the_fix(override, message):
+    with pytest.raises(ConfigError, match=None) as err:
+        load_config(None, ["train.grpo.per_device_train_batch_size=8", override])
+    assert message in str(err.value)
+
+
+def test_parameters_become_training_overrides_and_a_trial_config(cfg):
+    base = cfg("hpo.space.beta={low: 0.0, high: 0.1}", "hpo.space.num_generations={choices: [4, 8]}",
+               "train.grpo.per_device_train_batch_size=16", "train.max_restarts=3", "train.early_stopping_patience=2")
+    params = suggest(optuna.trial.FixedTrial(
+        {"lora_r": 32, "lora_alpha_ratio": 2, "learning_rate": 5e-4, "beta": 0.02, "num_generations": 4}), base.hpo.space)
+    overrides = to_overrides(params, base)
+    assert overrides == {"train.lora.r": 32, "train.lora.lora_alpha": 64, "train.grpo.learning_rate": 5e-4,
+                         "train.grpo.beta": 0.02, "train.grpo.num_generations": 4}
+
+    best = apply_best(base, overrides)
+    assert best.train.lora["r"] == 32 and best.train.grpo["num_generations"] == 4
+    assert base.train.lora.get("r") is None  # pure: the input is untouched
+
+    trial = trial_config(base, overrides).train
+    assert trial.grpo["max_steps"] == base.hpo.steps and trial.grpo["eval_steps"] == base.hpo.eval_every
+    assert trial.grpo["per_device_eval_batch_size"] % base.hpo.eval_generations == 0
+    assert (trial.max_restarts, trial.early_stopping_patience) == (0, None)  # a crash is a result; the pruner decides
+
+    sky = trial_config(cfg("train.launcher=sky", "train.sky.accelerators=[H100:1]"), {}).train.sky
+    assert (sky.task_yaml, sky.accelerators) == ("sky/hpo-trial.yaml", None)
+
+
+def test_apply_best_validates_what_it_applies(cfg):
+    with pytest.raises(Exception, match="learnin_rate"):
+        apply_best(cfg(), {"train.grpo.learnin_rate": 1e-4})
+
+
+def _quick(values):
+    """A trial runner that returns the next value (a number, 'prune' or 'crash') without training."""
+    values = iter(values)
+
+    def run_one(trial, cfg, model_path, splits, run_dir, tracking):
+        suggest(trial, cfg.hpo.space)
+        value = next(values)
+        if value == "crash":
+            trial.set_user_attr("reason", "trainer exited with code 1 ... ValueError: boom")
+            raise TrialFailed("boom")
+        if value == "prune":
+            trial.report(0.0, 1)
+            trial.set_user_attr("reason", "pruned at step 1")
+            return TrialOutcome(value=None, pruned_at=1, steps=1)
+        return TrialOutcome(value=value, steps=cfg.hpo.steps)
+
+    return run_one
+
+
+def test_the_study_resumes_with_the_rest_of_its_budget(cfg, tmp_path):
+    c = cfg("hpo.trials=3")
+    with pytest.raises(KeyboardInterrupt):  # the search process dies after one trial
+        search(c, "m", {}, tmp_path, run_one=_dies_after(1))
+    result = search(c, "m", {}, tmp_path, run_one=_quick([0.9]))  # the budget left: 3 - 2 finished
+    stored = optuna.load_study(study_name=result.study_name, storage=storage_url(c))
+    assert [t.state.name for t in stored.trials] == ["COMPLETE", "FAIL", "COMPLETE"]
+    assert (result.best_value, result.best_trial) == (0.9, 2)
+
+
+def _dies_after(n):
+    count = {"n": 0}
+
+    def run_one(trial, cfg, model_path, splits, run_dir, tracking):
+        suggest(trial, cfg.hpo.space)
+        count["n"] += 1
+        if count["n"] > n:
+            raise KeyboardInterrupt
+        return TrialOutcome(value=0.1, steps=cfg.hpo.steps)
+
+    return run_one
+
+
+def test_a_new_study_is_warm_started_from_earlier_studies_of_the_same_model(cfg):
+    first = cfg("hpo.study_name=day-1", "hpo.trials=2")
+    search(first, "m", {}, first.data_dir, run_one=_quick([0.3, 0.8]))
+    best = optuna.load_study(study_name="day-1", storage=storage_url(first)).best_params
+
+    other_model = cfg("hpo.study_name=other", "model.base=org/other-model")
+    assert not [t for t in open_study(other_model).trials if t.state.name == "WAITING"]
+    narrower = cfg("hpo.study_name=narrow", "hpo.space.learning_rate={low: 2.0e-3, high: 3.0e-3, log: true}")
+    assert not [t for t in open_study(narrower).trials if t.state.name == "WAITING"]  # best lies outside
+
+    second = open_study(cfg("hpo.study_name=day-2"))
+    waiting = [t for t in second.trials if t.state.name == "WAITING"]
+    assert len(waiting) == 1
+    trial = second.ask()
+    assert suggest(trial, first.hpo.space) == best
+
+
+def test_when_no_trial_completes_the_stage_fails_with_each_reason(cfg, tmp_path):
+    with pytest.raises(HPOFailed) as err:
+        search(cfg("hpo.trials=2"), "m", {}, tmp_path, run_one=_quick(["crash", "prune"]))
+    message = str(err.value)
+    assert "trial 0: FAIL: trainer exited with code 1 ... ValueError: boom" in message
+    assert "trial 1: PRUNED: pruned at step 1" in message
+    assert "not used silently" in message
+
