@@ -193,7 +193,7 @@ class ModelConfig(StrictModel):
         description="bases to choose from (same forms as base), each scored zero-shot on val and priced; empty: just base",
     )
     max_quantization_cost: QuantizationBound | None = Field(
-        None, description="measure quantized against unquantized on val and refuse the mode past these bounds; None: off"
+        None, description="refuse a quantization mode whose measured cost (quantized vs unquantized on val) passes these; None: measure and log only"
     )
 
     @field_validator("base")

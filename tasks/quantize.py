@@ -64,16 +64,18 @@ class QuantizationCost(BaseModel):
         }
 
 
-def judge(full: Measurement, quant: Measurement, mode: str, bound: QuantizationBound, *, n_rows: int,
+def judge(full: Measurement, quant: Measurement, mode: str, bound: QuantizationBound | None, *, n_rows: int,
           double_quant: bool = False, compute_dtype: str = "float32") -> QuantizationCost:
-    """Compare the two measurements against the bound (pure)."""
+    """Compare the two measurements against the bound (pure); no bound accepts whatever was measured."""
     drop = full.reward - quant.reward
     ratio = quant.perplexity / full.perplexity if full.perplexity > 0 else math.inf
     reasons = []
-    if drop > bound.max_reward_drop:
+    if bound is None:
+        pass
+    elif drop > bound.max_reward_drop:
         reasons.append(f"reward drops by {drop:.3f} ({full.reward:.3f} -> {quant.reward:.3f}), "
                        f"more than max_reward_drop={bound.max_reward_drop:g}")
-    if ratio > bound.max_perplexity_ratio:
+    if bound is not None and ratio > bound.max_perplexity_ratio:
         reasons.append(f"perplexity grows {ratio:.2f}x ({full.perplexity:.2f} -> {quant.perplexity:.2f}), "
                        f"more than max_perplexity_ratio={bound.max_perplexity_ratio:g}")
     return QuantizationCost(
@@ -132,13 +134,15 @@ def measure_quantization_cost(
 ) -> QuantizationCost | None:
     """Quantized (`model_cfg.quantization`) against unquantized on the first `bound.rows` val rows.
 
-    None when the base is not quantized (nothing to measure). Never raises for a refused mode: the
-    result says so (`accepted`, `reasons`), so it can be logged first; `require_accepted` then refuses.
+    The bound is `bound`, else `model.max_quantization_cost`; with neither the cost is measured (on
+    QuantizationBound().rows rows) and reported but nothing is refused. None when the base is not
+    quantized (nothing to measure). Never raises for a refused mode: the result says so (`accepted`,
+    `reasons`), so it can be logged first; `require_accepted` then refuses.
     """
     if model_cfg.quantization == "none":
         return None
-    bound = bound or model_cfg.max_quantization_cost or QuantizationBound()
-    rows = read_jsonl(val_file)[: bound.rows]
+    bound = bound or model_cfg.max_quantization_cost
+    rows = read_jsonl(val_file)[: (bound or QuantizationBound()).rows]
     if not rows:
         raise ValueError(f"{val_file} has no rows to measure quantization on; raise data.demo.n_val")
     full = measure(model_path, model_cfg.model_copy(update={"quantization": "none"}), rows, rewards, eval_cfg)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from grpo_pipeline.config import QuantizationBound, load_config
-from tasks.quantize import QuantizationRefused, measure_quantization_cost, require_accepted
+from tasks.quantize import QuantizationRefused, judge, measure_quantization_cost, require_accepted
 from tasks.select import SelectionError, select_base_model
 
 pytestmark = pytest.mark.integration
@@ -38,6 +38,10 @@ def test_a_tight_bound_refuses_the_mode_with_the_figures(nf4_cost):
     assert not nf4_cost.accepted and any("perplexity grows" in r for r in nf4_cost.reasons)
     with pytest.raises(QuantizationRefused, match="model.quantization=nf4 refused on 4 val rows: perplexity grows"):
         require_accepted(nf4_cost)
+    # without a configured bound the same figures are reported and nothing is refused
+    unbounded = judge(nf4_cost.unquantized, nf4_cost.quantized, "nf4", None, n_rows=4)
+    assert unbounded.accepted and unbounded.perplexity_ratio == nf4_cost.perplexity_ratio
+    require_accepted(unbounded)
 
 
 def test_nothing_to_measure_without_quantization(tiny_model, tiny_splits, tiny_config):
