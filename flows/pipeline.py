@@ -32,7 +32,10 @@ from tasks.demo_task import demo_data_task, fingerprint
 from tasks.evaluate import EvalResult, evaluate_task, read_jsonl
 from tasks.merge import merge_task
 from tasks.model import resolve_model_task
+from tasks.plan import actual_cost, check_budget, plan_task
+from tasks.quantize import quantization_cost_task, require_accepted
 from tasks.registry import CHAMPION, ChampionMoved, Registry, RegistryError
+from tasks.select import select_task
 from tasks.report import artifact_url, plot_comparison, render_markdown
 from tasks.train import build_job_spec, preflight, train_task
 
@@ -100,6 +103,19 @@ def _run_dir(cfg: PipelineConfig) -> Path:
     return cfg.data_dir / "runs" / f"{started:%Y%m%d-%H%M%S}-{(flow_run.id or 'local')[:8]}"
 
 
+def _choose_base(cfg: PipelineConfig, val: Path) -> tuple[PipelineConfig, str]:
+    """The base model: the best of `model.candidates` on the val split within memory and budget, or `model.base`."""
+    if not cfg.model.candidates:
+        model_path = resolve_model_task(cfg.model, cfg.data_dir / "models")
+    else:
+        selection = _resumable(select_task)(cfg, val, cfg.data_dir / "models")
+        mlflow.log_table(selection.table(), "base_selection.json")
+        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"base": selection.chosen})})
+        model_path = selection.chosen_path
+    mlflow.log_params({"base": cfg.model.base, "path": model_path, "quantization": cfg.model.quantization})
+    return cfg, model_path
+
+
 def _log_eval(result: EvalResult, name: str) -> None:
     mlflow.log_metrics({"reward": result.reward, **{f"reward/{k}": v for k, v in result.per_reward.items()},
                         **result.metrics})
@@ -144,14 +160,27 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
             splits = _resumable(demo_data_task)(cfg.data.demo, run_dir / "data")
             mlflow.log_params({f"rows_{k}": len(Path(v).read_text().splitlines()) for k, v in splits.items()})
         with _stage(parent_id, "model"):
-            model_path = resolve_model_task(cfg.model, cfg.data_dir / "models")
-            mlflow.log_params({"base": cfg.model.base, "path": model_path, "quantization": cfg.model.quantization})
+            cfg, model_path = _choose_base(cfg, splits["val"])
+            quantization = _resumable(quantization_cost_task)(
+                model_path, cfg.model, splits["val"], rewards, cfg.evaluate
+            )
+            if quantization:
+                mlflow.log_metrics(quantization.metrics())
+                mlflow.log_dict(quantization.model_dump(mode="json"), "quantization_cost.json")
+            require_accepted(quantization)  # logged first, then refused
+        with _stage(parent_id, "plan"):
+            plan = plan_task(cfg, model_path)
+            mlflow.log_params(plan.summary())
+            mlflow.log_dict(plan.report(), "plan.json")
+            check_budget(plan, cfg.plan.budget_usd)  # before any training compute is spent
         with _stage(parent_id, "evaluate-base"):
             base = _resumable(evaluate_task)(model_path, cfg.model, splits["holdout"], rewards, cfg.evaluate)
             _log_eval(base, "base")
 
         train_run_id = _child_run(parent_id, "train") or create_child_run(exp_id, parent_id, "train")
         result = _resumable(train_task)(build_job_spec(cfg, model_path, splits, run_dir, train_run_id))
+        cost = {"cost_usd_estimated": plan.estimate.usd, "cost_usd_actual": actual_cost(result.gpu_hours, plan)}
+        mlflow.log_metrics(cost)
 
         with _stage(parent_id, "evaluate-candidate"):
             trained = _resumable(evaluate_task)(
@@ -202,6 +231,8 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
             }
             | ({"champion_reward": champion.reward, "champion": champion.per_reward | champion.metrics} if champion else {}),
             "train": result.model_dump(exclude={"metrics"}) | {"metrics": result.metrics},
+            "plan": plan.summary(),
+            "cost": cost,
             "merge": merged,
             "decision": decision.model_dump(),
             "registry": {

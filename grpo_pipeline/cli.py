@@ -72,7 +72,7 @@ def run(
 
     try:
         summary = grpo_pipeline(config_path=str(path), overrides=list(overrides or []))
-    except (ModelNotFound, CheckpointStoreError, SkyPreflightError) as exc:
+    except (ConfigError, ModelNotFound, CheckpointStoreError, SkyPreflightError) as exc:  # incl. budget, quantization
         _fail(as_json, str(exc), EXIT_CONFIG)
     except ChampionMoved as exc:
         _fail(as_json, str(exc), EXIT_CHAMPION_MOVED)
@@ -175,7 +175,7 @@ def hpo(
 
     try:
         result = hpo_flow(config_path=str(path), overrides=extra)
-    except (ModelNotFound, CheckpointStoreError, SkyPreflightError) as exc:
+    except (ConfigError, ModelNotFound, CheckpointStoreError, SkyPreflightError) as exc:
         _fail(as_json, str(exc), EXIT_CONFIG)
     except HPOFailed as exc:
         _fail(as_json, str(exc), EXIT_FAILED)

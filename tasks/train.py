@@ -16,7 +16,12 @@ SHOWN_METRICS = ("reward", "reward_std", "loss", "completions/mean_length", "ste
 
 
 def preflight(cfg: PipelineConfig) -> None:
-    """Fail before any work is done when the checkpoint store, or SkyPilot, cannot do what the run needs."""
+    """Fail before any work is done when the run would pass its budget, or when the checkpoint store or
+    SkyPilot cannot do what the run needs. (The plan stage checks the budget again for the chosen base.)"""
+    if cfg.plan.budget_usd is not None:
+        from tasks.plan import check_budget, plan_stage
+
+        check_budget(plan_stage(cfg), cfg.plan.budget_usd)
     if cfg.train.launcher == "sky":
         from infra.launch.skypilot import preflight as sky_preflight
 

@@ -52,7 +52,9 @@ def test_run_json_summary_and_mlflow_lineage(tmp_path, tiny_yaml):
     children = client.search_runs([summary["mlflow"]["experiment_id"]],
                                   filter_string=f"tags.mlflow.parentRunId = '{parent}'")
     by_name = {r.info.run_name: r for r in children}
-    assert set(by_name) == {"data", "model", "evaluate-base", "train", "evaluate-candidate", "decide"}
+    assert set(by_name) == {"data", "model", "plan", "evaluate-base", "train", "evaluate-candidate", "decide"}
+    assert by_name["plan"].data.params["plan_pricing"] == "local"  # a CPU run is priced as the local machine
+    assert summary["cost"] == {"cost_usd_estimated": 0.0, "cost_usd_actual": 0.0}
     assert "decision.json" in [f.path for f in client.list_artifacts(by_name["decide"].info.run_id)]
     train = by_name["train"]
     assert train.data.params["max_steps"] == "2"
@@ -118,6 +120,14 @@ def test_unreachable_s3_store_fails_before_any_work(tmp_path, tiny_yaml):
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert json.loads(proc.stdout.splitlines()[-1])["status"] == "failed"
     assert "cannot write to s3://ckpt/run at http://127.0.0.1:9" in proc.stderr
+    assert not (tmp_path / "data" / "runs").exists()
+
+
+def test_a_run_over_budget_is_refused_before_any_work(tmp_path, tiny_yaml):
+    proc = _cli("run", "--config", str(tiny_yaml), "--set", "train.launcher=sky", "--set", "plan.budget_usd=0.1",
+                "--set", "train.grpo.max_steps=200000", cwd=tmp_path, prefect_home=tmp_path / "p")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "exceeds plan.budget_usd = $0.10" in proc.stderr
     assert not (tmp_path / "data" / "runs").exists()
 
 
