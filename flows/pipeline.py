@@ -32,7 +32,7 @@ from tasks.demo_task import demo_data_task, fingerprint
 from tasks.evaluate import EvalResult, evaluate_task, read_jsonl
 from tasks.merge import merge_task
 from tasks.model import resolve_model_task
-from tasks.plan import actual_cost, check_budget, plan_task
+from tasks.plan import actual_cost, apply_plan, check_budget, plan_task
 from tasks.quantize import quantization_cost_task, require_accepted
 from tasks.registry import CHAMPION, ChampionMoved, Registry, RegistryError
 from tasks.select import select_task
@@ -173,6 +173,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
             mlflow.log_params(plan.summary())
             mlflow.log_dict(plan.report(), "plan.json")
             check_budget(plan, cfg.plan.budget_usd)  # before any training compute is spent
+            cfg = apply_plan(cfg, plan)
         with _stage(parent_id, "evaluate-base"):
             base = _resumable(evaluate_task)(model_path, cfg.model, splits["holdout"], rewards, cfg.evaluate)
             _log_eval(base, "base")

@@ -968,6 +968,32 @@ def plan_for_config(cfg, model_config: dict[str, Any], name: str, train_rows: in
     return plan.model_copy(update={"notes": notes})
 
 
+def apply_plan(cfg, plan: Plan):
+    """The config a SkyPilot run trains with: the plan's batch split, checkpointing and bf16 for every
+    `train.grpo` field the user left unset, and, unless `train.sky.accelerators` is set, the GPU options
+    that fit, cheapest first (SkyPilot takes the first one it can get). A local run is left as it is.
+
+    >>> from grpo_pipeline.config import load_config
+    >>> cfg = load_config(ROOT / "configs" / "qwen2.5-7b-qlora.yaml", ["train.launcher=sky"])
+    >>> plan = plan_for_config(cfg, load_model_config(cfg.model.base)[1], "qwen2.5-7b")
+    >>> planned = apply_plan(cfg, plan)
+    >>> planned.train.sky.accelerators[0] == f"{plan.settings.gpu}:{plan.settings.count}"
+    True
+    >>> planned.train.grpo["steps_per_generation"] == plan.settings.steps_per_generation  # unset: planned
+    True
+    >>> planned.train.grpo["gradient_checkpointing"]  # set in the recipe: kept
+    True
+    """
+    if cfg.train.launcher != "sky":
+        return cfg
+    grpo = {**plan.settings.grpo_overrides(), **cfg.train.grpo}
+    sky = cfg.train.sky
+    if sky.accelerators is None:
+        fitting = sorted((o for o in plan.options if o.fits and o.usd is not None), key=lambda o: o.usd)
+        sky = sky.model_copy(update={"accelerators": [f"{o.gpu}:{o.count}" for o in fitting]})
+    return cfg.model_copy(update={"train": cfg.train.model_copy(update={"grpo": grpo, "sky": sky})})
+
+
 def plan_stage(cfg, model_path: str | None = None, train_rows: int | None = None) -> Plan:
     """The pipeline's plan stage: the model's own config.json when resolved, else the shipped one."""
     name, model_config = model_config_for(cfg.model.base, model_path)
