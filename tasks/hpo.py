@@ -40,7 +40,7 @@ from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
-from grpo_pipeline.config import HPOConfig, PipelineConfig, SearchDim, SearchSpace
+from grpo_pipeline.config import ConfigError, HPOConfig, PipelineConfig, SearchDim, SearchSpace
 from infra.launch.local import LocalLauncher, TrainingFailed
 from tasks.train import build_job_spec
 from trainer.callbacks import parse_progress
@@ -271,6 +271,12 @@ def open_study(cfg: PipelineConfig, name: str | None = None) -> optuna.Study:
         pruner=make_pruner(cfg.hpo),
         load_if_exists=True,
     )
+    owner = study.user_attrs.get("base_model")
+    if owner is not None and owner != cfg.model.base:
+        raise ConfigError(
+            f"study {name!r} searched for base model {owner!r}, not {cfg.model.base!r}: its trials do not carry "
+            "over; set hpo.study_name to a new name"
+        )
     if name not in earlier:
         study.set_user_attr("base_model", cfg.model.base)
         if cfg.hpo.warm_start:

@@ -128,6 +128,9 @@ def test_a_new_study_is_warm_started_from_earlier_studies_of_the_same_model(cfg)
     narrower = cfg("hpo.study_name=narrow", "hpo.space.learning_rate={low: 2.0e-3, high: 3.0e-3, log: true}")
     assert not [t for t in open_study(narrower).trials if t.state.name == "WAITING"]  # best lies outside
 
+    with pytest.raises(ConfigError, match="searched for base model 'smollm2-135m-instruct'"):
+        open_study(cfg("hpo.study_name=day-1", "model.base=org/other-model"))  # a study is one model's
+
     second = open_study(cfg("hpo.study_name=day-2"))
     waiting = [t for t in second.trials if t.state.name == "WAITING"]
     assert len(waiting) == 1
