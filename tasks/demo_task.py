@@ -1,7 +1,9 @@
 """The embedded demo task: arithmetic questions whose answers a reward checks exactly.
 
 Every (a, b) pair is assigned to a split by a hash of the pair itself, so the holdout never shares a
-question with training, and growing `max_operand` keeps every old pair in the split it had.
+question with training, and growing `max_operand` keeps every old pair in the split it had. The data
+stage (`tasks.data`) splits every source by the same `split_of`, so the demo rows go through its chain
+unchanged.
 """
 
 from __future__ import annotations
@@ -20,16 +22,21 @@ HOLDOUT_SHARE = 0.3
 VAL_SHARE = 0.1
 
 
-def split_of(key: str) -> str:
+def split_of(key: str, holdout_share: float = HOLDOUT_SHARE, val_share: float = VAL_SHARE) -> str:
     """'holdout', 'val' or 'train', decided by a stable hash of the row's key.
+
+    The key's hash is a point in [0, 1): below `holdout_share` is holdout, then `val_share` of val, the
+    rest train. A row's split depends only on its own key, so adding rows never moves another row.
 
     >>> split_of("3+4") == split_of("3+4")
     True
+    >>> split_of("3+4", holdout_share=0.999999, val_share=0.0)
+    'holdout'
     """
     bucket = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") / 2**64
-    if bucket < HOLDOUT_SHARE:
+    if bucket < holdout_share:
         return "holdout"
-    return "val" if bucket < HOLDOUT_SHARE + VAL_SHARE else "train"
+    return "val" if bucket < holdout_share + val_share else "train"
 
 
 def make_row(a: int, b: int) -> dict:
@@ -40,19 +47,27 @@ def make_row(a: int, b: int) -> dict:
     }
 
 
-def generate(cfg: DemoTaskConfig) -> dict[str, list[dict]]:
-    """Train rows sampled (with repeats) from the train pairs; val and holdout rows are distinct pairs.
+def generate(
+    cfg: DemoTaskConfig, holdout_share: float = HOLDOUT_SHARE, val_share: float = VAL_SHARE
+) -> dict[str, list[dict]]:
+    """Distinct questions per split: up to `n_train` train pairs (all of them when fewer exist; the
+    trainer's max_steps decides how many it uses), `n_val` val and `n_holdout` holdout pairs.
+
+    Every row is a distinct pair, so the data stage's exact dedup keeps them all; sampling train rows
+    with repeats would only give dedup something to drop.
 
     >>> splits = generate(DemoTaskConfig(max_operand=9, n_train=50, n_val=4, n_holdout=10))
     >>> [len(splits[s]) for s in ("train", "val", "holdout")]
     [50, 4, 10]
+    >>> len({r["key"] for r in splits["train"]})
+    50
     >>> not {r["key"] for r in splits["train"]} & {r["key"] for r in splits["holdout"]}
     True
     """
     pools: dict[str, list[tuple[int, int]]] = {"train": [], "val": [], "holdout": []}
     for a in range(cfg.max_operand + 1):
         for b in range(cfg.max_operand + 1):
-            pools[split_of(f"{a}+{b}")].append((a, b))
+            pools[split_of(f"{a}+{b}", holdout_share, val_share)].append((a, b))
     rng = random.Random(cfg.seed)
     wanted = {"val": cfg.n_val, "holdout": cfg.n_holdout}
     for split, n in wanted.items():
@@ -62,7 +77,7 @@ def generate(cfg: DemoTaskConfig) -> dict[str, list[dict]]:
                 f"{len(pools[split])} distinct {split} questions; lower n_{split} or raise max_operand"
             )
     splits = {split: [make_row(*p) for p in rng.sample(pools[split], n)] for split, n in wanted.items()}
-    splits["train"] = [make_row(*rng.choice(pools["train"])) for _ in range(cfg.n_train)]
+    splits["train"] = [make_row(*p) for p in rng.sample(pools["train"], min(cfg.n_train, len(pools["train"])))]
     return splits
 
 

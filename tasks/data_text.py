@@ -1,0 +1,247 @@
+"""Text measures for the data stage, computed on whole Arrow batches: normalized text, word n-gram
+hashes, prompt length in the model's own tokens, and a MinHash LSH index for near duplicates.
+
+Words are maximal runs of letters and digits, or single punctuation marks (so '3 + 4' and '3 - 4' stay
+different), lower-cased. N-gram hashes are 64-bit, computed with numpy over every row of a batch at once;
+a row with fewer words than n counts as one n-gram of all its words.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+
+_SPACE = r"[\s\p{Z}]"
+_PUNCT = r"([^\p{L}\p{N}\s\p{Z}])"
+_MULT = np.uint64(0x9E3779B97F4A7C15)  # odd: n-gram hashes are a polynomial in this base, mod 2^64
+
+
+def normalize(texts: pa.Array) -> pa.Array:
+    """Lower case, runs of whitespace as one space, trimmed: what exact dedup compares.
+
+    >>> normalize(pa.array(["  What IS\\n3 +  4? "])).to_pylist()
+    ['what is 3 + 4?']
+    """
+    collapsed = pc.replace_substring_regex(pc.utf8_lower(texts), _SPACE + "+", " ")
+    return pc.utf8_trim_whitespace(collapsed)
+
+
+def words(texts: pa.Array) -> pa.ListArray:
+    """Each text's words: letter/digit runs and single punctuation marks, lower-cased.
+
+    >>> words(pa.array(["What is 3+4?", ""])).to_pylist()
+    [['what', 'is', '3', '+', '4', '?'], []]
+    """
+    spaced = pc.replace_substring_regex(pc.utf8_lower(texts), _PUNCT, r" \1 ")
+    split = pc.split_pattern_regex(pc.utf8_trim_whitespace(
+        pc.replace_substring_regex(spaced, _SPACE + "+", " ")), " ")
+    # An empty text splits into [""]: make it no words.
+    lengths = pc.list_value_length(split).to_numpy(zero_copy_only=False)
+    flat = split.flatten()
+    keep = pc.not_equal(flat, "").to_numpy(zero_copy_only=False)
+    if keep.all():
+        return split
+    row_of = np.repeat(np.arange(len(split)), lengths)
+    kept_lengths = np.bincount(row_of[keep], minlength=len(split))
+    offsets = np.concatenate([[0], np.cumsum(kept_lengths)]).astype(np.int32)
+    return pa.ListArray.from_arrays(pa.array(offsets), flat.filter(pa.array(keep)))
+
+
+def ngram_hashes(word_lists: pa.ListArray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """64-bit hashes of every word n-gram, and the row each belongs to (rows in order).
+
+    >>> h, rows = ngram_hashes(words(pa.array(["a b c d", "a b c", "x"])), 3)
+    >>> rows.tolist(), bool(h[1] == h[2]), bool(h[0] == h[2])
+    ([0, 0, 1, 2], False, True)
+    """
+    lengths = pc.list_value_length(word_lists).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
+    flat = word_lists.flatten()
+    if len(flat) == 0:
+        return np.empty(0, np.uint64), np.empty(0, np.int64)
+    # Hash each distinct word once (pandas' SipHash with its fixed key: the same on every run).
+    encoded = pc.dictionary_encode(flat)
+    word_hash = pd.util.hash_array(encoded.dictionary.to_numpy(zero_copy_only=False), categorize=False)
+    h = word_hash[encoded.indices.to_numpy(zero_copy_only=False)]
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    row_of = np.repeat(np.arange(len(lengths)), lengths)
+    pos = np.arange(len(h)) - starts[row_of]
+    with np.errstate(over="ignore"):
+        # Full n-grams: windows that start at pos <= length - n of their row.
+        full = np.zeros(max(len(h) - n + 1, 0), np.uint64)
+        for k in range(n):
+            full = full * _MULT + h[k : k + len(full)]
+        ok = pos[: len(full)] + n <= lengths[row_of[: len(full)]]
+        grams, gram_rows = [full[ok]], [row_of[: len(full)][ok]]
+        # Short rows (0 < length < n): one gram of all their words, salted by the length.
+        short = np.flatnonzero((lengths > 0) & (lengths < n))
+        if len(short):
+            acc = np.zeros(len(short), np.uint64)
+            for k in range(int(lengths[short].max())):
+                live = k < lengths[short]
+                acc[live] = acc[live] * _MULT + h[starts[short][live] + k]
+            grams.append(acc ^ lengths[short].astype(np.uint64))
+            gram_rows.append(short)
+    gram, rows = np.concatenate(grams), np.concatenate(gram_rows)
+    order = np.argsort(rows, kind="stable")
+    return gram[order], rows[order]
+
+
+def overlap_fraction(gram: np.ndarray, rows: np.ndarray, n_rows: int, reference: np.ndarray) -> np.ndarray:
+    """Per row, the share of its n-grams found in `reference` (a sorted array of n-gram hashes).
+
+    >>> overlap_fraction(np.array([1, 2, 3, 9], np.uint64), np.array([0, 0, 1, 1]), 3, np.array([2, 9], np.uint64))
+    array([0.5, 0.5, 0. ])
+    """
+    if len(reference) == 0 or len(gram) == 0:
+        return np.zeros(n_rows)
+    idx = np.searchsorted(reference, gram).clip(max=len(reference) - 1)
+    hit = reference[idx] == gram
+    total = np.bincount(rows, minlength=n_rows)
+    return np.divide(np.bincount(rows, weights=hit, minlength=n_rows), total, out=np.zeros(n_rows), where=total > 0)
+
+
+class NearDuplicateIndex:
+    """MinHash LSH (datasketch) over word-n-gram sets: `check` says, row by row in order, which earlier
+    kept row a row nearly duplicates, and remembers the rows that are kept.
+
+    LSH candidates are confirmed with the MinHash Jaccard estimate against the stored signature, so a row
+    is dropped only when its estimated similarity reaches the threshold.
+    """
+
+    def __init__(self, threshold: float, num_perm: int, seed: int = 1):
+        from datasketch import MinHash, MinHashLSH
+
+        self.threshold = threshold
+        self.lsh = MinHashLSH(threshold=threshold, num_perm=num_perm)
+        self._template = MinHash(num_perm=num_perm, seed=seed, hashfunc=int)
+        self._signatures = np.empty((1024, num_perm), np.uint32)
+        self.labels: list[str] = []
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def check(self, gram: np.ndarray, rows: np.ndarray, n_rows: int, labels: Sequence[str],
+              keep: np.ndarray | None = None) -> list[str | None]:
+        """For each row: the label of the kept row it nearly duplicates, or None (and it is kept).
+
+        Rows with `keep[i] == False` are skipped (already dropped by an earlier check).
+        """
+        found: list[str | None] = [None] * n_rows
+        bounds = np.searchsorted(rows, np.arange(n_rows + 1))
+        hashes32 = (gram >> np.uint64(32)).astype(np.uint32)  # datasketch's default scheme takes 32-bit input
+        for i in range(n_rows):
+            if keep is not None and not keep[i]:
+                continue
+            part = hashes32[bounds[i] : bounds[i + 1]]
+            if not len(part):
+                continue
+            m = self._template.copy()
+            m.update_batch(part.tolist())
+            for candidate in self.lsh.query(m):
+                if np.mean(self._signatures[candidate] == m.hashvalues) >= self.threshold:
+                    found[i] = self.labels[candidate]
+                    break
+            if found[i] is None:
+                slot = len(self.labels)
+                if slot == len(self._signatures):
+                    self._signatures = np.concatenate([self._signatures, np.empty_like(self._signatures)])
+                self._signatures[slot] = m.hashvalues
+                self.lsh.insert(slot, m, check_duplication=False)
+                self.labels.append(labels[i])
+        return found
+
+
+class PromptTokens:
+    """Prompt length in the model's own tokens, chat template included.
+
+    length = tokens of the template rendered with empty contents (once per sequence of roles)
+           + the tokens of each message's content.
+    This equals tokenizing the rendered prompt whenever the template sets contents apart with special
+    tokens or newlines (ChatML, Llama, Qwen, SmolLM templates do).
+
+    For byte-level BPE tokenizers without a normalizer, a content of b UTF-8 bytes has between
+    ceil(b / longest token) and b tokens; rows whose bounds already decide the length filter are not
+    tokenized at all (`exact` counts the rows that were).
+    """
+
+    def __init__(self, tokenizer_path: str | Path):
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path))
+        self._overhead: dict[tuple[str, ...], int] = {}
+        self.backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        self.byte_level, self.longest = self._byte_bounds()
+        self.exact = 0
+
+    def _byte_bounds(self) -> tuple[bool, int]:
+        if self.backend is None:
+            return False, 0
+        spec = json.loads(self.backend.to_str())
+        normalizer, pre = spec.get("normalizer"), spec.get("pre_tokenizer") or {}
+        no_normalizer = normalizer is None or (normalizer.get("type") == "Sequence" and not normalizer["normalizers"])
+        pres = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+        byte_level = any(p.get("type") == "ByteLevel" and not p.get("add_prefix_space") for p in pres)
+        model = spec.get("model", {})
+        if not (no_normalizer and byte_level and model.get("type") == "BPE"):
+            return False, 0
+        vocab = list(model.get("vocab", {})) + [t["content"] for t in spec.get("added_tokens", [])]
+        # Byte-level vocabularies spell each byte as one character, so a token's length is its byte count
+        # (added tokens are plain text: their UTF-8 length).
+        return True, max(len(t.encode()) for t in vocab)
+
+    def overhead(self, roles: tuple[str, ...]) -> int:
+        if roles not in self._overhead:
+            if self.tokenizer.chat_template:
+                rendered = self.tokenizer.apply_chat_template(
+                    [{"role": r, "content": ""} for r in roles], tokenize=False, add_generation_prompt=True
+                )
+                self._overhead[roles] = len(self.tokenizer(rendered, add_special_tokens=False)["input_ids"])
+            else:
+                self._overhead[roles] = 0
+        return self._overhead[roles]
+
+    def count(self, texts: list[str]) -> np.ndarray:
+        if self.backend is not None:
+            encodings = self.backend.encode_batch_fast(texts, add_special_tokens=False)
+            return np.fromiter((len(e) for e in encodings), np.int64, len(texts))
+        return np.array([len(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]], np.int64)
+
+    def lengths(self, messages: pa.ListArray, low: int, high: float) -> tuple[np.ndarray, np.ndarray]:
+        """(lower, upper) bounds of each row's prompt tokens; equal where counted exactly.
+
+        Rows whose bounds straddle [low, high] are counted exactly; the others keep their bounds.
+        """
+        n = len(messages)
+        lengths = pc.list_value_length(messages).to_numpy(zero_copy_only=False).astype(np.int64)
+        flat = messages.flatten()
+        roles = flat.field("role").to_pylist()
+        contents = flat.field("content")
+        row_of = np.repeat(np.arange(n), lengths)
+        starts = np.concatenate([[0], np.cumsum(lengths)])
+        base = np.array([self.overhead(tuple(roles[starts[i] : starts[i + 1]])) for i in range(n)], np.int64)
+        if self.byte_level:
+            nbytes = pc.binary_length(contents).to_numpy(zero_copy_only=False).astype(np.int64)
+            lower = base + np.bincount(row_of, weights=-(-nbytes // self.longest), minlength=n).astype(np.int64)
+            upper = base + np.bincount(row_of, weights=nbytes, minlength=n).astype(np.int64)
+            undecided = ~((lower >= low) & (upper <= high)) & ~((upper < low) | (lower > high))
+        else:
+            lower, upper = base.copy(), base.copy()
+            undecided = np.ones(n, bool)
+        if undecided.any():
+            rows = np.flatnonzero(undecided)
+            pick = np.isin(row_of, rows)
+            # Distinct contents once: a shared system prompt is tokenized a single time per batch.
+            encoded = pc.dictionary_encode(contents.filter(pa.array(pick)))
+            per_unique = self.count(encoded.dictionary.to_pylist())
+            per_message = per_unique[encoded.indices.to_numpy(zero_copy_only=False)]
+            exact = base + np.bincount(row_of[pick], weights=per_message, minlength=n).astype(np.int64)
+            lower[rows] = exact[rows]
+            upper[rows] = exact[rows]
+            self.exact += len(rows)
+        return lower, upper

@@ -1,0 +1,265 @@
+"""The data stage on real files: a corpus with one of each kind of bad row, every source format, split
+stability as data grows, the token budget in the tiny model's own tokens, GSM8K when it is on disk."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.csv as pcsv
+import pyarrow.parquet as pq
+import pytest
+
+from grpo_pipeline.config import ConfigError, DataConfig, load_config
+from tasks.data import DataQualityError, build_dataset, log_lineage
+from tasks.demo_task import split_of
+
+GSM8K = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k"
+VOCAB = [f"{a}{b}" for a in ("ka", "lo", "mi", "nu", "pe", "ri", "so", "tu", "va", "ze") for b in
+         ("bar", "cen", "dol", "fim", "gor", "hul", "jix", "kem", "lup", "mov", "nix", "pod", "quy", "ros")]
+
+
+def question(rng: random.Random, i: int, words: int = 25) -> tuple[str, str]:
+    a, b = rng.randrange(1000), rng.randrange(1000)
+    text = f"Problem {i}: " + " ".join(rng.choice(VOCAB) for _ in range(words)) + f". What is {a} + {b}?"
+    return text, str(a + b)
+
+
+def key_in(split: str, prefix: str) -> str:
+    return next(f"{prefix}-{i}" for i in range(1000) if split_of(f"{prefix}-{i}") == split)
+
+
+def read(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def malformed_corpus(tmp_path: Path) -> tuple[Path, Path, list[str], dict[str, str]]:
+    """40 valid rows and one row of each bad kind. Returns (corpus, eval set, valid ids, planted id -> reason)."""
+    rng = random.Random(0)
+    valid = [{"id": f"q{i}", "prompt": p, "answer": a} for i, (p, a) in enumerate(question(rng, i) for i in range(40))]
+    holdout_row = next(r for r in valid if split_of(r["id"]) == "holdout")
+    eval_question, eval_answer = question(rng, 999)
+    planted = {
+        "dup": ("exact_duplicate", {"id": "dup", "prompt": "  " + valid[3]["prompt"].upper().replace(" ", "   "), "answer": valid[3]["answer"]}),
+        "near": ("near_duplicate", {"id": "near", "prompt": valid[5]["prompt"] + " Please.", "answer": valid[5]["answer"]}),
+        "same-key": ("duplicate_key", {"id": valid[7]["id"], "prompt": question(rng, 77)[0], "answer": "1"}),
+        "holdout-leak": ("contaminated", {"id": key_in("train", "leak"), "answer": holdout_row["answer"],
+                                          "prompt": holdout_row["prompt"] + " " + " ".join(rng.choice(VOCAB) for _ in range(15))}),
+        "eval-leak": ("contaminated", {"id": key_in("train", "evalleak"), "prompt": eval_question, "answer": eval_answer}),
+        "huge": ("too_many_tokens", {"id": "huge", "prompt": " ".join(rng.choice(VOCAB) for _ in range(3000)), "answer": "5"}),
+        "empty": ("empty_prompt", {"id": "empty", "prompt": "  \n\t ", "answer": "5"}),
+        "no-answer": ("missing_field", {"id": "no-answer", "prompt": question(rng, 80)[0]}),
+        "int-prompt": ("wrong_type", {"id": "int-prompt", "prompt": 123, "answer": "5"}),
+        "dict-answer": ("wrong_type", {"id": "dict-answer", "prompt": question(rng, 81)[0], "answer": {"value": 5}}),
+        "decimal": ("answer_unverifiable", {"id": "decimal", "prompt": question(rng, 82)[0], "answer": "3.5"}),
+    }
+    lines = [json.dumps(r).encode() for r in valid]
+    for row in (r for _, r in planted.values()):
+        lines.insert(len(lines), json.dumps(row).encode())
+    lines.insert(10, b'{"id": "broken", "prompt": "What is 1 + 1?", "answer": "2"')  # bad JSON
+    lines.insert(20, b'{"id": "latin1", "prompt": "caf\xe9 au lait: 1 + 1?", "answer": "2"}')  # not UTF-8
+    lines.insert(30, b"[1, 2, 3]")  # JSON, but not an object
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_bytes(b"\n".join(lines) + b"\n")
+    eval_set = tmp_path / "eval.jsonl"
+    eval_set.write_text(json.dumps({"prompt": eval_question, "answer": eval_answer}) + "\n")
+    expected = {k: reason for k, (reason, _) in planted.items()}
+    return corpus, eval_set, [r["id"] for r in valid], expected
+
+
+def corpus_config(corpus: Path, eval_set: Path, **kw) -> DataConfig:
+    return DataConfig(source=str(corpus), key_column="id", eval_sources=[str(eval_set)], max_prompt_tokens=400,
+                      max_dropped_fraction=0.5, **kw)
+
+
+def test_every_bad_row_is_quarantined_with_its_reason_and_every_valid_row_kept(tmp_path, tiny_model):
+    corpus, eval_set, valid_ids, expected = malformed_corpus(tmp_path)
+    version = build_dataset(corpus_config(corpus, eval_set), tmp_path / "out", str(tiny_model), ["correct_answer", "number_only"])
+
+    kept = {s: read(p) for s, p in version.splits.items()}
+    assert sorted(r["key"] for rows in kept.values() for r in rows) == sorted(valid_ids)
+    assert all(isinstance(r["answer"], str) and r["prompt"][-1]["role"] == "user" for rows in kept.values() for r in rows)
+
+    quarantine = read(version.quarantine)
+    by_id = {}
+    for q in quarantine:
+        row = q["row"] if isinstance(q["row"], dict) else {}
+        ident = row.get("key") or row.get("id")
+        by_id.setdefault(ident, []).append(q["reason"])
+    planted_keys = {k: (k if not k.endswith("leak") else None) for k in expected}
+    for name, reason in expected.items():
+        ident = planted_keys[name]
+        if ident is None:  # leak rows carry generated ids
+            assert sum(q["reason"] == "contaminated" for q in quarantine) == 2
+            continue
+        if name == "same-key":
+            ident = valid_ids[7]
+        assert reason in by_id.get(ident, []), (name, by_id.get(ident))
+    raw_reasons = {q["position"]: q["reason"] for q in quarantine if q["reason"] in ("bad_json", "invalid_utf8")}
+    assert raw_reasons == {11: "bad_json", 21: "invalid_utf8", 31: "bad_json"}
+    assert all(q["detail"] and q["source"] == str(corpus) for q in quarantine)
+    report = version.report
+    assert sum(report.dropped.values()) == len(quarantine) == len(expected) + 3
+    assert report.rows_read == len(valid_ids) + len(expected) + 3
+    assert report.rows_kept == len(valid_ids)
+    assert report.dropped["contaminated"] == 2 and report.eval_rows == 1
+
+
+def test_too_many_drops_fail_the_stage_and_keep_the_quarantine(tmp_path):
+    corpus, eval_set, _, _ = malformed_corpus(tmp_path)
+    with pytest.raises(DataQualityError, match="max_dropped_fraction=0.1") as info:
+        build_dataset(corpus_config(corpus, eval_set).model_copy(update={"max_dropped_fraction": 0.1}),
+                      tmp_path / "out", None, ["correct_answer"])
+    assert info.value.report.dropped_fraction > 0.1
+    rejected = next((tmp_path / "out").glob("*.rejected"))
+    assert (rejected / "quarantine.jsonl").is_file() and not (rejected / "train.jsonl").exists()
+    assert not [p for p in (tmp_path / "out").iterdir() if not p.name.endswith(".rejected")]
+
+
+def test_every_format_gives_the_same_rows(tmp_path):
+    rng = random.Random(1)
+    rows = [{"question": q, "solution": f"work\n#### {int(a):,}"} for q, a in (question(rng, i) for i in range(60))]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet", row_group_size=16)
+    pcsv.write_csv(pa.Table.from_pylist(rows), tmp_path / "d.csv")
+    from datasets import Dataset, DatasetDict
+
+    DatasetDict({"train": Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "saved"))
+    fingerprints = {}
+    for name in ("d.jsonl", "d.parquet", "d.csv", "saved"):
+        cfg = DataConfig(source=str(tmp_path / name), prompt_column="question", answer_column="solution",
+                         answer_extraction="gsm8k", batch_rows=64, system_prompt="Think, then answer.")
+        version = build_dataset(cfg, tmp_path / "out" / name, None, ["correct_answer"])
+        assert version.report.rows_kept == 60, (name, version.report.dropped)
+        fingerprints[name] = version.fingerprint
+    assert len(set(fingerprints.values())) == 1, fingerprints
+    first = read(version.splits["train"])[0]
+    assert first["prompt"][0] == {"role": "system", "content": "Think, then answer."}
+    assert first["answer"].isdigit() and "," not in first["answer"]
+
+
+def test_csv_rows_with_bad_bytes_or_fields_are_rejected_alone(tmp_path):
+    path = tmp_path / "d.csv"
+    path.write_bytes(b'prompt,answer\n"What is 1 + 2?",3\n"caf\xe9 1 + 1",2\n"What is 2 + 2?",4,extra\n"What is 5 + 5?",10\n')
+    version = build_dataset(DataConfig(source=str(path), max_dropped_fraction=0.6), tmp_path / "out", None, ["correct_answer"])
+    assert version.report.rows_kept == 2
+    assert version.report.dropped == {"bad_csv": 1, "invalid_utf8": 1}
+
+
+def test_adding_rows_never_moves_a_row_between_splits(tmp_path):
+    rng = random.Random(2)
+    rows = [{"prompt": p, "answer": a} for p, a in (question(rng, i) for i in range(300))]
+    old, new = rows[:150], rows[150:]
+    grown = new[:70] + old + new[70:]  # new rows before, among and after the old ones
+
+    def splits_of(data: list[dict], name: str) -> dict[str, str]:
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in data))
+        version = build_dataset(DataConfig(source=str(tmp_path / name)), tmp_path / "out", None, ["correct_answer"])
+        return {r["prompt"][-1]["content"]: s for s, p in version.splits.items() for r in read(p)}
+
+    before, after = splits_of(old, "old.jsonl"), splits_of(grown, "grown.jsonl")
+    assert len(before) == 150 and len(after) == 300
+    assert all(after[text] == split for text, split in before.items())
+    assert set(before.values()) == {"train", "val", "holdout"}
+
+
+def test_token_budget_counts_the_chat_template_with_the_models_tokenizer(tmp_path, tiny_model):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model))
+    rng = random.Random(3)
+    rows = [{"prompt": " ".join(rng.choice(VOCAB) for _ in range(n)) + f" {n}?", "answer": str(n)} for n in range(1, 80, 3)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    lengths = {r["answer"]: len(tok.apply_chat_template([{"role": "system", "content": "Be brief."},
+                                                          {"role": "user", "content": r["prompt"]}],
+                                                         tokenize=True, add_generation_prompt=True)) for r in rows}
+    budget, low = int(np.median(list(lengths.values()))), sorted(lengths.values())[3]
+    cfg = DataConfig(source=str(tmp_path / "d.jsonl"), system_prompt="Be brief.", max_prompt_tokens=budget,
+                     min_prompt_tokens=low, max_dropped_fraction=1.0, near_dup_threshold=None)
+    version = build_dataset(cfg, tmp_path / "out", str(tiny_model), ["correct_answer"])
+    kept = {r["answer"] for p in version.splits.values() for r in read(p)}
+    assert kept == {a for a, n in lengths.items() if low <= n <= budget}
+    reasons = {q["row"]["answer"]: q["reason"] for q in read(version.quarantine)}
+    assert reasons == {a: "too_many_tokens" if n > budget else "too_few_tokens"
+                       for a, n in lengths.items() if not low <= n <= budget}
+    assert {q["reason"] for q in read(version.quarantine)} == {"too_many_tokens", "too_few_tokens"}
+
+
+def test_a_rerun_on_the_same_input_does_no_work_and_new_input_does(tmp_path, monkeypatch):
+    rng = random.Random(4)
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p, "answer": a}) + "\n" for p, a in (question(rng, i) for i in range(30))))
+    cfg = DataConfig(source=str(path))
+    first = build_dataset(cfg, tmp_path / "out", None, ["correct_answer"])
+    import tasks.data
+
+    monkeypatch.setattr(tasks.data, "run_chain", lambda *a, **k: pytest.fail("rebuilt unchanged data"))
+    assert build_dataset(cfg, tmp_path / "out", None, ["correct_answer"]) == first
+    with path.open("a") as fh:
+        fh.write(json.dumps({"prompt": question(rng, 99)[0], "answer": "1"}) + "\n")
+    monkeypatch.undo()
+    grown = build_dataset(cfg, tmp_path / "out", None, ["correct_answer"])
+    assert grown.key != first.key and grown.report.rows_read == 31
+
+
+def test_the_demo_goes_through_the_chain_with_its_holdout(tmp_path):
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "demo-cpu.yaml")
+    version = build_dataset(cfg.data, tmp_path, None, cfg.train.rewards)
+    rows = {s: read(p) for s, p in version.splits.items()}
+    assert len(rows["holdout"]) == 120 and len(rows["val"]) == 16
+    keys = {s: {r["key"] for r in rs} for s, rs in rows.items()}
+    assert not keys["train"] & keys["holdout"] and not keys["val"] & keys["holdout"]
+    assert all(split_of(k) == s for s, ks in keys.items() for k in ks)
+    assert all(max(map(int, k.split("+"))) <= 20 for k in keys["holdout"])
+    assert version.report.dropped == {} and len(keys["train"]) == len(rows["train"])
+
+
+@pytest.mark.parametrize("override, field", [
+    ("data.answer_extraction=regex", "data.answer_regex"),
+    ("data.answer_regex='(\\d+)'", "data.answer_regex"),
+    ("data.near_dup_threshold=1.5", "data.near_dup_threshold"),
+    ("data.holdout_share=0.95", "data.val_share"),
+    ("data.source=./missing.jsonl", "data.source"),
+    ("data.prompt_template=no-placeholder", "data.prompt_template"),
+])
+def test_invalid_data_config_names_the_field(override, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        load_config(None, [override])
+
+
+def test_an_unreachable_hub_dataset_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="save_to_disk"):
+        build_dataset(DataConfig(source="no-such-org/no-such-dataset"), tmp_path, None, ["correct_answer"])
+
+
+def test_lineage_logs_splits_report_and_quarantine(tmp_path):
+    import mlflow
+
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "demo-cpu.yaml")
+    version = build_dataset(cfg.data, tmp_path / "out", None, ["correct_answer"])
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    with mlflow.start_run() as run:
+        log_lineage(version)
+    run = mlflow.get_run(run.info.run_id)
+    inputs = {d.dataset.name: d.dataset.digest for d in run.inputs.dataset_inputs}
+    assert inputs == version.fingerprints
+    artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(run.info.run_id)}
+    assert {"report.json", "quarantine.jsonl"} <= artifacts
+    assert run.data.params["rows_holdout"] == "120" and run.data.tags["dataset_fingerprint"] == version.fingerprint
+
+
+@pytest.mark.skipif(not (GSM8K / "train.jsonl").is_file(), reason="GSM8K is not in ../shared/data")
+def test_gsm8k_decontaminated_against_its_test_set(tmp_path):
+    cfg = DataConfig(source=str(GSM8K / "train.jsonl"), prompt_column="question", answer_extraction="gsm8k",
+                     eval_sources=[str(GSM8K / "test.jsonl")])
+    version = build_dataset(cfg, tmp_path, None, ["correct_answer"])
+    report = version.report
+    assert report.rows_read == 7473 and report.rows_kept > 7400 and report.eval_rows == 1319
+    rows = [r for p in version.splits.values() for r in read(p)]
+    assert all(r["answer"].lstrip("-").isdigit() for r in rows)
+    test_prompts = {" ".join(json.loads(l)["question"].lower().split()) for l in (GSM8K / "test.jsonl").open()}
+    train = read(version.splits["train"])
+    assert not any(" ".join(r["prompt"][-1]["content"].lower().split()) in test_prompts for r in train)
