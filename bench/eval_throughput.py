@@ -15,6 +15,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from bench.harness import RESULTS
+from bench.table import Row, from_compare
 from grpo_pipeline.config import DemoTaskConfig, ModelConfig, load_config
 from tasks.demo_task import generate as demo_rows
 from tasks.evaluate import generate
@@ -65,6 +66,14 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{report['name']}.json").write_text(json.dumps(report, indent=1))
     print(f"[eval_throughput] ratio batched / one at a time = {report['ratio']:.2f}")
+
+
+def table_rows(load) -> list[Row]:
+    result = load("eval_throughput")
+    n, batch = (result["prompts"], result["batch_size"]) if result else (64, 32)
+    return [from_compare(result, f"evaluation throughput (`bench.eval_throughput`, {n} prompts, 16 tokens)",
+                         "one prompt at a time", f"batches of {batch}", ">= 3", value="{:.1f}/s",
+                         sides=("one_at_a_time", "batched"))]
 
 
 if __name__ == "__main__":

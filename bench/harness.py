@@ -44,6 +44,52 @@ def training_bench_args(description: str) -> argparse.Namespace:
     return parser.parse_args()
 
 
+def spread(values: list[float]) -> dict[str, float]:
+    """Median and spread of repeated measurements (min, max; quartiles from 4 values on).
+
+    >>> spread([3.0, 1.0, 2.0])
+    {'median': 2.0, 'min': 1.0, 'max': 3.0, 'n': 3}
+    """
+    out = {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+    if len(values) >= 4:
+        q1, _, q3 = statistics.quantiles(values, n=4)
+        out |= {"q1": q1, "q3": q3}
+    return out
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory (VmHWM) in MiB; since the last `reset_peak_rss()` where Linux allows."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    import resource  # not Linux: the lifetime peak (bytes on macOS, KiB elsewhere)
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if platform.system() == "Darwin" else peak / 1024
+
+
+def reset_peak_rss() -> bool:
+    """Restart the peak-RSS mark at the current RSS (Linux clear_refs 5), so a later peak is a phase's own."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def save(name: str, report: dict) -> Path:
+    """Write `bench/results/<name>.json` aside, then rename it into place: never a half-written result."""
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(report, indent=1))
+    tmp.replace(path)
+    return path
+
+
 def run_once(cmd: list[str], metric: str) -> float:
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -84,8 +130,7 @@ def compare(
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         **meta,
     }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=1))
+    save(name, report)
     print(f"[{name}] ratio candidate/baseline = {report['ratio']:.3f} (saved to bench/results/{name}.json)")
     return report
 

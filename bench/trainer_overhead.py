@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 
 from bench.harness import compare, training_bench_args
+from bench.table import Row, from_compare
 from grpo_pipeline.config import load_config
 from tasks.demo_task import generate, write_splits
 from tasks.model import create_random_model, ensure_demo_model
@@ -43,6 +44,13 @@ def main() -> None:
         model=str(model),
         steps=args.steps,
     )
+
+
+def table_rows(load) -> list[Row]:
+    result = load("trainer_overhead")
+    steps = result["steps"] if result else 6
+    return [from_compare(result, f"trainer overhead (`bench.trainer_overhead`, {steps} steps, 2 checkpoints)",
+                         "plain TRL script", "`python -m trainer`", "<= 1.0")]
 
 
 if __name__ == "__main__":

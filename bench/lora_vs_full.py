@@ -1,0 +1,326 @@
+"""Benchmark: LoRA and QLoRA (NF4) GRPO against full-parameter GRPO, on the demo model and task.
+
+The seed claims LoRA/QLoRA GRPO stays within 1-3 % of full fine-tuning quality, reaches quality 3-12x
+faster, and saves memory. All three arms here run the same TRL GRPOTrainer on the same training rows in the
+same order (same seed), with the demo config's GRPO settings (8 generations per prompt, 16 completions of at
+most 16 tokens per step); they differ only in what trains:
+
+- full: every weight (AdamW), learning rate `--full-lr` (default 3e-5: ~10x below LoRA's, the usual rule;
+  the demo config's 3e-4 is a LoRA rate);
+- lora: a rank-16 adapter on every linear layer over a frozen fp32 base (the demo config's adapter and rate);
+- qlora: the same adapter over an NF4 (bitsandbytes 4-bit) base.
+
+Full fine-tuning runs through TRL directly rather than `python -m trainer`: the pipeline's trainer, evaluation,
+merge and registry all deal in adapters, so the baseline is GRPOTrainer without a `peft_config`, and the two
+adapter arms use the same code for a like-for-like comparison.
+
+Measured per arm, each in its own process (so each peak RSS is its own):
+- holdout reward (greedy, the two demo rewards summed, max 2) every `--eval-every` steps; evaluation time is
+  excluded from the arm's training clock;
+- quality gap after the fixed step budget: (full - arm) / full in %, with a paired-bootstrap 95 % interval;
+- time to quality: training seconds until the holdout reward first reaches `--threshold`; ratio full / arm;
+  the bracket is the previous evaluation's time (the crossing lies between the two);
+- peak RSS while training (model loading excluded; the whole-process peak is saved too).
+
+    python -m bench.lora_vs_full [--steps 24] [--eval-every 4] [--holdout 64] [--threshold 1.0] [--tiny]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+from bench.harness import peak_rss_mb, reset_peak_rss, save, spread
+from bench.table import Row
+
+ROOT = Path(__file__).resolve().parents[1]
+ARMS = ("full", "lora", "qlora")
+LABEL = {"full": "full", "lora": "LoRA", "qlora": "QLoRA (NF4)"}
+
+
+def _options(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=24, help="GRPO steps per arm (the fixed budget)")
+    parser.add_argument("--eval-every", type=int, default=4, help="steps between holdout evaluations")
+    parser.add_argument("--holdout", type=int, default=64, help="held-out prompts per evaluation")
+    parser.add_argument("--threshold", type=float, default=1.0, help="holdout reward that counts as 'quality'")
+    parser.add_argument("--full-lr", type=float, default=3e-5, help="full fine-tuning's learning rate")
+    parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of full,lora,qlora")
+    parser.add_argument("--tiny", action="store_true", help="a tiny random model: checks the code path in seconds")
+    parser.add_argument("--arm", choices=ARMS, help=argparse.SUPPRESS)  # internal: run one arm in this process
+    parser.add_argument("--work", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+# ---------------------------------------------------------------- one arm (runs in its own process)
+
+
+def _holdout_callback(rows: list[dict], tokenizer, every: int, max_new_tokens: int, rewards: list[str]):
+    from transformers import TrainerCallback
+
+    from tasks.evaluate import generate, score
+    from trainer.rewards import completion_text
+
+    class HoldoutCurve(TrainerCallback):
+        """Greedy holdout reward every `every` steps, off the training clock."""
+
+        def __init__(self):
+            self.curve: list[dict] = []
+            self.step_s: list[float] = []
+            self.eval_s = 0.0
+            self.last_totals: list[float] = []
+
+        def evaluate(self, model, step: int) -> None:
+            started = time.perf_counter()
+            was_training = model.training
+            model.eval()
+            completions, lengths = generate(model, tokenizer, [r["prompt"] for r in rows], max_new_tokens, len(rows))
+            model.train(was_training)
+            result = score(rows, [completion_text(c) for c in completions], rewards, lengths)
+            self.last_totals = [r["total"] for r in result.rows]
+            train_s = (started - self.t0) - self.eval_s if step else 0.0
+            self.curve.append({"step": step, "train_s": train_s, "reward": result.reward, **result.per_reward})
+            self.eval_s += time.perf_counter() - started
+            print(f"  step {step:3d}  train {train_s:7.1f} s  holdout reward {result.reward:.3f}", flush=True)
+
+        def on_train_begin(self, args, state, control, **kw):
+            self.t0, self.eval_s = time.perf_counter(), 0.0  # the step-0 evaluation ran before the clock
+
+        def on_step_begin(self, args, state, control, **kw):
+            self.step_started = time.perf_counter()
+
+        def on_step_end(self, args, state, control, model=None, **kw):
+            self.step_s.append(time.perf_counter() - self.step_started)
+            if state.global_step % every == 0 or state.global_step == state.max_steps:
+                self.evaluate(model, state.global_step)
+
+    return HoldoutCurve()
+
+
+def run_arm(arm: str, model_path: str, train_file: str, holdout_file: str, opts: argparse.Namespace) -> dict:
+    """Train one arm for the step budget; its holdout curve, step times and memory."""
+    from datasets import load_dataset
+    from peft import LoraConfig
+    from transformers import PrinterCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from grpo_pipeline.config import ModelConfig, load_config
+    from tasks.evaluate import read_jsonl
+    from trainer.loading import load_model
+    from trainer.rewards import resolve_reward
+
+    cfg = load_config(ROOT / "configs" / "demo-cpu.yaml")
+    grpo = dict(cfg.train.grpo) | {"max_steps": opts.steps, "logging_steps": 1, "bf16": False, "report_to": [],
+                                   "disable_tqdm": True}
+    if arm == "full":
+        grpo["learning_rate"] = opts.full_lr
+    model, tokenizer = load_model(model_path, ModelConfig(quantization="nf4" if arm == "qlora" else "none"))
+    load_peak = peak_rss_mb()
+    reset_peak_rss()  # from here on, the peak is training's own
+
+    holdout = read_jsonl(Path(holdout_file))
+    curve = _holdout_callback(holdout, tokenizer, opts.eval_every, cfg.evaluate.max_new_tokens, cfg.train.rewards)
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=[resolve_reward(name) for name in cfg.train.rewards],
+        args=GRPOConfig(output_dir=str(Path(opts.work) / arm), save_strategy="no", **grpo),
+        train_dataset=load_dataset("json", data_files=train_file, split="train"),
+        processing_class=tokenizer,
+        peft_config=None if arm == "full" else LoraConfig(task_type="CAUSAL_LM", **cfg.train.lora),
+        callbacks=[curve],
+    )
+    trainer.remove_callback(PrinterCallback)  # the holdout curve prints one line per evaluation instead
+    curve.t0 = time.perf_counter()
+    curve.evaluate(trainer.model, 0)
+    trainer.train()
+    params = list(trainer.model.parameters())
+    return {
+        "arm": arm,
+        "learning_rate": grpo["learning_rate"],
+        "trainable_params": sum(p.numel() for p in params if p.requires_grad),
+        "curve": curve.curve,
+        "final_totals": curve.last_totals,
+        "step_s": curve.step_s,
+        "train_reward": [h["reward"] for h in trainer.state.log_history if "reward" in h],
+        "peak_rss_train_mb": peak_rss_mb(),
+        "peak_rss_load_mb": load_peak,
+    }
+
+
+# ---------------------------------------------------------------- analysis (pure)
+
+
+def time_to_quality(curve: list[dict], threshold: float) -> dict | None:
+    """The first evaluation at or above the threshold: its step and training time, and the previous one's time.
+
+    >>> c = [{"step": 0, "train_s": 0, "reward": 0.1}, {"step": 4, "train_s": 40, "reward": 0.8},
+    ...      {"step": 8, "train_s": 80, "reward": 1.1}]
+    >>> time_to_quality(c, 1.0)
+    {'step': 8, 'train_s': 80, 'after_s': 40}
+    >>> time_to_quality(c, 1.5) is None
+    True
+    """
+    for before, point in zip([None, *curve], curve):
+        if point["reward"] >= threshold:
+            return {"step": point["step"], "train_s": point["train_s"], "after_s": before["train_s"] if before else 0.0}
+    return None
+
+
+def quality_gap(full: list[float], arm: list[float], seed: int = 0) -> dict:
+    """(full - arm) / full in % over paired holdout prompts, with a paired-bootstrap 95 % interval.
+
+    >>> g = quality_gap([1.0, 2.0, 1.0, 2.0] * 10, [1.0, 2.0, 1.0, 1.0] * 10)
+    >>> round(g["gap_pct"], 1), g["low_pct"] < g["gap_pct"] < g["high_pct"]
+    (16.7, True)
+    >>> quality_gap([0.0, 0.0], [1.0, 0.0])["gap_pct"] is None
+    True
+    """
+    import numpy as np
+    from scipy.stats import bootstrap
+
+    f, a = np.asarray(full, float), np.asarray(arm, float)
+    if f.mean() <= 0:  # nothing learned by the baseline (e.g. a tiny random model): no relative gap to give
+        return {"gap_pct": None, "low_pct": None, "high_pct": None, "full": float(f.mean()), "arm": float(a.mean())}
+
+    def gap(f, a, axis=-1):
+        return (f.mean(axis=axis) - a.mean(axis=axis)) / f.mean(axis=axis) * 100
+
+    ci = bootstrap((f, a), gap, paired=True, vectorized=True, n_resamples=4000, random_state=seed, method="percentile")
+    return {"gap_pct": float(gap(f, a)), "low_pct": float(ci.confidence_interval.low),
+            "high_pct": float(ci.confidence_interval.high), "full": float(f.mean()), "arm": float(a.mean())}
+
+
+def analyse(arms: dict[str, dict], threshold: float) -> dict:
+    """Quality gap, time-to-quality ratio and memory ratio of each adapter arm against full fine-tuning."""
+    full = arms["full"]
+    full_hit = time_to_quality(full["curve"], threshold)
+    full_total = full["curve"][-1]["train_s"]
+    out = {}
+    for name in ("lora", "qlora"):
+        if name not in arms:
+            continue
+        arm = arms[name]
+        hit = time_to_quality(arm["curve"], threshold)
+        entry = {
+            "quality": quality_gap(full["final_totals"], arm["final_totals"]),
+            "time_to_quality": {"full": full_hit, "arm": hit, "full_total_s": full_total},
+            "memory": {"full_mb": full["peak_rss_train_mb"], "arm_mb": arm["peak_rss_train_mb"],
+                       "ratio": arm["peak_rss_train_mb"] / full["peak_rss_train_mb"]},
+            "step_s": {"full": spread(full["step_s"]), "arm": spread(arm["step_s"])},
+        }
+        ttq = entry["time_to_quality"]
+        if hit and full_hit:  # speedup, bracketed by the evaluation interval on both sides
+            ttq["ratio"] = full_hit["train_s"] / hit["train_s"]
+            ttq["spread"] = [full_hit["after_s"] / hit["train_s"], full_hit["train_s"] / max(hit["after_s"], 1e-9)]
+        elif hit:  # full never got there: the speedup is at least its whole budget over the arm's time
+            ttq["ratio_at_least"] = full_total / hit["train_s"]
+        out[name] = entry
+    return out
+
+
+# ---------------------------------------------------------------- table rows
+
+
+def table_rows(load) -> list[Row]:
+    result = load("lora_vs_full")
+    if result is None:
+        return [Row("LoRA/QLoRA vs full fine-tuning (`bench.lora_vs_full`)", "full", "LoRA, QLoRA", None, "",
+                    note="not run yet")]
+    steps, thr, rows = result["steps"], result["threshold"], []
+    arms = result["arms"]
+    for name, a in result["analysis"].items():
+        q = a["quality"]
+        rows.append(Row(
+            f"{LABEL[name]} vs full: holdout reward after {steps} steps, gap % (`bench.lora_vs_full`)",
+            f"full: {q['full']:.3f}", f"{LABEL[name]}: {q['arm']:.3f}", q["gap_pct"], "<= 3", unit="%",
+            spread=(q["low_pct"], q["high_pct"]) if q["gap_pct"] is not None else None,
+            note="" if q["gap_pct"] is not None else "not measurable: full fine-tuning scored 0",
+        ))
+    for name, a in result["analysis"].items():
+        t = a["time_to_quality"]
+        full_side = (f"full: {t['full']['train_s']:.0f} s ({t['full']['step']} steps)" if t["full"]
+                     else f"full: not in {steps} steps ({t['full_total_s']:.0f} s)")
+        arm_side = (f"{LABEL[name]}: {t['arm']['train_s']:.0f} s ({t['arm']['step']} steps)" if t["arm"]
+                    else f"{LABEL[name]}: not in {steps} steps")
+        bench = f"{LABEL[name]} vs full: training time to holdout reward ≥ {thr:g}, speedup"
+        if "ratio" in t:
+            rows.append(Row(bench, full_side, arm_side, t["ratio"], ">= 3", spread=tuple(t["spread"])))
+        elif "ratio_at_least" in t:
+            ok = "meets" if t["ratio_at_least"] >= 3 else "not measurable: full never got there"
+            rows.append(Row(bench, full_side, arm_side, t["ratio_at_least"], ">= 3",
+                            note=f"{ok} (≥ {t['ratio_at_least']:.2f})"))
+        else:
+            rows.append(Row(bench, full_side, arm_side, None, ">= 3", note="not reached by the adapter arm"))
+    for name, a in result["analysis"].items():
+        m = a["memory"]
+        tp = arms[name]["trainable_params"] / arms["full"]["trainable_params"] * 100
+        rows.append(Row(
+            f"{LABEL[name]} vs full: peak RSS while training ({tp:.1f} % of the parameters trained)",
+            f"full: {m['full_mb']:,.0f} MiB", f"{LABEL[name]}: {m['arm_mb']:,.0f} MiB", m["ratio"], "< 1",
+        ))
+    return rows
+
+
+# ---------------------------------------------------------------- driver
+
+
+def main(argv: list[str] | None = None) -> dict | None:
+    opts = _options(argv)
+    if opts.arm:  # child: one arm, result as JSON in the work folder
+        work = Path(opts.work)
+        result = run_arm(opts.arm, (work / "model_path").read_text(), str(work / "data" / "train.jsonl"),
+                         str(work / "data" / "holdout.jsonl"), opts)
+        (work / f"{opts.arm}.json").write_text(json.dumps(result))
+        return None
+
+    from grpo_pipeline.config import load_config
+    from tasks.demo_task import generate, write_splits
+    from tasks.model import create_random_model, ensure_demo_model
+
+    arms = [a for a in opts.arms.split(",") if a]
+    if "full" not in arms or not set(arms) <= set(ARMS):
+        raise SystemExit(f"--arms {opts.arms!r}: give 'full' (the baseline) and any of lora, qlora")
+    demo = load_config(ROOT / "configs" / "demo-cpu.yaml")
+    work = Path(tempfile.mkdtemp(prefix="bench-lora-full-"))
+    model = create_random_model(work / "tiny") if opts.tiny else ensure_demo_model(demo.data_dir / "models")
+    (work / "model_path").write_text(str(Path(model).resolve()))
+    write_splits(generate(demo.data.demo.model_copy(update={"n_holdout": opts.holdout})), work / "data")
+
+    results, started = {}, time.monotonic()
+    passthrough = [f"--steps={opts.steps}", f"--eval-every={opts.eval_every}", f"--full-lr={opts.full_lr}"]
+    for arm in arms:
+        print(f"[lora_vs_full] {arm}", flush=True)
+        subprocess.run([sys.executable, "-m", "bench.lora_vs_full", "--arm", arm, "--work", str(work), *passthrough],
+                       check=True)
+        results[arm] = json.loads((work / f"{arm}.json").read_text())
+    analysis = analyse(results, opts.threshold)
+    report = {
+        "name": "lora_vs_full" + ("_tiny" if opts.tiny else ""),
+        "baseline": "full-parameter GRPO (TRL GRPOTrainer, no peft_config)",
+        "steps": opts.steps, "eval_every": opts.eval_every, "holdout": opts.holdout,
+        "threshold": opts.threshold, "model": str(model),
+        "analysis": analysis,
+        "arms": results,
+        "seconds": time.monotonic() - started,
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
+    save(report["name"], report)
+    for name, a in analysis.items():
+        q, t, m = a["quality"], a["time_to_quality"], a["memory"]
+        speed = t.get("ratio") or t.get("ratio_at_least")
+        gap = "n/a" if q["gap_pct"] is None else (
+            f"{q['gap_pct']:+.1f} % (95 % CI {q['low_pct']:+.1f} to {q['high_pct']:+.1f})")
+        print(f"[lora_vs_full] {LABEL[name]}: holdout reward {q['arm']:.3f} vs full {q['full']:.3f}, gap {gap}; "
+              f"time-to-quality speedup "
+              f"{'n/a' if speed is None else f'{speed:.2f}x'}; peak RSS ratio {m['ratio']:.2f}")
+    return report
+
+
+if __name__ == "__main__":
+    main()
