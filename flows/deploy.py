@@ -1,0 +1,244 @@
+"""`grpo-pipeline deploy`: register the deployments of prefect.yaml on the Prefect server PREFECT_API_URL names.
+
+    grpo-pipeline deploy                                     # as prefect.yaml says: daily at 03:00 UTC
+    grpo-pipeline deploy --config my.yaml --schedule-hour 2 --timezone Europe/Berlin \
+        --notify-block slack-webhook/grpo-alerts
+
+Steps: check the configuration and the server; create the work pool when missing (a process pool);
+apply the schedule, configuration and pool to prefect.yaml (`render`, a pure function) and hand the result
+to Prefect's own `prefect deploy --all`; then point a failure automation at the notification block. The
+schedule, pool and block come from the config's `deploy` section, and the options override it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+import yaml
+
+from grpo_pipeline.config import ConfigError, DeployConfig, load_config
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+PREFECT_YAML = PROJECT_ROOT / "prefect.yaml"
+FLOW_NAME = "grpo-pipeline"
+DAILY, MANUAL, CI = "daily-retrain", "manual", "ci"
+IMAGE_WORKDIR = "/opt/grpo"  # where infra/docker/Dockerfile puts the project
+AUTOMATION = "grpo-pipeline-failed"
+FAILED_EVENTS = {"prefect.flow-run.Failed", "prefect.flow-run.Crashed", "prefect.flow-run.TimedOut"}
+EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
+
+
+class DeployError(RuntimeError):
+    """Registration failed; the message says where and what to fix."""
+
+
+def project_path(path: Path | str, root: Path = PROJECT_ROOT) -> str:
+    """The path a worker in the project root resolves: relative inside the project, absolute outside it.
+
+    >>> project_path(PROJECT_ROOT / "configs" / "demo-cpu.yaml")
+    'configs/demo-cpu.yaml'
+    >>> project_path("/etc/grpo/daily.yaml")
+    '/etc/grpo/daily.yaml'
+    """
+    resolved = Path(path).resolve()
+    try:
+        return resolved.relative_to(root).as_posix()
+    except ValueError:
+        return str(resolved)
+
+
+def render(spec: dict[str, Any], deploy: DeployConfig, config_path: str | None = None,
+           overrides: list[str] | None = None, pool_type: str = "process") -> dict[str, Any]:
+    """prefect.yaml with the daily schedule, the configuration and the work pool applied.
+
+    >>> spec = yaml.safe_load(PREFECT_YAML.read_text())
+    >>> out = render(spec, DeployConfig(schedule_hour=2, timezone="Europe/Berlin"), "my.yaml", ["train.lora.r=8"])
+    >>> daily = next(d for d in out["deployments"] if d["name"] == DAILY)
+    >>> daily["schedules"][0]["cron"], daily["schedules"][0]["timezone"], daily["parameters"]
+    ('0 2 * * *', 'Europe/Berlin', {'config_path': 'my.yaml', 'overrides': ['train.lora.r=8']})
+    """
+    spec = copy.deepcopy(spec)
+    for deployment in spec["deployments"]:
+        pool = dict(deployment.get("work_pool") or {})  # YAML anchors share one dict: copy before changing
+        pool["name"] = deploy.work_pool
+        params = dict(deployment.get("parameters") or {})
+        if config_path is not None:
+            params["config_path"] = config_path
+        if overrides:
+            params["overrides"] = [*params.get("overrides", []), *overrides]
+        deployment["parameters"] = params
+        if deployment["name"] == DAILY:
+            (schedule,) = deployment["schedules"]
+            deployment["schedules"] = [{**schedule, "cron": f"0 {deploy.schedule_hour} * * *",
+                                        "timezone": deploy.timezone}]
+        if pool_type != "process":
+            if not deploy.image:
+                raise ConfigError(f"work pool {deploy.work_pool!r} is a {pool_type} pool: give the image its runs "
+                                  "use (--image, built from infra/docker/Dockerfile)")
+            pool["job_variables"] = {**(pool.get("job_variables") or {}), "image": deploy.image}
+        deployment["work_pool"] = pool
+    if pool_type != "process":  # the image holds the code; the deploying machine's path means nothing there
+        spec["pull"] = [{"prefect.deployments.steps.set_working_directory": {"directory": IMAGE_WORKDIR}}]
+    return spec
+
+
+def check_server() -> str:
+    """The Prefect API URL, once it answers; Prefect's ephemeral mode would register into a throwaway database."""
+    from prefect.settings import PREFECT_API_URL
+
+    url = PREFECT_API_URL.value()
+    if not url:
+        raise ConfigError("PREFECT_API_URL is not set: start a server (`grpo-pipeline stack up`, then "
+                          "`eval \"$(grpo-pipeline stack env)\"`, or docker compose up) or point it at yours")
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{url.rstrip('/')}/health", timeout=10) as response:
+            response.read()
+    except OSError as exc:
+        raise ConfigError(f"the Prefect server at PREFECT_API_URL={url} does not answer ({exc}); is it running?")
+    return url
+
+
+def ensure_work_pool(name: str) -> str:
+    """The pool's type; a missing pool is created as a process pool with Prefect's default job template."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.exceptions import ObjectNotFound
+    from prefect.workers.process import ProcessWorker
+
+    with get_client(sync_client=True) as client:
+        try:
+            return client.read_work_pool(name).type
+        except ObjectNotFound:
+            client.create_work_pool(WorkPoolCreate(
+                name=name, type="process", base_job_template=ProcessWorker.get_default_base_job_template()))
+            return "process"
+
+
+def register(spec: dict[str, Any], workdir: Path) -> str:
+    """Run `prefect deploy --all` on the rendered file from the project root; returns its output."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    rendered = workdir / "prefect.yaml"
+    tmp = rendered.with_suffix(".tmp")
+    tmp.write_text(yaml.safe_dump(spec, sort_keys=False))
+    tmp.replace(rendered)
+    prefect = Path(sys.executable).parent / "prefect"
+    proc = subprocess.run([str(prefect), "--no-prompt", "deploy", "--all", "--prefect-file", str(rendered)],
+                          cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"})
+    if proc.returncode != 0:
+        raise DeployError(f"`prefect deploy` failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
+    return proc.stdout
+
+
+def deployments_summary() -> dict[str, dict]:
+    """What the server now holds for each deployment: id, schedule, concurrency, pool, parameters."""
+    from prefect.client.orchestration import get_client
+
+    out = {}
+    with get_client(sync_client=True) as client:
+        for name in (DAILY, MANUAL, CI):
+            d = client.read_deployment_by_name(f"{FLOW_NAME}/{name}")
+            options = d.concurrency_options
+            out[name] = {
+                "id": str(d.id),
+                "work_pool": d.work_pool_name,
+                "schedules": [{"cron": getattr(s.schedule, "cron", None), "timezone": getattr(s.schedule, "timezone", None),
+                               "active": s.active} for s in d.schedules],
+                "concurrency_limit": d.global_concurrency_limit.limit if d.global_concurrency_limit else None,
+                "collision_strategy": options.collision_strategy.value if options else None,
+                "parameters": d.parameters,
+            }
+    return out
+
+
+def ensure_failure_automation(block: str) -> str:
+    """An automation that sends the notification block a message when a pipeline run fails or crashes.
+
+    `block` is 'block-type-slug/name' (e.g. 'slack-webhook/grpo-alerts'), created beforehand in the UI or
+    with `prefect block create`: its URL or token is a secret and stays in the block. Re-running replaces
+    the automation, so `deploy` can be repeated.
+    """
+    from prefect.automations import Automation, EventTrigger, Posture
+    from prefect.client.orchestration import get_client
+    from prefect.events.actions import SendNotification
+    from prefect.exceptions import ObjectNotFound
+
+    slug, sep, name = block.partition("/")
+    if not sep or not slug or not name:
+        raise ConfigError(f"notify block {block!r}: expected 'block-type-slug/name', e.g. 'slack-webhook/grpo-alerts'")
+    with get_client(sync_client=True) as client:
+        try:
+            document = client.read_block_document_by_name(name=name, block_type_slug=slug)
+        except ObjectNotFound:
+            raise ConfigError(f"no notification block {block!r} on the Prefect server: create it in the UI "
+                              f"(Blocks) or with `prefect block create {slug}`, then deploy again") from None
+    try:
+        Automation.read(name=AUTOMATION).delete()
+    except ValueError:  # none yet
+        pass
+    automation = Automation(
+        name=AUTOMATION,
+        description=f"Tell {block} when a {FLOW_NAME} flow run fails, crashes or times out.",
+        trigger=EventTrigger(
+            expect=FAILED_EVENTS,
+            match_related={"prefect.resource.role": "flow", "prefect.resource.name": FLOW_NAME},
+            posture=Posture.Reactive, threshold=1, within=timedelta(0),
+        ),
+        actions=[SendNotification(
+            block_document_id=document.id,
+            subject="GRPO pipeline: {{ flow_run.name }} {{ flow_run.state.name }}",
+            body=("Flow run {{ flow_run.name }} ({{ deployment.name }}) ended {{ flow_run.state.name }}: "
+                  "{{ flow_run.state.message }}\n{{ flow_run|ui_url }}"),
+        )],
+    ).create()
+    return str(automation.id)
+
+
+def deploy(
+    config: Annotated[Optional[Path], typer.Option("--config", "-c", help="pipeline YAML the deployments run; default: prefect.yaml's")] = None,
+    overrides: Annotated[Optional[list[str]], typer.Option("--set", help="override for the runs and the deploy section (repeatable)")] = None,
+    schedule_hour: Annotated[Optional[int], typer.Option(help="hour of the daily run, 0-23 (default: deploy.schedule_hour, 3)")] = None,
+    timezone: Annotated[Optional[str], typer.Option(help="IANA time zone of the daily run (default: deploy.timezone, UTC)")] = None,
+    pool: Annotated[Optional[str], typer.Option("--pool", help="work pool (default: deploy.work_pool, grpo-process)")] = None,
+    image: Annotated[Optional[str], typer.Option(help="image for a Docker or Kubernetes pool")] = None,
+    notify_block: Annotated[Optional[str], typer.Option(help="notification block 'type/name' told of failed runs")] = None,
+) -> None:
+    """Register the daily-retrain, manual and ci deployments on the Prefect server (PREFECT_API_URL)."""
+    err = lambda message: print(message, file=sys.stderr)  # noqa: E731 - stdout carries the JSON summary
+    try:
+        cfg = load_config(config, overrides or [])
+        options = {"schedule_hour": schedule_hour, "timezone": timezone, "work_pool": pool, "image": image,
+                   "notify_block": notify_block}
+        settings = DeployConfig.model_validate(cfg.deploy.model_dump() | {k: v for k, v in options.items() if v is not None})
+        check_server()
+        pool_type = ensure_work_pool(settings.work_pool)
+        spec = render(yaml.safe_load(PREFECT_YAML.read_text()), settings,
+                      project_path(config) if config else None, list(overrides or []), pool_type)
+        register(spec, cfg.data_dir / "deploy")
+        summary = {"deployments": deployments_summary(), "work_pool": {"name": settings.work_pool, "type": pool_type}}
+        if settings.notify_block:
+            summary["failure_automation"] = {"id": ensure_failure_automation(settings.notify_block),
+                                             "block": settings.notify_block}
+        else:
+            err("no notify block: failed runs notify no one (see README, Operations, to add one)")
+    except ConfigError as exc:
+        err(str(exc))
+        raise typer.Exit(EXIT_CONFIG) from None
+    except ValueError as exc:  # pydantic's check of the merged options
+        err(f"invalid deploy option: {exc}")
+        raise typer.Exit(EXIT_CONFIG) from None
+    except DeployError as exc:
+        err(str(exc))
+        raise typer.Exit(EXIT_FAILED) from None
+    print(json.dumps(summary, indent=2))
+    err(f"start a worker to run them:  prefect worker start --pool {settings.work_pool}")

