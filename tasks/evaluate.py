@@ -161,6 +161,7 @@ def generate_vllm(
         dtype=model_cfg.compute_dtype,
         seed=cfg.seed,
         quantization="bitsandbytes" if model_cfg.quantization != "none" else None,
+        trust_remote_code=model_cfg.trust_remote_code,
         enable_lora=adapter is not None,
         max_lora_rank=next(r for r in VLLM_LORA_RANKS if r >= rank),
     )
@@ -190,7 +191,7 @@ def evaluate_model(
             raise RuntimeError("evaluate.engine=vllm needs vLLM (pip install '.[gpu]') and a CUDA GPU; use 'auto'")
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=model_cfg.trust_remote_code)
         completions, lengths, samples = generate_vllm(
             model_path, model_cfg, adapter, render(tokenizer, [r["prompt"] for r in rows]), cfg
         )

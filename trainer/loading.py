@@ -27,11 +27,13 @@ def load_model(path: str, cfg: ModelConfig, adapter: str | None = None):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    # Explicit, so the configuration is the one place that can allow a repository's own code to run.
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=getattr(torch, cfg.compute_dtype), quantization_config=quantization_config(cfg)
+        path, dtype=getattr(torch, cfg.compute_dtype), quantization_config=quantization_config(cfg),
+        trust_remote_code=cfg.trust_remote_code,
     )
     if adapter is not None:
         from peft import PeftModel
