@@ -89,8 +89,8 @@ def _hpo_gain_rows(load) -> list[Row]:
 FALLBACK_ROWS = {"data_throughput": _data_throughput_rows, "hpo_gain": _hpo_gain_rows}
 
 
-def rows(benches: list[Bench]) -> list[Row]:
-    """Every table row, in suite order, from the saved results."""
+def rows(benches: list[Bench], load=load_result) -> list[Row]:
+    """Every table row, in suite order, from the saved results (`load(name)` -> the JSON, or None)."""
     out: list[Row] = []
     for b in benches:
         module = importlib.import_module(f"bench.{b.name}")
@@ -98,7 +98,7 @@ def rows(benches: list[Bench]) -> list[Row]:
         if build is None:
             out.append(Row(b.name, "", "", None, "", note="module gives no table rows"))
             continue
-        out += build(load_result)
+        out += build(load)
     return out
 
 

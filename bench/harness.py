@@ -20,7 +20,8 @@ from datetime import UTC, datetime
 from collections.abc import Callable
 from pathlib import Path
 
-RESULTS = Path(__file__).parent / "results"
+# BENCH_RESULTS redirects saved results (tests write there, not into the tracked folder).
+RESULTS = Path(os.environ.get("BENCH_RESULTS") or Path(__file__).parent / "results")
 
 
 def metric_of(stdout: str, metric: str) -> float:

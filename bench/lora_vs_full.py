@@ -217,7 +217,9 @@ def analyse(arms: dict[str, dict], threshold: float) -> dict:
         ttq = entry["time_to_quality"]
         if hit and full_hit:  # speedup, bracketed by the evaluation interval on both sides
             ttq["ratio"] = full_hit["train_s"] / hit["train_s"]
-            ttq["spread"] = [full_hit["after_s"] / hit["train_s"], full_hit["train_s"] / max(hit["after_s"], 1e-9)]
+            # the arm crossed after its previous evaluation; at the first one there is no upper bound
+            ttq["spread"] = ([full_hit["after_s"] / hit["train_s"], full_hit["train_s"] / hit["after_s"]]
+                             if hit["after_s"] > 0 else None)
         elif hit:  # full never got there: the speedup is at least its whole budget over the arm's time
             ttq["ratio_at_least"] = full_total / hit["train_s"]
         out[name] = entry
@@ -250,7 +252,8 @@ def table_rows(load) -> list[Row]:
                     else f"{LABEL[name]}: not in {steps} steps")
         bench = f"{LABEL[name]} vs full: training time to holdout reward ≥ {thr:g}, speedup"
         if "ratio" in t:
-            rows.append(Row(bench, full_side, arm_side, t["ratio"], ">= 3", spread=tuple(t["spread"])))
+            rows.append(Row(bench, full_side, arm_side, t["ratio"], ">= 3",
+                            spread=tuple(t["spread"]) if t["spread"] else None))
         elif "ratio_at_least" in t:
             ok = "meets" if t["ratio_at_least"] >= 3 else "not measurable: full never got there"
             rows.append(Row(bench, full_side, arm_side, t["ratio_at_least"], ">= 3",

@@ -188,8 +188,9 @@ def main(argv: list[str] | None = None) -> dict:
     arch = architecture(load_model_config(str(model_dir))[1])
 
     print(f"[machine_limit] {torch.get_num_threads()} threads, {cfg.model.compute_dtype}", flush=True)
-    peak = matmul_peak(dtype, opts.repeats)
-    bandwidth = copy_bandwidth(opts.repeats)
+    # --tiny checks the code path: small matrices and copies, figures not meant to be read
+    peak = matmul_peak(dtype, opts.repeats, sizes=(256, 512) if opts.tiny else (1024, 2048, 3072))
+    bandwidth = copy_bandwidth(opts.repeats, mib=32 if opts.tiny else 512)
     peak_s, bw_s = spread(peak["samples"]), spread(bandwidth)
     print(f"[machine_limit] matmul peak {peak_s['median'] / 1e9:.1f} GFLOP/s (n={peak['size']}); "
           f"copy bandwidth {bw_s['median'] / 1e9:.2f} GB/s", flush=True)

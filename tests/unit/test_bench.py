@@ -1,0 +1,86 @@
+"""The benchmark suite's table and analysis: pure functions over saved results, no model."""
+
+import pytest
+
+from bench.__main__ import available, main, rows
+from bench.lora_vs_full import analyse, table_rows as lora_rows, time_to_quality
+from bench.table import END, START, Row, render, replace_block, update_readme, verdict
+
+
+def _curve(points):
+    return [{"step": s, "train_s": t, "reward": r} for s, t, r in points]
+
+
+def _arm(points, totals, rss, trainable):
+    return {"curve": _curve(points), "final_totals": totals, "peak_rss_train_mb": rss, "trainable_params": trainable,
+            "step_s": [10.0, 11.0, 12.0]}
+
+
+def test_every_benchmark_gives_rows_before_anything_ran():
+    table = rows(available(), load=lambda name: None)
+    assert table, "the suite has benchmarks"
+    assert all(r.ratio is None for r in table)
+    assert {r.verdict for r in table} <= {"not run yet", "not measured"} | {r.note for r in table if r.note}
+    assert any("lora_vs_full" in r.benchmark for r in table)
+
+
+def test_readme_block_is_replaced_and_the_rest_kept(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# title\nintro\n{START}\nstale table\n{END}\n## next\n")
+    update_readme(readme, [Row("x", "base: 1 s", "cand: 2 s", 2.0, "<= 1.05")])
+    text = readme.read_text()
+    assert text.startswith("# title\nintro\n") and text.endswith(f"{END}\n## next\n")
+    assert "stale table" not in text and "| x | base: 1 s | cand: 2 s | **2.000** | ≤ 1.05 | misses |" in text
+    update_readme(readme, [Row("x", "base: 1 s", "cand: 2 s", 2.0, "<= 1.05")])
+    assert readme.read_text() == text  # regenerating from the same results changes nothing
+
+
+def test_missing_markers_and_bad_goals_are_named():
+    with pytest.raises(ValueError, match="bench:start"):
+        replace_block("no table here", "x")
+    with pytest.raises(ValueError, match="expected '<op> <number>'"):
+        verdict(1.0, "about 1")
+
+
+def test_time_to_quality_speedup_is_bracketed_by_the_evaluation_interval():
+    full = _arm([(0, 0, 0.1), (4, 40, 0.6), (8, 80, 1.2)], [1.0, 2.0] * 10, 3000.0, 1000)
+    lora = _arm([(0, 0, 0.1), (4, 20, 1.1), (8, 40, 1.3)], [1.0, 2.0] * 10, 2000.0, 10)
+    out = analyse({"full": full, "lora": lora}, threshold=1.0)["lora"]
+    ttq = out["time_to_quality"]
+    assert ttq["ratio"] == pytest.approx(80 / 20)
+    assert ttq["spread"] is None  # LoRA crossed at its first evaluation: no upper bound on the speedup
+    assert out["quality"]["gap_pct"] == pytest.approx(0.0)
+    assert out["memory"]["ratio"] == pytest.approx(2000 / 3000)
+
+
+def test_speedup_bracket_when_both_cross_between_evaluations():
+    full = _arm([(0, 0, 0.1), (4, 40, 0.6), (8, 80, 1.2)], [1.0] * 4, 3000.0, 1000)
+    lora = _arm([(0, 0, 0.1), (4, 20, 0.9), (8, 40, 1.3)], [1.0] * 4, 2000.0, 10)
+    ttq = analyse({"full": full, "lora": lora}, threshold=1.0)["lora"]["time_to_quality"]
+    assert ttq["ratio"] == pytest.approx(2.0) and ttq["spread"] == pytest.approx([1.0, 4.0])
+
+
+def test_full_never_reaching_the_threshold_gives_a_lower_bound_not_a_ratio():
+    full = _arm([(0, 0, 0.1), (4, 40, 0.5), (8, 80, 0.7)], [0.5, 1.0] * 10, 3000.0, 1000)
+    lora = _arm([(0, 0, 0.1), (4, 20, 1.1), (8, 40, 1.3)], [1.0, 2.0] * 10, 2000.0, 10)
+    result = {"steps": 8, "threshold": 1.0, "arms": {"full": full, "lora": lora},
+              "analysis": analyse({"full": full, "lora": lora}, threshold=1.0)}
+    ttq = result["analysis"]["lora"]["time_to_quality"]
+    assert "ratio" not in ttq and ttq["ratio_at_least"] == pytest.approx(80 / 20)
+    table = {r.benchmark: r for r in lora_rows(lambda name: result)}
+    speed = next(r for name, r in table.items() if "speedup" in name)
+    assert speed.verdict == "meets (≥ 4.00)" and "not in 8 steps" in speed.baseline
+    gap = next(r for name, r in table.items() if "gap" in name)
+    assert gap.ratio < 0 and gap.verdict == "meets"  # LoRA scored higher than full: a negative gap
+    assert time_to_quality(full["curve"], 1.0) is None
+
+
+def test_suite_rejects_unknown_names(capsys):
+    with pytest.raises(SystemExit):
+        main(["no_such_benchmark"])
+    assert "unknown benchmark" in capsys.readouterr().err
+
+
+def test_rendered_table_has_one_line_per_row():
+    table = render([Row("a", "b", "c", 1.0, ">= 3"), Row("d", "e", "f", None, "", note="not run yet")])
+    assert len(table.splitlines()) == 4 and "| not run yet |" in table
