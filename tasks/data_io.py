@@ -227,7 +227,15 @@ def _local_copy(uri: str, client) -> Iterator[Path]:
         os.unlink(tmp)
 
 
-_BLANK_LINE = re.compile(rb"(?:^|\n)[ \t\r]*(?:\n|$)")
+def _arrow_json(block: bytes) -> pa.Table | None:
+    """A block of JSON lines parsed by Arrow, or None when Arrow cannot take all of it as one table."""
+    import pyarrow.json as pj
+
+    try:
+        block.decode("utf-8")  # Arrow's JSON reader does not check UTF-8 itself
+        return pj.read_json(io.BytesIO(block), read_options=pj.ReadOptions(block_size=len(block) + 1))
+    except (UnicodeDecodeError, pa.ArrowInvalid):
+        return None
 
 
 def iter_jsonl(path: Path, name: str, batch_rows: int) -> Iterator[RawBatch]:
@@ -235,8 +243,6 @@ def iter_jsonl(path: Path, name: str, batch_rows: int) -> Iterator[RawBatch]:
     invalid UTF-8, blank lines or types that change between rows is parsed line by line instead, so
     each bad line is rejected alone and the rest of the block is kept.
     """
-    import pyarrow.json as pj
-
     block_bytes = max(1 << 16, min(JSON_BLOCK_BYTES, batch_rows * 512))
     line_no = 1
     with pa.input_stream(str(path), compression="detect") as stream:
@@ -254,13 +260,9 @@ def iter_jsonl(path: Path, name: str, batch_rows: int) -> Iterator[RawBatch]:
                 block, carry = data[: cut + 1], data[cut + 1 :]
             if block.strip():
                 n_lines = block.count(b"\n") + (0 if block.endswith(b"\n") else 1)
-                table = None
-                if not _BLANK_LINE.search(block.rstrip(b"\n")):
-                    try:
-                        block.decode("utf-8")
-                        table = pj.read_json(io.BytesIO(block), read_options=pj.ReadOptions(block_size=len(block) + 1))
-                    except (UnicodeDecodeError, pa.ArrowInvalid):
-                        table = None
+                table = _arrow_json(block)
+                # Arrow skips blank lines, so a row count short of the line count sends the block line by line
+                # too, where positions stay exact.
                 if table is not None and table.num_rows == n_lines:
                     for start in range(0, table.num_rows, batch_rows):
                         part = table.slice(start, batch_rows)
@@ -273,9 +275,18 @@ def iter_jsonl(path: Path, name: str, batch_rows: int) -> Iterator[RawBatch]:
 
 
 def _jsonl_line_by_line(block: bytes, name: str, first_line: int, batch_rows: int) -> Iterator[RawBatch]:
+    """Find the bad lines of a block one by one; the good ones still go to Arrow together when they can."""
+    good: list[bytes] = []
     records: list[Any] = []
     positions: list[int] = []
     rejects: list[Reject] = []
+
+    def batch() -> RawBatch:
+        table = _arrow_json(b"\n".join(good))
+        if table is not None and table.num_rows == len(good):
+            return RawBatch(name, positions, table=table, rejects=rejects)
+        return RawBatch(name, positions, records=records, rejects=rejects)
+
     for i, line in enumerate(block.split(b"\n")):
         if not line.strip():
             continue
@@ -295,13 +306,14 @@ def _jsonl_line_by_line(block: bytes, name: str, first_line: int, batch_rows: in
             rejects.append(Reject("bad_json", f"a line must hold a JSON object, not {type(record).__name__}",
                                   name, pos, record))
             continue
+        good.append(line)
         records.append(record)
         positions.append(pos)
         if len(records) == batch_rows:
-            yield RawBatch(name, positions, records=records, rejects=rejects)
-            records, positions, rejects = [], [], []
+            yield batch()
+            good, records, positions, rejects = [], [], [], []
     if records or rejects:
-        yield RawBatch(name, positions, records=records, rejects=rejects)
+        yield batch()
 
 
 def iter_parquet(path: Path, name: str, batch_rows: int) -> Iterator[RawBatch]:

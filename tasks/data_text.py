@@ -17,7 +17,6 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-_SPACE = r"[\s\p{Z}]"
 _PUNCT = r"([^\p{L}\p{N}\s\p{Z}])"
 _MULT = np.uint64(0x9E3779B97F4A7C15)  # odd: n-gram hashes are a polynomial in this base, mod 2^64
 
@@ -25,22 +24,21 @@ _MULT = np.uint64(0x9E3779B97F4A7C15)  # odd: n-gram hashes are a polynomial in 
 def normalize(texts: pa.Array) -> pa.Array:
     """Lower case, runs of whitespace as one space, trimmed: what exact dedup compares.
 
-    >>> normalize(pa.array(["  What IS\\n3 +  4? "])).to_pylist()
-    ['what is 3 + 4?']
+    >>> normalize(pa.array(["  What IS\\n3 +  4? ", ""])).to_pylist()
+    ['what is 3 + 4?', '']
     """
-    collapsed = pc.replace_substring_regex(pc.utf8_lower(texts), _SPACE + "+", " ")
-    return pc.utf8_trim_whitespace(collapsed)
+    # Splitting on Unicode whitespace and joining is ~3x faster than a whitespace regex in Arrow.
+    return pc.binary_join(pc.utf8_split_whitespace(pc.utf8_trim_whitespace(pc.utf8_lower(texts))), " ")
 
 
 def words(texts: pa.Array) -> pa.ListArray:
     """Each text's words: letter/digit runs and single punctuation marks, lower-cased.
 
-    >>> words(pa.array(["What is 3+4?", ""])).to_pylist()
-    [['what', 'is', '3', '+', '4', '?'], []]
+    >>> words(pa.array(["What is 3+4?", "", " a\\u00a0b "])).to_pylist()
+    [['what', 'is', '3', '+', '4', '?'], [], ['a', 'b']]
     """
     spaced = pc.replace_substring_regex(pc.utf8_lower(texts), _PUNCT, r" \1 ")
-    split = pc.split_pattern_regex(pc.utf8_trim_whitespace(
-        pc.replace_substring_regex(spaced, _SPACE + "+", " ")), " ")
+    split = pc.utf8_split_whitespace(pc.utf8_trim_whitespace(spaced))
     # An empty text splits into [""]: make it no words.
     lengths = pc.list_value_length(split).to_numpy(zero_copy_only=False)
     flat = split.flatten()
@@ -51,6 +49,16 @@ def words(texts: pa.Array) -> pa.ListArray:
     kept_lengths = np.bincount(row_of[keep], minlength=len(split))
     offsets = np.concatenate([[0], np.cumsum(kept_lengths)]).astype(np.int32)
     return pa.ListArray.from_arrays(pa.array(offsets), flat.filter(pa.array(keep)))
+
+
+def sorted_unique(values: np.ndarray) -> np.ndarray:
+    """np.unique by sorting (numpy 2's hash-based unique is ~100x slower on random 64-bit hashes).
+
+    >>> sorted_unique(np.array([3, 1, 3, 2], np.uint64)).tolist()
+    [1, 2, 3]
+    """
+    s = np.sort(values)
+    return s[np.concatenate(([True], s[1:] != s[:-1]))] if len(s) else s
 
 
 def ngram_hashes(word_lists: pa.ListArray, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -100,8 +108,10 @@ def overlap_fraction(gram: np.ndarray, rows: np.ndarray, n_rows: int, reference:
     """
     if len(reference) == 0 or len(gram) == 0:
         return np.zeros(n_rows)
-    idx = np.searchsorted(reference, gram).clip(max=len(reference) - 1)
-    hit = reference[idx] == gram
+    order = np.argsort(gram)  # sorted queries walk the reference in order: ~4x faster than random probes
+    idx = np.searchsorted(reference, gram[order]).clip(max=len(reference) - 1)
+    hit = np.empty(len(gram), bool)
+    hit[order] = reference[idx] == gram[order]
     total = np.bincount(rows, minlength=n_rows)
     return np.divide(np.bincount(rows, weights=hit, minlength=n_rows), total, out=np.zeros(n_rows), where=total > 0)
 
@@ -180,20 +190,19 @@ class PromptTokens:
         self.exact = 0
 
     def _byte_bounds(self) -> tuple[bool, int]:
-        if self.backend is None:
+        backend = self.backend
+        if backend is None or type(backend.model).__name__ != "BPE":
             return False, 0
-        spec = json.loads(self.backend.to_str())
-        normalizer, pre = spec.get("normalizer"), spec.get("pre_tokenizer") or {}
+        normalizer = json.loads(backend.normalizer.__getstate__()) if backend.normalizer else None
         no_normalizer = normalizer is None or (normalizer.get("type") == "Sequence" and not normalizer["normalizers"])
+        pre = json.loads(backend.pre_tokenizer.__getstate__()) if backend.pre_tokenizer else {}
         pres = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
         byte_level = any(p.get("type") == "ByteLevel" and not p.get("add_prefix_space") for p in pres)
-        model = spec.get("model", {})
-        if not (no_normalizer and byte_level and model.get("type") == "BPE"):
+        if not (no_normalizer and byte_level):
             return False, 0
-        vocab = list(model.get("vocab", {})) + [t["content"] for t in spec.get("added_tokens", [])]
-        # Byte-level vocabularies spell each byte as one character, so a token's length is its byte count
-        # (added tokens are plain text: their UTF-8 length).
-        return True, max(len(t.encode()) for t in vocab)
+        # Byte-level vocabularies spell each byte as one character, so a token's length is its byte count;
+        # added tokens are plain text, counted by their UTF-8 length (the larger of the two is safe).
+        return True, max(max(len(t), len(t.encode())) for t in backend.get_vocab(with_added_tokens=True))
 
     def overhead(self, roles: tuple[str, ...]) -> int:
         if roles not in self._overhead:
