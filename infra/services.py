@@ -68,7 +68,13 @@ def free_port() -> int:
 
 
 def port_is_free(port: int) -> bool:
-    """Whether nothing listens on 127.0.0.1:port (SO_REUSEADDR, as servers bind, so TIME_WAIT is no obstacle)."""
+    """Whether nothing listens on 127.0.0.1:port (SO_REUSEADDR, as servers bind, so TIME_WAIT is no obstacle).
+
+    >>> port_is_free(70000)  # SeaweedFS's gRPC port (port + 10000) can fall past the last one
+    False
+    """
+    if not 0 < port < 65536:
+        return False
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -180,8 +186,8 @@ def start_seaweedfs(workdir: Path, bucket: str, access_key: str, secret_key: str
     for name in WEED_PORTS:
         if name not in ports or not (port_is_free(ports[name]) and port_is_free(ports[name] + GRPC_OFFSET)):
             if name == "s3.port" and s3_port is not None:
-                raise PortInUse(f"S3 port {s3_port} (or its gRPC port {s3_port + GRPC_OFFSET}) is in use; "
-                                   "choose another with --s3-port or stop what listens there")
+                raise PortInUse(f"S3 port {s3_port} (or its gRPC port {s3_port + GRPC_OFFSET}) is in use or out of "
+                                   "range; choose another with --s3-port (below 55536) or stop what listens there")
             ports[name] = _free_port_pair()
     workdir.mkdir(parents=True, exist_ok=True)
     identities = {"identities": [{"name": "grpo", "credentials": [{"accessKey": access_key, "secretKey": secret_key}],
