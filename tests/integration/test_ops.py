@@ -262,6 +262,9 @@ def test_secrets_in_the_environment_leave_no_trace(manual_run, stack, worker, en
     places["worker output"] = log.read_bytes()
     for file in Path(yaml.safe_load(ops_yaml.read_text())["data_dir"]).rglob("*.log"):  # the trainer's log
         places[f"log file {file}"] = file.read_bytes()
+    for file in Path(env["PREFECT_HOME"]).rglob("*"):  # persisted task results, the worker's settings
+        if file.is_file():
+            places[f"prefect home {file.name}"] = file.read_bytes()
 
     assert len(places) > 20 and places["prefect flow run logs"]  # the scan looked at real material
     leaks = [(where, name) for where, blob in places.items() for name, value in secrets.items()
