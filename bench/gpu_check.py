@@ -24,6 +24,7 @@ import shutil
 import statistics
 import tempfile
 import time
+import traceback
 import zlib
 from datetime import UTC, datetime
 from pathlib import Path
@@ -32,7 +33,7 @@ from bench.harness import peak_rss_mb, reset_peak_rss
 from bench.table import Row
 
 ROOT = Path(__file__).resolve().parents[1]
-MODELS = ("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b")
+MODELS = ("qwen2.5-7b", "qwen2.5-1.5b", "qwen2.5-0.5b")  # largest first: the figure that matters most
 QUANTS = ("none", "nf4")
 # --dry-run: Qwen2 (biases on q, k, v; untied head as in 7B) shrunk to run in seconds on a CPU.
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -57,24 +58,28 @@ def options(argv: list[str] | None = None) -> argparse.Namespace:
     return opts
 
 
-def word_tokenizer(vocab: int):
-    """A word-level tokenizer: 'w0' ... 'wN' are one token each, so a prompt of k words is k tokens."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+def byte_tokenizer():
+    """A byte-level BPE tokenizer with no merges: every byte is one token, so a prompt of k digits is k tokens
+    whichever pre-tokenizer reads it (transformers 5 rebuilds a Qwen2 tokenizer with Qwen's own regex, which
+    splits digits one by one; transformers 4 keeps ours).
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    specials = ["<pad>", "<eos>", "<unk>"]
-    words = {t: i for i, t in enumerate(specials + [f"w{i}" for i in range(vocab - len(specials))])}
-    tok = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
+    specials = ["<pad>", "<eos>"]
+    vocab = {t: i for i, t in enumerate(specials + sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>")
 
 
-def random_checkpoint(model_cfg: dict, target: Path, dtype, device: str, words: int) -> Path:
+def random_checkpoint(model_cfg: dict, target: Path, dtype, device: str) -> Path:
     """Random weights for a config.json dict, saved with the tokenizer: a model directory like a real one."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    tokenizer = word_tokenizer(words)
+    tokenizer = byte_tokenizer()
     fields = {k: v for k, v in model_cfg.items() if k not in ("architectures", "torch_dtype", "dtype")}
     config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     config.bos_token_id = config.eos_token_id = tokenizer.eos_token_id
@@ -87,12 +92,16 @@ def random_checkpoint(model_cfg: dict, target: Path, dtype, device: str, words: 
     return target
 
 
-def prompts(n: int, tokens: int, words: int) -> list[dict]:
-    """n plain-text prompts of exactly `tokens` words (tokens) each, reproducibly."""
+def prompts(n: int, tokens: int) -> list[dict]:
+    """n plain-text prompts of exactly `tokens` digits (one token each with `byte_tokenizer`), reproducibly.
+
+    >>> [len(p["prompt"]) for p in prompts(2, 5)]
+    [5, 5]
+    """
     import random
 
     rng = random.Random(0)
-    return [{"prompt": " ".join(f"w{rng.randrange(words - 3)}" for _ in range(tokens))} for _ in range(n)]
+    return [{"prompt": "".join(rng.choice("0123456789") for _ in range(tokens))} for _ in range(n)]
 
 
 def varied_reward(completions, **_) -> list[float]:
@@ -145,10 +154,9 @@ def run_case(name: str, quant: str, model_dir: Path, model_cfg: dict, opts, gpu)
     )
     lora = LoraConfig(task_type="CAUSAL_LM", r=opts.lora_rank, lora_alpha=2 * opts.lora_rank,
                       target_modules="all-linear", lora_dropout=0.0)
-    words = model_cfg["vocab_size"] if opts.dry_run else 4096
     trainer = _probed_trainer()(
         model=model, reward_funcs=[varied_reward], args=args, processing_class=tokenizer, peft_config=lora,
-        train_dataset=Dataset.from_list(prompts(opts.batch * opts.steps, opts.prompt_tokens, min(words, 4096))),
+        train_dataset=Dataset.from_list(prompts(opts.batch * opts.steps, opts.prompt_tokens)),
     )
     trainer.remove_callback(PrinterCallback)  # one summary line per case instead of HF's per-step dicts
     trainer.train()
@@ -237,28 +245,32 @@ def main(argv: list[str] | None = None) -> dict:
                 try:
                     if model_dir is None:
                         t = time.perf_counter()
-                        words = model_cfg["vocab_size"] if opts.dry_run else 4096
-                        model_dir = random_checkpoint(model_cfg, root / model_name, torch.bfloat16, device, words)
+                        model_dir = random_checkpoint(model_cfg, root / model_name, torch.bfloat16, device)
                         print(f"[gpu_check] {model_name}: random checkpoint in {time.perf_counter() - t:.0f} s", flush=True)
                     case = run_case(model_name, quant, model_dir, model_cfg, opts, gpu)
                 except Exception as exc:  # one case failing (out of memory, a library mismatch) must not hide the rest
-                    case = {"model": model_name, "quantization": quant, "error": f"{type(exc).__name__}: {exc}"[:800]}
+                    case = {"model": model_name, "quantization": quant, "error": f"{type(exc).__name__}: {exc}"[:800],
+                            "traceback": traceback.format_exc()[-3000:]}
                     _free()
                 report["cases"].append(case)
+                _write(report, Path(opts.out), started)  # after every case: a hard stop keeps what was measured
                 print(f"[gpu_check] {json.dumps(_summary(case))}", flush=True)
             if model_dir is not None:
                 shutil.rmtree(model_dir, ignore_errors=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-        report["seconds"] = time.monotonic() - started
-        report["date"] = datetime.now(UTC).isoformat(timespec="seconds")
-        out = Path(opts.out)
-        out.mkdir(parents=True, exist_ok=True)
-        tmp = out / f"{report['name']}.json.tmp"
-        tmp.write_text(json.dumps(report, indent=1))
-        tmp.replace(out / f"{report['name']}.json")
-        print(f"[gpu_check] {len(report['cases'])} cases in {report['seconds']:.0f} s -> {out / (report['name'] + '.json')}")
+        _write(report, Path(opts.out), started)
+        print(f"[gpu_check] {len(report['cases'])} cases in {report['seconds']:.0f} s -> {opts.out}/{report['name']}.json")
     return report
+
+
+def _write(report: dict, out: Path, started: float) -> None:
+    report["seconds"] = time.monotonic() - started
+    report["date"] = datetime.now(UTC).isoformat(timespec="seconds")
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / f"{report['name']}.json.tmp"
+    tmp.write_text(json.dumps(report, indent=1))
+    tmp.replace(out / f"{report['name']}.json")
 
 
 def _summary(case: dict) -> dict:
