@@ -40,6 +40,7 @@ def main() -> None:
         peft_config=LoraConfig(task_type="CAUSAL_LM", **spec.train.lora),
     )
     output = trainer.train()
+    trainer.save_model(spec.adapter_dir)  # after train(): not in train_runtime; the pipeline's stages read it
     print(json.dumps({"metrics": output.metrics}))
 
 
