@@ -24,6 +24,7 @@ import os
 import re
 import shutil
 import time
+import warnings
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -396,7 +397,9 @@ class _Chain:
 
     def __init__(self, cfg: DataConfig, ctx: _Context, tokens: PromptTokens | None, work: Path):
         self.cfg, self.ctx, self.tokens = cfg, ctx, tokens
-        self.seen_text: dict[bytes, str] = {}
+        # 96-bit hashes of normalized prompts seen so far -> the kept row's key. With default keys (the
+        # prompt's own hash) the key is implied, so a set of ints holds the same at a third of the memory.
+        self.seen_text: dict[int, str] | set[int] = {} if cfg.key_column else set()
         self.seen_keys: set[str] = set()
         self.near = NearDuplicateIndex(cfg.near_dup_threshold, cfg.near_dup_num_perm) if cfg.near_dup_threshold else None
         self.reference: list[np.ndarray] = []
@@ -435,15 +438,18 @@ class _Chain:
             digest = hashlib.sha256(text.encode()).digest()
             if keys[i] is None:
                 keys[i] = digest[:8].hex()  # the default key: the normalized prompt's hash
-            first = self.seen_text.get(digest[:12])
-            if first is not None:
+            text_id = int.from_bytes(digest[:12], "big")
+            if text_id in self.seen_text:
                 keep[i] = False
+                first = self.seen_text[text_id] if isinstance(self.seen_text, dict) else keys[i]
                 exact_detail[i] = f"same prompt as the kept row with key {first}"
+            elif isinstance(self.seen_text, set):
+                self.seen_text.add(text_id)
             elif keys[i] in self.seen_keys:
                 keep[i] = False
                 key_detail[i] = f"key {keys[i]} is already taken by a different prompt"
             else:
-                self.seen_text[digest[:12]] = keys[i]
+                self.seen_text[text_id] = keys[i]
                 self.seen_keys.add(keys[i])
         table = table.set_column(table.column_names.index("key"), "key", pa.array(keys, pa.string()))
         exact = np.array([bool(d) for d in exact_detail])
@@ -509,7 +515,8 @@ class _Chain:
         self.reference = []
         self.outputs["train"] = (self.work / "train.jsonl").open("wb")
         cfg = self.cfg
-        with pa.memory_map(str(self.pending_path)) as source:
+        # Read, not memory-mapped: mapped pages would stay in this process's resident memory.
+        with pa.OSFile(str(self.pending_path)) as source:
             for batch in pa.ipc.open_stream(source):
                 table = pa.Table.from_batches([batch])
                 if cfg.contamination_threshold is not None and len(reference):
@@ -733,7 +740,7 @@ def data_task(cfg: DataConfig, out_dir: Path, tokenizer_path: str | None, reward
     return build_dataset(cfg, out_dir, tokenizer_path, rewards)
 
 
-def log_lineage(version: DatasetVersion, source: str = "demo") -> None:
+def log_lineage(version: DatasetVersion) -> None:
     """Inside an active MLflow run: each split as a dataset input (digest = its content hash), the report
     and the quarantine as artifacts, row counts as params, drops per reason as metrics."""
     import mlflow
@@ -743,9 +750,12 @@ def log_lineage(version: DatasetVersion, source: str = "demo") -> None:
 
     schema = Schema([ColSpec("string", "prompt"), ColSpec("string", "answer"), ColSpec("string", "key")])
     for split, path in version.splits.items():
-        dataset = MetaDataset(resolve_dataset_source(str(Path(path).resolve())), name=f"{split}",
-                              digest=version.fingerprints[split], schema=schema)
-        mlflow.log_input(dataset, context=split, tags={"source": source, "dataset_fingerprint": version.fingerprint})
+        with warnings.catch_warnings():  # MLflow registers two local-file source classes and says so
+            warnings.simplefilter("ignore", UserWarning)
+            source = resolve_dataset_source(str(Path(path).resolve()))
+        dataset = MetaDataset(source, name=split, digest=version.fingerprints[split], schema=schema)
+        mlflow.log_input(dataset, context=split,
+                         tags={"source": version.report.source, "dataset_fingerprint": version.fingerprint})
     report = version.report
     mlflow.log_params({f"rows_{s}": n for s, n in report.splits.items()} | {"source": report.source, "data_key": version.key[:16]})
     mlflow.log_metrics({"rows_read": report.rows_read, "dropped_fraction": report.dropped_fraction}

@@ -8,6 +8,7 @@ a row with fewer words than n counts as one n-gram of all its words.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -116,6 +117,10 @@ def overlap_fraction(gram: np.ndarray, rows: np.ndarray, n_rows: int, reference:
     return np.divide(np.bincount(rows, weights=hit, minlength=n_rows), total, out=np.zeros(n_rows), where=total > 0)
 
 
+def _band_key(band: bytes) -> bytes:
+    return hashlib.blake2b(band, digest_size=8).digest()
+
+
 class NearDuplicateIndex:
     """MinHash LSH (datasketch) over word-n-gram sets: `check` says, row by row in order, which earlier
     kept row a row nearly duplicates, and remembers the rows that are kept.
@@ -128,7 +133,8 @@ class NearDuplicateIndex:
         from datasketch import MinHash, MinHashLSH
 
         self.threshold = threshold
-        self.lsh = MinHashLSH(threshold=threshold, num_perm=num_perm)
+        # Band keys hashed to 8 bytes instead of r * 4 bytes: ~0.4 KB less per kept row over all bands.
+        self.lsh = MinHashLSH(threshold=threshold, num_perm=num_perm, hashfunc=_band_key)
         self._template = MinHash(num_perm=num_perm, seed=seed, hashfunc=int)
         self._signatures = np.empty((1024, num_perm), np.uint32)
         self.labels: list[str] = []
