@@ -28,7 +28,7 @@ from prefect.tasks import exponential_backoff
 from grpo_pipeline.config import PipelineConfig, load_config
 from grpo_pipeline.tracking import create_child_run, setup_tracking
 from tasks.decide import decide_promotion
-from tasks.demo_task import demo_data_task, fingerprint
+from tasks.data import DatasetVersion, data_task, log_lineage
 from tasks.evaluate import EvalResult, evaluate_task, read_jsonl
 from tasks.merge import merge_task
 from tasks.model import resolve_model_task
@@ -133,11 +133,11 @@ def _champion_eval(cfg: PipelineConfig, registry: Registry, version: str, holdou
     return _resumable(evaluate_task)(path, champion_model, holdout, cfg.train.rewards, cfg.evaluate, adapter=adapter)
 
 
-def _version_tags(cfg: PipelineConfig, splits: dict, result, parent_run_id: str) -> dict[str, str]:
+def _version_tags(cfg: PipelineConfig, dataset: DatasetVersion, result, parent_run_id: str) -> dict[str, str]:
     return {
         "base_model": cfg.model.base,
         "quantization": cfg.model.quantization,
-        "dataset_fingerprint": fingerprint(splits),
+        "dataset_fingerprint": dataset.fingerprint,
         "hyperparameters": json.dumps({"grpo": cfg.train.grpo, "lora": cfg.train.lora}, sort_keys=True)[:5000],
         "gpu_hours": f"{result.gpu_hours or 0:.4f}",
         "pipeline_run_id": parent_run_id,
@@ -157,8 +157,12 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
         parent_id = parent.info.run_id
         mlflow.log_dict(cfg.model_dump(mode="json"), "config.json")
         with _stage(parent_id, "data"):
-            splits = _resumable(demo_data_task)(cfg.data.demo, run_dir / "data")
-            mlflow.log_params({f"rows_{k}": len(Path(v).read_text().splitlines()) for k, v in splits.items()})
+            # The configured base's tokenizer counts the token budget; the model cache makes this cheap.
+            tokenizer = resolve_model_task(cfg.model, cfg.data_dir / "models")
+            # Versions are content-keyed under one directory, so a run on unchanged data reuses the last one.
+            dataset = data_task(cfg.data, cfg.data_dir / "datasets", tokenizer, rewards)
+            log_lineage(dataset)
+            splits = dataset.splits
         with _stage(parent_id, "model"):
             cfg, model_path = _choose_base(cfg, splits["val"])
             quantization = _resumable(quantization_cost_task)(
@@ -209,7 +213,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
             mlflow.log_dict(decision.model_dump(), "decision.json")  # logged before any alias moves
             verdict = "promote" if decision.promote else "reject"
             mlflow.set_tags({"decision": verdict})
-        tags = _version_tags(cfg, splits, result, parent_id)
+        tags = _version_tags(cfg, dataset, result, parent_id)
         if merged:
             tags["merged_source"] = merged["source"]
         version, moves = register_task(
