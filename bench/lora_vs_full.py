@@ -19,7 +19,9 @@ Measured per arm, each in its own process (so each peak RSS is its own):
   excluded from the arm's training clock;
 - quality gap after the fixed step budget: (full - arm) / full in %, with a paired-bootstrap 95 % interval;
 - time to quality: training seconds until the holdout reward first reaches `--threshold`; ratio full / arm;
-  the bracket is the previous evaluation's time (the crossing lies between the two);
+  the bracket is the previous evaluation's time (the crossing lies between the two). Counted in CPU seconds
+  of the arm's process (wall seconds are saved too): the arms run one after another, and on a shared machine
+  the neighbours' load changes between them, which moves wall time but hardly CPU time;
 - peak RSS while training (model loading excluded; the whole-process peak is saved too).
 
     python -m bench.lora_vs_full [--steps 24] [--eval-every 4] [--holdout 64] [--threshold 1.0] [--tiny]
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -73,11 +76,11 @@ def _holdout_callback(rows: list[dict], tokenizer, every: int, max_new_tokens: i
         def __init__(self):
             self.curve: list[dict] = []
             self.step_s: list[float] = []
-            self.eval_s = 0.0
+            self.eval_s = self.eval_cpu_s = 0.0
             self.last_totals: list[float] = []
 
         def evaluate(self, model, step: int) -> None:
-            started = time.perf_counter()
+            started, started_cpu = time.perf_counter(), time.process_time()
             was_training = model.training
             model.eval()
             completions, lengths = generate(model, tokenizer, [r["prompt"] for r in rows], max_new_tokens, len(rows))
@@ -85,12 +88,17 @@ def _holdout_callback(rows: list[dict], tokenizer, every: int, max_new_tokens: i
             result = score(rows, [completion_text(c) for c in completions], rewards, lengths)
             self.last_totals = [r["total"] for r in result.rows]
             train_s = (started - self.t0) - self.eval_s if step else 0.0
-            self.curve.append({"step": step, "train_s": train_s, "reward": result.reward, **result.per_reward})
+            train_cpu_s = (started_cpu - self.t0_cpu) - self.eval_cpu_s if step else 0.0
+            self.curve.append({"step": step, "train_s": train_s, "train_cpu_s": train_cpu_s, "reward": result.reward,
+                               **result.per_reward})
             self.eval_s += time.perf_counter() - started
-            print(f"  step {step:3d}  train {train_s:7.1f} s  holdout reward {result.reward:.3f}", flush=True)
+            self.eval_cpu_s += time.process_time() - started_cpu
+            print(f"  step {step:3d}  train {train_s:7.1f} s ({train_cpu_s:7.1f} CPU s)  holdout reward "
+                  f"{result.reward:.3f}", flush=True)
 
         def on_train_begin(self, args, state, control, **kw):
-            self.t0, self.eval_s = time.perf_counter(), 0.0  # the step-0 evaluation ran before the clock
+            # the step-0 evaluation ran before the clocks start
+            self.t0, self.t0_cpu, self.eval_s, self.eval_cpu_s = time.perf_counter(), time.process_time(), 0.0, 0.0
 
         def on_step_begin(self, args, state, control, **kw):
             self.step_started = time.perf_counter()
@@ -136,7 +144,7 @@ def run_arm(arm: str, model_path: str, train_file: str, holdout_file: str, opts:
         callbacks=[curve],
     )
     trainer.remove_callback(PrinterCallback)  # the holdout curve prints one line per evaluation instead
-    curve.t0 = time.perf_counter()
+    curve.t0, curve.t0_cpu = time.perf_counter(), time.process_time()
     curve.evaluate(trainer.model, 0)
     trainer.train()
     params = list(trainer.model.parameters())
@@ -156,8 +164,9 @@ def run_arm(arm: str, model_path: str, train_file: str, holdout_file: str, opts:
 # ---------------------------------------------------------------- analysis (pure)
 
 
-def time_to_quality(curve: list[dict], threshold: float) -> dict | None:
-    """The first evaluation at or above the threshold: its step and training time, and the previous one's time.
+def time_to_quality(curve: list[dict], threshold: float, clock: str = "train_s") -> dict | None:
+    """The first evaluation at or above the threshold: its step and training time on `clock` ('train_s' wall,
+    'train_cpu_s' CPU), and the previous evaluation's time (the crossing lies between the two).
 
     >>> c = [{"step": 0, "train_s": 0, "reward": 0.1}, {"step": 4, "train_s": 40, "reward": 0.8},
     ...      {"step": 8, "train_s": 80, "reward": 1.1}]
@@ -168,8 +177,30 @@ def time_to_quality(curve: list[dict], threshold: float) -> dict | None:
     """
     for before, point in zip([None, *curve], curve):
         if point["reward"] >= threshold:
-            return {"step": point["step"], "train_s": point["train_s"], "after_s": before["train_s"] if before else 0.0}
+            return {"step": point["step"], "train_s": point[clock], "after_s": before[clock] if before else 0.0}
     return None
+
+
+def speedup(full_curve: list[dict], arm_curve: list[dict], threshold: float, clock: str = "train_s") -> dict:
+    """full / arm training time to the threshold, bracketed by the evaluation interval on both sides.
+
+    >>> f = [{"step": 0, "train_s": 0, "reward": 0}, {"step": 4, "train_s": 40, "reward": 0.6},
+    ...      {"step": 8, "train_s": 80, "reward": 1.2}]
+    >>> a = [{"step": 0, "train_s": 0, "reward": 0}, {"step": 4, "train_s": 20, "reward": 0.9},
+    ...      {"step": 8, "train_s": 40, "reward": 1.3}]
+    >>> s = speedup(f, a, 1.0); s["ratio"], s["spread"]
+    (2.0, [1.0, 4.0])
+    """
+    full_hit, hit = time_to_quality(full_curve, threshold, clock), time_to_quality(arm_curve, threshold, clock)
+    out = {"clock": clock, "full": full_hit, "arm": hit, "full_total_s": full_curve[-1][clock]}
+    if hit and full_hit:
+        out["ratio"] = full_hit["train_s"] / hit["train_s"]
+        # the arm crossed after its previous evaluation; at the first one there is no upper bound
+        out["spread"] = ([full_hit["after_s"] / hit["train_s"], full_hit["train_s"] / hit["after_s"]]
+                         if hit["after_s"] > 0 else None)
+    elif hit:  # full never got there: the speedup is at least its whole budget over the arm's time
+        out["ratio_at_least"] = out["full_total_s"] / hit["train_s"]
+    return out
 
 
 def quality_gap(full: list[float], arm: list[float], seed: int = 0) -> dict:
@@ -199,30 +230,20 @@ def quality_gap(full: list[float], arm: list[float], seed: int = 0) -> dict:
 def analyse(arms: dict[str, dict], threshold: float) -> dict:
     """Quality gap, time-to-quality ratio and memory ratio of each adapter arm against full fine-tuning."""
     full = arms["full"]
-    full_hit = time_to_quality(full["curve"], threshold)
-    full_total = full["curve"][-1]["train_s"]
     out = {}
     for name in ("lora", "qlora"):
         if name not in arms:
             continue
         arm = arms[name]
-        hit = time_to_quality(arm["curve"], threshold)
-        entry = {
+        out[name] = {
             "quality": quality_gap(full["final_totals"], arm["final_totals"]),
-            "time_to_quality": {"full": full_hit, "arm": hit, "full_total_s": full_total},
+            # CPU seconds: neighbours on a shared machine slow the wall clock of one arm and not another
+            "time_to_quality": speedup(full["curve"], arm["curve"], threshold, "train_cpu_s"),
+            "time_to_quality_wall": speedup(full["curve"], arm["curve"], threshold, "train_s"),
             "memory": {"full_mb": full["peak_rss_train_mb"], "arm_mb": arm["peak_rss_train_mb"],
                        "ratio": arm["peak_rss_train_mb"] / full["peak_rss_train_mb"]},
             "step_s": {"full": spread(full["step_s"]), "arm": spread(arm["step_s"])},
         }
-        ttq = entry["time_to_quality"]
-        if hit and full_hit:  # speedup, bracketed by the evaluation interval on both sides
-            ttq["ratio"] = full_hit["train_s"] / hit["train_s"]
-            # the arm crossed after its previous evaluation; at the first one there is no upper bound
-            ttq["spread"] = ([full_hit["after_s"] / hit["train_s"], full_hit["train_s"] / hit["after_s"]]
-                             if hit["after_s"] > 0 else None)
-        elif hit:  # full never got there: the speedup is at least its whole budget over the arm's time
-            ttq["ratio_at_least"] = full_total / hit["train_s"]
-        out[name] = entry
     return out
 
 
@@ -245,12 +266,16 @@ def table_rows(load) -> list[Row]:
             note="" if q["gap_pct"] is not None else "not measurable: full fine-tuning scored 0",
         ))
     for name, a in result["analysis"].items():
-        t = a["time_to_quality"]
-        full_side = (f"full: {t['full']['train_s']:.0f} s ({t['full']['step']} steps)" if t["full"]
-                     else f"full: not in {steps} steps ({t['full_total_s']:.0f} s)")
-        arm_side = (f"{LABEL[name]}: {t['arm']['train_s']:.0f} s ({t['arm']['step']} steps)" if t["arm"]
-                    else f"{LABEL[name]}: not in {steps} steps")
-        bench = f"{LABEL[name]} vs full: training time to holdout reward ≥ {thr:g}, speedup"
+        t, w = a["time_to_quality"], a["time_to_quality_wall"]
+
+        def side(label, hit, wall, total):
+            if hit is None:
+                return f"{label}: not in {steps} steps" + (f" ({total:.0f} CPU s)" if total else "")
+            return f"{label}: {hit['train_s']:.0f} CPU s, {wall['train_s']:.0f} s wall ({hit['step']} steps)"
+
+        full_side = side("full", t["full"], w["full"], t["full_total_s"])
+        arm_side = side(LABEL[name], t["arm"], w["arm"], None)
+        bench = f"{LABEL[name]} vs full: training CPU time to holdout reward ≥ {thr:g}, speedup"
         if "ratio" in t:
             rows.append(Row(bench, full_side, arm_side, t["ratio"], ">= 3",
                             spread=tuple(t["spread"]) if t["spread"] else None))
@@ -299,8 +324,11 @@ def main(argv: list[str] | None = None) -> dict | None:
     passthrough = [f"--steps={opts.steps}", f"--eval-every={opts.eval_every}", f"--full-lr={opts.full_lr}"]
     for arm in arms:
         print(f"[lora_vs_full] {arm}", flush=True)
+        # Waiting OpenMP threads sleep instead of spinning: on a shared machine spinning burns CPU seconds
+        # that are not work, and the arms are compared on CPU seconds.
+        env = os.environ | {"OMP_WAIT_POLICY": "PASSIVE"}
         subprocess.run([sys.executable, "-m", "bench.lora_vs_full", "--arm", arm, "--work", str(work), *passthrough],
-                       check=True)
+                       check=True, env=env)
         results[arm] = json.loads((work / f"{arm}.json").read_text())
     analysis = analyse(results, opts.threshold)
     report = {
