@@ -363,11 +363,10 @@ def run_trial(
 ) -> TrialOutcome:
     """One short GRPO run with the trial's parameters; reports each validation reward and cancels the job
     when the pruner says so. Raises TrialFailed when the job crashes."""
-    params = suggest(trial, cfg.hpo.space)
-    overrides = to_overrides(params, cfg)
-    tcfg = trial_config(cfg, overrides)
     from mlflow.entities import Param
 
+    overrides = to_overrides(suggest(trial, cfg.hpo.space), cfg)
+    tcfg = trial_config(cfg, overrides)
     client = tracking.client() if tracking else None
     run_id = None
     if client:
@@ -401,8 +400,8 @@ def run_trial(
     finally:
         if client:
             # Logged last: the trainer logs its own (GRPOConfig) params only into a run that has none yet.
-            params = {"optuna.trial": trial.number, **overrides}
-            client.log_batch(run_id, params=[Param(k, str(v)) for k, v in params.items()])
+            logged = {"optuna.trial": trial.number, **overrides}
+            client.log_batch(run_id, params=[Param(k, str(v)) for k, v in logged.items()])
             client.set_tag(run_id, "optuna.state", {"FINISHED": "COMPLETE", "KILLED": "PRUNED"}.get(state, "FAIL"))
             if reason:
                 client.set_tag(run_id, "optuna.fail_reason", reason[:5000])
