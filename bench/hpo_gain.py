@@ -57,7 +57,7 @@ def library_defaults() -> dict[str, object]:
 def gain_ratio(searched_gain: float, default_gain: float) -> float | None:
     """Searched gain over default gain; None when the defaults gained nothing (no ratio to speak of).
 
-    >>> gain_ratio(1.2, 0.4), gain_ratio(1.2, 0.0)
+    >>> gain_ratio(1.5, 0.5), gain_ratio(1.2, 0.0)
     (3.0, None)
     """
     return searched_gain / default_gain if default_gain > 0 else None
