@@ -13,7 +13,6 @@ import glob
 import hashlib
 import io
 import os
-import re
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager

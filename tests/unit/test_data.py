@@ -263,3 +263,23 @@ def test_gsm8k_decontaminated_against_its_test_set(tmp_path):
     test_prompts = {" ".join(json.loads(l)["question"].lower().split()) for l in (GSM8K / "test.jsonl").open()}
     train = read(version.splits["train"])
     assert not any(" ".join(r["prompt"][-1]["content"].lower().split()) in test_prompts for r in train)
+
+
+def test_cli_prints_the_report_and_exits_2_when_too_much_is_dropped(tmp_path, tiny_model):
+    from typer.testing import CliRunner
+
+    from grpo_pipeline.cli import app
+
+    corpus, eval_set, valid_ids, expected = malformed_corpus(tmp_path)
+    args = ["data", "--out", str(tmp_path / "out"), "--tokenizer", str(tiny_model), "--set", f"data.source={corpus}", "--set", "data.key_column=id",
+            "--set", f"data.eval_sources=[{eval_set}]", "--set", "data.max_prompt_tokens=400"]
+    ok = CliRunner().invoke(app, [*args, "--set", "data.max_dropped_fraction=0.5", "--json"])
+    assert ok.exit_code == 0, ok.output
+    result = json.loads(ok.stdout)
+    assert result["status"] == "completed" and result["report"]["rows_kept"] == len(valid_ids)
+    assert Path(result["quarantine"]).is_file()
+    table = CliRunner().invoke(app, [*args, "--set", "data.max_dropped_fraction=0.5"])
+    assert table.exit_code == 0 and "dropped: near_duplicate" in table.stdout
+    failed = CliRunner().invoke(app, [*args, "--json"])  # 14 of 54 rows dropped > the default 20 %
+    assert failed.exit_code == 2
+    assert json.loads(failed.stdout.strip().splitlines()[-1])["report"]["dropped"]["contaminated"] == 2
