@@ -279,8 +279,6 @@ def data_cmd(
     tok = tokenizer or default_tokenizer(cfg)
     try:
         version = build_dataset(cfg.data, out or cfg.data_dir / "datasets", tok, cfg.train.rewards)
-    except ConfigError as exc:
-        _fail(as_json, str(exc), EXIT_CONFIG)
     except DataQualityError as exc:  # bad input: the report still says why
         if as_json:
             print(json.dumps({"status": "failed", "error": str(exc), "exit_code": EXIT_CONFIG,
@@ -289,6 +287,8 @@ def data_cmd(
             _print_data_report(exc.report, None)
         err.print(f"[red]{exc}")
         raise typer.Exit(EXIT_CONFIG) from None
+    except ConfigError as exc:
+        _fail(as_json, str(exc), EXIT_CONFIG)
     if as_json:
         print(json.dumps({"status": "completed", **version.model_dump(mode="json")}, indent=2))
         raise typer.Exit(EXIT_OK)

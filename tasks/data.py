@@ -69,8 +69,9 @@ _GSM8K = r"(?s)^.*####\s*(?P<answer>.*?)\s*$"
 _CODE_FILES = ("data.py", "data_io.py", "data_text.py", "demo_task.py")
 
 
-class DataQualityError(RuntimeError):
-    """Too many rows were dropped: the stage stops instead of training on what is left."""
+class DataQualityError(ConfigError):
+    """Too many rows were dropped: the stage stops instead of training on what is left. A ConfigError, so
+    the CLI exits 2 (bad input) with the report; the fix is the source, the mapping or the bound."""
 
     def __init__(self, message: str, report: DataReport):
         super().__init__(message)
