@@ -225,6 +225,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
             "status": "completed",
             "mlflow": {"tracking_uri": cfg.mlflow_uri, "run_id": parent_id, "experiment_id": exp_id},
             "run_dir": str(run_dir.resolve()),
+            "data": {"fingerprint": dataset.fingerprint, **dataset.report.model_dump(mode="json")},
             "model": {"base": cfg.model.base, "path": model_path, "quantization": cfg.model.quantization},
             "holdout": {
                 "n": base.n,

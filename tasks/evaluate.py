@@ -28,7 +28,10 @@ class EvalResult(BaseModel):
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    """One dict per line. Only a newline ends a line (`splitlines` would also split at U+2028, which
+    GSM8K has inside questions)."""
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
 
 
 def score(rows: list[dict], completions: list[str], rewards: list[str], lengths: list[int]) -> EvalResult:
