@@ -24,7 +24,7 @@ Measured per arm, each in its own process (so each peak RSS is its own):
   the neighbours' load changes between them, which moves wall time but hardly CPU time;
 - peak RSS while training (model loading excluded; the whole-process peak is saved too).
 
-    python -m bench.lora_vs_full [--steps 24] [--eval-every 4] [--holdout 64] [--threshold 1.0] [--tiny]
+    python -m bench.lora_vs_full [--steps 16] [--eval-every 4] [--holdout 48] [--threshold 0.8] [--tiny]
 """
 
 from __future__ import annotations
@@ -49,10 +49,11 @@ LABEL = {"full": "full", "lora": "LoRA", "qlora": "QLoRA (NF4)"}
 
 def _options(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=24, help="GRPO steps per arm (the fixed budget)")
+    parser.add_argument("--steps", type=int, default=16, help="GRPO steps per arm (the fixed budget)")
     parser.add_argument("--eval-every", type=int, default=4, help="steps between holdout evaluations")
-    parser.add_argument("--holdout", type=int, default=64, help="held-out prompts per evaluation")
-    parser.add_argument("--threshold", type=float, default=1.0, help="holdout reward that counts as 'quality'")
+    parser.add_argument("--holdout", type=int, default=48, help="held-out prompts per evaluation")
+    parser.add_argument("--threshold", type=float, default=0.8,
+                        help="holdout reward (of 2) that counts as 'quality': most answers in the asked format")
     parser.add_argument("--full-lr", type=float, default=3e-5, help="full fine-tuning's learning rate")
     parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of full,lora,qlora")
     parser.add_argument("--tiny", action="store_true", help="a tiny random model: checks the code path in seconds")
