@@ -1,5 +1,6 @@
-"""The pipeline flow: demo data -> base model -> evaluate base -> GRPO train -> evaluate candidate and
-champion -> merge (when enabled) -> decide -> register and move aliases -> report.
+"""The pipeline flow: data -> base model (selection, quantization cost) -> plan and budget guard ->
+hyperparameter search (when enabled) -> evaluate base -> GRPO train -> evaluate candidate and champion ->
+merge (when enabled) -> decide -> register and move aliases -> report.
 
 Every stage is a nested MLflow run under one parent run; the summary this flow returns is what
 `grpo-pipeline run --json` prints.
@@ -31,6 +32,7 @@ from tasks.decide import decide_promotion
 from tasks.data import DatasetVersion, data_task, log_lineage
 from tasks.evaluate import EvalResult, evaluate_task, read_jsonl
 from tasks.merge import merge_task
+from tasks.hpo import apply_best, hpo_task
 from tasks.model import resolve_model_task
 from tasks.plan import actual_cost, apply_plan, check_budget, plan_task
 from tasks.quantize import quantization_cost_task, require_accepted
@@ -178,6 +180,10 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
             mlflow.log_dict(plan.report(), "plan.json")
             check_budget(plan, cfg.plan.budget_usd)  # before any training compute is spent
             cfg = apply_plan(cfg, plan)
+        search = None
+        if cfg.hpo.enabled:  # its own `hpo` stage run, a nested run per trial
+            search = hpo_task(cfg, model_path, splits, run_dir, parent_id)
+            cfg = apply_best(cfg, search.overrides)
         with _stage(parent_id, "evaluate-base"):
             base = _resumable(evaluate_task)(model_path, cfg.model, splits["holdout"], rewards, cfg.evaluate)
             _log_eval(base, "base")
@@ -238,6 +244,8 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
             | ({"champion_reward": champion.reward, "champion": champion.per_reward | champion.metrics} if champion else {}),
             "train": result.model_dump(exclude={"metrics"}) | {"metrics": result.metrics},
             "plan": plan.summary(),
+            "hpo": {"best_trial": search.best_trial, "best_value": search.best_value, "overrides": search.overrides,
+                    "study": search.study_name} if search else None,
             "cost": cost,
             "merge": merged,
             "decision": decision.model_dump(),

@@ -100,6 +100,27 @@ def test_second_run_decides_against_the_champion_and_rollback_restores_it(tmp_pa
     assert aliases["champion"] == v1 and aliases["previous-champion"] == v2
 
 
+def test_search_before_training_feeds_the_best_parameters_to_training(tmp_path, tiny_yaml):
+    proc = _cli("run", "--config", str(tiny_yaml), "--json", "--set", "hpo.enabled=true", "--set", "hpo.trials=2",
+                "--set", "hpo.steps=2", "--set", "hpo.eval_every=1", "--set", "hpo.pruner=none",
+                cwd=tmp_path, prefect_home=tmp_path / "prefect")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = json.loads(proc.stdout)
+    best = summary["hpo"]["overrides"]
+    assert best and len(summary["hpo"]["study"]) > 0
+    client = mlflow.MlflowClient(summary["mlflow"]["tracking_uri"])
+    children = client.search_runs([summary["mlflow"]["experiment_id"]],
+                                  filter_string=f"tags.mlflow.parentRunId = '{summary['mlflow']['run_id']}'")
+    by_name = {r.info.run_name: r for r in children}
+    trials = client.search_runs([summary["mlflow"]["experiment_id"]],
+                                filter_string=f"tags.mlflow.parentRunId = '{by_name['hpo'].info.run_id}'")
+    assert len(trials) == 2
+    spec = json.loads((Path(summary["run_dir"]) / "train" / "job.json").read_text())
+    for path, value in best.items():  # the training job ran with the search's best values
+        _, stage, key = path.split(".")
+        assert spec["train"][stage][key] == value, (path, spec["train"][stage])
+
+
 @pytest.mark.parametrize(
     ("override", "message"),
     [
