@@ -13,7 +13,11 @@ Both adapters and the base model are scored greedily on the same holdout. Report
 holdout reward over the base model, and their ratio (goal >= 1.5). The search's validation evaluations
 are generation the defaults side does not do; they are reported as search seconds.
 
-    python -m bench.hpo_gain [--budget 40] [--trials 3] [--tiny]
+    python -m bench.hpo_gain [--budget 40] [--trials 3] [--work DIR] [--tiny]
+
+The two final trainings run at once. With `--work DIR` every phase keeps its output there and a rerun
+picks up where the last one stopped: the base model's score is reused, the stored study has no budget
+left, and each trainer resumes from its last checkpoint (or reports its finished adapter).
 """
 
 from __future__ import annotations
@@ -63,15 +67,24 @@ def gain_ratio(searched_gain: float, default_gain: float) -> float | None:
     return searched_gain / default_gain if default_gain > 0 else None
 
 
-def _train(cfg, model: str, splits, run_dir: Path) -> tuple[object, float]:
+def _train(cfg, model: str, splits, run_dir: Path):
     from infra.launch import LocalLauncher
     from tasks.train import build_job_spec
 
     spec = build_job_spec(cfg, model, splits, run_dir, mlflow_run_id=None).model_copy(update={"mlflow_tracking_uri": None})
     launcher = LocalLauncher(0, on_line=lambda line: None)
-    started = time.monotonic()
-    result = launcher.wait(launcher.launch(spec))
-    return result, time.monotonic() - started
+    return launcher.wait(launcher.launch(spec))
+
+
+def _base_eval(work: Path, model: str, cfg, splits):
+    from tasks.evaluate import EvalResult, evaluate_model
+
+    cached = work / "base_eval.json"
+    if cached.is_file():
+        return EvalResult.model_validate_json(cached.read_text())
+    result = evaluate_model(model, cfg.model, splits["holdout"], cfg.train.rewards, cfg.evaluate)
+    cached.write_text(result.model_dump_json())
+    return result
 
 
 def _trial_steps(run_dir: Path, trial) -> int:
@@ -87,6 +100,7 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=None, help="GRPO steps per side; default: the demo's max_steps")
     parser.add_argument("--trials", type=int, default=None, help="search trials; default: the demo config's hpo.trials")
     parser.add_argument("--tiny", action="store_true", help="a tiny random model and tiny sizes: a quick check that it runs")
+    parser.add_argument("--work", type=Path, default=None, help="keep every phase here; a rerun resumes (default: a temp dir)")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -97,7 +111,8 @@ def main() -> None:
     from tasks.hpo import Tracking, apply_best, search
     from tasks.model import create_random_model, ensure_demo_model
 
-    work = Path(tempfile.mkdtemp(prefix="bench-hpo-"))
+    work = (args.work or Path(tempfile.mkdtemp(prefix="bench-hpo-"))).resolve()
+    work.mkdir(parents=True, exist_ok=True)
     overrides = [f"hpo.storage=sqlite:///{work / 'optuna.db'}", f"tracking.mlflow_tracking_uri=sqlite:///{work / 'mlflow.db'}",
                  "hpo.enabled=true", "hpo.warm_start=false", "hpo.study_name=bench-hpo-gain"]
     if args.tiny:
@@ -107,26 +122,24 @@ def main() -> None:
         overrides.append(f"hpo.trials={args.trials}")
     demo = load_config(ROOT / "configs" / "demo-cpu.yaml", overrides)
     budget = args.budget or demo.train.grpo["max_steps"]
-    model = str(create_random_model(work / "tiny") if args.tiny else ensure_demo_model(demo.data_dir / "models"))
+    tiny = work / "tiny"
+    model = str((tiny if (tiny / "config.json").is_file() else create_random_model(tiny)) if args.tiny
+                else ensure_demo_model(demo.data_dir / "models"))
     splits = write_splits(generate(demo.data.demo), work / "data")
     defaults = library_defaults()
     start = apply_best(demo, defaults | {"train.grpo.max_steps": budget})  # both sides start from the defaults
     started = time.monotonic()
-
-    base = evaluate_model(model, start.model, splits["holdout"], start.train.rewards, start.evaluate)
-    print(f"base model: holdout reward {base.reward:.3f}", file=sys.stderr)
 
     exp_id = setup_tracking(start.mlflow_uri, start.tracking.experiment, work / "mlartifacts")
     from mlflow import MlflowClient
 
     stage = MlflowClient(start.mlflow_uri).create_run(exp_id, run_name="hpo")
     tracking = Tracking(tracking_uri=start.mlflow_uri, experiment_id=exp_id, stage_run_id=stage.info.run_id)
-    t0 = time.monotonic()
     result = search(start, model, splits, work / "run", tracking)
-    search_s = time.monotonic() - t0
     import optuna
 
     study = optuna.load_study(study_name=result.study_name, storage=start.hpo.storage)
+    search_s = (max(t.datetime_complete for t in study.trials) - min(t.datetime_start for t in study.trials)).total_seconds()
     search_steps = sum(_trial_steps(work / "run", t) for t in study.trials)
     final_steps = budget - search_steps
     if final_steps < 1:
@@ -135,12 +148,20 @@ def main() -> None:
           f"training {final_steps} more", file=sys.stderr)
 
     searched_cfg = apply_best(start, result.overrides | {"train.grpo.max_steps": final_steps})
-    searched_train, searched_s = _train(searched_cfg, model, splits, work / "searched")
-    default_train, default_s = _train(start, model, splits, work / "defaults")
-    searched = evaluate_model(model, start.model, splits["holdout"], start.train.rewards, start.evaluate,
-                              adapter=searched_train.adapter_dir)
-    default = evaluate_model(model, start.model, splits["holdout"], start.train.rewards, start.evaluate,
-                             adapter=default_train.adapter_dir)
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(3) as pool:  # both trainings at once, and the base model's score beside them
+        searched_job = pool.submit(_train, searched_cfg, model, splits, work / "searched")
+        default_job = pool.submit(_train, start, model, splits, work / "defaults")
+        base = _base_eval(work, model, start, splits)
+        searched_train, default_train = searched_job.result(), default_job.result()
+    print(f"base model: holdout reward {base.reward:.3f}", file=sys.stderr)
+    with ThreadPoolExecutor(2) as pool:
+        searched, default = pool.map(
+            lambda adapter: evaluate_model(model, start.model, splits["holdout"], start.train.rewards, start.evaluate,
+                                           adapter=adapter),
+            [searched_train.adapter_dir, default_train.adapter_dir],
+        )
     searched_gain, default_gain = searched.reward - base.reward, default.reward - base.reward
     ratio = gain_ratio(searched_gain, default_gain)
 
@@ -151,17 +172,17 @@ def main() -> None:
         "ratio_note": None if ratio is not None else "the defaults side gained nothing: no ratio; compare the gains",
         "base_reward": base.reward,
         "defaults": {"reward": default.reward, "gain": default_gain, "per_reward": default.per_reward,
-                     "steps": default_train.global_step, "train_s": default_s,
+                     "steps": default_train.global_step,
                      "hyperparameters": {k: v for k, v in defaults.items()}},
         "searched": {"reward": searched.reward, "gain": searched_gain, "per_reward": searched.per_reward,
                      "steps": {"search": search_steps, "final_training": searched_train.global_step},
-                     "search_s": search_s, "train_s": searched_s, "hyperparameters": result.overrides,
+                     "search_s": search_s, "hyperparameters": result.overrides,
                      "best_val_reward": result.best_value},
         "base_per_reward": base.per_reward,
         "budget_steps": budget,
         "search": {"trials": [t.model_dump() for t in result.trials], "space": start.hpo.space.model_dump(exclude_none=True),
                    "steps_per_trial": start.hpo.steps, "eval_every": start.hpo.eval_every, "pruner": start.hpo.pruner},
-        "total_s": time.monotonic() - started,
+        "wall_s_this_invocation": time.monotonic() - started,
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "model": "tiny random llama" if args.tiny else model,
@@ -176,7 +197,8 @@ def main() -> None:
     print(f"{'defaults':12}{default.reward:8.3f}{default_gain:+8.3f}  {default_train.global_step}")
     print(f"{'searched':12}{searched.reward:8.3f}{searched_gain:+8.3f}  {search_steps} search + {searched_train.global_step}")
     print(f"ratio of gains: {ratio if ratio is None else round(ratio, 2)} (goal >= 1.5); saved {path}")
-    shutil.rmtree(work, ignore_errors=True)
+    if args.work is None:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":
