@@ -12,7 +12,7 @@ from prefect import flow
 from prefect.runtime import flow_run
 
 from grpo_pipeline.config import load_config
-from tasks.demo_task import demo_data_task
+from tasks.data import data_task
 from tasks.hpo import hpo_task
 from tasks.model import resolve_model_task
 from tasks.train import preflight
@@ -29,7 +29,7 @@ def hpo_flow(config_path: str | None = None, overrides: list[str] | None = None)
     cfg = load_config(config_path, overrides or [])
     preflight(cfg)
     run_dir = cfg.data_dir / "runs" / f"{datetime.now():%Y%m%d-%H%M%S}-{(flow_run.id or 'local')[:8]}-hpo"
-    splits = demo_data_task(cfg.data.demo, run_dir / "data")
     model_path = resolve_model_task(cfg.model, cfg.data_dir / "models")
-    result = hpo_task(cfg, model_path, splits, run_dir)
+    dataset = data_task(cfg.data, cfg.data_dir / "datasets", model_path, cfg.train.rewards)  # as the pipeline does
+    result = hpo_task(cfg, model_path, dataset.splits, run_dir)
     return result.model_dump(mode="json") | {"set": result.set_args(), "mlflow_tracking_uri": cfg.mlflow_uri}

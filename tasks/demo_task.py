@@ -13,8 +13,6 @@ import json
 import random
 from pathlib import Path
 
-from prefect import task
-
 from grpo_pipeline.config import DemoTaskConfig
 
 PROMPT = "What is {a} + {b}? Reply with just the number."
@@ -98,8 +96,3 @@ def fingerprint(splits: dict[str, Path]) -> str:
     for name in sorted(splits):
         digest.update(name.encode() + b"\0" + Path(splits[name]).read_bytes())
     return digest.hexdigest()[:16]
-
-
-@task(name="demo-data")
-def demo_data_task(cfg: DemoTaskConfig, directory: Path) -> dict[str, Path]:
-    return write_splits(generate(cfg), directory)
