@@ -75,6 +75,16 @@ def test_full_never_reaching_the_threshold_gives_a_lower_bound_not_a_ratio():
     assert time_to_quality(full["curve"], 1.0) is None
 
 
+def test_an_adapter_that_never_gets_there_bounds_the_speedup_from_above():
+    full = _arm([(0, 0, 0.1), (4, 40, 0.6), (8, 80, 1.2)], [1.0, 2.0] * 10, 3000.0, 1000)
+    lora = _arm([(0, 0, 0.1), (4, 50, 0.2), (8, 100, 0.7)], [0.5, 1.0] * 10, 2000.0, 10)
+    result = {"steps": 8, "threshold": 1.0, "arms": {"full": full, "lora": lora},
+              "analysis": analyse({"full": full, "lora": lora}, threshold=1.0)}
+    assert result["analysis"]["lora"]["time_to_quality"]["ratio_at_most"] == pytest.approx(80 / 100)
+    speed = next(r for r in lora_rows(lambda name: result) if "speedup" in r.benchmark)
+    assert speed.verdict == "misses (≤ 0.80)" and "LoRA: not in 8 steps (200 CPU s)" == speed.candidate
+
+
 def test_suite_rejects_unknown_names(capsys):
     with pytest.raises(SystemExit):
         main(["no_such_benchmark"])
