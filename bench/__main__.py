@@ -46,7 +46,7 @@ SUITE = (
     Bench("data_throughput", "the data stage vs a per-row Python chain", 6, tiny=None),
     Bench("hpo_gain", "searched vs default hyperparameters at equal steps", 15),
     Bench("machine_limit", "GRPO step FLOP/s and tokens/s vs measured matmul peak and bandwidth", 2),
-    Bench("lora_vs_full", "LoRA and QLoRA vs full-parameter GRPO: quality, time to quality, memory", 25),
+    Bench("lora_vs_full", "LoRA and QLoRA vs full-parameter GRPO: quality, time to quality, memory", 17),
     Bench("gpu_check", "bf16 LoRA / NF4 QLoRA on 0.5B-7B: GPU memory vs the planner (GPU only)", 6,
           tiny=("--dry-run",), needs_gpu=True),
 )
