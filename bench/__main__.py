@@ -42,7 +42,7 @@ SUITE = (
     Bench("trainer_overhead", "`python -m trainer` vs a plain TRL script", 5),
     Bench("checkpoint_overhead", "checkpoints to S3 every step vs none; restart vs cold start", 7),
     Bench("eval_throughput", "batched vs one-at-a-time evaluation", 2),
-    Bench("orchestration_overhead", "the Prefect + MLflow flow vs the same stages as plain functions", 6),
+    Bench("orchestration_overhead", "the Prefect + MLflow flow vs the same stages as plain functions", 12),
     Bench("data_throughput", "the data stage vs a per-row Python chain", 6, tiny=None),
     Bench("hpo_gain", "searched vs default hyperparameters at equal steps", 15),
     Bench("machine_limit", "GRPO step FLOP/s and tokens/s vs measured matmul peak and bandwidth", 2),
@@ -81,8 +81,12 @@ def _hpo_gain_rows(load) -> list[Row]:
     if r is None:
         return [Row(bench, "library defaults", "searched", None, ">= 1.5", note="not run yet")]
     d, s = r["defaults"], r["searched"]
-    return [Row(bench, f"defaults: {d['gain']:+.3f}", f"searched: {s['gain']:+.3f}", r["ratio"], ">= 1.5",
-                note="" if r["ratio"] is not None else "no ratio: the defaults gained nothing")]
+
+    def gain(side: dict) -> str:
+        return "not finished" if side.get("gain") is None else f"{side['gain']:+.3f}"
+
+    note = "" if r["ratio"] is not None else (r.get("status") or "no ratio: the defaults gained nothing")[:120]
+    return [Row(bench, f"defaults: {gain(d)}", f"searched: {gain(s)}", r["ratio"], ">= 1.5", note=note)]
 
 
 # Rows for benchmark modules that do not define `table_rows` themselves.
@@ -98,7 +102,10 @@ def rows(benches: list[Bench], load=load_result) -> list[Row]:
         if build is None:
             out.append(Row(b.name, "", "", None, "", note="module gives no table rows"))
             continue
-        out += build(load)
+        try:
+            out += build(load)
+        except (KeyError, TypeError, ValueError) as exc:  # a result file in another shape: say so, keep the rest
+            out.append(Row(b.name, "", "", None, "", note=f"result not readable ({type(exc).__name__}: {exc})"[:120]))
     return out
 
 
