@@ -13,10 +13,9 @@ the retry reuses the same run directory, MLflow parent run and stage runs, and m
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
-
-from contextlib import contextmanager
 from typing import Literal
 
 import mlflow
@@ -31,14 +30,14 @@ from grpo_pipeline.tracking import create_child_run, setup_tracking
 from tasks.decide import decide_promotion
 from tasks.data import DatasetVersion, data_task, log_lineage
 from tasks.evaluate import EvalResult, evaluate_task, read_jsonl
-from tasks.merge import merge_task
 from tasks.hpo import apply_best, hpo_task
+from tasks.merge import merge_task
 from tasks.model import resolve_model_task
 from tasks.plan import actual_cost, apply_plan, check_budget, plan_task
 from tasks.quantize import quantization_cost_task, require_accepted
 from tasks.registry import CHAMPION, ChampionMoved, Registry, RegistryError
-from tasks.select import select_task
 from tasks.report import artifact_url, plot_comparison, render_markdown
+from tasks.select import select_task
 from tasks.train import build_job_spec, preflight, train_task
 
 
@@ -85,17 +84,16 @@ def _stage(parent_run_id: str, name: str):
 
 
 def _child_run(parent_run_id: str, name: str) -> str | None:
-    found = mlflow.search_runs(
-        filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}' and attributes.run_name = '{name}'",
-        output_format="list", max_results=1,
-    )
-    return found[0].info.run_id if found else None
+    return _find_run(f"tags.mlflow.parentRunId = '{parent_run_id}' and attributes.run_name = '{name}'")
 
 
 def _parent_run(flow_run_id: str) -> str | None:
-    found = mlflow.search_runs(
-        filter_string=f"tags.prefect_flow_run_id = '{flow_run_id}'", output_format="list", max_results=1
-    )
+    return _find_run(f"tags.prefect_flow_run_id = '{flow_run_id}'")
+
+
+def _find_run(filter_string: str) -> str | None:
+    """The id of a run an earlier attempt of this flow run created, if any."""
+    found = mlflow.search_runs(filter_string=filter_string, output_format="list", max_results=1)
     return found[0].info.run_id if found else None
 
 
@@ -105,11 +103,11 @@ def _run_dir(cfg: PipelineConfig) -> Path:
     return cfg.data_dir / "runs" / f"{started:%Y%m%d-%H%M%S}-{(flow_run.id or 'local')[:8]}"
 
 
-def _choose_base(cfg: PipelineConfig, val: Path) -> tuple[PipelineConfig, str]:
-    """The base model: the best of `model.candidates` on the val split within memory and budget, or `model.base`."""
-    if not cfg.model.candidates:
-        model_path = resolve_model_task(cfg.model, cfg.data_dir / "models")
-    else:
+def _choose_base(cfg: PipelineConfig, base_path: str, val: Path) -> tuple[PipelineConfig, str]:
+    """The base model: the best of `model.candidates` on the val split within memory and budget, or
+    `model.base` (already resolved at `base_path`)."""
+    model_path = base_path
+    if cfg.model.candidates:
         selection = _resumable(select_task)(cfg, val, cfg.data_dir / "models")
         mlflow.log_table(selection.table(), "base_selection.json")
         cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"base": selection.chosen})})
@@ -159,14 +157,14 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
         parent_id = parent.info.run_id
         mlflow.log_dict(cfg.model_dump(mode="json"), "config.json")
         with _stage(parent_id, "data"):
-            # The configured base's tokenizer counts the token budget; the model cache makes this cheap.
-            tokenizer = resolve_model_task(cfg.model, cfg.data_dir / "models")
+            # The configured base is resolved first: its tokenizer counts the data stage's token budget.
+            base_path = resolve_model_task(cfg.model, cfg.data_dir / "models")
             # Versions are content-keyed under one directory, so a run on unchanged data reuses the last one.
-            dataset = data_task(cfg.data, cfg.data_dir / "datasets", tokenizer, rewards)
+            dataset = data_task(cfg.data, cfg.data_dir / "datasets", base_path, rewards)
             log_lineage(dataset)
             splits = dataset.splits
         with _stage(parent_id, "model"):
-            cfg, model_path = _choose_base(cfg, splits["val"])
+            cfg, model_path = _choose_base(cfg, base_path, splits["val"])
             quantization = _resumable(quantization_cost_task)(
                 model_path, cfg.model, splits["val"], rewards, cfg.evaluate
             )
