@@ -477,7 +477,8 @@ class HPOConfig(StrictModel):
     pruner_startup_trials: int = Field(2, ge=0, description="median: trials that must finish before any is pruned")
     prune_below: float | None = Field(None, description="threshold: stop a trial whose validation reward falls below this")
     storage: str | None = Field(
-        None, description="Optuna storage URL (sqlite:///path, postgresql+psycopg2://...); default: sqlite file under data_dir"
+        None, description="Optuna database URL (postgresql+psycopg2://..., for workers on several machines); "
+        "default: a journal file under data_dir, locked for parallel trials"
     )
     study_name: str = Field(
         "grpo-hpo-{date}",
@@ -498,7 +499,13 @@ class HPOConfig(StrictModel):
         if self.pruner == "threshold" and self.prune_below is None:
             raise ValueError("pruner 'threshold' needs prune_below (the validation reward a trial must keep)")
         if self.storage and not self.storage.startswith(("sqlite:///", "postgresql", "mysql")):
-            raise ValueError(f"storage {self.storage!r} is not a database URL: use sqlite:///path or postgresql+psycopg2://...")
+            raise ValueError(f"storage {self.storage!r} is not a database URL: use postgresql+psycopg2://... "
+                             "(or leave it unset for a journal file under data_dir)")
+        if self.storage and self.storage.startswith("sqlite") and self.concurrency > 1:
+            raise ValueError(
+                "storage: SQLite cannot lock the queued trial parallel workers take, so two of them can run the same "
+                "one; leave hpo.storage unset (a journal file with a file lock) or use PostgreSQL"
+            )
         try:
             self.study_name.format(date="2000-01-01")
         except (KeyError, IndexError, ValueError):

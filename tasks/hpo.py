@@ -2,10 +2,16 @@
 beta, num_generations, temperature), each trial a short GRPO run through the training launcher, pruned
 on the validation reward it reports, trials in parallel up to `hpo.concurrency`.
 
-- The study lives in a database (SQLite under `data_dir` by default, PostgreSQL when `hpo.storage`
-  says so) and is opened with `load_if_exists`: a crashed search resumes where it stopped, and only
-  the rest of its budget (`hpo.trials`) runs. A new study is warm-started with the best trial of each
-  earlier study of the same base model.
+- The study lives in Optuna's journal file under `data_dir` by default (a file lock serialises every
+  write, so parallel trials, threads or processes, never take the same queued trial: SQLite cannot lock
+  the row Optuna's `SELECT ... FOR UPDATE` asks for), or in PostgreSQL when `hpo.storage` says so. It
+  is opened with `load_if_exists`: a crashed search resumes where it stopped, and only the rest of its
+  budget (`hpo.trials`) runs. A new study is warm-started with the best trial of each earlier study of
+  the same base model.
+- No heartbeats: a trial runs on a thread of the search process, so a heartbeat only proves the process
+  is alive, and under load a late one marked live trials stale. A trial whose trainer dies is FAIL with
+  its reason; a trial left RUNNING by a search process that died (same host, its pid gone) is marked
+  FAIL and queued again when the study is next opened.
 - A trial is the trainer itself (`python -m trainer`, or a SkyPilot job from `sky/hpo-trial.yaml`),
   with `hpo.steps` steps and a validation reward every `hpo.eval_every` steps, which the trainer prints
   as a tagged line (`trainer.callbacks.ReportValidation`); the trial reports each one to Optuna and, when
@@ -25,9 +31,10 @@ training with `apply_best(cfg, result.overrides)`.
 from __future__ import annotations
 
 import contextvars
-import json
 import logging
+import os
 import queue
+import socket
 import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -176,7 +183,16 @@ def trial_config(cfg: PipelineConfig, overrides: dict[str, Any]) -> PipelineConf
 
 
 def storage_url(cfg: PipelineConfig) -> str:
-    return cfg.hpo.storage or f"sqlite:///{(cfg.data_dir / 'optuna.db').resolve()}"
+    """Where the study lives: a database URL, or the journal file under `data_dir`."""
+    return cfg.hpo.storage or str((cfg.data_dir / "optuna-journal.log").resolve())
+
+
+def open_storage(cfg: PipelineConfig) -> optuna.storages.BaseStorage:
+    url = storage_url(cfg)
+    if cfg.hpo.storage:
+        return optuna.storages.RDBStorage(url)
+    Path(url).parent.mkdir(parents=True, exist_ok=True)
+    return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(url))
 
 
 def redact(url: str) -> str:
@@ -184,7 +200,11 @@ def redact(url: str) -> str:
 
     >>> redact("postgresql+psycopg2://user:secret@db:5432/optuna")
     'postgresql+psycopg2://user:***@db:5432/optuna'
+    >>> redact("/data/optuna-journal.log")
+    '/data/optuna-journal.log'
     """
+    if "://" not in url:
+        return url
     from sqlalchemy.engine import make_url
 
     return make_url(url).render_as_string(hide_password=True)
@@ -242,35 +262,21 @@ def make_pruner(hpo: HPOConfig) -> optuna.pruners.BasePruner:
 
 
 def open_study(cfg: PipelineConfig, name: str | None = None) -> optuna.Study:
-    """Create or load the study; a new one is warm-started from earlier studies' best trials.
-
-    Heartbeats mark a trial whose search process died as failed (after 2 minutes of silence) and queue
-    it once more, so a crashed search resumes cleanly.
-    """
+    """Create or load the study; a new one is warm-started from earlier studies' best trials, an old one
+    gets back the trials a dead search process left running."""
     name = name or study_name(cfg.hpo)
-    url = storage_url(cfg)
-    sqlite = url.startswith("sqlite:///")
-    if sqlite:
-        Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        storage = optuna.storages.RDBStorage(
-            url,
-            # SQLite serializes writers; parallel trials wait for the lock instead of failing.
-            engine_kwargs={"connect_args": {"timeout": 60}} if sqlite else None,
-            heartbeat_interval=60,
-            grace_period=120,
-            heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=1),
-        )
+    storage = open_storage(cfg)
     earlier = optuna.get_all_study_names(storage)
-    study = optuna.create_study(
-        storage=storage,
-        study_name=name,
-        direction="maximize",
-        sampler=make_sampler(cfg.hpo),
-        pruner=make_pruner(cfg.hpo),
-        load_if_exists=True,
-    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # multivariate TPE
+        study = optuna.create_study(
+            storage=storage,
+            study_name=name,
+            direction="maximize",
+            sampler=make_sampler(cfg.hpo),
+            pruner=make_pruner(cfg.hpo),
+            load_if_exists=True,
+        )
     owner = study.user_attrs.get("base_model")
     if owner is not None and owner != cfg.model.base:
         raise ConfigError(
@@ -282,7 +288,42 @@ def open_study(cfg: PipelineConfig, name: str | None = None) -> optuna.Study:
         if cfg.hpo.warm_start:
             for params in earlier_best(storage, name, cfg.model.base, cfg.hpo.space):
                 study.enqueue_trial(params, skip_if_exists=True)
+    requeue_orphans(study)
     return study
+
+
+WORKER = "worker"  # trial user attribute: "host:pid" of the search process running it
+
+
+def _this_worker() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def _dead(worker: str | None) -> bool:
+    """Whether the search process named "host:pid" is known to be gone (only this host's can be checked)."""
+    host, _, pid = (worker or "").rpartition(":")
+    if host != socket.gethostname() or not pid.isdigit() or int(pid) == os.getpid():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, another user's
+        return False
+    return False
+
+
+def requeue_orphans(study: optuna.Study) -> list[int]:
+    """Mark FAIL the trials a dead search process left RUNNING, and queue their parameters again."""
+    orphans = [t for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
+               if _dead(t.user_attrs.get(WORKER))]
+    for t in orphans:
+        reason = f"the search process {t.user_attrs[WORKER]} died while this trial ran; queued again"
+        study._storage.set_trial_user_attr(t._trial_id, "reason", reason)
+        study.tell(t.number, state=optuna.trial.TrialState.FAIL)
+        study.enqueue_trial(t.params)
+        log.warning("trial %d: %s", t.number, reason)
+    return [t.number for t in orphans]
 
 
 def earlier_best(storage, current: str, base_model: str, space: SearchSpace) -> list[dict[str, Any]]:
@@ -376,6 +417,7 @@ def run_trial(
             tags={"mlflow.parentRunId": tracking.stage_run_id, "optuna.trial": str(trial.number)},
         ).info.run_id
     trial.set_user_attr("overrides", overrides)
+    trial.set_user_attr(WORKER, _this_worker())
     # Unique across runs: build_job_spec names the run's checkpoint prefix after this folder.
     trial_dir = run_dir / "hpo" / f"{run_dir.name}-trial-{trial.number:03d}"
     spec = build_job_spec(tcfg, model_path, splits, trial_dir, run_id)
@@ -478,9 +520,7 @@ def search(
             raise optuna.TrialPruned(f"pruned at step {outcome.pruned_at}")
         return outcome.value
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # heartbeats, multivariate TPE
-        study.optimize(objective, n_trials=remaining, n_jobs=cfg.hpo.concurrency, catch=(TrialFailed,))
+    study.optimize(objective, n_trials=remaining, n_jobs=cfg.hpo.concurrency, catch=(TrialFailed,))
     trials = summarize(study)
     complete = any(t.state == "COMPLETE" for t in trials)
     result = None

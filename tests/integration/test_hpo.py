@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from grpo_pipeline.config import load_config
-from tasks.hpo import apply_best, open_study, search, storage_url
+from tasks.hpo import apply_best, open_storage, open_study, search
 from tasks.train import build_job_spec
 from tests.unit.test_hpo import _quick
 
@@ -50,7 +50,9 @@ def hpo_yaml(tmp_path, tiny_model):
     return path
 
 
-def test_search_prunes_fails_one_trial_only_and_feeds_the_best_to_training(tmp_path, hpo_yaml, tiny_splits):
+def test_search_prunes_fails_one_trial_only_and_feeds_the_best_to_training(tmp_path, hpo_yaml, tiny_splits, busy_machine):
+    """Run with both cores held busy by other processes: trials are slow, and none may be taken twice or
+    marked stale while it runs."""
     cfg = load_config(hpo_yaml)
     study = open_study(cfg)  # the study the CLI will load: its first trials are fixed here
     for params in ENQUEUED:
@@ -64,7 +66,7 @@ def test_search_prunes_fails_one_trial_only_and_feeds_the_best_to_training(tmp_p
     assert result["best_trial"] == 0 and result["best_value"] == pytest.approx(2.0)
 
     # The study is stored: reloaded from its database, each trial has the state its run earned.
-    stored = optuna.load_study(study_name="test-study", storage=storage_url(cfg))
+    stored = optuna.load_study(study_name="test-study", storage=open_storage(cfg))
     states = {t.number: t.state for t in stored.trials}
     assert states == {0: optuna.trial.TrialState.COMPLETE, 1: optuna.trial.TrialState.PRUNED,
                       2: optuna.trial.TrialState.FAIL, 3: optuna.trial.TrialState.COMPLETE}

@@ -12,7 +12,8 @@ from tasks.hpo import (
     apply_best,
     open_study,
     search,
-    storage_url,
+    open_storage,
+    requeue_orphans,
     suggest,
     to_overrides,
     trial_config,
@@ -100,7 +101,7 @@ def test_the_study_resumes_with_the_rest_of_its_budget(cfg, tmp_path):
     with pytest.raises(KeyboardInterrupt):  # the search process dies after one trial
         search(c, "m", {}, tmp_path, run_one=_dies_after(1))
     result = search(c, "m", {}, tmp_path, run_one=_quick([0.9]))  # the budget left: 3 - 2 finished
-    stored = optuna.load_study(study_name=result.study_name, storage=storage_url(c))
+    stored = optuna.load_study(study_name=result.study_name, storage=open_storage(c))
     assert [t.state.name for t in stored.trials] == ["COMPLETE", "FAIL", "COMPLETE"]
     assert (result.best_value, result.best_trial) == (0.9, 2)
 
@@ -121,7 +122,7 @@ def _dies_after(n):
 def test_a_new_study_is_warm_started_from_earlier_studies_of_the_same_model(cfg):
     first = cfg("hpo.study_name=day-1", "hpo.trials=2")
     search(first, "m", {}, first.data_dir, run_one=_quick([0.3, 0.8]))
-    best = optuna.load_study(study_name="day-1", storage=storage_url(first)).best_params
+    best = optuna.load_study(study_name="day-1", storage=open_storage(first)).best_params
 
     other_model = cfg("hpo.study_name=other", "model.base=org/other-model")
     assert not [t for t in open_study(other_model).trials if t.state.name == "WAITING"]
@@ -146,3 +147,28 @@ def test_when_no_trial_completes_the_stage_fails_with_each_reason(cfg, tmp_path)
     assert "trial 1: PRUNED: pruned at step 1" in message
     assert "not used silently" in message
 
+
+
+def test_a_trial_left_running_by_a_dead_search_process_fails_and_is_queued_again(cfg):
+    import subprocess
+    import sys
+
+    c = cfg("hpo.trials=2")
+    study = open_study(c)
+    orphan = study.ask({"learning_rate": optuna.distributions.FloatDistribution(1e-5, 1e-3, log=True)})
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    orphan.set_user_attr("worker", f"{__import__('socket').gethostname()}:{int(dead.stdout)}")
+    alive = study.ask()
+    alive.set_user_attr("worker", f"{__import__('socket').gethostname()}:{__import__('os').getppid()}")
+
+    reopened = open_study(c)  # what a relaunched search does first
+    states = {t.number: t.state.name for t in reopened.trials}
+    assert states == {0: "FAIL", 1: "RUNNING", 2: "WAITING"}  # the live process's trial is left alone
+    assert "died while this trial ran" in reopened.trials[0].user_attrs["reason"]
+    assert reopened.trials[2].system_attrs["fixed_params"] == reopened.trials[0].params
+    assert requeue_orphans(reopened) == []  # once only
+
+
+def test_sqlite_is_refused_for_parallel_trials():
+    with pytest.raises(ConfigError, match="SQLite cannot lock the queued trial"):
+        load_config(None, ["hpo.storage=sqlite:////tmp/x.db", "hpo.concurrency=2"])
