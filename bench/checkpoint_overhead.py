@@ -17,7 +17,7 @@ from pathlib import Path
 
 from bench.harness import RESULTS, compare, training_bench_args
 from bench.table import Row, from_compare
-from grpo_pipeline.config import load_config
+from configs.schema import load_config
 from infra.services import seaweedfs_s3
 from tasks.demo_task import generate, write_splits
 from tasks.model import create_random_model, ensure_demo_model

@@ -179,7 +179,7 @@ def _rss_mb(field: str) -> float:
 
 
 def worker(side: str, source: Path, eval_source: Path, near: bool, tokenizer_path: str) -> dict:
-    from grpo_pipeline.config import DataConfig
+    from configs.schema import DataConfig
     from tasks.data import run_chain
     from transformers import AutoTokenizer  # imported on both sides before the memory baseline
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from bench.harness import RESULTS
 from bench.table import Row, from_compare
-from grpo_pipeline.config import DemoTaskConfig, ModelConfig, load_config
+from configs.schema import DemoTaskConfig, ModelConfig, load_config
 from tasks.demo_task import generate as demo_rows
 from tasks.evaluate import generate
 from tasks.model import create_random_model, ensure_demo_model

@@ -130,7 +130,7 @@ def run_case(name: str, quant: str, model_dir: Path, model_cfg: dict, opts, gpu)
     from trl import GRPOConfig
 
     from bench.machine_limit import _probed_trainer
-    from grpo_pipeline.config import ModelConfig
+    from configs.schema import ModelConfig
     from tasks.plan import Assumptions, Settings, Workload, estimate_memory, step_seconds
     from trainer.loading import load_model
 

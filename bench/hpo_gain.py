@@ -104,7 +104,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-    from grpo_pipeline.config import load_config
+    from configs.schema import load_config
     from grpo_pipeline.tracking import setup_tracking
     from tasks.demo_task import generate, write_splits
     from tasks.evaluate import evaluate_model

@@ -119,7 +119,7 @@ def run_arm(arm: str, model_path: str, train_file: str, holdout_file: str, opts:
     from transformers import PrinterCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from grpo_pipeline.config import ModelConfig, load_config
+    from configs.schema import ModelConfig, load_config
     from tasks.evaluate import read_jsonl
     from trainer.loading import load_model
     from trainer.rewards import resolve_reward
@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         (work / f"{opts.arm}.json").write_text(json.dumps(result))
         return None
 
-    from grpo_pipeline.config import load_config
+    from configs.schema import load_config
     from tasks.demo_task import generate, write_splits
     from tasks.model import create_random_model, ensure_demo_model
 

@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> dict:
     from peft import LoraConfig
     from trl import GRPOConfig
 
-    from grpo_pipeline.config import load_config
+    from configs.schema import load_config
     from tasks.demo_task import generate, write_splits
     from tasks.model import create_random_model, ensure_demo_model
     from tasks.plan import architecture, load_model_config

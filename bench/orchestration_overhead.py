@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     parser.add_argument("--tiny", action="store_true", help="a tiny random model: checks the code path")
     parser.add_argument("--plain", nargs="*", help=argparse.SUPPRESS)  # internal: run the plain side with these overrides
     opts = parser.parse_args(argv)
-    from grpo_pipeline.config import load_config
+    from configs.schema import load_config
 
     if opts.plain is not None:
         summary = plain(load_config(CONFIG, opts.plain))

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from bench.harness import compare, training_bench_args
 from bench.table import Row, from_compare
-from grpo_pipeline.config import load_config
+from configs.schema import load_config
 from tasks.demo_task import generate, write_splits
 from tasks.model import create_random_model, ensure_demo_model
 from tasks.train import build_job_spec

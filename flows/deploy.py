@@ -24,7 +24,7 @@ from typing import Annotated, Any, Optional
 import typer
 import yaml
 
-from grpo_pipeline.config import ConfigError, DeployConfig, load_config
+from configs.schema import ConfigError, DeployConfig, load_config
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 PREFECT_YAML = PROJECT_ROOT / "prefect.yaml"

@@ -11,7 +11,7 @@ from datetime import datetime
 from prefect import flow
 from prefect.runtime import flow_run
 
-from grpo_pipeline.config import load_config
+from configs.schema import load_config
 from tasks.data import data_task
 from tasks.hpo import hpo_task
 from tasks.model import resolve_model_task

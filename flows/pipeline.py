@@ -25,7 +25,7 @@ from prefect.cache_policies import INPUTS, NO_CACHE, RUN_ID, TASK_SOURCE
 from prefect.runtime import flow_run
 from prefect.tasks import exponential_backoff
 
-from grpo_pipeline.config import PipelineConfig, load_config
+from configs.schema import PipelineConfig, load_config
 from grpo_pipeline.tracking import create_child_run, setup_tracking
 from tasks.decide import decide_promotion
 from tasks.data import DatasetVersion, data_task, log_lineage

@@ -18,7 +18,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from grpo_pipeline.config import ConfigError, load_config
+from configs.schema import ConfigError, load_config
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_REJECTED, EXIT_CHAMPION_MOVED = 0, 1, 2, 3, 4
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo-cpu.yaml"

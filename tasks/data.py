@@ -38,7 +38,7 @@ from prefect import task
 from prefect.cache_policies import CachePolicy
 from pydantic import BaseModel
 
-from grpo_pipeline.config import DEMO_MODEL, ConfigError, DataConfig, PipelineConfig
+from configs.schema import DEMO_MODEL, ConfigError, DataConfig, PipelineConfig
 from tasks.data_io import DataSourceError, RawBatch, Reject, check_readable, file_digest, iter_source, source_fingerprint
 from tasks.data_text import NearDuplicateIndex, PromptTokens, ngram_hashes, normalize, overlap_fraction, sorted_unique, words
 from tasks.demo_task import fingerprint as splits_fingerprint

@@ -23,7 +23,7 @@ from typing import Any
 import orjson
 import pyarrow as pa
 
-from grpo_pipeline.config import DATA_EXTENSIONS, ConfigError, _looks_local
+from configs.schema import DATA_EXTENSIONS, ConfigError, _looks_local
 
 _FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet", ".pq": "parquet",
             ".csv": "csv", ".tsv": "csv"}

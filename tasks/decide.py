@@ -14,7 +14,7 @@ import numpy as np
 from pydantic import BaseModel
 from scipy import stats
 
-from grpo_pipeline.config import PromotionPolicy
+from configs.schema import PromotionPolicy
 
 Z_POWER_80 = 0.8416  # one-sided normal quantile for 80% power
 

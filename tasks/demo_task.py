@@ -13,7 +13,7 @@ import json
 import random
 from pathlib import Path
 
-from grpo_pipeline.config import DemoTaskConfig
+from configs.schema import DemoTaskConfig
 
 PROMPT = "What is {a} + {b}? Reply with just the number."
 HOLDOUT_SHARE = 0.3

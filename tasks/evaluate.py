@@ -16,7 +16,7 @@ from pydantic import BaseModel
 
 from trainer.loading import load_model
 from trainer.rewards import completion_text, resolve_reward
-from grpo_pipeline.config import EvalConfig, ModelConfig
+from configs.schema import EvalConfig, ModelConfig
 
 
 class EvalResult(BaseModel):

@@ -47,7 +47,7 @@ from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
-from grpo_pipeline.config import ConfigError, HPOConfig, PipelineConfig, SearchDim, SearchSpace
+from configs.schema import ConfigError, HPOConfig, PipelineConfig, SearchDim, SearchSpace
 from infra.launch.local import LocalLauncher, TrainingFailed
 from tasks.train import build_job_spec
 from trainer.callbacks import parse_progress
@@ -129,7 +129,7 @@ def suggest(trial: optuna.trial.BaseTrial, space: SearchSpace) -> dict[str, Any]
 def to_overrides(params: dict[str, Any], cfg: PipelineConfig) -> dict[str, Any]:
     """Config paths and values for a trial's parameters.
 
-    >>> from grpo_pipeline.config import load_config
+    >>> from configs.schema import load_config
     >>> to_overrides({"lora_r": 16, "lora_alpha_ratio": 2.0, "learning_rate": 3e-4}, load_config(None))
     {'train.lora.r': 16, 'train.grpo.learning_rate': 0.0003, 'train.lora.lora_alpha': 32}
     """
@@ -143,7 +143,7 @@ def to_overrides(params: dict[str, Any], cfg: PipelineConfig) -> dict[str, Any]:
 def apply_best(cfg: PipelineConfig, best: dict[str, Any]) -> PipelineConfig:
     """A new config with `best` (config path -> value, e.g. `HPOResult.overrides`) applied and validated.
 
-    >>> from grpo_pipeline.config import load_config
+    >>> from configs.schema import load_config
     >>> cfg = apply_best(load_config(None), {"train.lora.r": 32, "train.grpo.learning_rate": 1e-4})
     >>> cfg.train.lora["r"], cfg.train.grpo["learning_rate"]
     (32, 0.0001)

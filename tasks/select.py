@@ -19,7 +19,7 @@ from pathlib import Path
 from prefect import task
 from pydantic import BaseModel
 
-from grpo_pipeline.config import ConfigError, PipelineConfig
+from configs.schema import ConfigError, PipelineConfig
 from tasks.evaluate import evaluate_model
 from tasks.model import ModelNotFound, resolve_base_model
 from tasks.plan import GIB, PlanError, plan_stage

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from prefect import task
 
-from grpo_pipeline.config import PipelineConfig
+from configs.schema import PipelineConfig
 from infra.launch import LocalLauncher, TrainingFailed
 from trainer.checkpoints import open_store
 from trainer.spec import JobSpec, TrainResult

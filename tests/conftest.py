@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo_pipeline.config import DemoTaskConfig, load_config
+from configs.schema import DemoTaskConfig, load_config
 from tasks.demo_task import generate, write_splits
 
 # Tests never reach a hub; fail fast instead of waiting on the network.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from grpo_pipeline.config import ModelConfig
+from configs.schema import ModelConfig
 
 
 def quantization_config(cfg: ModelConfig):

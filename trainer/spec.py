@@ -6,7 +6,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-from grpo_pipeline.config import ModelConfig, TrainConfig
+from configs.schema import ModelConfig, TrainConfig
 
 
 class JobSpec(BaseModel):

@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from grpo_pipeline.config import PipelineConfig, SkyConfig
+from configs.schema import PipelineConfig, SkyConfig
 from infra.launch.local import TrainingFailed
 from trainer.checkpoints import CheckpointStoreError, open_store
 from trainer.spec import JobSpec, TrainResult
@@ -40,7 +40,7 @@ class SkyPreflightError(RuntimeError):
 def node_spec(spec: JobSpec) -> JobSpec:
     """The same job with the paths it has on the GPU node.
 
-    >>> from grpo_pipeline.config import ModelConfig, TrainConfig
+    >>> from configs.schema import ModelConfig, TrainConfig
     >>> s = JobSpec(model_path="Qwen/Qwen2.5-7B-Instruct", model=ModelConfig(), train=TrainConfig(),
     ...             train_file="/x/train.jsonl", work_dir="/x/w", checkpoint_uri="s3://b/r", adapter_dir="/x/a")
     >>> node_spec(s).train_file, node_spec(s).model_path

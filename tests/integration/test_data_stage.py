@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo_pipeline.config import ConfigError, DataConfig
+from configs.schema import ConfigError, DataConfig
 from tasks.data import build_dataset
 from tests.unit.test_data import question
 
@@ -58,7 +58,7 @@ def test_the_prefect_task_reruns_nothing_on_unchanged_data(tmp_path):
         from pathlib import Path
         from prefect import flow
         import tasks.data as data
-        from grpo_pipeline.config import DataConfig
+        from configs.schema import DataConfig
 
         builds = []
         real = data.run_chain

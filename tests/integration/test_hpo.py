@@ -11,7 +11,7 @@ import optuna
 import pytest
 import yaml
 
-from grpo_pipeline.config import load_config
+from configs.schema import load_config
 from tasks.hpo import apply_best, open_storage, open_study, search
 from tasks.train import build_job_spec
 from tests.unit.test_hpo import _quick

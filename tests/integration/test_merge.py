@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from grpo_pipeline.config import MergeConfig
+from configs.schema import MergeConfig
 from tasks.merge import MergeRefused, max_logit_difference, merge_adapter, stack_adapters
 
 pytestmark = pytest.mark.integration

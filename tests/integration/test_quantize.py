@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from grpo_pipeline.config import QuantizationBound, load_config
+from configs.schema import QuantizationBound, load_config
 from tasks.quantize import QuantizationRefused, judge, measure_quantization_cost, require_accepted
 from tasks.select import SelectionError, select_base_model
 

@@ -5,7 +5,7 @@ Skipped where vLLM or a GPU is missing (every CPU machine); a GPU session runs i
 
 import pytest
 
-from grpo_pipeline.config import EvalConfig, ModelConfig
+from configs.schema import EvalConfig, ModelConfig
 from tasks.evaluate import evaluate_model, vllm_usable
 
 pytestmark = [pytest.mark.integration,

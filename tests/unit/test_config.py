@@ -1,6 +1,6 @@
 import pytest
 
-from grpo_pipeline.config import ConfigError, load_config
+from configs.schema import ConfigError, load_config
 
 
 def test_defaults_are_the_demo():
@@ -71,7 +71,7 @@ def test_each_run_checkpoints_under_its_own_name(tmp_path):
 
 
 def test_vllm_engine_without_vllm_says_how_to_get_it(tmp_path):
-    from grpo_pipeline.config import EvalConfig, ModelConfig
+    from configs.schema import EvalConfig, ModelConfig
     from tasks.evaluate import evaluate_model, vllm_usable
 
     if vllm_usable():

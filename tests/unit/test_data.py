@@ -13,7 +13,7 @@ import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 import pytest
 
-from grpo_pipeline.config import ConfigError, DataConfig, load_config
+from configs.schema import ConfigError, DataConfig, load_config
 from tasks.data import DataQualityError, build_dataset, log_lineage
 from tasks.demo_task import split_of
 

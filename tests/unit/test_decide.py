@@ -2,7 +2,7 @@ import random
 
 import pytest
 
-from grpo_pipeline.config import PromotionPolicy
+from configs.schema import PromotionPolicy
 from tasks.decide import decide_promotion, paired_difference
 
 

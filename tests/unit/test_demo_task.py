@@ -1,4 +1,4 @@
-from grpo_pipeline.config import DemoTaskConfig
+from configs.schema import DemoTaskConfig
 from tasks.demo_task import generate, split_of
 from tasks.evaluate import score
 

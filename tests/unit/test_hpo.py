@@ -4,7 +4,7 @@ trainer: `search` takes the function that runs one trial, and these tests hand i
 import optuna
 import pytest
 
-from grpo_pipeline.config import ConfigError, load_config
+from configs.schema import ConfigError, load_config
 from tasks.hpo import (
     HPOFailed,
     TrialFailed,

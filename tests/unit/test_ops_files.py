@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from flows.deploy import DAILY, IMAGE_WORKDIR, PREFECT_YAML, render
-from grpo_pipeline.config import ConfigError, DeployConfig, load_config
+from configs.schema import ConfigError, DeployConfig, load_config
 from infra.stack import DEFAULT_PORTS, DEPENDS_ON
 
 ROOT = Path(__file__).resolve().parents[2]

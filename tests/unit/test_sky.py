@@ -6,7 +6,7 @@ import pytest
 import sky
 import yaml
 
-from grpo_pipeline.config import ModelConfig, SkyConfig, TrainConfig
+from configs.schema import ModelConfig, SkyConfig, TrainConfig
 from infra.launch.skypilot import PROJECT_ROOT, build_task, node_spec, write_job_dir
 from trainer.spec import JobSpec
 
@@ -69,7 +69,7 @@ def test_on_demand_and_hub_model(tmp_path):
     ],
 )
 def test_preflight_names_what_a_managed_job_needs(overrides, message):
-    from grpo_pipeline.config import load_config
+    from configs.schema import load_config
     from infra.launch.skypilot import SkyPreflightError, preflight
 
     with pytest.raises(SkyPreflightError) as err:

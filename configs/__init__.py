@@ -1,0 +1,2 @@
+"""The configuration layer: `schema` (the typed pipeline configuration, pure pydantic) and the shipped
+YAML recipes, GPU catalogue and model architectures beside it, found through `configs.files`."""
