@@ -1,4 +1,4 @@
-"""The benchmark suite: run benchmarks, save `bench/results/*.json`, regenerate the README's results table.
+"""The benchmark suite: run benchmarks, save `bench/results/*.json`, regenerate the results table in docs/benchmarks.md.
 
     python -m bench all                  # every benchmark (~1 hour on 2 CPU cores), then the table
     python -m bench lora_vs_full ...     # one or more by name, then the table
@@ -23,10 +23,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.table import Row, from_compare, load_result, update_readme
+from bench.table import Row, from_compare, load_result, update_page
 
 ROOT = Path(__file__).resolve().parents[1]
-README = ROOT / "README.md"
+PAGE = ROOT / "docs" / "benchmarks.md"  # the page whose bench:start/bench:end block holds the table
 
 
 @dataclass(frozen=True)
@@ -160,8 +160,8 @@ def main(argv: list[str] | None = None) -> int:
 
     failed = [b.name for b in chosen if not run(b, opts.tiny, shlex.split(opts.args))]
     table = rows(benches)
-    update_readme(README, table)
-    print(f"[bench] README table regenerated: {len(table)} rows from bench/results/")
+    update_page(PAGE, table)
+    print(f"[bench] table in {PAGE.relative_to(ROOT)} regenerated: {len(table)} rows from bench/results/")
     if failed:
         print(f"[bench] failed: {', '.join(failed)}", file=sys.stderr)
         return 1

@@ -1,9 +1,10 @@
-"""The README's results table, generated from `bench/results/*.json` between two markers.
+"""The benchmark results table in `docs/benchmarks.md`, generated from `bench/results/*.json` between two markers.
 
 Each benchmark module says how its saved JSON reads as table rows (`table_rows(load)`); this module turns
-rows into Markdown, judges each ratio against its goal, and rewrites only the block between the markers.
+rows into Markdown, judges each ratio against its goal, and rewrites only the block between the markers,
+so the prose around the table is edited by hand and survives every regeneration.
 
-    python -m bench table      # regenerate the table from the saved results, run nothing
+    python -m bench table      # regenerate the table in docs/benchmarks.md from the saved results, run nothing
 """
 
 from __future__ import annotations
@@ -106,11 +107,11 @@ def replace_block(text: str, block: str) -> str:
     >>> replace_block("no markers", "new")
     Traceback (most recent call last):
     ...
-    ValueError: README has no '<!-- bench:start -->' ... '<!-- bench:end -->' block; add the two markers where the table goes
+    ValueError: no '<!-- bench:start -->' ... '<!-- bench:end -->' block; add the two markers where the table goes
     """
     start, end = text.find(START), text.find(END)
     if start < 0 or end < start:
-        raise ValueError(f"README has no {START!r} ... {END!r} block; add the two markers where the table goes")
+        raise ValueError(f"no {START!r} ... {END!r} block; add the two markers where the table goes")
     return text[: start + len(START)] + "\n" + block + "\n" + text[end:]
 
 
@@ -120,12 +121,16 @@ def load_result(name: str, results: Path = RESULTS) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def update_readme(readme: Path, rows: list[Row]) -> None:
-    """Rewrite the README's table block (written aside and renamed, like every result file)."""
-    text = replace_block(readme.read_text(), render(rows))
-    tmp = readme.with_name(readme.name + ".tmp")
+def update_page(page: Path, rows: list[Row]) -> None:
+    """Rewrite the table block of a Markdown page, `docs/benchmarks.md` (written aside and renamed, like every
+    result file); a page without the markers is an error naming it, and is left as it was."""
+    try:
+        text = replace_block(page.read_text(), render(rows))
+    except ValueError as e:
+        raise ValueError(f"{page}: {e}") from None
+    tmp = page.with_name(page.name + ".tmp")
     tmp.write_text(text)
-    tmp.replace(readme)
+    tmp.replace(page)
 
 
 def paired_ratios(result: dict, baseline: str = "baseline", candidate: str = "candidate") -> list[float]:

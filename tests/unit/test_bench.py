@@ -4,7 +4,7 @@ import pytest
 
 from bench.__main__ import available, main, rows
 from bench.lora_vs_full import analyse, table_rows as lora_rows, time_to_quality
-from bench.table import END, START, Row, render, replace_block, update_readme, verdict
+from bench.table import END, START, Row, render, replace_block, update_page, verdict
 
 
 def _curve(points):
@@ -24,15 +24,31 @@ def test_every_benchmark_gives_rows_before_anything_ran():
     assert any("lora_vs_full" in r.benchmark for r in table)
 
 
-def test_readme_block_is_replaced_and_the_rest_kept(tmp_path):
-    readme = tmp_path / "README.md"
-    readme.write_text(f"# title\nintro\n{START}\nstale table\n{END}\n## next\n")
-    update_readme(readme, [Row("x", "base: 1 s", "cand: 2 s", 2.0, "<= 1.05")])
-    text = readme.read_text()
+def test_the_table_block_is_replaced_and_the_rest_kept(tmp_path):
+    page = tmp_path / "benchmarks.md"
+    page.write_text(f"# title\nintro\n{START}\nstale table\n{END}\n## next\n")
+    update_page(page, [Row("x", "base: 1 s", "cand: 2 s", 2.0, "<= 1.05")])
+    text = page.read_text()
     assert text.startswith("# title\nintro\n") and text.endswith(f"{END}\n## next\n")
     assert "stale table" not in text and "| x | base: 1 s | cand: 2 s | **2.000** | ≤ 1.05 | misses |" in text
-    update_readme(readme, [Row("x", "base: 1 s", "cand: 2 s", 2.0, "<= 1.05")])
-    assert readme.read_text() == text  # regenerating from the same results changes nothing
+    update_page(page, [Row("x", "base: 1 s", "cand: 2 s", 2.0, "<= 1.05")])
+    assert page.read_text() == text  # regenerating from the same results changes nothing
+    bare = tmp_path / "bare.md"
+    bare.write_text("no markers\n")
+    with pytest.raises(ValueError, match="bare.md"):
+        update_page(bare, [])
+    assert bare.read_text() == "no markers\n"
+
+
+def test_the_table_lives_in_docs_benchmarks_and_is_up_to_date():
+    from bench.__main__ import PAGE, ROOT
+
+    assert PAGE == ROOT / "docs" / "benchmarks.md"
+    text = PAGE.read_text()
+    assert text.count(START) == 1 and text.count(END) == 1
+    assert START not in (ROOT / "README.md").read_text(), "the README links the table, it does not hold it"
+    saved = text[text.index(START) + len(START) + 1 : text.index(END) - 1]
+    assert saved == render(rows(available())), "docs/benchmarks.md is stale: run `python -m bench table`"
 
 
 def test_missing_markers_and_bad_goals_are_named():
