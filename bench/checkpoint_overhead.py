@@ -21,7 +21,7 @@ from configs.schema import load_config
 from infra.services import seaweedfs_s3
 from tasks.demo_task import generate, write_splits
 from tasks.model import create_random_model, ensure_demo_model
-from tasks.train import build_job_spec
+from tasks.job import build_job_spec
 from trainer.checkpoints import FINAL, S3Store, checkpoint_name
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,7 +45,7 @@ def main() -> None:
 
         def spec_file(name: str, *overrides: str) -> tuple[Path, S3Store]:
             cfg = load_config(ROOT / "configs" / "demo-cpu.yaml", [f"train.s3_endpoint_url={endpoint}", *overrides])
-            spec = build_job_spec(cfg, str(model), splits, work / name, mlflow_run_id=None)
+            spec = build_job_spec(cfg.train, cfg.model, str(model), splits, work / name)
             spec = spec.model_copy(update={"mlflow_tracking_uri": None, "checkpoint_uri": f"s3://bench/{name}"})
             return spec.write(work / f"{name}.json"), S3Store(spec.checkpoint_uri, endpoint_url=endpoint)
 

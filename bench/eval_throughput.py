@@ -21,6 +21,7 @@ from tasks.demo_task import generate as demo_rows
 from tasks.evaluate import generate
 from tasks.model import create_random_model, ensure_demo_model
 from trainer.loading import load_model
+from tasks.job import model_load
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,7 +40,7 @@ def main() -> None:
         model_dir = create_random_model(Path(tempfile.mkdtemp()) / "tiny")
     else:
         model_dir = ensure_demo_model(demo.data_dir / "models")
-    model, tokenizer = load_model(str(model_dir), ModelConfig())
+    model, tokenizer = load_model(str(model_dir), model_load(ModelConfig()))
     model.eval()
     prompts = [r["prompt"] for r in demo_rows(DemoTaskConfig(n_holdout=args.prompts))["holdout"]]
     tokens = demo.evaluate.max_new_tokens

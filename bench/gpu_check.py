@@ -133,11 +133,12 @@ def run_case(name: str, quant: str, model_dir: Path, model_cfg: dict, opts, gpu)
     from configs.schema import ModelConfig
     from tasks.plan import Assumptions, Settings, Workload, estimate_memory, step_seconds
     from trainer.loading import load_model
+    from tasks.job import model_load
 
     cuda = torch.cuda.is_available()
     _free()
     started = time.perf_counter()
-    model, tokenizer = load_model(str(model_dir), ModelConfig(quantization=quant, compute_dtype="bfloat16"))
+    model, tokenizer = load_model(str(model_dir), model_load(ModelConfig(quantization=quant, compute_dtype="bfloat16")))
     load_s = time.perf_counter() - started
     if cuda:
         torch.cuda.synchronize()

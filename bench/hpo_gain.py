@@ -68,10 +68,10 @@ def gain_ratio(searched_gain: float, default_gain: float) -> float | None:
 
 
 def _train(cfg, model: str, splits, run_dir: Path):
-    from infra.launch import LocalLauncher
-    from tasks.train import build_job_spec
+    from infra.launch.local import LocalLauncher
+    from tasks.job import build_job_spec
 
-    spec = build_job_spec(cfg, model, splits, run_dir, mlflow_run_id=None).model_copy(update={"mlflow_tracking_uri": None})
+    spec = build_job_spec(cfg.train, cfg.model, model, splits, run_dir)
     launcher = LocalLauncher(0, on_line=lambda line: None)
     return launcher.wait(launcher.launch(spec))
 
@@ -105,10 +105,13 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     from configs.schema import load_config
-    from grpo_pipeline.tracking import setup_tracking
+    from functools import partial
+
+    from flows.runs import setup_tracking
+    from infra.launch import make_launcher
     from tasks.demo_task import generate, write_splits
     from tasks.evaluate import evaluate_model
-    from tasks.hpo import Tracking, apply_best, search
+    from tasks.hpo import Tracking, apply_best, run_trial, search
     from tasks.model import create_random_model, ensure_demo_model
 
     work = (args.work or Path(tempfile.mkdtemp(prefix="bench-hpo-"))).resolve()
@@ -135,7 +138,7 @@ def main() -> None:
 
     stage = MlflowClient(start.mlflow_uri).create_run(exp_id, run_name="hpo")
     tracking = Tracking(tracking_uri=start.mlflow_uri, experiment_id=exp_id, stage_run_id=stage.info.run_id)
-    result = search(start, model, splits, work / "run", tracking)
+    result = search(start, model, splits, work / "run", run_one=partial(run_trial, launcher_for=make_launcher), tracking=tracking)
     import optuna
 
     study = optuna.load_study(study_name=result.study_name, storage=start.hpo.storage)

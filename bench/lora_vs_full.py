@@ -122,6 +122,7 @@ def run_arm(arm: str, model_path: str, train_file: str, holdout_file: str, opts:
     from configs.schema import ModelConfig, load_config
     from tasks.evaluate import read_jsonl
     from trainer.loading import load_model
+    from tasks.job import model_load
     from trainer.rewards import resolve_reward
 
     cfg = load_config(ROOT / "configs" / "demo-cpu.yaml")
@@ -129,7 +130,7 @@ def run_arm(arm: str, model_path: str, train_file: str, holdout_file: str, opts:
                                    "disable_tqdm": True}
     if arm == "full":
         grpo["learning_rate"] = opts.full_lr
-    model, tokenizer = load_model(model_path, ModelConfig(quantization="nf4" if arm == "qlora" else "none"))
+    model, tokenizer = load_model(model_path, model_load(ModelConfig(quantization="nf4" if arm == "qlora" else "none")))
     load_peak = peak_rss_mb()
     reset_peak_rss()  # from here on, the peak is training's own
 

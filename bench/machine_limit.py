@@ -179,6 +179,7 @@ def main(argv: list[str] | None = None) -> dict:
     from tasks.model import create_random_model, ensure_demo_model
     from tasks.plan import architecture, load_model_config
     from trainer.loading import load_model
+    from tasks.job import model_load
     from trainer.rewards import resolve_reward
 
     cfg = load_config(ROOT / "configs" / "demo-cpu.yaml")
@@ -195,7 +196,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"[machine_limit] matmul peak {peak_s['median'] / 1e9:.1f} GFLOP/s (n={peak['size']}); "
           f"copy bandwidth {bw_s['median'] / 1e9:.2f} GB/s", flush=True)
 
-    model, tokenizer = load_model(str(model_dir), cfg.model)
+    model, tokenizer = load_model(str(model_dir), model_load(cfg.model))
     bytes_per_param = torch.finfo(dtype).bits // 8
     model_bytes = arch.matmul_params * bytes_per_param
     decode = spread(decode_rate(model, tokenizer, opts.repeats))

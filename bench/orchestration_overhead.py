@@ -44,8 +44,9 @@ def plain(cfg) -> dict:
     from tasks.model import resolve_base_model
     from tasks.plan import apply_plan, check_budget, plan_stage
     from tasks.quantize import measure_quantization_cost, require_accepted
+    from tasks.job import build_job_spec
     from tasks.report import plot_comparison, render_markdown
-    from tasks.train import build_job_spec
+    from tasks.summary import Holdout, RegistryOutcome
 
     rewards = cfg.train.rewards
     run_dir = (cfg.data_dir / "runs" / "plain").resolve()
@@ -56,19 +57,16 @@ def plain(cfg) -> dict:
     check_budget(plan, cfg.plan.budget_usd)
     cfg = apply_plan(cfg, plan)
     base = evaluate_model(model_path, cfg.model, splits["holdout"], rewards, cfg.evaluate)
-    spec = build_job_spec(cfg, model_path, splits, run_dir, None).model_copy(update={"mlflow_tracking_uri": None})
+    spec = build_job_spec(cfg.train, cfg.model, model_path, splits, run_dir)
     subprocess.run([sys.executable, str(ROOT / "bench" / "plain_trl.py"), "--spec", str(spec.write(run_dir / "job.json"))],
                    check=True, capture_output=True)
     trained = evaluate_model(model_path, cfg.model, splits["holdout"], rewards, cfg.evaluate, adapter=spec.adapter_dir)
     decision = decide_promotion(trained.rows, base.rows, cfg.promote, rewards)
-    summary = {
-        "holdout": {"n": base.n, "base_reward": base.reward, "trained_reward": trained.reward,
-                    "base": base.per_reward | base.metrics, "trained": trained.per_reward | trained.metrics},
-        "decision": decision.model_dump(),
-        "registry": {"decided_against": None, "candidate_version": "-", "aliases": {}},
-    }
-    (run_dir / "report.md").write_text(render_markdown(summary))
-    plot_comparison(summary, run_dir / "comparison.png")
+    holdout = Holdout.of(base, trained, None)
+    registry = RegistryOutcome(model="-", candidate_version="-", decided_against=None, moves=[], aliases={})
+    (run_dir / "report.md").write_text(render_markdown(holdout, decision, registry))
+    plot_comparison(holdout.baseline, holdout.trained, decision.stats, run_dir / "comparison.png")
+    summary = {"holdout": holdout.model_dump(), "decision": decision.model_dump()}
     return summary
 
 

@@ -18,7 +18,7 @@ from bench.table import Row, from_compare
 from configs.schema import load_config
 from tasks.demo_task import generate, write_splits
 from tasks.model import create_random_model, ensure_demo_model
-from tasks.train import build_job_spec
+from tasks.job import build_job_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,7 +31,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
     model = create_random_model(work / "tiny") if args.tiny else ensure_demo_model(cfg.data_dir / "models")
     splits = write_splits(generate(cfg.data.demo), work / "data")
-    spec = build_job_spec(cfg, str(model), splits, work / "run", mlflow_run_id=None)
+    spec = build_job_spec(cfg.train, cfg.model, str(model), splits, work / "run")
     spec = spec.model_copy(update={"mlflow_tracking_uri": None})  # the baseline logs nowhere either
     spec_path = spec.write(work / "job.json")
     compare(

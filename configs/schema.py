@@ -11,15 +11,14 @@ against those classes' own fields and types, so nothing here re-declares them.
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
-import functools
 import os
 import typing
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+from configs import library_fields
 from pydantic import (
     BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, ValidationInfo, field_validator, model_validator,
 )
@@ -102,20 +101,6 @@ class DataConfig(StrictModel):
     max_dropped_fraction: float = Field(0.2, ge=0, le=1, description="fail the stage when more rows than this are dropped")
     batch_rows: int = Field(8192, ge=64, description="rows per Arrow batch: memory stays bounded by this")
 
-    @field_validator("source", "eval_sources")
-    @classmethod
-    def _local_sources_exist(cls, v: Any) -> Any:
-        import glob
-
-        for source in [v] if isinstance(v, str) else v or []:
-            path = str(Path(source).expanduser())
-            if _looks_local(source) and not (glob.glob(path) if glob.has_magic(path) else Path(path).exists()):
-                raise ValueError(
-                    f"{source} does not exist; give a JSONL/Parquet/CSV file, a glob or directory of them, "
-                    "a datasets.save_to_disk directory, s3://bucket/key or a hub id such as 'openai/gsm8k'"
-                )
-        return v
-
     @field_validator("answer_regex")
     @classmethod
     def _answer_regex(cls, v: str | None, info: Any) -> str | None:
@@ -156,22 +141,6 @@ class DataConfig(StrictModel):
         return v
 
 
-def _looks_local(source: str) -> bool:
-    """A data source that must be on this machine: not s3://, not a hub id 'org/name'.
-
-    >>> [_looks_local(s) for s in ("data/train.jsonl", "openai/gsm8k", "s3://b/k.jsonl", "./gsm8k", "d/*.csv")]
-    [True, False, False, True, True]
-    """
-    import re
-
-    if "://" in source:
-        return False
-    data_file = source.lower().removesuffix(".gz").endswith(DATA_EXTENSIONS)
-    hub_id = re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", source) is not None
-    return Path(source).expanduser().exists() or data_file or not hub_id or source.startswith((".", "~"))
-
-
-DATA_EXTENSIONS = (".jsonl", ".json", ".ndjson", ".parquet", ".pq", ".csv", ".tsv")
 
 
 class ModelConfig(StrictModel):
@@ -195,18 +164,6 @@ class ModelConfig(StrictModel):
     max_quantization_cost: QuantizationBound | None = Field(
         None, description="refuse a quantization mode whose measured cost (quantized vs unquantized on val) passes these; None: measure and log only"
     )
-
-    @field_validator("base")
-    @classmethod
-    def _path_exists(cls, v: str) -> str:
-        if looks_like_path(v) and not Path(v).expanduser().exists():
-            raise ValueError(f"{v} does not exist; give a model directory, a .gguf file, a hub id or '{DEMO_MODEL}'")
-        return v
-
-    @field_validator("candidates")
-    @classmethod
-    def _candidates_exist(cls, v: list[str]) -> list[str]:
-        return [cls._path_exists(c) for c in v]
 
 
 class QuantizationBound(StrictModel):
@@ -241,43 +198,23 @@ class PlanConfig(StrictModel):
     )
 
 
-def looks_like_path(base: str) -> bool:
-    """A model reference that must be a local file or directory (a hub id is 'org/name').
-
-    >>> looks_like_path("./models/x"), looks_like_path("Qwen/Qwen2.5-7B-Instruct")
-    (True, False)
-    """
-    return base.startswith(("/", "./", "../", "~")) or base.endswith(".gguf") or Path(base).exists()
-
-
 def _close(name: str, allowed: typing.Iterable[str]) -> str:
     match = difflib.get_close_matches(name, list(allowed), n=1)
     return f"; did you mean '{match[0]}'?" if match else ""
 
 
-@functools.cache
-def _dataclass_fields(cls_path: str) -> dict[str, Any]:
-    module, _, name = cls_path.rpartition(".")
-    cls = getattr(__import__(module, fromlist=[name]), name)
-    hints = typing.get_type_hints(cls)
-    return {f.name: hints.get(f.name, Any) for f in dataclasses.fields(cls) if f.init}
-
-
-def _check_passthrough(values: dict[str, Any], cls_path: str, owned: set[str]) -> dict[str, Any]:
-    """Check keys and value types against a library dataclass (GRPOConfig, LoraConfig)."""
-    fields = _dataclass_fields(cls_path)
-    cls_name = cls_path.rpartition(".")[2]
+def _check_passthrough(values: dict[str, Any], cls_name: str, owned: set[str]) -> dict[str, Any]:
+    """Check keys and value types against a library dataclass (GRPOConfig, LoraConfig), from its snapshot."""
+    fields = library_fields.fields(cls_name)
     for key, value in values.items():
         if key in owned:
             raise ValueError(f"'{key}' is set by the pipeline itself and cannot be overridden here")
         if key not in fields:
             raise ValueError(f"'{key}' is not a {cls_name} field{_close(key, fields)}")
         try:
-            TypeAdapter(fields[key]).validate_python(value)
+            TypeAdapter(fields[key].type).validate_python(value)
         except ValidationError as exc:
             raise ValueError(f"'{key}'={value!r} does not fit {cls_name}: {exc.errors()[0]['msg']}") from None
-        except Exception:  # an annotation pydantic cannot build a validator for: the library checks it
-            pass
     return values
 
 
@@ -321,21 +258,17 @@ class TrainConfig(StrictModel):
     @field_validator("grpo")
     @classmethod
     def _grpo_fields(cls, v: dict[str, Any]) -> dict[str, Any]:
-        return _check_passthrough(v, "trl.GRPOConfig", GRPO_OWNED)
+        return _check_passthrough(v, "GRPOConfig", GRPO_OWNED)
 
     @field_validator("lora")
     @classmethod
     def _lora_fields(cls, v: dict[str, Any]) -> dict[str, Any]:
-        return _check_passthrough(v, "peft.LoraConfig", set())
+        return _check_passthrough(v, "LoraConfig", set())
 
     @field_validator("rewards")
     @classmethod
-    def _known_rewards(cls, v: list[str]) -> list[str]:
-        from trainer.rewards import resolve_reward
-
-        for name in v:
-            resolve_reward(name)
-        if not v:
+    def _some_reward(cls, v: list[str]) -> list[str]:
+        if not v:  # the names themselves are resolved by the stage that runs them (tasks.job.preflight)
             raise ValueError("at least one reward is needed")
         return v
 

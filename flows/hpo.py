@@ -1,21 +1,39 @@
-"""The hyperparameter search alone, as a Prefect flow: data -> base model -> study (`grpo-pipeline hpo`).
+"""The hyperparameter search as a stage of a flow, and alone as the `grpo-hpo` flow: data -> base model ->
+study (`grpo-pipeline hpo`).
 
-The pipeline flow runs the same `hpo_task` before training when `hpo.enabled` is set; this flow is for
+The pipeline flow runs `search_stage` before training when `hpo.enabled` is set; the `grpo-hpo` flow is for
 searching without training, e.g. to compare search spaces or to resume a study.
 """
 
 from __future__ import annotations
 
 from datetime import datetime
+from pathlib import Path
 
-from prefect import flow
+from prefect import flow, task
+from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
-from configs.schema import load_config
+from configs.schema import PipelineConfig, load_config
+from flows.preflight import preflight
+from flows.runs import parent_run, setup_tracking
+from infra.launch import make_launcher
 from tasks.data import data_task
-from tasks.hpo import hpo_task
+from tasks.hpo import HPOResult, Tracking, run_trial, search
 from tasks.model import resolve_model_task
-from tasks.train import preflight
+
+
+@task(name="hpo-trial", task_run_name="trial-{trial.number}", cache_policy=NO_CACHE)
+def trial_task(trial, cfg: PipelineConfig, model_path: str, splits: dict[str, Path], run_dir: Path,
+               tracking: Tracking | None):
+    return run_trial(trial, cfg, model_path, splits, run_dir, tracking, launcher_for=make_launcher)
+
+
+def search_stage(cfg: PipelineConfig, model_path: str, splits: dict[str, Path], run_dir: Path, experiment_id: str,
+                 stage_run_id: str) -> HPOResult:
+    """The study, each trial a task run and an MLflow run nested under the stage's run."""
+    tracking = Tracking(tracking_uri=cfg.mlflow_uri, experiment_id=experiment_id, stage_run_id=stage_run_id)
+    return search(cfg, model_path, splits, run_dir, run_one=trial_task, tracking=tracking)
 
 
 @flow(name="grpo-hpo", log_prints=True)
@@ -31,5 +49,7 @@ def hpo_flow(config_path: str | None = None, overrides: list[str] | None = None)
     run_dir = cfg.data_dir / "runs" / f"{datetime.now():%Y%m%d-%H%M%S}-{(flow_run.id or 'local')[:8]}-hpo"
     model_path = resolve_model_task(cfg.model, cfg.data_dir / "models")
     dataset = data_task(cfg.data, cfg.data_dir / "datasets", model_path, cfg.train.rewards)  # as the pipeline does
-    result = hpo_task(cfg, model_path, dataset.splits, run_dir)
+    experiment_id = setup_tracking(cfg.mlflow_uri, cfg.tracking.experiment, cfg.data_dir / "mlartifacts")
+    with parent_run(flow_run.id or "local", "hpo") as run:
+        result = search_stage(cfg, model_path, dataset.splits, run_dir, experiment_id, run.info.run_id)
     return result.model_dump(mode="json") | {"set": result.set_args(), "mlflow_tracking_uri": cfg.mlflow_uri}

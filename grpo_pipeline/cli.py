@@ -78,27 +78,36 @@ def run(
         _fail(as_json, str(exc), EXIT_CHAMPION_MOVED)
     except Exception as exc:  # the flow's own log has the traceback
         _fail(as_json, f"{type(exc).__name__}: {exc}", EXIT_FAILED)
-    code = EXIT_REJECTED if fail_on_reject and not summary["decision"]["promote"] else EXIT_OK
+    code = EXIT_REJECTED if fail_on_reject and not summary.decision.promote else EXIT_OK
     if as_json:
-        print(json.dumps(summary, indent=2))
+        print(summary.model_dump_json(indent=2))
         raise typer.Exit(code)
-    holdout = summary["holdout"]
-    table = Table(title=f"holdout ({holdout['n']} prompts, greedy)")
+    _print_summary(summary)
+    raise typer.Exit(code)
+
+
+def _print_summary(summary) -> None:
+    """The holdout table (base, the champion when there was one, the candidate) and the decision."""
+    holdout, decision, registry = summary.holdout, summary.decision, summary.registry
+    columns = {"base": (holdout.base_reward, holdout.base)}
+    if holdout.champion is not None:
+        columns[f"champion (v{registry.decided_against})"] = (holdout.champion_reward, holdout.champion)
+    columns["candidate"] = (holdout.trained_reward, holdout.trained)
+    table = Table(title=f"holdout ({holdout.n} prompts, greedy)")
     table.add_column("metric")
-    table.add_column("base", justify="right")
-    table.add_column("trained", justify="right")
-    table.add_row("reward (sum)", f"{holdout['base_reward']:.3f}", f"{holdout['trained_reward']:.3f}")
-    for name in holdout["base"]:
-        table.add_row(name, f"{holdout['base'][name]:.3f}", f"{holdout['trained'][name]:.3f}")
+    for name in columns:
+        table.add_column(name, justify="right")
+    table.add_row("reward (sum)", *(f"{total:.3f}" for total, _ in columns.values()))
+    for name in holdout.trained:
+        table.add_row(name, *(f"{values[name]:.3f}" for _, values in columns.values()))
     out = Console()
     out.print(table)
-    decision, registry = summary["decision"], summary["registry"]
-    out.print(("[green]promoted" if decision["promote"] else "[yellow]not promoted")
-              + f"[/]: version {registry['candidate_version']} of {registry['model']}; aliases {registry['aliases']}")
-    for reason in decision["reasons"]:
+    aliases = ", ".join(f"{alias} = v{version}" for alias, version in registry.aliases.items() if version) or "none"
+    out.print(("[green]promoted" if decision.promote else "[yellow]not promoted")
+              + f"[/]: version {registry.candidate_version} of {registry.model}; aliases: {aliases}")
+    for reason in decision.reasons:
         out.print(f"  - {reason}")
-    out.print(f"adapter: {summary['train']['adapter_dir']}   MLflow run: {summary['mlflow']['run_id']}")
-    raise typer.Exit(code)
+    out.print(f"adapter: {summary.train.adapter_dir}   MLflow run: {summary.mlflow.run_id}")
 
 
 def _registry(config: Path | None, overrides: list[str] | None):

@@ -13,6 +13,7 @@ import glob
 import hashlib
 import io
 import os
+import re
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,14 +24,44 @@ from typing import Any
 import orjson
 import pyarrow as pa
 
-from configs.schema import DATA_EXTENSIONS, ConfigError, _looks_local
+from configs.schema import ConfigError, DataConfig
 
 _FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet", ".pq": "parquet",
             ".csv": "csv", ".tsv": "csv"}
 JSON_BLOCK_BYTES = 1 << 22  # JSONL is parsed in ~4 MiB blocks; a block never splits a line
 
+DATA_EXTENSIONS = (".jsonl", ".json", ".ndjson", ".parquet", ".pq", ".csv", ".tsv")
 
-class DataSourceError(ValueError):
+def looks_local(source: str) -> bool:
+    """A data source that must be on this machine: not s3://, not a hub id 'org/name'.
+
+    >>> [looks_local(s) for s in ("data/train.jsonl", "openai/gsm8k", "s3://b/k.jsonl", "./gsm8k", "d/*.csv")]
+    [True, False, False, True, True]
+    """
+    if "://" in source:
+        return False
+    data_file = source.lower().removesuffix(".gz").endswith(DATA_EXTENSIONS)
+    hub_id = re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", source) is not None
+    return Path(source).expanduser().exists() or data_file or not hub_id or source.startswith((".", "~"))
+
+
+def check_local_sources(data: DataConfig) -> None:
+    """Fail early when a local data source (or an eval source) is not on this machine.
+
+    Checked where the data stage runs (a worker), not when the configuration is parsed: the machine
+    that writes or validates a config need not hold the data."""
+    for field_name, sources in (("data.source", [data.source] if data.source else []),
+                                ("data.eval_sources", data.eval_sources)):
+        for source in sources:
+            path = str(Path(source).expanduser())
+            if looks_local(source) and not (glob.glob(path) if glob.has_magic(path) else Path(path).exists()):
+                raise DataSourceError(
+                    f"{field_name}: {source} does not exist; give a JSONL/Parquet/CSV file, a glob or directory of "
+                    "them, a datasets.save_to_disk directory, s3://bucket/key or a hub id such as 'openai/gsm8k'"
+                )
+
+
+class DataSourceError(ConfigError):
     """A source that cannot be found or read; the message names it and the fix."""
 
 
@@ -164,7 +195,7 @@ def source_fingerprint(source: str, declared: str, s3_endpoint_url: str | None, 
             bucket, key = _split_s3(f.uri)
             head = client.head_object(Bucket=bucket, Key=key)
             digest.update(f"{f.uri}\0{head['ETag']}\0{head['ContentLength']}\n".encode())
-    elif not _looks_local(source):
+    elif not looks_local(source):
         digest.update(b"hub")
     elif is_datasets_dir(Path(source).expanduser()):
         root = Path(source).expanduser()
@@ -186,11 +217,11 @@ def iter_source(
 ) -> Iterator[RawBatch]:
     """Every row of a source, in bounded batches, in a stable order. `split` picks one split of a
     DatasetDict (a save_to_disk directory or a hub dataset); None reads them all (evaluation sets)."""
-    if not _looks_local(source) and not source.startswith("s3://"):
+    if not looks_local(source) and not source.startswith("s3://"):
         for name, ds in _splits_of(_load_hub(source, config), split, source):
             yield from _iter_dataset(ds, name, batch_rows)
         return
-    if _looks_local(source) and is_datasets_dir(Path(source).expanduser()):
+    if looks_local(source) and is_datasets_dir(Path(source).expanduser()):
         from datasets import load_from_disk
 
         for name, ds in _splits_of(load_from_disk(str(Path(source).expanduser())), split, source):

@@ -15,6 +15,7 @@ from prefect import task
 from pydantic import BaseModel
 
 from trainer.loading import load_model
+from tasks.job import model_load
 from trainer.rewards import completion_text, resolve_reward
 from configs.schema import EvalConfig, ModelConfig
 
@@ -199,7 +200,7 @@ def evaluate_model(
             model_path, model_cfg, adapter, render(tokenizer, [r["prompt"] for r in rows]), cfg
         )
     else:
-        model, tokenizer = load_model(model_path, model_cfg, adapter=adapter)
+        model, tokenizer = load_model(model_path, model_load(model_cfg), adapter=adapter)
         model.eval()
         completions, lengths = generate(
             model, tokenizer, [r["prompt"] for r in rows], cfg.max_new_tokens, cfg.batch_size,

@@ -43,14 +43,15 @@ from pathlib import Path
 from typing import Any
 
 import optuna
-from prefect import flow, task
-from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
-from configs.schema import ConfigError, HPOConfig, PipelineConfig, SearchDim, SearchSpace
-from infra.launch.local import LocalLauncher, TrainingFailed
-from tasks.train import build_job_spec
-from trainer.callbacks import parse_progress
+from configs.schema import ConfigError, HPOConfig, PipelineConfig, SearchDim, SearchSpace, TrainConfig
+from tasks.job import build_job_spec
+from trainer.spec import TrainingFailed, parse_progress
+
+# Builds the launcher a trial runs on (`infra.launch.make_launcher`): passed in by the flow, which owns the
+# launch; called with the trial's `train` section and a callback for each line of the trainer's output.
+LauncherFactory = Callable[[TrainConfig, Callable[[str], None]], Any]
 
 log = logging.getLogger(__name__)
 
@@ -373,14 +374,6 @@ def _reason(exc: BaseException) -> str:
 # --------------------------------------------------------------------------------------------- the trials
 
 
-def _launcher(cfg: PipelineConfig, on_line: Callable[[str], None]):
-    if cfg.train.launcher == "sky":
-        from infra.launch.skypilot import SkyLauncher
-
-        return SkyLauncher(cfg.train.sky, cfg.train.max_restarts, on_status=log.info, on_line=on_line)
-    return LocalLauncher(cfg.train.max_restarts, on_line=on_line)
-
-
 class Tracking(BaseModel):
     """Where trial runs go in MLflow: nested under the stage run."""
 
@@ -400,7 +393,8 @@ def run_trial(
     model_path: str,
     splits: dict[str, Path],
     run_dir: Path,
-    tracking: Tracking | None = None,
+    tracking: Tracking | None,
+    launcher_for: LauncherFactory,
 ) -> TrialOutcome:
     """One short GRPO run with the trial's parameters; reports each validation reward and cancels the job
     when the pruner says so. Raises TrialFailed when the job crashes."""
@@ -420,11 +414,12 @@ def run_trial(
     trial.set_user_attr(WORKER, _this_worker())
     # Unique across runs: build_job_spec names the run's checkpoint prefix after this folder.
     trial_dir = run_dir / "hpo" / f"{run_dir.name}-trial-{trial.number:03d}"
-    spec = build_job_spec(tcfg, model_path, splits, trial_dir, run_id)
+    spec = build_job_spec(tcfg.train, tcfg.model, model_path, splits, trial_dir, mlflow_tracking_uri=cfg.mlflow_uri,
+                          mlflow_experiment=cfg.tracking.experiment, mlflow_run_id=run_id)
     spec = spec.model_copy(update={"val_file": str(Path(splits["val"]).resolve())})
 
     reports: queue.Queue = queue.Queue()
-    launcher = _launcher(tcfg, lambda line: (report := parse_progress(line)) and reports.put(report))
+    launcher = launcher_for(tcfg.train, lambda line: (report := parse_progress(line)) and reports.put(report))
     state, reason, outcome = "FAILED", None, None
     try:
         handle = launcher.launch(spec)
@@ -500,11 +495,13 @@ def search(
     model_path: str,
     splits: dict[str, Path],
     run_dir: Path,
+    *,
+    run_one: Callable[..., TrialOutcome],
     tracking: Tracking | None = None,
-    run_one: Callable[..., TrialOutcome] = run_trial,
 ) -> HPOResult:
-    """Run the study's remaining budget and return the best trial. `run_one` runs one trial (the Prefect
-    wrapper passes `run_trial` as a task, so each trial is a task run)."""
+    """Run the study's remaining budget and return the best trial. `run_one(trial, cfg, model_path, splits,
+    run_dir, tracking)` runs one trial (the flow passes `run_trial` with its launcher, as a Prefect task, so
+    each trial is a task run)."""
     study = open_study(cfg)
     finished = [t for t in study.trials if t.state.is_finished()]
     remaining = max(0, cfg.hpo.trials - len(finished))
@@ -585,32 +582,3 @@ def log_study(study: optuna.Study, result: HPOResult | None, tracking: Tracking,
         client.log_artifact(run_id, str(out_dir / name))
         logged.append(name)
     return logged
-
-
-# ------------------------------------------------------------------------------------------ Prefect wrapper
-
-
-@flow(name="hpo")
-def hpo_task(
-    cfg: PipelineConfig, model_path: str, splits: dict[str, Path], run_dir: Path, parent_run_id: str | None = None
-) -> HPOResult:
-    """The search as a Prefect subflow, each trial a task run, tracked as an `hpo` MLflow run (nested under
-    `parent_run_id`, or the active run) with a nested run per trial."""
-    import mlflow
-
-    from grpo_pipeline.tracking import setup_tracking
-
-    exp_id = setup_tracking(cfg.mlflow_uri, cfg.tracking.experiment, cfg.data_dir / "mlartifacts")
-    active = mlflow.active_run()
-    parent = parent_run_id or (active.info.run_id if active else None)
-    client = mlflow.MlflowClient(cfg.mlflow_uri)
-    stage = client.create_run(exp_id, run_name="hpo", tags={"mlflow.parentRunId": parent} if parent else None)
-    tracking = Tracking(tracking_uri=cfg.mlflow_uri, experiment_id=exp_id, stage_run_id=stage.info.run_id)
-    trial_task = task(run_trial, name="hpo-trial", task_run_name="trial-{trial.number}", cache_policy=NO_CACHE)
-    try:
-        result = search(cfg, model_path, splits, run_dir, tracking, run_one=trial_task)
-    except BaseException:
-        client.set_terminated(stage.info.run_id, "FAILED")
-        raise
-    client.set_terminated(stage.info.run_id)
-    return result

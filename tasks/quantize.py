@@ -24,6 +24,7 @@ from pydantic import BaseModel
 from configs.schema import ConfigError, EvalConfig, ModelConfig, QuantizationBound
 from tasks.evaluate import generate, read_jsonl, render, score
 from trainer.loading import load_model
+from tasks.job import model_load
 from trainer.rewards import completion_text
 
 
@@ -116,7 +117,7 @@ def answer_perplexity(model, tokenizer, rows: list[dict], batch_size: int = 16) 
 def measure(model_path: str, model_cfg: ModelConfig, rows: list[dict], rewards: list[str], eval_cfg: EvalConfig) -> Measurement:
     """Load the model at `model_cfg`'s quantization once; footprint, answer perplexity and greedy reward."""
     started = time.monotonic()
-    model, tokenizer = load_model(model_path, model_cfg)
+    model, tokenizer = load_model(model_path, model_load(model_cfg))
     model.eval()
     footprint = model.get_memory_footprint()
     ppl = answer_perplexity(model, tokenizer, rows, eval_cfg.batch_size)

@@ -5,47 +5,48 @@ from __future__ import annotations
 from pathlib import Path
 from urllib.parse import urlencode
 
+from tasks.decide import Decision
+from tasks.summary import Holdout, RegistryOutcome
 
-def render_markdown(summary: dict) -> str:
+
+def render_markdown(holdout: Holdout, decision: Decision, registry: RegistryOutcome) -> str:
     """The decision, its reasons and the holdout numbers, as Markdown (MLflow artifact, Prefect artifact)."""
-    decision, holdout = summary["decision"], summary["holdout"]
-    verdict = "**promoted**" if decision["promote"] else "**not promoted**"
-    baseline = summary["registry"]["decided_against"] or "the base model"
+    verdict = "**promoted**" if decision.promote else "**not promoted**"
+    baseline = f"champion version {registry.decided_against}" if registry.decided_against else "the base model"
+    columns = ["base", *(["champion"] if holdout.champion else []), "candidate"]
     lines = [
         f"# GRPO run: candidate {verdict}",
         "",
-        f"Candidate version {summary['registry']['candidate_version']} against {baseline}"
-        f" on {holdout['n']} holdout prompts (greedy).",
+        f"Candidate version {registry.candidate_version} against {baseline} on {holdout.n} holdout prompts (greedy).",
         "",
         "## Reasons",
-        *[f"- {reason}" for reason in decision["reasons"]],
+        *[f"- {reason}" for reason in decision.reasons],
         "",
         "## Holdout",
         "",
-        "| metric | base | " + ("champion | " if holdout.get("champion") else "") + "candidate |",
-        "|---|---|" + ("---|" if holdout.get("champion") else "") + "---|",
+        "| metric | " + " | ".join(columns) + " |",
+        "|---|" + "---|" * len(columns),
     ]
-    for name in holdout["trained"]:
-        champion = f"{holdout['champion'][name]:.3f} | " if holdout.get("champion") else ""
-        lines.append(f"| {name} | {holdout['base'][name]:.3f} | {champion}{holdout['trained'][name]:.3f} |")
-    lines += ["", f"Aliases after this run: {summary['registry']['aliases']}", ""]
+    for name in holdout.trained:
+        values = [holdout.base, *([holdout.champion] if holdout.champion else []), holdout.trained]
+        lines.append(f"| {name} | " + " | ".join(f"{v[name]:.3f}" for v in values) + " |")
+    aliases = ", ".join(f"{alias} = version {v}" for alias, v in registry.aliases.items() if v) or "none"
+    lines += ["", f"Aliases after this run: {aliases}.", ""]
     return "\n".join(lines)
 
 
-def plot_comparison(summary: dict, path: Path) -> Path:
+def plot_comparison(baseline: dict[str, float], candidate: dict[str, float], stats: dict, path: Path) -> Path:
     """Bars of baseline vs candidate per reward, and the primary difference with its interval."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display on servers
     import matplotlib.pyplot as plt
 
-    holdout, stats = summary["holdout"], summary["decision"]["stats"]
-    baseline = holdout.get("champion") or holdout["base"]
-    names = [n for n in holdout["trained"] if n != "mean_length"]  # rates and rewards share a 0..1 scale
+    names = [n for n in candidate if n != "mean_length"]  # rates and rewards share a 0..1 scale
     fig, (bars, delta) = plt.subplots(1, 2, figsize=(9, 3.5), gridspec_kw={"width_ratios": [2, 1]})
     xs = range(len(names))
     bars.bar([x - 0.2 for x in xs], [baseline[n] for n in names], width=0.4, label="baseline")
-    bars.bar([x + 0.2 for x in xs], [holdout["trained"][n] for n in names], width=0.4, label="candidate")
+    bars.bar([x + 0.2 for x in xs], [candidate[n] for n in names], width=0.4, label="candidate")
     bars.set_xticks(list(xs), names)
     bars.set_ylabel("holdout mean")
     bars.legend()

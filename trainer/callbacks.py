@@ -3,7 +3,6 @@ report validation rewards on stdout for a parent that prunes on them (hyperparam
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -15,6 +14,7 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from trainer.checkpoints import Store, checkpoint_name, prune
+from trainer.spec import progress_line
 from trainer.tracking import CommittedMetrics
 
 log = logging.getLogger(__name__)
@@ -101,9 +101,6 @@ class FirstStepTimer(TrainerCallback):
             self.seconds = time.monotonic() - self.started
 
 
-PROGRESS_TAG = "grpo-progress"
-
-
 class ReportValidation(TrainerCallback):
     """Print each validation reward as one tagged JSON line on stdout.
 
@@ -114,23 +111,5 @@ class ReportValidation(TrainerCallback):
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
         if state.is_world_process_zero and metrics and "eval_reward" in metrics:
-            report = {"step": state.global_step, "val_reward": float(metrics["eval_reward"])}
-            print(f"{PROGRESS_TAG} {json.dumps(report)}", flush=True)  # flushed: stdout is a pipe
-
-
-def parse_progress(line: str) -> dict | None:
-    """The report in a line of trainer output (SkyPilot may prefix lines), or None.
-
-    >>> parse_progress('(grpo-hpo-trial, pid=42) grpo-progress {"step": 4, "val_reward": 0.5}')
-    {'step': 4, 'val_reward': 0.5}
-    >>> parse_progress("{'loss': 0.1}") is None
-    True
-    """
-    _, tag, payload = line.partition(PROGRESS_TAG + " ")
-    if not tag:
-        return None
-    try:
-        report = json.loads(payload)
-    except ValueError:
-        return None
-    return report if isinstance(report, dict) and {"step", "val_reward"} <= report.keys() else None
+            # flushed: stdout is a pipe
+            print(progress_line(state.global_step, float(metrics["eval_reward"])), flush=True)

@@ -15,8 +15,11 @@ import shutil
 from datetime import UTC, datetime
 from pathlib import Path
 
+from trainer.spec import RESULT_FILE, JobSpec, TrainResult
+
 MANIFEST = "manifest.json"
 FINAL = "final"
+METRICS_FILE = "metrics.json"  # in `final` and each checkpoint: the steps' metrics, for MLflow
 _STEP = re.compile(r"checkpoint-(\d+)/" + re.escape(MANIFEST) + "$")
 
 
@@ -204,3 +207,13 @@ def prune(store: Store, keep: int) -> None:
     """Delete all but the newest `keep` complete checkpoints."""
     for step in store.complete_steps()[:-keep]:
         store.delete(checkpoint_name(step))
+
+
+def collect_final(spec: JobSpec, store=None) -> tuple[TrainResult, Path]:
+    """The finished job's result, with its adapter copied from the store's `final` entry to `adapter_dir`."""
+    store = store or open_store(spec.checkpoint_uri, spec.train.s3_endpoint_url)
+    final = store.fetch(FINAL, Path(spec.work_dir) / "fetched")
+    shutil.rmtree(spec.adapter_dir, ignore_errors=True)
+    shutil.copytree(final, spec.adapter_dir, ignore=shutil.ignore_patterns(RESULT_FILE, METRICS_FILE, MANIFEST))
+    result = TrainResult.model_validate_json((final / RESULT_FILE).read_text())
+    return result.model_copy(update={"adapter_dir": spec.adapter_dir}), final

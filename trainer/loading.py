@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
-from configs.schema import ModelConfig
+import logging
+
+from trainer.spec import ModelLoad
 
 
-def quantization_config(cfg: ModelConfig):
+def quantization_config(cfg: ModelLoad):
     """The `BitsAndBytesConfig` for a quantization mode, or None for a full-precision base."""
     if cfg.quantization == "none":
         return None
+    # bitsandbytes warns on CPUs with AVX512-BF16 that an optional hub kernel is missing; it falls back
+    # to its own CPU kernel, and the hub is not reachable from our machines anyway.
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     import torch
     from transformers import BitsAndBytesConfig
 
@@ -22,7 +27,7 @@ def quantization_config(cfg: ModelConfig):
     )
 
 
-def load_model(path: str, cfg: ModelConfig, adapter: str | None = None):
+def load_model(path: str, cfg: ModelLoad, adapter: str | None = None):
     """Return (model, tokenizer); the tokenizer gets a pad token when the model has none."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

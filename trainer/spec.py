@@ -1,20 +1,49 @@
-"""The job spec: everything one training job needs, as JSON, so a launcher can ship it to any node."""
+"""The job spec: everything one training job needs, as JSON, so a launcher can ship it to any node; and
+what the job reports back (its result file, its tagged progress lines).
+
+The trainer owns this contract and imports nothing else of the project, so a node runs `python -m
+trainer --spec job.json` with this package alone; the pipeline's stages fill the spec in
+(`tasks.job.build_job_spec`).
+"""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from configs.schema import ModelConfig, TrainConfig
 
-
-class JobSpec(BaseModel):
+class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
+
+class ModelLoad(_Strict):
+    """How the base model is loaded: precision and bitsandbytes quantization."""
+
+    quantization: Literal["none", "nf4", "fp4", "int8"]
+    double_quant: bool
+    compute_dtype: Literal["float32", "bfloat16", "float16"]
+    trust_remote_code: bool
+
+
+class TrainSettings(_Strict):
+    """What the trainer runs: TRL's GRPOConfig and PEFT's LoraConfig fields, rewards, checkpointing."""
+
+    grpo: dict[str, Any]
+    lora: dict[str, Any]
+    rewards: list[str]  # names in trainer.rewards.REWARDS, or 'package.module:function'
+    checkpoint_every: int
+    keep_checkpoints: int
+    early_stopping_patience: int | None
+    s3_endpoint_url: str | None
+
+
+class JobSpec(_Strict):
     model_path: str  # resolved: a local directory or a hub id
-    model: ModelConfig
-    train: TrainConfig
+    model: ModelLoad
+    train: TrainSettings
     train_file: str
     val_file: str | None = None
     work_dir: str  # local scratch: the HF output dir, the result file
@@ -32,6 +61,12 @@ class JobSpec(BaseModel):
     @classmethod
     def read(cls, path: Path) -> "JobSpec":
         return cls.model_validate_json(Path(path).read_text())
+
+
+class TrainingFailed(RuntimeError):
+    """The job ended without a result: out of restarts, a bad spec, cancelled, or a failed managed job.
+    Raised by every launcher (`infra.launch`); defined with the job's contract so a stage can catch it
+    without importing a launcher."""
 
 
 RESULT_FILE = "result.json"
@@ -52,3 +87,28 @@ class TrainResult(BaseModel):
     metrics: dict[str, float]
     restarts: int = 0  # filled by the launcher: relaunches after a preemption or an error
     gpu_hours: float | None = None  # filled by launchers that rent GPUs
+
+
+PROGRESS_TAG = "grpo-progress"  # a validation reward, printed by trainer.callbacks.ReportValidation
+
+
+def progress_line(step: int, val_reward: float) -> str:
+    return f"{PROGRESS_TAG} {json.dumps({'step': step, 'val_reward': val_reward})}"
+
+
+def parse_progress(line: str) -> dict | None:
+    """The report in a line of trainer output (SkyPilot may prefix lines), or None.
+
+    >>> parse_progress('(grpo-hpo-trial, pid=42) ' + progress_line(4, 0.5))
+    {'step': 4, 'val_reward': 0.5}
+    >>> parse_progress("{'loss': 0.1}") is None
+    True
+    """
+    _, tag, payload = line.partition(PROGRESS_TAG + " ")
+    if not tag:
+        return None
+    try:
+        report = json.loads(payload)
+    except ValueError:
+        return None
+    return report if isinstance(report, dict) and {"step", "val_reward"} <= report.keys() else None

@@ -17,7 +17,8 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-METRICS_FILE = "metrics.json"
+from trainer.checkpoints import METRICS_FILE
+
 STEP_KEY = "global_step"  # logged with every step: its latest value is the last step MLflow holds
 
 

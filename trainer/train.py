@@ -11,9 +11,9 @@ import shutil
 import time
 from pathlib import Path
 
-from trainer.checkpoints import FINAL, MANIFEST, checkpoint_name, open_store
+from trainer.checkpoints import FINAL, checkpoint_name, collect_final, open_store
 from trainer.spec import RESULT_FILE, JobSpec, TrainResult
-from trainer.tracking import METRICS_FILE, CommittedMetrics, numeric
+from trainer.tracking import CommittedMetrics, numeric
 
 log = logging.getLogger(__name__)
 EXIT_INTERRUPTED = 75  # EX_TEMPFAIL: try again
@@ -62,16 +62,6 @@ def _report(spec: JobSpec, result: TrainResult) -> TrainResult:
     Path(spec.work_dir).mkdir(parents=True, exist_ok=True)
     (Path(spec.work_dir) / RESULT_FILE).write_text(result.model_dump_json(indent=1))
     return result
-
-
-def collect_final(spec: JobSpec, store=None) -> tuple[TrainResult, Path]:
-    """The finished job's result, with its adapter copied from the store's `final` entry to `adapter_dir`."""
-    store = store or open_store(spec.checkpoint_uri, spec.train.s3_endpoint_url)
-    final = store.fetch(FINAL, Path(spec.work_dir) / "fetched")
-    shutil.rmtree(spec.adapter_dir, ignore_errors=True)
-    shutil.copytree(final, spec.adapter_dir, ignore=shutil.ignore_patterns(RESULT_FILE, METRICS_FILE, MANIFEST))
-    result = TrainResult.model_validate_json((final / RESULT_FILE).read_text())
-    return result.model_copy(update={"adapter_dir": spec.adapter_dir}), final
 
 
 def _already_finished(spec: JobSpec, store, metrics: CommittedMetrics | None) -> TrainResult:

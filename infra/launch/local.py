@@ -14,14 +14,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from infra.launch import TrainingFailed
 from trainer.spec import RESULT_FILE, JobSpec, TrainResult
 
 log = logging.getLogger(__name__)
 NOT_RETRYABLE = {2}  # a bad spec fails the same way every time
-
-
-class TrainingFailed(RuntimeError):
-    pass
 
 
 @dataclass

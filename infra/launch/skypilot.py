@@ -18,11 +18,10 @@ from typing import Any
 
 import yaml
 
-from configs.schema import PipelineConfig, SkyConfig
-from infra.launch.local import TrainingFailed
-from trainer.checkpoints import CheckpointStoreError, open_store
+from configs.schema import SkyConfig, TrainConfig
+from infra.launch import TrainingFailed
+from trainer.checkpoints import CheckpointStoreError, collect_final, open_store
 from trainer.spec import JobSpec, TrainResult
-from trainer.train import collect_final
 
 log = logging.getLogger(__name__)
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -41,8 +40,9 @@ def node_spec(spec: JobSpec) -> JobSpec:
     """The same job with the paths it has on the GPU node.
 
     >>> from configs.schema import ModelConfig, TrainConfig
-    >>> s = JobSpec(model_path="Qwen/Qwen2.5-7B-Instruct", model=ModelConfig(), train=TrainConfig(),
-    ...             train_file="/x/train.jsonl", work_dir="/x/w", checkpoint_uri="s3://b/r", adapter_dir="/x/a")
+    >>> from tasks.job import build_job_spec
+    >>> s = build_job_spec(TrainConfig(checkpoint_uri="s3://b"), ModelConfig(), "Qwen/Qwen2.5-7B-Instruct",
+    ...                    {"train": "/x/train.jsonl", "val": "/x/val.jsonl"}, Path("/x/run"))
     >>> node_spec(s).train_file, node_spec(s).model_path
     ('/grpo/job/data/train.jsonl', 'Qwen/Qwen2.5-7B-Instruct')
     """
@@ -96,20 +96,20 @@ def build_task(spec: JobSpec, job_dir: Path, sky_cfg: SkyConfig, max_restarts: i
     return sky.Task.from_yaml_config(config, secrets_overrides=secrets)
 
 
-def preflight(cfg: PipelineConfig) -> None:
+def preflight(train: TrainConfig, mlflow_uri: str) -> None:
     """Everything a managed job needs, checked before anything is launched, each failure naming its fix."""
-    uri = cfg.train.checkpoint_uri or ""
+    uri = train.checkpoint_uri or ""
     if not uri.startswith("s3://"):
         raise SkyPreflightError(
             "train.launcher=sky needs checkpoints a spot node can reach: set train.checkpoint_uri=s3://bucket/prefix"
         )
-    if not cfg.mlflow_uri.startswith(("http://", "https://", "databricks")):
+    if not mlflow_uri.startswith(("http://", "https://", "databricks")):
         raise SkyPreflightError(
-            f"train.launcher=sky needs an MLflow server the node can reach, not {cfg.mlflow_uri}: "
+            f"train.launcher=sky needs an MLflow server the node can reach, not {mlflow_uri}: "
             "set tracking.mlflow_tracking_uri=http(s)://..."
         )
     try:
-        open_store(uri, cfg.train.s3_endpoint_url).check()
+        open_store(uri, train.s3_endpoint_url).check()
     except CheckpointStoreError as exc:
         raise SkyPreflightError(str(exc)) from None
     from sky.client import sdk

@@ -171,7 +171,7 @@ def test_sky_launcher_without_a_cloud_stops_at_preflight(tmp_path, tiny_yaml, s3
 RETRY_SCRIPT = """
 import json, sys
 import flows.pipeline as pipeline
-from infra.launch import LocalLauncher
+from infra.launch.local import LocalLauncher
 from prefect import get_client
 from prefect.runtime import flow_run
 
@@ -194,7 +194,7 @@ with get_client(sync_client=True) as client:
     states = {}
     for run in runs:
         states.setdefault(run.name.rsplit("-", 1)[0], []).append(run.state.name)
-print(json.dumps({"summary": state.result(), "launches": len(launches), "decisions": len(decisions),
+print(json.dumps({"summary": state.result().model_dump(mode="json"), "launches": len(launches), "decisions": len(decisions),
                   "task_states": states}))
 """
 

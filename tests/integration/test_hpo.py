@@ -13,7 +13,7 @@ import yaml
 
 from configs.schema import load_config
 from tasks.hpo import apply_best, open_storage, open_study, search
-from tasks.train import build_job_spec
+from tasks.job import build_job_spec
 from tests.unit.test_hpo import _quick
 
 pytestmark = pytest.mark.integration
@@ -89,7 +89,7 @@ def test_search_prunes_fails_one_trial_only_and_feeds_the_best_to_training(tmp_p
 
     # The best parameters reach the training job's spec.
     best = apply_best(cfg, result["overrides"])
-    spec = build_job_spec(best, str(cfg.model.base), tiny_splits, tmp_path / "run", None)
+    spec = build_job_spec(best.train, best.model, str(cfg.model.base), tiny_splits, tmp_path / "run")
     assert (spec.train.lora["r"], spec.train.lora["lora_alpha"], spec.train.grpo["learning_rate"]) == (8, 16, 2e-3)
 
 

@@ -10,9 +10,10 @@ from pathlib import Path
 import mlflow
 import pytest
 
-from infra.launch import LocalLauncher
+from infra.launch.local import LocalLauncher
 from trainer.checkpoints import S3Store
 from trainer.spec import JobSpec
+from tasks.job import model_load, train_settings
 
 pytestmark = pytest.mark.integration
 MAX_STEPS, INTERVAL, KILLS = 45, 5, 3
@@ -64,7 +65,7 @@ def test_three_sigkills_lose_little_and_log_each_step_once(tmp_path, s3_endpoint
     cfg = tiny_config(f"train.grpo.max_steps={MAX_STEPS}", f"train.checkpoint_every={INTERVAL}",
                       "train.max_restarts=5", f"train.s3_endpoint_url={s3_endpoint}",
                       f"train.rewards=[correct_answer, {__name__}:slow_reward]")
-    spec = JobSpec(model_path=str(tiny_model), model=cfg.model, train=cfg.train,
+    spec = JobSpec(model_path=str(tiny_model), model=model_load(cfg.model), train=train_settings(cfg.train),
                    train_file=str(tiny_splits["train"]), work_dir=str(tmp_path / "work"),
                    checkpoint_uri="s3://ckpt/preempt", adapter_dir=str(tmp_path / "adapter"),
                    mlflow_tracking_uri=uri, mlflow_run_id=run_id)

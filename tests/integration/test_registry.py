@@ -95,11 +95,8 @@ def test_report_chart_is_served_at_the_url_given_to_the_prefect_ui(mlflow_server
 
     from tasks.report import artifact_url, plot_comparison
 
-    summary = {
-        "holdout": {"trained": {"correct_answer": 0.6}, "base": {"correct_answer": 0.2}},
-        "decision": {"stats": {"total": {"mean_diff": 0.4, "ci_low": 0.3, "ci_high": 0.5}}},
-    }
-    png = plot_comparison(summary, tmp_path / "comparison.png")
+    stats = {"total": {"mean_diff": 0.4, "ci_low": 0.3, "ci_high": 0.5}}
+    png = plot_comparison({"correct_answer": 0.2}, {"correct_answer": 0.6}, stats, tmp_path / "comparison.png")
     client = mlflow.MlflowClient(mlflow_server_uri)
     exp = client.get_experiment_by_name("report-tests") or client.get_experiment(client.create_experiment("report-tests"))
     run_id = client.create_run(exp.experiment_id).info.run_id

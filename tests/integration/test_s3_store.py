@@ -5,6 +5,7 @@ import pytest
 
 from trainer.checkpoints import MANIFEST, S3Store, prune
 from trainer.spec import JobSpec
+from tasks.job import model_load, train_settings
 
 pytestmark = pytest.mark.integration
 
@@ -48,7 +49,7 @@ def test_trainer_resumes_from_s3_skipping_an_incomplete_checkpoint(tmp_path, s3_
 
     cfg = tiny_config("train.grpo.max_steps=4", "train.checkpoint_every=2",
                       f"train.s3_endpoint_url={s3_endpoint}")
-    spec = JobSpec(model_path=str(tiny_model), model=cfg.model, train=cfg.train,
+    spec = JobSpec(model_path=str(tiny_model), model=model_load(cfg.model), train=train_settings(cfg.train),
                    train_file=str(tiny_splits["train"]), work_dir=str(tmp_path / "work"),
                    checkpoint_uri="s3://ckpt/trainer", adapter_dir=str(tmp_path / "adapter"))
     first = run(spec)

@@ -11,6 +11,7 @@ import pytest
 
 from trainer.checkpoints import FINAL, MANIFEST, LocalStore
 from trainer.spec import JobSpec, TrainResult
+from tasks.job import model_load, train_settings
 
 pytestmark = pytest.mark.integration
 
@@ -18,8 +19,8 @@ pytestmark = pytest.mark.integration
 def _spec(tmp_path, tiny_model, tiny_splits, cfg, **extra) -> JobSpec:
     return JobSpec(
         model_path=str(tiny_model),
-        model=cfg.model,
-        train=cfg.train,
+        model=model_load(cfg.model),
+        train=train_settings(cfg.train),
         train_file=str(tiny_splits["train"]),
         val_file=str(tiny_splits["val"]),
         work_dir=str(tmp_path / "work"),
@@ -142,7 +143,7 @@ def test_qlora_nf4_base_trains_and_resumes(tmp_path, tiny_model, tiny_splits, ti
 
     cfg = tiny_config("model.quantization=nf4", "model.double_quant=true",
                       "train.grpo.max_steps=2", "train.checkpoint_every=1")
-    model, _ = load_model(str(tiny_model), cfg.model)
+    model, _ = load_model(str(tiny_model), model_load(cfg.model))
     assert any(isinstance(m, bnb.nn.Linear4bit) for m in model.modules())
     first = run(_spec(tmp_path, tiny_model, tiny_splits, cfg))
     assert first.global_step == 2

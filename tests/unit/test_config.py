@@ -58,15 +58,15 @@ def test_missing_file_and_malformed_set(tmp_path):
 
 
 def test_each_run_checkpoints_under_its_own_name(tmp_path):
-    from tasks.train import build_job_spec
+    from tasks.job import build_job_spec
 
     cfg = load_config(None, ["train.checkpoint_uri=s3://bucket/grpo/"])
     splits = {"train": tmp_path / "train.jsonl", "val": tmp_path / "val.jsonl"}
-    one = build_job_spec(cfg, "m", splits, tmp_path / "runs" / "20261130-0300-aaaa", None)
-    two = build_job_spec(cfg, "m", splits, tmp_path / "runs" / "20261201-0300-bbbb", None)
+    one = build_job_spec(cfg.train, cfg.model, "m", splits, tmp_path / "runs" / "20261130-0300-aaaa")
+    two = build_job_spec(cfg.train, cfg.model, "m", splits, tmp_path / "runs" / "20261201-0300-bbbb")
     assert one.checkpoint_uri == "s3://bucket/grpo/20261130-0300-aaaa"
     assert one.checkpoint_uri != two.checkpoint_uri
-    local = build_job_spec(load_config(None), "m", splits, tmp_path / "r", None)
+    local = build_job_spec(load_config(None).train, load_config(None).model, "m", splits, tmp_path / "r")
     assert local.checkpoint_uri == str((tmp_path / "r" / "checkpoints").resolve())
 
 

@@ -9,6 +9,7 @@ import yaml
 from configs.schema import ModelConfig, SkyConfig, TrainConfig
 from infra.launch.skypilot import PROJECT_ROOT, build_task, node_spec, write_job_dir
 from trainer.spec import JobSpec
+from tasks.job import model_load, train_settings
 
 
 @pytest.mark.parametrize("path", sorted((PROJECT_ROOT / "sky").glob("*.yaml")), ids=lambda p: p.name)
@@ -23,7 +24,7 @@ def test_every_sky_yaml_parses_and_runs_the_trainer(path):
 def _spec(tmp_path, model_path):
     data = tmp_path / "train.jsonl"
     data.write_text('{"prompt": "1+1", "answer": "2"}\n')
-    return JobSpec(model_path=str(model_path), model=ModelConfig(), train=TrainConfig(), train_file=str(data),
+    return JobSpec(model_path=str(model_path), model=model_load(ModelConfig()), train=train_settings(TrainConfig()), train_file=str(data),
                    work_dir=str(tmp_path / "w"), checkpoint_uri="s3://bucket/run", adapter_dir=str(tmp_path / "a"),
                    mlflow_tracking_uri="http://mlflow:5000", mlflow_run_id="abc")
 
@@ -72,8 +73,9 @@ def test_preflight_names_what_a_managed_job_needs(overrides, message):
     from configs.schema import load_config
     from infra.launch.skypilot import SkyPreflightError, preflight
 
+    cfg = load_config(None, overrides)
     with pytest.raises(SkyPreflightError) as err:
-        preflight(load_config(None, overrides))
+        preflight(cfg.train, cfg.mlflow_uri)
     assert message in str(err.value)
 
 

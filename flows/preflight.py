@@ -1,0 +1,24 @@
+"""The checks a run makes before any work is done, each failure a `ConfigError` (exit 2 from the CLI) that
+names the field and the fix: what the configuration alone cannot know (files on this worker, importable
+rewards, a reachable store or cloud, the budget against the planner's estimate)."""
+
+from __future__ import annotations
+
+from configs.schema import PipelineConfig
+from infra import launch
+from tasks.data_io import check_local_sources
+from tasks.job import check_rewards, check_store
+from tasks.model import check_model_paths
+from tasks.plan import check_budget, plan_stage
+
+
+def preflight(cfg: PipelineConfig) -> None:
+    check_local_sources(cfg.data)
+    check_model_paths(cfg.model)
+    check_rewards(cfg.train.rewards)
+    if cfg.plan.budget_usd is not None:  # the plan stage checks it again for the chosen base
+        check_budget(plan_stage(cfg), cfg.plan.budget_usd)
+    if cfg.train.launcher == "sky":
+        launch.preflight(cfg.train, cfg.mlflow_uri)  # includes the store a spot node must reach
+    else:
+        check_store(cfg.train)

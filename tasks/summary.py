@@ -1,0 +1,101 @@
+"""What a pipeline run returns: one typed `RunSummary`, the flow's result, what `grpo-pipeline run --json`
+prints, what the report renders and what CI reads (its JSON schema: `RunSummary.model_json_schema()`)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+from tasks.decide import Decision
+from tasks.evaluate import EvalResult
+from trainer.spec import TrainResult
+
+
+class MlflowRef(BaseModel):
+    tracking_uri: str
+    run_id: str  # the pipeline's parent run; each stage is a nested run under it
+    experiment_id: str
+
+
+class BaseChoice(BaseModel):
+    base: str  # as configured, or the selected candidate
+    path: str  # what from_pretrained loaded
+    quantization: str
+
+
+class Holdout(BaseModel):
+    """Every model scored on the same holdout prompts, greedy: summed reward and each reward's mean."""
+
+    n: int
+    base_reward: float
+    trained_reward: float
+    gain: float
+    base: dict[str, float]
+    trained: dict[str, float]
+    champion_reward: float | None = None
+    champion: dict[str, float] | None = None
+
+    @classmethod
+    def of(cls, base: EvalResult, trained: EvalResult, champion: EvalResult | None) -> Holdout:
+        return cls(
+            n=base.n, base_reward=base.reward, trained_reward=trained.reward, gain=trained.reward - base.reward,
+            base=base.per_reward | base.metrics, trained=trained.per_reward | trained.metrics,
+            champion_reward=champion.reward if champion else None,
+            champion=champion.per_reward | champion.metrics if champion else None,
+        )
+
+    @property
+    def baseline(self) -> dict[str, float]:
+        """What the candidate was decided against: the champion, or the base model when there is none."""
+        return self.champion or self.base
+
+
+class Search(BaseModel):
+    """The hyperparameter search's outcome, when `hpo.enabled`."""
+
+    study: str
+    best_trial: int
+    best_value: float
+    overrides: dict[str, Any]  # config path -> value, applied to training
+
+
+class Cost(BaseModel):
+    cost_usd_estimated: float
+    cost_usd_actual: float
+
+
+class Merged(BaseModel):
+    merged_dir: str
+    max_logit_difference: float
+    dtype: str
+    source: str  # runs:/<merge run>/merged
+
+
+class AliasChange(BaseModel):
+    alias: str
+    version: str | None  # None: the alias was removed
+
+
+class RegistryOutcome(BaseModel):
+    model: str
+    candidate_version: str
+    decided_against: str | None  # the champion's version, or None: the base model was the baseline
+    moves: list[AliasChange]
+    aliases: dict[str, str | None]
+
+
+class RunSummary(BaseModel):
+    status: Literal["completed"] = "completed"
+    mlflow: MlflowRef
+    run_dir: str
+    data: dict[str, Any]  # the dataset's fingerprint and the data stage's report
+    model: BaseChoice
+    holdout: Holdout
+    train: TrainResult
+    plan: dict[str, Any]  # the planner's flat figures (GPU, memory, hours, USD)
+    hpo: Search | None
+    cost: Cost
+    merge: Merged | None
+    decision: Decision
+    registry: RegistryOutcome

@@ -1,0 +1,75 @@
+"""The house's rule: layers from the ground up, and no import runs from a lower layer to a higher one.
+
+    configs -> trainer -> tasks -> infra -> flows -> grpo_pipeline (the CLI)
+
+`configs` and `trainer` import nothing else of the project: the config is pure pydantic, and the trainer is
+what a GPU node runs alone. Every import is read with `ast`, those inside functions included.
+"""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+LAYERS = ["configs", "trainer", "tasks", "infra", "flows", "grpo_pipeline"]
+LEAVES = {"configs", "trainer"}  # may import nothing of the project but themselves
+
+
+def imports(path: Path) -> list[tuple[int, str]]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name.split(".")[0]) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.lineno, node.module.split(".")[0]))
+    return found
+
+
+def upward_imports() -> list[str]:
+    bad = []
+    for layer in LAYERS:
+        for path in sorted((ROOT / layer).rglob("*.py")):
+            for line, target in imports(path):
+                if target not in LAYERS or target == layer:
+                    continue
+                if layer in LEAVES or LAYERS.index(target) > LAYERS.index(layer):
+                    bad.append(f"{path.relative_to(ROOT)}:{line} imports {target}")
+    return bad
+
+
+def test_no_import_runs_up_a_layer():
+    assert upward_imports() == []
+
+
+def test_the_check_sees_an_upward_import(tmp_path, monkeypatch):
+    """The walk above is not vacuous: a config module that imports a task is caught."""
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "bad.py").write_text("def f():\n    from tasks.plan import Plan\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert upward_imports() == ["configs/bad.py:2 imports tasks"]
+
+
+HEAVY = ("torch", "transformers", "trl", "peft")
+PROBE = """
+import json, sys
+from grpo_pipeline.cli import app
+try:
+    app(sys.argv[1:], standalone_mode=False)
+finally:
+    print(json.dumps(sorted({m.split('.')[0] for m in sys.modules} & set(%r))), file=sys.stderr)
+""" % (HEAVY,)
+
+
+@pytest.mark.parametrize("args", [
+    ["config"],
+    ["config", "--set", "train.grpo.learning_rate=3e-4", "--set", "train.lora.r=8"],
+    ["plan", "--config", "configs/demo-cpu.yaml"],
+    ["plan", "--model", "qwen2.5-7b", "--quant", "nf4"],
+], ids=lambda a: " ".join(a))
+def test_config_and_plan_load_no_torch(args):
+    proc = subprocess.run([sys.executable, "-c", PROBE, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == "[]"
