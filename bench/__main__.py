@@ -23,9 +23,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.harness import ROOT
 from bench.table import Row, from_compare, load_result, update_page
 
-ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "benchmarks.md"  # the page whose bench:start/bench:end block holds the table
 
 

@@ -15,16 +15,17 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.harness import RESULTS, compare, training_bench_args
+from bench.harness import RESULTS, ROOT, compare, training_bench_args
 from bench.table import Row, from_compare
 from configs.schema import load_config
 from infra.services import seaweedfs_s3
-from tasks.demo_task import generate, write_splits
-from tasks.model import create_random_model, ensure_demo_model
+from tasks.demo_task import generate
+from tasks.splits import write_splits
+from tasks.model import ensure_demo_model
+from tests.tiny_model import create_random_model
 from tasks.job import build_job_spec
 from trainer.checkpoints import FINAL, S3Store, checkpoint_name
 
-ROOT = Path(__file__).resolve().parents[1]
 TRAINER = [sys.executable, "-m", "trainer", "--spec"]
 
 

@@ -29,9 +29,8 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from bench.harness import RESULTS
+from bench.harness import RESULTS, ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 GSM8K = ROOT.parent / "shared" / "data" / "gsm8k"
 NAME = "data_throughput"
 
@@ -83,7 +82,7 @@ def baseline_chain(source: Path, eval_source: Path, out: Path, cfg, tokenizer_pa
     from datasketch import MinHash, MinHashLSH
     from transformers import AutoTokenizer
 
-    from tasks.demo_task import split_of
+    from tasks.splits import split_of
     from trainer.rewards import correct_answer
 
     tok = AutoTokenizer.from_pretrained(tokenizer_path)
@@ -217,7 +216,7 @@ def tokenizer_dir(work: Path) -> str:
     demo = ROOT / ".grpo" / "models" / "smollm2-135m-instruct"
     if (demo / "tokenizer.json").is_file():
         return str(demo)
-    from tasks.model import create_random_model
+    from tests.tiny_model import create_random_model
 
     return str(create_random_model(work / "tiny"))
 

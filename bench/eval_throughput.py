@@ -14,16 +14,16 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from bench.harness import RESULTS
+from bench.harness import RESULTS, ROOT
 from bench.table import Row, from_compare
 from configs.schema import DemoTaskConfig, ModelConfig, load_config
 from tasks.demo_task import generate as demo_rows
 from tasks.evaluate import generate
-from tasks.model import create_random_model, ensure_demo_model
+from tasks.model import ensure_demo_model
+from tests.tiny_model import create_random_model
 from trainer.loading import load_model
 from tasks.job import model_load
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def main() -> None:

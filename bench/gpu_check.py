@@ -29,10 +29,9 @@ import zlib
 from datetime import UTC, datetime
 from pathlib import Path
 
-from bench.harness import peak_rss_mb, reset_peak_rss
+from bench.harness import ROOT, peak_rss_mb, reset_peak_rss
 from bench.table import Row
 
-ROOT = Path(__file__).resolve().parents[1]
 MODELS = ("qwen2.5-7b", "qwen2.5-1.5b", "qwen2.5-0.5b")  # largest first: the figure that matters most
 QUANTS = ("none", "nf4")
 # --dry-run: Qwen2 (biases on q, k, v; untied head as in 7B) shrunk to run in seconds on a CPU.
@@ -176,11 +175,12 @@ def run_case(name: str, quant: str, model_dir: Path, model_cfg: dict, opts, gpu)
         "load_s": load_s,
     }
     measured["tokens_per_s"] = opts.batch * (measured["prompt_len"] + measured["completion_len"]) / measured["step_s"]
-    estimate = estimate_memory(
-        model_cfg, quantization=quant, dtype="bfloat16", lora_rank=opts.lora_rank, lora_targets="all-linear",
-        optimizer="adamw_torch", gradient_checkpointing=False, per_device_batch=opts.batch,
-        prompt_tokens=opts.prompt_tokens, completion_tokens=opts.completion_tokens, generation_batch=opts.batch,
-    )
+    # the run above as the planner describes it (TRL's defaults where the GRPOConfig above leaves them)
+    work = Workload(model=name, quantization=quant, dtype="bfloat16", lora_rank=opts.lora_rank,
+                    lora_targets="all-linear", prompt_tokens=opts.prompt_tokens,
+                    completion_tokens=opts.completion_tokens, num_generations=generations, effective_batch=opts.batch)
+    estimate = estimate_memory(model_cfg, work, per_device_batch=opts.batch, gradient_checkpointing=False,
+                               generation_batch=opts.batch)
     out = {"model": name, "quantization": quant, "measured": measured,
            "estimate": {"bytes": estimate.total, "training_peak": estimate.training_peak,
                         "generation_peak": estimate.generation_peak, "gib": estimate.gib(),
@@ -188,9 +188,6 @@ def run_case(name: str, quant: str, model_dir: Path, model_cfg: dict, opts, gpu)
     if measured["peak_bytes"]:
         out["memory_ratio"] = measured["peak_bytes"] / estimate.total  # measured / estimated
     if gpu is not None:
-        work = Workload(model=name, quantization=quant, lora_rank=opts.lora_rank, prompt_tokens=opts.prompt_tokens,
-                        completion_tokens=opts.completion_tokens, num_generations=generations,
-                        effective_batch=opts.batch)
         settings = Settings(gpu=gpu.name, count=1, strategy="single", per_device_train_batch_size=opts.batch,
                             gradient_accumulation_steps=1, steps_per_generation=1, gradient_checkpointing=False,
                             bf16=True)

@@ -21,7 +21,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 # BENCH_RESULTS redirects saved results (tests write there, not into the tracked folder).
-RESULTS = Path(os.environ.get("BENCH_RESULTS") or Path(__file__).parent / "results")
+ROOT = Path(__file__).resolve().parents[1]  # the checkout: benchmarks run from one, with its configs/
+RESULTS = Path(os.environ.get("BENCH_RESULTS") or ROOT / "bench" / "results")
 
 
 def metric_of(stdout: str, metric: str) -> float:

@@ -34,8 +34,9 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "bench" / "results"
+from bench.harness import RESULTS, ROOT
+
+
 
 # Config path -> (library class, field): the hyperparameters the search may set, and their library defaults.
 LIBRARY_DEFAULTS = {
@@ -109,10 +110,12 @@ def main() -> None:
 
     from flows.runs import setup_tracking
     from infra.launch import make_launcher
-    from tasks.demo_task import generate, write_splits
+    from tasks.demo_task import generate
+    from tasks.splits import write_splits
     from tasks.evaluate import evaluate_model
     from tasks.hpo import Tracking, apply_best, run_trial, search
-    from tasks.model import create_random_model, ensure_demo_model
+    from tasks.model import ensure_demo_model
+    from tests.tiny_model import create_random_model
 
     work = (args.work or Path(tempfile.mkdtemp(prefix="bench-hpo-"))).resolve()
     work.mkdir(parents=True, exist_ok=True)

@@ -39,10 +39,9 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from bench.harness import peak_rss_mb, reset_peak_rss, save, spread
+from bench.harness import ROOT, peak_rss_mb, reset_peak_rss, save, spread
 from bench.table import Row
 
-ROOT = Path(__file__).resolve().parents[1]
 ARMS = ("full", "lora", "qlora")
 LABEL = {"full": "full", "lora": "LoRA", "qlora": "QLoRA (NF4)"}
 
@@ -317,8 +316,10 @@ def main(argv: list[str] | None = None) -> dict | None:
         return None
 
     from configs.schema import load_config
-    from tasks.demo_task import generate, write_splits
-    from tasks.model import create_random_model, ensure_demo_model
+    from tasks.demo_task import generate
+    from tasks.splits import write_splits
+    from tasks.model import ensure_demo_model
+    from tests.tiny_model import create_random_model
 
     arms = [a for a in opts.arms.split(",") if a]
     if "full" not in arms or not set(arms) <= set(ARMS):

@@ -22,10 +22,9 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from bench.harness import save, spread
+from bench.harness import ROOT, save, spread
 from bench.table import Row
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def matmul_peak(dtype, repeats: int, sizes=(1024, 2048, 3072)) -> dict:
@@ -175,8 +174,10 @@ def main(argv: list[str] | None = None) -> dict:
     from trl import GRPOConfig
 
     from configs.schema import load_config
-    from tasks.demo_task import generate, write_splits
-    from tasks.model import create_random_model, ensure_demo_model
+    from tasks.demo_task import generate
+    from tasks.splits import write_splits
+    from tasks.model import ensure_demo_model
+    from tests.tiny_model import create_random_model
     from tasks.plan import architecture, load_model_config
     from trainer.loading import load_model
     from tasks.job import model_load

@@ -29,17 +29,17 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from bench.harness import save, spread
+from bench.harness import ROOT, save, spread
 from bench.table import Row
 
-ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "demo-cpu.yaml"
 
 
 def plain(cfg) -> dict:
     """The flow's stages as plain function calls: same inputs, same order, no orchestration."""
     from tasks.decide import decide_promotion
-    from tasks.demo_task import generate, write_splits
+    from tasks.demo_task import generate
+    from tasks.splits import write_splits
     from tasks.evaluate import evaluate_model
     from tasks.model import resolve_base_model
     from tasks.plan import apply_plan, check_budget, plan_stage
@@ -120,7 +120,8 @@ def main(argv: list[str] | None = None) -> dict | None:
         print(json.dumps({"holdout": {k: summary["holdout"][k] for k in ("base_reward", "trained_reward")}}))
         return None
 
-    from tasks.model import create_random_model, ensure_demo_model
+    from tasks.model import ensure_demo_model
+    from tests.tiny_model import create_random_model
 
     work = Path(tempfile.mkdtemp(prefix="bench-orchestration-"))
     demo = load_config(CONFIG)

@@ -13,14 +13,15 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.harness import compare, training_bench_args
+from bench.harness import ROOT, compare, training_bench_args
 from bench.table import Row, from_compare
 from configs.schema import load_config
-from tasks.demo_task import generate, write_splits
-from tasks.model import create_random_model, ensure_demo_model
+from tasks.demo_task import generate
+from tasks.splits import write_splits
+from tasks.model import ensure_demo_model
+from tests.tiny_model import create_random_model
 from tasks.job import build_job_spec
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def main() -> None:

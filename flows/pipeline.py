@@ -237,7 +237,8 @@ def champion_stage(cfg: PipelineConfig, registry: Registry, version: str, holdou
 def merge_stage(cfg: PipelineConfig, model_path: str, result: TrainResult, holdout: Path, run_dir: Path,
                 run_id: str) -> Merged:
     prompts = [str(r["prompt"]) for r in read_jsonl(holdout)]
-    merged = _resumable(merge_task)(model_path, result.adapter_dir, run_dir / "merged", prompts, cfg.merge)
+    merged = _resumable(merge_task)(model_path, result.adapter_dir, run_dir / "merged", prompts, cfg.merge,
+                                    trust_remote_code=cfg.model.trust_remote_code)
     mlflow.log_metric("max_logit_difference", merged["max_logit_difference"])
     mlflow.log_artifacts(merged["merged_dir"], "merged")
     return Merged(**merged, source=f"runs:/{run_id}/merged")

@@ -4,7 +4,7 @@
 One implementation serves two callers. `start_*` launch a service as a background process in its own
 session (so it outlives the command that started it: `grpo-pipeline stack up`) and return a `Service`
 record that a later process can check (`healthy`) and stop (`stop`). The context managers below
-(`seaweedfs_s3`, `postgres`, `mlflow_server`, `prefect_server`) wrap the same functions for tests and
+(`seaweedfs_s3`, `postgres`, `mlflow_server`) wrap the same functions for tests and
 benchmarks: started on entry, stopped on exit.
 """
 
@@ -350,16 +350,6 @@ def mlflow_server(workdir: Path, backend_uri: str, artifacts_destination: str, e
                   ready_timeout_s: float = 120):
     """An MLflow server; yields its URL once /health answers."""
     service = start_mlflow(workdir, backend_uri, artifacts_destination, env, ready_timeout_s=ready_timeout_s)
-    try:
-        yield service.url
-    finally:
-        stop(service)
-
-
-@contextmanager
-def prefect_server(workdir: Path, database_url: str, ready_timeout_s: float = 120):
-    """A Prefect server; yields its API URL (PREFECT_API_URL) once /api/health answers."""
-    service = start_prefect(workdir, database_url, ready_timeout_s=ready_timeout_s)
     try:
         yield service.url
     finally:

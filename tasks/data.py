@@ -9,7 +9,7 @@ indexes (a hash per kept row, a MinHash signature per kept row when near-dedup i
 hashes of the holdout and evaluation prompts). Train rows wait in an Arrow IPC file until every holdout
 row is known, then are checked for contamination in a second pass.
 
-The split of a row is `tasks.demo_task.split_of(key)`: a hash of its key alone, so a dataset that grows
+The split of a row is `tasks.splits.split_of(key)`: a hash of its key alone, so a dataset that grows
 never moves an old row, and an old holdout row never reaches training. The output directory is named
 by a hash of the input content and the configuration, so a rerun on the same data finds its result and
 does nothing; `data_task` (Prefect) is cached on the same key.
@@ -41,9 +41,9 @@ from pydantic import BaseModel
 from configs.schema import DEMO_MODEL, ConfigError, DataConfig, PipelineConfig
 from tasks.data_io import DataSourceError, RawBatch, Reject, check_readable, file_digest, iter_source, source_fingerprint
 from tasks.data_text import NearDuplicateIndex, PromptTokens, ngram_hashes, normalize, overlap_fraction, sorted_unique, words
-from tasks.demo_task import fingerprint as splits_fingerprint
 from tasks.demo_task import generate as demo_rows
-from tasks.demo_task import split_of
+from tasks.splits import fingerprint as splits_fingerprint
+from tasks.splits import split_of
 
 SPLITS = ("train", "val", "holdout")
 REASONS = {
@@ -101,10 +101,6 @@ class DatasetVersion(BaseModel):
     quarantine: Path
     report_path: Path
     key: str
-
-    @property
-    def counts(self) -> dict[str, int]:
-        return self.report.splits
 
 
 # ---------------------------------------------------------------- rows: canonical form and validation

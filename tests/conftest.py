@@ -4,7 +4,8 @@ from pathlib import Path
 import pytest
 
 from configs.schema import DemoTaskConfig, load_config
-from tasks.demo_task import generate, write_splits
+from tasks.demo_task import generate
+from tasks.splits import write_splits
 
 # Tests never reach a hub; fail fast instead of waiting on the network.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -23,7 +24,7 @@ TINY_TRAIN = [
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
-    from tasks.model import create_random_model
+    from tests.tiny_model import create_random_model
 
     return create_random_model(tmp_path_factory.mktemp("tiny-llama"))
 

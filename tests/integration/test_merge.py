@@ -1,10 +1,10 @@
-"""Merge equivalence and LoRA stacking on the tiny model."""
+"""Merge equivalence on the tiny model."""
 
 import pytest
 import torch
 
 from configs.schema import MergeConfig
-from tasks.merge import MergeRefused, max_logit_difference, merge_adapter, stack_adapters
+from tasks.merge import MergeRefused, max_logit_difference, merge_adapter
 
 pytestmark = pytest.mark.integration
 PROMPTS = ["What is 3 + 4?", "What is 12 + 9? Reply with just the number."]
@@ -42,17 +42,3 @@ def test_merge_is_refused_beyond_tolerance(tmp_path, tiny_model):
         merge_adapter(str(tiny_model), adapter, tmp_path / "merged", PROMPTS,
                       MergeConfig(dtype="bfloat16", tolerance=1e-9))
     assert not (tmp_path / "merged").exists()
-
-
-def test_stacked_pair_loads_and_generates(tmp_path, tiny_model):
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    first = _random_adapter(tiny_model, tmp_path / "a", seed=3)
-    second = _random_adapter(tiny_model, tmp_path / "b", seed=4)
-    out = stack_adapters(str(tiny_model), [(first, 0.7), (second, 0.3)], tmp_path / "stacked")
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), out)
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    ids = tokenizer(PROMPTS[0], return_tensors="pt")
-    generated = model.generate(**ids, max_new_tokens=4, do_sample=False)
-    assert generated.shape[1] > ids["input_ids"].shape[1]

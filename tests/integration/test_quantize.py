@@ -50,7 +50,7 @@ def test_nothing_to_measure_without_quantization(tiny_model, tiny_splits, tiny_c
 
 
 def test_selection_scores_candidates_that_fit_and_picks_the_best(tiny_model, tiny_splits, tiny_config, tmp_path):
-    from tasks.model import create_random_model
+    from tests.tiny_model import create_random_model
 
     bigger = create_random_model(tmp_path / "bigger", hidden_size=128, seed=1)
     cfg = tiny_config(f"model.candidates=[{tiny_model}, {bigger}]", *FAST_EVAL)

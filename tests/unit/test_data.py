@@ -15,7 +15,7 @@ import pytest
 
 from configs.schema import ConfigError, DataConfig, load_config
 from tasks.data import DataQualityError, build_dataset, log_lineage
-from tasks.demo_task import split_of
+from tasks.splits import split_of
 
 GSM8K = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k"
 VOCAB = [f"{a}{b}" for a in ("ka", "lo", "mi", "nu", "pe", "ri", "so", "tu", "va", "ze") for b in

@@ -1,5 +1,6 @@
 from configs.schema import DemoTaskConfig
-from tasks.demo_task import generate, split_of
+from tasks.demo_task import generate
+from tasks.splits import split_of
 from tasks.evaluate import score
 
 
