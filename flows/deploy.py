@@ -24,10 +24,14 @@ from typing import Annotated, Any, Optional
 import typer
 import yaml
 
+from configs.files import packaged
 from configs.schema import ConfigError, DeployConfig, load_config
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
-PREFECT_YAML = PROJECT_ROOT / "prefect.yaml"
+PREFECT_YAML = packaged("prefect.yaml", "flows")
+# The folder holding the project's packages (the checkout; site-packages when installed without -e):
+# prefect.yaml's entrypoint (flows/pipeline.py) and config paths (configs/...) resolve there, so
+# `prefect deploy` runs there and a process worker runs the flow there.
+PROJECT_ROOT = packaged("", "flows").parent
 FLOW_NAME = "grpo-pipeline"
 DAILY, MANUAL, CI = "daily-retrain", "manual", "ci"
 IMAGE_WORKDIR = "/opt/grpo"  # where infra/docker/Dockerfile puts the project

@@ -18,10 +18,11 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from configs.files import packaged, recipe
 from configs.schema import ConfigError, load_config
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_REJECTED, EXIT_CHAMPION_MOVED = 0, 1, 2, 3, 4
-DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo-cpu.yaml"
+DEFAULT_CONFIG = packaged("demo-cpu.yaml")  # the CPU demo, from the installed package
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="GRPO fine-tuning pipeline.")
 err = Console(stderr=True, soft_wrap=True)
@@ -35,12 +36,8 @@ SetOpt = Annotated[
 
 
 def _config_path(config: Path | None) -> Path:
-    if config is not None:
-        return config
-    if not DEFAULT_CONFIG.is_file():
-        err.print(f"[red]no --config given and the demo config {DEFAULT_CONFIG} is missing; pass --config PATH")
-        raise typer.Exit(EXIT_CONFIG)
-    return DEFAULT_CONFIG
+    # a shipped recipe's path (configs/demo-cpu.yaml) is found in the installed package when it is not here
+    return DEFAULT_CONFIG if config is None else recipe(config)
 
 
 def _load(config: Path | None, overrides: list[str] | None):
@@ -213,35 +210,43 @@ def _fail(as_json: bool, message: str, code: int) -> None:
     raise typer.Exit(code)
 
 
+from tasks import plan as planner  # noqa: E402 - pure Python (no torch, transformers or Prefect): its fields are the options
+
+WORK = planner.Workload.model_fields  # each workload option below is a Workload field: its default, its help
+
+
+def _work(field: str, *flags: str):
+    return typer.Option(*flags, help=WORK[field].description)
+
+
 @app.command("plan")
 def plan_cmd(
     model: Annotated[Optional[str], typer.Option(help="known id (qwen2.5-7b, meta-llama/Llama-3.1-70B, ...), config.json or model dir; default: the --config's model.base")] = None,
-    quant: Annotated[str, typer.Option(help="none | nf4 | fp4 | int8")] = "none",
-    double_quant: Annotated[bool, typer.Option(help="nested 4-bit quantization")] = False,
-    lora_rank: Annotated[int, typer.Option(help="LoRA rank; 0 = full fine-tuning")] = 16,
-    targets: Annotated[str, typer.Option(help="LoRA targets: all-linear or q_proj,v_proj,...")] = "all-linear",
-    optimizer: Annotated[str, typer.Option(help="adamw_torch(_fused) | adamw_8bit | paged_adamw_8bit | paged_adamw_32bit")] = "adamw_torch_fused",
-    dtype: Annotated[str, typer.Option(help="bfloat16 | float16 | float32")] = "bfloat16",
-    batch: Annotated[int, typer.Option(help="effective batch: completions per optimizer step")] = 64,
-    num_generations: Annotated[int, typer.Option(help="completions per prompt")] = 8,
-    prompt_tokens: Annotated[int, typer.Option()] = 256,
-    completion_tokens: Annotated[int, typer.Option()] = 512,
-    steps: Annotated[int, typer.Option(help="optimizer steps")] = 500,
-    beta: Annotated[float, typer.Option(help="KL coefficient (full fine-tuning keeps a reference copy when > 0)")] = 0.0,
-    vllm: Annotated[bool, typer.Option(help="generate with colocated vLLM")] = False,
-    checkpointing: Annotated[str, typer.Option("--gradient-checkpointing", help="auto | on | off")] = "auto",
+    quantization: Annotated[str, _work("quantization", "--quant", "--quantization")] = WORK["quantization"].default,
+    double_quant: Annotated[bool, _work("double_quant")] = WORK["double_quant"].default,
+    lora_rank: Annotated[int, _work("lora_rank")] = WORK["lora_rank"].default,
+    lora_targets: Annotated[str, _work("lora_targets", "--targets", "--lora-targets")] = WORK["lora_targets"].default,
+    optimizer: Annotated[str, _work("optimizer")] = WORK["optimizer"].default,
+    dtype: Annotated[str, _work("dtype")] = WORK["dtype"].default,
+    effective_batch: Annotated[int, _work("effective_batch", "--batch", "--effective-batch")] = WORK["effective_batch"].default,
+    num_generations: Annotated[int, _work("num_generations")] = WORK["num_generations"].default,
+    prompt_tokens: Annotated[int, _work("prompt_tokens")] = WORK["prompt_tokens"].default,
+    completion_tokens: Annotated[int, _work("completion_tokens")] = WORK["completion_tokens"].default,
+    max_steps: Annotated[int, _work("max_steps", "--steps", "--max-steps")] = WORK["max_steps"].default,
+    beta: Annotated[float, _work("beta")] = WORK["beta"].default,
+    vllm: Annotated[bool, _work("vllm")] = WORK["vllm"].default,
+    gradient_checkpointing: Annotated[str, _work("gradient_checkpointing")] = WORK["gradient_checkpointing"].default,
     gpus: Annotated[Optional[str], typer.Option(help="allowed GPU types, comma-separated; default: the whole catalog")] = None,
     spot: Annotated[bool, typer.Option("--spot/--on-demand")] = True,
     budget: Annotated[Optional[float], typer.Option(help="refuse (exit 2) when the estimate is above this many USD")] = None,
     catalog: Annotated[Optional[Path], typer.Option(help="YAML merged over configs/gpus.yaml")] = None,
-    mfu: Annotated[float, typer.Option(help="assumed model FLOPs utilisation")] = 0.35,
+    mfu: Annotated[float, typer.Option(help="assumed model FLOPs utilisation")] = planner.Assumptions.model_fields["mfu"].default,
     as_json: Annotated[bool, typer.Option("--json", help="print the plan as JSON")] = False,
     config: ConfigOpt = None,
     overrides: SetOpt = None,
 ) -> None:
     """GPU memory, GPU choice, batch settings, time and cost of a GRPO run, offline and without torch."""
-    from tasks import plan as planner  # pure Python: no torch, transformers or Prefect on this path
-
+    work_options = {k: v for k, v in locals().items() if k in WORK and k != "model"}
     try:
         if model is None:
             _, cfg = _load(config, overrides)
@@ -249,13 +254,7 @@ def plan_cmd(
             budget = cfg.plan.budget_usd if budget is None else budget
         else:
             name, model_config = planner.load_model_config(model)
-            work = planner.Workload(
-                model=name, quantization=quant, double_quant=double_quant, dtype=dtype, lora_rank=lora_rank,
-                lora_targets=targets, optimizer=optimizer, prompt_tokens=prompt_tokens,
-                completion_tokens=completion_tokens, num_generations=num_generations, effective_batch=batch,
-                max_steps=steps, beta=beta, vllm=vllm,
-                gradient_checkpointing={"on": True, "off": False}.get(checkpointing, checkpointing),
-            )
+            work = planner.Workload(model=name, **work_options)
             result = planner.make_plan(model_config, work, planner.load_catalog(catalog), spot=spot,
                                        allowed=gpus.split(",") if gpus else None, assumptions=planner.Assumptions(mfu=mfu))
     except (ConfigError, ValueError) as exc:  # PlanError and pydantic's ValidationError included

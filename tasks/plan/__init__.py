@@ -1,0 +1,30 @@
+"""Planner: GPU memory, GPU choice, batch settings, time and cost of a GRPO run, from a model's config.json.
+
+Pure functions over plain data, importing neither torch, transformers nor Prefect, so `grpo-pipeline plan`
+answers in well under a second and a GPU check can call `estimate_memory` on any config.json. By job:
+`architecture` (the model catalogue), `workload` (what the run does), `memory` (the memory model),
+`catalogue` (GPUs and prices), `search` (GPU choice, batch split, time, cost, budget), `stage` (the
+pipeline's config in, a plan out), `render` (tables); `task` is the Prefect task, imported on its own.
+
+    >>> p = make_plan(load_model_config("qwen2.5-7b")[1], Workload(model="qwen2.5-7b", quantization="nf4"))
+    >>> p.settings.count, round(p.memory.total / GIB) < 24
+    (1, True)
+"""
+
+from tasks.plan.architecture import KNOWN_MODELS, architecture, load_model_config, model_config_for
+from tasks.plan.base import GIB, PlanError
+from tasks.plan.catalogue import load_catalog
+from tasks.plan.memory import MemoryEstimate, estimate_memory
+from tasks.plan.render import plan_tables
+from tasks.plan.search import (
+    Assumptions, BudgetExceeded, Plan, Settings, actual_cost, check_budget, make_plan, plan_local, step_seconds,
+)
+from tasks.plan.stage import apply_plan, plan_for_config, plan_stage, workload_for
+from tasks.plan.workload import Workload
+
+__all__ = [
+    "GIB", "KNOWN_MODELS", "Assumptions", "BudgetExceeded", "MemoryEstimate", "Plan", "PlanError", "Settings",
+    "Workload", "actual_cost", "apply_plan", "architecture", "check_budget", "estimate_memory", "load_catalog",
+    "load_model_config", "make_plan", "model_config_for", "plan_for_config", "plan_local", "plan_stage",
+    "plan_tables", "step_seconds", "workload_for",
+]

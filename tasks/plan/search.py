@@ -1,0 +1,390 @@
+"""The search: for a workload, the cheapest GPU type and count that fit, the batch split and checkpointing
+that fit them, time and cost; a run on this machine instead; the budget guard and the actual cost."""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Literal
+
+from pydantic import Field
+
+from configs.schema import ConfigError
+from tasks.plan.architecture import architecture
+from tasks.plan.base import GIB, Frozen, PlanError
+from tasks.plan.catalogue import GPU, Catalog, load_catalog
+from tasks.plan.memory import MemoryEstimate, estimate_memory, kv_bytes_per_token, weight_bytes_per_param
+from tasks.plan.workload import DTYPE_BYTES, Workload
+
+
+class BudgetExceeded(ConfigError):
+    """The run's estimated cost is above `plan.budget_usd`; refused before anything launches."""
+
+
+class Assumptions(Frozen):
+    """The numbers the time and cost estimate rests on; shown with every plan."""
+
+    mfu: float = Field(0.35, gt=0, le=1, description="model FLOPs utilisation of training and prefill")
+    decode_efficiency_vllm: float = Field(0.6, gt=0, le=1, description="share of memory bandwidth vLLM decodes at")
+    decode_efficiency_transformers: float = Field(
+        0.15, gt=0, le=1, description="share of memory bandwidth transformers generate() decodes at (per-token Python overhead)")
+    multi_gpu_efficiency: float = Field(0.9, gt=0, le=1, description="throughput kept per GPU when there are several")
+    headroom_fraction: float = Field(0.95, gt=0, le=1, description="usable share of GPU memory (allocator fragmentation)")
+    headroom_gib: float = Field(1.0, ge=0, description="CUDA context and library workspaces")
+    setup_minutes: float = Field(15, ge=0, description="provisioning, install, model download, first step")
+    preemption_overhead: float = Field(0.10, ge=0, description="extra spot GPU-time: lost steps since a checkpoint + restarts")
+    days_per_month: float = 30
+    max_gpus: int = Field(8, ge=1)
+    max_micro_batch_tokens: int = Field(
+        16384, ge=1, description="largest micro-batch tried: past ~16k tokens a GPU is saturated and more only adds memory")
+
+
+class Settings(Frozen):
+    gpu: str
+    count: int
+    strategy: Literal["single", "ddp", "fsdp", "local"]
+    per_device_train_batch_size: int
+    gradient_accumulation_steps: int
+    steps_per_generation: int
+    gradient_checkpointing: bool
+    bf16: bool
+    vllm_gpu_memory_utilization: float | None = None
+
+    def grpo_overrides(self) -> dict[str, Any]:
+        """The `train.grpo` fields this plan sets (TRL GRPOConfig names)."""
+        out = {
+            "per_device_train_batch_size": self.per_device_train_batch_size,
+            "gradient_accumulation_steps": self.gradient_accumulation_steps,
+            "steps_per_generation": self.steps_per_generation,
+            "gradient_checkpointing": self.gradient_checkpointing,
+            "bf16": self.bf16,
+        }
+        if self.vllm_gpu_memory_utilization is not None:
+            out["vllm_gpu_memory_utilization"] = self.vllm_gpu_memory_utilization
+        return out
+
+
+class Estimate(Frozen):
+    train_s_per_step: float | None
+    generation_s_per_step: float | None
+    hours: float | None
+    gpu_hours: float
+    on_demand_usd: float
+    spot_usd: float  # includes the expected preemption overhead
+    pricing: Literal["spot", "on-demand", "local"]
+    usd_per_gpu_hour: float  # catalog price under the chosen pricing
+    usd: float  # the estimate under the chosen pricing: what the budget guard compares
+    monthly_usd: float | None  # daily retraining, chosen pricing
+    monthly_on_demand_usd: float | None
+    monthly_spot_usd: float | None
+
+
+class Option(Frozen):
+    gpu: str
+    count: int | None
+    fits: bool
+    need_gib: float  # per GPU, at the chosen (or smallest) settings
+    capacity_gib: float
+    usd: float | None
+    hours: float | None
+    note: str = ""
+
+
+class Plan(Frozen):
+    model: str
+    params: int
+    workload: Workload
+    memory: MemoryEstimate
+    settings: Settings
+    estimate: Estimate
+    options: list[Option]
+    assumptions: Assumptions
+    catalog_as_of: str
+    catalog_source: str
+    notes: list[str] = []
+
+    def report(self) -> dict[str, Any]:
+        """Everything, JSON-ready, with the memory breakdown in GiB (what `grpo-pipeline plan --json` prints)."""
+        return {**self.model_dump(mode="json"), "memory_gib": {k: round(v, 3) for k, v in self.memory.gib().items()}}
+
+    def summary(self) -> dict[str, Any]:
+        """Flat numbers for MLflow params/metrics."""
+        return {
+            "plan_gpu": self.settings.gpu, "plan_gpu_count": self.settings.count,
+            "plan_memory_gib": round(self.memory.total / GIB, 2), "plan_hours": self.estimate.hours,
+            "cost_usd_estimated": round(self.estimate.usd, 2), "plan_pricing": self.estimate.pricing,
+            **{f"plan_{k}": v for k, v in self.settings.grpo_overrides().items()},
+        }
+
+
+def _divisors(n: int) -> list[int]:
+    """Descending divisors.
+
+    >>> _divisors(12)
+    [12, 6, 4, 3, 2, 1]
+    """
+    return sorted({d for i in range(1, math.isqrt(n) + 1) if n % i == 0 for d in (i, n // i)}, reverse=True)
+
+
+def capacity_bytes(gpu: GPU, assumptions: Assumptions) -> float:
+    return gpu.memory_gib * GIB * assumptions.headroom_fraction - assumptions.headroom_gib * GIB
+
+
+def fit(model_config, work: Workload, gpu: GPU, count: int, assumptions: Assumptions):
+    """The largest per-device batch (and its split) that fits `count` GPUs of this type, or None.
+
+    Micro-batches are capped at `max_micro_batch_tokens` (at least one sequence).
+
+    Returns (Settings, MemoryEstimate) or (None, the estimate at the smallest settings). Gradient
+    checkpointing 'auto' leaves it off when a micro-batch of at least one prompt's group (num_generations,
+    or the whole per-GPU share if smaller) fits without it: it costs ~1/3 more compute.
+    """
+    if work.effective_batch % work.num_generations:
+        raise PlanError(f"the effective batch ({work.effective_batch}) must be a multiple of num_generations "
+                        f"({work.num_generations}): GRPO normalises rewards within each prompt's group")
+    if work.effective_batch % count:
+        return None, None
+    per_gpu = work.effective_batch // count
+    cap = max(1, assumptions.max_micro_batch_tokens // (work.prompt_tokens + work.completion_tokens))
+    capacity = capacity_bytes(gpu, assumptions)
+    strategies = ["single"] if count == 1 else ["ddp", "fsdp"]
+    ckpts = [False, True] if work.gradient_checkpointing == "auto" else [work.gradient_checkpointing]
+    smallest = None
+    for strategy in strategies:
+        if strategy == "fsdp" and work.vllm:
+            continue  # colocated vLLM needs the whole model on each GPU
+        shards = count if strategy == "fsdp" else 1
+        for ckpt in ckpts:
+            floor = min(work.num_generations, per_gpu) if (work.gradient_checkpointing == "auto" and not ckpt) else 1
+            for pdb in _divisors(per_gpu):
+                if pdb > cap:
+                    continue
+                if pdb < floor:
+                    break
+                accum = per_gpu // pdb
+                for spg in _divisors(accum):
+                    if (pdb * count * spg) % work.num_generations:
+                        continue
+                    mem = estimate_memory(model_config, work, per_device_batch=pdb, gradient_checkpointing=ckpt,
+                                          generation_batch=pdb * spg, shards=shards)
+                    if smallest is None or mem.total < smallest.total:
+                        smallest = mem
+                    if mem.total <= capacity:
+                        util = None
+                        if work.vllm:
+                            util = math.ceil(mem.vllm / (gpu.memory_gib * GIB) * 20) / 20
+                        return Settings(
+                            gpu=gpu.name, count=count, strategy=strategy, per_device_train_batch_size=pdb,
+                            gradient_accumulation_steps=accum, steps_per_generation=spg,
+                            gradient_checkpointing=ckpt, bf16=work.dtype == "bfloat16",
+                            vllm_gpu_memory_utilization=util,
+                        ), mem
+    return None, smallest
+
+
+def step_seconds(model_config, work: Workload, settings: Settings, gpu: GPU, assumptions: Assumptions) -> tuple[float, float]:
+    """(training, generation) seconds per optimizer step.
+
+    Training: FLOPs per token = forward 2N + input gradients 2N + weight gradients 2N (full fine-tuning
+    only; LoRA's are negligible) + a recomputed forward 2N with checkpointing + the reference forward 2N
+    when beta > 0; N = matmul parameters; at `mfu` of the GPU's dense bf16 peak. So LoRA is ~4N per
+    token, ~6N with checkpointing; full fine-tuning 6N / 8N.
+    Generation: prefill is compute-bound (2N per prompt token); each decoding step reads the weights and
+    the KV cache once for the whole generation batch, at `decode_efficiency` of memory bandwidth, or is
+    compute-bound (2N per sequence) when the batch is large, whichever is slower.
+    """
+    arch = architecture(model_config)
+    n = arch.matmul_params
+    full = work.lora_rank == 0
+    per_token = n * (4 + (2 if full else 0) + (2 if settings.gradient_checkpointing else 0) + (2 if work.beta > 0 else 0))
+    seqs = work.effective_batch // settings.count  # per GPU per optimizer step
+    peak = gpu.bf16_tflops * 1e12 * assumptions.mfu
+    scale = 1 / assumptions.multi_gpu_efficiency if settings.count > 1 else 1
+    train = per_token * seqs * (work.prompt_tokens + work.completion_tokens) / peak * scale
+
+    a = DTYPE_BYTES[work.dtype]
+    weight_read = (arch.linear_params * weight_bytes_per_param(work.quantization, work.double_quant, work.dtype)
+                   + arch.other_params * a)
+    if settings.strategy == "fsdp":
+        weight_read /= settings.count
+    gen_batch = settings.per_device_train_batch_size * settings.steps_per_generation
+    rounds = settings.gradient_accumulation_steps // settings.steps_per_generation
+    eff = assumptions.decode_efficiency_vllm if work.vllm else assumptions.decode_efficiency_transformers
+    bandwidth = gpu.bandwidth_tbs * 1e12 * eff
+    kv_token = kv_bytes_per_token(arch, a)
+    decode = 0.0
+    for t in range(work.completion_tokens):
+        read = weight_read + gen_batch * (work.prompt_tokens + t) * kv_token
+        decode += max(read / bandwidth, 2 * n * gen_batch / peak)
+    prefill = 2 * n * gen_batch * work.prompt_tokens / peak
+    return train, rounds * (prefill + decode) * scale
+
+
+def _costs(hours: float, count: int, gpu: GPU, spot: bool, assumptions: Assumptions) -> Estimate:
+    gpu_hours = hours * count
+    on_demand = gpu_hours * gpu.on_demand_usd_h
+    spot_usd = gpu_hours * (1 + assumptions.preemption_overhead) * gpu.spot_usd_h
+    usd = spot_usd if spot else on_demand
+    days = assumptions.days_per_month
+    return Estimate(
+        train_s_per_step=None, generation_s_per_step=None, hours=hours, gpu_hours=gpu_hours,
+        on_demand_usd=on_demand, spot_usd=spot_usd, pricing="spot" if spot else "on-demand",
+        usd_per_gpu_hour=gpu.spot_usd_h if spot else gpu.on_demand_usd_h, usd=usd,
+        monthly_usd=usd * days, monthly_on_demand_usd=on_demand * days, monthly_spot_usd=spot_usd * days,
+    )
+
+
+def make_plan(
+    model_config: dict[str, Any],
+    work: Workload,
+    catalog: Catalog | None = None,
+    *,
+    allowed: list[str] | None = None,
+    spot: bool = True,
+    assumptions: Assumptions | None = None,
+    daily: bool = True,
+) -> Plan:
+    """The cheapest GPU type and count (of `allowed`, default: the whole catalog) that fit, with settings,
+    time and cost; every other option is listed with its cost or why it does not fit.
+
+    >>> from tasks.plan import load_model_config
+    >>> p = make_plan(load_model_config("qwen2.5-7b")[1], Workload(model="qwen2.5-7b", quantization="nf4"))
+    >>> p.settings.count, p.estimate.usd > 0, len(p.options) == len(load_catalog().gpus)
+    (1, True, True)
+    """
+    catalog = catalog or load_catalog()
+    assumptions = assumptions or Assumptions()
+    if work.max_steps is None:
+        raise PlanError("the planner needs a step count: set train.grpo.max_steps (or plan after the data stage)")
+    gpus = [catalog.get(name) for name in allowed] if allowed else list(catalog.gpus.values())
+    arch = architecture(model_config)
+    counts = [c for c in (1, 2, 4, 8, 16) if c <= assumptions.max_gpus]
+    best = None
+    options = []
+    for gpu in gpus:
+        option = None
+        smallest = None
+        for count in counts:
+            settings, mem = fit(model_config, work, gpu, count, assumptions)
+            if mem is not None and (smallest is None or mem.total < smallest.total):
+                smallest = mem
+            if settings is None:
+                continue
+            train, gen = step_seconds(model_config, work, settings, gpu, assumptions)
+            hours = work.max_steps * (train + gen) / 3600 + assumptions.setup_minutes / 60
+            est = _costs(hours, count, gpu, spot, assumptions).model_copy(
+                update={"train_s_per_step": train, "generation_s_per_step": gen})
+            if not daily:
+                est = est.model_copy(update={"monthly_usd": None, "monthly_on_demand_usd": None, "monthly_spot_usd": None})
+            candidate = (est.usd, hours, settings, mem, est)
+            if option is None or candidate[:2] < option[:2]:
+                option = candidate
+        cap = capacity_bytes(gpu, assumptions) / GIB
+        if option is None:
+            need = smallest.total / GIB if smallest else float("nan")
+            options.append(Option(gpu=gpu.name, count=None, fits=False, need_gib=need, capacity_gib=cap, usd=None,
+                                  hours=None, note=f"needs {need:.1f} GiB per GPU at the smallest settings"))
+            continue
+        usd, hours, settings, mem, est = option
+        options.append(Option(gpu=gpu.name, count=settings.count, fits=True, need_gib=mem.total / GIB,
+                              capacity_gib=cap, usd=usd, hours=hours, note=settings.strategy))
+        if best is None or (usd, hours) < (best[0], best[1]):
+            best = option
+    if best is None:
+        need = min(o.need_gib for o in options)
+        raise PlanError(
+            f"{work.model} does not fit any allowed GPU ({', '.join(g.name for g in gpus)}, up to "
+            f"{assumptions.max_gpus} per node): it needs at least {need:.1f} GiB per GPU. Quantize the base "
+            f"(model.quantization=nf4), lower the LoRA rank or completion length, enable gradient checkpointing, "
+            f"or allow larger GPUs (plan.allowed_gpus)"
+        )
+    _, _, settings, mem, est = best
+    notes = [f"time assumes MFU {assumptions.mfu:.0%} and decoding at "
+             f"{(assumptions.decode_efficiency_vllm if work.vllm else assumptions.decode_efficiency_transformers):.0%}"
+             f" of memory bandwidth ({'vLLM' if work.vllm else 'transformers generate()'}); unvalidated on GPUs"]
+    return Plan(model=work.model, params=arch.params, workload=work, memory=mem, settings=settings, estimate=est,
+                options=options, assumptions=assumptions, catalog_as_of=catalog.as_of,
+                catalog_source=catalog.source, notes=notes)
+
+
+def local_ram_bytes() -> int:
+    """Physical memory of this machine (Linux/macOS sysconf)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def plan_local(model_config: dict[str, Any], work: Workload, *, per_device_batch: int, gradient_accumulation: int,
+               gradient_checkpointing: bool, daily: bool = True) -> Plan:
+    """A run on this machine's CPU: memory of the configured settings against its RAM, and no rental cost.
+
+    Time is not estimated: CPU throughput is not in the catalog and would be a guess.
+
+    >>> from tasks.plan import load_model_config
+    >>> p = plan_local(load_model_config("smollm2-135m")[1], Workload(model="smollm2-135m", dtype="float32",
+    ...                effective_batch=16), per_device_batch=16, gradient_accumulation=1, gradient_checkpointing=False)
+    >>> p.settings.gpu, p.estimate.usd, p.estimate.hours
+    ('local-cpu', 0.0, None)
+    """
+    arch = architecture(model_config)
+    mem = estimate_memory(model_config, work, per_device_batch=per_device_batch,
+                          gradient_checkpointing=gradient_checkpointing,
+                          generation_batch=per_device_batch * gradient_accumulation)
+    ram = local_ram_bytes()
+    settings = Settings(gpu="local-cpu", count=1, strategy="local", per_device_train_batch_size=per_device_batch,
+                        gradient_accumulation_steps=gradient_accumulation, steps_per_generation=gradient_accumulation,
+                        gradient_checkpointing=gradient_checkpointing, bf16=False)
+    zero = 0.0 if daily else None
+    est = Estimate(train_s_per_step=None, generation_s_per_step=None, hours=None, gpu_hours=0.0, on_demand_usd=0.0,
+                   spot_usd=0.0, pricing="local", usd_per_gpu_hour=0.0, usd=0.0, monthly_usd=zero, monthly_on_demand_usd=zero,
+                   monthly_spot_usd=zero)
+    fits = not ram or mem.total <= ram
+    option = Option(gpu="local-cpu", count=1, fits=fits, need_gib=mem.total / GIB, capacity_gib=ram / GIB,
+                    usd=0.0, hours=None, note="this machine's RAM")
+    notes = ["train.launcher=local: runs on this machine, no GPU rented, cost 0 USD; time not estimated"]
+    if not fits:
+        notes.append(f"needs {mem.total / GIB:.1f} GiB but this machine has {ram / GIB:.1f} GiB of RAM")
+    return Plan(model=work.model, params=arch.params, workload=work, memory=mem, settings=settings, estimate=est,
+                options=[option], assumptions=Assumptions(), catalog_as_of="", catalog_source="", notes=notes)
+
+
+
+def check_budget(plan: Plan, budget_usd: float | None) -> None:
+    """Refuse a run whose estimated cost is above the budget (None = no limit), before anything launches.
+
+    >>> from tasks.plan import load_model_config
+    >>> p = make_plan(load_model_config("qwen2.5-0.5b")[1], Workload(model="qwen2.5-0.5b", max_steps=10))
+    >>> check_budget(p, None); check_budget(p, 1e6)
+    >>> check_budget(p, 0.01)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    tasks.plan.search.BudgetExceeded: estimated cost ... exceeds plan.budget_usd = $0.01...
+    """
+    if budget_usd is None or plan.estimate.usd <= budget_usd:
+        return
+    s, e = plan.settings, plan.estimate
+    raise BudgetExceeded(
+        f"estimated cost ${e.usd:,.2f} ({e.pricing}, {s.count}x {s.gpu}, {e.hours:.2f} h for "
+        f"{plan.workload.max_steps} steps"
+        + (f", incl. {plan.assumptions.preemption_overhead:.0%} expected preemption overhead" if e.pricing == "spot" else "")
+        + f") exceeds plan.budget_usd = ${budget_usd:,.2f}; lower train.grpo.max_steps or the completion length, "
+        f"quantize the base, use spot GPUs, or raise plan.budget_usd"
+    )
+
+
+def actual_cost(gpu_hours: float | None, plan: Plan) -> float:
+    """What the launched job cost: GPU-hours (summed across preemptions and restarts, so lost work is
+    already in them) x the plan's price per GPU-hour; 0 for a local run.
+
+    >>> from tasks.plan import load_model_config
+    >>> p = make_plan(load_model_config("qwen2.5-0.5b")[1], Workload(model="qwen2.5-0.5b", max_steps=10),
+    ...               allowed=["L4"], spot=False)
+    >>> actual_cost(2.0, p)
+    1.61
+    """
+    if not gpu_hours or plan.estimate.pricing == "local":
+        return 0.0
+    return round(gpu_hours * plan.estimate.usd_per_gpu_hour, 6)
+
+

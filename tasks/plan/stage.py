@@ -1,0 +1,143 @@
+"""The pipeline's plan stage: a PipelineConfig in, its workload, its plan, and the config the plan sets
+(batch split, checkpointing, bf16, SkyPilot's GPU list) out. Where a `train.grpo` or `train.lora` field is
+unset, TRL's or PEFT's own default stands in (read from `configs.library_fields`), since that is what trains.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from configs.library_fields import default
+from tasks.plan.architecture import model_config_for
+from tasks.plan.base import PlanError
+from tasks.plan.catalogue import load_catalog
+from tasks.plan.search import Assumptions, Plan, make_plan, plan_local
+from tasks.plan.workload import Optimizer, Workload
+
+
+def _grpo(cfg, name: str) -> Any:
+    """A `train.grpo` field as TRL will see it: the configured value, else GRPOConfig's default."""
+    return cfg.train.grpo.get(name, default("GRPOConfig", name))
+
+
+def sky_accelerators(task_yaml: str | Path) -> list[str]:
+    """GPU names a SkyPilot task YAML asks for (resources.accelerators or resources.ordered/any_of); a relative
+    path is the project root's, where the pipeline runs and SkyPilot takes its workdir from.
+
+    >>> sky_accelerators("sky/train.yaml")
+    ['H100', 'A100-80GB', 'L40S']
+    """
+    try:
+        resources = (yaml.safe_load(Path(task_yaml).read_text()) or {}).get("resources") or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise PlanError(f"cannot read {task_yaml} for its GPU list ({exc}); run from the project root, or set "
+                        "plan.allowed_gpus or train.sky.accelerators") from None
+    entries = resources.get("ordered") or resources.get("any_of") or [resources]
+    names: list[str] = []
+    for entry in entries:
+        acc = entry.get("accelerators")
+        for item in acc if isinstance(acc, (list, dict)) else [acc] if acc else []:
+            names.append(str(item).split(":")[0])
+    return list(dict.fromkeys(names))
+
+
+def workload_for(cfg, name: str, train_rows: int | None = None) -> Workload:
+    """The run described by a PipelineConfig: model precision, LoRA, GRPO lengths and batch, steps
+    (max_steps, else epochs x train_rows / prompts per step, else None: unknown)."""
+    lora = cfg.train.lora
+    generations = _grpo(cfg, "num_generations")
+    effective = cfg.plan.target_effective_batch or (
+        _grpo(cfg, "per_device_train_batch_size") * _grpo(cfg, "gradient_accumulation_steps"))
+    steps = _grpo(cfg, "max_steps")
+    if steps is None or steps <= 0:
+        steps = None if not train_rows else math.ceil(
+            _grpo(cfg, "num_train_epochs") * train_rows / (effective / generations))
+    optimizer = cfg.plan.optimizer or _grpo(cfg, "optim")
+    if optimizer not in Optimizer.__args__:
+        raise PlanError(f"optimizer {optimizer!r} (train.grpo.optim) is unknown to the planner; set plan.optimizer "
+                        f"to one of {list(Optimizer.__args__)}")
+    targets = lora.get("target_modules", default("LoraConfig", "target_modules"))
+    try:
+        return Workload(
+            model=name, quantization=cfg.model.quantization, double_quant=cfg.model.double_quant,
+            dtype=cfg.model.compute_dtype, lora_rank=lora.get("r", default("LoraConfig", "r")),
+            lora_targets=tuple(targets) if isinstance(targets, list) else targets, optimizer=optimizer,
+            gradient_checkpointing=cfg.plan.gradient_checkpointing, prompt_tokens=cfg.plan.prompt_tokens,
+            completion_tokens=_grpo(cfg, "max_completion_length"), num_generations=generations,
+            effective_batch=effective, max_steps=steps, beta=_grpo(cfg, "beta"), vllm=_grpo(cfg, "use_vllm"),
+        )
+    except ValidationError as exc:
+        raise PlanError(f"cannot plan this configuration: {exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}") from None
+
+
+def plan_for_config(cfg, model_config: dict[str, Any], name: str, train_rows: int | None = None) -> Plan:
+    """The plan for a PipelineConfig. train.launcher=local: this machine, memory against its RAM, 0 USD.
+    train.launcher=sky: the cheapest of plan.allowed_gpus (default: the SkyPilot task's GPU list).
+
+    >>> from configs.files import packaged
+    >>> from configs.schema import load_config
+    >>> from tasks.plan import load_model_config
+    >>> cfg = load_config(packaged("qwen2.5-7b-qlora.yaml"), ["train.launcher=sky"])
+    >>> p = plan_for_config(cfg, load_model_config(cfg.model.base)[1], "qwen2.5-7b")
+    >>> p.settings.gpu in ("H100", "A100-80GB", "L40S"), p.estimate.pricing
+    (True, 'spot')
+    """
+    work = workload_for(cfg, name, train_rows)
+    if cfg.train.launcher == "local":
+        pdb = _grpo(cfg, "per_device_train_batch_size")
+        return plan_local(model_config, work, per_device_batch=pdb,
+                          gradient_accumulation=max(1, work.effective_batch // pdb),
+                          gradient_checkpointing=_grpo(cfg, "gradient_checkpointing"),
+                          daily=cfg.plan.daily_projection)
+    allowed = cfg.plan.allowed_gpus or (
+        [a.split(":")[0] for a in cfg.train.sky.accelerators] if cfg.train.sky.accelerators
+        else sky_accelerators(cfg.train.sky.task_yaml))
+    spot = cfg.train.sky.use_spot if cfg.plan.spot is None else cfg.plan.spot
+    assumptions = Assumptions(mfu=cfg.plan.mfu, preemption_overhead=cfg.plan.preemption_overhead)
+    plan = make_plan(model_config, work, load_catalog(cfg.plan.gpu_catalog), allowed=allowed or None, spot=spot,
+                     assumptions=assumptions, daily=cfg.plan.daily_projection)
+    notes = list(plan.notes)
+    if work.dtype == "float32":
+        notes.append("model.compute_dtype=float32 keeps fp32 weights on the GPU (2x bf16); bfloat16 is usual there")
+    if work.vllm and _grpo(cfg, "vllm_mode") == "server":
+        notes.append("vllm_mode=server generates on separate GPU(s) that this plan neither sizes nor prices")
+    return plan.model_copy(update={"notes": notes})
+
+
+def apply_plan(cfg, plan: Plan):
+    """The config a SkyPilot run trains with: the plan's batch split, checkpointing and bf16 for every
+    `train.grpo` field the user left unset, and, unless `train.sky.accelerators` is set, the GPU options
+    that fit, cheapest first (SkyPilot takes the first one it can get). A local run is left as it is.
+
+    >>> from configs.files import packaged
+    >>> from configs.schema import load_config
+    >>> from tasks.plan import load_model_config
+    >>> cfg = load_config(packaged("qwen2.5-7b-qlora.yaml"), ["train.launcher=sky"])
+    >>> plan = plan_for_config(cfg, load_model_config(cfg.model.base)[1], "qwen2.5-7b")
+    >>> planned = apply_plan(cfg, plan)
+    >>> planned.train.sky.accelerators[0] == f"{plan.settings.gpu}:{plan.settings.count}"
+    True
+    >>> planned.train.grpo["steps_per_generation"] == plan.settings.steps_per_generation  # unset: planned
+    True
+    >>> planned.train.grpo["gradient_checkpointing"]  # set in the recipe: kept
+    True
+    """
+    if cfg.train.launcher != "sky":
+        return cfg
+    grpo = {**plan.settings.grpo_overrides(), **cfg.train.grpo}
+    sky = cfg.train.sky
+    if sky.accelerators is None:
+        fitting = sorted((o for o in plan.options if o.fits and o.usd is not None), key=lambda o: o.usd)
+        sky = sky.model_copy(update={"accelerators": [f"{o.gpu}:{o.count}" for o in fitting]})
+    return cfg.model_copy(update={"train": cfg.train.model_copy(update={"grpo": grpo, "sky": sky})})
+
+
+def plan_stage(cfg, model_path: str | None = None, train_rows: int | None = None) -> Plan:
+    """The pipeline's plan stage: the model's own config.json when resolved, else the shipped one."""
+    name, model_config = model_config_for(cfg.model.base, model_path)
+    return plan_for_config(cfg, model_config, name, train_rows)

@@ -1,0 +1,107 @@
+"""The wheel carries every data file the code finds through its packages (configs/files.py: the GPU
+catalogue, the model architectures, the recipes, the TRL/PEFT field snapshot, prefect.yaml), and the `plan`
+command answers from the wheel's contents alone, away from the checkout, loading neither torch nor
+transformers."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+# What setuptools builds the wheel from (pyproject.toml's packages and readme).
+SOURCES = ("pyproject.toml", "README.md", "configs", "grpo_pipeline", "flows", "tasks", "trainer", "infra")
+PROJECT = ("configs", "grpo_pipeline", "flows", "tasks", "trainer", "infra")
+
+
+def data_files() -> set[str]:
+    """The checkout's data files that product code opens by package (not test or benchmark inputs)."""
+    configs = {p.relative_to(ROOT).as_posix() for p in (ROOT / "configs").rglob("*") if p.suffix in (".yaml", ".json")}
+    return configs | {"flows/prefect.yaml"}
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    """`pip wheel --no-deps` of a copy of the sources: setuptools writes build/ and *.egg-info into the tree it
+    builds, and the checkout is shared. No build isolation: the venv's setuptools, no index needed."""
+    work = tmp_path_factory.mktemp("wheel")
+    src = work / "src"
+    src.mkdir()
+    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info", "*.pyc")
+    for name in SOURCES:
+        path = ROOT / name
+        if path.is_dir():
+            shutil.copytree(path, src / name, ignore=ignore)
+        else:
+            shutil.copy2(path, src / name)
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                           str(src), "-w", str(work / "dist")], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (built,) = (work / "dist").glob("grpo_pipeline-*.whl")
+    return built
+
+
+def test_the_wheel_carries_the_data_files(wheel):
+    names = set(zipfile.ZipFile(wheel).namelist())
+    expected = data_files()
+    assert {"configs/gpus.yaml", "configs/demo-cpu.yaml", "configs/library_fields.json", "flows/prefect.yaml",
+            "configs/models/qwen2.5-7b.json"} <= expected  # what the list below must hold, at the least
+    assert expected <= names, sorted(expected - names)
+
+
+# Run from the unpacked wheel: `-S` skips site-packages' .pth files, so the checkout's editable finder is not
+# installed and only the wheel's copy of the project can be imported; the venv's third-party packages are
+# on PYTHONPATH after it.
+FROM_WHEEL = """
+import json, sys
+from typer.main import get_command
+from grpo_pipeline.cli import app
+results = []
+for args in (["plan", "--model", "qwen2.5-7b", "--quant", "nf4", "--json"],
+             ["plan", "--config", "configs/demo-cpu.yaml", "--json"]):
+    rc = get_command(app).main(args, standalone_mode=False) or 0
+    results.append(rc)
+project = {m.split(".")[0]: getattr(mod, "__file__", None) for m, mod in sys.modules.items()
+           if m.split(".")[0] in %r}
+heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformers"))
+print(json.dumps({"rc": results, "project": project, "heavy": heavy}), file=sys.stderr)
+""" % (PROJECT,)
+
+
+def test_plan_answers_from_the_wheel_alone(wheel, tmp_path):
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    elsewhere = tmp_path / "elsewhere"  # no checkout here: configs/demo-cpu.yaml is the packaged recipe
+    elsewhere.mkdir()
+    libs = dict.fromkeys([sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), *libs])}
+    proc = subprocess.run([sys.executable, "-S", "-c", FROM_WHEEL], cwd=elsewhere, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stderr.strip().splitlines()[-1])
+    assert report["rc"] == [0, 0], proc.stderr[-3000:]
+    assert report["heavy"] == []
+    for package, file in report["project"].items():
+        assert file and Path(file).is_relative_to(site), (package, file)
+    first, second = _json_documents(proc.stdout)
+    assert first["model"] == "qwen2.5-7b" and first["workload"]["quantization"] == "nf4"
+    assert second["model"] == "smollm2-135m" and second["settings"]["gpu"] == "local-cpu"
+
+
+def _json_documents(text: str) -> list:
+    """The JSON documents printed one after another."""
+    decoder, out, at = json.JSONDecoder(), [], 0
+    while at < len(text):
+        if text[at].isspace():
+            at += 1
+            continue
+        obj, end = decoder.raw_decode(text, at)
+        out.append(obj)
+        at = end
+    return out
