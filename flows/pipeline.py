@@ -37,7 +37,8 @@ from tasks.hpo import apply_best
 from tasks.job import build_job_spec, summarize_log_line
 from tasks.merge import merge_task
 from tasks.model import resolve_model_task
-from tasks.plan import Plan, actual_cost, apply_plan, check_budget, plan_task
+from tasks.plan import Plan, actual_cost, apply_plan, check_budget
+from tasks.plan.task import plan_task
 from tasks.quantize import quantization_cost_task, require_accepted
 from tasks.registry import CHAMPION, ChampionMoved, Registry, RegistryError
 from tasks.report import artifact_url, plot_comparison, render_markdown
