@@ -222,7 +222,6 @@ def test_the_demo_goes_through_the_chain_with_its_holdout(tmp_path):
     ("data.answer_regex='(\\d+)'", "data.answer_regex"),
     ("data.near_dup_threshold=1.5", "data.near_dup_threshold"),
     ("data.holdout_share=0.95", "data.val_share"),
-    ("data.source=./missing.jsonl", "data.source"),
     ("data.prompt_template=no-placeholder", "data.prompt_template"),
 ])
 def test_invalid_data_config_names_the_field(override, field):
@@ -283,3 +282,12 @@ def test_cli_prints_the_report_and_exits_2_when_too_much_is_dropped(tmp_path, ti
     failed = CliRunner().invoke(app, [*args, "--json"])  # 14 of 54 rows dropped > the default 20 %
     assert failed.exit_code == 2
     assert json.loads(failed.stdout.strip().splitlines()[-1])["report"]["dropped"]["contaminated"] == 2
+
+
+def test_a_missing_local_source_fails_preflight_naming_the_field():
+    """Where the data stage runs, not when the configuration is parsed (that machine need not hold the data)."""
+    from tasks.data_io import check_local_sources
+
+    cfg = load_config(None, ["data.source=./missing.jsonl"])
+    with pytest.raises(ConfigError, match=r"data\.source: \./missing\.jsonl does not exist"):
+        check_local_sources(cfg.data)
