@@ -16,6 +16,7 @@ def test_negative_and_misaligned():
 
 
 def test_dotted_path_escape_hatch():
-    assert resolve_reward("trainer.rewards:number_only") is number_only
+    resolved = resolve_reward("trainer.rewards:number_only")
+    assert resolved.__wrapped__ is number_only and resolved(["7"]) == [1.0]
     with pytest.raises(ValueError, match="cannot be imported"):
         resolve_reward("trainer.rewards:missing")

@@ -1,0 +1,219 @@
+"""Reward functions with TRL's signature `(completions, **columns) -> list[float]`, registered by name.
+
+Completions arrive as plain strings, or as message lists for conversational prompts; dataset columns
+(such as `answer`) arrive as keyword lists aligned with the completions. A reward's positional parameters
+without a default are the columns it needs; its keyword-only parameters are its arguments
+(`train.reward_args`), bound by `resolve_reward`. Register a new reward in `REWARDS`, or name any
+importable function as 'package.module:function'.
+
+Every resolved reward is checked on each call: a missing column, an exception, the wrong number of
+scores, or a score that is not a finite number is a `RewardError` that names the reward and the row.
+
+    python -m grpo_pipeline.cli rewards                     # the registry: what each checks, its columns
+    python -m grpo_pipeline.cli rewards check math_answer --input samples.jsonl
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import math
+import numbers
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from trainer.rewards.answers import correct_answer, math_answer
+from trainer.rewards.base import RewardError, RewardFn, completion_text
+from trainer.rewards.formats import number_only, overlong_penalty, think_format, think_format_strict
+from trainer.rewards.model import reward_model
+from trainer.rewards.remote import remote_verifier
+
+__all__ = ["REWARDS", "RewardError", "RewardFn", "check_columns", "completion_text", "describe", "required_columns",
+           "resolve_reward", "resolve_rewards"]
+
+REWARDS: dict[str, RewardFn] = {
+    "math_answer": math_answer,
+    "think_format": think_format,
+    "think_format_strict": think_format_strict,
+    "overlong_penalty": overlong_penalty,
+    "reward_model": reward_model,
+    "remote_verifier": remote_verifier,
+    "correct_answer": correct_answer,
+    "number_only": number_only,
+}
+
+# What the runner (TRL's trainer, the evaluation, `rewards check`) passes itself: never a data column.
+RUNNER_INPUTS = frozenset({
+    "completions", "prompts", "completion_ids", "completion_lengths", "trainer_state", "log_extra", "log_metric",
+    "environments",
+})
+REQUIRED = inspect.Parameter.empty
+
+
+def _target(name: str) -> RewardFn:
+    if name in REWARDS:
+        return REWARDS[name]
+    module, sep, attr = name.partition(":")
+    if not sep:
+        raise RewardError(
+            f"unknown reward '{name}'; registered: {', '.join(REWARDS)}, or use 'package.module:function'"
+        )
+    try:
+        fn = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise RewardError(f"reward '{name}' cannot be imported: {exc}") from None
+    if not callable(fn):
+        raise RewardError(f"reward '{name}' is not callable")
+    return fn
+
+
+def _parameters(fn: RewardFn) -> list[inspect.Parameter]:
+    try:
+        return list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return []
+
+
+def required_columns(fn: RewardFn) -> list[str]:
+    """The data columns a reward needs: its positional parameters without a default, runner inputs aside.
+
+    >>> required_columns(math_answer), required_columns(think_format)
+    (['answer'], [])
+    """
+    return [p.name for p in _parameters(fn)[1:] if p.name not in RUNNER_INPUTS and p.default is REQUIRED
+            and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
+def arguments(fn: RewardFn) -> dict[str, Any]:
+    """A reward's arguments (keyword-only parameters) and their defaults; `REQUIRED` where there is none."""
+    return {p.name: p.default for p in _parameters(fn) if p.kind is p.KEYWORD_ONLY and p.name not in RUNNER_INPUTS}
+
+
+def resolve_reward(name: str, args: Mapping[str, Any] | None = None, **context: Any) -> RewardFn:
+    """A registered reward by name, or any function by 'package.module:function', with its arguments bound
+    and every call checked. `context` offers values the runner knows (`max_completion_length`) to the
+    rewards that take them, unless `args` sets them.
+
+    >>> resolve_reward("number_only")(["12", "twelve"])
+    [1.0, 0.0]
+    >>> resolve_reward("nope")
+    Traceback (most recent call last):
+    ...
+    trainer.rewards.base.RewardError: unknown reward 'nope'; registered: math_answer, think_format, think_format_strict, overlong_penalty, reward_model, remote_verifier, correct_answer, number_only, or use 'package.module:function'
+    >>> resolve_reward("remote_verifier")
+    Traceback (most recent call last):
+    ...
+    trainer.rewards.base.RewardError: reward 'remote_verifier' needs url (train.reward_args.remote_verifier.url)
+    """
+    fn = _target(name)
+    takes = arguments(fn)
+    bound = dict(args or {})
+    unknown = sorted(set(bound) - set(takes))
+    if unknown:
+        offered = ", ".join(f"{k}={'(required)' if v is REQUIRED else repr(v)}" for k, v in takes.items()) or "none"
+        raise RewardError(f"reward '{name}' takes no argument {', '.join(map(repr, unknown))}; its arguments: {offered}")
+    for key, value in context.items():
+        if key in takes and key not in bound and value is not None:
+            bound[key] = value
+    missing = [k for k, v in takes.items() if v is REQUIRED and k not in bound]
+    if missing:
+        raise RewardError(f"reward '{name}' needs {', '.join(missing)} "
+                          f"({', '.join(f'train.reward_args.{name}.{k}' for k in missing)})")
+    return _checked(functools.partial(fn, **bound) if bound else fn, name, required_columns(fn))
+
+
+def resolve_rewards(names: Sequence[str], args: Mapping[str, Mapping[str, Any]] | None = None,
+                    **context: Any) -> list[RewardFn]:
+    """Every reward of a run, in order, each with its own arguments (`args[name]`)."""
+    args = args or {}
+    stray = sorted(set(args) - set(names))
+    if stray:
+        raise RewardError(f"reward arguments for {', '.join(stray)}, which are not among the rewards ({', '.join(names)})")
+    return [resolve_reward(name, args.get(name), **context) for name in names]
+
+
+def check_columns(names: Sequence[str], columns: Sequence[str]) -> None:
+    """Every reward's columns are among the data's, or a `RewardError` that names what is missing.
+
+    >>> check_columns(["math_answer", "think_format"], ["prompt", "answer", "key"])
+    >>> check_columns(["math_answer"], ["prompt", "key"])
+    Traceback (most recent call last):
+    ...
+    trainer.rewards.base.RewardError: reward 'math_answer' needs the column 'answer', which the data does not have (it has: prompt, key)
+    """
+    for name in names:
+        lacking = [c for c in required_columns(_target(name)) if c not in columns]
+        if lacking:
+            raise RewardError(
+                f"reward '{name}' needs the column{'s' if len(lacking) > 1 else ''} {', '.join(map(repr, lacking))}, "
+                f"which the data does not have (it has: {', '.join(columns)})")
+
+
+def describe(name: str) -> dict[str, Any]:
+    """What a reward checks (its docstring's first line), the columns it needs and its arguments.
+
+    >>> describe("overlong_penalty")["arguments"]
+    {'max_completion_length': None, 'buffer': None}
+    """
+    fn = _target(name)
+    doc = inspect.getdoc(fn) or ""
+    return {
+        "name": name,
+        "statement": doc.split("\n\n")[0].replace("\n", " ").strip(),
+        "columns": required_columns(fn),
+        "arguments": {k: ("required" if v is REQUIRED else v) for k, v in arguments(fn).items()},
+    }
+
+
+def _where(i: int, completions: list, kwargs: dict) -> str:
+    keys = kwargs.get("key")
+    key = f" (key {keys[i]})" if isinstance(keys, list) and len(keys) == len(completions) else ""
+    text = completion_text(completions[i])
+    return f"row {i}{key}, completion {text[:60]!r}{'...' if len(text) > 60 else ''}"
+
+
+def _row_slice(i: int, n: int, kwargs: dict) -> dict:
+    return {k: v[i : i + 1] if isinstance(v, list) and len(v) == n else v for k, v in kwargs.items()}
+
+
+def _checked(fn: RewardFn, name: str, columns: list[str]) -> RewardFn:
+    """`fn` that refuses to hand the trainer garbage: each failure names the reward and the row."""
+
+    def reward(completions: list, *args: Any, **kwargs: Any) -> list[float]:
+        n = len(completions)
+        lacking = [c for c in columns if c not in kwargs]
+        if lacking:
+            given = sorted(k for k in kwargs if k not in RUNNER_INPUTS)
+            raise RewardError(f"reward '{name}' needs the column{'s' if len(lacking) > 1 else ''} "
+                              f"{', '.join(map(repr, lacking))}, which the data does not have (it has: "
+                              f"{', '.join(given) or 'no columns'})")
+        try:
+            out = fn(completions, *args, **kwargs)
+        except RewardError as exc:
+            raise exc if f"'{name}'" in str(exc) else RewardError(f"reward '{name}': {exc}") from None
+        except Exception as exc:
+            for i in range(n):  # which row breaks it: rerun one at a time (only ever on the way to an error)
+                try:
+                    fn(completions[i : i + 1], *args, **_row_slice(i, n, kwargs))
+                except Exception as row_exc:
+                    raise RewardError(f"reward '{name}' raised on {_where(i, completions, kwargs)}: "
+                                      f"{type(row_exc).__name__}: {row_exc}") from exc
+            raise RewardError(f"reward '{name}' raised on a batch of {n} completions: "
+                              f"{type(exc).__name__}: {exc}") from exc
+        try:
+            scores = list(out)
+        except TypeError:
+            raise RewardError(f"reward '{name}' returned {type(out).__name__}, not a list of scores") from None
+        if len(scores) != n:
+            raise RewardError(f"reward '{name}' returned {len(scores)} scores for {n} completions")
+        for i, s in enumerate(scores):
+            if not isinstance(s, numbers.Real) or not math.isfinite(s):
+                raise RewardError(f"reward '{name}' returned {s!r} for {_where(i, completions, kwargs)}: "
+                                  "every score must be a finite number")
+        return [float(s) for s in scores]
+
+    reward.__name__ = reward.__qualname__ = name  # TRL logs rewards/<name>/mean
+    reward.__doc__ = getattr(fn, "__doc__", None)
+    reward.__wrapped__ = fn  # inspect.signature sees the reward's own parameters (the data stage reads them)
+    return reward
