@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 from tasks.decide import Decision
 from tasks.evaluate import EvalResult
@@ -72,12 +72,16 @@ class Merged(BaseModel):
     source: str  # runs:/<merge run>/merged
 
 
-class AliasChange(BaseModel):
+class _Versions(BaseModel):
+    model_config = ConfigDict(coerce_numbers_to_str=True)  # MLflow hands versions back as int or str
+
+
+class AliasChange(_Versions):
     alias: str
     version: str | None  # None: the alias was removed
 
 
-class RegistryOutcome(BaseModel):
+class RegistryOutcome(_Versions):
     model: str
     candidate_version: str
     decided_against: str | None  # the champion's version, or None: the base model was the baseline
