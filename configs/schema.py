@@ -12,6 +12,7 @@ against those classes' own fields and types, so nothing here re-declares them.
 from __future__ import annotations
 
 import difflib
+import math
 import os
 import typing
 from pathlib import Path
@@ -20,7 +21,8 @@ from typing import Any, Literal
 import yaml
 from configs import library_fields
 from pydantic import (
-    BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, ValidationInfo, field_validator, model_validator,
+    BaseModel, ConfigDict, Field, PrivateAttr, TypeAdapter, ValidationError, ValidationInfo, field_validator,
+    model_validator,
 )
 
 DEMO_MODEL = "smollm2-135m-instruct"
@@ -234,11 +236,17 @@ GRPO_OWNED = {"output_dir", "save_strategy", "save_steps", "save_total_limit", "
 
 
 class TrainConfig(StrictModel):
+    _weights_written: list[float] | None = PrivateAttr(None)  # what _reward_weights put into grpo, so a change can redo it
     grpo: dict[str, Any] = Field(default_factory=dict, description="passed to trl.GRPOConfig")
     lora: dict[str, Any] = Field(default_factory=dict, description="passed to peft.LoraConfig")
     rewards: list[str] = Field(
         default_factory=lambda: ["correct_answer", "number_only"],
-        description="names from trainer.rewards.REWARDS, or dotted paths 'package.module:function'",
+        description="names from trainer.rewards.REWARDS (`grpo-pipeline rewards` lists them), or dotted paths "
+        "'package.module:function'; their sum (weighted) is what GRPO normalizes per group",
+    )
+    reward_weights: dict[str, float] | None = Field(
+        None, description="reward name -> weight in that sum (unnamed rewards weigh 1.0), e.g. {think_format: 0.2}; "
+        "written into TRL's own train.grpo.reward_weights in reward order, which is how it reaches the trainer",
     )
     checkpoint_uri: str | None = Field(
         None, description="root for checkpoints, a local directory or s3://bucket/prefix; each run writes under <root>/<run>; default: data_dir/runs/<run>/checkpoints"
@@ -272,18 +280,49 @@ class TrainConfig(StrictModel):
             raise ValueError("at least one reward is needed")
         return v
 
+    @model_validator(mode="after")
+    def _reward_weights(self) -> "TrainConfig":
+        """Weights by name become TRL's list in reward order; a list given in train.grpo must fit the rewards."""
+        given = self.grpo.get("reward_weights")
+        if self.reward_weights is None:
+            if given is not None and (not isinstance(given, list) or len(given) != len(self.rewards)):
+                raise ValueError(f"train.grpo.reward_weights: {given!r} does not give one weight per reward "
+                                 f"({len(self.rewards)}: {', '.join(self.rewards)}); name them in train.reward_weights")
+            return self
+        if unknown := sorted(set(self.reward_weights) - set(self.rewards)):
+            raise ValueError(f"train.reward_weights names {unknown}, which are not among train.rewards "
+                             f"({', '.join(self.rewards)})")
+        if bad := {k: w for k, w in self.reward_weights.items() if not math.isfinite(w)}:
+            raise ValueError(f"train.reward_weights: {bad} are not finite numbers")
+        weights = [float(self.reward_weights.get(name, 1.0)) for name in self.rewards]
+        if given is not None and given != self._weights_written and [float(w) for w in given] != weights:
+            raise ValueError("train.grpo.reward_weights and train.reward_weights disagree: give the weights once, "
+                             "by name, in train.reward_weights")
+        self.grpo["reward_weights"] = self._weights_written = weights
+        return self
+
 
 class EvalConfig(StrictModel):
     engine: Literal["auto", "transformers", "vllm"] = Field(
         "auto", description="auto: vLLM on a CUDA GPU when the [gpu] extra is installed, else batched transformers"
     )
-    max_new_tokens: int = Field(16, ge=1)
+    max_new_tokens: int = Field(
+        16, ge=1, description="greedy completion length; for reasoning, train.grpo.max_completion_length (what "
+        "overlong_penalty measures against here)"
+    )
     batch_size: int = Field(32, ge=1, description="prompts per generate() call; more = faster, more memory")
     samples_k: int = Field(0, ge=0, description="sampled completions per prompt for pass@k; 0 = greedy only")
     temperature: float = Field(0.8, gt=0, description="sampling temperature for pass@k")
     seed: int = Field(0, description="sampling seed: the candidate and the champion draw alike")
-    accuracy_reward: str | None = Field("correct_answer", description="reward that says a completion is right")
-    format_reward: str | None = Field("number_only", description="reward that says a completion is well formed")
+    accuracy_reward: str | None = Field(
+        "correct_answer", description="the training reward that says a completion is right (accuracy: its mean); "
+        "math_answer for reasoning recipes"
+    )
+    format_reward: str | None = Field(
+        "number_only", description="the training reward that says a completion is well formed (format_rate); "
+        "think_format for reasoning recipes"
+    )
+    examples: int = Field(3, ge=0, description="right and as many wrong holdout completions kept per model for the report")
 
 
 class PromotionPolicy(StrictModel):
