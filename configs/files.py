@@ -40,3 +40,20 @@ def recipe(path: Path) -> Path:
         return path
     shipped = packaged(path.name)
     return shipped if shipped.is_file() and shipped.name not in NOT_RECIPES else path
+
+
+SOURCE_ROOT = Path(__file__).resolve().parents[1]  # the folder holding the packages: a checkout, or site-packages
+
+
+def project_file(path: str | Path) -> Path:
+    """A project file named relative to the project root (e.g. `sky/train.yaml`): relative to the working
+    directory when it is there (a user's own copy), else to the source checkout the packages run from.
+
+    >>> project_file("sky/train.yaml").is_file(), str(project_file("/abs/x.yaml"))
+    (True, '/abs/x.yaml')
+    """
+    path = Path(path)
+    if path.is_absolute() or path.exists():
+        return path
+    beside_source = SOURCE_ROOT / path
+    return beside_source if beside_source.exists() else path

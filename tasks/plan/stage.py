@@ -12,6 +12,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from configs.files import project_file
 from configs.library_fields import default
 from tasks.plan.architecture import model_config_for
 from tasks.plan.base import PlanError
@@ -27,13 +28,13 @@ def _grpo(cfg, name: str) -> Any:
 
 def sky_accelerators(task_yaml: str | Path) -> list[str]:
     """GPU names a SkyPilot task YAML asks for (resources.accelerators or resources.ordered/any_of); a relative
-    path is the project root's, where the pipeline runs and SkyPilot takes its workdir from.
+    path is the project root's (`configs.files.project_file`), where SkyPilot takes its workdir from.
 
     >>> sky_accelerators("sky/train.yaml")
     ['H100', 'A100-80GB', 'L40S']
     """
     try:
-        resources = (yaml.safe_load(Path(task_yaml).read_text()) or {}).get("resources") or {}
+        resources = (yaml.safe_load(project_file(task_yaml).read_text()) or {}).get("resources") or {}
     except (OSError, yaml.YAMLError) as exc:
         raise PlanError(f"cannot read {task_yaml} for its GPU list ({exc}); run from the project root, or set "
                         "plan.allowed_gpus or train.sky.accelerators") from None
