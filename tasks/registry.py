@@ -1,21 +1,42 @@
 """The MLflow model registry: candidates as model versions, and the aliases `champion`, `challenger`,
-`previous-champion` that say which adapter serves.
+`previous-champion` that say which model serves.
 
-What moves is planned by pure functions (`plan_promotion`, `plan_rollback`) and applied by `Registry`
-under a lock, after checking that the champion is still the version the decision was made against:
-two runs finishing at once leave exactly one consistent champion. The lock is a registered model whose
-name is unique in MLflow's database, so any backend (SQLite, PostgreSQL) makes taking it atomic.
+What moves is planned by pure functions (`plan_promotion`, `plan_force`, `plan_rollback`) and applied by
+`Registry` under a lock, after checking that the champion is still the version the decision was made
+against: two runs finishing at once leave exactly one consistent champion. The lock is a registered model
+whose name is unique in MLflow's database, so any backend (SQLite, PostgreSQL) makes taking it atomic.
+
+With a merged companion (`merge.enabled`), each adapter version that has a merged model records its version
+of `<name>-merged` in the tag `merged_version`, and every alias move on the adapter model is mirrored
+there, so both registered models name the same champion.
+
+`open_client` gives the operator commands a registry client: for an MLflow server, a few REST calls over
+the standard library (a lookup answers in a fraction of a second, without importing MLflow); otherwise
+MLflow's own client.
 """
 
 from __future__ import annotations
 
+import base64
 import getpass
+import json
 import os
 import time
+import urllib.error
+import urllib.parse
+import urllib.request
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 CHAMPION, CHALLENGER, PREVIOUS = "champion", "challenger", "previous-champion"
+ALIASES = (CHAMPION, CHALLENGER, PREVIOUS)
+MERGED_VERSION_TAG = "merged_version"
+
+
+def merged_name(name: str) -> str:
+    """The registered model holding the merged models of `name`'s versions."""
+    return f"{name}-merged"
 
 
 class ChampionMoved(RuntimeError):
@@ -30,6 +51,16 @@ class RegistryError(RuntimeError):
 class AliasMove:
     alias: str
     version: str | None  # None: remove the alias
+    model: str = field(default="", compare=False, repr=False)  # filled in when applied
+    before: str | None = field(default=None, compare=False, repr=False)  # the version it pointed at
+
+    def describe(self) -> str:
+        """One line of an operator command's output.
+
+        >>> AliasMove("champion", "4", model="m", before="3").describe()
+        'm@champion: 3 -> 4'
+        """
+        return f"{self.model}@{self.alias}: {self.before or '(none)'} -> {self.version or '(removed)'}"
 
 
 def plan_promotion(champion: str | None, candidate: str, promote: bool) -> list[AliasMove]:
@@ -44,6 +75,24 @@ def plan_promotion(champion: str | None, candidate: str, promote: bool) -> list[
         return [AliasMove(CHALLENGER, candidate)]
     moves = [AliasMove(PREVIOUS, champion)] if champion else []
     return moves + [AliasMove(CHAMPION, candidate), AliasMove(CHALLENGER, None)]
+
+
+def plan_force(champion: str | None, challenger: str | None, version: str) -> list[AliasMove]:
+    """An operator's promotion: `version` becomes champion and the champion it replaces becomes
+    previous-champion (so `rollback` undoes it); the challenger stays unless it is `version` itself.
+
+    >>> plan_force("3", "5", "4")
+    [AliasMove(alias='previous-champion', version='3'), AliasMove(alias='champion', version='4')]
+    >>> plan_force("3", "4", "4")
+    [AliasMove(alias='previous-champion', version='3'), AliasMove(alias='champion', version='4'), AliasMove(alias='challenger', version=None)]
+    >>> plan_force("4", None, "4")
+    []
+    """
+    if champion == version:
+        return []
+    moves = [AliasMove(PREVIOUS, champion)] if champion else []
+    moves.append(AliasMove(CHAMPION, version))
+    return moves + ([AliasMove(CHALLENGER, None)] if challenger == version else [])
 
 
 def plan_rollback(champion: str | None, previous: str | None) -> list[AliasMove]:
@@ -62,64 +111,195 @@ def operator() -> str:
     return os.environ.get("GRPO_OPERATOR") or os.environ.get("GITHUB_ACTOR") or getpass.getuser()
 
 
+class RestError(RuntimeError):
+    """An MLflow server's error answer (`error_code`: RESOURCE_DOES_NOT_EXIST, RESOURCE_ALREADY_EXISTS, ...)."""
+
+    def __init__(self, error_code: str, message: str):
+        super().__init__(message)
+        self.error_code = error_code
+
+
+class RestClient:
+    """The registry calls `Registry` makes, as MLflow REST requests through urllib (no MLflow import).
+
+    Credentials as MLflow's own client reads them: `MLFLOW_TRACKING_TOKEN`, or
+    `MLFLOW_TRACKING_USERNAME` and `MLFLOW_TRACKING_PASSWORD`.
+    """
+
+    errors = (RestError,)
+
+    def __init__(self, tracking_uri: str, timeout_s: float = 30):
+        self.tracking_uri, self.timeout_s = tracking_uri.rstrip("/"), timeout_s
+
+    def _headers(self) -> dict[str, str]:
+        headers = {"Content-Type": "application/json"}
+        if token := os.environ.get("MLFLOW_TRACKING_TOKEN"):
+            headers["Authorization"] = f"Bearer {token}"
+        elif user := os.environ.get("MLFLOW_TRACKING_USERNAME"):
+            pair = f"{user}:{os.environ.get('MLFLOW_TRACKING_PASSWORD', '')}".encode()
+            headers["Authorization"] = "Basic " + base64.b64encode(pair).decode()
+        return headers
+
+    def _call(self, method: str, endpoint: str, body: dict) -> dict:
+        url = f"{self.tracking_uri}/api/2.0/mlflow/{endpoint}"
+        data = None
+        if method in ("GET", "DELETE"):  # as MLflow's client sends them: the fields as query parameters
+            url += "?" + urllib.parse.urlencode(body)
+        else:
+            data = json.dumps(body).encode()
+        request = urllib.request.Request(url, data=data, method=method, headers=self._headers())
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                payload = response.read()
+        except urllib.error.HTTPError as exc:
+            try:
+                answer = json.loads(exc.read() or b"{}")
+            except ValueError:
+                answer = {}
+            raise RestError(answer.get("error_code", f"HTTP {exc.code}"),
+                            answer.get("message", f"{method} {endpoint}: HTTP {exc.code}")) from None
+        except urllib.error.URLError as exc:
+            raise RestError("UNREACHABLE", f"MLflow at {self.tracking_uri} does not answer: {exc.reason}") from None
+        return json.loads(payload) if payload else {}
+
+    @staticmethod
+    def _version(raw: dict) -> SimpleNamespace:
+        tags = {t["key"]: t.get("value", "") for t in raw.get("tags", [])}
+        return SimpleNamespace(name=raw["name"], version=str(raw["version"]), source=raw.get("source", ""),
+                               run_id=raw.get("run_id"), tags=tags)
+
+    def get_model_version_by_alias(self, name: str, alias: str):
+        return self._version(self._call("GET", "registered-models/alias", {"name": name, "alias": alias})["model_version"])
+
+    def get_model_version(self, name: str, version: str):
+        return self._version(self._call("GET", "model-versions/get", {"name": name, "version": version})["model_version"])
+
+    def set_registered_model_alias(self, name: str, alias: str, version: str) -> None:
+        self._call("POST", "registered-models/alias", {"name": name, "alias": alias, "version": version})
+
+    def delete_registered_model_alias(self, name: str, alias: str) -> None:
+        self._call("DELETE", "registered-models/alias", {"name": name, "alias": alias})
+
+    def set_model_version_tag(self, name: str, version: str, key: str, value: str) -> None:
+        self._call("POST", "model-versions/set-tag", {"name": name, "version": version, "key": key, "value": value})
+
+    def create_registered_model(self, name: str, tags: dict | None = None, description: str | None = None) -> None:
+        body = {"name": name, "tags": [{"key": k, "value": v} for k, v in (tags or {}).items()]}
+        self._call("POST", "registered-models/create", body | ({"description": description} if description else {}))
+
+    def get_registered_model(self, name: str):
+        raw = self._call("GET", "registered-models/get", {"name": name})["registered_model"]
+        return SimpleNamespace(name=raw["name"], tags={t["key"]: t.get("value", "") for t in raw.get("tags", [])})
+
+    def delete_registered_model(self, name: str) -> None:
+        self._call("DELETE", "registered-models/delete", {"name": name})
+
+
+def open_client(tracking_uri: str):
+    """A registry client for the operator commands: REST for an MLflow server, else MLflow's client."""
+    if tracking_uri.startswith(("http://", "https://")):
+        return RestClient(tracking_uri)
+    import mlflow
+
+    return mlflow.MlflowClient(tracking_uri)
+
+
+def _errors(client) -> tuple[type[BaseException], ...]:
+    """What the client raises when the server says no (a missing alias, a name already taken)."""
+    if hasattr(client, "errors"):
+        return client.errors
+    from mlflow.exceptions import MlflowException
+
+    return (MlflowException,)
+
+
 class Registry:
     def __init__(self, client, name: str, lock_timeout_s: float = 120, stale_lock_s: float = 900):
         self.client, self.name = client, name
         self.lock_timeout_s, self.stale_lock_s = lock_timeout_s, stale_lock_s
+        self.errors = _errors(client)
 
-    def ensure(self) -> None:
-        from mlflow.exceptions import MlflowException
+    @property
+    def merged(self) -> str:
+        return merged_name(self.name)
 
+    def ensure(self, name: str | None = None, description: str = "GRPO adapters; aliases mark what serves") -> None:
+        name = name or self.name
         try:
-            self.client.get_registered_model(self.name)
-        except MlflowException:
+            self.client.get_registered_model(name)
+        except self.errors:
             try:
-                self.client.create_registered_model(self.name, description="GRPO adapters; aliases mark what serves")
-            except MlflowException:  # created by a concurrent run in between
-                self.client.get_registered_model(self.name)
+                self.client.create_registered_model(name, description=description)
+            except self.errors:  # created by a concurrent run in between
+                self.client.get_registered_model(name)
 
-    def version_of(self, alias: str) -> str | None:
-        from mlflow.exceptions import MlflowException
-
+    def version_of(self, alias: str, name: str | None = None) -> str | None:
         try:
-            return self.client.get_model_version_by_alias(self.name, alias).version
-        except MlflowException:
+            return self.client.get_model_version_by_alias(name or self.name, alias).version
+        except self.errors:
             return None
 
-    def aliases(self) -> dict[str, str | None]:
-        return {alias: self.version_of(alias) for alias in (CHAMPION, CHALLENGER, PREVIOUS)}
+    def aliases(self, name: str | None = None) -> dict[str, str | None]:
+        return {alias: self.version_of(alias, name) for alias in ALIASES}
 
-    def register(self, source: str, run_id: str, tags: dict[str, str]) -> str:
-        """The candidate's version; a retried pipeline run finds the one it registered before."""
-        self.ensure()
+    def register(self, source: str, run_id: str, tags: dict[str, str], *, name: str | None = None,
+                 model_id: str | None = None) -> str:
+        """The version of `source` (a logged model's URI); a retried pipeline run finds the one it registered."""
+        name = name or self.name
+        self.ensure(name, "GRPO adapters merged into their base; aliases follow the adapter model's"
+                    if name == self.merged else "GRPO adapters; aliases mark what serves")
         for existing in self.client.search_model_versions(f"run_id = '{run_id}'"):
-            if existing.name == self.name and existing.source == source:
+            if existing.name == name and existing.source == source:
                 return existing.version
-        return self.client.create_model_version(self.name, source, run_id=run_id, tags=tags).version
+        extra = {"model_id": model_id} if model_id else {}
+        return self.client.create_model_version(name, source, run_id=run_id, tags=tags, **extra).version
 
     def tag(self, version: str, tags: dict[str, str]) -> None:
         for key, value in tags.items():
             self.client.set_model_version_tag(self.name, version, key, value)
 
-    def apply(self, moves: list[AliasMove]) -> None:
-        for move in moves:
-            if move.version is None:
-                if self.version_of(move.alias) is not None:
-                    self.client.delete_registered_model_alias(self.name, move.alias)
-            else:
-                self.client.set_registered_model_alias(self.name, move.alias, move.version)
+    def merged_version_of(self, version: str | None) -> str | None:
+        """The merged model's version registered with adapter version `version`, if any."""
+        if version is None:
+            return None
+        return self.client.get_model_version(self.name, version).tags.get(MERGED_VERSION_TAG)
+
+    def _move(self, name: str, move: AliasMove) -> AliasMove | None:
+        before = self.version_of(move.alias, name)
+        if before == move.version:
+            return None  # already so: not a move
+        if move.version is None:
+            self.client.delete_registered_model_alias(name, move.alias)
+        else:
+            self.client.set_registered_model_alias(name, move.alias, move.version)
+        return AliasMove(move.alias, move.version, model=name, before=before)
+
+    def _has_merged_model(self) -> bool:
+        try:
+            self.client.get_registered_model(self.merged)
+            return True
+        except self.errors:
+            return False
+
+    def apply(self, moves: list[AliasMove]) -> list[AliasMove]:
+        """Move the aliases, and the merged model's with them; return the moves made, with what they replaced."""
+        done = [m for m in (self._move(self.name, move) for move in moves) if m]
+        if done and self._has_merged_model():
+            for move in moves:
+                mirrored = AliasMove(move.alias, self.merged_version_of(move.version))
+                if m := self._move(self.merged, mirrored):
+                    done.append(m)
+        return done
 
     @contextmanager
     def lock(self):
         """Exclusive access to the aliases: creating a registered model is atomic in MLflow's database."""
-        from mlflow.exceptions import MlflowException
-
         name, deadline = f"{self.name}.promotion-lock", time.monotonic() + self.lock_timeout_s
         while True:
             try:
                 self.client.create_registered_model(name, tags={"holder": operator(), "since": str(time.time())})
                 break
-            except MlflowException:
+            except self.errors:
                 self._break_if_stale(name)
                 if time.monotonic() > deadline:
                     raise RegistryError(
@@ -132,13 +312,11 @@ class Registry:
             self.client.delete_registered_model(name)
 
     def _break_if_stale(self, name: str) -> None:
-        from mlflow.exceptions import MlflowException
-
         try:
             since = float(self.client.get_registered_model(name).tags.get("since", "inf"))
             if time.time() - since > self.stale_lock_s:  # its holder died mid-promotion
                 self.client.delete_registered_model(name)
-        except MlflowException:
+        except self.errors:
             pass  # released meanwhile
 
     def settle(self, candidate: str, decided_against: str | None, promote: bool, tags: dict[str, str]) -> list[AliasMove]:
@@ -152,24 +330,26 @@ class Registry:
                     f"the champion is now version {champion}, but the decision was made against "
                     f"{decided_against or 'the base model'}; re-run to decide against the new champion"
                 )
-            moves = plan_promotion(champion, candidate, promote)
             self.tag(candidate, tags)
-            self.apply(moves)
-        return moves
+            return self.apply(plan_promotion(champion, candidate, promote))
 
     def rollback(self, reason: str) -> list[AliasMove]:
         with self.lock():
             aliases = self.aliases()
-            moves = plan_rollback(aliases[CHAMPION], aliases[PREVIOUS])
-            self.apply(moves)
+            moves = self.apply(plan_rollback(aliases[CHAMPION], aliases[PREVIOUS]))
             self.tag(aliases[CHAMPION], {"rolled_back_by": operator(), "rolled_back_reason": reason})
         return moves
 
     def force(self, version: str, reason: str) -> list[AliasMove]:
-        """An operator's promotion, with no A/B decision; recorded with who and why."""
-        self.client.get_model_version(self.name, version)  # fails clearly on an unknown version
+        """An operator's promotion, with no A/B decision; recorded with who and why beside the version's
+        own `decision` tag, which keeps what the pipeline decided."""
+        try:
+            self.client.get_model_version(self.name, version)
+        except self.errors as exc:
+            raise RegistryError(f"{self.name} has no version {version}: {exc}") from None
         with self.lock():
-            moves = plan_promotion(self.version_of(CHAMPION), version, promote=True)
-            self.apply(moves)
-            self.tag(version, {"forced_by": operator(), "forced_reason": reason, "decision": "forced"})
+            aliases = self.aliases()
+            moves = self.apply(plan_force(aliases[CHAMPION], aliases[CHALLENGER], version))
+            self.tag(version, {"forced_by": operator(), "forced_reason": reason,
+                               "forced_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
         return moves

@@ -1,0 +1,128 @@
+"""The MLflow model of a GRPO adapter (or of a merged model): MLflow's models-from-code file, copied into each
+logged model and run from there. It imports only mlflow, transformers, peft and torch, never this project, so
+`mlflow.pyfunc.load_model("models:/grpo-adapter@champion")` and `mlflow models serve` work anywhere MLflow,
+transformers and peft are installed.
+
+Input: a DataFrame (or records) with a `prompt` column: plain text (one user message) or a JSON list of chat
+messages (`[{"role": "user", "content": "..."}]`). Output: one completion per prompt, greedy, decoded as the
+pipeline's evaluation decodes it (the model's chat template, left padding, special tokens skipped). Params:
+`max_new_tokens`, `batch_size`.
+
+The model config names the base: a hub id, or the URI of the base's copy in the artifact store (downloaded
+once per content hash into `$GRPO_MODEL_CACHE`, default `~/.cache/grpo-models`).
+"""
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import mlflow
+from mlflow.models import set_model
+from mlflow.pyfunc import PythonModel
+
+
+def _is_uri(reference: str) -> bool:
+    return "://" in reference or reference.startswith(("runs:/", "models:/", "mlflow-artifacts:"))
+
+
+def _local_base(reference: str, digest: str | None) -> str:
+    """A directory or hub id `from_pretrained` loads: a URI is downloaded (once per content hash)."""
+    if not _is_uri(reference):
+        return reference
+    cache = Path(os.environ.get("GRPO_MODEL_CACHE", Path.home() / ".cache" / "grpo-models"))
+    if digest and (cache / digest / "config.json").is_file():
+        return str(cache / digest)
+    cache.mkdir(parents=True, exist_ok=True)
+    staging = tempfile.mkdtemp(dir=cache, prefix=".download-")
+    local = mlflow.artifacts.download_artifacts(artifact_uri=reference, dst_path=staging)
+    if not digest:
+        return local
+    target = cache / digest
+    try:
+        Path(local).rename(target)  # whole or not at all; a concurrent download may have won
+    except OSError:
+        pass
+    return str(target) if (target / "config.json").is_file() else local
+
+
+def _messages(prompt):
+    if isinstance(prompt, list):
+        return prompt
+    text = str(prompt)
+    if text.lstrip().startswith("["):
+        try:
+            messages = json.loads(text)
+            if isinstance(messages, list) and all(isinstance(m, dict) for m in messages):
+                return messages
+        except ValueError:
+            pass
+    return [{"role": "user", "content": text}]
+
+
+def _prompts(model_input) -> list:
+    if hasattr(model_input, "columns"):  # a DataFrame, as pyfunc and the scoring server pass it
+        column = "prompt" if "prompt" in model_input.columns else model_input.columns[0]
+        return list(model_input[column])
+    if isinstance(model_input, dict):
+        value = model_input.get("prompt", model_input)
+        return list(value) if isinstance(value, list) else [value]
+    if isinstance(model_input, str):
+        return [model_input]
+    return [m.get("prompt") if isinstance(m, dict) else m for m in model_input]
+
+
+class GRPOChatModel(PythonModel):
+    def load_context(self, context):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        cfg = context.model_config or {}
+        self.max_new_tokens = int(cfg.get("max_new_tokens", 64))
+        self.batch_size = int(cfg.get("batch_size", 8))
+        trust = bool(cfg.get("trust_remote_code", False))
+        merged = context.artifacts.get("merged")
+        weights = merged or _local_base(cfg["base"], cfg.get("base_sha256"))
+        tokenizer_dir = merged or context.artifacts["adapter"]
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=trust)
+        if self.tokenizer.pad_token is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.tokenizer.padding_side = "left"  # decoder-only models continue from the right edge
+        quantization = cfg.get("quantization", "none")
+        dtype = getattr(torch, cfg.get("compute_dtype", "float32"))
+        kwargs = {"dtype": dtype, "trust_remote_code": trust}
+        if quantization != "none" and not merged:  # the adapter was trained and evaluated on this base
+            from transformers import BitsAndBytesConfig
+
+            kwargs["quantization_config"] = (
+                BitsAndBytesConfig(load_in_8bit=True) if quantization == "int8" else BitsAndBytesConfig(
+                    load_in_4bit=True, bnb_4bit_quant_type=quantization,
+                    bnb_4bit_use_double_quant=bool(cfg.get("double_quant", False)), bnb_4bit_compute_dtype=dtype)
+            )
+        model = AutoModelForCausalLM.from_pretrained(weights, **kwargs)
+        if not merged:
+            from peft import PeftModel
+
+            model = PeftModel.from_pretrained(model, context.artifacts["adapter"])
+        self.model = model.eval()
+
+    def predict(self, context, model_input, params=None):
+        import torch
+
+        params = params or {}
+        max_new_tokens = int(params.get("max_new_tokens") or self.max_new_tokens)
+        batch_size = int(params.get("batch_size") or self.batch_size)
+        texts = [self.tokenizer.apply_chat_template(_messages(p), tokenize=False, add_generation_prompt=True)
+                 for p in _prompts(model_input)]
+        out = []
+        with torch.inference_mode():
+            for start in range(0, len(texts), batch_size):
+                batch = self.tokenizer(texts[start : start + batch_size], return_tensors="pt", padding=True,
+                                       add_special_tokens=False).to(self.model.device)
+                generated = self.model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,
+                                                pad_token_id=self.tokenizer.pad_token_id)
+                out += self.tokenizer.batch_decode(generated[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
+        return out
+
+
+set_model(GRPOChatModel())
