@@ -1,6 +1,7 @@
 """The pipeline flow: data -> base model (selection, quantization cost) -> plan and budget guard ->
 hyperparameter search (when enabled) -> evaluate base -> GRPO train -> evaluate candidate and champion ->
-merge (when enabled) -> decide -> register and move aliases -> report.
+merge (when enabled) -> decide -> register (MLflow models: the adapter on a base anyone can load, the merged
+model) -> serving check (a clean process loads the version by its registry URI) -> move aliases -> report.
 
 `run_pipeline` reads as that outline: each stage a call that takes typed values and returns a typed result,
 each in its own nested MLflow run under one parent run (`flows.runs`). The `RunSummary` it returns is what
@@ -14,6 +15,7 @@ the retry reuses the same run directory, MLflow parent run and stage runs, and m
 from __future__ import annotations
 
 import json
+from contextlib import nullcontext
 from datetime import datetime
 from pathlib import Path
 from typing import Literal
@@ -28,23 +30,30 @@ from prefect.tasks import exponential_backoff
 from configs.schema import PipelineConfig, TrainConfig, load_config
 from flows.hpo import search_stage
 from flows.preflight import preflight
-from flows.runs import parent_run, setup_tracking, stage_run, stage_run_for_another_process
+from flows.runs import (
+    experiment, log_dataset_inputs, parent_run, setup_tracking, stage_run, stage_run_for_another_process,
+    system_metrics_of,
+)
 from infra.launch import make_launcher, run_job
 from tasks.data import DatasetVersion, data_task, log_lineage
 from tasks.decide import Decision, decide_promotion
 from tasks.evaluate import EvalResult, evaluate_task, read_jsonl
 from tasks.hpo import apply_best
-from tasks.job import build_job_spec, summarize_log_line
+from tasks.job import TrainProgress, build_job_spec
 from tasks.merge import merge_task
 from tasks.model import resolve_model_task
 from tasks.plan import Plan, actual_cost, apply_plan, check_budget
 from tasks.plan.task import plan_task
 from tasks.quantize import quantization_cost_task, require_accepted
-from tasks.registry import CHAMPION, ChampionMoved, Registry, RegistryError
+from tasks.registry import CHAMPION, MERGED_VERSION_TAG, ChampionMoved, Registry, RegistryError
 from tasks.report import artifact_url, plot_comparison, render_markdown
 from tasks.select import select_task
+from tasks.serving import (
+    BASE_EXPERIMENT, ServingCheck, base_reference, find_logged_model, log_adapter_model, log_merged_model,
+    prompt_text, serving_check,
+)
 from tasks.summary import (
-    AliasChange, BaseChoice, Cost, Holdout, Merged, MlflowRef, RegistryOutcome, RunSummary, Search,
+    AliasChange, BaseChoice, Cost, Holdout, Merged, MlflowRef, Registered, RegistryOutcome, RunSummary, Search,
 )
 from trainer.spec import JobSpec, TrainResult
 
@@ -61,7 +70,11 @@ def grpo_pipeline(
     Args:
         config_path: pipeline YAML, relative to the project (e.g. configs/demo-cpu.yaml); empty runs the
             built-in defaults.
-        overrides: `stage.key=value` assignments applied on top, e.g. `train.grpo.max_steps=20`.
+        overrides: `section.key=value` assignments applied on top, one per item. Sections: data, model,
+            plan, hpo, train, evaluate, merge, promote, tracking, deploy; e.g. `train.grpo.max_steps=20`,
+            `train.grpo.learning_rate=3e-4` (any TRL GRPOConfig field), `train.lora.r=16` (any PEFT
+            LoraConfig field), `model.base=org/name`, `model.quantization=nf4`, `evaluate.max_new_tokens=32`,
+            `merge.enabled=true`, `promote.min_effect=0.02`. `grpo-pipeline config` prints every key.
         launcher: where training runs: `local` (a subprocess on the worker) or `sky` (a SkyPilot managed
             spot job); empty keeps the config's `train.launcher`.
         budget_usd: refuse to train when the planner's cost estimate passes this many dollars; empty keeps
@@ -76,7 +89,7 @@ def run_pipeline(cfg: PipelineConfig) -> RunSummary:
     run_dir = _run_dir(cfg)
     experiment_id = setup_tracking(cfg.mlflow_uri, cfg.tracking.experiment, cfg.data_dir / "mlartifacts")
     registry = Registry(mlflow.MlflowClient(cfg.mlflow_uri), cfg.tracking.registered_model)
-    with parent_run(flow_run.id or "local", "grpo-pipeline") as parent:
+    with parent_run(flow_run.id or "local", "grpo-pipeline", flow_run.scheduled_start_time) as parent:
         pid, rewards = parent.info.run_id, cfg.train.rewards
         with stage_run(pid, "data"):
             dataset, base_path = data_stage(cfg)
@@ -97,6 +110,7 @@ def run_pipeline(cfg: PipelineConfig) -> RunSummary:
         train_run = stage_run_for_another_process(experiment_id, pid, "train")
         spec = build_job_spec(cfg.train, cfg.model, model_path, splits, run_dir, mlflow_tracking_uri=cfg.mlflow_uri,
                               mlflow_experiment=cfg.tracking.experiment, mlflow_run_id=train_run)
+        log_dataset_inputs(train_run, dataset)
         result = _resumable(train_task)(spec, cfg.train)
         cost = Cost(cost_usd_estimated=plan.estimate.usd, cost_usd_actual=actual_cost(result.gpu_hours, plan))
         mlflow.log_metrics(cost.model_dump())
@@ -113,7 +127,12 @@ def run_pipeline(cfg: PipelineConfig) -> RunSummary:
                 merged = merge_stage(cfg, model_path, result, splits["holdout"], run_dir, run.info.run_id)
         with stage_run(pid, "decide"):
             decision = decide_stage(cfg, trained, champion or base)
-        outcome = register_stage(cfg, registry, dataset, result, train_run, champion_version, decision, merged, pid)
+        with stage_run(pid, "register"):
+            registered = register_stage(cfg, registry, dataset, model_path, result, merged, pid, splits["holdout"])
+        with stage_run(pid, "serving-check"):
+            check = serving_stage(cfg, registry, registered, splits["holdout"], trained)
+        decision = blocked_unless_served(decision, check)
+        outcome = promote_stage(registry, registered, champion_version, decision, check)
         summary = RunSummary(
             mlflow=MlflowRef(tracking_uri=cfg.mlflow_uri, run_id=pid, experiment_id=experiment_id),
             run_dir=str(run_dir.resolve()),
@@ -196,16 +215,20 @@ KEY_LORA = ("r", "lora_alpha", "lora_dropout", "target_modules")
 
 @task(name="train")
 def train_task(spec: JobSpec, train: TrainConfig) -> TrainResult:
-    """The job through the launcher `train.launcher` names; the trainer's steps go to the flow's log."""
+    """The job through the launcher `train.launcher` names; each step goes to the flow's log as step x/N,
+    steps/s and the time left; a local job's machine metrics go into its MLflow run."""
     from prefect.logging import get_run_logger
 
     logger = get_run_logger()
+    progress = TrainProgress(spec.train.grpo.get("max_steps"), spec.train.grpo.get("logging_steps", 10))
 
     def show(line: str) -> None:
-        if summary := summarize_log_line(line):
+        if summary := progress.update(line):
             logger.info(summary)
 
-    return run_job(make_launcher(train, on_line=show, on_status=logger.info), spec)
+    local = train.launcher == "local" and spec.mlflow_run_id and spec.mlflow_tracking_uri
+    with system_metrics_of(spec.mlflow_run_id) if local else nullcontext():
+        return run_job(make_launcher(train, on_line=show, on_status=logger.info), spec)
 
 
 def evaluate_stage(cfg: PipelineConfig, model_path: str, holdout: Path, name: str, adapter: str | None = None,
@@ -227,10 +250,12 @@ def fetch_champion_task(registry: Registry, version: str, dst: Path) -> tuple[st
 
 def champion_stage(cfg: PipelineConfig, registry: Registry, version: str, holdout: Path, run_dir: Path) -> EvalResult:
     """The current champion on the same holdout, on the base it was trained on."""
-    adapter, tags = fetch_champion_task(registry, version, run_dir / "champion")
-    model = cfg.model.model_copy(
-        update={"base": tags.get("base_model", cfg.model.base), "quantization": tags.get("quantization", "none")}
-    )
+    local, tags = fetch_champion_task(registry, version, run_dir / "champion")
+    adapter = Path(local) / "artifacts" / "adapter"  # an MLflow model; a version registered before was the adapter
+    adapter = str(adapter) if adapter.is_dir() else local
+    # base_config: the base as this project's config names it (the portable base_model names a copy of it)
+    base_name = tags.get("base_config", tags.get("base_model", cfg.model.base))
+    model = cfg.model.model_copy(update={"base": base_name, "quantization": tags.get("quantization", "none")})
     path = resolve_model_task(model, cfg.data_dir / "models")
     return evaluate_stage(cfg, path, holdout, "champion", adapter=adapter, model=model)
 
@@ -241,8 +266,16 @@ def merge_stage(cfg: PipelineConfig, model_path: str, result: TrainResult, holdo
     merged = _resumable(merge_task)(model_path, result.adapter_dir, run_dir / "merged", prompts, cfg.merge,
                                     trust_remote_code=cfg.model.trust_remote_code)
     mlflow.log_metric("max_logit_difference", merged["max_logit_difference"])
-    mlflow.log_artifacts(merged["merged_dir"], "merged")
-    return Merged(**merged, source=f"runs:/{run_id}/merged")
+    found = find_logged_model(run_id, "merged")  # a retry registers what its first attempt logged
+    serving_model = cfg.model.model_copy(update={"compute_dtype": cfg.merge.dtype})
+    uri, model_id = (found.model_uri, found.model_id) if found else log_merged_model(
+        merged["merged_dir"], serving_model, cfg.evaluate, _example(holdout))
+    return Merged(**merged, source=uri, model_id=model_id, run_id=run_id)
+
+
+def _example(holdout: Path) -> str:
+    """The MLflow model's input example: the first holdout prompt."""
+    return prompt_text(read_jsonl(holdout)[0]["prompt"])
 
 
 def decide_stage(cfg: PipelineConfig, trained: EvalResult, baseline: EvalResult) -> Decision:
@@ -267,42 +300,107 @@ def _not_a_decision(task, task_run, state) -> bool:
     return False
 
 
-@task(name="register", cache_policy=NO_CACHE, retries=3, retry_delay_seconds=exponential_backoff(backoff_factor=5),
-      retry_condition_fn=_not_a_decision)
-def register_task(registry: Registry, source: str, run_id: str, tags: dict, decided_against: str | None,
-                  promote: bool, decision_tags: dict) -> tuple[str, list]:
-    version = registry.register(source, run_id, tags)
-    return version, registry.settle(version, decided_against, promote, decision_tags)
+@task(name="register", cache_policy=NO_CACHE, retries=3, retry_delay_seconds=exponential_backoff(backoff_factor=5))
+def register_task(registry: Registry, source: str, run_id: str, tags: dict, model_id: str, name: str | None = None) -> str:
+    return registry.register(source, run_id, tags, name=name, model_id=model_id)
 
 
-def register_stage(cfg: PipelineConfig, registry: Registry, dataset: DatasetVersion, result: TrainResult,
-                   train_run: str, decided_against: str | None, decision: Decision, merged: Merged | None,
-                   parent_run_id: str) -> RegistryOutcome:
-    """The candidate as a new model version, with the aliases the decision calls for (under the lock)."""
+def register_stage(cfg: PipelineConfig, registry: Registry, dataset: DatasetVersion, model_path: str,
+                   result: TrainResult, merged: Merged | None, parent_run_id: str, holdout: Path) -> Registered:
+    """The candidate as an MLflow model on a base anyone can load, registered as a new version (and the
+    merged model as a version of `<name>-merged`); no alias moves yet."""
+    client = mlflow.MlflowClient(cfg.mlflow_uri)
+    base_experiment = experiment(cfg.mlflow_uri, BASE_EXPERIMENT, cfg.data_dir / "mlartifacts")
+    base = base_reference(client, model_path, base_experiment, cfg.model.base)
+    run_id = mlflow.active_run().info.run_id
+    found = find_logged_model(run_id, "adapter")  # a retry registers what its first attempt logged
+    uri, model_id = (found.model_uri, found.model_id) if found else log_adapter_model(
+        result.adapter_dir, base, cfg.model, cfg.evaluate, _example(holdout), Path(result.adapter_dir).parent / "serving")
+    mlflow.log_params({"base_reference": base.reference, "base_uploaded": base.uploaded})
     tags = {
-        "base_model": cfg.model.base,
+        "base_model": base.reference,
+        "base_config": cfg.model.base,
+        **({"base_sha256": base.sha256} if base.sha256 else {}),
         "quantization": cfg.model.quantization,
         "dataset_fingerprint": dataset.fingerprint,
         "hyperparameters": json.dumps({"grpo": cfg.train.grpo, "lora": cfg.train.lora}, sort_keys=True)[:5000],
         "gpu_hours": f"{result.gpu_hours or 0:.4f}",
         "pipeline_run_id": parent_run_id,
-        **({"merged_source": merged.source} if merged else {}),
+        "train_run_id": result.mlflow_run_id or "",
     }
+    version = register_task(registry, uri, run_id, tags, model_id)
+    registered = Registered(model=registry.name, version=version, model_uri=uri, base=base)
+    if merged:
+        merged_version = register_task(registry, merged.source, merged.run_id, {**tags, "adapter_version": version},
+                                       merged.model_id, name=registry.merged)
+        registry.tag(version, {MERGED_VERSION_TAG: merged_version})
+        registered = registered.model_copy(update={"merged_model": registry.merged, "merged_version": merged_version})
+    mlflow.set_tags({"candidate_version": version, "model_uri": registered.uri})
+    return registered
+
+
+def serving_stage(cfg: PipelineConfig, registry: Registry, registered: Registered, holdout: Path,
+                  trained: EvalResult) -> ServingCheck:
+    """A clean process outside the project loads the version by its registry URI and generates for the
+    holdout's first evaluation batch; its outputs must be the evaluation's greedy outputs."""
+    rows = read_jsonl(holdout)[: cfg.evaluate.batch_size]  # the same batch, so the same padding
+    check = serving_check(registered.uri, cfg.mlflow_uri, rows, [r["completion"] for r in trained.rows[: len(rows)]],
+                          cfg.evaluate.max_new_tokens, cfg.evaluate.batch_size, cache_dir=cfg.data_dir / "serving-cache")
+    mlflow.log_metrics({"serving_check_passed": float(check.passed), "serving_check_matched": check.matched,
+                        "serving_check_prompts": check.prompts, "serving_check_s": check.seconds})
+    mlflow.log_dict(check.model_dump(mode="json"), "serving_check.json")
+    registry.tag(registered.version, {"serving_check": "passed" if check.passed else "failed"})
+    return check
+
+
+def blocked_unless_served(decision: Decision, check: ServingCheck) -> Decision:
+    """A candidate that does not serve as it was evaluated is not promoted, whatever its scores."""
+    if check.passed:
+        return decision
+    return decision.model_copy(update={"promote": False, "reasons": [*decision.reasons, check.reason()]})
+
+
+def _not_a_decision(task, task_run, state) -> bool:
+    """Retry registry calls on service errors, never on a lost race or a held lock."""
+    try:
+        state.result()
+    except (ChampionMoved, RegistryError):
+        return False
+    except Exception:
+        return True
+    return False
+
+
+@task(name="settle", cache_policy=NO_CACHE, retries=3, retry_delay_seconds=exponential_backoff(backoff_factor=5),
+      retry_condition_fn=_not_a_decision)
+def settle_task(registry: Registry, version: str, decided_against: str | None, promote: bool, decision_tags: dict) -> list:
+    return registry.settle(version, decided_against, promote, decision_tags)
+
+
+def promote_stage(registry: Registry, registered: Registered, decided_against: str | None, decision: Decision,
+                  check: ServingCheck) -> RegistryOutcome:
+    """The aliases the decision calls for, under the lock; a version that failed its serving check gets none."""
     verdict = _verdict(decision)
-    version, moves = register_task(
-        registry, f"runs:/{train_run}/adapter", train_run, tags, decided_against, decision.promote,
-        {"decision": verdict, "decision_reasons": " | ".join(decision.reasons)[:5000]},
+    tags = {"decision": verdict, "decision_reasons": " | ".join(decision.reasons)[:5000]}
+    if check.passed:
+        moves = settle_task(registry, registered.version, decided_against, decision.promote, tags)
+    else:
+        registry.tag(registered.version, tags)
+        moves = []
+    mlflow.set_tags({"decision": verdict, "candidate_version": registered.version})
+    return RegistryOutcome(
+        model=registry.name, candidate_version=registered.version, decided_against=decided_against,
+        moves=[AliasChange(model=m.model, alias=m.alias, version=m.version, before=m.before) for m in moves],
+        aliases=registry.aliases(), base_model=registered.base.reference, serving_check=check,
+        merged_model=registered.merged_model, merged_version=registered.merged_version,
+        merged_aliases=registry.aliases(registry.merged) if registered.merged_model else None,
     )
-    mlflow.set_tags({"decision": verdict, "candidate_version": version})
-    return RegistryOutcome(model=registry.name, candidate_version=version, decided_against=decided_against,
-                           moves=[AliasChange(alias=m.alias, version=m.version) for m in moves],
-                           aliases=registry.aliases())
 
 
 def report(summary: RunSummary, run_dir: Path) -> None:
     """The summary and the decision, as JSON, Markdown and a chart, in MLflow and in the Prefect UI."""
     holdout = summary.holdout
-    mlflow.log_metrics({f"holdout/{k}": getattr(holdout, k) for k in ("base_reward", "trained_reward", "gain")})
+    mlflow.log_metrics(headline_metrics(summary))
     mlflow.log_dict(summary.model_dump(mode="json"), "summary.json")
     markdown = render_markdown(holdout, summary.decision, summary.registry)
     mlflow.log_text(markdown, "report.md")
@@ -312,6 +410,22 @@ def report(summary: RunSummary, run_dir: Path) -> None:
     url = artifact_url(summary.mlflow.tracking_uri, summary.mlflow.run_id, "comparison.png")
     if url:  # the Prefect UI loads images by URL; an MLflow server serves its artifacts by URL
         create_image_artifact(url, key="grpo-comparison", description="candidate against baseline, with the 95% CI")
+
+
+def headline_metrics(summary: RunSummary) -> dict[str, float]:
+    """The parent run's metrics, for comparing runs in the MLflow UI's table."""
+    holdout, out = summary.holdout, {}
+    for model, reward, values in (("base", holdout.base_reward, holdout.base),
+                                  ("candidate", holdout.trained_reward, holdout.trained),
+                                  ("champion", holdout.champion_reward, holdout.champion)):
+        if values is not None:
+            out |= {f"holdout/{model}_reward": reward, **{f"holdout/{model}/{k}": v for k, v in values.items()}}
+    out |= {"holdout/gain": holdout.gain, "promoted": float(summary.decision.promote),
+            "serving_check_passed": float(summary.registry.serving_check.passed),
+            "train/global_step": summary.train.global_step, "train/runtime_s": summary.train.train_runtime_s}
+    # the names earlier runs used, so they stay comparable
+    out |= {"holdout/base_reward": holdout.base_reward, "holdout/trained_reward": holdout.trained_reward}
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ inputs

@@ -1,24 +1,48 @@
 """MLflow runs of a pipeline run, opened in one place: the experiment (the embedded default is a SQLite file
 and an artifact folder under the data directory), the parent run (one per Prefect flow run, found again by a
-retry of it), and a nested run per stage (reopened when a retry reaches the stage again)."""
+retry of it, named with its date and the flow run's short id), and a nested run per stage (reopened when a
+retry reaches the stage again)."""
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
+from datetime import datetime, timezone
 from pathlib import Path
 
 import mlflow
 
+# MLflow 3 opens an experiment in the view this tag names; without it, the GenAI view (traces, assistant).
+EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
 
-def setup_tracking(uri: str, experiment: str, artifact_dir: Path) -> str:
-    """Point MLflow at `uri` and return the experiment id (created with artifacts under `artifact_dir`)."""
-    mlflow.set_tracking_uri(uri)
-    found = mlflow.get_experiment_by_name(experiment)
-    if found is not None:
-        exp_id = found.experiment_id
-    else:
+
+def quiet_mlflow() -> None:
+    """No "View run ... at" line per run and no upload progress bars (they garble worker logs); a user's
+    own setting of either wins."""
+    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+
+
+def experiment(uri: str, name: str, artifact_dir: Path) -> str:
+    """The id of experiment `name` (created with artifacts under `artifact_dir` for a SQLite store), in
+    MLflow's model-training view."""
+    client = mlflow.MlflowClient(uri)
+    found = client.get_experiment_by_name(name)
+    if found is None:
         location = artifact_dir.resolve().as_uri() if uri.startswith("sqlite:") else None
-        exp_id = mlflow.create_experiment(experiment, artifact_location=location)
+        exp_id = client.create_experiment(name, artifact_location=location, tags=EXPERIMENT_KIND)
+    else:
+        exp_id = found.experiment_id
+        if found.tags.get("mlflow.experimentKind") != EXPERIMENT_KIND["mlflow.experimentKind"]:
+            client.set_experiment_tag(exp_id, *next(iter(EXPERIMENT_KIND.items())))
+    return exp_id
+
+
+def setup_tracking(uri: str, name: str, artifact_dir: Path) -> str:
+    """Point MLflow at `uri` and return the experiment id (created with artifacts under `artifact_dir`)."""
+    quiet_mlflow()
+    mlflow.set_tracking_uri(uri)
+    exp_id = experiment(uri, name, artifact_dir)
     mlflow.set_experiment(experiment_id=exp_id)
     return exp_id
 
@@ -29,12 +53,22 @@ def find_run(filter_string: str) -> str | None:
     return found[0].info.run_id if found else None
 
 
+def run_name(prefix: str, flow_run_id: str, started: datetime | None = None) -> str:
+    """A parent run's name: what ran, when (UTC), and the flow run's short id.
+
+    >>> run_name("grpo-pipeline", "0f6c9e1a-5d2b", datetime(2026, 12, 1, 7, 46, tzinfo=timezone.utc))
+    'grpo-pipeline 2026-12-01 07:46 0f6c9e1a'
+    """
+    started = (started or datetime.now(timezone.utc)).astimezone(timezone.utc)
+    return f"{prefix} {started:%Y-%m-%d %H:%M} {flow_run_id[:8]}"
+
+
 @contextmanager
-def parent_run(flow_run_id: str, name: str):
+def parent_run(flow_run_id: str, name: str, started: datetime | None = None):
     """The flow run's top-level MLflow run, continued by a retry of the same flow run."""
     existing = find_run(f"tags.prefect_flow_run_id = '{flow_run_id}'")
-    with mlflow.start_run(run_id=existing, run_name=None if existing else name,
-                          tags={"prefect_flow_run_id": flow_run_id}) as run:
+    with mlflow.start_run(run_id=existing, run_name=None if existing else run_name(name, flow_run_id, started),
+                          tags={"prefect_flow_run_id": flow_run_id, "pipeline": name}) as run:
         yield run
 
 
@@ -55,3 +89,44 @@ def stage_run_for_another_process(experiment_id: str, parent_run_id: str, name: 
     return _child(parent_run_id, name) or mlflow.MlflowClient().create_run(
         experiment_id, run_name=name, tags={"mlflow.parentRunId": parent_run_id}
     ).info.run_id
+
+
+@contextmanager
+def system_metrics_of(run_id: str):
+    """CPU, memory (and GPU, with pynvml) of this machine, sampled into run `run_id` while the block runs:
+    for a stage another process fills in on this machine (local training). Nothing where MLflow's monitor
+    cannot run (no psutil)."""
+    try:
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        monitor = SystemMetricsMonitor(run_id, resume_logging=True)  # a retry continues the steps
+        monitor.start()
+    except Exception:  # psutil missing, or a monitor MLflow cannot start here: training goes on without it
+        monitor = None
+    try:
+        yield
+    finally:
+        if monitor is not None:
+            monitor.finish()
+
+
+def log_dataset_inputs(run_id: str, dataset) -> None:
+    """The dataset splits a run trains on (train, val), as its MLflow dataset inputs: the same digests the
+    data stage's run lists, so the UI links them."""
+    import warnings
+
+    from mlflow.data.dataset_source_registry import resolve_dataset_source
+    from mlflow.data.meta_dataset import MetaDataset
+    from mlflow.entities import DatasetInput, InputTag
+
+    inputs = []
+    for split in ("train", "val"):
+        if split not in dataset.splits:
+            continue
+        with warnings.catch_warnings():  # MLflow registers two local-file source classes and says so
+            warnings.simplefilter("ignore", UserWarning)
+            source = resolve_dataset_source(str(Path(dataset.splits[split]).resolve()))
+        entity = MetaDataset(source, name=split, digest=dataset.fingerprints[split])._to_mlflow_entity()
+        inputs.append(DatasetInput(entity, tags=[InputTag("mlflow.data.context", split),
+                                                 InputTag("dataset_fingerprint", dataset.fingerprint)]))
+    mlflow.MlflowClient().log_inputs(run_id, datasets=inputs)

@@ -4,11 +4,13 @@ the job's own settings must pass before any work is done. Launching it is infra'
 from __future__ import annotations
 
 import ast
+import math
+import time
 from pathlib import Path
 
 from configs.schema import ConfigError, ModelConfig, TrainConfig
 from trainer.checkpoints import open_store
-from trainer.spec import JobSpec, ModelLoad, TrainSettings
+from trainer.spec import JobSpec, ModelLoad, TrainSettings, parse_progress
 
 SHOWN_METRICS = ("reward", "reward_std", "loss", "completions/mean_length", "step_time")
 
@@ -74,16 +76,99 @@ def check_store(train: TrainConfig) -> None:
         open_store(train.checkpoint_uri, train.s3_endpoint_url).check()
 
 
+def _log_dict(line: str) -> dict | None:
+    """The HF log dict in a line of trainer output (SkyPilot may prefix lines), or None."""
+    start = line.find("{'")
+    if start < 0:
+        return None
+    try:
+        logs = ast.literal_eval(line[start:].strip())
+    except (ValueError, SyntaxError):
+        return None
+    return logs if isinstance(logs, dict) else None
+
+
+def _is_step_log(logs: dict) -> bool:
+    """A training step's log (not an evaluation's, nor the end-of-training summary)."""
+    return ("loss" in logs or "reward" in logs) and "train_runtime" not in logs and not any(
+        k.startswith("eval_") for k in logs)
+
+
 def summarize_log_line(line: str) -> str | None:
     """A short summary of one of HF's per-step log dicts; None for any other trainer output.
 
     >>> summarize_log_line("{'loss': 0.5, 'reward': 0.25, 'step_time': 9.87, 'epoch': 0.01}")
     'reward=0.25 loss=0.5 step_time=9.87'
+    >>> summarize_log_line("{'train_runtime': 12.0, 'train_loss': 0.1}") is None
+    True
     """
-    if not line.startswith("{'loss'"):
+    logs = _log_dict(line)
+    if logs is None or not _is_step_log(logs):
         return None
-    try:
-        logs = ast.literal_eval(line)
-    except (ValueError, SyntaxError):
-        return None
-    return " ".join(f"{k}={logs[k]:.4g}" for k in SHOWN_METRICS if k in logs)
+    return " ".join(f"{k}={logs[k]:.4g}" for k in SHOWN_METRICS if isinstance(logs.get(k), int | float))
+
+
+def _duration(seconds: float) -> str:
+    """
+    >>> _duration(59.4), _duration(252), _duration(7384)
+    ('59s', '4m 12s', '2h 3m')
+    """
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m {seconds % 60}s"
+    return f"{seconds // 3600}h {seconds % 3600 // 60}m"
+
+
+class TrainProgress:
+    """Step x/N, steps per second and time left, from the trainer's per-step log lines.
+
+    HF prints one log dict every `logging_steps` steps without the step number, so steps are counted from
+    the lines (a dict's own `step`, or a validation report's, is taken when present); the rate is measured
+    from the first step seen in this process, so model loading does not count against it.
+
+    >>> clock = iter([100.0, 110.0, 120.0]).__next__
+    >>> p = TrainProgress(max_steps=4, logging_steps=1, clock=clock)
+    >>> p.update("{'loss': 0.1, 'reward': 0.5}")
+    'step 1/4 (25%), ETA --  reward=0.5 loss=0.1'
+    >>> p.update("{'loss': 0.1, 'reward': 0.75}")
+    'step 2/4 (50%), 0.10 steps/s, ETA 20s  reward=0.75 loss=0.1'
+    >>> p.update("loading weights") is None
+    True
+    """
+
+    def __init__(self, max_steps: int | None, logging_steps: float = 1, clock=None):
+        self.max_steps = max_steps if max_steps and max_steps > 0 else None
+        # HF reads a logging_steps below 1 as a fraction of max_steps
+        if logging_steps < 1 and self.max_steps:
+            logging_steps = math.ceil(logging_steps * self.max_steps)
+        self.every = max(int(logging_steps), 1)
+        self.clock = clock or time.monotonic
+        self.step = 0
+        self.first: tuple[int, float] | None = None
+
+    def update(self, line: str) -> str | None:
+        """The progress line for a step's log line; None for any other output."""
+        if report := parse_progress(line):  # a validation report names its step: resynchronise
+            self.step = int(report["step"])
+            return None
+        logs = _log_dict(line)
+        if logs is None or not _is_step_log(logs):
+            return None
+        self.step = int(logs["step"]) if isinstance(logs.get("step"), int) else self.step + self.every
+        if self.max_steps:
+            self.step = min(self.step, self.max_steps)
+        now = self.clock()
+        if self.first is None:
+            self.first = (self.step, now)
+        return f"{self._position(now)}  {summarize_log_line(line)}"
+
+    def _position(self, now: float) -> str:
+        total = f"/{self.max_steps} ({self.step / self.max_steps:.0%})" if self.max_steps else ""
+        first_step, first_time = self.first
+        if self.step <= first_step or now <= first_time:
+            return f"step {self.step}{total}, ETA --"
+        rate = (self.step - first_step) / (now - first_time)
+        eta = f", ETA {_duration((self.max_steps - self.step) / rate)}" if self.max_steps else ""
+        return f"step {self.step}{total}, {rate:.2f} steps/s{eta}"

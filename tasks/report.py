@@ -6,7 +6,7 @@ from pathlib import Path
 from urllib.parse import urlencode
 
 from tasks.decide import Decision
-from tasks.summary import Holdout, RegistryOutcome
+from tasks.summary import AliasChange, Holdout, RegistryOutcome
 
 
 def render_markdown(holdout: Holdout, decision: Decision, registry: RegistryOutcome) -> str:
@@ -30,9 +30,48 @@ def render_markdown(holdout: Holdout, decision: Decision, registry: RegistryOutc
     for name in holdout.trained:
         values = [holdout.base, *([holdout.champion] if holdout.champion else []), holdout.trained]
         lines.append(f"| {name} | " + " | ".join(f"{v[name]:.3f}" for v in values) + " |")
-    aliases = ", ".join(f"{alias} = version {v}" for alias, v in registry.aliases.items() if v) or "none"
-    lines += ["", f"Aliases after this run: {aliases}.", ""]
+    lines += ["", *serving_lines(registry), "", *alias_table(registry), ""]
     return "\n".join(lines)
+
+
+def serving_lines(registry: RegistryOutcome) -> list[str]:
+    """How to load the candidate, and whether it served as it was evaluated."""
+    check = registry.serving_check
+    lines = ["## Serving", "",
+             f"`mlflow.pyfunc.load_model(\"models:/{registry.model}/{registry.candidate_version}\")` "
+             f"on base `{registry.base_model}`"
+             + (f"; merged: `models:/{registry.merged_model}/{registry.merged_version}`" if registry.merged_model else "")
+             + ".", "", f"- {'passed' if check.passed else '**failed**'}: {check.reason()} ({check.seconds:.0f} s)"]
+    return lines + [f"  - prompt {m['key']}: evaluated {m['expected']!r}, served {m['served']!r}" for m in check.mismatches]
+
+
+def alias_table(registry: RegistryOutcome) -> list[str]:
+    """The aliases after this run, and what this run moved, as a Markdown table.
+
+    >>> from tasks.serving import ServingCheck
+    >>> check = ServingCheck(model_uri="models:/m/4", prompts=2, matched=2, passed=True, seconds=1.0)
+    >>> out = RegistryOutcome(model="m", candidate_version="4", decided_against="3", base_model="org/base",
+    ...     moves=[AliasChange(model="m", alias="champion", version="4", before="3")], serving_check=check,
+    ...     aliases={"champion": "4", "challenger": None, "previous-champion": "3"})
+    >>> print("\\n".join(alias_table(out)))
+    ## Aliases
+    <BLANKLINE>
+    | model | alias | version | before this run |
+    |---|---|---|---|
+    | m | champion | 4 | 3 |
+    | m | challenger | - | - |
+    | m | previous-champion | 3 | 3 |
+    """
+    moved = {(m.model, m.alias): m.before for m in registry.moves}
+    models = [(registry.model, registry.aliases)]
+    if registry.merged_model and registry.merged_aliases is not None:
+        models.append((registry.merged_model, registry.merged_aliases))
+    lines = ["## Aliases", "", "| model | alias | version | before this run |", "|---|---|---|---|"]
+    for model, aliases in models:
+        for alias, version in aliases.items():
+            before = moved[(model, alias)] if (model, alias) in moved else version
+            lines.append(f"| {model} | {alias} | {version or '-'} | {before or '-'} |")
+    return lines
 
 
 def plot_comparison(baseline: dict[str, float], candidate: dict[str, float], stats: dict, path: Path) -> Path:

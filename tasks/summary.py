@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict
 
 from tasks.decide import Decision
 from tasks.evaluate import EvalResult
+from tasks.serving import BaseRef, ServingCheck
 from trainer.spec import TrainResult
 
 
@@ -69,7 +70,9 @@ class Merged(BaseModel):
     merged_dir: str
     max_logit_difference: float
     dtype: str
-    source: str  # runs:/<merge run>/merged
+    source: str  # the merged MLflow model's URI (models:/m-...)
+    model_id: str  # the logged model
+    run_id: str  # the merge run, which logged it
 
 
 class _Versions(BaseModel):
@@ -77,8 +80,26 @@ class _Versions(BaseModel):
 
 
 class AliasChange(_Versions):
+    model: str  # the registered model (the adapter's, or its merged companion)
     alias: str
     version: str | None  # None: the alias was removed
+    before: str | None  # the version it pointed at
+
+
+class Registered(_Versions):
+    """The candidate's model versions, before any alias moves."""
+
+    model: str
+    version: str
+    model_uri: str  # the logged MLflow model the version holds
+    base: BaseRef  # what its adapter_config.json names
+    merged_model: str | None = None
+    merged_version: str | None = None
+
+    @property
+    def uri(self) -> str:
+        """How anyone loads it: `mlflow.pyfunc.load_model(uri)`."""
+        return f"models:/{self.model}/{self.version}"
 
 
 class RegistryOutcome(_Versions):
@@ -87,6 +108,11 @@ class RegistryOutcome(_Versions):
     decided_against: str | None  # the champion's version, or None: the base model was the baseline
     moves: list[AliasChange]
     aliases: dict[str, str | None]
+    base_model: str  # the base as anyone loads it: a hub id, or runs:/<id>/model
+    serving_check: ServingCheck
+    merged_model: str | None = None
+    merged_version: str | None = None
+    merged_aliases: dict[str, str | None] | None = None
 
 
 class RunSummary(BaseModel):
