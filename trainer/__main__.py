@@ -1,11 +1,19 @@
-"""`python -m trainer --spec job.json`: run one GRPO training job (see trainer/train.py for exit codes)."""
+"""`python -m trainer --spec job.json`: run one GRPO training process (see trainer/train.py for exit codes).
+
+Alone it is the whole job; started by torchrun (`python -m trainer.launch`) it is one rank of several.
+"""
 
 import time
 
 STARTED = time.monotonic()  # before the heavy imports: a restart's cost includes them
 
 import argparse  # noqa: E402
+import os  # noqa: E402
 import sys  # noqa: E402
+
+from trainer.distributed import record  # noqa: E402
+
+record("pid", os.getpid())  # first: the node launcher forwards a SIGTERM to the pids it finds
 
 from trainer.train import main  # noqa: E402
 

@@ -1,5 +1,9 @@
 """Trainer callbacks: push each checkpoint to the store in the background, stop cleanly on SIGTERM, and
-report validation rewards on stdout for a parent that prunes on them (hyperparameter search)."""
+report validation rewards on stdout for a parent that prunes on them (hyperparameter search).
+
+With several ranks, every rank runs these callbacks at the same points (HF calls them on each process), so
+their collectives line up: the checkpoint's files are gathered to rank 0, which alone uploads, and the
+decision to stop after a SIGTERM is taken by all ranks together."""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from trainer.checkpoints import Store, checkpoint_name, prune
+from trainer.distributed import Ranks
 from trainer.spec import progress_line
 from trainer.tracking import CommittedMetrics
 
@@ -34,12 +39,23 @@ def _link_or_copy(src: str, dst: str) -> None:
         shutil.copy2(src, dst)
 
 
+class CheckpointIncomplete(RuntimeError):
+    pass
+
+
 class CheckpointSync(TrainerCallback):
     """After HF writes `checkpoint-N`, upload it (manifest last) on a background thread, then log the
-    metrics it covers to MLflow, then prune old checkpoints."""
+    metrics it covers to MLflow, then prune old checkpoints.
 
-    def __init__(self, store: Store, keep: int, staging: Path, metrics: CommittedMetrics | None = None):
+    With several ranks: each rank's files (its RNG state, its optimizer shards) are first gathered into rank
+    0's copy, which must then hold an RNG state for every rank, so a checkpoint in the store is never missing
+    a rank's part; the other ranks drop their copies.
+    """
+
+    def __init__(self, store: Store, keep: int, staging: Path, metrics: CommittedMetrics | None = None,
+                 ranks: Ranks | None = None):
         self.store, self.keep, self.staging, self.metrics = store, keep, staging, metrics
+        self.ranks = ranks or Ranks()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-upload")
         self._pending: list[Future] = []
 
@@ -55,7 +71,14 @@ class CheckpointSync(TrainerCallback):
         self.raise_failures()
         step = state.global_step
         name = checkpoint_name(step)
-        snapshot = _snapshot(Path(args.output_dir) / name, self.staging / name)
+        written = Path(args.output_dir) / name
+        if self.ranks.world > 1:
+            self.ranks.gather_checkpoint(written)
+            if not self.ranks.is_main:  # its part is in rank 0's copy now; no rotation runs on this rank
+                shutil.rmtree(written, ignore_errors=True)
+                return
+            _check_every_rank(written, self.ranks.world)
+        snapshot = _snapshot(written, self.staging / name)
         entries = self.metrics.take(step) if self.metrics else []
         CommittedMetrics.write(entries, snapshot)
         self._pending.append(self._pool.submit(self._upload, snapshot, step, entries))
@@ -72,11 +95,25 @@ class CheckpointSync(TrainerCallback):
         self._pending.clear()
 
 
-class StopOnSigterm(TrainerCallback):
-    """SIGTERM (a spot preemption notice, a cancel) saves a checkpoint at the end of the current step and stops."""
+def _check_every_rank(checkpoint: Path, world: int) -> None:
+    """HF saves one RNG state per rank (unless it saves the model only); each must be in the checkpoint."""
+    states = {p.name for p in checkpoint.glob("rng_state*.pth")}
+    if not states:
+        return
+    missing = [r for r in range(world) if f"rng_state_{r}.pth" not in states]
+    if missing:
+        raise CheckpointIncomplete(f"{checkpoint} lacks the RNG state of rank(s) {missing}; not uploading it")
 
-    def __init__(self):
+
+class StopOnSigterm(TrainerCallback):
+    """SIGTERM (a spot preemption notice, a cancel) saves a checkpoint at the end of the current step and stops.
+
+    With several ranks the signal may reach only one of them; at each step's end the ranks agree (one
+    all-reduce), so all save the same checkpoint and all stop."""
+
+    def __init__(self, ranks: Ranks | None = None):
         self.received = False
+        self.ranks = ranks or Ranks()
         signal.signal(signal.SIGTERM, self._handle)
 
     def _handle(self, signum, frame):
@@ -84,7 +121,8 @@ class StopOnSigterm(TrainerCallback):
         self.received = True
 
     def on_step_end(self, args, state, control, **kwargs):
-        if self.received:
+        if self.ranks.any(self.received):
+            self.received = True
             control.should_save = True
             control.should_training_stop = True
         return control

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class _Strict(BaseModel):
@@ -28,8 +28,29 @@ class ModelLoad(_Strict):
     trust_remote_code: bool
 
 
+Strategy = Literal["ddp", "fsdp", "zero2", "zero3"]
+
+
+class DistributedSettings(_Strict):
+    """How many training processes run, on how many nodes, and what they shard (`trainer/launch.py` starts them).
+
+    The defaults are one node; `processes_per_node` None means one process per GPU on the node (one on a CPU
+    machine), so `python -m trainer.launch --spec job.json` on an 8-GPU node trains on all eight.
+    """
+
+    nodes: int = Field(1, ge=1)
+    processes_per_node: int | None = Field(None, ge=1)
+    strategy: Strategy = "ddp"  # ddp: replicas; fsdp: FSDP2 shards all; zero2: optimizer + grads; zero3: all
+    timeout_s: int = Field(600, ge=30)  # collectives and rendezvous: a dead or stuck rank ends the job after this
+    # merged over configs/accelerate/<strategy>.yaml: keys of accelerate's config file (fsdp_config, deepspeed_config)
+    accelerate: dict[str, Any] = Field(default_factory=dict)
+    vllm_server_gpus: int = Field(0, ge=0)  # vllm_mode=server: GPUs per node given to `trl vllm-serve` (or nodes)
+    vllm_server_node: bool = False  # vllm_mode=server on several nodes: one more node serves, trainers on the rest
+
+
 class TrainSettings(_Strict):
-    """What the trainer runs: TRL's GRPOConfig and PEFT's LoraConfig fields, rewards, checkpointing."""
+    """What the trainer runs: TRL's GRPOConfig and PEFT's LoraConfig fields, rewards, checkpointing, and how
+    many processes run it."""
 
     grpo: dict[str, Any]
     lora: dict[str, Any]
@@ -38,6 +59,7 @@ class TrainSettings(_Strict):
     keep_checkpoints: int
     early_stopping_patience: int | None
     s3_endpoint_url: str | None
+    distributed: DistributedSettings = DistributedSettings()
 
 
 class JobSpec(_Strict):
@@ -85,6 +107,7 @@ class TrainResult(BaseModel):
     train_runtime_s: float
     first_step_s: float | None = None  # job start to first completed step (model load, fetch, resume)
     metrics: dict[str, float]
+    world_size: int = 1  # training processes, all nodes together
     restarts: int = 0  # filled by the launcher: relaunches after a preemption or an error
     gpu_hours: float | None = None  # filled by launchers that rent GPUs
 

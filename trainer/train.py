@@ -2,6 +2,11 @@
 
 Run it alone on any node: `python -m trainer --spec job.json`. Exit codes: 0 finished (max_steps or
 early stop), 75 interrupted by SIGTERM after a checkpoint (relaunch to resume), 2 bad spec, 1 failure.
+
+Under torchrun (`python -m trainer.launch`) each rank runs this same code; rank 0 alone uploads checkpoints
+(with every rank's files in them), commits MLflow metrics, publishes `final` and writes the result file;
+every rank resumes from the same checkpoint, and a SIGTERM to any rank stops all of them after one more
+checkpoint (`trainer.distributed`).
 """
 
 from __future__ import annotations
@@ -11,7 +16,9 @@ import shutil
 import time
 from pathlib import Path
 
-from trainer.checkpoints import FINAL, checkpoint_name, collect_final, open_store
+from trainer import distributed
+from trainer.checkpoints import FINAL, choose_resume, collect_final, open_store
+from trainer.distributed import Ranks
 from trainer.spec import RESULT_FILE, JobSpec, TrainResult
 from trainer.tracking import CommittedMetrics, numeric
 
@@ -21,12 +28,19 @@ EXIT_INTERRUPTED = 75  # EX_TEMPFAIL: try again
 
 def grpo_args(spec: JobSpec, output_dir: Path):
     """GRPOConfig from the spec: the user's passthrough fields plus what resume and the store require."""
+    import os
+
     import torch
     from trl import GRPOConfig
 
     user = dict(spec.train.grpo)
     user.setdefault("bf16", torch.cuda.is_available() and torch.cuda.is_bf16_supported())
     user.setdefault("report_to", [])  # MLflow is logged by CommittedMetrics, once per step across restarts
+    user.setdefault("ddp_timeout", spec.train.distributed.timeout_s)  # no collective waits longer for a lost rank
+    if distributed.current().world > 1 and not torch.cuda.is_available():
+        user.setdefault("use_cpu", True)  # else accelerate takes the ranks on a CPU for unconnected processes
+    if os.environ.get(distributed.VLLM_HOST_ENV):  # vllm_mode=server: where the node launcher started it
+        user.setdefault("vllm_server_host", os.environ[distributed.VLLM_HOST_ENV])
     if spec.train.early_stopping_patience:
         user.setdefault("eval_strategy", "steps")
         user.setdefault("eval_steps", spec.train.checkpoint_every)
@@ -64,8 +78,11 @@ def _report(spec: JobSpec, result: TrainResult) -> TrainResult:
     return result
 
 
-def _already_finished(spec: JobSpec, store, metrics: CommittedMetrics | None) -> TrainResult:
+def _already_finished(spec: JobSpec, store, metrics: CommittedMetrics | None, ranks: Ranks) -> TrainResult:
     """A relaunch after the job finished (killed between its last upload and its exit): report, don't retrain."""
+    if not ranks.is_main:  # rank 0 alone copies the adapter out and reports
+        final = store.fetch(FINAL, distributed.rank_work_dir(spec.work_dir, ranks.rank) / "fetched")
+        return TrainResult.model_validate_json((final / RESULT_FILE).read_text())
     result, final = collect_final(spec, store)
     if metrics:
         metrics.commit(CommittedMetrics.read(final))
@@ -84,25 +101,29 @@ def run(spec: JobSpec, started: float | None = None) -> TrainResult:
 
     started = started or time.monotonic()
     stop = StopOnSigterm()  # first: a SIGTERM during model loading must not kill the job uncleanly
-    work = Path(spec.work_dir)
+    ranks = stop.ranks = distributed.init(spec.train.distributed.timeout_s)
+    work = distributed.rank_work_dir(spec.work_dir, ranks.rank)
     store = open_store(spec.checkpoint_uri, spec.train.s3_endpoint_url)
-    store.check()
-    run_id = _ensure_mlflow_run(spec)
-    metrics = CommittedMetrics(spec.mlflow_tracking_uri, run_id) if run_id else None
-    if store.has(FINAL):
-        return _already_finished(spec, store, metrics)
-    steps = store.complete_steps()
-    resume = store.fetch(checkpoint_name(steps[-1]), work / "resume") if steps else None
+    if ranks.is_main:  # the others only read from the store
+        store.check()
+    run_id = ranks.broadcast(_ensure_mlflow_run(spec) if ranks.is_main else None)
+    metrics = CommittedMetrics(spec.mlflow_tracking_uri, run_id) if run_id and ranks.is_main else None
+    if ranks.broadcast(store.has(FINAL) if ranks.is_main else None):
+        return _already_finished(spec, store, metrics, ranks)
+    point = choose_resume(store, work / "resume")  # verified; newer ones that do not verify are moved aside
+    resume = point.directory
+    if point.reason and metrics:
+        metrics.client.set_tag(run_id, "resume_fallback", point.reason[:5000])
     if resume:
-        log.info("resuming from step %d in %r", steps[-1], store)
         if metrics:  # in case the kill came between the checkpoint's manifest and its MLflow commit
             metrics.commit(CommittedMetrics.read(resume))
+    _same_resume_point(ranks, resume)
 
     args = grpo_args(spec, work / "hf")
     model, tokenizer = load_model(spec.model_path, spec.model)
     train_ds = load_dataset("json", data_files=spec.train_file, split="train")
     val_ds = load_dataset("json", data_files=spec.val_file, split="train") if spec.val_file else None
-    sync = CheckpointSync(store, spec.train.keep_checkpoints, work / "staging", metrics)
+    sync = CheckpointSync(store, spec.train.keep_checkpoints, work / "staging", metrics, ranks)
     timer = FirstStepTimer(started)
     callbacks = [sync, stop, timer, ReportValidation()] + ([metrics] if metrics else [])
     if spec.train.early_stopping_patience:
@@ -130,25 +151,44 @@ def run(spec: JobSpec, started: float | None = None) -> TrainResult:
         adapter_dir=None if interrupted else spec.adapter_dir,
         global_step=state.global_step,
         max_steps=state.max_steps,
-        resumed_from_step=steps[-1] if resume else None,
+        resumed_from_step=point.step,
         interrupted=interrupted,
         stopped_early=not stop.received and not finished,
         mlflow_run_id=run_id,
         train_runtime_s=time.monotonic() - started,
         first_step_s=timer.seconds,
         metrics=numeric(output.metrics),
+        world_size=ranks.world,
     )
     if not interrupted:
-        _publish(spec, trainer, store, result, metrics)
-    return _report(spec, result)
+        _publish(spec, trainer, store, result, metrics, ranks)
+    return _report(spec, result) if ranks.is_main else result
 
 
-def _publish(spec: JobSpec, trainer, store, result: TrainResult, metrics: CommittedMetrics | None) -> None:
+def _same_resume_point(ranks: Ranks, resume: Path | None) -> None:
+    """Every rank must start from the same checkpoint; ranks that chose differently (a store that changed
+    between their reads) fail the job, and the relaunch chooses again, rather than train apart."""
+    step = None
+    if resume is not None:
+        import json
+
+        step = json.loads((Path(resume) / "trainer_state.json").read_text())["global_step"]
+    chosen = ranks.all_gather(step)
+    if len(set(chosen)) > 1:
+        raise RuntimeError(f"ranks chose different checkpoints to resume from (steps by rank: {chosen})")
+
+
+def _publish(spec: JobSpec, trainer, store, result: TrainResult, metrics: CommittedMetrics | None,
+             ranks: Ranks) -> None:
     """Save the adapter, log it, and store it as the `final` entry (with the result and last metrics)."""
     from transformers.trainer import TRAINING_ARGS_NAME
 
-    shutil.rmtree(spec.adapter_dir, ignore_errors=True)
-    trainer.save_model(spec.adapter_dir)
+    if ranks.is_main:
+        shutil.rmtree(spec.adapter_dir, ignore_errors=True)
+    ranks.barrier()
+    trainer.save_model(spec.adapter_dir)  # every rank: under FSDP / ZeRO-3 it gathers the shards; rank 0 writes
+    if not ranks.is_main:
+        return
     # HF also pickles its TrainingArguments beside the adapter; the published adapter holds safetensors and
     # JSON only (nothing a consumer could unpickle), and the arguments are the train run's MLflow params.
     (Path(spec.adapter_dir) / TRAINING_ARGS_NAME).unlink(missing_ok=True)
@@ -172,7 +212,16 @@ def main(spec_path: str, started: float | None = None) -> int:
         spec = JobSpec.read(Path(spec_path))
     except (OSError, ValueError) as exc:
         log.error("bad job spec %s: %s", spec_path, exc)
+        distributed.record("exit", 2)
         return 2
-    result = run(spec, started)
-    print(result.model_dump_json())  # last line of stdout: the result, for launchers and benchmarks
-    return EXIT_INTERRUPTED if result.interrupted else 0
+    try:
+        result = run(spec, started)
+    except BaseException:
+        distributed.record("exit", 1)
+        raise
+    code = EXIT_INTERRUPTED if result.interrupted else 0
+    distributed.record("exit", code)
+    if distributed.current().is_main:
+        print(result.model_dump_json())  # last line of stdout: the result, for launchers and benchmarks
+    distributed.finish()
+    return code
