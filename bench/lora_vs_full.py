@@ -54,10 +54,21 @@ def _options(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threshold", type=float, default=0.8,
                         help="holdout reward (of 2) that counts as 'quality': most answers in the asked format")
     parser.add_argument("--full-lr", type=float, default=3e-5, help="full fine-tuning's learning rate")
+    parser.add_argument("--full-lrs", default="", help="comma-separated learning rates to sweep for full fine-tuning "
+                        "(the best at the first seed is run at every seed); default: --full-lr alone")
+    parser.add_argument("--adapter-lrs", default="", help="the same for LoRA and QLoRA; default: the demo config's")
+    parser.add_argument("--seeds", default="0", help="comma-separated training seeds (data order and sampling)")
+    parser.add_argument("--seeds-first", action="store_true",
+                        help="every seed at each arm's first rate before the other rates at the first seed (when "
+                             "the time may run out: the seeds' interval is then there first)")
+    parser.add_argument("--keep", type=Path, default=None,
+                        help="work folder kept between invocations: finished runs are reused (default: a temp dir)")
     parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of full,lora,qlora")
     parser.add_argument("--tiny", action="store_true", help="a tiny random model: checks the code path in seconds")
     parser.add_argument("--arm", choices=ARMS, help=argparse.SUPPRESS)  # internal: run one arm in this process
     parser.add_argument("--work", help=argparse.SUPPRESS)
+    parser.add_argument("--lr", type=float, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
@@ -126,9 +137,11 @@ def run_arm(arm: str, model_path: str, train_file: str, holdout_file: str, opts:
 
     cfg = load_config(ROOT / "configs" / "demo-cpu.yaml")
     grpo = dict(cfg.train.grpo) | {"max_steps": opts.steps, "logging_steps": 1, "bf16": False, "report_to": [],
-                                   "disable_tqdm": True}
+                                   "disable_tqdm": True, "seed": opts.seed}
     if arm == "full":
         grpo["learning_rate"] = opts.full_lr
+    if opts.lr is not None:
+        grpo["learning_rate"] = opts.lr
     model, tokenizer = load_model(model_path, model_load(ModelConfig(quantization="nf4" if arm == "qlora" else "none")))
     load_peak = peak_rss_mb()
     reset_peak_rss()  # from here on, the peak is training's own
@@ -138,7 +151,7 @@ def run_arm(arm: str, model_path: str, train_file: str, holdout_file: str, opts:
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=[resolve_reward(name) for name in cfg.train.rewards],
-        args=GRPOConfig(output_dir=str(Path(opts.work) / arm), save_strategy="no", **grpo),
+        args=GRPOConfig(output_dir=str(Path(opts.work) / f"{arm}-out"), save_strategy="no", **grpo),
         train_dataset=load_dataset("json", data_files=train_file, split="train"),
         processing_class=tokenizer,
         peft_config=None if arm == "full" else LoraConfig(task_type="CAUSAL_LM", **cfg.train.lora),
@@ -152,6 +165,7 @@ def run_arm(arm: str, model_path: str, train_file: str, holdout_file: str, opts:
     return {
         "arm": arm,
         "learning_rate": grpo["learning_rate"],
+        "seed": opts.seed,
         "trainable_params": sum(p.numel() for p in params if p.requires_grad),
         "curve": curve.curve,
         "final_totals": curve.last_totals,
@@ -250,6 +264,103 @@ def analyse(arms: dict[str, dict], threshold: float) -> dict:
     return out
 
 
+def final_reward(run: dict) -> float:
+    return run["curve"][-1]["reward"]
+
+
+def best_rates(runs: list[dict], seed: int) -> dict[str, float]:
+    """Per arm, the learning rate whose run at `seed` ended with the highest holdout reward.
+
+    >>> best_rates([{"arm": "lora", "learning_rate": 1e-4, "seed": 0, "curve": [{"reward": 0.5}]},
+    ...             {"arm": "lora", "learning_rate": 3e-4, "seed": 0, "curve": [{"reward": 0.9}]}], 0)
+    {'lora': 0.0003}
+    """
+    best: dict[str, dict] = {}
+    for run in runs:
+        if run["seed"] == seed and (run["arm"] not in best or final_reward(run) > final_reward(best[run["arm"]])):
+            best[run["arm"]] = run
+    return {arm: run["learning_rate"] for arm, run in best.items()}
+
+
+def shared_threshold(curves: list[list[dict]], wanted: float, step: float = 0.05) -> float:
+    """`wanted` when every curve reaches it; else the highest multiple of `step` that every curve reaches.
+
+    >>> shared_threshold([[{"reward": 0.2}, {"reward": 1.1}], [{"reward": 0.9}]], 0.8)
+    0.8
+    >>> shared_threshold([[{"reward": 1.1}], [{"reward": 0.72}]], 0.8)
+    0.7
+    """
+    reached = min(max(p["reward"] for p in c) for c in curves)
+    return wanted if reached >= wanted else round(int(reached / step + 1e-9) * step, 10)
+
+
+def sweep_analysis(runs: list[dict], seeds: list[int], wanted_threshold: float) -> dict:
+    """The best learning rate per arm (at the first seed), then at that rate over every seed: each adapter arm's
+    gap to full fine-tuning, (full - arm) / full in %, with a t interval over the seeds (the per-seed means are
+    paired: same prompts, same data order), and training CPU time to a holdout reward every run reaches."""
+    import numpy as np
+    from scipy import stats
+
+    best = best_rates(runs, seeds[0])
+    # the compared rate: the one run at the most seeds (the best at the first seed, when they tie)
+    rates = {}
+    for arm in best:
+        counts = {}
+        for r in runs:
+            if r["arm"] == arm:
+                counts[r["learning_rate"]] = counts.get(r["learning_rate"], 0) + 1
+        rates[arm] = max(counts, key=lambda lr: (counts[lr], lr == best[arm]))
+    at_best = {arm: {r["seed"]: r for r in runs if r["arm"] == arm and r["learning_rate"] == lr}
+               for arm, lr in rates.items()}
+    out: dict = {"best_learning_rate": best, "compared_learning_rate": rates, "sweep_seed": seeds[0],
+                 "by_rate": {arm: {f"{r['learning_rate']:g}": final_reward(r) for r in runs
+                                   if r["arm"] == arm and r["seed"] == seeds[0]} for arm in rates},
+                 "arms": {}}
+    if "full" not in at_best:
+        return out
+    full = at_best["full"]
+    for arm, by_seed in at_best.items():
+        if arm == "full":
+            continue
+        common = [s for s in seeds if s in by_seed and s in full]
+        if not common:
+            continue
+        f = np.array([final_reward(full[s]) for s in common])
+        a = np.array([final_reward(by_seed[s]) for s in common])
+        entry: dict = {"seeds": common, "full": f.tolist(), "arm": a.tolist(), "full_mean": float(f.mean()),
+                       "arm_mean": float(a.mean()),
+                       "gap_pct": float((f.mean() - a.mean()) / f.mean() * 100) if f.mean() > 0 else None}
+        if len(common) >= 2 and f.mean() > 0:
+            diff = f - a
+            if np.ptp(diff) == 0:  # identical differences: a t interval is undefined (zero spread)
+                low = high = float(diff[0])
+            else:
+                ci = stats.ttest_rel(f, a).confidence_interval(0.95)
+                low, high = float(ci.low), float(ci.high)
+            entry |= {"gap_low_pct": low / f.mean() * 100, "gap_high_pct": high / f.mean() * 100}
+        # the same over prompts (every seed's prompts pooled, paired): the data's part of the noise alone
+        entry["pooled_prompts"] = quality_gap(sum((full[s]["final_totals"] for s in common), []),
+                                              sum((by_seed[s]["final_totals"] for s in common), []))
+        threshold = shared_threshold([full[s]["curve"] for s in common] + [by_seed[s]["curve"] for s in common],
+                                     wanted_threshold)
+        per_seed = []
+        for s in common:
+            fh = time_to_quality(full[s]["curve"], threshold, "train_cpu_s")
+            ah = time_to_quality(by_seed[s]["curve"], threshold, "train_cpu_s")
+            per_seed.append({"seed": s, "full": fh, "arm": ah,
+                             "ratio": fh["train_s"] / ah["train_s"] if fh and ah and ah["train_s"] > 0 else None})
+        ratios = [p["ratio"] for p in per_seed if p["ratio"] is not None]
+        entry["time_to_quality"] = {
+            "threshold": threshold, "clock": "train_cpu_s", "per_seed": per_seed,
+            "full_cpu_s": float(np.median([p["full"]["train_s"] for p in per_seed])),
+            "arm_cpu_s": float(np.median([p["arm"]["train_s"] for p in per_seed])),
+            "ratio": float(np.median(ratios)) if ratios else None,
+            "spread": [min(ratios), max(ratios)] if len(ratios) > 1 else None,
+        }
+        out["arms"][arm] = entry
+    return out
+
+
 # ---------------------------------------------------------------- table rows
 
 
@@ -325,42 +436,96 @@ def main(argv: list[str] | None = None) -> dict | None:
     if "full" not in arms or not set(arms) <= set(ARMS):
         raise SystemExit(f"--arms {opts.arms!r}: give 'full' (the baseline) and any of lora, qlora")
     demo = load_config(ROOT / "configs" / "demo-cpu.yaml")
-    work = Path(tempfile.mkdtemp(prefix="bench-lora-full-"))
-    model = create_random_model(work / "tiny") if opts.tiny else ensure_demo_model(demo.data_dir / "models")
-    (work / "model_path").write_text(str(Path(model).resolve()))
-    write_splits(generate(demo.data.demo.model_copy(update={"n_holdout": opts.holdout})), work / "data")
+    work = (opts.keep or Path(tempfile.mkdtemp(prefix="bench-lora-full-"))).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    if not (work / "model_path").is_file():
+        model = create_random_model(work / "tiny") if opts.tiny else ensure_demo_model(demo.data_dir / "models")
+        (work / "model_path").write_text(str(Path(model).resolve()))
+        write_splits(generate(demo.data.demo.model_copy(update={"n_holdout": opts.holdout})), work / "data")
+    model = (work / "model_path").read_text()
 
-    results, started = {}, time.monotonic()
-    passthrough = [f"--steps={opts.steps}", f"--eval-every={opts.eval_every}", f"--full-lr={opts.full_lr}"]
-    for arm in arms:
-        print(f"[lora_vs_full] {arm}", flush=True)
-        # Waiting OpenMP threads sleep instead of spinning: on a shared machine spinning burns CPU seconds
-        # that are not work, and the arms are compared on CPU seconds.
-        env = os.environ | {"OMP_WAIT_POLICY": "PASSIVE"}
-        subprocess.run([sys.executable, "-m", "bench.lora_vs_full", "--arm", arm, "--work", str(work), *passthrough],
-                       check=True, env=env)
-        results[arm] = json.loads((work / f"{arm}.json").read_text())
-    analysis = analyse(results, opts.threshold)
-    report = {
-        "name": "lora_vs_full" + ("_tiny" if opts.tiny else ""),
-        "baseline": "full-parameter GRPO (TRL GRPOTrainer, no peft_config)",
-        "steps": opts.steps, "eval_every": opts.eval_every, "holdout": opts.holdout,
-        "threshold": opts.threshold, "model": str(model),
-        "analysis": analysis,
-        "arms": results,
-        "seconds": time.monotonic() - started,
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-    }
-    save(report["name"], report)
-    for name, a in analysis.items():
+    def floats(text: str) -> list[float]:
+        return [float(x) for x in text.split(",") if x.strip()]
+
+    rates = {arm: floats(opts.full_lrs if arm == "full" else opts.adapter_lrs)
+             or [opts.full_lr if arm == "full" else demo.train.grpo["learning_rate"]] for arm in arms}
+    seeds = [int(x) for x in opts.seeds.split(",") if x.strip()]
+    runs: list[dict] = []
+    started = time.monotonic()
+    name = "lora_vs_full" + ("_tiny" if opts.tiny else "")
+
+    def one(arm: str, lr: float, seed: int) -> dict:
+        """One arm at one rate and seed, in its own process; reused when the work folder has it."""
+        out = work / f"{arm}-lr{lr:g}-s{seed}.json"
+        if not out.is_file():
+            print(f"[lora_vs_full] {arm} lr={lr:g} seed={seed}", flush=True)
+            # Waiting OpenMP threads sleep instead of spinning: on a shared machine spinning burns CPU seconds
+            # that are not work, and the arms are compared on CPU seconds.
+            env = os.environ | {"OMP_WAIT_POLICY": "PASSIVE"}
+            passthrough = [f"--steps={opts.steps}", f"--eval-every={opts.eval_every}", f"--lr={lr}", f"--seed={seed}"]
+            subprocess.run([sys.executable, "-m", "bench.lora_vs_full", "--arm", arm, "--work", str(work), *passthrough],
+                           check=True, env=env)
+            (work / f"{arm}.json").replace(out)
+        run = json.loads(out.read_text())
+        if not any(r["arm"] == arm and r["learning_rate"] == run["learning_rate"] and r["seed"] == seed for r in runs):
+            runs.append(run)
+        return run
+
+    def report(status: str) -> dict:
+        first = {arm: next((r for r in runs if r["arm"] == arm and r["seed"] == seeds[0]
+                            and r["learning_rate"] == best_rates(runs, seeds[0]).get(arm)), None) for arm in arms}
+        chosen = {arm: r for arm, r in first.items() if r is not None}
+        out = {
+            "name": name, "status": status,
+            "baseline": "full-parameter GRPO (TRL GRPOTrainer, no peft_config)",
+            "steps": opts.steps, "eval_every": opts.eval_every, "holdout": opts.holdout,
+            "threshold": opts.threshold, "model": str(model), "rates": rates, "seeds": seeds,
+            # the best rate's run at the first seed per arm: what the single-run analysis reads
+            "analysis": analyse(chosen, opts.threshold) if "full" in chosen else {},
+            "arms": chosen,
+            "sweep": sweep_analysis(runs, seeds, opts.threshold) if len(runs) > len(arms) else None,
+            "runs": runs,
+            "seconds": time.monotonic() - started,
+            "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        }
+        save(name, out)
+        return out
+
+    if opts.seeds_first:
+        for seed in seeds:
+            for arm in arms:
+                one(arm, rates[arm][0], seed)
+                report(f"partial: seeds at the first rates, seed {seed}")
+    # The rate sweep at the first seed, arms interleaved (a partial result stays balanced) ...
+    for i in range(max(len(r) for r in rates.values())):
+        for arm in arms:
+            if i < len(rates[arm]):
+                one(arm, rates[arm][i], seeds[0])
+                report("partial: learning-rate sweep")
+    # ... then every further seed at each arm's best rate.
+    best = best_rates(runs, seeds[0])
+    for seed in seeds[1:]:
+        for arm in arms:
+            if any(r["arm"] == arm and r["seed"] == seed for r in runs) and opts.seeds_first:
+                continue  # this seed ran at the first rate; a better rate found later is reported, not rerun
+            one(arm, best[arm], seed)
+            report(f"partial: seeds at the best rates, seed {seed}")
+    final = report("complete")
+    analysis, results = final["analysis"], final["arms"]
+    for label, a in analysis.items():
         q, t, m = a["quality"], a["time_to_quality"], a["memory"]
         speed = t.get("ratio") or t.get("ratio_at_least") or t.get("ratio_at_most")
         gap = "n/a" if q["gap_pct"] is None else (
             f"{q['gap_pct']:+.1f} % (95 % CI {q['low_pct']:+.1f} to {q['high_pct']:+.1f})")
-        print(f"[lora_vs_full] {LABEL[name]}: holdout reward {q['arm']:.3f} vs full {q['full']:.3f}, gap {gap}; "
+        print(f"[lora_vs_full] {LABEL[label]}: holdout reward {q['arm']:.3f} vs full {q['full']:.3f}, gap {gap}; "
               f"time-to-quality speedup "
               f"{'n/a' if speed is None else f'{speed:.2f}x'}; peak RSS ratio {m['ratio']:.2f}")
-    return report
+    for label, a in ((final["sweep"] or {}).get("arms") or {}).items():
+        gap = "n/a" if a["gap_pct"] is None else f"{a['gap_pct']:+.1f} %"
+        print(f"[lora_vs_full] over seeds {a['seeds']} at the best rates {final['sweep']['best_learning_rate']}: "
+              f"{LABEL[label]} {a['arm']} vs full {a['full']}, gap {gap} "
+              f"({a.get('gap_low_pct', float('nan')):+.1f} to {a.get('gap_high_pct', float('nan')):+.1f})")
+    return final
 
 
 if __name__ == "__main__":

@@ -1,38 +1,51 @@
 """Hyperparameter search stage: an Optuna study over LoRA rank, alpha, learning rate (and optionally KL
-beta, num_generations, temperature), each trial a short GRPO run through the training launcher, pruned
-on the validation reward it reports, trials in parallel up to `hpo.concurrency`.
+beta, num_generations, temperature), many short GRPO trials promoted on rungs, each finished trial scored
+greedily on fixed validation prompts, and the best applied only when it beats the configured values beyond
+the noise.
 
-- The study lives in Optuna's journal file under `data_dir` by default (a file lock serialises every
-  write, so parallel trials, threads or processes, never take the same queued trial: SQLite cannot lock
-  the row Optuna's `SELECT ... FOR UPDATE` asks for), or in PostgreSQL when `hpo.storage` says so. It
-  is opened with `load_if_exists`: a crashed search resumes where it stopped, and only the rest of its
-  budget (`hpo.trials`) runs. A new study is warm-started with the best trial of each earlier study of
-  the same base model.
-- No heartbeats: a trial runs on a thread of the search process, so a heartbeat only proves the process
-  is alive, and under load a late one marked live trials stale. A trial whose trainer dies is FAIL with
-  its reason; a trial left RUNNING by a search process that died (same host, its pid gone) is marked
-  FAIL and queued again when the study is next opened.
-- A trial is the trainer itself (`python -m trainer`, or a SkyPilot job from `sky/hpo-trial.yaml`),
-  with `hpo.steps` steps and a validation reward every `hpo.eval_every` steps, which the trainer prints
-  as a tagged line (`trainer.callbacks.ReportValidation`); the trial reports each one to Optuna and, when
-  the pruner says so, cancels the job (SIGTERM locally, a cancel for SkyPilot). Its value is the
-  validation reward at its last step.
-- Parallel trials: Optuna's own `optimize(n_jobs=concurrency)` keeps that many trials in flight and
-  asks the sampler for the next one as soon as any finishes, so TPE learns from every result; each
-  trial body is a Prefect task run. Prefect's `.map` was the alternative, but it fixes a whole wave of
-  parameters before any result is in and waits for the wave's slowest trial.
-- A crashed trial is FAIL (that trial only), a pruned one PRUNED; when no trial completes, the stage
-  raises `HPOFailed` with each trial's reason rather than fall back to the configured values.
+- **Scores with a known noise.** A finished trial's value is its adapter's mean greedy reward on the same
+  validation prompts for every trial (`tasks.evaluate.evaluate_model`), so trials compare as pairs. How many
+  prompts: `hpo.target_standard_error` and the per-prompt standard deviation (`hpo.reward_sd`, or the worst
+  case for rewards in [0, 1]) give n = (sd / se)^2; the stage logs n and fails (a `ConfigError`, exit 2)
+  naming it when the val split holds fewer than 2n (n to select, n fresh ones to re-score).
+- **No winner's curse.** The top `hpo.rescore_top_k` trials and the configured values' trial are scored again
+  on n prompts no selection saw; the best of those re-scores is compared with the configured trial, paired
+  per prompt (a t interval, `scipy.stats.ttest_rel`). Only when the interval lies above zero are its values
+  applied; otherwise the configured values stay and the result says so (`applied`, `decision`).
+- **Multi-fidelity.** Trials run up to `hpo.steps`, with a rung check every `hpo.eval_every` steps (the
+  trainer's sampled validation reward on the first `hpo.rung_prompts` scoring prompts, as a tagged line
+  `trainer.callbacks.ReportValidation` prints); Optuna's successive halving / Hyperband promote a third of
+  the trials at each rung and stop the rest (SIGTERM locally, a cancel for SkyPilot). The configured values'
+  trial is never stopped: it is the control. The search stops launching trials once `hpo.budget_steps` (default:
+  `hpo.budget_fraction` of the training run's steps; for SkyPilot, the same share of its planned USD) are
+  spent; a trial in flight may overshoot it by its own remaining steps.
+- The study lives in Optuna's journal file under `data_dir` by default (a file lock serialises every write, so
+  parallel trials, threads or processes, never take the same queued trial: SQLite cannot lock the row Optuna's
+  `SELECT ... FOR UPDATE` asks for), or in PostgreSQL when `hpo.storage` says so. It is opened with
+  `load_if_exists`: a crashed search (or a retried flow run) resumes where it stopped, and only the rest of
+  its budget runs. A new study is warm-started with the best trial of each earlier study of the same base model.
+- No heartbeats: a trial runs on a thread of the search process, so a heartbeat only proves the process is
+  alive, and under load a late one marked live trials stale. A trial whose trainer dies is FAIL with its
+  reason; a trial left RUNNING by a search process that died (same host, its pid gone) is marked FAIL and
+  queued again when the study is next opened.
+- Parallel trials: Optuna's own `optimize(n_jobs=concurrency)` keeps that many trials in flight and asks the
+  sampler for the next one as soon as any finishes, so TPE learns from every result; each trial body is a
+  Prefect task run.
+- When no trial completes, the stage raises `HPOFailed` with each trial's reason rather than fall back to the
+  configured values.
 
-The result's `overrides` (`{"train.lora.r": 16, "train.grpo.learning_rate": 2e-4, ...}`) go into
-training with `apply_best(cfg, result.overrides)`.
+The result's `overrides` (`{"train.lora.r": 16, "train.grpo.learning_rate": 2e-4, ...}`, empty when the
+configured values stay) go into training with `apply_best(cfg, result.overrides)`.
 """
 
 from __future__ import annotations
 
 import contextvars
+import json
 import logging
+import math
 import os
+import statistics
 import queue
 import socket
 import warnings
@@ -52,6 +65,8 @@ from trainer.spec import TrainingFailed, parse_progress
 # Builds the launcher a trial runs on (`infra.launch.make_launcher`): passed in by the flow, which owns the
 # launch; called with the trial's `train` section and a callback for each line of the trainer's output.
 LauncherFactory = Callable[[TrainConfig, Callable[[str], None]], Any]
+# Scores an adapter on a JSONL prompt file: one summed reward per prompt, greedy (`greedy_scorer`).
+Scorer = Callable[[str, Path], list[float]]
 
 log = logging.getLogger(__name__)
 
@@ -76,9 +91,10 @@ class TrialFailed(RuntimeError):
 
 
 class TrialOutcome(BaseModel):
-    value: float | None  # validation reward at the last step; None when pruned
+    value: float | None  # sampled validation reward at the last rung; None when pruned
     pruned_at: int | None = None
     steps: int  # the last step that reported a validation reward
+    adapter_dir: str | None = None  # what the trainer left, for greedy scoring
 
 
 class TrialSummary(BaseModel):
@@ -89,13 +105,36 @@ class TrialSummary(BaseModel):
     reason: str | None = None
 
 
+class Validation(BaseModel):
+    """The validation prompts every trial is scored on, and how many the target standard error needs."""
+
+    needed: int  # prompts per scoring: (sd / target_standard_error)^2
+    available: int  # rows in the val split
+    reward_sd: float  # what the sizing assumed
+    select: Path  # n prompts: every finished trial's value
+    rescore: Path  # n other prompts: the top trials and the configured one, again
+    rungs: Path  # the first rung_prompts of `select`: the trainer's sampled rung checks
+
+
 class HPOResult(BaseModel):
     study_name: str
     storage: str  # without a password
-    best_trial: int
-    best_value: float
+    best_trial: int  # the best searched trial after re-scoring (the configured trial when no other completed)
+    best_value: float  # its greedy validation reward on the selection prompts
     best_params: dict[str, Any]  # as Optuna names them
-    overrides: dict[str, Any]  # config path -> value: what `apply_best` applies to the training stage
+    best_overrides: dict[str, Any]  # the best trial's values as config paths, applied or not
+    overrides: dict[str, Any]  # what `apply_best` applies to training: best_overrides, or {} (configured kept)
+    applied: bool  # False: the configured values stay
+    decision: str  # why, in one sentence with the figures
+    configured_trial: int | None = None
+    rescored: dict[int, float] = {}  # trial -> mean greedy reward on the fresh prompts
+    difference: float | None = None  # best - configured on the fresh prompts
+    difference_ci: tuple[float, float] | None = None  # 95 % paired t interval
+    prompts: dict[str, Any] = {}  # needed, available, select, rescore, reward_sd
+    steps_spent: int = 0  # trial GRPO steps, every trial of the study
+    budget_steps: int | None = None
+    budget_usd: float | None = None
+    spent_usd: float | None = None
     trials: list[TrialSummary]
     mlflow_run_id: str | None = None
 
@@ -248,18 +287,152 @@ def make_sampler(hpo: HPOConfig) -> optuna.samplers.BaseSampler:
         )
 
 
+class FirstRungFloor(optuna.pruners.BasePruner):
+    """Optuna's successive halving / Hyperband, except that the first `floor - 1` searched trials stop at the first
+    rung: promotion then compares against at least `floor` configurations, so a small budget explores that many
+    rather than training its first few further. (Optuna's own `bootstrap_count` holds every rung to that count,
+    which a small budget never fills at the upper rungs.)"""
+
+    def __init__(self, inner: optuna.pruners.BasePruner, first_rung: int, floor: int):
+        self.inner, self.first_rung, self.floor = inner, first_rung, floor
+
+    def prune(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> bool:
+        if trial.last_step == self.first_rung and self.floor > 1:
+            reached = sum(1 for t in study.get_trials(deepcopy=False)
+                          if t.number != trial.number and self.first_rung in t.intermediate_values
+                          and not t.user_attrs.get(CONFIGURED))
+            if reached < self.floor - 1:
+                return True
+        return self.inner.prune(study, trial)
+
+
 def make_pruner(hpo: HPOConfig) -> optuna.pruners.BasePruner:
-    """
-    >>> type(make_pruner(HPOConfig(pruner="hyperband"))).__name__
+    """Rungs in GRPO steps: the first at `eval_every`, then x `reduction_factor`, up to `steps`.
+
+    >>> type(make_pruner(HPOConfig(pruner="hyperband")).inner).__name__
     'HyperbandPruner'
+    >>> make_pruner(HPOConfig(pruner="successive_halving", steps=9, eval_every=1)).inner._min_resource
+    1
     """
     if hpo.pruner == "median":
         return optuna.pruners.MedianPruner(n_startup_trials=hpo.pruner_startup_trials, n_warmup_steps=0)
     if hpo.pruner == "hyperband":
-        return optuna.pruners.HyperbandPruner(min_resource=hpo.eval_every, max_resource=hpo.steps, reduction_factor=3)
+        return FirstRungFloor(optuna.pruners.HyperbandPruner(
+            min_resource=hpo.eval_every, max_resource=hpo.steps, reduction_factor=hpo.reduction_factor),
+            hpo.eval_every, hpo.min_configurations)
+    if hpo.pruner == "successive_halving":
+        return FirstRungFloor(optuna.pruners.SuccessiveHalvingPruner(
+            min_resource=hpo.eval_every, reduction_factor=hpo.reduction_factor), hpo.eval_every, hpo.min_configurations)
     if hpo.pruner == "threshold":
         return optuna.pruners.ThresholdPruner(lower=hpo.prune_below)
     return optuna.pruners.NopPruner()
+
+
+def prompts_needed(hpo: HPOConfig, n_rewards: int) -> tuple[int, float]:
+    """Validation prompts per scoring for the target standard error, and the per-prompt SD assumed.
+
+    >>> prompts_needed(HPOConfig(target_standard_error=0.05), 2)  # two rewards in [0, 1]: SD at most 1
+    (400, 1.0)
+    >>> prompts_needed(HPOConfig(target_standard_error=0.05, reward_sd=0.5), 2)
+    (100, 0.5)
+    """
+    sd = hpo.reward_sd if hpo.reward_sd is not None else max(1, n_rewards) / 2
+    return math.ceil((sd / hpo.target_standard_error) ** 2 - 1e-9), sd
+
+
+class NotEnoughPrompts(ConfigError):
+    """The val split cannot give the target standard error (the CLI exits 2)."""
+
+
+def prepare_validation(cfg: PipelineConfig, val_file: Path | None, out_dir: Path) -> Validation:
+    """Split the val split into the selection and re-scoring prompt sets (and the rung subset), after checking
+    that it holds enough prompts for `hpo.target_standard_error`."""
+    from tasks.evaluate import read_jsonl
+
+    needed, sd = prompts_needed(cfg.hpo, len(cfg.train.rewards))
+    rows = read_jsonl(Path(val_file)) if val_file and Path(val_file).is_file() else []
+    if cfg.hpo.trial_score == "trainer":  # no greedy scoring: the trainer's rung checks use the first prompts
+        needed = min(len(rows), cfg.hpo.rung_prompts)
+    elif len(rows) < 2 * needed:
+        raise NotEnoughPrompts(
+            f"hpo.target_standard_error={cfg.hpo.target_standard_error:g} needs {needed} validation prompts per "
+            f"scoring (per-prompt SD {sd:g}{'' if cfg.hpo.reward_sd else ', the worst case for rewards in [0, 1]'}), "
+            f"{2 * needed} in all (the top trials are re-scored on {needed} fresh ones); the val split has {len(rows)}. "
+            "Give more validation rows (data.demo.n_val, or a larger source), set hpo.reward_sd to a measured "
+            "value, or loosen hpo.target_standard_error"
+        )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = {"select": rows[:needed], "rescore": rows[needed:2 * needed],
+             "rungs": rows[: min(cfg.hpo.rung_prompts, needed) or cfg.hpo.rung_prompts]}
+    for name, part in files.items():
+        (out_dir / f"val-{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
+    log.info("validation: %d prompts per scoring for a standard error of %g (per-prompt SD %g); %d available",
+             needed, cfg.hpo.target_standard_error, sd, len(rows))
+    return Validation(needed=needed, available=len(rows), reward_sd=sd,
+                      **{name: out_dir / f"val-{name}.jsonl" for name in files})
+
+
+def budget(cfg: PipelineConfig, train_usd: float | None = None) -> tuple[int, float | None]:
+    """Trial steps the search may spend, and in USD when the training run's planned cost is known.
+
+    >>> from configs.schema import load_config
+    >>> budget(load_config(None, ["train.grpo.max_steps=40", "hpo.budget_fraction=0.5"]), train_usd=10.0)
+    (20, 5.0)
+    >>> budget(load_config(None, ["hpo.budget_steps=12"]))
+    (12, None)
+    """
+    hpo = cfg.hpo
+    usd = hpo.budget_fraction * train_usd if train_usd is not None else None
+    if hpo.budget_steps:
+        return hpo.budget_steps, usd
+    train_steps = cfg.train.grpo.get("max_steps") or hpo.steps * hpo.trials
+    return max(1, round(hpo.budget_fraction * train_steps)), usd
+
+
+def steps_spent(study: optuna.Study) -> int:
+    """GRPO steps the study's finished trials trained (a pruned trial: up to its rung)."""
+    return sum(int(t.user_attrs.get("steps", 0)) for t in study.get_trials(deepcopy=False) if t.state.is_finished())
+
+
+def paired_decision(best: list[float], configured: list[float], trial: int, conf_trial: int) -> tuple[bool, str, float, tuple[float, float]]:
+    """Whether the best trial beats the configured one beyond the noise: a paired t interval (95 %) of the
+    per-prompt differences lying above zero.
+
+    >>> paired_decision([1, 1, 2, 2], [0, 1, 1, 1], 3, 0)[0]
+    False
+    >>> applied, why, diff, ci = paired_decision([2, 2, 2, 1, 2, 2], [0, 1, 0, 0, 1, 0], 3, 0)
+    >>> applied, round(diff, 2)
+    (True, 1.5)
+    """
+    import numpy as np
+    from scipy import stats
+
+    b, c = np.asarray(best, float), np.asarray(configured, float)
+    d = b - c
+    if np.ptp(d) == 0:  # every difference the same: the interval has no width
+        low = high = float(d[0])
+    else:
+        ci = stats.ttest_rel(b, c).confidence_interval(0.95)
+        low, high = float(ci.low), float(ci.high)
+    diff = float(d.mean())
+    figures = (f"trial {trial} {b.mean():.3f} vs the configured values (trial {conf_trial}) {c.mean():.3f} on "
+               f"{len(d)} fresh prompts: difference {diff:+.3f} (95 % CI {low:+.3f} to {high:+.3f})")
+    if low > 0:
+        return True, f"{figures}: better beyond the noise, applied", diff, (low, high)
+    return False, f"{figures}: not better beyond the noise, the configured values are kept", diff, (low, high)
+
+
+def greedy_scorer(cfg: PipelineConfig, model_path: str) -> Scorer:
+    """Scores an adapter greedily on a prompt file with the training rewards: `tasks.evaluate.evaluate_model`."""
+
+    def score(adapter_dir: str, prompts: Path) -> list[float]:
+        from tasks.evaluate import evaluate_model
+
+        result = evaluate_model(model_path, cfg.model, prompts, cfg.train.rewards,
+                                cfg.evaluate.model_copy(update={"samples_k": 0}), adapter=adapter_dir)
+        return [float(r["total"]) for r in result.rows]
+
+    return score
 
 
 def open_study(cfg: PipelineConfig, name: str | None = None) -> optuna.Study:
@@ -286,6 +459,8 @@ def open_study(cfg: PipelineConfig, name: str | None = None) -> optuna.Study:
         )
     if name not in earlier:
         study.set_user_attr("base_model", cfg.model.base)
+        if cfg.hpo.keep_configured:  # the control: the values training would use without the search
+            study.enqueue_trial({}, user_attrs={CONFIGURED: True})
         if cfg.hpo.warm_start:
             for params in earlier_best(storage, name, cfg.model.base, cfg.hpo.space):
                 study.enqueue_trial(params, skip_if_exists=True)
@@ -294,6 +469,7 @@ def open_study(cfg: PipelineConfig, name: str | None = None) -> optuna.Study:
 
 
 WORKER = "worker"  # trial user attribute: "host:pid" of the search process running it
+CONFIGURED = "configured"  # trial user attribute: this trial runs the configured values (no parameters)
 
 
 def _this_worker() -> str:
@@ -322,7 +498,7 @@ def requeue_orphans(study: optuna.Study) -> list[int]:
         reason = f"the search process {t.user_attrs[WORKER]} died while this trial ran; queued again"
         study._storage.set_trial_user_attr(t._trial_id, "reason", reason)
         study.tell(t.number, state=optuna.trial.TrialState.FAIL)
-        study.enqueue_trial(t.params)
+        study.enqueue_trial(t.params, user_attrs={CONFIGURED: True} if t.user_attrs.get(CONFIGURED) else None)
         log.warning("trial %d: %s", t.number, reason)
     return [t.number for t in orphans]
 
@@ -350,15 +526,17 @@ def summarize(study: optuna.Study) -> list[TrialSummary]:
     ]
 
 
-def failure_report(trials: list[TrialSummary]) -> str:
+def failure_report(trials: list[TrialSummary], searched_only: bool = False) -> str:
     """Why no trial completed, one line per trial.
 
     >>> print(failure_report([TrialSummary(number=0, state="FAIL", value=None, params={}, reason="exit 1")]))
     no trial completed, so there are no best hyperparameters (the configured ones are not used silently):
       trial 0: FAIL: exit 1
     """
-    lines = [f"  trial {t.number}: {t.state}: {t.reason or 'no reason recorded'}" for t in trials]
-    return "no trial completed, so there are no best hyperparameters (the configured ones are not used silently):\n" + (
+    lines = [f"  trial {t.number}: {t.state}: {t.reason or ('the configured values, completed' if t.state == 'COMPLETE' else 'no reason recorded')}"
+             for t in trials]
+    what = "no searched trial completed (only the configured values' control)" if searched_only else "no trial completed"
+    return f"{what}, so there are no best hyperparameters (the configured ones are not used silently):\n" + (
         "\n".join(lines) or "  (the study has no trials: hpo.trials is 0?)"
     )
 
@@ -400,7 +578,8 @@ def run_trial(
     when the pruner says so. Raises TrialFailed when the job crashes."""
     from mlflow.entities import Param
 
-    overrides = to_overrides(suggest(trial, cfg.hpo.space), cfg)
+    configured = bool(trial.user_attrs.get(CONFIGURED))
+    overrides = {} if configured else to_overrides(suggest(trial, cfg.hpo.space), cfg)
     tcfg = trial_config(cfg, overrides)
     client = tracking.client() if tracking else None
     run_id = None
@@ -408,7 +587,8 @@ def run_trial(
         run_id = client.create_run(
             tracking.experiment_id,
             run_name=f"trial-{trial.number}",
-            tags={"mlflow.parentRunId": tracking.stage_run_id, "optuna.trial": str(trial.number)},
+            tags={"mlflow.parentRunId": tracking.stage_run_id, "optuna.trial": str(trial.number),
+                  "optuna.configured": str(configured).lower()},
         ).info.run_id
     trial.set_user_attr("overrides", overrides)
     trial.set_user_attr(WORKER, _this_worker())
@@ -423,7 +603,7 @@ def run_trial(
     state, reason, outcome = "FAILED", None, None
     try:
         handle = launcher.launch(spec)
-        outcome = _follow(trial, launcher, handle, reports, client, run_id, tcfg.hpo.steps)
+        outcome = _follow(trial, launcher, handle, reports, client, run_id, tcfg.hpo.steps, prunable=not configured)
         state = "KILLED" if outcome.pruned_at is not None else "FINISHED"
         return outcome
     except TrainingFailed as exc:
@@ -447,8 +627,10 @@ def run_trial(
             client.set_terminated(run_id, state)
 
 
-def _follow(trial, launcher, handle, reports: queue.Queue, client, run_id, max_steps: int) -> TrialOutcome:
-    """Wait for the job on a helper thread; here, report each validation reward and prune."""
+def _follow(trial, launcher, handle, reports: queue.Queue, client, run_id, max_steps: int,
+            prunable: bool = True) -> TrialOutcome:
+    """Wait for the job on a helper thread; here, report each rung's validation reward and prune (unless the
+    trial is the configured values' control)."""
     seen: dict[int, float] = {}
     pruned_at = None
     with ThreadPoolExecutor(1, thread_name_prefix=f"trial-{trial.number}-wait") as pool:
@@ -466,15 +648,16 @@ def _follow(trial, launcher, handle, reports: queue.Queue, client, run_id, max_s
                 trial.report(value, step)
                 if client:
                     client.log_metric(run_id, "val_reward", value, step=step)
-                if step < max_steps and trial.should_prune():
+                if prunable and step < max_steps and trial.should_prune():
                     pruned_at = step
                     log.info("trial %d pruned at step %d (validation reward %.4g)", trial.number, step, value)
                     launcher.cancel(handle)
         except BaseException:
             launcher.cancel(handle)  # a cancelled search must not leave a trainer (or a rented GPU) running
             raise
+        result = None
         try:
-            waiting.result()
+            result = waiting.result()
         except TrainingFailed:
             if pruned_at is None:
                 raise
@@ -484,7 +667,7 @@ def _follow(trial, launcher, handle, reports: queue.Queue, client, run_id, max_s
     if not seen:
         raise TrainingFailed("the trainer finished without reporting a validation reward (is the val split empty?)")
     last = max(seen)
-    return TrialOutcome(value=seen[last], steps=last)
+    return TrialOutcome(value=seen[last], steps=last, adapter_dir=getattr(result, "adapter_dir", None))
 
 
 # ---------------------------------------------------------------------------------------------- the study
@@ -498,46 +681,128 @@ def search(
     *,
     run_one: Callable[..., TrialOutcome],
     tracking: Tracking | None = None,
+    score: Scorer | None = None,
+    train_usd: float | None = None,
 ) -> HPOResult:
-    """Run the study's remaining budget and return the best trial. `run_one(trial, cfg, model_path, splits,
-    run_dir, tracking)` runs one trial (the flow passes `run_trial` with its launcher, as a Prefect task, so
-    each trial is a task run)."""
+    """Run the study's remaining budget, re-score the top trials and decide whether the best replaces the
+    configured values. `run_one(trial, cfg, model_path, splits, run_dir, tracking)` runs one trial (the flow
+    passes `run_trial` with its launcher, as a Prefect task, so each trial is a task run); `score(adapter_dir,
+    prompts)` scores a finished trial greedily (default: `greedy_scorer`); `train_usd` is the training run's
+    planned cost, for the budget in USD. Raises `NotEnoughPrompts` before any trial when the val split is too
+    small, `HPOFailed` when no trial completes."""
+    validation = prepare_validation(cfg, splits.get("val"), run_dir / "hpo")
+    if cfg.hpo.trial_score == "greedy":
+        score = score or greedy_scorer(cfg, model_path)
+    else:
+        score = None
+    budget_steps, budget_usd = budget(cfg, train_usd)
     study = open_study(cfg)
     finished = [t for t in study.trials if t.state.is_finished()]
     remaining = max(0, cfg.hpo.trials - len(finished))
-    log.info("study %s in %s: %d trial(s) finished, %d to run", study.study_name, redact(storage_url(cfg)),
-             len(finished), remaining)
+    log.info("study %s in %s: %d trial(s) finished, %d at most to run; %d of %d trial steps spent",
+             study.study_name, redact(storage_url(cfg)), len(finished), remaining, steps_spent(study), budget_steps)
+    trial_splits = {**splits, "val": validation.rungs}  # the trainer's rung checks: the same prompts for every trial
     # Optuna runs parallel trials on its own threads; each gets a copy of this thread's context, so a
     # Prefect task called there belongs to the calling flow run.
     context = contextvars.copy_context()
 
     def objective(trial: optuna.Trial) -> float:
-        outcome = context.copy().run(run_one, trial, cfg, model_path, splits, run_dir, tracking)
+        outcome = context.copy().run(run_one, trial, cfg, model_path, trial_splits, run_dir, tracking)
+        trial.set_user_attr("steps", outcome.pruned_at or outcome.steps)
         if outcome.pruned_at is not None:
             raise optuna.TrialPruned(f"pruned at step {outcome.pruned_at}")
-        return outcome.value
+        if score is None:  # hpo.trial_score=trainer: the last rung's sampled reward
+            return outcome.value
+        if not outcome.adapter_dir:
+            trial.set_user_attr("reason", "the trainer left no adapter to score")
+            raise TrialFailed(f"trial {trial.number}: no adapter")
+        try:
+            scores = score(outcome.adapter_dir, validation.select)
+        except Exception as exc:  # this trial's adapter only: a broken save, an unloadable rank
+            trial.set_user_attr("reason", f"scoring failed: {type(exc).__name__}: {_reason(exc)}")
+            raise TrialFailed(f"trial {trial.number}: scoring failed") from exc
+        trial.set_user_attr("adapter_dir", str(outcome.adapter_dir))
+        trial.set_user_attr("scores", scores)
+        return statistics.fmean(scores)
 
-    study.optimize(objective, n_trials=remaining, n_jobs=cfg.hpo.concurrency, catch=(TrialFailed,))
+    def stop_when_spent(study: optuna.Study, _trial) -> None:
+        if steps_spent(study) + cfg.hpo.eval_every > budget_steps:  # not even one more first rung fits
+            study.stop()
+
+    if remaining and steps_spent(study) + cfg.hpo.eval_every <= budget_steps:
+        study.optimize(objective, n_trials=remaining, n_jobs=cfg.hpo.concurrency, catch=(TrialFailed,),
+                       callbacks=[stop_when_spent])
     trials = summarize(study)
-    complete = any(t.state == "COMPLETE" for t in trials)
+    spent = steps_spent(study)
+    complete = [t for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))]
     result = None
     if complete:
-        best = study.best_trial
-        result = HPOResult(
-            study_name=study.study_name,
-            storage=redact(storage_url(cfg)),
-            best_trial=best.number,
-            best_value=best.value,
-            best_params=best.params,
-            overrides=to_overrides(best.params, cfg),
-            trials=trials,
-            mlflow_run_id=tracking.stage_run_id if tracking else None,
-        )
+        result = choose(study, complete, cfg, validation, score)
+        per_step = (budget_usd / budget_steps) if budget_usd is not None else None
+        result = result.model_copy(update={
+            "trials": summarize(study), "steps_spent": spent, "budget_steps": budget_steps, "budget_usd": budget_usd,
+            "spent_usd": per_step * spent if per_step is not None else None,
+            "mlflow_run_id": tracking.stage_run_id if tracking else None,
+        })
+        log.info("%s", result.decision)
     if tracking:
-        log_study(study, result, tracking, run_dir / "hpo")
+        log_study(study, result, tracking, run_dir / "hpo", validation)
     if result is None:
         raise HPOFailed(failure_report(trials))
     return result
+
+
+def choose(study: optuna.Study, complete: list, cfg: PipelineConfig, validation: Validation, score: Scorer) -> HPOResult:
+    """Re-score the top trials and the configured one on fresh prompts; the best of the re-scores replaces the
+    configured values only beyond the noise."""
+    configured = next((t for t in complete if t.user_attrs.get(CONFIGURED)), None)
+    searched = sorted((t for t in complete if not t.user_attrs.get(CONFIGURED)), key=lambda t: t.value, reverse=True)
+    contenders = searched[: cfg.hpo.rescore_top_k] + ([configured] if configured else [])
+    rescores: dict[int, list[float]] = {}
+    for t in contenders if score is not None else []:
+        key = f"rescores-{t.number}"  # on the study: a finished trial cannot be written to
+        cached = study.user_attrs.get(key)  # a resumed search does not score twice
+        if cached is None:
+            adapter = t.user_attrs.get("adapter_dir")
+            if not adapter or not Path(adapter).exists():
+                log.warning("trial %d: its adapter %s is gone; not re-scored", t.number, adapter)
+                continue
+            cached = score(adapter, validation.rescore)
+            study.set_user_attr(key, cached)
+        rescores[t.number] = cached
+    by_number = {t.number: t for t in complete}
+    ranked = [t for t in searched if t.number in rescores] or searched[:1]
+    pick = max(ranked, key=lambda t: statistics.fmean(rescores.get(t.number, [t.value])), default=None)
+    base = {"study_name": study.study_name, "storage": redact(storage_url(cfg)), "trials": [],
+            "configured_trial": configured.number if configured else None,
+            "rescored": {n: statistics.fmean(v) for n, v in rescores.items()},
+            "prompts": {"needed": validation.needed, "available": validation.available, "select": validation.needed,
+                        "rescore": validation.needed, "reward_sd": validation.reward_sd}}
+    if pick is None:  # only the configured control completed: every point of the space failed
+        raise HPOFailed(failure_report(summarize(study), searched_only=True))
+    best_overrides = to_overrides(pick.params, cfg)
+    common = dict(base, best_trial=pick.number, best_value=pick.value, best_params=pick.params,
+                  best_overrides=best_overrides)
+    if score is None:  # trainer-reported values: no per-prompt scores to pair
+        if configured is not None and configured.value >= pick.value:
+            return HPOResult(**common, overrides={}, applied=False,
+                             decision=f"trial {pick.number} ({pick.value:.3f}, trainer-reported) does not beat the "
+                                      f"configured values (trial {configured.number}, {configured.value:.3f}); kept")
+        return HPOResult(**common, overrides=best_overrides, applied=True,
+                         decision=f"trial {pick.number} applied: {pick.value:.3f} (trainer-reported, sampled; not "
+                                  "re-scored) against " + (f"the configured values' {configured.value:.3f}"
+                                                           if configured else "no configured trial"))
+    if configured is None or configured.number not in rescores or pick.number not in rescores:
+        why = ("the configured values were not run (hpo.keep_configured is off)" if not cfg.hpo.keep_configured
+               else "the configured values have no score to compare with (their trial did not complete or its "
+                    "adapter is gone)")
+        return HPOResult(**common, overrides=best_overrides, applied=True,
+                         decision=f"trial {pick.number} applied ({statistics.fmean(rescores.get(pick.number, [pick.value])):.3f}"
+                                  f" on fresh prompts): {why}")
+    applied, decision, diff, ci = paired_decision(rescores[pick.number], rescores[configured.number], pick.number,
+                                                  configured.number)
+    return HPOResult(**common, overrides=best_overrides if applied else {}, applied=applied, decision=decision,
+                     difference=diff, difference_ci=ci)
 
 
 PLOTS = {  # artifact -> optuna.visualization.matplotlib function
@@ -547,7 +812,8 @@ PLOTS = {  # artifact -> optuna.visualization.matplotlib function
 }
 
 
-def log_study(study: optuna.Study, result: HPOResult | None, tracking: Tracking, out_dir: Path) -> list[str]:
+def log_study(study: optuna.Study, result: HPOResult | None, tracking: Tracking, out_dir: Path,
+              validation: Validation | None = None) -> list[str]:
     """The trials table, the best parameters and the study's plots, into the stage run; returns what was logged."""
     import matplotlib
 
@@ -562,9 +828,23 @@ def log_study(study: optuna.Study, result: HPOResult | None, tracking: Tracking,
         client.log_metric(run_id, f"trials_{state.lower()}", states.count(state))
     table = study.trials_dataframe(attrs=("number", "value", "state", "params", "duration", "user_attrs"))
     table["duration"] = table["duration"].dt.total_seconds()
+    # per-prompt score lists stay in the study; the table keeps their means
+    for column in ("user_attrs_scores",):
+        if column in table:
+            table[column] = [statistics.fmean(v) if isinstance(v, list) and v else None for v in table[column]]
     client.log_table(run_id, data=table.astype({"state": str}), artifact_file="trials.json")
     logged = ["trials.json"]
+    client.log_metric(run_id, "steps_spent", steps_spent(study))
+    if validation is not None:
+        client.log_metric(run_id, "validation_prompts_needed", validation.needed)
+        client.log_metric(run_id, "validation_prompts_available", validation.available)
     if result is not None:
+        client.set_tag(run_id, "hpo.applied", str(result.applied).lower())
+        client.set_tag(run_id, "hpo.decision", result.decision[:5000])
+        if result.difference is not None:
+            client.log_metric(run_id, "difference_vs_configured", result.difference)
+            client.log_metric(run_id, "difference_ci_low", result.difference_ci[0])
+            client.log_metric(run_id, "difference_ci_high", result.difference_ci[1])
         client.log_metric(run_id, "best_value", result.best_value)
         client.log_dict(run_id, result.model_dump(exclude={"trials"}), "best_params.json")
         logged.append("best_params.json")

@@ -53,12 +53,28 @@ class Holdout(BaseModel):
 
 
 class Search(BaseModel):
-    """The hyperparameter search's outcome, when `hpo.enabled`."""
+    """The hyperparameter search's outcome, when `hpo.enabled`: what it found, and whether training uses it."""
 
     study: str
     best_trial: int
-    best_value: float
-    overrides: dict[str, Any]  # config path -> value, applied to training
+    best_value: float  # greedy validation reward on the selection prompts
+    overrides: dict[str, Any]  # config path -> value, applied to training ({} when the configured values stay)
+    applied: bool = True  # False: the best did not beat the configured values beyond the noise; they were kept
+    decision: str = ""  # why, with the figures (re-scored means, the paired difference and its 95 % interval)
+    best_overrides: dict[str, Any] = {}  # the best trial's values, applied or not
+    difference: float | None = None  # best - configured on fresh validation prompts
+    difference_ci: tuple[float, float] | None = None
+    steps_spent: int = 0  # trial GRPO steps
+    budget_steps: int | None = None
+
+    @classmethod
+    def of(cls, result) -> "Search":
+        """From `tasks.hpo.HPOResult`."""
+        return cls(study=result.study_name, best_trial=result.best_trial, best_value=result.best_value,
+                   overrides=result.overrides, applied=result.applied, decision=result.decision,
+                   best_overrides=result.best_overrides, difference=result.difference,
+                   difference_ci=result.difference_ci, steps_spent=result.steps_spent,
+                   budget_steps=result.budget_steps)
 
 
 class Cost(BaseModel):

@@ -20,10 +20,14 @@ from tasks.hpo import (
 )
 
 
+# The bookkeeping tests: trainer-reported values, no configured control (both have tests of their own below).
+PLAIN = ["hpo.trial_score=trainer", "hpo.keep_configured=false", "hpo.pruner=none"]
+
+
 @pytest.fixture
 def cfg(tmp_path):
     def make(*overrides):
-        return load_config(None, [f"data_dir={tmp_path}", "hpo.study_name=s-{date}", *overrides])
+        return load_config(None, [f"data_dir={tmp_path}", "hpo.study_name=s-{date}", *PLAIN, *overrides])
 
     return make
 
@@ -82,7 +86,8 @@ def _quick(values):
     values = iter(values)
 
     def run_one(trial, cfg, model_path, splits, run_dir, tracking):
-        suggest(trial, cfg.hpo.space)
+        if not trial.user_attrs.get("configured"):
+            suggest(trial, cfg.hpo.space)
         value = next(values)
         if value == "crash":
             trial.set_user_attr("reason", "trainer exited with code 1 ... ValueError: boom")
@@ -172,3 +177,111 @@ def test_a_trial_left_running_by_a_dead_search_process_fails_and_is_queued_again
 def test_sqlite_is_refused_for_parallel_trials():
     with pytest.raises(ConfigError, match="SQLite cannot lock the queued trial"):
         load_config(None, ["hpo.storage=sqlite:////tmp/x.db", "hpo.concurrency=2"])
+
+
+# ------------------------------------------------------------------ greedy scores, re-scoring, the configured control
+
+
+@pytest.fixture
+def val8(tmp_path):
+    """A val split of 8 prompts: 4 to select on and 4 fresh ones to re-score on at a standard error of 0.5."""
+    from tasks.demo_task import make_row
+
+    path = tmp_path / "val.jsonl"
+    path.write_text("".join(__import__("json").dumps(make_row(a, 1)) + "\n" for a in range(8)))
+    return {"val": path}
+
+
+def _scored(tmp_path, plan):
+    """`run_one` and `score` for the greedy path: trial number -> (per-prompt scores on the selection prompts,
+    on the fresh ones). Trial 0 is the configured values' control."""
+
+    def run_one(trial, cfg, model_path, splits, run_dir, tracking):
+        if not trial.user_attrs.get("configured"):
+            suggest(trial, cfg.hpo.space)
+        adapter = tmp_path / f"adapter-{trial.number}"
+        adapter.mkdir(exist_ok=True)
+        return TrialOutcome(value=0.0, steps=cfg.hpo.steps, adapter_dir=str(adapter))
+
+    def score(adapter_dir, prompts):
+        select, rescore = plan[int(adapter_dir.rsplit("-", 1)[1])]
+        return select if "select" in prompts.name else rescore
+
+    return run_one, score
+
+
+GREEDY = ["hpo.trial_score=greedy", "hpo.keep_configured=true", "hpo.target_standard_error=0.5", "hpo.rescore_top_k=2"]
+
+
+def test_the_best_is_not_applied_when_it_does_not_beat_the_configured_values_beyond_the_noise(cfg, tmp_path, val8):
+    run_one, score = _scored(tmp_path, {
+        0: ([1, 0, 1, 0], [1, 0, 1, 0]),
+        1: ([1, 1, 1, 0], [1, 1, 0, 0]),  # the best on the selection prompts; a wash on fresh ones
+    })
+    result = search(cfg(*GREEDY, "hpo.trials=2"), "m", val8, tmp_path, run_one=run_one, score=score)
+    assert result.configured_trial == 0 and result.best_trial == 1 and result.best_value == 0.75
+    assert not result.applied and result.overrides == {}  # training keeps what was configured ...
+    assert "train.grpo.learning_rate" in result.best_overrides  # ... and the run still says what was found
+    assert "not better beyond the noise, the configured values are kept" in result.decision
+    assert result.difference == 0.0 and result.difference_ci[0] < 0 < result.difference_ci[1]
+    assert result.rescored == {0: 0.5, 1: 0.5} and result.prompts["needed"] == 4
+
+
+def test_the_top_trials_are_rescored_on_fresh_prompts_and_the_best_there_is_applied(cfg, tmp_path, val8):
+    run_one, score = _scored(tmp_path, {
+        0: ([0, 0, 1, 0], [0, 1, 0, 0]),
+        1: ([2, 2, 2, 2], [0, 1, 1, 0]),  # lucky on the selection prompts: the winner's curse
+        2: ([2, 2, 2, 1], [2, 2, 1, 2]),
+        3: ([0, 0, 0, 0], [2, 2, 2, 2]),  # not in the top 2: never re-scored
+    })
+    result = search(cfg(*GREEDY, "hpo.trials=4"), "m", val8, tmp_path, run_one=run_one, score=score)
+    assert set(result.rescored) == {0, 1, 2}
+    assert result.best_trial == 2 and result.applied and result.overrides == result.best_overrides
+    assert "better beyond the noise, applied" in result.decision and result.difference_ci[0] > 0
+
+
+def test_a_target_standard_error_the_data_cannot_meet_fails_before_any_trial_naming_the_prompts_needed(cfg, tmp_path, val8):
+    from configs.schema import ConfigError
+    from tasks.hpo import NotEnoughPrompts
+
+    def never(*_):
+        raise AssertionError("no trial may run")
+
+    with pytest.raises(NotEnoughPrompts) as err:
+        search(cfg(*GREEDY, "hpo.target_standard_error=0.05"), "m", val8, tmp_path, run_one=never)
+    assert isinstance(err.value, ConfigError)  # the CLI's exit 2
+    assert "needs 400 validation prompts per scoring" in str(err.value) and "800 in all" in str(err.value)
+    assert "the val split has 8" in str(err.value)
+
+
+def test_a_search_budget_of_one_training_run_explores_at_least_eight_configurations_on_rungs(cfg, tmp_path):
+    """Successive halving with rungs in GRPO steps (2, 6, ...): most trials stop at the first rung; the search
+    stops launching trials once the training run's 40 steps are spent."""
+    import math
+
+    def run_one(trial, cfg, model_path, splits, run_dir, tracking):
+        lr = suggest(trial, cfg.hpo.space)["learning_rate"] if not trial.user_attrs.get("configured") else 1e-4
+        for step in range(cfg.hpo.eval_every, cfg.hpo.steps + 1, cfg.hpo.eval_every):
+            trial.report(-abs(math.log10(lr) + 3.5) + step / 100, step)
+            if not trial.user_attrs.get("configured") and step < cfg.hpo.steps and trial.should_prune():
+                return TrialOutcome(value=None, pruned_at=step, steps=step)
+        return TrialOutcome(value=-abs(math.log10(lr) + 3.5), steps=cfg.hpo.steps)
+
+    c = cfg("hpo.pruner=successive_halving", "hpo.keep_configured=true", "hpo.steps=12", "hpo.eval_every=2",
+            "train.grpo.max_steps=40", "hpo.trials=50", "hpo.budget_fraction=1.0")
+    result = search(c, "m", {}, tmp_path, run_one=run_one)
+    searched = [t.state for t in result.trials[1:]]
+    assert len(searched) >= 8 and searched.count("PRUNED") >= 7  # the first 7 stop at the first rung
+    assert result.budget_steps == 40 and 40 <= result.steps_spent <= 40 + c.hpo.steps
+    assert result.trials[0].state == "COMPLETE"  # the configured control is never stopped on a rung
+
+
+def test_rungs_and_budget_follow_the_config():
+    from configs.schema import HPOConfig
+    from tasks.hpo import budget, make_pruner, prompts_needed
+
+    assert prompts_needed(HPOConfig(target_standard_error=0.1), 2) == (100, 1.0)
+    pruner = make_pruner(HPOConfig(pruner="hyperband", steps=18, eval_every=2, reduction_factor=3)).inner
+    assert (pruner._min_resource, pruner._max_resource, pruner._reduction_factor) == (2, 18, 3)
+    c = load_config(None, ["train.grpo.max_steps=100", "hpo.budget_fraction=0.25"])
+    assert budget(c, train_usd=8.0) == (25, 2.0)
