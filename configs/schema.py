@@ -530,17 +530,45 @@ class SearchSpace(StrictModel):
 
 
 class HPOConfig(StrictModel):
-    """Optuna search before training: short GRPO trials, pruned on validation reward, best values to `train`."""
+    """Optuna search before training: many short GRPO trials promoted on rungs (successive halving / Hyperband),
+    each finished trial scored greedily on fixed validation prompts, the top ones re-scored on fresh prompts, and
+    the best applied to `train` only when it beats the configured values beyond the noise."""
 
     enabled: bool = Field(False, description="run the search before training")
-    trials: int = Field(8, ge=1, description="the study's budget: a rerun of the same study only runs what is left")
+    trials: int = Field(8, ge=1, description="most trials in the study (the step budget may stop it first); a rerun "
+                        "of the same study only runs what is left")
     concurrency: int = Field(1, ge=1, description="trials at once: local processes, or SkyPilot jobs (one GPU each)")
-    steps: int = Field(20, ge=1, description="GRPO steps per trial")
-    eval_every: int = Field(5, ge=1, description="steps between validation rewards; each is a point where pruning may stop a trial")
-    eval_generations: int = Field(2, ge=1, description="completions per validation prompt per evaluation: fewer = faster, noisier")
-    pruner: Literal["median", "hyperband", "threshold", "none"] = Field(
-        "median", description="median: stop a trial below the median of earlier ones at the same step"
+    steps: int = Field(20, ge=1, description="GRPO steps of a trial that is never pruned (the top rung)")
+    eval_every: int = Field(5, ge=1, description="steps between rung checks (sampled validation reward on "
+                            "rung_prompts); the first rung and each pruning point")
+    eval_generations: int = Field(2, ge=1, description="completions per rung prompt per check: fewer = faster, noisier")
+    rung_prompts: int = Field(16, ge=1, description="validation prompts of each rung check (the first ones of the "
+                              "scoring set, the same for every trial)")
+    pruner: Literal["hyperband", "successive_halving", "median", "threshold", "none"] = Field(
+        "hyperband", description="hyperband / successive_halving: rungs from eval_every up to steps, a third of the "
+        "trials promoted at each; median: stop a trial below the median of earlier ones at the same step"
     )
+    reduction_factor: int = Field(3, ge=2, description="hyperband / successive_halving: 1 in this many trials goes "
+                                  "on to the next rung")
+    min_configurations: int = Field(8, ge=1, description="hyperband / successive_halving: configurations that "
+                                    "must reach the first rung before any goes past it (the first ones stop there)")
+    budget_steps: int | None = Field(None, ge=1, description="trial GRPO steps the search may spend in all; default: "
+                                     "budget_fraction of the training run's max_steps")
+    budget_fraction: float = Field(1.0, gt=0, description="the search's budget as a share of the training run it "
+                                   "feeds: its steps, and for SkyPilot trials its planned cost in USD")
+    trial_score: Literal["greedy", "trainer"] = Field(
+        "greedy", description="greedy: each finished trial's adapter scored greedily on fixed validation prompts "
+        "(a known noise, paired; the adapter must be readable where the search runs); trainer: the trainer's sampled "
+        "validation reward at the last rung (no extra pass, noisier, no re-scoring)"
+    )
+    target_standard_error: float = Field(0.05, gt=0, description="standard error of a trial's greedy validation "
+                                         "reward; sets how many validation prompts each scoring uses")
+    reward_sd: float | None = Field(None, gt=0, description="per-prompt standard deviation of the summed reward that "
+                                    "sizing assumes; default: the worst case for rewards in [0, 1] (half their count)")
+    rescore_top_k: int = Field(3, ge=1, description="the best trials re-scored on as many fresh prompts before the "
+                               "best is chosen (no winner's curse)")
+    keep_configured: bool = Field(True, description="run the configured values as a trial (never pruned) and keep "
+                                  "them unless the best beats them beyond the noise")
     pruner_startup_trials: int = Field(2, ge=0, description="median: trials that must finish before any is pruned")
     prune_below: float | None = Field(None, description="threshold: stop a trial whose validation reward falls below this")
     storage: str | None = Field(
