@@ -133,7 +133,7 @@ def run(spec: JobSpec, started: float | None = None) -> TrainResult:
 
     trainer = GRPOTrainer(
         model=model,
-        reward_funcs=[resolve_reward(name) for name in spec.train.rewards],
+        reward_funcs=[resolve_reward(name, max_completion_length=args.max_completion_length) for name in spec.train.rewards],
         args=args,
         train_dataset=train_ds,
         eval_dataset=val_ds,
