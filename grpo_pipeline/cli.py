@@ -84,7 +84,8 @@ def run(
 
 
 def _print_summary(summary) -> None:
-    """The holdout table (base, the champion when there was one, the candidate) and the decision."""
+    """The holdout table (base, the champion when there was one, the candidate), the decision, the serving
+    check, and the aliases as a table."""
     holdout, decision, registry = summary.holdout, summary.decision, summary.registry
     columns = {"base": (holdout.base_reward, holdout.base)}
     if holdout.champion is not None:
@@ -99,35 +100,51 @@ def _print_summary(summary) -> None:
         table.add_row(name, *(f"{values[name]:.3f}" for _, values in columns.values()))
     out = Console()
     out.print(table)
-    aliases = ", ".join(f"{alias} = v{version}" for alias, version in registry.aliases.items() if version) or "none"
     out.print(("[green]promoted" if decision.promote else "[yellow]not promoted")
-              + f"[/]: version {registry.candidate_version} of {registry.model}; aliases: {aliases}")
+              + f"[/]: version {registry.candidate_version} of {registry.model}")
     for reason in decision.reasons:
         out.print(f"  - {reason}")
-    out.print(f"adapter: {summary.train.adapter_dir}   MLflow run: {summary.mlflow.run_id}")
+    check = registry.serving_check
+    out.print(("[green]served" if check.passed else "[red]serving check failed")
+              + f"[/]: {check.reason()} in {check.seconds:.0f} s")
+    moved = {(m.model, m.alias): m.before for m in registry.moves}
+    aliases = Table(title="aliases")
+    for column in ("model", "alias", "version", "before this run"):
+        aliases.add_column(column)
+    models = [(registry.model, registry.aliases)]
+    if registry.merged_model and registry.merged_aliases is not None:
+        models.append((registry.merged_model, registry.merged_aliases))
+    for model, pointers in models:
+        for alias, version in pointers.items():
+            aliases.add_row(model, alias, version or "-", moved.get((model, alias), version) or "-")
+    out.print(aliases)
+    out.print(f"load: mlflow.pyfunc.load_model(\"models:/{registry.model}/{registry.candidate_version}\")"
+              f"   base: {registry.base_model}   MLflow run: {summary.mlflow.run_id}")
 
 
 def _registry(config: Path | None, overrides: list[str] | None):
-    import mlflow
-
-    from tasks.registry import Registry
+    """The registry the configuration names; against an MLflow server, through plain REST calls (a lookup
+    answers without importing MLflow or the training stack)."""
+    from tasks.registry import Registry, open_client
 
     _, cfg = _load(config, overrides)
-    return Registry(mlflow.MlflowClient(cfg.mlflow_uri), cfg.tracking.registered_model)
+    return Registry(open_client(cfg.mlflow_uri), cfg.tracking.registered_model)
 
 
-def _registry_call(action) -> None:
-    from mlflow.exceptions import MlflowException
-
+def _registry_call(registry, action) -> None:
+    """Run an alias-moving command; print every alias it moved (on both registered models), with what each
+    pointed at before."""
     from tasks.registry import RegistryError
 
     try:
         moves = action()
-    except (RegistryError, MlflowException) as exc:
+    except (RegistryError, *registry.errors) as exc:
         err.print(f"[red]{exc}")
         raise typer.Exit(EXIT_CONFIG) from None
     for move in moves:
-        print(f"{move.alias} -> {move.version or '(removed)'}")
+        print(move.describe())
+    if not moves:
+        print("no alias moved")
 
 
 ReasonOpt = Annotated[str, typer.Option("--reason", help="why: recorded on the model version")]
@@ -137,7 +154,7 @@ ReasonOpt = Annotated[str, typer.Option("--reason", help="why: recorded on the m
 def rollback(reason: ReasonOpt, config: ConfigOpt = None, overrides: SetOpt = None) -> None:
     """Make the previous champion the champion again (a second rollback undoes the first)."""
     registry = _registry(config, overrides)
-    _registry_call(lambda: registry.rollback(reason))
+    _registry_call(registry, lambda: registry.rollback(reason))
 
 
 @app.command()
@@ -148,18 +165,25 @@ def promote(
     config: ConfigOpt = None,
     overrides: SetOpt = None,
 ) -> None:
-    """An operator's promotion without an A/B decision; records who and why on the version."""
+    """An operator's promotion without an A/B decision: the version becomes champion, the champion it replaces
+    previous-champion; nothing else moves. Records who and why (forced_by, forced_reason) beside the version's
+    own decision tag."""
     if not force:
         err.print("[red]promote skips the A/B decision; pass --force to confirm")
         raise typer.Exit(EXIT_CONFIG)
     registry = _registry(config, overrides)
-    _registry_call(lambda: registry.force(version, reason))
+    _registry_call(registry, lambda: registry.force(version, reason))
 
 
 @app.command()
 def registry(config: ConfigOpt = None, overrides: SetOpt = None) -> None:
-    """Print which model versions the aliases point at."""
-    print(json.dumps(_registry(config, overrides).aliases()))
+    """Print which model versions the aliases point at, as JSON."""
+    registry = _registry(config, overrides)
+    try:
+        print(json.dumps(registry.aliases()))
+    except registry.errors as exc:  # e.g. the server does not answer
+        err.print(f"[red]{exc}")
+        raise typer.Exit(EXIT_CONFIG) from None
 
 
 @app.command()

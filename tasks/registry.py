@@ -143,7 +143,7 @@ class RestClient:
     def _call(self, method: str, endpoint: str, body: dict) -> dict:
         url = f"{self.tracking_uri}/api/2.0/mlflow/{endpoint}"
         data = None
-        if method in ("GET", "DELETE"):  # as MLflow's client sends them: the fields as query parameters
+        if method == "GET":  # as MLflow's client sends it: the fields as query parameters
             url += "?" + urllib.parse.urlencode(body)
         else:
             data = json.dumps(body).encode()
@@ -234,10 +234,14 @@ class Registry:
                 self.client.get_registered_model(name)
 
     def version_of(self, alias: str, name: str | None = None) -> str | None:
+        """The version `alias` points at; None when it points nowhere (an unreachable server raises)."""
         try:
             return self.client.get_model_version_by_alias(name or self.name, alias).version
-        except self.errors:
-            return None
+        except self.errors as exc:
+            # a missing alias: RESOURCE_DOES_NOT_EXIST from SQL stores, INVALID_PARAMETER_VALUE from the server
+            if getattr(exc, "error_code", None) in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+                return None
+            raise
 
     def aliases(self, name: str | None = None) -> dict[str, str | None]:
         return {alias: self.version_of(alias, name) for alias in ALIASES}
