@@ -2,13 +2,17 @@
 from k sampled completions when `evaluate.samples_k` is set.
 
 The base model, the champion and the candidate see the same prompts with the same decoding and seed, so
-their per-sample scores can be compared pairwise.
+their per-sample scores can be compared pairwise. The rewards are the training's own (`trainer.rewards`,
+with the same checks: a reward that fails names itself and the row); accuracy and format rate are the means
+of `evaluate.accuracy_reward` and `evaluate.format_reward`, scored even when training does not use them.
 """
 
 from __future__ import annotations
 
 import json
 import statistics
+from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 
 from prefect import task
@@ -16,16 +20,19 @@ from pydantic import BaseModel
 
 from trainer.loading import load_model
 from tasks.job import model_load
-from trainer.rewards import completion_text, resolve_reward
+from trainer.rewards import completion_text, resolve_reward, resolve_rewards
 from configs.schema import EvalConfig, ModelConfig
+
+EXAMPLE_CHARS = 600  # of a completion kept in an example: enough for a reasoning answer's ending
 
 
 class EvalResult(BaseModel):
-    reward: float  # mean over samples of the summed rewards, as GRPO sees them
+    reward: float  # mean over samples of the (weighted) summed rewards, as GRPO sees them
     per_reward: dict[str, float]
-    metrics: dict[str, float] = {}  # accuracy, format_rate, mean_length, pass@k
+    metrics: dict[str, float] = {}  # accuracy, format_rate, mean_length, pass@k, remote_verifier/fallbacks
     n: int
-    rows: list[dict]
+    rows: list[dict]  # per sample: key, prompt, answer, completion, each reward, total, length
+    examples: list[dict] = []  # a few right and wrong samples for the report (`pick_examples`)
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -35,31 +42,122 @@ def read_jsonl(path: Path) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def score(rows: list[dict], completions: list[str], rewards: list[str], lengths: list[int]) -> EvalResult:
+def prompt_text(prompt: str | list[dict]) -> str:
+    """The last user message of a chat prompt (what the row asks), or the prompt itself.
+
+    >>> prompt_text([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 3?"}])
+    'What is 2 + 3?'
+    """
+    if isinstance(prompt, str):
+        return prompt
+    users = [m.get("content", "") for m in prompt if m.get("role") == "user"]
+    return users[-1] if users else ""
+
+
+def score(
+    rows: list[dict],
+    completions: list[str],
+    rewards: list[str],
+    lengths: list[int],
+    *,
+    weights: Sequence[float] | None = None,
+    extra: Sequence[str] = (),
+    max_completion_length: int | None = None,
+) -> EvalResult:
     """Score completions with each reward and keep their token lengths; pure, so it is tested without a model.
+
+    `weights` (TRL's `reward_weights`, in reward order) weigh the total; `extra` rewards are scored into
+    their own columns and left out of it (an accuracy reward the training does not use).
 
     >>> r = score([{"answer": "3"}, {"answer": "5"}], ["3", "five"], ["correct_answer"], [1, 1])
     >>> r.reward, r.per_reward
     (0.5, {'correct_answer': 0.5})
+    >>> score([{"answer": "3"}], ["3"], ["correct_answer", "number_only"], [1], weights=[1.0, 0.5]).reward
+    1.5
     """
+    weights = list(weights) if weights is not None else [1.0] * len(rewards)
+    if len(weights) != len(rewards):
+        raise ValueError(f"{len(weights)} reward weights for {len(rewards)} rewards")
     columns = {k: [row[k] for row in rows] for k in rows[0] if k != "prompt"} if rows else {}
-    per_sample = {name: resolve_reward(name)(completions, **columns) for name in rewards}
+    logged: dict[str, float] = defaultdict(float)
+
+    def log_metric(name: str, value: float) -> None:
+        logged[name] += value
+
+    inputs = {**columns, "prompts": [row.get("prompt") for row in rows], "completion_lengths": list(lengths),
+              "log_metric": log_metric}
+    names = list(rewards) + [e for e in extra if e not in rewards]
+    functions = resolve_rewards(names, max_completion_length=max_completion_length)
+    per_sample = {name: fn(completions, **inputs) if rows else [] for name, fn in zip(names, functions, strict=True)}
     out_rows = []
     for i, row in enumerate(rows):
-        scores = {name: per_sample[name][i] for name in rewards}
+        scores = {name: per_sample[name][i] for name in names}
         out_rows.append({
             "key": row.get("key", i),
+            "prompt": prompt_text(row.get("prompt", "")),
+            **({"answer": row["answer"]} if "answer" in row else {}),
             "completion": completions[i],
             **scores,
-            "total": sum(scores.values()),
+            "total": sum(w * scores[name] for w, name in zip(weights, rewards, strict=True)),
             "length": lengths[i],
         })
     return EvalResult(
         reward=statistics.fmean(r["total"] for r in out_rows) if out_rows else 0.0,
         per_reward={name: statistics.fmean(per_sample[name]) for name in rewards} if out_rows else {},
+        metrics=dict(logged),
         n=len(out_rows),
         rows=out_rows,
     )
+
+
+def pick_examples(result: EvalResult, column: str | None, k: int) -> list[dict]:
+    """Up to k right and k wrong samples by `column` (the accuracy reward: right when it scores above 0),
+    in holdout order, each with its prompt, reference, completion (its last EXAMPLE_CHARS characters) and scores.
+
+    >>> rows = [{"key": "a", "prompt": "2+2?", "answer": "4", "completion": "4", "math_answer": 1.0, "total": 1.0, "length": 1},
+    ...         {"key": "b", "prompt": "3+3?", "answer": "6", "completion": "7", "math_answer": 0.0, "total": 0.0, "length": 1}]
+    >>> [(e["verdict"], e["key"]) for e in pick_examples(EvalResult(reward=0.5, per_reward={}, n=2, rows=rows), "math_answer", 1)]
+    [('right', 'a'), ('wrong', 'b')]
+    """
+    if not column or not k or not result.rows or column not in result.rows[0]:
+        return []
+    picked: dict[str, list[dict]] = {"right": [], "wrong": []}
+    for row in result.rows:
+        verdict = "right" if row[column] > 0 else "wrong"
+        if len(picked[verdict]) < k:
+            text = row["completion"]
+            picked[verdict].append({
+                "verdict": verdict, "key": row["key"], "prompt": row.get("prompt", ""), "answer": row.get("answer"),
+                "completion": text if len(text) <= EXAMPLE_CHARS else "..." + text[-EXAMPLE_CHARS:],
+                "scores": {name: v for name, v in row.items()
+                           if name not in ("key", "prompt", "answer", "completion", "length") and not name.startswith("pass_at_")},
+            })
+    return picked["right"] + picked["wrong"]
+
+
+def contrast(candidate: EvalResult, baseline: EvalResult, column: str, k: int = 3) -> dict[str, list[dict]]:
+    """The prompts where the two models disagree by `column`: up to k the candidate fixed (baseline wrong,
+    candidate right) and k it broke, each with both completions; for the report.
+
+    >>> base = EvalResult(reward=0, per_reward={}, n=2, rows=[{"key": "a", "prompt": "p", "completion": "x", "m": 0.0},
+    ...                                                      {"key": "b", "prompt": "q", "completion": "y", "m": 1.0}])
+    >>> cand = EvalResult(reward=0, per_reward={}, n=2, rows=[{"key": "a", "prompt": "p", "completion": "z", "m": 1.0},
+    ...                                                      {"key": "b", "prompt": "q", "completion": "y", "m": 1.0}])
+    >>> [(e["key"], e["baseline"], e["candidate"]) for e in contrast(cand, base, "m")["fixed"]]
+    [('a', 'x', 'z')]
+    """
+    by_key = {row["key"]: row for row in baseline.rows}
+    out: dict[str, list[dict]] = {"fixed": [], "broken": []}
+    for row in candidate.rows:
+        other = by_key.get(row["key"])
+        if other is None or column not in row or column not in other:
+            continue
+        kind = "fixed" if row[column] > 0 >= other[column] else "broken" if other[column] > 0 >= row[column] else None
+        if kind and len(out[kind]) < k:
+            trim = lambda t: t if len(t) <= EXAMPLE_CHARS else "..." + t[-EXAMPLE_CHARS:]  # noqa: E731
+            out[kind].append({"key": row["key"], "prompt": row.get("prompt", ""), "answer": row.get("answer"),
+                              "baseline": trim(other["completion"]), "candidate": trim(row["completion"])})
+    return out
 
 
 def render(tokenizer, prompts: list) -> list[str]:
@@ -132,7 +230,7 @@ def pass_at_k(rows: list[dict], samples: list[list[str]], reward_name: str) -> l
     >>> pass_at_k([{"answer": "4"}, {"answer": "5"}], [["3", "4"], ["6", "7"]], "correct_answer")
     [1.0, 0.0]
     """
-    reward = resolve_reward(reward_name)
+    reward = resolve_reward(reward_name)  # an answer check: it takes no lengths
     out = []
     for row, completions in zip(rows, samples, strict=True):
         columns = {k: [row[k]] * len(completions) for k in row if k != "prompt"}
@@ -186,8 +284,11 @@ def evaluate_model(
     rewards: list[str],
     cfg: EvalConfig,
     adapter: str | None = None,
+    weights: Sequence[float] | None = None,
 ) -> EvalResult:
-    """Load a base model (plus an adapter when given) and score it on a holdout file."""
+    """Load a base model (plus an adapter when given) and score it on a holdout file.
+
+    `weights`: the training's reward weights (TRL's `reward_weights`, in reward order) for the total."""
     rows = read_jsonl(holdout)
     use_vllm = cfg.engine == "vllm" or (cfg.engine == "auto" and vllm_usable())
     if use_vllm:
@@ -206,8 +307,10 @@ def evaluate_model(
             model, tokenizer, [r["prompt"] for r in rows], cfg.max_new_tokens, cfg.batch_size,
             label="candidate" if adapter else "base",
         )
-    result = score(rows, [completion_text(c) for c in completions], rewards, lengths)
-    metrics = summary_metrics(result, cfg)
+    result = score(rows, [completion_text(c) for c in completions], rewards, lengths, weights=weights,
+                   extra=[r for r in (cfg.accuracy_reward, cfg.format_reward) if r],
+                   max_completion_length=cfg.max_new_tokens)
+    metrics = result.metrics | summary_metrics(result, cfg)
     if cfg.samples_k and cfg.accuracy_reward:
         if not use_vllm:
             samples = sample(model, tokenizer, rows, cfg)
@@ -215,7 +318,8 @@ def evaluate_model(
         for row, value in zip(result.rows, passed, strict=True):
             row[f"pass_at_{cfg.samples_k}"] = value
         metrics[f"pass_at_{cfg.samples_k}"] = statistics.fmean(passed)
-    return result.model_copy(update={"metrics": metrics})
+    return result.model_copy(update={"metrics": metrics,
+                                     "examples": pick_examples(result, cfg.accuracy_reward, cfg.examples)})
 
 
 evaluate_task = task(evaluate_model, name="evaluate")
