@@ -88,11 +88,17 @@ def strategy_env(spec: JobSpec, nproc: int, nnodes: int) -> dict[str, str]:
 
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         yaml.safe_dump(accelerate_config(spec), f)
+    parser = launch_command_parser()
+    known = {action.dest for action in parser._actions}
     try:
-        args = launch_command_parser().parse_args(
+        args = parser.parse_args(
             ["--config_file", f.name, "--num_processes", str(nproc * nnodes), "--num_machines", str(nnodes),
              "-m", "trainer"])
         args, defaults, mp_from_config = _validate_launch_command(args)
+        # accelerate ignores unknown keys inside these sections; its launch options name the ones it reads
+        for section in ("fsdp_config", "deepspeed_config"):
+            if unknown := sorted(set(getattr(defaults, section, None) or {}) - known):
+                raise ValueError(f"train.distributed.accelerate: {section} has keys accelerate does not know: {unknown}")
         if args.use_deepspeed:
             # as accelerate's launch_command does before its DeepSpeed launcher
             fields = list(defaults.deepspeed_config) if defaults else []
@@ -237,6 +243,11 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     nproc = processes_per_node(spec, gpus)
     env = dict(os.environ)
+    try:
+        strategy = strategy_env(spec, nproc, d.nodes)
+    except ValueError as exc:  # accelerate's parser refused the strategy's config file
+        log.error("cannot launch: %s", exc)
+        return EXIT_BAD_INPUT
     server_gpus = list(range(gpus - d.vllm_server_gpus, gpus)) if d.vllm_server_gpus else []
     if server_gpus or d.vllm_server_node:
         # trainers on the first GPUs, the server on the rest (or on the last node), never the same GPU twice
@@ -253,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
             print(" ".join(command))
             return 0
         os.execv(sys.executable, command)  # the plain one-process trainer: its signals and exit code are ours
-    env.update(strategy_env(spec, nproc, train_nodes))
+    env.update(strategy)
     if server_gpus:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in range(gpus - d.vllm_server_gpus))
     command = torchrun_command(opts.spec, nproc, train_nodes, opts.node_rank, opts.master_addr, opts.master_port,

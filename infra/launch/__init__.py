@@ -6,7 +6,9 @@
 - `LocalLauncher` (`infra.launch.local`) runs the trainer as a subprocess here, the embedded default;
   `SkyLauncher` (`infra.launch.skypilot`) runs it as a SkyPilot managed job on spot GPUs.
 - `make_launcher` picks one from `train.launcher`; `preflight` checks what that launcher needs before any
-  work is done.
+  work is done, including whether `train.distributed` can launch at all (`trainer.distributed.problems`:
+  processes against GPUs, batch against num_generations, strategy against quantization, store against nodes);
+  `check_launch` repeats that for the very job spec a launcher is handed, before it starts anything.
 """
 
 from __future__ import annotations
@@ -14,10 +16,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from configs.schema import TrainConfig
+from configs.schema import ConfigError, ModelConfig, TrainConfig
 from trainer.spec import JobSpec, TrainingFailed, TrainResult
 
-__all__ = ["Launcher", "TrainingFailed", "make_launcher", "preflight", "run_job"]
+__all__ = ["LaunchRefused", "Launcher", "TrainingFailed", "check_launch", "make_launcher", "preflight", "run_job"]
+
+
+class LaunchRefused(ConfigError):
+    """The job cannot run as configured (exit 2 from the CLI); nothing was started."""
 
 
 class Launcher(Protocol):
@@ -42,8 +48,42 @@ def make_launcher(
     return LocalLauncher(train.max_restarts, on_line=on_line)
 
 
-def preflight(train: TrainConfig, mlflow_uri: str) -> None:
+def gpus_per_node(train: TrainConfig) -> list[int]:
+    """The GPU counts a node may have: each of the SkyPilot task's accelerator options, or this machine's."""
+    if train.launcher == "sky":
+        from infra.launch.skypilot import accelerator_options
+
+        return sorted({count for _, count in accelerator_options(train)})
+    from trainer.launch import detect_gpus
+
+    return [detect_gpus()]
+
+
+def check_launch(spec: JobSpec, gpu_counts: list[int]) -> None:
+    """Refuse (LaunchRefused, exit 2) a job whose processes could not start or would fail once started."""
+    from configs import library_fields
+    from trainer.distributed import problems
+
+    defaults = {name: f.default for name, f in library_fields.fields("GRPOConfig").items()}  # TRL not imported
+    found = list(dict.fromkeys(p for gpus in gpu_counts for p in problems(spec, gpus, defaults)))
+    if spec.train.distributed.strategy != "ddp" and not found:
+        from trainer.launch import strategy_env
+
+        try:  # accelerate's own parser reads the strategy's config file with the overrides
+            strategy_env(spec, max(gpu_counts) or 1, spec.train.distributed.nodes)
+        except ValueError as exc:
+            found.append(str(exc))
+    if found:
+        raise LaunchRefused("cannot launch training:\n  " + "\n  ".join(found))
+
+
+def preflight(train: TrainConfig, mlflow_uri: str, model: ModelConfig | None = None) -> None:
     """What the configured launcher needs, checked before anything runs; each failure names its fix."""
+    from tasks.job import model_load, train_settings
+
+    probe = JobSpec(model_path="", model=model_load(model or ModelConfig()), train=train_settings(train),
+                    train_file="", work_dir="", adapter_dir="", checkpoint_uri=train.checkpoint_uri or "")
+    check_launch(probe, gpus_per_node(train))
     if train.launcher == "sky":
         from infra.launch.skypilot import preflight as sky_preflight
 

@@ -2,6 +2,9 @@
 
 A SkyPilot managed job relaunches after a preemption or an error until it is done or out of restarts,
 and the trainer resumes from its newest complete checkpoint; this launcher does the same on one machine.
+It runs the node launcher a SkyPilot node runs (`python -m trainer.launch`), so `train.distributed`'s
+processes_per_node start here as they would there: one process is the plain trainer, more run under torchrun
+on a free port of this machine.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from infra.launch import TrainingFailed
+from infra.launch import TrainingFailed, check_launch
+from trainer.launch import detect_gpus, free_port
 from trainer.spec import RESULT_FILE, JobSpec, TrainResult
 
 log = logging.getLogger(__name__)
@@ -37,8 +41,9 @@ class LocalLauncher:
         self.on_line = on_line or (lambda line: log.info("trainer: %s", line))
 
     def _start(self, spec_path: Path) -> subprocess.Popen:
+        # a fresh port each start: the last attempt's rendezvous port may linger in TIME_WAIT
         return subprocess.Popen(
-            [sys.executable, "-m", "trainer", "--spec", str(spec_path)],
+            [sys.executable, "-m", "trainer.launch", "--spec", str(spec_path), "--master-port", str(free_port())],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -46,6 +51,7 @@ class LocalLauncher:
         )
 
     def launch(self, spec: JobSpec) -> LocalHandle:
+        check_launch(spec, [detect_gpus()])  # before anything is written or started
         spec_path = spec.write(Path(spec.work_dir) / "job.json")
         return LocalHandle(spec, spec_path, self._start(spec_path))
 

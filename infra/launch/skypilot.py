@@ -3,6 +3,12 @@
 SkyPilot recovers a preempted job (relaunching it, another region first); the trainer resumes from its
 newest complete checkpoint in S3. Turning a job spec into a `sky.Task` is a pure function
 (`task_config`), so tests inspect exactly what would be launched without a cloud.
+
+Several GPUs and nodes: `num_nodes` is train.distributed.nodes (plus one for a dedicated vLLM server node),
+each accelerator option asks for processes_per_node (+ vllm_server_gpus) GPUs when that is set, and the
+task's run command starts `python -m trainer.launch` on every node with the rendezvous SkyPilot gives
+(SKYPILOT_NODE_RANK, SKYPILOT_NODE_IPS, SKYPILOT_NUM_NODES, SKYPILOT_NUM_GPUS_PER_NODE). A recovery restarts
+the whole cluster, and every node's ranks resume from the same checkpoint in S3.
 """
 
 from __future__ import annotations
@@ -69,17 +75,44 @@ def write_job_dir(spec: JobSpec, job_dir: Path) -> Path:
     return job_dir
 
 
+def _options(resources: dict) -> list[str]:
+    return [o["accelerators"] for o in resources.get("ordered") or resources.get("any_of") or []
+            if isinstance(o, dict) and "accelerators" in o] or ([resources["accelerators"]] if "accelerators" in resources else [])
+
+
+def _count(option: str) -> tuple[str, int]:
+    """'H100:8' -> ('H100', 8); a bare name is one GPU."""
+    name, _, count = str(option).partition(":")
+    return name, int(count or 1)
+
+
+def accelerator_options(train: TrainConfig) -> list[tuple[str, int]]:
+    """The GPU options a node of the managed job asks for, in order, with the GPU count that
+    train.distributed needs (processes_per_node + vllm_server_gpus) where it sets one."""
+    d = train.distributed
+    listed = train.sky.accelerators or _options(yaml.safe_load((PROJECT_ROOT / train.sky.task_yaml).read_text())["resources"])
+    need = d.processes_per_node + d.vllm_server_gpus if d.processes_per_node else None
+    return [(name, max(count, need or count)) for name, count in map(_count, listed)]
+
+
 def task_config(base: dict[str, Any], spec: JobSpec, job_dir: Path, sky_cfg: SkyConfig, max_restarts: int) -> dict:
-    """The task YAML with this job filled in: job folder, local model mount, GPU candidates, spot, recovery."""
+    """The task YAML with this job filled in: job folder, local model mount, GPU candidates (as many per
+    node as train.distributed needs), nodes, spot, recovery."""
     config = yaml.safe_load(yaml.safe_dump(base))  # a deep copy
     config.setdefault("envs", {})["JOB_DIR"] = str(job_dir.resolve())
     config["workdir"] = str(PROJECT_ROOT)
     if Path(spec.model_path).is_dir():
         config.setdefault("file_mounts", {})[NODE_MODEL_DIR] = str(Path(spec.model_path).resolve())
     resources = config.setdefault("resources", {})
-    if sky_cfg.accelerators:
-        resources.pop("any_of", None)
-        resources["ordered"] = [{"accelerators": a} for a in sky_cfg.accelerators]
+    d = spec.train.distributed
+    need = d.processes_per_node + d.vllm_server_gpus if d.processes_per_node else None
+    options = sky_cfg.accelerators or _options(resources)
+    if options:
+        for key in ("any_of", "accelerators"):
+            resources.pop(key, None)
+        resources["ordered"] = [{"accelerators": f"{name}:{max(count, need or count)}"}
+                                for name, count in map(_count, options)]
+    config["num_nodes"] = d.nodes + d.vllm_server_node
     resources["use_spot"] = sky_cfg.use_spot
     recovery = resources.setdefault("job_recovery", {})
     recovery["max_restarts_on_errors"] = max_restarts
@@ -153,6 +186,12 @@ class SkyLauncher:
 
         import sky
 
+        from infra.launch import check_launch
+
+        base = yaml.safe_load((PROJECT_ROOT / self.sky_cfg.task_yaml).read_text())
+        options = task_config(base, spec, Path(spec.work_dir), self.sky_cfg, self.max_restarts)["resources"]["ordered"]
+        check_launch(spec, sorted({_count(o["accelerators"])[1] for o in options}))  # before the job folder is written
+
         job_dir = write_job_dir(spec, Path(spec.work_dir) / "sky-job")
         task = build_task(spec, job_dir, self.sky_cfg, self.max_restarts, dict(os.environ))
         job_ids, _ = sky.stream_and_get(sky.jobs.launch(task, name=f"grpo-{Path(spec.work_dir).parent.name}"))
@@ -190,7 +229,8 @@ class SkyLauncher:
             raise TrainingFailed(
                 f"managed job {handle.job_id} ended {status}: {record.failure_reason or ''}\n{self._tail(handle)}"
             )
-        gpus = sum(int(a) for a in (record.accelerators or {}).values()) or 1
+        d = handle.spec.train.distributed
+        gpus = (sum(int(a) for a in (record.accelerators or {}).values()) or 1) * (d.nodes + d.vllm_server_node)
         result, _ = collect_final(handle.spec)
         return result.model_copy(
             update={"restarts": record.recovery_count or 0, "gpu_hours": (record.job_duration or 0) / 3600 * gpus}

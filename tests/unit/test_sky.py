@@ -16,7 +16,7 @@ from tasks.job import model_load, train_settings
 def test_every_sky_yaml_parses_and_runs_the_trainer(path):
     task = sky.Task.from_yaml(str(path))
     assert all(r.use_spot for r in task.resources)
-    assert "python -m trainer --spec /grpo/job/job.json" in task.run
+    assert "python -m trainer" in task.run and "--spec /grpo/job/job.json" in task.run
     assert path.read_text().startswith("# "), "each YAML starts with what it is for"
     assert "sky jobs launch sky/" in path.read_text()
 
@@ -87,3 +87,40 @@ def test_streamed_log_text_reaches_the_callback_line_by_line():
     stream.write("{'loss': 0.1}\n{'lo")
     stream.write("ss': 0.2}\r\npartial")
     assert lines == ["{'loss': 0.1}", "{'loss': 0.2}"]
+
+
+def _distributed(tmp_path, **distributed):
+    spec = _spec(tmp_path, "Qwen/Qwen2.5-7B-Instruct")
+    return spec.model_copy(update={"train": spec.train.model_copy(
+        update={"distributed": spec.train.distributed.model_copy(update=distributed)})})
+
+
+def test_several_nodes_and_gpus_reach_the_task_and_its_run_command(tmp_path):
+    spec = _distributed(tmp_path, nodes=2, processes_per_node=8)
+    task = build_task(spec, write_job_dir(spec, tmp_path / "job"), SkyConfig(), 3, environ={})
+    assert task.num_nodes == 2
+    # the YAML's options, each asking for the 8 GPUs a node's 8 processes need
+    assert [dict(r.accelerators) for r in task.resources] == [{"H100": 8}, {"A100-80GB": 8}, {"L40S": 8}]
+    assert all(r.job_recovery["recover_on_exit_codes"] == [75] for r in task.resources)
+    for var in ("SKYPILOT_NUM_NODES", "SKYPILOT_NODE_RANK", "SKYPILOT_NODE_IPS", "SKYPILOT_NUM_GPUS_PER_NODE"):
+        assert f'"${var}"' in task.run
+    assert "python -m trainer.launch --spec /grpo/job/job.json" in task.run
+    assert JobSpec.read(tmp_path / "job" / "job.json").train.distributed.nodes == 2
+
+
+def test_a_dedicated_vllm_node_is_one_more_node(tmp_path):
+    spec = _distributed(tmp_path, nodes=2, vllm_server_node=True)
+    spec = spec.model_copy(update={"train": spec.train.model_copy(
+        update={"grpo": {"use_vllm": True, "vllm_mode": "server"}})})
+    task = build_task(spec, write_job_dir(spec, tmp_path / "job"), SkyConfig(accelerators=["H100:8"]), 3, environ={})
+    assert task.num_nodes == 3
+    assert [dict(r.accelerators) for r in task.resources] == [{"H100": 8}]
+
+
+def test_a_plan_of_two_gpus_asks_for_two_and_launches_two_processes(tmp_path):
+    """apply_plan's accelerator options (GPU:count) and strategy reach the task unchanged."""
+    spec = _distributed(tmp_path, strategy="fsdp")
+    task = build_task(spec, write_job_dir(spec, tmp_path / "job"), SkyConfig(accelerators=["A100-80GB:2"]), 3,
+                      environ={})
+    assert [dict(r.accelerators) for r in task.resources] == [{"A100-80GB": 2}]
+    assert task.num_nodes == 1
