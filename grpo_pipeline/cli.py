@@ -4,6 +4,11 @@ Exit codes (for CI): 0 completed; 1 the pipeline failed; 2 the configuration or 
 (unknown key, wrong type, missing model, unreachable or unwritable checkpoint store, no SkyPilot cloud);
 3 the candidate was not promoted and --fail-on-reject was given; 4 the champion moved while the run was
 deciding (another run promoted first): nothing was moved, run again.
+
+Every command fails the same way (`_fail`): one paragraph on stderr that names the field or resource, what
+was found and the fix, and with --json the failure object {"status": "failed", "error", "exit_code"} as the
+last line of stdout. `run` and `hpo` run the preflight checks before the flow starts, so a refused input
+leaves no failed flow run behind.
 """
 
 from __future__ import annotations
@@ -11,8 +16,9 @@ from __future__ import annotations
 import json
 import os
 import sys
+import traceback
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, NoReturn, Optional
 
 import typer
 from rich.console import Console
@@ -40,13 +46,66 @@ def _config_path(config: Path | None) -> Path:
     return DEFAULT_CONFIG if config is None else recipe(config)
 
 
-def _load(config: Path | None, overrides: list[str] | None):
+def _load(config: Path | None, overrides: list[str] | None, as_json: bool = False):
     path = _config_path(config)
+    overrides = list(overrides or [])
     try:
-        return path, load_config(path, overrides or [])
+        return path, load_config(path, overrides)
     except ConfigError as exc:
-        err.print(f"[red]{exc}")
-        raise typer.Exit(EXIT_CONFIG) from None
+        _fail(as_json, _blame(path, overrides, exc), EXIT_CONFIG)
+
+
+def _blame(path: Path, overrides: list[str], exc: ConfigError) -> str:
+    """A configuration error told against its cause: the file, or the --set that made it (the loader reports
+    every field as being "in" the file). A --set is to blame when the file alone loads and the file with that
+    --set does not; when only several together fail (two shares adding up past 1), all are named."""
+    if not overrides:
+        return str(exc)
+    try:
+        load_config(path, [])
+    except ConfigError:
+        return str(exc)  # the file is wrong on its own: the message names it
+    culprits = []
+    for assignment in overrides:
+        try:
+            load_config(path, [assignment])
+        except ConfigError as alone:
+            culprits.append((assignment, alone))
+    if not culprits:
+        return f"--set {' --set '.join(overrides)} (together): {_what(exc)}"
+    return "\n".join(f"--set {assignment}: {_what(alone)}" for assignment, alone in culprits)
+
+
+def _what(exc: ConfigError) -> str:
+    """The field lines of a configuration error, without the loader's "invalid configuration in <file>:"."""
+    text = str(exc)
+    head, sep, fields = text.partition(":\n")
+    if sep and head.startswith("invalid configuration"):
+        lines = [line.strip() for line in fields.splitlines() if line.strip()]
+        return lines[0] if len(lines) == 1 else "\n  " + "\n  ".join(lines)
+    if text.startswith("--set "):  # the loader's own --set message: drop its repeat of the assignment
+        return text.split(": ", 1)[-1]
+    return text
+
+
+def _input_errors() -> tuple[type[BaseException], ...]:
+    """What bad configuration or input raises, wherever it is caught: exit 2. Imported only when needed."""
+    from infra.launch.skypilot import SkyPreflightError
+    from tasks.model import ModelNotFound
+    from trainer.checkpoints import CheckpointStoreError
+
+    return ConfigError, ModelNotFound, CheckpointStoreError, SkyPreflightError  # budget, quantization: ConfigError
+
+
+def _preflight(cfg, as_json: bool) -> None:
+    """The flows' own first checks, run before a flow run exists: a refused input leaves no Failed run on
+    the Prefect server (whose notification would fire) and no engine traceback before the one useful line."""
+    from flows.preflight import preflight
+
+    try:
+        preflight(cfg)
+    except _input_errors() as exc:
+        _fail(as_json, str(exc), EXIT_CONFIG)
 
 
 @app.command()
@@ -57,19 +116,17 @@ def run(
     fail_on_reject: Annotated[bool, typer.Option(help="exit 3 when the candidate is not promoted")] = False,
 ) -> None:
     """Run the pipeline (the CPU demo by default), print base and trained holdout reward and the decision."""
-    path, _ = _load(config, overrides)
+    path, cfg = _load(config, overrides, as_json)
     # Prefect's ephemeral server records a telemetry session at start-up, which races its own SQLite
     # writer ("database is locked") on a fresh PREFECT_HOME; the pipeline needs no telemetry.
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    _preflight(cfg, as_json)
     from flows.pipeline import grpo_pipeline  # heavy imports only once the config is known to be good
-    from infra.launch.skypilot import SkyPreflightError
-    from tasks.model import ModelNotFound
     from tasks.registry import ChampionMoved
-    from trainer.checkpoints import CheckpointStoreError
 
     try:
         summary = grpo_pipeline(config_path=str(path), overrides=list(overrides or []))
-    except (ConfigError, ModelNotFound, CheckpointStoreError, SkyPreflightError) as exc:  # incl. budget, quantization
+    except _input_errors() as exc:  # found during the run (e.g. the data stage's quality bound)
         _fail(as_json, str(exc), EXIT_CONFIG)
     except ChampionMoved as exc:
         _fail(as_json, str(exc), EXIT_CHAMPION_MOVED)
@@ -139,8 +196,7 @@ def _registry_call(registry, action) -> None:
     try:
         moves = action()
     except (RegistryError, *registry.errors) as exc:
-        err.print(f"[red]{exc}")
-        raise typer.Exit(EXIT_CONFIG) from None
+        _fail(False, str(exc), EXIT_CONFIG)
     for move in moves:
         print(move.describe())
     if not moves:
@@ -169,8 +225,7 @@ def promote(
     previous-champion; nothing else moves. Records who and why (forced_by, forced_reason) beside the version's
     own decision tag."""
     if not force:
-        err.print("[red]promote skips the A/B decision; pass --force to confirm")
-        raise typer.Exit(EXIT_CONFIG)
+        _fail(False, "promote skips the A/B decision; pass --force to confirm", EXIT_CONFIG)
     registry = _registry(config, overrides)
     _registry_call(registry, lambda: registry.force(version, reason))
 
@@ -182,8 +237,7 @@ def registry(config: ConfigOpt = None, overrides: SetOpt = None) -> None:
     try:
         print(json.dumps(registry.aliases()))
     except registry.errors as exc:  # e.g. the server does not answer
-        err.print(f"[red]{exc}")
-        raise typer.Exit(EXIT_CONFIG) from None
+        _fail(False, str(exc), EXIT_CONFIG)
 
 
 @app.command()
@@ -195,17 +249,15 @@ def hpo(
 ) -> None:
     """Search hyperparameters alone (no training): print the best as --set overrides for `run`."""
     extra = [*(overrides or []), "hpo.enabled=true", *([f"hpo.trials={trials}"] if trials else [])]
-    path, _ = _load(config, extra)
+    path, cfg = _load(config, extra, as_json)
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # see `run`
+    _preflight(cfg, as_json)
     from flows.hpo import hpo_flow
-    from infra.launch.skypilot import SkyPreflightError
     from tasks.hpo import HPOFailed
-    from tasks.model import ModelNotFound
-    from trainer.checkpoints import CheckpointStoreError
 
     try:
         result = hpo_flow(config_path=str(path), overrides=extra)
-    except (ConfigError, ModelNotFound, CheckpointStoreError, SkyPreflightError) as exc:
+    except _input_errors() as exc:
         _fail(as_json, str(exc), EXIT_CONFIG)
     except HPOFailed as exc:
         _fail(as_json, str(exc), EXIT_FAILED)
@@ -227,10 +279,12 @@ def hpo(
     raise typer.Exit(EXIT_OK)
 
 
-def _fail(as_json: bool, message: str, code: int) -> None:
+def _fail(as_json: bool, message: str, code: int, **extra) -> NoReturn:
+    """The one way a command fails: the message on stderr (as written: no markup is read from it), and with
+    --json the failure object, `extra` fields included, as the last line of stdout."""
     if as_json:
-        print(json.dumps({"status": "failed", "error": message, "exit_code": code}))
-    err.print(f"[red]{message}")
+        print(json.dumps({"status": "failed", "error": message, "exit_code": code, **extra}), flush=True)
+    err.print(message, style="red", markup=False, highlight=False)
     raise typer.Exit(code)
 
 
@@ -301,26 +355,31 @@ def data_cmd(
     config: ConfigOpt = None,
     overrides: SetOpt = None,
     out: Annotated[Optional[Path], typer.Option(help="where versions go; default: <data_dir>/datasets")] = None,
-    tokenizer: Annotated[Optional[str], typer.Option(help="tokenizer dir for the token bounds; default: model.base when on disk")] = None,
+    tokenizer: Annotated[Optional[str], typer.Option(help="tokenizer dir for the token bounds; default: model.base's, resolved as a run resolves it")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the report as JSON on stdout")] = False,
 ) -> None:
     """Build the dataset version (load, validate, dedup, split, decontaminate) and print its report."""
-    _, cfg = _load(config, overrides)
-    from tasks.data import DataQualityError, build_dataset, default_tokenizer
+    _, cfg = _load(config, overrides, as_json)
+    from tasks.data import DataQualityError, build_dataset, resolve_tokenizer
+    from tasks.data_io import check_local_sources
 
-    tok = tokenizer or default_tokenizer(cfg)
+    failure = None
     try:
+        check_local_sources(cfg.data)
+        tok = resolve_tokenizer(cfg, tokenizer)  # the token bounds apply, or the stage refuses
         version = build_dataset(cfg.data, out or cfg.data_dir / "datasets", tok, cfg.train.rewards)
     except DataQualityError as exc:  # bad input: the report still says why
-        if as_json:
-            print(json.dumps({"status": "failed", "error": str(exc), "exit_code": EXIT_CONFIG,
-                              "report": exc.report.model_dump(mode="json")}))
-        else:
+        failure = (str(exc), EXIT_CONFIG, {"report": exc.report.model_dump(mode="json")})
+        if not as_json:
             _print_data_report(exc.report, None)
-        err.print(f"[red]{exc}")
-        raise typer.Exit(EXIT_CONFIG) from None
     except ConfigError as exc:
-        _fail(as_json, str(exc), EXIT_CONFIG)
+        failure = (str(exc), EXIT_CONFIG, {})
+    except Exception as exc:  # a fault of the stage, not of the input: the traceback too
+        traceback.print_exc()
+        failure = (f"{type(exc).__name__}: {exc}", EXIT_FAILED, {})
+    if failure is not None:
+        message, code, extra = failure
+        _fail(as_json, message, code, **extra)
     if as_json:
         print(json.dumps({"status": "completed", **version.model_dump(mode="json")}, indent=2))
         raise typer.Exit(EXIT_OK)

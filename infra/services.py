@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from contextlib import contextmanager
@@ -129,7 +130,19 @@ def _wait_until(ready: Callable[[], bool], service: Service, timeout_s: float) -
 
 
 def stop(service: Service, grace_s: float = 10) -> None:
-    """Its stop signal, then SIGKILL after the grace period (SeaweedFS lingers on SIGTERM now and then)."""
+    """Its stop signal, then SIGKILL after the grace period (SeaweedFS lingers on SIGTERM now and then);
+    then what it left in its private temporary directory (SeaweedFS's unix sockets), if it has one."""
+    try:
+        _stop_process(service, grace_s)
+    finally:
+        if service.extra.get("tmpdir"):
+            shutil.rmtree(service.extra["tmpdir"], ignore_errors=True)
+        for path in map(Path, service.extra.get("sockets", [])):
+            if path.is_socket():
+                path.unlink(missing_ok=True)
+
+
+def _stop_process(service: Service, grace_s: float) -> None:
     import psutil
 
     if not alive(service.pid, service.created):
@@ -195,12 +208,26 @@ def start_seaweedfs(workdir: Path, bucket: str, access_key: str, secret_key: str
     config = workdir / "s3.json"
     config.touch(mode=0o600)
     config.write_text(json.dumps(identities))
+    # SeaweedFS grows several volumes per bucket (a collection) at its first write, so a fixed -volume.max
+    # ran out after about two buckets ("No writable volumes"); 0 sizes the limit by the free disk instead.
+    # Volumes are not preallocated, so 256 MB each costs only what is written.
     args = [weed, "server", f"-s3.config={config}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={workdir}", "-s3",
-            "-filer", "-master.volumeSizeLimitMB=256", "-volume.max=16"]  # room for GBs of checkpoints
+            "-filer", "-master.volumeSizeLimitMB=256", "-volume.max=0"]
     args += [f"-{name}={port}" for name, port in ports.items()]
-    service = _spawn("s3", args, workdir)
+    # Its unix sockets and log files stayed in /tmp after every run. The filer's and S3's sockets, and the log
+    # files (through TMPDIR), go to a private directory that `stop` removes (short: a socket path holds at most
+    # 107 bytes); each gRPC server's socket is always /tmp/seaweedfs-<server>-grpc-<port>.sock, removed by name.
+    sockets = tempfile.mkdtemp(prefix="weed-")
+    args += [f"-filer.localSocket={sockets}/filer.sock", f"-s3.localSocket={sockets}/s3.sock"]
+    try:
+        service = _spawn("s3", args, workdir, env={"TMPDIR": sockets})
+    except BaseException:
+        shutil.rmtree(sockets, ignore_errors=True)
+        raise
     service.url = f"http://127.0.0.1:{ports['s3.port']}"
-    service.extra = {"ports": ports, "bucket": bucket}
+    grpc_sockets = [f"/tmp/seaweedfs-{server}-grpc-{ports[f'{server}.port'] + GRPC_OFFSET}.sock"
+                    for server in ("master", "volume", "filer", "s3")]
+    service.extra = {"ports": ports, "bucket": bucket, "tmpdir": sockets, "sockets": grpc_sockets}
     client = s3_client(service.url, access_key, secret_key)
 
     def bucket_ready() -> bool:  # the S3 gateway answers InternalError for its first seconds
@@ -208,7 +235,12 @@ def start_seaweedfs(workdir: Path, bucket: str, access_key: str, secret_key: str
             client.create_bucket(Bucket=bucket)
             return True
         except ClientError as exc:
-            return exc.response.get("Error", {}).get("Code") in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists")
+            code = exc.response.get("Error", {}).get("Code")
+            if code == "InvalidBucketName":  # no use waiting for it
+                stop(service)
+                raise ServiceError(f"bucket name {bucket!r} refused by S3: {exc}; bucket names are 3-63 lower-case "
+                                   "letters, digits, dots and hyphens") from None
+            return code in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists")
         except BotoCoreError:
             return False
 

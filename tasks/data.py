@@ -23,10 +23,14 @@ import inspect
 import os
 import re
 import shutil
+import signal
+import socket
+import threading
 import time
 import warnings
 from collections import Counter
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +43,9 @@ from prefect.cache_policies import CachePolicy
 from pydantic import BaseModel
 
 from configs.schema import DEMO_MODEL, ConfigError, DataConfig, PipelineConfig
-from tasks.data_io import DataSourceError, RawBatch, Reject, check_readable, file_digest, iter_source, source_fingerprint
+from tasks.data_io import (
+    DataSourceError, RawBatch, Reject, check_readable, file_digest, iter_source, json_kind, source_fingerprint,
+)
 from tasks.data_text import NearDuplicateIndex, PromptTokens, ngram_hashes, normalize, overlap_fraction, sorted_unique, words
 from tasks.demo_task import generate as demo_rows
 from tasks.splits import fingerprint as splits_fingerprint
@@ -47,8 +53,11 @@ from tasks.splits import split_of
 
 SPLITS = ("train", "val", "holdout")
 REASONS = {
-    "bad_json": "the line is not a JSON object",
+    "bad_json": "the line is not one JSON object (RFC 8259: no NaN, comments, raw control characters or second value)",
     "invalid_utf8": "the bytes are not UTF-8 text",
+    "line_too_long": "a JSON line longer than tasks.data_io.MAX_LINE_BYTES (16 MiB)",
+    "too_deep": "arrays and objects nested deeper than tasks.data_io.MAX_DEPTH (64), in any field",
+    "nul_character": "a prompt or answer holding U+0000 (NUL): binary or mis-encoded data, whatever the format",
     "bad_csv": "a CSV row with the wrong number of fields",
     "missing_field": "no prompt or no answer",
     "wrong_type": "a prompt that is neither text nor a list of {role, content} messages, or an answer that is not text or a number",
@@ -66,7 +75,7 @@ MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])
 CANONICAL = pa.schema([("pos", pa.int64()), ("source", pa.string()), ("messages", pa.list_(MESSAGE)),
                        ("raw", pa.string()), ("answer", pa.string()), ("key", pa.string())])
 _GSM8K = r"(?s)^.*####\s*(?P<answer>.*?)\s*$"
-_CODE_FILES = ("data.py", "data_io.py", "data_text.py", "demo_task.py")
+_CODE_FILES = ("data.py", "data_io.py", "data_text.py", "demo_task.py", "splits.py")
 
 
 class DataQualityError(ConfigError):
@@ -151,8 +160,10 @@ def _reject_rows(table: pa.Table, mask: np.ndarray, reason: str, details: Sequen
     return [Reject(reason, d, s, p, r) for d, s, p, r in zip(detail, src, pos, rows, strict=True)]
 
 
-def _canonical_record(rec: dict, cfg: DataConfig, ctx: _Context) -> tuple[dict | None, tuple[str, str] | None]:
-    """One parsed record -> (row in canonical form, None) or (None, (reason, detail))."""
+def _canonical_record(rec: dict, cfg: DataConfig, ctx: _Context,
+                      fields: Sequence[str] | None = None) -> tuple[dict | None, tuple[str, str] | None]:
+    """One parsed record -> (row in canonical form, None) or (None, (reason, detail)). `fields`: the columns
+    the row came with, named when a mapped one is missing (default: the record's keys)."""
 
     def text(value: Any, what: str) -> str:
         if isinstance(value, bytes):  # CSV columns arrive as bytes, so bad UTF-8 is this row's problem alone
@@ -162,37 +173,49 @@ def _canonical_record(rec: dict, cfg: DataConfig, ctx: _Context) -> tuple[dict |
                 raise _RowError("invalid_utf8", f"{what}: byte {exc.start}: {exc.reason}") from None
         return value
 
+    def missing(column: str) -> tuple[None, tuple[str, str]]:
+        if rec.get(column, ...) is None:
+            return None, ("missing_field", f"'{column}' is null")
+        # Name what the row does have: a wrong column mapping shows at once.
+        return None, ("missing_field", f"no '{column}' (the row has: {', '.join(map(str, fields or rec))[:200] or 'nothing'})")
+
     try:
         prompt = text(rec.get(cfg.prompt_column), "prompt")
         answer = text(rec.get(cfg.answer_column), "answer")
         for value, column in ((prompt, cfg.prompt_column), (answer, cfg.answer_column)):
-            if value is None:  # name what the row does have: a wrong column mapping shows at once
-                return None, ("missing_field", f"no '{column}' (the row has: {', '.join(map(str, rec))[:200]})")
+            if value is None:
+                return missing(column)
         if isinstance(answer, bool) or not isinstance(answer, str | int | float):
-            return None, ("wrong_type", f"'{cfg.answer_column}' is {type(answer).__name__}, not text or a number")
+            return None, ("wrong_type", f"'{cfg.answer_column}' is {json_kind(answer)}, not text or a number")
         system = text(rec.get(cfg.system_column), "system") if cfg.system_column else None
         if system is not None and not isinstance(system, str):
-            return None, ("wrong_type", f"'{cfg.system_column}' is {type(system).__name__}, not text")
+            return None, ("wrong_type", f"'{cfg.system_column}' is {json_kind(system)}, not text")
         system = system or cfg.system_prompt
         if isinstance(prompt, str):
             messages = [{"role": "user", "content": ctx.prefix + prompt + ctx.suffix}]
             raw = prompt
         elif isinstance(prompt, list):
-            if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                       for m in prompt):
-                return None, ("wrong_type", f"'{cfg.prompt_column}' messages need text 'role' and 'content'")
+            for i, m in enumerate(prompt):
+                if not isinstance(m, dict):
+                    return None, ("wrong_type", f"'{cfg.prompt_column}' message {i} is {json_kind(m)}, not an object")
+                for part in ("role", "content"):
+                    if not isinstance(m.get(part), str):
+                        return None, ("wrong_type", f"'{cfg.prompt_column}' message {i}: '{part}' is "
+                                                    f"{json_kind(m.get(part)) if part in m else 'missing'}, not text")
             messages = [{"role": m["role"], "content": m["content"]} for m in prompt]
             if not any(m["role"] == "user" for m in messages):
                 return None, ("wrong_type", f"'{cfg.prompt_column}' has no user message")
             raw = "\n".join(m["content"] for m in messages if m["role"] != "system")
         else:
-            return None, ("wrong_type", f"'{cfg.prompt_column}' is {type(prompt).__name__}, not text or messages")
+            return None, ("wrong_type", f"'{cfg.prompt_column}' is {json_kind(prompt)}, not text or a list of messages")
         if system and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": system})
-        key = rec.get(cfg.key_column) if cfg.key_column else None
-        if cfg.key_column and (key is None or isinstance(key, bool) or not isinstance(key, str | int)):
-            return None, ("missing_field" if key is None else "wrong_type",
-                          f"'{cfg.key_column}' must be text or an integer, got {type(key).__name__}")
+        key = text(rec.get(cfg.key_column), "key") if cfg.key_column else None
+        if cfg.key_column:
+            if key is None:
+                return missing(cfg.key_column)
+            if isinstance(key, bool) or not isinstance(key, str | int):
+                return None, ("wrong_type", f"'{cfg.key_column}' is {json_kind(key)}, not text or an integer")
         return {"messages": messages, "raw": raw, "answer": str(answer),
                 "key": None if key is None else str(key)}, None
     except _RowError as exc:
@@ -204,22 +227,60 @@ class _RowError(Exception):
         self.reason, self.detail = reason, detail
 
 
-def _plain_table(table: pa.Table, cfg: DataConfig, ctx: _Context) -> pa.Table | None:
-    """The fast path: a batch whose prompt column is text, built into canonical columns with Arrow
-    kernels. None when the batch needs row-by-row care (messages, mixed or unexpected types)."""
-    names = set(table.column_names)
-    needed = [cfg.prompt_column, cfg.answer_column] + [c for c in (cfg.system_column, cfg.key_column) if c]
-    if not set(needed) <= names:
+def _mapped(cfg: DataConfig) -> list[str]:
+    return [c for c in (cfg.prompt_column, cfg.answer_column, cfg.system_column, cfg.key_column) if c]
+
+
+def _table_columns(table: pa.Table, cfg: DataConfig) -> dict[str, pa.Array] | None:
+    """An Arrow batch's mapped columns as text, or None when the batch needs row-by-row care (a column
+    missing, messages, nulls, types other than text and integers)."""
+    if not set(_mapped(cfg)) <= set(table.column_names):
         return None
     try:
-        prompt = _as_text(table.column(cfg.prompt_column))
-        answer = _as_text(table.column(cfg.answer_column), numbers=True)
-        system = _as_text(table.column(cfg.system_column)) if cfg.system_column else None
-        key = _as_text(table.column(cfg.key_column), numbers=True) if cfg.key_column else None
+        columns = {
+            "prompt": _as_text(table.column(cfg.prompt_column)),
+            "answer": _as_text(table.column(cfg.answer_column), numbers=True),
+            "system": _as_text(table.column(cfg.system_column)) if cfg.system_column else None,
+            "key": _as_text(table.column(cfg.key_column), numbers=True) if cfg.key_column else None,
+        }
     except _NotText:
         return None
-    if prompt.null_count or answer.null_count or (key is not None and key.null_count):
+    if any(columns[c] is not None and columns[c].null_count for c in ("prompt", "answer", "key")):
         return None  # missing values: the row-by-row path names each one
+    return columns
+
+
+def _record_columns(records: list[dict], cfg: DataConfig) -> tuple[dict[str, pa.Array], np.ndarray]:
+    """The records whose mapped values are plain (prompt text; answer and key text or integers; system text or
+    absent) as Arrow text columns, and the mask of those records. Python values decide, never an inferred
+    Arrow type, so a row is read the same beside any neighbours."""
+    prompts = [r.get(cfg.prompt_column) for r in records]
+    answers = [r.get(cfg.answer_column) for r in records]
+    plain = [type(p) is str and (type(a) is str or type(a) is int) for p, a in zip(prompts, answers, strict=True)]
+    keys = systems = None
+    if cfg.key_column:
+        keys = [r.get(cfg.key_column) for r in records]
+        plain = [ok and (type(k) is str or type(k) is int) for ok, k in zip(plain, keys, strict=True)]
+    if cfg.system_column:
+        systems = [r.get(cfg.system_column) for r in records]
+        plain = [ok and (s is None or type(s) is str) for ok, s in zip(plain, systems, strict=True)]
+    mask = np.array(plain, bool)
+
+    def column(values: list | None, numbers: bool = False) -> pa.Array | None:
+        if values is None:
+            return None
+        picked = [v for v, ok in zip(values, plain, strict=True) if ok]
+        if numbers:
+            picked = [v if type(v) is str else str(v) for v in picked]
+        return pa.array(picked, pa.string())
+
+    return {"prompt": column(prompts), "answer": column(answers, True), "system": column(systems),
+            "key": column(keys, True)}, mask
+
+
+def _plain_table(columns: dict[str, pa.Array | None], cfg: DataConfig, ctx: _Context) -> pa.Table:
+    """Text columns (prompt, answer, system?, key?) built into canonical columns with Arrow kernels."""
+    prompt, answer, system, key = columns["prompt"], columns["answer"], columns["system"], columns["key"]
     n = len(prompt)
     content = pc.binary_join_element_wise(ctx.prefix, prompt, ctx.suffix, "") if ctx.prefix or ctx.suffix else prompt
     if system is None:
@@ -264,33 +325,44 @@ def _as_text(column: pa.ChunkedArray | pa.Array, numbers: bool = False) -> pa.Ar
 
 
 def canonical_batch(raw: RawBatch, cfg: DataConfig, ctx: _Context) -> tuple[pa.Table, list[Reject]]:
-    """A batch as read -> canonical rows (pos, source, messages, raw, answer, key) and rejected rows."""
+    """A batch as read -> canonical rows (pos, source, messages, raw, answer, key) and rejected rows.
+
+    Plain rows are built with Arrow kernels; the others one by one by `_canonical_record`, which decides
+    every row the fast path cannot take; both give a row the same outcome."""
     rejects = list(raw.rejects)
-    positions = list(raw.positions)
-    built = _plain_table(raw.table, cfg, ctx) if raw.table is not None else None
-    if built is not None:
-        n = built.num_rows
-        built = built.add_column(0, "source", pa.array([raw.source] * n, pa.string()))
-        built = built.add_column(0, "pos", pa.array(positions, pa.int64()))
-        return built.select(CANONICAL.names).cast(CANONICAL), rejects
+    positions = np.asarray(raw.positions, np.int64)
+    parts = []
     if raw.records is not None:
-        records = raw.records
+        columns, plain = _record_columns(raw.records, cfg)
+        records = [r for r, ok in zip(raw.records, plain, strict=True) if not ok]
+        fields = None
     else:
-        wanted = [c for c in (cfg.prompt_column, cfg.answer_column, cfg.system_column, cfg.key_column)
-                  if c and c in raw.table.column_names]
-        records = _records(raw.table.select(wanted))
+        columns = _table_columns(raw.table, cfg)
+        plain = np.full(len(positions), columns is not None, bool)
+        fields = raw.table.column_names
+        records = [] if columns is not None else _records(raw.table.select([c for c in _mapped(cfg) if c in fields]))
+    if plain.any():
+        parts.append(_with_position(_plain_table(columns, cfg, ctx), raw.source, positions[plain]))
     rows, kept_pos = [], []
-    for pos, rec in zip(positions, records, strict=True):
-        row, problem = _canonical_record(rec, cfg, ctx)
-        if problem:
-            rejects.append(Reject(problem[0], problem[1], raw.source, pos, _jsonable(rec)))
+    wanted = _mapped(cfg)
+    for pos, rec in zip(positions[~plain].tolist(), records, strict=True):
+        row, problem = _canonical_record(rec, cfg, ctx, fields)
+        if problem:  # the mapped columns only: a huge or deep unused field stays out of the quarantine
+            rejects.append(Reject(problem[0], problem[1], raw.source, pos, _jsonable({c: rec[c] for c in wanted if c in rec})))
         else:
             rows.append(row)
             kept_pos.append(pos)
-    table = pa.Table.from_pylist(rows, schema=CANONICAL.remove(0).remove(0)) if rows else CANONICAL.empty_table().drop(["pos", "source"])
-    table = table.add_column(0, "source", pa.array([raw.source] * len(rows), pa.string()))
-    table = table.add_column(0, "pos", pa.array(kept_pos, pa.int64()))
+    if rows or not parts:
+        table = pa.Table.from_pylist(rows, schema=CANONICAL.remove(0).remove(0)) if rows else CANONICAL.empty_table().drop(["pos", "source"])
+        parts.append(_with_position(table, raw.source, np.array(kept_pos, np.int64)))
+    table = parts[0] if len(parts) == 1 else pa.concat_tables(parts).sort_by("pos")  # the rows in file order
     return table, rejects
+
+
+def _with_position(table: pa.Table, source: str, positions: np.ndarray) -> pa.Table:
+    table = table.add_column(0, "source", pa.array([source] * table.num_rows, pa.string()))
+    table = table.add_column(0, "pos", pa.array(positions, pa.int64()))
+    return table.select(CANONICAL.names).cast(CANONICAL)
 
 
 def _records(table: pa.Table) -> list[dict]:
@@ -363,8 +435,16 @@ def _unverifiable(answers: list[str], ctx: _Context) -> list[str | None]:
 
 
 def validate(table: pa.Table, cfg: DataConfig, ctx: _Context) -> tuple[pa.Table, list[Reject]]:
-    """Empty prompts, answers the extraction or the rewards cannot use; fills in default keys."""
+    """Text with NUL, empty prompts, answers the extraction or the rewards cannot use."""
     rejects: list[Reject] = []
+    messages = table.column("messages").combine_chunks()
+    in_messages = pc.match_substring(messages.flatten().field("content"), "\x00").to_numpy(zero_copy_only=False)
+    if in_messages.any() or pc.any(pc.match_substring(table.column("answer"), "\x00")).as_py():
+        lengths = pc.list_value_length(messages).to_numpy(zero_copy_only=False)
+        nul = np.bincount(np.repeat(np.arange(len(lengths)), lengths), weights=in_messages, minlength=len(lengths)) > 0
+        nul |= pc.match_substring(table.column("answer"), "\x00").to_numpy(zero_copy_only=False).astype(bool)
+        rejects += _reject_rows(table, nul, "nul_character", "U+0000 (NUL) in the prompt or the answer")
+        table = table.filter(pa.array(~nul))
     empty = pc.equal(pc.utf8_trim_whitespace(table.column("raw")), "").to_numpy(zero_copy_only=False)
     rejects += _reject_rows(table, empty, "empty_prompt", "the prompt has no text")
     table = table.filter(pa.array(~empty))
@@ -532,13 +612,13 @@ class _Chain:
             f.close()
 
 
-def _eval_texts(source: str, cfg: DataConfig) -> Iterator[pa.Array]:
+def _eval_texts(source: str, cfg: DataConfig, scratch: Path) -> Iterator[pa.Array]:
     """Prompt texts of an evaluation set, for decontamination only: rows without a usable prompt are skipped."""
     ctx = _Context(cfg.model_copy(update={"answer_extraction": "none", "answer_regex": None}), [])
     loose = cfg.model_copy(update={"answer_column": cfg.prompt_column, "system_column": None, "key_column": None,
                                    "source_format": "auto"})
     for raw in iter_source(source, "auto", cfg.batch_rows, split=None, config=cfg.source_config,
-                           s3_endpoint_url=cfg.s3_endpoint_url):
+                           s3_endpoint_url=cfg.s3_endpoint_url, scratch=scratch):
         table, _ = canonical_batch(raw, loose, ctx)
         if table.num_rows:
             yield table.column("raw").combine_chunks()
@@ -558,12 +638,52 @@ def _effective(cfg: DataConfig) -> DataConfig:
                                   "key_column": "key", "answer_extraction": "none", "answer_regex": None})
 
 
+def token_bounds_apply(cfg: DataConfig) -> bool:
+    """Whether the configured token bounds need the model's tokenizer: a maximum, or a minimum above one
+    token (any prompt that passes the empty-prompt check has at least one).
+
+    >>> token_bounds_apply(DataConfig()), token_bounds_apply(DataConfig(max_prompt_tokens=None))
+    (True, False)
+    """
+    return cfg.max_prompt_tokens is not None or cfg.min_prompt_tokens > 1
+
+
+def _bounds(cfg: DataConfig) -> str:
+    return " and ".join(
+        ([f"data.max_prompt_tokens={cfg.max_prompt_tokens}"] if cfg.max_prompt_tokens is not None else [])
+        + ([f"data.min_prompt_tokens={cfg.min_prompt_tokens}"] if cfg.min_prompt_tokens > 1 else []))
+
+
+TOKENS_OFF = "--set data.max_prompt_tokens=null --set data.min_prompt_tokens=0"
+
+
+def missing_tokenizer(cfg: DataConfig, why: str) -> ConfigError:
+    """The error for token bounds that cannot be counted: what is set, why there is no tokenizer, the fixes."""
+    return ConfigError(
+        f"the token bounds ({_bounds(cfg)}) are counted in the model's own tokens, but {why}. Give the model's "
+        "tokenizer (grpo-pipeline data --tokenizer DIR, a directory with tokenizer.json or tokenizer_config.json), "
+        f"or drop the bounds ({TOKENS_OFF})")
+
+
+def _prompt_tokens(cfg: DataConfig, tokenizer_path: str | None) -> PromptTokens | None:
+    """The token counter the bounds need; refuses (ConfigError) rather than skip a configured bound."""
+    if not token_bounds_apply(cfg):
+        return None
+    if not tokenizer_path:
+        raise missing_tokenizer(cfg, "no tokenizer was given")
+    try:
+        return PromptTokens(tokenizer_path)
+    except (OSError, ValueError, TypeError) as exc:  # not a tokenizer directory, or a hub id off the hub
+        raise missing_tokenizer(cfg, f"{tokenizer_path} does not load as one ({type(exc).__name__}: "
+                                     f"{str(exc).splitlines()[0][:200] if str(exc) else ''})") from None
+
+
 def run_chain(cfg: DataConfig, work: Path, tokenizer_path: str | None, rewards: Sequence[str]) -> DataReport:
     """The whole chain into `work`: train/val/holdout.jsonl, quarantine.jsonl. Returns the report."""
     started = time.perf_counter()
     cfg = _effective(cfg)
     ctx = _Context(cfg, rewards)
-    tokens = PromptTokens(tokenizer_path) if tokenizer_path else None
+    tokens = _prompt_tokens(cfg, tokenizer_path)
     chain = _Chain(cfg, ctx, tokens, work)
     eval_rows = 0
     # The chain makes no reference cycles, but millions of small objects (dedup keys, rows) make the cyclic
@@ -573,12 +693,12 @@ def run_chain(cfg: DataConfig, work: Path, tokenizer_path: str | None, rewards: 
     try:
         batches = _demo_batches(cfg) if cfg.source is None else iter_source(
             cfg.source, cfg.source_format, cfg.batch_rows, split=cfg.source_split, config=cfg.source_config,
-            s3_endpoint_url=cfg.s3_endpoint_url)
+            s3_endpoint_url=cfg.s3_endpoint_url, scratch=work)
         for raw in batches:
             chain.feed(raw)
         if cfg.contamination_threshold is not None:
             for source in cfg.eval_sources:
-                for texts in _eval_texts(source, cfg):
+                for texts in _eval_texts(source, cfg, work):
                     chain.add_reference(texts)
                     eval_rows += len(texts)
         chain.finish()
@@ -594,7 +714,7 @@ def run_chain(cfg: DataConfig, work: Path, tokenizer_path: str | None, rewards: 
         "answer": f"rewards {', '.join(ctx.verifiers)} score the reference answer" if ctx.verifiers
         else "no configured reward takes an answer: not checked",
         "tokens": (f"{tokenizer_path}: {tokens.exact} prompts tokenized, the rest bounded by byte length"
-                   if tokens else "skipped: no tokenizer given"),
+                   if tokens else "off: data.max_prompt_tokens is null and data.min_prompt_tokens <= 1"),
         "near_dedup": (f"MinHash LSH, {cfg.near_dup_num_perm} permutations, Jaccard >= {cfg.near_dup_threshold} "
                        f"on word {cfg.near_dup_ngram}-grams" if cfg.near_dup_threshold else "off"),
         "contamination": (f"train vs holdout, val and {len(cfg.eval_sources)} eval source(s): share of word "
@@ -661,29 +781,29 @@ def build_dataset(
 ) -> DatasetVersion:
     """Build (or find, when the same inputs were built before) a dataset version under out_dir/<key>.
 
-    Raises ConfigError for a source that cannot be read, DataQualityError when more than
-    `max_dropped_fraction` of the rows were dropped (the quarantine is then kept in out_dir/<key>.rejected).
+    Raises ConfigError for a source that cannot be read or token bounds without a tokenizer,
+    DataQualityError when more than `max_dropped_fraction` of the rows were dropped (the quarantine is then
+    kept in out_dir/<key>.rejected). The version is written aside and renamed into place, so a failure
+    leaves nothing half-written: the work directory goes on an exception, on SIGTERM or SIGHUP (see
+    `_removed_on_exit`), and after a SIGKILL with the next build in the same out_dir.
     """
     out_dir = Path(out_dir)
+    if token_bounds_apply(cfg) and not tokenizer_path:
+        raise missing_tokenizer(cfg, "no tokenizer was given")
     for source in ([cfg.source] if cfg.source else []) + cfg.eval_sources:
         check_readable(source, cfg.s3_endpoint_url)
-    try:
-        key = dataset_key(cfg, tokenizer_path, rewards)
-    except DataSourceError as exc:
-        raise ConfigError(str(exc)) from None
+    key = dataset_key(cfg, tokenizer_path, rewards)
     target = out_dir / key[:16]
     found = load_version(target)
     if found is not None:
         return found
     out_dir.mkdir(parents=True, exist_ok=True)
-    work = out_dir / f".{key[:16]}.tmp-{os.getpid()}"
+    _sweep_dead_work(out_dir)
+    work = out_dir / f".{key[:16]}{_WORK_TAG}{socket.gethostname()}-{os.getpid()}"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir()
-    try:
-        try:
-            report = run_chain(cfg, work, tokenizer_path, rewards)
-        except DataSourceError as exc:
-            raise ConfigError(str(exc)) from None
+    with _removed_on_exit(work):
+        report = run_chain(cfg, work, tokenizer_path, rewards)
         (work / "report.json").write_bytes(orjson.dumps(report.model_dump(mode="json"), option=orjson.OPT_INDENT_2))
         if report.rows_read == 0:
             raise DataQualityError(f"data.source {cfg.source} holds no rows", report)
@@ -703,20 +823,72 @@ def build_dataset(
         try:
             work.rename(target)
         except OSError:  # another run finished the same version first: theirs is identical
-            shutil.rmtree(work, ignore_errors=True)
+            pass
         return load_version(target) or version
+
+
+_WORK_TAG = ".tmp-"  # out_dir/.<key>.tmp-<host>-<pid>: a build in progress
+
+
+def _sweep_dead_work(out_dir: Path) -> None:
+    """Remove work directories that builds on this host left when they were killed (SIGKILL, a crash)."""
+    host = socket.gethostname()
+    for path in out_dir.glob(f".*{_WORK_TAG}{host}-*"):
+        pid = path.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+@contextmanager
+def _removed_on_exit(path: Path) -> Iterator[None]:
+    """Remove `path` however the block ends. SIGTERM and SIGHUP would end the process without running
+    `finally`; in the main thread, where no handler of their own is set, they raise SystemExit instead for
+    the length of the block (the process still ends, with 128 + the signal's number)."""
+    installed = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            if signal.getsignal(sig) is signal.SIG_DFL:
+                installed[sig] = signal.signal(sig, _exit_on_signal)
+    try:
+        yield
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(path, ignore_errors=True)
+        for sig, previous in installed.items():
+            signal.signal(sig, previous)
 
 
-def default_tokenizer(cfg: PipelineConfig) -> str | None:
-    """The configured model's tokenizer when it is on this machine already (nothing is downloaded)."""
+def _exit_on_signal(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+def resolve_tokenizer(cfg: PipelineConfig, given: str | None = None) -> str | None:
+    """The tokenizer the data stage counts tokens with when the stage runs alone (`grpo-pipeline data`): the
+    one given, else model.base's, as the pipeline resolves it for the run (the demo model is fetched and
+    converted once). None when no token bound applies. Raises ConfigError naming the fixes."""
+    if given or not token_bounds_apply(cfg.data):
+        return given
     base = cfg.model.base
-    candidates = [cfg.data_dir / "models" / DEMO_MODEL] if base == DEMO_MODEL else [Path(base).expanduser()]
-    for path in candidates:
+    on_disk = [cfg.data_dir / "models" / DEMO_MODEL] if base == DEMO_MODEL else [Path(base).expanduser()]
+    for path in on_disk:
         if path.is_dir() and any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
             return str(path)
-    return None
+    from tasks.model import resolve_base_model
+
+    try:
+        return resolve_base_model(cfg.model, cfg.data_dir / "models")
+    except Exception as exc:  # a missing path, no network for the demo model's download, a bad GGUF file
+        raise missing_tokenizer(cfg.data, f"model.base {base!r} could not be resolved here "
+                                          f"({type(exc).__name__}: {str(exc)[:300]})") from None
 
 
 class _InputsCache(CachePolicy):

@@ -2,8 +2,9 @@
 
 A source is a JSONL, Parquet or CSV file (or a glob or directory of them, local or `s3://`), a directory
 written by `datasets.save_to_disk`, or a hub dataset id. Every reader yields `RawBatch`es of at most
-`batch_rows` rows, so memory stays bounded however large the source is. Lines that are not JSON, or
-not UTF-8, come back as `Reject`s with their position instead of stopping the read.
+`batch_rows` rows, so memory stays bounded however large the source is. A line or row that cannot be
+read (not JSON, not UTF-8, too long, too deep: the rules are above `judge_line`) comes back as a `Reject`
+with its position instead of stopping the read; a whole file that cannot be read raises `DataSourceError`.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ class Reject:
 
 @dataclass
 class RawBatch:
-    """Rows as read: an Arrow table (fast path) or parsed records (after a block needed line-by-line care)."""
+    """Rows as read: an Arrow table (Parquet, CSV, datasets) or parsed records (JSON Lines, the demo)."""
 
     source: str
     positions: list[int] | Any  # line numbers (JSONL, CSV) or row numbers (Parquet, datasets)
@@ -213,10 +214,11 @@ def source_fingerprint(source: str, declared: str, s3_endpoint_url: str | None, 
 
 def iter_source(
     source: str, declared: str, batch_rows: int, *, split: str | None = "train", config: str | None = None,
-    s3_endpoint_url: str | None = None,
+    s3_endpoint_url: str | None = None, scratch: Path | None = None,
 ) -> Iterator[RawBatch]:
     """Every row of a source, in bounded batches, in a stable order. `split` picks one split of a
-    DatasetDict (a save_to_disk directory or a hub dataset); None reads them all (evaluation sets)."""
+    DatasetDict (a save_to_disk directory or a hub dataset); None reads them all (evaluation sets).
+    S3 objects are downloaded one at a time into `scratch` (default: the system's temporary directory)."""
     if not looks_local(source) and not source.startswith("s3://"):
         for name, ds in _splits_of(_load_hub(source, config), split, source):
             yield from _iter_dataset(ds, name, batch_rows)
@@ -229,7 +231,7 @@ def iter_source(
         return
     client = s3_client(s3_endpoint_url) if source.startswith("s3://") else None
     for f in resolve_files(source, declared, client):
-        with _local_copy(f.uri, client) as path:
+        with _local_copy(f.uri, client, scratch) as path:
             if f.fmt == "jsonl":
                 yield from iter_jsonl(path, f.uri, batch_rows)
             elif f.fmt == "parquet":
@@ -239,111 +241,210 @@ def iter_source(
 
 
 @contextmanager
-def _local_copy(uri: str, client) -> Iterator[Path]:
+def _local_copy(uri: str, client, scratch: Path | None = None) -> Iterator[Path]:
     """A local path for a file: itself, or an S3 object downloaded to a temporary file (removed after)."""
     if not uri.startswith("s3://"):
         yield Path(uri)
         return
     bucket, key = _split_s3(uri)
-    fd, tmp = tempfile.mkstemp(suffix="-" + Path(key).name)
+    fd, tmp = tempfile.mkstemp(suffix="-" + Path(key).name, dir=scratch)
     os.close(fd)
     try:
         try:
             client.download_file(bucket, key, tmp)
         except Exception as exc:
-            raise DataSourceError(f"cannot read {uri}: {exc}; check the key, the credentials and data.s3_endpoint_url") from None
+            raise DataSourceError(f"cannot read {uri} at {client.meta.endpoint_url}: {exc}; check the key, the "
+                                  "credentials and data.s3_endpoint_url") from None
         yield Path(tmp)
     finally:
         os.unlink(tmp)
 
 
-def _arrow_json(block: bytes) -> pa.Table | None:
-    """A block of JSON lines parsed by Arrow, or None when Arrow cannot take all of it as one table."""
-    import pyarrow.json as pj
+# ---------------------------------------------------------------- JSON Lines: one set of rules for every line
+#
+# Every line is judged alone, by the same rules in the same order, so a row's fate never depends on the rows
+# around it or on the block it is read in:
+#   1. a line is the bytes up to b"\n" (U+2028 and friends are characters; "\r\n" endings are fine);
+#   2. a line longer than MAX_LINE_BYTES is `line_too_long`; it is skipped without being held in memory;
+#   3. a blank line (ASCII whitespace only) is no row: it is neither counted nor quarantined;
+#   4. a UTF-8 byte order mark at the start of a line is dropped (RFC 8259 section 8.1 lets a parser ignore
+#      it; spreadsheet exports and Windows tools write one, and `cat` of two such files puts one mid-file);
+#   5. bytes that are not UTF-8 are `invalid_utf8`; a file that starts with a UTF-16 or UTF-32 byte order
+#      mark is refused whole (DataSourceError), since every line of it would be;
+#   6. the line must be exactly one JSON value by RFC 8259 (orjson's strict parser): no NaN or Infinity,
+#      no comments, no second value after the first, no raw control characters (a raw NUL byte included:
+#      JSON text writes it as \u0000) -> otherwise `bad_json`, with the parser's message;
+#   7. nesting deeper than MAX_DEPTH arrays and objects is `too_deep`, whatever field holds it;
+#   8. the value must be an object -> otherwise `bad_json`;
+#   9. a key given twice in one object: the last value counts (as JSON.parse, Python's json and jq read it).
+# Text containing U+0000, from any format, is refused later by the stage (`nul_character`).
+#
+# Only orjson parses: Arrow's JSON reader recursed without bound on deep nesting (SIGSEGV near 17,500
+# levels, superlinear time long before), read two objects on one line as two rows, accepted NaN and a BOM
+# at the start of a block only, and typed values by their neighbours (ISO dates became timestamps, an
+# integer beside a float became a float), so a row's outcome depended on the block it fell in.
 
-    try:
-        block.decode("utf-8")  # Arrow's JSON reader does not check UTF-8 itself
-        return pj.read_json(io.BytesIO(block), read_options=pj.ReadOptions(block_size=len(block) + 1))
-    except (UnicodeDecodeError, pa.ArrowInvalid):
-        return None
+MAX_LINE_BYTES = 16 << 20  # a row longer than this is refused (a long-context prompt of 128k tokens is ~0.5 MiB)
+MAX_DEPTH = 64  # arrays and objects; a prompt in messages form is 3 deep
+PREVIEW_CHARS = 2000  # of a refused line, in quarantine.jsonl
+_BOM = b"\xef\xbb\xbf"
+_WIDE_BOMS = {b"\xff\xfe\x00\x00": "UTF-32", b"\x00\x00\xfe\xff": "UTF-32", b"\xff\xfe": "UTF-16", b"\xfe\xff": "UTF-16"}
 
 
-def iter_jsonl(path: Path, name: str, batch_rows: int) -> Iterator[RawBatch]:
-    """JSON Lines in blocks: Arrow's JSON reader parses a clean block in C++; a block with a bad line,
-    invalid UTF-8, blank lines or types that change between rows is parsed line by line instead, so
-    each bad line is rejected alone and the rest of the block is kept.
+def _preview(line: bytes, total: int | None = None) -> str:
+    """A refused line as text for the quarantine, cut to PREVIEW_CHARS (its length said when cut)."""
+    total = len(line) if total is None else total
+    text = line[: PREVIEW_CHARS * 4].decode("utf-8", "backslashreplace")
+    return text if len(text) <= PREVIEW_CHARS and total == len(line) else f"{text[:PREVIEW_CHARS]}... ({total:,} bytes)"
+
+
+def _depth(value: Any, limit: int) -> int:
+    """Nesting depth of arrays and objects (a scalar is 0), counted level by level without recursion; stops
+    counting past `limit`.
+
+    >>> _depth({"a": [1, {"b": []}]}, 64), _depth("text", 64), _depth([[[[]]]], 2)
+    (4, 0, 3)
     """
-    block_bytes = max(1 << 16, min(JSON_BLOCK_BYTES, batch_rows * 512))
-    line_no = 1
-    with pa.input_stream(str(path), compression="detect") as stream:
-        carry = b""
-        while True:
-            chunk = stream.read(block_bytes)
-            data = carry + chunk
-            if not chunk:
-                block, carry = data, b""
-            else:
-                cut = data.rfind(b"\n")
-                if cut < 0:
-                    carry = data
-                    continue
-                block, carry = data[: cut + 1], data[cut + 1 :]
-            if block.strip():
-                n_lines = block.count(b"\n") + (0 if block.endswith(b"\n") else 1)
-                table = _arrow_json(block)
-                # Arrow skips blank lines, so a row count short of the line count sends the block line by line
-                # too, where positions stay exact.
-                if table is not None and table.num_rows == n_lines:
-                    for start in range(0, table.num_rows, batch_rows):
-                        part = table.slice(start, batch_rows)
-                        yield RawBatch(name, range(line_no + start, line_no + start + part.num_rows), table=part)
-                else:
-                    yield from _jsonl_line_by_line(block, name, line_no, batch_rows)
-                line_no += n_lines
-            if not chunk:
-                break
+    depth, level = 0, [value] if isinstance(value, dict | list) else []
+    while level and depth <= limit:
+        depth += 1
+        level = [v for c in level for v in (c.values() if isinstance(c, dict) else c) if isinstance(v, dict | list)]
+    return depth
 
 
-def _jsonl_line_by_line(block: bytes, name: str, first_line: int, batch_rows: int) -> Iterator[RawBatch]:
-    """Find the bad lines of a block one by one; the good ones still go to Arrow together when they can."""
-    good: list[bytes] = []
-    records: list[Any] = []
-    positions: list[int] = []
-    rejects: list[Reject] = []
+def judge_line(line: bytes, name: str, position: int) -> dict | Reject | None:
+    """One JSON line by the rules above: its object, its Reject, or None for a blank line.
 
-    def batch() -> RawBatch:
-        table = _arrow_json(b"\n".join(good))
-        if table is not None and table.num_rows == len(good):
-            return RawBatch(name, positions, table=table, rejects=rejects)
-        return RawBatch(name, positions, records=records, rejects=rejects)
-
-    for i, line in enumerate(block.split(b"\n")):
-        if not line.strip():
-            continue
-        pos = first_line + i
+    >>> judge_line(b'\\xef\\xbb\\xbf{"q": "1 + 1"}', "f", 1)
+    {'q': '1 + 1'}
+    >>> judge_line(b'{"a": 1}{"b": 2}', "f", 2).reason, judge_line(b'[[[[1]]]]', "f", 3).reason
+    ('bad_json', 'bad_json')
+    >>> judge_line(b"   ", "f", 4) is None
+    True
+    """
+    if len(line) > MAX_LINE_BYTES:
+        return Reject("line_too_long", f"{len(line):,} bytes; a row may hold at most {MAX_LINE_BYTES:,}",
+                      name, position, _preview(line))
+    if line.startswith(_BOM):
+        line = line[3:]
+    if not line.strip():
+        return None
+    try:
+        record = orjson.loads(line)
+        problem = None
+    except orjson.JSONDecodeError as exc:
+        record, problem = None, str(exc)
+    if problem is not None:
         try:
             line.decode("utf-8")
         except UnicodeDecodeError as exc:
-            rejects.append(Reject("invalid_utf8", f"byte {exc.start}: {exc.reason}", name, pos,
-                                  line.decode("utf-8", "backslashreplace")))
-            continue
-        try:
-            record = orjson.loads(line)
-        except orjson.JSONDecodeError as exc:
-            rejects.append(Reject("bad_json", str(exc), name, pos, line.decode("utf-8")))
-            continue
-        if not isinstance(record, dict):
-            rejects.append(Reject("bad_json", f"a line must hold a JSON object, not {type(record).__name__}",
-                                  name, pos, record))
-            continue
-        good.append(line)
-        records.append(record)
-        positions.append(pos)
-        if len(records) == batch_rows:
-            yield batch()
-            good, records, positions, rejects = [], [], [], []
+            return Reject("invalid_utf8", f"byte {exc.start}: {exc.reason}", name, position,
+                          _preview(line))
+        if "depth" in problem:  # orjson stops at 1024 levels, before any deeper recursion could
+            return Reject("too_deep", f"nested more than 1024 levels; at most {MAX_DEPTH} are read",
+                          name, position, _preview(line))
+        if b"\x00" in line:
+            problem += (f"; a raw NUL byte at byte {line.index(0)} (JSON writes it as \\u0000; a UTF-16 file "
+                        "has one in every other byte: save it as UTF-8)")
+        return Reject("bad_json", problem, name, position, _preview(line))
+    # An upper bound first: nesting needs an opening bracket per level.
+    if line.count(b"{") + line.count(b"[") > MAX_DEPTH and _depth(record, MAX_DEPTH) > MAX_DEPTH:
+        return Reject("too_deep", f"nested more than {MAX_DEPTH} levels (arrays and objects)", name, position,
+                      _preview(line))
+    if not isinstance(record, dict):
+        return Reject("bad_json", f"a line must hold one JSON object, not {json_kind(record)}", name, position,
+                      _preview(line))
+    return record
+
+
+def json_kind(value: Any) -> str:
+    """A value's kind in JSON's words, for messages.
+
+    >>> [json_kind(v) for v in (None, True, 3, 2.5, "x", [1], {})]
+    ['null', 'true/false', 'an integer', 'a number with a fraction', 'text', 'an array', 'an object']
+    """
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true/false"
+    return {int: "an integer", float: "a number with a fraction", str: "text", list: "an array", dict: "an object",
+            bytes: "bytes"}.get(type(value), type(value).__name__)
+
+
+def _line_blocks(stream, block_bytes: int, name: str) -> Iterator[tuple[bytes, int, list[Reject]]]:
+    """(block of whole lines, its first line's number, lines refused for length) from a byte stream. A line
+    longer than MAX_LINE_BYTES is skipped as it streams by, so memory stays bounded by one block and one line."""
+    line_no, carry = 1, b""
+    long: list | None = None  # [first line number, preview bytes, bytes so far] of a line being skipped
+    while True:
+        chunk = stream.read(block_bytes)
+        if long is not None:
+            cut = chunk.find(b"\n")
+            if cut < 0 and chunk:
+                long[2] += len(chunk)
+                continue
+            long[2] += cut if cut >= 0 else 0
+            yield b"", line_no, [Reject("line_too_long", f"{long[2]:,} bytes; a row may hold at most {MAX_LINE_BYTES:,}",
+                                        name, line_no, _preview(long[1], long[2]))]
+            line_no += 1
+            long = None
+            if cut < 0:
+                return
+            chunk = chunk[cut + 1 :]
+            if not chunk:
+                continue
+        data = carry + chunk
+        if not chunk:
+            if data:
+                yield data, line_no, []
+            return
+        cut = data.rfind(b"\n")
+        if cut < 0:
+            block, carry = b"", data
+        else:
+            block, carry = data[: cut + 1], data[cut + 1 :]
+        if block:
+            yield block, line_no, []
+            line_no += block.count(b"\n")
+        if len(carry) > MAX_LINE_BYTES:
+            long, carry = [line_no, carry[: PREVIEW_CHARS * 4], len(carry)], b""
+
+
+def iter_jsonl(path: Path, name: str, batch_rows: int) -> Iterator[RawBatch]:
+    """JSON Lines, each line judged alone (`judge_line`), in batches of at most `batch_rows` objects."""
+    block_bytes = max(1 << 16, min(JSON_BLOCK_BYTES, batch_rows * 512))
+    loads, limit = orjson.loads, MAX_DEPTH
+    positions: list[int] = []
+    records: list[Any] = []
+    rejects: list[Reject] = []
+    with pa.input_stream(str(path), compression="detect") as stream:
+        for block, first, refused in _line_blocks(stream, block_bytes, name):
+            if first == 1:
+                for bom, encoding in _WIDE_BOMS.items():
+                    if block.startswith(bom):
+                        raise DataSourceError(f"{name} is {encoding} text; JSON Lines must be UTF-8: save it as UTF-8 "
+                                              "(e.g. iconv -f UTF-16 -t UTF-8)")
+            rejects += refused
+            for i, line in enumerate(block.split(b"\n")):
+                # The common case inline (one parse, one type check, a bracket count); the rest by judge_line.
+                try:
+                    record = loads(line)
+                except orjson.JSONDecodeError:
+                    record = None
+                if type(record) is not dict or len(line) > MAX_LINE_BYTES or line.count(b"{") + line.count(b"[") > limit:
+                    record = judge_line(line, name, first + i)
+                    if record is None:
+                        continue
+                    if isinstance(record, Reject):
+                        rejects.append(record)
+                        continue
+                positions.append(first + i)
+                records.append(record)
+                if len(records) == batch_rows:
+                    yield RawBatch(name, positions, records=records, rejects=rejects)
+                    positions, records, rejects = [], [], []
     if records or rejects:
-        yield batch()
+        yield RawBatch(name, positions, records=records, rejects=rejects)
 
 
 def iter_parquet(path: Path, name: str, batch_rows: int) -> Iterator[RawBatch]:
@@ -354,7 +455,14 @@ def iter_parquet(path: Path, name: str, batch_rows: int) -> Iterator[RawBatch]:
     except (pa.ArrowInvalid, OSError) as exc:
         raise DataSourceError(f"{name} is not a readable Parquet file: {exc}") from None
     row = 0
-    for batch in pf.iter_batches(batch_size=batch_rows):
+    batches = pf.iter_batches(batch_size=batch_rows)
+    while True:
+        try:
+            batch = next(batches, None)
+        except (pa.ArrowException, OSError) as exc:  # a corrupt page: Parquet cannot skip to the next row
+            raise DataSourceError(f"{name}: cannot read past row {row}: {exc}; rewrite the file") from None
+        if batch is None:
+            return
         yield RawBatch(name, range(row, row + batch.num_rows), table=pa.Table.from_batches([batch]))
         row += batch.num_rows
 
@@ -372,16 +480,32 @@ def iter_csv(path: Path, name: str, batch_rows: int, delimiter: str = ",") -> It
         return "skip"
 
     with pa.input_stream(str(path), compression="detect") as head:
-        header = head.read(1 << 16).split(b"\n", 1)[0].decode("utf-8", "replace")
-    columns = next(csv.reader(io.StringIO(header), delimiter=delimiter), [])
-    reader = pcsv.open_csv(
-        pa.input_stream(str(path), compression="detect"),
-        read_options=pcsv.ReadOptions(block_size=max(1 << 16, batch_rows * 256)),
-        parse_options=pcsv.ParseOptions(delimiter=delimiter, newlines_in_values=True, invalid_row_handler=on_invalid),
-        convert_options=pcsv.ConvertOptions(column_types={c: pa.binary() for c in columns}, strings_can_be_null=False),
-    )
+        header = head.read(1 << 16).split(b"\n", 1)[0]
+    # Arrow skips a UTF-8 byte order mark before the header, as spreadsheet exports write it; so do we.
+    header_text = header.removeprefix(_BOM).decode("utf-8", "replace")
+    columns = next(csv.reader(io.StringIO(header_text), delimiter=delimiter), [])
+    twice = sorted({c for c in columns if columns.count(c) > 1})
+    if twice:
+        raise DataSourceError(f"{name}: the header names {', '.join(map(repr, twice))} more than once, so a column "
+                              "mapping could mean either; rename the duplicates")
+    try:
+        reader = pcsv.open_csv(
+            pa.input_stream(str(path), compression="detect"),
+            read_options=pcsv.ReadOptions(block_size=max(1 << 16, batch_rows * 256)),
+            parse_options=pcsv.ParseOptions(delimiter=delimiter, newlines_in_values=True, invalid_row_handler=on_invalid),
+            convert_options=pcsv.ConvertOptions(column_types={c: pa.binary() for c in columns}, strings_can_be_null=False),
+        )
+    except pa.ArrowInvalid as exc:
+        raise DataSourceError(f"{name} is not readable CSV: {exc}") from None
     row = 2  # line 1 is the header; positions are data lines, approximate when values span lines
-    for batch in reader:
+    while True:
+        try:
+            batch = reader.read_next_batch()
+        except StopIteration:
+            break
+        except pa.ArrowInvalid as exc:  # e.g. a quote never closed: CSV cannot find the next row after it
+            raise DataSourceError(f"{name}: cannot read past data line ~{row}: {exc}; a quoted value may be "
+                                  "unterminated") from None
         table = pa.Table.from_batches([batch])
         yield RawBatch(name, range(row, row + table.num_rows), table=table, rejects=bad_rows[:])
         bad_rows.clear()
@@ -430,11 +554,13 @@ def check_readable(source: str, s3_endpoint_url: str | None) -> None:
     if not source.startswith("s3://"):
         return
     bucket, key = _split_s3(source)
+    client = s3_client(s3_endpoint_url)
     try:
-        s3_client(s3_endpoint_url).list_objects_v2(Bucket=bucket, Prefix=key, MaxKeys=1)
+        client.list_objects_v2(Bucket=bucket, Prefix=key, MaxKeys=1)
     except Exception as exc:
-        raise ConfigError(
-            f"data.source: cannot list {source} ({exc}); check the bucket, the AWS credentials and data.s3_endpoint_url"
+        raise DataSourceError(
+            f"data.source: cannot list {source} at {client.meta.endpoint_url} ({exc}); check the bucket, the AWS "
+            "credentials and data.s3_endpoint_url"
         ) from None
 
 

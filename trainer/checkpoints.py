@@ -2,16 +2,20 @@
 
 Layout: `<root>/<entry>/<files...>` and `<root>/<entry>/manifest.json`, the manifest written last; an
 entry is `checkpoint-<step>` or `final` (the finished adapter and the job's result). An entry cut off by a
-preemption has no manifest and is never used.
+preemption has no manifest and is never used. A resume (`choose_resume`) verifies the newest complete
+checkpoint against its manifest (every file's size and sha256) and falls back to the newest one that
+verifies; one that does not is moved aside to `<root>/corrupt/<entry>-<UTC time>/`, with `REASON.txt`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -20,39 +24,73 @@ from trainer.spec import RESULT_FILE, JobSpec, TrainResult
 MANIFEST = "manifest.json"
 FINAL = "final"
 METRICS_FILE = "metrics.json"  # in `final` and each checkpoint: the steps' metrics, for MLflow
-_STEP = re.compile(r"checkpoint-(\d+)/" + re.escape(MANIFEST) + "$")
+CORRUPT = "corrupt"  # <root>/corrupt/<entry>-<UTC time>/: checkpoints that failed verification, kept for a look
+REASON_FILE = "REASON.txt"
+_STEP = re.compile(r"checkpoint-(\d+)/" + re.escape(MANIFEST))  # matched from the root, so corrupt/... never counts
+log = logging.getLogger(__name__)
 
 
 class CheckpointStoreError(RuntimeError):
     pass
 
 
+class CheckpointCorrupt(CheckpointStoreError):
+    """A complete checkpoint (its manifest is there) that does not match its manifest: a file missing,
+    truncated or changed, or the manifest itself unreadable. Not raised for a store that cannot be reached."""
+
+
+def _sha256(path: Path) -> str:
+    with path.open("rb") as fh:  # streamed: optimizer states can be larger than the memory to spare
+        return hashlib.file_digest(fh, "sha256").hexdigest()
+
+
 def build_manifest(directory: Path, step: int) -> dict:
     """Describe every file of a checkpoint directory (size and sha256), so a reader can verify it."""
     files = {}
     for path in sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST):
-        digest = hashlib.sha256(path.read_bytes()).hexdigest()
-        files[path.relative_to(directory).as_posix()] = {"size": path.stat().st_size, "sha256": digest}
+        files[path.relative_to(directory).as_posix()] = {"size": path.stat().st_size, "sha256": _sha256(path)}
     return {"step": step, "created": datetime.now(UTC).isoformat(), "files": files}
 
 
 def verify(directory: Path, manifest: dict) -> None:
     """Every file the manifest lists is there, whole and unchanged; a resume never starts from a bad copy."""
-    for name, meta in manifest["files"].items():
+    try:
+        files = manifest["files"].items()
+    except (KeyError, TypeError, AttributeError):
+        raise CheckpointCorrupt(f"the manifest of {directory} lists no files") from None
+    for name, meta in files:
         path = directory / name
-        if not path.is_file() or path.stat().st_size != meta["size"]:
-            raise CheckpointStoreError(f"checkpoint file {path} is missing or truncated")
-        if hashlib.sha256(path.read_bytes()).hexdigest() != meta["sha256"]:
-            raise CheckpointStoreError(f"checkpoint file {path} does not match its manifest's sha256")
+        if not path.is_file():
+            raise CheckpointCorrupt(f"checkpoint file {path} is missing or truncated (it is missing)")
+        if path.stat().st_size != meta["size"]:
+            raise CheckpointCorrupt(f"checkpoint file {path} is missing or truncated ({path.stat().st_size:,} bytes, "
+                                    f"the manifest says {meta['size']:,})")
+        if _sha256(path) != meta["sha256"]:
+            raise CheckpointCorrupt(f"checkpoint file {path} does not match its manifest's sha256")
+
+
+def _read_manifest(raw: bytes, where: str) -> dict:
+    try:
+        manifest = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointCorrupt(f"the manifest of {where} is not JSON ({exc})") from None
+    if not isinstance(manifest, dict):
+        raise CheckpointCorrupt(f"the manifest of {where} is not a JSON object")
+    return manifest
 
 
 def steps_with_manifest(keys: list[str]) -> list[int]:
-    """Steps whose manifest is present, ascending.
+    """Steps whose manifest is present, ascending; `keys` are relative to the store's root.
 
-    >>> steps_with_manifest(["checkpoint-4/a.bin", "checkpoint-2/manifest.json", "checkpoint-10/manifest.json"])
+    >>> steps_with_manifest(["checkpoint-4/a.bin", "checkpoint-2/manifest.json", "checkpoint-10/manifest.json",
+    ...                      "corrupt/checkpoint-12-20260101T000000Z/manifest.json"])
     [2, 10]
     """
-    return sorted(int(m.group(1)) for k in keys if (m := _STEP.search(k)))
+    return sorted(int(m.group(1)) for k in keys if (m := _STEP.fullmatch(k)))
+
+
+def _aside_name(name: str) -> str:
+    return f"{CORRUPT}/{name}-{datetime.now(UTC):%Y%m%dT%H%M%S%fZ}"
 
 
 def checkpoint_name(step: int) -> str:
@@ -96,13 +134,28 @@ class LocalStore:
 
     def fetch(self, name: str, scratch: Path) -> Path:
         directory = self.root / name
-        verify(directory, json.loads((directory / MANIFEST).read_text()))
+        try:
+            raw = (directory / MANIFEST).read_bytes()
+        except FileNotFoundError:
+            raise CheckpointCorrupt(f"{directory} has no manifest (moved aside or deleted meanwhile)") from None
+        verify(directory, _read_manifest(raw, str(directory)))
         return directory
 
     def delete(self, name: str) -> None:
         directory = self.root / name
         (directory / MANIFEST).unlink(missing_ok=True)  # first: it stops counting before files go
         shutil.rmtree(directory, ignore_errors=True)
+
+    def move_aside(self, name: str, reason: str) -> str | None:
+        """Move an entry to corrupt/<name>-<time>/ with REASON.txt; its location, or None if it was gone."""
+        aside = self.root / _aside_name(name)
+        aside.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.rename(self.root / name, aside)  # atomic: another rank moving it too finds it gone
+        except FileNotFoundError:
+            return None
+        (aside / REASON_FILE).write_text(reason + "\n")
+        return str(aside)
 
 
 class S3Store:
@@ -136,7 +189,8 @@ class S3Store:
         """Fail early, naming the endpoint, when the bucket is missing, unreachable or not writable."""
         from botocore.exceptions import BotoCoreError, ClientError
 
-        where = self.endpoint_url or "AWS S3"
+        # The endpoint the client really uses: train.s3_endpoint_url, or AWS_ENDPOINT_URL(_S3), or AWS's own.
+        where = self.s3.meta.endpoint_url
         fix = "Check train.s3_endpoint_url, that the bucket exists, and AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY"
         try:
             # Some S3 servers create a missing bucket on the first write; ask for it explicitly first.
@@ -176,12 +230,28 @@ class S3Store:
         self.s3.put_object(Bucket=self.bucket, Key=self._key(name, MANIFEST), Body=body)
 
     def fetch(self, name: str, scratch: Path) -> Path:
+        """Download an entry and verify it; CheckpointCorrupt when a file is missing or differs (an object
+        that is not there), other errors (the network, credentials) as they come: they say nothing of it."""
+        from botocore.exceptions import ClientError
+
         directory = scratch / name
         shutil.rmtree(directory, ignore_errors=True)
-        manifest = json.loads(self.s3.get_object(Bucket=self.bucket, Key=self._key(name, MANIFEST))["Body"].read())
-        for file in manifest["files"]:
+        where = f"s3://{self.bucket}/{self._key(name)}"
+        try:
+            raw = self.s3.get_object(Bucket=self.bucket, Key=self._key(name, MANIFEST))["Body"].read()
+        except ClientError as exc:
+            if _not_found(exc):
+                raise CheckpointCorrupt(f"{where} has no manifest (moved aside or deleted meanwhile)") from None
+            raise
+        manifest = _read_manifest(raw, where)
+        for file in manifest.get("files") or {}:
             (directory / file).parent.mkdir(parents=True, exist_ok=True)
-            self.s3.download_file(self.bucket, self._key(name, file), str(directory / file))
+            try:
+                self.s3.download_file(self.bucket, self._key(name, file), str(directory / file))
+            except ClientError as exc:
+                if _not_found(exc):
+                    raise CheckpointCorrupt(f"checkpoint file {where}/{file} is missing or truncated (it is missing)") from None
+                raise
         verify(directory, manifest)
         return directory
 
@@ -189,6 +259,31 @@ class S3Store:
         self.s3.delete_object(Bucket=self.bucket, Key=self._key(name, MANIFEST))
         for key in self._keys(self._key(name) + "/"):
             self.s3.delete_object(Bucket=self.bucket, Key=key)
+
+    def move_aside(self, name: str, reason: str) -> str | None:
+        """Copy an entry to corrupt/<name>-<time>/ with REASON.txt, then delete it (manifest first, so it stops
+        counting at once); its new prefix, or None if it was gone."""
+        from botocore.exceptions import ClientError
+
+        aside = self._key(_aside_name(name))
+        manifest = self._key(name, MANIFEST)
+        try:
+            self.s3.copy({"Bucket": self.bucket, "Key": manifest}, self.bucket, f"{aside}/{MANIFEST}")
+        except ClientError as exc:
+            if _not_found(exc):
+                return None
+            raise
+        self.s3.delete_object(Bucket=self.bucket, Key=manifest)
+        self.s3.put_object(Bucket=self.bucket, Key=f"{aside}/{REASON_FILE}", Body=(reason + "\n").encode())
+        base = self._key(name) + "/"
+        for key in self._keys(base):
+            self.s3.copy({"Bucket": self.bucket, "Key": key}, self.bucket, f"{aside}/{key.removeprefix(base)}")
+            self.s3.delete_object(Bucket=self.bucket, Key=key)
+        return f"s3://{self.bucket}/{aside}"
+
+
+def _not_found(exc) -> bool:
+    return exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound")
 
 
 Store = LocalStore | S3Store
@@ -201,6 +296,55 @@ def open_store(uri: str, endpoint_url: str | None = None) -> Store:
     LocalStore(/tmp/ckpt)
     """
     return S3Store(uri, endpoint_url) if uri.startswith("s3://") else LocalStore(uri)
+
+
+@dataclass
+class ResumePoint:
+    """Where a job resumes: a verified checkpoint (its step, its local directory) or nothing (start fresh),
+    and the newer checkpoints passed over, each with why and where it was moved."""
+
+    step: int | None = None
+    directory: Path | None = None
+    skipped: list[dict] = field(default_factory=list)  # {"step", "reason", "moved_to"}
+
+    @property
+    def reason(self) -> str | None:
+        """One line for the log and MLflow on why the newest checkpoint was not used; None when it was."""
+        if not self.skipped:
+            return None
+        passed = "; ".join(f"checkpoint {s['step']}: {s['reason']}" + (f" (moved to {s['moved_to']})" if s["moved_to"] else "")
+                           for s in self.skipped)
+        target = f"resumed from step {self.step}" if self.step is not None else "no checkpoint verifies: started fresh"
+        return f"{target}; passed over {passed}"
+
+
+def choose_resume(store: Store, scratch: Path, *, move_aside: bool = True) -> ResumePoint:
+    """The newest complete checkpoint that verifies against its manifest, fetched into `scratch`.
+
+    Newer ones that do not verify are passed over and, with `move_aside`, moved to `corrupt/` with their
+    reason, so the next relaunch does not try them again; with several ranks, let one rank move them (the
+    others see them gone, which also counts as passed over). Errors reaching the store are raised, never
+    taken for corruption. Everything it decides is in the log; `ResumePoint.reason` says it in one line.
+    """
+    point = ResumePoint()
+    for step in reversed(store.complete_steps()):
+        name = checkpoint_name(step)
+        try:
+            point.directory, point.step = store.fetch(name, scratch), step
+        except CheckpointCorrupt as exc:
+            shutil.rmtree(Path(scratch) / name, ignore_errors=True)  # a partial download, if any
+            moved = store.move_aside(name, str(exc)) if move_aside else None
+            log.warning("checkpoint %d in %r does not verify: %s%s", step, store, exc,
+                        f"; moved to {moved}" if moved else "")
+            point.skipped.append({"step": step, "reason": str(exc), "moved_to": moved})
+            continue
+        break
+    if point.step is not None:
+        log.info("resuming from step %d in %r%s", point.step, store,
+                 f" (passed over {len(point.skipped)} newer checkpoint(s) that do not verify)" if point.skipped else "")
+    elif point.skipped:
+        log.warning("no checkpoint in %r verifies; starting from step 0", store)
+    return point
 
 
 def prune(store: Store, keep: int) -> None:

@@ -42,6 +42,9 @@ class CommittedMetrics(TrainerCallback):
         self.client, self.run_id = MlflowClient(tracking_uri), run_id
         self._pending: list[tuple[int, dict[str, float]]] = []
         self._lock = threading.Lock()
+        # (step, key) pairs this process has logged: HF's final summary log carries the last step's number
+        # and its `epoch` again, and the step's own entry came with the last checkpoint.
+        self._logged: set[tuple[int, str]] = set()
         run = self.client.get_run(run_id)
         # Steps MLflow held when this process started; this process commits each of its entries once.
         self.skip_through = int(run.data.metrics.get(STEP_KEY, 0))
@@ -80,12 +83,19 @@ class CommittedMetrics(TrainerCallback):
         return [(int(s), m) for s, m in json.loads(path.read_text())] if path.is_file() else []
 
     def commit(self, entries: list[tuple[int, dict[str, float]]]) -> None:
-        """Log entries past the steps MLflow held at start (a recovered checkpoint's are skipped if logged)."""
+        """Log entries past the steps MLflow held at start (a recovered checkpoint's are skipped if logged),
+        each key once per step."""
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        fresh = [(step, values) for step, values in entries if step > self.skip_through]
-        metrics = [Metric(k, v, now, step) for step, values in fresh for k, v in values.items()]
-        metrics += [Metric(STEP_KEY, float(step), now, step) for step in sorted({s for s, _ in fresh})]
+        metrics = []
+        with self._lock:
+            for step, values in entries:
+                if step <= self.skip_through:
+                    continue
+                for k, v in {**values, STEP_KEY: float(step)}.items():
+                    if (step, k) not in self._logged:  # each key once per step; the first value stands
+                        self._logged.add((step, k))
+                        metrics.append(Metric(k, v, now, step))
         for i in range(0, len(metrics), 1000):  # MLflow's batch limit
             self.client.log_batch(self.run_id, metrics=metrics[i : i + 1000])

@@ -25,7 +25,7 @@ def _rows(n: int, seed: int = 0) -> list[dict]:
     return [{"prompt": p, "answer": a} for p, a in (question(rng, i) for i in range(n))]
 
 
-def test_an_s3_prefix_reads_like_the_same_local_files(tmp_path, s3_endpoint):
+def test_an_s3_prefix_reads_like_the_same_local_files(tmp_path, s3_endpoint, tiny_model):
     import boto3
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -40,17 +40,17 @@ def test_an_s3_prefix_reads_like_the_same_local_files(tmp_path, s3_endpoint):
         s3.upload_file(str(local / f), "ckpt", f"data-stage/{f}")
 
     from_s3 = build_dataset(DataConfig(source="s3://ckpt/data-stage/", s3_endpoint_url=s3_endpoint),
-                            tmp_path / "out-s3", None, ["correct_answer"])
-    from_disk = build_dataset(DataConfig(source=str(local)), tmp_path / "out-local", None, ["correct_answer"])
+                            tmp_path / "out-s3", str(tiny_model), ["correct_answer"])
+    from_disk = build_dataset(DataConfig(source=str(local)), tmp_path / "out-local", str(tiny_model), ["correct_answer"])
     assert from_s3.report.rows_kept == 80
     assert from_s3.fingerprint == from_disk.fingerprint
 
     with pytest.raises(ConfigError, match="s3_endpoint_url"):
         build_dataset(DataConfig(source="s3://no-such-bucket/x.jsonl", s3_endpoint_url=s3_endpoint),
-                      tmp_path / "out-missing", None, ["correct_answer"])
+                      tmp_path / "out-missing", str(tiny_model), ["correct_answer"])
 
 
-def test_the_prefect_task_reruns_nothing_on_unchanged_data(tmp_path):
+def test_the_prefect_task_reruns_nothing_on_unchanged_data(tmp_path):  # no token bounds: no tokenizer needed
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in _rows(40)))
     script = textwrap.dedent(f"""
@@ -66,7 +66,7 @@ def test_the_prefect_task_reruns_nothing_on_unchanged_data(tmp_path):
 
         @flow
         def twice():
-            cfg = DataConfig(source={str(data)!r})
+            cfg = DataConfig(source={str(data)!r}, max_prompt_tokens=None)
             states = [data.data_task(cfg, Path({str(tmp_path / 'out')!r}), None, ["correct_answer"], return_state=True)
                       for _ in range(3)]
             return [s.name for s in states], [s.result().fingerprint for s in states]

@@ -108,18 +108,18 @@ def test_every_bad_row_is_quarantined_with_its_reason_and_every_valid_row_kept(t
     assert report.dropped["contaminated"] == 2 and report.eval_rows == 1
 
 
-def test_too_many_drops_fail_the_stage_and_keep_the_quarantine(tmp_path):
+def test_too_many_drops_fail_the_stage_and_keep_the_quarantine(tmp_path, tiny_model):
     corpus, eval_set, _, _ = malformed_corpus(tmp_path)
     with pytest.raises(DataQualityError, match="max_dropped_fraction=0.1") as info:
         build_dataset(corpus_config(corpus, eval_set).model_copy(update={"max_dropped_fraction": 0.1}),
-                      tmp_path / "out", None, ["correct_answer"])
+                      tmp_path / "out", str(tiny_model), ["correct_answer"])
     assert info.value.report.dropped_fraction > 0.1
     rejected = next((tmp_path / "out").glob("*.rejected"))
     assert (rejected / "quarantine.jsonl").is_file() and not (rejected / "train.jsonl").exists()
     assert not [p for p in (tmp_path / "out").iterdir() if not p.name.endswith(".rejected")]
 
 
-def test_every_format_gives_the_same_rows(tmp_path):
+def test_every_format_gives_the_same_rows(tmp_path, tiny_model):
     rng = random.Random(1)
     rows = [{"question": q, "solution": f"work\n#### {int(a):,}"} for q, a in (question(rng, i) for i in range(60))]
     (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -132,7 +132,7 @@ def test_every_format_gives_the_same_rows(tmp_path):
     for name in ("d.jsonl", "d.parquet", "d.csv", "saved"):
         cfg = DataConfig(source=str(tmp_path / name), prompt_column="question", answer_column="solution",
                          answer_extraction="gsm8k", batch_rows=64, system_prompt="Think, then answer.")
-        version = build_dataset(cfg, tmp_path / "out" / name, None, ["correct_answer"])
+        version = build_dataset(cfg, tmp_path / "out" / name, str(tiny_model), ["correct_answer"])
         assert version.report.rows_kept == 60, (name, version.report.dropped)
         fingerprints[name] = version.fingerprint
     assert len(set(fingerprints.values())) == 1, fingerprints
@@ -141,15 +141,16 @@ def test_every_format_gives_the_same_rows(tmp_path):
     assert first["answer"].isdigit() and "," not in first["answer"]
 
 
-def test_csv_rows_with_bad_bytes_or_fields_are_rejected_alone(tmp_path):
+def test_csv_rows_with_bad_bytes_or_fields_are_rejected_alone(tmp_path, tiny_model):
     path = tmp_path / "d.csv"
     path.write_bytes(b'prompt,answer\n"What is 1 + 2?",3\n"caf\xe9 1 + 1",2\n"What is 2 + 2?",4,extra\n"What is 5 + 5?",10\n')
-    version = build_dataset(DataConfig(source=str(path), max_dropped_fraction=0.6), tmp_path / "out", None, ["correct_answer"])
+    version = build_dataset(DataConfig(source=str(path), max_dropped_fraction=0.6), tmp_path / "out", str(tiny_model),
+                            ["correct_answer"])
     assert version.report.rows_kept == 2
     assert version.report.dropped == {"bad_csv": 1, "invalid_utf8": 1}
 
 
-def test_adding_rows_never_moves_a_row_between_splits(tmp_path):
+def test_adding_rows_never_moves_a_row_between_splits(tmp_path, tiny_model):
     rng = random.Random(2)
     rows = [{"prompt": p, "answer": a} for p, a in (question(rng, i) for i in range(300))]
     old, new = rows[:150], rows[150:]
@@ -157,7 +158,7 @@ def test_adding_rows_never_moves_a_row_between_splits(tmp_path):
 
     def splits_of(data: list[dict], name: str) -> dict[str, str]:
         (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in data))
-        version = build_dataset(DataConfig(source=str(tmp_path / name)), tmp_path / "out", None, ["correct_answer"])
+        version = build_dataset(DataConfig(source=str(tmp_path / name)), tmp_path / "out", str(tiny_model), ["correct_answer"])
         return {r["prompt"][-1]["content"]: s for s, p in version.splits.items() for r in read(p)}
 
     before, after = splits_of(old, "old.jsonl"), splits_of(grown, "grown.jsonl")
@@ -188,26 +189,26 @@ def test_token_budget_counts_the_chat_template_with_the_models_tokenizer(tmp_pat
     assert {q["reason"] for q in read(version.quarantine)} == {"too_many_tokens", "too_few_tokens"}
 
 
-def test_a_rerun_on_the_same_input_does_no_work_and_new_input_does(tmp_path, monkeypatch):
+def test_a_rerun_on_the_same_input_does_no_work_and_new_input_does(tmp_path, monkeypatch, tiny_model):
     rng = random.Random(4)
     path = tmp_path / "d.jsonl"
     path.write_text("".join(json.dumps({"prompt": p, "answer": a}) + "\n" for p, a in (question(rng, i) for i in range(30))))
     cfg = DataConfig(source=str(path))
-    first = build_dataset(cfg, tmp_path / "out", None, ["correct_answer"])
+    first = build_dataset(cfg, tmp_path / "out", str(tiny_model), ["correct_answer"])
     import tasks.data
 
     monkeypatch.setattr(tasks.data, "run_chain", lambda *a, **k: pytest.fail("rebuilt unchanged data"))
-    assert build_dataset(cfg, tmp_path / "out", None, ["correct_answer"]) == first
+    assert build_dataset(cfg, tmp_path / "out", str(tiny_model), ["correct_answer"]) == first
     with path.open("a") as fh:
         fh.write(json.dumps({"prompt": question(rng, 99)[0], "answer": "1"}) + "\n")
     monkeypatch.undo()
-    grown = build_dataset(cfg, tmp_path / "out", None, ["correct_answer"])
+    grown = build_dataset(cfg, tmp_path / "out", str(tiny_model), ["correct_answer"])
     assert grown.key != first.key and grown.report.rows_read == 31
 
 
-def test_the_demo_goes_through_the_chain_with_its_holdout(tmp_path):
+def test_the_demo_goes_through_the_chain_with_its_holdout(tmp_path, tiny_model):
     cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "demo-cpu.yaml")
-    version = build_dataset(cfg.data, tmp_path, None, cfg.train.rewards)
+    version = build_dataset(cfg.data, tmp_path, str(tiny_model), cfg.train.rewards)
     rows = {s: read(p) for s, p in version.splits.items()}
     assert len(rows["holdout"]) == 120 and len(rows["val"]) == 16
     keys = {s: {r["key"] for r in rs} for s, rs in rows.items()}
@@ -229,16 +230,16 @@ def test_invalid_data_config_names_the_field(override, field):
         load_config(None, [override])
 
 
-def test_an_unreachable_hub_dataset_is_a_config_error(tmp_path):
+def test_an_unreachable_hub_dataset_is_a_config_error(tmp_path, tiny_model):
     with pytest.raises(ConfigError, match="save_to_disk"):
-        build_dataset(DataConfig(source="no-such-org/no-such-dataset"), tmp_path, None, ["correct_answer"])
+        build_dataset(DataConfig(source="no-such-org/no-such-dataset"), tmp_path, str(tiny_model), ["correct_answer"])
 
 
-def test_lineage_logs_splits_report_and_quarantine(tmp_path):
+def test_lineage_logs_splits_report_and_quarantine(tmp_path, tiny_model):
     import mlflow
 
     cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "demo-cpu.yaml")
-    version = build_dataset(cfg.data, tmp_path / "out", None, ["correct_answer"])
+    version = build_dataset(cfg.data, tmp_path / "out", str(tiny_model), ["correct_answer"])
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
     with mlflow.start_run() as run:
         log_lineage(version)
@@ -251,10 +252,10 @@ def test_lineage_logs_splits_report_and_quarantine(tmp_path):
 
 
 @pytest.mark.skipif(not (GSM8K / "train.jsonl").is_file(), reason="GSM8K is not in ../shared/data")
-def test_gsm8k_decontaminated_against_its_test_set(tmp_path):
+def test_gsm8k_decontaminated_against_its_test_set(tmp_path, tiny_model):
     cfg = DataConfig(source=str(GSM8K / "train.jsonl"), prompt_column="question", answer_extraction="gsm8k",
                      eval_sources=[str(GSM8K / "test.jsonl")])
-    version = build_dataset(cfg, tmp_path, None, ["correct_answer"])
+    version = build_dataset(cfg, tmp_path, str(tiny_model), ["correct_answer"])
     report = version.report
     assert report.rows_read == 7473 and report.rows_kept > 7400 and report.eval_rows == 1319
     rows = [r for p in version.splits.values() for r in read(p)]
