@@ -413,8 +413,10 @@ def show_config(config: ConfigOpt = None, overrides: SetOpt = None) -> None:
 
 from flows.deploy import deploy as deploy_command  # noqa: E402 - light: Prefect is imported when it runs
 from infra.stack import cli as stack_cli  # noqa: E402 - light: typer and the service helpers
+from grpo_pipeline.rewards_cli import app as rewards_cli  # noqa: E402 - light: typer and the reward registry
 
 app.add_typer(stack_cli, name="stack")
+app.add_typer(rewards_cli, name="rewards")
 app.command("deploy")(deploy_command)
 
 
