@@ -2,8 +2,8 @@
 
 Completions arrive as plain strings, or as message lists for conversational prompts; dataset columns
 (such as `answer`) arrive as keyword lists aligned with the completions. A reward's positional parameters
-without a default are the columns it needs; its keyword-only parameters are its arguments
-(`train.reward_args`), bound by `resolve_reward`. Register a new reward in `REWARDS`, or name any
+without a default are the columns it needs; its keyword-only parameters are its arguments, bound by
+`resolve_reward`. Register a new reward in `REWARDS`, or name any
 importable function as 'package.module:function'.
 
 Every resolved reward is checked on each call: a missing column, an exception, the wrong number of
@@ -104,7 +104,7 @@ def resolve_reward(name: str, args: Mapping[str, Any] | None = None, **context: 
     >>> resolve_reward("remote_verifier")
     Traceback (most recent call last):
     ...
-    trainer.rewards.base.RewardError: reward 'remote_verifier' needs url (train.reward_args.remote_verifier.url)
+    trainer.rewards.base.RewardError: reward 'remote_verifier' needs the argument url
     """
     fn = _target(name)
     takes = arguments(fn)
@@ -118,8 +118,7 @@ def resolve_reward(name: str, args: Mapping[str, Any] | None = None, **context: 
             bound[key] = value
     missing = [k for k, v in takes.items() if v is REQUIRED and k not in bound]
     if missing:
-        raise RewardError(f"reward '{name}' needs {', '.join(missing)} "
-                          f"({', '.join(f'train.reward_args.{name}.{k}' for k in missing)})")
+        raise RewardError(f"reward '{name}' needs the argument{'s' if len(missing) > 1 else ''} {', '.join(missing)}")
     return _checked(functools.partial(fn, **bound) if bound else fn, name, required_columns(fn))
 
 
