@@ -542,11 +542,21 @@ def failure_report(trials: list[TrialSummary], searched_only: bool = False) -> s
 
 
 def _reason(exc: BaseException) -> str:
-    """The first line of an error and, for a trainer crash, the last line of its log (the exception)."""
+    """The first line of an error and, for a trainer crash, the exception in its log's tail (the last line that
+    names an error; else the last line: a progress bar may be printed after the traceback).
+
+    >>> _reason(RuntimeError("trainer exited with code 1; log: x\\nTraceback ...\\nValueError: boom\\n 50%|#  | 1/2"))
+    'trainer exited with code 1; log: x ... ValueError: boom'
+    """
+    import re
+
     lines = [line for line in str(exc).splitlines() if line.strip()]
     if not lines:
         return type(exc).__name__
-    return lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1].strip()}"
+    if len(lines) == 1:
+        return lines[0]
+    named = [line for line in lines[1:] if re.match(r"\s*[\w.]*(Error|Exception)\b", line)]
+    return f"{lines[0]} ... {(named or lines)[-1].strip()}"
 
 
 # --------------------------------------------------------------------------------------------- the trials
