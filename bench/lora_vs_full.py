@@ -364,18 +364,60 @@ def sweep_analysis(runs: list[dict], seeds: list[int], wanted_threshold: float) 
 # ---------------------------------------------------------------- table rows
 
 
+def sweep_rows(result: dict) -> list[Row]:
+    """The seeds' rows: the gap at the compared rates with its t interval over the seeds, and time to a holdout
+    reward every run reached."""
+    sweep, steps, rows = result["sweep"], result["steps"], []
+    status = "" if result.get("status") == "complete" else f" ({result['status']})"
+    for name, a in sweep["arms"].items():
+        rate = sweep["compared_learning_rate"]
+        n = len(a["seeds"])
+        sweep_note = ""
+        by_rate = sweep["by_rate"]
+        if any(len(v) > 1 for v in by_rate.values()):
+            sweep_note = "; rates at seed {}: {}".format(sweep["sweep_seed"], "; ".join(
+                f"{LABEL[arm]} " + ", ".join(f"{lr} → {v:.3f}" for lr, v in sorted(rs.items(), key=lambda x: float(x[0])))
+                for arm, rs in by_rate.items()))
+        label = f"{LABEL[name]} vs full: holdout reward after {steps} steps, {n} seed{'s' if n != 1 else ''}, gap % (`bench.lora_vs_full`)"
+        spread = (a["gap_low_pct"], a["gap_high_pct"]) if "gap_low_pct" in a else None
+        rows.append(Row(label, f"full (lr {rate['full']:g}): {a['full_mean']:.3f} ({', '.join(f'{v:.2f}' for v in a['full'])})",
+                        f"{LABEL[name]} (lr {rate[name]:g}): {a['arm_mean']:.3f} ({', '.join(f'{v:.2f}' for v in a['arm'])})",
+                        a["gap_pct"], "<= 3", unit="%", spread=spread,
+                        note=("" if a["gap_pct"] is not None else "not measurable: full scored 0")
+                        + (f"{'within noise' if spread and spread[0] <= 3 <= spread[1] else ('meets' if a['gap_pct'] is not None and a['gap_pct'] <= 3 else 'misses')}{sweep_note}{status}"
+                           if (sweep_note or status) and a["gap_pct"] is not None else "")))
+        t = a["time_to_quality"]
+        rows.append(Row(
+            f"{LABEL[name]} vs full: training CPU time to holdout reward ≥ {t['threshold']:g} (reached by every run), "
+            f"speedup, {n} seed{'s' if n != 1 else ''}",
+            f"full: {t['full_cpu_s']:.0f} CPU s (median)", f"{LABEL[name]}: {t['arm_cpu_s']:.0f} CPU s (median)",
+            t["ratio"], ">= 3", spread=tuple(t["spread"]) if t["spread"] else None))
+    return rows
+
+
 def table_rows(load) -> list[Row]:
     result = load("lora_vs_full")
     if result is None:
         return [Row("LoRA/QLoRA vs full fine-tuning (`bench.lora_vs_full`)", "full", "LoRA, QLoRA", None, "",
                     note="not run yet")]
+    rows = sweep_rows(result) if result.get("sweep") and result["sweep"].get("arms") else []
+    earlier = load("lora_vs_full_qlora_1seed")  # the earlier one-seed run: its QLoRA rows (not rerun)
+    if earlier is not None:
+        rows += [r for r in _single_rows(earlier) if r.benchmark.startswith("QLoRA")]
+    if rows:
+        return rows + [r for r in _single_rows(result) if "peak RSS" in r.benchmark]
+    return _single_rows(result)
+
+
+def _single_rows(result: dict) -> list[Row]:
+    """The rows of one run per arm (the best rate at the first seed): gap, time to quality, memory."""
     steps, thr, rows = result["steps"], result["threshold"], []
     arms = result["arms"]
     analysis = analyse(arms, thr)  # from the saved measurements, so the table follows the analysis code
     for name, a in analysis.items():
         q = a["quality"]
         rows.append(Row(
-            f"{LABEL[name]} vs full: holdout reward after {steps} steps, gap % (`bench.lora_vs_full`)",
+            f"{LABEL[name]} vs full: holdout reward after {steps} steps, one seed, gap % (`bench.lora_vs_full`)",
             f"full: {q['full']:.3f}", f"{LABEL[name]}: {q['arm']:.3f}", q["gap_pct"], "<= 3", unit="%",
             spread=(q["low_pct"], q["high_pct"]) if q["gap_pct"] is not None else None,
             note="" if q["gap_pct"] is not None else "not measurable: full fine-tuning scored 0",

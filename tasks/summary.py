@@ -59,7 +59,7 @@ class Search(BaseModel):
     best_trial: int
     best_value: float  # greedy validation reward on the selection prompts
     overrides: dict[str, Any]  # config path -> value, applied to training ({} when the configured values stay)
-    applied: bool = True  # False: the best did not beat the configured values beyond the noise; they were kept
+    applied: bool | None = None  # False: the best did not beat the configured values beyond the noise; they were kept
     decision: str = ""  # why, with the figures (re-scored means, the paired difference and its 95 % interval)
     best_overrides: dict[str, Any] = {}  # the best trial's values, applied or not
     difference: float | None = None  # best - configured on fresh validation prompts
