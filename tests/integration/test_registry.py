@@ -6,7 +6,9 @@ import threading
 import mlflow
 import pytest
 
-from tasks.registry import CHALLENGER, CHAMPION, PREVIOUS, ChampionMoved, Registry, RegistryError
+from tasks.registry import (
+    CHALLENGER, CHAMPION, MERGED_VERSION_TAG, PREVIOUS, ChampionMoved, Registry, RegistryError, RestClient,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -44,9 +46,16 @@ def test_promote_reject_rollback_and_force(registry, tmp_path):
     assert registry.aliases()[CHAMPION] == v1 and registry.aliases()[PREVIOUS] == v2
     assert registry.client.get_model_version(registry.name, v2).tags["rolled_back_reason"] == "bad outputs in production"
 
-    registry.force(v3, "hotfix approved by on-call")
-    assert registry.aliases()[CHAMPION] == v3
-    assert registry.client.get_model_version(registry.name, v3).tags["forced_reason"] == "hotfix approved by on-call"
+    v4 = _candidate(registry, tmp_path, "four")
+    registry.settle(v4, decided_against=v1, promote=False, tags={"decision": "reject"})
+    assert registry.aliases() == {CHAMPION: v1, CHALLENGER: v4, PREVIOUS: v2}
+    moves = registry.force(v3, "hotfix approved by on-call")
+    # only what the command says: v3 champion, the champion it replaced previous; the challenger stays
+    assert registry.aliases() == {CHAMPION: v3, CHALLENGER: v4, PREVIOUS: v1}
+    assert [(m.alias, m.before, m.version) for m in moves] == [(PREVIOUS, v2, v1), (CHAMPION, v1, v3)]
+    tags = registry.client.get_model_version(registry.name, v3).tags
+    assert tags["forced_reason"] == "hotfix approved by on-call" and tags["forced_by"]
+    assert tags["decision"] == "reject"  # what the pipeline decided stays
 
     # The champion's adapter comes back from S3 through the server.
     source = registry.client.get_model_version(registry.name, v3).source
@@ -104,3 +113,47 @@ def test_report_chart_is_served_at_the_url_given_to_the_prefect_ui(mlflow_server
     with urllib.request.urlopen(artifact_url(mlflow_server_uri, run_id, "comparison.png"), timeout=30) as response:
         body = response.read()
     assert body.startswith(b"\x89PNG") and body == png.read_bytes()
+
+
+def test_merged_aliases_move_with_the_adapters(registry, tmp_path):
+    """A version with a merged companion: promotion, rollback and a forced promotion move both models'
+    aliases, and a version without one takes the merged model's alias away rather than leave it stale."""
+    client = registry.client
+    versions = {}
+    for label in ("m1", "m2"):
+        adapter_version = _candidate(registry, tmp_path, label)
+        run_id = client.get_model_version(registry.name, adapter_version).run_id
+        merged = registry.register(f"runs:/{run_id}/merged", run_id, {}, name=registry.merged)
+        registry.tag(adapter_version, {MERGED_VERSION_TAG: merged})
+        versions[label] = (adapter_version, merged)
+    (a1, m1), (a2, m2) = versions["m1"], versions["m2"]
+    registry.settle(a1, decided_against=None, promote=True, tags={})
+    moves = registry.settle(a2, decided_against=a1, promote=True, tags={})
+    assert registry.aliases(registry.merged) == {CHAMPION: m2, CHALLENGER: None, PREVIOUS: m1}
+    assert {(m.model, m.alias) for m in moves} == {(registry.name, CHAMPION), (registry.name, PREVIOUS),
+                                                    (registry.merged, CHAMPION), (registry.merged, PREVIOUS)}
+    registry.rollback("merged regression")
+    assert registry.aliases(registry.merged)[CHAMPION] == m1
+    plain = _candidate(registry, tmp_path, "no-merge")
+    registry.force(plain, "adapter-only hotfix")
+    assert registry.aliases()[CHAMPION] == plain
+    assert registry.aliases(registry.merged)[CHAMPION] is None  # no merged model of the champion: no alias
+
+
+def test_the_rest_client_does_what_mlflows_client_does(registry, tmp_path):
+    """The operator commands talk REST to the server; the same registry through it promotes and rolls back."""
+    v1 = _candidate(registry, tmp_path, "r1")
+    registry.settle(v1, decided_against=None, promote=True, tags={})
+    v2 = _candidate(registry, tmp_path, "r2")
+    registry.settle(v2, decided_against=v1, promote=True, tags={})
+    rest = Registry(RestClient(registry.client.tracking_uri), registry.name)
+    assert rest.aliases() == registry.aliases()
+    moves = rest.rollback("via REST")
+    assert [m.describe() for m in moves] == [f"{registry.name}@champion: {v2} -> {v1}",
+                                             f"{registry.name}@previous-champion: {v1} -> {v2}"]
+    assert registry.aliases() == {CHAMPION: v1, CHALLENGER: None, PREVIOUS: v2}
+    with pytest.raises(RegistryError, match="has no version 999"):
+        rest.force("999", "no such version")
+    assert rest.version_of(CHAMPION, name="no-such-model") is None
+    with pytest.raises(RestClient.errors):
+        Registry(RestClient("http://127.0.0.1:9"), registry.name).aliases()
