@@ -277,7 +277,11 @@ class S3Store:
         self.s3.put_object(Bucket=self.bucket, Key=f"{aside}/{REASON_FILE}", Body=(reason + "\n").encode())
         base = self._key(name) + "/"
         for key in self._keys(base):
-            self.s3.copy({"Bucket": self.bucket, "Key": key}, self.bucket, f"{aside}/{key.removeprefix(base)}")
+            try:
+                self.s3.copy({"Bucket": self.bucket, "Key": key}, self.bucket, f"{aside}/{key.removeprefix(base)}")
+            except ClientError as exc:
+                if not _not_found(exc):  # gone: another rank is moving the same entry
+                    raise
             self.s3.delete_object(Bucket=self.bucket, Key=key)
         return f"s3://{self.bucket}/{aside}"
 
