@@ -234,7 +234,9 @@ def up(
     mlflow_port: Annotated[Optional[int], typer.Option(help=f"MLflow port (default {DEFAULT_PORTS['mlflow']})")] = None,
     prefect_port: Annotated[Optional[int], typer.Option(help=f"Prefect port (default {DEFAULT_PORTS['prefect']})")] = None,
 ) -> None:
-    """Start the services that are not running; print the environment exports on stdout."""
+    """Start the services that are not running. Into a pipe (`eval "$(grpo-pipeline stack up)"`) it prints the
+    environment exports; to a terminal only where things are, so the S3 secret key never lands on screen or
+    in a terminal log (`stack env` prints the exports for `eval`)."""
     try:
         stack = Stack(root, ports={"s3": s3_port, "mlflow": mlflow_port, "prefect": prefect_port})
         stack.up()
@@ -245,7 +247,8 @@ def up(
     _say(f"MLflow UI:  {env['MLFLOW_TRACKING_URI']}\nPrefect UI: {env['PREFECT_API_URL'].removesuffix('/api')}\n"
          f"S3 API:     {env['AWS_ENDPOINT_URL_S3']} (bucket '{stack.bucket}')\n"
          f"Use it from a shell with:  eval \"$(grpo-pipeline stack env --dir {root})\"")
-    print(exports(env))
+    if not sys.stdout.isatty():
+        print(exports(env))
 
 
 @cli.command("env")
