@@ -9,7 +9,10 @@
 #   bash bench/gpu_check.sh --fetch-wheels          # here: downloads cp312 manylinux wheels into .whl/
 #   bash bench/gpu_check.sh                         # there: installs .whl/*.whl into /tmp/site, runs the check
 #   bash bench/gpu_check.sh --dry-run               # anywhere: the same code path on a tiny model, on the CPU
-# With the device tool: run(command="bash bench/gpu_check.sh", carry=[".whl"], timeout_s=600).
+#   bash bench/gpu_check.sh --distributed           # there: several processes (bench/gpu_dist_check.py: NCCL,
+#                                                   #   FSDP2, ZeRO, vLLM server mode), < 4 minutes, a run of its own
+# With the device tool: run(command="bash bench/gpu_check.sh", carry=[".whl"], timeout_s=600), and the same with
+# --distributed (each under the 10-minute limit of one device command).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
@@ -31,4 +34,8 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+if [[ "${1:-}" == "--distributed" ]]; then
+  shift
+  exec timeout 240 "$PY" -m bench.gpu_dist_check --out "${OUT:-bench/results}" "$@"
+fi
 exec timeout 480 "$PY" -m bench.gpu_check --out "${OUT:-bench/results}" "$@"

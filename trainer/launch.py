@@ -1,8 +1,8 @@
 """`python -m trainer.launch --spec job.json [--nnodes N --node-rank R --master-addr IP]`: run one job's
 training processes on this node, as `train.distributed` says, and exit with the trainer's codes.
 
-One process on one node (the default on a CPU machine, or `processes_per_node: 1`) is `python -m trainer
---spec job.json` itself, exec'd. Otherwise torchrun (`python -m torch.distributed.run`) starts
+One DDP process on one node (the default on a CPU machine, or `processes_per_node: 1`) is `python -m
+trainer --spec job.json` itself, exec'd. Otherwise torchrun (`python -m torch.distributed.run`) starts
 `processes_per_node` copies of it, on every node of the job (static rendezvous at rank 0's address; SkyPilot's
 run command passes SKYPILOT_NODE_RANK, the first of SKYPILOT_NODE_IPS and SKYPILOT_NUM_NODES).
 
@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         return _serve_until_trainers_leave(spec, gpus, opts.master_addr, opts.master_port, env)
     train_nodes = d.nodes
-    if train_nodes == 1 and nproc == 1 and not server_gpus:
+    if train_nodes == 1 and nproc == 1 and not server_gpus and d.strategy == "ddp":
         command = [sys.executable, "-m", "trainer", "--spec", opts.spec]
         if opts.dry_run:
             print(" ".join(command))

@@ -42,7 +42,7 @@ class Assumptions(Frozen):
 class Settings(Frozen):
     gpu: str
     count: int
-    strategy: Literal["single", "ddp", "fsdp", "local"]
+    strategy: Literal["single", "ddp", "zero2", "fsdp", "local"]  # several GPUs: train.distributed.strategy
     per_device_train_batch_size: int
     gradient_accumulation_steps: int
     steps_per_generation: int
@@ -147,12 +147,16 @@ def fit(model_config, work: Workload, gpu: GPU, count: int, assumptions: Assumpt
     per_gpu = work.effective_batch // count
     cap = max(1, assumptions.max_micro_batch_tokens // (work.prompt_tokens + work.completion_tokens))
     capacity = capacity_bytes(gpu, assumptions)
-    strategies = ["single"] if count == 1 else ["ddp", "fsdp"]
+    # least traffic first: ddp replicates everything, zero2 shards gradients and optimizer state, fsdp the
+    # weights too (the only one that helps a base too large for one GPU)
+    strategies = ["single"] if count == 1 else ["ddp", "zero2", "fsdp"]
     ckpts = [False, True] if work.gradient_checkpointing == "auto" else [work.gradient_checkpointing]
     smallest = None
     for strategy in strategies:
         if strategy == "fsdp" and work.vllm:
             continue  # colocated vLLM needs the whole model on each GPU
+        if strategy == "fsdp" and work.quantization != "none":
+            continue  # a bitsandbytes base is not sharded as the trainer loads it (trainer.distributed.problems)
         shards = count if strategy == "fsdp" else 1
         for ckpt in ckpts:
             floor = min(work.num_generations, per_gpu) if (work.gradient_checkpointing == "auto" and not ckpt) else 1
@@ -167,6 +171,9 @@ def fit(model_config, work: Workload, gpu: GPU, count: int, assumptions: Assumpt
                         continue
                     mem = estimate_memory(model_config, work, per_device_batch=pdb, gradient_checkpointing=ckpt,
                                           generation_batch=pdb * spg, shards=shards)
+                    if strategy == "zero2":  # ZeRO-2: each GPU keeps 1/count of the gradients and optimizer state
+                        mem = mem.model_copy(update={"gradients": mem.gradients // count,
+                                                     "optimizer": mem.optimizer // count})
                     if smallest is None or mem.total < smallest.total:
                         smallest = mem
                     if mem.total <= capacity:

@@ -113,7 +113,9 @@ def plan_for_config(cfg, model_config: dict[str, Any], name: str, train_rows: in
 def apply_plan(cfg, plan: Plan):
     """The config a SkyPilot run trains with: the plan's batch split, checkpointing and bf16 for every
     `train.grpo` field the user left unset, and, unless `train.sky.accelerators` is set, the GPU options
-    that fit, cheapest first (SkyPilot takes the first one it can get). A local run is left as it is.
+    that fit with the plan's GPU count and strategy, cheapest first (SkyPilot takes the first one it can get);
+    with several GPUs, `train.distributed` (the plan's strategy, one process per GPU) unless the user set it.
+    A local run is left as it is.
 
     >>> from configs.files import packaged
     >>> from configs.schema import load_config
@@ -131,11 +133,18 @@ def apply_plan(cfg, plan: Plan):
     if cfg.train.launcher != "sky":
         return cfg
     grpo = {**plan.settings.grpo_overrides(), **cfg.train.grpo}
-    sky = cfg.train.sky
+    sky, settings = cfg.train.sky, plan.settings
     if sky.accelerators is None:
-        fitting = sorted((o for o in plan.options if o.fits and o.usd is not None), key=lambda o: o.usd)
+        # the same GPU count and strategy as the plan: its batch split holds for those and no other
+        fitting = sorted((o for o in plan.options if o.fits and o.usd is not None and o.count == settings.count
+                          and o.note == settings.strategy), key=lambda o: o.usd)
         sky = sky.model_copy(update={"accelerators": [f"{o.gpu}:{o.count}" for o in fitting]})
-    return cfg.model_copy(update={"train": cfg.train.model_copy(update={"grpo": grpo, "sky": sky})})
+    distributed = cfg.train.distributed
+    if settings.count > 1 and not distributed.model_fields_set & {"strategy", "processes_per_node"}:
+        distributed = type(distributed)(**{**distributed.model_dump(), "strategy": settings.strategy,
+                                           "processes_per_node": settings.count})  # one process per planned GPU
+    return cfg.model_copy(update={"train": cfg.train.model_copy(
+        update={"grpo": grpo, "sky": sky, "distributed": distributed})})
 
 
 def plan_stage(cfg, model_path: str | None = None, train_rows: int | None = None) -> Plan:

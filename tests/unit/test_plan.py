@@ -211,9 +211,12 @@ def test_plan_picks_the_cheapest_option_and_splits_the_batch():
 
 
 def test_plan_respects_allowed_gpus_and_shards_when_one_is_too_small():
-    plan = make_plan(cfg("llama-3.1-70b"), Workload(model="llama-3.1-70b", quantization="nf4"), allowed=["L4"])
+    plan = make_plan(cfg("llama-3.1-70b"), Workload(model="llama-3.1-70b", dtype="bfloat16"), allowed=["L4"])
     assert plan.settings.gpu == "L4" and plan.settings.count > 1 and plan.settings.strategy == "fsdp"
     assert [o.gpu for o in plan.options] == ["L4"]
+    # a 4-bit base is not sharded as the trainer loads it (plan = launch): replicated, it fits no L4
+    with pytest.raises(PlanError, match="does not fit any allowed GPU"):
+        make_plan(cfg("llama-3.1-70b"), Workload(model="llama-3.1-70b", quantization="nf4"), allowed=["L4"])
 
 
 def test_nothing_fits_says_what_to_change():
