@@ -60,14 +60,20 @@ def project_path(path: Path | str, root: Path = PROJECT_ROOT) -> str:
 
 
 def render(spec: dict[str, Any], deploy: DeployConfig, config_path: str | None = None,
-           overrides: list[str] | None = None, pool_type: str = "process") -> dict[str, Any]:
+           overrides: list[str] | None = None, pool_type: str = "process",
+           budget_usd: float | None = None) -> dict[str, Any]:
     """prefect.yaml with the daily schedule, the configuration and the work pool applied.
 
+    Every field of the UI's run form gets a value (an empty `overrides` list; the config's budget, when it
+    sets one), so none opens as "Property is type None"; the daily description says its hour and time zone.
+
     >>> spec = yaml.safe_load(PREFECT_YAML.read_text())
-    >>> out = render(spec, DeployConfig(schedule_hour=2, timezone="Europe/Berlin"), "my.yaml", ["train.lora.r=8"])
+    >>> out = render(spec, DeployConfig(schedule_hour=2, timezone="Europe/Berlin"), "my.yaml", ["train.lora.r=8"], budget_usd=40.0)
     >>> daily = next(d for d in out["deployments"] if d["name"] == DAILY)
     >>> daily["schedules"][0]["cron"], daily["schedules"][0]["timezone"], daily["parameters"]
-    ('0 2 * * *', 'Europe/Berlin', {'config_path': 'my.yaml', 'overrides': ['train.lora.r=8']})
+    ('0 2 * * *', 'Europe/Berlin', {'config_path': 'my.yaml', 'overrides': ['train.lora.r=8'], 'budget_usd': 40.0})
+    >>> daily["description"].startswith("Daily at 02:00 Europe/Berlin.")
+    True
     """
     spec = copy.deepcopy(spec)
     for deployment in spec["deployments"]:
@@ -76,13 +82,17 @@ def render(spec: dict[str, Any], deploy: DeployConfig, config_path: str | None =
         params = dict(deployment.get("parameters") or {})
         if config_path is not None:
             params["config_path"] = config_path
-        if overrides:
-            params["overrides"] = [*params.get("overrides", []), *overrides]
+        params["overrides"] = [*params.get("overrides", []), *(overrides or [])]
+        if budget_usd is not None:
+            params.setdefault("budget_usd", budget_usd)
         deployment["parameters"] = params
         if deployment["name"] == DAILY:
             (schedule,) = deployment["schedules"]
             deployment["schedules"] = [{**schedule, "cron": f"0 {deploy.schedule_hour} * * *",
                                         "timezone": deploy.timezone}]
+            # the UI lists a schedule by its cron; the description says when that is, and where
+            deployment["description"] = (f"Daily at {deploy.schedule_hour:02d}:00 {deploy.timezone}. "
+                                         + deployment.get("description", ""))
         if pool_type != "process":
             if not deploy.image:
                 raise ConfigError(f"work pool {deploy.work_pool!r} is a {pool_type} pool: give the image its runs "
@@ -227,7 +237,8 @@ def deploy(
         check_server()
         pool_type = ensure_work_pool(settings.work_pool)
         spec = render(yaml.safe_load(PREFECT_YAML.read_text()), settings,
-                      project_path(config) if config else None, list(overrides or []), pool_type)
+                      project_path(config) if config else None, list(overrides or []), pool_type,
+                      budget_usd=cfg.plan.budget_usd)
         register(spec, cfg.data_dir / "deploy")
         summary = {"deployments": deployments_summary(), "work_pool": {"name": settings.work_pool, "type": pool_type}}
         if settings.notify_block:

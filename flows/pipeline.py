@@ -27,6 +27,7 @@ from prefect.cache_policies import INPUTS, NO_CACHE, RUN_ID, TASK_SOURCE
 from prefect.runtime import flow_run
 from prefect.tasks import exponential_backoff
 
+from configs.library_fields import default as library_default
 from configs.schema import PipelineConfig, TrainConfig, load_config
 from flows.hpo import search_stage
 from flows.preflight import preflight
@@ -62,7 +63,7 @@ from trainer.spec import JobSpec, TrainResult
 def grpo_pipeline(
     config_path: str | None = None,
     overrides: list[str] | None = None,
-    launcher: Literal["local", "sky"] | None = None,
+    launcher: Literal["config", "local", "sky"] = "config",
     budget_usd: float | None = None,
 ) -> RunSummary:
     """Run the GRPO pipeline: data, base model, training, evaluation, A/B decision, registry.
@@ -76,7 +77,7 @@ def grpo_pipeline(
             LoraConfig field), `model.base=org/name`, `model.quantization=nf4`, `evaluate.max_new_tokens=32`,
             `merge.enabled=true`, `promote.min_effect=0.02`. `grpo-pipeline config` prints every key.
         launcher: where training runs: `local` (a subprocess on the worker) or `sky` (a SkyPilot managed
-            spot job); empty keeps the config's `train.launcher`.
+            spot job); `config` keeps the config's `train.launcher`.
         budget_usd: refuse to train when the planner's cost estimate passes this many dollars; empty keeps
             the config's `plan.budget_usd`.
     """
@@ -203,8 +204,9 @@ def log_resolved_config(cfg: PipelineConfig, dataset: DatasetVersion, model_path
         "base_model": cfg.model.base, "model_path": model_path, "quantization": cfg.model.quantization,
         "dataset_fingerprint": dataset.fingerprint, "rewards": ",".join(cfg.train.rewards),
         "launcher": cfg.train.launcher, "hpo": cfg.hpo.enabled,
-        **{f"grpo.{k}": v for k, v in grpo.items() if k in KEY_GRPO},
-        **{f"lora.{k}": v for k, v in lora.items() if k in KEY_LORA},
+        # the value that trains: the configured one, else TRL's or PEFT's default
+        **{f"grpo.{k}": grpo.get(k, library_default("GRPOConfig", k)) for k in KEY_GRPO},
+        **{f"lora.{k}": lora.get(k, library_default("LoraConfig", k)) for k in KEY_LORA},
     })
 
 
@@ -442,7 +444,9 @@ def flow_overrides(overrides: list[str] | None, launcher: str | None, budget_usd
 
     >>> flow_overrides(["train.grpo.max_steps=5"], "sky", 40.0)
     ['train.grpo.max_steps=5', 'train.launcher=sky', 'plan.budget_usd=40.0']
+    >>> flow_overrides(None, "config", None)
+    []
     """
-    extra = [f"train.launcher={launcher}"] if launcher else []
+    extra = [f"train.launcher={launcher}"] if launcher and launcher != "config" else []
     extra += [f"plan.budget_usd={budget_usd}"] if budget_usd is not None else []
     return [*(overrides or []), *extra]

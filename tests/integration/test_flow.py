@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -38,6 +39,10 @@ def tiny_yaml(tmp_path, tiny_model):
     return path
 
 
+def tiny_yaml_base(path: Path) -> str:
+    return yaml.safe_load(path.read_text())["model"]["base"]
+
+
 def test_run_json_summary_and_mlflow_lineage(tmp_path, tiny_yaml):
     proc = _cli("run", "--config", str(tiny_yaml), "--json", cwd=tmp_path, prefect_home=tmp_path / "prefect")
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -52,7 +57,29 @@ def test_run_json_summary_and_mlflow_lineage(tmp_path, tiny_yaml):
     children = client.search_runs([summary["mlflow"]["experiment_id"]],
                                   filter_string=f"tags.mlflow.parentRunId = '{parent}'")
     by_name = {r.info.run_name: r for r in children}
-    assert set(by_name) == {"data", "model", "plan", "evaluate-base", "train", "evaluate-candidate", "decide"}
+    assert set(by_name) == {"data", "model", "plan", "evaluate-base", "train", "evaluate-candidate", "decide",
+                            "register", "serving-check"}
+    experiment = client.get_experiment(summary["mlflow"]["experiment_id"])
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"  # the model-training view
+    parent_run = client.get_run(parent)
+    assert re.fullmatch(r"grpo-pipeline \d{4}-\d{2}-\d{2} \d{2}:\d{2} \w{1,8}", parent_run.info.run_name)
+    params = parent_run.data.params
+    assert params["base_model"] == str(tiny_yaml_base(tiny_yaml)) and params["quantization"] == "none"
+    assert params["lora.r"] == "4" and params["grpo.max_steps"] == "2" and "grpo.learning_rate" in params
+    assert params["dataset_fingerprint"] == summary["data"]["fingerprint"]
+    assert {"holdout/candidate_reward", "holdout/base_reward", "holdout/gain"} <= parent_run.data.metrics.keys()
+    assert {d.dataset.name for d in by_name["train"].inputs.dataset_inputs} == {"train", "val"}
+    # progress: step x/N with the time left, in the flow's log
+    assert re.search(r"step 2/2 \(100%\)", proc.stderr + proc.stdout), proc.stderr[-3000:]
+    assert "View run" not in proc.stdout + proc.stderr
+    # the version holds an MLflow model on a base anyone can load, and it served as evaluated
+    registered = summary["registry"]
+    assert registered["serving_check"]["passed"], registered["serving_check"]
+    assert registered["base_model"].startswith("runs:/")
+    version = client.get_model_version(registered["model"], registered["candidate_version"])
+    assert version.source.startswith("models:/m-") and version.tags["base_model"] == registered["base_model"]
+    assert version.tags["serving_check"] == "passed"
+    assert client.search_logged_models(experiment_ids=[experiment.experiment_id])  # MLflow's "Logged models"
     assert by_name["plan"].data.params["plan_pricing"] == "local"  # a CPU run is priced as the local machine
     assert summary["cost"] == {"cost_usd_estimated": 0.0, "cost_usd_actual": 0.0}
     assert "decision.json" in [f.path for f in client.list_artifacts(by_name["decide"].info.run_id)]
@@ -87,6 +114,8 @@ def test_second_run_decides_against_the_champion_and_rollback_restores_it(tmp_pa
     assert summary["merge"]["max_logit_difference"] <= 1e-3
     v2 = summary["registry"]["candidate_version"]
     assert summary["registry"]["aliases"] == {"champion": v2, "challenger": None, "previous-champion": v1}
+    merged = summary["registry"]["merged_version"]  # the merged model is registered, its alias moved with v2's
+    assert merged and summary["registry"]["merged_aliases"]["champion"] == merged
 
     strict = _cli("run", "--config", str(tiny_yaml), "--json", "--fail-on-reject", "--set", "promote.min_effect=10",
                   **home)
@@ -95,6 +124,8 @@ def test_second_run_decides_against_the_champion_and_rollback_restores_it(tmp_pa
 
     rollback = _cli("rollback", "--config", str(tiny_yaml), "--reason", "regression seen in production", **home)
     assert rollback.returncode == 0, rollback.stderr[-2000:]
+    assert f"grpo-adapter@champion: {v2} -> {v1}" in rollback.stdout  # every alias it moved
+    assert "grpo-adapter-merged@champion" in rollback.stdout  # v1 has no merged model: its alias goes
     status = _cli("registry", "--config", str(tiny_yaml), **home)
     aliases = json.loads(status.stdout)
     assert aliases["champion"] == v1 and aliases["previous-champion"] == v2
@@ -213,7 +244,7 @@ def test_a_retried_flow_run_resumes_after_training(tmp_path, tiny_yaml):
 
     client = mlflow.MlflowClient(out["summary"]["mlflow"]["tracking_uri"])
     experiment = out["summary"]["mlflow"]["experiment_id"]
-    parents = client.search_runs([experiment], filter_string="attributes.run_name = 'grpo-pipeline'")
+    parents = client.search_runs([experiment], filter_string="tags.pipeline = 'grpo-pipeline'")
     assert len(parents) == 1  # the retry continued the same MLflow run
     children = client.search_runs([experiment], filter_string=f"tags.mlflow.parentRunId = '{parents[0].info.run_id}'")
     names = sorted(r.info.run_name for r in children)
