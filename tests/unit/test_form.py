@@ -1,0 +1,32 @@
+"""The Prefect UI's run form: every field opens with a value (none as "Property is type None"), `overrides`
+says which keys exist, and the daily deployment says its hour and time zone."""
+
+import yaml
+from prefect.utilities.callables import parameter_schema
+
+from configs.schema import DeployConfig
+from flows.deploy import DAILY, PREFECT_YAML, render
+from flows.pipeline import grpo_pipeline
+
+
+def test_every_form_field_opens_with_a_value():
+    schema = parameter_schema(grpo_pipeline.fn).model_dump()["properties"]
+    spec = render(yaml.safe_load(PREFECT_YAML.read_text()), DeployConfig(), "configs/demo-cpu.yaml", [], budget_usd=25.0)
+    for deployment in spec["deployments"]:
+        params = deployment["parameters"]
+        for name, prop in schema.items():
+            assert prop.get("default") is not None or params.get(name) is not None, (deployment["name"], name)
+    assert schema["launcher"]["default"] == "config"
+
+
+def test_overrides_name_the_keys_they_take():
+    description = parameter_schema(grpo_pipeline.fn).model_dump()["properties"]["overrides"]["description"]
+    for hint in ("train.grpo.", "train.lora.", "model.base=", "grpo-pipeline config"):
+        assert hint in description
+
+
+def test_the_daily_deployment_says_when_and_where():
+    spec = render(yaml.safe_load(PREFECT_YAML.read_text()), DeployConfig(schedule_hour=4, timezone="Asia/Tokyo"))
+    daily = next(d for d in spec["deployments"] if d["name"] == DAILY)
+    assert daily["schedules"][0]["timezone"] == "Asia/Tokyo"
+    assert daily["description"].startswith("Daily at 04:00 Asia/Tokyo.")
