@@ -278,6 +278,17 @@ def main(argv: list[str] | None = None) -> int:
     return _run_node(spec, command, env, nproc, server_gpus, opts.node_rank)
 
 
+def _die_with_parent() -> None:
+    """torchrun gets SIGTERM (and stops its ranks) if this launcher is killed outright (SIGKILL after a
+    cancel's grace period): its ranks run in sessions of their own, so nothing else would reach them."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the cancel's SIGTERM still reaches the ranks through us
+        pass
+
+
 def _node_ip(index: int) -> str:
     ips = os.environ.get("SKYPILOT_NODE_IPS", "").split()
     return ips[index] if len(ips) > index else "127.0.0.1"
@@ -295,7 +306,7 @@ def _run_node(spec: JobSpec, command: list[str], env: dict, nproc: int, server_g
         _wait_for_vllm(server, spec.train.distributed.timeout_s)
     log.info("node %d: %s", node_rank, " ".join(command))
     try:
-        node.proc = subprocess.Popen(command, env=env)
+        node.proc = subprocess.Popen(command, env=env, preexec_fn=_die_with_parent)
         code = outcome(node.wait(), node.exit_codes(), nproc)
     finally:
         if server is not None:

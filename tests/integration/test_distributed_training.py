@@ -185,7 +185,8 @@ def test_sigkill_of_one_rank_ends_the_job_and_the_relaunch_resumes(tmp_path, tin
     thread.join()
 
     assert killed["code"] not in (0, 75), killed
-    assert killed["ended_s"] < 60 + 30 + 60, killed  # the collective timeout, torchrun's grace, a step: no hang
+    # no hang: the collective timeout (60 s), torchrun's grace before SIGKILL (30 s), and slack for a loaded machine
+    assert killed["ended_s"] < 60 + 30 + 240, killed
     assert result.restarts == 1 and result.global_step == 12 and result.world_size == 2
     assert killed["step"] <= result.resumed_from_step < 12  # the relaunch resumed from a complete checkpoint
     history = client.get_metric_history(run_id, "reward")
