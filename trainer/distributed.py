@@ -149,10 +149,17 @@ def init(timeout_s: int) -> Ranks:
     else:
         dist.init_process_group("gloo", timeout=timeout)
         group = None  # the default group is gloo already
+        # On a CPU with several ranks, transformers resumes the optimizer with map_location=args.device, which
+        # accelerate makes torch.device("cpu", 0), and torch.load cannot map to "cpu:0"; it is the CPU.
+        torch.serialization.register_package(11, lambda obj: None, _cpu_with_index)
     log.info("rank %d/%d (local %d) pid %d", rank, world, local_rank, os.getpid())
     global _current
     _current = Ranks(rank, world, local_rank, group)
     return _current
+
+
+def _cpu_with_index(storage, location: str):
+    return storage if location.startswith("cpu:") else None
 
 
 def finish() -> None:
