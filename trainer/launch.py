@@ -137,7 +137,7 @@ def torchrun_command(spec_path: str, nproc: int, nnodes: int, node_rank: int, ad
 
 def vllm_command(spec: JobSpec, gpus: int) -> list[str]:
     """`trl vllm-serve` for vllm_mode=server, tensor-parallel over the GPUs it is given."""
-    return [sys.executable, "-m", "trl.cli", "vllm-serve", "--model", spec.model_path,
+    return [sys.executable, "-m", "trl.cli.main", "vllm-serve", "--model", spec.model_path,
             "--tensor-parallel-size", str(gpus), "--host", "0.0.0.0", "--port", str(VLLM_PORT)]
 
 
