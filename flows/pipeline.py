@@ -103,7 +103,8 @@ def run_pipeline(cfg: PipelineConfig) -> RunSummary:
         search = None
         if cfg.hpo.enabled:
             with stage_run(pid, "hpo") as run:
-                search = search_stage(cfg, model_path, splits, run_dir, experiment_id, run.info.run_id)
+                search = search_stage(cfg, model_path, splits, run_dir, experiment_id, run.info.run_id,
+                                      train_usd=plan.estimate.usd)
             cfg = apply_best(cfg, search.overrides)
         log_resolved_config(cfg, dataset, model_path)  # what trains is what the run shows
         with stage_run(pid, "evaluate-base"):
@@ -140,8 +141,7 @@ def run_pipeline(cfg: PipelineConfig) -> RunSummary:
             data={"fingerprint": dataset.fingerprint, **dataset.report.model_dump(mode="json")},
             model=BaseChoice(base=cfg.model.base, path=model_path, quantization=cfg.model.quantization),
             holdout=Holdout.of(base, trained, champion), train=result, plan=plan.summary(), cost=cost,
-            hpo=Search(study=search.study_name, best_trial=search.best_trial, best_value=search.best_value,
-                       overrides=search.overrides) if search else None,
+            hpo=Search.of(search) if search else None,
             merge=merged, decision=decision, registry=outcome,
         )
         report(summary, run_dir)
