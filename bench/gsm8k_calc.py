@@ -68,7 +68,7 @@ def calculations(answer: str, max_operand: int) -> list[dict]:
     return out
 
 
-def prepare(gsm8k: Path = GSM8K, out: Path = OUT, max_operand: int = 50) -> dict[str, Path]:
+def prepare(gsm8k: Path = GSM8K, out: Path = OUT, max_operand: int = 20) -> dict[str, Path]:
     """{train, test}.jsonl of calculator questions from GSM8K's two splits; their counts in out/prepared.json."""
     out.mkdir(parents=True, exist_ok=True)
     paths, counts = {}, {}
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("what", nargs="?", default="run", choices=["run", "prepare"])
     parser.add_argument("--gsm8k", type=Path, default=GSM8K)
     parser.add_argument("--out", type=Path, default=OUT)
-    parser.add_argument("--max-operand", type=int, default=50)
+    parser.add_argument("--max-operand", type=int, default=20)
     parser.add_argument("--tiny", action="store_true", help="2 steps, 16 holdout prompts: the chain, not the gain")
     parser.add_argument("--set", dest="overrides", action="append", default=[], help="more pipeline overrides")
     parser.add_argument("--threads", default="auto", help="torch threads per process; auto: 1 when other work "

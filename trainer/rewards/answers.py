@@ -68,7 +68,8 @@ def final_answer(text: str, answer_tag: str = "answer") -> str | None:
     True
     """
     text = ascii_digits(text)
-    tagged = re.findall(rf"<{answer_tag}>(.*?)</{answer_tag}>", text, re.S)
+    tag = re.escape(answer_tag)
+    tagged = re.findall(rf"<{tag}>(.*?)</{tag}>", text, re.S)
     if tagged:
         return tagged[-1].strip()
     boxed = _last_boxed(text)

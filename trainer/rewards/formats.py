@@ -17,9 +17,10 @@ def number_only(completions: list, **_: object) -> list[float]:
 
 
 def _think_then_answer(text: str, think_tag: str, answer_tag: str, strict: bool) -> bool:
-    think = rf"<{think_tag}>(?P<think>.*?)</{think_tag}>"
+    t, a = re.escape(think_tag), re.escape(answer_tag)
+    think = rf"<{t}>(?P<think>.*?)</{t}>"
     if strict:
-        pattern = rf"\s*{think}\s*<{answer_tag}>(?P<answer>.*?)</{answer_tag}>\s*"
+        pattern = rf"\s*{think}\s*<{a}>(?P<answer>.*?)</{a}>\s*"
     else:
         pattern = rf"\s*{think}(?P<answer>.*)"
     match = re.fullmatch(pattern, text, re.S)
