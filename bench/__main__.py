@@ -49,6 +49,8 @@ SUITE = (
     Bench("lora_vs_full", "LoRA and QLoRA vs full-parameter GRPO: quality, time to quality, memory", 17),
     Bench("gpu_check", "bf16 LoRA / NF4 QLoRA on 0.5B-7B: GPU memory vs the planner (GPU only)", 6,
           tiny=("--dry-run",), needs_gpu=True),
+    Bench("reward_throughput", "math_answer completions/s; remote_verifier at concurrency 16 vs 1 (fixed latency)", 1),
+    Bench("gsm8k_calc", "real data: GRPO on GSM8K's calculator annotations, trained vs base on the holdout", 15),
 )
 
 
