@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Annotated, NoReturn, Optional
 
 import typer
+import yaml
 from rich.console import Console
 from rich.table import Table
 
@@ -51,11 +52,15 @@ def _load(config: Path | None, overrides: list[str] | None, as_json: bool = Fals
     overrides = list(overrides or [])
     try:
         return path, load_config(path, overrides)
-    except ConfigError as exc:
+    except _CONFIG_ERRORS as exc:
         _fail(as_json, _blame(path, overrides, exc), EXIT_CONFIG)
 
 
-def _blame(path: Path, overrides: list[str], exc: ConfigError) -> str:
+# The loader lets a --set value's YAML error through (`--set 'k=[x'`); it is the same kind of mistake.
+_CONFIG_ERRORS = (ConfigError, yaml.YAMLError)
+
+
+def _blame(path: Path, overrides: list[str], exc: Exception) -> str:
     """A configuration error told against its cause: the file, or the --set that made it (the loader reports
     every field as being "in" the file). A --set is to blame when the file alone loads and the file with that
     --set does not; when only several together fail (two shares adding up past 1), all are named."""
@@ -63,21 +68,26 @@ def _blame(path: Path, overrides: list[str], exc: ConfigError) -> str:
         return str(exc)
     try:
         load_config(path, [])
-    except ConfigError:
+    except _CONFIG_ERRORS:
         return str(exc)  # the file is wrong on its own: the message names it
     culprits = []
     for assignment in overrides:
         try:
             load_config(path, [assignment])
-        except ConfigError as alone:
+        except _CONFIG_ERRORS as alone:
             culprits.append((assignment, alone))
     if not culprits:
         return f"--set {' --set '.join(overrides)} (together): {_what(exc)}"
     return "\n".join(f"--set {assignment}: {_what(alone)}" for assignment, alone in culprits)
 
 
-def _what(exc: ConfigError) -> str:
+def _what(exc: Exception) -> str:
     """The field lines of a configuration error, without the loader's "invalid configuration in <file>:"."""
+    if isinstance(exc, yaml.YAMLError):
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at character {mark.column + 1} of the value" if mark is not None else ""
+        return (f"the value is not valid YAML ({getattr(exc, 'problem', None) or exc}{where}); quote it as a "
+                "string, e.g. --set 'data.system_prompt=\"Answer: a number\"'")
     text = str(exc)
     head, sep, fields = text.partition(":\n")
     if sep and head.startswith("invalid configuration"):
