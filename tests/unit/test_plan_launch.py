@@ -13,7 +13,8 @@ from trainer.spec import JobSpec
 
 
 def test_a_70b_bf16_lora_plan_asks_for_several_gpus_and_launches_one_process_on_each(tmp_path):
-    cfg = load_config(None, ["model.base=llama-3.1-70b", "train.launcher=sky", "train.checkpoint_uri=s3://b/p",
+    cfg = load_config(None, ["model.base=llama-3.1-70b", "model.compute_dtype=bfloat16", "train.launcher=sky",
+                             "train.checkpoint_uri=s3://b/p",
                              "train.grpo.max_steps=100"])
     plan = plan_for_config(cfg, load_model_config(cfg.model.base)[1], cfg.model.base)
     count, strategy = plan.settings.count, plan.settings.strategy
