@@ -116,6 +116,9 @@ def _preflight(cfg, as_json: bool) -> None:
         preflight(cfg)
     except _input_errors() as exc:
         _fail(as_json, str(exc), EXIT_CONFIG)
+    except Exception as exc:  # a fault of a check, not of the input: the traceback too, and still the JSON
+        traceback.print_exc()
+        _fail(as_json, f"preflight: {type(exc).__name__}: {exc}", EXIT_FAILED)
 
 
 @app.command()
