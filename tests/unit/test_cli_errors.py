@@ -95,3 +95,35 @@ def test_commands_without_json_fail_the_same_way():
     assert result.exit_code == EXIT_CONFIG and "pass --force" in result.stderr and result.stdout == ""
     result = CliRunner().invoke(app, ["config", "--set", "data.sorce=x"])
     assert result.exit_code == EXIT_CONFIG and result.stderr.startswith("--set data.sorce=x: data.sorce: unknown key")
+
+
+@pytest.mark.parametrize("raised, code", [("config", 2), ("champion", 4), ("bug", 1)])
+def test_errors_from_inside_the_flow_end_json_with_the_failure_object(tmp_path, monkeypatch, raised, code):
+    import flows.pipeline
+    from configs.schema import ConfigError
+    from tasks.registry import ChampionMoved
+
+    error = {"config": ConfigError("data.source: too much was dropped; fix the source"),
+             "champion": ChampionMoved("the champion moved to v3 while this run decided; run again"),
+             "bug": RuntimeError("something broke")}[raised]
+
+    def flow(**kwargs):
+        print("a line the flow printed")
+        raise error
+
+    monkeypatch.setattr(flows.pipeline, "grpo_pipeline", flow)
+    result = CliRunner().invoke(app, ["run", "--json", "--set", f"data_dir={tmp_path}"])
+    assert result.exit_code == code, result.output
+    failure = json.loads(result.stdout.strip().splitlines()[-1])
+    assert failure == {"status": "failed", "exit_code": code,
+                       "error": str(error) if raised != "bug" else "RuntimeError: something broke"}
+
+
+def test_an_unreadable_data_source_fails_the_data_command_the_same_way(tmp_path):
+    (tmp_path / "d.jsonl").write_bytes('{"prompt": "1 + 1?", "answer": "2"}\n'.encode("utf-16"))
+    failure = _failure(CliRunner().invoke(app, ["data", "--json", "--out", str(tmp_path / "out"),
+                                                "--set", f"data.source={tmp_path / 'd.jsonl'}",
+                                                "--set", "data.max_prompt_tokens=null"]))
+    assert "UTF-16 text; JSON Lines must be UTF-8" in failure["error"]
+    missing = _failure(CliRunner().invoke(app, ["data", "--json", "--set", f"data.source={tmp_path / 'none.jsonl'}"]))
+    assert "data.source:" in missing["error"] and "does not exist" in missing["error"]
