@@ -235,8 +235,9 @@ def train_task(spec: JobSpec, train: TrainConfig) -> TrainResult:
 
 def evaluate_stage(cfg: PipelineConfig, model_path: str, holdout: Path, name: str, adapter: str | None = None,
                    model=None) -> EvalResult:
+    # the same weighted total GRPO optimised (TRL's reward_weights, in reward order)
     result = _resumable(evaluate_task)(model_path, model or cfg.model, holdout, cfg.train.rewards, cfg.evaluate,
-                                       adapter=adapter)
+                                       adapter=adapter, weights=cfg.train.grpo.get("reward_weights"))
     mlflow.log_metrics({"reward": result.reward, **{f"reward/{k}": v for k, v in result.per_reward.items()},
                         **result.metrics})
     columns = {k: [row[k] for row in result.rows] for k in result.rows[0]} if result.rows else {}

@@ -18,7 +18,6 @@ def preflight(cfg: PipelineConfig) -> None:
     check_rewards(cfg.train.rewards)
     if cfg.plan.budget_usd is not None:  # the plan stage checks it again for the chosen base
         check_budget(plan_stage(cfg), cfg.plan.budget_usd)
-    if cfg.train.launcher == "sky":
-        launch.preflight(cfg.train, cfg.mlflow_uri)  # includes the store a spot node must reach
-    else:
+    launch.preflight(cfg.train, cfg.mlflow_uri, cfg.model)  # the distributed launch; SkyPilot: the store a node reaches
+    if cfg.train.launcher == "local":
         check_store(cfg.train)

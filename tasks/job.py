@@ -12,6 +12,7 @@ from configs.schema import ConfigError, ModelConfig, TrainConfig
 from trainer.checkpoints import open_store
 from trainer.spec import JobSpec, ModelLoad, TrainSettings, parse_progress
 
+DATA_COLUMNS = ("prompt", "answer", "key")  # what every row of the data stage's splits holds (tasks.data)
 SHOWN_METRICS = ("reward", "reward_std", "loss", "completions/mean_length", "step_time")
 
 
@@ -60,14 +61,16 @@ def build_job_spec(
 
 
 def check_rewards(rewards: list[str]) -> None:
-    """Every reward resolves (a registered name or an importable 'package.module:function')."""
-    from trainer.rewards import resolve_reward
+    """Every reward resolves (a registered name or an importable 'package.module:function') and finds the
+    columns it needs among those the data stage writes."""
+    from trainer.rewards import check_columns, resolve_reward
 
-    for name in rewards:
-        try:
+    try:
+        for name in rewards:
             resolve_reward(name)
-        except ValueError as exc:
-            raise ConfigError(f"train.rewards: {exc}") from None
+        check_columns(rewards, DATA_COLUMNS)
+    except ValueError as exc:
+        raise ConfigError(f"train.rewards: {exc}") from None
 
 
 def check_store(train: TrainConfig) -> None:
