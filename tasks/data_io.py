@@ -423,15 +423,17 @@ def iter_jsonl(path: Path, name: str, batch_rows: int) -> Iterator[RawBatch]:
                 for bom, encoding in _WIDE_BOMS.items():
                     if block.startswith(bom):
                         raise DataSourceError(f"{name} is {encoding} text; JSON Lines must be UTF-8: save it as UTF-8 "
-                                              "(e.g. iconv -f UTF-16 -t UTF-8)")
+                                              f"(e.g. iconv -f {encoding} -t UTF-8)")
             rejects += refused
             for i, line in enumerate(block.split(b"\n")):
-                # The common case inline (one parse, one type check, a bracket count); the rest by judge_line.
+                # The common case inline (one parse, a type check, a bracket count: nesting needs one bracket
+                # per level), the same rules as judge_line, which takes every other line.
                 try:
                     record = loads(line)
                 except orjson.JSONDecodeError:
                     record = None
-                if type(record) is not dict or len(line) > MAX_LINE_BYTES or line.count(b"{") + line.count(b"[") > limit:
+                if type(record) is not dict or len(line) > MAX_LINE_BYTES or (
+                        line.count(b"{") + line.count(b"[") > limit and _depth(record, limit) > limit):
                     record = judge_line(line, name, first + i)
                     if record is None:
                         continue
