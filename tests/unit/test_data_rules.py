@@ -233,10 +233,15 @@ def test_grpo_pipeline_data_resolves_the_models_tokenizer_or_exits_2(tmp_path, t
 
 
 _SLOW_BUILD = """
-import sys, time
+import signal, sys, time
 from pathlib import Path
 import tasks.data as data
 from configs.schema import DataConfig
+
+# As in a terminal, whatever this test runs under (nohup, or a shell's background job ignoring SIGINT).
+signal.signal(signal.SIGTERM, signal.SIG_DFL)
+signal.signal(signal.SIGHUP, signal.SIG_DFL)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 real = data._Chain.feed
 def feed(self, raw):
