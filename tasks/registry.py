@@ -236,7 +236,8 @@ class Registry:
     def version_of(self, alias: str, name: str | None = None) -> str | None:
         """The version `alias` points at; None when it points nowhere (an unreachable server raises)."""
         try:
-            return self.client.get_model_version_by_alias(name or self.name, alias).version
+            # str: the SQL store hands back an int, the REST API a string
+            return str(self.client.get_model_version_by_alias(name or self.name, alias).version)
         except self.errors as exc:
             # a missing alias: RESOURCE_DOES_NOT_EXIST from SQL stores, INVALID_PARAMETER_VALUE from the server
             if getattr(exc, "error_code", None) in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
@@ -254,9 +255,9 @@ class Registry:
                     if name == self.merged else "GRPO adapters; aliases mark what serves")
         for existing in self.client.search_model_versions(f"run_id = '{run_id}'"):
             if existing.name == name and existing.source == source:
-                return existing.version
+                return str(existing.version)
         extra = {"model_id": model_id} if model_id else {}
-        return self.client.create_model_version(name, source, run_id=run_id, tags=tags, **extra).version
+        return str(self.client.create_model_version(name, source, run_id=run_id, tags=tags, **extra).version)
 
     def tag(self, version: str, tags: dict[str, str]) -> None:
         for key, value in tags.items():
