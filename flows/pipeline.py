@@ -292,17 +292,6 @@ def _verdict(decision: Decision) -> str:
     return "promote" if decision.promote else "reject"
 
 
-def _not_a_decision(task, task_run, state) -> bool:
-    """Retry registry calls on service errors, never on a lost race or a held lock."""
-    try:
-        state.result()
-    except (ChampionMoved, RegistryError):
-        return False
-    except Exception:
-        return True
-    return False
-
-
 @task(name="register", cache_policy=NO_CACHE, retries=3, retry_delay_seconds=exponential_backoff(backoff_factor=5))
 def register_task(registry: Registry, source: str, run_id: str, tags: dict, model_id: str, name: str | None = None) -> str:
     return registry.register(source, run_id, tags, name=name, model_id=model_id)
