@@ -1,4 +1,5 @@
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,32 @@ from tasks.splits import write_splits
 # Tests never reach a hub; fail fast instead of waiting on the network.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+
+SESSION_MLFLOW_ENV = {k: v for k, v in os.environ.items() if k.startswith("MLFLOW_")}
+
+
+@pytest.fixture(autouse=True)
+def mlflow_state_per_test():
+    """MLflow keeps the tracking URI, the active experiment and the active run in process globals and in
+    MLFLOW_* environment variables (set_experiment exports MLFLOW_EXPERIMENT_ID for subprocesses). A test that
+    sets them would steer the next test's runs into its own, by then deleted, store ("No Experiment with id=5
+    exists"), so each test ends by going back to the state the session started with (a module fixture that
+    sets them sets them for its first test only)."""
+    yield
+    if "mlflow" not in sys.modules:
+        return
+    import mlflow
+    from mlflow.tracking import _tracking_service, fluent
+
+    while mlflow.active_run():
+        mlflow.end_run()
+    fluent._active_experiment_id = None
+    _tracking_service.utils._tracking_uri = None
+    for key in [k for k in os.environ if k.startswith("MLFLOW_")]:
+        del os.environ[key]
+    os.environ.update(SESSION_MLFLOW_ENV)
+
 
 TINY_TRAIN = [
     "train.grpo.num_generations=4",
