@@ -735,13 +735,23 @@ def apply_override(tree: dict[str, Any], assignment: str) -> None:
     if not sep or not path.strip():
         raise ConfigError(f"--set {assignment!r}: expected KEY=VALUE, e.g. --set train.grpo.max_steps=10")
     *parents, leaf = path.strip().split(".")
+    if not all(p.strip() for p in [*parents, leaf]):
+        raise ConfigError(f"--set {assignment!r}: '{path.strip()}' has an empty part; write dotted keys such as "
+                          f"train.grpo.max_steps")
     node = tree
     for part in parents:
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
             raise ConfigError(f"--set {assignment!r}: '{part}' holds a value, not a section")
         node = child
-    value = yaml.safe_load(raw)
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at character {mark.column + 1} of the value" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"--set {assignment!r}: the value is not valid YAML ({problem}{where}); quote it as a "
+                          f"string, e.g. --set '{path.strip()}=\"{raw}\"'") from None
     # YAML reads '3e-4' as a string (its floats need a dot); users mean a number.
     if isinstance(value, str):
         try:

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Annotated, NoReturn, Optional
 
 import typer
-import yaml
 from rich.console import Console
 from rich.table import Table
 
@@ -52,12 +51,8 @@ def _load(config: Path | None, overrides: list[str] | None, as_json: bool = Fals
     overrides = list(overrides or [])
     try:
         return path, load_config(path, overrides)
-    except _CONFIG_ERRORS as exc:
+    except ConfigError as exc:
         _fail(as_json, _blame(path, overrides, exc), EXIT_CONFIG)
-
-
-# The loader lets a --set value's YAML error through (`--set 'k=[x'`); it is the same kind of mistake.
-_CONFIG_ERRORS = (ConfigError, yaml.YAMLError)
 
 
 def _blame(path: Path, overrides: list[str], exc: Exception) -> str:
@@ -68,34 +63,28 @@ def _blame(path: Path, overrides: list[str], exc: Exception) -> str:
         return str(exc)
     try:
         load_config(path, [])
-    except _CONFIG_ERRORS:
+    except ConfigError:
         return str(exc)  # the file is wrong on its own: the message names it
     culprits = []
     for assignment in overrides:
         try:
             load_config(path, [assignment])
-        except _CONFIG_ERRORS as alone:
+        except ConfigError as alone:
             culprits.append((assignment, alone))
     if not culprits:
         return f"--set {' --set '.join(overrides)} (together): {_what(exc)}"
-    return "\n".join(f"--set {assignment}: {_what(alone)}" for assignment, alone in culprits)
+    return "\n".join(f"--set {assignment}: {_what(alone, assignment)}" for assignment, alone in culprits)
 
 
-def _what(exc: Exception) -> str:
-    """The field lines of a configuration error, without the loader's "invalid configuration in <file>:"."""
-    if isinstance(exc, yaml.YAMLError):
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at character {mark.column + 1} of the value" if mark is not None else ""
-        return (f"the value is not valid YAML ({getattr(exc, 'problem', None) or exc}{where}); quote it as a "
-                "string, e.g. --set 'data.system_prompt=\"Answer: a number\"'")
+def _what(exc: Exception, assignment: str | None = None) -> str:
+    """The field lines of a configuration error, without the loader's "invalid configuration in <file>:" or
+    its own "--set '<assignment>':" (the caller names the --set)."""
     text = str(exc)
     head, sep, fields = text.partition(":\n")
     if sep and head.startswith("invalid configuration"):
         lines = [line.strip() for line in fields.splitlines() if line.strip()]
         return lines[0] if len(lines) == 1 else "\n  " + "\n  ".join(lines)
-    if text.startswith("--set "):  # the loader's own --set message: drop its repeat of the assignment
-        return text.split(": ", 1)[-1]
-    return text
+    return text.removeprefix(f"--set {assignment!r}: ")
 
 
 def _input_errors() -> tuple[type[BaseException], ...]:

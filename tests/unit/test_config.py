@@ -50,6 +50,11 @@ def test_missing_file_and_malformed_set(tmp_path):
         load_config(tmp_path / "nope.yaml")
     with pytest.raises(ConfigError, match="expected KEY=VALUE"):
         load_config(None, ["train.grpo.max_steps"])
+    # the loader itself turns a value's YAML error into a ConfigError (the Prefect form's overrides reach it too)
+    with pytest.raises(ConfigError, match=r"not valid YAML .* quote it"):
+        load_config(None, ["data.system_prompt=a: b: c"])
+    with pytest.raises(ConfigError, match="empty part"):
+        load_config(None, ["train..max_steps=1"])
     bad = tmp_path / "bad.yaml"
     bad.write_text("- a list\n")
     with pytest.raises(ConfigError, match="must be a mapping"):
