@@ -24,13 +24,16 @@ from typing import Any
 
 import yaml
 
+from configs.files import SOURCE_ROOT, project_file
 from configs.schema import SkyConfig, TrainConfig
 from infra.launch import TrainingFailed
 from trainer.checkpoints import CheckpointStoreError, collect_final, open_store
 from trainer.spec import JobSpec, TrainResult
 
 log = logging.getLogger(__name__)
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
+# The source checkout the packages run from (the tests read the shipped task YAMLs there); the launcher finds a
+# task YAML through configs.files.project_file, the working directory first, so an installed copy works too.
+PROJECT_ROOT = SOURCE_ROOT
 NODE_JOB_DIR = "/grpo/job"  # where sky/*.yaml mounts JOB_DIR
 NODE_MODEL_DIR = "/grpo/model"
 NODE_WORK_DIR = "/tmp/grpo-work"  # node-local scratch; everything that matters goes to the store
@@ -86,11 +89,30 @@ def _count(option: str) -> tuple[str, int]:
     return name, int(count or 1)
 
 
+def _task_yaml(task_yaml: str) -> dict:
+    return yaml.safe_load(project_file(task_yaml).read_text())
+
+
+def project_root(task_yaml: str) -> Path:
+    """The folder a relative task YAML path was found in (`configs.files.project_file`: the working directory,
+    else the source checkout): SkyPilot syncs it as the workdir, and the node installs the project from it
+    (`pip install -e .`), so it is the project whose YAML is launched. An absolute YAML path: the working
+    directory, as SkyPilot's own `workdir: .` would read it.
+
+    >>> project_root("sky/train.yaml") / "sky" / "train.yaml" == project_file("sky/train.yaml").resolve()
+    True
+    """
+    path = Path(task_yaml)
+    if path.is_absolute():
+        return Path.cwd()
+    return project_file(path).resolve().parents[len(path.parts) - 1]
+
+
 def accelerator_options(train: TrainConfig) -> list[tuple[str, int]]:
     """The GPU options a node of the managed job asks for, in order, with the GPU count that
     train.distributed needs (processes_per_node + vllm_server_gpus) where it sets one."""
     d = train.distributed
-    listed = train.sky.accelerators or _options(yaml.safe_load((PROJECT_ROOT / train.sky.task_yaml).read_text())["resources"])
+    listed = train.sky.accelerators or _options(_task_yaml(train.sky.task_yaml)["resources"])
     need = d.processes_per_node + d.vllm_server_gpus if d.processes_per_node else None
     return [(name, max(count, need or count)) for name, count in map(_count, listed)]
 
@@ -100,7 +122,7 @@ def task_config(base: dict[str, Any], spec: JobSpec, job_dir: Path, sky_cfg: Sky
     node as train.distributed needs), nodes, spot, recovery."""
     config = yaml.safe_load(yaml.safe_dump(base))  # a deep copy
     config.setdefault("envs", {})["JOB_DIR"] = str(job_dir.resolve())
-    config["workdir"] = str(PROJECT_ROOT)
+    config["workdir"] = str(project_root(sky_cfg.task_yaml))
     if Path(spec.model_path).is_dir():
         config.setdefault("file_mounts", {})[NODE_MODEL_DIR] = str(Path(spec.model_path).resolve())
     resources = config.setdefault("resources", {})
@@ -123,7 +145,7 @@ def build_task(spec: JobSpec, job_dir: Path, sky_cfg: SkyConfig, max_restarts: i
     """A `sky.Task`, validated by SkyPilot's own parser; declared secrets come from `environ`."""
     import sky
 
-    base = yaml.safe_load((PROJECT_ROOT / sky_cfg.task_yaml).read_text())
+    base = _task_yaml(sky_cfg.task_yaml)
     config = task_config(base, spec, job_dir, sky_cfg, max_restarts)
     secrets = [(k, environ[k]) for k in (config.get("secrets") or {}) if environ.get(k)]
     return sky.Task.from_yaml_config(config, secrets_overrides=secrets)
@@ -188,7 +210,7 @@ class SkyLauncher:
 
         from infra.launch import check_launch
 
-        base = yaml.safe_load((PROJECT_ROOT / self.sky_cfg.task_yaml).read_text())
+        base = _task_yaml(self.sky_cfg.task_yaml)
         options = task_config(base, spec, Path(spec.work_dir), self.sky_cfg, self.max_restarts)["resources"]["ordered"]
         check_launch(spec, sorted({_count(o["accelerators"])[1] for o in options}))  # before the job folder is written
 
