@@ -135,3 +135,28 @@ def parse_progress(line: str) -> dict | None:
     except ValueError:
         return None
     return report if isinstance(report, dict) and {"step", "val_reward"} <= report.keys() else None
+
+
+BAD_INPUT_TAG = "grpo-bad-input"  # the trainer's exit-2 reason, for launchers that would otherwise relaunch
+
+
+def bad_input_line(message: str) -> str:
+    return f"{BAD_INPUT_TAG} {json.dumps({'error': message})}"
+
+
+def parse_bad_input(line: str) -> str | None:
+    """The bad-input reason in a line of trainer output (SkyPilot may prefix lines), or None.
+
+    >>> parse_bad_input("(task, pid=7) " + bad_input_line("reward 'x' returned nan for row 1"))
+    "reward 'x' returned nan for row 1"
+    >>> parse_bad_input("bad input: something") is None
+    True
+    """
+    _, tag, payload = line.partition(BAD_INPUT_TAG + " ")
+    if not tag:
+        return None
+    try:
+        report = json.loads(payload)
+    except ValueError:
+        return None
+    return report.get("error") if isinstance(report, dict) and isinstance(report.get("error"), str) else None

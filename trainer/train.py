@@ -1,7 +1,8 @@
 """One GRPO training job: TRL's GRPOTrainer with a PEFT LoRA adapter, resumable from the checkpoint store.
 
 Run it alone on any node: `python -m trainer --spec job.json`. Exit codes: 0 finished (max_steps or
-early stop), 75 interrupted by SIGTERM after a checkpoint (relaunch to resume), 2 bad spec, 1 failure.
+early stop), 75 interrupted by SIGTERM after a checkpoint (relaunch to resume), 2 bad input (a bad spec, or
+a reward that cannot run or gives unusable scores: a relaunch would fail the same way), 1 failure.
 
 Under torchrun (`python -m trainer.launch`) each rank runs this same code; rank 0 alone uploads checkpoints
 (with every rank's files in them), commits MLflow metrics, publishes `final` and writes the result file;
@@ -19,11 +20,12 @@ from pathlib import Path
 from trainer import distributed
 from trainer.checkpoints import FINAL, choose_resume, collect_final, open_store
 from trainer.distributed import Ranks
-from trainer.spec import RESULT_FILE, JobSpec, TrainResult
+from trainer.spec import RESULT_FILE, JobSpec, TrainResult, bad_input_line
 from trainer.tracking import CommittedMetrics, numeric
 
 log = logging.getLogger(__name__)
 EXIT_INTERRUPTED = 75  # EX_TEMPFAIL: try again
+EXIT_BAD_INPUT = 2  # the same job fails the same way again: never relaunched
 
 
 def grpo_args(spec: JobSpec, output_dir: Path):
@@ -212,10 +214,17 @@ def main(spec_path: str, started: float | None = None) -> int:
         spec = JobSpec.read(Path(spec_path))
     except (OSError, ValueError) as exc:
         log.error("bad job spec %s: %s", spec_path, exc)
-        distributed.record("exit", 2)
-        return 2
+        distributed.record("exit", EXIT_BAD_INPUT)
+        return EXIT_BAD_INPUT
+    from trainer.rewards import RewardError
+
     try:
         result = run(spec, started)
+    except RewardError as exc:  # the reward or the data is at fault, not the node: launchers must not retry it
+        log.error("bad input: %s", exc)
+        print(bad_input_line(str(exc)), flush=True)  # the SkyPilot launcher cancels the job's recovery on it
+        distributed.record("exit", EXIT_BAD_INPUT)
+        return EXIT_BAD_INPUT
     except BaseException:
         distributed.record("exit", 1)
         raise

@@ -19,10 +19,10 @@ from pathlib import Path
 
 from infra.launch import TrainingFailed, check_launch
 from trainer.launch import detect_gpus, free_port
-from trainer.spec import RESULT_FILE, JobSpec, TrainResult
+from trainer.spec import RESULT_FILE, JobSpec, TrainResult, parse_bad_input
 
 log = logging.getLogger(__name__)
-NOT_RETRYABLE = {2}  # a bad spec fails the same way every time
+NOT_RETRYABLE = {2}  # bad input (a bad spec, a failing reward) fails the same way every time
 
 
 @dataclass
@@ -70,8 +70,11 @@ class LocalLauncher:
             if handle.cancelled:
                 raise TrainingFailed("training was cancelled")
             if code in NOT_RETRYABLE or handle.restarts >= self.max_restarts:
+                why = " (bad input: not relaunched)" if code in NOT_RETRYABLE else ""
+                reason = next((r for r in map(parse_bad_input, handle.tail) if r), None)
                 raise TrainingFailed(
-                    f"trainer exited with code {code} after {handle.restarts} restart(s); log: {log_path}\n"
+                    (f"{reason}\n" if reason else "")
+                    + f"trainer exited with code {code}{why} after {handle.restarts} restart(s); log: {log_path}\n"
                     + "\n".join(handle.tail)
                 )
             handle.restarts += 1

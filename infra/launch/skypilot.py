@@ -28,7 +28,7 @@ from configs.files import SOURCE_ROOT, project_file
 from configs.schema import SkyConfig, TrainConfig
 from infra.launch import TrainingFailed
 from trainer.checkpoints import CheckpointStoreError, collect_final, open_store
-from trainer.spec import JobSpec, TrainResult
+from trainer.spec import JobSpec, TrainResult, parse_bad_input
 
 log = logging.getLogger(__name__)
 # The source checkout the packages run from (the tests read the shipped task YAMLs there); the launcher finds a
@@ -181,6 +181,7 @@ def preflight(train: TrainConfig, mlflow_uri: str) -> None:
 class SkyHandle:
     spec: JobSpec
     job_id: int
+    bad_input: str | None = None  # the trainer's exit-2 reason, once its log line streams in
 
 
 class _Lines(io.TextIOBase):
@@ -227,11 +228,21 @@ class SkyLauncher:
         records = records[0] if isinstance(records, tuple) else records
         return records[0]
 
+    def watch(self, handle: SkyHandle):
+        """The callback for each streamed line: passes it on, and keeps the trainer's bad-input reason."""
+
+        def on_line(line: str) -> None:
+            if handle.bad_input is None:
+                handle.bad_input = parse_bad_input(line)
+            self.on_line(line)
+
+        return on_line
+
     def _stream_logs(self, handle: SkyHandle) -> None:
         import sky
 
         try:  # follows the job across recoveries until it ends
-            sky.jobs.tail_logs(job_id=handle.job_id, follow=True, output_stream=_Lines(self.on_line))
+            sky.jobs.tail_logs(job_id=handle.job_id, follow=True, output_stream=_Lines(self.watch(handle)))
         except Exception as exc:  # the state loop below still decides the outcome
             log.warning("log streaming of managed job %d stopped: %s", handle.job_id, exc)
 
@@ -246,10 +257,17 @@ class SkyLauncher:
                 last = status
             if status in TERMINAL_OK | TERMINAL_BAD:
                 break
+            if handle.bad_input:
+                # SkyPilot recovers any failed job (max_restarts_on_errors) and has no "never on this exit
+                # code"; bad input would fail every recovery the same way, each on a fresh cluster.
+                self.cancel(handle)
+                raise TrainingFailed(f"managed job {handle.job_id}: bad input, cancelled instead of recovered: "
+                                     f"{handle.bad_input}")
             time.sleep(self.sky_cfg.poll_seconds)
         if status in TERMINAL_BAD:
             raise TrainingFailed(
-                f"managed job {handle.job_id} ended {status}: {record.failure_reason or ''}\n{self._tail(handle)}"
+                (f"{handle.bad_input}\n" if handle.bad_input else "")
+                + f"managed job {handle.job_id} ended {status}: {record.failure_reason or ''}\n{self._tail(handle)}"
             )
         d = handle.spec.train.distributed
         gpus = (sum(int(a) for a in (record.accelerators or {}).values()) or 1) * (d.nodes + d.vllm_server_node)
