@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import html
+import re
 from pathlib import Path
 from urllib.parse import urlencode
 
 from tasks.decide import Decision
-from tasks.summary import AliasChange, Holdout, RegistryOutcome
+from tasks.summary import AliasChange, Example, Holdout, RegistryOutcome
+
+PROMPT_CHARS = 400  # of a prompt shown with an example: the question, not a whole few-shot context
+CELL_CHARS = 80  # of a reference in a table cell
 
 
 def render_markdown(holdout: Holdout, decision: Decision, registry: RegistryOutcome) -> str:
@@ -30,8 +35,58 @@ def render_markdown(holdout: Holdout, decision: Decision, registry: RegistryOutc
     for name in holdout.trained:
         values = [holdout.base, *([holdout.champion] if holdout.champion else []), holdout.trained]
         lines.append(f"| {name} | " + " | ".join(f"{v[name]:.3f}" for v in values) + " |")
-    lines += ["", *serving_lines(registry), "", *alias_table(registry), ""]
+    lines += ["", *example_lines(holdout.examples), *serving_lines(registry), "", *alias_table(registry), ""]
     return "\n".join(lines)
+
+
+_MARKDOWN_PUNCTUATION = re.compile(r"([\\`*_\[\]|~])")  # what could start emphasis, code, a link or a cell
+
+
+def inline(text: object, limit: int = CELL_CHARS) -> str:
+    r"""Model or user text as one line of inline Markdown that renders as the text itself: whitespace folded,
+    cut at `limit` characters, Markdown punctuation backslash-escaped (so a `|` cannot split a table cell) and
+    HTML escaped (so a tag is shown, not rendered).
+
+    >>> inline("a | b\n`x` <b>y</b>")
+    'a \\| b \\`x\\` &lt;b&gt;y&lt;/b&gt;'
+    >>> inline("0123456789", limit=4)
+    '0123…'
+    """
+    flat = " ".join(str(text).split())
+    flat = flat if len(flat) <= limit else flat[:limit] + "…"
+    return html.escape(_MARKDOWN_PUNCTUATION.sub(r"\\\1", flat), quote=False)
+
+
+def fenced(text: str) -> list[str]:
+    """Text in a code block whose fence is longer than any run of backticks inside it, so the text cannot
+    close it; inside a code block Markdown and HTML are shown as written.
+
+    >>> fenced("a ``` b")
+    ['````text', 'a ``` b', '````']
+    """
+    longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
+    fence = "`" * max(3, longest + 1)
+    return [fence + "text", *(text.replace("\r\n", "\n").replace("\r", "\n").split("\n")), fence]
+
+
+def example_lines(examples: list[Example]) -> list[str]:
+    """A few of the candidate's holdout samples, right and wrong: the prompt, the reference, each score and
+    the completion's ending; nothing when the evaluation kept none (`evaluate.examples: 0`)."""
+    if not examples:
+        return []
+    right = sum(e.verdict == "right" for e in examples)
+    lines = ["## Examples", "",
+             f"The candidate's first {right} right and {len(examples) - right} wrong holdout samples by the accuracy "
+             "reward (`evaluate.accuracy_reward`); a completion's ending, a prompt's beginning.", ""]
+    for i, e in enumerate(examples, 1):
+        prompt = e.prompt if len(e.prompt) <= PROMPT_CHARS else e.prompt[:PROMPT_CHARS] + "..."
+        lines += [f"### {i}. {e.verdict}: key {inline(e.key)}", "",
+                  "| reference | " + " | ".join(inline(n) for n in e.scores) + " |",
+                  "|---|" + "---|" * len(e.scores),
+                  f"| {inline(e.answer) if e.answer is not None else '-'} | "
+                  + " | ".join(f"{v:.3f}" for v in e.scores.values()) + " |",
+                  "", "Prompt:", "", *fenced(prompt), "", "Completion:", "", *fenced(e.completion), ""]
+    return lines
 
 
 def serving_lines(registry: RegistryOutcome) -> list[str]:

@@ -25,8 +25,20 @@ class BaseChoice(BaseModel):
     quantization: str
 
 
+class Example(BaseModel):
+    """One holdout sample of the candidate, right or wrong by `evaluate.accuracy_reward` (`tasks.evaluate.pick_examples`)."""
+
+    verdict: Literal["right", "wrong"]
+    key: str | int
+    prompt: str
+    answer: Any = None  # the reference, as the data holds it
+    completion: str  # its last EXAMPLE_CHARS characters
+    scores: dict[str, float]  # each reward and the total
+
+
 class Holdout(BaseModel):
-    """Every model scored on the same holdout prompts, greedy: summed reward and each reward's mean."""
+    """Every model scored on the same holdout prompts, greedy: summed reward and each reward's mean, and a few
+    of the candidate's right and wrong samples."""
 
     n: int
     base_reward: float
@@ -36,6 +48,7 @@ class Holdout(BaseModel):
     trained: dict[str, float]
     champion_reward: float | None = None
     champion: dict[str, float] | None = None
+    examples: list[Example] = []
 
     @classmethod
     def of(cls, base: EvalResult, trained: EvalResult, champion: EvalResult | None) -> Holdout:
@@ -44,6 +57,7 @@ class Holdout(BaseModel):
             base=base.per_reward | base.metrics, trained=trained.per_reward | trained.metrics,
             champion_reward=champion.reward if champion else None,
             champion=champion.per_reward | champion.metrics if champion else None,
+            examples=trained.examples,
         )
 
     @property
