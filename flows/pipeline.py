@@ -222,7 +222,7 @@ def train_task(spec: JobSpec, train: TrainConfig) -> TrainResult:
     from prefect.logging import get_run_logger
 
     logger = get_run_logger()
-    progress = TrainProgress(spec.train.grpo.get("max_steps"), spec.train.grpo.get("logging_steps", 10))
+    progress = TrainProgress()
 
     def show(line: str) -> None:
         if summary := progress.update(line):
@@ -234,10 +234,12 @@ def train_task(spec: JobSpec, train: TrainConfig) -> TrainResult:
 
 
 def evaluate_stage(cfg: PipelineConfig, model_path: str, holdout: Path, name: str, adapter: str | None = None,
-                   model=None) -> EvalResult:
+                   model=None, label: str | None = None) -> EvalResult:
+    """`name` (base, candidate, champion) names its artifacts; `label` (else `name`) the model in progress lines."""
     # the same weighted total GRPO optimised (TRL's reward_weights, in reward order)
     result = _resumable(evaluate_task)(model_path, model or cfg.model, holdout, cfg.train.rewards, cfg.evaluate,
-                                       adapter=adapter, weights=cfg.train.grpo.get("reward_weights"))
+                                       adapter=adapter, weights=cfg.train.grpo.get("reward_weights"),
+                                       label=label or name)
     mlflow.log_metrics({"reward": result.reward, **{f"reward/{k}": v for k, v in result.per_reward.items()},
                         **result.metrics})
     columns = {k: [row[k] for row in result.rows] for k in result.rows[0]} if result.rows else {}
@@ -260,7 +262,7 @@ def champion_stage(cfg: PipelineConfig, registry: Registry, version: str, holdou
     base_name = tags.get("base_config", tags.get("base_model", cfg.model.base))
     model = cfg.model.model_copy(update={"base": base_name, "quantization": tags.get("quantization", "none")})
     path = resolve_model_task(model, cfg.data_dir / "models")
-    return evaluate_stage(cfg, path, holdout, "champion", adapter=adapter, model=model)
+    return evaluate_stage(cfg, path, holdout, "champion", adapter=adapter, model=model, label=f"champion v{version}")
 
 
 def merge_stage(cfg: PipelineConfig, model_path: str, result: TrainResult, holdout: Path, run_dir: Path,

@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
+import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 from prefect import task
 from pydantic import BaseModel
 
 from trainer.loading import load_model
-from tasks.job import model_load
+from tasks.job import _duration, model_load
 from trainer.rewards import completion_text, resolve_reward, resolve_rewards
 from configs.schema import EvalConfig, ModelConfig
 
@@ -165,20 +168,98 @@ def render(tokenizer, prompts: list) -> list[str]:
     return [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
 
 
+class EvalProgress:
+    """Plain progress lines for a log that is not a terminal (a Prefect worker's, a CI job's), where a bar's
+    every redraw would be one more line: one at each tenth of the prompts, with the rate and the time left.
+
+    >>> clock = iter([0.0, 10.0, 15.0, 40.0]).__next__
+    >>> p = EvalProgress("evaluating base", total=40, clock=clock)
+    >>> p.advance(4)
+    'evaluating base: 4/40 (10%), 0.40 prompts/s, ETA 1m 30s'
+    >>> p.advance(2) is None  # still within the second tenth
+    True
+    >>> p.advance(34)
+    'evaluating base: 40/40 (100%), 1.00 prompts/s, done in 40s'
+    """
+
+    def __init__(self, label: str, total: int, clock: Callable[[], float] | None = None):
+        self.label, self.total = label, total
+        self.clock = clock or time.monotonic
+        self.started = self.clock()
+        self.done = self.tenths = 0
+
+    def advance(self, n: int) -> str | None:
+        self.done += n
+        now = self.clock()
+        tenths = self.done * 10 // self.total
+        if tenths <= self.tenths:
+            return None
+        self.tenths = tenths
+        rate = self.done / (now - self.started) if now > self.started else 0.0
+        left = (f"done in {_duration(now - self.started)}" if self.done >= self.total
+                else f"ETA {_duration((self.total - self.done) / rate)}" if rate else "ETA --")
+        return f"{self.label}: {self.done}/{self.total} ({self.done / self.total:.0%}), {rate:.2f} prompts/s, {left}"
+
+
+def eval_bar(label: str, total: int, console=None, get_time: Callable[[], float] | None = None):
+    """A rich bar for a terminal, with the count, the time spent and the time left, and its task id.
+
+    rich estimates the speed over the last 30 s by default: with a batch slower than that it holds one
+    sample and shows the time left as -:--:--, so the whole run's average is used; a first sample at zero
+    makes it known after the first batch."""
+    from rich.console import Console
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                               TimeRemainingColumn)
+
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        TextColumn("ETA"), TimeRemainingColumn(), console=console or Console(stderr=True),
+                        transient=True, speed_estimate_period=7 * 24 * 3600, get_time=get_time)
+    task_id = progress.add_task(label, total=total)
+    progress.advance(task_id, 0)
+    return progress, task_id
+
+
+def _log_line(line: str) -> None:
+    """Into the Prefect run's log when there is one (the UI and the worker's output show it), else stderr."""
+    from prefect.exceptions import MissingContextError
+    from prefect.logging import get_run_logger
+
+    try:
+        get_run_logger().info(line)
+    except MissingContextError:
+        print(line, file=sys.stderr, flush=True)
+
+
+@contextmanager
+def progress(label: str, total: int) -> Iterator[Callable[[int], None]]:
+    """`advance(n)` for n more prompts done: a bar on a terminal (stderr, where rich draws), plain lines
+    otherwise."""
+    if sys.stderr.isatty():
+        bar, task_id = eval_bar(label, total)
+        with bar:
+            yield lambda n: bar.advance(task_id, n)
+    else:
+        lines = EvalProgress(label, total)
+
+        def advance(n: int) -> None:
+            if line := lines.advance(n):
+                _log_line(line)
+
+        yield advance
+
+
 def generate(
     model, tokenizer, prompts: list, max_new_tokens: int, batch_size: int, label: str = ""
 ) -> tuple[list[str], list[int]]:
-    """Greedy completions for chat prompts and their lengths in tokens, in batches, with a progress bar."""
+    """Greedy completions for chat prompts and their lengths in tokens, in batches, with progress shown as
+    "evaluating <label>"."""
     import torch
-    from rich.console import Console
-    from rich.progress import Progress
 
     tokenizer.padding_side = "left"  # decoder-only models continue from the right edge
     texts = render(tokenizer, prompts)
     out: list[str] = []
     lengths: list[int] = []
-    with Progress(console=Console(stderr=True), transient=True) as progress, torch.inference_mode():
-        bar = progress.add_task(f"evaluating {label}".strip(), total=len(texts))
+    with progress(f"evaluating {label}".strip(), len(texts)) as advance, torch.inference_mode():
         for start in range(0, len(texts), batch_size):
             batch = tokenizer(texts[start : start + batch_size], return_tensors="pt", padding=True, add_special_tokens=False)
             generated = model.generate(
@@ -187,7 +268,7 @@ def generate(
             new_tokens = generated[:, batch["input_ids"].shape[1] :]
             out += tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
             lengths += (new_tokens != tokenizer.pad_token_id).sum(dim=1).tolist()
-            progress.advance(bar, len(batch["input_ids"]))
+            advance(len(batch["input_ids"]))
     return out, lengths
 
 
@@ -268,12 +349,14 @@ def generate_vllm(
         max_lora_rank=next(r for r in VLLM_LORA_RANKS if r >= rank),
     )
     lora = LoRARequest("candidate", 1, adapter) if adapter else None
-    greedy = llm.generate(texts, SamplingParams(temperature=0.0, max_tokens=cfg.max_new_tokens), lora_request=lora)
+    bars = sys.stderr.isatty()  # vLLM's tqdm, only where a person sees it
+    greedy = llm.generate(texts, SamplingParams(temperature=0.0, max_tokens=cfg.max_new_tokens), lora_request=lora,
+                          use_tqdm=bars)
     samples: list[list[str]] = []
     if cfg.samples_k:
         params = SamplingParams(n=cfg.samples_k, temperature=cfg.temperature, seed=cfg.seed,
                                 max_tokens=cfg.max_new_tokens)
-        samples = [[c.text for c in o.outputs] for o in llm.generate(texts, params, lora_request=lora)]
+        samples = [[c.text for c in o.outputs] for o in llm.generate(texts, params, lora_request=lora, use_tqdm=bars)]
     return [o.outputs[0].text for o in greedy], [len(o.outputs[0].token_ids) for o in greedy], samples
 
 
@@ -285,11 +368,18 @@ def evaluate_model(
     cfg: EvalConfig,
     adapter: str | None = None,
     weights: Sequence[float] | None = None,
+    label: str | None = None,
 ) -> EvalResult:
     """Load a base model (plus an adapter when given) and score it on a holdout file.
 
-    `weights`: the training's reward weights (TRL's `reward_weights`, in reward order) for the total."""
+    `weights`: the training's reward weights (TRL's `reward_weights`, in reward order) for the total.
+    `label`: the model, as progress names it ("evaluating champion v3"); else candidate or base."""
     rows = read_jsonl(holdout)
+    label = label or ("candidate" if adapter else "base")
+    if not sys.stderr.isatty():  # a log, not a person: no model-loading bars
+        from trainer.callbacks import hide_library_bars
+
+        hide_library_bars()
     use_vllm = cfg.engine == "vllm" or (cfg.engine == "auto" and vllm_usable())
     if use_vllm:
         if not vllm_usable():
@@ -305,7 +395,7 @@ def evaluate_model(
         model.eval()
         completions, lengths = generate(
             model, tokenizer, [r["prompt"] for r in rows], cfg.max_new_tokens, cfg.batch_size,
-            label="candidate" if adapter else "base",
+            label=label,
         )
     result = score(rows, [completion_text(c) for c in completions], rewards, lengths, weights=weights,
                    extra=[r for r in (cfg.accuracy_reward, cfg.format_reward) if r],

@@ -4,13 +4,12 @@ the job's own settings must pass before any work is done. Launching it is infra'
 from __future__ import annotations
 
 import ast
-import math
 import time
 from pathlib import Path
 
 from configs.schema import ConfigError, ModelConfig, TrainConfig
 from trainer.checkpoints import open_store
-from trainer.spec import JobSpec, ModelLoad, TrainSettings, parse_progress
+from trainer.spec import JobSpec, ModelLoad, TrainSettings
 
 DATA_COLUMNS = ("prompt", "answer", "key")  # what every row of the data stage's splits holds (tasks.data)
 SHOWN_METRICS = ("reward", "reward_std", "loss", "completions/mean_length", "step_time")
@@ -127,51 +126,49 @@ def _duration(seconds: float) -> str:
 class TrainProgress:
     """Step x/N, steps per second and time left, from the trainer's per-step log lines.
 
-    HF prints one log dict every `logging_steps` steps without the step number, so steps are counted from
-    the lines (a dict's own `step`, or a validation report's, is taken when present); the rate is measured
-    from the first step seen in this process, so model loading does not count against it.
+    Each line names its global step and max_steps (`trainer.callbacks.StepLog`), so progress is right after
+    a resume and with any `logging_steps`. The rate is measured from the first step seen since the trainer
+    last (re)started, so model loading and the steps a relaunch recomputes do not count against it.
 
-    >>> clock = iter([100.0, 110.0, 120.0]).__next__
-    >>> p = TrainProgress(max_steps=4, logging_steps=1, clock=clock)
-    >>> p.update("{'loss': 0.1, 'reward': 0.5}")
+    >>> clock = iter([100.0, 110.0, 300.0, 310.0]).__next__
+    >>> p = TrainProgress(clock=clock)
+    >>> p.update("{'loss': 0.1, 'reward': 0.5, 'step': 1, 'max_steps': 4}")
     'step 1/4 (25%), ETA --  reward=0.5 loss=0.1'
-    >>> p.update("{'loss': 0.1, 'reward': 0.75}")
+    >>> p.update("{'loss': 0.1, 'reward': 0.75, 'step': 2, 'max_steps': 4}")
     'step 2/4 (50%), 0.10 steps/s, ETA 20s  reward=0.75 loss=0.1'
     >>> p.update("loading weights") is None
     True
+
+    Killed after step 2, relaunched from checkpoint 1: step 2 again, with a fresh rate.
+
+    >>> p.update("{'loss': 0.1, 'reward': 0.5, 'step': 2, 'max_steps': 4}")
+    'step 2/4 (50%), ETA --  reward=0.5 loss=0.1'
+    >>> p.update("{'loss': 0.1, 'reward': 0.5, 'step': 3, 'max_steps': 4}")
+    'step 3/4 (75%), 0.10 steps/s, ETA 10s  reward=0.5 loss=0.1'
     """
 
-    def __init__(self, max_steps: int | None, logging_steps: float = 1, clock=None):
-        self.max_steps = max_steps if max_steps and max_steps > 0 else None
-        # HF reads a logging_steps below 1 as a fraction of max_steps
-        if logging_steps < 1 and self.max_steps:
-            logging_steps = math.ceil(logging_steps * self.max_steps)
-        self.every = max(int(logging_steps), 1)
+    def __init__(self, clock=None):
         self.clock = clock or time.monotonic
         self.step = 0
         self.first: tuple[int, float] | None = None
 
     def update(self, line: str) -> str | None:
         """The progress line for a step's log line; None for any other output."""
-        if report := parse_progress(line):  # a validation report names its step: resynchronise
-            self.step = int(report["step"])
-            return None
         logs = _log_dict(line)
-        if logs is None or not _is_step_log(logs):
+        if logs is None or not _is_step_log(logs) or not isinstance(logs.get("step"), int):
             return None
-        self.step = int(logs["step"]) if isinstance(logs.get("step"), int) else self.step + self.every
-        if self.max_steps:
-            self.step = min(self.step, self.max_steps)
         now = self.clock()
-        if self.first is None:
-            self.first = (self.step, now)
-        return f"{self._position(now)}  {summarize_log_line(line)}"
+        if self.first is None or logs["step"] <= self.step:  # the first step seen, or a relaunch resumed earlier
+            self.first = (logs["step"], now)
+        self.step = logs["step"]
+        return f"{self._position(logs.get('max_steps'), now)}  {summarize_log_line(line)}"
 
-    def _position(self, now: float) -> str:
-        total = f"/{self.max_steps} ({self.step / self.max_steps:.0%})" if self.max_steps else ""
+    def _position(self, max_steps, now: float) -> str:
+        known = isinstance(max_steps, int) and max_steps > 0
+        total = f"/{max_steps} ({self.step / max_steps:.0%})" if known else ""
         first_step, first_time = self.first
         if self.step <= first_step or now <= first_time:
             return f"step {self.step}{total}, ETA --"
         rate = (self.step - first_step) / (now - first_time)
-        eta = f", ETA {_duration((self.max_steps - self.step) / rate)}" if self.max_steps else ""
+        eta = f", ETA {_duration((max_steps - self.step) / rate)}" if known else ""
         return f"step {self.step}{total}, {rate:.2f} steps/s{eta}"

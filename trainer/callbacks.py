@@ -1,5 +1,6 @@
-"""Trainer callbacks: push each checkpoint to the store in the background, stop cleanly on SIGTERM, and
-report validation rewards on stdout for a parent that prunes on them (hyperparameter search).
+"""Trainer callbacks: push each checkpoint to the store in the background, stop cleanly on SIGTERM,
+report validation rewards on stdout for a parent that prunes on them (hyperparameter search), and print
+each log as one line with its step for a parent that shows progress (`tasks.job.TrainProgress`).
 
 With several ranks, every rank runs these callbacks at the same points (HF calls them on each process), so
 their collectives line up: the checkpoint's files are gathered to rank 0, which alone uploads, and the
@@ -8,14 +9,16 @@ decision to stop after a SIGTERM is taken by all ranks together."""
 from __future__ import annotations
 
 import logging
+import math
 import os
 import shutil
 import signal
+import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from transformers import TrainerCallback
+from transformers import PrinterCallback, ProgressCallback, TrainerCallback
 
 from trainer.checkpoints import Store, checkpoint_name, prune
 from trainer.distributed import Ranks
@@ -151,3 +154,64 @@ class ReportValidation(TrainerCallback):
         if state.is_world_process_zero and metrics and "eval_reward" in metrics:
             # flushed: stdout is a pipe
             print(progress_line(state.global_step, float(metrics["eval_reward"])), flush=True)
+
+
+def step_log_line(logs: dict, step: int, max_steps: int) -> str:
+    """One HF log as HF's own printer writes it (a Python dict: `tasks.job` reads it back with
+    `ast.literal_eval`), with the global step and max_steps added; a non-finite value is written as a string,
+    which literal_eval reads (a bare `nan` it cannot).
+
+    >>> step_log_line({"loss": float("nan"), "reward": 0.5, "total_flos": 9.0}, 12, 40)
+    "{'loss': 'nan', 'reward': 0.5, 'step': 12, 'max_steps': 40}"
+    """
+    shown = {k: str(v) if isinstance(v, float) and not math.isfinite(v) else v
+             for k, v in logs.items() if k != "total_flos"}  # total_flos: HF's printer drops it too
+    return str({**shown, "step": step, "max_steps": max_steps})
+
+
+class StepLog(TrainerCallback):
+    """Print each log (one per `logging_steps`, plus evaluations and the final summary) as one line on
+    stdout, on the main process only, with the global step and max_steps: a parent cannot count steps from
+    lines after a resume or a lost line. It stands in for HF's own printing (`print_logs_once`)."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if state.is_world_process_zero and logs:
+            from tqdm.auto import tqdm
+
+            # tqdm.write: above the bar on a terminal, a plain line otherwise; flushed, since stdout is a pipe
+            tqdm.write(step_log_line(logs, state.global_step, state.max_steps), file=sys.stdout)
+            sys.stdout.flush()
+
+
+class BarWithoutLogs(ProgressCallback):
+    """HF's tqdm bar, without its copy of each log."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        pass
+
+
+def print_logs_once(trainer) -> None:
+    """Make StepLog the one printer of each log: HF prints it too, with PrinterCallback (no tqdm) or inside
+    its tqdm bar (ProgressCallback), and on every node's local rank 0."""
+    trainer.remove_callback(PrinterCallback)
+    if trainer.pop_callback(ProgressCallback):
+        trainer.add_callback(BarWithoutLogs)
+    trainer.add_callback(StepLog)
+
+
+def interactive() -> bool:
+    """Whether progress bars reach a person: tqdm and rich draw on stderr, and in a log (a launcher's pipe,
+    a Prefect worker's, SkyPilot's) every redraw is one more garbled line."""
+    return sys.stderr.isatty()
+
+
+def hide_library_bars() -> None:
+    """No tqdm bars from the libraries that load models and data (datasets' splits and maps, checkpoint
+    shards, hub downloads): for a log that is not a terminal."""
+    import datasets
+    import huggingface_hub.utils
+    import transformers.utils.logging
+
+    datasets.disable_progress_bars()
+    huggingface_hub.utils.disable_progress_bars()
+    transformers.utils.logging.disable_progress_bar()

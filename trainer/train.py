@@ -35,9 +35,12 @@ def grpo_args(spec: JobSpec, output_dir: Path):
     import torch
     from trl import GRPOConfig
 
+    from trainer.callbacks import interactive
+
     user = dict(spec.train.grpo)
     user.setdefault("bf16", torch.cuda.is_available() and torch.cuda.is_bf16_supported())
     user.setdefault("report_to", [])  # MLflow is logged by CommittedMetrics, once per step across restarts
+    user.setdefault("disable_tqdm", not interactive())  # no bar redraws in a launcher's or a worker's log
     user.setdefault("ddp_timeout", spec.train.distributed.timeout_s)  # no collective waits longer for a lost rank
     if distributed.current().world > 1 and not torch.cuda.is_available():
         user.setdefault("use_cpu", True)  # else accelerate takes the ranks on a CPU for unconnected processes
@@ -97,7 +100,8 @@ def run(spec: JobSpec, started: float | None = None) -> TrainResult:
     from transformers import EarlyStoppingCallback
     from trl import GRPOTrainer
 
-    from trainer.callbacks import CheckpointSync, FirstStepTimer, ReportValidation, StopOnSigterm
+    from trainer.callbacks import (CheckpointSync, FirstStepTimer, ReportValidation, StopOnSigterm, hide_library_bars,
+                                   print_logs_once)
     from trainer.loading import load_model
     from trainer.rewards import resolve_reward
 
@@ -122,6 +126,8 @@ def run(spec: JobSpec, started: float | None = None) -> TrainResult:
     _same_resume_point(ranks, resume)
 
     args = grpo_args(spec, work / "hf")
+    if args.disable_tqdm:  # nor the bars of loading the model and the data
+        hide_library_bars()
     model, tokenizer = load_model(spec.model_path, spec.model)
     train_ds = load_dataset("json", data_files=spec.train_file, split="train")
     val_ds = load_dataset("json", data_files=spec.val_file, split="train") if spec.val_file else None
@@ -143,6 +149,7 @@ def run(spec: JobSpec, started: float | None = None) -> TrainResult:
         peft_config=LoraConfig(task_type="CAUSAL_LM", **spec.train.lora),
         callbacks=callbacks,
     )
+    print_logs_once(trainer)  # one line per log, with its step, for the parent's progress
     output = trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     sync.wait()  # the newest checkpoint must be in the store before we report or exit
 

@@ -1,6 +1,7 @@
 """The trainer on a tiny random Llama: real GRPO steps, real checkpoints, real process kills."""
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import pytest
 
 from trainer.checkpoints import FINAL, MANIFEST, LocalStore
 from trainer.spec import JobSpec, TrainResult
-from tasks.job import model_load, train_settings
+from tasks.job import TrainProgress, model_load, train_settings
 
 pytestmark = pytest.mark.integration
 
@@ -79,6 +80,10 @@ def test_sigkill_then_rerun_resumes_from_the_last_complete_checkpoint(tmp_path, 
     result = TrainResult.model_validate_json((tmp_path / "work" / "result.json").read_text())
     assert result.resumed_from_step == steps[-1]
     assert result.global_step == 40
+    # the parent's progress, from the relaunch's own lines: from the resumed step on, each step once, no bars
+    shown = [line for line in map(TrainProgress().update, out.splitlines()) if line]
+    assert [int(re.match(r"step (\d+)/40 ", line)[1]) for line in shown] == list(range(steps[-1] + 1, 41)), shown[:3]
+    assert "%|" not in out, out[-3000:]
     state = json.loads((tmp_path / "ckpt" / "checkpoint-40" / "trainer_state.json").read_text())
     assert state["global_step"] == 40
 

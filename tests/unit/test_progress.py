@@ -1,0 +1,112 @@
+"""What users see while a run works: the trainer's one line per log, the parent's step x/N with the time
+left, and evaluation progress with a total and an ETA. Clocks are injected; HF's own callback machinery is
+real (no model needed)."""
+
+import io
+import os
+
+import pytest
+
+from tasks.evaluate import EvalProgress, eval_bar
+from tasks.job import TrainProgress
+from trainer.callbacks import print_logs_once, step_log_line
+
+
+class Clock:
+    def __init__(self, now: float = 0.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_progress_reads_the_step_the_trainer_prints_not_a_count_of_lines():
+    clock = Clock(1000.0)
+    progress = TrainProgress(clock=clock)
+    # logging_steps=10, resumed from checkpoint 20: the first line this process sees is step 30
+    assert progress.update(step_log_line({"loss": 0.1, "reward": 0.5}, 30, 100)).startswith("step 30/100 (30%), ETA --")
+    clock.now += 50.0
+    line = progress.update("(grpo-train, pid=7) " + step_log_line({"loss": 0.1, "reward": 0.6}, 40, 100))  # SkyPilot's prefix
+    assert line.startswith("step 40/100 (40%), 0.20 steps/s, ETA 5m 0s"), line
+
+
+def test_a_non_finite_value_does_not_lose_the_step():
+    line = step_log_line({"loss": float("nan"), "reward": float("inf"), "grad_norm": 1.5}, 3, 8)
+    assert TrainProgress(clock=Clock()).update(line).startswith("step 3/8 (38%)")
+
+
+def test_evaluation_and_summary_logs_are_not_steps():
+    progress = TrainProgress(clock=Clock())
+    assert progress.update(step_log_line({"eval_reward": 0.4, "eval_loss": 0.1}, 5, 8)) is None
+    assert progress.update(step_log_line({"train_runtime": 12.0, "train_loss": 0.1}, 8, 8)) is None
+
+
+@pytest.mark.parametrize("disable_tqdm", [True, False])
+def test_each_log_is_printed_once_with_its_step(tmp_path, capsys, disable_tqdm):
+    """HF prints each log itself (PrinterCallback, or its tqdm bar's copy); after print_logs_once only
+    StepLog does, through HF's real callback handler."""
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+    from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback, PrinterCallback, ProgressCallback
+
+    handler = CallbackHandler([DefaultFlowCallback, PrinterCallback if disable_tqdm else ProgressCallback],
+                              None, None, None, None)
+    print_logs_once(handler)  # the Trainer's add/pop/remove_callback are its handler's
+    args = TrainingArguments(output_dir=str(tmp_path), disable_tqdm=disable_tqdm, use_cpu=True, report_to=[])
+    state, control = TrainerState(global_step=0, max_steps=4), TrainerControl()
+    handler.on_train_begin(args, state, control)
+    for step in (1, 2):
+        state.global_step = step
+        handler.on_log(args, state, control, {"loss": 0.5, "reward": 0.25, "total_flos": 1.0})
+    handler.on_train_end(args, state, control)
+
+    logs = [line for line in capsys.readouterr().out.splitlines() if "'loss'" in line]
+    assert logs == ["{'loss': 0.5, 'reward': 0.25, 'step': 1, 'max_steps': 4}",
+                    "{'loss': 0.5, 'reward': 0.25, 'step': 2, 'max_steps': 4}"]
+
+
+def test_tqdm_is_off_in_a_log_and_on_at_a_terminal_unless_the_user_says(tmp_path, monkeypatch, tiny_config):
+    from tasks.job import model_load, train_settings
+    from trainer.spec import JobSpec
+    from trainer.train import grpo_args
+
+    def args(*overrides):
+        cfg = tiny_config(*overrides)
+        spec = JobSpec(model_path="unused", model=model_load(cfg.model), train=train_settings(cfg.train),
+                       train_file="unused", work_dir=str(tmp_path), checkpoint_uri=str(tmp_path), adapter_dir=str(tmp_path))
+        return grpo_args(spec, tmp_path)
+
+    monkeypatch.setattr("sys.stderr", io.StringIO())  # a pipe or a file
+    assert args().disable_tqdm is True
+    assert args("train.grpo.disable_tqdm=false").disable_tqdm is False
+    primary, secondary = os.openpty()  # a real terminal
+    with open(secondary, "w") as terminal:
+        monkeypatch.setattr("sys.stderr", terminal)
+        assert args().disable_tqdm is False
+        assert args("train.grpo.disable_tqdm=true").disable_tqdm is True
+    os.close(primary)
+
+
+def test_evaluation_lines_come_at_each_tenth_with_the_time_left():
+    clock = Clock()
+    progress = EvalProgress("evaluating champion v3", total=100, clock=clock)
+    lines = []
+    for _ in range(25):  # batches of 4 prompts, 2 s each
+        clock.now += 2.0
+        lines.append(progress.advance(4))
+    shown = [line for line in lines if line]
+    assert len(shown) == 10
+    assert shown[0] == "evaluating champion v3: 12/100 (12%), 2.00 prompts/s, ETA 44s"
+    assert shown[-1] == "evaluating champion v3: 100/100 (100%), 2.00 prompts/s, done in 50s"
+
+
+def test_the_bar_has_a_total_and_knows_the_time_left_after_one_slow_batch():
+    """rich's default speed window (30 s) holds no rate when a batch takes longer: ETA -:--:--."""
+    from rich.console import Console
+
+    clock = Clock(500.0)
+    bar, task_id = eval_bar("evaluating base", 32, console=Console(file=io.StringIO()), get_time=clock)
+    clock.now += 40.0  # one batch of 8 prompts on a slow CPU
+    bar.advance(task_id, 8)
+    task = bar.tasks[0]
+    assert (task.description, task.total) == ("evaluating base", 32)
+    assert task.time_remaining == pytest.approx(120.0)
