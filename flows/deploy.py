@@ -7,25 +7,24 @@
 Steps: check the configuration and the server; create the work pool when missing (a process pool);
 apply the schedule, configuration and pool to prefect.yaml (`render`, a pure function) and hand the result
 to Prefect's own `prefect deploy --all`; then point a failure automation at the notification block. The
-schedule, pool and block come from the config's `deploy` section, and the options override it.
+schedule, pool and block come from the config's `deploy` section, and the options override it. The command
+itself (its options, its one way of failing) is in grpo_pipeline/cli.py.
 """
 
 from __future__ import annotations
 
 import copy
-import json
 import os
 import subprocess
 import sys
 from datetime import timedelta
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Any
 
-import typer
 import yaml
 
 from configs.files import packaged
-from configs.schema import ConfigError, DeployConfig, load_config
+from configs.schema import ConfigError, DeployConfig
 
 PREFECT_YAML = packaged("prefect.yaml", "flows")
 # The folder holding the project's packages (the checkout; site-packages when installed without -e):
@@ -37,7 +36,6 @@ DAILY, MANUAL, CI = "daily-retrain", "manual", "ci"
 IMAGE_WORKDIR = "/opt/grpo"  # where infra/docker/Dockerfile puts the project
 AUTOMATION = "grpo-pipeline-failed"
 FAILED_EVENTS = {"prefect.flow-run.Failed", "prefect.flow-run.Crashed", "prefect.flow-run.TimedOut"}
-EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
 
 
 class DeployError(RuntimeError):
@@ -118,7 +116,9 @@ def check_server() -> str:
         with urllib.request.urlopen(f"{url.rstrip('/')}/health", timeout=10) as response:
             response.read()
     except OSError as exc:
-        raise ConfigError(f"the Prefect server at PREFECT_API_URL={url} does not answer ({exc}); is it running?")
+        raise ConfigError(f"the Prefect server at PREFECT_API_URL={url} does not answer ({getattr(exc, 'reason', exc)}); "
+                          "start it (`grpo-pipeline stack up`, or docker compose up) or point PREFECT_API_URL at "
+                          "a server that runs") from None
     return url
 
 
@@ -218,42 +218,28 @@ def ensure_failure_automation(block: str) -> str:
     return str(automation.id)
 
 
-def deploy(
-    config: Annotated[Optional[Path], typer.Option("--config", "-c", help="pipeline YAML the deployments run; default: prefect.yaml's")] = None,
-    overrides: Annotated[Optional[list[str]], typer.Option("--set", help="override for the runs and the deploy section (repeatable)")] = None,
-    schedule_hour: Annotated[Optional[int], typer.Option(help="hour of the daily run, 0-23 (default: deploy.schedule_hour, 3)")] = None,
-    timezone: Annotated[Optional[str], typer.Option(help="IANA time zone of the daily run (default: deploy.timezone, UTC)")] = None,
-    pool: Annotated[Optional[str], typer.Option("--pool", help="work pool (default: deploy.work_pool, grpo-process)")] = None,
-    image: Annotated[Optional[str], typer.Option(help="image for a Docker or Kubernetes pool")] = None,
-    notify_block: Annotated[Optional[str], typer.Option(help="notification block 'type/name' told of failed runs")] = None,
-) -> None:
-    """Register the daily-retrain, manual and ci deployments on the Prefect server (PREFECT_API_URL)."""
-    err = lambda message: print(message, file=sys.stderr)  # noqa: E731 - stdout carries the JSON summary
-    try:
-        cfg = load_config(config, overrides or [])
-        options = {"schedule_hour": schedule_hour, "timezone": timezone, "work_pool": pool, "image": image,
-                   "notify_block": notify_block}
-        settings = DeployConfig.model_validate(cfg.deploy.model_dump() | {k: v for k, v in options.items() if v is not None})
-        check_server()
-        pool_type = ensure_work_pool(settings.work_pool)
-        spec = render(yaml.safe_load(PREFECT_YAML.read_text()), settings,
-                      project_path(config) if config else None, list(overrides or []), pool_type,
-                      budget_usd=cfg.plan.budget_usd)
-        register(spec, cfg.data_dir / "deploy")
-        summary = {"deployments": deployments_summary(), "work_pool": {"name": settings.work_pool, "type": pool_type}}
-        if settings.notify_block:
-            summary["failure_automation"] = {"id": ensure_failure_automation(settings.notify_block),
-                                             "block": settings.notify_block}
-        else:
-            err("no notify block: failed runs notify no one (see README, Operations, to add one)")
-    except ConfigError as exc:
-        err(str(exc))
-        raise typer.Exit(EXIT_CONFIG) from None
-    except ValueError as exc:  # pydantic's check of the merged options
-        err(f"invalid deploy option: {exc}")
-        raise typer.Exit(EXIT_CONFIG) from None
-    except DeployError as exc:
-        err(str(exc))
-        raise typer.Exit(EXIT_FAILED) from None
-    print(json.dumps(summary, indent=2))
-    err(f"start a worker to run them:  prefect worker start --pool {settings.work_pool}")
+def settings_for(cfg, **options: Any) -> DeployConfig:
+    """The config's `deploy` section with the options that were given (not None) over it; a bad value raises
+    pydantic's ValidationError, which names the field."""
+    given = {k: v for k, v in options.items() if v is not None}
+    return DeployConfig.model_validate(cfg.deploy.model_dump() | given)
+
+
+def deploy(cfg, settings: DeployConfig, config_path: Path | None, overrides: list[str]) -> dict[str, Any]:
+    """Register the daily-retrain, manual and ci deployments on the Prefect server PREFECT_API_URL names, and
+    the failure automation when `settings.notify_block` is set; returns what the server now holds.
+
+    Raises ConfigError for what the user fixes (no server, no such notification block) and DeployError when
+    Prefect's own `prefect deploy` fails."""
+    check_server()
+    pool_type = ensure_work_pool(settings.work_pool)
+    spec = render(yaml.safe_load(PREFECT_YAML.read_text()), settings,
+                  project_path(config_path) if config_path else None, overrides, pool_type,
+                  budget_usd=cfg.plan.budget_usd)
+    register(spec, cfg.data_dir / "deploy")
+    summary: dict[str, Any] = {"deployments": deployments_summary(),
+                               "work_pool": {"name": settings.work_pool, "type": pool_type}}
+    if settings.notify_block:
+        summary["failure_automation"] = {"id": ensure_failure_automation(settings.notify_block),
+                                         "block": settings.notify_block}
+    return summary

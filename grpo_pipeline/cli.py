@@ -5,10 +5,11 @@ Exit codes (for CI): 0 completed; 1 the pipeline failed; 2 the configuration or 
 3 the candidate was not promoted and --fail-on-reject was given; 4 the champion moved while the run was
 deciding (another run promoted first): nothing was moved, run again.
 
-Every command fails the same way (`_fail`): one paragraph on stderr that names the field or resource, what
-was found and the fix, and with --json the failure object {"status": "failed", "error", "exit_code"} as the
-last line of stdout. `run` and `hpo` run the preflight checks before the flow starts, so a refused input
-leaves no failed flow run behind.
+Every command (`stack`, `deploy` and `rewards` included) fails the same way (`_fail`, grpo_pipeline/failure.py):
+one paragraph on stderr that names the field or resource, what was found and the fix, and with --json (and
+from `deploy`, whose stdout is JSON) the failure object {"status": "failed", "error", "exit_code"} as the last
+line of stdout. `run` and `hpo` run the preflight checks before the flow starts, so a refused input leaves no
+failed flow run behind; `stack up` checks its ports before it starts anything.
 """
 
 from __future__ import annotations
@@ -18,20 +19,21 @@ import os
 import sys
 import traceback
 from pathlib import Path
-from typing import Annotated, NoReturn, Optional
+from typing import Annotated, Optional
 
 import typer
+from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
 from configs.files import packaged, recipe
 from configs.schema import ConfigError, load_config
+from grpo_pipeline.failure import err, fail as _fail, options_error
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_REJECTED, EXIT_CHAMPION_MOVED = 0, 1, 2, 3, 4
 DEFAULT_CONFIG = packaged("demo-cpu.yaml")  # the CPU demo, from the installed package
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="GRPO fine-tuning pipeline.")
-err = Console(stderr=True, soft_wrap=True)
 
 ConfigOpt = Annotated[
     Optional[Path], typer.Option("--config", "-c", help="pipeline YAML; default: configs/demo-cpu.yaml")
@@ -48,14 +50,20 @@ def _config_path(config: Path | None) -> Path:
 
 def _load(config: Path | None, overrides: list[str] | None, as_json: bool = False):
     path = _config_path(config)
+    return path, _load_path(path, overrides, as_json)
+
+
+def _load_path(path: Path | None, overrides: list[str] | None, as_json: bool):
+    """The configuration at `path` (None: the defaults alone) with the --set overrides, or the failure naming
+    the file or the --set to blame."""
     overrides = list(overrides or [])
     try:
-        return path, load_config(path, overrides)
+        return load_config(path, overrides)
     except ConfigError as exc:
         _fail(as_json, _blame(path, overrides, exc), EXIT_CONFIG)
 
 
-def _blame(path: Path, overrides: list[str], exc: Exception) -> str:
+def _blame(path: Path | None, overrides: list[str], exc: Exception) -> str:
     """A configuration error told against its cause: the file, or the --set that made it (the loader reports
     every field as being "in" the file). A --set is to blame when the file alone loads and the file with that
     --set does not; when only several together fail (two shares adding up past 1), all are named."""
@@ -193,9 +201,12 @@ def _registry(config: Path | None, overrides: list[str] | None):
 def _registry_call(registry, action) -> None:
     """Run an alias-moving command; print every alias it moved (on both registered models), with what each
     pointed at before."""
-    from tasks.registry import RegistryError
+    from tasks.registry import CHAMPION, RegistryError
 
     try:
+        # one read first: an unreachable server fails here at once, naming its URL, instead of as a registry
+        # lock that looks held for the whole lock timeout
+        registry.version_of(CHAMPION)
         moves = action()
     except (RegistryError, *registry.errors) as exc:
         _fail(False, str(exc), EXIT_CONFIG)
@@ -281,21 +292,14 @@ def hpo(
     raise typer.Exit(EXIT_OK)
 
 
-def _fail(as_json: bool, message: str, code: int, **extra) -> NoReturn:
-    """The one way a command fails: the message on stderr (as written: no markup is read from it), and with
-    --json the failure object, `extra` fields included, as the last line of stdout."""
-    if as_json:
-        print(json.dumps({"status": "failed", "error": message, "exit_code": code, **extra}), flush=True)
-    err.print(message, style="red", markup=False, highlight=False)
-    raise typer.Exit(code)
-
-
 from tasks import plan as planner  # noqa: E402 - pure Python (no torch, transformers or Prefect): its fields are the options
 
 WORK = planner.Workload.model_fields  # each workload option below is a Workload field: its default, its help
+PLAN_FLAGS: dict[str, str] = {}  # Workload field -> the option that sets it, to name it in an error
 
 
 def _work(field: str, *flags: str):
+    PLAN_FLAGS[field] = flags[0] if flags else f"--{field.replace('_', '-')}"
     return typer.Option(*flags, help=WORK[field].description)
 
 
@@ -329,7 +333,7 @@ def plan_cmd(
     work_options = {k: v for k, v in locals().items() if k in WORK and k != "model"}
     try:
         if model is None:
-            _, cfg = _load(config, overrides)
+            _, cfg = _load(config, overrides, as_json)
             result = planner.plan_stage(cfg)
             budget = cfg.plan.budget_usd if budget is None else budget
         else:
@@ -337,19 +341,23 @@ def plan_cmd(
             work = planner.Workload(model=name, **work_options)
             result = planner.make_plan(model_config, work, planner.load_catalog(catalog), spot=spot,
                                        allowed=gpus.split(",") if gpus else None, assumptions=planner.Assumptions(mfu=mfu))
-    except (ConfigError, ValueError) as exc:  # PlanError and pydantic's ValidationError included
-        err.print(f"[red]{exc}")
-        raise typer.Exit(EXIT_CONFIG) from None
+    except ValidationError as exc:  # a workload option out of range or not one of its choices
+        _fail(as_json, options_error(exc, PLAN_FLAGS), EXIT_CONFIG)
+    except (ConfigError, ValueError) as exc:  # PlanError included
+        _fail(as_json, str(exc), EXIT_CONFIG)
+    try:
+        planner.check_budget(result, budget)
+    except planner.BudgetExceeded as exc:
+        # with --json the refusal is the last line, carrying the plan that was refused; else the tables first
+        if not as_json:
+            for table in planner.plan_tables(result):
+                Console().print(table)
+        _fail(as_json, str(exc), EXIT_CONFIG, plan=result.report())
     if as_json:
         print(json.dumps(result.report(), indent=2))
     else:
         for table in planner.plan_tables(result):
             Console().print(table)
-    try:
-        planner.check_budget(result, budget)
-    except planner.BudgetExceeded as exc:
-        err.print(f"[red]{exc}")
-        raise typer.Exit(EXIT_CONFIG) from None
 
 
 @app.command("data")
@@ -413,13 +421,120 @@ def show_config(config: ConfigOpt = None, overrides: SetOpt = None) -> None:
     print(cfg.model_dump_json(indent=2))
 
 
-from flows.deploy import deploy as deploy_command  # noqa: E402 - light: Prefect is imported when it runs
-from infra.stack import cli as stack_cli  # noqa: E402 - light: typer and the service helpers
+@app.command("deploy")
+def deploy_cmd(
+    config: Annotated[Optional[Path], typer.Option("--config", "-c", help="pipeline YAML the deployments run; default: prefect.yaml's")] = None,
+    overrides: Annotated[Optional[list[str]], typer.Option("--set", help="override for the runs and the deploy section (repeatable)")] = None,
+    schedule_hour: Annotated[Optional[int], typer.Option(help="hour of the daily run, 0-23 (default: deploy.schedule_hour, 3)")] = None,
+    timezone: Annotated[Optional[str], typer.Option(help="IANA time zone of the daily run (default: deploy.timezone, UTC)")] = None,
+    pool: Annotated[Optional[str], typer.Option("--pool", help="work pool (default: deploy.work_pool, grpo-process)")] = None,
+    image: Annotated[Optional[str], typer.Option(help="image for a Docker or Kubernetes pool")] = None,
+    notify_block: Annotated[Optional[str], typer.Option(help="notification block 'type/name' told of failed runs")] = None,
+) -> None:
+    """Register the daily-retrain, manual and ci deployments on the Prefect server (PREFECT_API_URL); print
+    what the server holds as JSON (a failure: the failure object, as with --json elsewhere)."""
+    from flows.deploy import DeployError, deploy, settings_for
+
+    as_json = True  # stdout carries the JSON summary, so it carries the failure object too
+    overrides = list(overrides or [])
+    path = recipe(config) if config else None
+    cfg = _load_path(path, overrides, as_json)
+    try:
+        settings = settings_for(cfg, schedule_hour=schedule_hour, timezone=timezone, work_pool=pool, image=image,
+                                notify_block=notify_block)
+    except ValidationError as exc:
+        _fail(as_json, options_error(exc, DEPLOY_FLAGS), EXIT_CONFIG)
+    try:
+        summary = deploy(cfg, settings, path, overrides)
+    except ConfigError as exc:  # no server, no such notification block
+        _fail(as_json, str(exc), EXIT_CONFIG)
+    except DeployError as exc:
+        _fail(as_json, str(exc), EXIT_FAILED)
+    except Exception as exc:  # a fault talking to Prefect, not of the input: the traceback too
+        traceback.print_exc()
+        _fail(as_json, f"{type(exc).__name__}: {exc}", EXIT_FAILED)
+    if not settings.notify_block:
+        err.print("no notify block: failed runs notify no one (see README, Operations, to add one)", highlight=False)
+    print(json.dumps(summary, indent=2))
+    err.print(f"start a worker to run them:  prefect worker start --pool {settings.work_pool}", highlight=False)
+
+
+DEPLOY_FLAGS = {"schedule_hour": "--schedule-hour", "timezone": "--timezone", "work_pool": "--pool",
+                "image": "--image", "notify_block": "--notify-block"}  # deploy section field -> its option
+
+from infra.stack import DEFAULT_PORTS, DEFAULT_ROOT  # noqa: E402 - light: the service helpers, no clients
+
+stack_cli = typer.Typer(no_args_is_help=True, help="Local PostgreSQL, S3, MLflow and Prefect servers (no Docker needed).")
+RootOpt = Annotated[Path, typer.Option("--dir", help="where the stack keeps its data and state")]
+
+
+def _stack(root: Path, **ports):
+    """The stack recorded under `root`; an unreadable state file is an input error, named with its fix."""
+    from infra.services import ServiceError
+    from infra.stack import Stack
+
+    try:
+        return Stack(root, ports=ports)
+    except ServiceError as exc:
+        _fail(False, str(exc), EXIT_CONFIG)
+
+
+@stack_cli.command("up")
+def stack_up(
+    root: RootOpt = DEFAULT_ROOT,
+    s3_port: Annotated[Optional[int], typer.Option(help=f"S3 API port (default {DEFAULT_PORTS['s3']})")] = None,
+    mlflow_port: Annotated[Optional[int], typer.Option(help=f"MLflow port (default {DEFAULT_PORTS['mlflow']})")] = None,
+    prefect_port: Annotated[Optional[int], typer.Option(help=f"Prefect port (default {DEFAULT_PORTS['prefect']})")] = None,
+) -> None:
+    """Start the services that are not running. Into a pipe (`eval "$(grpo-pipeline stack up)"`) it prints the
+    environment exports; to a terminal only where things are, so the S3 secret key never lands on screen or
+    in a terminal log (`stack env` prints the exports for `eval`)."""
+    from infra.services import PortInUse, ServiceError
+    from infra.stack import exports
+
+    stack = _stack(root, s3=s3_port, mlflow=mlflow_port, prefect=prefect_port)
+    try:
+        stack.up()
+    except PortInUse as exc:  # the user's choice of port: exit 2, the message names the option
+        _fail(False, f"stack up: {exc}", EXIT_CONFIG)
+    except ServiceError as exc:  # a service did not start: the message names its log
+        _fail(False, f"stack up failed: {exc}", EXIT_FAILED)
+    env = stack.env()
+    # stdout carries only the exports, so `eval "$(...)"` works; where things are goes to stderr
+    err.print(f"MLflow UI:  {env['MLFLOW_TRACKING_URI']}\nPrefect UI: {env['PREFECT_API_URL'].removesuffix('/api')}\n"
+              f"S3 API:     {env['AWS_ENDPOINT_URL_S3']} (bucket '{stack.bucket}')\n"
+              f"Use it from a shell with:  eval \"$(grpo-pipeline stack env --dir {root})\"", markup=False, highlight=False)
+    if not sys.stdout.isatty():
+        print(exports(env))
+
+
+@stack_cli.command("env")
+def stack_env(root: RootOpt = DEFAULT_ROOT) -> None:
+    """Print the environment exports of the running stack."""
+    from infra.stack import exports
+
+    print(exports(_stack(root).env()))
+
+
+@stack_cli.command("status")
+def stack_status(root: RootOpt = DEFAULT_ROOT) -> None:
+    """Each service's health as JSON; exit 1 when any is not healthy."""
+    report = _stack(root).status()
+    print(json.dumps(report, indent=2))
+    raise typer.Exit(EXIT_OK if all(s["healthy"] for s in report.values()) else EXIT_FAILED)
+
+
+@stack_cli.command("down")
+def stack_down(root: RootOpt = DEFAULT_ROOT) -> None:
+    """Stop the services (Prefect and MLflow first, PostgreSQL last); the data stays."""
+    stopped = _stack(root).down()
+    err.print(f"stopped: {', '.join(stopped) or 'nothing was running'}", highlight=False)
+
+
 from grpo_pipeline.rewards_cli import app as rewards_cli  # noqa: E402 - light: typer and the reward registry
 
 app.add_typer(stack_cli, name="stack")
 app.add_typer(rewards_cli, name="rewards")
-app.command("deploy")(deploy_command)
 
 
 def main() -> None:  # pragma: no cover - `python -m grpo_pipeline.cli`

@@ -25,6 +25,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
+from grpo_pipeline.failure import fail as _fail  # the CLI's one way to fail
 from trainer.rewards import REWARDS, RewardError, check_columns, completion_text, describe, resolve_reward
 
 EXIT_OK, EXIT_FAILED, EXIT_INPUT = 0, 1, 2
@@ -32,15 +33,6 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON on stdout")]
 
 app = typer.Typer(add_completion=False, invoke_without_command=True,
                   help="The reward registry; `rewards check` scores a file of completions with one reward.")
-err = Console(stderr=True, soft_wrap=True)
-
-
-def _fail(as_json: bool, message: str, code: int) -> None:
-    if as_json:
-        print(json.dumps({"status": "failed", "error": message, "exit_code": code}))
-    else:
-        err.print(f"[red]{message}")
-    raise typer.Exit(code)
 
 
 @app.callback()

@@ -85,6 +85,18 @@ def port_is_free(port: int) -> bool:
             return False
 
 
+def check_port(service: str, port: int) -> None:
+    """PortInUse, naming the `grpo-pipeline stack up` option that picks another, when the port a service
+    (s3, mlflow, prefect) is to listen on is taken; SeaweedFS's S3 port needs its gRPC port (+10000) too."""
+    if service == "s3":
+        if not (port_is_free(port) and port_is_free(port + GRPC_OFFSET)):
+            raise PortInUse(f"S3 port {port} (or its gRPC port {port + GRPC_OFFSET}) is in use or out of range; "
+                            "choose another with --s3-port (below 55536) or stop what listens there")
+    elif not port_is_free(port):
+        label = {"mlflow": "MLflow", "prefect": "Prefect"}[service]
+        raise PortInUse(f"{label} port {port} is in use; choose another with --{service}-port or stop what listens there")
+
+
 def _free_port_pair() -> int:
     """A port p with p and p + 10000 both free (SeaweedFS's gRPC convention)."""
     for _ in range(200):
@@ -199,8 +211,7 @@ def start_seaweedfs(workdir: Path, bucket: str, access_key: str, secret_key: str
     for name in WEED_PORTS:
         if name not in ports or not (port_is_free(ports[name]) and port_is_free(ports[name] + GRPC_OFFSET)):
             if name == "s3.port" and s3_port is not None:
-                raise PortInUse(f"S3 port {s3_port} (or its gRPC port {s3_port + GRPC_OFFSET}) is in use or out of "
-                                   "range; choose another with --s3-port (below 55536) or stop what listens there")
+                check_port("s3", s3_port)
             ports[name] = _free_port_pair()
     workdir.mkdir(parents=True, exist_ok=True)
     identities = {"identities": [{"name": "grpo", "credentials": [{"accessKey": access_key, "secretKey": secret_key}],
@@ -345,8 +356,7 @@ def start_mlflow(workdir: Path, backend_uri: str, artifacts_destination: str, en
                  port: int | None = None, ready_timeout_s: float = 120) -> Service:
     """`mlflow server` on loopback, serving artifacts (clients need no S3 credentials); ready when /health answers."""
     port = port or free_port()
-    if not port_is_free(port):
-        raise PortInUse(f"MLflow port {port} is in use; choose another with --mlflow-port or stop what listens there")
+    check_port("mlflow", port)
     args = [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port), "--backend-store-uri",
             backend_uri, "--artifacts-destination", artifacts_destination, "--serve-artifacts", "--workers", "1"]
     service = _spawn("mlflow", args, workdir, env)
@@ -358,8 +368,7 @@ def start_mlflow(workdir: Path, backend_uri: str, artifacts_destination: str, en
 def start_prefect(workdir: Path, database_url: str, port: int | None = None, ready_timeout_s: float = 120) -> Service:
     """`prefect server start` on loopback with its database in PostgreSQL; `url` is the API (PREFECT_API_URL)."""
     port = port or free_port()
-    if not port_is_free(port):
-        raise PortInUse(f"Prefect port {port} is in use; choose another with --prefect-port or stop what listens there")
+    check_port("prefect", port)
     env = {
         "PREFECT_HOME": str(workdir / "home"),
         "PREFECT_SERVER_DATABASE_CONNECTION_URL": database_url,

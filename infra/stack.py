@@ -10,7 +10,8 @@ bucket (served through the MLflow server, so clients need no S3 credentials), Pr
 in PostgreSQL. Services run as background processes; their pids, ports, URLs and data directories are in
 `<root>/state.json` (mode 0600: it holds the local S3 credentials), so any later command can check or
 stop them. PostgreSQL listens on a Unix socket only; the others listen on fixed ports (`DEFAULT_PORTS`,
-the ports docker-compose.yml publishes), so URLs stay the same from one `up` to the next.
+the ports docker-compose.yml publishes), so URLs stay the same from one `up` to the next. The
+`grpo-pipeline stack` commands themselves are in grpo_pipeline/cli.py.
 """
 
 from __future__ import annotations
@@ -19,14 +20,10 @@ import json
 import os
 import secrets
 import shlex
-import sys
 from pathlib import Path
-from typing import Annotated, Optional
-
-import typer
 
 from infra import services
-from infra.services import REGION, PortInUse, Service, ServiceError
+from infra.services import REGION, Service, ServiceError
 
 DEFAULT_ROOT = Path(".grpo/stack")
 DEFAULT_PORTS = {"s3": 9000, "mlflow": 5000, "prefect": 4200}  # docker-compose.yml publishes the same
@@ -146,10 +143,17 @@ class Stack:
     # --- up / down --------------------------------------------------------------------------------------
 
     def up(self, names=SERVICES) -> dict[str, Service]:
-        """Start what is not already running and healthy (dependencies first); returns the services asked for."""
-        for name in with_dependencies(names):
-            if self.healthy(name):
-                continue
+        """Start what is not already running and healthy (dependencies first); returns the services asked for.
+        A fixed port that is taken is refused (PortInUse) before anything starts, so a refused `up` leaves no
+        half-started stack behind."""
+        todo = [name for name in with_dependencies(names) if not self.healthy(name)]
+        for name in todo:
+            port, stale = self.state["ports"].get(name), self.service(name)
+            if stale is not None and services.alive(stale.pid, stale.created):
+                continue  # its own unanswering process holds the port; it is stopped before the restart
+            if port:  # 0 or absent (postgres): a free one is chosen at start
+                services.check_port(name, port)
+        for name in todo:
             stale = self.service(name)
             if stale is not None:  # running but not answering, or gone: start afresh
                 services.stop(stale)
@@ -215,58 +219,3 @@ def exports(env: dict[str, str]) -> str:
     export B=1
     """
     return "\n".join(f"export {k}={shlex.quote(v)}" for k, v in env.items())
-
-
-# --- CLI: `grpo-pipeline stack ...` ---------------------------------------------------------------------
-
-cli = typer.Typer(no_args_is_help=True, help="Local PostgreSQL, S3, MLflow and Prefect servers (no Docker needed).")
-RootOpt = Annotated[Path, typer.Option("--dir", help="where the stack keeps its data and state")]
-
-
-def _say(message: str) -> None:
-    print(message, file=sys.stderr)  # stdout carries only the exports, so `eval "$(...)"` works
-
-
-@cli.command()
-def up(
-    root: RootOpt = DEFAULT_ROOT,
-    s3_port: Annotated[Optional[int], typer.Option(help=f"S3 API port (default {DEFAULT_PORTS['s3']})")] = None,
-    mlflow_port: Annotated[Optional[int], typer.Option(help=f"MLflow port (default {DEFAULT_PORTS['mlflow']})")] = None,
-    prefect_port: Annotated[Optional[int], typer.Option(help=f"Prefect port (default {DEFAULT_PORTS['prefect']})")] = None,
-) -> None:
-    """Start the services that are not running. Into a pipe (`eval "$(grpo-pipeline stack up)"`) it prints the
-    environment exports; to a terminal only where things are, so the S3 secret key never lands on screen or
-    in a terminal log (`stack env` prints the exports for `eval`)."""
-    try:
-        stack = Stack(root, ports={"s3": s3_port, "mlflow": mlflow_port, "prefect": prefect_port})
-        stack.up()
-    except ServiceError as exc:
-        _say(f"stack up failed: {exc}")
-        raise typer.Exit(2 if isinstance(exc, PortInUse) else 1) from None
-    env = stack.env()
-    _say(f"MLflow UI:  {env['MLFLOW_TRACKING_URI']}\nPrefect UI: {env['PREFECT_API_URL'].removesuffix('/api')}\n"
-         f"S3 API:     {env['AWS_ENDPOINT_URL_S3']} (bucket '{stack.bucket}')\n"
-         f"Use it from a shell with:  eval \"$(grpo-pipeline stack env --dir {root})\"")
-    if not sys.stdout.isatty():
-        print(exports(env))
-
-
-@cli.command("env")
-def show_env(root: RootOpt = DEFAULT_ROOT) -> None:
-    """Print the environment exports of the running stack."""
-    print(exports(Stack(root).env()))
-
-
-@cli.command()
-def status(root: RootOpt = DEFAULT_ROOT) -> None:
-    """Each service's health as JSON; exit 1 when any is not healthy."""
-    report = Stack(root).status()
-    print(json.dumps(report, indent=2))
-    raise typer.Exit(0 if all(s["healthy"] for s in report.values()) else 1)
-
-
-@cli.command()
-def down(root: RootOpt = DEFAULT_ROOT) -> None:
-    """Stop the services (Prefect and MLflow first, PostgreSQL last); the data stays."""
-    stopped = Stack(root).down()
-    _say(f"stopped: {', '.join(stopped) or 'nothing was running'}")

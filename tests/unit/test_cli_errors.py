@@ -127,3 +127,110 @@ def test_an_unreadable_data_source_fails_the_data_command_the_same_way(tmp_path)
     assert "UTF-16 text; JSON Lines must be UTF-8" in failure["error"]
     missing = _failure(CliRunner().invoke(app, ["data", "--json", "--set", f"data.source={tmp_path / 'none.jsonl'}"]))
     assert "data.source:" in missing["error"] and "does not exist" in missing["error"]
+
+
+# --- every command, the same way -------------------------------------------------------------------------
+# Each case: the arguments (built in tmp_path), what the message must say. Commands with --json (and deploy,
+# whose stdout is its JSON summary) end stdout with the failure object; the others print nothing on stdout.
+
+def _inputs(tmp_path):
+    (tmp_path / "bad.yaml").write_text("gpus: [\n")
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "state.json").write_text("{")  # a stack state file cut short
+    (tmp_path / "notjson.jsonl").write_text("completion: 4\n")
+    (tmp_path / "rows.jsonl").write_text('{"completion": "4", "answer": "4"}\n')
+    return tmp_path
+
+
+MLFLOW_DOWN = "tracking.mlflow_tracking_uri=http://127.0.0.1:9"  # nothing listens on port 9
+
+JSON_CASES = {
+    "plan: unknown model id": (["plan", "--model", "org/no-such-model"], "no model config for 'org/no-such-model'"),
+    "plan: bad option value": (["plan", "--model", "qwen2.5-7b", "--quant", "nf5"], "--quant: Input should be 'none', 'nf4'"),
+    "plan: bad catalog YAML": (["plan", "--model", "qwen2.5-7b", "--catalog", "{tmp}/bad.yaml"], "GPU catalog {tmp}/bad.yaml cannot be read"),
+    "plan: missing catalog": (["plan", "--model", "qwen2.5-7b", "--catalog", "{tmp}/none.yaml"], "{tmp}/none.yaml not found"),
+    "plan: unknown GPU": (["plan", "--model", "qwen2.5-7b", "--gpus", "NOPE"], "GPU 'NOPE' is not in the catalog"),
+    "plan: bad --set": (["plan", "--set", "data.sorce=x"], "--set data.sorce=x: data.sorce: unknown key"),
+    "plan: over budget": (["plan", "--model", "qwen2.5-7b", "--budget", "0.01"], "exceeds plan.budget_usd = $0.01"),
+    "data: missing config": (["data", "--config", "{tmp}/none.yaml"], "config file {tmp}/none.yaml not found"),
+    "run: unknown model": (["run", "--set", "model.base=/no/such/model", "--set", "data_dir={tmp}/d"], "model.base: /no/such/model does not exist"),
+    "hpo: bad --set": (["hpo", "--set", "hpo.trials=0"], "--set hpo.trials=0: hpo.trials"),
+    "rewards check: unknown reward": (["rewards", "check", "no_such_reward", "--input", "{tmp}/rows.jsonl"], "no_such_reward"),
+    "rewards check: missing file": (["rewards", "check", "math_answer", "--input", "{tmp}/none.jsonl"], "--input {tmp}/none.jsonl: no such file"),
+    "rewards check: not JSON": (["rewards", "check", "math_answer", "--input", "{tmp}/notjson.jsonl"], "notjson.jsonl:1: not JSON"),
+    "rewards check: bad --arg": (["rewards", "check", "math_answer", "--input", "{tmp}/rows.jsonl", "--arg", "x"], "--arg 'x': expected KEY=VALUE"),
+}
+JSON_ALWAYS = {  # deploy prints its summary as JSON on stdout without being asked, so its failure too
+    "deploy: bad --set": (["deploy", "--set", "data.sorce=x"], "--set data.sorce=x: data.sorce: unknown key"),
+    "deploy: bad option value": (["deploy", "--timezone", "Mars/Olympus"], "--timezone: unknown time zone 'Mars/Olympus'"),
+    "deploy: missing config": (["deploy", "--config", "{tmp}/none.yaml"], "config file {tmp}/none.yaml not found"),
+}
+PLAIN_CASES = {
+    "config: missing file": (["config", "--config", "{tmp}/none.yaml"], "config file {tmp}/none.yaml not found"),
+    "registry: MLflow down": (["registry", "--set", MLFLOW_DOWN], "MLflow at http://127.0.0.1:9 does not answer"),
+    "rollback: MLflow down": (["rollback", "--reason", "x", "--set", MLFLOW_DOWN], "MLflow at http://127.0.0.1:9 does not answer"),
+    "promote: MLflow down": (["promote", "--version", "1", "--reason", "x", "--force", "--set", MLFLOW_DOWN], "MLflow at http://127.0.0.1:9 does not answer"),
+    "promote: no --force": (["promote", "--version", "1", "--reason", "x"], "pass --force to confirm"),
+    "stack status: bad state": (["stack", "status", "--dir", "{tmp}/state"], "{tmp}/state/state.json is not valid JSON"),
+    "stack env: bad state": (["stack", "env", "--dir", "{tmp}/state"], "{tmp}/state/state.json is not valid JSON"),
+    "stack down: bad state": (["stack", "down", "--dir", "{tmp}/state"], "{tmp}/state/state.json is not valid JSON"),
+}
+
+
+def _args(args, tmp_path):
+    return [a.replace("{tmp}", str(tmp_path)) for a in args]
+
+
+def _one_paragraph_on_stderr(result, says):
+    assert result.exit_code == EXIT_CONFIG, (result.exit_code, result.output)
+    assert says in result.stderr.replace("\n", " ") or says in result.stderr
+    assert "Traceback" not in result.stderr and "errors.pydantic.dev" not in result.stderr
+
+
+@pytest.mark.parametrize("case", [*JSON_CASES, *JSON_ALWAYS])
+def test_every_json_command_fails_with_exit_2_the_message_and_the_failure_object_last(case, tmp_path, no_flow_run):
+    args, says = JSON_CASES.get(case) or JSON_ALWAYS[case]
+    args, says = _args(args, _inputs(tmp_path)), says.replace("{tmp}", str(tmp_path))
+    result = CliRunner().invoke(app, [*args, *(["--json"] if case in JSON_CASES else [])])
+    _one_paragraph_on_stderr(result, says)
+    failure = _failure(result)
+    assert says in failure["error"]
+
+
+@pytest.mark.parametrize("case", PLAIN_CASES)
+def test_every_other_command_fails_with_exit_2_and_the_message_alone(case, tmp_path):
+    args, says = PLAIN_CASES[case]
+    result = CliRunner().invoke(app, _args(args, _inputs(tmp_path)))
+    _one_paragraph_on_stderr(result, says.replace("{tmp}", str(tmp_path)))
+    assert result.stdout == ""
+
+
+def test_a_refused_plan_ends_json_with_the_refusal_carrying_the_plan():
+    result = CliRunner().invoke(app, ["plan", "--model", "qwen2.5-7b", "--budget", "0.01", "--json"])
+    failure = _failure(result)
+    assert result.stdout.strip().count("\n") == 0  # the refusal alone: no plan JSON before it
+    assert failure["plan"]["model"] == "qwen2.5-7b" and failure["plan"]["estimate"]["usd"] > 0.01
+
+
+def test_deploy_names_the_prefect_server_it_could_not_reach(tmp_path):
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(updates={PREFECT_API_URL: "http://127.0.0.1:9/api"}):
+        result = CliRunner().invoke(app, ["deploy", "--set", f"data_dir={tmp_path}"])
+    failure = _failure(result)
+    assert "the Prefect server at PREFECT_API_URL=http://127.0.0.1:9/api does not answer" in failure["error"]
+    assert "grpo-pipeline stack up" in failure["error"]  # the fix
+    assert not (tmp_path / "deploy").exists()  # nothing rendered before the server answered
+
+
+def test_stack_up_refuses_a_taken_port_before_starting_anything(tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = CliRunner().invoke(app, ["stack", "up", "--dir", str(tmp_path / "stack"), "--mlflow-port", str(port)])
+    _one_paragraph_on_stderr(result, f"MLflow port {port} is in use; choose another with --mlflow-port")
+    state = tmp_path / "stack" / "state.json"
+    assert not state.exists() or json.loads(state.read_text())["services"] == {}  # PostgreSQL was not started
