@@ -311,6 +311,11 @@ class TrainConfig(StrictModel):
         None, description="reward name -> weight in that sum (unnamed rewards weigh 1.0), e.g. {think_format: 0.2}; "
         "written into TRL's own train.grpo.reward_weights in reward order, which is how it reaches the trainer",
     )
+    reward_args: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="reward name -> its keyword arguments, e.g. {remote_verifier: {url: "
+        "'http://grader:8000/score', concurrency: 16}}; the trainer and every evaluation bind them, and preflight "
+        "checks them against each reward's own parameters (`grpo-pipeline rewards` lists them)",
+    )
     checkpoint_uri: str | None = Field(
         None, description="root for checkpoints, a local directory or s3://bucket/prefix; each run writes under <root>/<run>; default: data_dir/runs/<run>/checkpoints"
     )
@@ -345,6 +350,15 @@ class TrainConfig(StrictModel):
         if not v:  # the names themselves are resolved by the stage that runs them (tasks.job.preflight)
             raise ValueError("at least one reward is needed")
         return v
+
+    @model_validator(mode="after")
+    def _reward_args_named(self) -> "TrainConfig":
+        """Arguments for a reward the run does not use are a typo; what each reward accepts is checked where the
+        rewards are importable (`tasks.job.check_rewards`), since this layer imports no trainer code."""
+        if unknown := sorted(set(self.reward_args) - set(self.rewards)):
+            raise ValueError(f"train.reward_args names {unknown}, which are not among train.rewards "
+                             f"({', '.join(self.rewards)})")
+        return self
 
     @model_validator(mode="after")
     def _reward_weights(self) -> "TrainConfig":

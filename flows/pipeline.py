@@ -179,7 +179,8 @@ def model_stage(cfg: PipelineConfig, base_path: str, val: Path) -> tuple[Pipelin
         cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"base": selection.chosen})})
         model_path = selection.chosen_path
     mlflow.log_params({"base": cfg.model.base, "path": model_path, "quantization": cfg.model.quantization})
-    quantization = _resumable(quantization_cost_task)(model_path, cfg.model, val, cfg.train.rewards, cfg.evaluate)
+    quantization = _resumable(quantization_cost_task)(model_path, cfg.model, val, cfg.train.rewards, cfg.evaluate,
+                                                      reward_args=cfg.train.reward_args)
     if quantization:
         mlflow.log_metrics(quantization.metrics())
         mlflow.log_dict(quantization.model_dump(mode="json"), "quantization_cost.json")
@@ -239,7 +240,7 @@ def evaluate_stage(cfg: PipelineConfig, model_path: str, holdout: Path, name: st
     # the same weighted total GRPO optimised (TRL's reward_weights, in reward order)
     result = _resumable(evaluate_task)(model_path, model or cfg.model, holdout, cfg.train.rewards, cfg.evaluate,
                                        adapter=adapter, weights=cfg.train.grpo.get("reward_weights"),
-                                       label=label or name)
+                                       label=label or name, reward_args=cfg.train.reward_args)
     mlflow.log_metrics({"reward": result.reward, **{f"reward/{k}": v for k, v in result.per_reward.items()},
                         **result.metrics})
     columns = {k: [row[k] for row in result.rows] for k in result.rows[0]} if result.rows else {}

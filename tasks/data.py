@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import gc
 import hashlib
-import inspect
 import os
 import re
 import shutil
@@ -119,16 +118,17 @@ class _Context:
     """What the chain needs that comes from the configuration, resolved once."""
 
     def __init__(self, cfg: DataConfig, rewards: Sequence[str]):
-        from trainer.rewards import resolve_reward
+        from trainer.rewards import describe, resolve_reward
 
         self.cfg = cfg
         prefix, _, suffix = cfg.prompt_template.partition("{prompt}")
         self.prefix, self.suffix = prefix, suffix
         self.verifiers = {}
         for name in rewards:
-            fn = resolve_reward(name)
-            if "answer" in inspect.signature(fn).parameters:  # a reward that checks the answer, not the format
-                self.verifiers[name] = fn
+            # a reward that checks the answer, not the format; the others are not resolved here, since some
+            # need arguments (remote_verifier's url) that only the trainer and the evaluation bind
+            if "answer" in describe(name)["columns"]:
+                self.verifiers[name] = resolve_reward(name)
 
 
 # Characters that str.splitlines() breaks lines at but JSON leaves unescaped (orjson escapes the ASCII ones).

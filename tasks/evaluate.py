@@ -66,6 +66,7 @@ def score(
     weights: Sequence[float] | None = None,
     extra: Sequence[str] = (),
     max_completion_length: int | None = None,
+    reward_args: dict[str, dict] | None = None,
 ) -> EvalResult:
     """Score completions with each reward and keep their token lengths; pure, so it is tested without a model.
 
@@ -90,7 +91,7 @@ def score(
     inputs = {**columns, "prompts": [row.get("prompt") for row in rows], "completion_lengths": list(lengths),
               "log_metric": log_metric}
     names = list(rewards) + [e for e in extra if e not in rewards]
-    functions = resolve_rewards(names, max_completion_length=max_completion_length)
+    functions = resolve_rewards(names, reward_args, max_completion_length=max_completion_length)
     per_sample = {name: fn(completions, **inputs) if rows else [] for name, fn in zip(names, functions, strict=True)}
     out_rows = []
     for i, row in enumerate(rows):
@@ -305,13 +306,13 @@ def sample(model, tokenizer, rows: list[dict], cfg: EvalConfig) -> list[list[str
     return samples
 
 
-def pass_at_k(rows: list[dict], samples: list[list[str]], reward_name: str) -> list[float]:
+def pass_at_k(rows: list[dict], samples: list[list[str]], reward_name: str, args: dict | None = None) -> list[float]:
     """1.0 per prompt when any of its k samples is right (n = k samples, so the estimate is exact for k).
 
     >>> pass_at_k([{"answer": "4"}, {"answer": "5"}], [["3", "4"], ["6", "7"]], "correct_answer")
     [1.0, 0.0]
     """
-    reward = resolve_reward(reward_name)  # an answer check: it takes no lengths
+    reward = resolve_reward(reward_name, args)  # an answer check: it takes no lengths
     out = []
     for row, completions in zip(rows, samples, strict=True):
         columns = {k: [row[k]] * len(completions) for k in row if k != "prompt"}
@@ -369,10 +370,12 @@ def evaluate_model(
     adapter: str | None = None,
     weights: Sequence[float] | None = None,
     label: str | None = None,
+    reward_args: dict[str, dict] | None = None,
 ) -> EvalResult:
     """Load a base model (plus an adapter when given) and score it on a holdout file.
 
     `weights`: the training's reward weights (TRL's `reward_weights`, in reward order) for the total.
+    `reward_args`: `train.reward_args`, bound as the trainer binds them, so the scores are the training's.
     `label`: the model, as progress names it ("evaluating champion v3"); else candidate or base."""
     rows = read_jsonl(holdout)
     label = label or ("candidate" if adapter else "base")
@@ -399,12 +402,12 @@ def evaluate_model(
         )
     result = score(rows, [completion_text(c) for c in completions], rewards, lengths, weights=weights,
                    extra=[r for r in (cfg.accuracy_reward, cfg.format_reward) if r],
-                   max_completion_length=cfg.max_new_tokens)
+                   max_completion_length=cfg.max_new_tokens, reward_args=reward_args)
     metrics = result.metrics | summary_metrics(result, cfg)
     if cfg.samples_k and cfg.accuracy_reward:
         if not use_vllm:
             samples = sample(model, tokenizer, rows, cfg)
-        passed = pass_at_k(rows, samples, cfg.accuracy_reward)
+        passed = pass_at_k(rows, samples, cfg.accuracy_reward, (reward_args or {}).get(cfg.accuracy_reward))
         for row, value in zip(result.rows, passed, strict=True):
             row[f"pass_at_{cfg.samples_k}"] = value
         metrics[f"pass_at_{cfg.samples_k}"] = statistics.fmean(passed)

@@ -429,7 +429,8 @@ def greedy_scorer(cfg: PipelineConfig, model_path: str) -> Scorer:
         from tasks.evaluate import evaluate_model
 
         result = evaluate_model(model_path, cfg.model, prompts, cfg.train.rewards,
-                                cfg.evaluate.model_copy(update={"samples_k": 0}), adapter=adapter_dir)
+                                cfg.evaluate.model_copy(update={"samples_k": 0}), adapter=adapter_dir,
+                                reward_args=cfg.train.reward_args)
         return [float(r["total"]) for r in result.rows]
 
     return score

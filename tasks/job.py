@@ -59,14 +59,22 @@ def build_job_spec(
     )
 
 
-def check_rewards(rewards: list[str]) -> None:
-    """Every reward resolves (a registered name or an importable 'package.module:function') and finds the
-    columns it needs among those the data stage writes."""
-    from trainer.rewards import check_columns, resolve_reward
+def check_rewards(rewards: list[str], reward_args: dict[str, dict] | None = None) -> None:
+    """Every reward resolves (a registered name or an importable 'package.module:function'), takes the
+    arguments `train.reward_args` gives it and has those it requires, and finds the columns it needs among
+    those the data stage writes. Each failure names the field to fix and, for arguments, the valid ones."""
+    from trainer.rewards import check_columns, describe, resolve_reward
 
+    for name in rewards:
+        try:
+            describe(name)  # the name alone
+        except ValueError as exc:
+            raise ConfigError(f"train.rewards: {exc}") from None
+        try:
+            resolve_reward(name, (reward_args or {}).get(name))
+        except ValueError as exc:
+            raise ConfigError(f"train.reward_args.{name}: {exc}") from None
     try:
-        for name in rewards:
-            resolve_reward(name)
         check_columns(rewards, DATA_COLUMNS)
     except ValueError as exc:
         raise ConfigError(f"train.rewards: {exc}") from None

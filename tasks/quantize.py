@@ -114,7 +114,8 @@ def answer_perplexity(model, tokenizer, rows: list[dict], batch_size: int = 16) 
     return math.exp(total_nll / total_tokens)
 
 
-def measure(model_path: str, model_cfg: ModelConfig, rows: list[dict], rewards: list[str], eval_cfg: EvalConfig) -> Measurement:
+def measure(model_path: str, model_cfg: ModelConfig, rows: list[dict], rewards: list[str], eval_cfg: EvalConfig,
+            reward_args: dict[str, dict] | None = None) -> Measurement:
     """Load the model at `model_cfg`'s quantization once; footprint, answer perplexity and greedy reward."""
     started = time.monotonic()
     model, tokenizer = load_model(model_path, model_load(model_cfg))
@@ -123,7 +124,7 @@ def measure(model_path: str, model_cfg: ModelConfig, rows: list[dict], rewards: 
     ppl = answer_perplexity(model, tokenizer, rows, eval_cfg.batch_size)
     completions, lengths = generate(model, tokenizer, [r["prompt"] for r in rows], eval_cfg.max_new_tokens,
                                     eval_cfg.batch_size, label=model_cfg.quantization)
-    result = score(rows, [completion_text(c) for c in completions], rewards, lengths)
+    result = score(rows, [completion_text(c) for c in completions], rewards, lengths, reward_args=reward_args)
     del model
     return Measurement(reward=result.reward, per_reward=result.per_reward, perplexity=ppl,
                        footprint_bytes=footprint, seconds=time.monotonic() - started)
@@ -131,7 +132,7 @@ def measure(model_path: str, model_cfg: ModelConfig, rows: list[dict], rewards: 
 
 def measure_quantization_cost(
     model_path: str, model_cfg: ModelConfig, val_file: Path, rewards: list[str], eval_cfg: EvalConfig,
-    bound: QuantizationBound | None = None,
+    bound: QuantizationBound | None = None, reward_args: dict[str, dict] | None = None,
 ) -> QuantizationCost | None:
     """Quantized (`model_cfg.quantization`) against unquantized on the first `bound.rows` val rows.
 
@@ -146,8 +147,8 @@ def measure_quantization_cost(
     rows = read_jsonl(val_file)[: (bound or QuantizationBound()).rows]
     if not rows:
         raise ValueError(f"{val_file} has no rows to measure quantization on; raise data.demo.n_val")
-    full = measure(model_path, model_cfg.model_copy(update={"quantization": "none"}), rows, rewards, eval_cfg)
-    quant = measure(model_path, model_cfg, rows, rewards, eval_cfg)
+    full = measure(model_path, model_cfg.model_copy(update={"quantization": "none"}), rows, rewards, eval_cfg, reward_args)
+    quant = measure(model_path, model_cfg, rows, rewards, eval_cfg, reward_args)
     return judge(full, quant, model_cfg.quantization, bound, n_rows=len(rows),
                  double_quant=model_cfg.double_quant, compute_dtype=model_cfg.compute_dtype)
 

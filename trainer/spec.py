@@ -55,6 +55,7 @@ class TrainSettings(_Strict):
     grpo: dict[str, Any]
     lora: dict[str, Any]
     rewards: list[str]  # names in trainer.rewards.REWARDS, or 'package.module:function'
+    reward_args: dict[str, dict[str, Any]] = {}  # reward name -> keyword arguments (`resolve_rewards`)
     checkpoint_every: int
     keep_checkpoints: int
     early_stopping_patience: int | None

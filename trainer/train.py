@@ -103,7 +103,7 @@ def run(spec: JobSpec, started: float | None = None) -> TrainResult:
     from trainer.callbacks import (CheckpointSync, FirstStepTimer, ReportValidation, StopOnSigterm, hide_library_bars,
                                    print_logs_once)
     from trainer.loading import load_model
-    from trainer.rewards import resolve_reward
+    from trainer.rewards import resolve_rewards
 
     started = started or time.monotonic()
     stop = StopOnSigterm()  # first: a SIGTERM during model loading must not kill the job uncleanly
@@ -141,7 +141,8 @@ def run(spec: JobSpec, started: float | None = None) -> TrainResult:
 
     trainer = GRPOTrainer(
         model=model,
-        reward_funcs=[resolve_reward(name, max_completion_length=args.max_completion_length) for name in spec.train.rewards],
+        reward_funcs=resolve_rewards(spec.train.rewards, spec.train.reward_args,
+                                     max_completion_length=args.max_completion_length),
         args=args,
         train_dataset=train_ds,
         eval_dataset=val_ds,

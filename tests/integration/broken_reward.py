@@ -1,9 +1,10 @@
-"""A test reward that gives the trainer garbage: NaN for the second completion of every batch."""
+"""A test reward that gives the trainer garbage: NaN for one completion of every batch (`row`, an argument that
+`train.reward_args` sets)."""
 
 
-def nan_on_second_row(completions, **_) -> list[float]:
+def nan_on_row(completions, *, row: int = 1, **_) -> list[float]:
     """
-    >>> nan_on_second_row(["a", "b"])
+    >>> nan_on_row(["a", "b"])
     [0.0, nan]
     """
-    return [float("nan") if i == 1 else 0.0 for i in range(len(completions))]
+    return [float("nan") if i == row else 0.0 for i in range(len(completions))]

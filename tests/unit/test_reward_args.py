@@ -1,0 +1,56 @@
+"""Reward arguments from the pipeline YAML (`train.reward_args`): typed in the config, checked against each
+reward's own parameters before any work, carried in the job spec, bound by the evaluation as by the trainer."""
+
+import pytest
+
+from configs.schema import ConfigError, load_config
+from tasks.evaluate import score
+from tasks.job import build_job_spec, check_rewards
+from trainer.spec import JobSpec
+
+TAGGED = "<reasoning>16 - 3 - 4 = 9 eggs, 9 * 2 = 18</reasoning>\n<final>18</final>"
+
+
+def test_a_yaml_file_sets_them_and_the_job_spec_carries_them(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("""
+train:
+  rewards: [math_answer, think_format, overlong_penalty]
+  reward_args:
+    think_format: {think_tag: reasoning, answer_tag: final}
+    overlong_penalty: {buffer: 64}
+""")
+    cfg = load_config(path, ["train.reward_args.math_answer={answer_tag: final}"])
+    assert cfg.train.reward_args == {"think_format": {"think_tag": "reasoning", "answer_tag": "final"},
+                                     "overlong_penalty": {"buffer": 64}, "math_answer": {"answer_tag": "final"}}
+    check_rewards(cfg.train.rewards, cfg.train.reward_args)
+    spec = build_job_spec(cfg.train, cfg.model, "m", {"train": tmp_path / "t.jsonl", "val": tmp_path / "v.jsonl"},
+                          tmp_path / "run")
+    assert JobSpec.model_validate_json(spec.model_dump_json()).train.reward_args == cfg.train.reward_args
+
+
+def test_arguments_for_a_reward_the_run_does_not_use_are_refused_by_the_config():
+    with pytest.raises(ConfigError, match=r"train.reward_args names \['think_format'\], which are not among "
+                                          r"train.rewards \(correct_answer, number_only\)"):
+        load_config(None, ["train.reward_args={think_format: {think_tag: r}}"])
+
+
+def test_preflight_names_the_field_and_lists_the_valid_arguments():
+    with pytest.raises(ConfigError, match=r"^train.reward_args.think_format: reward 'think_format' takes no argument "
+                                          r"'tag'; its arguments: think_tag='think', answer_tag='answer'$"):
+        check_rewards(["math_answer", "think_format"], {"think_format": {"tag": "reasoning"}})
+    with pytest.raises(ConfigError, match=r"^train.reward_args.remote_verifier: reward 'remote_verifier' needs the "
+                                          r"argument url$"):
+        check_rewards(["remote_verifier"], {})
+    check_rewards(["remote_verifier"], {"remote_verifier": {"url": "http://127.0.0.1:9/score", "fallback": 0.0}})
+    with pytest.raises(ConfigError, match=r"^train.rewards: unknown reward 'think'"):
+        check_rewards(["think"], {"think": {"x": 1}})
+
+
+def test_the_evaluation_scores_with_the_same_arguments_as_training():
+    rows = [{"key": "k0", "prompt": "How many dollars?", "answer": "18"}]
+    args = {"think_format": {"think_tag": "reasoning", "answer_tag": "final"}, "math_answer": {"answer_tag": "final"}}
+    bound = score(rows, [TAGGED], ["math_answer", "think_format"], [20], reward_args=args)
+    default = score(rows, [TAGGED], ["math_answer", "think_format"], [20])
+    assert bound.per_reward == {"math_answer": 1.0, "think_format": 1.0}
+    assert default.per_reward["think_format"] == 0.0  # the default tags do not match: the arguments mattered
