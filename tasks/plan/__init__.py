@@ -14,17 +14,18 @@ pipeline's config in, a plan out), `render` (tables); `task` is the Prefect task
 from tasks.plan.architecture import KNOWN_MODELS, architecture, load_model_config, model_config_for
 from tasks.plan.base import GIB, PlanError
 from tasks.plan.catalogue import load_catalog
-from tasks.plan.memory import MemoryEstimate, estimate_memory
+from tasks.plan.memory import MemoryEstimate, ServerMemory, estimate_memory, estimate_vllm_server
 from tasks.plan.render import plan_tables
 from tasks.plan.search import (
-    Assumptions, BudgetExceeded, Plan, Settings, actual_cost, check_budget, make_plan, plan_local, step_seconds,
+    Assumptions, BudgetExceeded, Layout, Plan, Settings, actual_cost, check_budget, make_plan, plan_local, step_seconds,
 )
-from tasks.plan.stage import apply_plan, plan_for_config, plan_stage, workload_for
+from tasks.plan.stage import apply_plan, layout_for, plan_for_config, plan_stage, workload_for
 from tasks.plan.workload import Workload
 
 __all__ = [
-    "GIB", "KNOWN_MODELS", "Assumptions", "BudgetExceeded", "MemoryEstimate", "Plan", "PlanError", "Settings",
-    "Workload", "actual_cost", "apply_plan", "architecture", "check_budget", "estimate_memory", "load_catalog",
+    "GIB", "KNOWN_MODELS", "Assumptions", "BudgetExceeded", "Layout", "MemoryEstimate", "Plan", "PlanError",
+    "ServerMemory", "Settings", "Workload", "actual_cost", "apply_plan", "architecture", "check_budget",
+    "estimate_memory", "estimate_vllm_server", "layout_for", "load_catalog",
     "load_model_config", "make_plan", "model_config_for", "plan_for_config", "plan_local", "plan_stage",
     "plan_tables", "step_seconds", "workload_for",
 ]

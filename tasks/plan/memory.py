@@ -123,6 +123,7 @@ def estimate_memory(
     gradient_checkpointing: bool | None = None,
     generation_batch: int | None = None,
     shards: int = 1,
+    vllm_server: bool = False,
 ) -> MemoryEstimate:
     """Peak memory per GPU of `work` trained with TRL, from a Hugging Face config.json dict, at one layout.
 
@@ -132,6 +133,8 @@ def estimate_memory(
     generation_batch is the number of sequences generated at once per GPU (TRL: per_device_batch x
     steps_per_generation; default per_device_batch); shards > 1 splits weights, adapter, gradients and
     optimizer over that many GPUs (FSDP / ZeRO-3); activations and the KV cache are per GPU either way.
+    vllm_server: generation runs in `trl vllm-serve` on GPUs of its own (TRL's vllm_mode=server), so a training
+    GPU holds neither a vLLM share nor a KV cache (the server is sized by `estimate_vllm_server`).
     lora_rank=0 is full fine-tuning (no quantization allowed).
 
     >>> from tasks.plan.architecture import load_model_config
@@ -193,7 +196,9 @@ def estimate_memory(
 
     gen_seqs = generation_batch or per_device_batch
     gen_kv = gen_seqs * (prompt_tokens + completion_tokens) * kv_bytes_per_token(arch, a)
-    if work.vllm:
+    if work.vllm and vllm_server:
+        vllm_b = kv_cache = 0  # the server's GPUs generate; the trainers only send prompts and receive tokens
+    elif work.vllm:
         vllm_weights = arch.linear_params * per_param + row_scales + arch.other_params * a
         vllm_b = vllm_weights + gen_kv + GIB  # + CUDA graphs, sampler and activation workspace
         kv_cache = 0
@@ -205,3 +210,46 @@ def estimate_memory(
         optimizer=int(optimizer_b), reference=int(reference), vllm=int(vllm_b), gradients=int(gradients),
         activations=int(activations), logits=int(logits), buffers=int(buffers), kv_cache=int(kv_cache),
     )
+
+
+# `trl vllm-serve` (as trainer/launch.py starts it, without --gpu-memory-utilization) takes this share of
+# each of its GPUs for weights, KV cache and workspace: its default.
+SERVER_MEMORY_UTILIZATION = 0.9
+
+
+class ServerMemory(Frozen):
+    """Memory per GPU of the vLLM server of vllm_mode=server, in bytes, tensor-parallel over `tensor_parallel` GPUs."""
+
+    tensor_parallel: int
+    weights: int
+    kv_cache: int
+    overhead: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv_cache + self.overhead
+
+
+def estimate_vllm_server(model_config: dict[str, Any], work: Workload, *, sequences: int,
+                         tensor_parallel: int) -> ServerMemory:
+    """Per-GPU memory of `trl vllm-serve` holding `sequences` sequences of prompt + completion at once.
+
+    The server loads the checkpoint itself, in bf16 and unquantized (trainer/launch.py passes no quantization:
+    a bitsandbytes training base does not shrink it), split over the tensor-parallel GPUs; its KV cache holds
+    the whole job's generation batch, since TRL's main process sends every rank's prompts in one request.
+    KV heads fewer than the tensor-parallel size are replicated, as vLLM does.
+
+    >>> from tasks.plan.architecture import load_model_config
+    >>> cfg = load_model_config("llama-3.1-70b")[1]
+    >>> s = estimate_vllm_server(cfg, Workload(model="m", vllm=True), sequences=64, tensor_parallel=4)
+    >>> round(s.weights / GIB, 1)  # 70.6 B parameters x 2 bytes / 4 GPUs
+    32.9
+    """
+    arch = architecture(model_config)
+    if arch.heads % tensor_parallel:
+        raise PlanError(f"vLLM's tensor-parallel size must divide the attention heads: {tensor_parallel} does not "
+                        f"divide {arch.heads}")
+    weights = arch.params * 2 / tensor_parallel
+    kv = sequences * (work.prompt_tokens + work.completion_tokens) * kv_bytes_per_token(arch, 2)
+    kv /= min(tensor_parallel, arch.kv_heads)
+    return ServerMemory(tensor_parallel=tensor_parallel, weights=int(weights), kv_cache=int(kv), overhead=GIB)

@@ -3,6 +3,7 @@ every GPU option (what `grpo-pipeline plan` prints without --json)."""
 
 from __future__ import annotations
 
+from tasks.plan.base import GIB
 from tasks.plan.search import Plan
 
 
@@ -26,9 +27,17 @@ def plan_tables(plan: Plan) -> list:
     chosen = Table(title="plan", show_header=False)
     chosen.add_column()
     chosen.add_column()
-    chosen.add_row("GPU", f"{s.count}x {s.gpu} ({s.strategy})")
+    nodes = f"{s.nodes} nodes x " if s.nodes > 1 else ""
+    chosen.add_row("GPU", f"{nodes}{s.count}x {s.gpu} ({s.strategy}), {s.gpus} GPUs priced")
+    if s.vllm_tensor_parallel:  # the node launcher's split: trainers on the first GPUs, the server on the rest
+        trainers = s.processes_per_node or s.count
+        where = f"{s.train_nodes} nodes" if s.train_nodes > 1 else "the node"
+        chosen.add_row("train", f"{s.world_size} processes: GPUs 0-{trainers - 1} of {where}" if trainers > 1
+                       else f"1 process: GPU 0 of {where}")
+        chosen.add_row("serve", f"trl vllm-serve on {s.server_gpus()}, tensor parallel {s.vllm_tensor_parallel}"
+                       + (f", {plan.server_memory.total / GIB:.1f} GiB per GPU" if plan.server_memory else ""))
     chosen.add_row("batch", f"{s.per_device_train_batch_size} per device x {s.gradient_accumulation_steps} accumulation "
-                   f"x {s.count} GPU = {w.effective_batch} completions/step ({w.num_generations} per prompt); "
+                   f"x {s.world_size} processes = {w.effective_batch} completions/step ({w.num_generations} per prompt); "
                    f"steps_per_generation {s.steps_per_generation}")
     chosen.add_row("precision", f"{w.quantization} base{' + double quant' if w.double_quant else ''}, {w.dtype}, "
                    f"gradient checkpointing {'on' if s.gradient_checkpointing else 'off'}, bf16 {s.bf16}")

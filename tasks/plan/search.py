@@ -13,7 +13,10 @@ from configs.schema import ConfigError
 from tasks.plan.architecture import architecture
 from tasks.plan.base import GIB, Frozen, PlanError
 from tasks.plan.catalogue import GPU, Catalog, load_catalog
-from tasks.plan.memory import MemoryEstimate, estimate_memory, kv_bytes_per_token, weight_bytes_per_param
+from tasks.plan.memory import (
+    SERVER_MEMORY_UTILIZATION, MemoryEstimate, ServerMemory, estimate_memory, estimate_vllm_server, kv_bytes_per_token,
+    weight_bytes_per_param,
+)
 from tasks.plan.workload import DTYPE_BYTES, Workload
 
 
@@ -37,18 +40,69 @@ class Assumptions(Frozen):
     max_gpus: int = Field(8, ge=1)
     max_micro_batch_tokens: int = Field(
         16384, ge=1, description="largest micro-batch tried: past ~16k tokens a GPU is saturated and more only adds memory")
+    weight_sync_gbs: float = Field(
+        25, gt=0, description="GB/s at which TRL pushes the merged bf16 weights to a vLLM server after each step (NCCL)")
+
+
+class Layout(Frozen):
+    """What the launch already fixes and the search keeps: train.distributed, the train.grpo batch fields the user
+    set, train.sky.accelerators' GPU counts. None (or unset): the planner chooses."""
+
+    nodes: int = Field(1, ge=1, description="training nodes (train.distributed.nodes)")
+    gpus_per_node: dict[str, int] | None = Field(None, description="GPU name -> GPUs per node (train.sky.accelerators)")
+    processes_per_node: int | None = Field(None, ge=1, description="None: one per GPU the vLLM server leaves, as the launch does")
+    strategy: Literal["ddp", "zero2", "fsdp", "zero3"] | None = None
+    vllm_server: bool = Field(False, description="train.grpo.use_vllm with vllm_mode=server: generation on GPUs of its own")
+    vllm_server_gpus: int | None = Field(None, ge=1, description="GPUs per node for the server; None: the fewest that hold it")
+    vllm_server_node: bool = Field(False, description="one more node serves on all its GPUs")
+    per_device_train_batch_size: int | None = Field(None, ge=1)
+    gradient_accumulation_steps: int | None = Field(None, ge=1)
+    steps_per_generation: int | None = Field(None, ge=1)
 
 
 class Settings(Frozen):
+    """The launch: `count` GPUs of type `gpu` on each of `nodes` nodes (SkyPilot's `GPU:count` and num_nodes,
+    the vLLM server's node included); on each training node processes_per_node trainers on GPUs 0..p-1 and, in
+    vllm_mode=server, `trl vllm-serve` on the last vllm_server_gpus (trainer/launch.py's split)."""
+
     gpu: str
     count: int
-    strategy: Literal["single", "ddp", "zero2", "fsdp", "local"]  # several GPUs: train.distributed.strategy
+    strategy: Literal["single", "ddp", "zero2", "fsdp", "zero3", "local"]  # several GPUs: train.distributed.strategy
     per_device_train_batch_size: int
     gradient_accumulation_steps: int
     steps_per_generation: int
     gradient_checkpointing: bool
     bf16: bool
     vllm_gpu_memory_utilization: float | None = None
+    nodes: int = 1
+    processes_per_node: int | None = None  # None: count (no server GPUs on the node)
+    vllm_server_gpus: int = 0
+    vllm_server_node: bool = False
+    vllm_tensor_parallel: int = 0  # 0: no vLLM server
+
+    @property
+    def train_nodes(self) -> int:
+        return self.nodes - self.vllm_server_node
+
+    @property
+    def world_size(self) -> int:
+        """Training processes, all nodes together: what TRL's batch rule and the per-GPU share count."""
+        return self.train_nodes * (self.processes_per_node or self.count)
+
+    @property
+    def gpus(self) -> int:
+        """Every GPU rented, the server's included: what the price counts."""
+        return self.nodes * self.count
+
+    def server_gpus(self) -> str:
+        """Which GPUs serve, in the node launcher's terms ('' without a server)."""
+        if self.vllm_server_node:
+            return f"node {self.nodes - 1} (all {self.count} GPUs)"
+        if self.vllm_server_gpus:
+            first = self.count - self.vllm_server_gpus
+            where = "each node" if self.train_nodes > 1 else "the node"
+            return f"GPUs {first}-{self.count - 1} of {where}" if self.vllm_server_gpus > 1 else f"GPU {first} of {where}"
+        return ""
 
     def grpo_overrides(self) -> dict[str, Any]:
         """The `train.grpo` fields this plan sets (TRL GRPOConfig names)."""
@@ -88,6 +142,8 @@ class Option(Frozen):
     usd: float | None
     hours: float | None
     note: str = ""
+    nodes: int = 1
+    vllm_server_gpus: int = 0
 
 
 class Plan(Frozen):
@@ -95,6 +151,7 @@ class Plan(Frozen):
     params: int
     workload: Workload
     memory: MemoryEstimate
+    server_memory: ServerMemory | None = None  # per server GPU, vllm_mode=server only
     settings: Settings
     estimate: Estimate
     options: list[Option]
@@ -110,7 +167,7 @@ class Plan(Frozen):
     def summary(self) -> dict[str, Any]:
         """Flat numbers for MLflow params/metrics."""
         return {
-            "plan_gpu": self.settings.gpu, "plan_gpu_count": self.settings.count,
+            "plan_gpu": self.settings.gpu, "plan_gpu_count": self.settings.gpus, "plan_world_size": self.settings.world_size,
             "plan_memory_gib": round(self.memory.total / GIB, 2), "plan_hours": self.estimate.hours,
             "cost_usd_estimated": round(self.estimate.usd, 2), "plan_pricing": self.estimate.pricing,
             **{f"plan_{k}": v for k, v in self.settings.grpo_overrides().items()},
@@ -130,63 +187,116 @@ def capacity_bytes(gpu: GPU, assumptions: Assumptions) -> float:
     return gpu.memory_gib * GIB * assumptions.headroom_fraction - assumptions.headroom_gib * GIB
 
 
-def fit(model_config, work: Workload, gpu: GPU, count: int, assumptions: Assumptions):
-    """The largest per-device batch (and its split) that fits `count` GPUs of this type, or None.
+def _server_layouts(work: Workload, layout: Layout, count: int) -> list[tuple[int, bool]]:
+    """(vllm_server_gpus per node, vllm_server_node) to try on nodes of `count` GPUs: none without a server;
+    the user's when given; else 1, 2, 4, ... server GPUs per node while trainers keep at least one."""
+    if not (work.vllm and layout.vllm_server):
+        return [(0, False)]
+    if layout.vllm_server_node:
+        return [(0, True)]
+    if layout.vllm_server_gpus:
+        return [(layout.vllm_server_gpus, False)]
+    return [(k, False) for k in (1, 2, 4, 8, 16) if k < count]
 
-    Micro-batches are capped at `max_micro_batch_tokens` (at least one sequence).
 
-    Returns (Settings, MemoryEstimate) or (None, the estimate at the smallest settings). Gradient
-    checkpointing 'auto' leaves it off when a micro-batch of at least one prompt's group (num_generations,
-    or the whole per-GPU share if smaller) fits without it: it costs ~1/3 more compute.
+def fit(model_config, work: Workload, gpu: GPU, count: int, assumptions: Assumptions, layout: Layout | None = None):
+    """The largest per-device batch (and its split) that fits nodes of `count` GPUs of this type, or None.
+
+    `layout` holds what the launch already fixes (nodes, processes, strategy, the vLLM server's GPUs, the batch
+    fields the user set); the rest is chosen. Micro-batches are capped at `max_micro_batch_tokens` (at least
+    one sequence) unless the user set the per-device batch.
+
+    Returns (Settings, MemoryEstimate, ServerMemory | None, None) or (None, the estimate at the smallest settings
+    or None, None, why not). Gradient checkpointing 'auto' leaves it off when a micro-batch of at least one
+    prompt's group (num_generations, or the whole per-GPU share if smaller) fits without it: it costs ~1/3 more
+    compute.
     """
-    if work.effective_batch % work.num_generations:
-        raise PlanError(f"the effective batch ({work.effective_batch}) must be a multiple of num_generations "
-                        f"({work.num_generations}): GRPO normalises rewards within each prompt's group")
-    if work.effective_batch % count:
-        return None, None
-    per_gpu = work.effective_batch // count
+    layout = layout or Layout()
+    gens = work.num_generations
+    if work.effective_batch % gens:
+        raise PlanError(f"the effective batch ({work.effective_batch}: plan.target_effective_batch, else "
+                        f"train.grpo.per_device_train_batch_size x gradient_accumulation_steps x training processes) "
+                        f"must be a multiple of num_generations ({gens}): GRPO normalises rewards within each "
+                        "prompt's group, and TRL refuses the run at start otherwise")
     cap = max(1, assumptions.max_micro_batch_tokens // (work.prompt_tokens + work.completion_tokens))
     capacity = capacity_bytes(gpu, assumptions)
-    # least traffic first: ddp replicates everything, zero2 shards gradients and optimizer state, fsdp the
-    # weights too (the only one that helps a base too large for one GPU)
-    strategies = ["single"] if count == 1 else ["ddp", "zero2", "fsdp"]
+    server_capacity = gpu.memory_gib * GIB * SERVER_MEMORY_UTILIZATION
     ckpts = [False, True] if work.gradient_checkpointing == "auto" else [work.gradient_checkpointing]
-    smallest = None
-    for strategy in strategies:
-        if strategy == "fsdp" and work.vllm:
-            continue  # colocated vLLM needs the whole model on each GPU
-        if strategy == "fsdp" and work.quantization != "none":
-            continue  # a bitsandbytes base is not sharded as the trainer loads it (trainer.distributed.problems)
-        shards = count if strategy == "fsdp" else 1
-        for ckpt in ckpts:
-            floor = min(work.num_generations, per_gpu) if (work.gradient_checkpointing == "auto" and not ckpt) else 1
-            for pdb in _divisors(per_gpu):
-                if pdb > cap:
-                    continue
-                if pdb < floor:
-                    break
-                accum = per_gpu // pdb
-                for spg in _divisors(accum):
-                    if (pdb * count * spg) % work.num_generations:
+    # why nothing fits: a memory or server reason (some split passed TRL's rule) beats a batch-rule one
+    smallest, why, why_batch = None, None, f"{count} GPUs per node do not split the batch"
+    for server_gpus, server_node in _server_layouts(work, layout, count):
+        procs = layout.processes_per_node or count - server_gpus  # the launch's default: every GPU the server leaves
+        if procs < 1 or procs + server_gpus > count:
+            why = f"{procs} processes + {server_gpus} vLLM server GPUs do not fit {count} GPUs per node"
+            continue
+        world = layout.nodes * procs
+        if work.effective_batch % world:
+            why_batch = f"the effective batch ({work.effective_batch}) does not split over {world} training processes"
+            continue
+        per_gpu = work.effective_batch // world
+        tp = count if server_node else server_gpus
+        if tp and architecture(model_config).heads % tp:
+            why = f"vLLM's tensor-parallel size {tp} does not divide the model's {architecture(model_config).heads} attention heads"
+            continue
+        # least traffic first: ddp replicates everything, zero2 shards gradients and optimizer state, fsdp the
+        # weights too (the only one that helps a base too large for one GPU)
+        strategies = [layout.strategy] if layout.strategy else ["single"] if world == 1 else ["ddp", "zero2", "fsdp"]
+        pdbs = [layout.per_device_train_batch_size] if layout.per_device_train_batch_size else [
+            b for b in _divisors(per_gpu) if b <= cap]
+        for strategy in strategies:
+            sharded = strategy in ("fsdp", "zero3")
+            if sharded and work.vllm and not layout.vllm_server:
+                continue  # colocated vLLM needs the whole model on each GPU
+            if sharded and work.quantization != "none":
+                continue  # a bitsandbytes base is not sharded as the trainer loads it (trainer.distributed.problems)
+            shards = world if sharded else 1
+            for ckpt in ckpts:
+                floor = min(gens, per_gpu) if (work.gradient_checkpointing == "auto" and not ckpt) else 1
+                for pdb in pdbs:
+                    if pdb < floor and not layout.per_device_train_batch_size:
+                        break
+                    accum, rest = divmod(per_gpu, pdb)
+                    if rest or (layout.gradient_accumulation_steps not in (None, accum)):
+                        why_batch = (f"per_device_train_batch_size x gradient_accumulation_steps x processes = {pdb} x "
+                               f"{layout.gradient_accumulation_steps or '?'} x {world} cannot make the effective "
+                               f"batch of {work.effective_batch}")
                         continue
-                    mem = estimate_memory(model_config, work, per_device_batch=pdb, gradient_checkpointing=ckpt,
-                                          generation_batch=pdb * spg, shards=shards)
-                    if strategy == "zero2":  # ZeRO-2: each GPU keeps 1/count of the gradients and optimizer state
-                        mem = mem.model_copy(update={"gradients": mem.gradients // count,
-                                                     "optimizer": mem.optimizer // count})
-                    if smallest is None or mem.total < smallest.total:
-                        smallest = mem
-                    if mem.total <= capacity:
+                    for spg in [layout.steps_per_generation] if layout.steps_per_generation else _divisors(accum):
+                        if (pdb * world * spg) % gens:  # TRL refuses this at start, after the GPUs are paid for
+                            why_batch = (f"per_device_train_batch_size x processes x steps_per_generation = {pdb} x {world} "
+                                   f"x {spg} = {pdb * world * spg} completions is not a multiple of num_generations "
+                                   f"({gens}), which TRL refuses at start")
+                            continue
+                        server = None
+                        if tp:
+                            server = estimate_vllm_server(model_config, work, sequences=pdb * spg * world,
+                                                          tensor_parallel=tp)
+                        mem = estimate_memory(model_config, work, per_device_batch=pdb, gradient_checkpointing=ckpt,
+                                              generation_batch=pdb * spg, shards=shards, vllm_server=bool(tp))
+                        if strategy == "zero2":  # ZeRO-2: each GPU keeps 1/world of the gradients and optimizer state
+                            mem = mem.model_copy(update={"gradients": mem.gradients // world,
+                                                         "optimizer": mem.optimizer // world})
+                        if smallest is None or mem.total < smallest.total:
+                            smallest = mem
+                        if mem.total > capacity:
+                            why = f"needs {mem.total / GIB:.1f} GiB per training GPU"
+                            continue
+                        if server is not None and server.total > server_capacity:
+                            why = (f"the vLLM server needs {server.total / GIB:.1f} GiB on each of {tp} GPUs, "
+                                   f"{server_capacity / GIB:.1f} GiB usable")
+                            continue
                         util = None
-                        if work.vllm:
+                        if work.vllm and not tp:
                             util = math.ceil(mem.vllm / (gpu.memory_gib * GIB) * 20) / 20
                         return Settings(
                             gpu=gpu.name, count=count, strategy=strategy, per_device_train_batch_size=pdb,
                             gradient_accumulation_steps=accum, steps_per_generation=spg,
                             gradient_checkpointing=ckpt, bf16=work.dtype == "bfloat16",
-                            vllm_gpu_memory_utilization=util,
-                        ), mem
-    return None, smallest
+                            vllm_gpu_memory_utilization=util, nodes=layout.nodes + server_node,
+                            processes_per_node=procs, vllm_server_gpus=server_gpus, vllm_server_node=server_node,
+                            vllm_tensor_parallel=tp,
+                        ), mem, server, None
+    return None, smallest, None, why or why_batch
 
 
 def step_seconds(model_config, work: Workload, settings: Settings, gpu: GPU, assumptions: Assumptions) -> tuple[float, float]:
@@ -198,33 +308,48 @@ def step_seconds(model_config, work: Workload, settings: Settings, gpu: GPU, ass
     token, ~6N with checkpointing; full fine-tuning 6N / 8N.
     Generation: prefill is compute-bound (2N per prompt token); each decoding step reads the weights and
     the KV cache once for the whole generation batch, at `decode_efficiency` of memory bandwidth, or is
-    compute-bound (2N per sequence) when the batch is large, whichever is slower.
+    compute-bound (2N per sequence) when the batch is large, whichever is slower. With a vLLM server the
+    whole job's generation batch decodes there, tensor-parallel (each of its GPUs reads 1/tp of the weights and
+    KV cache), and TRL then pushes the merged bf16 weights to it once per optimizer step (`weight_sync_gbs`);
+    trainers and server take turns, so the times add.
     """
     arch = architecture(model_config)
     n = arch.matmul_params
     full = work.lora_rank == 0
     per_token = n * (4 + (2 if full else 0) + (2 if settings.gradient_checkpointing else 0) + (2 if work.beta > 0 else 0))
-    seqs = work.effective_batch // settings.count  # per GPU per optimizer step
+    world = settings.world_size
+    seqs = work.effective_batch // world  # per training GPU per optimizer step
     peak = gpu.bf16_tflops * 1e12 * assumptions.mfu
-    scale = 1 / assumptions.multi_gpu_efficiency if settings.count > 1 else 1
+    scale = 1 / assumptions.multi_gpu_efficiency if world > 1 else 1
     train = per_token * seqs * (work.prompt_tokens + work.completion_tokens) / peak * scale
 
     a = DTYPE_BYTES[work.dtype]
     weight_read = (arch.linear_params * weight_bytes_per_param(work.quantization, work.double_quant, work.dtype)
                    + arch.other_params * a)
-    if settings.strategy == "fsdp":
-        weight_read /= settings.count
     gen_batch = settings.per_device_train_batch_size * settings.steps_per_generation
+    tp = settings.vllm_tensor_parallel
+    sync = 0.0
+    if tp:  # the server: bf16 weights and the whole job's batch, split over its tp GPUs
+        weight_read = arch.params * 2 / tp
+        gen_batch *= world
+        kv_token = kv_bytes_per_token(arch, 2) / min(tp, arch.kv_heads)
+        gen_peak = peak * tp
+        gen_scale = 1 / assumptions.multi_gpu_efficiency if tp > 1 else 1
+        sync = arch.params * 2 / (assumptions.weight_sync_gbs * 1e9)
+    else:
+        if settings.strategy in ("fsdp", "zero3"):
+            weight_read /= world
+        kv_token = kv_bytes_per_token(arch, a)
+        gen_peak, gen_scale = peak, scale
     rounds = settings.gradient_accumulation_steps // settings.steps_per_generation
     eff = assumptions.decode_efficiency_vllm if work.vllm else assumptions.decode_efficiency_transformers
     bandwidth = gpu.bandwidth_tbs * 1e12 * eff
-    kv_token = kv_bytes_per_token(arch, a)
     decode = 0.0
     for t in range(work.completion_tokens):
         read = weight_read + gen_batch * (work.prompt_tokens + t) * kv_token
-        decode += max(read / bandwidth, 2 * n * gen_batch / peak)
-    prefill = 2 * n * gen_batch * work.prompt_tokens / peak
-    return train, rounds * (prefill + decode) * scale
+        decode += max(read / bandwidth, 2 * n * gen_batch / gen_peak)
+    prefill = 2 * n * gen_batch * work.prompt_tokens / gen_peak
+    return train, rounds * (prefill + decode) * gen_scale + sync
 
 
 def _costs(hours: float, count: int, gpu: GPU, spot: bool, assumptions: Assumptions) -> Estimate:
@@ -250,9 +375,11 @@ def make_plan(
     spot: bool = True,
     assumptions: Assumptions | None = None,
     daily: bool = True,
+    layout: Layout | None = None,
 ) -> Plan:
     """The cheapest GPU type and count (of `allowed`, default: the whole catalog) that fit, with settings,
-    time and cost; every other option is listed with its cost or why it does not fit.
+    time and cost; every other option is listed with its cost or why it does not fit. `layout`: what the
+    launch fixes (see `Layout`); the price counts every GPU of every node, a vLLM server's included.
 
     >>> from tasks.plan import load_model_config
     >>> p = make_plan(load_model_config("qwen2.5-7b")[1], Workload(model="qwen2.5-7b", quantization="nf4"))
@@ -265,39 +392,58 @@ def make_plan(
         raise PlanError("the planner needs a step count: set train.grpo.max_steps (or plan after the data stage)")
     gpus = [catalog.get(name) for name in allowed] if allowed else list(catalog.gpus.values())
     arch = architecture(model_config)
+    layout = layout or Layout()
     counts = [c for c in (1, 2, 4, 8, 16) if c <= assumptions.max_gpus]
+    if layout.processes_per_node:  # nodes too small for the processes (+ server GPUs) the launch fixes are no option
+        need = layout.processes_per_node + (layout.vllm_server_gpus or 0)
+        counts = sorted({c for c in counts if c >= need} | {need})
     best = None
     options = []
+    reasons = []
     for gpu in gpus:
         option = None
         smallest = None
-        for count in counts:
-            settings, mem = fit(model_config, work, gpu, count, assumptions)
+        whys = []
+        pinned = (layout.gpus_per_node or {}).get(gpu.name)
+        for count in [pinned] if pinned else counts:
+            settings, mem, server, why_not = fit(model_config, work, gpu, count, assumptions, layout)
+            if why_not:
+                whys.append(why_not)
             if mem is not None and (smallest is None or mem.total < smallest.total):
                 smallest = mem
             if settings is None:
                 continue
             train, gen = step_seconds(model_config, work, settings, gpu, assumptions)
             hours = work.max_steps * (train + gen) / 3600 + assumptions.setup_minutes / 60
-            est = _costs(hours, count, gpu, spot, assumptions).model_copy(
+            est = _costs(hours, settings.gpus, gpu, spot, assumptions).model_copy(
                 update={"train_s_per_step": train, "generation_s_per_step": gen})
             if not daily:
                 est = est.model_copy(update={"monthly_usd": None, "monthly_on_demand_usd": None, "monthly_spot_usd": None})
-            candidate = (est.usd, hours, settings, mem, est)
+            candidate = (est.usd, hours, settings, mem, est, server)
             if option is None or candidate[:2] < option[:2]:
                 option = candidate
         cap = capacity_bytes(gpu, assumptions) / GIB
         if option is None:
             need = smallest.total / GIB if smallest else float("nan")
+            batch_rule = [("num_generations" in w or "effective batch" in w) for w in whys]
+            # the largest count's memory reason (the nearest to fitting), else the smallest count's batch reason
+            why = next((w for w, b in zip(reversed(whys), reversed(batch_rule)) if not b), whys[0] if whys else None)
+            reasons.append((gpu.name, why, all(batch_rule)))
             options.append(Option(gpu=gpu.name, count=None, fits=False, need_gib=need, capacity_gib=cap, usd=None,
-                                  hours=None, note=f"needs {need:.1f} GiB per GPU at the smallest settings"))
+                                  hours=None, note=why or f"needs {need:.1f} GiB per GPU at the smallest settings"))
             continue
-        usd, hours, settings, mem, est = option
+        usd, hours, settings, mem, est, _ = option
         options.append(Option(gpu=gpu.name, count=settings.count, fits=True, need_gib=mem.total / GIB,
-                              capacity_gib=cap, usd=usd, hours=hours, note=settings.strategy))
+                              capacity_gib=cap, usd=usd, hours=hours, note=settings.strategy, nodes=settings.nodes,
+                              vllm_server_gpus=settings.vllm_server_gpus))
         if best is None or (usd, hours) < (best[0], best[1]):
             best = option
     if best is None:
+        if reasons and all(batch for _, _, batch in reasons):  # the batch rule refused every count, not memory
+            said = "; ".join(f"{name}: {why}" for name, why, _ in reasons)
+            raise PlanError(f"no launch of this batch passes TRL's check at start: {said}; change "
+                            "train.grpo.per_device_train_batch_size, gradient_accumulation_steps or num_generations, "
+                            "or train.distributed.nodes / processes_per_node (plan.target_effective_batch: the total)")
         need = min(o.need_gib for o in options)
         raise PlanError(
             f"{work.model} does not fit any allowed GPU ({', '.join(g.name for g in gpus)}, up to "
@@ -305,12 +451,20 @@ def make_plan(
             f"(model.quantization=nf4), lower the LoRA rank or completion length, enable gradient checkpointing, "
             f"or allow larger GPUs (plan.allowed_gpus)"
         )
-    _, _, settings, mem, est = best
+    _, _, settings, mem, est, server = best
     notes = [f"time assumes MFU {assumptions.mfu:.0%} and decoding at "
              f"{(assumptions.decode_efficiency_vllm if work.vllm else assumptions.decode_efficiency_transformers):.0%}"
              f" of memory bandwidth ({'vLLM' if work.vllm else 'transformers generate()'}); unvalidated on GPUs"]
-    return Plan(model=work.model, params=arch.params, workload=work, memory=mem, settings=settings, estimate=est,
-                options=options, assumptions=assumptions, catalog_as_of=catalog.as_of,
+    if server is not None:
+        notes.append(f"vllm_mode=server: `trl vllm-serve` on {settings.server_gpus()}, tensor parallel "
+                     f"{settings.vllm_tensor_parallel}, {server.total / GIB:.1f} GiB per GPU; the price counts its GPUs; "
+                     f"the merged weights are pushed to it each step at {assumptions.weight_sync_gbs:g} GB/s")
+        if settings.vllm_server_gpus and settings.train_nodes > 1:
+            notes.append(f"vllm_server_gpus on each of {settings.train_nodes} nodes: only the first node's server "
+                         "generates (TRL's main process talks to one server), the others' GPUs idle; "
+                         "train.distributed.vllm_server_node=true serves from one node instead")
+    return Plan(model=work.model, params=arch.params, workload=work, memory=mem, server_memory=server, settings=settings,
+                estimate=est, options=options, assumptions=assumptions, catalog_as_of=catalog.as_of,
                 catalog_source=catalog.source, notes=notes)
 
 

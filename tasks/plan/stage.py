@@ -17,7 +17,7 @@ from configs.library_fields import default
 from tasks.plan.architecture import model_config_for
 from tasks.plan.base import PlanError
 from tasks.plan.catalogue import load_catalog
-from tasks.plan.search import Assumptions, Plan, make_plan, plan_local
+from tasks.plan.search import Assumptions, Layout, Plan, make_plan, plan_local
 from tasks.plan.workload import Optimizer, Workload
 
 
@@ -47,13 +47,56 @@ def sky_accelerators(task_yaml: str | Path) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+def _vllm_server(cfg) -> bool:
+    return bool(_grpo(cfg, "use_vllm")) and _grpo(cfg, "vllm_mode") == "server"
+
+
+def pinned_world(cfg) -> int | None:
+    """Training processes the config itself fixes: nodes x processes_per_node, else nodes x (the GPUs that
+    train.sky.accelerators asks per node, less the vLLM server's) when every option asks the same count, as
+    the node launcher would start them; None: the planner chooses.
+
+    >>> from configs.schema import load_config
+    >>> pinned_world(load_config(None, ["train.launcher=sky", "train.sky.accelerators=[H100:4]"])), pinned_world(load_config(None))
+    (4, None)
+    """
+    d = cfg.train.distributed
+    if d.processes_per_node:
+        return d.nodes * d.processes_per_node
+    counts = {int(a.partition(":")[2] or 1) for a in cfg.train.sky.accelerators or []}
+    if cfg.train.launcher == "sky" and len(counts) == 1:
+        return d.nodes * max(counts.pop() - d.vllm_server_gpus, 1)
+    return None
+
+
+def layout_for(cfg) -> Layout:
+    """What the launch fixes already, and the plan must keep: train.distributed's fields the user set, the
+    train.grpo batch fields the user set (apply_plan never overrides them), train.sky.accelerators' counts."""
+    d, grpo, set_ = cfg.train.distributed, cfg.train.grpo, cfg.train.distributed.model_fields_set
+    counts = {}
+    for option in cfg.train.sky.accelerators or []:
+        name, _, count = option.partition(":")
+        counts.setdefault(name, int(count or 1))
+    return Layout(
+        nodes=d.nodes, gpus_per_node=counts or None, processes_per_node=d.processes_per_node,
+        strategy=d.strategy if "strategy" in set_ else None, vllm_server=_vllm_server(cfg),
+        vllm_server_gpus=d.vllm_server_gpus or None, vllm_server_node=d.vllm_server_node,
+        **{k: grpo.get(k) for k in ("per_device_train_batch_size", "gradient_accumulation_steps",
+                                    "steps_per_generation")},
+    )
+
+
 def workload_for(cfg, name: str, train_rows: int | None = None) -> Workload:
     """The run described by a PipelineConfig: model precision, LoRA, GRPO lengths and batch, steps
-    (max_steps, else epochs x train_rows / prompts per step, else None: unknown)."""
+    (max_steps, else epochs x train_rows / prompts per step, else None: unknown).
+
+    The effective batch is plan.target_effective_batch, else what TRL will run: per_device_train_batch_size x
+    gradient_accumulation_steps x the training processes the config fixes (`pinned_world`; 1 when the
+    planner chooses them, and then it keeps that total whatever it picks)."""
     lora = cfg.train.lora
     generations = _grpo(cfg, "num_generations")
     effective = cfg.plan.target_effective_batch or (
-        _grpo(cfg, "per_device_train_batch_size") * _grpo(cfg, "gradient_accumulation_steps"))
+        _grpo(cfg, "per_device_train_batch_size") * _grpo(cfg, "gradient_accumulation_steps") * (pinned_world(cfg) or 1))
     steps = _grpo(cfg, "max_steps")
     if steps is None or steps <= 0:
         steps = None if not train_rows else math.ceil(
@@ -68,7 +111,10 @@ def workload_for(cfg, name: str, train_rows: int | None = None) -> Workload:
             model=name, quantization=cfg.model.quantization, double_quant=cfg.model.double_quant,
             dtype=cfg.model.compute_dtype, lora_rank=lora.get("r", default("LoraConfig", "r")),
             lora_targets=tuple(targets) if isinstance(targets, list) else targets, optimizer=optimizer,
-            gradient_checkpointing=cfg.plan.gradient_checkpointing, prompt_tokens=cfg.plan.prompt_tokens,
+            # a value set in train.grpo is what trains (apply_plan keeps it), so the plan sizes that one
+            gradient_checkpointing=(cfg.train.grpo.get("gradient_checkpointing", "auto")
+                                    if cfg.plan.gradient_checkpointing == "auto" else cfg.plan.gradient_checkpointing),
+            prompt_tokens=cfg.plan.prompt_tokens,
             completion_tokens=_grpo(cfg, "max_completion_length"), num_generations=generations,
             effective_batch=effective, max_steps=steps, beta=_grpo(cfg, "beta"), vllm=_grpo(cfg, "use_vllm"),
         )
@@ -101,12 +147,10 @@ def plan_for_config(cfg, model_config: dict[str, Any], name: str, train_rows: in
     spot = cfg.train.sky.use_spot if cfg.plan.spot is None else cfg.plan.spot
     assumptions = Assumptions(mfu=cfg.plan.mfu, preemption_overhead=cfg.plan.preemption_overhead)
     plan = make_plan(model_config, work, load_catalog(cfg.plan.gpu_catalog), allowed=allowed or None, spot=spot,
-                     assumptions=assumptions, daily=cfg.plan.daily_projection)
+                     assumptions=assumptions, daily=cfg.plan.daily_projection, layout=layout_for(cfg))
     notes = list(plan.notes)
     if work.dtype == "float32":
         notes.append("model.compute_dtype=float32 keeps fp32 weights on the GPU (2x bf16); bfloat16 is usual there")
-    if work.vllm and _grpo(cfg, "vllm_mode") == "server":
-        notes.append("vllm_mode=server generates on separate GPU(s) that this plan neither sizes nor prices")
     return plan.model_copy(update={"notes": notes})
 
 
@@ -137,12 +181,20 @@ def apply_plan(cfg, plan: Plan):
     if sky.accelerators is None:
         # the same GPU count and strategy as the plan: its batch split holds for those and no other
         fitting = sorted((o for o in plan.options if o.fits and o.usd is not None and o.count == settings.count
-                          and o.note == settings.strategy), key=lambda o: o.usd)
+                          and o.note == settings.strategy and o.nodes == settings.nodes
+                          and o.vllm_server_gpus == settings.vllm_server_gpus), key=lambda o: o.usd)
         sky = sky.model_copy(update={"accelerators": [f"{o.gpu}:{o.count}" for o in fitting]})
     distributed = cfg.train.distributed
-    if settings.count > 1 and not distributed.model_fields_set & {"strategy", "processes_per_node"}:
-        distributed = type(distributed)(**{**distributed.model_dump(), "strategy": settings.strategy,
-                                           "processes_per_node": settings.count})  # one process per planned GPU
+    if (settings.gpus > 1 or settings.strategy not in ("single", "ddp")) and not distributed.model_fields_set & {
+            "strategy", "processes_per_node", "vllm_server_gpus", "vllm_server_node"}:
+        # the planned layout, as the node launcher reads it: trainers on the first GPUs, the server on the rest
+        distributed = type(distributed)(**{
+            **distributed.model_dump(), "strategy": "ddp" if settings.strategy == "single" else settings.strategy,
+            "processes_per_node": settings.processes_per_node or settings.count,
+            "vllm_server_gpus": settings.vllm_server_gpus, "vllm_server_node": settings.vllm_server_node})
+    world = distributed.nodes * (distributed.processes_per_node or settings.count - distributed.vllm_server_gpus)
+    if problem := distributed.batch_problem(grpo, world):  # TRL's check at start, made before any GPU is rented
+        raise PlanError(f"the planned launch ({world} training processes) would fail at start: {problem}")
     return cfg.model_copy(update={"train": cfg.train.model_copy(
         update={"grpo": grpo, "sky": sky, "distributed": distributed})})
 

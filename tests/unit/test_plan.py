@@ -393,3 +393,69 @@ def test_cli_plan_refuses_bad_input_and_budget_with_exit_2():
     assert over.exit_code == 2 and "exceeds plan.budget_usd = $0.50" in over.output
     table = runner.invoke(app, ["plan", "--model", "qwen2.5-7b", "--quant", "nf4", "--gpus", "H100"])
     assert table.exit_code == 0 and "activations" in table.output and "H100" in table.output
+
+
+GROUPS = ["model.base=qwen2.5-0.5b", "train.launcher=sky", "train.grpo.max_steps=10", "train.grpo.num_generations=8"]
+
+
+def test_a_batch_trl_refuses_at_start_is_refused_at_plan_time_naming_the_fields(tmp_path):
+    from configs.schema import load_config
+    from tasks.plan import plan_for_config
+
+    batch = {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2, "steps_per_generation": 1}
+    config = load_config(None, GROUPS + [f"train.grpo.{k}={v}" for k, v in batch.items()])  # no process count fixed yet
+    trl = pytest.importorskip("trl")
+    with pytest.raises(ValueError, match="must be divisible by num_generations"):  # TRL itself, one process, at start
+        trl.GRPOConfig(output_dir=str(tmp_path), num_generations=8, use_cpu=True, **batch)
+    with pytest.raises(PlanError, match=r"TRL's check at start.*per_device_train_batch_size x processes x "
+                                        r"steps_per_generation = 4 x 1 x 1 = 4 .*num_generations \(8\)") as refused:
+        plan_for_config(config, cfg("qwen2.5-0.5b"), "q")
+    assert "train.grpo.per_device_train_batch_size" in str(refused.value)
+    assert "train.distributed.nodes / processes_per_node" in str(refused.value)
+
+
+SERVER_MODE = ["train.grpo.use_vllm=true", "train.grpo.vllm_mode=server"]
+
+
+@pytest.mark.parametrize("generations,target,more", [(4, 8, []), (8, 16, []), (16, 16, []), (8, 8, SERVER_MODE),
+                                                     (16, 32, SERVER_MODE)])
+def test_every_multi_gpu_plan_passes_the_launchers_batch_check(generations, target, more, tmp_path):
+    """The search picks per-device batch and steps_per_generation for the world size it chose, so the node's own
+    pre-launch check (TRL's rule with the process count) finds nothing in the planned job."""
+    from configs.schema import TrainConfig, load_config
+    from tasks.job import build_job_spec
+    from tasks.plan import apply_plan, plan_for_config
+    from trainer.distributed import problems
+
+    config = load_config(None, ["model.base=llama-3.1-70b", "model.compute_dtype=bfloat16", "train.launcher=sky",
+                             "train.checkpoint_uri=s3://b/p", "train.grpo={}", "train.grpo.max_steps=10",
+                             f"train.grpo.num_generations={generations}", f"plan.target_effective_batch={target}", *more])
+    plan = plan_for_config(config, cfg("llama-3.1-70b"), "m")
+    s = plan.settings
+    assert s.world_size > 1 and bool(s.vllm_server_gpus) == bool(more)  # the server's GPUs are not in the world
+    planned = apply_plan(config, plan)
+    TrainConfig.model_validate(planned.train.model_dump())
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "1", "answer": "1"}\n')
+    spec = build_job_spec(planned.train, planned.model, "m", {"train": data, "val": data}, tmp_path / "run")
+    assert problems(spec, s.count) == []
+    # and the time spreads one step's completions over the training processes only
+    assert s.per_device_train_batch_size * s.gradient_accumulation_steps * s.world_size == target
+
+
+def test_server_gpus_do_not_share_the_training_work():
+    from tasks.plan import Settings, step_seconds
+
+    model, gpu = cfg("llama-3.1-8b"), load_catalog().get("H100")
+    work = Workload(model="m", vllm=True, effective_batch=16)
+    common = dict(gpu="H100", strategy="ddp", per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                  steps_per_generation=2, gradient_checkpointing=True, bf16=True)
+    two = Settings(count=2, processes_per_node=2, **common)
+    two_and_server = Settings(count=4, processes_per_node=2, vllm_server_gpus=2, vllm_tensor_parallel=2, **common)
+    four = Settings(count=4, processes_per_node=4, **{**common, "gradient_accumulation_steps": 1,
+                                                      "steps_per_generation": 1})
+    train2, _ = step_seconds(model, work, two, gpu, Assumptions())
+    train2s, gen2s = step_seconds(model, work, two_and_server, gpu, Assumptions())
+    train4, _ = step_seconds(model, work, four, gpu, Assumptions())
+    assert train2s == pytest.approx(train2) and train4 < train2  # only trainers divide the step's completions
+    assert gen2s > 0 and (two_and_server.gpus, two_and_server.world_size) == (4, 2)

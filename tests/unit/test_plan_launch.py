@@ -4,10 +4,12 @@ and the node launcher then starts that many processes with the planned strategy.
 import subprocess
 import sys
 
+import pytest
+
 from configs.schema import TrainConfig, load_config
 from infra.launch.skypilot import build_task, write_job_dir
 from tasks.job import build_job_spec
-from tasks.plan import load_model_config
+from tasks.plan import PlanError, load_catalog, load_model_config
 from tasks.plan.stage import apply_plan, plan_for_config
 from trainer.spec import JobSpec
 
@@ -47,3 +49,83 @@ def test_a_local_run_keeps_its_own_distributed_section():
     cfg = load_config(None, ["train.distributed.processes_per_node=2"])
     plan = plan_for_config(cfg, load_model_config("smollm2-135m")[1], "smollm2-135m")
     assert apply_plan(cfg, plan).train.distributed == cfg.train.distributed
+
+
+def _dry_run(job_dir, *args):
+    proc = subprocess.run([sys.executable, "-m", "trainer.launch", "--spec", str(job_dir / "job.json"), *args,
+                           "--dry-run"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout
+
+
+def _job(tmp_path, planned, model="meta-llama/Llama-3.1-70B-Instruct"):
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"prompt": "1+1", "answer": "2"}\n')
+    spec = build_job_spec(planned.train, planned.model, model, {"train": data, "val": data}, tmp_path / "run")
+    job_dir = write_job_dir(spec, tmp_path / "job")
+    return spec, job_dir
+
+
+SERVER = ["model.base=llama-3.1-70b", "model.compute_dtype=bfloat16", "train.launcher=sky",
+          "train.checkpoint_uri=s3://b/p", "train.grpo.max_steps=100", "train.grpo.use_vllm=true"]
+
+
+def test_a_70b_server_mode_plan_shards_the_trainers_and_prices_the_server_gpus(tmp_path):
+    cfg = load_config(None, SERVER + ["train.grpo.vllm_mode=server"])
+    model_config = load_model_config("llama-3.1-70b")[1]
+    plan = plan_for_config(cfg, model_config, "llama-3.1-70b")
+    s = plan.settings
+    assert s.strategy == "fsdp" and s.vllm_server_gpus >= 1 and s.vllm_tensor_parallel == s.vllm_server_gpus
+    assert s.processes_per_node + s.vllm_server_gpus == s.count and s.world_size == s.processes_per_node
+    # training GPUs hold no vLLM share; the server holds the unquantized bf16 weights, split tensor-parallel
+    assert plan.memory.vllm == 0 and plan.memory.kv_cache == 0
+    assert plan.server_memory.weights * s.vllm_tensor_parallel == pytest.approx(plan.params * 2, rel=1e-6)
+    gpu = load_catalog().get(s.gpu)
+    assert plan.server_memory.total <= 0.9 * gpu.memory_gib * 2**30
+    # the price counts every GPU on the node, the server's included
+    assert plan.estimate.on_demand_usd == pytest.approx(plan.estimate.hours * s.count * gpu.on_demand_usd_h)
+    # colocated, the same run cannot shard (vLLM needs the whole bf16 model beside each trainer): nothing fits
+    with pytest.raises(PlanError, match="does not fit any allowed GPU"):
+        plan_for_config(load_config(None, SERVER + ["train.grpo.vllm_mode=colocate"]), model_config, "m")
+
+    planned = apply_plan(cfg, plan)
+    d = planned.train.distributed
+    assert (d.strategy, d.processes_per_node, d.vllm_server_gpus) == ("fsdp", s.processes_per_node, s.vllm_server_gpus)
+    TrainConfig.model_validate(planned.train.model_dump())
+    spec, job_dir = _job(tmp_path, planned)
+    task = build_task(spec, job_dir, planned.train.sky, 3, environ={})
+    assert [dict(r.accelerators) for r in task.resources][0] == {s.gpu: s.count} and task.num_nodes == 1
+
+    # the node launcher splits the node's GPUs as the plan says: trainers first, the server on the last ones
+    out = _dry_run(job_dir, "--nnodes", "1", "--gpus-per-node", str(s.count))
+    trainers = ",".join(map(str, range(s.processes_per_node)))
+    server = ",".join(map(str, range(s.processes_per_node, s.count)))
+    assert f"CUDA_VISIBLE_DEVICES={server} " in out and f"--tensor-parallel-size {s.vllm_tensor_parallel}" in out
+    assert f"CUDA_VISIBLE_DEVICES={trainers} " in out and f"--nproc-per-node {s.processes_per_node}" in out
+    assert f"GPUs {s.processes_per_node}-{s.count - 1}" in s.server_gpus()  # what the plan's table says
+
+
+def test_the_70b_recipe_plans_its_own_launch_with_a_server_node(tmp_path):
+    from configs.files import packaged
+    from tasks.plan import plan_stage
+
+    cfg = load_config(packaged("gsm8k-llama-3.1-70b.yaml"))
+    plan = plan_stage(cfg)
+    s, d, grpo = plan.settings, cfg.train.distributed, cfg.train.grpo
+    assert (s.strategy, s.vllm_server_node, s.processes_per_node) == ("fsdp", True, d.processes_per_node)
+    assert s.nodes == d.nodes + 1 and s.gpus == s.nodes * s.count and s.vllm_tensor_parallel == s.count
+    assert plan.estimate.gpu_hours == pytest.approx(plan.estimate.hours * s.gpus)
+    # the effective batch is what TRL runs: per device x accumulation x every training process
+    assert plan.workload.effective_batch == (grpo["per_device_train_batch_size"] * grpo["gradient_accumulation_steps"]
+                                             * d.nodes * d.processes_per_node)
+    assert (s.per_device_train_batch_size, s.gradient_accumulation_steps) == (
+        grpo["per_device_train_batch_size"], grpo["gradient_accumulation_steps"])  # the recipe's, kept
+
+    planned = apply_plan(cfg, plan)
+    spec, job_dir = _job(tmp_path, planned)
+    assert build_task(spec, job_dir, planned.train.sky, 3, environ={}).num_nodes == s.nodes
+    nodes = ["--nnodes", str(s.nodes), "--gpus-per-node", str(s.count)]
+    serving = _dry_run(job_dir, *nodes, "--node-rank", str(s.nodes - 1))
+    assert "vllm-serve" in serving and f"--tensor-parallel-size {s.vllm_tensor_parallel}" in serving
+    training = _dry_run(job_dir, *nodes, "--node-rank", "0")
+    assert f"--nnodes {s.train_nodes} " in training and f"--nproc-per-node {s.processes_per_node}" in training

@@ -22,9 +22,6 @@ def test_every_recipe_loads_and_plans(path):
     gpu = cfg.model.base != "smollm2-135m-instruct"
     if gpu:  # a GPU recipe is priced against the catalogue, as `grpo-pipeline plan --set train.launcher=sky` does
         cfg = load_config(path, ["train.launcher=sky"] if cfg.train.launcher != "sky" else [])
-    if path.name == "gsm8k-llama-3.1-70b.yaml":
-        pytest.xfail("the planner sizes use_vllm as colocated vLLM even with vllm_mode=server, so it never "
-                     "considers FSDP for the 70B base (tasks/plan/stage.py workload_for)")
     plan = plan_stage(cfg)
     assert plan.settings.count >= 1
     if gpu:
