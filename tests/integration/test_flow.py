@@ -71,6 +71,10 @@ def test_run_json_summary_and_mlflow_lineage(tmp_path, tiny_yaml):
     assert {d.dataset.name for d in by_name["train"].inputs.dataset_inputs} == {"train", "val"}
     # progress: step x/N with the time left, in the flow's log
     assert re.search(r"step 2/2 \(100%\)", proc.stderr + proc.stdout), proc.stderr[-3000:]
+    # evaluation progress names the model and ends at its total; no tqdm bar redraws in a log
+    assert re.search(r"evaluating base: 6/6 \(100%\)", proc.stderr + proc.stdout), proc.stderr[-3000:]
+    assert re.search(r"evaluating candidate: 6/6 \(100%\)", proc.stderr + proc.stdout), proc.stderr[-3000:]
+    assert "%|" not in proc.stderr + proc.stdout, proc.stderr[-3000:]
     assert "View run" not in proc.stdout + proc.stderr
     # the version holds an MLflow model on a base anyone can load, and it served as evaluated
     registered = summary["registry"]
