@@ -19,11 +19,17 @@ from typing import Any, Protocol
 from configs.schema import ConfigError, ModelConfig, TrainConfig
 from trainer.spec import JobSpec, TrainingFailed, TrainResult
 
-__all__ = ["LaunchRefused", "Launcher", "TrainingFailed", "check_launch", "make_launcher", "preflight", "run_job"]
+__all__ = ["BadTrainingInput", "LaunchRefused", "Launcher", "TrainingFailed", "check_launch", "make_launcher",
+           "preflight", "run_job"]
 
 
 class LaunchRefused(ConfigError):
     """The job cannot run as configured (exit 2 from the CLI); nothing was started."""
+
+
+class BadTrainingInput(TrainingFailed, ConfigError):
+    """The trainer exited 2 (its spec, a reward or the data is at fault): every attempt would fail the same way,
+    so it was not relaunched; exit 2 from the CLI, like any bad input, with the trainer's reason first."""
 
 
 class Launcher(Protocol):

@@ -17,7 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from infra.launch import TrainingFailed, check_launch
+from infra.launch import BadTrainingInput, TrainingFailed, check_launch
 from trainer.launch import detect_gpus, free_port
 from trainer.spec import RESULT_FILE, JobSpec, TrainResult, parse_bad_input
 
@@ -72,7 +72,7 @@ class LocalLauncher:
             if code in NOT_RETRYABLE or handle.restarts >= self.max_restarts:
                 why = " (bad input: not relaunched)" if code in NOT_RETRYABLE else ""
                 reason = next((r for r in map(parse_bad_input, handle.tail) if r), None)
-                raise TrainingFailed(
+                raise (BadTrainingInput if code in NOT_RETRYABLE else TrainingFailed)(
                     (f"{reason}\n" if reason else "")
                     + f"trainer exited with code {code}{why} after {handle.restarts} restart(s); log: {log_path}\n"
                     + "\n".join(handle.tail)

@@ -26,7 +26,7 @@ import yaml
 
 from configs.files import SOURCE_ROOT, project_file
 from configs.schema import SkyConfig, TrainConfig
-from infra.launch import TrainingFailed
+from infra.launch import BadTrainingInput, TrainingFailed
 from trainer.checkpoints import CheckpointStoreError, collect_final, open_store
 from trainer.spec import JobSpec, TrainResult, parse_bad_input
 
@@ -261,7 +261,7 @@ class SkyLauncher:
                 # SkyPilot recovers any failed job (max_restarts_on_errors) and has no "never on this exit
                 # code"; bad input would fail every recovery the same way, each on a fresh cluster.
                 self.cancel(handle)
-                raise TrainingFailed(f"managed job {handle.job_id}: bad input, cancelled instead of recovered: "
+                raise BadTrainingInput(f"managed job {handle.job_id}: bad input, cancelled instead of recovered: "
                                      f"{handle.bad_input}")
             time.sleep(self.sky_cfg.poll_seconds)
         if status in TERMINAL_BAD:

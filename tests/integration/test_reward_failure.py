@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from infra.launch import TrainingFailed
+from configs.schema import ConfigError
+from infra.launch import BadTrainingInput
 from infra.launch.local import LocalLauncher
 from tasks.job import build_job_spec
 
@@ -22,8 +23,9 @@ def test_a_reward_that_returns_nan_fails_once_with_exit_2_naming_the_reward_and_
     spec = build_job_spec(cfg.train, cfg.model, str(tiny_model), tiny_splits, tmp_path / "run")
     launcher = LocalLauncher(max_restarts=3, on_line=lambda line: None)
     handle = launcher.launch(spec)
-    with pytest.raises(TrainingFailed) as failed:
+    with pytest.raises(BadTrainingInput) as failed:  # a TrainingFailed, and a ConfigError: exit 2 from the CLI
         launcher.wait(handle)
+    assert isinstance(failed.value, ConfigError)
 
     message = str(failed.value)
     assert "trainer exited with code 2 (bad input: not relaunched) after 0 restart(s)" in message
