@@ -50,3 +50,28 @@ def test_every_relative_link_and_anchor_resolves(path):
         assert dest.exists(), f"{path.relative_to(ROOT)} links {target}, which does not exist"
         if anchor:
             assert anchor in _anchors(dest), f"{path.relative_to(ROOT)} links {target}: no such heading"
+
+
+def test_the_data_page_states_the_readers_rules_as_the_code_has_them():
+    """docs/data.md names every reason a JSON line is refused for, with the bounds the reader really uses."""
+    from tasks import data_io
+    from tasks.data import REASONS
+
+    text = " ".join((ROOT / "docs" / "data.md").read_text().split())
+    for reason in ("line_too_long", "invalid_utf8", "bad_json", "too_deep", "nul_character"):
+        assert reason in REASONS and f"`{reason}`" in text, reason
+    assert f"`MAX_LINE_BYTES` ({data_io.MAX_LINE_BYTES >> 20} MiB)" in text
+    assert f"`MAX_DEPTH` ({data_io.MAX_DEPTH})" in text
+    assert f"at most {data_io.PREVIEW_CHARS:,} characters" in text
+    for rule in ("byte order mark", "key given twice", "raw NUL byte"):
+        assert rule in text, rule
+
+
+def test_the_reliability_page_states_the_checkpoint_fallback_as_the_code_has_it():
+    from trainer.checkpoints import CORRUPT, REASON_FILE, ResumePoint
+
+    text = " ".join((ROOT / "docs" / "reliability.md").read_text().split())
+    assert f"`<root>/{CORRUPT}/checkpoint-<step>-<UTC time>/` with a `{REASON_FILE}`" in text
+    assert "`resume_fallback`" in text and "`choose_resume`" in text
+    fresh = ResumePoint(skipped=[{"step": 4, "reason": "r", "moved_to": None}]).reason
+    assert f"`{fresh.split(';')[0]}" in text  # the words the job says when nothing verifies
