@@ -99,7 +99,7 @@ def select_base_model(cfg: PipelineConfig, val_file: Path, cache_dir: Path, trai
         row = price(cfg, base, path, train_rows)
         if row.fits and row.within_budget and len(candidates) > 1:
             result = evaluate_model(path, cfg.model.model_copy(update={"base": base}), val_file, cfg.train.rewards,
-                                    cfg.evaluate, reward_args=cfg.train.reward_args)
+                                    cfg.evaluate, reward_args=cfg.train.reward_args, label=f"base {base}")
             row = row.model_copy(update={"reward": result.reward, "per_reward": result.per_reward,
                                          "metrics": result.metrics})
         rows.append(row)
