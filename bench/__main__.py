@@ -44,6 +44,7 @@ SUITE = (
     Bench("eval_throughput", "batched vs one-at-a-time evaluation", 2),
     Bench("orchestration_overhead", "the Prefect + MLflow flow vs the same stages as plain functions", 12),
     Bench("data_throughput", "the data stage vs a per-row Python chain", 6, tiny=None),
+    Bench("data_guards", "the data stage with its input guards vs the reader before them", 3, tiny=None),
     Bench("hpo_gain", "searched vs default hyperparameters at equal steps", 15),
     Bench("machine_limit", "GRPO step FLOP/s and tokens/s vs measured matmul peak and bandwidth", 2),
     Bench("lora_vs_full", "LoRA and QLoRA vs full-parameter GRPO: quality, time to quality, memory", 17),

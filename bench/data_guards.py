@@ -29,6 +29,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from bench.harness import RESULTS, ROOT
+from bench.table import Row
 
 NAME = "data_guards"
 BEFORE = "52691f2"  # the last commit before the guards (tasks/data_io.py, tasks/data.py)
@@ -120,6 +121,23 @@ def main() -> None:
     m, c = report["median_seconds"], report["median_cpu_seconds"]
     print(f"[{NAME}] {args.rows:,} rows: before {m['before']:.2f} s, after {m['after']:.2f} s: x{report['ratio']:.3f} "
           f"(CPU x{report['ratio_cpu']:.3f}); same rows kept: {same}")
+
+
+
+def table_rows(load) -> list[Row]:
+    """One row: after / before in wall time, the spread of the rounds' own ratios (each round ran both sides)."""
+    r = load(NAME)
+    if r is None:
+        return [Row("data stage input guards (`bench.data_guards`)", "reader before the guards", "with the guards", None, "<= 1.05", note="not run yet")]
+    rounds: dict[int, dict[str, float]] = {}
+    for i, run in enumerate(r["runs"]):  # in order, two per round
+        rounds.setdefault(i // 2, {})[run["side"]] = run["seconds"]
+    ratios = [sides["after"] / sides["before"] for sides in rounds.values() if len(sides) == 2]
+    m = r["median_seconds"]
+    return [Row(f"data stage input guards, {r['rows']:,} GSM8K-built rows, without near-dedup (`bench.data_guards`)",
+                f"reader before the guards ({r['before']}): {m['before']:.2f} s",
+                f"with the guards: {m['after']:.2f} s (CPU ×{r['ratio_cpu']:.3f})", r["ratio"], "<= 1.05",
+                spread=(min(ratios), max(ratios)) if len(ratios) > 1 else None)]
 
 
 if __name__ == "__main__":
