@@ -54,3 +54,23 @@ def test_the_evaluation_scores_with_the_same_arguments_as_training():
     default = score(rows, [TAGGED], ["math_answer", "think_format"], [20])
     assert bound.per_reward == {"math_answer": 1.0, "think_format": 1.0}
     assert default.per_reward["think_format"] == 0.0  # the default tags do not match: the arguments mattered
+
+
+def test_the_data_stage_checks_references_with_the_answer_rewards_alone(tmp_path, tiny_model):
+    """remote_verifier needs a url, which only the trainer and the evaluation bind: the data stage, which offers
+    the references to answer-checking rewards only, must not need it."""
+    import json
+    import random
+
+    from configs.schema import DataConfig
+    from tasks.data import build_dataset
+    from tests.unit.test_data import question, read
+
+    rng = random.Random(15)
+    rows = [{"prompt": p, "answer": a} for p, a in (question(rng, i) for i in range(30))]
+    rows.append({"prompt": question(rng, 99)[0], "answer": "forty-two"})
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    version = build_dataset(DataConfig(source=str(path)), tmp_path / "out", str(tiny_model),
+                            ["math_answer", "remote_verifier"])
+    assert [(q["row"]["answer"], q["reason"]) for q in read(version.quarantine)] == [("forty-two", "answer_unverifiable")]
