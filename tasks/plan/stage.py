@@ -138,7 +138,8 @@ def plan_for_config(cfg, model_config: dict[str, Any], name: str, train_rows: in
     if cfg.train.launcher == "local":
         pdb = _grpo(cfg, "per_device_train_batch_size")
         return plan_local(model_config, work, per_device_batch=pdb,
-                          gradient_accumulation=max(1, work.effective_batch // pdb),
+                          # per process: the effective batch counts every process of the run
+                          gradient_accumulation=max(1, work.effective_batch // (pdb * (pinned_world(cfg) or 1))),
                           gradient_checkpointing=_grpo(cfg, "gradient_checkpointing"),
                           daily=cfg.plan.daily_projection)
     allowed = cfg.plan.allowed_gpus or (

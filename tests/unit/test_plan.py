@@ -459,3 +459,14 @@ def test_server_gpus_do_not_share_the_training_work():
     train4, _ = step_seconds(model, work, four, gpu, Assumptions())
     assert train2s == pytest.approx(train2) and train4 < train2  # only trainers divide the step's completions
     assert gen2s > 0 and (two_and_server.gpus, two_and_server.world_size) == (4, 2)
+
+
+def test_a_local_run_of_two_processes_plans_each_process_at_its_configured_batch():
+    from configs.schema import load_config
+    from tasks.plan import plan_for_config
+
+    one, two = (load_config(None, sets) for sets in ([], ["train.distributed.processes_per_node=2"]))
+    p1, p2 = (plan_for_config(c, cfg("smollm2-135m"), "smollm2-135m") for c in (one, two))
+    assert p2.workload.effective_batch == 2 * p1.workload.effective_batch  # TRL runs the batch on each process
+    split = lambda p: (p.settings.per_device_train_batch_size, p.settings.gradient_accumulation_steps)  # noqa: E731
+    assert split(p2) == split(p1) and p2.memory.total == p1.memory.total
