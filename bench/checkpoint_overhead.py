@@ -12,43 +12,25 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import tempfile
-from pathlib import Path
 
-from bench.harness import RESULTS, ROOT, compare, training_bench_args
+from bench.harness import RESULTS, compare, training_bench_args
 from bench.table import Row, from_compare
-from configs.schema import load_config
+from bench.training_setup import BUCKET, clear_store, training_setup
 from infra.services import seaweedfs_s3
-from tasks.demo_task import generate
-from tasks.splits import write_splits
-from tasks.model import ensure_demo_model
-from tests.tiny_model import create_random_model
-from tasks.job import build_job_spec
-from trainer.checkpoints import FINAL, S3Store, checkpoint_name
+from trainer.checkpoints import FINAL, checkpoint_name
 
 TRAINER = [sys.executable, "-m", "trainer", "--spec"]
 
 
-def _clear(store: S3Store) -> None:
-    for key in store._keys(store.prefix + "/"):
-        store.s3.delete_object(Bucket=store.bucket, Key=key)
-
-
 def main() -> None:
     args = training_bench_args(__doc__)
-    demo = load_config(ROOT / "configs" / "demo-cpu.yaml")
-    work = Path(tempfile.mkdtemp(prefix="bench-ckpt-"))
-    model = create_random_model(work / "tiny") if args.tiny else ensure_demo_model(demo.data_dir / "models")
-    splits = write_splits(generate(demo.data.demo), work / "data")
-    suffix = "_tiny" if args.tiny else ""
+    setup = training_setup(args, "bench-ckpt-")
+    demo, work, model, suffix = setup.demo, setup.work, setup.model, setup.suffix
 
-    with seaweedfs_s3(work / "s3", bucket="bench") as endpoint:
+    with seaweedfs_s3(work / "s3", bucket=BUCKET) as endpoint:
 
-        def spec_file(name: str, *overrides: str) -> tuple[Path, S3Store]:
-            cfg = load_config(ROOT / "configs" / "demo-cpu.yaml", [f"train.s3_endpoint_url={endpoint}", *overrides])
-            spec = build_job_spec(cfg.train, cfg.model, str(model), splits, work / name)
-            spec = spec.model_copy(update={"mlflow_tracking_uri": None, "checkpoint_uri": f"s3://bench/{name}"})
-            return spec.write(work / f"{name}.json"), S3Store(spec.checkpoint_uri, endpoint_url=endpoint)
+        def spec_file(name: str, *overrides: str):
+            return setup.spec_file(name, *overrides, endpoint=endpoint), setup.store(name, endpoint)
 
         steps = f"train.grpo.max_steps={args.steps}"
         none_path, none_store = spec_file("none", steps, "train.checkpoint_every=100000")
@@ -59,7 +41,7 @@ def main() -> None:
             candidate=[*TRAINER, str(every_path)],
             metric="metrics.train_runtime",
             repeats=args.repeats,
-            before_each=lambda: (_clear(none_store), _clear(every_store)),
+            before_each=lambda: (clear_store(none_store), clear_store(every_store)),
             steps=args.steps,
             model=str(model),
         )
@@ -70,7 +52,7 @@ def main() -> None:
         subprocess.run([*TRAINER, str(warm_path)], check=True, capture_output=True)  # checkpoints 1..3
 
         def reset() -> None:  # cold: an empty store; warm: checkpoints 1-2 in the store, so it resumes at 2
-            _clear(cold_store)
+            clear_store(cold_store)
             warm_store.delete(FINAL)
             warm_store.delete(checkpoint_name(3))
 

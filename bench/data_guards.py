@@ -25,10 +25,9 @@ import sys
 import tempfile
 import time
 import types
-from datetime import UTC, datetime
 from pathlib import Path
 
-from bench.harness import RESULTS, ROOT
+from bench.harness import ROOT, save, stamp
 from bench.table import Row
 
 NAME = "data_guards"
@@ -111,13 +110,9 @@ def main() -> None:
         "same_rows_kept": same,
         "dropped": {r["side"]: r["dropped"] for r in runs},
         "runs": runs,
-        "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        **stamp(),
     }
-    RESULTS.mkdir(exist_ok=True)
-    tmp = RESULTS / f"{NAME}.json.tmp"
-    tmp.write_text(json.dumps(report, indent=1))
-    tmp.replace(RESULTS / f"{NAME}.json")
+    save(NAME, report)
     m, c = report["median_seconds"], report["median_cpu_seconds"]
     print(f"[{NAME}] {args.rows:,} rows: before {m['before']:.2f} s, after {m['after']:.2f} s: x{report['ratio']:.3f} "
           f"(CPU x{report['ratio_cpu']:.3f}); same rows kept: {same}")

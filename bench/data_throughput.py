@@ -26,10 +26,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 
-from bench.harness import RESULTS, ROOT
+from bench.harness import ROOT, save, stamp
 
 GSM8K = ROOT.parent / "shared" / "data" / "gsm8k"
 NAME = "data_throughput"
@@ -283,13 +282,9 @@ def main() -> None:
                         for side in ("baseline", "arrow") for near in (False, True)},
         "memory_by_rows": memory,
         "runs": runs,
-        "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        **stamp(),
     }
-    RESULTS.mkdir(exist_ok=True)
-    tmp = RESULTS / f"{NAME}.json.tmp"
-    tmp.write_text(json.dumps(report, indent=1))
-    tmp.replace(RESULTS / f"{NAME}.json")
+    save(NAME, report)
     m = report["median"]
     print(f"[{NAME}] without near-dedup: arrow {m['arrow']:,.0f} rows/s vs per-row {m['baseline']:,.0f} "
           f"(x{report['ratio']:.1f}); with: {m['arrow_near']:,.0f} vs {m['baseline_near']:,.0f} "

@@ -15,47 +15,25 @@ from __future__ import annotations
 
 import shutil
 import sys
-import tempfile
-from pathlib import Path
 
-from bench.harness import ROOT, compare, training_bench_args
+from bench.harness import compare, training_bench_args
 from bench.table import Row, from_compare
-from configs.schema import load_config
+from bench.training_setup import BUCKET, clear_store, training_setup
 from infra.services import seaweedfs_s3
-from tasks.demo_task import generate
-from tasks.job import build_job_spec
-from tasks.model import ensure_demo_model
-from tasks.splits import write_splits
-from tests.tiny_model import create_random_model
-from trainer.checkpoints import S3Store
 
 LAUNCH = [sys.executable, "-m", "trainer.launch", "--spec"]
 
 
-def _clear(store: S3Store) -> None:
-    for key in store._keys(store.prefix + "/"):
-        store.s3.delete_object(Bucket=store.bucket, Key=key)
-
-
 def main() -> None:
     args = training_bench_args(__doc__)
-    demo = load_config(ROOT / "configs" / "demo-cpu.yaml")
-    work = Path(tempfile.mkdtemp(prefix="bench-dist-"))
-    model = create_random_model(work / "tiny") if args.tiny else ensure_demo_model(demo.data_dir / "models")
-    splits = write_splits(generate(demo.data.demo), work / "data")
-    suffix = "_tiny" if args.tiny else ""
+    setup = training_setup(args, "bench-dist-")
+    demo, work, model, suffix = setup.demo, setup.work, setup.model, setup.suffix
     gens = demo.train.grpo.get("num_generations", 8)
     common = [f"train.grpo.max_steps={args.steps}", f"train.grpo.num_generations={gens}",
               "train.grpo.gradient_accumulation_steps=1", "train.grpo.logging_steps=1"]
 
-    def spec_file(name: str, *overrides: str, endpoint: str | None = None) -> Path:
-        extra = [f"train.s3_endpoint_url={endpoint}"] if endpoint else []
-        cfg = load_config(ROOT / "configs" / "demo-cpu.yaml", [*common, *extra, *overrides])
-        spec = build_job_spec(cfg.train, cfg.model, str(model), splits, work / name)
-        update = {"mlflow_tracking_uri": None}
-        if endpoint:
-            update["checkpoint_uri"] = f"s3://bench/{name}"
-        return spec.model_copy(update=update).write(work / f"{name}.json")
+    def spec_file(name: str, *overrides: str, endpoint: str | None = None):
+        return setup.spec_file(name, *common, *overrides, endpoint=endpoint)
 
     one = spec_file("one", f"train.grpo.per_device_train_batch_size={2 * gens}",
                     "train.distributed.processes_per_node=1", "train.checkpoint_every=100000")
@@ -69,15 +47,15 @@ def main() -> None:
             metric="metrics.train_runtime", repeats=args.repeats, before_each=clean, steps=args.steps,
             completions_per_step=2 * gens, model=str(model))
 
-    with seaweedfs_s3(work / "s3", bucket="bench") as endpoint:
+    with seaweedfs_s3(work / "s3", bucket=BUCKET) as endpoint:
         two_args = [f"train.grpo.per_device_train_batch_size={gens}", "train.distributed.processes_per_node=2"]
         none = spec_file("none2", *two_args, "train.checkpoint_every=100000", endpoint=endpoint)
         every = spec_file("every2", *two_args, "train.checkpoint_every=1", "train.keep_checkpoints=2",
                           endpoint=endpoint)
-        stores = [S3Store(f"s3://bench/{n}", endpoint_url=endpoint) for n in ("none2", "every2")]
+        stores = [setup.store(n, endpoint) for n in ("none2", "every2")]
         compare("distributed_checkpoint_overhead" + suffix, baseline=[*LAUNCH, str(none)],
                 candidate=[*LAUNCH, str(every)], metric="metrics.train_runtime", repeats=args.repeats,
-                before_each=lambda: [_clear(store) for store in stores], steps=args.steps, ranks=2, model=str(model))
+                before_each=lambda: [clear_store(store) for store in stores], steps=args.steps, ranks=2, model=str(model))
 
 
 def table_rows(load) -> list[Row]:

@@ -82,6 +82,12 @@ def reset_peak_rss() -> bool:
         return False
 
 
+def stamp() -> dict:
+    """Where and when a result was measured, for the end of its JSON."""
+    return {"machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+            "date": datetime.now(UTC).isoformat(timespec="seconds")}
+
+
 def save(name: str, report: dict) -> Path:
     """Write `bench/results/<name>.json` aside, then rename it into place: never a half-written result."""
     RESULTS.mkdir(exist_ok=True)
@@ -128,8 +134,7 @@ def compare(
         "samples": samples,
         "baseline": shlex.join(baseline),
         "candidate": shlex.join(candidate),
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        **stamp(),
         **meta,
     }
     save(name, report)
