@@ -103,7 +103,7 @@ def run(spec: JobSpec, started: float | None = None) -> TrainResult:
     from trainer.callbacks import (CheckpointSync, FirstStepTimer, ReportValidation, StopOnSigterm, hide_library_bars,
                                    print_logs_once)
     from trainer.loading import load_model
-    from trainer.rewards import resolve_rewards
+    from trainer.rewards import RewardError, resolve_rewards
 
     started = started or time.monotonic()
     stop = StopOnSigterm()  # first: a SIGTERM during model loading must not kill the job uncleanly
@@ -151,7 +151,13 @@ def run(spec: JobSpec, started: float | None = None) -> TrainResult:
         callbacks=callbacks,
     )
     print_logs_once(trainer)  # one line per log, with its step, for the parent's progress
-    output = trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    try:
+        output = trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    except RewardError as exc:  # bad input ends the job for good (exit 2): its MLflow run says why
+        if metrics:
+            metrics.client.set_tag(run_id, "failure", str(exc)[:5000])
+            metrics.client.set_terminated(run_id, "FAILED")
+        raise
     sync.wait()  # the newest checkpoint must be in the store before we report or exit
 
     state = trainer.state
