@@ -245,10 +245,13 @@ def fit(model_config, work: Workload, gpu: GPU, count: int, assumptions: Assumpt
             b for b in _divisors(per_gpu) if b <= cap]
         for strategy in strategies:
             sharded = strategy in ("fsdp", "zero3")
-            if sharded and work.vllm and not layout.vllm_server:
-                continue  # colocated vLLM needs the whole model on each GPU
+            if sharded and work.vllm and not tp:
+                why = f"{strategy} shards the weights, and colocated vLLM needs the whole model on each GPU"
+                continue
             if sharded and work.quantization != "none":
-                continue  # a bitsandbytes base is not sharded as the trainer loads it (trainer.distributed.problems)
+                # a bitsandbytes base is not sharded as the trainer loads it (trainer.distributed.problems)
+                why = f"{strategy} cannot shard a bitsandbytes {work.quantization} base"
+                continue
             shards = world if sharded else 1
             for ckpt in ckpts:
                 floor = min(gens, per_gpu) if (work.gradient_checkpointing == "auto" and not ckpt) else 1
@@ -257,15 +260,15 @@ def fit(model_config, work: Workload, gpu: GPU, count: int, assumptions: Assumpt
                         break
                     accum, rest = divmod(per_gpu, pdb)
                     if rest or (layout.gradient_accumulation_steps not in (None, accum)):
-                        why_batch = (f"per_device_train_batch_size x gradient_accumulation_steps x processes = {pdb} x "
-                               f"{layout.gradient_accumulation_steps or '?'} x {world} cannot make the effective "
-                               f"batch of {work.effective_batch}")
+                        why_batch = (f"per_device_train_batch_size x gradient_accumulation_steps x processes = {pdb} "
+                                     f"x {layout.gradient_accumulation_steps or '?'} x {world} cannot make the "
+                                     f"effective batch of {work.effective_batch}")
                         continue
                     for spg in [layout.steps_per_generation] if layout.steps_per_generation else _divisors(accum):
                         if (pdb * world * spg) % gens:  # TRL refuses this at start, after the GPUs are paid for
-                            why_batch = (f"per_device_train_batch_size x processes x steps_per_generation = {pdb} x {world} "
-                                   f"x {spg} = {pdb * world * spg} completions is not a multiple of num_generations "
-                                   f"({gens}), which TRL refuses at start")
+                            why_batch = (f"per_device_train_batch_size x processes x steps_per_generation = {pdb} x "
+                                         f"{world} x {spg} = {pdb * world * spg} completions is not a multiple of "
+                                         f"num_generations ({gens}), which TRL refuses at start")
                             continue
                         server = None
                         if tp:
@@ -439,12 +442,15 @@ def make_plan(
         if best is None or (usd, hours) < (best[0], best[1]):
             best = option
     if best is None:
+        said = "; ".join(f"{name}: {why}" for name, why, _ in reasons)
         if reasons and all(batch for _, _, batch in reasons):  # the batch rule refused every count, not memory
-            said = "; ".join(f"{name}: {why}" for name, why, _ in reasons)
             raise PlanError(f"no launch of this batch passes TRL's check at start: {said}; change "
                             "train.grpo.per_device_train_batch_size, gradient_accumulation_steps or num_generations, "
                             "or train.distributed.nodes / processes_per_node (plan.target_effective_batch: the total)")
-        need = min(o.need_gib for o in options)
+        needs = [o.need_gib for o in options if not math.isnan(o.need_gib)]
+        if not needs:  # refused before any memory was estimated: the layout itself cannot run
+            raise PlanError(f"{work.model} cannot be planned as configured: {said}")
+        need = min(needs)
         raise PlanError(
             f"{work.model} does not fit any allowed GPU ({', '.join(g.name for g in gpus)}, up to "
             f"{assumptions.max_gpus} per node): it needs at least {need:.1f} GiB per GPU. Quantize the base "

@@ -470,3 +470,15 @@ def test_a_local_run_of_two_processes_plans_each_process_at_its_configured_batch
     assert p2.workload.effective_batch == 2 * p1.workload.effective_batch  # TRL runs the batch on each process
     split = lambda p: (p.settings.per_device_train_batch_size, p.settings.gradient_accumulation_steps)  # noqa: E731
     assert split(p2) == split(p1) and p2.memory.total == p1.memory.total
+
+
+def test_a_pinned_layout_that_cannot_run_says_why_not_a_memory_figure():
+    from configs.schema import load_config
+    from tasks.plan import plan_for_config
+
+    sets = ["model.base=llama-3.1-70b", "model.compute_dtype=bfloat16", "train.launcher=sky", "train.grpo.max_steps=10",
+            "train.grpo.use_vllm=true", "train.distributed.strategy=fsdp"]
+    with pytest.raises(PlanError, match="cannot be planned as configured: .*colocated vLLM needs the whole model"):
+        plan_for_config(load_config(None, sets), cfg("llama-3.1-70b"), "m")
+    served = plan_for_config(load_config(None, sets + ["train.grpo.vllm_mode=server"]), cfg("llama-3.1-70b"), "m")
+    assert served.settings.strategy == "fsdp" and served.settings.vllm_tensor_parallel > 0
