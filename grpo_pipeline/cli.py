@@ -28,12 +28,12 @@ from rich.table import Table
 
 from configs.files import packaged, recipe
 from configs.schema import ConfigError, load_config
-from grpo_pipeline.failure import err, fail as _fail, options_error
+from grpo_pipeline.failure import Commands, err, fail as _fail, options_error
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_REJECTED, EXIT_CHAMPION_MOVED = 0, 1, 2, 3, 4
 DEFAULT_CONFIG = packaged("demo-cpu.yaml")  # the CPU demo, from the installed package
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="GRPO fine-tuning pipeline.")
+app = typer.Typer(cls=Commands, add_completion=False, no_args_is_help=True, help="GRPO fine-tuning pipeline.")
 
 ConfigOpt = Annotated[
     Optional[Path], typer.Option("--config", "-c", help="pipeline YAML; default: configs/demo-cpu.yaml")

@@ -5,11 +5,18 @@ import cycle."""
 from __future__ import annotations
 
 import json
+import sys
 from typing import NoReturn
 
 import typer
 from pydantic import ValidationError
 from rich.console import Console
+from typer.core import TyperGroup
+
+try:  # recent typer releases carry their own copy of click, and raise its exceptions
+    from typer._click.exceptions import UsageError
+except ImportError:
+    from click import UsageError
 
 err = Console(stderr=True, soft_wrap=True)
 
@@ -19,9 +26,38 @@ def fail(as_json: bool, message: str, code: int, **extra) -> NoReturn:
     --json the failure object {"status": "failed", "error", "exit_code"}, `extra` fields included, as the last
     line of stdout."""
     if as_json:
-        print(json.dumps({"status": "failed", "error": message, "exit_code": code, **extra}), flush=True)
+        print(failure_line(message, code, **extra), flush=True)
     err.print(message, style="red", markup=False, highlight=False)
     raise typer.Exit(code)
+
+
+def failure_line(message: str, code: int, **extra) -> str:
+    """The failure object, one line of JSON.
+
+    >>> failure_line("no such file", 2)
+    '{"status": "failed", "error": "no such file", "exit_code": 2}'
+    """
+    return json.dumps({"status": "failed", "error": message, "exit_code": code, **extra})
+
+
+class Commands(TyperGroup):
+    """A command group whose usage errors (an option value of the wrong type, a missing option, an unknown
+    command) end --json with the failure object too: click still prints its own message, which names the
+    option, and exits 2. Usage errors of sub-groups (`rewards check`) pass through here as well."""
+
+    json_asked = False
+
+    def main(self, args=None, *rest, **options):
+        self.json_asked = "--json" in (sys.argv[1:] if args is None else args)  # as click reads its arguments
+        return super().main(args, *rest, **options)
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except UsageError as exc:
+            if self.json_asked:
+                print(failure_line(exc.format_message(), exc.exit_code), flush=True)
+            raise
 
 
 def options_error(exc: ValidationError, flags: dict[str, str]) -> str:

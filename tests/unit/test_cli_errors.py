@@ -234,3 +234,18 @@ def test_stack_up_refuses_a_taken_port_before_starting_anything(tmp_path):
     _one_paragraph_on_stderr(result, f"MLflow port {port} is in use; choose another with --mlflow-port")
     state = tmp_path / "stack" / "state.json"
     assert not state.exists() or json.loads(state.read_text())["services"] == {}  # PostgreSQL was not started
+
+
+@pytest.mark.parametrize("args, says", [
+    (["plan", "--lora-rank", "many", "--json"], "Invalid value for '--lora-rank'"),
+    (["hpo", "--trials", "0", "--json"], "Invalid value for '--trials'"),
+    (["rewards", "check", "math_answer", "--json"], "Missing option '--input'"),
+    (["data", "--json", "--no-such-option"], "No such option: --no-such-option"),
+])
+def test_a_usage_error_caught_by_the_parser_ends_json_with_the_failure_object_too(args, says):
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == EXIT_CONFIG, result.output
+    failure = json.loads(result.stdout.strip().splitlines()[-1])
+    assert failure["status"] == "failed" and failure["exit_code"] == EXIT_CONFIG
+    assert says in failure["error"] and says in result.stderr  # click's own message, in its box, on stderr
+    assert CliRunner().invoke(app, [a for a in args if a != "--json"]).stdout == ""  # without --json: stderr only
