@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+from contextlib import contextmanager
 from typing import NoReturn
 
 import typer
@@ -42,22 +43,69 @@ def failure_line(message: str, code: int, **extra) -> str:
 
 class Commands(TyperGroup):
     """A command group whose usage errors (an option value of the wrong type, a missing option, an unknown
-    command) end --json with the failure object too: click still prints its own message, which names the
-    option, and exits 2. Usage errors of sub-groups (`rewards check`) pass through here as well."""
+    command or option, at the root as in a command) end --json with the failure object too: click still prints
+    its own message, which names the option, and exits 2. Usage errors of sub-groups (`rewards check`) pass
+    through here as well."""
 
-    json_asked = False
+    args: list[str] = []
 
     def main(self, args=None, *rest, **options):
-        self.json_asked = "--json" in (sys.argv[1:] if args is None else args)  # as click reads its arguments
+        self.args = list(sys.argv[1:] if args is None else args)  # as click reads its arguments
         return super().main(args, *rest, **options)
 
+    def make_context(self, *args, **kwargs):
+        with self._told():  # the root's own options: `grpo-pipeline --json --bogus`
+            return super().make_context(*args, **kwargs)
+
     def invoke(self, ctx):
-        try:
+        with self._told():  # the command's name, and the command's options
             return super().invoke(ctx)
+
+    @contextmanager
+    def _told(self):
+        try:
+            yield
         except UsageError as exc:
-            if self.json_asked:
+            if json_asked(self, self.args):
                 print(failure_line(exc.format_message(), exc.exit_code), flush=True)
             raise
+
+
+def json_asked(command, args: list[str]) -> bool:
+    """Whether `args` give `--json` as an option: not as the value of an option that takes one
+    (`--set --json`), nor as an argument after `--`. Options are looked up on the command the arguments name,
+    through sub-groups; where there is none (an unknown command), a `--json` typed counts as asked.
+
+    >>> from grpo_pipeline.cli import app
+    >>> import typer
+    >>> root = typer.main.get_command(app)
+    >>> [json_asked(root, a.split()) for a in ("data --json", "data --set --json", "--json --bogus",
+    ...                                        "nosuch --json", "plan -- --json", "rewards check x --json")]
+    [True, False, True, True, False, True]
+    """
+    tokens = iter(args)
+    for token in tokens:
+        if token == "--":
+            return False
+        if token == "--json":
+            return True
+        if token.startswith("-") and len(token) > 1:
+            name = token.partition("=")[0] if token.startswith("--") else token[:2]
+            attached = "=" in token if token.startswith("--") else len(token) > 2  # --set=x, -cfile
+            option = _option(command, name)
+            if option is not None and not (option.is_flag or option.count or attached):
+                for _ in range(option.nargs):
+                    next(tokens, None)  # its value, whatever it looks like
+        elif command is not None and hasattr(command, "commands"):
+            command = command.commands.get(token)  # the sub-command; None when there is no such command
+    return False
+
+
+def _option(command, name: str):
+    for param in getattr(command, "params", ()):
+        if param.param_type_name == "option" and name in (*param.opts, *param.secondary_opts):
+            return param
+    return None
 
 
 def options_error(exc: ValidationError, flags: dict[str, str]) -> str:

@@ -249,3 +249,29 @@ def test_a_usage_error_caught_by_the_parser_ends_json_with_the_failure_object_to
     assert failure["status"] == "failed" and failure["exit_code"] == EXIT_CONFIG
     assert says in failure["error"] and says in result.stderr  # click's own message, in its box, on stderr
     assert CliRunner().invoke(app, [a for a in args if a != "--json"]).stdout == ""  # without --json: stderr only
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--json", "--bogus"], "No such option: --json"),  # the root has no --json: its parser refuses it first
+    (["--bogus", "data", "--json"], "No such option: --bogus"),  # refused before any command is named
+    (["nosuch", "--json"], "No such command 'nosuch'"),
+    (["rewards", "nosuch", "--json"], "No such command 'nosuch'"),
+])
+def test_a_usage_error_at_the_root_ends_json_with_the_failure_object_too(args, says):
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == EXIT_CONFIG, result.output
+    failure = json.loads(result.stdout.strip().splitlines()[-1])
+    assert failure == {"status": "failed", "error": failure["error"], "exit_code": EXIT_CONFIG}
+    assert says in failure["error"] and says in result.stderr
+
+
+@pytest.mark.parametrize("args, says", [
+    (["data", "--set", "--json", "--bogus"], "No such option: --bogus"),  # --json is the value of --set
+    (["data", "--set", "data.source=--json", "--bogus"], "No such option: --bogus"),
+    (["data", "--config", "--json", "--bogus"], "No such option: --bogus"),
+    (["plan", "--model", "qwen2.5-7b", "--", "--json"], "unexpected extra argument"),  # an argument after --
+])
+def test_json_as_an_option_value_asks_for_no_failure_object(args, says):
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == EXIT_CONFIG, result.output
+    assert says in result.stderr and result.stdout == ""
