@@ -201,14 +201,11 @@ def _registry(config: Path | None, overrides: list[str] | None):
 def _registry_call(registry, action) -> None:
     """Run an alias-moving command; print every alias it moved (on both registered models), with what each
     pointed at before."""
-    from tasks.registry import CHAMPION, RegistryError
+    from tasks.registry import RegistryError, RegistryServiceError
 
     try:
-        # one read first: an unreachable server fails here at once, naming its URL, instead of as a registry
-        # lock that looks held for the whole lock timeout
-        registry.version_of(CHAMPION)
         moves = action()
-    except (RegistryError, *registry.errors) as exc:
+    except (RegistryError, RegistryServiceError, *registry.errors) as exc:  # an unreachable server: at once, by URL
         _fail(False, str(exc), EXIT_CONFIG)
     for move in moves:
         print(move.describe())

@@ -32,6 +32,9 @@ from types import SimpleNamespace
 CHAMPION, CHALLENGER, PREVIOUS = "champion", "challenger", "previous-champion"
 ALIASES = (CHAMPION, CHALLENGER, PREVIOUS)
 MERGED_VERSION_TAG = "merged_version"
+# what a lookup of something absent answers: RESOURCE_DOES_NOT_EXIST from SQL stores, INVALID_PARAMETER_VALUE
+# from the server for a missing alias (and a version that is not a number)
+MISSING = ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE")
 
 
 def merged_name(name: str) -> str:
@@ -44,7 +47,12 @@ class ChampionMoved(RuntimeError):
 
 
 class RegistryError(RuntimeError):
-    pass
+    """A registry state that refuses the request (a held lock, no such version): no retry changes it."""
+
+
+class RegistryServiceError(RuntimeError):
+    """The MLflow server did not do a registry call (it does not answer, or it refused for a reason other than
+    the registry's state); the message names its URL. A service fault, not a decision: the flow retries it."""
 
 
 @dataclass(frozen=True)
@@ -213,6 +221,11 @@ def _errors(client) -> tuple[type[BaseException], ...]:
     return (MlflowException,)
 
 
+def _code(exc: BaseException) -> str | None:
+    """The error code of a client's error (RESOURCE_ALREADY_EXISTS, ...; UNREACHABLE from `RestClient`)."""
+    return getattr(exc, "error_code", None)
+
+
 class Registry:
     def __init__(self, client, name: str, lock_timeout_s: float = 120, stale_lock_s: float = 900):
         self.client, self.name = client, name
@@ -239,8 +252,7 @@ class Registry:
             # str: the SQL store hands back an int, the REST API a string
             return str(self.client.get_model_version_by_alias(name or self.name, alias).version)
         except self.errors as exc:
-            # a missing alias: RESOURCE_DOES_NOT_EXIST from SQL stores, INVALID_PARAMETER_VALUE from the server
-            if getattr(exc, "error_code", None) in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+            if _code(exc) in MISSING:
                 return None
             raise
 
@@ -296,15 +308,24 @@ class Registry:
                     done.append(m)
         return done
 
+    def _service_error(self, doing: str, exc: BaseException) -> RegistryServiceError:
+        """`exc` told as what could not be done, against the MLflow URL really used."""
+        url = getattr(self.client, "_registry_uri", None) or getattr(self.client, "tracking_uri", "?")
+        detail = str(exc) if str(url) in str(exc) else f"MLflow at {url}: {exc}"
+        return RegistryServiceError(f"{doing}: {detail}")
+
     @contextmanager
     def lock(self):
-        """Exclusive access to the aliases: creating a registered model is atomic in MLflow's database."""
+        """Exclusive access to the aliases: creating a registered model is atomic in MLflow's database. Only
+        "that name exists" means held; any other error (the server does not answer) is raised at once."""
         name, deadline = f"{self.name}.promotion-lock", time.monotonic() + self.lock_timeout_s
         while True:
             try:
                 self.client.create_registered_model(name, tags={"holder": operator(), "since": str(time.time())})
                 break
-            except self.errors:
+            except self.errors as exc:
+                if _code(exc) != "RESOURCE_ALREADY_EXISTS":
+                    raise self._service_error(f"cannot take the registry lock {name}", exc) from exc
                 self._break_if_stale(name)
                 if time.monotonic() > deadline:
                     raise RegistryError(
@@ -321,8 +342,9 @@ class Registry:
             since = float(self.client.get_registered_model(name).tags.get("since", "inf"))
             if time.time() - since > self.stale_lock_s:  # its holder died mid-promotion
                 self.client.delete_registered_model(name)
-        except self.errors:
-            pass  # released meanwhile
+        except self.errors as exc:
+            if _code(exc) != "RESOURCE_DOES_NOT_EXIST":  # else released meanwhile
+                raise self._service_error(f"cannot read the registry lock {name}", exc) from exc
 
     def settle(self, candidate: str, decided_against: str | None, promote: bool, tags: dict[str, str]) -> list[AliasMove]:
         """Move the aliases for a decision, unless the champion moved since the decision was made."""
@@ -351,6 +373,8 @@ class Registry:
         try:
             self.client.get_model_version(self.name, version)
         except self.errors as exc:
+            if _code(exc) not in MISSING:
+                raise self._service_error(f"cannot read version {version} of {self.name}", exc) from exc
             raise RegistryError(f"{self.name} has no version {version}: {exc}") from None
         with self.lock():
             aliases = self.aliases()

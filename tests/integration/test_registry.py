@@ -1,13 +1,16 @@
 """The registry against a real MLflow server (PostgreSQL backend, artifacts on S3): promote, reject,
-rollback, an operator's forced promotion, and two promotions racing."""
+rollback, an operator's forced promotion, two promotions racing, a held lock, and a server that is down."""
 
+import re
+import socket
 import threading
 
 import mlflow
 import pytest
 
 from tasks.registry import (
-    CHALLENGER, CHAMPION, MERGED_VERSION_TAG, PREVIOUS, ChampionMoved, Registry, RegistryError, RestClient,
+    CHALLENGER, CHAMPION, MERGED_VERSION_TAG, PREVIOUS, ChampionMoved, Registry, RegistryError,
+    RegistryServiceError, RestClient,
 )
 
 pytestmark = pytest.mark.integration
@@ -157,3 +160,55 @@ def test_the_rest_client_does_what_mlflows_client_does(registry, tmp_path):
     assert rest.version_of(CHAMPION, name="no-such-model") is None
     with pytest.raises(RestClient.errors):
         Registry(RestClient("http://127.0.0.1:9"), registry.name).aliases()
+
+
+class Counting:
+    """A registry client that counts its attempts to take a lock (to create a registered model)."""
+
+    def __init__(self, client):
+        self.client, self.creates = client, 0
+
+    def create_registered_model(self, *args, **kwargs):
+        self.creates += 1
+        assert self.creates <= 100, "still trying to take the lock"  # rather than wait out a long timeout
+        return self.client.create_registered_model(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
+
+
+@pytest.fixture
+def closed_port():
+    """A port on 127.0.0.1 where nothing listens: a stopped server's address."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("kind", ["rest", "mlflow"])
+def test_an_unreachable_server_fails_the_lock_at_once_naming_its_url(kind, closed_port, monkeypatch):
+    url = f"http://127.0.0.1:{closed_port}"
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # MLflow's client would retry for minutes
+    client = Counting(RestClient(url) if kind == "rest" else mlflow.MlflowClient(url))
+    registry = Registry(client, "down", lock_timeout_s=3600)
+    with pytest.raises(RegistryServiceError, match="cannot take the registry lock down.promotion-lock") as raised:
+        with registry.lock():
+            pytest.fail("the lock was taken on a server that does not answer")
+    assert url in str(raised.value) and "is held" not in str(raised.value)
+    assert client.creates == 1  # one attempt, no wait for the lock timeout
+    with pytest.raises(RegistryServiceError, match=re.escape(url)):
+        registry.rollback("the server is down")
+    with pytest.raises(RegistryServiceError, match="cannot read version 3 of down"):
+        registry.force("3", "the server is down")
+
+
+def test_a_held_lock_is_waited_for_and_then_refused(registry):
+    holder = Registry(mlflow.MlflowClient(registry.client.tracking_uri), registry.name)
+    waiter = Registry(Counting(mlflow.MlflowClient(registry.client.tracking_uri)), registry.name, lock_timeout_s=1)
+    with holder.lock():
+        with pytest.raises(RegistryError, match=f"the registry lock {registry.name}.promotion-lock is held"):
+            with waiter.lock():
+                pytest.fail("two holders of one lock")
+        assert waiter.client.creates > 1  # it kept trying until the timeout
+    with waiter.lock():  # released: the waiter takes it
+        pass
