@@ -22,7 +22,7 @@ from prefect import task
 from pydantic import BaseModel
 
 from trainer.loading import load_model
-from tasks.job import _duration, model_load
+from tasks.job import format_duration, model_load
 from trainer.rewards import completion_text, resolve_reward, resolve_rewards
 from configs.schema import EvalConfig, ModelConfig
 
@@ -197,8 +197,8 @@ class EvalProgress:
             return None
         self.tenths = tenths
         rate = self.done / (now - self.started) if now > self.started else 0.0
-        left = (f"done in {_duration(now - self.started)}" if self.done >= self.total
-                else f"ETA {_duration((self.total - self.done) / rate)}" if rate else "ETA --")
+        left = (f"done in {format_duration(now - self.started)}" if self.done >= self.total
+                else f"ETA {format_duration((self.total - self.done) / rate)}" if rate else "ETA --")
         return f"{self.label}: {self.done}/{self.total} ({self.done / self.total:.0%}), {rate:.2f} prompts/s, {left}"
 
 
@@ -235,7 +235,9 @@ def _log_line(line: str) -> None:
 def progress(label: str, total: int) -> Iterator[Callable[[int], None]]:
     """`advance(n)` for n more prompts done: a bar on a terminal (stderr, where rich draws), plain lines
     otherwise."""
-    if sys.stderr.isatty():
+    from trainer.callbacks import interactive  # here, not at the top: it brings transformers
+
+    if interactive():
         bar, task_id = eval_bar(label, total)
         with bar:
             yield lambda n: bar.advance(task_id, n)
@@ -350,7 +352,9 @@ def generate_vllm(
         max_lora_rank=next(r for r in VLLM_LORA_RANKS if r >= rank),
     )
     lora = LoRARequest("candidate", 1, adapter) if adapter else None
-    bars = sys.stderr.isatty()  # vLLM's tqdm, only where a person sees it
+    from trainer.callbacks import interactive
+
+    bars = interactive()  # vLLM's tqdm, only where a person sees it
     greedy = llm.generate(texts, SamplingParams(temperature=0.0, max_tokens=cfg.max_new_tokens), lora_request=lora,
                           use_tqdm=bars)
     samples: list[list[str]] = []
@@ -379,9 +383,9 @@ def evaluate_model(
     `label`: the model, as progress names it ("evaluating champion v3"); else candidate or base."""
     rows = read_jsonl(holdout)
     label = label or ("candidate" if adapter else "base")
-    if not sys.stderr.isatty():  # a log, not a person: no model-loading bars
-        from trainer.callbacks import hide_library_bars
+    from trainer.callbacks import hide_library_bars, interactive
 
+    if not interactive():  # a log, not a person: no model-loading bars
         hide_library_bars()
     use_vllm = cfg.engine == "vllm" or (cfg.engine == "auto" and vllm_usable())
     if use_vllm:

@@ -118,9 +118,10 @@ def summarize_log_line(line: str) -> str | None:
     return " ".join(f"{k}={logs[k]:.4g}" for k in SHOWN_METRICS if isinstance(logs.get(k), int | float))
 
 
-def _duration(seconds: float) -> str:
-    """
-    >>> _duration(59.4), _duration(252), _duration(7384)
+def format_duration(seconds: float) -> str:
+    """A time span as progress lines show it (elapsed, ETA): seconds, minutes, or hours, two units at most.
+
+    >>> format_duration(59.4), format_duration(252), format_duration(7384)
     ('59s', '4m 12s', '2h 3m')
     """
     seconds = int(round(seconds))
@@ -178,5 +179,5 @@ class TrainProgress:
         if self.step <= first_step or now <= first_time:
             return f"step {self.step}{total}, ETA --"
         rate = (self.step - first_step) / (now - first_time)
-        eta = f", ETA {_duration((max_steps - self.step) / rate)}" if known else ""
+        eta = f", ETA {format_duration((max_steps - self.step) / rate)}" if known else ""
         return f"step {self.step}{total}, {rate:.2f} steps/s{eta}"

@@ -4,6 +4,7 @@ real (no model needed)."""
 
 import io
 import os
+import select
 
 import pytest
 
@@ -110,3 +111,24 @@ def test_the_bar_has_a_total_and_knows_the_time_left_after_one_slow_batch():
     task = bar.tasks[0]
     assert (task.description, task.total) == ("evaluating base", 32)
     assert task.time_remaining == pytest.approx(120.0)
+
+
+def test_evaluation_progress_is_lines_in_a_log_and_a_bar_at_a_terminal(monkeypatch):
+    """The same test of "a person sees it" as the trainer's (trainer.callbacks.interactive)."""
+    from tasks.evaluate import progress
+
+    log = io.StringIO()  # a pipe or a file
+    monkeypatch.setattr("sys.stderr", log)
+    with progress("evaluating base", total=4) as advance:
+        advance(4)
+    assert log.getvalue().startswith("evaluating base: 4/4 (100%)")
+    primary, secondary = os.openpty()  # a real terminal
+    with open(secondary, "w") as terminal:
+        monkeypatch.setattr("sys.stderr", terminal)
+        with progress("evaluating base", total=4) as advance:
+            assert advance(4) is None  # rich's bar, no line
+    monkeypatch.undo()
+    readable, _, _ = select.select([primary], [], [], 5)  # no wait forever when nothing was drawn
+    drawn = os.read(primary, 65536).decode(errors="replace") if readable else ""
+    os.close(primary)
+    assert "evaluating base" in drawn and "4/4" in drawn
