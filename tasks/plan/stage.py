@@ -159,8 +159,8 @@ def apply_plan(cfg, plan: Plan):
     """The config a SkyPilot run trains with: the plan's batch split, checkpointing and bf16 for every
     `train.grpo` field the user left unset, and, unless `train.sky.accelerators` is set, the GPU options
     that fit with the plan's GPU count and strategy, cheapest first (SkyPilot takes the first one it can get);
-    with several GPUs, `train.distributed` (the plan's strategy, one process per GPU) unless the user set it.
-    A local run is left as it is.
+    with several GPUs, each `train.distributed` layout field the user left unset (strategy, processes_per_node,
+    vllm_server_gpus, vllm_server_node) from the plan. A local run is left as it is.
 
     >>> from configs.files import packaged
     >>> from configs.schema import load_config
@@ -186,13 +186,16 @@ def apply_plan(cfg, plan: Plan):
                           and o.vllm_server_gpus == settings.vllm_server_gpus), key=lambda o: o.usd)
         sky = sky.model_copy(update={"accelerators": [f"{o.gpu}:{o.count}" for o in fitting]})
     distributed = cfg.train.distributed
-    if (settings.gpus > 1 or settings.strategy not in ("single", "ddp")) and not distributed.model_fields_set & {
-            "strategy", "processes_per_node", "vllm_server_gpus", "vllm_server_node"}:
-        # the planned layout, as the node launcher reads it: trainers on the first GPUs, the server on the rest
-        distributed = type(distributed)(**{
-            **distributed.model_dump(), "strategy": "ddp" if settings.strategy == "single" else settings.strategy,
-            "processes_per_node": settings.processes_per_node or settings.count,
-            "vllm_server_gpus": settings.vllm_server_gpus, "vllm_server_node": settings.vllm_server_node})
+    if settings.gpus > 1 or settings.strategy not in ("single", "ddp"):
+        # the planned layout, as the node launcher reads it (trainers on the first GPUs, the server on the rest),
+        # field by field: what the user set stays (the plan was sized with it), the plan fills in the rest. Server
+        # mode always sets vllm_server_gpus or vllm_server_node, and the planned strategy must still be written
+        planned = {"strategy": "ddp" if settings.strategy == "single" else settings.strategy,
+                   "processes_per_node": settings.processes_per_node or settings.count,
+                   "vllm_server_gpus": settings.vllm_server_gpus, "vllm_server_node": settings.vllm_server_node}
+        unset = {k: v for k, v in planned.items() if k not in distributed.model_fields_set}
+        if unset:
+            distributed = type(distributed)(**{**distributed.model_dump(exclude_unset=True), **unset})
     world = distributed.nodes * (distributed.processes_per_node or settings.count - distributed.vllm_server_gpus)
     if problem := distributed.batch_problem(grpo, world):  # TRL's check at start, made before any GPU is rented
         raise PlanError(f"the planned launch ({world} training processes) would fail at start: {problem}")

@@ -129,3 +129,47 @@ def test_the_70b_recipe_plans_its_own_launch_with_a_server_node(tmp_path):
     assert "vllm-serve" in serving and f"--tensor-parallel-size {s.vllm_tensor_parallel}" in serving
     training = _dry_run(job_dir, *nodes, "--node-rank", "0")
     assert f"--nnodes {s.train_nodes} " in training and f"--nproc-per-node {s.processes_per_node}" in training
+
+
+def test_a_server_mode_config_with_its_own_server_gpus_launches_the_planned_strategy_and_processes(tmp_path):
+    """Server mode always sets vllm_server_gpus (or vllm_server_node), so the planned layout is written field by
+    field: the user's server GPUs stay, the planned strategy and processes fill the rest. Before, setting any of
+    them kept every one at its default: Qwen2.5-32B planned as FSDP over 2 trainers launched DDP (out of memory)."""
+    sets = ["model.base=qwen2.5-32b", "model.compute_dtype=bfloat16", "train.launcher=sky", "train.checkpoint_uri=s3://b/p",
+            "train.grpo.max_steps=100", "train.grpo.use_vllm=true", "train.grpo.vllm_mode=server",
+            "train.distributed.vllm_server_gpus=2", "plan.target_effective_batch=64"]
+    cfg = load_config(None, sets)
+    model_config = load_model_config("qwen2.5-32b")[1]
+    plan = plan_for_config(cfg, model_config, "qwen2.5-32b")
+    s = plan.settings
+    assert (s.gpu, s.count, s.strategy, s.processes_per_node, s.vllm_server_gpus) == ("L40S", 4, "fsdp", 2, 2)
+    # unsharded, the same node runs out of memory: the strategy is what makes this plan fit
+    with pytest.raises(PlanError, match="does not fit any allowed GPU"):
+        plan_for_config(load_config(None, sets + ["train.distributed.strategy=ddp", "train.sky.accelerators=[L40S:4]"]),
+                        model_config, "qwen2.5-32b")
+
+    planned = apply_plan(cfg, plan)
+    d = planned.train.distributed
+    assert (d.strategy, d.processes_per_node, d.vllm_server_gpus, d.vllm_server_node) == ("fsdp", 2, 2, False)
+    TrainConfig.model_validate(planned.train.model_dump())
+    spec, job_dir = _job(tmp_path, planned, "Qwen/Qwen2.5-32B-Instruct")
+    task = build_task(spec, job_dir, planned.train.sky, 3, environ={})
+    assert [dict(r.accelerators) for r in task.resources][0] == {"L40S": 4} and task.num_nodes == 1
+    assert JobSpec.read(job_dir / "job.json").train.distributed.strategy == "fsdp"
+
+    out = _dry_run(job_dir, "--nnodes", "1", "--gpus-per-node", "4")
+    assert "CUDA_VISIBLE_DEVICES=2,3 " in out and "--tensor-parallel-size 2" in out  # the server: the last 2 GPUs
+    assert "CUDA_VISIBLE_DEVICES=0,1 " in out and "--nproc-per-node 2" in out  # two trainers, sharded
+    assert "ACCELERATE_USE_FSDP=true" in out
+
+
+def test_the_user_s_distributed_fields_win_and_the_plan_fills_the_rest():
+    sets = ["model.base=qwen2.5-32b", "model.compute_dtype=bfloat16", "train.launcher=sky", "train.grpo.max_steps=100",
+            "train.grpo.use_vllm=true", "train.grpo.vllm_mode=server", "train.distributed.vllm_server_gpus=2",
+            "train.distributed.strategy=zero3", "plan.target_effective_batch=64"]
+    cfg = load_config(None, sets)
+    plan = plan_for_config(cfg, load_model_config("qwen2.5-32b")[1], "qwen2.5-32b")
+    d = apply_plan(cfg, plan).train.distributed
+    assert plan.settings.strategy == "zero3"  # the plan was sized with the user's strategy
+    assert (d.strategy, d.vllm_server_gpus, d.processes_per_node) == ("zero3", 2, plan.settings.processes_per_node)
+    assert d.model_fields_set >= {"strategy", "vllm_server_gpus", "processes_per_node"}
