@@ -38,7 +38,7 @@ class CandidateRow(BaseModel):
     metrics: dict[str, float] = {}
     memory_gib: float | None = None
     gpu: str | None = None
-    gpu_count: int | None = None
+    gpus_total: int | None = None  # every GPU the plan rents, all nodes and a vLLM server's included (its price)
     cost_usd: float | None = None
     fits: bool = False
     within_budget: bool = False
@@ -52,7 +52,7 @@ class Selection(BaseModel):
 
     def table(self) -> dict[str, list]:
         """Columns for `mlflow.log_table`."""
-        keys = ("base", "params_b", "reward", "memory_gib", "gpu", "gpu_count", "cost_usd", "fits", "within_budget", "note")
+        keys = ("base", "params_b", "reward", "memory_gib", "gpu", "gpus_total", "cost_usd", "fits", "within_budget", "note")
         return {k: [getattr(r, k) for r in self.rows] for k in keys} | {"chosen": [r.base == self.chosen for r in self.rows]}
 
 
@@ -82,7 +82,7 @@ def price(cfg: PipelineConfig, base: str, path: str, train_rows: int | None = No
     if not fits:
         note = plan.notes[-1]
     return CandidateRow(base=base, path=path, params_b=plan.params / 1e9, memory_gib=plan.memory.total / GIB,
-                        gpu=plan.settings.gpu, gpu_count=plan.settings.count, cost_usd=plan.estimate.usd,
+                        gpu=plan.settings.gpu, gpus_total=plan.settings.gpus, cost_usd=plan.estimate.usd,
                         fits=fits, within_budget=within, note=note)
 
 

@@ -133,6 +133,15 @@ class Estimate(Frozen):
     monthly_spot_usd: float | None
 
 
+class Reason(Frozen):
+    """Why a GPU type and count was refused: `memory` (an estimate was made and is over the GPU's, or the vLLM
+    server's, capacity), `batch` (no split passes the effective batch or TRL's num_generations rule at start) or
+    `layout` (the configured processes, server GPUs, strategy or tensor parallel cannot run on it at all)."""
+
+    kind: Literal["memory", "batch", "layout"]
+    text: str
+
+
 class Option(Frozen):
     gpu: str
     count: int | None
@@ -144,6 +153,7 @@ class Option(Frozen):
     note: str = ""
     nodes: int = 1
     vllm_server_gpus: int = 0
+    refused: Literal["memory", "batch", "layout"] | None = None  # the kind of `note` when it does not fit
 
 
 class Plan(Frozen):
@@ -165,9 +175,11 @@ class Plan(Frozen):
         return {**self.model_dump(mode="json"), "memory_gib": {k: round(v, 3) for k, v in self.memory.gib().items()}}
 
     def summary(self) -> dict[str, Any]:
-        """Flat numbers for MLflow params/metrics."""
+        """Flat numbers for MLflow params/metrics. plan_gpus_total: every GPU rented on every node (the vLLM
+        server's included, what the price counts); plan_world_size: the training processes among them."""
         return {
-            "plan_gpu": self.settings.gpu, "plan_gpu_count": self.settings.gpus, "plan_world_size": self.settings.world_size,
+            "plan_gpu": self.settings.gpu, "plan_gpus_total": self.settings.gpus, "plan_nodes": self.settings.nodes,
+            "plan_gpus_per_node": self.settings.count, "plan_world_size": self.settings.world_size,
             "plan_memory_gib": round(self.memory.total / GIB, 2), "plan_hours": self.estimate.hours,
             "cost_usd_estimated": round(self.estimate.usd, 2), "plan_pricing": self.estimate.pricing,
             **{f"plan_{k}": v for k, v in self.settings.grpo_overrides().items()},
@@ -207,9 +219,10 @@ def fit(model_config, work: Workload, gpu: GPU, count: int, assumptions: Assumpt
     one sequence) unless the user set the per-device batch.
 
     Returns (Settings, MemoryEstimate, ServerMemory | None, None) or (None, the estimate at the smallest settings
-    or None, None, why not). Gradient checkpointing 'auto' leaves it off when a micro-batch of at least one
-    prompt's group (num_generations, or the whole per-GPU share if smaller) fits without it: it costs ~1/3 more
-    compute.
+    or None, None, the `Reason`). The reason is memory whenever some memory estimate was made (a split that passed
+    the batch rules and could run was sized, and did not fit), else the batch rule's, else the layout's.
+    Gradient checkpointing 'auto' leaves it off when a micro-batch of at least one prompt's group
+    (num_generations, or the whole per-GPU share if smaller) fits without it: it costs ~1/3 more compute.
     """
     layout = layout or Layout()
     gens = work.num_generations
@@ -222,12 +235,21 @@ def fit(model_config, work: Workload, gpu: GPU, count: int, assumptions: Assumpt
     capacity = capacity_bytes(gpu, assumptions)
     server_capacity = gpu.memory_gib * GIB * SERVER_MEMORY_UTILIZATION
     ckpts = [False, True] if work.gradient_checkpointing == "auto" else [work.gradient_checkpointing]
-    # why nothing fits: a memory or server reason (some split passed TRL's rule) beats a batch-rule one
-    smallest, why, why_batch = None, None, f"{count} GPUs per node do not split the batch"
-    for server_gpus, server_node in _server_layouts(work, layout, count):
+    smallest = None
+    # why nothing fits, by kind; a memory reason (some split could run and was sized) beats the others
+    why_server = why_batch = why_layout = None
+    layouts = _server_layouts(work, layout, count)
+    if not layouts:  # server mode, the planner choosing the server's GPUs, and a node of one GPU
+        why_layout = (f"a vLLM server (vllm_mode=server) needs GPUs of its own, and {count} GPU per node leaves none "
+                      "to train on beside it")
+    for server_gpus, server_node in layouts:
         procs = layout.processes_per_node or count - server_gpus  # the launch's default: every GPU the server leaves
-        if procs < 1 or procs + server_gpus > count:
-            why = f"{procs} processes + {server_gpus} vLLM server GPUs do not fit {count} GPUs per node"
+        if procs < 1:
+            why_layout = (f"{server_gpus} vLLM server GPUs leave no GPU to train on beside them on a node of {count} "
+                          "GPUs")
+            continue
+        if procs + server_gpus > count:
+            why_layout = (f"{procs} processes + {server_gpus} vLLM server GPUs do not fit {count} GPUs per node")
             continue
         world = layout.nodes * procs
         if work.effective_batch % world:
@@ -236,7 +258,8 @@ def fit(model_config, work: Workload, gpu: GPU, count: int, assumptions: Assumpt
         per_gpu = work.effective_batch // world
         tp = count if server_node else server_gpus
         if tp and architecture(model_config).heads % tp:
-            why = f"vLLM's tensor-parallel size {tp} does not divide the model's {architecture(model_config).heads} attention heads"
+            why_layout = (f"vLLM's tensor-parallel size {tp} does not divide the model's "
+                          f"{architecture(model_config).heads} attention heads")
             continue
         # least traffic first: ddp replicates everything, zero2 shards gradients and optimizer state, fsdp the
         # weights too (the only one that helps a base too large for one GPU)
@@ -246,11 +269,11 @@ def fit(model_config, work: Workload, gpu: GPU, count: int, assumptions: Assumpt
         for strategy in strategies:
             sharded = strategy in ("fsdp", "zero3")
             if sharded and work.vllm and not tp:
-                why = f"{strategy} shards the weights, and colocated vLLM needs the whole model on each GPU"
+                why_layout = f"{strategy} shards the weights, and colocated vLLM needs the whole model on each GPU"
                 continue
             if sharded and work.quantization != "none":
                 # a bitsandbytes base is not sharded as the trainer loads it (trainer.distributed.problems)
-                why = f"{strategy} cannot shard a bitsandbytes {work.quantization} base"
+                why_layout = f"{strategy} cannot shard a bitsandbytes {work.quantization} base"
                 continue
             shards = world if sharded else 1
             for ckpt in ckpts:
@@ -282,11 +305,10 @@ def fit(model_config, work: Workload, gpu: GPU, count: int, assumptions: Assumpt
                         if smallest is None or mem.total < smallest.total:
                             smallest = mem
                         if mem.total > capacity:
-                            why = f"needs {mem.total / GIB:.1f} GiB per training GPU"
                             continue
                         if server is not None and server.total > server_capacity:
-                            why = (f"the vLLM server needs {server.total / GIB:.1f} GiB on each of {tp} GPUs, "
-                                   f"{server_capacity / GIB:.1f} GiB usable")
+                            why_server = (f"the vLLM server needs {server.total / GIB:.1f} GiB on each of {tp} GPUs, "
+                                          f"{server_capacity / GIB:.1f} GiB usable")
                             continue
                         util = None
                         if work.vllm and not tp:
@@ -299,7 +321,13 @@ def fit(model_config, work: Workload, gpu: GPU, count: int, assumptions: Assumpt
                             processes_per_node=procs, vllm_server_gpus=server_gpus, vllm_server_node=server_node,
                             vllm_tensor_parallel=tp,
                         ), mem, server, None
-    return None, smallest, None, why or why_batch
+    if smallest is not None:  # sized: the server's reason when a training share fit (then only it failed)
+        return None, smallest, None, Reason(kind="memory", text=why_server or (
+            f"needs {smallest.total / GIB:.1f} GiB per training GPU at the smallest settings, "
+            f"{capacity / GIB:.1f} GiB usable"))
+    if why_batch:
+        return None, None, None, Reason(kind="batch", text=why_batch)
+    return None, None, None, Reason(kind="layout", text=why_layout or f"no layout was tried on {count} GPUs per node")
 
 
 def step_seconds(model_config, work: Workload, settings: Settings, gpu: GPU, assumptions: Assumptions) -> tuple[float, float]:
@@ -397,21 +425,30 @@ def make_plan(
     arch = architecture(model_config)
     layout = layout or Layout()
     counts = [c for c in (1, 2, 4, 8, 16) if c <= assumptions.max_gpus]
+    fallback: list[int] = []  # counts tried only when none of `counts` can run the job
     if layout.processes_per_node:  # nodes too small for the processes (+ server GPUs) the launch fixes are no option
         need = layout.processes_per_node + (layout.vllm_server_gpus or 0)
         counts = sorted({c for c in counts if c >= need} | {need})
+    elif layout.vllm_server_gpus and layout.vllm_server and work.vllm:
+        # the server's K GPUs come on top of the trainers': a per-device batch and accumulation the user fixed may
+        # leave 1 + K (or 2 + K, ...) the only node that runs them. Clouds sell nodes of 1, 2, 4, 8 GPUs, so such a
+        # count is a fallback, tried only when no power of two can run the job
+        fallback = sorted({p + layout.vllm_server_gpus for p in counts
+                           if p + layout.vllm_server_gpus <= assumptions.max_gpus} - set(counts))
     best = None
     options = []
     reasons = []
     for gpu in gpus:
         option = None
         smallest = None
-        whys = []
+        whys: list[tuple[int, Reason]] = []
         pinned = (layout.gpus_per_node or {}).get(gpu.name)
-        for count in [pinned] if pinned else counts:
+        for count in [pinned] if pinned else counts + fallback:
+            if option is not None and count in fallback:
+                break
             settings, mem, server, why_not = fit(model_config, work, gpu, count, assumptions, layout)
             if why_not:
-                whys.append(why_not)
+                whys.append((count, why_not))
             if mem is not None and (smallest is None or mem.total < smallest.total):
                 smallest = mem
             if settings is None:
@@ -428,12 +465,14 @@ def make_plan(
         cap = capacity_bytes(gpu, assumptions) / GIB
         if option is None:
             need = smallest.total / GIB if smallest else float("nan")
-            batch_rule = [("num_generations" in w or "effective batch" in w) for w in whys]
             # the largest count's memory reason (the nearest to fitting), else the smallest count's batch reason
-            why = next((w for w, b in zip(reversed(whys), reversed(batch_rule)) if not b), whys[0] if whys else None)
-            reasons.append((gpu.name, why, all(batch_rule)))
+            # (the world the batch was set for), else the largest count's layout reason
+            by_count = [w for _, w in sorted(whys, key=lambda cw: cw[0])]
+            memory, batch, layout_ = ([w for w in by_count if w.kind == kind] for kind in ("memory", "batch", "layout"))
+            why = memory[-1] if memory else batch[0] if batch else layout_[-1]
+            reasons.append((gpu.name, why))
             options.append(Option(gpu=gpu.name, count=None, fits=False, need_gib=need, capacity_gib=cap, usd=None,
-                                  hours=None, note=why or f"needs {need:.1f} GiB per GPU at the smallest settings"))
+                                  hours=None, note=why.text, refused=why.kind))
             continue
         usd, hours, settings, mem, est, _ = option
         options.append(Option(gpu=gpu.name, count=settings.count, fits=True, need_gib=mem.total / GIB,
@@ -442,8 +481,8 @@ def make_plan(
         if best is None or (usd, hours) < (best[0], best[1]):
             best = option
     if best is None:
-        said = "; ".join(f"{name}: {why}" for name, why, _ in reasons)
-        if reasons and all(batch for _, _, batch in reasons):  # the batch rule refused every count, not memory
+        said = "; ".join(f"{name}: {why.text}" for name, why in reasons)
+        if reasons and all(why.kind == "batch" for _, why in reasons):  # the batch rule refused them, not memory
             raise PlanError(f"no launch of this batch passes TRL's check at start: {said}; change "
                             "train.grpo.per_device_train_batch_size, gradient_accumulation_steps or num_generations, "
                             "or train.distributed.nodes / processes_per_node (plan.target_effective_batch: the total)")
@@ -451,11 +490,15 @@ def make_plan(
         if not needs:  # refused before any memory was estimated: the layout itself cannot run
             raise PlanError(f"{work.model} cannot be planned as configured: {said}")
         need = min(needs)
+        # GPUs refused for another reason than memory say it: more memory would not make them fit
+        other = "; ".join(f"{name}: {why.text}" for name, why in reasons if why.kind != "memory")
         raise PlanError(
             f"{work.model} does not fit any allowed GPU ({', '.join(g.name for g in gpus)}, up to "
-            f"{assumptions.max_gpus} per node): it needs at least {need:.1f} GiB per GPU. Quantize the base "
-            f"(model.quantization=nf4), lower the LoRA rank or completion length, enable gradient checkpointing, "
-            f"or allow larger GPUs (plan.allowed_gpus)"
+            f"{assumptions.max_gpus} per node): it needs at least {need:.1f} GiB per GPU"
+            + (f" ({other})" if other else "") + ". "
+            + ("Quantize the base (model.quantization=nf4), " if work.quantization == "none" else "")
+            + "lower the LoRA rank or completion length, enable gradient checkpointing, "
+            "or allow larger GPUs (plan.allowed_gpus)"
         )
     _, _, settings, mem, est, server = best
     notes = [f"time assumes MFU {assumptions.mfu:.0%} and decoding at "

@@ -482,3 +482,83 @@ def test_a_pinned_layout_that_cannot_run_says_why_not_a_memory_figure():
         plan_for_config(load_config(None, sets), cfg("llama-3.1-70b"), "m")
     served = plan_for_config(load_config(None, sets + ["train.grpo.vllm_mode=server"]), cfg("llama-3.1-70b"), "m")
     assert served.settings.strategy == "fsdp" and served.settings.vllm_tensor_parallel > 0
+
+
+def test_a_gpu_too_small_for_the_model_is_refused_for_memory_not_for_a_strategy_it_cannot_use():
+    """Once a memory estimate was made, it is the reason: the strategies skipped without one (fsdp of a 4-bit
+    base) do not overwrite it."""
+    work = Workload(model="llama-3.1-70b", quantization="nf4")
+    plan = make_plan(cfg("llama-3.1-70b"), work)
+    l4 = next(o for o in plan.options if o.gpu == "L4")
+    assert not l4.fits and l4.refused == "memory"
+    assert l4.note == f"needs {l4.need_gib:.1f} GiB per training GPU at the smallest settings, {l4.capacity_gib:.1f} GiB usable"
+    assert l4.need_gib > 40 and l4.capacity_gib < 22
+    with pytest.raises(PlanError, match=r"needs at least 42\.4 GiB per GPU\. lower the LoRA") as refused:
+        make_plan(cfg("llama-3.1-70b"), work, allowed=["L4"])
+    assert "model.quantization=nf4" not in str(refused.value)  # the base is nf4 already
+
+
+RECIPE_SERVER = ["train.launcher=sky", "train.grpo.vllm_mode=server", "train.distributed.vllm_server_gpus=2"]
+
+
+def test_fixed_server_gpus_add_their_count_to_the_trainers_counts_tried():
+    """The 0.5B recipe fixes per device 8 x accumulation 4 (one process's batch); with 2 server GPUs only a node of
+    1 + 2 runs it. Before, 3 was never tried and the plan blamed the 2-GPU node ('0 processes + 2 vLLM server GPUs')."""
+    from configs.files import packaged
+    from configs.schema import load_config
+    from tasks.plan import plan_for_config
+
+    config = load_config(packaged("gsm8k-qwen2.5-0.5b.yaml"), RECIPE_SERVER)
+    s = plan_for_config(config, cfg("qwen2.5-0.5b"), "q").settings
+    assert (s.count, s.processes_per_node, s.vllm_server_gpus, s.world_size) == (3, 1, 2, 1)
+    assert s.per_device_train_batch_size * s.gradient_accumulation_steps == 32
+    # such a node is a fallback: when a power of two runs the job it is chosen, though 3 GPUs would cost less
+    big = ["model.base=qwen2.5-32b", "model.compute_dtype=bfloat16", "train.launcher=sky", "train.grpo.max_steps=10",
+           "train.grpo.use_vllm=true", "plan.target_effective_batch=64", "plan.allowed_gpus=[H100]", *RECIPE_SERVER[1:]]
+    plan = plan_for_config(load_config(None, big), cfg("qwen2.5-32b"), "q")
+    assert (plan.settings.count, plan.settings.processes_per_node) == (4, 2)
+    # and when nothing runs the batch, the batch is the reason, not the nodes too small for the server
+    with pytest.raises(PlanError, match=r"no launch of this batch passes TRL's check at start: H100: "
+                                        r"per_device_train_batch_size x processes x steps_per_generation = 8 x 1 x 1"):
+        plan_for_config(load_config(packaged("gsm8k-qwen2.5-0.5b.yaml"), RECIPE_SERVER + [
+            "train.grpo.steps_per_generation=1", "train.grpo.num_generations=16", "plan.allowed_gpus=[H100]"]),
+            cfg("qwen2.5-0.5b"), "q")
+
+
+def test_reasons_are_typed_by_kind():
+    from tasks.plan import Layout
+    from tasks.plan.search import fit
+
+    h100, model = load_catalog().get("H100"), cfg("qwen2.5-0.5b")
+    served = Workload(model="q", vllm=True, effective_batch=16)
+    # a node of one GPU cannot hold a server and a trainer: that, not the batch, is why
+    settings, mem, _, why = fit(model, served, h100, 1, Assumptions(), Layout(vllm_server=True))
+    assert settings is None and mem is None and why.kind == "layout"
+    assert why.text.startswith("a vLLM server (vllm_mode=server) needs GPUs of its own, and 1 GPU per node leaves none")
+    _, _, _, why = fit(model, served, h100, 2, Assumptions(), Layout(vllm_server=True, vllm_server_gpus=2))
+    assert why.kind == "layout" and "leave no GPU to train on" in why.text
+    _, _, _, why = fit(model, Workload(model="q", effective_batch=16), h100, 4, Assumptions(),
+                       Layout(per_device_train_batch_size=16))
+    assert why.kind == "batch" and "cannot make the effective batch of 16" in why.text
+    _, mem, _, why = fit(cfg("qwen2.5-72b"), Workload(model="q"), load_catalog().get("L4"), 1, Assumptions())
+    assert why.kind == "memory" and mem.total > 22 * GIB
+    with pytest.raises(PlanError, match="cannot be planned as configured: H100: a vLLM server"):
+        make_plan(model, served, allowed=["H100"], layout=Layout(vllm_server=True, gpus_per_node={"H100": 1}))
+
+
+def test_the_summary_says_what_each_gpu_count_counts():
+    from configs.files import packaged
+    from configs.schema import load_config
+    from tasks.plan import plan_stage
+    from tasks.select import price
+
+    config = load_config(packaged("gsm8k-llama-3.1-70b.yaml"))
+    plan = plan_stage(config)
+    s, summary = plan.settings, plan.summary()
+    assert s.nodes > 1 and s.vllm_server_node  # the server's node is one of them
+    assert (summary["plan_gpus_total"], summary["plan_gpus_per_node"], summary["plan_nodes"]) == (
+        s.nodes * s.count, s.count, s.nodes)
+    assert summary["plan_world_size"] == (s.nodes - 1) * s.processes_per_node
+    assert plan.estimate.gpu_hours == pytest.approx(plan.estimate.hours * summary["plan_gpus_total"])
+    row = price(config, config.model.base, "unused")
+    assert (row.gpu, row.gpus_total) == (s.gpu, summary["plan_gpus_total"])
