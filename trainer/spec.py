@@ -9,6 +9,7 @@ trainer --spec job.json` with this package alone; the pipeline's stages fill the
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -114,6 +115,35 @@ class TrainResult(BaseModel):
 
 
 PROGRESS_TAG = "grpo-progress"  # a validation reward, printed by trainer.callbacks.ReportValidation
+BAD_INPUT_TAG = "grpo-bad-input"  # the trainer's exit-2 reason, for launchers that would otherwise relaunch
+
+# What may stand before a tag: nothing, or the prefix SkyPilot puts on each line of a job's output, colored
+# or not: `(task, pid=7) `, `(head, rank=0, pid=7) `, `(worker1, rank=1, pid=7, ip=10.0.0.2) `.
+_ANSI = r"(?:\x1b\[[0-9;]*m)*"
+_SKY_PREFIX = rf"{_ANSI}\([^()\n]*\bpid=\d+[^()\n]*\){_ANSI} "
+
+_TAGGED = {tag: re.compile(rf"(?:{_SKY_PREFIX})?{re.escape(tag)} (.*)") for tag in (PROGRESS_TAG, BAD_INPUT_TAG)}
+
+
+def _tagged_json(line: str, tag: str) -> dict | None:
+    """The JSON object a trainer line carries after `tag`, or None. The tag must start the line (after
+    SkyPilot's prefix alone): the trainer prints it so, while model text in the log (TRL's completion
+    tables, a reward's message) can hold the tag mid-line and must not be taken for the trainer's word.
+    The trainer's payload is one line of JSON (json.dumps escapes any newline in it).
+
+    >>> _tagged_json('(task, pid=7) grpo-progress {"step": 1}', PROGRESS_TAG)
+    {'step': 1}
+    >>> _tagged_json('| 42 | grpo-progress {"step": 1}', PROGRESS_TAG) is None
+    True
+    """
+    match = _TAGGED[tag].match(line)
+    if not match:
+        return None
+    try:
+        report = json.loads(match.group(1))
+    except ValueError:
+        return None
+    return report if isinstance(report, dict) else None
 
 
 def progress_line(step: int, val_reward: float) -> str:
@@ -128,17 +158,8 @@ def parse_progress(line: str) -> dict | None:
     >>> parse_progress("{'loss': 0.1}") is None
     True
     """
-    _, tag, payload = line.partition(PROGRESS_TAG + " ")
-    if not tag:
-        return None
-    try:
-        report = json.loads(payload)
-    except ValueError:
-        return None
-    return report if isinstance(report, dict) and {"step", "val_reward"} <= report.keys() else None
-
-
-BAD_INPUT_TAG = "grpo-bad-input"  # the trainer's exit-2 reason, for launchers that would otherwise relaunch
+    report = _tagged_json(line, PROGRESS_TAG)
+    return report if report is not None and {"step", "val_reward"} <= report.keys() else None
 
 
 def bad_input_line(message: str) -> str:
@@ -153,11 +174,6 @@ def parse_bad_input(line: str) -> str | None:
     >>> parse_bad_input("bad input: something") is None
     True
     """
-    _, tag, payload = line.partition(BAD_INPUT_TAG + " ")
-    if not tag:
-        return None
-    try:
-        report = json.loads(payload)
-    except ValueError:
-        return None
-    return report.get("error") if isinstance(report, dict) and isinstance(report.get("error"), str) else None
+    report = _tagged_json(line, BAD_INPUT_TAG)
+    error = report.get("error") if report is not None else None
+    return error if isinstance(error, str) else None

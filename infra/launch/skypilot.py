@@ -262,10 +262,13 @@ class SkyLauncher:
                 # code"; bad input would fail every recovery the same way, each on a fresh cluster.
                 self.cancel(handle)
                 raise BadTrainingInput(f"managed job {handle.job_id}: bad input, cancelled instead of recovered: "
-                                     f"{handle.bad_input}")
+                                       f"{handle.bad_input}")
             time.sleep(self.sky_cfg.poll_seconds)
         if status in TERMINAL_BAD:
-            raise TrainingFailed(
+            # The job may end (out of recoveries, or before the next poll) with the trainer's reason already
+            # seen: it is still bad input (exit 2), not a failure a rerun could fix.
+            failed = BadTrainingInput if handle.bad_input else TrainingFailed
+            raise failed(
                 (f"{handle.bad_input}\n" if handle.bad_input else "")
                 + f"managed job {handle.job_id} ended {status}: {record.failure_reason or ''}\n{self._tail(handle)}"
             )
