@@ -50,7 +50,8 @@ def hpo_flow(config_path: str | None = None, overrides: list[str] | None = None)
     preflight(cfg)
     run_dir = cfg.data_dir / "runs" / f"{datetime.now():%Y%m%d-%H%M%S}-{(flow_run.id or 'local')[:8]}-hpo"
     model_path = resolve_model_task(cfg.model, cfg.data_dir / "models")
-    dataset = data_task(cfg.data, cfg.data_dir / "datasets", model_path, cfg.train.rewards)  # as the pipeline does
+    dataset = data_task(cfg.data, cfg.data_dir / "datasets", model_path, cfg.train.rewards,
+                        cfg.train.reward_args)  # as the pipeline does
     experiment_id = setup_tracking(cfg.mlflow_uri, cfg.tracking.experiment, cfg.data_dir / "mlartifacts")
     with parent_run(flow_run.id or "local", "hpo") as run:  # a retry of this flow run continues it
         result = search_stage(cfg, model_path, dataset.splits, run_dir, experiment_id, run.info.run_id)

@@ -164,7 +164,7 @@ def data_stage(cfg: PipelineConfig) -> tuple[DatasetVersion, str]:
     """The dataset version, and the configured base resolved (its tokenizer counts the token budget)."""
     base_path = resolve_model_task(cfg.model, cfg.data_dir / "models")
     # Versions are content-keyed under one directory, so a run on unchanged data reuses the last one.
-    dataset = data_task(cfg.data, cfg.data_dir / "datasets", base_path, cfg.train.rewards)
+    dataset = data_task(cfg.data, cfg.data_dir / "datasets", base_path, cfg.train.rewards, cfg.train.reward_args)
     log_lineage(dataset)
     return dataset, base_path
 

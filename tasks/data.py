@@ -28,7 +28,7 @@ import threading
 import time
 import warnings
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -114,21 +114,31 @@ class DatasetVersion(BaseModel):
 # ---------------------------------------------------------------- rows: canonical form and validation
 
 
+RewardArgs = Mapping[str, Mapping[str, Any]]  # train.reward_args: reward name -> its keyword arguments
+
+
+def _verifier_args(rewards: Sequence[str], reward_args: RewardArgs | None) -> dict[str, dict[str, Any]]:
+    """The answer-checking rewards (those that take the `answer` column) and their configured arguments. The
+    others are not resolved here: they do not judge a reference answer, and some need what only training
+    offers (remote_verifier's service)."""
+    from trainer.rewards import describe
+
+    args = reward_args or {}
+    return {name: dict(args.get(name) or {}) for name in rewards if "answer" in describe(name)["columns"]}
+
+
 class _Context:
     """What the chain needs that comes from the configuration, resolved once."""
 
-    def __init__(self, cfg: DataConfig, rewards: Sequence[str]):
-        from trainer.rewards import describe, resolve_reward
+    def __init__(self, cfg: DataConfig, rewards: Sequence[str], reward_args: RewardArgs | None = None):
+        from trainer.rewards import resolve_reward
 
         self.cfg = cfg
         prefix, _, suffix = cfg.prompt_template.partition("{prompt}")
         self.prefix, self.suffix = prefix, suffix
-        self.verifiers = {}
-        for name in rewards:
-            # a reward that checks the answer, not the format; the others are not resolved here, since some
-            # need arguments (remote_verifier's url) that only the trainer and the evaluation bind
-            if "answer" in describe(name)["columns"]:
-                self.verifiers[name] = resolve_reward(name)
+        # bound with train.reward_args, as the trainer binds them: a checker's required argument is given,
+        # and a row is kept or quarantined by the reward as configured
+        self.verifiers = {name: resolve_reward(name, args) for name, args in _verifier_args(rewards, reward_args).items()}
 
 
 # Characters that str.splitlines() breaks lines at but JSON leaves unescaped (orjson escapes the ASCII ones).
@@ -678,11 +688,12 @@ def _prompt_tokens(cfg: DataConfig, tokenizer_path: str | None) -> PromptTokens 
                                      f"{str(exc).splitlines()[0][:200] if str(exc) else ''})") from None
 
 
-def run_chain(cfg: DataConfig, work: Path, tokenizer_path: str | None, rewards: Sequence[str]) -> DataReport:
+def run_chain(cfg: DataConfig, work: Path, tokenizer_path: str | None, rewards: Sequence[str],
+              reward_args: RewardArgs | None = None) -> DataReport:
     """The whole chain into `work`: train/val/holdout.jsonl, quarantine.jsonl. Returns the report."""
     started = time.perf_counter()
     cfg = _effective(cfg)
-    ctx = _Context(cfg, rewards)
+    ctx = _Context(cfg, rewards, reward_args)
     tokens = _prompt_tokens(cfg, tokenizer_path)
     chain = _Chain(cfg, ctx, tokens, work)
     eval_rows = 0
@@ -744,12 +755,17 @@ def _tokenizer_digest(tokenizer_path: str | None) -> str:
     return hashlib.sha256("".join(f"{n}:{file_digest(root / n)}" for n in names if (root / n).is_file()).encode()).hexdigest()
 
 
-def dataset_key(cfg: DataConfig, tokenizer_path: str | None, rewards: Sequence[str]) -> str:
-    """A hash of everything the output depends on: input content, configuration, tokenizer, rewards, code."""
+def dataset_key(cfg: DataConfig, tokenizer_path: str | None, rewards: Sequence[str],
+                reward_args: RewardArgs | None = None) -> str:
+    """A hash of everything the output depends on: input content, configuration, tokenizer, rewards and the
+    answer checkers' arguments (the others' do not change a row), code."""
     digest = hashlib.sha256(orjson.dumps(cfg.model_dump(mode="json"), option=orjson.OPT_SORT_KEYS))
     here = Path(__file__).parent
     digest.update("".join(file_digest(here / f) for f in _CODE_FILES).encode())
     digest.update(f"\0{_tokenizer_digest(tokenizer_path)}\0{list(rewards)}".encode())
+    checker_args = {name: args for name, args in _verifier_args(rewards, reward_args).items() if args}
+    if checker_args:  # only what changes a row: another url for remote_verifier rebuilds nothing
+        digest.update(b"\0" + orjson.dumps(checker_args, option=orjson.OPT_SORT_KEYS, default=str))
     if cfg.source is not None:
         digest.update(source_fingerprint(cfg.source, cfg.source_format, cfg.s3_endpoint_url,
                                          f"{cfg.source_split}:{cfg.source_config}").encode())
@@ -778,6 +794,7 @@ def load_version(target: Path) -> DatasetVersion | None:
 
 def build_dataset(
     cfg: DataConfig, out_dir: Path, tokenizer_path: str | None = None, rewards: Sequence[str] = ("correct_answer",),
+    reward_args: RewardArgs | None = None,
 ) -> DatasetVersion:
     """Build (or find, when the same inputs were built before) a dataset version under out_dir/<key>.
 
@@ -792,7 +809,7 @@ def build_dataset(
         raise missing_tokenizer(cfg, "no tokenizer was given")
     for source in ([cfg.source] if cfg.source else []) + cfg.eval_sources:
         check_readable(source, cfg.s3_endpoint_url)
-    key = dataset_key(cfg, tokenizer_path, rewards)
+    key = dataset_key(cfg, tokenizer_path, rewards, reward_args)
     target = out_dir / key[:16]
     found = load_version(target)
     if found is not None:
@@ -803,7 +820,7 @@ def build_dataset(
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir()
     with _removed_on_exit(work):
-        report = run_chain(cfg, work, tokenizer_path, rewards)
+        report = run_chain(cfg, work, tokenizer_path, rewards, reward_args)
         (work / "report.json").write_bytes(orjson.dumps(report.model_dump(mode="json"), option=orjson.OPT_INDENT_2))
         if report.rows_read == 0:
             raise DataQualityError(f"data.source {cfg.source} holds no rows", report)
@@ -897,7 +914,8 @@ class _InputsCache(CachePolicy):
 
     def compute_key(self, task_ctx, inputs: dict[str, Any], flow_parameters: dict[str, Any], **kwargs) -> str | None:
         try:
-            key = dataset_key(inputs["cfg"], inputs.get("tokenizer_path"), inputs.get("rewards") or ())
+            key = dataset_key(inputs["cfg"], inputs.get("tokenizer_path"), inputs.get("rewards") or (),
+                              inputs.get("reward_args"))
         except (DataSourceError, OSError, ValueError):
             return None  # the task itself reports the problem
         out_dir = Path(inputs["out_dir"])
@@ -905,8 +923,9 @@ class _InputsCache(CachePolicy):
 
 
 @task(name="data", cache_policy=_InputsCache(), persist_result=True)
-def data_task(cfg: DataConfig, out_dir: Path, tokenizer_path: str | None, rewards: list[str]) -> DatasetVersion:
-    return build_dataset(cfg, out_dir, tokenizer_path, rewards)
+def data_task(cfg: DataConfig, out_dir: Path, tokenizer_path: str | None, rewards: list[str],
+              reward_args: dict[str, dict[str, Any]] | None = None) -> DatasetVersion:
+    return build_dataset(cfg, out_dir, tokenizer_path, rewards, reward_args)
 
 
 def log_lineage(version: DatasetVersion) -> None:

@@ -74,3 +74,41 @@ def test_the_data_stage_checks_references_with_the_answer_rewards_alone(tmp_path
     version = build_dataset(DataConfig(source=str(path)), tmp_path / "out", str(tiny_model),
                             ["math_answer", "remote_verifier"])
     assert [(q["row"]["answer"], q["reason"]) for q in read(version.quarantine)] == [("forty-two", "answer_unverifiable")]
+
+
+def answer_below(completions, answer, *, limit: int) -> list[float]:
+    """1.0 where the completion is the answer and the answer is below `limit` (a checker with a required
+    argument, as a custom answer checker may have)."""
+    from trainer.rewards import completion_text
+
+    return [float(completion_text(c).strip() == a and int(a) < limit) for c, a in zip(completions, answer, strict=True)]
+
+
+def test_the_data_stage_binds_the_answer_checkers_arguments(tmp_path, tiny_model):
+    """A checker's required argument comes from train.reward_args there too (without it the stage could not
+    resolve the reward at all), and the configured value decides which references are quarantined."""
+    import json
+    import random
+
+    from configs.schema import DataConfig
+    from tasks.data import build_dataset
+    from tests.unit.test_data import question, read
+
+    checker = f"{__name__}:answer_below"
+    cfg = load_config(None, [f"train.rewards=['{checker}', number_only]", f"train.reward_args={{'{checker}': {{limit: 1000}}}}"])
+    check_rewards(cfg.train.rewards, cfg.train.reward_args)  # preflight passes it
+    rng = random.Random(3)
+    rows = [{"prompt": p, "answer": a} for p, a in (question(rng, i) for i in range(30))]
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = DataConfig(source=str(path), max_dropped_fraction=1.0)
+
+    def quarantined(args):
+        version = build_dataset(data, tmp_path / "out", str(tiny_model), cfg.train.rewards, args)
+        assert {q["reason"] for q in read(version.quarantine)} <= {"answer_unverifiable"}
+        return sorted(q["row"]["answer"] for q in read(version.quarantine))
+
+    at_1000 = quarantined(cfg.train.reward_args)
+    assert at_1000 == sorted(r["answer"] for r in rows if int(r["answer"]) >= 1000) and at_1000
+    # the same out_dir: another value is another version, not the one built before
+    assert quarantined({checker: {"limit": 1500}}) == sorted(r["answer"] for r in rows if int(r["answer"]) >= 1500)
