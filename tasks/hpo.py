@@ -586,7 +586,9 @@ def run_trial(
     launcher_for: LauncherFactory,
 ) -> TrialOutcome:
     """One short GRPO run with the trial's parameters; reports each validation reward and cancels the job
-    when the pruner says so. Raises TrialFailed when the job crashes."""
+    when the pruner says so. Raises TrialFailed when the job crashes; the launcher's bad-input failure (a
+    `TrainingFailed` that is a `ConfigError`, `infra.launch.BadTrainingInput`: the trainer exited 2, e.g. a
+    reward that returns NaN) is raised as it is, since every other trial would fail the same way."""
     from mlflow.entities import Param
 
     configured = bool(trial.user_attrs.get(CONFIGURED))
@@ -620,6 +622,8 @@ def run_trial(
     except TrainingFailed as exc:
         reason = _reason(exc)
         trial.set_user_attr("reason", reason)
+        if isinstance(exc, ConfigError):  # bad input: not this trial's parameters, so not Optuna's to catch
+            raise
         raise TrialFailed(f"trial {trial.number}: {reason}") from exc
     except Exception as exc:  # a launch that failed (no cloud capacity, a bad YAML): this trial only
         reason = f"{type(exc).__name__}: {_reason(exc)}"
@@ -700,7 +704,9 @@ def search(
     passes `run_trial` with its launcher, as a Prefect task, so each trial is a task run); `score(adapter_dir,
     prompts)` scores a finished trial greedily (default: `greedy_scorer`); `train_usd` is the training run's
     planned cost, for the budget in USD. Raises `NotEnoughPrompts` before any trial when the val split is too
-    small, `HPOFailed` when no trial completes."""
+    small, `HPOFailed` when no trial completes, and a trial's bad-input failure (`run_trial`) as it is: the
+    study stops at once (no further trial starts) and the CLI exits 2, rather than launching every trial
+    into the same broken reward."""
     validation = prepare_validation(cfg, splits.get("val"), run_dir / "hpo")
     if cfg.hpo.trial_score == "greedy":
         score = score or greedy_scorer(cfg, model_path)
@@ -741,6 +747,8 @@ def search(
             study.stop()
 
     if remaining and steps_spent(study) + cfg.hpo.eval_every <= budget_steps:
+        # Only TrialFailed is caught: anything else (bad input, a cancel) ends optimize, which marks that
+        # trial FAIL, starts no other and lets the running ones finish, and reaches the caller as raised.
         study.optimize(objective, n_trials=remaining, n_jobs=cfg.hpo.concurrency, catch=(TrialFailed,),
                        callbacks=[stop_when_spent])
     trials = summarize(study)

@@ -5,6 +5,7 @@ import optuna
 import pytest
 
 from configs.schema import ConfigError, load_config
+from infra.launch import BadTrainingInput
 from tasks.hpo import (
     HPOFailed,
     TrialFailed,
@@ -14,6 +15,7 @@ from tasks.hpo import (
     search,
     open_storage,
     requeue_orphans,
+    run_trial,
     suggest,
     to_overrides,
     trial_config,
@@ -152,6 +154,42 @@ def test_when_no_trial_completes_the_stage_fails_with_each_reason(cfg, tmp_path)
     assert "trial 1: PRUNED: pruned at step 1" in message
     assert "not used silently" in message
 
+
+
+class _TrainerExited2:
+    """A launcher whose trainer exits 2 on every job, as LocalLauncher reports it (that LocalLauncher does:
+    tests/integration/test_reward_failure.py)."""
+
+    def __init__(self, launched: list):
+        self.launched = launched
+
+    def launch(self, spec):
+        self.launched.append(spec)
+        return spec
+
+    def wait(self, handle):
+        raise BadTrainingInput("reward 'x:nan' returned nan for row 1 (key k1), completion '7'\n"
+                               "trainer exited with code 2 (bad input: not relaunched) after 0 restart(s)")
+
+    def cancel(self, handle):
+        pass
+
+
+def test_bad_input_in_a_trial_stops_the_study_and_reaches_the_caller_as_a_config_error(cfg, tmp_path):
+    """A broken reward fails every trial the same way: the first one ends the search (exit 2 from the CLI),
+    instead of Optuna catching it and launching the rest."""
+    import functools
+
+    launched: list = []
+    run_one = functools.partial(run_trial, launcher_for=lambda train, on_line: _TrainerExited2(launched))
+    c = cfg("hpo.trials=4")
+    with pytest.raises(BadTrainingInput, match=r"^reward 'x:nan' returned nan for row 1") as failed:
+        search(c, "m", {"train": tmp_path / "train.jsonl"}, tmp_path, run_one=run_one)
+    assert isinstance(failed.value, ConfigError)  # the CLI's exit-2 path
+    assert len(launched) == 1  # not hpo.trials launches into the same reward
+    (trial,) = optuna.load_study(study_name=open_study(c).study_name, storage=open_storage(c)).trials
+    assert trial.state.name == "FAIL"
+    assert trial.user_attrs["reason"].startswith("reward 'x:nan' returned nan for row 1")
 
 
 def test_a_trial_left_running_by_a_dead_search_process_fails_and_is_queued_again(cfg):
