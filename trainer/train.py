@@ -2,7 +2,9 @@
 
 Run it alone on any node: `python -m trainer --spec job.json`. Exit codes: 0 finished (max_steps or
 early stop), 75 interrupted by SIGTERM after a checkpoint (relaunch to resume), 2 bad input (a bad spec, or
-a reward that cannot run or gives unusable scores: a relaunch would fail the same way), 1 failure.
+a reward that cannot be resolved or gives unusable scores, `RewardError`: a relaunch would fail the same
+way), 1 any other failure, a reward's outage included (`RewardUnavailable`: its service down after its
+retries, a timeout, out of memory): a relaunch may succeed, and resumes from the last checkpoint.
 
 Under torchrun (`python -m trainer.launch`) each rank runs this same code; rank 0 alone uploads checkpoints
 (with every rank's files in them), commits MLflow metrics, publishes `final` and writes the result file;
@@ -26,6 +28,7 @@ from trainer.tracking import CommittedMetrics, numeric
 log = logging.getLogger(__name__)
 EXIT_INTERRUPTED = 75  # EX_TEMPFAIL: try again
 EXIT_BAD_INPUT = 2  # the same job fails the same way again: never relaunched
+EXIT_FAILED = 1  # anything else, a reward's outage included: relaunched, resumed from the last checkpoint
 
 
 def grpo_args(spec: JobSpec, output_dir: Path):
@@ -103,7 +106,7 @@ def run(spec: JobSpec, started: float | None = None) -> TrainResult:
     from trainer.callbacks import (CheckpointSync, FirstStepTimer, ReportValidation, StopOnSigterm, hide_library_bars,
                                    print_logs_once)
     from trainer.loading import load_model
-    from trainer.rewards import RewardError, resolve_rewards
+    from trainer.rewards import RewardError, RewardUnavailable, resolve_rewards
 
     started = started or time.monotonic()
     stop = StopOnSigterm()  # first: a SIGTERM during model loading must not kill the job uncleanly
@@ -153,10 +156,9 @@ def run(spec: JobSpec, started: float | None = None) -> TrainResult:
     print_logs_once(trainer)  # one line per log, with its step, for the parent's progress
     try:
         output = trainer.train(resume_from_checkpoint=str(resume) if resume else None)
-    except RewardError as exc:  # bad input ends the job for good (exit 2): its MLflow run says why
-        if metrics:
-            metrics.client.set_tag(run_id, "failure", str(exc)[:5000])
-            metrics.client.set_terminated(run_id, "FAILED")
+    except RewardError as exc:
+        if run_id and not isinstance(exc, RewardUnavailable):  # an outage is retried: the run goes on
+            _ended_by_bad_input(spec, run_id, metrics, str(exc))
         raise
     sync.wait()  # the newest checkpoint must be in the store before we report or exit
 
@@ -179,6 +181,17 @@ def run(spec: JobSpec, started: float | None = None) -> TrainResult:
     if not interrupted:
         _publish(spec, trainer, store, result, metrics, ranks)
     return _report(spec, result) if ranks.is_main else result
+
+
+def _ended_by_bad_input(spec: JobSpec, run_id: str, metrics: CommittedMetrics | None, message: str) -> None:
+    """Bad input ends the job for good (exit 2): its MLflow run ends FAILED and says why. Whichever rank's
+    reward failed does it (each rank scores its own completions, and a failure on rank 1 leaves rank 0 in a
+    collective until torchrun stops it), so the rank that knows the reason writes it."""
+    from mlflow import MlflowClient
+
+    client = metrics.client if metrics else MlflowClient(spec.mlflow_tracking_uri)
+    client.set_tag(run_id, "failure", message[:5000])
+    client.set_terminated(run_id, "FAILED")
 
 
 def _same_resume_point(ranks: Ranks, resume: Path | None) -> None:
@@ -230,17 +243,21 @@ def main(spec_path: str, started: float | None = None) -> int:
         log.error("bad job spec %s: %s", spec_path, exc)
         distributed.record("exit", EXIT_BAD_INPUT)
         return EXIT_BAD_INPUT
-    from trainer.rewards import RewardError
+    from trainer.rewards import RewardError, RewardUnavailable
 
     try:
         result = run(spec, started)
+    except RewardUnavailable as exc:  # the reward's service or the node's memory, not the input: relaunch
+        log.error("reward unavailable (exit 1: a relaunch resumes from the last checkpoint): %s", exc)
+        distributed.record("exit", EXIT_FAILED)
+        return EXIT_FAILED
     except RewardError as exc:  # the reward or the data is at fault, not the node: launchers must not retry it
         log.error("bad input: %s", exc)
         print(bad_input_line(str(exc)), flush=True)  # the SkyPilot launcher cancels the job's recovery on it
         distributed.record("exit", EXIT_BAD_INPUT)
         return EXIT_BAD_INPUT
     except BaseException:
-        distributed.record("exit", 1)
+        distributed.record("exit", EXIT_FAILED)
         raise
     code = EXIT_INTERRUPTED if result.interrupted else 0
     distributed.record("exit", code)

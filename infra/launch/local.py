@@ -22,7 +22,7 @@ from trainer.launch import detect_gpus, free_port
 from trainer.spec import RESULT_FILE, JobSpec, TrainResult, parse_bad_input
 
 log = logging.getLogger(__name__)
-NOT_RETRYABLE = {2}  # bad input (a bad spec, a failing reward) fails the same way every time
+NOT_RETRYABLE = {2}  # bad input (a bad spec, a reward that gives unusable scores) fails the same way every time
 
 
 @dataclass
@@ -33,6 +33,8 @@ class LocalHandle:
     restarts: int = 0
     cancelled: bool = False
     tail: deque = field(default_factory=lambda: deque(maxlen=30))
+    # the trainer's exit-2 reason, kept as the lines pass: another rank's traceback can push it out of `tail`
+    bad_input: str | None = None
 
 
 class LocalLauncher:
@@ -62,6 +64,8 @@ class LocalLauncher:
                 for line in handle.process.stdout:
                     log_file.write(line)
                     handle.tail.append(line.rstrip())
+                    if handle.bad_input is None:
+                        handle.bad_input = parse_bad_input(line.rstrip())
                     self.on_line(line.rstrip())
             code = handle.process.wait()
             if code == 0:
@@ -71,13 +75,14 @@ class LocalLauncher:
                 raise TrainingFailed("training was cancelled")
             if code in NOT_RETRYABLE or handle.restarts >= self.max_restarts:
                 why = " (bad input: not relaunched)" if code in NOT_RETRYABLE else ""
-                reason = next((r for r in map(parse_bad_input, handle.tail) if r), None)
+                reason = handle.bad_input if code in NOT_RETRYABLE else None
                 raise (BadTrainingInput if code in NOT_RETRYABLE else TrainingFailed)(
                     (f"{reason}\n" if reason else "")
                     + f"trainer exited with code {code}{why} after {handle.restarts} restart(s); log: {log_path}\n"
                     + "\n".join(handle.tail)
                 )
             handle.restarts += 1
+            handle.bad_input = None  # a reason belongs to the attempt that printed it
             log.warning("trainer exited with code %d; relaunching (%d/%d)", code, handle.restarts, self.max_restarts)
             handle.process = self._start(handle.spec_path)
 

@@ -12,7 +12,8 @@ import pytest
 from configs.schema import ConfigError, load_config
 from tasks.evaluate import EvalResult, contrast, pick_examples, score
 from trainer.rewards import (
-    REWARDS, RewardError, check_columns, correct_answer, describe, number_only, resolve_reward, resolve_rewards,
+    REWARDS, RewardError, RewardUnavailable, check_columns, correct_answer, describe, number_only, resolve_reward,
+    resolve_rewards,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -158,6 +159,51 @@ def test_a_failing_reward_names_itself_and_the_row():
         resolve_reward(f"{here}:bad_none")(["a"])
     with pytest.raises(RewardError, match="returned float, not a list"):
         resolve_reward(f"{here}:bad_type")(["a"])
+
+
+def test_a_failure_that_repeats_is_bad_input_not_an_outage():
+    """Every failure above would repeat on a relaunch: a RewardError that is not a RewardUnavailable (exit 2)."""
+    here = __name__
+    for reward, completions in (("bad_raises", ["a", "b"]), ("bad_nan", ["why?"]), ("bad_count", ["a", "b"])):
+        with pytest.raises(RewardError) as failed:
+            resolve_reward(f"{here}:{reward}")(completions, answer=["123", "12"][: len(completions)])
+        assert not isinstance(failed.value, RewardUnavailable), reward
+    with pytest.raises(RewardError) as failed:
+        resolve_reward("math_answer")(["72"], solution=["72"])  # a missing column
+    assert not isinstance(failed.value, RewardUnavailable)
+
+
+CALLS: list[int] = []
+
+
+def flaky_network(completions, **_):
+    CALLS.append(len(completions))
+    raise ConnectionResetError(104, "Connection reset by peer")
+
+
+def out_of_memory(completions, **_):
+    import torch
+
+    CALLS.append(len(completions))
+    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
+def unavailable(completions, **_):
+    raise RewardUnavailable("the judge's queue is full")
+
+
+def test_an_outage_or_exhausted_memory_is_retryable_and_not_rerun_row_by_row():
+    """A connection reset, a timeout or an OOM says nothing about the rows: a RewardUnavailable (the trainer
+    exits 1 and a relaunch resumes), raised after one call (a rerun per row would call the service n times)."""
+    here = __name__
+    for reward, kind in (("flaky_network", "ConnectionResetError"), ("out_of_memory", "OutOfMemoryError")):
+        CALLS.clear()
+        with pytest.raises(RewardUnavailable, match=rf"^reward '{here}:{reward}' could not run on a batch of 3 "
+                                                    rf"completions: {kind}"):
+            resolve_reward(f"{here}:{reward}")(["a", "b", "c"])
+        assert CALLS == [3]
+    with pytest.raises(RewardUnavailable, match=rf"^reward '{here}:unavailable': the judge's queue is full$"):
+        resolve_reward(f"{here}:unavailable")(["a"])
 
 
 def test_a_missing_column_is_named_before_the_reward_runs():

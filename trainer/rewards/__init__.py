@@ -7,7 +7,12 @@ without a default are the columns it needs; its keyword-only parameters are its 
 importable function as 'package.module:function'.
 
 Every resolved reward is checked on each call: a missing column, an exception, the wrong number of
-scores, or a score that is not a finite number is a `RewardError` that names the reward and the row.
+scores, or a score that is not a finite number is a `RewardError` that names the reward and the row. It
+would fail the same way on every attempt, so the trainer exits 2 (never relaunched). A failure from outside
+the reward and the data (an `OSError`: a connection refused or reset, a timeout; `MemoryError`, torch's
+out-of-memory error; or `RewardUnavailable`, which `remote_verifier` raises for an outage that outlasts its
+retries and a custom reward may raise too) is a `RewardUnavailable`: another attempt may succeed, so the
+trainer exits 1, is relaunched and resumes from its checkpoint.
 
     python -m grpo_pipeline.cli rewards                     # the registry: what each checks, its columns
     python -m grpo_pipeline.cli rewards check math_answer --input samples.jsonl
@@ -20,17 +25,18 @@ import importlib
 import inspect
 import math
 import numbers
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from trainer.rewards.answers import correct_answer, math_answer
-from trainer.rewards.base import RewardError, RewardFn, completion_text
+from trainer.rewards.base import RewardError, RewardFn, RewardUnavailable, completion_text
 from trainer.rewards.formats import number_only, overlong_penalty, think_format, think_format_strict
 from trainer.rewards.model import reward_model
 from trainer.rewards.remote import remote_verifier
 
-__all__ = ["REWARDS", "RewardError", "RewardFn", "check_columns", "completion_text", "describe", "required_columns",
-           "resolve_reward", "resolve_rewards"]
+__all__ = ["REWARDS", "RewardError", "RewardFn", "RewardUnavailable", "check_columns", "completion_text", "describe",
+           "required_columns", "resolve_reward", "resolve_rewards", "transient"]
 
 REWARDS: dict[str, RewardFn] = {
     "math_answer": math_answer,
@@ -176,6 +182,22 @@ def _row_slice(i: int, n: int, kwargs: dict) -> dict:
     return {k: v[i : i + 1] if isinstance(v, list) and len(v) == n else v for k, v in kwargs.items()}
 
 
+def transient(exc: BaseException) -> bool:
+    """Whether a reward's exception comes from outside the reward and its input, so another attempt may not
+    see it: a connection or timeout (`OSError`), exhausted host or GPU memory, or `RewardUnavailable`.
+
+    >>> transient(ConnectionResetError()), transient(TimeoutError()), transient(MemoryError())
+    (True, True, True)
+    >>> transient(ZeroDivisionError()), transient(KeyError("answer")), transient(RewardError("nan"))
+    (False, False, False)
+    """
+    if isinstance(exc, RewardUnavailable | OSError | MemoryError):
+        return True
+    torch = sys.modules.get("torch")  # a reward that ran torch imported it; one that did not cannot OOM in it
+    oom = getattr(torch, "OutOfMemoryError", None) if torch is not None else None
+    return oom is not None and isinstance(exc, oom)
+
+
 def _checked(fn: RewardFn, name: str, columns: list[str]) -> RewardFn:
     """`fn` that refuses to hand the trainer garbage: each failure names the reward and the row."""
 
@@ -189,15 +211,19 @@ def _checked(fn: RewardFn, name: str, columns: list[str]) -> RewardFn:
                               f"{', '.join(given) or 'no columns'})")
         try:
             out = fn(completions, *args, **kwargs)
-        except RewardError as exc:
-            raise exc if f"'{name}'" in str(exc) else RewardError(f"reward '{name}': {exc}") from None
+        except RewardError as exc:  # its class says whether it is an outage (RewardUnavailable) or bad input
+            raise exc if f"'{name}'" in str(exc) else type(exc)(f"reward '{name}': {exc}") from None
         except Exception as exc:
+            if transient(exc):  # not the row's fault: no rerun (it would hit the service or the GPU n more times)
+                raise RewardUnavailable(f"reward '{name}' could not run on a batch of {n} completions: "
+                                        f"{type(exc).__name__}: {exc}") from exc
             for i in range(n):  # which row breaks it: rerun one at a time (only ever on the way to an error)
                 try:
                     fn(completions[i : i + 1], *args, **_row_slice(i, n, kwargs))
                 except Exception as row_exc:
-                    raise RewardError(f"reward '{name}' raised on {_where(i, completions, kwargs)}: "
-                                      f"{type(row_exc).__name__}: {row_exc}") from exc
+                    raise (RewardUnavailable if transient(row_exc) else RewardError)(
+                        f"reward '{name}' raised on {_where(i, completions, kwargs)}: "
+                        f"{type(row_exc).__name__}: {row_exc}") from exc
             raise RewardError(f"reward '{name}' raised on a batch of {n} completions: "
                               f"{type(exc).__name__}: {exc}") from exc
         try:

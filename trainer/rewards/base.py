@@ -11,7 +11,16 @@ RewardFn = Callable[..., list[float]]
 
 class RewardError(ValueError):
     """A reward that cannot run or gave unusable scores; the message names the reward and, where one is to
-    blame, the row. A ValueError, so the stages that check rewards before any work report it as bad input."""
+    blame, the row. A ValueError, so the stages that check rewards before any work report it as bad input.
+    It repeats on every attempt (a wrong number of scores, NaN, a missing column, an exception the reward
+    raises again on one row): the trainer exits 2 on it and no launcher relaunches it."""
+
+
+class RewardUnavailable(RewardError):
+    """A reward that could not run for a reason outside the reward and the data: its service down after its
+    retries, a connection or timeout, memory exhausted. Another attempt may succeed, so the trainer exits 1
+    on it (relaunched, resumed from its checkpoint), never 2. A `RewardError` too, so whoever shows reward
+    failures (`rewards check`, the evaluation) shows its message the same way."""
 
 
 def completion_text(completion: str | list[dict]) -> str:

@@ -7,10 +7,12 @@ The protocol, one POST per chunk of `batch_size` completions, JSON both ways:
 
 Chunks go out `concurrency` at a time. A connection error, a timeout, HTTP 429 or a 5xx is retried
 `retries` times with exponential backoff; any other 4xx, a reply that is not JSON, or one with the wrong
-number of scores is not (the service would answer the same again). A chunk that still fails raises a
-`RewardError` naming the verifier, its URL and the rows; or, when `fallback` is set, scores those rows
-`fallback` and counts them: `remote_verifier/fallbacks` in the step's metrics (TRL's `log_metric`), and a
-warning in the log. Never a silent 0.
+number of scores is not (the service would answer the same again). A chunk that still fails raises an
+error naming the verifier, its URL and the rows: `RewardUnavailable` when the service could not be reached
+or kept failing (an outage: the trainer exits 1 and the relaunch resumes), `RewardError` when it answered
+and the answer is unusable (the same again on every attempt: exit 2). Or, when `fallback` is set, those
+rows score `fallback` and are counted: `remote_verifier/fallbacks` in the step's metrics (TRL's
+`log_metric`), and a warning in the log. Never a silent 0.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
-from trainer.rewards.base import RewardError, completion_text
+from trainer.rewards.base import RewardError, RewardUnavailable, completion_text
 
 log = logging.getLogger(__name__)
 _NOT_SENT = {"trainer_state", "log_extra", "log_metric", "completion_ids", "environments"}
@@ -31,6 +33,12 @@ _NOT_SENT = {"trainer_state", "log_extra", "log_metric", "completion_ids", "envi
 
 class _Retryable(Exception):
     pass
+
+
+class _Failed(str):
+    """A chunk's failure, and whether another attempt later could succeed (an outage, not a bad answer)."""
+
+    transient = False
 
 
 def _jsonable(value: object) -> bool:
@@ -107,7 +115,7 @@ def remote_verifier(
     texts = [completion_text(c) for c in completions]
     chunks = [(start, min(start + batch_size, n)) for start in range(0, n, batch_size)]
 
-    def score_chunk(bounds: tuple[int, int]) -> list[float] | str:
+    def score_chunk(bounds: tuple[int, int]) -> list[float] | _Failed:
         lo, hi = bounds
         body = json.dumps({"completions": texts[lo:hi], **{k: v[lo:hi] for k, v in sent.items()}}).encode()
         for attempt in range(retries + 1):
@@ -118,25 +126,31 @@ def remote_verifier(
                 if attempt < retries:
                     time.sleep(backoff_s * 2**attempt)
             except RewardError as exc:
-                return str(exc)
-        return problem
+                return _Failed(exc)
+        outage = _Failed(problem)
+        outage.transient = True
+        return outage
 
     with ThreadPoolExecutor(max_workers=min(concurrency, len(chunks))) as pool:
         results = list(pool.map(score_chunk, chunks))
     scores: list[float] = []
     failed: list[tuple[int, int, str]] = []
     for (lo, hi), result in zip(chunks, results, strict=True):
-        if isinstance(result, str):
+        if isinstance(result, _Failed):
             failed.append((lo, hi, result))
             if fallback is None:
                 continue
             result = [float(fallback)] * (hi - lo)
         scores += result
     if failed and fallback is None:
-        lo, hi, problem = failed[0]
+        # a bad answer anywhere repeats on every attempt; only when every failure is an outage may a later
+        # attempt succeed
+        lasting = [f for f in failed if not f[2].transient]
+        lo, hi, problem = (lasting or failed)[0]
         rows = f"row {lo}" if hi - lo == 1 else f"rows {lo}-{hi - 1}"
-        raise RewardError(f"reward 'remote_verifier' at {url} failed for {rows} of {n}"
-                          f"{f' (and {len(failed) - 1} more chunks)' if len(failed) > 1 else ''}: {problem}")
+        raise (RewardError if lasting else RewardUnavailable)(
+            f"reward 'remote_verifier' at {url} failed for {rows} of {n}"
+            f"{f' (and {len(failed) - 1} more chunks)' if len(failed) > 1 else ''}: {problem}")
     fell_back = sum(hi - lo for lo, hi, _ in failed)
     if log_metric is not None:
         log_metric("remote_verifier/fallbacks", float(fell_back))
