@@ -374,7 +374,8 @@ def data_cmd(
     try:
         check_local_sources(cfg.data)
         tok = resolve_tokenizer(cfg, tokenizer)  # the token bounds apply, or the stage refuses
-        version = build_dataset(cfg.data, out or cfg.data_dir / "datasets", tok, cfg.train.rewards)
+        version = build_dataset(cfg.data, out or cfg.data_dir / "datasets", tok, cfg.train.rewards,
+                                cfg.train.reward_args)
     except DataQualityError as exc:  # bad input: the report still says why
         failure = (str(exc), EXIT_CONFIG, {"report": exc.report.model_dump(mode="json")})
         if not as_json:
