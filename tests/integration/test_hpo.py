@@ -134,14 +134,15 @@ def test_a_target_standard_error_the_data_cannot_meet_exits_2_naming_the_prompts
 
 
 def test_a_space_whose_every_point_fails_exits_1_with_each_trials_reason(tmp_path, hpo_yaml):
-    """Every learning rate 'diverges' (the test reward raises once a step has trained), the configured one too."""
-    proc = _cli_hpo(tmp_path, hpo_yaml, "train.rewards=[tests.integration.diverging_reward:diverging_reward]",
+    """Every learning rate fails (the test reward runs out of memory once a step has trained), the configured
+    one too."""
+    proc = _cli_hpo(tmp_path, hpo_yaml, "train.rewards=[tests.integration.oom_reward:oom_reward]",
                     "hpo.trials=2", "hpo.concurrency=1", "hpo.study_name=all-fail")
     assert proc.returncode == 1, proc.stderr[-3000:]
     error = json.loads(proc.stdout)["error"]
     assert "no trial completed" in error and "not used silently" in error
     lines = [line for line in error.splitlines() if line.strip().startswith("trial ")]
-    assert len(lines) == 2 and all("FAIL" in line and "diverged" in line for line in lines), error
+    assert len(lines) == 2 and all("FAIL" in line and "out of memory" in line for line in lines), error
 
 
 def test_a_retried_flow_run_resumes_the_study_inside_the_same_hpo_run(tmp_path):

@@ -26,14 +26,15 @@ def slow_reward(completions, **_):
 
 
 def _current_step(log: Path) -> int:
-    found = re.findall(rf"(\d+)/{MAX_STEPS} \[", log.read_text()) if log.exists() else []
+    # the trainer's one line per step (trainer.callbacks.StepLog) names its global step
+    found = re.findall(rf"'step': (\d+), 'max_steps': {MAX_STEPS}\}}", log.read_text()) if log.exists() else []
     return int(found[-1]) if found else 0
 
 
 def _chaos(handle, store: S3Store, log: Path, kills: list, seed: int = 7) -> None:
     """Kill the trainer 1..INTERVAL-2 steps after each new complete checkpoint: a random point mid-interval.
 
-    The step is read from the trainer's progress output, which reaches the log a step or so late; the
+    The step is read from the trainer's per-step log lines, which reach the log a step or so late; the
     margin of two steps keeps each kill inside the interval it aims at.
     """
     rng = random.Random(seed)
