@@ -20,8 +20,11 @@ check-deps: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/grpo-pipeline run
 
+# Two workers, one per core of the CI machine; a test file stays on one worker (its module fixtures are built once).
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
-	$(PY) -m pytest -m "not e2e"
+	$(PY) -m pytest -m "not e2e" -n $(TEST_WORKERS) --dist loadfile
 
 e2e: $(STAMP)
 	$(PY) -m pytest -m e2e
