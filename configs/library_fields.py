@@ -44,6 +44,15 @@ def default(cls_name: str, name: str) -> Any:
     return fields(cls_name)[name].default
 
 
+def grpo_value(grpo: dict[str, Any], name: str) -> Any:
+    """What GRPOConfig(**grpo) would hold for `name`: the value set (None counts as unset), else TRL's default.
+
+    >>> grpo_value({"per_device_train_batch_size": 4}, "per_device_train_batch_size"), grpo_value({}, "num_generations")
+    (4, 8)
+    """
+    return grpo[name] if grpo.get(name) is not None else default("GRPOConfig", name)
+
+
 # ------------------------------------------------------------------------- taking the snapshot (imports torch)
 
 

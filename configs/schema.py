@@ -12,6 +12,7 @@ against those classes' own fields and types, so nothing here re-declares them.
 from __future__ import annotations
 
 import difflib
+import functools
 import math
 import os
 import typing
@@ -280,7 +281,7 @@ class DistributedConfig(StrictModel):
         """
         from math import gcd
 
-        get = lambda k: grpo[k] if grpo.get(k) is not None else library_fields.default("GRPOConfig", k)  # noqa: E731
+        get = functools.partial(library_fields.grpo_value, grpo)
         pdb, gens = int(get("per_device_train_batch_size")), int(get("num_generations"))
         if grpo.get("generation_batch_size") is not None:
             return None  # checked on the node, where TRL's own rule for it applies
@@ -629,7 +630,7 @@ class HPOConfig(StrictModel):
         if dim is None:
             return
         grpo = train.grpo
-        batch = grpo.get("generation_batch_size") or grpo.get("per_device_train_batch_size", 8) * (
+        batch = grpo.get("generation_batch_size") or library_fields.grpo_value(grpo, "per_device_train_batch_size") * (
             grpo.get("steps_per_generation") or grpo.get("gradient_accumulation_steps", 1)
         )
         bad = [int(v) for v in dim.values() if batch % int(v)]

@@ -58,6 +58,7 @@ from typing import Any
 import optuna
 from pydantic import BaseModel
 
+from configs.library_fields import grpo_value
 from configs.schema import ConfigError, HPOConfig, PipelineConfig, SearchDim, SearchSpace, TrainConfig
 from tasks.job import build_job_spec
 from trainer.spec import TrainingFailed, parse_progress
@@ -205,7 +206,7 @@ def trial_config(cfg: PipelineConfig, overrides: dict[str, Any]) -> PipelineConf
     hpo = cfg.hpo
     trial = apply_best(cfg, overrides)
     grpo = dict(trial.train.grpo)
-    per_device = grpo.get("per_device_train_batch_size", 8)
+    per_device = grpo_value(grpo, "per_device_train_batch_size")
     grpo |= {
         "max_steps": hpo.steps,
         "eval_strategy": "steps",
