@@ -84,6 +84,16 @@ def _blame(path: Path | None, overrides: list[str], exc: Exception) -> str:
     return "\n".join(f"--set {assignment}: {_what(alone, assignment)}" for assignment, alone in culprits)
 
 
+def _ephemeral_prefect_defaults() -> None:
+    """Settings for Prefect's ephemeral server (no PREFECT_API_URL), where the user has not chosen them.
+    It records a telemetry session at start-up, which races its own SQLite writer ("database is locked") on a
+    fresh PREFECT_HOME; the pipeline needs no telemetry. And it must answer within 20 s by default, which a
+    busy 2-core machine misses (the server imports and migrates its database first): the run then dies with
+    "Timed out while attempting to connect to ephemeral Prefect API server" before any work."""
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+
+
 def _what(exc: Exception, assignment: str | None = None) -> str:
     """The field lines of a configuration error, without the loader's "invalid configuration in <file>:" or
     its own "--set '<assignment>':" (the caller names the --set)."""
@@ -127,9 +137,7 @@ def run(
 ) -> None:
     """Run the pipeline (the CPU demo by default), print base and trained holdout reward and the decision."""
     path, cfg = _load(config, overrides, as_json)
-    # Prefect's ephemeral server records a telemetry session at start-up, which races its own SQLite
-    # writer ("database is locked") on a fresh PREFECT_HOME; the pipeline needs no telemetry.
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    _ephemeral_prefect_defaults()
     _preflight(cfg, as_json)
     from flows.pipeline import grpo_pipeline  # heavy imports only once the config is known to be good
     from tasks.registry import ChampionMoved
@@ -260,7 +268,7 @@ def hpo(
     """Search hyperparameters alone (no training): print the best as --set overrides for `run`."""
     extra = [*(overrides or []), "hpo.enabled=true", *([f"hpo.trials={trials}"] if trials else [])]
     path, cfg = _load(config, extra, as_json)
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # see `run`
+    _ephemeral_prefect_defaults()
     _preflight(cfg, as_json)
     from flows.hpo import hpo_flow
     from tasks.hpo import HPOFailed
