@@ -21,14 +21,23 @@ pytestmark = pytest.mark.integration
 BROKEN = "tests.integration.broken_reward:nan_on_row"
 
 
+def _launch(cfg, tmp_path, tiny_model, tiny_splits):
+    """The job on the local launcher with the config's restart budget, its own MLflow store, stdout dropped."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    spec = build_job_spec(cfg.train, cfg.model, str(tiny_model), tiny_splits, tmp_path / "run", mlflow_tracking_uri=uri)
+    launcher = LocalLauncher(max_restarts=cfg.train.max_restarts, on_line=lambda line: None)
+    return launcher, launcher.launch(spec), spec, mlflow.MlflowClient(uri)
+
+
+def _runs(client):
+    return client.search_runs([e.experiment_id for e in client.search_experiments()])
+
+
 def test_a_reward_that_returns_nan_fails_once_with_exit_2_naming_the_reward_and_row(tmp_path, tiny_model,
                                                                                       tiny_splits, tiny_config):
     cfg = tiny_config(f"train.rewards=['{BROKEN}']", f"train.reward_args={{'{BROKEN}': {{row: 2}}}}",
                       "train.grpo.max_steps=3", "train.max_restarts=3")
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    spec = build_job_spec(cfg.train, cfg.model, str(tiny_model), tiny_splits, tmp_path / "run", mlflow_tracking_uri=uri)
-    launcher = LocalLauncher(max_restarts=3, on_line=lambda line: None)
-    handle = launcher.launch(spec)
+    launcher, handle, spec, client = _launch(cfg, tmp_path, tiny_model, tiny_splits)
     with pytest.raises(BadTrainingInput) as failed:  # a TrainingFailed, and a ConfigError: exit 2 from the CLI
         launcher.wait(handle)
     assert isinstance(failed.value, ConfigError)
@@ -40,8 +49,7 @@ def test_a_reward_that_returns_nan_fails_once_with_exit_2_naming_the_reward_and_
     log = (Path(spec.work_dir) / "trainer.log").read_text()
     assert log.count("bad input: reward") == 1  # one attempt, not max_restarts + 1
     assert not (Path(spec.work_dir) / "result.json").exists()
-    (run,) = mlflow.MlflowClient(uri).search_runs(
-        [e.experiment_id for e in mlflow.MlflowClient(uri).search_experiments()])
+    (run,) = _runs(client)
     assert run.info.status == "FAILED"
     assert run.data.tags["failure"].startswith(f"reward '{BROKEN}' returned nan for row 2")
 
@@ -55,16 +63,12 @@ def test_a_reward_that_fails_on_rank_1_alone_still_ends_the_run_failed_with_the_
     cfg = tiny_config(f"train.rewards=['{on_rank}']", "train.grpo.max_steps=3", "train.max_restarts=1",
                       "train.distributed.processes_per_node=2", "train.distributed.timeout_s=60",
                       "train.grpo.per_device_train_batch_size=2")
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    spec = build_job_spec(cfg.train, cfg.model, str(tiny_model), tiny_splits, tmp_path / "run", mlflow_tracking_uri=uri)
-    launcher = LocalLauncher(max_restarts=1, on_line=lambda line: None)
-    handle = launcher.launch(spec)
+    launcher, handle, spec, client = _launch(cfg, tmp_path, tiny_model, tiny_splits)
     with pytest.raises(BadTrainingInput) as failed:
         launcher.wait(handle)
     assert str(failed.value).startswith(f"reward '{on_rank}' returned nan for row 0")
     assert handle.restarts == 0
-    client = mlflow.MlflowClient(uri)
-    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    (run,) = _runs(client)
     assert run.info.status == "FAILED"
     assert run.data.tags["failure"].startswith(f"reward '{on_rank}' returned nan for row 0")
 
@@ -112,10 +116,7 @@ def test_the_trainer_exits_1_on_a_grader_outage_and_is_relaunched(tmp_path, tiny
     args = f"{{url: '{grader_down}', retries: 1, backoff_s: 0.0, batch_size: 64}}"
     cfg = tiny_config("train.rewards=[remote_verifier]", f"train.reward_args={{remote_verifier: {args}}}",
                       "train.grpo.max_steps=3", "train.max_restarts=1")
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    spec = build_job_spec(cfg.train, cfg.model, str(tiny_model), tiny_splits, tmp_path / "run", mlflow_tracking_uri=uri)
-    launcher = LocalLauncher(max_restarts=1, on_line=lambda line: None)
-    handle = launcher.launch(spec)
+    launcher, handle, spec, client = _launch(cfg, tmp_path, tiny_model, tiny_splits)
     with pytest.raises(TrainingFailed) as failed:
         launcher.wait(handle)
     assert not isinstance(failed.value, ConfigError)  # exit 1 from the CLI, not 2
@@ -125,6 +126,5 @@ def test_the_trainer_exits_1_on_a_grader_outage_and_is_relaunched(tmp_path, tiny
     assert log.count("reward unavailable (exit 1") == 2
     assert "grpo-bad-input" not in log
     assert _Down.calls == 4  # each attempt: one chunk, tried twice
-    client = mlflow.MlflowClient(uri)
-    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    runs = _runs(client)
     assert runs and all("failure" not in r.data.tags and r.info.status != "FAILED" for r in runs)
