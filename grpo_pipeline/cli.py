@@ -102,7 +102,7 @@ def _what(exc: Exception, assignment: str | None = None) -> str:
     if sep and head.startswith("invalid configuration"):
         lines = [line.strip() for line in fields.splitlines() if line.strip()]
         return lines[0] if len(lines) == 1 else "\n  " + "\n  ".join(lines)
-    return text.removeprefix(f"--set {assignment!r}: ")
+    return text.removeprefix(f"--set {assignment!r}: ") if assignment else text
 
 
 def _input_errors() -> tuple[type[BaseException], ...]:
