@@ -17,7 +17,7 @@ class Verifier(BaseHTTPRequestHandler):
     """Scores 1.0 where the completion is the answer; the path picks a behaviour."""
 
     calls: dict[str, int] = {}
-    in_flight = 0
+    in_flight = 0  # /count requests between their arrival and the moment their reply starts
     most_in_flight = 0
     lock = threading.Lock()
     release = threading.Event()
@@ -30,29 +30,38 @@ class Verifier(BaseHTTPRequestHandler):
         with self.lock:
             self.calls[self.path] = self.calls.get(self.path, 0) + 1
             n_call = self.calls[self.path]
+        if self.path == "/hang":
+            self.release.wait(30)  # longer than any client timeout in these tests
+            return
+        if self.path == "/count":
+            self._hold_and_count()
+        if self.path == "/error" or (self.path == "/flaky" and n_call == 1):
+            self.send_error(500, "verifier crashed")
+            return
+        if self.path == "/bad-request":
+            self.send_error(400, "no such task")
+            return
+        scores = [float(c.strip() == a) for c, a in zip(body["completions"], body["answer"], strict=True)]
+        if self.path == "/short":
+            scores = scores[:-1]
+        reply = json.dumps({"scores": scores} if self.path != "/bare" else scores).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(reply)))
+        self.end_headers()
+        self.wfile.write(reply)
+
+    def _hold_and_count(self):
+        """Holds a /count request a moment, counted as in flight until just before its reply is written.
+
+        The client sends a worker's next request only after it has read this reply, so a request is never
+        counted beside the one that freed its worker: the count measures the client's bound, not the server's
+        thread scheduling (counting until after the write let a worker's next request overlap its last)."""
+        with self.lock:
             Verifier.in_flight += 1
             Verifier.most_in_flight = max(Verifier.most_in_flight, Verifier.in_flight)
         try:
-            if self.path == "/hang":
-                self.release.wait(30)  # longer than any client timeout in these tests
-                return
-            if self.path == "/error" or (self.path == "/flaky" and n_call == 1):
-                self.send_error(500, "verifier crashed")
-                return
-            if self.path == "/bad-request":
-                self.send_error(400, "no such task")
-                return
-            scores = [float(c.strip() == a) for c, a in zip(body["completions"], body["answer"], strict=True)]
-            if self.path == "/short":
-                scores = scores[:-1]
-            if self.path == "/count":
-                self.release.wait(0.05)  # hold the request a moment so several are in flight together
-            reply = json.dumps({"scores": scores} if self.path != "/bare" else scores).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(reply)))
-            self.end_headers()
-            self.wfile.write(reply)
+            self.release.wait(0.05)  # so several are in flight together
         finally:
             with self.lock:
                 Verifier.in_flight -= 1
@@ -60,8 +69,8 @@ class Verifier(BaseHTTPRequestHandler):
 
 @pytest.fixture()
 def server():
-    Verifier.calls, Verifier.most_in_flight = {}, 0
-    Verifier.release.clear()
+    Verifier.calls, Verifier.in_flight, Verifier.most_in_flight = {}, 0, 0
+    Verifier.release = threading.Event()  # a handler of an earlier test still waiting holds the old one
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), Verifier)
     httpd.daemon_threads = True
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
