@@ -15,7 +15,7 @@ from tasks.plan import check_budget, plan_stage
 def preflight(cfg: PipelineConfig) -> None:
     check_local_sources(cfg.data)
     check_model_paths(cfg.model)
-    check_rewards(cfg.train.rewards, cfg.train.reward_args)
+    check_rewards(cfg.train.reward_set(), cfg.evaluate)  # evaluate.* too: a typo there fails after training
     if cfg.plan.budget_usd is not None:  # the plan stage checks it again for the chosen base
         check_budget(plan_stage(cfg), cfg.plan.budget_usd)
     launch.preflight(cfg.train, cfg.mlflow_uri, cfg.model)  # the distributed launch; SkyPilot: the store a node reaches
