@@ -111,6 +111,20 @@ def score(
     )
 
 
+def score_columns(rewards: RewardSet, cfg: EvalConfig) -> list[str]:
+    """The numeric per-sample columns of an evaluation's rows (`score`, `evaluate_model`): each reward, the
+    evaluation's own accuracy and format rewards, the weighted total, the length, and pass@k when sampled.
+    What the promotion may compare (`promote.metric`) and guard (`promote.guardrails`).
+
+    >>> score_columns(RewardSet(names=("math_answer",)), EvalConfig(accuracy_reward="math_answer",
+    ...                                                          format_reward="think_format", samples_k=4))
+    ['math_answer', 'think_format', 'total', 'length', 'pass_at_4']
+    """
+    extra = [r for r in (cfg.accuracy_reward, cfg.format_reward) if r and r not in rewards.names]
+    sampled = [f"pass_at_{cfg.samples_k}"] if cfg.samples_k and cfg.accuracy_reward else []
+    return [*rewards.names, *dict.fromkeys(extra), "total", "length", *sampled]
+
+
 def pick_examples(result: EvalResult, column: str | None, k: int) -> list[dict]:
     """Up to k right and k wrong samples by `column` (the accuracy reward: right when it scores above 0),
     in holdout order, each with its prompt, reference, completion (its last EXAMPLE_CHARS characters) and scores.

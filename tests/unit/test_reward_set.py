@@ -167,6 +167,9 @@ def test_the_search_sizes_its_prompts_by_the_weighted_totals_spread():
     ("evaluate.accuracy_reward=remote_verifier", "evaluate.accuracy_reward (not in train.rewards, so no "
                                                  "train.reward_args): reward 'remote_verifier' needs the argument url"),
     ("train.rewards=[correct_answr]", "train.rewards: unknown reward 'correct_answr'; did you mean 'correct_answer'?"),
+    ("promote.metric=corect_answer", "promote.metric: 'corect_answer' is not a column of the evaluation "
+                                     "(correct_answer, number_only, total, length); did you mean 'correct_answer'?"),
+    ("promote.guardrails={lenght: 0.5}", "promote.guardrails.lenght: 'lenght' is not a column of the evaluation"),
 ])
 def test_preflight_checks_every_reward_name_the_config_holds(override, message):
     from flows.preflight import preflight
@@ -174,6 +177,18 @@ def test_preflight_checks_every_reward_name_the_config_holds(override, message):
     with pytest.raises(ConfigError) as err:
         preflight(load_config(None, [override]))
     assert str(err.value).startswith(message)
+
+
+def test_every_shipped_recipe_names_rewards_and_columns_that_exist():
+    from configs.files import recipes
+    from tasks.decide import check_policy
+    from tasks.evaluate import score_columns
+    from tasks.job import check_rewards
+
+    for path in recipes():
+        cfg = load_config(path)
+        check_rewards(cfg.train.reward_set(), cfg.evaluate)
+        check_policy(cfg.promote, score_columns(cfg.train.reward_set(), cfg.evaluate))
 
 
 def test_a_typo_in_an_evaluation_reward_exits_2_before_any_flow_runs():
