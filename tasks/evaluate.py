@@ -46,10 +46,11 @@ def read_jsonl(path: Path) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def prompt_text(prompt: str | list[dict]) -> str:
-    """The last user message of a chat prompt (what the row asks), or the prompt itself.
+def last_user_message(prompt: str | list[dict]) -> str:
+    """The last user message of a chat prompt (what the row asks, as the report shows it), or the prompt itself.
+    Not what a model is given: `render` writes that (and `tasks.serving.prompt_text` the served model's input).
 
-    >>> prompt_text([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 3?"}])
+    >>> last_user_message([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 3?"}])
     'What is 2 + 3?'
     """
     if isinstance(prompt, str):
@@ -95,7 +96,7 @@ def score(
         scores = {name: per_sample[name][i] for name in names}
         out_rows.append({
             "key": row.get("key", i),
-            "prompt": prompt_text(row.get("prompt", "")),
+            "prompt": last_user_message(row.get("prompt", "")),
             **({"answer": row["answer"]} if "answer" in row else {}),
             "completion": completions[i],
             **scores,
