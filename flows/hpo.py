@@ -32,9 +32,10 @@ def trial_task(trial, cfg: PipelineConfig, model_path: str, splits: dict[str, Pa
 
 def search_stage(cfg: PipelineConfig, rewards: RewardSet, model_path: str, splits: dict[str, Path], run_dir: Path,
                  experiment_id: str, stage_run_id: str, train_usd: float | None = None) -> HPOResult:
-    """The study, its trials scored by `rewards`' weighted total, each trial a task run and an MLflow run nested under the stage's run (`flows.runs.stage_run`,
-    which a retried flow run reopens, as the study resumes). `train_usd`: the planned cost of the training run
-    the search feeds, for its budget in USD (`hpo.budget_fraction`)."""
+    """The study, its trials scored by `rewards`' weighted total; each trial a task run and an MLflow run nested
+    under the stage's run (`flows.runs.stage_run`, which a retried flow run reopens, as the study resumes).
+    `train_usd`: the planned cost of the training run the search feeds, for its budget in USD
+    (`hpo.budget_fraction`)."""
     tracking = Tracking(tracking_uri=cfg.mlflow_uri, experiment_id=experiment_id, stage_run_id=stage_run_id)
     return search(cfg, model_path, splits, run_dir, rewards=rewards, run_one=trial_task, tracking=tracking,
                   train_usd=train_usd)

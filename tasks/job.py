@@ -100,7 +100,8 @@ def check_rewards(rewards: RewardSet, evaluate: EvalConfig) -> None:
             resolve_reward(name, rewards.args_for(name))
         except ValueError as exc:
             # only the training's rewards take train.reward_args; an evaluation-only one is bound with none
-            where = f"train.reward_args.{name}" if name in rewards.names else f"{field} (not in train.rewards, so no train.reward_args)"
+            where = (f"train.reward_args.{name}" if name in rewards.names
+                     else f"{field} (not in train.rewards, so no train.reward_args)")
             raise ConfigError(f"{where}: {exc}") from None
         try:
             check_columns([name], DATA_COLUMNS)

@@ -109,7 +109,8 @@ def test_the_study_resumes_with_the_rest_of_its_budget(cfg, tmp_path):
     c = cfg("hpo.trials=3")
     with pytest.raises(KeyboardInterrupt):  # the search process dies after one trial
         search(c, "m", {}, tmp_path, rewards=c.train.reward_set(), run_one=_dies_after(1))
-    result = search(c, "m", {}, tmp_path, rewards=c.train.reward_set(), run_one=_quick([0.9]))  # the budget left: 3 - 2 finished
+    # the budget left: 3 - 2 finished
+    result = search(c, "m", {}, tmp_path, rewards=c.train.reward_set(), run_one=_quick([0.9]))
     stored = optuna.load_study(study_name=result.study_name, storage=open_storage(c))
     assert [t.state.name for t in stored.trials] == ["COMPLETE", "FAIL", "COMPLETE"]
     assert (result.best_value, result.best_trial) == (0.9, 2)
