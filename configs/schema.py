@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 import yaml
 from configs import library_fields
+from configs.rewards import RewardSet
 from pydantic import (
     BaseModel, ConfigDict, Field, PrivateAttr, TypeAdapter, ValidationError, ValidationInfo, field_validator,
     model_validator,
@@ -172,7 +173,7 @@ class ModelConfig(StrictModel):
 class QuantizationBound(StrictModel):
     """How much quality a quantized base may lose against the unquantized one, measured on val rows."""
 
-    max_reward_drop: float = Field(0.05, ge=0, description="mean summed reward, unquantized minus quantized")
+    max_reward_drop: float = Field(0.05, ge=0, description="mean weighted total reward, unquantized minus quantized")
     max_perplexity_ratio: float = Field(1.10, ge=1, description="perplexity of the reference answers, quantized / unquantized")
     rows: int = Field(32, ge=1, description="val rows measured; more = surer, slower")
 
@@ -348,7 +349,7 @@ class TrainConfig(StrictModel):
     @field_validator("rewards")
     @classmethod
     def _some_reward(cls, v: list[str]) -> list[str]:
-        if not v:  # the names themselves are resolved by the stage that runs them (tasks.job.preflight)
+        if not v:  # the names themselves are resolved at preflight (`tasks.job.check_rewards`)
             raise ValueError("at least one reward is needed")
         return v
 
@@ -381,6 +382,12 @@ class TrainConfig(StrictModel):
                              "by name, in train.reward_weights")
         self.grpo["reward_weights"] = self._weights_written = weights
         return self
+
+    def reward_set(self) -> RewardSet:
+        """The rewards as one value: names, arguments and the weights TRL will use (train.grpo.reward_weights,
+        which `_reward_weights` wrote from train.reward_weights; 1.0 each when neither is set)."""
+        return RewardSet(names=tuple(self.rewards), args=self.reward_args,
+                         weights=tuple(self.grpo.get("reward_weights") or ()))
 
     @model_validator(mode="after")
     def _launchable(self) -> "TrainConfig":
@@ -578,8 +585,9 @@ class HPOConfig(StrictModel):
     )
     target_standard_error: float = Field(0.05, gt=0, description="standard error of a trial's greedy validation "
                                          "reward; sets how many validation prompts each scoring uses")
-    reward_sd: float | None = Field(None, gt=0, description="per-prompt standard deviation of the summed reward that "
-                                    "sizing assumes; default: the worst case for rewards in [0, 1] (half their count)")
+    reward_sd: float | None = Field(None, gt=0, description="per-prompt standard deviation of the weighted total "
+                                    "reward that sizing assumes; default: the worst case for rewards in [0, 1], half "
+                                    "the sum of |weight| (half their count when unweighted)")
     rescore_top_k: int = Field(3, ge=1, description="the best trials re-scored on as many fresh prompts before the "
                                "best is chosen (no winner's curse)")
     keep_configured: bool = Field(True, description="run the configured values as a trial (never pruned) and keep "
