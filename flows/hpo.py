@@ -15,6 +15,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
 from configs.schema import PipelineConfig, load_config
+from flows import trigger
 from flows.preflight import preflight
 from flows.runs import parent_run, setup_tracking
 from infra.launch import make_launcher
@@ -46,6 +47,8 @@ def hpo_flow(config_path: str | None = None, overrides: list[str] | None = None)
         config_path: pipeline YAML (e.g. configs/demo-cpu.yaml); None runs the built-in defaults.
         overrides: `stage.key=value` assignments applied on top, e.g. `hpo.trials=12`.
     """
+    # a run of a deployment of this flow may set only what the deployment allows (docs/security.md)
+    trigger.enforce(config_path, overrides or [], lambda own: list(own.get("overrides") or []))
     cfg = load_config(config_path, overrides or [])
     preflight(cfg)
     run_dir = cfg.data_dir / "runs" / f"{datetime.now():%Y%m%d-%H%M%S}-{(flow_run.id or 'local')[:8]}-hpo"
