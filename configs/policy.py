@@ -73,6 +73,9 @@ CREDENTIAL_WORDS = {"token", "secret", "password", "passwd", "authorization", "a
 CREDENTIAL_PAIRS = {("api", "key"), ("access", "key"), ("private", "key"), ("secret", "key"), ("auth", "token")}
 # A subtree whose key ends so holds environment variable *names* (headers_from_env: {Authorization: VERIFIER_TOKEN})
 ENV_NAME_SUFFIXES = ("_from_env", "_env")
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# Library fields whose names hold a credential word but whose values are no secret (PEFT's token indices)
+NOT_CREDENTIALS = {"trainable_token_indices"}
 
 
 def key_words(key: str) -> list[str]:
@@ -91,6 +94,8 @@ def credential_key(key: str) -> bool:
     >>> credential_key("hub_token"), credential_key("Authorization"), credential_key("max_prompt_tokens")
     (True, True, False)
     """
+    if key in NOT_CREDENTIALS:
+        return False
     words = key_words(key)
     return bool(CREDENTIAL_WORDS & set(words)) or any(pair in CREDENTIAL_PAIRS for pair in zip(words, words[1:]))
 
@@ -98,9 +103,10 @@ def credential_key(key: str) -> bool:
 # Shapes of secrets whatever key holds them: an Authorization header's value, and the token formats of the
 # services a run talks to (Hugging Face, OpenAI-style keys, GitHub, GitLab, AWS access key ids, Slack).
 SECRET_SHAPES: tuple[tuple[re.Pattern[str], str], ...] = (
-    (re.compile(r"^\s*(bearer|basic|token|bot)\s+\S{8,}", re.I), "an Authorization header value"),
+    # the whole value, so a prompt that merely starts with 'Token' or 'Bot' is no header
+    (re.compile(r"^\s*(bearer|basic|token|bot)\s+[A-Za-z0-9._~+/=\-]{8,}\s*$", re.I), "an Authorization header value"),
     (re.compile(r"\bhf_[A-Za-z0-9]{30,}\b"), "a Hugging Face token"),
-    (re.compile(r"\bsk-[A-Za-z0-9_\-]{20,}"), "an API key (sk-...)"),
+    (re.compile(r"\bsk-[A-Za-z0-9_\-]{32,}"), "an API key (sk-...)"),
     (re.compile(r"\b(ghp|gho|ghs|ghu|github_pat)_[A-Za-z0-9_]{20,}"), "a GitHub token"),
     (re.compile(r"\bglpat-[A-Za-z0-9_\-]{20,}"), "a GitLab token"),
     (re.compile(r"\b(AKIA|ASIA)[0-9A-Z]{16}\b"), "an AWS access key id"),

@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 import yaml
 from configs import library_fields
-from configs.policy import ENV_NAME_SUFFIXES, TriggerPolicy, credential_key, secret_shape
+from configs.policy import ENV_NAME, ENV_NAME_SUFFIXES, TriggerPolicy, credential_key, secret_shape
 from pydantic import (
     BaseModel, ConfigDict, Field, PrivateAttr, TypeAdapter, ValidationError, ValidationInfo, field_validator,
     model_validator,
@@ -715,7 +715,9 @@ def credentials_in(node: Any, path: str = "", key: str = "", env_names: bool = F
         for i, value in enumerate(node):
             yield from credentials_in(value, f"{path}[{i}]", key, env_names)
     elif isinstance(node, str) and node:
-        if not env_names and credential_key(key):
+        if env_names and not ENV_NAME.fullmatch(node):  # else a secret could hide where a name belongs
+            yield path, "a value where the name of an environment variable belongs"
+        elif not env_names and credential_key(key):
             yield path, f"its key '{key}' names a credential"
         elif found := url_secret(node) or secret_shape(node):
             yield path, found

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
@@ -39,6 +40,11 @@ def search_stage(cfg: PipelineConfig, model_path: str, splits: dict[str, Path], 
     return search(cfg, model_path, splits, run_dir, run_one=trial_task, tracking=tracking, train_usd=train_usd)
 
 
+def _own_overrides(parameters: dict[str, Any]) -> list[str]:
+    """A deployment's own overrides (this flow's only form field that makes any)."""
+    return list(parameters.get("overrides") or [])
+
+
 @flow(name="grpo-hpo", log_prints=True)
 def hpo_flow(config_path: str | None = None, overrides: list[str] | None = None) -> dict:
     """Search hyperparameters and return the best as overrides for the training stage.
@@ -48,8 +54,7 @@ def hpo_flow(config_path: str | None = None, overrides: list[str] | None = None)
         overrides: `stage.key=value` assignments applied on top, e.g. `hpo.trials=12`.
     """
     # a run of a deployment of this flow may set only what the deployment allows (docs/security.md)
-    trigger.enforce(config_path, overrides or [], lambda own: list(own.get("overrides") or []))
-    cfg = load_config(config_path, overrides or [])
+    cfg = load_config(config_path, trigger.enforce(config_path, overrides or [], _own_overrides))
     preflight(cfg)
     run_dir = cfg.data_dir / "runs" / f"{datetime.now():%Y%m%d-%H%M%S}-{(flow_run.id or 'local')[:8]}-hpo"
     model_path = resolve_model_task(cfg.model, cfg.data_dir / "models")

@@ -85,10 +85,9 @@ def grpo_pipeline(
         budget_usd: refuse to train when the planner's cost estimate passes this many dollars; empty keeps
             the config's `plan.budget_usd`.
     """
-    items = flow_overrides(overrides, launcher, budget_usd)
     # A run triggered through a deployment may set only what the deployment allows: checked on the raw fields,
     # before the config file is read or anything runs (docs/security.md).
-    trigger.enforce(config_path, items, deployment_overrides)
+    items = trigger.enforce(config_path, flow_overrides(overrides, launcher, budget_usd), deployment_overrides)
     return run_pipeline(load_config(config_path, items))
 
 

@@ -51,15 +51,18 @@ def started_by() -> Deployment | None:
 
 
 def enforce(config_path: str | None, overrides: list[str],
-            as_overrides: typing.Callable[[dict[str, Any]], list[str]], root: Path | None = None) -> None:
-    """Raise ConfigError, before any work, when a triggered run sets what its deployment does not allow.
+            as_overrides: typing.Callable[[dict[str, Any]], list[str]], root: Path | None = None) -> list[str]:
+    """The overrides the run uses; ConfigError, before any work, when a triggered run sets what its deployment does
+    not allow.
 
-    `overrides` are the run's overrides with its other form fields already turned into overrides
-    (`as_overrides` does the same to the deployment's own parameters, so both are compared alike).
+    `overrides` are the run's, with its other form fields already turned into overrides (`as_overrides` does the
+    same to the deployment's own parameters, so both compare alike). An operator's pass unchanged. A triggered
+    run gets the deployment's own overrides first, then what it added: a trigger adds to what the deployment pins
+    (allowed fields only) and cannot drop it.
     """
     deployment = started_by()
     if deployment is None:
-        return
+        return overrides
     own_config = deployment.parameters.get("config_path")
     own_overrides = as_overrides(deployment.parameters)
     # The deployment's own configuration holds the policy; it passed the same checks when it was deployed.
@@ -68,3 +71,4 @@ def enforce(config_path: str | None, overrides: list[str],
                              config_file=own_config or "the deployment's config")
     if refusals:
         raise ConfigError(refusal_message(refusals, deployment.name))
+    return [*own_overrides, *(item for item in overrides if item not in own_overrides)]

@@ -132,6 +132,12 @@ def test_allowed_fields_and_recipes_pass(worker):
     assert alt.train.lora == {"r": 4} and same.data.demo.n_train == 64
 
 
+def test_a_trigger_adds_to_what_the_deployment_pins_and_cannot_drop_it(worker):
+    pipeline.grpo_pipeline.fn(config_path="deploy.yaml", overrides=["train.lora.r=8"], budget_usd=None)
+    (cfg,) = worker.started
+    assert (cfg.train.grpo["max_steps"], cfg.data.demo.n_train, cfg.train.lora["r"]) == (4, 64, 8)
+
+
 def test_the_deployment_widens_its_own_policy(worker):
     """How to allow a field: the deployment's config lists it (a redeploy), never the run."""
     own = yaml.safe_load((worker.root / "deploy.yaml").read_text())
@@ -259,8 +265,19 @@ def test_names_of_environment_variables_and_ordinary_values_pass():
     cfg = load_config(None, ["train.reward_args.remote_verifier.headers_from_env={Authorization: VERIFIER_TOKEN}",
                              "train.rewards=[correct_answer, remote_verifier]",
                              "train.reward_args.remote_verifier.headers.X-Request-Source=grpo-pipeline",
-                             "data.min_prompt_tokens=2", "train.grpo.hub_token=", "data.source=s3://bucket/key.jsonl"])
+                             "data.min_prompt_tokens=2", "train.grpo.hub_token=", "data.source=s3://bucket/key.jsonl",
+                             "data.system_prompt='Token limits apply: answer briefly.'", "hpo.storage=sqlite:///x.db",
+                             "train.lora.trainable_token_indices=[1, 2]"])
     assert cfg.train.reward_args["remote_verifier"]["headers_from_env"] == {"Authorization": "VERIFIER_TOKEN"}
+    assert risk("train.lora.trainable_token_indices") is None
+
+
+def test_only_a_variables_name_goes_where_a_name_belongs():
+    with pytest.raises(ConfigError) as refused:
+        load_config(None, [f"train.reward_args.remote_verifier.headers_from_env={{Authorization: {SECRET[3:]}-x}}"])
+    message = str(refused.value)
+    assert "headers_from_env.Authorization holds a credential (a value where the name of an environment variable" in message
+    assert SECRET[3:] not in message
 
 
 def test_the_policy_check_is_cheap():
