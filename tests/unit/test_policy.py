@@ -289,3 +289,16 @@ def test_the_policy_check_is_cheap():
     n = 2000
     seconds = timeit.timeit(lambda: check_trigger(policy, "deploy.yaml", OWN, "deploy.yaml", runs), number=n) / n
     assert seconds < 0.01, seconds
+
+
+def test_the_cli_refuses_a_secret_in_a_set_without_printing_it():
+    """The operator's path: exit 2, the --set named by its key, the secret nowhere in the output."""
+    from typer.testing import CliRunner
+
+    from grpo_pipeline.cli import app
+
+    result = CliRunner().invoke(app, ["config", "--set", "train.grpo.max_steps=3", "--set",
+                                      f"train.grpo.hub_token={SECRET}"])
+    assert result.exit_code == 2
+    assert "--set train.grpo.hub_token=...: train.grpo.hub_token holds a credential" in " ".join(result.output.split())
+    assert SECRET not in result.output
