@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
@@ -16,6 +17,7 @@ from prefect.runtime import flow_run
 
 from configs.rewards import RewardSet
 from configs.schema import PipelineConfig, load_config
+from flows import trigger
 from flows.preflight import preflight
 from flows.runs import parent_run, setup_tracking
 from infra.launch import make_launcher
@@ -41,6 +43,11 @@ def search_stage(cfg: PipelineConfig, rewards: RewardSet, model_path: str, split
                   train_usd=train_usd)
 
 
+def _own_overrides(parameters: dict[str, Any]) -> list[str]:
+    """A deployment's own overrides (this flow's only form field that makes any)."""
+    return list(parameters.get("overrides") or [])
+
+
 @flow(name="grpo-hpo", log_prints=True)
 def hpo_flow(config_path: str | None = None, overrides: list[str] | None = None) -> dict:
     """Search hyperparameters and return the best as overrides for the training stage.
@@ -49,7 +56,8 @@ def hpo_flow(config_path: str | None = None, overrides: list[str] | None = None)
         config_path: pipeline YAML (e.g. configs/demo-cpu.yaml); None runs the built-in defaults.
         overrides: `stage.key=value` assignments applied on top, e.g. `hpo.trials=12`.
     """
-    cfg = load_config(config_path, overrides or [])
+    # a run of a deployment of this flow may set only what the deployment allows (docs/security.md)
+    cfg = load_config(config_path, trigger.enforce(config_path, overrides or [], _own_overrides))
     preflight(cfg)
     rewards = cfg.train.reward_set()  # resolved once, as the pipeline does
     run_dir = cfg.data_dir / "runs" / f"{datetime.now():%Y%m%d-%H%M%S}-{(flow_run.id or 'local')[:8]}-hpo"

@@ -18,7 +18,7 @@ import json
 from contextlib import nullcontext
 from datetime import datetime
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import mlflow
 from prefect import flow, task
@@ -30,6 +30,7 @@ from prefect.tasks import exponential_backoff
 from configs.library_fields import default as library_default
 from configs.rewards import RewardSet
 from configs.schema import PipelineConfig, TrainConfig, load_config
+from flows import trigger
 from flows.hpo import search_stage
 from flows.preflight import preflight
 from flows.runs import (
@@ -71,18 +72,24 @@ def grpo_pipeline(
 
     Args:
         config_path: pipeline YAML, relative to the project (e.g. configs/demo-cpu.yaml); empty runs the
-            built-in defaults.
-        overrides: `section.key=value` assignments applied on top, one per item. Sections: data, model,
-            plan, hpo, train, evaluate, merge, promote, tracking, deploy; e.g. `train.grpo.max_steps=20`,
-            `train.grpo.learning_rate=3e-4` (any TRL GRPOConfig field), `train.lora.r=16` (any PEFT
-            LoraConfig field), `model.base=org/name`, `model.quantization=nf4`, `evaluate.max_new_tokens=32`,
-            `merge.enabled=true`, `promote.min_effect=0.02`. `grpo-pipeline config` prints every key.
+            built-in defaults. A run of a deployment may pick only the deployment's own config or one of
+            its `deploy.trigger.recipes`.
+        overrides: `section.key=value` assignments applied on top, one per item. A run of a deployment
+            may set only the fields the deployment allows (`deploy.trigger.allow`; by default
+            `train.grpo.max_steps=20`, `train.grpo.learning_rate=3e-4`, `train.grpo.seed`, `train.lora.r=16`,
+            `train.lora.lora_alpha`); a refused field fails the run before any work (docs/security.md).
+            On the worker's shell, `grpo-pipeline run --set` takes any key: sections data, model, plan, hpo,
+            train, evaluate, merge, promote, tracking, deploy; e.g. `model.base=org/name`,
+            `model.quantization=nf4`, `evaluate.max_new_tokens=32`. `grpo-pipeline config` prints every key.
         launcher: where training runs: `local` (a subprocess on the worker) or `sky` (a SkyPilot managed
             spot job); `config` keeps the config's `train.launcher`.
         budget_usd: refuse to train when the planner's cost estimate passes this many dollars; empty keeps
             the config's `plan.budget_usd`.
     """
-    return run_pipeline(load_config(config_path, flow_overrides(overrides, launcher, budget_usd)))
+    # A run triggered through a deployment may set only what the deployment allows: checked on the raw fields,
+    # before the config file is read or anything runs (docs/security.md).
+    items = trigger.enforce(config_path, flow_overrides(overrides, launcher, budget_usd), deployment_overrides)
+    return run_pipeline(load_config(config_path, items))
 
 
 def run_pipeline(cfg: PipelineConfig) -> RunSummary:
@@ -449,3 +456,12 @@ def flow_overrides(overrides: list[str] | None, launcher: str | None, budget_usd
     extra = [f"train.launcher={launcher}"] if launcher and launcher != "config" else []
     extra += [f"plan.budget_usd={budget_usd}"] if budget_usd is not None else []
     return [*(overrides or []), *extra]
+
+
+def deployment_overrides(parameters: dict[str, Any]) -> list[str]:
+    """A deployment's own parameters as the overrides they make, to compare with a run's.
+
+    >>> deployment_overrides({"config_path": "c.yaml", "overrides": ["train.lora.r=8"], "budget_usd": 25.0})
+    ['train.lora.r=8', 'plan.budget_usd=25.0']
+    """
+    return flow_overrides(parameters.get("overrides"), parameters.get("launcher"), parameters.get("budget_usd"))
