@@ -105,6 +105,19 @@ class DataConfig(StrictModel):
     val_share: float = Field(0.1, ge=0, lt=1, validate_default=True, description="share of keys in validation; changing it moves rows")
     max_dropped_fraction: float = Field(0.2, ge=0, le=1, description="fail the stage when more rows than this are dropped")
     batch_rows: int = Field(8192, ge=64, description="rows per Arrow batch: memory stays bounded by this")
+    # --- daily retraining (docs/operations.md, "Daily retraining"): what is new since the champion
+    skip_unchanged: bool = Field(
+        False, description="end the run after the data stage (status 'skipped', exit 0, nothing launched) when the "
+        "champion was trained on exactly these rows with this configuration; on for the daily-retrain deployment"
+    )
+    incremental: bool = Field(
+        False, description="train on the rows no earlier champion trained on, plus replay_fraction of those it did; "
+        "the holdout stays the same rows"
+    )
+    replay_fraction: float = Field(
+        0.25, ge=0, le=1, description="with incremental: share of the already-seen train rows replayed beside the new "
+        "ones, sampled reproducibly; more = less forgetting, longer runs"
+    )
 
     @field_validator("answer_regex")
     @classmethod
@@ -169,6 +182,35 @@ class ModelConfig(StrictModel):
     max_quantization_cost: QuantizationBound | None = Field(
         None, description="refuse a quantization mode whose measured cost (quantized vs unquantized on val) passes these; None: measure and log only"
     )
+    init_adapter: str = Field(
+        "none", description="the LoRA adapter training starts from: 'none' (a fresh adapter on the base), 'champion' "
+        "(the registry's champion), or a URI: models:/<name>/<version>, models:/<name>@<alias>, runs:/<run_id>/<path>; "
+        "same base and LoRA shape (train.lora r, target_modules), optimizer and step count fresh"
+    )
+
+    @field_validator("init_adapter")
+    @classmethod
+    def _init_adapter(cls, v: str) -> str:
+        v = v.strip()
+        if v in ("none", "champion") or init_adapter_uri_problem(v) is None:
+            return v
+        raise ValueError(init_adapter_uri_problem(v))
+
+
+def init_adapter_uri_problem(uri: str) -> str | None:
+    """What is wrong with `model.init_adapter` as a URI, or None when it has a form the registry resolves.
+
+    >>> init_adapter_uri_problem("models:/grpo-adapter/3") is None, init_adapter_uri_problem("runs:/abc/adapter") is None
+    (True, True)
+    >>> init_adapter_uri_problem("/tmp/adapter")
+    "'/tmp/adapter' is not 'none', 'champion', models:/<name>/<version>, models:/<name>@<alias> or runs:/<run_id>/<path>"
+    """
+    import re
+
+    if re.fullmatch(r"models:/[^/@]+(/\d+|@[\w-]+)", uri) or re.fullmatch(r"runs:/[0-9a-zA-Z]+/\S+", uri):
+        return None
+    return (f"{uri!r} is not 'none', 'champion', models:/<name>/<version>, models:/<name>@<alias> or "
+            "runs:/<run_id>/<path>")
 
 
 class QuantizationBound(StrictModel):
@@ -777,6 +819,18 @@ class PipelineConfig(StrictModel):
         if "train" in info.data:  # absent when train itself failed validation (reported on its own)
             v.check_against(info.data["train"])
         return v
+
+    @model_validator(mode="after")
+    def _warm_start_fits(self) -> "PipelineConfig":
+        # Training from the base on only the new rows would forget the rest: incremental continues an adapter.
+        if self.data.incremental and self.model.init_adapter == "none":
+            raise ValueError("data.incremental trains on the rows the parent adapter has not seen, so it needs one: set "
+                             "model.init_adapter=champion (or a models:/ version), or data.incremental=false")
+        # The search tries ranks from scratch; a warm start keeps its adapter's rank, so the best one could not apply.
+        if self.model.init_adapter != "none" and self.hpo.enabled and self.hpo.space.lora_r is not None:
+            raise ValueError("hpo.space.lora_r: a warm start (model.init_adapter) keeps its adapter's rank; set "
+                             "hpo.space.lora_r=null, or model.init_adapter=none")
+        return self
 
     @property
     def mlflow_uri(self) -> str:

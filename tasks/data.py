@@ -48,7 +48,7 @@ from tasks.data_io import (
 from tasks.data_text import NearDuplicateIndex, PromptTokens, ngram_hashes, normalize, overlap_fraction, sorted_unique, words
 from tasks.demo_task import generate as demo_rows
 from tasks.splits import fingerprint as splits_fingerprint
-from tasks.splits import split_of
+from tasks.splits import incremental_rows, split_of
 
 SPLITS = ("train", "val", "holdout")
 REASONS = {
@@ -759,7 +759,9 @@ def dataset_key(cfg: DataConfig, tokenizer_path: str | None, rewards: Sequence[s
                 reward_args: RewardArgs | None = None) -> str:
     """A hash of everything the output depends on: input content, configuration, tokenizer, rewards and the
     answer checkers' arguments (the others' do not change a row), code."""
-    digest = hashlib.sha256(orjson.dumps(cfg.model_dump(mode="json"), option=orjson.OPT_SORT_KEYS))
+    # what the run does with a built version (skip it, train on its new rows) does not change the version
+    built = cfg.model_dump(mode="json", exclude=set(RUN_FIELDS))
+    digest = hashlib.sha256(orjson.dumps(built, option=orjson.OPT_SORT_KEYS))
     here = Path(__file__).parent
     digest.update("".join(file_digest(here / f) for f in _CODE_FILES).encode())
     digest.update(f"\0{_tokenizer_digest(tokenizer_path)}\0{list(rewards)}".encode())
@@ -906,6 +908,73 @@ def resolve_tokenizer(cfg: PipelineConfig, given: str | None = None) -> str | No
     except Exception as exc:  # a missing path, no network for the demo model's download, a bad GGUF file
         raise missing_tokenizer(cfg.data, f"model.base {base!r} could not be resolved here "
                                           f"({type(exc).__name__}: {str(exc)[:300]})") from None
+
+
+# ---------------------------------------------------------------- daily retraining: what is new since the champion
+
+RUN_FIELDS = ("skip_unchanged", "incremental", "replay_fraction")  # DataConfig fields that do not shape a version
+# What a configuration hash leaves out: where and how a run happens, not what it trains (docs/operations.md).
+IDENTITY_FIELDS = {
+    "data_dir": True, "tracking": True, "deploy": True, "plan": True, "data": {"skip_unchanged": True},
+    "train": {"launcher": True, "sky": True, "checkpoint_uri": True, "s3_endpoint_url": True, "max_restarts": True},
+}
+SEEN_KEYS_FILE = "seen_keys.json"  # the train keys a registered version's lineage trained on (its register run)
+
+
+def config_hash(cfg: PipelineConfig) -> str:
+    """A hash of the configuration as it decides what trains and how the candidate is judged: every field but
+    the run's identity and placement (`IDENTITY_FIELDS`: data_dir, tracking, deploy, plan, the launcher and
+    the checkpoint store, data.skip_unchanged). Two runs with the same hash on the same rows train the same way.
+
+    >>> from configs.schema import load_config
+    >>> config_hash(load_config(None, ["tracking.experiment=x", "train.launcher=sky"])) == config_hash(load_config(None))
+    True
+    >>> config_hash(load_config(None, ["train.grpo.learning_rate=1e-4"])) == config_hash(load_config(None))
+    False
+    """
+    tree = cfg.model_dump(mode="json", exclude=IDENTITY_FIELDS)
+    return hashlib.sha256(orjson.dumps(tree, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
+
+
+def split_keys(path: Path) -> list[str]:
+    """The keys of a split file's rows, in order."""
+    with Path(path).open("rb") as f:
+        return [orjson.loads(line)["key"] for line in f if line.strip()]
+
+
+def unchanged_reason(champion: str, tags: Mapping[str, str], fingerprint: str, cfg_hash: str,
+                     new_rows: int | None) -> str | None:
+    """Why a run may end after the data stage: the champion (version `champion`, its model-version `tags`) was
+    trained with this configuration on these rows, or on a lineage that saw every train row there is now
+    (`new_rows` 0; None when the lineage is unknown). None: something changed, so the run trains.
+
+    >>> tags = {"dataset_fingerprint": "f1", "config_hash": "c1"}
+    >>> unchanged_reason("3", tags, "f1", "c1", None)
+    'champion v3 was trained on this dataset (fingerprint f1) with this configuration (hash c1): no new rows, nothing to train'
+    >>> unchanged_reason("3", tags, "f1", "c2", None) is None, unchanged_reason("3", tags, "f2", "c1", 5) is None
+    (True, True)
+    """
+    if tags.get("config_hash") != cfg_hash:
+        return None
+    if tags.get("dataset_fingerprint") == fingerprint:
+        return (f"champion v{champion} was trained on this dataset (fingerprint {fingerprint}) with this configuration "
+                f"(hash {cfg_hash}): no new rows, nothing to train")
+    if new_rows == 0:
+        return (f"no train row of dataset {fingerprint} is new since champion v{champion} (its lineage trained on all "
+                f"of them) and the configuration is the same (hash {cfg_hash}): nothing to train")
+    return None
+
+
+def incremental_split(train: Path, seen: set[str], replay_fraction: float, salt: str, out: Path) -> tuple[Path, int, int]:
+    """`data.incremental`: the train split's new rows plus `replay_fraction` of the seen ones
+    (`tasks.splits.incremental_rows`, sampled by `salt`, the dataset's fingerprint), written to `out`; the version
+    itself stays whole. Returns (path, new, replayed)."""
+    with Path(train).open("rb") as f:
+        rows = [orjson.loads(line) for line in f if line.strip()]
+    picked, new, replayed = incremental_rows(rows, seen, replay_fraction, salt)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes(b"".join(jsonl_line(r) for r in picked))
+    return out, new, replayed
 
 
 class _InputsCache(CachePolicy):

@@ -1,16 +1,22 @@
 """The training job: its spec, built from the pipeline's `train` and `model` sections (pure), and the checks
-the job's own settings must pass before any work is done. Launching it is infra's (`infra.launch`)."""
+the job's own settings must pass before any work is done; the adapter a warm start trains from
+(`model.init_adapter`: what it names, and whether it fits). Launching it is infra's (`infra.launch`)."""
 
 from __future__ import annotations
 
 import ast
 import difflib
+import re
 import time
 from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel
 
 from configs.rewards import RewardSet
-from configs.schema import ConfigError, EvalConfig, ModelConfig, TrainConfig
+from configs.schema import DEMO_MODEL, ConfigError, EvalConfig, ModelConfig, TrainConfig
 from trainer.checkpoints import open_store
+from trainer.loading import adapter_mismatch
 from trainer.spec import JobSpec, ModelLoad, TrainSettings
 
 DATA_COLUMNS = ("prompt", "answer", "key")  # what every row of the data stage's splits holds (tasks.data)
@@ -37,11 +43,13 @@ def build_job_spec(
     mlflow_tracking_uri: str | None = None,
     mlflow_experiment: str | None = None,
     mlflow_run_id: str | None = None,
+    init_adapter: str | None = None,
 ) -> JobSpec:
     """Everything the trainer needs, with paths made absolute so the job can run from anywhere.
 
     Checkpoints go under the run's own name: a configured `train.checkpoint_uri` is a root shared by
-    runs, and a new run must never resume from (or report) another run's checkpoints.
+    runs, and a new run must never resume from (or report) another run's checkpoints. `init_adapter`: the local
+    directory of the adapter a warm start continues (`WarmStart.adapter_dir`).
     """
     run_dir = run_dir.resolve()
     root = train.checkpoint_uri
@@ -57,8 +65,73 @@ def build_job_spec(
         adapter_dir=str(run_dir / "adapter"),
         mlflow_tracking_uri=mlflow_tracking_uri,
         mlflow_run_id=mlflow_run_id,
+        init_adapter=str(Path(init_adapter).resolve()) if init_adapter else None,
         **({"mlflow_experiment": mlflow_experiment} if mlflow_experiment else {}),
     )
+
+
+# ------------------------------------------------------------------------------------------------ warm start
+
+
+class AdapterRef(BaseModel):
+    """What `model.init_adapter` names: a registered model's version or alias, or a run's artifact."""
+
+    kind: Literal["version", "alias", "run"]
+    model: str | None = None  # the registered model (version, alias)
+    ref: str  # the version number, the alias, or the runs:/ URI
+
+
+def parse_init_adapter(value: str, registered_model: str) -> AdapterRef | None:
+    """`model.init_adapter` (validated by the schema) as a reference; None for 'none'.
+
+    >>> parse_init_adapter("champion", "grpo-adapter")
+    AdapterRef(kind='alias', model='grpo-adapter', ref='champion')
+    >>> parse_init_adapter("models:/other/7", "grpo-adapter")
+    AdapterRef(kind='version', model='other', ref='7')
+    >>> parse_init_adapter("runs:/0a1b/adapter", "grpo-adapter").kind
+    'run'
+    """
+    if value == "none":
+        return None
+    if value == "champion":
+        return AdapterRef(kind="alias", model=registered_model, ref="champion")
+    if match := re.fullmatch(r"models:/([^/@]+)/(\d+)", value):
+        return AdapterRef(kind="version", model=match[1], ref=match[2])
+    if match := re.fullmatch(r"models:/([^/@]+)@([\w-]+)", value):
+        return AdapterRef(kind="alias", model=match[1], ref=match[2])
+    return AdapterRef(kind="run", ref=value)
+
+
+class WarmStart(BaseModel):
+    """The adapter this run continues: where it came from (the parent version, when it is a registered one) and
+    where it lies here. What the registered version records as its parent and the summary names."""
+
+    requested: str  # model.init_adapter as configured (champion, models:/..., runs:/...)
+    uri: str  # what was loaded: models:/<name>/<version>, or the runs:/ URI
+    model: str | None = None  # the parent's registered model, None for a run's artifact
+    version: str | None = None  # the parent version
+    adapter_dir: str  # the downloaded adapter (adapter_config.json, weights)
+
+    @property
+    def parent(self) -> str:
+        """How the report names it: 'v3', or the run URI."""
+        return f"v{self.version}" if self.version else self.uri
+
+
+def base_names(model: ModelConfig, data_dir: Path) -> set[str]:
+    """The names `model.base` goes by in an adapter_config.json the trainer wrote: as configured, and as the
+    path it resolves to (the demo model is converted into `<data_dir>/models/`)."""
+    names = {model.base}
+    local = Path(data_dir) / "models" / DEMO_MODEL if model.base == DEMO_MODEL else Path(model.base).expanduser()
+    names |= {str(local), str(local.resolve())}
+    return names
+
+
+def check_init_adapter(adapter_config: dict, bases: set[str], lora: dict, where: str) -> None:
+    """Refuse, before any work, an adapter of another base or LoRA shape (`trainer.loading.adapter_mismatch`),
+    naming `model.init_adapter` and what it resolved to (`where`)."""
+    if problem := adapter_mismatch(adapter_config, bases, lora):
+        raise ConfigError(f"model.init_adapter ({where}): {problem}")
 
 
 def reward_fields(rewards: RewardSet, evaluate: EvalConfig) -> list[tuple[str, str]]:

@@ -8,13 +8,35 @@ from pathlib import Path
 from urllib.parse import urlencode
 
 from tasks.decide import Decision
-from tasks.summary import AliasChange, Example, Holdout, RegistryOutcome
+from tasks.job import WarmStart
+from tasks.summary import AliasChange, Example, Holdout, RegistryOutcome, TrainRows
 
 PROMPT_CHARS = 400  # of a prompt shown with an example: the question, not a whole few-shot context
 CELL_CHARS = 80  # of a reference in a table cell
 
 
-def render_markdown(holdout: Holdout, decision: Decision, registry: RegistryOutcome) -> str:
+def lineage_line(warm_start: WarmStart | None, rows: TrainRows | None) -> str:
+    """Where the candidate started and what it trained on, in one sentence.
+
+    >>> ws = WarmStart(requested="champion", uri="models:/m/3", model="m", version="3", adapter_dir="/a")
+    >>> lineage_line(ws, TrainRows(incremental=True, new=40, replayed=10, seen_before=200))
+    'Continued from v3 (models:/m/3) on 40 new rows and 10 replayed ones (of 200 seen before).'
+    >>> lineage_line(None, None)
+    'Trained from the base model.'
+    """
+    start = f"Continued from {warm_start.parent} ({warm_start.uri})" if warm_start else "Trained from the base model"
+    if rows is None or not rows.incremental:
+        return f"{start}."
+    return f"{start} on {rows.new} new rows and {rows.replayed} replayed ones (of {rows.seen_before} seen before)."
+
+
+def render_skipped(reason: str) -> str:
+    """The report of a run that ended after the data stage (`data.skip_unchanged`)."""
+    return "\n".join(["# GRPO run: skipped", "", f"Nothing trained: {reason}", ""])
+
+
+def render_markdown(holdout: Holdout, decision: Decision, registry: RegistryOutcome,
+                    warm_start: WarmStart | None = None, rows: TrainRows | None = None) -> str:
     """The decision, its reasons and the holdout numbers, as Markdown (MLflow artifact, Prefect artifact)."""
     verdict = "**promoted**" if decision.promote else "**not promoted**"
     baseline = f"champion version {registry.decided_against}" if registry.decided_against else "the base model"
@@ -23,6 +45,7 @@ def render_markdown(holdout: Holdout, decision: Decision, registry: RegistryOutc
         f"# GRPO run: candidate {verdict}",
         "",
         f"Candidate version {registry.candidate_version} against {baseline} on {holdout.n} holdout prompts (greedy).",
+        lineage_line(warm_start, rows),
         "",
         "## Reasons",
         *[f"- {reason}" for reason in decision.reasons],

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from pathlib import Path
 
 HOLDOUT_SHARE = 0.3
@@ -45,3 +46,28 @@ def fingerprint(splits: dict[str, Path]) -> str:
     for name in sorted(splits):
         digest.update(name.encode() + b"\0" + Path(splits[name]).read_bytes())
     return digest.hexdigest()[:16]
+
+
+def replay_rank(key: str, salt: str) -> int:
+    """A row's place in the replay order: a hash of its key and `salt`, so the sample depends on the rows'
+    content alone (not on their order in the source) and is the same on a rerun."""
+    return int.from_bytes(hashlib.sha256(f"{salt}\0{key}".encode()).digest()[:8], "big")
+
+
+def incremental_rows(rows: list[dict], seen: set[str], replay_fraction: float, salt: str) -> tuple[list[dict], int, int]:
+    """The train rows of an incremental run: every row whose key is not in `seen` (the keys the parent adapter's
+    lineage trained on), plus `replay_fraction` of the seen ones (rounded up), picked by `replay_rank`; in the
+    rows' own order. Returns (rows, new, replayed).
+
+    >>> rows = [{"key": k} for k in "abcdef"]
+    >>> picked, new, replayed = incremental_rows(rows, {"a", "b", "c", "d"}, 0.5, "v1")
+    >>> new, replayed, [r["key"] for r in picked if r["key"] in "ef"]
+    (2, 2, ['e', 'f'])
+    >>> incremental_rows(rows, {"a", "b", "c", "d"}, 0.5, "v1") == (picked, new, replayed)
+    True
+    """
+    old = [r["key"] for r in rows if r["key"] in seen]
+    count = math.ceil(replay_fraction * len(old))
+    replay = set(sorted(old, key=lambda k: replay_rank(k, salt))[:count])
+    picked = [r for r in rows if r["key"] not in seen or r["key"] in replay]
+    return picked, len(rows) - len(old), len(replay)

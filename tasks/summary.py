@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict
 
 from tasks.decide import Decision
 from tasks.evaluate import EvalResult
+from tasks.job import WarmStart
 from tasks.serving import BaseRef, ServingCheck
 from trainer.spec import TrainResult
 
@@ -145,17 +146,35 @@ class RegistryOutcome(_Versions):
     merged_aliases: dict[str, str | None] | None = None
 
 
+class TrainRows(BaseModel):
+    """The rows the run trained on, against what its parent adapter's lineage had seen (`data.incremental`)."""
+
+    incremental: bool
+    new: int  # train rows no earlier champion of the lineage trained on
+    replayed: int  # seen rows trained on again (data.replay_fraction of them, when incremental)
+    seen_before: int  # train rows of this dataset the parent's lineage had trained on
+    lineage_known: bool = True  # False: the parent recorded no keys (registered before this was kept); all are new
+
+
 class RunSummary(BaseModel):
-    status: Literal["completed"] = "completed"
+    """`status` "completed": every stage ran. "skipped" (`data.skip_unchanged`): the champion was trained on these
+    rows with this configuration, so the run ended after the data stage with `skipped_reason`; nothing trained,
+    and the training, evaluation and registry fields are empty."""
+
+    status: Literal["completed", "skipped"] = "completed"
+    skipped_reason: str | None = None
     mlflow: MlflowRef
     run_dir: str
     data: dict[str, Any]  # the dataset's fingerprint and the data stage's report
     model: BaseChoice
-    holdout: Holdout
-    train: TrainResult
-    plan: dict[str, Any]  # the planner's flat figures (GPU, memory, hours, USD)
-    hpo: Search | None
-    cost: Cost
-    merge: Merged | None
-    decision: Decision
-    registry: RegistryOutcome
+    warm_start: WarmStart | None = None  # the adapter training continued (model.init_adapter), None: from the base
+    rows: TrainRows | None = None  # what was trained on: new and replayed rows
+    config_hash: str | None = None  # the configuration as it decides what trains (tasks.data.config_hash)
+    holdout: Holdout | None = None
+    train: TrainResult | None = None
+    plan: dict[str, Any] | None = None  # the planner's flat figures (GPU, memory, hours, USD)
+    hpo: Search | None = None
+    cost: Cost | None = None
+    merge: Merged | None = None
+    decision: Decision | None = None
+    registry: RegistryOutcome | None = None

@@ -73,6 +73,9 @@ class JobSpec(_Strict):
     work_dir: str  # local scratch: the HF output dir, the result file
     checkpoint_uri: str  # local directory or s3://bucket/prefix
     adapter_dir: str  # where the final adapter is written
+    # a LoRA adapter directory to continue training (a warm start: model.init_adapter), already checked against
+    # the base and train.lora by the pipeline; None: a fresh adapter from train.lora
+    init_adapter: str | None = None
     mlflow_tracking_uri: str | None = None
     mlflow_experiment: str = "grpo-pipeline"
     mlflow_run_id: str | None = None  # set by the launcher, so a relaunched job continues the same run

@@ -136,7 +136,8 @@ def run(spec: JobSpec, started: float | None = None) -> TrainResult:
         metrics.client.log_param(run_id, "precision", "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32")
     if args.disable_tqdm:  # nor the bars of loading the model and the data
         hide_library_bars()
-    model, tokenizer = load_model(spec.model_path, spec.model)
+    # a warm start continues the adapter's own weights (trainable); the optimizer, scheduler and step are fresh
+    model, tokenizer = load_model(spec.model_path, spec.model, adapter=spec.init_adapter, trainable=True)
     train_ds = load_dataset("json", data_files=spec.train_file, split="train")
     val_ds = load_dataset("json", data_files=spec.val_file, split="train") if spec.val_file else None
     sync = CheckpointSync(store, spec.train.keep_checkpoints, work / "staging", metrics, ranks)
@@ -155,7 +156,8 @@ def run(spec: JobSpec, started: float | None = None) -> TrainResult:
         train_dataset=train_ds,
         eval_dataset=val_ds,
         processing_class=tokenizer,
-        peft_config=LoraConfig(task_type="CAUSAL_LM", **spec.train.lora),
+        # a warm start passes a PeftModel holding its adapter, and TRL takes no peft_config with one
+        peft_config=None if spec.init_adapter else LoraConfig(task_type="CAUSAL_LM", **spec.train.lora),
         callbacks=callbacks,
     )
     print_logs_once(trainer)  # one line per log, with its step, for the parent's progress
@@ -251,6 +253,20 @@ def _slow_bf16(spec: JobSpec) -> str | None:
     return slow_bf16_reason(bool(spec.train.grpo.get("bf16")), cuda, cpu_has_native_bf16())
 
 
+def _unfit_adapter(spec: JobSpec) -> str | None:
+    """Why the spec's init_adapter cannot be trained with its train.lora (a hand-made spec too; the pipeline
+    checked the base where it resolved the adapter), or None: refused before the model loads."""
+    if not spec.init_adapter:
+        return None
+    from trainer.loading import adapter_mismatch, read_adapter_config
+
+    try:
+        problem = adapter_mismatch(read_adapter_config(spec.init_adapter), None, spec.train.lora)
+    except ValueError as exc:
+        problem = str(exc)
+    return f"init_adapter {spec.init_adapter}: {problem}" if problem else None
+
+
 def main(spec_path: str, started: float | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -261,10 +277,10 @@ def main(spec_path: str, started: float | None = None) -> int:
         return EXIT_BAD_INPUT
     from trainer.rewards import RewardError, RewardUnavailable
 
-    slow = _slow_bf16(spec)
-    if slow:
-        log.error("bad input: %s", slow)
-        print(bad_input_line(slow), flush=True)
+    refused = _slow_bf16(spec) or _unfit_adapter(spec)
+    if refused:
+        log.error("bad input: %s", refused)
+        print(bad_input_line(refused), flush=True)
         distributed.record("exit", EXIT_BAD_INPUT)
         return EXIT_BAD_INPUT
     try:
