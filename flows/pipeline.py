@@ -7,6 +7,11 @@ model) -> serving check (a clean process loads the version by its registry URI) 
 each in its own nested MLflow run under one parent run (`flows.runs`). The `RunSummary` it returns is what
 `grpo-pipeline run --json` prints and what the report renders.
 
+Daily retraining (docs/operations.md): `model.init_adapter` continues an existing adapter (`warm_start_stage`,
+resolved and checked before any work); `data.skip_unchanged` ends a run after the data stage when the champion
+was trained on these rows with this configuration (`status: "skipped"`); `data.incremental` trains on the rows
+the parent's lineage has not seen plus a replayed share (`train_rows_stage`).
+
 A retried flow run (the Prefect UI's Retry, or a flow-level retry) resumes after its last completed
 stage: the expensive stages are cached on their inputs and the flow run id, with results persisted, and
 the retry reuses the same run directory, MLflow parent run and stage runs, and model version.
@@ -29,7 +34,7 @@ from prefect.tasks import exponential_backoff
 
 from configs.library_fields import default as library_default
 from configs.rewards import RewardSet
-from configs.schema import PipelineConfig, TrainConfig, load_config
+from configs.schema import ConfigError, PipelineConfig, TrainConfig, load_config
 from flows import trigger
 from flows.hpo import search_stage
 from flows.preflight import preflight
@@ -38,18 +43,20 @@ from flows.runs import (
     system_metrics_of,
 )
 from infra.launch import make_launcher, run_job
-from tasks.data import DatasetVersion, data_task, log_lineage
+from tasks.data import (
+    SEEN_KEYS_FILE, DatasetVersion, config_hash, data_task, incremental_split, log_lineage, split_keys, unchanged_reason,
+)
 from tasks.decide import Decision, decide_promotion
 from tasks.evaluate import EvalResult, evaluate_task, read_jsonl
 from tasks.hpo import apply_best
-from tasks.job import TrainProgress, build_job_spec
+from tasks.job import TrainProgress, WarmStart, base_names, build_job_spec, check_init_adapter, parse_init_adapter
 from tasks.merge import merge_task
 from tasks.model import resolve_model_task
 from tasks.plan import Plan, actual_cost, apply_plan, check_budget
 from tasks.plan.task import plan_task
 from tasks.quantize import quantization_cost_task, require_accepted
-from tasks.registry import CHAMPION, MERGED_VERSION_TAG, ChampionMoved, Registry, RegistryError
-from tasks.report import artifact_url, plot_comparison, render_markdown
+from tasks.registry import CHAMPION, MERGED_VERSION_TAG, MISSING, ChampionMoved, Registry, RegistryError
+from tasks.report import artifact_url, plot_comparison, render_markdown, render_skipped
 from tasks.select import select_task
 from tasks.serving import (
     BASE_EXPERIMENT, ServingCheck, base_reference, find_logged_model, log_adapter_model, log_merged_model,
@@ -57,7 +64,9 @@ from tasks.serving import (
 )
 from tasks.summary import (
     AliasChange, BaseChoice, Cost, Holdout, Merged, MlflowRef, Registered, RegistryOutcome, RunSummary, Search,
+    TrainRows,
 )
+from trainer.loading import read_adapter_config
 from trainer.spec import JobSpec, TrainResult
 
 
@@ -101,11 +110,19 @@ def run_pipeline(cfg: PipelineConfig) -> RunSummary:
     run_dir = _run_dir(cfg)
     experiment_id = setup_tracking(cfg.mlflow_uri, cfg.tracking.experiment, cfg.data_dir / "mlartifacts")
     registry = Registry(mlflow.MlflowClient(cfg.mlflow_uri), cfg.tracking.registered_model)
+    # before any work: a missing champion, an unknown URI, another base or LoRA shape end the run here (exit 2)
+    warm_start = warm_start_stage(cfg, registry, run_dir)
+    cfg_hash = config_hash(cfg)  # as configured, before the plan and the search fill fields in
     with parent_run(flow_run.id or "local", "grpo-pipeline", flow_run.scheduled_start_time) as parent:
         pid = parent.info.run_id
+        mlflow.set_tags({"config_hash": cfg_hash, **lineage_tags(warm_start)})
         with stage_run(pid, "data"):
             dataset, base_path = data_stage(cfg, rewards)
-        splits = dataset.splits
+        base_choice = BaseChoice(base=cfg.model.base, path=base_path, quantization=cfg.model.quantization)
+        if cfg.data.skip_unchanged and (reason := unchanged_stage(registry, dataset, cfg_hash)):
+            return skipped(reason, cfg, pid, experiment_id, run_dir, dataset, base_choice, cfg_hash, warm_start)
+        seen = seen_keys(registry, warm_start.model, warm_start.version) if warm_start and warm_start.version else None
+        splits, rows = train_rows_stage(cfg, dataset, seen, run_dir)
         with stage_run(pid, "model"):
             cfg, model_path = model_stage(cfg, rewards, base_path, splits["val"])
         with stage_run(pid, "plan"):
@@ -122,7 +139,8 @@ def run_pipeline(cfg: PipelineConfig) -> RunSummary:
             base = evaluate_stage(cfg, rewards, model_path, splits["holdout"], "base")
         train_run = stage_run_for_another_process(experiment_id, pid, "train")
         spec = build_job_spec(cfg.train, cfg.model, model_path, splits, run_dir, mlflow_tracking_uri=cfg.mlflow_uri,
-                              mlflow_experiment=cfg.tracking.experiment, mlflow_run_id=train_run)
+                              mlflow_experiment=cfg.tracking.experiment, mlflow_run_id=train_run,
+                              init_adapter=warm_start.adapter_dir if warm_start else None)
         log_dataset_inputs(train_run, dataset)
         result = _resumable(train_task)(spec, cfg.train)
         cost = Cost(cost_usd_estimated=plan.estimate.usd, cost_usd_actual=actual_cost(result.gpu_hours, plan))
@@ -141,7 +159,9 @@ def run_pipeline(cfg: PipelineConfig) -> RunSummary:
         with stage_run(pid, "decide"):
             decision = decide_stage(cfg, rewards, trained, champion or base)
         with stage_run(pid, "register"):
-            registered = register_stage(cfg, registry, dataset, model_path, result, merged, pid, splits["holdout"])
+            lineage = {"config_hash": cfg_hash, **lineage_tags(warm_start), **record_seen(seen, splits["train"])}
+            registered = register_stage(cfg, registry, dataset, model_path, result, merged, pid, splits["holdout"],
+                                        lineage)
         with stage_run(pid, "serving-check"):
             check = serving_stage(cfg, registry, registered, splits["holdout"], trained)
         decision = blocked_unless_served(decision, check)
@@ -151,6 +171,7 @@ def run_pipeline(cfg: PipelineConfig) -> RunSummary:
             run_dir=str(run_dir.resolve()),
             data={"fingerprint": dataset.fingerprint, **dataset.report.model_dump(mode="json")},
             model=BaseChoice(base=cfg.model.base, path=model_path, quantization=cfg.model.quantization),
+            warm_start=warm_start, rows=rows, config_hash=cfg_hash,
             holdout=Holdout.of(base, trained, champion), train=result, plan=plan.summary(), cost=cost,
             hpo=Search.of(search) if search else None,
             merge=merged, decision=decision, registry=outcome,
@@ -179,6 +200,142 @@ def data_stage(cfg: PipelineConfig, rewards: RewardSet) -> tuple[DatasetVersion,
     dataset = data_task(cfg.data, cfg.data_dir / "datasets", base_path, list(rewards.names), dict(rewards.args))
     log_lineage(dataset)
     return dataset, base_path
+
+
+# ------------------------------------------------------------------------------------------------ daily retraining
+
+
+def warm_start_stage(cfg: PipelineConfig, registry: Registry, run_dir: Path) -> WarmStart | None:
+    """The adapter `model.init_adapter` names, downloaded into the run directory and checked against the base
+    and train.lora; None for 'none'. Raises ConfigError (exit 2), before any work, for a champion that does not
+    exist yet, a version, alias or run the registry does not know, and an adapter of another base or shape."""
+    ref = parse_init_adapter(cfg.model.init_adapter, registry.name)
+    if ref is None:
+        return None
+    field = f"model.init_adapter={cfg.model.init_adapter}"
+    model = version = None
+    tags: dict[str, str] = {}
+    if ref.kind == "run":
+        uri = source = ref.ref
+    else:
+        model = ref.model
+        version = registry.version_of(ref.ref, model) if ref.kind == "alias" else ref.ref
+        if version is None:
+            raise ConfigError(
+                f"{field}: registered model {model!r} has no {ref.ref!r} alias yet (no run was promoted); train from the "
+                f"base (model.init_adapter=none) or name a version (model.init_adapter=models:/{model}/<version>)")
+        try:
+            mv = registry.client.get_model_version(model, version)
+        except registry.errors as exc:
+            if getattr(exc, "error_code", None) not in MISSING:
+                raise
+            raise ConfigError(f"{field}: registered model {model!r} has no version {version}; "
+                              f"`grpo-pipeline registry` lists the versions, or use model.init_adapter=none") from None
+        uri, source, tags = f"models:/{model}/{version}", mv.source, dict(mv.tags)
+    adapter = fetch_adapter(source, run_dir / "init-adapter", field)
+    try:
+        adapter_config = read_adapter_config(adapter)
+    except ValueError as exc:
+        raise ConfigError(f"{field}: {exc}") from None
+    bases = base_names(cfg.model, cfg.data_dir)
+    if tags.get("base_config") == cfg.model.base:  # registered on this base: its adapter names a portable copy
+        bases.add(adapter_config.get("base_model_name_or_path"))
+    check_init_adapter(adapter_config, bases, cfg.train.lora, uri)
+    return WarmStart(requested=cfg.model.init_adapter, uri=uri, model=model, version=version, adapter_dir=adapter)
+
+
+def fetch_adapter(source: str, dst: Path, field: str) -> str:
+    """The adapter at an MLflow URI on local disk: a registered adapter model's `artifacts/adapter`, or the
+    directory itself (a run's `adapter` artifact, a version registered before adapters were MLflow models)."""
+    from mlflow.exceptions import MlflowException
+
+    dst.mkdir(parents=True, exist_ok=True)
+    try:
+        local = Path(mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=str(dst)))
+    except (MlflowException, OSError) as exc:
+        if isinstance(exc, MlflowException) and exc.error_code not in MISSING:
+            raise  # the server, not the URI: a service fault
+        raise ConfigError(f"{field}: nothing to download at {source} ({str(exc).splitlines()[0][:300]}); name an "
+                          "existing models:/ version or runs:/<run_id>/adapter, or use model.init_adapter=none") from None
+    inner = local / "artifacts" / "adapter"
+    return str(inner if inner.is_dir() else local)
+
+
+def lineage_tags(warm_start: WarmStart | None) -> dict[str, str]:
+    """Tags linking a run and its registered version to the adapter it continued (none for a run from the base)."""
+    if warm_start is None:
+        return {}
+    tags = {"init_adapter": warm_start.uri}
+    if warm_start.version:
+        tags |= {"parent_version": warm_start.version, "parent_model": warm_start.model or ""}
+    return tags
+
+
+def seen_keys(registry: Registry, model: str | None, version: str | None) -> set[str] | None:
+    """The train keys version `version`'s lineage trained on (its `seen_keys` tag's artifact); None when it
+    recorded none."""
+    if not version:
+        return None
+    uri = registry.client.get_model_version(model or registry.name, version).tags.get("seen_keys")
+    if not uri:
+        return None
+    return set(json.loads(Path(mlflow.artifacts.download_artifacts(artifact_uri=uri)).read_text()))
+
+
+def record_seen(seen: set[str] | None, train: Path) -> dict[str, str]:
+    """Into the active (register) run: the keys this candidate's lineage has trained on, the parent's and its own
+    train rows; returns the version's tag pointing at them, which the next incremental run reads."""
+    keys = sorted((seen or set()) | set(split_keys(train)))
+    mlflow.log_dict(keys, SEEN_KEYS_FILE)
+    return {"seen_keys": f"runs:/{mlflow.active_run().info.run_id}/{SEEN_KEYS_FILE}"}
+
+
+def unchanged_stage(registry: Registry, dataset: DatasetVersion, cfg_hash: str) -> str | None:
+    """Why nothing needs training (`tasks.data.unchanged_reason` against the champion), or None."""
+    champion = registry.version_of(CHAMPION)
+    if champion is None:
+        return None
+    tags = registry.client.get_model_version(registry.name, champion).tags
+    seen = seen_keys(registry, registry.name, champion)
+    new = None if seen is None else sum(k not in seen for k in split_keys(dataset.splits["train"]))
+    return unchanged_reason(champion, tags, dataset.fingerprint, cfg_hash, new)
+
+
+def train_rows_stage(cfg: PipelineConfig, dataset: DatasetVersion, seen: set[str] | None,
+                     run_dir: Path) -> tuple[dict[str, Path], TrainRows]:
+    """The splits training uses: with `data.incremental`, a train split of the new rows plus the replayed share
+    (written under the run directory; val and holdout are the version's own, the same rows every day); and how
+    many of each it holds."""
+    splits = dict(dataset.splits)
+    keys = split_keys(splits["train"])
+    before = sum(k in seen for k in keys) if seen else 0
+    if not cfg.data.incremental:
+        rows = TrainRows(incremental=False, new=len(keys) - before, replayed=before, seen_before=before,
+                         lineage_known=seen is not None)
+    else:
+        splits["train"], new, replayed = incremental_split(splits["train"], seen or set(), cfg.data.replay_fraction,
+                                                           dataset.fingerprint, run_dir / "data" / "train.jsonl")
+        rows = TrainRows(incremental=True, new=new, replayed=replayed, seen_before=before, lineage_known=seen is not None)
+    mlflow.log_metrics({"rows/new": rows.new, "rows/replayed": rows.replayed, "rows/seen_before": rows.seen_before})
+    return splits, rows
+
+
+def skipped(reason: str, cfg: PipelineConfig, pid: str, experiment_id: str, run_dir: Path, dataset: DatasetVersion,
+            base: BaseChoice, cfg_hash: str, warm_start: WarmStart | None) -> RunSummary:
+    """The summary of a run that ends after the data stage; its reason in the MLflow run and the Prefect UI."""
+    print(f"skipped: {reason}")
+    summary = RunSummary(
+        status="skipped", skipped_reason=reason,
+        mlflow=MlflowRef(tracking_uri=cfg.mlflow_uri, run_id=pid, experiment_id=experiment_id),
+        run_dir=str(run_dir.resolve()), data={"fingerprint": dataset.fingerprint, **dataset.report.model_dump(mode="json")},
+        model=base, warm_start=warm_start, config_hash=cfg_hash,
+    )
+    mlflow.set_tags({"status": "skipped", "skipped_reason": reason[:5000]})
+    mlflow.log_dict(summary.model_dump(mode="json"), "summary.json")
+    markdown = render_skipped(reason)
+    mlflow.log_text(markdown, "report.md")
+    create_markdown_artifact(markdown, key="grpo-decision", description="this GRPO run was skipped: nothing new")
+    return summary
 
 
 def model_stage(cfg: PipelineConfig, rewards: RewardSet, base_path: str, val: Path) -> tuple[PipelineConfig, str]:
@@ -314,9 +471,11 @@ def register_task(registry: Registry, source: str, run_id: str, tags: dict, mode
 
 
 def register_stage(cfg: PipelineConfig, registry: Registry, dataset: DatasetVersion, model_path: str,
-                   result: TrainResult, merged: Merged | None, parent_run_id: str, holdout: Path) -> Registered:
+                   result: TrainResult, merged: Merged | None, parent_run_id: str, holdout: Path,
+                   lineage: dict[str, str] | None = None) -> Registered:
     """The candidate as an MLflow model on a base anyone can load, registered as a new version (and the
-    merged model as a version of `<name>-merged`); no alias moves yet."""
+    merged model as a version of `<name>-merged`); no alias moves yet. `lineage`: the version's parent, the
+    configuration hash and the keys its lineage trained on, as tags (daily retraining)."""
     client = mlflow.MlflowClient(cfg.mlflow_uri)
     base_experiment = experiment(cfg.mlflow_uri, BASE_EXPERIMENT, cfg.data_dir / "mlartifacts")
     base = base_reference(client, model_path, base_experiment, cfg.model.base)
@@ -335,6 +494,7 @@ def register_stage(cfg: PipelineConfig, registry: Registry, dataset: DatasetVers
         "gpu_hours": f"{result.gpu_hours or 0:.4f}",
         "pipeline_run_id": parent_run_id,
         "train_run_id": result.mlflow_run_id or "",
+        **(lineage or {}),
     }
     version = register_task(registry, uri, run_id, tags, model_id)
     registered = Registered(model=registry.name, version=version, model_uri=uri, base=base)
@@ -410,7 +570,7 @@ def report(summary: RunSummary, run_dir: Path) -> None:
     holdout = summary.holdout
     mlflow.log_metrics(headline_metrics(summary))
     mlflow.log_dict(summary.model_dump(mode="json"), "summary.json")
-    markdown = render_markdown(holdout, summary.decision, summary.registry)
+    markdown = render_markdown(holdout, summary.decision, summary.registry, summary.warm_start, summary.rows)
     mlflow.log_text(markdown, "report.md")
     chart = plot_comparison(holdout.baseline, holdout.trained, summary.decision.stats, run_dir / "comparison.png")
     mlflow.log_artifact(str(chart))

@@ -160,9 +160,13 @@ def run(
         _fail(as_json, str(exc), EXIT_CHAMPION_MOVED)
     except Exception as exc:  # the flow's own log has the traceback
         _fail(as_json, f"{type(exc).__name__}: {exc}", EXIT_FAILED)
-    code = EXIT_REJECTED if fail_on_reject and not summary.decision.promote else EXIT_OK
+    # a skipped run (data.skip_unchanged: nothing new since the champion) rejected nothing: exit 0
+    code = EXIT_REJECTED if fail_on_reject and summary.decision and not summary.decision.promote else EXIT_OK
     if as_json:
         print(summary.model_dump_json(indent=2))
+        raise typer.Exit(code)
+    if summary.status == "skipped":
+        Console().print(f"[yellow]skipped[/]: {summary.skipped_reason}")
         raise typer.Exit(code)
     _print_summary(summary)
     raise typer.Exit(code)
