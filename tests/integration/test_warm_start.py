@@ -1,0 +1,63 @@
+"""The trainer continues an existing adapter (model.init_adapter): real GRPO steps on the tiny random Llama."""
+
+import json
+
+import pytest
+
+from tasks.job import model_load, train_settings
+from trainer.spec import JobSpec
+
+pytestmark = pytest.mark.integration
+
+
+def _spec(tmp_path, tiny_model, tiny_splits, cfg, init_adapter) -> JobSpec:
+    return JobSpec(model_path=str(tiny_model), model=model_load(cfg.model), train=train_settings(cfg.train),
+                   train_file=str(tiny_splits["train"]), work_dir=str(tmp_path / "work"),
+                   checkpoint_uri=str(tmp_path / "ckpt"), adapter_dir=str(tmp_path / "adapter"),
+                   init_adapter=str(init_adapter))
+
+
+def _parent_adapter(tiny_model, directory, r=4):
+    """An adapter whose weights are not PEFT's fresh ones (lora_B nonzero), as a trained champion's are."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model),
+                           LoraConfig(task_type="CAUSAL_LM", r=r, target_modules="all-linear", init_lora_weights=False))
+    model.save_pretrained(directory)
+    return directory
+
+
+def _weights(directory):
+    from safetensors.torch import load_file
+
+    return load_file(str(directory / "adapter_model.safetensors"))
+
+
+def test_continues_the_adapter_with_a_fresh_step_count(tmp_path, tiny_model, tiny_splits, tiny_config):
+    from trainer.train import run
+
+    parent = _parent_adapter(tiny_model, tmp_path / "parent")
+    cfg = tiny_config("train.grpo.max_steps=1", "train.checkpoint_every=1")
+    result = run(_spec(tmp_path, tiny_model, tiny_splits, cfg, parent))
+
+    assert (result.global_step, result.max_steps, result.resumed_from_step) == (1, 1, None)  # steps from 0
+    before, after = _weights(parent), _weights(tmp_path / "adapter")
+    assert before.keys() == after.keys()  # the same modules, the same shapes
+    b = next(k for k in before if "lora_B" in k)
+    moved = (after[b] - before[b]).abs().max().item()
+    # started from the parent's weights (a fresh adapter's lora_B is zero), and trained them
+    assert 0 < moved < before[b].abs().max().item()
+    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["r"] == 4
+
+
+def test_another_rank_exits_2_before_the_model_loads(tmp_path, tiny_model, tiny_splits, tiny_config, capsys):
+    from trainer.train import EXIT_BAD_INPUT, main
+
+    parent = tmp_path / "parent"
+    parent.mkdir()
+    (parent / "adapter_config.json").write_text(json.dumps({"r": 16, "target_modules": ["q_proj"]}))
+    spec = _spec(tmp_path, tiny_model, tiny_splits, tiny_config(), parent).write(tmp_path / "job.json")
+    assert main(str(spec)) == EXIT_BAD_INPUT
+    assert "LoRA rank r=16, train.lora.r is 4" in capsys.readouterr().out
+    assert not (tmp_path / "work").exists()  # no work done
