@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 from contextlib import nullcontext
-from datetime import datetime
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal
 
@@ -63,8 +63,8 @@ from tasks.serving import (
     prompt_text, serving_check,
 )
 from tasks.summary import (
-    AliasChange, BaseChoice, Cost, Holdout, Merged, MlflowRef, Registered, RegistryOutcome, RunSummary, Search,
-    TrainRows,
+    AliasChange, BaseChoice, Cost, Holdout, Merged, MlflowRef, MonthCost, Registered, RegistryOutcome, RunSummary,
+    Search, TrainRows,
 )
 from trainer.loading import read_adapter_config
 from trainer.spec import JobSpec, TrainResult
@@ -145,6 +145,7 @@ def run_pipeline(cfg: PipelineConfig) -> RunSummary:
         result = _resumable(train_task)(spec, cfg.train)
         cost = Cost(cost_usd_estimated=plan.estimate.usd, cost_usd_actual=actual_cost(result.gpu_hours, plan))
         mlflow.log_metrics(cost.model_dump())
+        month = month_stage(cfg, experiment_id, plan)
         with stage_run(pid, "evaluate-candidate"):
             trained = evaluate_stage(cfg, rewards, model_path, splits["holdout"], "candidate", adapter=result.adapter_dir)
         champion_version = registry.version_of(CHAMPION)  # the baseline: the champion, or the base model
@@ -172,7 +173,7 @@ def run_pipeline(cfg: PipelineConfig) -> RunSummary:
             data={"fingerprint": dataset.fingerprint, **dataset.report.model_dump(mode="json")},
             model=BaseChoice(base=cfg.model.base, path=model_path, quantization=cfg.model.quantization),
             warm_start=warm_start, rows=rows, config_hash=cfg_hash,
-            holdout=Holdout.of(base, trained, champion), train=result, plan=plan.summary(), cost=cost,
+            holdout=Holdout.of(base, trained, champion), train=result, plan=plan.summary(), cost=cost, month=month,
             hpo=Search.of(search) if search else None,
             merge=merged, decision=decision, registry=outcome,
         )
@@ -336,6 +337,30 @@ def skipped(reason: str, cfg: PipelineConfig, pid: str, experiment_id: str, run_
     mlflow.log_text(markdown, "report.md")
     create_markdown_artifact(markdown, key="grpo-decision", description="this GRPO run was skipped: nothing new")
     return summary
+
+
+def month_of(now: datetime) -> tuple[str, int]:
+    """The calendar month (UTC) of `now`, and its first instant in epoch milliseconds (MLflow's start_time).
+
+    >>> month_of(datetime(2026, 12, 1, 20, 31, tzinfo=timezone.utc))
+    ('2026-12', 1796083200000)
+    """
+    start = now.astimezone(timezone.utc).replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+    return f"{start:%Y-%m}", int(start.timestamp() * 1000)
+
+
+def month_stage(cfg: PipelineConfig, experiment_id: str, plan: Plan) -> MonthCost:
+    """Into the parent run: the month's actual cost so far (`cost/month_actual_usd`: each parent run's
+    `cost_usd_actual` since the month began, this run's logged just before) beside the plan's projection of a
+    run a day (`cost/month_projected_usd`)."""
+    month, since = month_of(datetime.now(timezone.utc))
+    runs = mlflow.MlflowClient(cfg.mlflow_uri).search_runs(
+        [experiment_id], f"metrics.cost_usd_actual >= 0 and attributes.start_time >= {since}", max_results=50000)
+    figure = MonthCost(month=month, actual_usd=sum(r.data.metrics["cost_usd_actual"] for r in runs), runs=len(runs),
+                       projected_usd=plan.estimate.monthly_usd)
+    mlflow.log_metrics({"cost/month_actual_usd": figure.actual_usd,
+                        **({"cost/month_projected_usd": figure.projected_usd} if figure.projected_usd is not None else {})})
+    return figure
 
 
 def model_stage(cfg: PipelineConfig, rewards: RewardSet, base_path: str, val: Path) -> tuple[PipelineConfig, str]:

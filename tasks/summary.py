@@ -97,6 +97,16 @@ class Cost(BaseModel):
     cost_usd_actual: float
 
 
+class MonthCost(BaseModel):
+    """The real month against the planner's projection of retraining daily: every pipeline run's actual cost
+    this calendar month (UTC), this one included, from the experiment's parent runs."""
+
+    month: str  # YYYY-MM
+    actual_usd: float
+    runs: int  # runs that trained this month
+    projected_usd: float | None  # the plan's monthly cost of a run a day (None: plan.daily_projection off)
+
+
 class Merged(BaseModel):
     merged_dir: str
     max_logit_difference: float
@@ -175,6 +185,7 @@ class RunSummary(BaseModel):
     plan: dict[str, Any] | None = None  # the planner's flat figures (GPU, memory, hours, USD)
     hpo: Search | None = None
     cost: Cost | None = None
+    month: MonthCost | None = None  # the month's actual cost so far, against the plan's projection
     merge: Merged | None = None
     decision: Decision | None = None
     registry: RegistryOutcome | None = None
