@@ -44,7 +44,7 @@ from flows.runs import (
 )
 from infra.launch import make_launcher, run_job
 from tasks.data import (
-    SEEN_KEYS_FILE, DatasetVersion, config_hash, data_task, incremental_split, log_lineage, split_keys, unchanged_reason,
+    HOLDOUT_KEYS_FILE, SEEN_KEYS_FILE, DatasetVersion, config_hash, data_task, incremental_split, log_lineage, split_keys, unchanged_reason,
 )
 from tasks.decide import Decision, decide_promotion
 from tasks.evaluate import EvalResult, evaluate_task, read_jsonl
@@ -121,8 +121,9 @@ def run_pipeline(cfg: PipelineConfig) -> RunSummary:
         base_choice = BaseChoice(base=cfg.model.base, path=base_path, quantization=cfg.model.quantization)
         if cfg.data.skip_unchanged and (reason := unchanged_stage(registry, dataset, cfg_hash)):
             return skipped(reason, cfg, pid, experiment_id, run_dir, dataset, base_choice, cfg_hash, warm_start)
-        seen = seen_keys(registry, warm_start.model, warm_start.version) if warm_start and warm_start.version else None
-        splits, rows = train_rows_stage(cfg, dataset, seen, run_dir)
+        parent = (warm_start.model, warm_start.version) if warm_start and warm_start.version else (None, None)
+        seen = seen_keys(registry, *parent)
+        splits, rows = train_rows_stage(cfg, dataset, seen, run_dir, seen_keys(registry, *parent, tag=HOLDOUT_TAG))
         with stage_run(pid, "model"):
             cfg, model_path = model_stage(cfg, rewards, base_path, splits["val"])
         with stage_run(pid, "plan"):
@@ -160,7 +161,7 @@ def run_pipeline(cfg: PipelineConfig) -> RunSummary:
         with stage_run(pid, "decide"):
             decision = decide_stage(cfg, rewards, trained, champion or base)
         with stage_run(pid, "register"):
-            lineage = {"config_hash": cfg_hash, **lineage_tags(warm_start), **record_seen(seen, splits["train"])}
+            lineage = {"config_hash": cfg_hash, **lineage_tags(warm_start), **record_seen(seen, splits)}
             registered = register_stage(cfg, registry, dataset, model_path, result, merged, pid, splits["holdout"],
                                         lineage)
         with stage_run(pid, "serving-check"):
@@ -272,23 +273,28 @@ def lineage_tags(warm_start: WarmStart | None) -> dict[str, str]:
     return tags
 
 
-def seen_keys(registry: Registry, model: str | None, version: str | None) -> set[str] | None:
-    """The train keys version `version`'s lineage trained on (its `seen_keys` tag's artifact); None when it
-    recorded none."""
+HOLDOUT_TAG = "holdout_keys"
+
+
+def seen_keys(registry: Registry, model: str | None, version: str | None, tag: str = "seen_keys") -> set[str] | None:
+    """The train keys version `version`'s lineage trained on (its `seen_keys` tag's artifact), or with
+    `tag=HOLDOUT_TAG` the holdout keys it was judged on; None when it recorded none."""
     if not version:
         return None
-    uri = registry.client.get_model_version(model or registry.name, version).tags.get("seen_keys")
+    uri = registry.client.get_model_version(model or registry.name, version).tags.get(tag)
     if not uri:
         return None
     return set(json.loads(Path(mlflow.artifacts.download_artifacts(artifact_uri=uri)).read_text()))
 
 
-def record_seen(seen: set[str] | None, train: Path) -> dict[str, str]:
-    """Into the active (register) run: the keys this candidate's lineage has trained on, the parent's and its own
-    train rows; returns the version's tag pointing at them, which the next incremental run reads."""
-    keys = sorted((seen or set()) | set(split_keys(train)))
-    mlflow.log_dict(keys, SEEN_KEYS_FILE)
-    return {"seen_keys": f"runs:/{mlflow.active_run().info.run_id}/{SEEN_KEYS_FILE}"}
+def record_seen(seen: set[str] | None, splits: dict[str, Path]) -> dict[str, str]:
+    """Into the active (register) run: the keys this candidate's lineage has trained on (the parent's and its own
+    train rows) and the holdout keys it was judged on; returns the version's tags pointing at them, which the
+    next run reads (what is new, what is new in the holdout)."""
+    run_id = mlflow.active_run().info.run_id
+    mlflow.log_dict(sorted((seen or set()) | set(split_keys(splits["train"]))), SEEN_KEYS_FILE)
+    mlflow.log_dict(split_keys(splits["holdout"]), HOLDOUT_KEYS_FILE)
+    return {"seen_keys": f"runs:/{run_id}/{SEEN_KEYS_FILE}", HOLDOUT_TAG: f"runs:/{run_id}/{HOLDOUT_KEYS_FILE}"}
 
 
 def unchanged_stage(registry: Registry, dataset: DatasetVersion, cfg_hash: str) -> str | None:
@@ -302,22 +308,25 @@ def unchanged_stage(registry: Registry, dataset: DatasetVersion, cfg_hash: str) 
     return unchanged_reason(champion, tags, dataset.fingerprint, cfg_hash, new)
 
 
-def train_rows_stage(cfg: PipelineConfig, dataset: DatasetVersion, seen: set[str] | None,
-                     run_dir: Path) -> tuple[dict[str, Path], TrainRows]:
+def train_rows_stage(cfg: PipelineConfig, dataset: DatasetVersion, seen: set[str] | None, run_dir: Path,
+                     holdout_before: set[str] | None = None) -> tuple[dict[str, Path], TrainRows]:
     """The splits training uses: with `data.incremental`, a train split of the new rows plus the replayed share
     (written under the run directory; val and holdout are the version's own, the same rows every day); and how
-    many of each it holds."""
+    many of each it holds, with the holdout rows the parent was not judged on (`holdout_before`: its holdout)."""
     splits = dict(dataset.splits)
+    new_holdout = None if holdout_before is None else sum(k not in holdout_before for k in split_keys(splits["holdout"]))
     keys = split_keys(splits["train"])
     before = sum(k in seen for k in keys) if seen else 0
     if not cfg.data.incremental:
         rows = TrainRows(incremental=False, new=len(keys) - before, replayed=before, seen_before=before,
-                         lineage_known=seen is not None)
+                         lineage_known=seen is not None, new_holdout=new_holdout)
     else:
         splits["train"], new, replayed = incremental_split(splits["train"], seen or set(), cfg.data.replay_fraction,
                                                            dataset.fingerprint, run_dir / "data" / "train.jsonl")
-        rows = TrainRows(incremental=True, new=new, replayed=replayed, seen_before=before, lineage_known=seen is not None)
-    mlflow.log_metrics({"rows/new": rows.new, "rows/replayed": rows.replayed, "rows/seen_before": rows.seen_before})
+        rows = TrainRows(incremental=True, new=new, replayed=replayed, seen_before=before, lineage_known=seen is not None,
+                         new_holdout=new_holdout)
+    mlflow.log_metrics({"rows/new": rows.new, "rows/replayed": rows.replayed, "rows/seen_before": rows.seen_before,
+                        **({"rows/new_holdout": new_holdout} if new_holdout is not None else {})})
     return splits, rows
 
 

@@ -919,6 +919,7 @@ IDENTITY_FIELDS = {
     "train": {"launcher": True, "sky": True, "checkpoint_uri": True, "s3_endpoint_url": True, "max_restarts": True},
 }
 SEEN_KEYS_FILE = "seen_keys.json"  # the train keys a registered version's lineage trained on (its register run)
+HOLDOUT_KEYS_FILE = "holdout_keys.json"  # the holdout keys a registered version was judged on
 
 
 def config_hash(cfg: PipelineConfig) -> str:

@@ -27,7 +27,8 @@ def lineage_line(warm_start: WarmStart | None, rows: TrainRows | None) -> str:
     start = f"Continued from {warm_start.parent} ({warm_start.uri})" if warm_start else "Trained from the base model"
     if rows is None or not rows.incremental:
         return f"{start}."
-    return f"{start} on {rows.new} new rows and {rows.replayed} replayed ones (of {rows.seen_before} seen before)."
+    held = f"; {rows.new_holdout} new rows went to the holdout" if rows.new_holdout else ""
+    return f"{start} on {rows.new} new rows and {rows.replayed} replayed ones (of {rows.seen_before} seen before){held}."
 
 
 def render_skipped(reason: str) -> str:

@@ -164,6 +164,9 @@ class TrainRows(BaseModel):
     replayed: int  # seen rows trained on again (data.replay_fraction of them, when incremental)
     seen_before: int  # train rows of this dataset the parent's lineage had trained on
     lineage_known: bool = True  # False: the parent recorded no keys (registered before this was kept); all are new
+    # holdout rows the parent was not judged on: new rows whose key lands them in the holdout (split by key, never
+    # moved into training); None when the parent recorded no holdout
+    new_holdout: int | None = None
 
 
 class RunSummary(BaseModel):
