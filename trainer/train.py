@@ -349,6 +349,11 @@ def _publish(spec: JobSpec, trainer, store, result: TrainResult, metrics: Commit
 
 def main(spec_path: str, started: float | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from trainer.launch import rank_lifeline
+
+    if not rank_lifeline():  # first: a rank whose torchrun is gone must not start training alone
+        log.error("torchrun, this rank's parent, is gone; exiting")
+        return EXIT_FAILED
     try:
         spec = JobSpec.read(Path(spec_path))
     except (OSError, ValueError) as exc:
