@@ -174,13 +174,20 @@ class StepLog(TrainerCallback):
     stdout, on the main process only, with the global step and max_steps: a parent cannot count steps from
     lines after a resume or a lost line. It stands in for HF's own printing (`print_logs_once`)."""
 
+    reader_gone = False
+
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if state.is_world_process_zero and logs:
+        if state.is_world_process_zero and logs and not self.reader_gone:
             from tqdm.auto import tqdm
 
-            # tqdm.write: above the bar on a terminal, a plain line otherwise; flushed, since stdout is a pipe
-            tqdm.write(step_log_line(logs, state.global_step, state.max_steps), file=sys.stdout)
-            sys.stdout.flush()
+            try:
+                # tqdm.write: above the bar on a terminal, a plain line otherwise; flushed, since stdout is a pipe
+                tqdm.write(step_log_line(logs, state.global_step, state.max_steps), file=sys.stdout)
+                sys.stdout.flush()
+            except BrokenPipeError:
+                # the parent that read this pipe is dead (its death signal, a SIGTERM, is on its way): the step's
+                # checkpoint matters more than its progress line
+                self.reader_gone = True
 
 
 class BarWithoutLogs(ProgressCallback):
