@@ -152,7 +152,8 @@ class RunSummary(BaseModel):
     data: dict[str, Any]  # the dataset's fingerprint and the data stage's report
     model: BaseChoice
     holdout: Holdout
-    train: TrainResult
+    train: TrainResult  # with .health (every rule that fired: rule, step, value, threshold, action, taken),
+    # .stopped_by (the health stop, if one ended training) and .rollbacks
     plan: dict[str, Any]  # the planner's flat figures (GPU, memory, hours, USD)
     hpo: Search | None
     cost: Cost

@@ -177,3 +177,28 @@ def test_every_rank_acts_on_rank_0s_decision():
     callback.on_log(TrainingArguments("unused", report_to=[]), state, control, logs={"loss": 0.1, "frac_reward_zero_std": 0.0})
     assert control.should_training_stop and callback.stopped.rule == "zero_variance"
     assert [e.taken for e in callback.ledger.events] == ["stopped"]
+
+
+def test_the_report_says_the_candidate_came_from_a_rolled_back_run():
+    from tasks.decide import Decision
+    from tasks.report import render_markdown
+    from tasks.serving import ServingCheck
+    from tasks.summary import Holdout, RegistryOutcome, RunSummary
+    from trainer.spec import HealthEvent, TrainResult
+
+    assert "health" in RunSummary.model_json_schema()["$defs"]["TrainResult"]["properties"]
+    event = HealthEvent(rule="non_finite", step=3, metric="loss", value=float("nan"), threshold=0.0, action="rollback",
+                        message="non-finite loss=nan", taken="rolled back to step 2 (learning rate x0.5 of the configured)")
+    train = TrainResult(adapter_dir="a", global_step=5, max_steps=5, resumed_from_step=None, interrupted=False,
+                        stopped_early=False, mlflow_run_id=None, train_runtime_s=1.0, metrics={}, health=[event],
+                        rollbacks=1)
+    assert TrainResult.model_validate_json(train.model_dump_json()).health[0].taken == event.taken  # NaN survives
+    holdout = Holdout(n=2, base_reward=0.0, trained_reward=1.0, gain=1.0, base={"r": 0.0}, trained={"r": 1.0})
+    check = ServingCheck(model_uri="models:/m/2", prompts=2, matched=2, passed=True, seconds=1.0)
+    registry = RegistryOutcome(model="m", candidate_version="2", decided_against=None, moves=[], aliases={},
+                               base_model="org/base", serving_check=check)
+    markdown = render_markdown(holdout, Decision(promote=True, reasons=["gain"], stats={}), registry, train=train)
+    assert "rolled back 1 time(s)" in markdown and "| 3 | non\\_finite | nan | 0 | rollback | rolled back to step 2" in markdown
+    assert markdown.index("## Training health") < markdown.index("## Reasons")
+    assert "## Training health" not in render_markdown(holdout, Decision(promote=True, reasons=[], stats={}), registry,
+                                                        train=train.model_copy(update={"health": [], "rollbacks": 0}))
