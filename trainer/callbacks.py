@@ -62,11 +62,11 @@ class CheckpointSync(TrainerCallback):
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-upload")
         self._pending: list[Future] = []
 
-    def _upload(self, snapshot: Path, step: int, entries: list) -> None:
+    def _upload(self, snapshot: Path, step: int, entries: list, best: int | None) -> None:
         self.store.put(snapshot, checkpoint_name(step), step)
         if self.metrics:
             self.metrics.commit(entries)
-        prune(self.store, self.keep)
+        prune_keeping_best(self.store, self.keep, best)
         shutil.rmtree(snapshot, ignore_errors=True)
         log.info("checkpoint %d complete in %r", step, self.store)
 
@@ -84,7 +84,8 @@ class CheckpointSync(TrainerCallback):
         snapshot = _snapshot(written, self.staging / name)
         entries = self.metrics.take(step) if self.metrics else []
         CommittedMetrics.write(entries, snapshot)
-        self._pending.append(self._pool.submit(self._upload, snapshot, step, entries))
+        # HF has judged this step's evaluation before saving (state.best_global_step): the best so far stays
+        self._pending.append(self._pool.submit(self._upload, snapshot, step, entries, state.best_global_step))
 
     def raise_failures(self) -> None:
         for future in [f for f in self._pending if f.done()]:
@@ -96,6 +97,17 @@ class CheckpointSync(TrainerCallback):
         for future in self._pending:
             future.result()
         self._pending.clear()
+
+
+def prune_keeping_best(store: Store, keep: int, best: int | None) -> None:
+    """The newest `keep` complete checkpoints, and the one with the best validation reward (HF's
+    best_global_step) even when it is older: the published adapter is that one's (`trainer.train._publish`)."""
+    if best is None:
+        prune(store, keep)
+        return
+    for step in store.complete_steps()[:-keep]:
+        if step != best:
+            store.delete(checkpoint_name(step))
 
 
 def _check_every_rank(checkpoint: Path, world: int) -> None:

@@ -178,6 +178,8 @@ class TrainResult(BaseModel):
     health: list[HealthEvent] = []  # every health rule that fired, in step order (trainer.health)
     stopped_by: str | None = None  # the health event that ended training, in one line; None: it was not one
     rollbacks: int = 0  # restarts from an earlier, healthy checkpoint after a health rule's rollback
+    best_step: int | None = None  # with a validation split: the step whose adapter was published (best val reward)
+    best_val_reward: float | None = None
 
 
 PROGRESS_TAG = "grpo-progress"  # a validation reward, printed by trainer.callbacks.ReportValidation

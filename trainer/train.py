@@ -155,6 +155,8 @@ def run(spec: JobSpec, started: float | None = None) -> TrainResult:
         health=ledger.events,
         stopped_by=f"health rule {stopped.rule} at step {stopped.step}: {stopped.message}" if stopped else None,
         rollbacks=ledger.rollbacks,
+        best_step=state.best_global_step,
+        best_val_reward=state.best_metric if state.best_global_step is not None else None,
     )
     if metrics and stopped:
         metrics.client.set_tag(run_id, "health_stopped", result.stopped_by[:5000])
@@ -327,7 +329,22 @@ def _publish(spec: JobSpec, trainer, store, result: TrainResult, metrics: Commit
     if ranks.is_main:
         shutil.rmtree(spec.adapter_dir, ignore_errors=True)
     ranks.barrier()
-    trainer.save_model(spec.adapter_dir)  # every rank: under FSDP / ZeRO-3 it gathers the shards; rank 0 writes
+    best = result.best_step
+    older_best = best is not None and best != result.global_step
+    if ranks.broadcast(older_best and not store.has(checkpoint_name(best)) if ranks.is_main else None):
+        log.warning("the best validation reward's checkpoint (step %d) is no longer in the store; publishing the "
+                    "last step's adapter", best)
+        result.best_step = result.best_val_reward = None
+        older_best = False
+    if older_best:
+        # the best validation reward's checkpoint, not the last step's model; every rank takes the same branch
+        if not ranks.is_main:
+            return
+        _adapter_from_checkpoint(store, best, Path(spec.work_dir) / "best", Path(spec.adapter_dir))
+        log.info("published the adapter of step %d (best validation reward %.4g), not the last step's (%d)",
+                 best, result.best_val_reward, result.global_step)
+    else:
+        trainer.save_model(spec.adapter_dir)  # every rank: under FSDP / ZeRO-3 it gathers the shards; rank 0 writes
     if not ranks.is_main:
         return
     # HF also pickles its TrainingArguments beside the adapter; the published adapter holds safetensors and
@@ -345,6 +362,23 @@ def _publish(spec: JobSpec, trainer, store, result: TrainResult, metrics: Commit
     if metrics:
         metrics.commit(tail)
         metrics.client.set_terminated(result.mlflow_run_id)
+
+
+# What a checkpoint holds beside the adapter and its tokenizer: training state, not part of a published adapter.
+_TRAINING_STATE = ("optimizer.pt", "scheduler.pt", "scaler.pt", "trainer_state.json", "training_args.bin")
+
+
+def _adapter_from_checkpoint(store, step: int, scratch: Path, dest: Path) -> None:
+    """The adapter files (and the tokenizer HF saved with them) of a stored checkpoint, copied to `dest`."""
+    from trainer.checkpoints import MANIFEST, METRICS_FILE
+    from trainer.health import STATE_FILE
+
+    source = store.fetch(checkpoint_name(step), scratch)
+    skip = {*_TRAINING_STATE, MANIFEST, METRICS_FILE, STATE_FILE}
+    dest.mkdir(parents=True, exist_ok=True)
+    for path in source.iterdir():
+        if path.is_file() and path.name not in skip and not path.name.startswith("rng_state"):
+            shutil.copy2(path, dest / path.name)
 
 
 def main(spec_path: str, started: float | None = None) -> int:

@@ -47,3 +47,10 @@ def recorded(completions, trainer_state=None, **_) -> list[float]:
             f.write(f"{trainer_state.global_step if trainer_state else -1} {time.time()}\n")
     time.sleep(0.2)
     return [float(i % 2) for i in range(len(completions))]
+
+
+def worse_with_steps(completions, trainer_state=None, **_) -> list[float]:
+    """1 / (1 + step), plus 0.01 for completions of odd length (so groups differ and the adapter changes):
+    each evaluation scores lower than the one before, so the best validation reward is the first one's."""
+    step = trainer_state.global_step if trainer_state is not None else 0
+    return [1.0 / (1 + step) + 0.01 * (len(str(c)) % 2) for c in completions]

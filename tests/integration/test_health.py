@@ -72,3 +72,21 @@ def test_nan_at_a_known_step_rolls_back_to_the_last_healthy_checkpoint_and_finis
     # the learning rate after the rollback is half what the schedule gives at the same step without one
     lrs = {int(m.step): m.value for m in client.get_metric_history(result.mlflow_run_id, "learning_rate")}
     assert lrs[4] == pytest.approx(0.5 * 1e-3 * (1 - 3 / 5), rel=1e-6)
+
+
+def test_with_a_validation_split_the_best_steps_adapter_is_published_and_kept(tmp_path, tiny_model, tiny_splits,
+                                                                              tiny_config):
+    from trainer.train import run
+
+    cfg = tiny_config("train.grpo.max_steps=4", "train.checkpoint_every=2", "train.keep_checkpoints=1",
+                      "train.early_stopping_patience=5", f"train.rewards=[{REWARDS}:worse_with_steps]")
+    spec = _spec(tmp_path, tiny_model, tiny_splits, cfg, val_file=str(tiny_splits["val"]))
+    result = run(spec)
+
+    assert (result.global_step, result.best_step) == (4, 2)  # evaluations at 2 (1/3) and 4 (1/5)
+    assert result.best_val_reward == pytest.approx(1 / 3, abs=0.011)
+    assert LocalStore(tmp_path / "ckpt").complete_steps() == [2, 4]  # keep 1, and the best though older
+    published = (tmp_path / "adapter" / "adapter_model.safetensors").read_bytes()
+    assert published == (tmp_path / "ckpt" / "checkpoint-2" / "adapter_model.safetensors").read_bytes()
+    assert published != (tmp_path / "ckpt" / "checkpoint-4" / "adapter_model.safetensors").read_bytes()
+    assert not (tmp_path / "adapter" / "optimizer.pt").exists()
