@@ -27,7 +27,7 @@ def render_markdown(holdout: Holdout, decision: Decision, registry: RegistryOutc
         "",
         f"Candidate version {registry.candidate_version} against {baseline} on {holdout.n} holdout prompts (greedy).",
         "",
-        *(health_lines(train) if train is not None else []),
+        *(best_step_lines(train) + health_lines(train) if train is not None else []),
         "## Reasons",
         *[f"- {reason}" for reason in decision.reasons],
         "",
@@ -41,6 +41,14 @@ def render_markdown(holdout: Holdout, decision: Decision, registry: RegistryOutc
         lines.append(f"| {name} | " + " | ".join(f"{v[name]:.3f}" for v in values) + " |")
     lines += ["", *example_lines(holdout.examples), *serving_lines(registry), "", *alias_table(registry), ""]
     return "\n".join(lines)
+
+
+def best_step_lines(train: TrainResult) -> list[str]:
+    """Which step's adapter is the candidate, when a validation split chose an earlier one than the last."""
+    if train.best_step is None or train.best_step == train.global_step:
+        return []
+    return [f"The candidate is the adapter of step {train.best_step}, the best validation reward "
+            f"({train.best_val_reward:.4g}), not of the last step ({train.global_step}).", ""]
 
 
 def health_lines(train: TrainResult) -> list[str]:
