@@ -300,9 +300,11 @@ class HealthCallback(TrainerCallback):
     def record(self, event) -> None:
         """The log line, the MLflow tag and metric (rank 0), and the ledger's copy."""
         what = event.taken or f"rolling back (rollback {self.ledger.rollbacks + 1} of {self.settings.max_rollbacks})"
-        log.warning("health: %s at step %d: %s -> %s", event.rule, event.step, event.message, what)
         self.ledger.merge([event])
-        if self.ranks.is_main and self.client and self.run_id:
+        if not self.ranks.is_main:  # every rank holds the event; one says it
+            return
+        log.warning("health: %s at step %d: %s -> %s", event.rule, event.step, event.message, what)
+        if self.client and self.run_id:
             value = event.value if math.isfinite(event.value) else -1.0  # MLflow refuses NaN; -1: "not finite"
             self.client.log_metric(self.run_id, f"health/{event.rule}", value, step=event.step)
             self.client.set_tag(self.run_id, f"health/step-{event.step}/{event.rule}",

@@ -271,8 +271,8 @@ def _roll_back(spec: JobSpec, store, ranks: Ranks, work: Path, metrics, run_id: 
     for mine in ledger.events:  # the ledger may hold a copy (merged before `taken` was known)
         if (mine.rule, mine.step, mine.action) == (event.rule, event.step, event.action):
             mine.taken = event.taken
-    log.warning("health: %s at step %d -> %s", event.rule, event.step, event.taken)
     if ranks.is_main:
+        log.warning("health: %s at step %d -> %s", event.rule, event.step, event.taken)
         folder = work / "ledger"
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
