@@ -81,13 +81,15 @@ def baseline_chain(source: Path, eval_source: Path, out: Path, cfg, tokenizer_pa
     from datasketch import MinHash, MinHashLSH
     from transformers import AutoTokenizer
 
+    from tasks.data_text import LSH_WEIGHTS
     from tasks.splits import split_of
     from trainer.rewards import correct_answer
 
     tok = AutoTokenizer.from_pretrained(tokenizer_path)
     overhead = len(tok(tok.apply_chat_template([{"role": "user", "content": ""}], tokenize=False,
                                                add_generation_prompt=True), add_special_tokens=False)["input_ids"])
-    near = MinHashLSH(threshold=cfg.near_dup_threshold, num_perm=cfg.near_dup_num_perm) if cfg.near_dup_threshold else None
+    near = (MinHashLSH(threshold=cfg.near_dup_threshold, num_perm=cfg.near_dup_num_perm, weights=LSH_WEIGHTS)
+            if cfg.near_dup_threshold else None)
     signatures: dict[str, MinHash] = {}
     seen: set[bytes] = set()
     kept: dict[str, list[dict]] = {"train": [], "val": [], "holdout": []}

@@ -141,7 +141,7 @@ def _train(cfg, model: str, splits, run_dir: Path):
 def _holdout(model: str, cfg, splits, adapter: str | None):
     from tasks.evaluate import evaluate_model
 
-    return evaluate_model(model, cfg.model, splits["holdout"], cfg.train.rewards, cfg.evaluate, adapter=adapter)
+    return evaluate_model(model, cfg.model, splits["holdout"], cfg.train.reward_set(), cfg.evaluate, adapter=adapter)
 
 
 def run_fixed(cfg, model, splits, work: Path) -> dict:
@@ -167,8 +167,8 @@ def run_searched(start, model, splits, work: Path, seed: int, budget: int, fract
     tracking = Tracking(tracking_uri=cfg.mlflow_uri, experiment_id=exp_id, stage_run_id=stage.info.run_id)
     started = time.monotonic()
     try:
-        result = search(cfg, model, splits, work / "search", run_one=partial(run_trial, launcher_for=make_launcher),
-                        tracking=tracking)
+        result = search(cfg, model, splits, work / "search", rewards=cfg.train.reward_set(),
+                        run_one=partial(run_trial, launcher_for=make_launcher), tracking=tracking)
     except HPOFailed as exc:  # what the pipeline would do: fail, and train nothing
         return {"failed": str(exc), "search_s": time.monotonic() - started}
     search_s = time.monotonic() - started

@@ -41,6 +41,7 @@ from pathlib import Path
 
 from bench.harness import ROOT, peak_rss_mb, reset_peak_rss, save, spread
 from bench.table import Row
+from configs.rewards import RewardSet
 
 ARMS = ("full", "lora", "qlora")
 LABEL = {"full": "full", "lora": "LoRA", "qlora": "QLoRA (NF4)"}
@@ -75,7 +76,7 @@ def _options(argv: list[str] | None = None) -> argparse.Namespace:
 # ---------------------------------------------------------------- one arm (runs in its own process)
 
 
-def _holdout_callback(rows: list[dict], tokenizer, every: int, max_new_tokens: int, rewards: list[str]):
+def _holdout_callback(rows: list[dict], tokenizer, every: int, max_new_tokens: int, rewards: RewardSet):
     from transformers import TrainerCallback
 
     from tasks.evaluate import generate, score
@@ -147,7 +148,7 @@ def run_arm(arm: str, model_path: str, train_file: str, holdout_file: str, opts:
     reset_peak_rss()  # from here on, the peak is training's own
 
     holdout = read_jsonl(Path(holdout_file))
-    curve = _holdout_callback(holdout, tokenizer, opts.eval_every, cfg.evaluate.max_new_tokens, cfg.train.rewards)
+    curve = _holdout_callback(holdout, tokenizer, opts.eval_every, cfg.evaluate.max_new_tokens, cfg.train.reward_set())
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=[resolve_reward(name) for name in cfg.train.rewards],

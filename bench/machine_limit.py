@@ -180,6 +180,7 @@ def main(argv: list[str] | None = None) -> dict:
     from tests.tiny_model import create_random_model
     from tasks.plan import architecture, load_model_config
     from trainer.loading import load_model
+    from trainer.precision import cpu_has_native_bf16, node_default_bf16
     from tasks.job import model_load
     from trainer.rewards import resolve_reward
 
@@ -189,12 +190,23 @@ def main(argv: list[str] | None = None) -> dict:
     dtype = getattr(torch, cfg.model.compute_dtype)
     arch = architecture(load_model_config(str(model_dir))[1])
 
-    print(f"[machine_limit] {torch.get_num_threads()} threads, {cfg.model.compute_dtype}", flush=True)
-    # --tiny checks the code path: small matrices and copies, figures not meant to be read
-    peak = matmul_peak(dtype, opts.repeats, sizes=(256, 512) if opts.tiny else (1024, 2048, 3072))
+    bf16 = node_default_bf16()  # what the trainer chooses here: the step runs its matmuls in this precision
+    precision = "bf16" if bf16 else cfg.model.compute_dtype
+    print(f"[machine_limit] {torch.get_num_threads()} threads, {cfg.model.compute_dtype} weights, "
+          f"step in {precision}", flush=True)
+    # --tiny checks the code path: small matrices and copies, figures not meant to be read. Both peaks are
+    # measured, so the page says what bf16 offers on this CPU (where it is emulated: 1/50 of float32; bf16 at
+    # one size there, a 3072 matmul would take a minute); the step is set against the one it runs in.
+    fp32_peak = matmul_peak(torch.float32, opts.repeats, sizes=(256, 512) if opts.tiny else (1024, 2048, 3072))
+    bf16_peak = matmul_peak(torch.bfloat16, opts.repeats,
+                            sizes=(256,) if opts.tiny else (1024, 2048, 3072) if cpu_has_native_bf16() else (1024,))
+    peak = bf16_peak if bf16 else fp32_peak if dtype == torch.float32 else matmul_peak(dtype, opts.repeats)
     bandwidth = copy_bandwidth(opts.repeats, mib=32 if opts.tiny else 512)
     peak_s, bw_s = spread(peak["samples"]), spread(bandwidth)
-    print(f"[machine_limit] matmul peak {peak_s['median'] / 1e9:.1f} GFLOP/s (n={peak['size']}); "
+    print(f"[machine_limit] matmul peaks: float32 {statistics.median(fp32_peak['samples']) / 1e9:.1f}, bfloat16 "
+          f"{statistics.median(bf16_peak['samples']) / 1e9:.1f} GFLOP/s (native bf16: {cpu_has_native_bf16()})",
+          flush=True)
+    print(f"[machine_limit] the step's matmul peak {peak_s['median'] / 1e9:.1f} GFLOP/s (n={peak['size']}); "
           f"copy bandwidth {bw_s['median'] / 1e9:.2f} GB/s", flush=True)
 
     model, tokenizer = load_model(str(model_dir), model_load(cfg.model))
@@ -204,8 +216,8 @@ def main(argv: list[str] | None = None) -> dict:
     decode_bound = bw_s["median"] / model_bytes
 
     splits = write_splits(generate(cfg.data.demo), work / "data")
-    grpo = dict(cfg.train.grpo) | {"max_steps": opts.steps, "bf16": False, "report_to": [], "disable_tqdm": True,
-                                   "logging_steps": opts.steps}
+    grpo = dict(cfg.train.grpo) | {"max_steps": opts.steps, "bf16": bf16, "use_cpu": not torch.cuda.is_available(),
+                                   "report_to": [], "disable_tqdm": True, "logging_steps": opts.steps}
     trainer = _probed_trainer()(
         model=model,
         reward_funcs=[resolve_reward(n) for n in cfg.train.rewards],
@@ -235,9 +247,12 @@ def main(argv: list[str] | None = None) -> dict:
     gen_bound = statistics.median(s["gen_bound"] for s in steps)
     report = {
         "name": "machine_limit" + ("_tiny" if opts.tiny else ""),
-        "model": str(model_dir), "dtype": cfg.model.compute_dtype, "threads": torch.get_num_threads(),
+        "model": str(model_dir), "dtype": cfg.model.compute_dtype, "step_precision": precision,
+        "native_bf16": cpu_has_native_bf16(), "threads": torch.get_num_threads(),
         "matmul_params": arch.matmul_params, "lora_params": lora, "model_bytes": model_bytes,
         "matmul_peak": {"size": peak["size"], **peak_s},
+        "matmul_peaks": {name: {"size": p["size"], **spread(p["samples"])}
+                         for name, p in (("float32", fp32_peak), ("bfloat16", bf16_peak))},
         "copy_bandwidth": bw_s,
         "train_phase": {"flops_per_s": train, "fraction": train["median"] / peak_s["median"],
                         "spread": [train["min"] / peak_s["median"], train["max"] / peak_s["median"]]},
@@ -272,8 +287,15 @@ def table_rows(load) -> list[Row]:
     peak, bw = r["matmul_peak"]["median"], r["copy_bandwidth"]["median"]
     t, g, d = r["train_phase"], r["generation_phase"], r["decode_batch1"]
     seqs = r["steps"][0]["seqs"]
-    return [
-        Row(f"GRPO training phase FLOP/s (4·N per token, LoRA) against the matmul peak, {r['dtype']} ({name})",
+    peaks = r.get("matmul_peaks", {})
+    both = [Row(f"matmul peak, bfloat16 against float32 on this CPU (native bf16: {r['native_bf16']}) ({name})",
+                f"float32: {peaks['float32']['median'] / 1e9:.1f} GFLOP/s",
+                f"bfloat16: {peaks['bfloat16']['median'] / 1e9:.1f} GFLOP/s",
+                peaks["float32"]["median"] / peaks["bfloat16"]["median"], "", note="reported (time ratio)")
+            ] if peaks else []
+    return both + [
+        Row(f"GRPO training phase FLOP/s (4·N per token, LoRA) against the matmul peak, "
+            f"{r.get('step_precision', r['dtype'])} ({name})",
             f"matmul peak: {peak / 1e9:.1f} GFLOP/s", f"fwd + bwd: {t['flops_per_s']['median'] / 1e9:.1f} GFLOP/s",
             t["fraction"], "", spread=tuple(t["spread"]), note="reported (fraction)"),
         Row(f"GRPO generation, {seqs} sequences, tokens/s against the roofline (same)",

@@ -48,7 +48,7 @@ def plain(cfg) -> dict:
     from tasks.report import plot_comparison, render_markdown
     from tasks.summary import Holdout, RegistryOutcome
 
-    rewards = cfg.train.rewards
+    rewards = cfg.train.reward_set()
     run_dir = (cfg.data_dir / "runs" / "plain").resolve()
     splits = write_splits(generate(cfg.data.demo), run_dir / "data")
     model_path = resolve_base_model(cfg.model, cfg.data_dir / "models")
@@ -61,7 +61,7 @@ def plain(cfg) -> dict:
     subprocess.run([sys.executable, str(ROOT / "bench" / "plain_trl.py"), "--spec", str(spec.write(run_dir / "job.json"))],
                    check=True, capture_output=True)
     trained = evaluate_model(model_path, cfg.model, splits["holdout"], rewards, cfg.evaluate, adapter=spec.adapter_dir)
-    decision = decide_promotion(trained.rows, base.rows, cfg.promote, rewards)
+    decision = decide_promotion(trained.rows, base.rows, cfg.promote, list(rewards.names))
     holdout = Holdout.of(base, trained, None)
     registry = RegistryOutcome(model="-", candidate_version="-", decided_against=None, moves=[], aliases={})
     (run_dir / "report.md").write_text(render_markdown(holdout, decision, registry))

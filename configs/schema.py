@@ -21,6 +21,8 @@ from typing import Any, Literal
 
 import yaml
 from configs import library_fields
+from configs.policy import ENV_NAME, ENV_NAME_SUFFIXES, TriggerPolicy, credential_key, secret_shape
+from configs.rewards import RewardSet
 from pydantic import (
     BaseModel, ConfigDict, Field, PrivateAttr, TypeAdapter, ValidationError, ValidationInfo, field_validator,
     model_validator,
@@ -172,7 +174,7 @@ class ModelConfig(StrictModel):
 class QuantizationBound(StrictModel):
     """How much quality a quantized base may lose against the unquantized one, measured on val rows."""
 
-    max_reward_drop: float = Field(0.05, ge=0, description="mean summed reward, unquantized minus quantized")
+    max_reward_drop: float = Field(0.05, ge=0, description="mean weighted total reward, unquantized minus quantized")
     max_perplexity_ratio: float = Field(1.10, ge=1, description="perplexity of the reference answers, quantized / unquantized")
     rows: int = Field(32, ge=1, description="val rows measured; more = surer, slower")
 
@@ -432,7 +434,7 @@ class TrainConfig(StrictModel):
     @field_validator("rewards")
     @classmethod
     def _some_reward(cls, v: list[str]) -> list[str]:
-        if not v:  # the names themselves are resolved by the stage that runs them (tasks.job.preflight)
+        if not v:  # the names themselves are resolved at preflight (`tasks.job.check_rewards`)
             raise ValueError("at least one reward is needed")
         return v
 
@@ -465,6 +467,12 @@ class TrainConfig(StrictModel):
                              "by name, in train.reward_weights")
         self.grpo["reward_weights"] = self._weights_written = weights
         return self
+
+    def reward_set(self) -> RewardSet:
+        """The rewards as one value: names, arguments and the weights TRL will use (train.grpo.reward_weights,
+        which `_reward_weights` wrote from train.reward_weights; 1.0 each when neither is set)."""
+        return RewardSet(names=tuple(self.rewards), args=self.reward_args,
+                         weights=tuple(self.grpo.get("reward_weights") or ()))
 
     @model_validator(mode="after")
     def _rollback_has_checkpoints(self) -> "TrainConfig":
@@ -678,8 +686,9 @@ class HPOConfig(StrictModel):
     )
     target_standard_error: float = Field(0.05, gt=0, description="standard error of a trial's greedy validation "
                                          "reward; sets how many validation prompts each scoring uses")
-    reward_sd: float | None = Field(None, gt=0, description="per-prompt standard deviation of the summed reward that "
-                                    "sizing assumes; default: the worst case for rewards in [0, 1] (half their count)")
+    reward_sd: float | None = Field(None, gt=0, description="per-prompt standard deviation of the weighted total "
+                                    "reward that sizing assumes; default: the worst case for rewards in [0, 1], half "
+                                    "the sum of |weight| (half their count when unweighted)")
     rescore_top_k: int = Field(3, ge=1, description="the best trials re-scored on as many fresh prompts before the "
                                "best is chosen (no winner's curse)")
     keep_configured: bool = Field(True, description="run the configured values as a trial (never pruned) and keep "
@@ -751,6 +760,10 @@ class DeployConfig(StrictModel):
     notify_block: str | None = Field(
         None, description="Prefect notification block 'type-slug/name' (e.g. 'slack-webhook/grpo-alerts') told of failed runs"
     )
+    trigger: TriggerPolicy = Field(
+        TriggerPolicy(), description="what a run started through Prefect (form, API, schedule, CI key) may set; read "
+        "from the deployment's own config, never from the run's parameters (docs/security.md)"
+    )
 
     @field_validator("timezone")
     @classmethod
@@ -789,15 +802,42 @@ def url_secret(value: str) -> str | None:
     return None
 
 
-def _strings(node: Any, path: str = ""):
+def credentials_in(node: Any, path: str = "", key: str = "", env_names: bool = False
+                   ) -> typing.Iterator[tuple[str, str]]:
+    """(dotted path, what) for each string in a config tree that is or holds a credential: under a key that names
+    one (token, secret, password, Authorization, api_key, ...), shaped like one (a bearer string, a known token
+    format, user:password@host), or a URL with a password or a token-like query parameter. Keys ending in
+    `_from_env` / `_env` hold environment variable names, which are the fix, not a secret.
+
+    >>> list(credentials_in({"train": {"grpo": {"hub_token": "x"}}}))
+    [('train.grpo.hub_token', "its key 'hub_token' names a credential")]
+    >>> list(credentials_in({"headers_from_env": {"Authorization": "VERIFIER_TOKEN"}, "min_prompt_tokens": 1}))
+    []
+    """
     if isinstance(node, dict):
-        for key, value in node.items():
-            yield from _strings(value, f"{path}.{key}" if path else str(key))
+        for k, value in node.items():
+            name = str(k)
+            yield from credentials_in(value, f"{path}.{name}" if path else name, name,
+                                      env_names or name.lower().endswith(ENV_NAME_SUFFIXES))
     elif isinstance(node, list):
         for i, value in enumerate(node):
-            yield from _strings(value, f"{path}[{i}]")
-    elif isinstance(node, str):
-        yield path, node
+            yield from credentials_in(value, f"{path}[{i}]", key, env_names)
+    elif isinstance(node, str) and node:
+        if env_names and not ENV_NAME.fullmatch(node):  # else a secret could hide where a name belongs
+            yield path, "a value where the name of an environment variable belongs"
+        elif not env_names and credential_key(key):
+            yield path, f"its key '{key}' names a credential"
+        elif found := url_secret(node) or secret_shape(node):
+            yield path, found
+
+
+def credential_refusal(path: str, found: str) -> str:
+    """The refusal of a credential in the configuration: the field and the fix, never the value."""
+    return (f"{path} holds a credential ({found}), and the pipeline logs its configuration (MLflow, model-version "
+            "tags, Prefect parameters, the job spec a node receives); put the secret in an environment variable on "
+            "the worker and name the variable instead: for the verifier's header "
+            "train.reward_args.remote_verifier.headers_from_env: {Authorization: VERIFIER_TOKEN}; HF_TOKEN for the "
+            "hub, MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD for MLflow, AWS_* for S3")
 
 
 class PipelineConfig(StrictModel):
@@ -815,16 +855,20 @@ class PipelineConfig(StrictModel):
 
     @model_validator(mode="after")
     def _no_credentials(self) -> "PipelineConfig":
-        # The configuration is logged (MLflow config.json, Prefect parameters): a secret must never be in it.
-        found_in = list(_strings(self.model_dump(mode="json")))
+        # The configuration is logged (MLflow config.json and params, model-version tags, Prefect parameters, the
+        # job spec a node receives): a secret must never be in it. The message names the field, never the value.
+        tree: dict[str, Any] = self.model_dump(mode="json")
         if not self.tracking.mlflow_tracking_uri:  # then the environment's URI is used, and logged
-            found_in.append(("MLFLOW_TRACKING_URI", os.environ.get("MLFLOW_TRACKING_URI", "")))
-        for path, value in found_in:
-            if found := url_secret(value):
-                raise ValueError(
-                    f"{path} holds a credential ({found}) in its URL, which the pipeline logs; pass credentials in "
-                    "their own environment variables instead (MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD, AWS_*, HF_TOKEN)"
-                )
+            tree["MLFLOW_TRACKING_URI"] = os.environ.get("MLFLOW_TRACKING_URI", "")
+        for path, found in credentials_in(tree):
+            raise ValueError(credential_refusal(path, found))
+        return self
+
+    @model_validator(mode="after")
+    def _trigger_fields_exist(self) -> "PipelineConfig":
+        for field in self.deploy.trigger.allow:
+            if problem := unknown_field(field):
+                raise ValueError(f"deploy.trigger.allow: '{field}': {problem}; `grpo-pipeline config` prints every key")
         return self
 
     @field_validator("hpo")
@@ -838,6 +882,36 @@ class PipelineConfig(StrictModel):
     def mlflow_uri(self) -> str:
         return (self.tracking.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
                 or f"sqlite:///{(self.data_dir / 'mlflow.db').resolve()}")
+
+
+# train.grpo / train.lora hold the fields of these library classes, by name
+PASSTHROUGH = {("train", "grpo"): "GRPOConfig", ("train", "lora"): "LoraConfig"}
+
+
+def unknown_field(path: str) -> str | None:
+    """What is wrong with a dotted field name, or None when the configuration has it (a section counts).
+
+    >>> unknown_field("train.lora.r"), unknown_field("train.grpo.max_step")
+    (None, "'max_step' is not a GRPOConfig field; did you mean 'max_steps'?")
+    """
+    model: type[BaseModel] = PipelineConfig
+    parts = path.split(".")
+    for i, part in enumerate(parts):
+        fields = model.model_fields
+        if part not in fields:
+            return f"no field '{part}' in {'.'.join(parts[:i]) or 'the configuration'}{_close(part, fields)}"
+        if (cls_name := PASSTHROUGH.get(tuple(parts[: i + 1]))) and i + 1 < len(parts):
+            names = library_fields.fields(cls_name)
+            if len(parts) > i + 2 or parts[i + 1] not in names:
+                return f"'{'.'.join(parts[i + 1:])}' is not a {cls_name} field{_close(parts[i + 1], names)}"
+            return None
+        annotation = fields[part].annotation
+        section = next((a for a in (annotation, *typing.get_args(annotation))
+                        if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        if section is None:
+            return None if i == len(parts) - 1 else f"'{'.'.join(parts[: i + 1])}' is a value, not a section"
+        model = section
+    return None
 
 
 def apply_override(tree: dict[str, Any], assignment: str) -> None:
@@ -908,9 +982,12 @@ def load_config(path: str | Path | None, overrides: typing.Sequence[str] = ()) -
             raise ConfigError(f"{path}: the top level must be a mapping of stage sections")
     for assignment in overrides:
         apply_override(tree, assignment)
+    where = f" in {path}" if path else ""
+    # Before the fields are validated: a field's own error would show its value (a token typed into a number).
+    if found := next(credentials_in(tree), None):
+        raise ConfigError(f"invalid configuration{where}:\n  {credential_refusal(*found)}")
     try:
         return PipelineConfig.model_validate(tree)
     except ValidationError as exc:
-        where = f" in {path}" if path else ""
         lines = [_describe(e, PipelineConfig) for e in exc.errors()]
         raise ConfigError(f"invalid configuration{where}:\n  " + "\n  ".join(lines)) from None

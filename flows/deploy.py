@@ -238,7 +238,9 @@ def deploy(cfg, settings: DeployConfig, config_path: Path | None, overrides: lis
                   budget_usd=cfg.plan.budget_usd)
     register(spec, cfg.data_dir / "deploy")
     summary: dict[str, Any] = {"deployments": deployments_summary(),
-                               "work_pool": {"name": settings.work_pool, "type": pool_type}}
+                               "work_pool": {"name": settings.work_pool, "type": pool_type},
+                               # what a run started through them may set (docs/security.md)
+                               "trigger_policy": cfg.deploy.trigger.model_dump()}
     if settings.notify_block:
         summary["failure_automation"] = {"id": ensure_failure_automation(settings.notify_block),
                                          "block": settings.notify_block}

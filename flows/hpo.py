@@ -9,12 +9,15 @@ from __future__ import annotations
 
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
+from configs.rewards import RewardSet
 from configs.schema import PipelineConfig, load_config
+from flows import trigger
 from flows.preflight import preflight
 from flows.runs import parent_run, setup_tracking
 from infra.launch import make_launcher
@@ -29,13 +32,20 @@ def trial_task(trial, cfg: PipelineConfig, model_path: str, splits: dict[str, Pa
     return run_trial(trial, cfg, model_path, splits, run_dir, tracking, launcher_for=make_launcher)
 
 
-def search_stage(cfg: PipelineConfig, model_path: str, splits: dict[str, Path], run_dir: Path, experiment_id: str,
-                 stage_run_id: str, train_usd: float | None = None) -> HPOResult:
-    """The study, each trial a task run and an MLflow run nested under the stage's run (`flows.runs.stage_run`,
-    which a retried flow run reopens, as the study resumes). `train_usd`: the planned cost of the training run
-    the search feeds, for its budget in USD (`hpo.budget_fraction`)."""
+def search_stage(cfg: PipelineConfig, rewards: RewardSet, model_path: str, splits: dict[str, Path], run_dir: Path,
+                 experiment_id: str, stage_run_id: str, train_usd: float | None = None) -> HPOResult:
+    """The study, its trials scored by `rewards`' weighted total; each trial a task run and an MLflow run nested
+    under the stage's run (`flows.runs.stage_run`, which a retried flow run reopens, as the study resumes).
+    `train_usd`: the planned cost of the training run the search feeds, for its budget in USD
+    (`hpo.budget_fraction`)."""
     tracking = Tracking(tracking_uri=cfg.mlflow_uri, experiment_id=experiment_id, stage_run_id=stage_run_id)
-    return search(cfg, model_path, splits, run_dir, run_one=trial_task, tracking=tracking, train_usd=train_usd)
+    return search(cfg, model_path, splits, run_dir, rewards=rewards, run_one=trial_task, tracking=tracking,
+                  train_usd=train_usd)
+
+
+def _own_overrides(parameters: dict[str, Any]) -> list[str]:
+    """A deployment's own overrides (this flow's only form field that makes any)."""
+    return list(parameters.get("overrides") or [])
 
 
 @flow(name="grpo-hpo", log_prints=True)
@@ -46,13 +56,15 @@ def hpo_flow(config_path: str | None = None, overrides: list[str] | None = None)
         config_path: pipeline YAML (e.g. configs/demo-cpu.yaml); None runs the built-in defaults.
         overrides: `stage.key=value` assignments applied on top, e.g. `hpo.trials=12`.
     """
-    cfg = load_config(config_path, overrides or [])
+    # a run of a deployment of this flow may set only what the deployment allows (docs/security.md)
+    cfg = load_config(config_path, trigger.enforce(config_path, overrides or [], _own_overrides))
     preflight(cfg)
+    rewards = cfg.train.reward_set()  # resolved once, as the pipeline does
     run_dir = cfg.data_dir / "runs" / f"{datetime.now():%Y%m%d-%H%M%S}-{(flow_run.id or 'local')[:8]}-hpo"
     model_path = resolve_model_task(cfg.model, cfg.data_dir / "models")
-    dataset = data_task(cfg.data, cfg.data_dir / "datasets", model_path, cfg.train.rewards,
-                        cfg.train.reward_args)  # as the pipeline does
+    dataset = data_task(cfg.data, cfg.data_dir / "datasets", model_path, list(rewards.names),
+                        dict(rewards.args))  # as the pipeline does
     experiment_id = setup_tracking(cfg.mlflow_uri, cfg.tracking.experiment, cfg.data_dir / "mlartifacts")
     with parent_run(flow_run.id or "local", "hpo") as run:  # a retry of this flow run continues it
-        result = search_stage(cfg, model_path, dataset.splits, run_dir, experiment_id, run.info.run_id)
+        result = search_stage(cfg, rewards, model_path, dataset.splits, run_dir, experiment_id, run.info.run_id)
     return result.model_dump(mode="json") | {"set": result.set_args(), "mlflow_tracking_uri": cfg.mlflow_uri}

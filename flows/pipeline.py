@@ -18,7 +18,7 @@ import json
 from contextlib import nullcontext
 from datetime import datetime
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import mlflow
 from prefect import flow, task
@@ -28,7 +28,9 @@ from prefect.runtime import flow_run
 from prefect.tasks import exponential_backoff
 
 from configs.library_fields import default as library_default
+from configs.rewards import RewardSet
 from configs.schema import PipelineConfig, TrainConfig, load_config
+from flows import trigger
 from flows.hpo import search_stage
 from flows.preflight import preflight
 from flows.runs import (
@@ -70,45 +72,54 @@ def grpo_pipeline(
 
     Args:
         config_path: pipeline YAML, relative to the project (e.g. configs/demo-cpu.yaml); empty runs the
-            built-in defaults.
-        overrides: `section.key=value` assignments applied on top, one per item. Sections: data, model,
-            plan, hpo, train, evaluate, merge, promote, tracking, deploy; e.g. `train.grpo.max_steps=20`,
-            `train.grpo.learning_rate=3e-4` (any TRL GRPOConfig field), `train.lora.r=16` (any PEFT
-            LoraConfig field), `model.base=org/name`, `model.quantization=nf4`, `evaluate.max_new_tokens=32`,
-            `merge.enabled=true`, `promote.min_effect=0.02`. `grpo-pipeline config` prints every key.
+            built-in defaults. A run of a deployment may pick only the deployment's own config or one of
+            its `deploy.trigger.recipes`.
+        overrides: `section.key=value` assignments applied on top, one per item. A run of a deployment
+            may set only the fields the deployment allows (`deploy.trigger.allow`; by default
+            `train.grpo.max_steps=20`, `train.grpo.learning_rate=3e-4`, `train.grpo.seed`, `train.lora.r=16`,
+            `train.lora.lora_alpha`); a refused field fails the run before any work (docs/security.md).
+            On the worker's shell, `grpo-pipeline run --set` takes any key: sections data, model, plan, hpo,
+            train, evaluate, merge, promote, tracking, deploy; e.g. `model.base=org/name`,
+            `model.quantization=nf4`, `evaluate.max_new_tokens=32`. `grpo-pipeline config` prints every key.
         launcher: where training runs: `local` (a subprocess on the worker) or `sky` (a SkyPilot managed
             spot job); `config` keeps the config's `train.launcher`.
         budget_usd: refuse to train when the planner's cost estimate passes this many dollars; empty keeps
             the config's `plan.budget_usd`.
     """
-    return run_pipeline(load_config(config_path, flow_overrides(overrides, launcher, budget_usd)))
+    # A run triggered through a deployment may set only what the deployment allows: checked on the raw fields,
+    # before the config file is read or anything runs (docs/security.md).
+    items = trigger.enforce(config_path, flow_overrides(overrides, launcher, budget_usd), deployment_overrides)
+    return run_pipeline(load_config(config_path, items))
 
 
 def run_pipeline(cfg: PipelineConfig) -> RunSummary:
     """The stages in order; called inside the Prefect flow so each task is tracked."""
     preflight(cfg)
+    # Resolved once: training, every evaluation, the search, base selection and the quantization cost all
+    # score by this value's weighted total, so no stage ranks models by a sum the training did not optimise.
+    rewards = cfg.train.reward_set()
     run_dir = _run_dir(cfg)
     experiment_id = setup_tracking(cfg.mlflow_uri, cfg.tracking.experiment, cfg.data_dir / "mlartifacts")
     registry = Registry(mlflow.MlflowClient(cfg.mlflow_uri), cfg.tracking.registered_model)
     with parent_run(flow_run.id or "local", "grpo-pipeline", flow_run.scheduled_start_time) as parent:
-        pid, rewards = parent.info.run_id, cfg.train.rewards
+        pid = parent.info.run_id
         with stage_run(pid, "data"):
-            dataset, base_path = data_stage(cfg)
+            dataset, base_path = data_stage(cfg, rewards)
         splits = dataset.splits
         with stage_run(pid, "model"):
-            cfg, model_path = model_stage(cfg, base_path, splits["val"])
+            cfg, model_path = model_stage(cfg, rewards, base_path, splits["val"])
         with stage_run(pid, "plan"):
             plan = plan_stage(cfg, model_path)
         cfg = apply_plan(cfg, plan)
         search = None
         if cfg.hpo.enabled:
             with stage_run(pid, "hpo") as run:
-                search = search_stage(cfg, model_path, splits, run_dir, experiment_id, run.info.run_id,
+                search = search_stage(cfg, rewards, model_path, splits, run_dir, experiment_id, run.info.run_id,
                                       train_usd=plan.estimate.usd)
             cfg = apply_best(cfg, search.overrides)
         log_resolved_config(cfg, dataset, model_path)  # what trains is what the run shows
         with stage_run(pid, "evaluate-base"):
-            base = evaluate_stage(cfg, model_path, splits["holdout"], "base")
+            base = evaluate_stage(cfg, rewards, model_path, splits["holdout"], "base")
         train_run = stage_run_for_another_process(experiment_id, pid, "train")
         spec = build_job_spec(cfg.train, cfg.model, model_path, splits, run_dir, mlflow_tracking_uri=cfg.mlflow_uri,
                               mlflow_experiment=cfg.tracking.experiment, mlflow_run_id=train_run)
@@ -117,18 +128,18 @@ def run_pipeline(cfg: PipelineConfig) -> RunSummary:
         cost = Cost(cost_usd_estimated=plan.estimate.usd, cost_usd_actual=actual_cost(result.gpu_hours, plan))
         mlflow.log_metrics(cost.model_dump())
         with stage_run(pid, "evaluate-candidate"):
-            trained = evaluate_stage(cfg, model_path, splits["holdout"], "candidate", adapter=result.adapter_dir)
+            trained = evaluate_stage(cfg, rewards, model_path, splits["holdout"], "candidate", adapter=result.adapter_dir)
         champion_version = registry.version_of(CHAMPION)  # the baseline: the champion, or the base model
         champion = None
         if champion_version:
             with stage_run(pid, "evaluate-champion"):
-                champion = champion_stage(cfg, registry, champion_version, splits["holdout"], run_dir)
+                champion = champion_stage(cfg, rewards, registry, champion_version, splits["holdout"], run_dir)
         merged = None
         if cfg.merge.enabled:
             with stage_run(pid, "merge") as run:
                 merged = merge_stage(cfg, model_path, result, splits["holdout"], run_dir, run.info.run_id)
         with stage_run(pid, "decide"):
-            decision = decide_stage(cfg, trained, champion or base)
+            decision = decide_stage(cfg, rewards, trained, champion or base)
         with stage_run(pid, "register"):
             registered = register_stage(cfg, registry, dataset, model_path, result, merged, pid, splits["holdout"])
         with stage_run(pid, "serving-check"):
@@ -160,27 +171,28 @@ def _resumable(stage):
     return stage.with_options(cache_policy=RESUMABLE, persist_result=True)
 
 
-def data_stage(cfg: PipelineConfig) -> tuple[DatasetVersion, str]:
-    """The dataset version, and the configured base resolved (its tokenizer counts the token budget)."""
+def data_stage(cfg: PipelineConfig, rewards: RewardSet) -> tuple[DatasetVersion, str]:
+    """The dataset version (its verifiability check runs `rewards`' answer checkers with their arguments), and
+    the configured base resolved (its tokenizer counts the token budget)."""
     base_path = resolve_model_task(cfg.model, cfg.data_dir / "models")
     # Versions are content-keyed under one directory, so a run on unchanged data reuses the last one.
-    dataset = data_task(cfg.data, cfg.data_dir / "datasets", base_path, cfg.train.rewards, cfg.train.reward_args)
+    dataset = data_task(cfg.data, cfg.data_dir / "datasets", base_path, list(rewards.names), dict(rewards.args))
     log_lineage(dataset)
     return dataset, base_path
 
 
-def model_stage(cfg: PipelineConfig, base_path: str, val: Path) -> tuple[PipelineConfig, str]:
+def model_stage(cfg: PipelineConfig, rewards: RewardSet, base_path: str, val: Path) -> tuple[PipelineConfig, str]:
     """The base model: the best of `model.candidates` on the val split within memory and budget, or
-    `model.base` (already resolved at `base_path`); then what its quantization costs, refused past its bound."""
+    `model.base` (already resolved at `base_path`); then what its quantization costs, refused past its bound.
+    Both rank by `rewards`' weighted total, as training and promotion do."""
     model_path = base_path
     if cfg.model.candidates:
-        selection = _resumable(select_task)(cfg, val, cfg.data_dir / "models")
+        selection = _resumable(select_task)(cfg, rewards, val, cfg.data_dir / "models")
         mlflow.log_table(selection.table(), "base_selection.json")
         cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"base": selection.chosen})})
         model_path = selection.chosen_path
     mlflow.log_params({"base": cfg.model.base, "path": model_path, "quantization": cfg.model.quantization})
-    quantization = _resumable(quantization_cost_task)(model_path, cfg.model, val, cfg.train.rewards, cfg.evaluate,
-                                                      reward_args=cfg.train.reward_args)
+    quantization = _resumable(quantization_cost_task)(model_path, cfg.model, val, rewards, cfg.evaluate)
     if quantization:
         mlflow.log_metrics(quantization.metrics())
         mlflow.log_dict(quantization.model_dump(mode="json"), "quantization_cost.json")
@@ -234,13 +246,12 @@ def train_task(spec: JobSpec, train: TrainConfig) -> TrainResult:
         return run_job(make_launcher(train, on_line=show, on_status=logger.info), spec)
 
 
-def evaluate_stage(cfg: PipelineConfig, model_path: str, holdout: Path, name: str, adapter: str | None = None,
-                   model=None, label: str | None = None) -> EvalResult:
+def evaluate_stage(cfg: PipelineConfig, rewards: RewardSet, model_path: str, holdout: Path, name: str,
+                   adapter: str | None = None, model=None, label: str | None = None) -> EvalResult:
     """`name` (base, candidate, champion) names its artifacts; `label` (else `name`) the model in progress lines."""
-    # the same weighted total GRPO optimised (TRL's reward_weights, in reward order)
-    result = _resumable(evaluate_task)(model_path, model or cfg.model, holdout, cfg.train.rewards, cfg.evaluate,
-                                       adapter=adapter, weights=cfg.train.grpo.get("reward_weights"),
-                                       label=label or name, reward_args=cfg.train.reward_args)
+    # scored by the same weighted total GRPO optimised (`RewardSet.total`)
+    result = _resumable(evaluate_task)(model_path, model or cfg.model, holdout, rewards, cfg.evaluate,
+                                       adapter=adapter, label=label or name)
     mlflow.log_metrics({"reward": result.reward, **{f"reward/{k}": v for k, v in result.per_reward.items()},
                         **result.metrics})
     columns = {k: [row[k] for row in result.rows] for k in result.rows[0]} if result.rows else {}
@@ -254,7 +265,8 @@ def fetch_champion_task(registry: Registry, version: str, dst: Path) -> tuple[st
     return mlflow.artifacts.download_artifacts(artifact_uri=mv.source, dst_path=str(dst)), mv.tags
 
 
-def champion_stage(cfg: PipelineConfig, registry: Registry, version: str, holdout: Path, run_dir: Path) -> EvalResult:
+def champion_stage(cfg: PipelineConfig, rewards: RewardSet, registry: Registry, version: str, holdout: Path,
+                   run_dir: Path) -> EvalResult:
     """The current champion on the same holdout, on the base it was trained on."""
     local, tags = fetch_champion_task(registry, version, run_dir / "champion")
     adapter = Path(local) / "artifacts" / "adapter"  # an MLflow model; a version registered before was the adapter
@@ -263,7 +275,8 @@ def champion_stage(cfg: PipelineConfig, registry: Registry, version: str, holdou
     base_name = tags.get("base_config", tags.get("base_model", cfg.model.base))
     model = cfg.model.model_copy(update={"base": base_name, "quantization": tags.get("quantization", "none")})
     path = resolve_model_task(model, cfg.data_dir / "models")
-    return evaluate_stage(cfg, path, holdout, "champion", adapter=adapter, model=model, label=f"champion v{version}")
+    return evaluate_stage(cfg, rewards, path, holdout, "champion", adapter=adapter, model=model,
+                          label=f"champion v{version}")
 
 
 def merge_stage(cfg: PipelineConfig, model_path: str, result: TrainResult, holdout: Path, run_dir: Path,
@@ -284,8 +297,8 @@ def _example(holdout: Path) -> str:
     return prompt_text(read_jsonl(holdout)[0]["prompt"])
 
 
-def decide_stage(cfg: PipelineConfig, trained: EvalResult, baseline: EvalResult) -> Decision:
-    decision = decide_promotion(trained.rows, baseline.rows, cfg.promote, cfg.train.rewards)
+def decide_stage(cfg: PipelineConfig, rewards: RewardSet, trained: EvalResult, baseline: EvalResult) -> Decision:
+    decision = decide_promotion(trained.rows, baseline.rows, cfg.promote, list(rewards.names))
     mlflow.log_dict(decision.model_dump(), "decision.json")  # logged before any alias moves
     mlflow.set_tags({"decision": _verdict(decision)})
     return decision
@@ -443,3 +456,12 @@ def flow_overrides(overrides: list[str] | None, launcher: str | None, budget_usd
     extra = [f"train.launcher={launcher}"] if launcher and launcher != "config" else []
     extra += [f"plan.budget_usd={budget_usd}"] if budget_usd is not None else []
     return [*(overrides or []), *extra]
+
+
+def deployment_overrides(parameters: dict[str, Any]) -> list[str]:
+    """A deployment's own parameters as the overrides they make, to compare with a run's.
+
+    >>> deployment_overrides({"config_path": "c.yaml", "overrides": ["train.lora.r=8"], "budget_usd": 25.0})
+    ['train.lora.r=8', 'plan.budget_usd=25.0']
+    """
+    return flow_overrides(parameters.get("overrides"), parameters.get("launcher"), parameters.get("budget_usd"))

@@ -7,6 +7,8 @@ from __future__ import annotations
 from configs.schema import PipelineConfig
 from infra import launch
 from tasks.data_io import check_local_sources
+from tasks.decide import check_policy
+from tasks.evaluate import score_columns
 from tasks.job import check_rewards, check_store
 from tasks.model import check_model_paths
 from tasks.plan import check_budget, plan_stage
@@ -15,7 +17,9 @@ from tasks.plan import check_budget, plan_stage
 def preflight(cfg: PipelineConfig) -> None:
     check_local_sources(cfg.data)
     check_model_paths(cfg.model)
-    check_rewards(cfg.train.rewards, cfg.train.reward_args)
+    rewards = cfg.train.reward_set()
+    check_rewards(rewards, cfg.evaluate)  # evaluate.* too: a typo there fails after training
+    check_policy(cfg.promote, score_columns(rewards, cfg.evaluate))  # promote.metric and guardrails name columns
     if cfg.plan.budget_usd is not None:  # the plan stage checks it again for the chosen base
         check_budget(plan_stage(cfg), cfg.plan.budget_usd)
     launch.preflight(cfg.train, cfg.mlflow_uri, cfg.model)  # the distributed launch; SkyPilot: the store a node reaches

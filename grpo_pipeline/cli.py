@@ -80,8 +80,18 @@ def _blame(path: Path | None, overrides: list[str], exc: Exception) -> str:
         except ConfigError as alone:
             culprits.append((assignment, alone))
     if not culprits:
-        return f"--set {' --set '.join(overrides)} (together): {_what(exc)}"
-    return "\n".join(f"--set {assignment}: {_what(alone, assignment)}" for assignment, alone in culprits)
+        return f"--set {' --set '.join(_shown(o, exc) for o in overrides)} (together): {_what(exc)}"
+    return "\n".join(f"--set {_shown(assignment, alone)}: {_what(alone, assignment)}" for assignment, alone in culprits)
+
+
+def _shown(assignment: str, error: Exception) -> str:
+    """A --set as a failure names it: without its value when the loader found a credential there, so the refusal
+    does not print the secret into a terminal or a CI log.
+
+    >>> _shown("train.grpo.hub_token=hf_x", ConfigError("train.grpo.hub_token holds a credential (...)"))
+    'train.grpo.hub_token=...'
+    """
+    return f"{assignment.partition('=')[0]}=..." if "holds a credential" in str(error) else assignment
 
 
 def _ephemeral_prefect_defaults() -> None:

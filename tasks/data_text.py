@@ -20,6 +20,7 @@ import pyarrow.compute as pc
 
 _PUNCT = r"([^\p{L}\p{N}\s\p{Z}])"
 _MULT = np.uint64(0x9E3779B97F4A7C15)  # odd: n-gram hashes are a polynomial in this base, mod 2^64
+LSH_WEIGHTS = (0.01, 0.99)  # near-dedup's LSH: (false positive, false negative) weights; see NearDuplicateIndex
 
 
 def normalize(texts: pa.Array) -> pa.Array:
@@ -133,8 +134,13 @@ class NearDuplicateIndex:
         from datasketch import MinHash, MinHashLSH
 
         self.threshold = threshold
-        # Band keys hashed to 8 bytes instead of r * 4 bytes: ~0.4 KB less per kept row over all bands.
-        self.lsh = MinHashLSH(threshold=threshold, num_perm=num_perm, hashfunc=_band_key)
+        # LSH only proposes candidates; each is confirmed against its stored signature below, so a false
+        # positive costs one comparison while a false negative lets a near duplicate through (and later drops
+        # its original as contaminated when the copy lands in val or holdout). datasketch's default weights
+        # (0.5, 0.5) chose 9 bands of 13 rows at 0.8: 60 % of pairs at Jaccard 0.8 and 7 % at 0.9 were never
+        # proposed. Weighting misses 99:1 gives 18 bands of 7 at 0.8: 1.5 % missed at 0.8, 0.1 % at 0.85.
+        # Band keys hashed to 8 bytes instead of r * 4 bytes keep the extra bands' memory small.
+        self.lsh = MinHashLSH(threshold=threshold, num_perm=num_perm, weights=LSH_WEIGHTS, hashfunc=_band_key)
         self._template = MinHash(num_perm=num_perm, seed=seed, hashfunc=int)
         self._signatures = np.empty((1024, num_perm), np.uint32)
         self.labels: list[str] = []

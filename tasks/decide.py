@@ -7,6 +7,7 @@ metric is binary. `decide_promotion` is a pure function; its `Decision` is logge
 
 from __future__ import annotations
 
+import difflib
 import math
 import statistics
 
@@ -14,7 +15,7 @@ import numpy as np
 from pydantic import BaseModel
 from scipy import stats
 
-from configs.schema import PromotionPolicy
+from configs.schema import ConfigError, PromotionPolicy
 
 Z_POWER_80 = 0.8416  # one-sided normal quantile for 80% power
 
@@ -61,6 +62,23 @@ def paired_difference(cand: list[float], base: list[float], confidence: float, s
         p = stats.binomtest(wins, wins + losses, 0.5).pvalue if wins + losses else 1.0
         out["mcnemar"] = {"candidate_only": wins, "baseline_only": losses, "p_value": float(p)}
     return out
+
+
+def check_policy(policy: PromotionPolicy, columns: list[str]) -> None:
+    """The policy compares and guards only columns the evaluation writes (`tasks.evaluate.score_columns`): a
+    typo would otherwise end the run at the decision, after training, with a KeyError.
+
+    >>> check_policy(PromotionPolicy(metric="math_answr"), ["math_answer", "total", "length"])
+    Traceback (most recent call last):
+    ...
+    configs.schema.ConfigError: promote.metric: 'math_answr' is not a column of the evaluation (math_answer, total, length); did you mean 'math_answer'?
+    """
+    named = [("promote.metric", policy.metric), *((f"promote.guardrails.{k}", k) for k in policy.guardrails)]
+    for field, column in named:
+        if column not in columns:
+            close = difflib.get_close_matches(column, columns, n=1)
+            raise ConfigError(f"{field}: {column!r} is not a column of the evaluation ({', '.join(columns)})"
+                              + (f"; did you mean '{close[0]}'?" if close else ""))
 
 
 def decide_promotion(

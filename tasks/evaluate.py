@@ -24,13 +24,14 @@ from pydantic import BaseModel
 from trainer.loading import load_model
 from tasks.job import format_duration, model_load
 from trainer.rewards import completion_text, resolve_reward, resolve_rewards
+from configs.rewards import RewardSet
 from configs.schema import EvalConfig, ModelConfig
 
 EXAMPLE_CHARS = 600  # of a completion kept in an example: enough for a reasoning answer's ending
 
 
 class EvalResult(BaseModel):
-    reward: float  # mean over samples of the (weighted) summed rewards, as GRPO sees them
+    reward: float  # mean over samples of the weighted total (`RewardSet.total`), as GRPO sees it
     per_reward: dict[str, float]
     metrics: dict[str, float] = {}  # accuracy, format_rate, mean_length, pass@k, remote_verifier/fallbacks
     n: int
@@ -45,10 +46,11 @@ def read_jsonl(path: Path) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def prompt_text(prompt: str | list[dict]) -> str:
-    """The last user message of a chat prompt (what the row asks), or the prompt itself.
+def last_user_message(prompt: str | list[dict]) -> str:
+    """The last user message of a chat prompt (what the row asks, as the report shows it), or the prompt itself.
+    Not what a model is given: `render` writes that (and `tasks.serving.prompt_text` the served model's input).
 
-    >>> prompt_text([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 3?"}])
+    >>> last_user_message([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 3?"}])
     'What is 2 + 3?'
     """
     if isinstance(prompt, str):
@@ -60,28 +62,24 @@ def prompt_text(prompt: str | list[dict]) -> str:
 def score(
     rows: list[dict],
     completions: list[str],
-    rewards: list[str],
+    rewards: RewardSet,
     lengths: list[int],
     *,
-    weights: Sequence[float] | None = None,
     extra: Sequence[str] = (),
     max_completion_length: int | None = None,
-    reward_args: dict[str, dict] | None = None,
 ) -> EvalResult:
-    """Score completions with each reward and keep their token lengths; pure, so it is tested without a model.
+    """Score completions with each reward (bound with its arguments, as the trainer binds them) and keep
+    their token lengths; pure, so it is tested without a model.
 
-    `weights` (TRL's `reward_weights`, in reward order) weigh the total; `extra` rewards are scored into
-    their own columns and left out of it (an accuracy reward the training does not use).
+    Each row's `total` is the weighted total (`RewardSet.total`); `extra` rewards are scored into their own
+    columns and left out of it (an accuracy reward the training does not use).
 
-    >>> r = score([{"answer": "3"}, {"answer": "5"}], ["3", "five"], ["correct_answer"], [1, 1])
+    >>> r = score([{"answer": "3"}, {"answer": "5"}], ["3", "five"], RewardSet(names=("correct_answer",)), [1, 1])
     >>> r.reward, r.per_reward
     (0.5, {'correct_answer': 0.5})
-    >>> score([{"answer": "3"}], ["3"], ["correct_answer", "number_only"], [1], weights=[1.0, 0.5]).reward
+    >>> score([{"answer": "3"}], ["3"], RewardSet(names=("correct_answer", "number_only"), weights=(1.0, 0.5)), [1]).reward
     1.5
     """
-    weights = list(weights) if weights is not None else [1.0] * len(rewards)
-    if len(weights) != len(rewards):
-        raise ValueError(f"{len(weights)} reward weights for {len(rewards)} rewards")
     columns = {k: [row[k] for row in rows] for k in rows[0] if k != "prompt"} if rows else {}
     logged: dict[str, float] = defaultdict(float)
 
@@ -90,28 +88,42 @@ def score(
 
     inputs = {**columns, "prompts": [row.get("prompt") for row in rows], "completion_lengths": list(lengths),
               "log_metric": log_metric}
-    names = list(rewards) + [e for e in extra if e not in rewards]
-    functions = resolve_rewards(names, reward_args, max_completion_length=max_completion_length)
+    names = list(rewards.names) + [e for e in extra if e not in rewards.names]
+    functions = resolve_rewards(names, rewards.args, max_completion_length=max_completion_length)
     per_sample = {name: fn(completions, **inputs) if rows else [] for name, fn in zip(names, functions, strict=True)}
     out_rows = []
     for i, row in enumerate(rows):
         scores = {name: per_sample[name][i] for name in names}
         out_rows.append({
             "key": row.get("key", i),
-            "prompt": prompt_text(row.get("prompt", "")),
+            "prompt": last_user_message(row.get("prompt", "")),
             **({"answer": row["answer"]} if "answer" in row else {}),
             "completion": completions[i],
             **scores,
-            "total": sum(w * scores[name] for w, name in zip(weights, rewards, strict=True)),
+            "total": rewards.total(scores),
             "length": lengths[i],
         })
     return EvalResult(
         reward=statistics.fmean(r["total"] for r in out_rows) if out_rows else 0.0,
-        per_reward={name: statistics.fmean(per_sample[name]) for name in rewards} if out_rows else {},
+        per_reward={name: statistics.fmean(per_sample[name]) for name in rewards.names} if out_rows else {},
         metrics=dict(logged),
         n=len(out_rows),
         rows=out_rows,
     )
+
+
+def score_columns(rewards: RewardSet, cfg: EvalConfig) -> list[str]:
+    """The numeric per-sample columns of an evaluation's rows (`score`, `evaluate_model`): each reward, the
+    evaluation's own accuracy and format rewards, the weighted total, the length, and pass@k when sampled.
+    What the promotion may compare (`promote.metric`) and guard (`promote.guardrails`).
+
+    >>> score_columns(RewardSet(names=("math_answer",)), EvalConfig(accuracy_reward="math_answer",
+    ...                                                          format_reward="think_format", samples_k=4))
+    ['math_answer', 'think_format', 'total', 'length', 'pass_at_4']
+    """
+    extra = [r for r in (cfg.accuracy_reward, cfg.format_reward) if r and r not in rewards.names]
+    sampled = [f"pass_at_{cfg.samples_k}"] if cfg.samples_k and cfg.accuracy_reward else []
+    return [*rewards.names, *dict.fromkeys(extra), "total", "length", *sampled]
 
 
 def pick_examples(result: EvalResult, column: str | None, k: int) -> list[dict]:
@@ -369,17 +381,14 @@ def evaluate_model(
     model_path: str,
     model_cfg: ModelConfig,
     holdout: Path,
-    rewards: list[str],
+    rewards: RewardSet,
     cfg: EvalConfig,
     adapter: str | None = None,
-    weights: Sequence[float] | None = None,
     label: str | None = None,
-    reward_args: dict[str, dict] | None = None,
 ) -> EvalResult:
     """Load a base model (plus an adapter when given) and score it on a holdout file.
 
-    `weights`: the training's reward weights (TRL's `reward_weights`, in reward order) for the total.
-    `reward_args`: `train.reward_args`, bound as the trainer binds them, so the scores are the training's.
+    `rewards`: the training's (`TrainConfig.reward_set`), so each total is the weighted one GRPO optimised.
     `label`: the model, as progress names it ("evaluating champion v3"); else candidate or base."""
     rows = read_jsonl(holdout)
     label = label or ("candidate" if adapter else "base")
@@ -404,14 +413,14 @@ def evaluate_model(
             model, tokenizer, [r["prompt"] for r in rows], cfg.max_new_tokens, cfg.batch_size,
             label=label,
         )
-    result = score(rows, [completion_text(c) for c in completions], rewards, lengths, weights=weights,
+    result = score(rows, [completion_text(c) for c in completions], rewards, lengths,
                    extra=[r for r in (cfg.accuracy_reward, cfg.format_reward) if r],
-                   max_completion_length=cfg.max_new_tokens, reward_args=reward_args)
+                   max_completion_length=cfg.max_new_tokens)
     metrics = result.metrics | summary_metrics(result, cfg)
     if cfg.samples_k and cfg.accuracy_reward:
         if not use_vllm:
             samples = sample(model, tokenizer, rows, cfg)
-        passed = pass_at_k(rows, samples, cfg.accuracy_reward, (reward_args or {}).get(cfg.accuracy_reward))
+        passed = pass_at_k(rows, samples, cfg.accuracy_reward, rewards.args_for(cfg.accuracy_reward))
         for row, value in zip(result.rows, passed, strict=True):
             row[f"pass_at_{cfg.samples_k}"] = value
         metrics[f"pass_at_{cfg.samples_k}"] = statistics.fmean(passed)

@@ -3,10 +3,11 @@ beta, num_generations, temperature), many short GRPO trials promoted on rungs, e
 greedily on fixed validation prompts, and the best applied only when it beats the configured values beyond
 the noise.
 
-- **Scores with a known noise.** A finished trial's value is its adapter's mean greedy reward on the same
-  validation prompts for every trial (`tasks.evaluate.evaluate_model`), so trials compare as pairs. How many
-  prompts: `hpo.target_standard_error` and the per-prompt standard deviation (`hpo.reward_sd`, or the worst
-  case for rewards in [0, 1]) give n = (sd / se)^2; the stage logs n and fails (a `ConfigError`, exit 2)
+- **Scores with a known noise.** A finished trial's value is its adapter's mean greedy weighted total
+  (`RewardSet.total`, what training optimises and promotion compares) on the same validation prompts for every
+  trial (`tasks.evaluate.evaluate_model`), so trials compare as pairs. How many prompts:
+  `hpo.target_standard_error` and the per-prompt standard deviation (`hpo.reward_sd`, or the worst case for
+  rewards in [0, 1], half the weights' span) give n = (sd / se)^2; the stage logs n and fails (a `ConfigError`, exit 2)
   naming it when the val split holds fewer than 2n (n to select, n fresh ones to re-score).
 - **No winner's curse.** The top `hpo.rescore_top_k` trials and the configured values' trial are scored again
   on n prompts no selection saw; the best of those re-scores is compared with the configured trial, paired
@@ -59,6 +60,7 @@ import optuna
 from pydantic import BaseModel
 
 from configs.library_fields import grpo_value
+from configs.rewards import RewardSet
 from configs.schema import ConfigError, HPOConfig, PipelineConfig, SearchDim, SearchSpace, TrainConfig
 from tasks.job import build_job_spec
 from trainer.spec import TrainingFailed, parse_progress
@@ -66,7 +68,7 @@ from trainer.spec import TrainingFailed, parse_progress
 # Builds the launcher a trial runs on (`infra.launch.make_launcher`): passed in by the flow, which owns the
 # launch; called with the trial's `train` section and a callback for each line of the trainer's output.
 LauncherFactory = Callable[[TrainConfig, Callable[[str], None]], Any]
-# Scores an adapter on a JSONL prompt file: one summed reward per prompt, greedy (`greedy_scorer`).
+# Scores an adapter on a JSONL prompt file: one weighted total per prompt, greedy (`greedy_scorer`).
 Scorer = Callable[[str, Path], list[float]]
 
 log = logging.getLogger(__name__)
@@ -329,15 +331,19 @@ def make_pruner(hpo: HPOConfig) -> optuna.pruners.BasePruner:
     return optuna.pruners.NopPruner()
 
 
-def prompts_needed(hpo: HPOConfig, n_rewards: int) -> tuple[int, float]:
-    """Validation prompts per scoring for the target standard error, and the per-prompt SD assumed.
+def prompts_needed(hpo: HPOConfig, rewards: RewardSet) -> tuple[int, float]:
+    """Validation prompts per scoring for the target standard error, and the per-prompt SD assumed: by
+    default the worst case for the weighted total of rewards in [0, 1], half its span (the sum of |weight|).
 
-    >>> prompts_needed(HPOConfig(target_standard_error=0.05), 2)  # two rewards in [0, 1]: SD at most 1
+    >>> two = RewardSet(names=("correct_answer", "number_only"))
+    >>> prompts_needed(HPOConfig(target_standard_error=0.05), two)  # two rewards in [0, 1]: SD at most 1
     (400, 1.0)
-    >>> prompts_needed(HPOConfig(target_standard_error=0.05, reward_sd=0.5), 2)
+    >>> prompts_needed(HPOConfig(target_standard_error=0.05), two.model_copy(update={"weights": (1.0, 0.2)}))
+    (144, 0.6)
+    >>> prompts_needed(HPOConfig(target_standard_error=0.05, reward_sd=0.5), two)
     (100, 0.5)
     """
-    sd = hpo.reward_sd if hpo.reward_sd is not None else max(1, n_rewards) / 2
+    sd = hpo.reward_sd if hpo.reward_sd is not None else rewards.span / 2
     return math.ceil((sd / hpo.target_standard_error) ** 2 - 1e-9), sd
 
 
@@ -345,19 +351,19 @@ class NotEnoughPrompts(ConfigError):
     """The val split cannot give the target standard error (the CLI exits 2)."""
 
 
-def prepare_validation(cfg: PipelineConfig, val_file: Path | None, out_dir: Path) -> Validation:
+def prepare_validation(cfg: PipelineConfig, rewards: RewardSet, val_file: Path | None, out_dir: Path) -> Validation:
     """Split the val split into the selection and re-scoring prompt sets (and the rung subset), after checking
-    that it holds enough prompts for `hpo.target_standard_error`."""
+    that it holds enough prompts for `hpo.target_standard_error` on `rewards`' weighted total."""
     from tasks.evaluate import read_jsonl
 
-    needed, sd = prompts_needed(cfg.hpo, len(cfg.train.rewards))
+    needed, sd = prompts_needed(cfg.hpo, rewards)
     rows = read_jsonl(Path(val_file)) if val_file and Path(val_file).is_file() else []
     if cfg.hpo.trial_score == "trainer":  # no greedy scoring: the trainer's rung checks use the first prompts
         needed = min(len(rows), cfg.hpo.rung_prompts)
     elif len(rows) < 2 * needed:
         raise NotEnoughPrompts(
             f"hpo.target_standard_error={cfg.hpo.target_standard_error:g} needs {needed} validation prompts per "
-            f"scoring (per-prompt SD {sd:g}{'' if cfg.hpo.reward_sd else ', the worst case for rewards in [0, 1]'}), "
+            f"scoring (per-prompt SD {sd:g}{'' if cfg.hpo.reward_sd else ', the worst case for the weighted total of rewards in [0, 1]'}), "
             f"{2 * needed} in all (the top trials are re-scored on {needed} fresh ones); the val split has {len(rows)}. "
             "Give more validation rows (data.demo.n_val, or a larger source), set hpo.reward_sd to a measured "
             "value, or loosen hpo.target_standard_error"
@@ -423,15 +429,15 @@ def paired_decision(best: list[float], configured: list[float], trial: int, conf
     return False, f"{figures}: not better beyond the noise, the configured values are kept", diff, (low, high)
 
 
-def greedy_scorer(cfg: PipelineConfig, model_path: str) -> Scorer:
-    """Scores an adapter greedily on a prompt file with the training rewards: `tasks.evaluate.evaluate_model`."""
+def greedy_scorer(cfg: PipelineConfig, rewards: RewardSet, model_path: str) -> Scorer:
+    """Scores an adapter greedily on a prompt file by the training's weighted total (`RewardSet.total`, through
+    `tasks.evaluate.evaluate_model`): the search ranks trials by what training optimises and promotion compares."""
 
     def score(adapter_dir: str, prompts: Path) -> list[float]:
         from tasks.evaluate import evaluate_model
 
-        result = evaluate_model(model_path, cfg.model, prompts, cfg.train.rewards,
-                                cfg.evaluate.model_copy(update={"samples_k": 0}), adapter=adapter_dir,
-                                reward_args=cfg.train.reward_args)
+        result = evaluate_model(model_path, cfg.model, prompts, rewards,
+                                cfg.evaluate.model_copy(update={"samples_k": 0}), adapter=adapter_dir)
         return [float(r["total"]) for r in result.rows]
 
     return score
@@ -695,22 +701,24 @@ def search(
     splits: dict[str, Path],
     run_dir: Path,
     *,
+    rewards: RewardSet,
     run_one: Callable[..., TrialOutcome],
     tracking: Tracking | None = None,
     score: Scorer | None = None,
     train_usd: float | None = None,
 ) -> HPOResult:
     """Run the study's remaining budget, re-score the top trials and decide whether the best replaces the
-    configured values. `run_one(trial, cfg, model_path, splits, run_dir, tracking)` runs one trial (the flow
+    configured values. `rewards`: the run's (`TrainConfig.reward_set`), whose weighted total the trials are
+    scored and sized by. `run_one(trial, cfg, model_path, splits, run_dir, tracking)` runs one trial (the flow
     passes `run_trial` with its launcher, as a Prefect task, so each trial is a task run); `score(adapter_dir,
     prompts)` scores a finished trial greedily (default: `greedy_scorer`); `train_usd` is the training run's
     planned cost, for the budget in USD. Raises `NotEnoughPrompts` before any trial when the val split is too
     small, `HPOFailed` when no trial completes, and a trial's bad-input failure (`run_trial`) as it is: the
     study stops at once (no further trial starts) and the CLI exits 2, rather than launching every trial
     into the same broken reward."""
-    validation = prepare_validation(cfg, splits.get("val"), run_dir / "hpo")
+    validation = prepare_validation(cfg, rewards, splits.get("val"), run_dir / "hpo")
     if cfg.hpo.trial_score == "greedy":
-        score = score or greedy_scorer(cfg, model_path)
+        score = score or greedy_scorer(cfg, rewards, model_path)
     else:
         score = None
     budget_steps, budget_usd = budget(cfg, train_usd)

@@ -4,10 +4,12 @@ the job's own settings must pass before any work is done. Launching it is infra'
 from __future__ import annotations
 
 import ast
+import difflib
 import time
 from pathlib import Path
 
-from configs.schema import ConfigError, ModelConfig, TrainConfig
+from configs.rewards import RewardSet
+from configs.schema import ConfigError, EvalConfig, ModelConfig, TrainConfig
 from trainer.checkpoints import open_store
 from trainer.spec import JobSpec, ModelLoad, TrainSettings
 
@@ -59,25 +61,52 @@ def build_job_spec(
     )
 
 
-def check_rewards(rewards: list[str], reward_args: dict[str, dict] | None = None) -> None:
-    """Every reward resolves (a registered name or an importable 'package.module:function'), takes the
-    arguments `train.reward_args` gives it and has those it requires, and finds the columns it needs among
-    those the data stage writes. Each failure names the field to fix and, for arguments, the valid ones."""
-    from trainer.rewards import check_columns, describe, resolve_reward
+def reward_fields(rewards: RewardSet, evaluate: EvalConfig) -> list[tuple[str, str]]:
+    """Every reward name the config holds, each with the field that holds it: the training's, then the
+    evaluation's accuracy and format rewards (scored even when training does not use them).
 
-    for name in rewards:
+    >>> reward_fields(RewardSet(names=("math_answer",)), EvalConfig(accuracy_reward="math_answer", format_reward=None))
+    [('train.rewards', 'math_answer'), ('evaluate.accuracy_reward', 'math_answer')]
+    """
+    named = [("train.rewards", name) for name in rewards.names]
+    return named + [(f"evaluate.{key}", name) for key in ("accuracy_reward", "format_reward")
+                    if (name := getattr(evaluate, key))]
+
+
+def check_rewards(rewards: RewardSet, evaluate: EvalConfig) -> None:
+    """Every reward name the config holds (`reward_fields`) resolves (a registered name, with the closest one
+    suggested, or an importable 'package.module:function'), takes the arguments `train.reward_args` gives it
+    and has those it requires, and finds the columns it needs among those the data stage writes. Each failure
+    names the field to fix and, for arguments, the valid ones: a typo fails here, before any stage runs,
+    not in each search trial after it trained.
+
+    >>> check_rewards(RewardSet(names=("correct_answer",)), EvalConfig(accuracy_reward="corect_answer"))
+    Traceback (most recent call last):
+    ...
+    configs.schema.ConfigError: evaluate.accuracy_reward: unknown reward 'corect_answer'; did you mean 'correct_answer'? (registered: math_answer, think_format, think_format_strict, overlong_penalty, reward_model, remote_verifier, correct_answer, number_only, or use 'package.module:function')
+    """
+    from trainer.rewards import REWARDS, check_columns, describe, resolve_reward
+
+    for field, name in reward_fields(rewards, evaluate):
         try:
             describe(name)  # the name alone
         except ValueError as exc:
-            raise ConfigError(f"train.rewards: {exc}") from None
+            close = difflib.get_close_matches(name, list(REWARDS), n=1) if ":" not in name else []
+            reason = str(exc)
+            if close and (known := reason.partition("; registered: "))[1]:
+                reason = f"{known[0]}; did you mean '{close[0]}'? (registered: {known[2]})"
+            raise ConfigError(f"{field}: {reason}") from None
         try:
-            resolve_reward(name, (reward_args or {}).get(name))
+            resolve_reward(name, rewards.args_for(name))
         except ValueError as exc:
-            raise ConfigError(f"train.reward_args.{name}: {exc}") from None
-    try:
-        check_columns(rewards, DATA_COLUMNS)
-    except ValueError as exc:
-        raise ConfigError(f"train.rewards: {exc}") from None
+            # only the training's rewards take train.reward_args; an evaluation-only one is bound with none
+            where = (f"train.reward_args.{name}" if name in rewards.names
+                     else f"{field} (not in train.rewards, so no train.reward_args)")
+            raise ConfigError(f"{where}: {exc}") from None
+        try:
+            check_columns([name], DATA_COLUMNS)
+        except ValueError as exc:
+            raise ConfigError(f"{field}: {exc}") from None
 
 
 def check_store(train: TrainConfig) -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 from prefect import task
 from pydantic import BaseModel
 
+from configs.rewards import RewardSet
 from configs.schema import ConfigError, EvalConfig, ModelConfig, QuantizationBound
 from tasks.evaluate import generate, read_jsonl, render, score
 from trainer.loading import load_model
@@ -33,7 +34,7 @@ class QuantizationRefused(ConfigError):
 
 
 class Measurement(BaseModel):
-    reward: float  # mean summed reward, greedy
+    reward: float  # mean weighted total (`RewardSet.total`), greedy: what training and promotion rank by
     per_reward: dict[str, float]
     perplexity: float  # of the reference answers
     footprint_bytes: int  # model.get_memory_footprint(): parameters and buffers as loaded
@@ -114,8 +115,8 @@ def answer_perplexity(model, tokenizer, rows: list[dict], batch_size: int = 16) 
     return math.exp(total_nll / total_tokens)
 
 
-def measure(model_path: str, model_cfg: ModelConfig, rows: list[dict], rewards: list[str], eval_cfg: EvalConfig,
-            reward_args: dict[str, dict] | None = None) -> Measurement:
+def measure(model_path: str, model_cfg: ModelConfig, rows: list[dict], rewards: RewardSet,
+            eval_cfg: EvalConfig) -> Measurement:
     """Load the model at `model_cfg`'s quantization once; footprint, answer perplexity and greedy reward."""
     started = time.monotonic()
     model, tokenizer = load_model(model_path, model_load(model_cfg))
@@ -124,15 +125,15 @@ def measure(model_path: str, model_cfg: ModelConfig, rows: list[dict], rewards: 
     ppl = answer_perplexity(model, tokenizer, rows, eval_cfg.batch_size)
     completions, lengths = generate(model, tokenizer, [r["prompt"] for r in rows], eval_cfg.max_new_tokens,
                                     eval_cfg.batch_size, label=model_cfg.quantization)
-    result = score(rows, [completion_text(c) for c in completions], rewards, lengths, reward_args=reward_args)
+    result = score(rows, [completion_text(c) for c in completions], rewards, lengths)
     del model
     return Measurement(reward=result.reward, per_reward=result.per_reward, perplexity=ppl,
                        footprint_bytes=footprint, seconds=time.monotonic() - started)
 
 
 def measure_quantization_cost(
-    model_path: str, model_cfg: ModelConfig, val_file: Path, rewards: list[str], eval_cfg: EvalConfig,
-    bound: QuantizationBound | None = None, reward_args: dict[str, dict] | None = None,
+    model_path: str, model_cfg: ModelConfig, val_file: Path, rewards: RewardSet, eval_cfg: EvalConfig,
+    bound: QuantizationBound | None = None,
 ) -> QuantizationCost | None:
     """Quantized (`model_cfg.quantization`) against unquantized on the first `bound.rows` val rows.
 
@@ -147,8 +148,8 @@ def measure_quantization_cost(
     rows = read_jsonl(val_file)[: (bound or QuantizationBound()).rows]
     if not rows:
         raise ValueError(f"{val_file} has no rows to measure quantization on; raise data.demo.n_val")
-    full = measure(model_path, model_cfg.model_copy(update={"quantization": "none"}), rows, rewards, eval_cfg, reward_args)
-    quant = measure(model_path, model_cfg, rows, rewards, eval_cfg, reward_args)
+    full = measure(model_path, model_cfg.model_copy(update={"quantization": "none"}), rows, rewards, eval_cfg)
+    quant = measure(model_path, model_cfg, rows, rewards, eval_cfg)
     return judge(full, quant, model_cfg.quantization, bound, n_rows=len(rows),
                  double_quant=model_cfg.double_quant, compute_dtype=model_cfg.compute_dtype)
 

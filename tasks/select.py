@@ -1,5 +1,6 @@
 """Base model selection: each candidate in `model.candidates` is priced by the planner and, when it fits the
-memory and the budget, scored zero-shot on the validation split with the task's rewards; the best score wins.
+memory and the budget, scored zero-shot on the validation split by the training's weighted total
+(`RewardSet.total`, what training optimises and promotion compares); the best score wins.
 
 Pricing comes first because it is free (no model load): a candidate that cannot fit or is over budget is
 listed with the reason and never loaded. With no candidates (or one) there is nothing to choose, so the
@@ -19,6 +20,7 @@ from pathlib import Path
 from prefect import task
 from pydantic import BaseModel
 
+from configs.rewards import RewardSet
 from configs.schema import ConfigError, PipelineConfig
 from tasks.evaluate import evaluate_model
 from tasks.model import ModelNotFound, resolve_base_model
@@ -33,7 +35,7 @@ class CandidateRow(BaseModel):
     base: str
     path: str | None = None
     params_b: float | None = None
-    reward: float | None = None  # mean summed reward on val, greedy; None when not scored
+    reward: float | None = None  # mean weighted total on val, greedy; None when not scored
     per_reward: dict[str, float] = {}
     metrics: dict[str, float] = {}
     memory_gib: float | None = None
@@ -86,8 +88,10 @@ def price(cfg: PipelineConfig, base: str, path: str, train_rows: int | None = No
                         fits=fits, within_budget=within, note=note)
 
 
-def select_base_model(cfg: PipelineConfig, val_file: Path, cache_dir: Path, train_rows: int | None = None) -> Selection:
-    """Price every candidate, score those that fit on the val split (`tasks.evaluate.evaluate_model`), choose."""
+def select_base_model(cfg: PipelineConfig, rewards: RewardSet, val_file: Path, cache_dir: Path,
+                      train_rows: int | None = None) -> Selection:
+    """Price every candidate, score those that fit on the val split by `rewards`' weighted total
+    (`tasks.evaluate.evaluate_model`), choose."""
     candidates = list(dict.fromkeys(cfg.model.candidates or [cfg.model.base]))
     rows = []
     for base in candidates:
@@ -98,8 +102,8 @@ def select_base_model(cfg: PipelineConfig, val_file: Path, cache_dir: Path, trai
             continue
         row = price(cfg, base, path, train_rows)
         if row.fits and row.within_budget and len(candidates) > 1:
-            result = evaluate_model(path, cfg.model.model_copy(update={"base": base}), val_file, cfg.train.rewards,
-                                    cfg.evaluate, reward_args=cfg.train.reward_args, label=f"base {base}")
+            result = evaluate_model(path, cfg.model.model_copy(update={"base": base}), val_file, rewards,
+                                    cfg.evaluate, label=f"base {base}")
             row = row.model_copy(update={"reward": result.reward, "per_reward": result.per_reward,
                                          "metrics": result.metrics})
         rows.append(row)

@@ -39,14 +39,17 @@ def grpo_args(spec: JobSpec, output_dir: Path):
     from trl import GRPOConfig
 
     from trainer.callbacks import interactive
+    from trainer.precision import node_default_bf16
 
     user = dict(spec.train.grpo)
-    user.setdefault("bf16", torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+    user.setdefault("bf16", node_default_bf16())  # unset: bf16 where this node computes it fast (trainer.precision)
     user.setdefault("report_to", [])  # MLflow is logged by CommittedMetrics, once per step across restarts
     user.setdefault("disable_tqdm", not interactive())  # no bar redraws in a launcher's or a worker's log
     user.setdefault("ddp_timeout", spec.train.distributed.timeout_s)  # no collective waits longer for a lost rank
-    if distributed.current().world > 1 and not torch.cuda.is_available():
-        user.setdefault("use_cpu", True)  # else accelerate takes the ranks on a CPU for unconnected processes
+    if not torch.cuda.is_available() and (distributed.current().world > 1 or user["bf16"]):
+        # Several ranks: else accelerate takes them for unconnected processes. bf16: transformers accepts
+        # bf16 without a GPU only with use_cpu (then accelerate autocasts on the CPU).
+        user.setdefault("use_cpu", True)
     if os.environ.get(distributed.VLLM_HOST_ENV):  # vllm_mode=server: where the node launcher started it
         user.setdefault("vllm_server_host", os.environ[distributed.VLLM_HOST_ENV])
     if spec.train.health.non_finite.action != "off":
@@ -150,6 +153,7 @@ def run(spec: JobSpec, started: float | None = None) -> TrainResult:
         mlflow_run_id=run_id,
         train_runtime_s=time.monotonic() - started,
         first_step_s=timer.seconds,
+        precision="bf16" if attempt.trainer.args.bf16 else "fp16" if attempt.trainer.args.fp16 else "fp32",
         metrics=numeric(attempt.output.metrics),
         world_size=ranks.world,
         health=ledger.events,
@@ -201,6 +205,8 @@ def _attempt(spec: JobSpec, store, ranks: Ranks, work: Path, run_id: str | None,
     ledger.merge([HealthEvent.model_validate(e) for e in restored.get("events", [])])
 
     args = grpo_args(spec, work / "hf")
+    if metrics:
+        metrics.client.log_param(run_id, "precision", "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32")
     if args.disable_tqdm:  # nor the bars of loading the model and the data
         hide_library_bars()
     model, tokenizer = load_model(spec.model_path, spec.model)
@@ -381,6 +387,16 @@ def _adapter_from_checkpoint(store, step: int, scratch: Path, dest: Path) -> Non
             shutil.copy2(path, dest / path.name)
 
 
+def _slow_bf16(spec: JobSpec) -> str | None:
+    """A bf16 request this node would run far slower than float32 (a CPU without native bf16), or None."""
+    import torch
+
+    from trainer.precision import cpu_has_native_bf16, slow_bf16_reason
+
+    cuda = torch.cuda.is_available()
+    return slow_bf16_reason(bool(spec.train.grpo.get("bf16")), cuda, cpu_has_native_bf16())
+
+
 def main(spec_path: str, started: float | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from trainer.launch import rank_lifeline
@@ -396,6 +412,12 @@ def main(spec_path: str, started: float | None = None) -> int:
         return EXIT_BAD_INPUT
     from trainer.rewards import RewardError, RewardUnavailable
 
+    slow = _slow_bf16(spec)
+    if slow:
+        log.error("bad input: %s", slow)
+        print(bad_input_line(slow), flush=True)
+        distributed.record("exit", EXIT_BAD_INPUT)
+        return EXIT_BAD_INPUT
     try:
         result = run(spec, started)
     except RewardUnavailable as exc:  # the reward's service or the node's memory, not the input: relaunch

@@ -111,7 +111,8 @@ def test_the_study_lives_in_postgresql_when_configured(tmp_path):
         from tests.unit.test_hpo import PLAIN
 
         c = load_config(None, [f"data_dir={tmp_path}", f"hpo.storage={url}", "hpo.study_name=pg", "hpo.trials=2", *PLAIN])
-        result = search(c, "m", {}, tmp_path, run_one=_quick([0.4, 0.7]))  # no training: the storage is what is tested
+        # no training: the storage is what is tested
+        result = search(c, "m", {}, tmp_path, rewards=c.train.reward_set(), run_one=_quick([0.4, 0.7]))
         assert result.storage.startswith("postgresql") and result.best_value == 0.7
         assert len(optuna.load_study(study_name="pg", storage=url).trials) == 2
         assert not (tmp_path / "optuna.db").exists()
@@ -162,7 +163,8 @@ def test_a_retried_flow_run_resumes_the_study_inside_the_same_hpo_run(tmp_path):
             with parent_run("flow-run-1", "grpo-pipeline") as parent, stage_run(parent.info.run_id, "hpo") as stage:
                 stage_ids.append(stage.info.run_id)
                 tracking = Tracking(tracking_uri=uri, experiment_id=experiment, stage_run_id=stage.info.run_id)
-                result = search(cfg, "m", {}, tmp_path, run_one=run_one, tracking=tracking)
+                result = search(cfg, "m", {}, tmp_path, rewards=cfg.train.reward_set(), run_one=run_one,
+                                tracking=tracking)
         except KeyboardInterrupt:  # the first attempt dies inside its second trial
             assert attempt == 0
     assert stage_ids[0] == stage_ids[1] and result.mlflow_run_id == stage_ids[0]

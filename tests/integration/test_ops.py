@@ -1,7 +1,8 @@
 """Operations against the local stack (real PostgreSQL, S3, MLflow and Prefect servers): `grpo-pipeline deploy`
 registers the three deployments, the concurrency limits collide as stated, a run of `manual` completes on a
 process worker with its MLflow run on the server and its artifacts in S3, secrets in the worker's
-environment end up nowhere, and a failed run reaches the notification block."""
+environment end up nowhere, secrets in a form's overrides or a config file are refused before any work and
+end up nowhere, and a failed run reaches the notification block."""
 
 import json
 import os
@@ -272,6 +273,51 @@ def test_secrets_in_the_environment_leave_no_trace(manual_run, stack, worker, en
     assert not leaks
 
 
+# A secret a trigger types into the form, or places in a config file it names; the worker's own stay in SENTINELS.
+FORM_SECRET = "hf_grpoSentinelFormToken0a1b2c3d4e5f6a7b8c9d"
+
+
+def test_secrets_in_a_config_or_a_forms_overrides_are_refused_and_leave_no_trace(deployed, worker, env, stack,
+                                                                                 tmp_path):
+    """A secret in a form's overrides (a credential field, a field the deployment allows, a verifier header) or in
+    a config file the run names fails the run before any work: no MLflow run, and the secret is in no log and no
+    S3 object. Only the flow run's own parameters hold it, as the trigger sent them."""
+    from prefect.deployments import run_deployment
+
+    proc, log = worker
+    leaky = tmp_path / "leaky.yaml"
+    leaky.write_text(yaml.safe_dump({"train": {"grpo": {"hub_token": FORM_SECRET}}}))
+    asks = {
+        "a credential field": ({"overrides": [f"train.grpo.hub_token={FORM_SECRET}"]}, "train.grpo.hub_token: carries a credential"),
+        "an allowed field": ({"overrides": [f"train.grpo.learning_rate={FORM_SECRET}"]},
+                             "train.grpo.learning_rate holds a credential"),
+        "a header": ({"overrides": [f"train.reward_args.remote_verifier.headers.Authorization=Bearer {FORM_SECRET}"]},
+                     "train.reward_args.remote_verifier.headers.Authorization: carries a credential"),
+        "a config file": ({"config_path": str(leaky)}, "config_path: this deployment runs"),
+    }
+    client = mlflow.MlflowClient(stack.env()["MLFLOW_TRACKING_URI"])
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    before = {r.info.run_id for r in client.search_runs(experiments)}
+    with prefect_api(env["PREFECT_API_URL"]):
+        runs = {what: run_deployment("grpo-pipeline/ci", parameters=parameters, timeout=300, poll_interval=2)
+                for what, (parameters, _) in asks.items()}
+    for what, run in runs.items():
+        assert run.state.is_failed(), (what, run.state)
+        assert asks[what][1] in run.state.message, (what, run.state.message)
+        assert FORM_SECRET not in run.state.message, what
+    assert {r.info.run_id for r in client.search_runs(experiments)} == before  # no MLflow run, no work
+
+    places = {f"prefect logs of {what}": _flow_run_logs(env["PREFECT_API_URL"], run.id) for what, run in runs.items()}
+    places["worker output"] = log.read_text(errors="replace")
+    s3 = services.s3_client(stack.service("s3").url, *stack.credentials)
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket="ckpt"):
+        for obj in page.get("Contents", []):
+            places[f"s3://ckpt/{obj['Key']}"] = s3.get_object(Bucket="ckpt", Key=obj["Key"])["Body"].read().decode(
+                errors="replace")
+    assert all(places[f"prefect logs of {what}"] for what in runs)  # the scan looked at real logs
+    assert not [where for where, text in places.items() if FORM_SECRET in text]
+
+
 def test_a_failed_run_notifies_the_block(manual_run, env):
     """The failure automation tells the notification block (here a webhook on loopback) about a failed run."""
     from prefect.deployments import run_deployment
@@ -286,7 +332,8 @@ def test_a_failed_run_notifies_the_block(manual_run, env):
         time.sleep(1)
     message = next((json.loads(body)["text"] for body in Hook.received if failed.name.encode() in body), None)
     assert message is not None, f"no notification for {failed.name}; got {Hook.received}"
-    assert "Failed" in message and "/no/such/config.yaml not found" in message
+    # a config file the deployment does not name is refused by the trigger policy before it is looked for
+    assert "Failed" in message and "config_path: this deployment runs" in message
 
 
 def test_stack_cli_reports_health_and_exports(stack):

@@ -5,6 +5,7 @@ Skipped where vLLM or a GPU is missing (every CPU machine); a GPU session runs i
 
 import pytest
 
+from configs.rewards import RewardSet
 from configs.schema import EvalConfig, ModelConfig
 from tasks.evaluate import evaluate_model, vllm_usable
 
@@ -14,7 +15,7 @@ pytestmark = [pytest.mark.integration,
 
 def test_vllm_and_transformers_agree_on_greedy_completions(tiny_model, tiny_splits):
     model = ModelConfig(compute_dtype="float32")
-    args = (str(tiny_model), model, tiny_splits["holdout"], ["correct_answer", "number_only"])
+    args = (str(tiny_model), model, tiny_splits["holdout"], RewardSet(names=("correct_answer", "number_only")))
     by_vllm = evaluate_model(*args, EvalConfig(engine="vllm", max_new_tokens=6))
     by_hf = evaluate_model(*args, EvalConfig(engine="transformers", max_new_tokens=6))
     assert [r["completion"] for r in by_vllm.rows] == [r["completion"] for r in by_hf.rows]

@@ -75,6 +75,7 @@ def test_each_run_checkpoints_under_its_own_name(tmp_path):
 
 
 def test_vllm_engine_without_vllm_says_how_to_get_it(tmp_path):
+    from configs.rewards import RewardSet
     from configs.schema import EvalConfig, ModelConfig
     from tasks.evaluate import evaluate_model, vllm_usable
 
@@ -83,7 +84,7 @@ def test_vllm_engine_without_vllm_says_how_to_get_it(tmp_path):
     holdout = tmp_path / "holdout.jsonl"
     holdout.write_text('{"prompt": [{"role": "user", "content": "1+1"}], "answer": "2"}\n')
     with pytest.raises(RuntimeError, match=r"pip install '.\[gpu\]'"):
-        evaluate_model("unused", ModelConfig(), holdout, ["correct_answer"], EvalConfig(engine="vllm"))
+        evaluate_model("unused", ModelConfig(), holdout, RewardSet(names=("correct_answer",)), EvalConfig(engine="vllm"))
 
 
 def test_reward_names_are_resolved_before_any_work_not_when_parsing():
@@ -92,4 +93,4 @@ def test_reward_names_are_resolved_before_any_work_not_when_parsing():
 
     cfg = load_config(None, ["train.rewards=[bogus]"])
     with pytest.raises(ConfigError, match="train.rewards: unknown reward 'bogus'"):
-        check_rewards(cfg.train.rewards)
+        check_rewards(cfg.train.reward_set(), cfg.evaluate)

@@ -8,7 +8,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
-PAGES = ("architecture", "data", "training", "planning", "operations", "reliability", "benchmarks")
+PAGES = ("architecture", "data", "training", "planning", "operations", "reliability", "benchmarks", "security")
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 

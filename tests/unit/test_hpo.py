@@ -22,6 +22,8 @@ from tasks.hpo import (
 )
 
 
+REWARDS = load_config(None).train.reward_set()  # the default rewards, which every config here keeps
+
 # The bookkeeping tests: trainer-reported values, no configured control (both have tests of their own below).
 PLAIN = ["hpo.trial_score=trainer", "hpo.keep_configured=false", "hpo.pruner=none"]
 
@@ -106,8 +108,9 @@ def _quick(values):
 def test_the_study_resumes_with_the_rest_of_its_budget(cfg, tmp_path):
     c = cfg("hpo.trials=3")
     with pytest.raises(KeyboardInterrupt):  # the search process dies after one trial
-        search(c, "m", {}, tmp_path, run_one=_dies_after(1))
-    result = search(c, "m", {}, tmp_path, run_one=_quick([0.9]))  # the budget left: 3 - 2 finished
+        search(c, "m", {}, tmp_path, rewards=c.train.reward_set(), run_one=_dies_after(1))
+    # the budget left: 3 - 2 finished
+    result = search(c, "m", {}, tmp_path, rewards=c.train.reward_set(), run_one=_quick([0.9]))
     stored = optuna.load_study(study_name=result.study_name, storage=open_storage(c))
     assert [t.state.name for t in stored.trials] == ["COMPLETE", "FAIL", "COMPLETE"]
     assert (result.best_value, result.best_trial) == (0.9, 2)
@@ -128,7 +131,7 @@ def _dies_after(n):
 
 def test_a_new_study_is_warm_started_from_earlier_studies_of_the_same_model(cfg):
     first = cfg("hpo.study_name=day-1", "hpo.trials=2")
-    search(first, "m", {}, first.data_dir, run_one=_quick([0.3, 0.8]))
+    search(first, "m", {}, first.data_dir, rewards=first.train.reward_set(), run_one=_quick([0.3, 0.8]))
     best = optuna.load_study(study_name="day-1", storage=open_storage(first)).best_params
 
     other_model = cfg("hpo.study_name=other", "model.base=org/other-model")
@@ -148,7 +151,7 @@ def test_a_new_study_is_warm_started_from_earlier_studies_of_the_same_model(cfg)
 
 def test_when_no_trial_completes_the_stage_fails_with_each_reason(cfg, tmp_path):
     with pytest.raises(HPOFailed) as err:
-        search(cfg("hpo.trials=2"), "m", {}, tmp_path, run_one=_quick(["crash", "prune"]))
+        search(cfg("hpo.trials=2"), "m", {}, tmp_path, rewards=REWARDS, run_one=_quick(["crash", "prune"]))
     message = str(err.value)
     assert "trial 0: FAIL: trainer exited with code 1 ... ValueError: boom" in message
     assert "trial 1: PRUNED: pruned at step 1" in message
@@ -184,7 +187,7 @@ def test_bad_input_in_a_trial_stops_the_study_and_reaches_the_caller_as_a_config
     run_one = functools.partial(run_trial, launcher_for=lambda train, on_line: _TrainerExited2(launched))
     c = cfg("hpo.trials=4")
     with pytest.raises(BadTrainingInput, match=r"^reward 'x:nan' returned nan for row 1") as failed:
-        search(c, "m", {"train": tmp_path / "train.jsonl"}, tmp_path, run_one=run_one)
+        search(c, "m", {"train": tmp_path / "train.jsonl"}, tmp_path, rewards=c.train.reward_set(), run_one=run_one)
     assert isinstance(failed.value, ConfigError)  # the CLI's exit-2 path
     assert len(launched) == 1  # not hpo.trials launches into the same reward
     (trial,) = optuna.load_study(study_name=open_study(c).study_name, storage=open_storage(c)).trials
@@ -256,7 +259,7 @@ def test_the_best_is_not_applied_when_it_does_not_beat_the_configured_values_bey
         0: ([1, 0, 1, 0], [1, 0, 1, 0]),
         1: ([1, 1, 1, 0], [1, 1, 0, 0]),  # the best on the selection prompts; a wash on fresh ones
     })
-    result = search(cfg(*GREEDY, "hpo.trials=2"), "m", val8, tmp_path, run_one=run_one, score=score)
+    result = search(cfg(*GREEDY, "hpo.trials=2"), "m", val8, tmp_path, rewards=REWARDS, run_one=run_one, score=score)
     assert result.configured_trial == 0 and result.best_trial == 1 and result.best_value == 0.75
     assert not result.applied and result.overrides == {}  # training keeps what was configured ...
     assert "train.grpo.learning_rate" in result.best_overrides  # ... and the run still says what was found
@@ -272,7 +275,7 @@ def test_the_top_trials_are_rescored_on_fresh_prompts_and_the_best_there_is_appl
         2: ([2, 2, 2, 1], [2, 2, 1, 2]),
         3: ([0, 0, 0, 0], [2, 2, 2, 2]),  # not in the top 2: never re-scored
     })
-    result = search(cfg(*GREEDY, "hpo.trials=4"), "m", val8, tmp_path, run_one=run_one, score=score)
+    result = search(cfg(*GREEDY, "hpo.trials=4"), "m", val8, tmp_path, rewards=REWARDS, run_one=run_one, score=score)
     assert set(result.rescored) == {0, 1, 2}
     assert result.best_trial == 2 and result.applied and result.overrides == result.best_overrides
     assert "better beyond the noise, applied" in result.decision and result.difference_ci[0] > 0
@@ -286,7 +289,7 @@ def test_a_target_standard_error_the_data_cannot_meet_fails_before_any_trial_nam
         raise AssertionError("no trial may run")
 
     with pytest.raises(NotEnoughPrompts) as err:
-        search(cfg(*GREEDY, "hpo.target_standard_error=0.05"), "m", val8, tmp_path, run_one=never)
+        search(cfg(*GREEDY, "hpo.target_standard_error=0.05"), "m", val8, tmp_path, rewards=REWARDS, run_one=never)
     assert isinstance(err.value, ConfigError)  # the CLI's exit 2
     assert "needs 400 validation prompts per scoring" in str(err.value) and "800 in all" in str(err.value)
     assert "the val split has 8" in str(err.value)
@@ -307,7 +310,7 @@ def test_a_search_budget_of_one_training_run_explores_at_least_eight_configurati
 
     c = cfg("hpo.pruner=successive_halving", "hpo.keep_configured=true", "hpo.steps=12", "hpo.eval_every=2",
             "train.grpo.max_steps=40", "hpo.trials=50", "hpo.budget_fraction=1.0")
-    result = search(c, "m", {}, tmp_path, run_one=run_one)
+    result = search(c, "m", {}, tmp_path, rewards=c.train.reward_set(), run_one=run_one)
     searched = [t.state for t in result.trials[1:]]
     assert len(searched) >= 8 and searched.count("PRUNED") >= 7  # the first 7 stop at the first rung
     assert result.budget_steps == 40 and 40 <= result.steps_spent <= 40 + c.hpo.steps
@@ -318,7 +321,7 @@ def test_rungs_and_budget_follow_the_config():
     from configs.schema import HPOConfig
     from tasks.hpo import budget, make_pruner, prompts_needed
 
-    assert prompts_needed(HPOConfig(target_standard_error=0.1), 2) == (100, 1.0)
+    assert prompts_needed(HPOConfig(target_standard_error=0.1), REWARDS) == (100, 1.0)
     pruner = make_pruner(HPOConfig(pruner="hyperband", steps=18, eval_every=2, reduction_factor=3)).inner
     assert (pruner._min_resource, pruner._max_resource, pruner._reduction_factor) == (2, 18, 3)
     c = load_config(None, ["train.grpo.max_steps=100", "hpo.budget_fraction=0.25"])

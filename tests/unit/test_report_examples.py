@@ -5,6 +5,7 @@ import re
 
 from markdown_it import MarkdownIt
 
+from configs.rewards import RewardSet
 from tasks.decide import Decision
 from tasks.evaluate import EXAMPLE_CHARS, pick_examples, score
 from tasks.report import render_markdown
@@ -22,8 +23,9 @@ COMPLETIONS = [HOSTILE, "The answer is `5` | not 4 ~~~ <b>5</b>", "12", "7 " * 6
 
 
 def _report(examples: int) -> tuple[str, Holdout]:
-    base = score(ROWS, ["0"] * 4, ["math_answer"], [1] * 4)
-    trained = score(ROWS, COMPLETIONS, ["math_answer"], [len(c) for c in COMPLETIONS])
+    math_answer = RewardSet(names=("math_answer",))
+    base = score(ROWS, ["0"] * 4, math_answer, [1] * 4)
+    trained = score(ROWS, COMPLETIONS, math_answer, [len(c) for c in COMPLETIONS])
     trained = trained.model_copy(update={"examples": pick_examples(trained, "math_answer", examples)})
     holdout = Holdout.of(base, trained, None)
     check = ServingCheck(model_uri="models:/m/2", prompts=2, matched=2, passed=True, seconds=1.0)

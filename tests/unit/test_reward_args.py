@@ -3,7 +3,8 @@ reward's own parameters before any work, carried in the job spec, bound by the e
 
 import pytest
 
-from configs.schema import ConfigError, load_config
+from configs.rewards import RewardSet
+from configs.schema import ConfigError, EvalConfig, load_config
 from tasks.evaluate import score
 from tasks.job import build_job_spec, check_rewards
 from trainer.spec import JobSpec
@@ -23,7 +24,7 @@ train:
     cfg = load_config(path, ["train.reward_args.math_answer={answer_tag: final}"])
     assert cfg.train.reward_args == {"think_format": {"think_tag": "reasoning", "answer_tag": "final"},
                                      "overlong_penalty": {"buffer": 64}, "math_answer": {"answer_tag": "final"}}
-    check_rewards(cfg.train.rewards, cfg.train.reward_args)
+    check_rewards(cfg.train.reward_set(), cfg.evaluate)
     spec = build_job_spec(cfg.train, cfg.model, "m", {"train": tmp_path / "t.jsonl", "val": tmp_path / "v.jsonl"},
                           tmp_path / "run")
     assert JobSpec.model_validate_json(spec.model_dump_json()).train.reward_args == cfg.train.reward_args
@@ -38,20 +39,22 @@ def test_arguments_for_a_reward_the_run_does_not_use_are_refused_by_the_config()
 def test_preflight_names_the_field_and_lists_the_valid_arguments():
     with pytest.raises(ConfigError, match=r"^train.reward_args.think_format: reward 'think_format' takes no argument "
                                           r"'tag'; its arguments: think_tag='think', answer_tag='answer'$"):
-        check_rewards(["math_answer", "think_format"], {"think_format": {"tag": "reasoning"}})
+        check_rewards(RewardSet(names=("math_answer", "think_format"), args={"think_format": {"tag": "reasoning"}}),
+                      EvalConfig())
     with pytest.raises(ConfigError, match=r"^train.reward_args.remote_verifier: reward 'remote_verifier' needs the "
                                           r"argument url$"):
-        check_rewards(["remote_verifier"], {})
-    check_rewards(["remote_verifier"], {"remote_verifier": {"url": "http://127.0.0.1:9/score", "fallback": 0.0}})
+        check_rewards(RewardSet(names=("remote_verifier",)), EvalConfig())
+    check_rewards(RewardSet(names=("remote_verifier",), args={"remote_verifier": {"url": "http://127.0.0.1:9/score",
+                                                                                   "fallback": 0.0}}), EvalConfig())
     with pytest.raises(ConfigError, match=r"^train.rewards: unknown reward 'think'"):
-        check_rewards(["think"], {"think": {"x": 1}})
+        check_rewards(RewardSet(names=("think",), args={"think": {"x": 1}}), EvalConfig())
 
 
 def test_the_evaluation_scores_with_the_same_arguments_as_training():
     rows = [{"key": "k0", "prompt": "How many dollars?", "answer": "18"}]
     args = {"think_format": {"think_tag": "reasoning", "answer_tag": "final"}, "math_answer": {"answer_tag": "final"}}
-    bound = score(rows, [TAGGED], ["math_answer", "think_format"], [20], reward_args=args)
-    default = score(rows, [TAGGED], ["math_answer", "think_format"], [20])
+    bound = score(rows, [TAGGED], RewardSet(names=("math_answer", "think_format"), args=args), [20])
+    default = score(rows, [TAGGED], RewardSet(names=("math_answer", "think_format")), [20])
     assert bound.per_reward == {"math_answer": 1.0, "think_format": 1.0}
     assert default.per_reward["think_format"] == 0.0  # the default tags do not match: the arguments mattered
 
@@ -96,7 +99,7 @@ def test_the_data_stage_binds_the_answer_checkers_arguments(tmp_path, tiny_model
 
     checker = f"{__name__}:answer_below"
     cfg = load_config(None, [f"train.rewards=['{checker}', number_only]", f"train.reward_args={{'{checker}': {{limit: 1000}}}}"])
-    check_rewards(cfg.train.rewards, cfg.train.reward_args)  # preflight passes it
+    check_rewards(cfg.train.reward_set(), cfg.evaluate)  # preflight passes it
     rng = random.Random(3)
     rows = [{"prompt": p, "answer": a} for p, a in (question(rng, i) for i in range(30))]
     path = tmp_path / "d.jsonl"

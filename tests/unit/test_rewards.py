@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from configs.rewards import RewardSet
 from configs.schema import ConfigError, load_config
 from tasks.evaluate import EvalResult, contrast, pick_examples, score
 from trainer.rewards import (
@@ -252,15 +253,15 @@ def test_evaluation_scores_with_the_training_rewards():
     rows = [{"prompt": [{"role": "user", "content": "48 + 24?"}], "answer": "72", "key": "a"},
             {"prompt": [{"role": "user", "content": "5 - 9?"}], "answer": "-4", "key": "b"}]
     completions = ["<think>48 + 24 = 72</think><answer>72</answer>", "<think>5 - 9 = 4</think><answer>4</answer>"]
-    result = score(rows, completions, ["math_answer", "think_format", "overlong_penalty"], [12, 16],
-                   weights=[1.0, 0.5, 1.0], max_completion_length=16)
+    result = score(rows, completions, RewardSet(names=("math_answer", "think_format", "overlong_penalty"),
+                                                weights=(1.0, 0.5, 1.0)), [12, 16], max_completion_length=16)
     assert [r["total"] for r in result.rows] == [1.5, -0.5]  # 1 + 0.5; 0 + 0.5 - 1 (cut at the limit)
     assert result.per_reward == {"math_answer": 0.5, "think_format": 1.0, "overlong_penalty": -0.5}
     assert result.rows[0]["prompt"] == "48 + 24?" and result.rows[1]["answer"] == "-4"
-    extra = score(rows, completions, ["think_format"], [3, 3], extra=["math_answer"])
+    extra = score(rows, completions, RewardSet(names=("think_format",)), [3, 3], extra=["math_answer"])
     assert extra.rows[0]["math_answer"] == 1.0 and extra.per_reward == {"think_format": 1.0}
     assert [e["verdict"] for e in pick_examples(result, "math_answer", 3)] == ["right", "wrong"]
-    fixed = contrast(result, score(rows, ["no", "no"], ["math_answer"], [1, 1]), "math_answer")
+    fixed = contrast(result, score(rows, ["no", "no"], RewardSet(names=("math_answer",)), [1, 1]), "math_answer")
     assert [e["key"] for e in fixed["fixed"]] == ["a"] and fixed["broken"] == []
 
 

@@ -1,0 +1,74 @@
+"""Who started this flow run, and whether it may have what it asks for (the trigger policy, configs/policy.py).
+
+A flow run created from a deployment (the UI's form, the API, a schedule, the `ci` deployment) is bound by the
+deployment's policy; a direct call of the flow (`grpo-pipeline run` and `hpo` on the worker's shell) is an
+operator's and keeps full power. Which one this is comes from the flow run's own record (its `deployment_id`,
+set by the server when the run was created from a deployment), never from `prefect.runtime.deployment`, which
+an environment variable can mock. The policy comes from what the server holds for the deployment (its own
+`config_path` and deploy-time parameters), never from the run's parameters, which the trigger chose.
+"""
+
+from __future__ import annotations
+
+import typing
+from pathlib import Path
+from typing import Any
+from uuid import UUID
+
+from pydantic import BaseModel, ConfigDict
+
+from configs.policy import check_trigger, refusal_message
+from configs.schema import ConfigError, load_config
+
+
+class Deployment(BaseModel):
+    """A deployment as the server holds it: its name and its own parameters (set by `grpo-pipeline deploy`)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    parameters: dict[str, Any]
+
+
+def _read_deployment(deployment_id: UUID) -> Deployment:
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        deployment = client.read_deployment(deployment_id)
+        flow = client.read_flow(deployment.flow_id)
+    return Deployment(name=f"{flow.name}/{deployment.name}", parameters=dict(deployment.parameters or {}))
+
+
+def started_by() -> Deployment | None:
+    """The deployment this flow run was created from, or None when the flow was called directly (an operator)."""
+    from prefect.context import FlowRunContext
+
+    context = FlowRunContext.get()
+    run = context.flow_run if context else None
+    if run is None or run.deployment_id is None:
+        return None
+    return _read_deployment(run.deployment_id)
+
+
+def enforce(config_path: str | None, overrides: list[str],
+            as_overrides: typing.Callable[[dict[str, Any]], list[str]], root: Path | None = None) -> list[str]:
+    """The overrides the run uses; ConfigError, before any work, when a triggered run sets what its deployment does
+    not allow.
+
+    `overrides` are the run's, with its other form fields already turned into overrides (`as_overrides` does the
+    same to the deployment's own parameters, so both compare alike). An operator's pass unchanged. A triggered
+    run gets the deployment's own overrides first, then what it added: a trigger adds to what the deployment pins
+    (allowed fields only) and cannot drop it.
+    """
+    deployment = started_by()
+    if deployment is None:
+        return overrides
+    own_config = deployment.parameters.get("config_path")
+    own_overrides = as_overrides(deployment.parameters)
+    # The deployment's own configuration holds the policy; it passed the same checks when it was deployed.
+    policy = load_config(own_config, own_overrides).deploy.trigger
+    refusals = check_trigger(policy, own_config, own_overrides, config_path, overrides, root or Path.cwd(),
+                             config_file=own_config or "the deployment's config")
+    if refusals:
+        raise ConfigError(refusal_message(refusals, deployment.name))
+    return [*own_overrides, *(item for item in overrides if item not in own_overrides)]

@@ -1,0 +1,203 @@
+"""The run's rewards as one value (`configs.rewards.RewardSet`): resolved once from the config, and every stage
+that ranks models ranks by its weighted total, the one GRPO optimises and promotion compares. Before it, the
+search's scorer, base selection and the quantization cost summed the rewards unweighted.
+
+Two models whose unweighted and weighted totals order differently, with no model loaded (generation is
+replaced; scoring, selection, the search and the quantization verdict are the real ones):
+
+- "wordy" answers every question right in words: correct_answer 1, number_only 0; 1.0 either way.
+- "terse" gives a bare number, right on even answers only: correct_answer 0.5, number_only 1; 1.5 unweighted,
+  0.7 with number_only weighed 0.2.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from configs.rewards import RewardSet
+from configs.schema import ConfigError, PipelineConfig, QuantizationBound, load_config
+from tasks.demo_task import make_row
+
+WEIGHED = "train.reward_weights={number_only: 0.2}"
+ENGINE = "evaluate.engine=transformers"  # "auto" would import torch to look for a GPU
+
+
+def _answer(model: str, row: dict) -> str:
+    if model.endswith("wordy"):
+        return f"The answer is {row['answer']}."
+    return row["answer"] if int(row["answer"]) % 2 == 0 else "-1"
+
+
+class _FakeModel:
+    """What `load_model` returns for a name: generation is `_answer`'s, by the model's (or adapter's) name."""
+
+    def __init__(self, name: str, quantization: str = "none"):
+        self.name, self.quantization = name, quantization
+
+    def eval(self) -> _FakeModel:
+        return self
+
+    def get_memory_footprint(self) -> int:
+        return 100 if self.quantization == "none" else 30
+
+
+@pytest.fixture
+def val8(tmp_path) -> Path:
+    """8 rows whose answers are 1..8: half of them even."""
+    path = tmp_path / "val.jsonl"
+    path.write_text("".join(json.dumps(make_row(a, 1)) + "\n" for a in range(8)))
+    return path
+
+
+@pytest.fixture
+def fake_generation(monkeypatch, val8):
+    """Generation by model name, for `tasks.evaluate` and `tasks.quantize`, without loading anything; and no
+    transformers either: `trainer.callbacks` (progress bars, the libraries' loading bars) would import it."""
+    import tasks.evaluate
+    import tasks.quantize
+
+    quiet = types.SimpleNamespace(interactive=lambda: False, hide_library_bars=lambda: None)
+    monkeypatch.setitem(sys.modules, "trainer.callbacks", quiet)
+
+    rows = {json.dumps(r["prompt"]): r for r in map(json.loads, val8.read_text().splitlines())}
+
+    def load_model(path, load, adapter=None):
+        return _FakeModel(adapter or path, load.quantization), None
+
+    def generate(model, tokenizer, prompts, max_new_tokens, batch_size, label=""):
+        # the quantization cost measures one base twice: quantized, it answers tersely
+        name = model.name if model.quantization == "none" else "terse"
+        texts = [_answer(name, rows[json.dumps(p)]) for p in prompts]
+        return texts, [len(t.split()) for t in texts]
+
+    for module in (tasks.evaluate, tasks.quantize):
+        monkeypatch.setattr(module, "load_model", load_model)
+        monkeypatch.setattr(module, "generate", generate)
+    monkeypatch.setattr(tasks.quantize, "answer_perplexity", lambda *a, **k: 2.0)
+
+
+def test_the_config_resolves_one_frozen_value_with_trls_weights():
+    rewards = load_config(None, [WEIGHED]).train.reward_set()
+    assert rewards == RewardSet(names=("correct_answer", "number_only"), weights=(1.0, 0.2))
+    assert load_config(None).train.reward_set().weights == (1.0, 1.0)  # unweighted: TRL's default
+    assert rewards.total({"correct_answer": 0.0, "number_only": 1.0}) == 0.2
+    with pytest.raises(ValidationError, match="frozen"):
+        rewards.weights = (1.0, 1.0)
+    with pytest.raises(ValidationError, match="every reward weight is 0"):
+        RewardSet(names=("correct_answer",), weights=(0.0,))
+    with pytest.raises(ValidationError, match="arguments for think_format, which are not among the rewards"):
+        RewardSet(names=("correct_answer",), args={"think_format": {}})
+
+
+def test_base_selection_picks_by_the_weighted_total(fake_generation, val8, tmp_path, monkeypatch):
+    import tasks.select
+    from tasks.select import CandidateRow, select_base_model
+
+    monkeypatch.setattr(tasks.select, "resolve_base_model", lambda model, cache: model.base)
+    monkeypatch.setattr(tasks.select, "price", lambda cfg, base, path, rows=None: CandidateRow(
+        base=base, path=path, fits=True, within_budget=True, cost_usd=1.0, params_b=0.1))
+
+    def chosen(*overrides: str) -> tuple[str, dict[str, float]]:
+        cfg = load_config(None, ["model.candidates=[terse, wordy]", ENGINE, *overrides])
+        selection = select_base_model(cfg, cfg.train.reward_set(), val8, tmp_path)
+        return selection.chosen, {r.base: r.reward for r in selection.rows}
+
+    assert chosen() == ("terse", {"terse": 1.5, "wordy": 1.0})
+    assert chosen(WEIGHED) == ("wordy", {"terse": pytest.approx(0.7), "wordy": 1.0})
+
+
+def test_the_quantization_cost_is_the_weighted_totals_drop(fake_generation, val8):
+    from tasks.quantize import measure_quantization_cost
+
+    def cost(*overrides: str):
+        cfg = load_config(None, ["model.quantization=nf4", *overrides])
+        return measure_quantization_cost("wordy", cfg.model, val8, cfg.train.reward_set(), cfg.evaluate,
+                                         QuantizationBound(rows=8))
+
+    unweighted = cost()  # terse scores higher unweighted: quantizing looks free
+    assert (unweighted.unquantized.reward, unweighted.quantized.reward) == (1.0, 1.5) and unweighted.accepted
+    weighted = cost(WEIGHED)  # ... and costs 0.3 of what training optimises
+    assert weighted.reward_drop == pytest.approx(0.3) and not weighted.accepted
+    assert weighted.reasons[0].startswith("reward drops by 0.300 (1.000 -> 0.700)")
+
+
+def test_the_search_scores_and_picks_trials_by_the_weighted_total(fake_generation, val8, tmp_path):
+    from tasks.hpo import TrialOutcome, search, suggest
+
+    def run_one(trial, cfg, model_path, splits, run_dir, tracking):
+        suggest(trial, cfg.hpo.space)
+        adapter = tmp_path / f"{trial.number}-{('terse', 'wordy')[trial.number]}"
+        adapter.mkdir(exist_ok=True)
+        return TrialOutcome(value=0.0, steps=cfg.hpo.steps, adapter_dir=str(adapter))
+
+    def searched(name: str, *overrides: str):
+        cfg: PipelineConfig = load_config(None, [
+            f"data_dir={tmp_path / name}", "hpo.trials=2", "hpo.trial_score=greedy", "hpo.keep_configured=false",
+            "hpo.pruner=none", "hpo.reward_sd=1.0", "hpo.target_standard_error=0.5", "hpo.rescore_top_k=2", ENGINE,
+            *overrides])
+        return search(cfg, "base", {"val": val8}, tmp_path / name, rewards=cfg.train.reward_set(), run_one=run_one)
+
+    unweighted = searched("unweighted")
+    assert unweighted.best_trial == 0 and unweighted.rescored == {0: 1.5, 1: 1.0}
+    weighted = searched("weighted", WEIGHED)
+    assert weighted.best_trial == 1 and weighted.rescored == {0: pytest.approx(0.7), 1: 1.0}
+    assert {t.number: t.value for t in weighted.trials} == {0: pytest.approx(0.7), 1: 1.0}
+
+
+def test_the_search_sizes_its_prompts_by_the_weighted_totals_spread():
+    from configs.schema import HPOConfig
+    from tasks.hpo import prompts_needed
+
+    hpo = HPOConfig(target_standard_error=0.05)
+    assert prompts_needed(hpo, load_config(None).train.reward_set()) == (400, 1.0)
+    assert prompts_needed(hpo, load_config(None, [WEIGHED]).train.reward_set()) == (144, 0.6)
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("evaluate.accuracy_reward=corect_answer",
+     "evaluate.accuracy_reward: unknown reward 'corect_answer'; did you mean 'correct_answer'?"),
+    ("evaluate.format_reward=nomber_only", "evaluate.format_reward: unknown reward 'nomber_only'; did you mean 'number_only'?"),
+    ("evaluate.format_reward=nowhere.module:fn", "evaluate.format_reward: reward 'nowhere.module:fn' cannot be imported"),
+    ("evaluate.accuracy_reward=remote_verifier", "evaluate.accuracy_reward (not in train.rewards, so no "
+                                                 "train.reward_args): reward 'remote_verifier' needs the argument url"),
+    ("train.rewards=[correct_answr]", "train.rewards: unknown reward 'correct_answr'; did you mean 'correct_answer'?"),
+    ("promote.metric=corect_answer", "promote.metric: 'corect_answer' is not a column of the evaluation "
+                                     "(correct_answer, number_only, total, length); did you mean 'correct_answer'?"),
+    ("promote.guardrails={lenght: 0.5}", "promote.guardrails.lenght: 'lenght' is not a column of the evaluation"),
+])
+def test_preflight_checks_every_reward_name_the_config_holds(override, message):
+    from flows.preflight import preflight
+
+    with pytest.raises(ConfigError) as err:
+        preflight(load_config(None, [override]))
+    assert str(err.value).startswith(message)
+
+
+def test_every_shipped_recipe_names_rewards_and_columns_that_exist():
+    from configs.files import recipes
+    from tasks.decide import check_policy
+    from tasks.evaluate import score_columns
+    from tasks.job import check_rewards
+
+    for path in recipes():
+        cfg = load_config(path)
+        check_rewards(cfg.train.reward_set(), cfg.evaluate)
+        check_policy(cfg.promote, score_columns(cfg.train.reward_set(), cfg.evaluate))
+
+
+def test_a_typo_in_an_evaluation_reward_exits_2_before_any_flow_runs():
+    from typer.testing import CliRunner
+
+    from grpo_pipeline.cli import app
+
+    result = CliRunner().invoke(app, ["hpo", "--set", "evaluate.accuracy_reward=corect_answer", "--json"])
+    assert result.exit_code == 2, result.output
+    failure = json.loads(result.stdout.strip().splitlines()[-1])
+    assert failure["exit_code"] == 2
+    assert failure["error"].startswith("evaluate.accuracy_reward: unknown reward 'corect_answer'; did you mean 'correct_answer'?")
