@@ -339,6 +339,87 @@ class DistributedConfig(StrictModel):
         return None
 
 
+HealthAction = Literal["off", "warn", "stop", "rollback"]
+_ACTION = ("warn: a log line, an MLflow tag and metric; stop: end training after this step and evaluate what "
+           "exists; rollback: restart from the last healthy checkpoint at a lower learning rate; off")
+
+
+class _HealthRule(StrictModel):
+    window: int = Field(5, ge=1, description="logged steps the rule averages over")
+
+
+class ZeroVarianceRule(_HealthRule):
+    """Groups whose completions all got the same reward have zero advantage: the step learns nothing from them."""
+
+    action: HealthAction = Field("warn", description=_ACTION)
+    threshold: float = Field(0.9, ge=0, le=1, description="fires when the mean of frac_reward_zero_std reaches this")
+
+
+class EntropyCollapseRule(_HealthRule):
+    """The policy stops exploring: its entropy falls far below where the run started."""
+
+    action: HealthAction = Field("warn", description=_ACTION)
+    threshold: float = Field(0.1, gt=0, lt=1, description="fires when mean entropy falls to this fraction of the "
+                             "run's first window")
+
+
+class LengthDriftRule(_HealthRule):
+    """Length hacking: mean completion length drifts far from where the run started, either way."""
+
+    action: HealthAction = Field("warn", description=_ACTION)
+    threshold: float = Field(3.0, gt=1, description="fires when mean length is this multiple of the run's first "
+                             "window, or its inverse")
+
+
+class ClippedCompletionsRule(_HealthRule):
+    """Completions cut at max_completion_length: rewards then score text that never finished."""
+
+    action: HealthAction = Field("warn", description=_ACTION)
+    threshold: float = Field(0.5, ge=0, le=1, description="fires when the mean clipped fraction reaches this")
+
+
+class KlBlowupRule(_HealthRule):
+    """The policy runs away from the reference (only with train.grpo.beta > 0: TRL logs no kl otherwise)."""
+
+    action: HealthAction = Field("warn", description=_ACTION)
+    window: int = Field(3, ge=1, description="logged steps the rule averages over")
+    threshold: float = Field(1.0, gt=0, description="fires when mean per-token KL reaches this (nats)")
+
+
+class RewardCollapseRule(_HealthRule):
+    """The batch's rewards stop differing: all right (nothing left to learn) or all wrong (too hard)."""
+
+    action: HealthAction = Field("warn", description=_ACTION)
+    threshold: float = Field(0.01, ge=0, description="fires when mean reward_std falls to this")
+
+
+class NonFiniteRule(StrictModel):
+    """A NaN or inf loss or gradient norm: the optimizer step has already spread it into the weights."""
+
+    action: HealthAction = Field("rollback", description=_ACTION)
+    window: int = Field(1, ge=1, le=1, description="always 1: one non-finite step is enough")
+    threshold: float = Field(0.0, ge=0, le=0, description="unused (any non-finite value fires)")
+
+
+class HealthConfig(StrictModel):
+    """Guards for an unattended run, read from the metrics TRL logs each step (docs/training.md#health-rules:
+    each default and its source). Every rule that fires is in the log, in MLflow and in the run's summary."""
+
+    zero_variance: ZeroVarianceRule = ZeroVarianceRule()
+    entropy_collapse: EntropyCollapseRule = EntropyCollapseRule()
+    length_drift: LengthDriftRule = LengthDriftRule()
+    clipped_completions: ClippedCompletionsRule = ClippedCompletionsRule()
+    kl_blowup: KlBlowupRule = KlBlowupRule()
+    reward_collapse: RewardCollapseRule = RewardCollapseRule()
+    non_finite: NonFiniteRule = NonFiniteRule()
+    max_rollbacks: int = Field(2, ge=0, description="rollbacks in one job; a rule that asks for one more stops instead")
+    rollback_lr_factor: float = Field(0.5, gt=0, lt=1, description="each rollback multiplies the learning rate by this")
+
+    def rolls_back(self) -> list[str]:
+        return [name for name in type(self).model_fields
+                if isinstance(getattr(self, name), BaseModel) and getattr(self, name).action == "rollback"]
+
+
 # Fields of GRPOConfig that the trainer derives from the spec; letting YAML set them would break resume.
 GRPO_OWNED = {"output_dir", "save_strategy", "save_steps", "save_total_limit", "resume_from_checkpoint"}
 
@@ -377,6 +458,9 @@ class TrainConfig(StrictModel):
     s3_endpoint_url: str | None = Field(None, description="S3-compatible endpoint (MinIO, SeaweedFS); AWS when unset")
     distributed: DistributedConfig = Field(
         DistributedConfig(), description="several training processes (GPUs) and nodes: see docs/training.md#training-on-many-gpus"
+    )
+    health: HealthConfig = Field(
+        HealthConfig(), description="collapse and reward-hacking guards: warn, stop or roll back (docs/training.md#health-rules)"
     )
 
     @field_validator("grpo")
@@ -431,6 +515,22 @@ class TrainConfig(StrictModel):
         which `_reward_weights` wrote from train.reward_weights; 1.0 each when neither is set)."""
         return RewardSet(names=tuple(self.rewards), args=self.reward_args,
                          weights=tuple(self.grpo.get("reward_weights") or ()))
+
+    @model_validator(mode="after")
+    def _rollback_has_checkpoints(self) -> "TrainConfig":
+        """A rollback returns to a checkpoint; with none written before the last step there is none to return to."""
+        max_steps = self.grpo.get("max_steps")
+        if not (isinstance(max_steps, int) and max_steps > 0 and self.checkpoint_every >= max_steps):
+            return self
+        nf = self.health.non_finite
+        if nf.action == "rollback" and "action" not in nf.model_fields_set:
+            nf.action = "stop"  # the default asks for a rollback only where there is a checkpoint to return to
+        if rolling := self.health.rolls_back():
+            raise ValueError(
+                f"train.health.{rolling[0]}.action=rollback needs checkpoints to return to, and train.checkpoint_every "
+                f"({self.checkpoint_every}) >= train.grpo.max_steps ({max_steps}) writes none before the end: lower "
+                f"train.checkpoint_every, or set train.health.{rolling[0]}.action=stop")
+        return self
 
     @model_validator(mode="after")
     def _launchable(self) -> "TrainConfig":

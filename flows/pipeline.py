@@ -604,7 +604,8 @@ def report(summary: RunSummary, run_dir: Path) -> None:
     holdout = summary.holdout
     mlflow.log_metrics(headline_metrics(summary))
     mlflow.log_dict(summary.model_dump(mode="json"), "summary.json")
-    markdown = render_markdown(holdout, summary.decision, summary.registry, summary.warm_start, summary.rows)
+    markdown = render_markdown(holdout, summary.decision, summary.registry, summary.warm_start, summary.rows,
+                               train=summary.train)
     mlflow.log_text(markdown, "report.md")
     chart = plot_comparison(holdout.baseline, holdout.trained, summary.decision.stats, run_dir / "comparison.png")
     mlflow.log_artifact(str(chart))

@@ -10,6 +10,7 @@ from urllib.parse import urlencode
 from tasks.decide import Decision
 from tasks.job import WarmStart
 from tasks.summary import AliasChange, Example, Holdout, RegistryOutcome, TrainRows
+from trainer.spec import TrainResult
 
 PROMPT_CHARS = 400  # of a prompt shown with an example: the question, not a whole few-shot context
 CELL_CHARS = 80  # of a reference in a table cell
@@ -37,8 +38,10 @@ def render_skipped(reason: str) -> str:
 
 
 def render_markdown(holdout: Holdout, decision: Decision, registry: RegistryOutcome,
-                    warm_start: WarmStart | None = None, rows: TrainRows | None = None) -> str:
-    """The decision, its reasons and the holdout numbers, as Markdown (MLflow artifact, Prefect artifact)."""
+                    warm_start: WarmStart | None = None, rows: TrainRows | None = None,
+                    train: TrainResult | None = None) -> str:
+    """The decision, its reasons and the holdout numbers, as Markdown (MLflow artifact, Prefect artifact); with
+    the training's result, whether the candidate came from a run that a health rule stopped or rolled back."""
     verdict = "**promoted**" if decision.promote else "**not promoted**"
     baseline = f"champion version {registry.decided_against}" if registry.decided_against else "the base model"
     columns = ["base", *(["champion"] if holdout.champion else []), "candidate"]
@@ -48,6 +51,7 @@ def render_markdown(holdout: Holdout, decision: Decision, registry: RegistryOutc
         f"Candidate version {registry.candidate_version} against {baseline} on {holdout.n} holdout prompts (greedy).",
         lineage_line(warm_start, rows),
         "",
+        *(best_step_lines(train) + health_lines(train) if train is not None else []),
         "## Reasons",
         *[f"- {reason}" for reason in decision.reasons],
         "",
@@ -61,6 +65,51 @@ def render_markdown(holdout: Holdout, decision: Decision, registry: RegistryOutc
         lines.append(f"| {name} | " + " | ".join(f"{v[name]:.3f}" for v in values) + " |")
     lines += ["", *example_lines(holdout.examples), *serving_lines(registry), "", *alias_table(registry), ""]
     return "\n".join(lines)
+
+
+def best_step_lines(train: TrainResult) -> list[str]:
+    """Which step's adapter is the candidate, when a validation split chose an earlier one than the last."""
+    if train.best_step is None or train.best_step == train.global_step:
+        return []
+    return [f"The candidate is the adapter of step {train.best_step}, the best validation reward "
+            f"({train.best_val_reward:.4g}), not of the last step ({train.global_step}).", ""]
+
+
+def health_lines(train: TrainResult) -> list[str]:
+    """What the health rules did to the training the candidate came from (`trainer.health`): first a line that
+    says it was stopped or rolled back, then a table of every event; nothing when no rule fired.
+
+    >>> from trainer.spec import HealthEvent
+    >>> e = HealthEvent(rule="zero_variance", step=17, metric="frac_reward_zero_std", value=1.0, threshold=0.9,
+    ...                 action="stop", message="no signal", taken="stopped")
+    >>> r = TrainResult(adapter_dir="a", global_step=17, max_steps=40, resumed_from_step=None, interrupted=False,
+    ...                 stopped_early=True, mlflow_run_id=None, train_runtime_s=1.0, metrics={}, health=[e],
+    ...                 stopped_by="health rule zero_variance at step 17: no signal")
+    >>> print("\\n".join(health_lines(r)))
+    ## Training health
+    <BLANKLINE>
+    **The candidate comes from a training run that a health rule stopped** at step 17 of 40: health rule zero\\_variance at step 17: no signal
+    <BLANKLINE>
+    | step | rule | value | threshold | action | taken |
+    |---|---|---|---|---|---|
+    | 17 | zero\\_variance | 1 | 0.9 | stop | stopped |
+    <BLANKLINE>
+    """
+    if not train.health:
+        return []
+    said = []
+    if train.stopped_by:
+        said.append(f"**The candidate comes from a training run that a health rule stopped** at step "
+                    f"{train.global_step} of {train.max_steps}: {inline(train.stopped_by, 300)}")
+    if train.rollbacks:
+        said.append(f"**The candidate comes from a training run rolled back {train.rollbacks} time(s)** to an earlier "
+                    "checkpoint at a lower learning rate (table below).")
+    lines = ["## Training health", "", *[line for s in said for line in (s, "")],
+             "| step | rule | value | threshold | action | taken |", "|---|---|---|---|---|---|"]
+    for e in train.health:
+        lines.append(f"| {e.step} | {inline(e.rule)} | {e.value:.4g} | {e.threshold:g} | {e.action} | "
+                     f"{inline(e.taken or '-', 120)} |")
+    return lines + [""]
 
 
 _MARKDOWN_PUNCTUATION = re.compile(r"([\\`*_\[\]|~])")  # what could start emphasis, code, a link or a cell

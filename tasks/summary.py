@@ -184,7 +184,8 @@ class RunSummary(BaseModel):
     rows: TrainRows | None = None  # what was trained on: new and replayed rows
     config_hash: str | None = None  # the configuration as it decides what trains (tasks.data.config_hash)
     holdout: Holdout | None = None
-    train: TrainResult | None = None
+    train: TrainResult | None = None  # with .health (every rule that fired: rule, step, value, threshold, action,
+    # taken), .stopped_by (the health stop, if one ended training) and .rollbacks
     plan: dict[str, Any] | None = None  # the planner's flat figures (GPU, memory, hours, USD)
     hpo: Search | None = None
     cost: Cost | None = None

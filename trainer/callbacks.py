@@ -62,11 +62,11 @@ class CheckpointSync(TrainerCallback):
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-upload")
         self._pending: list[Future] = []
 
-    def _upload(self, snapshot: Path, step: int, entries: list) -> None:
+    def _upload(self, snapshot: Path, step: int, entries: list, best: int | None) -> None:
         self.store.put(snapshot, checkpoint_name(step), step)
         if self.metrics:
             self.metrics.commit(entries)
-        prune(self.store, self.keep)
+        prune_keeping_best(self.store, self.keep, best)
         shutil.rmtree(snapshot, ignore_errors=True)
         log.info("checkpoint %d complete in %r", step, self.store)
 
@@ -84,7 +84,8 @@ class CheckpointSync(TrainerCallback):
         snapshot = _snapshot(written, self.staging / name)
         entries = self.metrics.take(step) if self.metrics else []
         CommittedMetrics.write(entries, snapshot)
-        self._pending.append(self._pool.submit(self._upload, snapshot, step, entries))
+        # HF has judged this step's evaluation before saving (state.best_global_step): the best so far stays
+        self._pending.append(self._pool.submit(self._upload, snapshot, step, entries, state.best_global_step))
 
     def raise_failures(self) -> None:
         for future in [f for f in self._pending if f.done()]:
@@ -96,6 +97,17 @@ class CheckpointSync(TrainerCallback):
         for future in self._pending:
             future.result()
         self._pending.clear()
+
+
+def prune_keeping_best(store: Store, keep: int, best: int | None) -> None:
+    """The newest `keep` complete checkpoints, and the one with the best validation reward (HF's
+    best_global_step) even when it is older: the published adapter is that one's (`trainer.train._publish`)."""
+    if best is None:
+        prune(store, keep)
+        return
+    for step in store.complete_steps()[:-keep]:
+        if step != best:
+            store.delete(checkpoint_name(step))
 
 
 def _check_every_rank(checkpoint: Path, world: int) -> None:
@@ -174,13 +186,20 @@ class StepLog(TrainerCallback):
     stdout, on the main process only, with the global step and max_steps: a parent cannot count steps from
     lines after a resume or a lost line. It stands in for HF's own printing (`print_logs_once`)."""
 
+    reader_gone = False
+
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if state.is_world_process_zero and logs:
+        if state.is_world_process_zero and logs and not self.reader_gone:
             from tqdm.auto import tqdm
 
-            # tqdm.write: above the bar on a terminal, a plain line otherwise; flushed, since stdout is a pipe
-            tqdm.write(step_log_line(logs, state.global_step, state.max_steps), file=sys.stdout)
-            sys.stdout.flush()
+            try:
+                # tqdm.write: above the bar on a terminal, a plain line otherwise; flushed, since stdout is a pipe
+                tqdm.write(step_log_line(logs, state.global_step, state.max_steps), file=sys.stdout)
+                sys.stdout.flush()
+            except BrokenPipeError:
+                # the parent that read this pipe is dead (its death signal, a SIGTERM, is on its way): the step's
+                # checkpoint matters more than its progress line
+                self.reader_gone = True
 
 
 class BarWithoutLogs(ProgressCallback):
@@ -215,3 +234,93 @@ def hide_library_bars() -> None:
     datasets.disable_progress_bars()
     huggingface_hub.utils.disable_progress_bars()
     transformers.utils.logging.disable_progress_bar()
+
+
+class HealthCallback(TrainerCallback):
+    """Runs the health rules (`trainer.health.Monitor`) on each step's log and acts on them.
+
+    Rank 0 decides and every rank acts on its decision (one broadcast per logged step with several ranks), as
+    with a SIGTERM: TRL's logged metrics are already averaged across ranks, and this makes the agreement hold
+    by construction. Each event goes to the log (the trainer's output is relayed into the Prefect log), to
+    MLflow at once (a tag and a metric at its step: an event must show even if no checkpoint follows) and
+    into `events`. `stop` ends training after this step, with the save the step would make; `rollback` ends
+    it without that save (the state may be poisoned) and leaves `rollback` set for `trainer.train` to restart
+    from the last healthy checkpoint, unless the ledger's rollbacks are spent: then it stops."""
+
+    def __init__(self, settings, ledger, ranks: Ranks | None = None, client=None, run_id: str | None = None,
+                 restored: dict | None = None, lr_factor: float = 1.0):
+        from trainer.health import Monitor
+
+        self.settings, self.ledger, self.ranks = settings, ledger, ranks or Ranks()
+        self.client, self.run_id = client, run_id
+        self.monitor = Monitor(settings)
+        self.restored = restored or {}
+        self.lr_factor = lr_factor  # applied to the optimizer and scheduler once they are built (and resumed)
+        self.rollback = None  # the event that asks for a rollback, when one does
+        self.stopped = None  # the event that stopped training
+        self.seconds = 0.0  # time spent in the rules, for the overhead figure
+
+    def on_train_begin(self, args, state, control, optimizer=None, lr_scheduler=None, **kwargs):
+        from trainer.health import scale_learning_rate
+
+        self.monitor.check_grad_norm = not args.fp16  # the fp16 GradScaler logs inf grad norms on steps it skips
+        if self.restored:
+            self.monitor.load(self.restored)
+        if optimizer is not None:
+            scale_learning_rate(optimizer, lr_scheduler, self.lr_factor)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        from trainer.health import decide, is_step_log
+
+        if not logs or not is_step_log(logs):
+            return control
+        started = time.perf_counter()
+        events = self.monitor.observe(state.global_step, logs) if self.ranks.is_main else None
+        self.seconds += time.perf_counter() - started
+        events = self.ranks.broadcast(events)
+        if not events:
+            return control
+        chosen = decide(events)
+        for event in events:
+            event.taken = "warned" if event is not chosen else None
+        if chosen is not None:
+            if chosen.action == "rollback" and self.ledger.rollbacks < self.settings.max_rollbacks:
+                self.rollback = chosen  # `taken` is filled by the rollback itself, with the step it returns to
+                control.should_save = False  # not this step's state: it is what the rule found unhealthy
+            else:
+                spent = chosen.action == "rollback"
+                chosen.taken = (f"stopped (rollbacks spent: {self.ledger.rollbacks} of {self.settings.max_rollbacks})"
+                                if spent else "stopped")
+                self.stopped = chosen
+            control.should_training_stop = True
+        for event in events:
+            self.record(event)
+        return control
+
+    def record(self, event) -> None:
+        """The log line, the MLflow tag and metric (rank 0), and the ledger's copy."""
+        what = event.taken or f"rolling back (rollback {self.ledger.rollbacks + 1} of {self.settings.max_rollbacks})"
+        self.ledger.merge([event])
+        if not self.ranks.is_main:  # every rank holds the event; one says it
+            return
+        log.warning("health: %s at step %d: %s -> %s", event.rule, event.step, event.message, what)
+        if self.client and self.run_id:
+            value = event.value if math.isfinite(event.value) else -1.0  # MLflow refuses NaN; -1: "not finite"
+            self.client.log_metric(self.run_id, f"health/{event.rule}", value, step=event.step)
+            self.client.set_tag(self.run_id, f"health/step-{event.step}/{event.rule}",
+                                f"{event.action}: {event.message} -> {what}"[:5000])
+
+    def on_save(self, args, state, control, **kwargs):
+        """The windows and the events so far, beside the checkpoint HF just wrote (rank 0's folder is the one
+        uploaded; `CheckpointSync` runs after this callback)."""
+        import json
+
+        from trainer.health import STATE_FILE
+
+        if not self.ranks.is_main:
+            return
+        folder = Path(args.output_dir) / checkpoint_name(state.global_step)
+        if folder.is_dir():
+            body = {**self.monitor.state(), "events": [e.model_dump(mode="json") for e in self.ledger.events],
+                    "rollbacks": self.ledger.rollbacks, "lr_scale": self.ledger.lr_scale}
+            (folder / STATE_FILE).write_text(json.dumps(body))

@@ -24,6 +24,7 @@ them 30 s later, and a GRPO step with its checkpoint can take longer than that.
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import signal
@@ -224,6 +225,9 @@ def _serve_until_trainers_leave(spec: JobSpec, gpus: int, addr: str, port: int, 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not launcher_lifeline():
+        log.error("the process that started this launcher is gone; not training on alone")
+        return 1
     opts = options(argv)
     try:
         spec = JobSpec.read(Path(opts.spec))
@@ -278,15 +282,72 @@ def main(argv: list[str] | None = None) -> int:
     return _run_node(spec, command, env, nproc, server_gpus, opts.node_rank)
 
 
-def _die_with_parent() -> None:
-    """torchrun gets SIGTERM (and stops its ranks) if this launcher is killed outright (SIGKILL after a
-    cancel's grace period): its ranks run in sessions of their own, so nothing else would reach them."""
+PARENT_PID_ENV = "GRPO_PARENT_PID"  # set by whoever starts this launcher and waits on it: its own pid
+AGENT_PID_FILE = "agent.pid"  # in the launch folder: torchrun's pid, the parent each rank checks it still has
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(expected_parent: int, sig: int) -> bool:
+    """Ask the kernel to send `sig` to this process when its parent dies (PR_SET_PDEATHSIG), then check that
+    the parent is still the one expected: one that died before the request was made sends nothing, and this
+    process has been handed to init (or a subreaper) meanwhile. False: the parent is already gone (the caller
+    exits); True otherwise, or where prctl does not exist (not Linux: a cancel's SIGTERM still reaches the
+    processes through their parents). The signal comes when the parent *thread* ends, so the process that
+    starts a child must wait for it on the same thread, as every launcher here does."""
+    libc = _libc()
+    if libc is None:
+        return True
+    libc.prctl(PR_SET_PDEATHSIG, sig)
+    return os.getppid() == expected_parent
+
+
+@functools.cache
+def _libc():
+    """libc through ctypes, loaded once: in the parent before a fork, so a child between fork and exec imports
+    nothing (an import there can deadlock on a lock another thread held at the fork)."""
     try:
         import ctypes
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux: the cancel's SIGTERM still reaches the ranks through us
-        pass
+        return ctypes.CDLL("libc.so.6", use_errno=True)
+    except (OSError, AttributeError):
+        return None
+
+
+def _die_with_parent(launcher_pid: int) -> None:
+    """torchrun gets SIGTERM (and stops its ranks) if this launcher is killed outright (SIGKILL after a
+    cancel's grace period). Run in torchrun's process between fork and exec."""
+    if not die_with_parent(launcher_pid, signal.SIGTERM):
+        os._exit(1)  # the launcher died before torchrun could start: nothing must run on its own
+
+
+def rank_lifeline() -> bool:
+    """For a rank under torchrun (`python -m trainer`): SIGKILL when torchrun dies. Its ranks run in sessions
+    of their own, so a SIGKILL to the launcher's process group (a cancel that escalates, the OOM killer) kills
+    the launcher and torchrun and nothing else; without this the ranks trained on, unsupervised. SIGKILL, not
+    SIGTERM: torchrun dead means no one collects an exit code or forwards a stop, and the relaunch must not
+    meet this rank still writing. False: torchrun is gone already. True where there is no node launcher."""
+    from trainer.distributed import LAUNCH_DIR_ENV
+
+    folder = os.environ.get(LAUNCH_DIR_ENV)
+    if not folder or "RANK" not in os.environ:
+        return True
+    agent = Path(folder) / AGENT_PID_FILE
+    deadline = time.monotonic() + 30  # written right after torchrun starts, long before a rank imports anything
+    while not agent.is_file() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if not agent.is_file():
+        log.warning("no %s in %s: this rank cannot check its parent", AGENT_PID_FILE, folder)
+        return die_with_parent(os.getppid(), signal.SIGKILL)
+    return die_with_parent(int(agent.read_text()), signal.SIGKILL)
+
+
+def launcher_lifeline() -> bool:
+    """For this launcher: SIGTERM when the process that started it dies (the flow's, the local launcher's),
+    so the trainer checkpoints after its step and exits instead of training on alone (seen: more than 10
+    minutes on both cores after the flow was SIGKILLed). The single-process trainer is this process exec'd,
+    and keeps the request. False: that process is gone already."""
+    parent = os.environ.pop(PARENT_PID_ENV, None)  # popped: torchrun and the ranks have other parents
+    return die_with_parent(int(parent), signal.SIGTERM) if parent else True
 
 
 def _node_ip(index: int) -> str:
@@ -306,7 +367,9 @@ def _run_node(spec: JobSpec, command: list[str], env: dict, nproc: int, server_g
         _wait_for_vllm(server, spec.train.distributed.timeout_s)
     log.info("node %d: %s", node_rank, " ".join(command))
     try:
-        node.proc = subprocess.Popen(command, env=env, preexec_fn=_die_with_parent)
+        launcher_pid, _ = os.getpid(), _libc()
+        node.proc = subprocess.Popen(command, env=env, preexec_fn=lambda: _die_with_parent(launcher_pid))
+        (folder / AGENT_PID_FILE).write_text(str(node.proc.pid))  # each rank checks it is still torchrun's child
         code = outcome(node.wait(), node.exit_codes(), nproc)
     finally:
         if server is not None:

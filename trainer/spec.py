@@ -49,6 +49,68 @@ class DistributedSettings(_Strict):
     vllm_server_node: bool = False  # vllm_mode=server on several nodes: one more node serves, trainers on the rest
 
 
+Action = Literal["off", "warn", "stop", "rollback"]
+
+
+class RuleSettings(_Strict):
+    """One health rule (`trainer.health`): what to do when it fires, over how many logged steps, at what value."""
+
+    action: Action
+    window: int = Field(ge=1)
+    threshold: float = Field(allow_inf_nan=False)
+
+
+# The defaults, and what `configs.schema.HealthConfig` repeats field by field (a unit test holds them equal);
+# why each value: docs/training.md#health-rules.
+HEALTH_DEFAULTS: dict[str, dict[str, Any]] = {
+    "zero_variance": {"action": "warn", "window": 5, "threshold": 0.9},
+    "entropy_collapse": {"action": "warn", "window": 5, "threshold": 0.1},
+    "length_drift": {"action": "warn", "window": 5, "threshold": 3.0},
+    "clipped_completions": {"action": "warn", "window": 5, "threshold": 0.5},
+    "kl_blowup": {"action": "warn", "window": 3, "threshold": 1.0},
+    "reward_collapse": {"action": "warn", "window": 5, "threshold": 0.01},
+    "non_finite": {"action": "rollback", "window": 1, "threshold": 0.0},
+}
+
+
+def _rule(name: str):
+    return Field(default_factory=lambda: RuleSettings(**HEALTH_DEFAULTS[name]))
+
+
+class HealthSettings(_Strict):
+    """The health rules the trainer runs (`trainer.health`), and how a rollback changes the run."""
+
+    zero_variance: RuleSettings = _rule("zero_variance")
+    entropy_collapse: RuleSettings = _rule("entropy_collapse")
+    length_drift: RuleSettings = _rule("length_drift")
+    clipped_completions: RuleSettings = _rule("clipped_completions")
+    kl_blowup: RuleSettings = _rule("kl_blowup")
+    reward_collapse: RuleSettings = _rule("reward_collapse")
+    non_finite: RuleSettings = _rule("non_finite")
+    max_rollbacks: int = Field(2, ge=0)
+    rollback_lr_factor: float = Field(0.5, gt=0, lt=1)
+
+    def rule(self, name: str) -> RuleSettings:
+        return getattr(self, name)
+
+    def rolls_back(self) -> list[str]:
+        return [name for name in HEALTH_DEFAULTS if self.rule(name).action == "rollback"]
+
+
+class HealthEvent(BaseModel):
+    """A rule that fired: at which step, on what value against what threshold, and what was done."""
+
+    model_config = ConfigDict(ser_json_inf_nan="strings")  # a non-finite loss is the value: "NaN", read back as nan
+    rule: str
+    step: int
+    metric: str
+    value: float
+    threshold: float
+    action: Action  # as configured; `taken` says what happened (a rollback past max_rollbacks is a stop)
+    message: str
+    taken: str | None = None  # "warned", "stopped", "rolled back to step N (learning rate x0.5)"
+
+
 class TrainSettings(_Strict):
     """What the trainer runs: TRL's GRPOConfig and PEFT's LoraConfig fields, rewards, checkpointing, and how
     many processes run it."""
@@ -62,6 +124,7 @@ class TrainSettings(_Strict):
     early_stopping_patience: int | None
     s3_endpoint_url: str | None
     distributed: DistributedSettings = DistributedSettings()
+    health: HealthSettings = HealthSettings()
 
 
 class JobSpec(_Strict):
@@ -116,6 +179,11 @@ class TrainResult(BaseModel):
     world_size: int = 1  # training processes, all nodes together
     restarts: int = 0  # filled by the launcher: relaunches after a preemption or an error
     gpu_hours: float | None = None  # filled by launchers that rent GPUs
+    health: list[HealthEvent] = []  # every health rule that fired, in step order (trainer.health)
+    stopped_by: str | None = None  # the health event that ended training, in one line; None: it was not one
+    rollbacks: int = 0  # restarts from an earlier, healthy checkpoint after a health rule's rollback
+    best_step: int | None = None  # with a validation split: the step whose adapter was published (best val reward)
+    best_val_reward: float | None = None
 
 
 PROGRESS_TAG = "grpo-progress"  # a validation reward, printed by trainer.callbacks.ReportValidation

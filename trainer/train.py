@@ -20,9 +20,9 @@ import time
 from pathlib import Path
 
 from trainer import distributed
-from trainer.checkpoints import FINAL, choose_resume, collect_final, open_store
+from trainer.checkpoints import FINAL, checkpoint_name, choose_resume, collect_final, open_store
 from trainer.distributed import Ranks
-from trainer.spec import RESULT_FILE, JobSpec, TrainResult, bad_input_line
+from trainer.spec import RESULT_FILE, HealthEvent, JobSpec, TrainResult, bad_input_line
 from trainer.tracking import CommittedMetrics, numeric
 
 log = logging.getLogger(__name__)
@@ -52,6 +52,9 @@ def grpo_args(spec: JobSpec, output_dir: Path):
         user.setdefault("use_cpu", True)
     if os.environ.get(distributed.VLLM_HOST_ENV):  # vllm_mode=server: where the node launcher started it
         user.setdefault("vllm_server_host", os.environ[distributed.VLLM_HOST_ENV])
+    if spec.train.health.non_finite.action != "off":
+        # HF's default hides a NaN/inf loss in the logged average; the non_finite rule must see it
+        user.setdefault("logging_nan_inf_filter", False)
     if spec.train.early_stopping_patience:
         user.setdefault("eval_strategy", "steps")
         user.setdefault("eval_steps", spec.train.checkpoint_every)
@@ -101,15 +104,12 @@ def _already_finished(spec: JobSpec, store, metrics: CommittedMetrics | None, ra
 
 
 def run(spec: JobSpec, started: float | None = None) -> TrainResult:
+    """Train to max_steps (or an early or health stop), resuming from the store; after a health rollback,
+    train again from the last healthy checkpoint at a lower learning rate (`_roll_back`), in this process."""
     from datasets import load_dataset
-    from peft import LoraConfig
-    from transformers import EarlyStoppingCallback
-    from trl import GRPOTrainer
 
-    from trainer.callbacks import (CheckpointSync, FirstStepTimer, ReportValidation, StopOnSigterm, hide_library_bars,
-                                   print_logs_once)
-    from trainer.loading import load_model
-    from trainer.rewards import RewardError, RewardUnavailable, resolve_rewards
+    from trainer.callbacks import FirstStepTimer, StopOnSigterm
+    from trainer.health import Ledger
 
     started = started or time.monotonic()
     stop = StopOnSigterm()  # first: a SIGTERM during model loading must not kill the job uncleanly
@@ -122,6 +122,73 @@ def run(spec: JobSpec, started: float | None = None) -> TrainResult:
     metrics = CommittedMetrics(spec.mlflow_tracking_uri, run_id) if run_id and ranks.is_main else None
     if ranks.broadcast(store.has(FINAL) if ranks.is_main else None):
         return _already_finished(spec, store, metrics, ranks)
+    train_ds = load_dataset("json", data_files=spec.train_file, split="train")
+    val_ds = load_dataset("json", data_files=spec.val_file, split="train") if spec.val_file else None
+    if spec.train.early_stopping_patience and val_ds is None:
+        raise ValueError("train.early_stopping_patience needs a validation split (val_file)")
+    saved = ranks.broadcast(_read_ledger(store, work) if ranks.is_main else None)
+    ledger = Ledger.from_json(saved) if saved else Ledger()
+    timer = FirstStepTimer(started)
+    while True:
+        attempt = _attempt(spec, store, ranks, work, run_id, metrics, stop, timer, ledger, saved is not None,
+                           train_ds, val_ds)
+        if attempt.health.rollback is None:
+            break
+        _roll_back(spec, store, ranks, work, metrics, run_id, ledger, attempt.health.rollback)
+        saved = ledger.to_json()
+        del attempt  # the model and its optimizer: the next attempt loads both afresh
+        _free_memory()
+
+    state = attempt.trainer.state
+    finished = state.global_step >= state.max_steps
+    interrupted = stop.received and not finished
+    stopped = attempt.health.stopped
+    result = TrainResult(
+        adapter_dir=None if interrupted else spec.adapter_dir,
+        global_step=state.global_step,
+        max_steps=state.max_steps,
+        resumed_from_step=attempt.point.step,
+        interrupted=interrupted,
+        stopped_early=not stop.received and not finished,
+        mlflow_run_id=run_id,
+        train_runtime_s=time.monotonic() - started,
+        first_step_s=timer.seconds,
+        precision="bf16" if attempt.trainer.args.bf16 else "fp16" if attempt.trainer.args.fp16 else "fp32",
+        metrics=numeric(attempt.output.metrics),
+        world_size=ranks.world,
+        health=ledger.events,
+        stopped_by=f"health rule {stopped.rule} at step {stopped.step}: {stopped.message}" if stopped else None,
+        rollbacks=ledger.rollbacks,
+        best_step=state.best_global_step,
+        best_val_reward=state.best_metric if state.best_global_step is not None else None,
+    )
+    if metrics and stopped:
+        metrics.client.set_tag(run_id, "health_stopped", result.stopped_by[:5000])
+    if not interrupted:
+        _publish(spec, attempt.trainer, store, result, metrics, ranks)
+    return _report(spec, result) if ranks.is_main else result
+
+
+class _Attempt:
+    """One training pass: its trainer (for the state and the adapter), where it resumed, HF's output, and
+    the health callback (for a rollback or a stop)."""
+
+    def __init__(self, trainer, point, output, health):
+        self.trainer, self.point, self.output, self.health = trainer, point, output, health
+
+
+def _attempt(spec: JobSpec, store, ranks: Ranks, work: Path, run_id: str | None, metrics, stop, timer, ledger,
+             from_store: bool, train_ds, val_ds) -> _Attempt:
+    """Resume from the newest verified checkpoint and train until the end, a stop or a rollback request."""
+    from peft import LoraConfig
+    from transformers import EarlyStoppingCallback
+    from trl import GRPOTrainer
+
+    from trainer.callbacks import CheckpointSync, HealthCallback, ReportValidation, hide_library_bars, print_logs_once
+    from trainer.health import read_state
+    from trainer.loading import load_model
+    from trainer.rewards import RewardError, RewardUnavailable, resolve_rewards
+
     point = choose_resume(store, work / "resume")  # verified; newer ones that do not verify are moved aside
     resume = point.directory
     if point.reason and metrics:
@@ -130,6 +197,12 @@ def run(spec: JobSpec, started: float | None = None) -> TrainResult:
         if metrics:  # in case the kill came between the checkpoint's manifest and its MLflow commit
             metrics.commit(CommittedMetrics.read(resume))
     _same_resume_point(ranks, resume)
+    restored = read_state(resume)
+    baked = float(restored.get("lr_scale", 1.0))  # the scale the checkpoint's optimizer and scheduler hold
+    if not from_store:  # no rollback recorded in the store: the checkpoint's own record is the whole story
+        ledger.lr_scale = baked
+        ledger.rollbacks = int(restored.get("rollbacks", 0))
+    ledger.merge([HealthEvent.model_validate(e) for e in restored.get("events", [])])
 
     args = grpo_args(spec, work / "hf")
     if metrics:
@@ -138,14 +211,12 @@ def run(spec: JobSpec, started: float | None = None) -> TrainResult:
         hide_library_bars()
     # a warm start continues the adapter's own weights (trainable); the optimizer, scheduler and step are fresh
     model, tokenizer = load_model(spec.model_path, spec.model, adapter=spec.init_adapter, trainable=True)
-    train_ds = load_dataset("json", data_files=spec.train_file, split="train")
-    val_ds = load_dataset("json", data_files=spec.val_file, split="train") if spec.val_file else None
     sync = CheckpointSync(store, spec.train.keep_checkpoints, work / "staging", metrics, ranks)
-    timer = FirstStepTimer(started)
-    callbacks = [sync, stop, timer, ReportValidation()] + ([metrics] if metrics else [])
+    health = HealthCallback(spec.train.health, ledger, ranks, metrics.client if metrics else None, run_id, restored,
+                            lr_factor=ledger.lr_scale / baked)
+    # health before sync: its on_save writes health.json into the checkpoint that sync then uploads
+    callbacks = [health, sync, stop, timer, ReportValidation()] + ([metrics] if metrics else [])
     if spec.train.early_stopping_patience:
-        if val_ds is None:
-            raise ValueError("train.early_stopping_patience needs a validation split (val_file)")
         callbacks.append(EarlyStoppingCallback(spec.train.early_stopping_patience))
 
     trainer = GRPOTrainer(
@@ -167,28 +238,71 @@ def run(spec: JobSpec, started: float | None = None) -> TrainResult:
         if run_id and not isinstance(exc, RewardUnavailable):  # an outage is retried: the run goes on
             _ended_by_bad_input(spec, run_id, metrics, str(exc))
         raise
-    sync.wait()  # the newest checkpoint must be in the store before we report or exit
+    sync.wait()  # the newest checkpoint must be in the store before we report, roll back or exit
+    if ranks.is_main and health.seconds:
+        log.info("health rules: %.3f ms per logged step", 1000 * health.seconds / max(trainer.state.global_step, 1))
+    return _Attempt(trainer, point, output, health)
 
-    state = trainer.state
-    finished = state.global_step >= state.max_steps
-    interrupted = stop.received and not finished
-    result = TrainResult(
-        adapter_dir=None if interrupted else spec.adapter_dir,
-        global_step=state.global_step,
-        max_steps=state.max_steps,
-        resumed_from_step=point.step,
-        interrupted=interrupted,
-        stopped_early=not stop.received and not finished,
-        mlflow_run_id=run_id,
-        train_runtime_s=time.monotonic() - started,
-        first_step_s=timer.seconds,
-        precision="bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
-        metrics=numeric(output.metrics),
-        world_size=ranks.world,
-    )
-    if not interrupted:
-        _publish(spec, trainer, store, result, metrics, ranks)
-    return _report(spec, result) if ranks.is_main else result
+
+def _read_ledger(store, work: Path) -> str | None:
+    """The health ledger's JSON from the store, or None when no rollback has happened in this job."""
+    from trainer.health import LEDGER
+
+    if not store.has(LEDGER):
+        return None
+    return (store.fetch(LEDGER, work / "fetched") / "ledger.json").read_text()
+
+
+def _roll_back(spec: JobSpec, store, ranks: Ranks, work: Path, metrics, run_id: str | None, ledger, event) -> None:
+    """Return to the newest checkpoint written before the steps the rule's window looked at: newer ones are
+    moved aside (`corrupt/`, with the reason), so this attempt and any relaunch resume from it; the learning
+    rate is scaled by train.health.rollback_lr_factor, and the ledger (rollbacks, scale, events) goes into the
+    store first, so a preemption from here on keeps both."""
+    from trainer.health import LEDGER, healthy_checkpoint
+
+    health = spec.train.health
+    window = health.rule(event.rule).window
+    target = None
+    if ranks.is_main:
+        steps = store.complete_steps()
+        target = healthy_checkpoint(steps, event, window)
+        for step in steps:
+            if target is None or step > target:
+                store.move_aside(checkpoint_name(step), f"health rollback: {event.rule} fired at step {event.step} "
+                                                        f"({event.message})")
+    target = ranks.broadcast(target)
+    ledger.rollbacks += 1
+    ledger.lr_scale *= health.rollback_lr_factor
+    event.taken = (f"rolled back to step {target or 0} (learning rate x{ledger.lr_scale:g} of the configured; "
+                   f"rollback {ledger.rollbacks} of {health.max_rollbacks})")
+    ledger.merge([event])
+    for mine in ledger.events:  # the ledger may hold a copy (merged before `taken` was known)
+        if (mine.rule, mine.step, mine.action) == (event.rule, event.step, event.action):
+            mine.taken = event.taken
+    if ranks.is_main:
+        log.warning("health: %s at step %d -> %s", event.rule, event.step, event.taken)
+        folder = work / "ledger"
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+        (folder / "ledger.json").write_text(ledger.to_json())
+        store.put(folder, LEDGER, event.step)
+        if metrics:
+            metrics.take()  # the rolled-back steps not yet committed: the steps recomputed from here stand
+            metrics.client.set_tag(run_id, f"health/step-{event.step}/{event.rule}",
+                                   f"{event.action}: {event.message} -> {event.taken}"[:5000])
+            metrics.client.log_metric(run_id, "health/rollbacks", ledger.rollbacks, step=event.step)
+    shutil.rmtree(work / "hf", ignore_errors=True)  # HF's local checkpoints of the abandoned steps
+    ranks.barrier()
+
+
+def _free_memory() -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _ended_by_bad_input(spec: JobSpec, run_id: str, metrics: CommittedMetrics | None, message: str) -> None:
@@ -223,7 +337,22 @@ def _publish(spec: JobSpec, trainer, store, result: TrainResult, metrics: Commit
     if ranks.is_main:
         shutil.rmtree(spec.adapter_dir, ignore_errors=True)
     ranks.barrier()
-    trainer.save_model(spec.adapter_dir)  # every rank: under FSDP / ZeRO-3 it gathers the shards; rank 0 writes
+    best = result.best_step
+    older_best = best is not None and best != result.global_step
+    if ranks.broadcast(older_best and not store.has(checkpoint_name(best)) if ranks.is_main else None):
+        log.warning("the best validation reward's checkpoint (step %d) is no longer in the store; publishing the "
+                    "last step's adapter", best)
+        result.best_step = result.best_val_reward = None
+        older_best = False
+    if older_best:
+        # the best validation reward's checkpoint, not the last step's model; every rank takes the same branch
+        if not ranks.is_main:
+            return
+        _adapter_from_checkpoint(store, best, Path(spec.work_dir) / "best", Path(spec.adapter_dir))
+        log.info("published the adapter of step %d (best validation reward %.4g), not the last step's (%d)",
+                 best, result.best_val_reward, result.global_step)
+    else:
+        trainer.save_model(spec.adapter_dir)  # every rank: under FSDP / ZeRO-3 it gathers the shards; rank 0 writes
     if not ranks.is_main:
         return
     # HF also pickles its TrainingArguments beside the adapter; the published adapter holds safetensors and
@@ -241,6 +370,23 @@ def _publish(spec: JobSpec, trainer, store, result: TrainResult, metrics: Commit
     if metrics:
         metrics.commit(tail)
         metrics.client.set_terminated(result.mlflow_run_id)
+
+
+# What a checkpoint holds beside the adapter and its tokenizer: training state, not part of a published adapter.
+_TRAINING_STATE = ("optimizer.pt", "scheduler.pt", "scaler.pt", "trainer_state.json", "training_args.bin")
+
+
+def _adapter_from_checkpoint(store, step: int, scratch: Path, dest: Path) -> None:
+    """The adapter files (and the tokenizer HF saved with them) of a stored checkpoint, copied to `dest`."""
+    from trainer.checkpoints import MANIFEST, METRICS_FILE
+    from trainer.health import STATE_FILE
+
+    source = store.fetch(checkpoint_name(step), scratch)
+    skip = {*_TRAINING_STATE, MANIFEST, METRICS_FILE, STATE_FILE}
+    dest.mkdir(parents=True, exist_ok=True)
+    for path in source.iterdir():
+        if path.is_file() and path.name not in skip and not path.name.startswith("rng_state"):
+            shutil.copy2(path, dest / path.name)
 
 
 def _slow_bf16(spec: JobSpec) -> str | None:
@@ -269,6 +415,11 @@ def _unfit_adapter(spec: JobSpec) -> str | None:
 
 def main(spec_path: str, started: float | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from trainer.launch import rank_lifeline
+
+    if not rank_lifeline():  # first: a rank whose torchrun is gone must not start training alone
+        log.error("torchrun, this rank's parent, is gone; exiting")
+        return EXIT_FAILED
     try:
         spec = JobSpec.read(Path(spec_path))
     except (OSError, ValueError) as exc:

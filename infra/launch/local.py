@@ -10,6 +10,7 @@ on a free port of this machine.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from infra.launch import BadTrainingInput, TrainingFailed, check_launch
-from trainer.launch import detect_gpus, free_port
+from trainer.launch import PARENT_PID_ENV, detect_gpus, free_port
 from trainer.spec import RESULT_FILE, JobSpec, TrainResult, parse_bad_input
 
 log = logging.getLogger(__name__)
@@ -44,12 +45,15 @@ class LocalLauncher:
 
     def _start(self, spec_path: Path) -> subprocess.Popen:
         # a fresh port each start: the last attempt's rendezvous port may linger in TIME_WAIT
+        # PARENT_PID_ENV: the launcher dies with this process (trainer.launch.launcher_lifeline), so a flow that
+        # is SIGKILLed leaves no trainer behind; it must be waited on from this thread (`wait` is)
         return subprocess.Popen(
             [sys.executable, "-m", "trainer.launch", "--spec", str(spec_path), "--master-port", str(free_port())],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
             bufsize=1,
+            env={**os.environ, PARENT_PID_ENV: str(os.getpid())},
         )
 
     def launch(self, spec: JobSpec) -> LocalHandle:

@@ -1,0 +1,92 @@
+"""The health rules on real training (tiny random Llama, a few steps): a reward that gives every completion the
+same score stops the run on the zero-variance rule; a NaN at a known step rolls back to the last healthy
+checkpoint at half the learning rate and the run finishes; every event is in the result and in MLflow."""
+
+import json
+
+import mlflow
+import pytest
+
+from tasks.job import model_load, train_settings
+from trainer.checkpoints import LocalStore
+from trainer.health import STATE_FILE
+from trainer.spec import JobSpec, TrainResult
+
+pytestmark = pytest.mark.integration
+REWARDS = "tests.integration.health_rewards"
+
+
+def _spec(tmp_path, tiny_model, tiny_splits, cfg, **extra) -> JobSpec:
+    return JobSpec(model_path=str(tiny_model), model=model_load(cfg.model), train=train_settings(cfg.train),
+                   train_file=str(tiny_splits["train"]), work_dir=str(tmp_path / "work"),
+                   checkpoint_uri=str(tmp_path / "ckpt"), adapter_dir=str(tmp_path / "adapter"), **extra)
+
+
+def test_same_score_for_every_completion_stops_on_zero_variance(tmp_path, tiny_model, tiny_splits, tiny_config):
+    from trainer.train import run
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = tiny_config("train.grpo.max_steps=20", "train.checkpoint_every=2", f"train.rewards=[{REWARDS}:same_score]",
+                      "train.health.zero_variance.action=stop", "train.health.zero_variance.window=2")
+    result = run(_spec(tmp_path, tiny_model, tiny_splits, cfg, mlflow_tracking_uri=uri))
+
+    assert (result.global_step, result.stopped_early) == (2, True)
+    assert result.adapter_dir is not None  # stopped, not failed: the flow evaluates what exists
+    event = next(e for e in result.health if e.rule == "zero_variance")
+    assert (event.step, event.value, event.threshold, event.action, event.taken) == (2, 1.0, 0.9, "stop", "stopped")
+    assert result.stopped_by.startswith("health rule zero_variance at step 2")
+    saved = TrainResult.model_validate_json((tmp_path / "work" / "result.json").read_text())
+    assert saved.health == result.health
+    run_ = mlflow.MlflowClient(uri).get_run(result.mlflow_run_id)
+    assert run_.data.tags["health/step-2/zero_variance"].startswith("stop: ")
+    assert run_.data.tags["health_stopped"] == result.stopped_by
+    assert run_.data.metrics["health/zero_variance"] == 1.0
+    # the windows travel with the checkpoint: what a resume restores
+    state = json.loads((tmp_path / "ckpt" / "checkpoint-2" / STATE_FILE).read_text())
+    assert state["tracks"]["zero_variance"]["values"] == [1.0, 1.0] and state["events"][0]["rule"] == "zero_variance"
+
+
+def test_nan_at_a_known_step_rolls_back_to_the_last_healthy_checkpoint_and_finishes(
+        tmp_path, tiny_model, tiny_splits, tiny_config, monkeypatch):
+    from trainer.train import run
+
+    monkeypatch.setenv("HEALTH_TEST_POISON", str(tmp_path / "poisoned"))
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = tiny_config("train.grpo.max_steps=5", "train.checkpoint_every=2", "train.keep_checkpoints=3",
+                      f"train.rewards=[{REWARDS}:nan_weights_once]")
+    assert cfg.train.health.non_finite.action == "rollback"  # the default
+    result = run(_spec(tmp_path, tiny_model, tiny_splits, cfg, mlflow_tracking_uri=uri))
+
+    assert (tmp_path / "poisoned").exists()
+    assert (result.global_step, result.stopped_early, result.rollbacks) == (5, False, 1)
+    event = next(e for e in result.health if e.rule == "non_finite")
+    assert (event.step, event.action) == (3, "rollback")
+    assert event.taken.startswith("rolled back to step 2 (learning rate x0.5")
+    assert LocalStore(tmp_path / "ckpt").complete_steps() == [2, 4, 5]  # 4 and 5 trained after the rollback
+    state = json.loads((tmp_path / "ckpt" / "checkpoint-4" / STATE_FILE).read_text())
+    assert (state["rollbacks"], state["lr_scale"]) == (1, 0.5)
+    client = mlflow.MlflowClient(uri)
+    run_ = client.get_run(result.mlflow_run_id)
+    assert "rolled back to step 2" in run_.data.tags["health/step-3/non_finite"]
+    assert [m.value for m in client.get_metric_history(result.mlflow_run_id, "health/rollbacks")] == [1.0]
+    # the learning rate after the rollback is half what the schedule gives at the same step without one
+    lrs = {int(m.step): m.value for m in client.get_metric_history(result.mlflow_run_id, "learning_rate")}
+    assert lrs[4] == pytest.approx(0.5 * 1e-3 * (1 - 3 / 5), rel=1e-6)
+
+
+def test_with_a_validation_split_the_best_steps_adapter_is_published_and_kept(tmp_path, tiny_model, tiny_splits,
+                                                                              tiny_config):
+    from trainer.train import run
+
+    cfg = tiny_config("train.grpo.max_steps=4", "train.checkpoint_every=2", "train.keep_checkpoints=1",
+                      "train.early_stopping_patience=5", f"train.rewards=[{REWARDS}:worse_with_steps]")
+    spec = _spec(tmp_path, tiny_model, tiny_splits, cfg, val_file=str(tiny_splits["val"]))
+    result = run(spec)
+
+    assert (result.global_step, result.best_step) == (4, 2)  # evaluations at 2 (1/3) and 4 (1/5)
+    assert result.best_val_reward == pytest.approx(1 / 3, abs=0.011)
+    assert LocalStore(tmp_path / "ckpt").complete_steps() == [2, 4]  # keep 1, and the best though older
+    published = (tmp_path / "adapter" / "adapter_model.safetensors").read_bytes()
+    assert published == (tmp_path / "ckpt" / "checkpoint-2" / "adapter_model.safetensors").read_bytes()
+    assert published != (tmp_path / "ckpt" / "checkpoint-4" / "adapter_model.safetensors").read_bytes()
+    assert not (tmp_path / "adapter" / "optimizer.pt").exists()

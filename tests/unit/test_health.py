@@ -1,0 +1,207 @@
+"""The health rules as pure functions fed with metric sequences (`trainer.health`), their state through a
+checkpoint, the rollback's choice of checkpoint and learning-rate change, and their configuration: a bad type,
+an out-of-range threshold, an unknown rule or a rollback with nothing to return to exits 2 naming the field."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from typer.testing import CliRunner
+
+from configs.schema import ConfigError, HealthConfig, load_config
+from trainer.health import RULE_NAMES, Ledger, Monitor, decide, healthy_checkpoint
+from trainer.spec import HEALTH_DEFAULTS, HealthSettings, RuleSettings
+
+
+def _monitor(**rules) -> Monitor:
+    off = {name: RuleSettings(action="off", window=1, threshold=0.0) for name in RULE_NAMES}
+    return Monitor(HealthSettings(**{**off, **{k: RuleSettings(**v) for k, v in rules.items()}}))
+
+
+def _fired(monitor: Monitor, key: str, values, **extra) -> list[tuple[int, str]]:
+    fired = []
+    for step, value in enumerate(values, start=1):
+        fired += [(e.step, e.rule) for e in monitor.observe(step, {key: value, **extra})]
+    return fired
+
+
+def test_zero_variance_fires_on_the_window_mean_once_until_it_clears():
+    m = _monitor(zero_variance={"action": "stop", "window": 3, "threshold": 0.9})
+    # the window of steps 3-5 is the first whose mean reaches 0.9; it stays there at no step after 5 until 9
+    values = [1.0, 0.5, 1.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0]
+    assert _fired(m, "frac_reward_zero_std", values) == [(5, "zero_variance"), (9, "zero_variance")]
+
+
+def test_relative_rules_compare_with_the_runs_first_window():
+    m = _monitor(entropy_collapse={"action": "warn", "window": 2, "threshold": 0.1})
+    assert _fired(m, "entropy", [2.0, 2.0, 1.0, 0.5, 0.2, 0.1, 0.1]) == [(6, "entropy_collapse")]  # 0.15 / 2.0
+    m = _monitor(length_drift={"action": "warn", "window": 2, "threshold": 3.0})
+    assert _fired(m, "completions/mean_length", [10, 10, 20, 30, 40]) == [(5, "length_drift")]  # 35 / 10
+    m = _monitor(length_drift={"action": "warn", "window": 1, "threshold": 3.0})
+    assert _fired(m, "completions/mean_length", [30, 20, 9]) == [(3, "length_drift")]  # shrinking counts too
+
+
+def test_clipped_kl_and_reward_collapse():
+    m = _monitor(clipped_completions={"action": "warn", "window": 2, "threshold": 0.5})
+    assert _fired(m, "completions/clipped_ratio", [0.2, 0.6, 0.6]) == [(3, "clipped_completions")]
+    m = _monitor(kl_blowup={"action": "stop", "window": 2, "threshold": 1.0})
+    assert _fired(m, "kl", [0.01, 0.5, 2.0]) == [(3, "kl_blowup")]
+    assert _fired(_monitor(kl_blowup={"action": "stop", "window": 1, "threshold": 1.0}), "loss", [1, 2]) == []  # beta 0
+    m = _monitor(reward_collapse={"action": "warn", "window": 2, "threshold": 0.01})
+    events = m.observe(1, {"reward_std": 0.0, "reward": 1.0}) + m.observe(2, {"reward_std": 0.0, "reward": 1.0,
+                                                                              "rewards/correct/std": 0.0})
+    assert [e.rule for e in events] == ["reward_collapse"] and "(reward mean 1, correct std 0)" in events[0].message
+
+
+def test_non_finite_loss_or_grad_norm_fires_at_once_and_fp16_grad_norms_are_left_to_the_scaler():
+    m = _monitor(non_finite={"action": "rollback", "window": 1, "threshold": 0.0})
+    events = m.observe(3, {"loss": float("nan"), "grad_norm": 0.5})
+    assert [(e.rule, e.step, e.metric, e.action) for e in events] == [("non_finite", 3, "loss", "rollback")]
+    assert math.isnan(events[0].value)
+    m.check_grad_norm = False
+    assert m.observe(4, {"loss": 0.1, "grad_norm": float("inf")}) == []
+
+
+def test_a_nan_at_a_known_step_decides_a_rollback_to_the_checkpoint_before_it():
+    m = _monitor(non_finite={"action": "rollback", "window": 1, "threshold": 0.0},
+                 zero_variance={"action": "warn", "window": 1, "threshold": 0.9})
+    logs = [{"loss": 0.1, "grad_norm": 1.0, "frac_reward_zero_std": 0.0}] * 4
+    logs.append({"loss": float("nan"), "grad_norm": float("nan"), "frac_reward_zero_std": 1.0})
+    events = [e for step, entry in enumerate(logs, start=1) for e in m.observe(step, entry)]
+    chosen = decide(events)
+    assert (chosen.rule, chosen.step, chosen.action) == ("non_finite", 5, "rollback")
+    assert healthy_checkpoint([2, 4], chosen, window=1) == 4
+    assert healthy_checkpoint([2, 4], chosen.model_copy(update={"step": 2}), window=1) is None  # start again
+
+
+def test_windows_restored_from_a_checkpoint_fire_where_the_uninterrupted_run_fires():
+    rule = {"action": "stop", "window": 4, "threshold": 0.9}
+    values = [0.5, 1.0, 1.0, 1.0, 1.0, 1.0]
+    whole = _fired(_monitor(zero_variance=rule), "frac_reward_zero_std", values)
+    first = _monitor(zero_variance=rule)
+    _fired(first, "frac_reward_zero_std", values[:3])
+    saved = json.loads(json.dumps(first.state()))  # through health.json
+    resumed = _monitor(zero_variance=rule)
+    resumed.load(saved)
+    later = [(s + 3, r) for s, r in _fired(resumed, "frac_reward_zero_std", values[3:])]
+    assert later == whole == [(5, "zero_variance")]
+    assert _fired(_monitor(zero_variance=rule), "frac_reward_zero_std", values[3:]) == []  # a fresh window would not
+
+
+def test_the_ledger_keeps_events_and_the_learning_rate_scale_through_json():
+    m = _monitor(non_finite={"action": "rollback", "window": 1, "threshold": 0.0})
+    ledger = Ledger(events=m.observe(3, {"loss": float("inf")}), rollbacks=1, lr_scale=0.5)
+    again = Ledger.from_json(ledger.to_json())
+    assert (again.rollbacks, again.lr_scale, again.events[0].value) == (1, 0.5, math.inf)
+    again.merge(ledger.events)
+    assert len(again.events) == 1
+
+
+def test_scaling_the_learning_rate_holds_for_a_resumed_scheduler():
+    import torch
+
+    from trainer.health import scale_learning_rate
+
+    param = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.AdamW([param], lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 - step / 10)
+    for _ in range(2):
+        opt.step()
+        sched.step()
+    scale_learning_rate(opt, sched, 0.5)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.5 * 1e-3 * 0.8)
+    opt.step()
+    sched.step()  # the schedule goes on from the halved base
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.5 * 1e-3 * 0.7)
+
+
+def test_the_configs_defaults_are_the_trainers():
+    cfg = HealthConfig()
+    assert {name: getattr(cfg, name).model_dump() for name in HEALTH_DEFAULTS} == HEALTH_DEFAULTS
+    assert cfg.model_dump() == HealthSettings().model_dump()
+
+
+@pytest.mark.parametrize("assignment, names", [
+    ("train.health.zero_variance.threshold=lots", "train.health.zero_variance.threshold: Input should be a valid number"),
+    ("train.health.zero_variance.threshold=1.5", "train.health.zero_variance.threshold: Input should be less than or equal to 1"),
+    ("train.health.length_drift.threshold=0.5", "train.health.length_drift.threshold: Input should be greater than 1"),
+    ("train.health.kl_blowup.window=0", "train.health.kl_blowup.window: Input should be greater than or equal to 1"),
+    ("train.health.entropy.action=stop", "train.health.entropy: unknown key; did you mean 'entropy_collapse'?"),
+    ("train.health.kl_blowup.action=halt", "train.health.kl_blowup.action: Input should be 'off', 'warn', 'stop' or 'rollback'"),
+    ("train.health.zero_variance.action=rollback", "train.health.zero_variance.action=rollback needs checkpoints"),
+])
+def test_a_bad_health_setting_names_the_field(assignment, names):
+    with pytest.raises(ConfigError) as caught:
+        load_config(None, [assignment, "train.grpo.max_steps=10", "train.checkpoint_every=10"])
+    assert names in str(caught.value)
+
+
+@pytest.mark.parametrize("assignment", ["train.health.zero_variance.threshold=lots", "train.health.nope.action=stop",
+                                        "train.health.non_finite.action=rollback"])
+def test_a_bad_health_setting_exits_2_before_training(assignment, monkeypatch):
+    import flows.pipeline
+    from grpo_pipeline.cli import EXIT_CONFIG, app
+
+    monkeypatch.setattr(flows.pipeline, "grpo_pipeline", lambda *a, **k: pytest.fail("training started"))
+    sets = ["--set", assignment, "--set", "train.grpo.max_steps=10", "--set", "train.checkpoint_every=10"]
+    result = CliRunner().invoke(app, ["run", "--json", *sets])
+    assert result.exit_code == EXIT_CONFIG == 2, result.output
+    assert assignment.rpartition(".")[0] in json.loads(result.stdout.strip().splitlines()[-1])["error"]
+
+
+def test_the_default_non_finite_rollback_becomes_a_stop_where_no_checkpoint_comes_before_the_end():
+    cfg = load_config(None, ["train.grpo.max_steps=10", "train.checkpoint_every=10"])
+    assert cfg.train.health.non_finite.action == "stop"
+    assert load_config(None, ["train.grpo.max_steps=20"]).train.health.non_finite.action == "rollback"
+
+
+def test_every_rank_acts_on_rank_0s_decision():
+    """A rank other than 0 does not run the rules: it takes rank 0's events from the broadcast and stops too."""
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    from trainer.callbacks import HealthCallback
+    from trainer.distributed import Ranks
+
+    class Rank1(Ranks):
+        def broadcast(self, value):
+            assert value is None  # this rank decided nothing itself
+            return _monitor(zero_variance={"action": "stop", "window": 1, "threshold": 0.9}).observe(
+                2, {"frac_reward_zero_std": 1.0})
+
+    settings = HealthSettings(zero_variance=RuleSettings(action="stop", window=1, threshold=0.9))
+    callback = HealthCallback(settings, Ledger(), Rank1(rank=1, world=2))
+    state, control = TrainerState(global_step=2), TrainerControl()
+    # rank 1's own metrics would not fire: the decision is rank 0's
+    callback.on_log(TrainingArguments("unused", report_to=[]), state, control, logs={"loss": 0.1, "frac_reward_zero_std": 0.0})
+    assert control.should_training_stop and callback.stopped.rule == "zero_variance"
+    assert [e.taken for e in callback.ledger.events] == ["stopped"]
+
+
+def test_the_report_says_the_candidate_came_from_a_rolled_back_run():
+    from tasks.decide import Decision
+    from tasks.report import render_markdown
+    from tasks.serving import ServingCheck
+    from tasks.summary import Holdout, RegistryOutcome, RunSummary
+    from trainer.spec import HealthEvent, TrainResult
+
+    assert "health" in RunSummary.model_json_schema()["$defs"]["TrainResult"]["properties"]
+    event = HealthEvent(rule="non_finite", step=3, metric="loss", value=float("nan"), threshold=0.0, action="rollback",
+                        message="non-finite loss=nan", taken="rolled back to step 2 (learning rate x0.5 of the configured)")
+    train = TrainResult(adapter_dir="a", global_step=5, max_steps=5, resumed_from_step=None, interrupted=False,
+                        stopped_early=False, mlflow_run_id=None, train_runtime_s=1.0, metrics={}, health=[event],
+                        rollbacks=1)
+    assert TrainResult.model_validate_json(train.model_dump_json()).health[0].taken == event.taken  # NaN survives
+    holdout = Holdout(n=2, base_reward=0.0, trained_reward=1.0, gain=1.0, base={"r": 0.0}, trained={"r": 1.0})
+    check = ServingCheck(model_uri="models:/m/2", prompts=2, matched=2, passed=True, seconds=1.0)
+    registry = RegistryOutcome(model="m", candidate_version="2", decided_against=None, moves=[], aliases={},
+                               base_model="org/base", serving_check=check)
+    markdown = render_markdown(holdout, Decision(promote=True, reasons=["gain"], stats={}), registry, train=train)
+    assert "rolled back 1 time(s)" in markdown and "| 3 | non\\_finite | nan | 0 | rollback | rolled back to step 2" in markdown
+    assert markdown.index("## Training health") < markdown.index("## Reasons")
+    best = train.model_copy(update={"best_step": 4, "best_val_reward": 0.5, "global_step": 8})
+    assert "adapter of step 4, the best validation reward (0.5), not of the last step (8)" in render_markdown(
+        holdout, Decision(promote=True, reasons=[], stats={}), registry, train=best)
+    assert "## Training health" not in render_markdown(holdout, Decision(promote=True, reasons=[], stats={}), registry,
+                                                        train=train.model_copy(update={"health": [], "rollbacks": 0}))

@@ -1,0 +1,241 @@
+"""Health rules for an unattended GRPO run: read from the metrics TRL already logs each step (no second
+forward pass), each rule a window, a threshold and an action (warn, stop, rollback).
+
+The rule engine (`Monitor`) is pure: it takes one HF log dict at a time and returns the events that fired;
+its state (each rule's window, baseline and whether it is armed) is a JSON-able dict, saved beside every
+checkpoint (`health.json`) and restored on resume, so a resumed run keeps its windows. `HealthCallback` is
+the thin part that reads TRL's logs, makes every rank act on rank 0's decision, records each event (log
+line, MLflow tag and metric) and ends or rolls back the training. The defaults and where they come from:
+docs/training.md#health-rules.
+
+Keys read (TRL 1.16 GRPOTrainer, `_metrics` averaged per log; HF adds loss and grad_norm):
+`frac_reward_zero_std`, `entropy`, `completions/mean_length`, `completions/clipped_ratio`, `kl` (only when
+beta > 0), `reward`, `reward_std`, `rewards/<name>/std`, `loss`, `grad_norm`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from trainer.spec import HealthEvent, HealthSettings, RuleSettings
+
+log = logging.getLogger(__name__)
+STATE_FILE = "health.json"  # in each checkpoint: the monitor's windows, the events so far, the lr scale baked in
+LEDGER = "health"  # a store entry: the rollbacks so far and the lr scale they set, kept across relaunches
+SEVERITY = {"off": 0, "warn": 1, "stop": 2, "rollback": 3}
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One rule: the metric it reads, how a window of it becomes one value, and when that value is bad.
+
+    `relative` rules compare the window's mean with the run's first full window (its baseline): entropy and
+    completion length have no model-independent scale, their change does."""
+
+    name: str
+    metric: str
+    bad: Callable[[float, float], bool]  # (value, threshold) -> fired
+    says: str  # what the value is, for the message
+    relative: bool = False
+
+
+RULES: dict[str, Rule] = {r.name: r for r in (
+    Rule("zero_variance", "frac_reward_zero_std", lambda v, t: v >= t,
+         "mean fraction of groups whose completions all got the same reward (no advantage, no gradient)"),
+    Rule("entropy_collapse", "entropy", lambda v, t: v <= t,
+         "mean policy entropy as a fraction of the run's first window", relative=True),
+    Rule("length_drift", "completions/mean_length", lambda v, t: v >= t or v <= 1 / t,
+         "mean completion length as a multiple of the run's first window", relative=True),
+    Rule("clipped_completions", "completions/clipped_ratio", lambda v, t: v >= t,
+         "mean fraction of completions cut at max_completion_length"),
+    Rule("kl_blowup", "kl", lambda v, t: v >= t, "mean per-token KL to the reference"),
+    Rule("reward_collapse", "reward_std", lambda v, t: v <= t, "mean spread (std) of the rewards in a batch"),
+)}
+NON_FINITE = "non_finite"  # no window statistic: any non-finite loss or grad norm fires at once
+RULE_NAMES = (*RULES, NON_FINITE)
+
+
+def _finite_number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def is_step_log(logs: dict) -> bool:
+    """A training step's log: TRL's per-step metrics are in it (not an evaluation's, nor the final summary).
+
+    >>> is_step_log({"loss": 0.1, "reward": 0.5}), is_step_log({"eval_reward": 0.5}), is_step_log({"train_runtime": 3})
+    (True, False, False)
+    """
+    return ("loss" in logs or "reward" in logs) and "train_runtime" not in logs and not any(
+        k.startswith("eval_") for k in logs)
+
+
+@dataclass
+class _Track:
+    values: deque
+    baseline: float | None = None
+    armed: bool = True  # a rule fires once, then again only after its condition has cleared
+
+
+@dataclass
+class Monitor:
+    """Every enabled rule's window over the logged steps. `observe` takes one step's log and returns the
+    events that fired; `state`/`load` carry the windows through a checkpoint.
+
+    >>> s = HealthSettings(zero_variance=RuleSettings(action="stop", window=2, threshold=0.9))
+    >>> m = Monitor(s)
+    >>> m.observe(1, {"frac_reward_zero_std": 1.0}), [e.rule for e in m.observe(2, {"frac_reward_zero_std": 1.0})]
+    ([], ['zero_variance'])
+    """
+
+    settings: HealthSettings
+    check_grad_norm: bool = True  # False under fp16: the GradScaler skips inf steps itself, and logs them
+    tracks: dict[str, _Track] = field(default_factory=dict)
+    armed_non_finite: bool = True
+
+    def __post_init__(self):
+        for name in RULES:
+            rule = self.settings.rule(name)
+            if rule.action != "off" and name not in self.tracks:
+                self.tracks[name] = _Track(deque(maxlen=rule.window))
+
+    def observe(self, step: int, logs: dict) -> list[HealthEvent]:
+        events = []
+        for name, track in self.tracks.items():
+            rule, cfg = RULES[name], self.settings.rule(name)
+            value = logs.get(rule.metric)
+            if not _finite_number(value):  # absent (kl with beta 0), None (TRL: all NaN) or non-finite
+                continue
+            track.values.append(float(value))
+            if len(track.values) < cfg.window:
+                continue
+            mean = sum(track.values) / len(track.values)
+            if rule.relative:
+                if track.baseline is None:
+                    track.baseline = mean  # the run's first full window: where it started
+                    continue
+                if track.baseline <= 0:
+                    continue  # nothing to be a fraction of
+                mean = mean / track.baseline
+            fired = rule.bad(mean, cfg.threshold)
+            if fired and track.armed:
+                events.append(HealthEvent(
+                    rule=name, step=step, metric=rule.metric, value=mean, threshold=cfg.threshold, action=cfg.action,
+                    message=f"{rule.says}: {mean:.4g} over the last {cfg.window} logged step(s), threshold "
+                            f"{cfg.threshold:g}" + _detail(name, logs)))
+            track.armed = not fired
+        nf = self.settings.non_finite
+        if nf.action != "off":
+            bad = {k: logs[k] for k in ("loss", "grad_norm") if k in logs and (k != "grad_norm" or self.check_grad_norm)
+                   and isinstance(logs[k], int | float) and not math.isfinite(logs[k])}
+            if bad and self.armed_non_finite:
+                key, value = next(iter(bad.items()))
+                events.append(HealthEvent(rule=NON_FINITE, step=step, metric=key, value=float(value), threshold=0.0,
+                                          action=nf.action, message=f"non-finite {', '.join(f'{k}={v}' for k, v in bad.items())}"))
+            self.armed_non_finite = not bad
+        return events
+
+    def state(self) -> dict:
+        return {"tracks": {n: {"values": list(t.values), "baseline": t.baseline, "armed": t.armed}
+                           for n, t in self.tracks.items()},
+                "armed_non_finite": self.armed_non_finite}
+
+    def load(self, state: dict) -> None:
+        """Windows from a checkpoint; a rule whose window size changed keeps the newest values that fit."""
+        for name, saved in (state.get("tracks") or {}).items():
+            if name in self.tracks:
+                track = self.tracks[name]
+                track.values.extend(saved.get("values", []))
+                track.baseline, track.armed = saved.get("baseline"), saved.get("armed", True)
+        self.armed_non_finite = state.get("armed_non_finite", True)
+
+
+def _detail(rule: str, logs: dict) -> str:
+    """What the team needs beside the number: for a reward collapse, whether all right or all wrong."""
+    if rule in ("reward_collapse", "zero_variance"):
+        spreads = {k.removeprefix("rewards/").removesuffix("/std"): v for k, v in logs.items()
+                   if k.startswith("rewards/") and k.endswith("/std") and _finite_number(v)}
+        parts = [f"reward mean {logs['reward']:.4g}"] if _finite_number(logs.get("reward")) else []
+        parts += [f"{name} std {v:.3g}" for name, v in spreads.items()]
+        return f" ({', '.join(parts)})" if parts else ""
+    return ""
+
+
+def decide(events: list[HealthEvent]) -> HealthEvent | None:
+    """The event whose action is the strongest (rollback > stop > warn), or None when only warnings fired.
+
+    >>> e = lambda a: HealthEvent(rule="r", step=1, metric="m", value=1.0, threshold=1.0, action=a, message="")
+    >>> decide([e("warn"), e("rollback"), e("stop")]).action, decide([e("warn")])
+    ('rollback', None)
+    """
+    acting = [e for e in events if e.action in ("stop", "rollback")]
+    return max(acting, key=lambda e: SEVERITY[e.action]) if acting else None
+
+
+def healthy_checkpoint(steps: list[int], event: HealthEvent, window: int) -> int | None:
+    """The newest checkpoint written before any step the firing window looked at, or None (start again).
+
+    >>> healthy_checkpoint([2, 4, 6], HealthEvent(rule="non_finite", step=5, metric="loss", value=float("nan"),
+    ...                    threshold=0.0, action="rollback", message=""), 1)
+    4
+    >>> healthy_checkpoint([2, 4], HealthEvent(rule="kl_blowup", step=5, metric="kl", value=9.0, threshold=1.0,
+    ...                    action="rollback", message=""), 3)
+    2
+    """
+    first_bad = event.step - window + 1
+    good = [s for s in steps if s < first_bad]
+    return good[-1] if good else None
+
+
+@dataclass
+class Ledger:
+    """What outlives one attempt: the events so far, the rollbacks done and the learning-rate scale they set.
+    Written to the store at each rollback, so a relaunch after a preemption keeps the halved rate."""
+
+    events: list[HealthEvent] = field(default_factory=list)
+    rollbacks: int = 0
+    lr_scale: float = 1.0
+
+    def to_json(self) -> str:
+        return json.dumps({"events": [e.model_dump(mode="json") for e in self.events], "rollbacks": self.rollbacks,
+                           "lr_scale": self.lr_scale})
+
+    @classmethod
+    def from_json(cls, text: str) -> "Ledger":
+        raw = json.loads(text)
+        return cls([HealthEvent.model_validate(e) for e in raw.get("events", [])], int(raw.get("rollbacks", 0)),
+                   float(raw.get("lr_scale", 1.0)))
+
+    def merge(self, events: list[HealthEvent]) -> None:
+        """Add events not yet recorded (a resumed run refires nothing it saved, but a ledger and a checkpoint
+        can both hold an event)."""
+        seen = {(e.rule, e.step, e.action) for e in self.events}
+        self.events += [e for e in events if (e.rule, e.step, e.action) not in seen]
+        self.events.sort(key=lambda e: e.step)
+
+
+def scale_learning_rate(optimizer, scheduler, factor: float) -> None:
+    """Multiply the optimizer's and the scheduler's learning rates by `factor`, in place.
+
+    A resumed optimizer and scheduler carry the rates they were saved with (HF loads both after building
+    them from the arguments), so the change goes into their state, not into `args.learning_rate`."""
+    if factor == 1.0:
+        return
+    for group in optimizer.param_groups:
+        group["lr"] *= factor
+        if "initial_lr" in group:
+            group["initial_lr"] *= factor
+    inner = getattr(scheduler, "scheduler", scheduler)  # accelerate's wrapper, when there is one
+    if inner is not None and hasattr(inner, "base_lrs"):
+        inner.base_lrs = [lr * factor for lr in inner.base_lrs]
+        inner._last_lr = [group["lr"] for group in optimizer.param_groups]
+
+
+def read_state(checkpoint: Path | None) -> dict:
+    path = Path(checkpoint) / STATE_FILE if checkpoint else None
+    return json.loads(path.read_text()) if path and path.is_file() else {}
