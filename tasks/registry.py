@@ -3,8 +3,16 @@
 
 What moves is planned by pure functions (`plan_promotion`, `plan_force`, `plan_rollback`) and applied by
 `Registry` under a lock, after checking that the champion is still the version the decision was made
-against: two runs finishing at once leave exactly one consistent champion. The lock is a registered model
-whose name is unique in MLflow's database, so any backend (SQLite, PostgreSQL) makes taking it atomic.
+against: two runs finishing at once leave exactly one consistent champion.
+
+The lock is a ticket queue on the registered model `<name>.promotion-lock`: each taker creates a model version
+there (MLflow numbers versions in its database, one past the highest ever given, deleted ones included, so a
+number is never handed out twice on any backend), tagged with a random token. The lowest live ticket holds the
+lock. A ticket whose holder shows no sign of life for `stale_lock_s` (its `seen` tag, renewed while it waits
+and before each alias move) is deleted by whoever waits behind it: deleting a version by its number is a
+compare-and-delete, it can never remove a ticket taken since, so two waiters breaking the same stale lock
+still queue one behind the other. The holder checks its ticket (number and token) before each alias move and
+at release, and stops (`LockLost`) if it is gone; release deletes only the holder's own ticket.
 
 With a merged companion (`merge.enabled`), each adapter version that has a merged model records its version
 of `<name>-merged` in the tag `merged_version`, and every alias move on the adapter model is mirrored
@@ -21,6 +29,7 @@ import base64
 import getpass
 import json
 import os
+import secrets
 import time
 import urllib.error
 import urllib.parse
@@ -48,6 +57,10 @@ class ChampionMoved(RuntimeError):
 
 class RegistryError(RuntimeError):
     """A registry state that refuses the request (a held lock, no such version): no retry changes it."""
+
+
+class LockLost(RegistryError):
+    """The promotion lock was taken from this holder (its ticket broken as stale): it must move nothing more."""
 
 
 class RegistryServiceError(RuntimeError):
@@ -202,6 +215,22 @@ class RestClient:
     def delete_registered_model(self, name: str) -> None:
         self._call("DELETE", "registered-models/delete", {"name": name})
 
+    def create_model_version(self, name: str, source: str, tags: dict | None = None, **_):
+        body = {"name": name, "source": source, "tags": [{"key": k, "value": v} for k, v in (tags or {}).items()]}
+        return self._version(self._call("POST", "model-versions/create", body)["model_version"])
+
+    def search_model_versions(self, filter_string: str) -> list:
+        found, token = [], None
+        while True:
+            page = self._call("GET", "model-versions/search", {"filter": filter_string, "max_results": 1000}
+                              | ({"page_token": token} if token else {}))
+            found += [self._version(raw) for raw in page.get("model_versions", [])]
+            if not (token := page.get("next_page_token")):
+                return found
+
+    def delete_model_version(self, name: str, version: str) -> None:
+        self._call("DELETE", "model-versions/delete", {"name": name, "version": version})
+
 
 def open_client(tracking_uri: str):
     """A registry client for the operator commands: REST for an MLflow server, else MLflow's client."""
@@ -226,11 +255,52 @@ def _code(exc: BaseException) -> str | None:
     return getattr(exc, "error_code", None)
 
 
+TOKEN_TAG, SEEN_TAG = "token", "seen"
+# A ticket has no artifacts: a source the server takes without a run (an absolute path under a scheme of
+# its own; not a local path, runs:/ or mlflow-artifacts:, which need a run that holds them).
+LOCK_SOURCE = "grpo-lock:/promotion-lock"
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """A place in the promotion lock's queue: a model version of `<name>.promotion-lock`."""
+
+    version: int
+    token: str  # random per taker: a ticket is only ever checked or released by the one who took it
+    seen: float  # when its taker last showed it was alive (seconds since the epoch)
+
+
+def _ticket_tags(token: str) -> dict[str, str]:
+    return {TOKEN_TAG: token, SEEN_TAG: str(time.time()), "holder": operator()}
+
+
+def _seen(tags: dict) -> float:
+    try:
+        return float(tags.get(SEEN_TAG, "0"))
+    except ValueError:
+        return 0.0  # unreadable: as old as can be
+
+
+def queue_ahead(tickets: list[Ticket], mine: Ticket, now: float, stale_s: float) -> tuple[list[Ticket], list[Ticket]]:
+    """The live tickets ahead of `mine` (lowest first) and the stale ones ahead, which may be broken. Only
+    numbers below `mine` count: a ticket taken later always gets a higher number.
+
+    >>> t = lambda v, seen: Ticket(v, f"t{v}", seen)
+    >>> queue_ahead([t(3, 100.0), t(5, 990.0), t(7, 999.0), t(9, 999.0)], t(7, 999.0), now=1000.0, stale_s=60)
+    ([Ticket(version=5, token='t5', seen=990.0)], [Ticket(version=3, token='t3', seen=100.0)])
+    """
+    ahead = sorted((t for t in tickets if t.version < mine.version), key=lambda t: t.version)
+    stale = [t for t in ahead if now - t.seen > stale_s]
+    return [t for t in ahead if t not in stale], stale
+
+
 class Registry:
     def __init__(self, client, name: str, lock_timeout_s: float = 120, stale_lock_s: float = 900):
         self.client, self.name = client, name
         self.lock_timeout_s, self.stale_lock_s = lock_timeout_s, stale_lock_s
+        self.heartbeat_s = min(10.0, stale_lock_s / 4)  # a waiter renews its ticket well inside the stale limit
         self.errors = _errors(client)
+        self._held: Ticket | None = None
 
     @property
     def merged(self) -> str:
@@ -285,6 +355,8 @@ class Registry:
         before = self.version_of(move.alias, name)
         if before == move.version:
             return None  # already so: not a move
+        if self._held is not None:
+            self.check_holder(self._held)  # a holder taken for dead moves nothing more
         if move.version is None:
             self.client.delete_registered_model_alias(name, move.alias)
         else:
@@ -314,37 +386,109 @@ class Registry:
         detail = str(exc) if str(url) in str(exc) else f"MLflow at {url}: {exc}"
         return RegistryServiceError(f"{doing}: {detail}")
 
+    @property
+    def lock_name(self) -> str:
+        return f"{self.name}.promotion-lock"
+
+    def _tickets(self) -> list[Ticket]:
+        try:
+            found = self.client.search_model_versions(f"name = '{self.lock_name}'")
+        except self.errors as exc:
+            raise self._service_error(f"cannot read the registry lock {self.lock_name}", exc) from exc
+        return [Ticket(int(v.version), v.tags.get(TOKEN_TAG, ""), _seen(v.tags)) for v in found]
+
+    def acquire(self) -> Ticket:
+        """Queue for the lock and wait until this ticket is the lowest live one, breaking stale tickets ahead.
+
+        Only "held by a live holder" makes it wait; any other error (the server does not answer) is raised at
+        once. On giving up (`lock_timeout_s`) its own ticket is withdrawn."""
+        name, deadline = self.lock_name, time.monotonic() + self.lock_timeout_s
+        token = secrets.token_hex(16)
+        try:
+            self.client.create_registered_model(name, description=f"the promotion lock of {self.name}: each "
+                                                "model version is a ticket; the lowest holds the lock")
+        except self.errors as exc:
+            if _code(exc) != "RESOURCE_ALREADY_EXISTS":
+                raise self._service_error(f"cannot take the registry lock {name}", exc) from exc
+        try:
+            mine = self.client.create_model_version(name, LOCK_SOURCE, tags=_ticket_tags(token))
+        except self.errors as exc:
+            raise self._service_error(f"cannot take the registry lock {name}", exc) from exc
+        ticket, beat = Ticket(int(mine.version), token, time.time()), time.monotonic()
+        try:
+            while True:
+                tickets = self._tickets()
+                if ticket.version not in {t.version for t in tickets}:  # broken as stale while it waited
+                    raise self._lost(ticket)
+                ahead, stale = queue_ahead(tickets, ticket, time.time(), self.stale_lock_s)
+                for old in stale:  # its holder died mid-promotion (or while waiting)
+                    self._delete_ticket(old.version)
+                if not ahead:
+                    self._renew(ticket)  # held from now: its age counts from here, not from its wait
+                    return ticket
+                if time.monotonic() > deadline:
+                    raise RegistryError(f"the registry lock {name} is held (ticket {ahead[0].version}); if no promotion "
+                                        f"is running, delete version {ahead[0].version} of {name}, or wait "
+                                        f"{self.stale_lock_s:g} s for it to count as stale")
+                if time.monotonic() - beat > self.heartbeat_s:  # a live waiter is never taken for a dead one
+                    self._renew(ticket)
+                    beat = time.monotonic()
+                time.sleep(0.2)
+        except BaseException:
+            self._delete_ticket(ticket.version)
+            raise
+
+    def _owns(self, ticket: Ticket) -> bool:
+        """Whether `ticket` is still there with its token (not broken as stale, not replaced)."""
+        try:
+            current = self.client.get_model_version(self.lock_name, str(ticket.version))
+        except self.errors as exc:
+            if _code(exc) not in MISSING:
+                raise self._service_error(f"cannot read the registry lock {self.lock_name}", exc) from exc
+            return False
+        return current.tags.get(TOKEN_TAG) == ticket.token
+
+    def _lost(self, ticket: Ticket) -> LockLost:
+        return LockLost(f"the registry lock {self.lock_name} was taken from ticket {ticket.version} (counted as stale "
+                        f"after {self.stale_lock_s:g} s without a sign of life); nothing more was moved: check the "
+                        "aliases and re-run")
+
+    def check_holder(self, ticket: Ticket) -> None:
+        """This ticket still holds the lock (its number is there with its token), or `LockLost`; renews it."""
+        if not self._owns(ticket):
+            raise self._lost(ticket)
+        self._renew(ticket)
+
+    def release(self, ticket: Ticket) -> None:
+        """Delete this holder's own ticket, after checking it is its own: never anyone else's."""
+        if self._owns(ticket):
+            self._delete_ticket(ticket.version)
+
+    def _renew(self, ticket: Ticket) -> None:
+        try:
+            self.client.set_model_version_tag(self.lock_name, str(ticket.version), SEEN_TAG, str(time.time()))
+        except self.errors as exc:
+            if _code(exc) in MISSING:
+                raise self._lost(ticket) from None
+            raise self._service_error(f"cannot update the registry lock {self.lock_name}", exc) from exc
+
+    def _delete_ticket(self, version: int) -> None:
+        try:
+            self.client.delete_model_version(self.lock_name, str(version))
+        except self.errors as exc:
+            if _code(exc) not in MISSING:  # else deleted meanwhile: released, or broken by another waiter
+                raise self._service_error(f"cannot update the registry lock {self.lock_name}", exc) from exc
+
     @contextmanager
     def lock(self):
-        """Exclusive access to the aliases: creating a registered model is atomic in MLflow's database. Only
-        "that name exists" means held; any other error (the server does not answer) is raised at once."""
-        name, deadline = f"{self.name}.promotion-lock", time.monotonic() + self.lock_timeout_s
-        while True:
-            try:
-                self.client.create_registered_model(name, tags={"holder": operator(), "since": str(time.time())})
-                break
-            except self.errors as exc:
-                if _code(exc) != "RESOURCE_ALREADY_EXISTS":
-                    raise self._service_error(f"cannot take the registry lock {name}", exc) from exc
-                self._break_if_stale(name)
-                if time.monotonic() > deadline:
-                    raise RegistryError(
-                        f"the registry lock {name} is held; if no promotion is running, delete that registered model"
-                    ) from None
-                time.sleep(0.2)
+        """Exclusive access to the aliases until the block ends; `self.check_holder` runs before each move."""
+        ticket = self.acquire()
+        self._held = ticket
         try:
-            yield
+            yield ticket
         finally:
-            self.client.delete_registered_model(name)
-
-    def _break_if_stale(self, name: str) -> None:
-        try:
-            since = float(self.client.get_registered_model(name).tags.get("since", "inf"))
-            if time.time() - since > self.stale_lock_s:  # its holder died mid-promotion
-                self.client.delete_registered_model(name)
-        except self.errors as exc:
-            if _code(exc) != "RESOURCE_DOES_NOT_EXIST":  # else released meanwhile
-                raise self._service_error(f"cannot read the registry lock {name}", exc) from exc
+            self._held = None
+            self.release(ticket)
 
     def settle(self, candidate: str, decided_against: str | None, promote: bool, tags: dict[str, str]) -> list[AliasMove]:
         """Move the aliases for a decision, unless the champion moved since the decision was made."""

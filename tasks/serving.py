@@ -8,8 +8,8 @@ models, and the serving check that proves a registered version loads and generat
   only mlflow, transformers, peft and torch) with the adapter, whose `adapter_config.json` names the base
   reference, the tokenizer and chat template, an input example and a signature.
 - `serving_check`: a fresh Python process, its working directory outside the project, this project's
-  packages unimportable, loads `models:/<name>/<version>` and generates for holdout prompts; the outputs
-  must equal the evaluation's greedy outputs.
+  packages unimportable, loads `models:/<name>/<version>` and generates for holdout prompts (given on its
+  stdin, of any size); the outputs must equal the evaluation's greedy outputs.
 """
 
 from __future__ import annotations
@@ -228,7 +228,7 @@ import json, sys
 import mlflow
 import pandas as pd
 
-args = json.loads(sys.argv[1])
+args = json.loads(sys.stdin.read())
 mlflow.set_tracking_uri(args["tracking_uri"])
 model = mlflow.pyfunc.load_model(args["model_uri"])
 out = model.predict(pd.DataFrame({"prompt": args["prompts"]}),
@@ -260,7 +260,9 @@ def serving_check(model_uri: str, tracking_uri: str, rows: list[dict], expected:
     with tempfile.TemporaryDirectory(prefix="grpo-serving-check-") as tmp:
         payload = json.dumps({"tracking_uri": tracking_uri, "model_uri": model_uri, "prompts": prompts,
                               "max_new_tokens": max_new_tokens, "batch_size": batch_size})
-        proc = subprocess.run([sys.executable, "-c", CHECK, payload], cwd=tmp, capture_output=True, text=True,
+        # On stdin, not argv: one argument is capped at 128 KiB (a long holdout failed with E2BIG), and argv
+        # shows in `ps` to every user of the machine.
+        proc = subprocess.run([sys.executable, "-c", CHECK], input=payload, cwd=tmp, capture_output=True, text=True,
                               env=isolated_env(tracking_uri, Path(tmp), cache_dir), timeout=timeout_s)
     seconds = time.monotonic() - started
     if proc.returncode != 0:

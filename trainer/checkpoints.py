@@ -5,6 +5,14 @@ entry is `checkpoint-<step>` or `final` (the finished adapter and the job's resu
 preemption has no manifest and is never used. A resume (`choose_resume`) verifies the newest complete
 checkpoint against its manifest (every file's size and sha256) and falls back to the newest one that
 verifies; one that does not is moved aside to `<root>/corrupt/<entry>-<UTC time>/`, with `REASON.txt`.
+
+Names read from a store are data, never trusted as paths: a manifest's file names and the keys an S3 listing
+gives must be relative, with no `..`, `.` or empty part, and must resolve inside their entry's directory
+(`safe_relative`, `inside`). A manifest that breaks this (hostile, or damaged) makes its checkpoint corrupt:
+nothing is written for it, it is moved aside with its reason and the resume goes on from the newest good one.
+
+An upload that fails removes what it wrote (its objects, its directory); `prune` also removes entries cut off
+by a kill (no manifest) once a newer checkpoint is complete.
 """
 
 from __future__ import annotations
@@ -27,6 +35,11 @@ METRICS_FILE = "metrics.json"  # in `final` and each checkpoint: the steps' metr
 CORRUPT = "corrupt"  # <root>/corrupt/<entry>-<UTC time>/: checkpoints that failed verification, kept for a look
 REASON_FILE = "REASON.txt"
 _STEP = re.compile(r"checkpoint-(\d+)/" + re.escape(MANIFEST))  # matched from the root, so corrupt/... never counts
+_ENTRY = re.compile(r"checkpoint-(\d+)(?:/.*)?", re.DOTALL)  # any object or directory of a checkpoint entry
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+# What an S3 server answers for a key it will not take (a `..` part, a key too long): a fault of the name the
+# manifest gave, so of the checkpoint, never of the network or the credentials.
+_BAD_KEY = ("400", "InvalidArgument", "InvalidObjectName", "KeyTooLongError", "XMinioInvalidObjectName")
 log = logging.getLogger(__name__)
 
 
@@ -52,20 +65,90 @@ def build_manifest(directory: Path, step: int) -> dict:
     return {"step": step, "created": datetime.now(UTC).isoformat(), "files": files}
 
 
+def safe_relative(name: object, origin: str) -> str:
+    """`name`, read from a store, as a relative path that cannot leave its directory; `CheckpointCorrupt` if not.
+
+    Strict on purpose: only the canonical form `a/b/c` passes, so that no S3 server's or filesystem's own
+    normalisation (`a//b`, `./a`, `a/../b`) can make two readers see different files.
+
+    >>> safe_relative("sub/state.json", "the manifest of s3://b/p/checkpoint-2")
+    'sub/state.json'
+    >>> safe_relative("../../home/me/.bashrc", "the manifest of s3://b/p/checkpoint-2")
+    Traceback (most recent call last):
+    ...
+    trainer.checkpoints.CheckpointCorrupt: the manifest of s3://b/p/checkpoint-2 names '../../home/me/.bashrc', which has a '..' part; a name read from a store must be a relative path inside its directory (a/b/c), so the checkpoint is treated as corrupt
+    >>> safe_relative("/etc/cron.d/x", "the manifest of /ckpt/checkpoint-2")
+    Traceback (most recent call last):
+    ...
+    trainer.checkpoints.CheckpointCorrupt: the manifest of /ckpt/checkpoint-2 names '/etc/cron.d/x', which is absolute; a name read from a store must be a relative path inside its directory (a/b/c), so the checkpoint is treated as corrupt
+    """
+    if not isinstance(name, str) or not name:
+        problem = "is not a file name"
+    elif "\0" in name:
+        problem = "holds a NUL character"
+    elif name.startswith("/"):
+        problem = "is absolute"
+    elif ".." in (parts := name.split("/")):
+        problem = "has a '..' part"
+    elif "" in parts or "." in parts:
+        problem = "has an empty or '.' part"
+    else:
+        return name
+    raise CheckpointCorrupt(f"{origin} names {name!r}, which {problem}; a name read from a store must be a relative "
+                            "path inside its directory (a/b/c), so the checkpoint is treated as corrupt")
+
+
+def inside(directory: Path, name: str) -> Path:
+    """`directory / name` once it is sure to resolve inside `directory` (a symlink on the way could point out)."""
+    path = directory / name
+    root = directory.resolve()
+    if not path.resolve().is_relative_to(root):
+        raise CheckpointCorrupt(f"checkpoint file {path} resolves to {path.resolve()}, outside {root} (a symlink); "
+                                "the checkpoint is treated as corrupt")
+    return path
+
+
+def manifest_files(manifest: dict, where: str) -> dict[str, tuple[int, str]]:
+    """The files a manifest lists, `name -> (size, sha256)`, each name checked by `safe_relative`; any flaw
+    (a missing size, a name that is both a file and another's directory) is `CheckpointCorrupt`.
+
+    >>> manifest_files({"files": {"a/b.bin": {"size": 3, "sha256": "0" * 64}}}, "x")
+    {'a/b.bin': (3, '0000000000000000000000000000000000000000000000000000000000000000')}
+    >>> manifest_files({"files": {"a": {"size": 1, "sha256": "0" * 64}, "a/b": {"size": 1, "sha256": "0" * 64}}}, "x")
+    Traceback (most recent call last):
+    ...
+    trainer.checkpoints.CheckpointCorrupt: the manifest of x names 'a' both as a file and as the directory of 'a/b'
+    """
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        raise CheckpointCorrupt(f"the manifest of {where} lists no files")
+    out: dict[str, tuple[int, str]] = {}
+    for name, meta in files.items():
+        safe_relative(name, f"the manifest of {where}")
+        size, sha = (meta.get("size"), meta.get("sha256")) if isinstance(meta, dict) else (None, None)
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0 or not isinstance(sha, str) \
+                or not _SHA256.fullmatch(sha):
+            raise CheckpointCorrupt(f"the manifest of {where} gives {name!r} no valid size and sha256: {meta!r:.200}")
+        out[name] = (size, sha)
+    for name in out:
+        parents = name.split("/")[:-1]
+        for i in range(1, len(parents) + 1):
+            if (parent := "/".join(parents[:i])) in out:
+                raise CheckpointCorrupt(f"the manifest of {where} names {parent!r} both as a file and as the "
+                                        f"directory of {name!r}")
+    return out
+
+
 def verify(directory: Path, manifest: dict) -> None:
     """Every file the manifest lists is there, whole and unchanged; a resume never starts from a bad copy."""
-    try:
-        files = manifest["files"].items()
-    except (KeyError, TypeError, AttributeError):
-        raise CheckpointCorrupt(f"the manifest of {directory} lists no files") from None
-    for name, meta in files:
-        path = directory / name
+    for name, (size, sha) in manifest_files(manifest, str(directory)).items():
+        path = inside(directory, name)
         if not path.is_file():
             raise CheckpointCorrupt(f"checkpoint file {path} is missing or truncated (it is missing)")
-        if path.stat().st_size != meta["size"]:
+        if path.stat().st_size != size:
             raise CheckpointCorrupt(f"checkpoint file {path} is missing or truncated ({path.stat().st_size:,} bytes, "
-                                    f"the manifest says {meta['size']:,})")
-        if _sha256(path) != meta["sha256"]:
+                                    f"the manifest says {size:,})")
+        if _sha256(path) != sha:
             raise CheckpointCorrupt(f"checkpoint file {path} does not match its manifest's sha256")
 
 
@@ -87,6 +170,31 @@ def steps_with_manifest(keys: list[str]) -> list[int]:
     [2, 10]
     """
     return sorted(int(m.group(1)) for k in keys if (m := _STEP.fullmatch(k)))
+
+
+def entry_steps(keys: list[str]) -> list[int]:
+    """Steps with anything in the store (complete or cut off), ascending; `keys` are relative to the root.
+
+    >>> entry_steps(["checkpoint-4/a.bin", "checkpoint-2/manifest.json", "checkpoint-10", "final/manifest.json",
+    ...              "corrupt/checkpoint-12-20260101T000000Z/a.bin"])
+    [2, 4, 10]
+    """
+    return sorted({int(m.group(1)) for k in keys if (m := _ENTRY.fullmatch(k))})
+
+
+def incomplete_to_prune(entries: list[int], complete: list[int]) -> list[int]:
+    """Entries without a manifest older than the newest complete checkpoint: cut off by a kill or a failed
+    upload, never to be used (a resume takes a newer one), so only their space is left. A newer one may be an
+    upload in flight or the next save of the same step, and stays.
+
+    >>> incomplete_to_prune([2, 3, 4, 6, 7], [2, 4, 6])
+    [3]
+    >>> incomplete_to_prune([3, 5], [])
+    []
+    """
+    newest = max(complete, default=None)
+    done = set(complete)
+    return [s for s in entries if newest is not None and s < newest and s not in done]
 
 
 def _aside_name(name: str) -> str:
@@ -118,19 +226,29 @@ class LocalStore:
             return []
         return steps_with_manifest([p.relative_to(self.root).as_posix() for p in self.root.glob(f"checkpoint-*/{MANIFEST}")])
 
+    def entry_steps(self) -> list[int]:
+        if not self.root.is_dir():
+            return []
+        return entry_steps([p.name for p in self.root.glob("checkpoint-*")])
+
     def has(self, name: str) -> bool:
         return (self.root / name / MANIFEST).is_file()
 
     def put(self, local_dir: Path, name: str, step: int) -> None:
+        """Copy a checkpoint in, manifest last; on a failure (a full disk) nothing of it stays."""
         manifest = build_manifest(local_dir, step)
         dest = self.root / name
         shutil.rmtree(dest, ignore_errors=True)
-        for name in manifest["files"]:
-            (dest / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(local_dir / name, dest / name)
-        tmp = dest / f".{MANIFEST}.tmp"
-        tmp.write_text(json.dumps(manifest, indent=1))
-        os.replace(tmp, dest / MANIFEST)  # atomic: the manifest is there whole or not at all
+        try:
+            for file in manifest["files"]:
+                (dest / file).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(local_dir / file, dest / file)
+            tmp = dest / f".{MANIFEST}.tmp"
+            tmp.write_text(json.dumps(manifest, indent=1))
+            os.replace(tmp, dest / MANIFEST)  # atomic: the manifest is there whole or not at all
+        except Exception:
+            shutil.rmtree(dest, ignore_errors=True)
+            raise
 
     def fetch(self, name: str, scratch: Path) -> Path:
         directory = self.root / name
@@ -219,15 +337,33 @@ class S3Store:
         keys = self._keys(base + "/" if base else "")
         return steps_with_manifest([k.removeprefix(base + "/") if base else k for k in keys])
 
+    def entry_steps(self) -> list[int]:
+        base = self._key("")
+        keys = self._keys(base + "/" if base else "")
+        return entry_steps([k.removeprefix(base + "/") if base else k for k in keys])
+
     def has(self, name: str) -> bool:
         return bool(self._keys(self._key(name, MANIFEST)))
 
     def put(self, local_dir: Path, name: str, step: int) -> None:
+        """Upload a checkpoint, manifest last. An entry it replaces stops counting first (its manifest goes),
+        and an upload that fails removes the objects it wrote before the error goes on (best effort: with the
+        store unreachable they stay, without a manifest, for `prune` to remove later)."""
         manifest = build_manifest(local_dir, step)
-        for file in manifest["files"]:
-            self.s3.upload_file(str(local_dir / file), self.bucket, self._key(name, file))
-        body = json.dumps(manifest, indent=1).encode()
-        self.s3.put_object(Bucket=self.bucket, Key=self._key(name, MANIFEST), Body=body)
+        self.s3.delete_object(Bucket=self.bucket, Key=self._key(name, MANIFEST))
+        try:
+            for file in manifest["files"]:
+                self.s3.upload_file(str(local_dir / file), self.bucket, self._key(name, file))
+            body = json.dumps(manifest, indent=1).encode()
+            self.s3.put_object(Bucket=self.bucket, Key=self._key(name, MANIFEST), Body=body)
+        except Exception as exc:
+            log.warning("upload of %s to %r failed (%s); removing its partial objects", name, self, exc)
+            try:
+                self.delete(name)
+            except Exception as cleanup:  # the store may be the reason the upload failed
+                log.warning("could not remove the partial upload of %s from %r: %s; prune removes it once a newer "
+                            "checkpoint is complete", name, self, cleanup)
+            raise
 
     def fetch(self, name: str, scratch: Path) -> Path:
         """Download an entry and verify it; CheckpointCorrupt when a file is missing or differs (an object
@@ -244,21 +380,43 @@ class S3Store:
                 raise CheckpointCorrupt(f"{where} has no manifest (moved aside or deleted meanwhile)") from None
             raise
         manifest = _read_manifest(raw, where)
-        for file in manifest.get("files") or {}:
-            (directory / file).parent.mkdir(parents=True, exist_ok=True)
+        files = manifest_files(manifest, where)  # every name checked before anything is written
+        directory.mkdir(parents=True, exist_ok=True)
+        for file in files:
+            target = inside(directory, file)
+            target.parent.mkdir(parents=True, exist_ok=True)
             try:
-                self.s3.download_file(self.bucket, self._key(name, file), str(directory / file))
+                self.s3.download_file(self.bucket, self._key(name, file), str(target))
             except ClientError as exc:
                 if _not_found(exc):
                     raise CheckpointCorrupt(f"checkpoint file {where}/{file} is missing or truncated (it is missing)") from None
+                if _code(exc) in _BAD_KEY:  # the server will not take the name: so it is the manifest's fault
+                    raise CheckpointCorrupt(f"the manifest of {where} names {file!r}, a key the server refuses "
+                                            f"({exc}); the checkpoint is treated as corrupt") from None
                 raise
         verify(directory, manifest)
         return directory
 
     def delete(self, name: str) -> None:
+        """Remove an entry, manifest first (it stops counting at once), and any upload of it left unfinished."""
         self.s3.delete_object(Bucket=self.bucket, Key=self._key(name, MANIFEST))
-        for key in self._keys(self._key(name) + "/"):
+        prefix = self._key(name) + "/"
+        for key in self._keys(prefix):
             self.s3.delete_object(Bucket=self.bucket, Key=key)
+        self._abort_uploads(prefix)
+
+    def _abort_uploads(self, prefix: str) -> None:
+        """Abort multipart uploads left under `prefix` by a killed process: their parts cost storage unseen."""
+        from botocore.exceptions import ClientError
+
+        try:
+            pages = self.s3.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=prefix)
+            for page in pages:
+                for upload in page.get("Uploads", []):
+                    self.s3.abort_multipart_upload(Bucket=self.bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+        except ClientError as exc:
+            if _code(exc) not in ("NotImplemented", "501"):  # a server without multipart listing has none to abort
+                raise
 
     def move_aside(self, name: str, reason: str) -> str | None:
         """Copy an entry to corrupt/<name>-<time>/ with REASON.txt, then delete it (manifest first, so it stops
@@ -278,16 +436,31 @@ class S3Store:
         base = self._key(name) + "/"
         for key in self._keys(base):
             try:
-                self.s3.copy({"Bucket": self.bucket, "Key": key}, self.bucket, f"{aside}/{key.removeprefix(base)}")
+                relative = safe_relative(key.removeprefix(base), f"the listing of s3://{self.bucket}/{base}")
+            except CheckpointCorrupt as exc:  # copied under aside/, a '..' could land anywhere in the bucket
+                log.warning("not copying %s aside: %s", key, exc)
+                relative = None
+            if relative is not None:
+                try:
+                    self.s3.copy({"Bucket": self.bucket, "Key": key}, self.bucket, f"{aside}/{relative}")
+                except ClientError as exc:
+                    if not _not_found(exc):  # gone: another rank is moving the same entry
+                        raise
+            try:
+                self.s3.delete_object(Bucket=self.bucket, Key=key)  # the key exactly as listed: nothing else
             except ClientError as exc:
-                if not _not_found(exc):  # gone: another rank is moving the same entry
+                if _code(exc) not in _BAD_KEY:
                     raise
-            self.s3.delete_object(Bucket=self.bucket, Key=key)
+                log.warning("cannot delete %s (%s); it stays, and never counts: it has no manifest", key, exc)
         return f"s3://{self.bucket}/{aside}"
 
 
+def _code(exc) -> str | None:
+    return exc.response.get("Error", {}).get("Code")
+
+
 def _not_found(exc) -> bool:
-    return exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound")
+    return _code(exc) in ("404", "NoSuchKey", "NotFound")
 
 
 Store = LocalStore | S3Store
@@ -352,8 +525,14 @@ def choose_resume(store: Store, scratch: Path, *, move_aside: bool = True) -> Re
 
 
 def prune(store: Store, keep: int) -> None:
-    """Delete all but the newest `keep` complete checkpoints."""
-    for step in store.complete_steps()[:-keep]:
+    """Delete all but the newest `keep` complete checkpoints, and the incomplete ones older than the newest
+    complete one (`incomplete_to_prune`). Run by the one process that uploads, after an upload, so nothing
+    it removes is being written."""
+    complete = store.complete_steps()
+    for step in complete[:-keep]:
+        store.delete(checkpoint_name(step))
+    for step in incomplete_to_prune(store.entry_steps(), complete):
+        log.info("removing checkpoint %d in %r: cut off before its manifest, and a newer one is complete", step, store)
         store.delete(checkpoint_name(step))
 
 

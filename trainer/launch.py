@@ -43,6 +43,7 @@ log = logging.getLogger("trainer.launch")
 EXIT_INTERRUPTED, EXIT_BAD_INPUT = 75, 2
 DEFAULT_PORT = 29500
 VLLM_PORT = 8000
+LOOPBACK = "127.0.0.1"  # the vLLM server's address when its trainers share its node
 # shipped beside this package (package data of configs/): accelerate config files, one per strategy
 ACCELERATE_CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "accelerate"
 
@@ -136,10 +137,19 @@ def torchrun_command(spec_path: str, nproc: int, nnodes: int, node_rank: int, ad
             "-m", "trainer", "--spec", spec_path]
 
 
-def vllm_command(spec: JobSpec, gpus: int) -> list[str]:
-    """`trl vllm-serve` for vllm_mode=server, tensor-parallel over the GPUs it is given."""
+def vllm_command(spec: JobSpec, gpus: int, host: str) -> list[str]:
+    """`trl vllm-serve` for vllm_mode=server, tensor-parallel over the GPUs it is given, listening on `host` only.
+
+    The server has no authentication (anyone who reaches it can generate and push weights into it), so it
+    listens on the one address its trainers use: 127.0.0.1 when they share its node, the node's own address
+    (never 0.0.0.0) when it has a node of its own.
+
+    >>> from trainer.spec import JobSpec
+    >>> " ".join(vllm_command(JobSpec.model_construct(model_path="m"), 2, "127.0.0.1")[3:])
+    'vllm-serve --model m --tensor-parallel-size 2 --host 127.0.0.1 --port 8000'
+    """
     return [sys.executable, "-m", "trl.cli.main", "vllm-serve", "--model", spec.model_path,
-            "--tensor-parallel-size", str(gpus), "--host", "0.0.0.0", "--port", str(VLLM_PORT)]
+            "--tensor-parallel-size", str(gpus), "--host", host, "--port", str(VLLM_PORT)]
 
 
 def free_port() -> int:
@@ -207,7 +217,7 @@ def _wait_for_vllm(proc: subprocess.Popen, timeout_s: float) -> None:
 
 def _serve_until_trainers_leave(spec: JobSpec, gpus: int, addr: str, port: int, env: dict) -> int:
     """The dedicated vLLM node (vllm_server_node): serve until rank 0's rendezvous port has been gone a minute."""
-    server = subprocess.Popen(vllm_command(spec, gpus), env=env)
+    server = subprocess.Popen(vllm_command(spec, gpus, env[VLLM_HOST_ENV]), env=env)
     seen, gone_since = False, None
     while server.poll() is None:
         try:
@@ -255,10 +265,10 @@ def main(argv: list[str] | None = None) -> int:
     server_gpus = list(range(gpus - d.vllm_server_gpus, gpus)) if d.vllm_server_gpus else []
     if server_gpus or d.vllm_server_node:
         # trainers on the first GPUs, the server on the rest (or on the last node), never the same GPU twice
-        env[VLLM_HOST_ENV] = "127.0.0.1" if server_gpus else _node_ip(nnodes - 1)
+        env[VLLM_HOST_ENV] = LOOPBACK if server_gpus else _node_ip(nnodes - 1)
     if d.vllm_server_node and opts.node_rank == nnodes - 1:
         if opts.dry_run:
-            print(" ".join(vllm_command(spec, gpus)))
+            print(" ".join(vllm_command(spec, gpus, env[VLLM_HOST_ENV])))
             return 0
         return _serve_until_trainers_leave(spec, gpus, opts.master_addr, opts.master_port, env)
     train_nodes = d.nodes
@@ -275,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
                                d.timeout_s)
     if opts.dry_run:
         if server_gpus:
-            print(f"CUDA_VISIBLE_DEVICES={','.join(map(str, server_gpus))} " + " ".join(vllm_command(spec, len(server_gpus))))
+            print(f"CUDA_VISIBLE_DEVICES={','.join(map(str, server_gpus))} " + " ".join(vllm_command(spec, len(server_gpus), LOOPBACK)))
         print(" ".join(f"{k}={v}" for k, v in sorted(env.items()) if k not in os.environ or os.environ[k] != v),
               " ".join(command))
         return 0
@@ -362,7 +372,7 @@ def _run_node(spec: JobSpec, command: list[str], env: dict, nproc: int, server_g
     signal.signal(signal.SIGTERM, node.forward_sigterm)
     server = None
     if server_gpus:
-        server = subprocess.Popen(vllm_command(spec, len(server_gpus)),
+        server = subprocess.Popen(vllm_command(spec, len(server_gpus), LOOPBACK),
                                   env={**env, "CUDA_VISIBLE_DEVICES": ",".join(map(str, server_gpus))})
         _wait_for_vllm(server, spec.train.distributed.timeout_s)
     log.info("node %d: %s", node_rank, " ".join(command))

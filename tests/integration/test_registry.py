@@ -9,7 +9,7 @@ import mlflow
 import pytest
 
 from tasks.registry import (
-    CHALLENGER, CHAMPION, MERGED_VERSION_TAG, PREVIOUS, ChampionMoved, Registry, RegistryError,
+    AliasMove, CHALLENGER, CHAMPION, MERGED_VERSION_TAG, PREVIOUS, ChampionMoved, Registry, RegistryError,
     RegistryServiceError, RestClient,
 )
 
@@ -163,15 +163,19 @@ def test_the_rest_client_does_what_mlflows_client_does(registry, tmp_path):
 
 
 class Counting:
-    """A registry client that counts its attempts to take a lock (to create a registered model)."""
+    """A registry client that counts its attempts to take a lock (to create its model) and its looks at the queue."""
 
     def __init__(self, client):
-        self.client, self.creates = client, 0
+        self.client, self.creates, self.looks = client, 0, 0
 
     def create_registered_model(self, *args, **kwargs):
         self.creates += 1
         assert self.creates <= 100, "still trying to take the lock"  # rather than wait out a long timeout
         return self.client.create_registered_model(*args, **kwargs)
+
+    def search_model_versions(self, *args, **kwargs):
+        self.looks += 1
+        return self.client.search_model_versions(*args, **kwargs)
 
     def __getattr__(self, name):
         return getattr(self.client, name)
@@ -209,6 +213,69 @@ def test_a_held_lock_is_waited_for_and_then_refused(registry):
         with pytest.raises(RegistryError, match=f"the registry lock {registry.name}.promotion-lock is held"):
             with waiter.lock():
                 pytest.fail("two holders of one lock")
-        assert waiter.client.creates > 1  # it kept trying until the timeout
+        assert waiter.client.looks > 1  # it kept waiting until the timeout
     with waiter.lock():  # released: the waiter takes it
         pass
+    assert waiter._tickets() == []  # the waiter that gave up withdrew its ticket; each holder released its own
+
+
+RACER = """
+import json, sys, time
+from tasks.registry import Registry, RestClient
+
+registry = Registry(RestClient(sys.argv[1]), sys.argv[2], lock_timeout_s=120, stale_lock_s=60)
+print(json.dumps({"ready": time.time()}), flush=True)
+sys.stdin.readline()  # the start signal: both racers go at once
+with registry.lock() as ticket:
+    got = time.time()
+    time.sleep(1.5)  # long enough that the other racer must wait
+    print(json.dumps({"ticket": ticket.version, "got": got, "left": time.time()}), flush=True)
+"""
+
+
+def test_two_processes_racing_for_a_stale_lock_take_it_one_after_the_other(registry, tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tasks.registry import LOCK_SOURCE, SEEN_TAG, TOKEN_TAG
+
+    rest = Registry(RestClient(registry.client.tracking_uri), registry.name)
+    with rest.lock():
+        pass  # makes the lock's model
+    dead = registry.client.create_model_version(rest.lock_name, LOCK_SOURCE, tags={TOKEN_TAG: "dead", SEEN_TAG: "0"})
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    racers = [subprocess.Popen([sys.executable, "-c", RACER, registry.client.tracking_uri, registry.name], env=env,
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    for racer in racers:
+        assert "ready" in racer.stdout.readline()
+    for racer in racers:
+        racer.stdin.write("go\n")
+        racer.stdin.flush()
+    held = []
+    for racer in racers:
+        out, _ = racer.communicate(timeout=120)
+        assert racer.returncode == 0
+        held.append(json.loads(out.strip().splitlines()[-1]))
+    first, second = sorted(held, key=lambda h: h["got"])
+    assert first["left"] <= second["got"]  # one holder at a time: the other waited
+    assert first["ticket"] < second["ticket"] and int(dead.version) < first["ticket"]
+    assert rest._tickets() == []  # the stale ticket broken, both released
+
+
+def test_release_by_a_non_owner_leaves_the_lock_and_a_broken_holder_moves_nothing(registry, tmp_path):
+    from tasks.registry import LockLost, Ticket
+
+    v1 = _candidate(registry, tmp_path, "held")
+    other = Registry(mlflow.MlflowClient(registry.client.tracking_uri), registry.name)
+    with registry.lock() as ticket:
+        other.release(Ticket(ticket.version, "not-the-owner", 0.0))  # same number, another token
+        registry.check_holder(ticket)  # still held
+        assert [t.version for t in other._tickets()] == [ticket.version]
+        other._delete_ticket(ticket.version)  # as a waiter breaking it for stale would
+        with pytest.raises(LockLost, match="was taken from ticket"):
+            registry.apply([AliasMove(CHAMPION, v1)])
+    assert registry.aliases()[CHAMPION] is None

@@ -183,3 +183,132 @@ def test_reward_model_scores_prompt_and_completion_in_batches(classifier):
 def test_reward_model_that_cannot_load_is_named(tmp_path):
     with pytest.raises(RewardError, match="reward_model: cannot load"):
         resolve_reward("reward_model", {"model": str(tmp_path / "absent")})(["x"])
+
+
+# ------------------------------------------------------------- a hostile or broken verifier: what it cannot do
+
+
+class Hostile(BaseHTTPRequestHandler):
+    """Redirects, trickles, floods; `/auth` scores only with the right Authorization header."""
+
+    stop = threading.Event()
+
+    def log_message(self, *args):  # quiet
+        pass
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        try:
+            getattr(self, "_" + self.path.strip("/").replace("-", "_"))()
+        except (BrokenPipeError, ConnectionResetError):  # the client hung up: what it should do
+            pass
+
+    def _redirect(self):
+        self.send_response(307)  # 307 keeps the method and body: a client that follows it re-sends everything
+        self.send_header("Location", self.headers["X-Redirect-To"])
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def _trickle(self):
+        """Headers at once, then one byte of the body every 50 ms: each socket read is quick, the reply endless."""
+        self.send_response(200)
+        self.end_headers()
+        while not self.stop.wait(0.05):
+            self.wfile.write(b" ")
+            self.wfile.flush()
+
+    def _trickle_headers(self):
+        self.wfile.write(b"HTTP/1.0 200 OK\r\n")
+        while not self.stop.wait(0.05):
+            self.wfile.write(b"X-Slow: 1\r\n")
+            self.wfile.flush()
+
+    def _flood(self, declared=False):
+        """100 MB, made as it is sent (never held here): with no length, the reply ends when the connection does."""
+        self.send_response(200)
+        if declared:
+            self.send_header("Content-Length", str(100_000_000))
+        self.end_headers()
+        block = b" " * (64 << 10)
+        for _ in range(100_000_000 // len(block)):
+            if self.stop.is_set():
+                return
+            self.wfile.write(block)
+
+    def _flood_declared(self):
+        self._flood(declared=True)
+
+    def _auth(self):
+        ok = self.headers.get("Authorization") == "Bearer s3cret"
+        reply = b"[1.0]" if ok else b""
+        self.send_response(200 if ok else 401)
+        self.send_header("Content-Length", str(len(reply)))
+        self.end_headers()
+        self.wfile.write(reply)
+
+
+@pytest.fixture()
+def hostile():
+    Hostile.stop = threading.Event()
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Hostile)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    Hostile.stop.set()
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def test_a_redirect_is_refused_and_the_credential_goes_nowhere(hostile, server, monkeypatch):
+    monkeypatch.setenv("VERIFIER_TOKEN", "Bearer s3cret")
+    fn = _verifier(hostile + "/redirect", retries=2, headers={"X-Redirect-To": server + "/good"},
+                   headers_from_env={"Authorization": "VERIFIER_TOKEN"})
+    with pytest.raises(RewardError, match=rf"HTTP 307 .*a redirect to {server}/good, which is not followed .*set url "
+                                          "to the verifier's own address"):
+        fn(["1"], answer=["1"])
+    assert "/good" not in Verifier.calls  # nothing, and no token, reached the other server
+
+
+@pytest.mark.parametrize("path", ["/trickle", "/trickle-headers"])
+def test_a_trickling_server_cannot_hold_a_step_past_the_deadline(hostile, path):
+    import time
+
+    started = time.monotonic()
+    with pytest.raises(RewardError, match=r"no reply within 0\.5 s \(after 2 attempts\)"):
+        _verifier(hostile + path, timeout_s=0.5, retries=1)(["1"], answer=["1"])
+    assert time.monotonic() - started < 10  # two attempts of 0.5 s, on a loaded machine; without the cap: for ever
+
+
+@pytest.mark.parametrize("path", ["/flood", "/flood-declared"])
+def test_a_100_mb_reply_is_cut_at_the_cap_without_being_held(hostile, path):
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(RewardError, match=r"over max_reply_bytes=1,048,576.*raise max_reply_bytes"):
+        _verifier(hostile + path, max_reply_bytes=1 << 20)(["1"], answer=["1"])
+    grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    assert grown_kib < 50_000  # far less than the 100 MB sent
+
+
+def test_credentials_come_from_the_environment_never_the_config(hostile, monkeypatch):
+    fn = _verifier(hostile + "/auth", headers_from_env={"Authorization": "VERIFIER_TOKEN"})
+    monkeypatch.delenv("VERIFIER_TOKEN", raising=False)
+    with pytest.raises(RewardError, match="headers_from_env.Authorization names the environment variable "
+                                          "VERIFIER_TOKEN, which is not set"):
+        fn(["1"], answer=["1"])
+    monkeypatch.setenv("VERIFIER_TOKEN", "Bearer s3cret")
+    assert fn(["1"], answer=["1"]) == [1.0]
+    for headers in ({"Authorization": "Bearer s3cret"}, {"X-Api-Key": "abc"}, {"X-Extra": "Basic dXNlcjpwYXNz"}):
+        with pytest.raises(RewardError, match=r"looks like a credential, .*headers_from_env: \{"):
+            _verifier(hostile + "/auth", headers=headers)  # refused when resolved: preflight, before any work
+
+
+@pytest.mark.parametrize(("url", "message"), [
+    ("file:///etc/passwd", "is not http:// or https://; the verifier is an HTTP service: give its http"),
+    ("ftp://127.0.0.1/score", "is not http:// or https://"),
+    ("http://user:pw@127.0.0.1:9/score", "holds a user or password"),
+])
+def test_only_http_urls_without_credentials(url, message):
+    with pytest.raises(RewardError, match=message) as refused:
+        _verifier(url)
+    assert "pw" not in str(refused.value) and "root:" not in str(refused.value)

@@ -97,3 +97,69 @@ def test_a_kill_during_an_upload_leaves_a_checkpoint_that_is_skipped(tmp_path, s
     proc.wait()
     assert store._keys("killed/checkpoint-8/"), "the upload should have started"
     assert store.complete_steps() == [4]
+
+
+def _add_to_manifest(store, name, files):
+    """Rewrite an entry's manifest in the bucket so that it also names `files` ({name: bytes}), as a hostile
+    writer to the checkpoint prefix could (AWS S3 stores keys with '..'; this server would refuse them)."""
+    import hashlib
+    import json
+
+    key = store._key(name, MANIFEST)
+    manifest = json.loads(store.s3.get_object(Bucket=store.bucket, Key=key)["Body"].read())
+    for file, payload in files.items():
+        manifest["files"][file] = {"size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
+    store.s3.put_object(Bucket=store.bucket, Key=key, Body=json.dumps(manifest).encode())
+
+
+def test_a_manifest_naming_files_outside_writes_nothing_there_and_resume_takes_the_good_checkpoint(tmp_path, s3_endpoint):
+    from trainer.checkpoints import CORRUPT, REASON_FILE, choose_resume
+
+    store = S3Store("s3://ckpt/hostile", endpoint_url=s3_endpoint)
+    for step in (2, 4, 6):
+        store.put(_checkpoint(tmp_path, step), f"checkpoint-{step}", step)
+    scratch = tmp_path / "deep" / "scratch"  # '../../../' from an entry in it lands in tmp_path
+    scratch.parent.mkdir()
+    _add_to_manifest(store, "checkpoint-6", {"../../../escaped.sh": b"#!/bin/sh\necho owned\n"})
+    _add_to_manifest(store, "checkpoint-4", {str(tmp_path / "absolute.sh"): b"#!/bin/sh\n"})
+    before = {p for p in tmp_path.rglob("*") if not p.is_relative_to(scratch)}
+    point = choose_resume(store, scratch)
+    assert point.step == 2 and [s["step"] for s in point.skipped] == [6, 4]
+    assert "'../../../escaped.sh', which has a '..' part" in point.skipped[0]["reason"]
+    assert "which is absolute" in point.skipped[1]["reason"]
+    assert {p for p in tmp_path.rglob("*") if not p.is_relative_to(scratch)} == before  # nothing written outside
+    assert not list(tmp_path.rglob("*.sh"))
+    assert (point.directory / "adapter.bin").read_bytes() == bytes(range(256)) * 2
+    assert store.complete_steps() == [2]  # the next relaunch does not try them again
+    keys = store._keys(f"hostile/{CORRUPT}/")
+    reasons = [k for k in keys if k.endswith(REASON_FILE)]
+    assert len(reasons) == 2 and any("/checkpoint-6-" in k and k.endswith("/nested/state.json") for k in keys)
+
+
+def test_a_failed_upload_removes_its_partial_objects(tmp_path, s3_endpoint):
+    store = S3Store("s3://ckpt/failed", endpoint_url=s3_endpoint)
+    store.put(_checkpoint(tmp_path, 2), "checkpoint-2", 2)
+    real, calls = store.s3.upload_file, []
+
+    def upload_then_fail(filename, bucket, key, *args, **kwargs):
+        calls.append(key)
+        if len(calls) == 2:  # the first file is in the bucket by now
+            raise ConnectionResetError("connection reset by peer")
+        return real(filename, bucket, key, *args, **kwargs)
+
+    store.s3.upload_file = upload_then_fail
+    with pytest.raises(ConnectionResetError):
+        store.put(_checkpoint(tmp_path, 4), "checkpoint-4", 4)
+    store.s3.upload_file = real
+    assert store._keys("failed/checkpoint-4/") == [] and store.complete_steps() == [2]
+
+
+def test_prune_removes_incomplete_checkpoints_older_than_the_newest_complete_one(tmp_path, s3_endpoint):
+    store = S3Store("s3://ckpt/cutoff", endpoint_url=s3_endpoint)
+    store.put(_checkpoint(tmp_path, 2), "checkpoint-2", 2)
+    for step in (3, 5):  # killed mid-upload: files, no manifest
+        store.s3.put_object(Bucket="ckpt", Key=f"cutoff/checkpoint-{step}/adapter.bin", Body=b"partial")
+    store.put(_checkpoint(tmp_path, 4), "checkpoint-4", 4)
+    prune(store, keep=5)
+    assert store.complete_steps() == [2, 4]
+    assert store.entry_steps() == [2, 4, 5]  # 5 is newer than every complete one: an upload may be under way

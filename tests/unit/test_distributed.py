@@ -119,6 +119,16 @@ def test_vllm_server_mode_splits_the_gpus_without_overlap(tmp_path):
     assert server.startswith("CUDA_VISIBLE_DEVICES=6,7 ") and "vllm-serve --model m --tensor-parallel-size 2" in server
     assert "CUDA_VISIBLE_DEVICES=0,1,2,3,4,5" in trainers and "--nproc-per-node 6" in trainers
     assert "GRPO_VLLM_SERVER_HOST=127.0.0.1" in trainers
+    assert "--host 127.0.0.1 " in server  # no auth: its trainers share its node, so nobody else need reach it
+
+
+def test_a_vllm_node_of_its_own_listens_on_its_own_address_only(tmp_path):
+    spec = _spec(tmp_path, vllm_server_node=True, checkpoint_uri="s3://b/p",
+                 grpo={"use_vllm": True, "vllm_mode": "server", "per_device_train_batch_size": 4})
+    proc = _launch(spec.write(tmp_path / "job.json"), "--nnodes", "2", "--node-rank", "1", "--gpus-per-node", "8",
+                   "--dry-run", env={"SKYPILOT_NODE_IPS": "10.0.0.1\n10.0.0.2"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "vllm-serve" in proc.stdout and "--host 10.0.0.2 " in proc.stdout and "0.0.0.0" not in proc.stdout
 
 
 # ------------------------------------------------------------- strategy configs, read by accelerate's own code

@@ -26,13 +26,14 @@ import inspect
 import math
 import numbers
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from trainer.rewards.answers import correct_answer, math_answer
 from trainer.rewards.base import RewardError, RewardFn, RewardUnavailable, completion_text
 from trainer.rewards.formats import number_only, overlong_penalty, think_format, think_format_strict
 from trainer.rewards.model import reward_model
+from trainer.rewards.remote import check_arguments as check_remote_arguments
 from trainer.rewards.remote import remote_verifier
 
 __all__ = ["REWARDS", "RewardError", "RewardFn", "RewardUnavailable", "check_columns", "completion_text", "describe",
@@ -48,6 +49,10 @@ REWARDS: dict[str, RewardFn] = {
     "correct_answer": correct_answer,
     "number_only": number_only,
 }
+
+# Checks of a reward's argument values that can run before any work (preflight), not only at its first call:
+# each takes some of the reward's arguments by name and raises RewardError.
+ARGUMENT_CHECKS: dict[RewardFn, Callable[..., None]] = {remote_verifier: check_remote_arguments}
 
 # What the runner (TRL's trainer, the evaluation, `rewards check`) passes itself: never a data column.
 RUNNER_INPUTS = frozenset({
@@ -125,6 +130,8 @@ def resolve_reward(name: str, args: Mapping[str, Any] | None = None, **context: 
     missing = [k for k, v in takes.items() if v is REQUIRED and k not in bound]
     if missing:
         raise RewardError(f"reward '{name}' needs the argument{'s' if len(missing) > 1 else ''} {', '.join(missing)}")
+    if (check := ARGUMENT_CHECKS.get(fn)) is not None:
+        check(**{k: v for k, v in bound.items() if k in inspect.signature(check).parameters})
     return _checked(functools.partial(fn, **bound) if bound else fn, name, required_columns(fn))
 
 

@@ -1,0 +1,46 @@
+"""The serving check hands its prompts to the clean process on stdin: 1 MiB of prompts arrives whole and in
+order, and none of it is on a command line (over 128 KiB in one argument failed with E2BIG, after the version
+was registered, and argv shows in `ps`). MLflow is stood in for by a stub module that echoes the prompts, so
+the real check script runs in a second or two; the integration tests run it against a real MLflow model."""
+
+import subprocess
+
+from tasks import serving
+
+FAKE_MLFLOW = '''
+import types
+
+def set_tracking_uri(uri):
+    pass
+
+class _Echo:
+    def predict(self, frame, params=None):
+        return list(frame["prompt"])
+
+pyfunc = types.SimpleNamespace(load_model=lambda uri: _Echo())
+'''
+
+
+def test_a_megabyte_of_prompts_goes_through_stdin_never_argv(tmp_path, monkeypatch):
+    stub = tmp_path / "stub"
+    stub.mkdir()
+    (stub / "mlflow.py").write_text(FAKE_MLFLOW)
+    real_env, real_run, argv = serving.isolated_env, subprocess.run, []
+
+    def env_with_stub(*args, **kwargs):
+        env = real_env(*args, **kwargs)
+        return env | {"PYTHONPATH": f"{env['PYTHONPATH']}:{stub}"}
+
+    def recording_run(args, **kwargs):
+        argv.append(args)
+        return real_run(args, **kwargs)
+
+    monkeypatch.setattr(serving, "isolated_env", env_with_stub)
+    monkeypatch.setattr(serving.subprocess, "run", recording_run)
+    rows = [{"key": f"k{i}", "prompt": [{"role": "user", "content": f"{i:04d}" + "x" * (16 << 10)}]}
+            for i in range(64)]  # 1 MiB
+    expected = [r["prompt"][0]["content"] for r in rows]
+    check = serving.serving_check("models:/m/1", "http://127.0.0.1:9", rows, expected, max_new_tokens=4,
+                                  batch_size=8, timeout_s=300)
+    assert check.error is None and check.passed and check.matched == 64, check
+    assert sum(len(a) for a in argv[0]) < 4096 and "xxxx" not in " ".join(argv[0])
