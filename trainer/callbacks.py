@@ -63,11 +63,13 @@ class CheckpointSync(TrainerCallback):
         self._pending: list[Future] = []
 
     def _upload(self, snapshot: Path, step: int, entries: list, best: int | None) -> None:
-        self.store.put(snapshot, checkpoint_name(step), step)
+        try:
+            self.store.put(snapshot, checkpoint_name(step), step)
+        finally:  # a failed upload re-raises in the training thread; its staging copy must not stay behind
+            shutil.rmtree(snapshot, ignore_errors=True)
         if self.metrics:
             self.metrics.commit(entries)
         prune_keeping_best(self.store, self.keep, best)
-        shutil.rmtree(snapshot, ignore_errors=True)
         log.info("checkpoint %d complete in %r", step, self.store)
 
     def on_save(self, args, state, control, **kwargs):

@@ -140,6 +140,19 @@ def test_a_failed_local_upload_leaves_nothing(tmp_path, monkeypatch):
     assert not (store.root / "checkpoint-4").exists() and store.complete_steps() == [2]
 
 
+def test_a_failed_upload_leaves_no_staging_copy_and_reaches_the_training_thread(tmp_path, monkeypatch):
+    from trainer.callbacks import CheckpointSync
+
+    store = _store(tmp_path, steps=(2,))
+    monkeypatch.setattr(store, "put", lambda *a: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+    sync = CheckpointSync(store, keep=2, staging=tmp_path / "staging")
+    snapshot = _src(tmp_path, 4)
+    sync._pending.append(sync._pool.submit(sync._upload, snapshot, 4, [], None))
+    with pytest.raises(OSError, match="No space left"):
+        sync.wait()
+    assert not snapshot.exists() and store.complete_steps() == [2]
+
+
 def test_prune_removes_incomplete_checkpoints_older_than_the_newest_complete_one(tmp_path):
     store = _store(tmp_path, steps=(2, 4, 6))
     for step in (3, 5, 7):  # cut off before their manifests; 7 is newer than every complete one
