@@ -192,10 +192,10 @@ def basic_auth_header(user_pass: str) -> dict[str, str]:
     return {"Authorization": "Basic " + base64.b64encode(user_pass.encode()).decode()}
 
 
-def http_status(url: str, headers: dict[str, str] | None = None) -> int | None:
+def http_status(url: str, headers: dict[str, str] | None = None, timeout_s: float = 10) -> int | None:
     """The HTTP status `url` answers a GET with, or None when nothing answers (refused, reset, timed out)."""
     try:
-        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=10) as response:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout_s) as response:
             return response.status
     except urllib.error.HTTPError as exc:  # a status is an answer: 401 from a server that wants credentials
         return exc.code
@@ -203,8 +203,8 @@ def http_status(url: str, headers: dict[str, str] | None = None) -> int | None:
         return None
 
 
-def _http_ok(url: str, headers: dict[str, str] | None = None) -> bool:
-    return http_status(url, headers) == 200
+def _http_ok(url: str) -> bool:
+    return http_status(url) == 200
 
 
 # --- S3 (SeaweedFS) -------------------------------------------------------------------------------------
@@ -408,10 +408,15 @@ def prefect_auth() -> str:
 # The basic-auth app's own settings (no secret: the admin's password arrives through the environment and is
 # read only when the user database is empty). New users get READ on everything until an admin grants more;
 # the user database sits beside the server's log, not in the current directory (MLflow's default).
+# The credential cache: without it every request re-derives the password's scrypt hash, measured here at
+# 0.25 s -> 13-20 s a request on a loaded 2-core machine (a pipeline run makes hundreds); with it, once per
+# user and password per 5 minutes. Its cost: a password changed or a user deleted through another server
+# worker is still accepted there until the entry expires (the stack runs one worker).
 MLFLOW_AUTH_INI = """[mlflow]
 default_permission = READ
 database_uri = sqlite:///{database}
 authorization_function = mlflow.server.auth:authenticate_request_basic_auth
+auth_cache_ttl_seconds = 300
 """
 
 
@@ -439,13 +444,26 @@ def start_mlflow(workdir: Path, backend_uri: str, artifacts_destination: str, en
     service = _spawn("mlflow", args, workdir, env)
     service.url = f"http://127.0.0.1:{port}"
     service.extra = {"auth": "basic"}
+    started = time.monotonic()
     _wait_until(lambda: _http_ok(f"{service.url}/health"), service, ready_timeout_s)
-    whoami = f"{service.url}/api/2.0/mlflow/users/current"
-    if (code := http_status(whoami, basic_auth_header(f"{auth.username}:{auth.password}"))) != 200:
+    # The first authenticated request derives the password's hash: seconds on a loaded machine, so it is
+    # waited for like readiness (no answer yet: ask again) and only a real answer is judged.
+    whoami, login = f"{service.url}/api/2.0/mlflow/users/current", basic_auth_header(f"{auth.username}:{auth.password}")
+    answers: list[int | None] = []
+
+    def admin_answered() -> bool:
+        answers.append(http_status(whoami, login, timeout_s=60))
+        return answers[-1] is not None
+
+    _wait_until(admin_answered, service, max(ready_timeout_s - (time.monotonic() - started), 30))
+    if (code := answers[-1]) == 401:
         stop(service)
         raise ServiceError(f"MLflow's user database {workdir / 'basic_auth.db'} refuses the admin credentials "
-                           f"of this stack (HTTP {code}): it was made with another password. Set that password "
-                           "back, or delete the file to create the admin afresh (other users are lost)")
+                           "of this stack: it was made with another password. Set that password back, or delete "
+                           "the file to create the admin afresh (other users are lost)")
+    if code != 200:
+        stop(service)
+        raise ServiceError(f"MLflow answered HTTP {code} to its admin's login; see {service.log}")
     return service
 
 

@@ -67,6 +67,7 @@ def test_a_server_started_without_auth_is_restarted_and_gets_no_credentials(tmp_
 def test_the_auth_config_holds_no_secret():
     config = services.MLFLOW_AUTH_INI.format(database="/x/basic_auth.db")
     assert "default_permission = READ" in config and "sqlite:////x/basic_auth.db" in config
+    assert "auth_cache_ttl_seconds = 300" in config  # else every request re-derives a scrypt hash
     assert "password" not in config.lower()
     auth = MlflowAuth.generate()
     assert auth.client_env() == {"MLFLOW_TRACKING_USERNAME": "admin", "MLFLOW_TRACKING_PASSWORD": auth.password}
