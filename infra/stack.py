@@ -11,8 +11,8 @@ in PostgreSQL. Services run as background processes; their pids, ports, URLs and
 `<root>/state.json`, so any later command can check or stop them. The state file (mode 0600) also holds
 the credentials generated at the first `up`: the S3 key, MLflow's admin and Prefect's auth string. Both
 servers refuse requests without them (any local user can reach a loopback port); `stack env` hands them
-to clients, workers and shells. PostgreSQL listens on a Unix socket only; the others listen on fixed ports (`DEFAULT_PORTS`,
-the ports docker-compose.yml publishes), so URLs stay the same from one `up` to the next. The
+to clients, workers and shells. PostgreSQL listens on a Unix socket only; the others listen on fixed ports
+(`DEFAULT_PORTS`, the ports docker-compose.yml publishes), so URLs stay the same from one `up` to the next. The
 `grpo-pipeline stack` commands themselves are in grpo_pipeline/cli.py.
 """
 
