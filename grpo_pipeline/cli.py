@@ -507,8 +507,9 @@ def stack_up(
     prefect_port: Annotated[Optional[int], typer.Option(help=f"Prefect port (default {DEFAULT_PORTS['prefect']})")] = None,
 ) -> None:
     """Start the services that are not running. Into a pipe (`eval "$(grpo-pipeline stack up)"`) it prints the
-    environment exports; to a terminal only where things are, so the S3 secret key never lands on screen or
-    in a terminal log (`stack env` prints the exports for `eval`)."""
+    environment exports; to a terminal only where things are, so the stack's credentials (S3 key, MLflow
+    password, Prefect auth string) never land on screen or in a terminal log (`stack env` prints the exports
+    for `eval`)."""
     from infra.services import PortInUse, ServiceError
     from infra.stack import exports
 
@@ -521,7 +522,11 @@ def stack_up(
         _fail(False, f"stack up failed: {exc}", EXIT_FAILED)
     env = stack.env()
     # stdout carries only the exports, so `eval "$(...)"` works; where things are goes to stderr
-    err.print(f"MLflow UI:  {env['MLFLOW_TRACKING_URI']}\nPrefect UI: {env['PREFECT_API_URL'].removesuffix('/api')}\n"
+    # Both UIs ask for a login: say where it is, not what it is.
+    err.print(f"MLflow UI:  {env['MLFLOW_TRACKING_URI']} (user {env['MLFLOW_TRACKING_USERNAME']}, password: "
+              "MLFLOW_TRACKING_PASSWORD in `stack env`)\n"
+              f"Prefect UI: {env['PREFECT_API_URL'].removesuffix('/api')} (asks for PREFECT_API_AUTH_STRING from "
+              "`stack env`)\n"
               f"S3 API:     {env['AWS_ENDPOINT_URL_S3']} (bucket '{stack.bucket}')\n"
               f"Use it from a shell with:  eval \"$(grpo-pipeline stack env --dir {root})\"", markup=False, highlight=False)
     if not sys.stdout.isatty():
@@ -530,7 +535,7 @@ def stack_up(
 
 @stack_cli.command("env")
 def stack_env(root: RootOpt = DEFAULT_ROOT) -> None:
-    """Print the environment exports of the running stack."""
+    """Print the environment exports of the running stack: URLs and the credentials its servers ask for."""
     from infra.stack import exports
 
     print(exports(_stack(root).env()))

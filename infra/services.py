@@ -4,14 +4,20 @@
 One implementation serves two callers. `start_*` launch a service as a background process in its own
 session (so it outlives the command that started it: `grpo-pipeline stack up`) and return a `Service`
 record that a later process can check (`healthy`) and stop (`stop`). The context managers below
-(`seaweedfs_s3`, `postgres`, `mlflow_server`) wrap the same functions for tests and
-benchmarks: started on entry, stopped on exit.
+(`seaweedfs_s3`, `postgres`) wrap the same functions for tests and benchmarks: started on entry, stopped on exit.
+
+The MLflow and Prefect servers always start with authentication (`MlflowAuth`, `prefect_auth`): loopback is
+no boundary between the users of one host, so a server without it lets any local user start runs, read
+artifacts and move the registry's aliases. Their /health routes stay open (both servers exempt them), so
+readiness and `stack status` need no credentials.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -19,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -176,12 +183,28 @@ def _stop_process(service: Service, grace_s: float) -> None:
         pass
 
 
-def _http_ok(url: str) -> bool:
+def basic_auth_header(user_pass: str) -> dict[str, str]:
+    """The HTTP Basic `Authorization` header for "user:password" (what MLflow's and Prefect's clients send).
+
+    >>> basic_auth_header("grpo:s3cret")
+    {'Authorization': 'Basic Z3JwbzpzM2NyZXQ='}
+    """
+    return {"Authorization": "Basic " + base64.b64encode(user_pass.encode()).decode()}
+
+
+def http_status(url: str, headers: dict[str, str] | None = None, timeout_s: float = 10) -> int | None:
+    """The HTTP status `url` answers a GET with, or None when nothing answers (refused, reset, timed out)."""
     try:
-        with urllib.request.urlopen(url, timeout=3) as response:
-            return response.status == 200
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout_s) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:  # a status is an answer: 401 from a server that wants credentials
+        return exc.code
     except OSError:
-        return False
+        return None
+
+
+def _http_ok(url: str) -> bool:
+    return http_status(url) == 200
 
 
 # --- S3 (SeaweedFS) -------------------------------------------------------------------------------------
@@ -352,21 +375,102 @@ def postgres(workdir: Path, database: str):
 # --- MLflow and Prefect servers -------------------------------------------------------------------------
 
 
-def start_mlflow(workdir: Path, backend_uri: str, artifacts_destination: str, env: dict[str, str],
-                 port: int | None = None, ready_timeout_s: float = 120) -> Service:
-    """`mlflow server` on loopback, serving artifacts (clients need no S3 credentials); ready when /health answers."""
+@dataclass(frozen=True)
+class MlflowAuth:
+    """MLflow's basic-auth app (`mlflow server --app-name basic-auth`): the admin it creates in its user
+    database at the first start, and the key that signs its CSRF tokens (static, so every worker and every
+    restart accepts the tokens of the others). Clients log in with MLFLOW_TRACKING_USERNAME/PASSWORD."""
+
+    username: str
+    password: str = field(repr=False)  # never in a traceback or a log line
+    secret_key: str = field(repr=False)
+
+    @classmethod
+    def generate(cls, username: str = "admin") -> "MlflowAuth":
+        return cls(username, secrets.token_urlsafe(24), secrets.token_urlsafe(32))
+
+    def client_env(self) -> dict[str, str]:
+        return {"MLFLOW_TRACKING_USERNAME": self.username, "MLFLOW_TRACKING_PASSWORD": self.password}
+
+
+def prefect_auth() -> str:
+    """A fresh Prefect auth string, "user:password" (PREFECT_SERVER_API_AUTH_STRING on the server,
+    PREFECT_API_AUTH_STRING on clients; the UI asks for it). URL-safe, so a shell export or a .env line
+    never needs quoting.
+
+    >>> user, _, password = prefect_auth().partition(":")
+    >>> user, len(password) >= 32
+    ('grpo', True)
+    """
+    return f"grpo:{secrets.token_urlsafe(24)}"
+
+
+# The basic-auth app's own settings (no secret: the admin's password arrives through the environment and is
+# read only when the user database is empty). New users get READ on everything until an admin grants more;
+# the user database sits beside the server's log, not in the current directory (MLflow's default).
+# The credential cache: without it every request re-derives the password's scrypt hash, measured here at
+# 0.25 s -> 13-20 s a request on a loaded 2-core machine (a pipeline run makes hundreds); with it, once per
+# user and password per 5 minutes. Its cost: a password changed or a user deleted through another server
+# worker is still accepted there until the entry expires (the stack runs one worker).
+MLFLOW_AUTH_INI = """[mlflow]
+default_permission = READ
+database_uri = sqlite:///{database}
+authorization_function = mlflow.server.auth:authenticate_request_basic_auth
+auth_cache_ttl_seconds = 300
+"""
+
+
+def start_mlflow(workdir: Path, backend_uri: str, artifacts_destination: str, env: dict[str, str], *,
+                 auth: MlflowAuth, port: int | None = None, ready_timeout_s: float = 120) -> Service:
+    """`mlflow server --app-name basic-auth` on loopback, serving artifacts (clients need no S3 credentials);
+    ready when /health answers and the admin's credentials are accepted.
+
+    `auth` has no default: no caller can start a server that lets anyone in by forgetting it. The user
+    database keeps the admin's password from the first start; a later start with another password (a lost
+    state file beside kept data) is refused with its fix instead of leaving every client with a 401.
+    """
     port = port or free_port()
     check_port("mlflow", port)
+    workdir.mkdir(parents=True, exist_ok=True)
+    workdir.chmod(0o700)  # the user database (password hashes) and the server's log
+    auth_config = workdir / "basic_auth.ini"
+    auth_config.write_text(MLFLOW_AUTH_INI.format(database=(workdir / "basic_auth.db").resolve()))
     args = [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port), "--backend-store-uri",
-            backend_uri, "--artifacts-destination", artifacts_destination, "--serve-artifacts", "--workers", "1"]
+            backend_uri, "--artifacts-destination", artifacts_destination, "--serve-artifacts", "--workers", "1",
+            "--app-name", "basic-auth"]
+    # Credentials through the environment, never on the command line (`ps` shows argv to every local user).
+    env = {**env, "MLFLOW_AUTH_CONFIG_PATH": str(auth_config), "MLFLOW_AUTH_ADMIN_USERNAME": auth.username,
+           "MLFLOW_AUTH_ADMIN_PASSWORD": auth.password, "MLFLOW_FLASK_SERVER_SECRET_KEY": auth.secret_key}
     service = _spawn("mlflow", args, workdir, env)
     service.url = f"http://127.0.0.1:{port}"
+    service.extra = {"auth": "basic"}
+    started = time.monotonic()
     _wait_until(lambda: _http_ok(f"{service.url}/health"), service, ready_timeout_s)
+    # The first authenticated request derives the password's hash: seconds on a loaded machine, so it is
+    # waited for like readiness (no answer yet: ask again) and only a real answer is judged.
+    whoami, login = f"{service.url}/api/2.0/mlflow/users/current", basic_auth_header(f"{auth.username}:{auth.password}")
+    answers: list[int | None] = []
+
+    def admin_answered() -> bool:
+        answers.append(http_status(whoami, login, timeout_s=60))
+        return answers[-1] is not None
+
+    _wait_until(admin_answered, service, max(ready_timeout_s - (time.monotonic() - started), 30))
+    if (code := answers[-1]) == 401:
+        stop(service)
+        raise ServiceError(f"MLflow's user database {workdir / 'basic_auth.db'} refuses the admin credentials "
+                           "of this stack: it was made with another password. Set that password back, or delete "
+                           "the file to create the admin afresh (other users are lost)")
+    if code != 200:
+        stop(service)
+        raise ServiceError(f"MLflow answered HTTP {code} to its admin's login; see {service.log}")
     return service
 
 
-def start_prefect(workdir: Path, database_url: str, port: int | None = None, ready_timeout_s: float = 120) -> Service:
-    """`prefect server start` on loopback with its database in PostgreSQL; `url` is the API (PREFECT_API_URL)."""
+def start_prefect(workdir: Path, database_url: str, *, auth_string: str, port: int | None = None,
+                  ready_timeout_s: float = 120) -> Service:
+    """`prefect server start` on loopback with its database in PostgreSQL and its API behind `auth_string`
+    ("user:password", HTTP Basic); `url` is the API (PREFECT_API_URL)."""
     port = port or free_port()
     check_port("prefect", port)
     env = {
@@ -374,24 +478,17 @@ def start_prefect(workdir: Path, database_url: str, port: int | None = None, rea
         "PREFECT_SERVER_DATABASE_CONNECTION_URL": database_url,
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",  # the UI calls the API at this address
+        # Every API route but /health and /ready answers 401 without it; the server's own in-process
+        # services send it themselves. Through the environment: argv is visible to every local user.
+        "PREFECT_SERVER_API_AUTH_STRING": auth_string,
     }
     args = [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)]
     service = _spawn("prefect", args, workdir, env)
     service.url = f"http://127.0.0.1:{port}/api"
+    service.extra = {"auth": "basic"}
     _wait_until(lambda: _http_ok(f"{service.url}/health"), service, ready_timeout_s)
     return service
 
 
 def http_healthy(service: Service) -> bool:
     return _http_ok(f"{service.url}/health")
-
-
-@contextmanager
-def mlflow_server(workdir: Path, backend_uri: str, artifacts_destination: str, env: dict[str, str],
-                  ready_timeout_s: float = 120):
-    """An MLflow server; yields its URL once /health answers."""
-    service = start_mlflow(workdir, backend_uri, artifacts_destination, env, ready_timeout_s=ready_timeout_s)
-    try:
-        yield service.url
-    finally:
-        stop(service)

@@ -1,16 +1,18 @@
 """The local service stack, for users without Docker and for the integration tests.
 
     grpo-pipeline stack up        # PostgreSQL, S3 (SeaweedFS), MLflow server, Prefect server on 127.0.0.1
-    eval "$(grpo-pipeline stack env)"   # MLFLOW_TRACKING_URI, PREFECT_API_URL, AWS_* in this shell
+    eval "$(grpo-pipeline stack env)"   # URLs and credentials: MLFLOW_*, PREFECT_API_*, AWS_* in this shell
     grpo-pipeline stack status    # each service's health
     grpo-pipeline stack down      # stop them (data stays under .grpo/stack for the next `up`)
 
 The same layout as docker-compose.yml: MLflow keeps its runs in PostgreSQL and its artifacts in the
 bucket (served through the MLflow server, so clients need no S3 credentials), Prefect keeps its database
 in PostgreSQL. Services run as background processes; their pids, ports, URLs and data directories are in
-`<root>/state.json` (mode 0600: it holds the local S3 credentials), so any later command can check or
-stop them. PostgreSQL listens on a Unix socket only; the others listen on fixed ports (`DEFAULT_PORTS`,
-the ports docker-compose.yml publishes), so URLs stay the same from one `up` to the next. The
+`<root>/state.json`, so any later command can check or stop them. The state file (mode 0600) also holds
+the credentials generated at the first `up`: the S3 key, MLflow's admin and Prefect's auth string. Both
+servers refuse requests without them (any local user can reach a loopback port); `stack env` hands them
+to clients, workers and shells. PostgreSQL listens on a Unix socket only; the others listen on fixed ports
+(`DEFAULT_PORTS`, the ports docker-compose.yml publishes), so URLs stay the same from one `up` to the next. The
 `grpo-pipeline stack` commands themselves are in grpo_pipeline/cli.py.
 """
 
@@ -20,6 +22,7 @@ import json
 import os
 import secrets
 import shlex
+from dataclasses import asdict
 from pathlib import Path
 
 from infra import services
@@ -59,7 +62,7 @@ class Stack:
 
     `ports` maps s3/mlflow/prefect to a port; 0 picks a free one (tests), None keeps the recorded or
     default port. `credentials` (access key, secret key) fix the S3 identity; by default one is
-    generated at the first `up` and kept in the state file.
+    generated at the first `up` and kept in the state file, as are MLflow's admin and Prefect's auth string.
     """
 
     def __init__(self, root: Path = DEFAULT_ROOT, *, ports: dict[str, int | None] | None = None,
@@ -76,6 +79,9 @@ class Stack:
         if credentials is not None:
             self.state["s3_credentials"] = list(credentials)
         self.state.setdefault("s3_credentials", [f"grpo-{secrets.token_hex(4)}", secrets.token_urlsafe(30)])
+        # A state file from before auth was on gets them here; they are saved with the first service `up` starts.
+        self.state.setdefault("mlflow_auth", asdict(services.MlflowAuth.generate()))
+        self.state.setdefault("prefect_auth_string", services.prefect_auth())
         self.state.setdefault("services", {})
 
     # --- state ------------------------------------------------------------------------------------------
@@ -93,7 +99,7 @@ class Stack:
             raise ServiceError(f"{self.state_path} is not valid JSON ({exc}); stop the services by hand and delete it")
 
     def _save(self) -> None:
-        """Written aside then renamed, never half-written; 0600 because it holds the S3 secret key."""
+        """Written aside then renamed, never half-written; 0600 because it holds the stack's credentials."""
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = self.state_path.with_suffix(".tmp")
         tmp.unlink(missing_ok=True)
@@ -114,6 +120,20 @@ class Stack:
     def credentials(self) -> tuple[str, str]:
         access, secret = self.state["s3_credentials"]
         return access, secret
+
+    @property
+    def mlflow_auth(self) -> services.MlflowAuth:
+        return services.MlflowAuth(**self.state["mlflow_auth"])
+
+    @property
+    def prefect_auth_string(self) -> str:
+        return self.state["prefect_auth_string"]
+
+    def _without_auth(self, name: str) -> bool:
+        """A server recorded as started without authentication (by a version before auth was on): `up`
+        restarts it rather than leave it open while `stack env` hands out credentials it ignores."""
+        service = self.service(name)
+        return name in ("mlflow", "prefect") and service is not None and service.extra.get("auth") != "basic"
 
     # --- health -----------------------------------------------------------------------------------------
 
@@ -146,7 +166,7 @@ class Stack:
         """Start what is not already running and healthy (dependencies first); returns the services asked for.
         A fixed port that is taken is refused (PortInUse) before anything starts, so a refused `up` leaves no
         half-started stack behind."""
-        todo = [name for name in with_dependencies(names) if not self.healthy(name)]
+        todo = [name for name in with_dependencies(names) if not self.healthy(name) or self._without_auth(name)]
         for name in todo:
             port, stale = self.state["ports"].get(name), self.service(name)
             if stale is not None and services.alive(stale.pid, stale.created):
@@ -176,8 +196,9 @@ class Stack:
             env = {"AWS_ACCESS_KEY_ID": access, "AWS_SECRET_ACCESS_KEY": secret, "AWS_DEFAULT_REGION": REGION,
                    "MLFLOW_S3_ENDPOINT_URL": self.service("s3").url}
             return services.start_mlflow(work, services.database_uri(pg, "mlflow"), f"s3://{self.bucket}/mlflow",
-                                         env, port=port)
-        return services.start_prefect(work, services.database_uri(pg, "prefect", "asyncpg"), port=port)
+                                         env, auth=self.mlflow_auth, port=port)
+        return services.start_prefect(work, services.database_uri(pg, "prefect", "asyncpg"),
+                                      auth_string=self.prefect_auth_string, port=port)
 
     def down(self) -> list[str]:
         """Stop every recorded service, dependents first; data, ports and credentials stay for the next `up`."""
@@ -197,13 +218,18 @@ class Stack:
         """The environment a pipeline run, a worker or a shell needs to use this stack.
 
         MLFLOW_S3_ENDPOINT_URL and AWS_ENDPOINT_URL_S3 point MLflow's and boto3's S3 clients (checkpoints
-        with `train.checkpoint_uri=s3://<bucket>/...`) at the local S3 API.
+        with `train.checkpoint_uri=s3://<bucket>/...`) at the local S3 API. MLFLOW_TRACKING_USERNAME/PASSWORD
+        (MLflow's admin) and PREFECT_API_AUTH_STRING are what the servers ask of every client.
         """
         out: dict[str, str] = {}
         if (mlflow := self.service("mlflow")) is not None:
             out["MLFLOW_TRACKING_URI"] = mlflow.url
+            if mlflow.extra.get("auth") == "basic":
+                out |= self.mlflow_auth.client_env()
         if (prefect := self.service("prefect")) is not None:
             out["PREFECT_API_URL"] = prefect.url
+            if prefect.extra.get("auth") == "basic":
+                out["PREFECT_API_AUTH_STRING"] = self.prefect_auth_string
         if (s3 := self.service("s3")) is not None:
             access, secret = self.credentials
             out |= {"AWS_ACCESS_KEY_ID": access, "AWS_SECRET_ACCESS_KEY": secret, "AWS_DEFAULT_REGION": REGION,

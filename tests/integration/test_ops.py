@@ -28,26 +28,29 @@ from tests.conftest import TINY_TRAIN
 pytestmark = pytest.mark.integration
 
 # Fake credentials the worker holds while it runs the flow; none may appear in anything the run leaves.
+# (The worker's MLflow password and Prefect auth string are the stack's real ones, which its servers check:
+# the leak test looks for those too.)
 SENTINELS = {
     "HF_TOKEN": "hf_grpoSentinelToken0a1b2c3d",
-    "MLFLOW_TRACKING_PASSWORD": "grpo-sentinel-mlflow-password-9f8e",
     "WANDB_API_KEY": "grpo-sentinel-wandb-key-5d6c",
 }
-# A user name is no secret (MLflow records it as the run's `mlflow.user`); it makes the client send the password.
-IDENTITY = {"MLFLOW_TRACKING_USERNAME": "grpo-ops"}
 PICKLES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 
 
 @contextmanager
-def prefect_api(url: str):
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+def prefect_api(env: dict[str, str]):
+    """This process's Prefect client pointed at the stack's server, with the auth string it demands."""
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
-    with temporary_settings({PREFECT_API_URL: url}):
+    with temporary_settings({PREFECT_API_URL: env["PREFECT_API_URL"],
+                             PREFECT_API_AUTH_STRING: env["PREFECT_API_AUTH_STRING"]}):
         yield
 
 
 @pytest.fixture(scope="module")
-def stack(local_stack) -> Stack:
+def stack(local_stack, mlflow_server_uri) -> Stack:
+    """Every service of the stack; through `mlflow_server_uri`, so this process's MLflow clients hold the
+    admin's credentials."""
     local_stack.up()
     return local_stack
 
@@ -101,7 +104,7 @@ def deployed(stack, env, ops_yaml, webhook):
     """`grpo-pipeline deploy`, as a user runs it, with a webhook notification block made beforehand."""
     from prefect.blocks.notifications import CustomWebhookNotificationBlock
 
-    with prefect_api(env["PREFECT_API_URL"]):
+    with prefect_api(env):
         CustomWebhookNotificationBlock(name="grpo-ops", url=webhook, json_data={"text": "{{subject}}\n{{body}}"},
                                        allow_private_urls=True).save("grpo-ops", overwrite=True)
     proc = subprocess.run(
@@ -117,7 +120,7 @@ def deployed(stack, env, ops_yaml, webhook):
 def worker(deployed, env, tmp_path_factory):
     """A process worker holding the sentinels in its environment, as a production worker holds credentials."""
     log = tmp_path_factory.mktemp("worker") / "worker.log"
-    worker_env = {**env, **SENTINELS, **IDENTITY, "PREFECT_WORKER_QUERY_SECONDS": "2"}
+    worker_env = {**env, **SENTINELS, "PREFECT_WORKER_QUERY_SECONDS": "2"}
     with log.open("w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", "grpo-process"],
                                 env=worker_env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -145,7 +148,7 @@ def test_deploy_registers_the_three_deployments(deployed, env, ops_yaml):
     from prefect.automations import Automation
     from prefect.client.orchestration import get_client
 
-    with prefect_api(env["PREFECT_API_URL"]), get_client(sync_client=True) as client:
+    with prefect_api(env), get_client(sync_client=True) as client:
         d = client.read_deployment_by_name("grpo-pipeline/manual")
         assert d.pull_steps == [{"prefect.deployments.steps.set_working_directory":
                                  {"directory": str(Path(__file__).resolve().parents[2])}}]
@@ -167,7 +170,7 @@ def test_collisions_follow_each_deployments_strategy(deployed, env):
     from prefect.types._datetime import now
 
     outcome = {}
-    with prefect_api(env["PREFECT_API_URL"]), get_client(sync_client=True) as client:
+    with prefect_api(env), get_client(sync_client=True) as client:
         for name in ("daily-retrain", "manual"):
             deployment = client.read_deployment_by_name(f"grpo-pipeline/{name}")
             # Scheduled a day ahead, so no worker picks them up; Pending is where a worker takes the slot.
@@ -190,7 +193,7 @@ def manual_run(worker, env):
     """One run of the manual deployment, on the worker, with the form's parameters."""
     from prefect.deployments import run_deployment
 
-    with prefect_api(env["PREFECT_API_URL"]):
+    with prefect_api(env):
         flow_run = run_deployment("grpo-pipeline/manual", parameters={"launcher": "local"}, timeout=900,
                                   poll_interval=3)
     return flow_run
@@ -223,12 +226,12 @@ def test_manual_run_completes_on_the_worker_into_mlflow_and_s3(manual_run, stack
     assert any(k.startswith("ops/") and k.endswith("final/manifest.json") for k in keys)  # checkpoints in S3 too
 
 
-def _flow_run_logs(api_url: str, flow_run_id) -> str:
+def _flow_run_logs(env: dict[str, str], flow_run_id) -> str:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 
     lines, offset = [], 0
-    with prefect_api(api_url), get_client(sync_client=True) as client:
+    with prefect_api(env), get_client(sync_client=True) as client:
         while batch := client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])),
                                         limit=200, offset=offset):
             lines += [log.message for log in batch]
@@ -238,9 +241,12 @@ def _flow_run_logs(api_url: str, flow_run_id) -> str:
 
 def test_secrets_in_the_environment_leave_no_trace(manual_run, stack, worker, env, ops_yaml, tmp_path):
     proc, log = worker
-    secrets = {**SENTINELS, "AWS_SECRET_ACCESS_KEY": stack.credentials[1]}
+    secrets = {**SENTINELS, "AWS_SECRET_ACCESS_KEY": stack.credentials[1],
+               "MLFLOW_TRACKING_PASSWORD": stack.mlflow_auth.password,
+               "PREFECT_API_AUTH_STRING": stack.prefect_auth_string.partition(":")[2]}  # its password half
     held = psutil.Process(proc.pid).environ()
     assert all(held.get(k) == v for k, v in SENTINELS.items())  # the worker (and so the flow run) had them
+    assert held.get("MLFLOW_TRACKING_PASSWORD") == secrets["MLFLOW_TRACKING_PASSWORD"]
 
     places: dict[str, bytes] = {}
     client = mlflow.MlflowClient(stack.env()["MLFLOW_TRACKING_URI"])
@@ -258,7 +264,7 @@ def test_secrets_in_the_environment_leave_no_trace(manual_run, stack, worker, en
     for page in s3.get_paginator("list_objects_v2").paginate(Bucket="ckpt"):
         for obj in page.get("Contents", []):
             places[f"s3://ckpt/{obj['Key']}"] = s3.get_object(Bucket="ckpt", Key=obj["Key"])["Body"].read()
-    places["prefect flow run logs"] = _flow_run_logs(env["PREFECT_API_URL"], manual_run.id).encode()
+    places["prefect flow run logs"] = _flow_run_logs(env, manual_run.id).encode()
     places["prefect flow run parameters"] = json.dumps(manual_run.parameters).encode()
     places["worker output"] = log.read_bytes()
     for file in Path(yaml.safe_load(ops_yaml.read_text())["data_dir"]).rglob("*.log"):  # the trainer's log
@@ -323,7 +329,7 @@ def test_a_failed_run_notifies_the_block(manual_run, env):
     from prefect.deployments import run_deployment
 
     Hook.received.clear()
-    with prefect_api(env["PREFECT_API_URL"]):
+    with prefect_api(env):
         failed = run_deployment("grpo-pipeline/ci", parameters={"config_path": "/no/such/config.yaml"}, timeout=300,
                                 poll_interval=2)
     assert failed.state.is_failed(), failed.state
@@ -336,16 +342,66 @@ def test_a_failed_run_notifies_the_block(manual_run, env):
     assert "Failed" in message and "config_path: this deployment runs" in message
 
 
+def _status(url: str, login: str | None = None, body: dict | None = None) -> int | None:
+    """The HTTP status of a GET (or, with `body`, a JSON POST), with HTTP Basic `login` ("user:password") or none."""
+    import urllib.error
+    import urllib.request
+
+    headers = {"Content-Type": "application/json", **(services.basic_auth_header(login) if login else {})}
+    request = urllib.request.Request(url, headers=headers, data=None if body is None else json.dumps(body).encode())
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
 def test_stack_cli_reports_health_and_exports(stack):
     status = subprocess.run([sys.executable, "-m", "grpo_pipeline.cli", "stack", "status", "--dir", str(stack.root)],
                             capture_output=True, text=True, timeout=120)
     assert status.returncode == 0, status.stdout + status.stderr
-    assert all(s["healthy"] for s in json.loads(status.stdout).values())
+    assert all(s["healthy"] for s in json.loads(status.stdout).values())  # health needs no credentials
     exports = subprocess.run([sys.executable, "-m", "grpo_pipeline.cli", "stack", "env", "--dir", str(stack.root)],
-                             capture_output=True, text=True, timeout=120).stdout
-    assert f"export MLFLOW_TRACKING_URI={stack.service('mlflow').url}" in exports.splitlines()
-    assert f"export PREFECT_API_URL={stack.service('prefect').url}" in exports.splitlines()
-    assert oct((stack.root / "state.json").stat().st_mode)[-3:] == "600"  # it holds the S3 secret key
+                             capture_output=True, text=True, timeout=120).stdout.splitlines()
+    assert f"export MLFLOW_TRACKING_URI={stack.service('mlflow').url}" in exports
+    assert f"export PREFECT_API_URL={stack.service('prefect').url}" in exports
+    auth = stack.mlflow_auth
+    assert f"export MLFLOW_TRACKING_USERNAME={auth.username}" in exports
+    assert f"export MLFLOW_TRACKING_PASSWORD={auth.password}" in exports
+    assert f"export PREFECT_API_AUTH_STRING={stack.prefect_auth_string}" in exports
+    assert oct((stack.root / "state.json").stat().st_mode)[-3:] == "600"  # it holds the stack's credentials
+
+
+def test_the_stacks_servers_refuse_requests_without_credentials(stack):
+    """Any local user reaches a loopback port: MLflow's and Prefect's APIs (and MLflow's UI and artifacts)
+    answer 401 without the credentials of `stack env` or with wrong ones, and serve with them."""
+    mlflow_url, prefect_url = stack.service("mlflow").url, stack.service("prefect").url
+    admin = f"{stack.mlflow_auth.username}:{stack.mlflow_auth.password}"
+    for path in ("/api/2.0/mlflow/experiments/search?max_results=1",
+                 "/api/2.0/mlflow/registered-models/search?max_results=1",
+                 "/api/2.0/mlflow-artifacts/artifacts", "/"):
+        assert _status(mlflow_url + path) == 401, path
+        assert _status(mlflow_url + path, f"{stack.mlflow_auth.username}:wrong-password") == 401, path
+    assert _status(mlflow_url + "/api/2.0/mlflow/experiments/search?max_results=1", admin) == 200
+    assert _status(mlflow_url + "/api/2.0/mlflow/registered-models/search?max_results=1", admin) == 200
+
+    for path, body in (("/admin/version", None), ("/deployments/filter", {}), ("/flow_runs/filter", {})):
+        assert _status(prefect_url + path, body=body) == 401, path
+        assert _status(prefect_url + path, "grpo:wrong-password", body) == 401, path
+        assert _status(prefect_url + path, stack.prefect_auth_string, body) == 200, path
+    assert _status(f"{mlflow_url}/health") == _status(f"{prefect_url}/health") == 200  # probes stay open
+
+    # Prefect's own client, as a worker builds it from the environment, is let in only with the auth string.
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import PrefectHTTPStatusError
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: prefect_url}, restore_defaults={PREFECT_API_AUTH_STRING}), \
+            get_client(sync_client=True) as client:
+        with pytest.raises(PrefectHTTPStatusError, match="401"):
+            client.read_deployments(limit=1)
+    with prefect_api(stack.env()), get_client(sync_client=True) as client:
+        client.read_deployments(limit=1)
 
 
 def test_a_dead_service_is_restarted_on_its_port_and_down_stops_it(tmp_path):

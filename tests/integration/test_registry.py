@@ -1,6 +1,7 @@
 """The registry against a real MLflow server (PostgreSQL backend, artifacts on S3): promote, reject,
 rollback, an operator's forced promotion, two promotions racing, a held lock, and a server that is down."""
 
+import os
 import re
 import socket
 import threading
@@ -8,6 +9,7 @@ import threading
 import mlflow
 import pytest
 
+from infra.services import basic_auth_header
 from tasks.registry import (
     AliasMove, CHALLENGER, CHAMPION, MERGED_VERSION_TAG, PREVIOUS, ChampionMoved, Registry, RegistryError,
     RegistryServiceError, RestClient,
@@ -113,7 +115,11 @@ def test_report_chart_is_served_at_the_url_given_to_the_prefect_ui(mlflow_server
     exp = client.get_experiment_by_name("report-tests") or client.get_experiment(client.create_experiment("report-tests"))
     run_id = client.create_run(exp.experiment_id).info.run_id
     client.log_artifact(run_id, str(png))
-    with urllib.request.urlopen(artifact_url(mlflow_server_uri, run_id, "comparison.png"), timeout=30) as response:
+    # A browser logged in to MLflow sends its basic-auth credentials with the image request; so does this.
+    login = f"{os.environ['MLFLOW_TRACKING_USERNAME']}:{os.environ['MLFLOW_TRACKING_PASSWORD']}"
+    request = urllib.request.Request(artifact_url(mlflow_server_uri, run_id, "comparison.png"),
+                                     headers=basic_auth_header(login))
+    with urllib.request.urlopen(request, timeout=30) as response:
         body = response.read()
     assert body.startswith(b"\x89PNG") and body == png.read_bytes()
 

