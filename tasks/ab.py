@@ -224,3 +224,48 @@ def decide(champion: ArmSample, challenger: ArmSample, policy: ABConfig, elapsed
     ratio = test.likelihood_ratio if test.likelihood_ratio is not None else 0.0
     return made("continue", [f"no difference yet: likelihood ratio {ratio:.3g} below 1/alpha = "
                              f"{test.threshold:.3g}"])
+
+
+# ------------------------------------------------------------------------------------------------ the aliases
+
+
+class AliasesMoved(RuntimeError):
+    """The champion or challenger changed between reading the log and moving the aliases."""
+
+
+def plan_ab_moves(action: Action, champion: str | None, challenger: str) -> list:
+    """Alias moves for an online decision: promote makes the challenger champion (the champion it replaces kept
+    as previous-champion, so `grpo-pipeline rollback` undoes it); rollback takes the challenger alias off, so
+    all traffic returns to the champion; continue and stop move nothing.
+
+    >>> plan_ab_moves("promote", "3", "4")
+    [AliasMove(alias='previous-champion', version='3'), AliasMove(alias='champion', version='4'), AliasMove(alias='challenger', version=None)]
+    >>> plan_ab_moves("rollback", "3", "4"), plan_ab_moves("stop", "3", "4")
+    ([AliasMove(alias='challenger', version=None)], [])
+    """
+    from tasks.registry import CHALLENGER, AliasMove, plan_promotion
+
+    if action == "promote":
+        return plan_promotion(champion, challenger, promote=True)
+    if action == "rollback":
+        return [AliasMove(CHALLENGER, None)]
+    return []
+
+
+def settle(registry, decision: Decision, champion: str | None, challenger: str) -> list:
+    """Move the aliases for `decision` under the registry's lock, unless they moved since the log was read
+    (then the decision was about other versions: `AliasesMoved`, nothing moves)."""
+    from tasks.registry import CHALLENGER, CHAMPION
+
+    moves = plan_ab_moves(decision.action, champion, challenger)
+    if not moves:
+        return []
+    with registry.lock():
+        now = registry.aliases()
+        if (now[CHAMPION], now[CHALLENGER]) != (champion, challenger):
+            raise AliasesMoved(f"the aliases moved since the decision was made (champion {champion} -> "
+                               f"{now[CHAMPION]}, challenger {challenger} -> {now[CHALLENGER]}); run "
+                               "`grpo-pipeline ab decide` again")
+        tag = {"ab_decision": decision.action, "ab_reason": "; ".join(decision.reasons)[:500]}
+        registry.tag(challenger, tag)
+        return registry.apply(moves)

@@ -15,8 +15,10 @@ SQLAlchemy speaks (SQLite by default; PostgreSQL when the stack runs, shared by 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from pathlib import Path
 
 from sqlalchemy import (Boolean, Column, DateTime, Float, ForeignKey, Integer, MetaData, String, Table, create_engine,
                         event, func, select, text)
@@ -96,6 +98,8 @@ class RequestLog:
     def open(cls, url: str) -> "RequestLog":
         """Connect, create the tables if absent, and prove the store answers; `LogStoreError` names it if not."""
         try:
+            if url.startswith("sqlite:///"):  # the default file's folder, made on first use
+                Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
             engine = create_engine(url, pool_pre_ping=True)
             if engine.dialect.name == "sqlite":
                 event.listen(engine, "connect", _sqlite_pragmas)
@@ -181,3 +185,19 @@ def _utc(moment: datetime) -> datetime:
     # SQLite hands back naive datetimes for what was written in UTC; PostgreSQL aware ones.
     return moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)
 
+
+
+LOG_URL_ENV = "GRPO_AB_LOG_URL"
+
+
+def log_url(data_dir: Path, environ: dict | None = None) -> str:
+    """Where the request log lives: `$GRPO_AB_LOG_URL` (a SQLAlchemy URL; PostgreSQL with its credentials comes
+    from the environment, never the config, which is logged), else a SQLite file under `data_dir`.
+
+    >>> log_url(Path(".grpo"), {})
+    'sqlite:///.grpo/ab/requests.sqlite'
+    """
+    environ = os.environ if environ is None else environ
+    if environ.get(LOG_URL_ENV):
+        return environ[LOG_URL_ENV]
+    return f"sqlite:///{Path(data_dir) / 'ab' / 'requests.sqlite'}"

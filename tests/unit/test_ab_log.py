@@ -80,6 +80,10 @@ def test_an_unreachable_store_is_named_with_its_password_hidden(tmp_path):
     with pytest.raises(LogStoreError, match=r"127\.0\.0\.1:1/ab.*fix:") as caught:
         RequestLog.open("postgresql+psycopg2://ab:hunter2@127.0.0.1:1/ab")
     assert "hunter2" not in str(caught.value)
-    with pytest.raises(LogStoreError, match="unreachable"):
-        RequestLog.open(f"sqlite:///{tmp_path / 'missing-dir' / 'ab.sqlite'}")
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(LogStoreError, match="unreachable"):  # its folder cannot be made
+        RequestLog.open(f"sqlite:///{tmp_path / 'a-file' / 'ab.sqlite'}")
+    fresh = RequestLog.open(f"sqlite:///{tmp_path / 'new' / 'dir' / 'ab.sqlite'}")  # the default's folder is made
+    assert fresh.counts() == {}
+    fresh.close()
     assert masked("sqlite:///x.db") == "sqlite:///x.db"
