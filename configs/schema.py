@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 import yaml
 from configs import library_fields
+from configs.ab import ABConfig
 from configs.policy import ENV_NAME, ENV_NAME_SUFFIXES, TriggerPolicy, credential_key, secret_shape
 from configs.rewards import RewardSet
 from pydantic import (
@@ -894,6 +895,7 @@ class PipelineConfig(StrictModel):
     promote: PromotionPolicy = PromotionPolicy()
     tracking: TrackingConfig = TrackingConfig()
     deploy: DeployConfig = DeployConfig()
+    ab: ABConfig = ABConfig()
 
     @model_validator(mode="after")
     def _no_credentials(self) -> "PipelineConfig":

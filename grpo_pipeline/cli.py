@@ -557,9 +557,11 @@ def stack_down(root: RootOpt = DEFAULT_ROOT) -> None:
 
 
 from grpo_pipeline.rewards_cli import app as rewards_cli  # noqa: E402 - light: typer and the reward registry
+from grpo_pipeline.ab_cli import app as ab_cli  # noqa: E402 - light: its commands import what they use
 
 app.add_typer(stack_cli, name="stack")
 app.add_typer(rewards_cli, name="rewards")
+app.add_typer(ab_cli, name="ab")
 
 
 def main() -> None:  # pragma: no cover - `python -m grpo_pipeline.cli`

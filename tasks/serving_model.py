@@ -3,10 +3,14 @@ logged model and run from there. It imports only mlflow, transformers, peft and 
 `mlflow.pyfunc.load_model("models:/grpo-adapter@champion")` and `mlflow models serve` work anywhere MLflow,
 transformers and peft are installed.
 
-Input: a DataFrame (or records) with a `prompt` column: plain text (one user message) or a JSON list of chat
-messages (`[{"role": "user", "content": "..."}]`). Output: one completion per prompt, greedy, decoded as the
-pipeline's evaluation decodes it (the model's chat template, left padding, special tokens skipped). Params:
-`max_new_tokens`, `batch_size`.
+Input, in the shapes MLflow's transformers flavor takes: a string, a list of strings, `{"prompt": [...]}` or
+`{"prompt": "..."}`, records (`[{"prompt": "..."}]`) and a DataFrame whose `prompt` column (or, under an unnamed
+signature, whose first column) holds them. A prompt is plain text (one user message), a list of chat messages
+(`[{"role": "user", "content": "..."}]`), or that list as JSON text. Output: one completion per prompt, in
+order (a cell holding a list of strings is several prompts), greedy, decoded as the pipeline's evaluation
+decodes it (the model's chat template, left padding, special tokens skipped). Params: `max_new_tokens`,
+`batch_size`. MLflow enforces the logged signature before `predict` sees the input: a plain string or list of
+strings reaches it only under an unnamed string column (`ColSpec("string")`, as the transformers flavor logs).
 
 The model config names the base: a hub id, or the URI of the base's copy in the artifact store (downloaded
 once per content hash into `$GRPO_MODEL_CACHE`, default `~/.cache/grpo-models`).
@@ -46,30 +50,72 @@ def _local_base(reference: str, digest: str | None) -> str:
     return str(target) if (target / "config.json").is_file() else local
 
 
-def _messages(prompt):
+def _messages(prompt) -> list[dict]:
+    """One prompt as chat messages: a list of message dicts as it is, JSON text of one parsed, else one user turn."""
+    if isinstance(prompt, dict):
+        return [prompt]  # a lone message
     if isinstance(prompt, list):
         return prompt
     text = str(prompt)
     if text.lstrip().startswith("["):
         try:
             messages = json.loads(text)
-            if isinstance(messages, list) and all(isinstance(m, dict) for m in messages):
+            if isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages):
                 return messages
         except ValueError:
             pass
     return [{"role": "user", "content": text}]
 
 
+def _is_chat(value) -> bool:
+    return isinstance(value, dict) and "role" in value
+
+
+def _expand(cell) -> list:
+    """The prompts one input cell holds. MLflow's enforcement turns `{"prompt": ["a", "b"]}` into one row whose
+    cell is the list, and the scoring server turns JSON lists into numpy arrays: a list of strings (or of
+    chats) is several prompts, a list of message dicts is one chat."""
+    if hasattr(cell, "tolist"):  # numpy array or scalar from the scoring server
+        cell = cell.tolist()
+    if isinstance(cell, (list, tuple)):
+        cell = list(cell)
+        if cell and all(_is_chat(m) for m in cell):
+            return [cell]
+        out = []
+        for item in cell:
+            out += _expand(item)
+        return out
+    if isinstance(cell, dict) and not _is_chat(cell):
+        if "prompt" not in cell:
+            raise ValueError(f"an input record has no 'prompt' (keys: {sorted(cell)}); pass "
+                             '{"prompt": "<text or chat messages>"}')
+        return _expand(cell["prompt"])
+    if cell is None:
+        raise ValueError("an input prompt is empty (None); pass text or a list of chat messages")
+    return [cell]
+
+
 def _prompts(model_input) -> list:
+    """Every prompt in the input, in order, whatever shape of those the module docstring lists it came in.
+
+    >>> _prompts("Hi")
+    ['Hi']
+    >>> _prompts({"prompt": ["a", "b"]})
+    ['a', 'b']
+    >>> _prompts([{"prompt": "a"}, {"prompt": [{"role": "user", "content": "b"}]}])
+    ['a', [{'role': 'user', 'content': 'b'}]]
+    """
     if hasattr(model_input, "columns"):  # a DataFrame, as pyfunc and the scoring server pass it
         column = "prompt" if "prompt" in model_input.columns else model_input.columns[0]
-        return list(model_input[column])
-    if isinstance(model_input, dict):
-        value = model_input.get("prompt", model_input)
-        return list(value) if isinstance(value, list) else [value]
-    if isinstance(model_input, str):
-        return [model_input]
-    return [m.get("prompt") if isinstance(m, dict) else m for m in model_input]
+        cells = list(model_input[column])
+    elif isinstance(model_input, (dict, str)) or not hasattr(model_input, "__iter__"):
+        cells = [model_input]
+    else:
+        cells = list(model_input)
+    out = []
+    for cell in cells:
+        out += _expand(cell)
+    return out
 
 
 class GRPOChatModel(PythonModel):

@@ -134,13 +134,18 @@ def test_mlflow_models_serve_answers_on_loopback(champion, tmp_path):
             except OSError:
                 assert time.monotonic() < deadline, "the scoring server did not come up"
                 time.sleep(1)
-        body = json.dumps({"dataframe_records": [{"prompt": serving.prompt_text(r["prompt"])} for r in ROWS],
-                           "params": {"max_new_tokens": 6, "batch_size": 4}}).encode()
-        request = urllib.request.Request(f"http://127.0.0.1:{port}/invocations", data=body,
-                                         headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=300) as response:
-            answer = json.loads(response.read())
-        assert answer["predictions"] == champion["expected"]
+        texts = [serving.prompt_text(r["prompt"]) for r in ROWS]
+        # The scoring server's shapes the registered signature lets through, each answered as the evaluation
+        # generated (`{"inputs": {"prompt": [...]}}` crashed in the chat template before the model expanded it)
+        for data in ({"dataframe_records": [{"prompt": t} for t in texts]},
+                     {"dataframe_split": {"columns": ["prompt"], "data": [[t] for t in texts]}},
+                     {"inputs": {"prompt": texts}}, {"inputs": texts}, {"instances": texts}):
+            body = json.dumps(data | {"params": {"max_new_tokens": 6, "batch_size": 4}}).encode()
+            request = urllib.request.Request(f"http://127.0.0.1:{port}/invocations", data=body,
+                                             headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=300) as response:
+                answer = json.loads(response.read())
+            assert answer["predictions"] == champion["expected"], sorted(data)
     finally:
         server.terminate()
         try:
@@ -148,3 +153,52 @@ def test_mlflow_models_serve_answers_on_loopback(champion, tmp_path):
         except subprocess.TimeoutExpired:
             server.kill()
             server.wait()
+
+
+PARAMS = {"max_new_tokens": 6, "batch_size": 4}
+
+
+def test_the_registered_model_takes_the_shapes_its_signature_passes(champion, tmp_path, monkeypatch):
+    """`{"prompt": [...]}` (one row whose cell is the list, after MLflow's enforcement), `{"prompt": "..."}`,
+    records, a DataFrame and chat messages all generate what the evaluation generated."""
+    import pandas as pd
+
+    monkeypatch.setenv("GRPO_MODEL_CACHE", str(tmp_path / "cache"))
+    mlflow.set_tracking_uri(champion["uri"])
+    model = mlflow.pyfunc.load_model(f"models:/serving-adapter@{CHAMPION}")
+    texts = [serving.prompt_text(r["prompt"]) for r in ROWS]
+    expected = champion["expected"]
+    assert model.predict({"prompt": texts}, params=PARAMS) == expected
+    assert model.predict([{"prompt": t} for t in texts], params=PARAMS) == expected
+    assert model.predict({"prompt": texts[0]}, params=PARAMS) == expected[:1]
+    assert model.predict([{"prompt": r["prompt"]} for r in ROWS], params=PARAMS) == expected  # chat messages
+    with pytest.raises(Exception, match="prompt"):
+        model.predict([{"question": texts[0]}], params=PARAMS)
+
+
+def test_under_the_transformers_flavor_signature_strings_are_taken_too(tiny_model, adapter, tmp_path):
+    """MLflow enforces the signature before the model sees its input: with an unnamed string column, as the
+    transformers flavor logs text generation, a string and a list of strings reach the model and generate as
+    the DataFrame does (under the named `prompt` column they are refused before the model runs). The DataFrame's
+    outputs equal the evaluation's in the tests above; this one needs no server."""
+    import pandas as pd
+    from mlflow.models import ModelSignature
+    from mlflow.types import ColSpec, ParamSchema, ParamSpec, Schema
+
+    cfg = load_config(None, ["evaluate.max_new_tokens=6", "evaluate.batch_size=4"])
+    signature = ModelSignature(inputs=Schema([ColSpec("string")]), outputs=Schema([ColSpec("string")]),
+                               params=ParamSchema([ParamSpec("max_new_tokens", "long", 6),
+                                                   ParamSpec("batch_size", "long", 4)]))
+    path = tmp_path / "model"
+    mlflow.pyfunc.save_model(str(path), python_model=str(serving.MODEL_CODE), artifacts={"adapter": str(adapter)},
+                             model_config=serving.model_config(serving.BaseRef(reference=str(tiny_model)),
+                                                               cfg.model, cfg.evaluate),
+                             signature=signature, pip_requirements=["mlflow"])  # listed: not inferred by loading
+    model = mlflow.pyfunc.load_model(str(path))
+    texts = [serving.prompt_text(r["prompt"]) for r in ROWS]
+    expected = model.predict(pd.DataFrame({"prompt": texts}), params=PARAMS)
+    assert len(expected) == len(ROWS) and all(isinstance(e, str) for e in expected)
+    assert model.predict(texts, params=PARAMS) == expected
+    assert model.predict(texts[0], params=PARAMS) == expected[:1]
+    assert model.predict({"prompt": texts}, params=PARAMS) == expected
+    assert model.predict([{"prompt": t} for t in texts], params=PARAMS) == expected

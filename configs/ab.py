@@ -1,0 +1,61 @@
+"""`ab.*`: the live A/B between the registry's `champion` and `challenger` (pure pydantic, no I/O).
+
+What the online decision (`tasks.ab.decide`) reads: the traffic share of the challenger, the error level of
+the always-valid sequential test, the guardrails that roll a challenger back whatever its scores, and the
+minimum sample and maximum duration. Set any of them with `--set ab.<field>=<value>`.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Strict(BaseModel):
+    # The same rule as configs.schema.StrictModel (a typo is an error, not a silently ignored key); not imported
+    # from there because configs.schema imports this module.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class Guardrails(_Strict):
+    """Bounds on the challenger relative to the champion, checked before any score is compared; a breach rolls
+    the challenger back at the next decision. Checked once both arms have `min_requests` requests."""
+
+    min_requests: int = Field(100, ge=1, description="requests per arm before a guardrail can fire")
+    latency_p95_ratio_max: float = Field(
+        1.5, ge=1.0, description="challenger p95 latency / champion p95 latency above this: rollback")
+    latency_p95_max_s: float | None = Field(
+        None, gt=0, description="absolute p95 latency bound on the challenger, seconds (None: no bound)")
+    error_rate_margin: float = Field(
+        0.02, ge=0.0, le=1.0,
+        description="challenger error rate minus champion error rate above this: rollback (0.02 = 2 points)")
+    completion_tokens_ratio_min: float = Field(
+        0.5, gt=0.0, description="challenger mean completion tokens / champion's below this: rollback (collapse)")
+    completion_tokens_ratio_max: float = Field(
+        2.0, gt=0.0, description="... above this: rollback (rambling costs latency and money)")
+
+    @model_validator(mode="after")
+    def _ratio_bounds_ordered(self) -> "Guardrails":
+        if self.completion_tokens_ratio_min > self.completion_tokens_ratio_max:
+            raise ValueError(
+                f"ab.guardrails.completion_tokens_ratio_min ({self.completion_tokens_ratio_min}) is above "
+                f"completion_tokens_ratio_max ({self.completion_tokens_ratio_max}); set min <= max")
+        return self
+
+
+class ABConfig(_Strict):
+    """The live test. Outcomes are the feedback scores (`POST /v1/feedback`), compared as means per arm."""
+
+    challenger_fraction: float = Field(
+        0.1, ge=0.0, le=1.0, description="share of users (by hash of their key) sent to the challenger, 0..1")
+    alpha: float = Field(
+        0.05, gt=0.0, lt=1.0,
+        description="error level of the sequential test: the chance of declaring a difference between equal "
+                    "arms, however often the decision runs")
+    mixture_effect: float = Field(
+        0.2, gt=0.0,
+        description="standardized effect (difference in outcome standard deviations) the test finds fastest; "
+                    "any real effect is found eventually, this only tunes where the test is most sensitive")
+    min_samples: int = Field(100, ge=2, description="scored responses per arm before the test may decide")
+    max_duration_h: float = Field(
+        168.0, gt=0.0, description="hours after which an undecided test stops: no difference, champion stays")
+    guardrails: Guardrails = Guardrails()

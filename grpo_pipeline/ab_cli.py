@@ -1,0 +1,106 @@
+"""`grpo-pipeline ab`: the live A/B between the registry's `champion` and `challenger`, read from the request log.
+
+    grpo-pipeline ab status [--json]     # per-arm requests, errors, feedback; the estimate and its interval
+    grpo-pipeline ab decide [--json]     # the online decision; promote / rollback move the aliases
+
+The log is `$GRPO_AB_LOG_URL` (SQLAlchemy URL: PostgreSQL when the stack runs), else SQLite under data_dir.
+`decide` calls `tasks.ab.decide` on the requests the current champion and challenger versions answered, and
+for promote or rollback moves the aliases under the registry lock, after checking they did not move since.
+Exit codes: 0 decided or shown (whatever the action: `continue` is a normal answer); 1 an unexpected failure;
+2 bad configuration, the log store or the registry unreachable, or the aliases moved meanwhile.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from grpo_pipeline.failure import fail as _fail  # the CLI's one way to fail
+
+EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
+JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON object on stdout")]
+ConfigOpt = Annotated[Optional[Path], typer.Option("--config", "-c", help="pipeline YAML; default: configs/demo-cpu.yaml")]
+SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="override, e.g. --set ab.alpha=0.01 (repeatable)")]
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="The live A/B: `ab status` shows it, `ab decide` decides it (sequential test, guardrails).")
+
+
+def _open(config: Path | None, overrides: list[str] | None, as_json: bool):
+    """(config, request log, registry, champion version, challenger version), or the failure naming what is
+    wrong: the config (exit 2), the log store (exit 2), the registry (exit 2)."""
+    from configs.files import packaged, recipe
+    from configs.schema import ConfigError, load_config
+    from tasks.ab_log import LogStoreError, RequestLog, log_url
+    from tasks.registry import CHALLENGER, CHAMPION, Registry, RegistryServiceError, open_client
+
+    try:
+        cfg = load_config(packaged("demo-cpu.yaml") if config is None else recipe(config), list(overrides or []))
+    except ConfigError as exc:
+        _fail(as_json, str(exc), EXIT_CONFIG)
+    try:
+        log = RequestLog.open(log_url(cfg.data_dir))
+    except LogStoreError as exc:
+        _fail(as_json, str(exc), EXIT_CONFIG)
+    registry = Registry(open_client(cfg.mlflow_uri), cfg.tracking.registered_model)
+    try:
+        aliases = registry.aliases()
+    except (RegistryServiceError, *registry.errors) as exc:
+        _fail(as_json, f"the registry {cfg.tracking.registered_model} at {cfg.mlflow_uri} did not answer: {exc}",
+              EXIT_CONFIG)
+    return cfg, log, registry, aliases[CHAMPION], aliases[CHALLENGER]
+
+
+def _print(obj: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(obj, default=str))
+        return
+    for key, value in obj.items():
+        print(f"{key}: {json.dumps(value, default=str) if isinstance(value, (dict, list)) else value}")
+
+
+@app.command()
+def status(config: ConfigOpt = None, overrides: SetOpt = None, as_json: JsonOpt = False) -> None:
+    """Per-arm counts of the whole log, and for the running test (the current champion and challenger
+    versions) the estimate of the difference and its always-valid interval."""
+    from tasks.ab import decide
+
+    cfg, log, _, champion, challenger = _open(config, overrides, as_json)
+    out = {"status": "ok", "champion": champion, "challenger": challenger,
+           "challenger_fraction": cfg.ab.challenger_fraction, "log": log.counts()}
+    if champion and challenger:
+        a, b, hours = log.samples(champion, challenger)
+        decision = decide(a, b, cfg.ab, hours)
+        out |= {"arms": {k: v.model_dump() for k, v in decision.arms.items()}, "test": decision.test.model_dump(),
+                "elapsed_h": hours}
+    log.close()
+    _print(out, as_json)
+
+
+@app.command("decide")
+def decide_cmd(config: ConfigOpt = None, overrides: SetOpt = None, as_json: JsonOpt = False,
+               dry_run: Annotated[bool, typer.Option("--dry-run", help="decide, move no alias")] = False) -> None:
+    """Decide the running test; promote or rollback move the aliases (under the registry lock)."""
+    from tasks.ab import AliasesMoved, decide, settle
+    from tasks.registry import RegistryError, RegistryServiceError
+
+    cfg, log, registry, champion, challenger = _open(config, overrides, as_json)
+    if not challenger:
+        log.close()
+        _print({"status": "ok", "action": None, "champion": champion, "challenger": None,
+                "reasons": ["no challenger alias: no test is running"]}, as_json)
+        return
+    a, b, hours = log.samples(champion, challenger)
+    log.close()
+    decision = decide(a, b, cfg.ab, hours)
+    moves = []
+    if not dry_run:
+        try:
+            moves = settle(registry, decision, champion, challenger)
+        except (AliasesMoved, RegistryError, RegistryServiceError) as exc:
+            _fail(as_json, str(exc), EXIT_CONFIG, decision=decision.model_dump(mode="json"))
+    _print({"status": "ok", **decision.model_dump(mode="json"), "champion": champion, "challenger": challenger,
+            "moves": [m.describe() for m in moves]}, as_json)

@@ -1,0 +1,104 @@
+"""`grpo-pipeline ab status|decide` against a SQLite request log and a SQLite MLflow registry (no server): the
+decision read from the log, the aliases moved under the lock, the failures named with exit 2."""
+
+import json
+import shutil
+from datetime import datetime, timedelta, timezone
+
+import mlflow
+import pytest
+from typer.testing import CliRunner
+
+from grpo_pipeline.cli import app
+from tasks.ab_log import LOG_URL_ENV, RequestLog, RequestRow
+from tasks.registry import CHALLENGER, CHAMPION, PREVIOUS, Registry
+
+
+@pytest.fixture(scope="module")
+def empty_registry_db(tmp_path_factory):
+    """An MLflow SQLite database with its tables made once (its migrations take seconds), copied per test."""
+    path = tmp_path_factory.mktemp("mlflow") / "mlflow.db"
+    mlflow.MlflowClient(f"sqlite:///{path}").search_registered_models()
+    return path
+
+
+@pytest.fixture
+def world(tmp_path, monkeypatch, empty_registry_db):
+    """A registry with versions 1 (champion) and 2 (challenger), and an empty request log."""
+    shutil.copy(empty_registry_db, tmp_path / "mlflow.db")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = mlflow.MlflowClient(uri)
+    client.create_registered_model("ab-test")
+    for _ in range(2):
+        client.create_model_version("ab-test", source=str(tmp_path))
+    client.set_registered_model_alias("ab-test", CHAMPION, "1")
+    client.set_registered_model_alias("ab-test", CHALLENGER, "2")
+    log_url = f"sqlite:///{tmp_path / 'ab.sqlite'}"
+    monkeypatch.setenv(LOG_URL_ENV, log_url)
+    log = RequestLog.open(log_url)
+    args = ["--set", f"tracking.mlflow_tracking_uri={uri}", "--set", "tracking.registered_model=ab-test",
+            "--set", "ab.min_samples=40", "--set", "ab.guardrails.min_requests=40"]
+    yield log, Registry(client, "ab-test"), args
+    log.close()
+
+
+def fill(log: RequestLog, challenger_score: float, challenger_latency: float = 0.2, per_arm: int = 50) -> None:
+    start = datetime.now(timezone.utc) - timedelta(hours=2)
+    for i in range(2 * per_arm):
+        arm, version = ("challenger", "2") if i % 2 else ("champion", "1")
+        log.record(RequestRow(id=f"r{i}", arm=arm, version=version, prompt_tokens=9, completion_tokens=30,
+                              latency_s=challenger_latency if arm == "challenger" else 0.2, error=False,
+                              created_at=start + timedelta(seconds=i)))
+        log.feedback(f"r{i}", challenger_score if arm == "challenger" else float(i // 2 % 2))  # champion: 50 %
+
+
+def run(*args: str) -> tuple[int, dict]:
+    result = CliRunner().invoke(app, ["ab", *args, "--json"])
+    return result.exit_code, json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_status_shows_the_counts_and_the_estimate(world):
+    log, _, args = world
+    fill(log, challenger_score=1.0)
+    code, out = run("status", *args)
+    assert code == 0, out
+    assert out["log"]["champion"]["1"] == {"requests": 50, "errors": 0, "feedback": 50}
+    assert out["arms"]["challenger"]["mean_score"] == 1.0 and out["test"]["difference"] == pytest.approx(0.5)
+    assert out["test"]["interval"][0] > 0 and 1.9 < out["elapsed_h"] < 2.1
+
+
+def test_a_better_challenger_is_promoted_and_the_aliases_move(world):
+    log, registry, args = world
+    fill(log, challenger_score=1.0)
+    code, out = run("decide", *args)
+    assert code == 0 and out["action"] == "promote", out
+    assert registry.aliases() == {CHAMPION: "2", CHALLENGER: None, PREVIOUS: "1"}
+    assert out["moves"] == ["ab-test@previous-champion: (none) -> 1", "ab-test@champion: 1 -> 2",
+                            "ab-test@challenger: 2 -> (removed)"]
+
+
+def test_a_slow_challenger_is_rolled_back_and_traffic_returns_to_the_champion(world):
+    log, registry, args = world
+    fill(log, challenger_score=1.0, challenger_latency=1.0)
+    code, out = run("decide", *args)
+    assert code == 0 and out["action"] == "rollback" and out["breaches"] == ["latency_p95_ratio"], out
+    assert registry.aliases() == {CHAMPION: "1", CHALLENGER: None, PREVIOUS: None}
+    code, out = run("decide", *args)  # the next hourly run: no test is running
+    assert code == 0 and out["action"] is None
+
+
+def test_too_little_data_continues_and_moves_nothing(world):
+    log, registry, args = world
+    fill(log, challenger_score=1.0, per_arm=20)
+    code, out = run("decide", *args)
+    assert code == 0 and out["action"] == "continue" and out["moves"] == []
+    assert registry.aliases()[CHALLENGER] == "2"
+
+
+def test_an_unreachable_log_store_or_a_bad_setting_exits_2_naming_it(world, monkeypatch):
+    _, _, args = world
+    code, out = run("decide", *args, "--set", "ab.challenger_fraction=2")
+    assert code == 2 and "ab.challenger_fraction" in out["error"]
+    monkeypatch.setenv(LOG_URL_ENV, "postgresql+psycopg2://ab:pw@127.0.0.1:1/ab")
+    code, out = run("status", *args)
+    assert code == 2 and out["status"] == "failed" and "127.0.0.1:1" in out["error"] and "pw@" not in out["error"]
