@@ -122,8 +122,45 @@ def check_server() -> str:
     return url
 
 
-def ensure_work_pool(name: str) -> str:
-    """The pool's type; a missing pool is created as a process pool with Prefect's default job template."""
+# Job variables a flow run may override that decide what the worker executes: a process pool's `command` is the
+# shell command it runs, `env` can set PYTHONPATH or LD_PRELOAD, `working_dir` picks the code it imports. Anyone
+# who may create a flow run (the UI's Custom run, the API, a CI key) could set them, past the trigger policy.
+EXECUTING_VARIABLES = ("command", "env", "working_dir")
+
+
+def locked_template(template: dict[str, Any]) -> dict[str, Any]:
+    """A process pool's base job template without the variables that choose what runs: they are fixed to the
+    worker's defaults, and the schema refuses any variable it does not list (Prefect checks a flow run's
+    job variables against it when the run is created).
+
+    >>> from prefect.workers.process import ProcessWorker
+    >>> locked = locked_template(ProcessWorker.get_default_base_job_template())
+    >>> sorted(locked["variables"]["properties"]), locked["variables"]["additionalProperties"]
+    (['labels', 'name', 'stream_output'], False)
+    >>> "{{ command }}" in str(locked["job_configuration"])
+    False
+    """
+    variables = {**template["variables"], "additionalProperties": False,
+                 "properties": {k: v for k, v in template["variables"]["properties"].items()
+                                if k not in EXECUTING_VARIABLES}}
+    job = {k: v for k, v in template["job_configuration"].items() if k not in EXECUTING_VARIABLES}
+    return {**template, "variables": variables, "job_configuration": job}
+
+
+def open_variables(template: dict[str, Any]) -> list[str]:
+    """Which of the executing variables a pool's template lets a flow run set.
+
+    >>> from prefect.workers.process import ProcessWorker
+    >>> open_variables(ProcessWorker.get_default_base_job_template())
+    ['command', 'env', 'working_dir']
+    """
+    exposed = template.get("variables", {}).get("properties", {})
+    return [name for name in EXECUTING_VARIABLES if name in exposed]
+
+
+def ensure_work_pool(name: str) -> tuple[str, list[str]]:
+    """The pool's type and the executing variables its runs may still set; a missing pool is created as a
+    process pool whose template fixes them (`locked_template`)."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import WorkPoolCreate
     from prefect.exceptions import ObjectNotFound
@@ -131,11 +168,13 @@ def ensure_work_pool(name: str) -> str:
 
     with get_client(sync_client=True) as client:
         try:
-            return client.read_work_pool(name).type
+            pool = client.read_work_pool(name)
+            return pool.type, open_variables(pool.base_job_template)
         except ObjectNotFound:
             client.create_work_pool(WorkPoolCreate(
-                name=name, type="process", base_job_template=ProcessWorker.get_default_base_job_template()))
-            return "process"
+                name=name, type="process",
+                base_job_template=locked_template(ProcessWorker.get_default_base_job_template())))
+            return "process", []
 
 
 def register(spec: dict[str, Any], workdir: Path) -> str:
@@ -232,13 +271,15 @@ def deploy(cfg, settings: DeployConfig, config_path: Path | None, overrides: lis
     Raises ConfigError for what the user fixes (no server, no such notification block) and DeployError when
     Prefect's own `prefect deploy` fails."""
     check_server()
-    pool_type = ensure_work_pool(settings.work_pool)
+    pool_type, open_to_runs = ensure_work_pool(settings.work_pool)
     spec = render(yaml.safe_load(PREFECT_YAML.read_text()), settings,
                   project_path(config_path) if config_path else None, overrides, pool_type,
                   budget_usd=cfg.plan.budget_usd)
     register(spec, cfg.data_dir / "deploy")
     summary: dict[str, Any] = {"deployments": deployments_summary(),
-                               "work_pool": {"name": settings.work_pool, "type": pool_type},
+                               "work_pool": {"name": settings.work_pool, "type": pool_type,
+                                             # a pool made elsewhere may let a run choose what executes
+                                             "run_may_set": open_to_runs},
                                # what a run started through them may set (docs/security.md)
                                "trigger_policy": cfg.deploy.trigger.model_dump()}
     if settings.notify_block:

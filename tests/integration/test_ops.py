@@ -141,7 +141,7 @@ def test_deploy_registers_the_three_deployments(deployed, env, ops_yaml):
     assert (daily["concurrency_limit"], daily["collision_strategy"]) == (1, "CANCEL_NEW")
     assert (manual["concurrency_limit"], manual["collision_strategy"]) == (1, "ENQUEUE")
     assert manual["schedules"] == [] and ci["schedules"] == [] and ci["concurrency_limit"] is None
-    assert deployed["work_pool"] == {"name": "grpo-process", "type": "process"}
+    assert deployed["work_pool"] == {"name": "grpo-process", "type": "process", "run_may_set": []}
     assert daily["parameters"]["config_path"] == str(ops_yaml)  # outside the project: an absolute path
     assert "train.grpo.max_steps=4" in ci["parameters"]["overrides"]  # ci keeps its own smoke settings
 
@@ -186,6 +186,26 @@ def test_collisions_follow_each_deployments_strategy(deployed, env):
                 for run in runs:
                     client.delete_flow_run(run.id)
     assert outcome == {"daily-retrain": ("REJECT", "Cancelled"), "manual": ("REJECT", "AwaitingConcurrencySlot")}
+
+
+def test_a_run_cannot_choose_what_the_worker_executes(deployed, env):
+    """The pool `deploy` creates fixes command, env and working_dir: a run asking for any of them is refused when
+    it is created (a form's or an API caller's job variables would otherwise run code on the worker)."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import PrefectHTTPStatusError
+    from prefect.states import Scheduled
+    from prefect.types._datetime import now
+
+    with prefect_api(env), get_client(sync_client=True) as client:
+        deployment = client.read_deployment_by_name("grpo-pipeline/manual")
+        for variables in ({"command": "touch /tmp/owned"}, {"env": {"LD_PRELOAD": "/tmp/owned.so"}},
+                          {"working_dir": "/tmp"}):
+            with pytest.raises(PrefectHTTPStatusError, match="422"):
+                client.create_flow_run_from_deployment(
+                    deployment.id, job_variables=variables,
+                    state=Scheduled(scheduled_time=now("UTC") + timedelta(days=1)))
+        runs = client.read_flow_runs(limit=200)
+    assert not any((r.job_variables or {}).keys() & {"command", "env", "working_dir"} for r in runs)
 
 
 @pytest.fixture(scope="module")
