@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test e2e bench check-deps clean
+.PHONY: install demo test test-slow lint e2e bench check-deps clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -23,8 +23,14 @@ demo: $(STAMP)
 # Two workers, one per core of the CI machine; a test file stays on one worker (its module fixtures are built once).
 TEST_WORKERS ?= 2
 
-test: $(STAMP)
-	$(PY) -m pytest -m "not e2e" -n $(TEST_WORKERS) --dist loadfile
+test: lint
+	$(PY) -m pytest -m "not e2e and not slow" -n $(TEST_WORKERS) --dist loadfile
+
+test-slow: $(STAMP)  # the checks that leave the default run for its 15-minute budget (markers: slow)
+	$(PY) -m pytest -m slow -n $(TEST_WORKERS) --dist loadfile
+
+lint: $(STAMP)  # ruff's findings (pyproject.toml [tool.ruff]): zero, or the test run stops before pytest
+	$(PY) -m ruff check .
 
 e2e: $(STAMP)
 	$(PY) -m pytest -m e2e

@@ -21,10 +21,9 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from bench.harness import ROOT
-from bench.table import Row, from_compare, load_result, update_page
+from bench.table import Row, load_result, update_page
 
 PAGE = ROOT / "docs" / "benchmarks.md"  # the page whose bench:start/bench:end block holds the table
 

@@ -179,9 +179,10 @@ def _rss_mb(field: str) -> float:
 
 
 def worker(side: str, source: Path, eval_source: Path, near: bool, tokenizer_path: str) -> dict:
+    from transformers import AutoTokenizer  # imported on both sides before the memory baseline
+
     from configs.schema import DataConfig
     from tasks.data import run_chain
-    from transformers import AutoTokenizer  # imported on both sides before the memory baseline
 
     AutoTokenizer.from_pretrained(tokenizer_path)
     cfg = DataConfig(source=str(source), prompt_column="question", answer_extraction="gsm8k",

@@ -19,11 +19,10 @@ from bench.table import Row, from_compare
 from configs.schema import DemoTaskConfig, ModelConfig, load_config
 from tasks.demo_task import generate as demo_rows
 from tasks.evaluate import generate
+from tasks.job import model_load
 from tasks.model import ensure_demo_model
 from tests.tiny_model import create_random_model
 from trainer.loading import load_model
-from tasks.job import model_load
-
 
 
 def main() -> None:

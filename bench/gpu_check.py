@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import platform
 import shutil
 import statistics
@@ -130,9 +129,9 @@ def run_case(name: str, quant: str, model_dir: Path, model_cfg: dict, opts, gpu)
 
     from bench.machine_limit import _probed_trainer
     from configs.schema import ModelConfig
+    from tasks.job import model_load
     from tasks.plan import Assumptions, Settings, Workload, estimate_memory, step_seconds
     from trainer.loading import load_model
-    from tasks.job import model_load
 
     cuda = torch.cuda.is_available()
     _free()

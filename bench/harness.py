@@ -9,15 +9,15 @@ Alternating A, B, A, B... spreads the noise of a shared machine over both sides.
 from __future__ import annotations
 
 import argparse
-import os
 import json
+import os
 import platform
 import shlex
 import statistics
 import subprocess
 import time
-from datetime import UTC, datetime
 from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
 
 # BENCH_RESULTS redirects saved results (tests write there, not into the tracked folder).

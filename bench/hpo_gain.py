@@ -155,9 +155,10 @@ def run_fixed(cfg, model, splits, work: Path) -> dict:
 
 def run_searched(start, model, splits, work: Path, seed: int, budget: int, fraction: float) -> dict:
     """The search at this seed with `fraction` of the budget, then training with its outcome for the rest."""
+    from mlflow import MlflowClient
+
     from flows.runs import setup_tracking
     from infra.launch import make_launcher
-    from mlflow import MlflowClient
     from tasks.hpo import HPOFailed, Tracking, apply_best, run_trial, search
 
     cfg = apply_best(start, {"hpo.seed": seed, "hpo.study_name": f"bench-hpo-gain-s{seed}",

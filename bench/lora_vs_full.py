@@ -132,8 +132,8 @@ def run_arm(arm: str, model_path: str, train_file: str, holdout_file: str, opts:
 
     from configs.schema import ModelConfig, load_config
     from tasks.evaluate import read_jsonl
-    from trainer.loading import load_model
     from tasks.job import model_load
+    from trainer.loading import load_model
     from trainer.rewards import resolve_reward
 
     cfg = load_config(ROOT / "configs" / "demo-cpu.yaml")
@@ -191,7 +191,7 @@ def time_to_quality(curve: list[dict], threshold: float, clock: str = "train_s")
     >>> time_to_quality(c, 1.5) is None
     True
     """
-    for before, point in zip([None, *curve], curve):
+    for before, point in zip([None, *curve], curve, strict=False):  # pairs each point with the one before
         if point["reward"] >= threshold:
             return {"step": point["step"], "train_s": point[clock], "after_s": before[clock] if before else 0.0}
     return None
@@ -471,8 +471,8 @@ def main(argv: list[str] | None = None) -> dict | None:
 
     from configs.schema import load_config
     from tasks.demo_task import generate
-    from tasks.splits import write_splits
     from tasks.model import ensure_demo_model
+    from tasks.splits import write_splits
     from tests.tiny_model import create_random_model
 
     arms = [a for a in opts.arms.split(",") if a]
@@ -554,7 +554,7 @@ def main(argv: list[str] | None = None) -> dict | None:
             one(arm, best[arm], seed)
             report(f"partial: seeds at the best rates, seed {seed}")
     final = report("complete")
-    analysis, results = final["analysis"], final["arms"]
+    analysis = final["analysis"]
     for label, a in analysis.items():
         q, t, m = a["quality"], a["time_to_quality"], a["memory"]
         speed = t.get("ratio") or t.get("ratio_at_least") or t.get("ratio_at_most")

@@ -26,7 +26,6 @@ from bench.harness import ROOT, save, spread
 from bench.table import Row
 
 
-
 def matmul_peak(dtype, repeats: int, sizes=(1024, 2048, 3072)) -> dict:
     """FLOP/s of square matmuls (2·n³ each) at the best of a few sizes; every repeat of that size kept."""
     import torch
@@ -175,13 +174,13 @@ def main(argv: list[str] | None = None) -> dict:
 
     from configs.schema import load_config
     from tasks.demo_task import generate
-    from tasks.splits import write_splits
+    from tasks.job import model_load
     from tasks.model import ensure_demo_model
-    from tests.tiny_model import create_random_model
     from tasks.plan import architecture, load_model_config
+    from tasks.splits import write_splits
+    from tests.tiny_model import create_random_model
     from trainer.loading import load_model
     from trainer.precision import cpu_has_native_bf16, node_default_bf16
-    from tasks.job import model_load
     from trainer.rewards import resolve_reward
 
     cfg = load_config(ROOT / "configs" / "demo-cpu.yaml")

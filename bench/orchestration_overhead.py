@@ -39,13 +39,13 @@ def plain(cfg) -> dict:
     """The flow's stages as plain function calls: same inputs, same order, no orchestration."""
     from tasks.decide import decide_promotion
     from tasks.demo_task import generate
-    from tasks.splits import write_splits
     from tasks.evaluate import evaluate_model
+    from tasks.job import build_job_spec
     from tasks.model import resolve_base_model
     from tasks.plan import apply_plan, check_budget, plan_stage
     from tasks.quantize import measure_quantization_cost, require_accepted
-    from tasks.job import build_job_spec
     from tasks.report import plot_comparison, render_markdown
+    from tasks.splits import write_splits
     from tasks.summary import Holdout, RegistryOutcome
 
     rewards = cfg.train.reward_set()

@@ -17,11 +17,10 @@ from bench.harness import ROOT, compare, training_bench_args
 from bench.table import Row, from_compare
 from configs.schema import load_config
 from tasks.demo_task import generate
-from tasks.splits import write_splits
-from tasks.model import ensure_demo_model
-from tests.tiny_model import create_random_model
 from tasks.job import build_job_spec
-
+from tasks.model import ensure_demo_model
+from tasks.splits import write_splits
+from tests.tiny_model import create_random_model
 
 
 def main() -> None:

@@ -34,7 +34,7 @@ class Guardrails(_Strict):
         2.0, gt=0.0, description="... above this: rollback (rambling costs latency and money)")
 
     @model_validator(mode="after")
-    def _ratio_bounds_ordered(self) -> "Guardrails":
+    def _ratio_bounds_ordered(self) -> Guardrails:
         if self.completion_tokens_ratio_min > self.completion_tokens_ratio_max:
             raise ValueError(
                 f"ab.guardrails.completion_tokens_ratio_min ({self.completion_tokens_ratio_min}) is above "

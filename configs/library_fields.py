@@ -20,7 +20,7 @@ import functools
 import json
 import typing
 from pathlib import Path
-from typing import Any, Literal, NamedTuple, Optional, Union  # noqa: F401  (names the snapshot's types use)
+from typing import Any, Literal, NamedTuple, Optional, Union  # names the snapshot's types use
 
 SNAPSHOT = Path(__file__).with_name("library_fields.json")
 CLASSES = {"GRPOConfig": ("trl", "GRPOConfig"), "LoraConfig": ("peft", "LoraConfig")}

@@ -97,7 +97,7 @@ def credential_key(key: str) -> bool:
     if key in NOT_CREDENTIALS:
         return False
     words = key_words(key)
-    return bool(CREDENTIAL_WORDS & set(words)) or any(pair in CREDENTIAL_PAIRS for pair in zip(words, words[1:]))
+    return bool(CREDENTIAL_WORDS & set(words)) or any(pair in CREDENTIAL_PAIRS for pair in zip(words, words[1:], strict=False))
 
 
 # Shapes of secrets whatever key holds them: an Authorization header's value, and the token formats of the

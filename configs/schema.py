@@ -20,14 +20,22 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    TypeAdapter,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
 from configs import library_fields
 from configs.ab import ABConfig
 from configs.policy import ENV_NAME, ENV_NAME_SUFFIXES, TriggerPolicy, credential_key, secret_shape
 from configs.rewards import RewardSet
-from pydantic import (
-    BaseModel, ConfigDict, Field, PrivateAttr, TypeAdapter, ValidationError, ValidationInfo, field_validator,
-    model_validator,
-)
 
 DEMO_MODEL = "smollm2-135m-instruct"
 
@@ -482,7 +490,7 @@ class TrainConfig(StrictModel):
         return v
 
     @model_validator(mode="after")
-    def _reward_args_named(self) -> "TrainConfig":
+    def _reward_args_named(self) -> TrainConfig:
         """Arguments for a reward the run does not use are a typo; what each reward accepts is checked where the
         rewards are importable (`tasks.job.check_rewards`), since this layer imports no trainer code."""
         if unknown := sorted(set(self.reward_args) - set(self.rewards)):
@@ -491,7 +499,7 @@ class TrainConfig(StrictModel):
         return self
 
     @model_validator(mode="after")
-    def _reward_weights(self) -> "TrainConfig":
+    def _reward_weights(self) -> TrainConfig:
         """Weights by name become TRL's list in reward order; a list given in train.grpo must fit the rewards."""
         given = self.grpo.get("reward_weights")
         if self.reward_weights is None:
@@ -518,7 +526,7 @@ class TrainConfig(StrictModel):
                          weights=tuple(self.grpo.get("reward_weights") or ()))
 
     @model_validator(mode="after")
-    def _rollback_has_checkpoints(self) -> "TrainConfig":
+    def _rollback_has_checkpoints(self) -> TrainConfig:
         """A rollback returns to a checkpoint; with none written before the last step there is none to return to."""
         max_steps = self.grpo.get("max_steps")
         if not (isinstance(max_steps, int) and max_steps > 0 and self.checkpoint_every >= max_steps):
@@ -534,7 +542,7 @@ class TrainConfig(StrictModel):
         return self
 
     @model_validator(mode="after")
-    def _launchable(self) -> "TrainConfig":
+    def _launchable(self) -> TrainConfig:
         """What the launch needs that the train section alone can tell; the node checks the rest
         (trainer.distributed.problems: GPUs present, strategy vs quantization), and preflight before that."""
         d = self.distributed
@@ -628,7 +636,7 @@ class SearchDim(StrictModel):
     choices: list[int | float] | None = None
 
     @model_validator(mode="after")
-    def _one_form(self) -> "SearchDim":
+    def _one_form(self) -> SearchDim:
         if self.choices is not None:
             if self.low is not None or self.high is not None:
                 raise ValueError("give either choices or low/high, not both")
@@ -752,7 +760,7 @@ class HPOConfig(StrictModel):
     space: SearchSpace = SearchSpace()
 
     @model_validator(mode="after")
-    def _consistent(self) -> "HPOConfig":
+    def _consistent(self) -> HPOConfig:
         if self.steps % self.eval_every:
             raise ValueError(
                 f"steps ({self.steps}) must be a multiple of eval_every ({self.eval_every}): a trial's value is "
@@ -776,7 +784,7 @@ class HPOConfig(StrictModel):
             raise ValueError("space: nothing to search; give at least one dimension")
         return self
 
-    def check_against(self, train: "TrainConfig") -> None:
+    def check_against(self, train: TrainConfig) -> None:
         """Cross-stage checks: every num_generations choice must divide the generation batch."""
         dim = self.space.num_generations
         if dim is None:
@@ -898,7 +906,7 @@ class PipelineConfig(StrictModel):
     ab: ABConfig = ABConfig()
 
     @model_validator(mode="after")
-    def _no_credentials(self) -> "PipelineConfig":
+    def _no_credentials(self) -> PipelineConfig:
         # The configuration is logged (MLflow config.json and params, model-version tags, Prefect parameters, the
         # job spec a node receives): a secret must never be in it. The message names the field, never the value.
         tree: dict[str, Any] = self.model_dump(mode="json")
@@ -909,7 +917,7 @@ class PipelineConfig(StrictModel):
         return self
 
     @model_validator(mode="after")
-    def _trigger_fields_exist(self) -> "PipelineConfig":
+    def _trigger_fields_exist(self) -> PipelineConfig:
         for field in self.deploy.trigger.allow:
             if problem := unknown_field(field):
                 raise ValueError(f"deploy.trigger.allow: '{field}': {problem}; `grpo-pipeline config` prints every key")
@@ -923,7 +931,7 @@ class PipelineConfig(StrictModel):
         return v
 
     @model_validator(mode="after")
-    def _warm_start_fits(self) -> "PipelineConfig":
+    def _warm_start_fits(self) -> PipelineConfig:
         # Training from the base on only the new rows would forget the rest: incremental continues an adapter.
         if self.data.incremental and self.model.init_adapter == "none":
             raise ValueError("data.incremental trains on the rows the parent adapter has not seen, so it needs one: set "

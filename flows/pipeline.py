@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 from contextlib import nullcontext
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
@@ -39,12 +39,25 @@ from flows import trigger
 from flows.hpo import search_stage
 from flows.preflight import preflight
 from flows.runs import (
-    experiment, log_dataset_inputs, parent_run, setup_tracking, stage_run, stage_run_for_another_process,
+    experiment,
+    log_dataset_inputs,
+    parent_run,
+    setup_tracking,
+    stage_run,
+    stage_run_for_another_process,
     system_metrics_of,
 )
 from infra.launch import make_launcher, run_job
 from tasks.data import (
-    HOLDOUT_KEYS_FILE, SEEN_KEYS_FILE, DatasetVersion, config_hash, data_task, incremental_split, log_lineage, split_keys, unchanged_reason,
+    HOLDOUT_KEYS_FILE,
+    SEEN_KEYS_FILE,
+    DatasetVersion,
+    config_hash,
+    data_task,
+    incremental_split,
+    log_lineage,
+    split_keys,
+    unchanged_reason,
 )
 from tasks.decide import Decision, decide_promotion
 from tasks.evaluate import EvalResult, evaluate_task, read_jsonl
@@ -59,12 +72,28 @@ from tasks.registry import CHAMPION, MERGED_VERSION_TAG, MISSING, ChampionMoved,
 from tasks.report import artifact_url, plot_comparison, render_markdown, render_skipped
 from tasks.select import select_task
 from tasks.serving import (
-    BASE_EXPERIMENT, ServingCheck, base_reference, find_logged_model, log_adapter_model, log_merged_model,
-    prompt_text, serving_check,
+    BASE_EXPERIMENT,
+    ServingCheck,
+    base_reference,
+    find_logged_model,
+    log_adapter_model,
+    log_merged_model,
+    prompt_text,
+    serving_check,
 )
 from tasks.summary import (
-    AliasChange, BaseChoice, Cost, Holdout, Merged, MlflowRef, MonthCost, Registered, RegistryOutcome, RunSummary,
-    Search, TrainRows,
+    AliasChange,
+    BaseChoice,
+    Cost,
+    Holdout,
+    Merged,
+    MlflowRef,
+    MonthCost,
+    Registered,
+    RegistryOutcome,
+    RunSummary,
+    Search,
+    TrainRows,
 )
 from trainer.loading import read_adapter_config
 from trainer.spec import JobSpec, TrainResult
@@ -354,7 +383,7 @@ def month_of(now: datetime) -> tuple[str, int]:
     >>> month_of(datetime(2026, 12, 1, 20, 31, tzinfo=timezone.utc))
     ('2026-12', 1796083200000)
     """
-    start = now.astimezone(timezone.utc).replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+    start = now.astimezone(UTC).replace(day=1, hour=0, minute=0, second=0, microsecond=0)
     return f"{start:%Y-%m}", int(start.timestamp() * 1000)
 
 
@@ -362,7 +391,7 @@ def month_stage(cfg: PipelineConfig, experiment_id: str, plan: Plan) -> MonthCos
     """Into the parent run: the month's actual cost so far (`cost/month_actual_usd`: each parent run's
     `cost_usd_actual` since the month began, this run's logged just before) beside the plan's projection of a
     run a day (`cost/month_projected_usd`)."""
-    month, since = month_of(datetime.now(timezone.utc))
+    month, since = month_of(datetime.now(UTC))
     runs = mlflow.MlflowClient(cfg.mlflow_uri).search_runs(
         [experiment_id], f"metrics.cost_usd_actual >= 0 and attributes.start_time >= {since}", max_results=50000)
     figure = MonthCost(month=month, actual_usd=sum(r.data.metrics["cost_usd_actual"] for r in runs), runs=len(runs),

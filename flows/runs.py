@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import mlflow
@@ -59,7 +59,7 @@ def run_name(prefix: str, flow_run_id: str, started: datetime | None = None) -> 
     >>> run_name("grpo-pipeline", "0f6c9e1a-5d2b", datetime(2026, 12, 1, 7, 46, tzinfo=timezone.utc))
     'grpo-pipeline 2026-12-01 07:46 0f6c9e1a'
     """
-    started = (started or datetime.now(timezone.utc)).astimezone(timezone.utc)
+    started = (started or datetime.now(UTC)).astimezone(UTC)
     return f"{prefix} {started:%Y-%m-%d %H:%M} {flow_run_id[:8]}"
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -22,8 +22,8 @@ from grpo_pipeline.failure import fail as _fail  # the CLI's one way to fail
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
 JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON object on stdout")]
-ConfigOpt = Annotated[Optional[Path], typer.Option("--config", "-c", help="pipeline YAML; default: configs/demo-cpu.yaml")]
-SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="override, e.g. --set ab.alpha=0.01 (repeatable)")]
+ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="pipeline YAML; default: configs/demo-cpu.yaml")]
+SetOpt = Annotated[list[str] | None, typer.Option("--set", help="override, e.g. --set ab.alpha=0.01 (repeatable)")]
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="The live A/B: `ab status` shows it, `ab decide` decides it (sequential test, guardrails).")

@@ -19,7 +19,7 @@ import os
 import sys
 import traceback
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from pydantic import ValidationError
@@ -28,7 +28,8 @@ from rich.table import Table
 
 from configs.files import packaged, recipe
 from configs.schema import ConfigError, load_config
-from grpo_pipeline.failure import Commands, err, fail as _fail, options_error
+from grpo_pipeline.failure import Commands, err, options_error
+from grpo_pipeline.failure import fail as _fail
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_REJECTED, EXIT_CHAMPION_MOVED = 0, 1, 2, 3, 4
 DEFAULT_CONFIG = packaged("demo-cpu.yaml")  # the CPU demo, from the installed package
@@ -36,10 +37,10 @@ DEFAULT_CONFIG = packaged("demo-cpu.yaml")  # the CPU demo, from the installed p
 app = typer.Typer(cls=Commands, add_completion=False, no_args_is_help=True, help="GRPO fine-tuning pipeline.")
 
 ConfigOpt = Annotated[
-    Optional[Path], typer.Option("--config", "-c", help="pipeline YAML; default: configs/demo-cpu.yaml")
+    Path | None, typer.Option("--config", "-c", help="pipeline YAML; default: configs/demo-cpu.yaml")
 ]
 SetOpt = Annotated[
-    Optional[list[str]], typer.Option("--set", help="override, e.g. --set train.grpo.max_steps=20 (repeatable)")
+    list[str] | None, typer.Option("--set", help="override, e.g. --set train.grpo.max_steps=20 (repeatable)")
 ]
 
 
@@ -276,7 +277,7 @@ def registry(config: ConfigOpt = None, overrides: SetOpt = None) -> None:
 def hpo(
     config: ConfigOpt = None,
     overrides: SetOpt = None,
-    trials: Annotated[Optional[int], typer.Option("--trials", min=1, help="the study's budget (hpo.trials)")] = None,
+    trials: Annotated[int | None, typer.Option("--trials", min=1, help="the study's budget (hpo.trials)")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the result as JSON on stdout")] = False,
 ) -> None:
     """Search hyperparameters alone (no training): print the best as --set overrides for `run`."""
@@ -324,7 +325,7 @@ def _work(field: str, *flags: str):
 
 @app.command("plan")
 def plan_cmd(
-    model: Annotated[Optional[str], typer.Option(help="known id (qwen2.5-7b, meta-llama/Llama-3.1-70B, ...), config.json or model dir; default: the --config's model.base")] = None,
+    model: Annotated[str | None, typer.Option(help="known id (qwen2.5-7b, meta-llama/Llama-3.1-70B, ...), config.json or model dir; default: the --config's model.base")] = None,
     quantization: Annotated[str, _work("quantization", "--quant", "--quantization")] = WORK["quantization"].default,
     double_quant: Annotated[bool, _work("double_quant")] = WORK["double_quant"].default,
     lora_rank: Annotated[int, _work("lora_rank")] = WORK["lora_rank"].default,
@@ -339,10 +340,10 @@ def plan_cmd(
     beta: Annotated[float, _work("beta")] = WORK["beta"].default,
     vllm: Annotated[bool, _work("vllm")] = WORK["vllm"].default,
     gradient_checkpointing: Annotated[str, _work("gradient_checkpointing")] = WORK["gradient_checkpointing"].default,
-    gpus: Annotated[Optional[str], typer.Option(help="allowed GPU types, comma-separated; default: the whole catalog")] = None,
+    gpus: Annotated[str | None, typer.Option(help="allowed GPU types, comma-separated; default: the whole catalog")] = None,
     spot: Annotated[bool, typer.Option("--spot/--on-demand")] = True,
-    budget: Annotated[Optional[float], typer.Option(help="refuse (exit 2) when the estimate is above this many USD")] = None,
-    catalog: Annotated[Optional[Path], typer.Option(help="YAML merged over configs/gpus.yaml")] = None,
+    budget: Annotated[float | None, typer.Option(help="refuse (exit 2) when the estimate is above this many USD")] = None,
+    catalog: Annotated[Path | None, typer.Option(help="YAML merged over configs/gpus.yaml")] = None,
     mfu: Annotated[float, typer.Option(help="assumed model FLOPs utilisation")] = planner.Assumptions.model_fields["mfu"].default,
     as_json: Annotated[bool, typer.Option("--json", help="print the plan as JSON")] = False,
     config: ConfigOpt = None,
@@ -383,8 +384,8 @@ def plan_cmd(
 def data_cmd(
     config: ConfigOpt = None,
     overrides: SetOpt = None,
-    out: Annotated[Optional[Path], typer.Option(help="where versions go; default: <data_dir>/datasets")] = None,
-    tokenizer: Annotated[Optional[str], typer.Option(help="tokenizer dir for the token bounds; default: model.base's, resolved as a run resolves it")] = None,
+    out: Annotated[Path | None, typer.Option(help="where versions go; default: <data_dir>/datasets")] = None,
+    tokenizer: Annotated[str | None, typer.Option(help="tokenizer dir for the token bounds; default: model.base's, resolved as a run resolves it")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the report as JSON on stdout")] = False,
 ) -> None:
     """Build the dataset version (load, validate, dedup, split, decontaminate) and print its report."""
@@ -443,13 +444,13 @@ def show_config(config: ConfigOpt = None, overrides: SetOpt = None) -> None:
 
 @app.command("deploy")
 def deploy_cmd(
-    config: Annotated[Optional[Path], typer.Option("--config", "-c", help="pipeline YAML the deployments run; default: prefect.yaml's")] = None,
-    overrides: Annotated[Optional[list[str]], typer.Option("--set", help="override for the runs and the deploy section (repeatable)")] = None,
-    schedule_hour: Annotated[Optional[int], typer.Option(help="hour of the daily run, 0-23 (default: deploy.schedule_hour, 3)")] = None,
-    timezone: Annotated[Optional[str], typer.Option(help="IANA time zone of the daily run (default: deploy.timezone, UTC)")] = None,
-    pool: Annotated[Optional[str], typer.Option("--pool", help="work pool (default: deploy.work_pool, grpo-process)")] = None,
-    image: Annotated[Optional[str], typer.Option(help="image for a Docker or Kubernetes pool")] = None,
-    notify_block: Annotated[Optional[str], typer.Option(help="notification block 'type/name' told of failed runs")] = None,
+    config: Annotated[Path | None, typer.Option("--config", "-c", help="pipeline YAML the deployments run; default: prefect.yaml's")] = None,
+    overrides: Annotated[list[str] | None, typer.Option("--set", help="override for the runs and the deploy section (repeatable)")] = None,
+    schedule_hour: Annotated[int | None, typer.Option(help="hour of the daily run, 0-23 (default: deploy.schedule_hour, 3)")] = None,
+    timezone: Annotated[str | None, typer.Option(help="IANA time zone of the daily run (default: deploy.timezone, UTC)")] = None,
+    pool: Annotated[str | None, typer.Option("--pool", help="work pool (default: deploy.work_pool, grpo-process)")] = None,
+    image: Annotated[str | None, typer.Option(help="image for a Docker or Kubernetes pool")] = None,
+    notify_block: Annotated[str | None, typer.Option(help="notification block 'type/name' told of failed runs")] = None,
 ) -> None:
     """Register the daily-retrain, manual and ci deployments on the Prefect server (PREFECT_API_URL); print
     what the server holds as JSON (a failure: the failure object, as with --json elsewhere)."""
@@ -502,9 +503,9 @@ def _stack(root: Path, **ports):
 @stack_cli.command("up")
 def stack_up(
     root: RootOpt = DEFAULT_ROOT,
-    s3_port: Annotated[Optional[int], typer.Option(help=f"S3 API port (default {DEFAULT_PORTS['s3']})")] = None,
-    mlflow_port: Annotated[Optional[int], typer.Option(help=f"MLflow port (default {DEFAULT_PORTS['mlflow']})")] = None,
-    prefect_port: Annotated[Optional[int], typer.Option(help=f"Prefect port (default {DEFAULT_PORTS['prefect']})")] = None,
+    s3_port: Annotated[int | None, typer.Option(help=f"S3 API port (default {DEFAULT_PORTS['s3']})")] = None,
+    mlflow_port: Annotated[int | None, typer.Option(help=f"MLflow port (default {DEFAULT_PORTS['mlflow']})")] = None,
+    prefect_port: Annotated[int | None, typer.Option(help=f"Prefect port (default {DEFAULT_PORTS['prefect']})")] = None,
 ) -> None:
     """Start the services that are not running. Into a pipe (`eval "$(grpo-pipeline stack up)"`) it prints the
     environment exports; to a terminal only where things are, so the stack's credentials (S3 key, MLflow
@@ -556,8 +557,8 @@ def stack_down(root: RootOpt = DEFAULT_ROOT) -> None:
     err.print(f"stopped: {', '.join(stopped) or 'nothing was running'}", highlight=False)
 
 
-from grpo_pipeline.rewards_cli import app as rewards_cli  # noqa: E402 - light: typer and the reward registry
 from grpo_pipeline.ab_cli import app as ab_cli  # noqa: E402 - light: its commands import what they use
+from grpo_pipeline.rewards_cli import app as rewards_cli  # noqa: E402 - light: typer and the reward registry
 
 app.add_typer(stack_cli, name="stack")
 app.add_typer(rewards_cli, name="rewards")

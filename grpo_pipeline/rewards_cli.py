@@ -18,7 +18,7 @@ import json
 import statistics
 from collections import defaultdict
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import typer
 import yaml
@@ -88,8 +88,8 @@ def _arguments(pairs: list[str]) -> dict[str, Any]:
 def check(
     name: Annotated[str, typer.Argument(help="a registered reward or 'package.module:function'")],
     input: Annotated[Path, typer.Option("--input", "-i", help="JSONL: one {'completion': ..., <columns>} a line")],
-    arg: Annotated[Optional[list[str]], typer.Option("--arg", help="a reward argument KEY=VALUE (repeatable)")] = None,
-    max_completion_length: Annotated[Optional[int], typer.Option(help="for length rewards (overlong_penalty)")] = None,
+    arg: Annotated[list[str] | None, typer.Option("--arg", help="a reward argument KEY=VALUE (repeatable)")] = None,
+    max_completion_length: Annotated[int | None, typer.Option(help="for length rewards (overlong_penalty)")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Score every row of a file with one reward, as training would; print each score and the mean."""

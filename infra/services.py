@@ -27,10 +27,10 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
 ACCESS_KEY, SECRET_KEY = "grpo-test", "grpo-test-secret"
 REGION = "us-east-1"
@@ -65,7 +65,7 @@ class Service:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "Service":
+    def from_dict(cls, data: dict) -> Service:
         return cls(**data)
 
 
@@ -386,7 +386,7 @@ class MlflowAuth:
     secret_key: str = field(repr=False)
 
     @classmethod
-    def generate(cls, username: str = "admin") -> "MlflowAuth":
+    def generate(cls, username: str = "admin") -> MlflowAuth:
         return cls(username, secrets.token_urlsafe(24), secrets.token_urlsafe(32))
 
     def client_env(self) -> dict[str, str]:

@@ -96,7 +96,8 @@ class Stack:
         except FileNotFoundError:
             return {}
         except json.JSONDecodeError as exc:
-            raise ServiceError(f"{self.state_path} is not valid JSON ({exc}); stop the services by hand and delete it")
+            raise ServiceError(f"{self.state_path} is not valid JSON ({exc}); stop the services by hand and delete it") \
+                from None
 
     def _save(self) -> None:
         """Written aside then renamed, never half-written; 0600 because it holds the stack's credentials."""

@@ -52,7 +52,7 @@ class ArmSample:
     scores: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
     @classmethod
-    def of(cls, latency_s=(), completion_tokens=(), error=(), scores=()) -> "ArmSample":
+    def of(cls, latency_s=(), completion_tokens=(), error=(), scores=()) -> ArmSample:
         out = cls(np.asarray(latency_s, dtype=float), np.asarray(completion_tokens, dtype=float),
                   np.asarray(error, dtype=bool), np.asarray(scores, dtype=float))
         if not (len(out.latency_s) == len(out.completion_tokens) == len(out.error)):

@@ -17,11 +17,25 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
-from sqlalchemy import (Boolean, Column, DateTime, Float, ForeignKey, Integer, MetaData, String, Table, create_engine,
-                        event, func, select, text)
+from sqlalchemy import (
+    Boolean,
+    Column,
+    DateTime,
+    Float,
+    ForeignKey,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    create_engine,
+    event,
+    func,
+    select,
+    text,
+)
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
@@ -95,7 +109,7 @@ class RequestLog:
         self.url = url
 
     @classmethod
-    def open(cls, url: str) -> "RequestLog":
+    def open(cls, url: str) -> RequestLog:
         """Connect, create the tables if absent, and prove the store answers; `LogStoreError` names it if not."""
         try:
             if url.startswith("sqlite:///"):  # the default file's folder, made on first use
@@ -114,7 +128,7 @@ class RequestLog:
 
     def record(self, row: RequestRow) -> bool:
         """Insert the request; True when written now, False when this id was already there (a retry)."""
-        values = {**row.__dict__, "created_at": row.created_at or datetime.now(timezone.utc)}
+        values = {**row.__dict__, "created_at": row.created_at or datetime.now(UTC)}
         try:
             with self.engine.begin() as connection:
                 connection.execute(requests_table.insert().values(**values))
@@ -128,7 +142,7 @@ class RequestLog:
         """Store `score` for the request (replacing an earlier one); refuse non-finite scores and unknown ids."""
         if isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score):
             raise ValueError(f"feedback score must be a finite number, got {score!r}")
-        now = datetime.now(timezone.utc)
+        now = datetime.now(UTC)
         with self.engine.begin() as connection:
             known = connection.execute(select(requests_table.c.id).where(requests_table.c.id == request_id)).first()
             if known is None:
@@ -156,7 +170,7 @@ class RequestLog:
                                         error=[r[2] for r in rows], scores=scores))
                 if arm == "challenger" and rows:
                     started = min(_utc(r[3]) for r in rows)
-        elapsed_h = (datetime.now(timezone.utc) - started).total_seconds() / 3600 if started else 0.0
+        elapsed_h = (datetime.now(UTC) - started).total_seconds() / 3600 if started else 0.0
         return out[0], out[1], elapsed_h
 
     def counts(self) -> dict[str, dict[str, dict[str, int]]]:
@@ -183,7 +197,7 @@ class RequestLog:
 
 def _utc(moment: datetime) -> datetime:
     # SQLite hands back naive datetimes for what was written in UTC; PostgreSQL aware ones.
-    return moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)
+    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
 
 
 

@@ -43,9 +43,24 @@ from pydantic import BaseModel
 
 from configs.schema import DEMO_MODEL, ConfigError, DataConfig, PipelineConfig
 from tasks.data_io import (
-    DataSourceError, RawBatch, Reject, check_readable, file_digest, iter_source, json_kind, source_fingerprint,
+    DataSourceError,
+    RawBatch,
+    Reject,
+    check_readable,
+    file_digest,
+    iter_source,
+    json_kind,
+    source_fingerprint,
 )
-from tasks.data_text import NearDuplicateIndex, PromptTokens, ngram_hashes, normalize, overlap_fraction, sorted_unique, words
+from tasks.data_text import (
+    NearDuplicateIndex,
+    PromptTokens,
+    ngram_hashes,
+    normalize,
+    overlap_fraction,
+    sorted_unique,
+    words,
+)
 from tasks.demo_task import generate as demo_rows
 from tasks.splits import fingerprint as splits_fingerprint
 from tasks.splits import incremental_rows, split_of

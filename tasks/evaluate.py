@@ -21,11 +21,11 @@ from pathlib import Path
 from prefect import task
 from pydantic import BaseModel
 
-from trainer.loading import load_model
-from tasks.job import format_duration, model_load
-from trainer.rewards import completion_text, resolve_reward, resolve_rewards
 from configs.rewards import RewardSet
 from configs.schema import EvalConfig, ModelConfig
+from tasks.job import format_duration, model_load
+from trainer.loading import load_model
+from trainer.rewards import completion_text, resolve_reward, resolve_rewards
 
 EXAMPLE_CHARS = 600  # of a completion kept in an example: enough for a reasoning answer's ending
 
@@ -221,8 +221,14 @@ def eval_bar(label: str, total: int, console=None, get_time: Callable[[], float]
     sample and shows the time left as -:--:--, so the whole run's average is used; a first sample at zero
     makes it known after the first batch."""
     from rich.console import Console
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                               TimeRemainingColumn)
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         TextColumn("ETA"), TimeRemainingColumn(), console=console or Console(stderr=True),

@@ -46,9 +46,9 @@ import json
 import logging
 import math
 import os
-import statistics
 import queue
 import socket
+import statistics
 import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -798,7 +798,6 @@ def choose(study: optuna.Study, complete: list, cfg: PipelineConfig, validation:
             cached = score(adapter, validation.rescore)
             study.set_user_attr(key, cached)
         rescores[t.number] = cached
-    by_number = {t.number: t for t in complete}
     ranked = [t for t in searched if t.number in rescores] or searched[:1]
     pick = max(ranked, key=lambda t: statistics.fmean(rescores.get(t.number, [t.value])), default=None)
     base = {"study_name": study.study_name, "storage": redact(storage_url(cfg)), "trials": [],

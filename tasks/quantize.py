@@ -24,8 +24,8 @@ from pydantic import BaseModel
 from configs.rewards import RewardSet
 from configs.schema import ConfigError, EvalConfig, ModelConfig, QuantizationBound
 from tasks.evaluate import generate, read_jsonl, render, score
-from trainer.loading import load_model
 from tasks.job import model_load
+from trainer.loading import load_model
 from trainer.rewards import completion_text
 
 

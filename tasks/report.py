@@ -9,7 +9,7 @@ from urllib.parse import urlencode
 
 from tasks.decide import Decision
 from tasks.job import WarmStart
-from tasks.summary import AliasChange, Example, Holdout, RegistryOutcome, TrainRows
+from tasks.summary import AliasChange, Example, Holdout, RegistryOutcome, TrainRows  # noqa: F401 - AliasChange: the doctests use it
 from trainer.spec import TrainResult
 
 PROMPT_CHARS = 400  # of a prompt shown with an example: the question, not a whole few-shot context

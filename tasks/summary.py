@@ -83,7 +83,7 @@ class Search(BaseModel):
     budget_steps: int | None = None
 
     @classmethod
-    def of(cls, result) -> "Search":
+    def of(cls, result) -> Search:
         """From `tasks.hpo.HPOResult`."""
         return cls(study=result.study_name, best_trial=result.best_trial, best_value=result.best_value,
                    overrides=result.overrides, applied=result.applied, decision=result.decision,

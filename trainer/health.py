@@ -19,11 +19,11 @@ import json
 import logging
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
-from trainer.spec import HealthEvent, HealthSettings, RuleSettings
+from trainer.spec import HealthEvent, HealthSettings, RuleSettings  # noqa: F401 - RuleSettings: the doctests use it
 
 log = logging.getLogger(__name__)
 STATE_FILE = "health.json"  # in each checkpoint: the monitor's windows, the events so far, the lr scale baked in
@@ -206,7 +206,7 @@ class Ledger:
                            "lr_scale": self.lr_scale})
 
     @classmethod
-    def from_json(cls, text: str) -> "Ledger":
+    def from_json(cls, text: str) -> Ledger:
         raw = json.loads(text)
         return cls([HealthEvent.model_validate(e) for e in raw.get("events", [])], int(raw.get("rollbacks", 0)),
                    float(raw.get("lr_scale", 1.0)))

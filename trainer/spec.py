@@ -149,7 +149,7 @@ class JobSpec(_Strict):
         return path
 
     @classmethod
-    def read(cls, path: Path) -> "JobSpec":
+    def read(cls, path: Path) -> JobSpec:
         return cls.model_validate_json(Path(path).read_text())
 
 

@@ -208,7 +208,6 @@ class SkyLauncher:
         import os
 
         import sky
-
         from infra.launch import check_launch
 
         base = _task_yaml(self.sky_cfg.task_yaml)

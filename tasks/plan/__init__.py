@@ -17,7 +17,16 @@ from tasks.plan.catalogue import load_catalog
 from tasks.plan.memory import MemoryEstimate, ServerMemory, estimate_memory, estimate_vllm_server
 from tasks.plan.render import plan_tables
 from tasks.plan.search import (
-    Assumptions, BudgetExceeded, Layout, Plan, Settings, actual_cost, check_budget, make_plan, plan_local, step_seconds,
+    Assumptions,
+    BudgetExceeded,
+    Layout,
+    Plan,
+    Settings,
+    actual_cost,
+    check_budget,
+    make_plan,
+    plan_local,
+    step_seconds,
 )
 from tasks.plan.stage import apply_plan, layout_for, plan_for_config, plan_stage, workload_for
 from tasks.plan.workload import Workload

@@ -14,7 +14,12 @@ from tasks.plan.architecture import architecture
 from tasks.plan.base import GIB, Frozen, PlanError
 from tasks.plan.catalogue import GPU, Catalog, load_catalog
 from tasks.plan.memory import (
-    SERVER_MEMORY_UTILIZATION, MemoryEstimate, ServerMemory, estimate_memory, estimate_vllm_server, kv_bytes_per_token,
+    SERVER_MEMORY_UTILIZATION,
+    MemoryEstimate,
+    ServerMemory,
+    estimate_memory,
+    estimate_vllm_server,
+    kv_bytes_per_token,
     weight_bytes_per_param,
 )
 from tasks.plan.workload import DTYPE_BYTES, Workload

@@ -207,7 +207,7 @@ def test_sigterm_to_one_rank_then_to_the_job_checkpoints_exits_75_everywhere_and
         marker.unlink(missing_ok=True)
         proc = _node_launcher(spec_path, env=env)
         out = Output(proc)
-        _wait(lambda: marker.exists() and len(out.pids) == 2, "both ranks training", out=out)
+        _wait(lambda out=out: marker.exists() and len(out.pids) == 2, "both ranks training", out=out)
         os.kill(out.pids[1] if target == "rank 1" else proc.pid, signal.SIGTERM)
         assert proc.wait(timeout=600) == 75, out.text()[-3000:]
         assert "ranks exited {'rank-0': 75, 'rank-1': 75} -> 75" in out.text(), target

@@ -65,7 +65,7 @@ def env(stack, tmp_path_factory) -> dict[str, str]:
 class Hook(BaseHTTPRequestHandler):
     received: list[bytes] = []
 
-    def do_POST(self):  # noqa: N802 - http.server's name
+    def do_POST(self):  # http.server's name for a POST handler
         Hook.received.append(self.rfile.read(int(self.headers.get("Content-Length", 0))))
         self.send_response(200)
         self.end_headers()
@@ -324,7 +324,7 @@ def test_secrets_in_a_config_or_a_forms_overrides_are_refused_and_leave_no_trace
     client = mlflow.MlflowClient(stack.env()["MLFLOW_TRACKING_URI"])
     experiments = [e.experiment_id for e in client.search_experiments()]
     before = {r.info.run_id for r in client.search_runs(experiments)}
-    with prefect_api(env["PREFECT_API_URL"]):
+    with prefect_api(env):
         runs = {what: run_deployment("grpo-pipeline/ci", parameters=parameters, timeout=300, poll_interval=2)
                 for what, (parameters, _) in asks.items()}
     for what, run in runs.items():

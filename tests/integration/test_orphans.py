@@ -17,7 +17,8 @@ from tasks.job import model_load, train_settings
 from trainer.launch import free_port
 from trainer.spec import JobSpec
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+# slow: each kills a real launcher mid-training and waits for every rank to end (~60-120 s): `make test-slow`
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 ROOT = Path(__file__).resolve().parents[2]
 RECORDED = "tests.integration.health_rewards:recorded"
 

@@ -11,9 +11,9 @@ import mlflow
 import pytest
 
 from infra.launch.local import LocalLauncher
+from tasks.job import model_load, train_settings
 from trainer.checkpoints import S3Store
 from trainer.spec import JobSpec
-from tasks.job import model_load, train_settings
 
 pytestmark = pytest.mark.integration
 MAX_STEPS, INTERVAL, KILLS = 45, 5, 3

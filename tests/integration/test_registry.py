@@ -11,8 +11,16 @@ import pytest
 
 from infra.services import basic_auth_header
 from tasks.registry import (
-    AliasMove, CHALLENGER, CHAMPION, MERGED_VERSION_TAG, PREVIOUS, ChampionMoved, Registry, RegistryError,
-    RegistryServiceError, RestClient,
+    CHALLENGER,
+    CHAMPION,
+    MERGED_VERSION_TAG,
+    PREVIOUS,
+    AliasMove,
+    ChampionMoved,
+    Registry,
+    RegistryError,
+    RegistryServiceError,
+    RestClient,
 )
 
 pytestmark = pytest.mark.integration

@@ -3,9 +3,9 @@
 import boto3
 import pytest
 
+from tasks.job import model_load, train_settings
 from trainer.checkpoints import MANIFEST, S3Store, prune
 from trainer.spec import JobSpec
-from tasks.job import model_load, train_settings
 
 pytestmark = pytest.mark.integration
 

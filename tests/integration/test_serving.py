@@ -161,7 +161,6 @@ PARAMS = {"max_new_tokens": 6, "batch_size": 4}
 def test_the_registered_model_takes_the_shapes_its_signature_passes(champion, tmp_path, monkeypatch):
     """`{"prompt": [...]}` (one row whose cell is the list, after MLflow's enforcement), `{"prompt": "..."}`,
     records, a DataFrame and chat messages all generate what the evaluation generated."""
-    import pandas as pd
 
     monkeypatch.setenv("GRPO_MODEL_CACHE", str(tmp_path / "cache"))
     mlflow.set_tracking_uri(champion["uri"])

@@ -10,9 +10,9 @@ import time
 import mlflow
 import pytest
 
+from tasks.job import TrainProgress, model_load, train_settings
 from trainer.checkpoints import FINAL, MANIFEST, LocalStore
 from trainer.spec import JobSpec, TrainResult
-from tasks.job import TrainProgress, model_load, train_settings
 
 pytestmark = pytest.mark.integration
 

@@ -3,7 +3,7 @@ decision read from the log, the aliases moved under the lock, the failures named
 
 import json
 import shutil
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import mlflow
 import pytest
@@ -43,7 +43,7 @@ def world(tmp_path, monkeypatch, empty_registry_db):
 
 
 def fill(log: RequestLog, challenger_score: float, challenger_latency: float = 0.2, per_arm: int = 50) -> None:
-    start = datetime.now(timezone.utc) - timedelta(hours=2)
+    start = datetime.now(UTC) - timedelta(hours=2)
     for i in range(2 * per_arm):
         arm, version = ("challenger", "2") if i % 2 else ("champion", "1")
         log.record(RequestRow(id=f"r{i}", arm=arm, version=version, prompt_tokens=9, completion_tokens=30,

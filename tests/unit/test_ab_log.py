@@ -3,7 +3,7 @@ read back as what the decision takes; a second process sees what the first commi
 
 import subprocess
 import sys
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -49,7 +49,7 @@ def test_feedback_joins_by_id_and_refuses_unknown_ids_and_non_finite_scores(log)
 
 
 def test_the_decision_reads_each_arms_current_version_from_the_log(log):
-    started = datetime.now(timezone.utc) - timedelta(hours=3)
+    started = datetime.now(UTC) - timedelta(hours=3)
     for i in range(240):  # 120 per arm: past ab.guardrails.min_requests
         arm, version = ("challenger", "2") if i % 2 else ("champion", "1")
         log.record(row(i, arm, version, created_at=started + timedelta(seconds=i),
@@ -66,9 +66,9 @@ def test_the_decision_reads_each_arms_current_version_from_the_log(log):
 
 def test_what_one_process_committed_another_reads(tmp_path):
     url = f"sqlite:///{tmp_path / 'ab.sqlite'}"
-    code = ("from tasks.ab_log import RequestLog, RequestRow; log = RequestLog.open(%r); "
+    code = (f"from tasks.ab_log import RequestLog, RequestRow; log = RequestLog.open({url!r}); "
             "log.record(RequestRow(id='cmpl-x', arm='challenger', version='7', latency_s=0.1, prompt_tokens=1, "
-            "completion_tokens=2, error=False, assignment='ab12'))" % url)
+            "completion_tokens=2, error=False, assignment='ab12'))")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120,
                    env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     reader = RequestLog.open(url)

@@ -3,7 +3,8 @@
 import pytest
 
 from bench.__main__ import available, main, rows
-from bench.lora_vs_full import analyse, table_rows as lora_rows, time_to_quality
+from bench.lora_vs_full import analyse, time_to_quality
+from bench.lora_vs_full import table_rows as lora_rows
 from bench.table import END, START, Row, render, replace_block, update_page, verdict
 
 

@@ -282,7 +282,7 @@ def test_gsm8k_decontaminated_against_its_test_set(tmp_path, tiny_model):
     assert report.rows_read == 7473 and report.rows_kept > 7400 and report.eval_rows == 1319
     rows = [r for p in version.splits.values() for r in read(p)]
     assert all(r["answer"].lstrip("-").isdigit() for r in rows)
-    test_prompts = {" ".join(json.loads(l)["question"].lower().split()) for l in (GSM8K / "test.jsonl").open()}
+    test_prompts = {" ".join(json.loads(line)["question"].lower().split()) for line in (GSM8K / "test.jsonl").open()}
     train = read(version.splits["train"])
     assert not any(" ".join(r["prompt"][-1]["content"].lower().split()) in test_prompts for r in train)
 

@@ -11,16 +11,15 @@ from tasks.hpo import (
     TrialFailed,
     TrialOutcome,
     apply_best,
-    open_study,
-    search,
     open_storage,
+    open_study,
     requeue_orphans,
     run_trial,
+    search,
     suggest,
     to_overrides,
     trial_config,
 )
-
 
 REWARDS = load_config(None).train.reward_set()  # the default rewards, which every config here keeps
 

@@ -53,14 +53,14 @@ def test_the_check_sees_an_upward_import(tmp_path, monkeypatch):
 
 
 HEAVY = ("torch", "transformers", "trl", "peft")
-PROBE = """
+PROBE = f"""
 import json, sys
 from grpo_pipeline.cli import app
 try:
     app(sys.argv[1:], standalone_mode=False)
 finally:
-    print(json.dumps(sorted({m.split('.')[0] for m in sys.modules} & set(%r))), file=sys.stderr)
-""" % (HEAVY,)
+    print(json.dumps(sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY!r}))), file=sys.stderr)
+"""
 
 
 @pytest.mark.parametrize("args", [

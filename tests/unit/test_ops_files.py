@@ -24,8 +24,8 @@ import jsonschema
 import pytest
 import yaml
 
-from flows.deploy import DAILY, IMAGE_WORKDIR, PREFECT_YAML, render
 from configs.schema import ConfigError, DeployConfig, load_config
+from flows.deploy import DAILY, IMAGE_WORKDIR, PREFECT_YAML, render
 from infra.stack import DEFAULT_PORTS, DEPENDS_ON
 
 ROOT = Path(__file__).resolve().parents[2]

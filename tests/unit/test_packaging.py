@@ -58,7 +58,7 @@ def test_the_wheel_carries_the_data_files(wheel):
 # Run from the unpacked wheel: `-S` skips site-packages' .pth files, so the checkout's editable finder is not
 # installed and only the wheel's copy of the project can be imported; the venv's third-party packages are
 # on PYTHONPATH after it.
-FROM_WHEEL = """
+FROM_WHEEL = f"""
 import json, sys
 from typer.main import get_command
 from grpo_pipeline.cli import app
@@ -67,11 +67,11 @@ for args in (["plan", "--model", "qwen2.5-7b", "--quant", "nf4", "--json"],
              ["plan", "--config", "configs/demo-cpu.yaml", "--json"]):
     rc = get_command(app).main(args, standalone_mode=False) or 0
     results.append(rc)
-project = {m.split(".")[0]: getattr(mod, "__file__", None) for m, mod in sys.modules.items()
-           if m.split(".")[0] in %r}
+project = {{m.split(".")[0]: getattr(mod, "__file__", None) for m, mod in sys.modules.items()
+           if m.split(".")[0] in {PROJECT!r}}}
 heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformers"))
-print(json.dumps({"rc": results, "project": project, "heavy": heavy}), file=sys.stderr)
-""" % (PROJECT,)
+print(json.dumps({{"rc": results, "project": project, "heavy": heavy}}), file=sys.stderr)
+"""
 
 
 def test_plan_answers_from_the_wheel_alone(wheel, tmp_path):

@@ -14,8 +14,21 @@ from hypothesis import strategies as st
 
 from configs.library_fields import default
 from tasks.plan import (
-    GIB, KNOWN_MODELS, Assumptions, BudgetExceeded, PlanError, Workload, actual_cost, architecture, check_budget,
-    estimate_memory, load_catalog, load_model_config, make_plan, plan_local, workload_for,
+    GIB,
+    KNOWN_MODELS,
+    Assumptions,
+    BudgetExceeded,
+    PlanError,
+    Workload,
+    actual_cost,
+    architecture,
+    check_budget,
+    estimate_memory,
+    load_catalog,
+    load_model_config,
+    make_plan,
+    plan_local,
+    workload_for,
 )
 from tasks.plan.architecture import PEFT_DEFAULT_TARGETS
 

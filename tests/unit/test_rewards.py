@@ -11,9 +11,16 @@ import pytest
 
 from configs.rewards import RewardSet
 from configs.schema import ConfigError, load_config
-from tasks.evaluate import EvalResult, contrast, pick_examples, score
+from tasks.evaluate import contrast, pick_examples, score
 from trainer.rewards import (
-    REWARDS, RewardError, RewardUnavailable, check_columns, correct_answer, describe, number_only, resolve_reward,
+    REWARDS,
+    RewardError,
+    RewardUnavailable,
+    check_columns,
+    correct_answer,
+    describe,
+    number_only,
+    resolve_reward,
     resolve_rewards,
 )
 
@@ -298,5 +305,5 @@ def test_rewards_cli_bad_input_exits_2_and_a_failing_reward_1(tmp_path):
     failing = _cli("check", f"{__name__}:bad_nan", "--input", str(samples), "--json")
     assert failing.returncode == 0  # no '?' in the completion: a finite score
     samples.write_text(json.dumps({"completion": "why?"}) + "\n")
-    failing = _cli("check", f"tests.unit.test_rewards:bad_nan", "--input", str(samples), "--json")
+    failing = _cli("check", "tests.unit.test_rewards:bad_nan", "--input", str(samples), "--json")
     assert failing.returncode == 1 and "returned nan for row 0" in json.loads(failing.stdout)["error"]

@@ -3,13 +3,13 @@
 from pathlib import Path
 
 import pytest
-import sky
 import yaml
 
+import sky
 from configs.schema import ModelConfig, SkyConfig, TrainConfig
 from infra.launch.skypilot import PROJECT_ROOT, build_task, node_spec, write_job_dir
-from trainer.spec import JobSpec
 from tasks.job import model_load, train_settings
+from trainer.spec import JobSpec
 
 
 @pytest.mark.parametrize("path", sorted((PROJECT_ROOT / "sky").glob("*.yaml")), ids=lambda p: p.name)

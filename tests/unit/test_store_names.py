@@ -11,8 +11,16 @@ import shutil
 
 import pytest
 
-from trainer.checkpoints import (CORRUPT, MANIFEST, REASON_FILE, CheckpointCorrupt, LocalStore, S3Store, choose_resume,
-                                 prune)
+from trainer.checkpoints import (
+    CORRUPT,
+    MANIFEST,
+    REASON_FILE,
+    CheckpointCorrupt,
+    LocalStore,
+    S3Store,
+    choose_resume,
+    prune,
+)
 
 
 def _src(tmp_path, step):
