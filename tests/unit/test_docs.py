@@ -8,7 +8,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
-PAGES = ("architecture", "data", "training", "planning", "operations", "reliability", "benchmarks", "security")
+PAGES = ("architecture", "data", "training", "planning", "operations", "reliability", "benchmarks", "security",
+         "serving")
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
