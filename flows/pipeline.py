@@ -380,7 +380,7 @@ def skipped(reason: str, cfg: PipelineConfig, pid: str, experiment_id: str, run_
 def month_of(now: datetime) -> tuple[str, int]:
     """The calendar month (UTC) of `now`, and its first instant in epoch milliseconds (MLflow's start_time).
 
-    >>> month_of(datetime(2026, 12, 1, 20, 31, tzinfo=timezone.utc))
+    >>> month_of(datetime(2026, 12, 1, 20, 31, tzinfo=UTC))
     ('2026-12', 1796083200000)
     """
     start = now.astimezone(UTC).replace(day=1, hour=0, minute=0, second=0, microsecond=0)

@@ -56,7 +56,7 @@ def find_run(filter_string: str) -> str | None:
 def run_name(prefix: str, flow_run_id: str, started: datetime | None = None) -> str:
     """A parent run's name: what ran, when (UTC), and the flow run's short id.
 
-    >>> run_name("grpo-pipeline", "0f6c9e1a-5d2b", datetime(2026, 12, 1, 7, 46, tzinfo=timezone.utc))
+    >>> run_name("grpo-pipeline", "0f6c9e1a-5d2b", datetime(2026, 12, 1, 7, 46, tzinfo=UTC))
     'grpo-pipeline 2026-12-01 07:46 0f6c9e1a'
     """
     started = (started or datetime.now(UTC)).astimezone(UTC)

@@ -333,7 +333,7 @@ def test_secrets_in_a_config_or_a_forms_overrides_are_refused_and_leave_no_trace
         assert FORM_SECRET not in run.state.message, what
     assert {r.info.run_id for r in client.search_runs(experiments)} == before  # no MLflow run, no work
 
-    places = {f"prefect logs of {what}": _flow_run_logs(env["PREFECT_API_URL"], run.id) for what, run in runs.items()}
+    places = {f"prefect logs of {what}": _flow_run_logs(env, run.id) for what, run in runs.items()}
     places["worker output"] = log.read_text(errors="replace")
     s3 = services.s3_client(stack.service("s3").url, *stack.credentials)
     for page in s3.get_paginator("list_objects_v2").paginate(Bucket="ckpt"):
