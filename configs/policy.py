@@ -116,14 +116,42 @@ SECRET_SHAPES: tuple[tuple[re.Pattern[str], str], ...] = (
 )
 
 
+def url_secret(value: str) -> str | None:
+    """What in a URL is a credential (a password, or a token-like query parameter), or None.
+
+    >>> url_secret("https://bob:hunter2@mlflow.example.com"), url_secret("s3://bucket/prefix")
+    ('a password', None)
+    >>> url_secret("https://x.example.com/data.parquet?X-Amz-Signature=abc")
+    "the query parameter 'X-Amz-Signature'"
+    """
+    from urllib.parse import parse_qsl, urlsplit
+
+    if "://" not in value:
+        return None
+    try:
+        parts = urlsplit(value)
+        password = parts.password
+    except ValueError:
+        return None
+    if password:
+        return "a password"
+    for key, _ in parse_qsl(parts.query):
+        if any(word in key.lower() for word in ("token", "secret", "password", "signature", "credential", "apikey", "api_key")):
+            return f"the query parameter '{key}'"
+    return None
+
+
 def secret_shape(value: str) -> str | None:
-    """What a string looks like when it is a credential, or None.
+    """What a string looks like when it is a credential (a URL's password or token-like query parameter, or a
+    shape in SECRET_SHAPES), or None.
 
     >>> secret_shape("Bearer abcdef0123456789"), secret_shape("bob:hunter2@db.example.com:5432/grpo")
     ('an Authorization header value', 'a password (user:password@host)')
     >>> secret_shape("configs/demo-cpu.yaml"), secret_shape("package.module:function")
     (None, None)
     """
+    if in_url := url_secret(value):
+        return in_url
     for pattern, what in SECRET_SHAPES:
         if pattern.search(value):
             return what

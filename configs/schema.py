@@ -828,31 +828,6 @@ class DeployConfig(StrictModel):
         return v
 
 
-def url_secret(value: str) -> str | None:
-    """What in a URL is a credential (a password, or a token-like query parameter), or None.
-
-    >>> url_secret("https://bob:hunter2@mlflow.example.com"), url_secret("s3://bucket/prefix")
-    ('a password', None)
-    >>> url_secret("https://x.example.com/data.parquet?X-Amz-Signature=abc")
-    "the query parameter 'X-Amz-Signature'"
-    """
-    from urllib.parse import parse_qsl, urlsplit
-
-    if "://" not in value:
-        return None
-    try:
-        parts = urlsplit(value)
-        password = parts.password
-    except ValueError:
-        return None
-    if password:
-        return "a password"
-    for key, _ in parse_qsl(parts.query):
-        if any(word in key.lower() for word in ("token", "secret", "password", "signature", "credential", "apikey", "api_key")):
-            return f"the query parameter '{key}'"
-    return None
-
-
 def credentials_in(node: Any, path: str = "", key: str = "", env_names: bool = False
                    ) -> typing.Iterator[tuple[str, str]]:
     """(dotted path, what) for each string in a config tree that is or holds a credential: under a key that names
@@ -878,7 +853,7 @@ def credentials_in(node: Any, path: str = "", key: str = "", env_names: bool = F
             yield path, "a value where the name of an environment variable belongs"
         elif not env_names and credential_key(key):
             yield path, f"its key '{key}' names a credential"
-        elif found := url_secret(node) or secret_shape(node):
+        elif found := secret_shape(node):
             yield path, found
 
 
