@@ -38,7 +38,7 @@ class Bench:
 
 
 SUITE = (
-    Bench("trainer_overhead", "`python -m trainer` vs a plain TRL script", 5),
+    Bench("trainer_overhead", "`python -m grpo_pipeline.trainer` vs a plain TRL script", 5),
     Bench("checkpoint_overhead", "checkpoints to S3 every step vs none; restart vs cold start", 7),
     Bench("eval_throughput", "batched vs one-at-a-time evaluation", 2),
     Bench("orchestration_overhead", "the Prefect + MLflow flow vs the same stages as plain functions", 12),

@@ -16,10 +16,10 @@ import sys
 from bench.harness import RESULTS, compare, training_bench_args
 from bench.table import Row, from_compare
 from bench.training_setup import BUCKET, clear_store, training_setup
-from infra.services import seaweedfs_s3
-from trainer.checkpoints import FINAL, checkpoint_name
+from grpo_pipeline.infra.services import seaweedfs_s3
+from grpo_pipeline.trainer.checkpoints import FINAL, checkpoint_name
 
-TRAINER = [sys.executable, "-m", "trainer", "--spec"]
+TRAINER = [sys.executable, "-m", "grpo_pipeline.trainer", "--spec"]
 
 
 def main() -> None:

@@ -81,9 +81,9 @@ def baseline_chain(source: Path, eval_source: Path, out: Path, cfg, tokenizer_pa
     from datasketch import MinHash, MinHashLSH
     from transformers import AutoTokenizer
 
-    from tasks.data_text import LSH_WEIGHTS
-    from tasks.splits import split_of
-    from trainer.rewards import correct_answer
+    from grpo_pipeline.tasks.data_text import LSH_WEIGHTS
+    from grpo_pipeline.tasks.splits import split_of
+    from grpo_pipeline.trainer.rewards import correct_answer
 
     tok = AutoTokenizer.from_pretrained(tokenizer_path)
     overhead = len(tok(tok.apply_chat_template([{"role": "user", "content": ""}], tokenize=False,
@@ -181,8 +181,8 @@ def _rss_mb(field: str) -> float:
 def worker(side: str, source: Path, eval_source: Path, near: bool, tokenizer_path: str) -> dict:
     from transformers import AutoTokenizer  # imported on both sides before the memory baseline
 
-    from configs.schema import DataConfig
-    from tasks.data import run_chain
+    from grpo_pipeline.configs.schema import DataConfig
+    from grpo_pipeline.tasks.data import run_chain
 
     AutoTokenizer.from_pretrained(tokenizer_path)
     cfg = DataConfig(source=str(source), prompt_column="question", answer_extraction="gsm8k",

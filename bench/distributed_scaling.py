@@ -19,9 +19,9 @@ import sys
 from bench.harness import compare, training_bench_args
 from bench.table import Row, from_compare
 from bench.training_setup import BUCKET, clear_store, training_setup
-from infra.services import seaweedfs_s3
+from grpo_pipeline.infra.services import seaweedfs_s3
 
-LAUNCH = [sys.executable, "-m", "trainer.launch", "--spec"]
+LAUNCH = [sys.executable, "-m", "grpo_pipeline.trainer.launch", "--spec"]
 
 
 def main() -> None:

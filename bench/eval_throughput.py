@@ -16,13 +16,13 @@ from pathlib import Path
 
 from bench.harness import RESULTS, ROOT
 from bench.table import Row, from_compare
-from configs.schema import DemoTaskConfig, ModelConfig, load_config
-from tasks.demo_task import generate as demo_rows
-from tasks.evaluate import generate
-from tasks.job import model_load
-from tasks.model import ensure_demo_model
+from grpo_pipeline.configs.schema import DemoTaskConfig, ModelConfig, load_config
+from grpo_pipeline.tasks.demo_task import generate as demo_rows
+from grpo_pipeline.tasks.evaluate import generate
+from grpo_pipeline.tasks.job import model_load
+from grpo_pipeline.tasks.model import ensure_demo_model
+from grpo_pipeline.trainer.loading import load_model
 from tests.tiny_model import create_random_model
-from trainer.loading import load_model
 
 
 def main() -> None:

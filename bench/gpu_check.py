@@ -1,8 +1,8 @@
 """GPU check: bf16 LoRA and NF4 QLoRA GRPO steps on the Qwen2.5 0.5B, 1.5B and 7B architectures; peak GPU
-memory against the planner's estimate (`tasks.plan.estimate_memory`) and step time against its time model
-(`tasks.plan.step_seconds`). Nothing is fetched: each model is random-initialised from the config JSON shipped
+memory against the planner's estimate (`grpo_pipeline.tasks.plan.estimate_memory`) and step time against its time model
+(`grpo_pipeline.tasks.plan.step_seconds`). Nothing is fetched: each model is random-initialised from the config JSON shipped
 in `configs/models/`, saved once with a word-level tokenizer made here, and loaded through the trainer's own
-`trainer.loading.load_model` (so NF4 goes through bitsandbytes exactly as in a real QLoRA run).
+`grpo_pipeline.trainer.loading.load_model` (so NF4 goes through bitsandbytes exactly as in a real QLoRA run).
 
 Each case runs `--steps` GRPO steps (the first is a warm-up and not counted) with completions forced to full
 length (`min_new_tokens`), so the token shapes are the ones the estimate assumes. Memory: the peak of
@@ -128,10 +128,10 @@ def run_case(name: str, quant: str, model_dir: Path, model_cfg: dict, opts, gpu)
     from trl import GRPOConfig
 
     from bench.machine_limit import _probed_trainer
-    from configs.schema import ModelConfig
-    from tasks.job import model_load
-    from tasks.plan import Assumptions, Settings, Workload, estimate_memory, step_seconds
-    from trainer.loading import load_model
+    from grpo_pipeline.configs.schema import ModelConfig
+    from grpo_pipeline.tasks.job import model_load
+    from grpo_pipeline.tasks.plan import Assumptions, Settings, Workload, estimate_memory, step_seconds
+    from grpo_pipeline.trainer.loading import load_model
 
     cuda = torch.cuda.is_available()
     _free()
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> dict:
     opts = options(argv)
     import torch
 
-    from tasks.plan import PlanError, architecture, load_catalog, load_model_config
+    from grpo_pipeline.tasks.plan import PlanError, architecture, load_catalog, load_model_config
 
     started = time.monotonic()
     cuda = torch.cuda.is_available()
@@ -291,7 +291,7 @@ def table_rows(load) -> list[Row]:
     r = load("gpu_check")
     if r is None:
         return [Row("GPU check (`bench/gpu_check.sh`): peak memory vs planner estimate, 0.5B/1.5B/7B × bf16 LoRA/NF4 "
-                    "QLoRA", "`tasks.plan.estimate_memory`", "`torch.cuda.max_memory_allocated`", None, "",
+                    "QLoRA", "`grpo_pipeline.tasks.plan.estimate_memory`", "`torch.cuda.max_memory_allocated`", None, "",
                     note="not run: no GPU was lent to this session; `--dry-run` passes on the CPU")]
     rows = []
     for c in r["cases"]:

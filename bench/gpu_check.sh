@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU check: bf16 LoRA and NF4 QLoRA GRPO steps on Qwen2.5 0.5B, 1.5B and 7B architectures (random weights from
-# configs/models/*.json: nothing is fetched), peak GPU memory against tasks.plan's estimate, step throughput
+# configs/models/*.json: nothing is fetched), peak GPU memory against grpo_pipeline.tasks.plan's estimate, step throughput
 # against its time model. About 5 minutes on one H200 (hard stop at 8); writes gpu_check.json into $OUT when
 # set (the device machine's return folder), else bench/results/.
 #

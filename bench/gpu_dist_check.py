@@ -1,15 +1,15 @@
 """GPU check for several processes: the paths the CPU cannot run. NCCL ranks, FSDP2 and DeepSpeed ZeRO-2/3
-through `python -m trainer.launch` (accelerate's environment from configs/accelerate/*.yaml), a SIGTERM over
+through `python -m grpo_pipeline.trainer.launch` (accelerate's environment from configs/accelerate/*.yaml), a SIGTERM over
 NCCL (exit 75 on every rank, then resume), and vLLM server mode (`trl vllm-serve` on its own GPU, the trainers
 on the rest). Per case: exit code, seconds, tokens/s per GPU, and each rank's peak GPU memory (nvidia-smi)
-against the planner's per-GPU estimate for that strategy (`tasks.plan.estimate_memory`, sharded for FSDP).
+against the planner's per-GPU estimate for that strategy (`grpo_pipeline.tasks.plan.estimate_memory`, sharded for FSDP).
 
 Each case is a real job on a random-weight Qwen2.5-0.5B (configs/models/qwen2.5-0.5b.json; nothing fetched) and
 runs where the machine has what it needs; the others are reported as skipped with the reason (two GPUs for
 NCCL between ranks and vLLM server mode, the `deepspeed` / `vllm` packages for ZeRO and vLLM).
 
     bash bench/gpu_check.sh --distributed     # on the GPU machine, < 4 minutes on one H200
-    python -m bench.gpu_dist_check --dry-run  # here: each case's launch command (trainer.launch --dry-run)
+    python -m bench.gpu_dist_check --dry-run  # here: each case's launch command (grpo_pipeline.trainer.launch --dry-run)
 """
 
 from __future__ import annotations
@@ -86,9 +86,9 @@ class PeakMemory(threading.Thread):
 
 
 def write_job(work: Path, model_dir: Path, data: Path, name: str, distributed: dict, steps: int) -> Path:
-    from configs.schema import load_config
-    from tasks.job import model_load, train_settings
-    from trainer.spec import JobSpec
+    from grpo_pipeline.configs.schema import load_config
+    from grpo_pipeline.tasks.job import model_load, train_settings
+    from grpo_pipeline.trainer.spec import JobSpec
 
     grpo = {"max_steps": steps, "num_generations": GENERATIONS, "per_device_train_batch_size": 8,
             "max_completion_length": COMPLETION_TOKENS, "logging_steps": 1, "bf16": True,
@@ -103,9 +103,9 @@ def write_job(work: Path, model_dir: Path, data: Path, name: str, distributed: d
 
 
 def estimate_gib(model_cfg: dict, strategy: str, count: int) -> float:
-    from tasks.plan.base import GIB
-    from tasks.plan.memory import estimate_memory
-    from tasks.plan.workload import Workload
+    from grpo_pipeline.tasks.plan.base import GIB
+    from grpo_pipeline.tasks.plan.memory import estimate_memory
+    from grpo_pipeline.tasks.plan.workload import Workload
 
     work = Workload(model=MODEL, dtype="bfloat16", lora_rank=16, lora_targets="all-linear", prompt_tokens=PROMPT_TOKENS,
                     completion_tokens=COMPLETION_TOKENS, num_generations=GENERATIONS, effective_batch=8 * count)
@@ -115,7 +115,7 @@ def estimate_gib(model_cfg: dict, strategy: str, count: int) -> float:
 
 
 def run_case(name: str, spec_path: Path, gpus_used: int, model_cfg: dict, strategy: str) -> dict:
-    launch = [sys.executable, "-m", "trainer.launch", "--spec", str(spec_path)]
+    launch = [sys.executable, "-m", "grpo_pipeline.trainer.launch", "--spec", str(spec_path)]
     peak = PeakMemory()
     started = time.monotonic()
     proc = subprocess.Popen(launch, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
@@ -175,7 +175,7 @@ def main(argv=None) -> dict:
         used = distributed.get("processes_per_node", 1)
         spec_path = write_job(work, model_dir, data, name, dict(distributed), opts.steps)
         if opts.dry_run:
-            cmd = [sys.executable, "-m", "trainer.launch", "--spec", str(spec_path), "--gpus-per-node", "8", "--dry-run"]
+            cmd = [sys.executable, "-m", "grpo_pipeline.trainer.launch", "--spec", str(spec_path), "--gpus-per-node", "8", "--dry-run"]
             proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
             print(f"[{name}] exit {proc.returncode}: {proc.stdout.strip() or proc.stderr.strip()[-500:]}")
             report["cases"].append({"case": name, "dry_run_code": proc.returncode})

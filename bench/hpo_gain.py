@@ -6,7 +6,7 @@ tokens per step), three arms get the same budget of `--budget` GRPO steps each, 
 - **defaults**: every hyperparameter the search may set at TRL's `GRPOConfig` / PEFT's `LoraConfig` default
   (learning rate, KL beta, temperature, completions per prompt, LoRA rank and alpha), `--budget` steps;
 - **hand**: the demo config as hand-tuned (learning rate 3e-4, temperature 0.8, rank 16, alpha 32);
-- **searched**: starts from the defaults; the search (`tasks.hpo.search`: successive halving over short trials,
+- **searched**: starts from the defaults; the search (`grpo_pipeline.tasks.hpo.search`: successive halving over short trials,
   the defaults themselves as the control trial, trials scored greedily on fixed validation prompts, the top
   ones re-scored on fresh prompts) spends `--search-fraction` of the budget in trial steps, and training with
   its outcome gets what is left. Its steps count against it.
@@ -130,8 +130,8 @@ def summarize(runs: dict[str, dict[int, dict]], base_reward: float) -> dict:
 
 
 def _train(cfg, model: str, splits, run_dir: Path):
-    from infra.launch.local import LocalLauncher
-    from tasks.job import build_job_spec
+    from grpo_pipeline.infra.launch.local import LocalLauncher
+    from grpo_pipeline.tasks.job import build_job_spec
 
     spec = build_job_spec(cfg.train, cfg.model, model, splits, run_dir)
     launcher = LocalLauncher(0, on_line=lambda line: None)
@@ -139,7 +139,7 @@ def _train(cfg, model: str, splits, run_dir: Path):
 
 
 def _holdout(model: str, cfg, splits, adapter: str | None):
-    from tasks.evaluate import evaluate_model
+    from grpo_pipeline.tasks.evaluate import evaluate_model
 
     return evaluate_model(model, cfg.model, splits["holdout"], cfg.train.reward_set(), cfg.evaluate, adapter=adapter)
 
@@ -157,9 +157,9 @@ def run_searched(start, model, splits, work: Path, seed: int, budget: int, fract
     """The search at this seed with `fraction` of the budget, then training with its outcome for the rest."""
     from mlflow import MlflowClient
 
-    from flows.runs import setup_tracking
-    from infra.launch import make_launcher
-    from tasks.hpo import HPOFailed, Tracking, apply_best, run_trial, search
+    from grpo_pipeline.flows.runs import setup_tracking
+    from grpo_pipeline.infra.launch import make_launcher
+    from grpo_pipeline.tasks.hpo import HPOFailed, Tracking, apply_best, run_trial, search
 
     cfg = apply_best(start, {"hpo.seed": seed, "hpo.study_name": f"bench-hpo-gain-s{seed}",
                              "hpo.budget_steps": max(1, int(budget * fraction))})
@@ -215,12 +215,12 @@ def _options(argv=None):
 def main(argv=None) -> dict:
     opts = _options(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from configs.schema import load_config
-    from tasks.demo_task import generate
-    from tasks.evaluate import EvalResult
-    from tasks.hpo import apply_best
-    from tasks.model import ensure_demo_model
-    from tasks.splits import write_splits
+    from grpo_pipeline.configs.schema import load_config
+    from grpo_pipeline.tasks.demo_task import generate
+    from grpo_pipeline.tasks.evaluate import EvalResult
+    from grpo_pipeline.tasks.hpo import apply_best
+    from grpo_pipeline.tasks.model import ensure_demo_model
+    from grpo_pipeline.tasks.splits import write_splits
     from tests.tiny_model import create_random_model
 
     work = (opts.work or Path(tempfile.mkdtemp(prefix="bench-hpo-"))).resolve()

@@ -10,7 +10,7 @@ most 16 tokens per step); they differ only in what trains:
 - lora: a rank-16 adapter on every linear layer over a frozen fp32 base (the demo config's adapter and rate);
 - qlora: the same adapter over an NF4 (bitsandbytes 4-bit) base.
 
-Full fine-tuning runs through TRL directly rather than `python -m trainer`: the pipeline's trainer, evaluation,
+Full fine-tuning runs through TRL directly rather than `python -m grpo_pipeline.trainer`: the pipeline's trainer, evaluation,
 merge and registry all deal in adapters, so the baseline is GRPOTrainer without a `peft_config`, and the two
 adapter arms use the same code for a like-for-like comparison.
 
@@ -41,7 +41,7 @@ from pathlib import Path
 
 from bench.harness import ROOT, peak_rss_mb, reset_peak_rss, save, spread
 from bench.table import Row
-from configs.rewards import RewardSet
+from grpo_pipeline.configs.rewards import RewardSet
 
 ARMS = ("full", "lora", "qlora")
 LABEL = {"full": "full", "lora": "LoRA", "qlora": "QLoRA (NF4)"}
@@ -79,8 +79,8 @@ def _options(argv: list[str] | None = None) -> argparse.Namespace:
 def _holdout_callback(rows: list[dict], tokenizer, every: int, max_new_tokens: int, rewards: RewardSet):
     from transformers import TrainerCallback
 
-    from tasks.evaluate import generate, score
-    from trainer.rewards import completion_text
+    from grpo_pipeline.tasks.evaluate import generate, score
+    from grpo_pipeline.trainer.rewards import completion_text
 
     class HoldoutCurve(TrainerCallback):
         """Greedy holdout reward every `every` steps, off the training clock."""
@@ -130,11 +130,11 @@ def run_arm(arm: str, model_path: str, train_file: str, holdout_file: str, opts:
     from transformers import PrinterCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from configs.schema import ModelConfig, load_config
-    from tasks.evaluate import read_jsonl
-    from tasks.job import model_load
-    from trainer.loading import load_model
-    from trainer.rewards import resolve_reward
+    from grpo_pipeline.configs.schema import ModelConfig, load_config
+    from grpo_pipeline.tasks.evaluate import read_jsonl
+    from grpo_pipeline.tasks.job import model_load
+    from grpo_pipeline.trainer.loading import load_model
+    from grpo_pipeline.trainer.rewards import resolve_reward
 
     cfg = load_config(ROOT / "configs" / "demo-cpu.yaml")
     grpo = dict(cfg.train.grpo) | {"max_steps": opts.steps, "logging_steps": 1, "bf16": False, "report_to": [],
@@ -469,10 +469,10 @@ def main(argv: list[str] | None = None) -> dict | None:
         (work / f"{opts.arm}.json").write_text(json.dumps(result))
         return None
 
-    from configs.schema import load_config
-    from tasks.demo_task import generate
-    from tasks.model import ensure_demo_model
-    from tasks.splits import write_splits
+    from grpo_pipeline.configs.schema import load_config
+    from grpo_pipeline.tasks.demo_task import generate
+    from grpo_pipeline.tasks.model import ensure_demo_model
+    from grpo_pipeline.tasks.splits import write_splits
     from tests.tiny_model import create_random_model
 
     arms = [a for a in opts.arms.split(",") if a]

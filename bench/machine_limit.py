@@ -4,7 +4,7 @@
    a few. The GRPO step's training phase (loss forward + backward, generation excluded) does, per token,
    2·N forward plus 2·N backward for the input gradients through the frozen base, i.e. 4·N (N = matmul
    parameters: the decoder linears, plus the LM head on the completion tokens it scores), plus the LoRA
-   matrices' 6·N_lora and attention's 4·L·T·d per token; the same counting as `tasks.plan.step_seconds`.
+   matrices' 6·N_lora and attention's 4·L·T·d per token; the same counting as `grpo_pipeline.tasks.plan.step_seconds`.
    Achieved FLOP/s = those FLOPs / the phase's seconds, per step; fraction = achieved / peak.
 2. Memory. Bandwidth from a large tensor copy (bytes read + written per second). Decoding one sequence reads
    every weight once per token, so tokens/s <= bandwidth / model bytes; GRPO generates a batch of B sequences
@@ -138,7 +138,7 @@ def _probed_trainer():
 def flops(arch, lora: int, step: dict) -> dict:
     """FLOPs of one step's generation and training phase (see the module docstring for the counting).
 
-    >>> from tasks.plan import architecture, load_model_config
+    >>> from grpo_pipeline.tasks.plan import architecture, load_model_config
     >>> a = architecture(load_model_config("smollm2-135m")[1])
     >>> f = flops(a, 0, {"batch": 1, "prompt_len": 10, "completion_len": 10, "seqs": 1, "gen_prompt_len": 10,
     ...                  "gen_steps": 10})
@@ -172,16 +172,16 @@ def main(argv: list[str] | None = None) -> dict:
     from peft import LoraConfig
     from trl import GRPOConfig
 
-    from configs.schema import load_config
-    from tasks.demo_task import generate
-    from tasks.job import model_load
-    from tasks.model import ensure_demo_model
-    from tasks.plan import architecture, load_model_config
-    from tasks.splits import write_splits
+    from grpo_pipeline.configs.schema import load_config
+    from grpo_pipeline.tasks.demo_task import generate
+    from grpo_pipeline.tasks.job import model_load
+    from grpo_pipeline.tasks.model import ensure_demo_model
+    from grpo_pipeline.tasks.plan import architecture, load_model_config
+    from grpo_pipeline.tasks.splits import write_splits
+    from grpo_pipeline.trainer.loading import load_model
+    from grpo_pipeline.trainer.precision import cpu_has_native_bf16, node_default_bf16
+    from grpo_pipeline.trainer.rewards import resolve_reward
     from tests.tiny_model import create_random_model
-    from trainer.loading import load_model
-    from trainer.precision import cpu_has_native_bf16, node_default_bf16
-    from trainer.rewards import resolve_reward
 
     cfg = load_config(ROOT / "configs" / "demo-cpu.yaml")
     work = Path(tempfile.mkdtemp(prefix="bench-limit-"))

@@ -37,16 +37,16 @@ CONFIG = ROOT / "configs" / "demo-cpu.yaml"
 
 def plain(cfg) -> dict:
     """The flow's stages as plain function calls: same inputs, same order, no orchestration."""
-    from tasks.decide import decide_promotion
-    from tasks.demo_task import generate
-    from tasks.evaluate import evaluate_model
-    from tasks.job import build_job_spec
-    from tasks.model import resolve_base_model
-    from tasks.plan import apply_plan, check_budget, plan_stage
-    from tasks.quantize import measure_quantization_cost, require_accepted
-    from tasks.report import plot_comparison, render_markdown
-    from tasks.splits import write_splits
-    from tasks.summary import Holdout, RegistryOutcome
+    from grpo_pipeline.tasks.decide import decide_promotion
+    from grpo_pipeline.tasks.demo_task import generate
+    from grpo_pipeline.tasks.evaluate import evaluate_model
+    from grpo_pipeline.tasks.job import build_job_spec
+    from grpo_pipeline.tasks.model import resolve_base_model
+    from grpo_pipeline.tasks.plan import apply_plan, check_budget, plan_stage
+    from grpo_pipeline.tasks.quantize import measure_quantization_cost, require_accepted
+    from grpo_pipeline.tasks.report import plot_comparison, render_markdown
+    from grpo_pipeline.tasks.splits import write_splits
+    from grpo_pipeline.tasks.summary import Holdout, RegistryOutcome
 
     rewards = cfg.train.reward_set()
     run_dir = (cfg.data_dir / "runs" / "plain").resolve()
@@ -113,14 +113,14 @@ def main(argv: list[str] | None = None) -> dict | None:
     parser.add_argument("--tiny", action="store_true", help="a tiny random model: checks the code path")
     parser.add_argument("--plain", nargs="*", help=argparse.SUPPRESS)  # internal: run the plain side with these overrides
     opts = parser.parse_args(argv)
-    from configs.schema import load_config
+    from grpo_pipeline.configs.schema import load_config
 
     if opts.plain is not None:
         summary = plain(load_config(CONFIG, opts.plain))
         print(json.dumps({"holdout": {k: summary["holdout"][k] for k in ("base_reward", "trained_reward")}}))
         return None
 
-    from tasks.model import ensure_demo_model
+    from grpo_pipeline.tasks.model import ensure_demo_model
     from tests.tiny_model import create_random_model
 
     work = Path(tempfile.mkdtemp(prefix="bench-orchestration-"))

@@ -12,8 +12,8 @@ from peft import LoraConfig
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import GRPOConfig, GRPOTrainer
 
-from trainer.rewards import correct_answer, number_only
-from trainer.spec import JobSpec
+from grpo_pipeline.trainer.rewards import correct_answer, number_only
+from grpo_pipeline.trainer.spec import JobSpec
 
 
 def main() -> None:

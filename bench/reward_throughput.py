@@ -51,7 +51,7 @@ def completions(n: int) -> tuple[list[str], list[str]]:
 
 
 def time_math_answer(n: int, repeats: int) -> dict:
-    from trainer.rewards import resolve_reward
+    from grpo_pipeline.trainer.rewards import resolve_reward
 
     fn = resolve_reward("math_answer")
     texts, refs = completions(n)
@@ -81,7 +81,7 @@ class _Slow(BaseHTTPRequestHandler):
 
 
 def time_remote(n: int, latency_s: float, repeats: int) -> dict:
-    from trainer.rewards import resolve_reward
+    from grpo_pipeline.trainer.rewards import resolve_reward
 
     _Slow.latency_s = latency_s
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Slow)

@@ -15,11 +15,11 @@ from pathlib import Path
 
 from bench.harness import ROOT, compare, training_bench_args
 from bench.table import Row, from_compare
-from configs.schema import load_config
-from tasks.demo_task import generate
-from tasks.job import build_job_spec
-from tasks.model import ensure_demo_model
-from tasks.splits import write_splits
+from grpo_pipeline.configs.schema import load_config
+from grpo_pipeline.tasks.demo_task import generate
+from grpo_pipeline.tasks.job import build_job_spec
+from grpo_pipeline.tasks.model import ensure_demo_model
+from grpo_pipeline.tasks.splits import write_splits
 from tests.tiny_model import create_random_model
 
 
@@ -37,7 +37,7 @@ def main() -> None:
     compare(
         "trainer_overhead" + ("_tiny" if args.tiny else ""),
         baseline=[sys.executable, str(ROOT / "bench" / "plain_trl.py"), "--spec", str(spec_path)],
-        candidate=[sys.executable, "-m", "trainer", "--spec", str(spec_path)],
+        candidate=[sys.executable, "-m", "grpo_pipeline.trainer", "--spec", str(spec_path)],
         metric="metrics.train_runtime",
         repeats=args.repeats,
         before_each=lambda: shutil.rmtree(work / "run", ignore_errors=True),
@@ -50,7 +50,7 @@ def table_rows(load) -> list[Row]:
     result = load("trainer_overhead")
     steps = result["steps"] if result else 6
     return [from_compare(result, f"trainer overhead (`bench.trainer_overhead`, {steps} steps, 2 checkpoints)",
-                         "plain TRL script", "`python -m trainer`", "<= 1.0")]
+                         "plain TRL script", "`python -m grpo_pipeline.trainer`", "<= 1.0")]
 
 
 if __name__ == "__main__":

@@ -1,2 +1,2 @@
 """The configuration layer: `schema` (the typed pipeline configuration, pure pydantic) and the shipped
-YAML recipes, GPU catalogue and model architectures beside it, found through `configs.files`."""
+YAML recipes, GPU catalogue and model architectures beside it, found through `grpo_pipeline.configs.files`."""

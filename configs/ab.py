@@ -1,6 +1,6 @@
 """`ab.*`: the live A/B between the registry's `champion` and `challenger` (pure pydantic, no I/O).
 
-What the online decision (`tasks.ab.decide`) reads: the traffic share of the challenger, the error level of
+What the online decision (`grpo_pipeline.tasks.ab.decide`) reads: the traffic share of the challenger, the error level of
 the always-valid sequential test, the guardrails that roll a challenger back whatever its scores, and the
 minimum sample and maximum duration. Set any of them with `--set ab.<field>=<value>`.
 """
@@ -11,8 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class _Strict(BaseModel):
-    # The same rule as configs.schema.StrictModel (a typo is an error, not a silently ignored key); not imported
-    # from there because configs.schema imports this module.
+    # The same rule as grpo_pipeline.configs.schema.StrictModel (a typo is an error, not a silently ignored key); not imported
+    # from there because grpo_pipeline.configs.schema imports this module.
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 

@@ -19,7 +19,7 @@ NOT_RECIPES = {"gpus.yaml"}  # the planner's GPU catalogue lies beside the recip
 def packaged(name: str, package: str = "configs") -> Path:
     """A file shipped in `package` ('models/x.json' for one in a sub-folder), where that package is installed."""
     # setuptools installs packages as plain directories, so the resource is a real file with a path
-    return Path(str(resources.files(package).joinpath(*name.split("/"))))
+    return Path(str(resources.files(f"grpo_pipeline.{package}").joinpath(*name.split("/"))))
 
 
 def recipes() -> list[Path]:

@@ -4,7 +4,7 @@ planning a configuration never imports TRL or PEFT: both load torch (seconds; on
 
 The snapshot, `library_fields.json` beside this file, is taken from the installed classes with
 
-    python -m configs.library_fields      # after upgrading TRL or PEFT
+    python -m grpo_pipeline.configs.library_fields      # after upgrading TRL or PEFT
 
 and a test takes it afresh and compares, so a TRL or PEFT release that changes a field fails there first.
 

@@ -241,7 +241,7 @@ class Refusal(BaseModel):
 
 
 def override_field(assignment: str) -> str | None:
-    """The dotted field an override `a.b.c=value` sets, as `configs.schema.apply_override` reads it; None when it
+    """The dotted field an override `a.b.c=value` sets, as `grpo_pipeline.configs.schema.apply_override` reads it; None when it
     is no assignment.
 
     >>> override_field(" train.lora.r =8"), override_field("no-equals-sign")

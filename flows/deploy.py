@@ -23,8 +23,8 @@ from typing import Any
 
 import yaml
 
-from configs.files import packaged
-from configs.schema import ConfigError, DeployConfig
+from grpo_pipeline.configs.files import packaged
+from grpo_pipeline.configs.schema import ConfigError, DeployConfig
 
 PREFECT_YAML = packaged("prefect.yaml", "flows")
 # The folder holding the project's packages (the checkout; site-packages when installed without -e):

@@ -15,15 +15,15 @@ from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
-from configs.rewards import RewardSet
-from configs.schema import PipelineConfig, load_config
-from flows import trigger
-from flows.preflight import preflight
-from flows.runs import parent_run, setup_tracking
-from infra.launch import make_launcher
-from tasks.data import data_task
-from tasks.hpo import HPOResult, Tracking, run_trial, search
-from tasks.model import resolve_model_task
+from grpo_pipeline.configs.rewards import RewardSet
+from grpo_pipeline.configs.schema import PipelineConfig, load_config
+from grpo_pipeline.flows import trigger
+from grpo_pipeline.flows.preflight import preflight
+from grpo_pipeline.flows.runs import parent_run, setup_tracking
+from grpo_pipeline.infra.launch import make_launcher
+from grpo_pipeline.tasks.data import data_task
+from grpo_pipeline.tasks.hpo import HPOResult, Tracking, run_trial, search
+from grpo_pipeline.tasks.model import resolve_model_task
 
 
 @task(name="hpo-trial", task_run_name="trial-{trial.number}", cache_policy=NO_CACHE)
@@ -35,7 +35,7 @@ def trial_task(trial, cfg: PipelineConfig, model_path: str, splits: dict[str, Pa
 def search_stage(cfg: PipelineConfig, rewards: RewardSet, model_path: str, splits: dict[str, Path], run_dir: Path,
                  experiment_id: str, stage_run_id: str, train_usd: float | None = None) -> HPOResult:
     """The study, its trials scored by `rewards`' weighted total; each trial a task run and an MLflow run nested
-    under the stage's run (`flows.runs.stage_run`, which a retried flow run reopens, as the study resumes).
+    under the stage's run (`grpo_pipeline.flows.runs.stage_run`, which a retried flow run reopens, as the study resumes).
     `train_usd`: the planned cost of the training run the search feeds, for its budget in USD
     (`hpo.budget_fraction`)."""
     tracking = Tracking(tracking_uri=cfg.mlflow_uri, experiment_id=experiment_id, stage_run_id=stage_run_id)

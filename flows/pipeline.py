@@ -4,7 +4,7 @@ merge (when enabled) -> decide -> register (MLflow models: the adapter on a base
 model) -> serving check (a clean process loads the version by its registry URI) -> move aliases -> report.
 
 `run_pipeline` reads as that outline: each stage a call that takes typed values and returns a typed result,
-each in its own nested MLflow run under one parent run (`flows.runs`). The `RunSummary` it returns is what
+each in its own nested MLflow run under one parent run (`grpo_pipeline.flows.runs`). The `RunSummary` it returns is what
 `grpo-pipeline run --json` prints and what the report renders.
 
 Daily retraining (docs/operations.md): `model.init_adapter` continues an existing adapter (`warm_start_stage`,
@@ -32,13 +32,13 @@ from prefect.cache_policies import INPUTS, NO_CACHE, RUN_ID, TASK_SOURCE
 from prefect.runtime import flow_run
 from prefect.tasks import exponential_backoff
 
-from configs.library_fields import default as library_default
-from configs.rewards import RewardSet
-from configs.schema import ConfigError, PipelineConfig, TrainConfig, load_config
-from flows import trigger
-from flows.hpo import search_stage
-from flows.preflight import preflight
-from flows.runs import (
+from grpo_pipeline.configs.library_fields import default as library_default
+from grpo_pipeline.configs.rewards import RewardSet
+from grpo_pipeline.configs.schema import ConfigError, PipelineConfig, TrainConfig, load_config
+from grpo_pipeline.flows import trigger
+from grpo_pipeline.flows.hpo import search_stage
+from grpo_pipeline.flows.preflight import preflight
+from grpo_pipeline.flows.runs import (
     experiment,
     log_dataset_inputs,
     parent_run,
@@ -47,8 +47,8 @@ from flows.runs import (
     stage_run_for_another_process,
     system_metrics_of,
 )
-from infra.launch import make_launcher, run_job
-from tasks.data import (
+from grpo_pipeline.infra.launch import make_launcher, run_job
+from grpo_pipeline.tasks.data import (
     HOLDOUT_KEYS_FILE,
     SEEN_KEYS_FILE,
     DatasetVersion,
@@ -59,19 +59,26 @@ from tasks.data import (
     split_keys,
     unchanged_reason,
 )
-from tasks.decide import Decision, decide_promotion
-from tasks.evaluate import EvalResult, evaluate_task, read_jsonl
-from tasks.hpo import apply_best
-from tasks.job import TrainProgress, WarmStart, base_names, build_job_spec, check_init_adapter, parse_init_adapter
-from tasks.merge import merge_task
-from tasks.model import resolve_model_task
-from tasks.plan import Plan, actual_cost, apply_plan, check_budget
-from tasks.plan.task import plan_task
-from tasks.quantize import quantization_cost_task, require_accepted
-from tasks.registry import CHAMPION, MERGED_VERSION_TAG, MISSING, ChampionMoved, Registry, RegistryError
-from tasks.report import artifact_url, plot_comparison, render_markdown, render_skipped
-from tasks.select import select_task
-from tasks.serving import (
+from grpo_pipeline.tasks.decide import Decision, decide_promotion
+from grpo_pipeline.tasks.evaluate import EvalResult, evaluate_task, read_jsonl
+from grpo_pipeline.tasks.hpo import apply_best
+from grpo_pipeline.tasks.job import (
+    TrainProgress,
+    WarmStart,
+    base_names,
+    build_job_spec,
+    check_init_adapter,
+    parse_init_adapter,
+)
+from grpo_pipeline.tasks.merge import merge_task
+from grpo_pipeline.tasks.model import resolve_model_task
+from grpo_pipeline.tasks.plan import Plan, actual_cost, apply_plan, check_budget
+from grpo_pipeline.tasks.plan.task import plan_task
+from grpo_pipeline.tasks.quantize import quantization_cost_task, require_accepted
+from grpo_pipeline.tasks.registry import CHAMPION, MERGED_VERSION_TAG, MISSING, ChampionMoved, Registry, RegistryError
+from grpo_pipeline.tasks.report import artifact_url, plot_comparison, render_markdown, render_skipped
+from grpo_pipeline.tasks.select import select_task
+from grpo_pipeline.tasks.serving import (
     BASE_EXPERIMENT,
     ServingCheck,
     base_reference,
@@ -81,7 +88,7 @@ from tasks.serving import (
     prompt_text,
     serving_check,
 )
-from tasks.summary import (
+from grpo_pipeline.tasks.summary import (
     AliasChange,
     BaseChoice,
     Cost,
@@ -95,8 +102,8 @@ from tasks.summary import (
     Search,
     TrainRows,
 )
-from trainer.loading import read_adapter_config
-from trainer.spec import JobSpec, TrainResult
+from grpo_pipeline.trainer.loading import read_adapter_config
+from grpo_pipeline.trainer.spec import JobSpec, TrainResult
 
 
 @flow(name="grpo-pipeline", log_prints=True)
@@ -327,7 +334,7 @@ def record_seen(seen: set[str] | None, splits: dict[str, Path]) -> dict[str, str
 
 
 def unchanged_stage(registry: Registry, dataset: DatasetVersion, cfg_hash: str) -> str | None:
-    """Why nothing needs training (`tasks.data.unchanged_reason` against the champion), or None."""
+    """Why nothing needs training (`grpo_pipeline.tasks.data.unchanged_reason` against the champion), or None."""
     champion = registry.version_of(CHAMPION)
     if champion is None:
         return None

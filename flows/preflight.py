@@ -4,14 +4,14 @@ rewards, a reachable store or cloud, the budget against the planner's estimate).
 
 from __future__ import annotations
 
-from configs.schema import PipelineConfig
-from infra import launch
-from tasks.data_io import check_local_sources
-from tasks.decide import check_policy
-from tasks.evaluate import score_columns
-from tasks.job import check_rewards, check_store
-from tasks.model import check_model_paths
-from tasks.plan import check_budget, plan_stage
+from grpo_pipeline.configs.schema import PipelineConfig
+from grpo_pipeline.infra import launch
+from grpo_pipeline.tasks.data_io import check_local_sources
+from grpo_pipeline.tasks.decide import check_policy
+from grpo_pipeline.tasks.evaluate import score_columns
+from grpo_pipeline.tasks.job import check_rewards, check_store
+from grpo_pipeline.tasks.model import check_model_paths
+from grpo_pipeline.tasks.plan import check_budget, plan_stage
 
 
 def preflight(cfg: PipelineConfig) -> None:

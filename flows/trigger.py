@@ -17,8 +17,8 @@ from uuid import UUID
 
 from pydantic import BaseModel, ConfigDict
 
-from configs.policy import check_trigger, refusal_message
-from configs.schema import ConfigError, load_config
+from grpo_pipeline.configs.policy import check_trigger, refusal_message
+from grpo_pipeline.configs.schema import ConfigError, load_config
 
 
 class Deployment(BaseModel):

@@ -4,7 +4,7 @@
     grpo-pipeline ab decide [--json]     # the online decision; promote / rollback move the aliases
 
 The log is `$GRPO_AB_LOG_URL` (SQLAlchemy URL: PostgreSQL when the stack runs), else SQLite under data_dir.
-`decide` calls `tasks.ab.decide` on the requests the current champion and challenger versions answered, and
+`decide` calls `grpo_pipeline.tasks.ab.decide` on the requests the current champion and challenger versions answered, and
 for promote or rollback moves the aliases under the registry lock, after checking they did not move since.
 Exit codes: 0 decided or shown (whatever the action: `continue` is a normal answer); 1 an unexpected failure;
 2 bad configuration, the log store or the registry unreachable, or the aliases moved meanwhile.
@@ -32,10 +32,10 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 def _open(config: Path | None, overrides: list[str] | None, as_json: bool):
     """(config, request log, registry, champion version, challenger version), or the failure naming what is
     wrong: the config (exit 2), the log store (exit 2), the registry (exit 2)."""
-    from configs.files import packaged, recipe
-    from configs.schema import ConfigError, load_config
-    from tasks.ab_log import LogStoreError, RequestLog, log_url
-    from tasks.registry import CHALLENGER, CHAMPION, Registry, RegistryServiceError, open_client
+    from grpo_pipeline.configs.files import packaged, recipe
+    from grpo_pipeline.configs.schema import ConfigError, load_config
+    from grpo_pipeline.tasks.ab_log import LogStoreError, RequestLog, log_url
+    from grpo_pipeline.tasks.registry import CHALLENGER, CHAMPION, Registry, RegistryServiceError, open_client
 
     try:
         cfg = load_config(packaged("demo-cpu.yaml") if config is None else recipe(config), list(overrides or []))
@@ -66,7 +66,7 @@ def _print(obj: dict, as_json: bool) -> None:
 def status(config: ConfigOpt = None, overrides: SetOpt = None, as_json: JsonOpt = False) -> None:
     """Per-arm counts of the whole log, and for the running test (the current champion and challenger
     versions) the estimate of the difference and its always-valid interval."""
-    from tasks.ab import decide
+    from grpo_pipeline.tasks.ab import decide
 
     cfg, log, _, champion, challenger = _open(config, overrides, as_json)
     out = {"status": "ok", "champion": champion, "challenger": challenger,
@@ -84,8 +84,8 @@ def status(config: ConfigOpt = None, overrides: SetOpt = None, as_json: JsonOpt 
 def decide_cmd(config: ConfigOpt = None, overrides: SetOpt = None, as_json: JsonOpt = False,
                dry_run: Annotated[bool, typer.Option("--dry-run", help="decide, move no alias")] = False) -> None:
     """Decide the running test; promote or rollback move the aliases (under the registry lock)."""
-    from tasks.ab import AliasesMoved, decide, settle
-    from tasks.registry import RegistryError, RegistryServiceError
+    from grpo_pipeline.tasks.ab import AliasesMoved, decide, settle
+    from grpo_pipeline.tasks.registry import RegistryError, RegistryServiceError
 
     cfg, log, registry, champion, challenger = _open(config, overrides, as_json)
     if not challenger:

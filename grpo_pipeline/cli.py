@@ -26,8 +26,8 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
-from configs.files import packaged, recipe
-from configs.schema import ConfigError, load_config
+from grpo_pipeline.configs.files import packaged, recipe
+from grpo_pipeline.configs.schema import ConfigError, load_config
 from grpo_pipeline.failure import Commands, err, options_error
 from grpo_pipeline.failure import fail as _fail
 
@@ -118,9 +118,9 @@ def _what(exc: Exception, assignment: str | None = None) -> str:
 
 def _input_errors() -> tuple[type[BaseException], ...]:
     """What bad configuration or input raises, wherever it is caught: exit 2. Imported only when needed."""
-    from infra.launch.skypilot import SkyPreflightError
-    from tasks.model import ModelNotFound
-    from trainer.checkpoints import CheckpointStoreError
+    from grpo_pipeline.infra.launch.skypilot import SkyPreflightError
+    from grpo_pipeline.tasks.model import ModelNotFound
+    from grpo_pipeline.trainer.checkpoints import CheckpointStoreError
 
     return ConfigError, ModelNotFound, CheckpointStoreError, SkyPreflightError  # budget, quantization: ConfigError
 
@@ -128,7 +128,7 @@ def _input_errors() -> tuple[type[BaseException], ...]:
 def _preflight(cfg, as_json: bool) -> None:
     """The flows' own first checks, run before a flow run exists: a refused input leaves no Failed run on
     the Prefect server (whose notification would fire) and no engine traceback before the one useful line."""
-    from flows.preflight import preflight
+    from grpo_pipeline.flows.preflight import preflight
 
     try:
         preflight(cfg)
@@ -150,8 +150,8 @@ def run(
     path, cfg = _load(config, overrides, as_json)
     _ephemeral_prefect_defaults()
     _preflight(cfg, as_json)
-    from flows.pipeline import grpo_pipeline  # heavy imports only once the config is known to be good
-    from tasks.registry import ChampionMoved
+    from grpo_pipeline.flows.pipeline import grpo_pipeline  # heavy imports only once the config is known to be good
+    from grpo_pipeline.tasks.registry import ChampionMoved
 
     try:
         summary = grpo_pipeline(config_path=str(path), overrides=list(overrides or []))
@@ -215,7 +215,7 @@ def _print_summary(summary) -> None:
 def _registry(config: Path | None, overrides: list[str] | None):
     """The registry the configuration names; against an MLflow server, through plain REST calls (a lookup
     answers without importing MLflow or the training stack)."""
-    from tasks.registry import Registry, open_client
+    from grpo_pipeline.tasks.registry import Registry, open_client
 
     _, cfg = _load(config, overrides)
     return Registry(open_client(cfg.mlflow_uri), cfg.tracking.registered_model)
@@ -224,7 +224,7 @@ def _registry(config: Path | None, overrides: list[str] | None):
 def _registry_call(registry, action) -> None:
     """Run an alias-moving command; print every alias it moved (on both registered models), with what each
     pointed at before."""
-    from tasks.registry import RegistryError, RegistryServiceError
+    from grpo_pipeline.tasks.registry import RegistryError, RegistryServiceError
 
     try:
         moves = action()
@@ -285,8 +285,8 @@ def hpo(
     path, cfg = _load(config, extra, as_json)
     _ephemeral_prefect_defaults()
     _preflight(cfg, as_json)
-    from flows.hpo import hpo_flow
-    from tasks.hpo import HPOFailed
+    from grpo_pipeline.flows.hpo import hpo_flow
+    from grpo_pipeline.tasks.hpo import HPOFailed
 
     try:
         result = hpo_flow(config_path=str(path), overrides=extra)
@@ -312,7 +312,7 @@ def hpo(
     raise typer.Exit(EXIT_OK)
 
 
-from tasks import plan as planner  # noqa: E402 - pure Python (no torch, transformers or Prefect): its fields are the options
+from grpo_pipeline.tasks import plan as planner  # noqa: E402 - pure Python (no torch, transformers or Prefect): its fields are the options
 
 WORK = planner.Workload.model_fields  # each workload option below is a Workload field: its default, its help
 PLAN_FLAGS: dict[str, str] = {}  # Workload field -> the option that sets it, to name it in an error
@@ -390,8 +390,8 @@ def data_cmd(
 ) -> None:
     """Build the dataset version (load, validate, dedup, split, decontaminate) and print its report."""
     _, cfg = _load(config, overrides, as_json)
-    from tasks.data import DataQualityError, build_dataset, resolve_tokenizer
-    from tasks.data_io import check_local_sources
+    from grpo_pipeline.tasks.data import DataQualityError, build_dataset, resolve_tokenizer
+    from grpo_pipeline.tasks.data_io import check_local_sources
 
     failure = None
     try:
@@ -454,7 +454,7 @@ def deploy_cmd(
 ) -> None:
     """Register the daily-retrain, manual and ci deployments on the Prefect server (PREFECT_API_URL); print
     what the server holds as JSON (a failure: the failure object, as with --json elsewhere)."""
-    from flows.deploy import DeployError, deploy, settings_for
+    from grpo_pipeline.flows.deploy import DeployError, deploy, settings_for
 
     as_json = True  # stdout carries the JSON summary, so it carries the failure object too
     overrides = list(overrides or [])
@@ -483,7 +483,7 @@ def deploy_cmd(
 DEPLOY_FLAGS = {"schedule_hour": "--schedule-hour", "timezone": "--timezone", "work_pool": "--pool",
                 "image": "--image", "notify_block": "--notify-block"}  # deploy section field -> its option
 
-from infra.stack import DEFAULT_PORTS, DEFAULT_ROOT  # noqa: E402 - light: the service helpers, no clients
+from grpo_pipeline.infra.stack import DEFAULT_PORTS, DEFAULT_ROOT  # noqa: E402 - light: the service helpers, no clients
 
 stack_cli = typer.Typer(no_args_is_help=True, help="Local PostgreSQL, S3, MLflow and Prefect servers (no Docker needed).")
 RootOpt = Annotated[Path, typer.Option("--dir", help="where the stack keeps its data and state")]
@@ -491,8 +491,8 @@ RootOpt = Annotated[Path, typer.Option("--dir", help="where the stack keeps its 
 
 def _stack(root: Path, **ports):
     """The stack recorded under `root`; an unreadable state file is an input error, named with its fix."""
-    from infra.services import ServiceError
-    from infra.stack import Stack
+    from grpo_pipeline.infra.services import ServiceError
+    from grpo_pipeline.infra.stack import Stack
 
     try:
         return Stack(root, ports=ports)
@@ -511,8 +511,8 @@ def stack_up(
     environment exports; to a terminal only where things are, so the stack's credentials (S3 key, MLflow
     password, Prefect auth string) never land on screen or in a terminal log (`stack env` prints the exports
     for `eval`)."""
-    from infra.services import PortInUse, ServiceError
-    from infra.stack import exports
+    from grpo_pipeline.infra.services import PortInUse, ServiceError
+    from grpo_pipeline.infra.stack import exports
 
     stack = _stack(root, s3=s3_port, mlflow=mlflow_port, prefect=prefect_port)
     try:
@@ -537,7 +537,7 @@ def stack_up(
 @stack_cli.command("env")
 def stack_env(root: RootOpt = DEFAULT_ROOT) -> None:
     """Print the environment exports of the running stack: URLs and the credentials its servers ask for."""
-    from infra.stack import exports
+    from grpo_pipeline.infra.stack import exports
 
     print(exports(_stack(root).env()))
 

@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.table import Table
 
 from grpo_pipeline.failure import fail as _fail  # the CLI's one way to fail
-from trainer.rewards import REWARDS, RewardError, check_columns, completion_text, describe, resolve_reward
+from grpo_pipeline.trainer.rewards import REWARDS, RewardError, check_columns, completion_text, describe, resolve_reward
 
 EXIT_OK, EXIT_FAILED, EXIT_INPUT = 0, 1, 2
 JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON on stdout")]

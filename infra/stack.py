@@ -25,8 +25,8 @@ import shlex
 from dataclasses import asdict
 from pathlib import Path
 
-from infra import services
-from infra.services import REGION, Service, ServiceError
+from grpo_pipeline.infra import services
+from grpo_pipeline.infra.services import REGION, Service, ServiceError
 
 DEFAULT_ROOT = Path(".grpo/stack")
 DEFAULT_PORTS = {"s3": 9000, "mlflow": 5000, "prefect": 4200}  # docker-compose.yml publishes the same

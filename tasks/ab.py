@@ -33,7 +33,7 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel
 
-from configs.ab import ABConfig
+from grpo_pipeline.configs.ab import ABConfig
 
 Action = Literal["promote", "rollback", "continue", "stop"]
 ARMS = ("champion", "challenger")
@@ -243,7 +243,7 @@ def plan_ab_moves(action: Action, champion: str | None, challenger: str) -> list
     >>> plan_ab_moves("rollback", "3", "4"), plan_ab_moves("stop", "3", "4")
     ([AliasMove(alias='challenger', version=None)], [])
     """
-    from tasks.registry import CHALLENGER, AliasMove, plan_promotion
+    from grpo_pipeline.tasks.registry import CHALLENGER, AliasMove, plan_promotion
 
     if action == "promote":
         return plan_promotion(champion, challenger, promote=True)
@@ -255,7 +255,7 @@ def plan_ab_moves(action: Action, champion: str | None, challenger: str) -> list
 def settle(registry, decision: Decision, champion: str | None, challenger: str) -> list:
     """Move the aliases for `decision` under the registry's lock, unless they moved since the log was read
     (then the decision was about other versions: `AliasesMoved`, nothing moves)."""
-    from tasks.registry import CHALLENGER, CHAMPION
+    from grpo_pipeline.tasks.registry import CHALLENGER, CHAMPION
 
     moves = plan_ab_moves(decision.action, champion, challenger)
     if not moves:

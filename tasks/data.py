@@ -9,7 +9,7 @@ indexes (a hash per kept row, a MinHash signature per kept row when near-dedup i
 hashes of the holdout and evaluation prompts). Train rows wait in an Arrow IPC file until every holdout
 row is known, then are checked for contamination in a second pass.
 
-The split of a row is `tasks.splits.split_of(key)`: a hash of its key alone, so a dataset that grows
+The split of a row is `grpo_pipeline.tasks.splits.split_of(key)`: a hash of its key alone, so a dataset that grows
 never moves an old row, and an old holdout row never reaches training. The output directory is named
 by a hash of the input content and the configuration, so a rerun on the same data finds its result and
 does nothing; `data_task` (Prefect) is cached on the same key.
@@ -41,8 +41,8 @@ from prefect import task
 from prefect.cache_policies import CachePolicy
 from pydantic import BaseModel
 
-from configs.schema import DEMO_MODEL, ConfigError, DataConfig, PipelineConfig
-from tasks.data_io import (
+from grpo_pipeline.configs.schema import DEMO_MODEL, ConfigError, DataConfig, PipelineConfig
+from grpo_pipeline.tasks.data_io import (
     DataSourceError,
     RawBatch,
     Reject,
@@ -52,7 +52,7 @@ from tasks.data_io import (
     json_kind,
     source_fingerprint,
 )
-from tasks.data_text import (
+from grpo_pipeline.tasks.data_text import (
     NearDuplicateIndex,
     PromptTokens,
     ngram_hashes,
@@ -61,16 +61,16 @@ from tasks.data_text import (
     sorted_unique,
     words,
 )
-from tasks.demo_task import generate as demo_rows
-from tasks.splits import fingerprint as splits_fingerprint
-from tasks.splits import incremental_rows, split_of
+from grpo_pipeline.tasks.demo_task import generate as demo_rows
+from grpo_pipeline.tasks.splits import fingerprint as splits_fingerprint
+from grpo_pipeline.tasks.splits import incremental_rows, split_of
 
 SPLITS = ("train", "val", "holdout")
 REASONS = {
     "bad_json": "the line is not one JSON object (RFC 8259: no NaN, comments, raw control characters or second value)",
     "invalid_utf8": "the bytes are not UTF-8 text",
-    "line_too_long": "a JSON line longer than tasks.data_io.MAX_LINE_BYTES (16 MiB)",
-    "too_deep": "arrays and objects nested deeper than tasks.data_io.MAX_DEPTH (64), in any field",
+    "line_too_long": "a JSON line longer than grpo_pipeline.tasks.data_io.MAX_LINE_BYTES (16 MiB)",
+    "too_deep": "arrays and objects nested deeper than grpo_pipeline.tasks.data_io.MAX_DEPTH (64), in any field",
     "nul_character": "a prompt or answer holding U+0000 (NUL): binary or mis-encoded data, whatever the format",
     "bad_csv": "a CSV row with the wrong number of fields",
     "missing_field": "no prompt or no answer",
@@ -136,7 +136,7 @@ def _verifier_args(rewards: Sequence[str], reward_args: RewardArgs | None) -> di
     """The answer-checking rewards (those that take the `answer` column) and their configured arguments. The
     others are not resolved here: they do not judge a reference answer, and some need what only training
     offers (remote_verifier's service)."""
-    from trainer.rewards import describe
+    from grpo_pipeline.trainer.rewards import describe
 
     args = reward_args or {}
     return {name: dict(args.get(name) or {}) for name in rewards if "answer" in describe(name)["columns"]}
@@ -146,7 +146,7 @@ class _Context:
     """What the chain needs that comes from the configuration, resolved once."""
 
     def __init__(self, cfg: DataConfig, rewards: Sequence[str], reward_args: RewardArgs | None = None):
-        from trainer.rewards import resolve_reward
+        from grpo_pipeline.trainer.rewards import resolve_reward
 
         self.cfg = cfg
         prefix, _, suffix = cfg.prompt_template.partition("{prompt}")
@@ -916,7 +916,7 @@ def resolve_tokenizer(cfg: PipelineConfig, given: str | None = None) -> str | No
     for path in on_disk:
         if path.is_dir() and any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
             return str(path)
-    from tasks.model import resolve_base_model
+    from grpo_pipeline.tasks.model import resolve_base_model
 
     try:
         return resolve_base_model(cfg.model, cfg.data_dir / "models")
@@ -942,7 +942,7 @@ def config_hash(cfg: PipelineConfig) -> str:
     the run's identity and placement (`IDENTITY_FIELDS`: data_dir, tracking, deploy, plan, the launcher and
     the checkpoint store, data.skip_unchanged). Two runs with the same hash on the same rows train the same way.
 
-    >>> from configs.schema import load_config
+    >>> from grpo_pipeline.configs.schema import load_config
     >>> config_hash(load_config(None, ["tracking.experiment=x", "train.launcher=sky"])) == config_hash(load_config(None))
     True
     >>> config_hash(load_config(None, ["train.grpo.learning_rate=1e-4"])) == config_hash(load_config(None))
@@ -983,7 +983,7 @@ def unchanged_reason(champion: str, tags: Mapping[str, str], fingerprint: str, c
 
 def incremental_split(train: Path, seen: set[str], replay_fraction: float, salt: str, out: Path) -> tuple[Path, int, int]:
     """`data.incremental`: the train split's new rows plus `replay_fraction` of the seen ones
-    (`tasks.splits.incremental_rows`, sampled by `salt`, the dataset's fingerprint), written to `out`; the version
+    (`grpo_pipeline.tasks.splits.incremental_rows`, sampled by `salt`, the dataset's fingerprint), written to `out`; the version
     itself stays whole. Returns (path, new, replayed)."""
     with Path(train).open("rb") as f:
         rows = [orjson.loads(line) for line in f if line.strip()]

@@ -25,7 +25,7 @@ from typing import Any
 import orjson
 import pyarrow as pa
 
-from configs.schema import ConfigError, DataConfig
+from grpo_pipeline.configs.schema import ConfigError, DataConfig
 
 _FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet", ".pq": "parquet",
             ".csv": "csv", ".tsv": "csv"}

@@ -15,7 +15,7 @@ import numpy as np
 from pydantic import BaseModel
 from scipy import stats
 
-from configs.schema import ConfigError, PromotionPolicy
+from grpo_pipeline.configs.schema import ConfigError, PromotionPolicy
 
 Z_POWER_80 = 0.8416  # one-sided normal quantile for 80% power
 
@@ -65,13 +65,13 @@ def paired_difference(cand: list[float], base: list[float], confidence: float, s
 
 
 def check_policy(policy: PromotionPolicy, columns: list[str]) -> None:
-    """The policy compares and guards only columns the evaluation writes (`tasks.evaluate.score_columns`): a
+    """The policy compares and guards only columns the evaluation writes (`grpo_pipeline.tasks.evaluate.score_columns`): a
     typo would otherwise end the run at the decision, after training, with a KeyError.
 
     >>> check_policy(PromotionPolicy(metric="math_answr"), ["math_answer", "total", "length"])
     Traceback (most recent call last):
     ...
-    configs.schema.ConfigError: promote.metric: 'math_answr' is not a column of the evaluation (math_answer, total, length); did you mean 'math_answer'?
+    grpo_pipeline.configs.schema.ConfigError: promote.metric: 'math_answr' is not a column of the evaluation (math_answer, total, length); did you mean 'math_answer'?
     """
     named = [("promote.metric", policy.metric), *((f"promote.guardrails.{k}", k) for k in policy.guardrails)]
     for field, column in named:

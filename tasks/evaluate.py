@@ -2,7 +2,7 @@
 from k sampled completions when `evaluate.samples_k` is set.
 
 The base model, the champion and the candidate see the same prompts with the same decoding and seed, so
-their per-sample scores can be compared pairwise. The rewards are the training's own (`trainer.rewards`,
+their per-sample scores can be compared pairwise. The rewards are the training's own (`grpo_pipeline.trainer.rewards`,
 with the same checks: a reward that fails names itself and the row); accuracy and format rate are the means
 of `evaluate.accuracy_reward` and `evaluate.format_reward`, scored even when training does not use them.
 """
@@ -21,11 +21,11 @@ from pathlib import Path
 from prefect import task
 from pydantic import BaseModel
 
-from configs.rewards import RewardSet
-from configs.schema import EvalConfig, ModelConfig
-from tasks.job import format_duration, model_load
-from trainer.loading import load_model
-from trainer.rewards import completion_text, resolve_reward, resolve_rewards
+from grpo_pipeline.configs.rewards import RewardSet
+from grpo_pipeline.configs.schema import EvalConfig, ModelConfig
+from grpo_pipeline.tasks.job import format_duration, model_load
+from grpo_pipeline.trainer.loading import load_model
+from grpo_pipeline.trainer.rewards import completion_text, resolve_reward, resolve_rewards
 
 EXAMPLE_CHARS = 600  # of a completion kept in an example: enough for a reasoning answer's ending
 
@@ -48,7 +48,7 @@ def read_jsonl(path: Path) -> list[dict]:
 
 def last_user_message(prompt: str | list[dict]) -> str:
     """The last user message of a chat prompt (what the row asks, as the report shows it), or the prompt itself.
-    Not what a model is given: `render` writes that (and `tasks.serving.prompt_text` the served model's input).
+    Not what a model is given: `render` writes that (and `grpo_pipeline.tasks.serving.prompt_text` the served model's input).
 
     >>> last_user_message([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 3?"}])
     'What is 2 + 3?'
@@ -253,7 +253,7 @@ def _log_line(line: str) -> None:
 def progress(label: str, total: int) -> Iterator[Callable[[int], None]]:
     """`advance(n)` for n more prompts done: a bar on a terminal (stderr, where rich draws), plain lines
     otherwise."""
-    from trainer.callbacks import interactive  # here, not at the top: it brings transformers
+    from grpo_pipeline.trainer.callbacks import interactive  # here, not at the top: it brings transformers
 
     if interactive():
         bar, task_id = eval_bar(label, total)
@@ -370,7 +370,7 @@ def generate_vllm(
         max_lora_rank=next(r for r in VLLM_LORA_RANKS if r >= rank),
     )
     lora = LoRARequest("candidate", 1, adapter) if adapter else None
-    from trainer.callbacks import interactive
+    from grpo_pipeline.trainer.callbacks import interactive
 
     bars = interactive()  # vLLM's tqdm, only where a person sees it
     greedy = llm.generate(texts, SamplingParams(temperature=0.0, max_tokens=cfg.max_new_tokens), lora_request=lora,
@@ -398,7 +398,7 @@ def evaluate_model(
     `label`: the model, as progress names it ("evaluating champion v3"); else candidate or base."""
     rows = read_jsonl(holdout)
     label = label or ("candidate" if adapter else "base")
-    from trainer.callbacks import hide_library_bars, interactive
+    from grpo_pipeline.trainer.callbacks import hide_library_bars, interactive
 
     if not interactive():  # a log, not a person: no model-loading bars
         hide_library_bars()

@@ -5,7 +5,7 @@ the noise.
 
 - **Scores with a known noise.** A finished trial's value is its adapter's mean greedy weighted total
   (`RewardSet.total`, what training optimises and promotion compares) on the same validation prompts for every
-  trial (`tasks.evaluate.evaluate_model`), so trials compare as pairs. How many prompts:
+  trial (`grpo_pipeline.tasks.evaluate.evaluate_model`), so trials compare as pairs. How many prompts:
   `hpo.target_standard_error` and the per-prompt standard deviation (`hpo.reward_sd`, or the worst case for
   rewards in [0, 1], half the weights' span) give n = (sd / se)^2; the stage logs n and fails (a `ConfigError`, exit 2)
   naming it when the val split holds fewer than 2n (n to select, n fresh ones to re-score).
@@ -15,7 +15,7 @@ the noise.
   applied; otherwise the configured values stay and the result says so (`applied`, `decision`).
 - **Multi-fidelity.** Trials run up to `hpo.steps`, with a rung check every `hpo.eval_every` steps (the
   trainer's sampled validation reward on the first `hpo.rung_prompts` scoring prompts, as a tagged line
-  `trainer.callbacks.ReportValidation` prints); Optuna's successive halving / Hyperband promote a third of
+  `grpo_pipeline.trainer.callbacks.ReportValidation` prints); Optuna's successive halving / Hyperband promote a third of
   the trials at each rung and stop the rest (SIGTERM locally, a cancel for SkyPilot). The configured values'
   trial is never stopped: it is the control. The search stops launching trials once `hpo.budget_steps` (default:
   `hpo.budget_fraction` of the training run's steps; for SkyPilot, the same share of its planned USD) are
@@ -59,13 +59,13 @@ from typing import Any
 import optuna
 from pydantic import BaseModel
 
-from configs.library_fields import grpo_value
-from configs.rewards import RewardSet
-from configs.schema import ConfigError, HPOConfig, PipelineConfig, SearchDim, SearchSpace, TrainConfig
-from tasks.job import build_job_spec
-from trainer.spec import TrainingFailed, parse_progress
+from grpo_pipeline.configs.library_fields import grpo_value
+from grpo_pipeline.configs.rewards import RewardSet
+from grpo_pipeline.configs.schema import ConfigError, HPOConfig, PipelineConfig, SearchDim, SearchSpace, TrainConfig
+from grpo_pipeline.tasks.job import build_job_spec
+from grpo_pipeline.trainer.spec import TrainingFailed, parse_progress
 
-# Builds the launcher a trial runs on (`infra.launch.make_launcher`): passed in by the flow, which owns the
+# Builds the launcher a trial runs on (`grpo_pipeline.infra.launch.make_launcher`): passed in by the flow, which owns the
 # launch; called with the trial's `train` section and a callback for each line of the trainer's output.
 LauncherFactory = Callable[[TrainConfig, Callable[[str], None]], Any]
 # Scores an adapter on a JSONL prompt file: one weighted total per prompt, greedy (`greedy_scorer`).
@@ -172,7 +172,7 @@ def suggest(trial: optuna.trial.BaseTrial, space: SearchSpace) -> dict[str, Any]
 def to_overrides(params: dict[str, Any], cfg: PipelineConfig) -> dict[str, Any]:
     """Config paths and values for a trial's parameters.
 
-    >>> from configs.schema import load_config
+    >>> from grpo_pipeline.configs.schema import load_config
     >>> to_overrides({"lora_r": 16, "lora_alpha_ratio": 2.0, "learning_rate": 3e-4}, load_config(None))
     {'train.lora.r': 16, 'train.grpo.learning_rate': 0.0003, 'train.lora.lora_alpha': 32}
     """
@@ -186,7 +186,7 @@ def to_overrides(params: dict[str, Any], cfg: PipelineConfig) -> dict[str, Any]:
 def apply_best(cfg: PipelineConfig, best: dict[str, Any]) -> PipelineConfig:
     """A new config with `best` (config path -> value, e.g. `HPOResult.overrides`) applied and validated.
 
-    >>> from configs.schema import load_config
+    >>> from grpo_pipeline.configs.schema import load_config
     >>> cfg = apply_best(load_config(None), {"train.lora.r": 32, "train.grpo.learning_rate": 1e-4})
     >>> cfg.train.lora["r"], cfg.train.grpo["learning_rate"]
     (32, 0.0001)
@@ -354,7 +354,7 @@ class NotEnoughPrompts(ConfigError):
 def prepare_validation(cfg: PipelineConfig, rewards: RewardSet, val_file: Path | None, out_dir: Path) -> Validation:
     """Split the val split into the selection and re-scoring prompt sets (and the rung subset), after checking
     that it holds enough prompts for `hpo.target_standard_error` on `rewards`' weighted total."""
-    from tasks.evaluate import read_jsonl
+    from grpo_pipeline.tasks.evaluate import read_jsonl
 
     needed, sd = prompts_needed(cfg.hpo, rewards)
     rows = read_jsonl(Path(val_file)) if val_file and Path(val_file).is_file() else []
@@ -382,7 +382,7 @@ def prepare_validation(cfg: PipelineConfig, rewards: RewardSet, val_file: Path |
 def budget(cfg: PipelineConfig, train_usd: float | None = None) -> tuple[int, float | None]:
     """Trial steps the search may spend, and in USD when the training run's planned cost is known.
 
-    >>> from configs.schema import load_config
+    >>> from grpo_pipeline.configs.schema import load_config
     >>> budget(load_config(None, ["train.grpo.max_steps=40", "hpo.budget_fraction=0.5"]), train_usd=10.0)
     (20, 5.0)
     >>> budget(load_config(None, ["hpo.budget_steps=12"]))
@@ -431,10 +431,10 @@ def paired_decision(best: list[float], configured: list[float], trial: int, conf
 
 def greedy_scorer(cfg: PipelineConfig, rewards: RewardSet, model_path: str) -> Scorer:
     """Scores an adapter greedily on a prompt file by the training's weighted total (`RewardSet.total`, through
-    `tasks.evaluate.evaluate_model`): the search ranks trials by what training optimises and promotion compares."""
+    `grpo_pipeline.tasks.evaluate.evaluate_model`): the search ranks trials by what training optimises and promotion compares."""
 
     def score(adapter_dir: str, prompts: Path) -> list[float]:
-        from tasks.evaluate import evaluate_model
+        from grpo_pipeline.tasks.evaluate import evaluate_model
 
         result = evaluate_model(model_path, cfg.model, prompts, rewards,
                                 cfg.evaluate.model_copy(update={"samples_k": 0}), adapter=adapter_dir)
@@ -594,7 +594,7 @@ def run_trial(
 ) -> TrialOutcome:
     """One short GRPO run with the trial's parameters; reports each validation reward and cancels the job
     when the pruner says so. Raises TrialFailed when the job crashes; the launcher's bad-input failure (a
-    `TrainingFailed` that is a `ConfigError`, `infra.launch.BadTrainingInput`: the trainer exited 2, e.g. a
+    `TrainingFailed` that is a `ConfigError`, `grpo_pipeline.infra.launch.BadTrainingInput`: the trainer exited 2, e.g. a
     reward that returns NaN) is raised as it is, since every other trial would fail the same way."""
     from mlflow.entities import Param
 

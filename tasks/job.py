@@ -1,6 +1,6 @@
 """The training job: its spec, built from the pipeline's `train` and `model` sections (pure), and the checks
 the job's own settings must pass before any work is done; the adapter a warm start trains from
-(`model.init_adapter`: what it names, and whether it fits). Launching it is infra's (`infra.launch`)."""
+(`model.init_adapter`: what it names, and whether it fits). Launching it is infra's (`grpo_pipeline.infra.launch`)."""
 
 from __future__ import annotations
 
@@ -13,13 +13,13 @@ from typing import Literal
 
 from pydantic import BaseModel
 
-from configs.rewards import RewardSet
-from configs.schema import DEMO_MODEL, ConfigError, EvalConfig, ModelConfig, TrainConfig
-from trainer.checkpoints import open_store
-from trainer.loading import adapter_mismatch
-from trainer.spec import JobSpec, ModelLoad, TrainSettings
+from grpo_pipeline.configs.rewards import RewardSet
+from grpo_pipeline.configs.schema import DEMO_MODEL, ConfigError, EvalConfig, ModelConfig, TrainConfig
+from grpo_pipeline.trainer.checkpoints import open_store
+from grpo_pipeline.trainer.loading import adapter_mismatch
+from grpo_pipeline.trainer.spec import JobSpec, ModelLoad, TrainSettings
 
-DATA_COLUMNS = ("prompt", "answer", "key")  # what every row of the data stage's splits holds (tasks.data)
+DATA_COLUMNS = ("prompt", "answer", "key")  # what every row of the data stage's splits holds (grpo_pipeline.tasks.data)
 SHOWN_METRICS = ("reward", "reward_std", "loss", "completions/mean_length", "step_time")
 
 
@@ -128,7 +128,7 @@ def base_names(model: ModelConfig, data_dir: Path) -> set[str]:
 
 
 def check_init_adapter(adapter_config: dict, bases: set[str], lora: dict, where: str) -> None:
-    """Refuse, before any work, an adapter of another base or LoRA shape (`trainer.loading.adapter_mismatch`),
+    """Refuse, before any work, an adapter of another base or LoRA shape (`grpo_pipeline.trainer.loading.adapter_mismatch`),
     naming `model.init_adapter` and what it resolved to (`where`)."""
     if problem := adapter_mismatch(adapter_config, bases, lora):
         raise ConfigError(f"model.init_adapter ({where}): {problem}")
@@ -156,9 +156,9 @@ def check_rewards(rewards: RewardSet, evaluate: EvalConfig) -> None:
     >>> check_rewards(RewardSet(names=("correct_answer",)), EvalConfig(accuracy_reward="corect_answer"))
     Traceback (most recent call last):
     ...
-    configs.schema.ConfigError: evaluate.accuracy_reward: unknown reward 'corect_answer'; did you mean 'correct_answer'? (registered: math_answer, think_format, think_format_strict, overlong_penalty, reward_model, remote_verifier, correct_answer, number_only, or use 'package.module:function')
+    grpo_pipeline.configs.schema.ConfigError: evaluate.accuracy_reward: unknown reward 'corect_answer'; did you mean 'correct_answer'? (registered: math_answer, think_format, think_format_strict, overlong_penalty, reward_model, remote_verifier, correct_answer, number_only, or use 'package.module:function')
     """
-    from trainer.rewards import REWARDS, check_columns, describe, resolve_reward
+    from grpo_pipeline.trainer.rewards import REWARDS, check_columns, describe, resolve_reward
 
     for field, name in reward_fields(rewards, evaluate):
         try:
@@ -237,7 +237,7 @@ def format_duration(seconds: float) -> str:
 class TrainProgress:
     """Step x/N, steps per second and time left, from the trainer's per-step log lines.
 
-    Each line names its global step and max_steps (`trainer.callbacks.StepLog`), so progress is right after
+    Each line names its global step and max_steps (`grpo_pipeline.trainer.callbacks.StepLog`), so progress is right after
     a resume and with any `logging_steps`. The rate is measured from the first step seen since the trainer
     last (re)started, so model loading and the steps a relaunch recomputes do not count against it.
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 from prefect import task
 
-from configs.schema import MergeConfig
-from trainer.loading import load_model
-from trainer.spec import ModelLoad
+from grpo_pipeline.configs.schema import MergeConfig
+from grpo_pipeline.trainer.loading import load_model
+from grpo_pipeline.trainer.spec import ModelLoad
 
 
 class MergeRefused(RuntimeError):

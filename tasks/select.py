@@ -20,11 +20,11 @@ from pathlib import Path
 from prefect import task
 from pydantic import BaseModel
 
-from configs.rewards import RewardSet
-from configs.schema import ConfigError, PipelineConfig
-from tasks.evaluate import evaluate_model
-from tasks.model import ModelNotFound, resolve_base_model
-from tasks.plan import GIB, PlanError, plan_stage
+from grpo_pipeline.configs.rewards import RewardSet
+from grpo_pipeline.configs.schema import ConfigError, PipelineConfig
+from grpo_pipeline.tasks.evaluate import evaluate_model
+from grpo_pipeline.tasks.model import ModelNotFound, resolve_base_model
+from grpo_pipeline.tasks.plan import GIB, PlanError, plan_stage
 
 
 class SelectionError(ConfigError):
@@ -91,7 +91,7 @@ def price(cfg: PipelineConfig, base: str, path: str, train_rows: int | None = No
 def select_base_model(cfg: PipelineConfig, rewards: RewardSet, val_file: Path, cache_dir: Path,
                       train_rows: int | None = None) -> Selection:
     """Price every candidate, score those that fit on the val split by `rewards`' weighted total
-    (`tasks.evaluate.evaluate_model`), choose."""
+    (`grpo_pipeline.tasks.evaluate.evaluate_model`), choose."""
     candidates = list(dict.fromkeys(cfg.model.candidates or [cfg.model.base]))
     rows = []
     for base in candidates:

@@ -7,11 +7,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from tasks.decide import Decision
-from tasks.evaluate import EvalResult
-from tasks.job import WarmStart
-from tasks.serving import BaseRef, ServingCheck
-from trainer.spec import TrainResult
+from grpo_pipeline.tasks.decide import Decision
+from grpo_pipeline.tasks.evaluate import EvalResult
+from grpo_pipeline.tasks.job import WarmStart
+from grpo_pipeline.tasks.serving import BaseRef, ServingCheck
+from grpo_pipeline.trainer.spec import TrainResult
 
 
 class MlflowRef(BaseModel):
@@ -27,7 +27,7 @@ class BaseChoice(BaseModel):
 
 
 class Example(BaseModel):
-    """One holdout sample of the candidate, right or wrong by `evaluate.accuracy_reward` (`tasks.evaluate.pick_examples`)."""
+    """One holdout sample of the candidate, right or wrong by `evaluate.accuracy_reward` (`grpo_pipeline.tasks.evaluate.pick_examples`)."""
 
     verdict: Literal["right", "wrong"]
     key: str | int
@@ -84,7 +84,7 @@ class Search(BaseModel):
 
     @classmethod
     def of(cls, result) -> Search:
-        """From `tasks.hpo.HPOResult`."""
+        """From `grpo_pipeline.tasks.hpo.HPOResult`."""
         return cls(study=result.study_name, best_trial=result.best_trial, best_value=result.best_value,
                    overrides=result.overrides, applied=result.applied, decision=result.decision,
                    best_overrides=result.best_overrides, difference=result.difference,
@@ -182,7 +182,7 @@ class RunSummary(BaseModel):
     model: BaseChoice
     warm_start: WarmStart | None = None  # the adapter training continued (model.init_adapter), None: from the base
     rows: TrainRows | None = None  # what was trained on: new and replayed rows
-    config_hash: str | None = None  # the configuration as it decides what trains (tasks.data.config_hash)
+    config_hash: str | None = None  # the configuration as it decides what trains (grpo_pipeline.tasks.data.config_hash)
     holdout: Holdout | None = None
     train: TrainResult | None = None  # with .health (every rule that fired: rule, step, value, threshold, action,
     # taken), .stopped_by (the health stop, if one ended training) and .rollbacks

@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from configs.schema import DemoTaskConfig, load_config
-from tasks.demo_task import generate
-from tasks.splits import write_splits
+from grpo_pipeline.configs.schema import DemoTaskConfig, load_config
+from grpo_pipeline.tasks.demo_task import generate
+from grpo_pipeline.tasks.splits import write_splits
 
 # Tests never reach a hub; fail fast instead of waiting on the network.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -78,8 +78,8 @@ def tiny_config():
 def local_stack(tmp_path_factory):
     """The local service stack (`grpo-pipeline stack`), one per session, on free ports with the test identity;
     each service starts when a test first asks for it (`local_stack.up([...])`) and all stop at the end."""
-    from infra.services import ACCESS_KEY, SECRET_KEY
-    from infra.stack import Stack
+    from grpo_pipeline.infra.services import ACCESS_KEY, SECRET_KEY
+    from grpo_pipeline.infra.stack import Stack
 
     stack = Stack(tmp_path_factory.mktemp("stack"), ports={"s3": 0, "mlflow": 0, "prefect": 0}, bucket="ckpt",
                   credentials=(ACCESS_KEY, SECRET_KEY))
@@ -90,7 +90,7 @@ def local_stack(tmp_path_factory):
 @pytest.fixture(scope="session")
 def s3_endpoint(local_stack):
     """A real S3 API (SeaweedFS) on loopback with a bucket named `ckpt`; its credentials are exported here."""
-    from infra.services import ACCESS_KEY, REGION, SECRET_KEY
+    from grpo_pipeline.infra.services import ACCESS_KEY, REGION, SECRET_KEY
 
     endpoint = local_stack.up(["s3"])["s3"].url
     os.environ.update(AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY, AWS_DEFAULT_REGION=REGION)

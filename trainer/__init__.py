@@ -1,1 +1,1 @@
-"""What runs on the training node: `python -m trainer --spec job.json`. Imports nothing from Prefect."""
+"""What runs on the training node: `python -m grpo_pipeline.trainer --spec job.json`. Imports nothing from Prefect."""

@@ -1,6 +1,6 @@
 """Trainer callbacks: push each checkpoint to the store in the background, stop cleanly on SIGTERM,
 report validation rewards on stdout for a parent that prunes on them (hyperparameter search), and print
-each log as one line with its step for a parent that shows progress (`tasks.job.TrainProgress`).
+each log as one line with its step for a parent that shows progress (`grpo_pipeline.tasks.job.TrainProgress`).
 
 With several ranks, every rank runs these callbacks at the same points (HF calls them on each process), so
 their collectives line up: the checkpoint's files are gathered to rank 0, which alone uploads, and the
@@ -20,10 +20,10 @@ from pathlib import Path
 
 from transformers import PrinterCallback, ProgressCallback, TrainerCallback
 
-from trainer.checkpoints import Store, checkpoint_name, prune
-from trainer.distributed import Ranks
-from trainer.spec import progress_line
-from trainer.tracking import CommittedMetrics
+from grpo_pipeline.trainer.checkpoints import Store, checkpoint_name, prune
+from grpo_pipeline.trainer.distributed import Ranks
+from grpo_pipeline.trainer.spec import progress_line
+from grpo_pipeline.trainer.tracking import CommittedMetrics
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ class CheckpointSync(TrainerCallback):
 
 def prune_keeping_best(store: Store, keep: int, best: int | None) -> None:
     """The newest `keep` complete checkpoints, and the one with the best validation reward (HF's
-    best_global_step) even when it is older: the published adapter is that one's (`trainer.train._publish`)."""
+    best_global_step) even when it is older: the published adapter is that one's (`grpo_pipeline.trainer.train._publish`)."""
     if best is None:
         prune(store, keep)
         return
@@ -171,7 +171,7 @@ class ReportValidation(TrainerCallback):
 
 
 def step_log_line(logs: dict, step: int, max_steps: int) -> str:
-    """One HF log as HF's own printer writes it (a Python dict: `tasks.job` reads it back with
+    """One HF log as HF's own printer writes it (a Python dict: `grpo_pipeline.tasks.job` reads it back with
     `ast.literal_eval`), with the global step and max_steps added; a non-finite value is written as a string,
     which literal_eval reads (a bare `nan` it cannot).
 
@@ -239,19 +239,19 @@ def hide_library_bars() -> None:
 
 
 class HealthCallback(TrainerCallback):
-    """Runs the health rules (`trainer.health.Monitor`) on each step's log and acts on them.
+    """Runs the health rules (`grpo_pipeline.trainer.health.Monitor`) on each step's log and acts on them.
 
     Rank 0 decides and every rank acts on its decision (one broadcast per logged step with several ranks), as
     with a SIGTERM: TRL's logged metrics are already averaged across ranks, and this makes the agreement hold
     by construction. Each event goes to the log (the trainer's output is relayed into the Prefect log), to
     MLflow at once (a tag and a metric at its step: an event must show even if no checkpoint follows) and
     into `events`. `stop` ends training after this step, with the save the step would make; `rollback` ends
-    it without that save (the state may be poisoned) and leaves `rollback` set for `trainer.train` to restart
+    it without that save (the state may be poisoned) and leaves `rollback` set for `grpo_pipeline.trainer.train` to restart
     from the last healthy checkpoint, unless the ledger's rollbacks are spent: then it stops."""
 
     def __init__(self, settings, ledger, ranks: Ranks | None = None, client=None, run_id: str | None = None,
                  restored: dict | None = None, lr_factor: float = 1.0):
-        from trainer.health import Monitor
+        from grpo_pipeline.trainer.health import Monitor
 
         self.settings, self.ledger, self.ranks = settings, ledger, ranks or Ranks()
         self.client, self.run_id = client, run_id
@@ -263,7 +263,7 @@ class HealthCallback(TrainerCallback):
         self.seconds = 0.0  # time spent in the rules, for the overhead figure
 
     def on_train_begin(self, args, state, control, optimizer=None, lr_scheduler=None, **kwargs):
-        from trainer.health import scale_learning_rate
+        from grpo_pipeline.trainer.health import scale_learning_rate
 
         self.monitor.check_grad_norm = not args.fp16  # the fp16 GradScaler logs inf grad norms on steps it skips
         if self.restored:
@@ -272,7 +272,7 @@ class HealthCallback(TrainerCallback):
             scale_learning_rate(optimizer, lr_scheduler, self.lr_factor)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        from trainer.health import decide, is_step_log
+        from grpo_pipeline.trainer.health import decide, is_step_log
 
         if not logs or not is_step_log(logs):
             return control
@@ -317,7 +317,7 @@ class HealthCallback(TrainerCallback):
         uploaded; `CheckpointSync` runs after this callback)."""
         import json
 
-        from trainer.health import STATE_FILE
+        from grpo_pipeline.trainer.health import STATE_FILE
 
         if not self.ranks.is_main:
             return

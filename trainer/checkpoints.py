@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
-from trainer.spec import RESULT_FILE, JobSpec, TrainResult
+from grpo_pipeline.trainer.spec import RESULT_FILE, JobSpec, TrainResult
 
 MANIFEST = "manifest.json"
 FINAL = "final"
@@ -76,11 +76,11 @@ def safe_relative(name: object, origin: str) -> str:
     >>> safe_relative("../../home/me/.bashrc", "the manifest of s3://b/p/checkpoint-2")
     Traceback (most recent call last):
     ...
-    trainer.checkpoints.CheckpointCorrupt: the manifest of s3://b/p/checkpoint-2 names '../../home/me/.bashrc', which has a '..' part; a name read from a store must be a relative path inside its directory (a/b/c), so the checkpoint is treated as corrupt
+    grpo_pipeline.trainer.checkpoints.CheckpointCorrupt: the manifest of s3://b/p/checkpoint-2 names '../../home/me/.bashrc', which has a '..' part; a name read from a store must be a relative path inside its directory (a/b/c), so the checkpoint is treated as corrupt
     >>> safe_relative("/etc/cron.d/x", "the manifest of /ckpt/checkpoint-2")
     Traceback (most recent call last):
     ...
-    trainer.checkpoints.CheckpointCorrupt: the manifest of /ckpt/checkpoint-2 names '/etc/cron.d/x', which is absolute; a name read from a store must be a relative path inside its directory (a/b/c), so the checkpoint is treated as corrupt
+    grpo_pipeline.trainer.checkpoints.CheckpointCorrupt: the manifest of /ckpt/checkpoint-2 names '/etc/cron.d/x', which is absolute; a name read from a store must be a relative path inside its directory (a/b/c), so the checkpoint is treated as corrupt
     """
     if not isinstance(name, str) or not name:
         problem = "is not a file name"
@@ -117,7 +117,7 @@ def manifest_files(manifest: dict, where: str) -> dict[str, tuple[int, str]]:
     >>> manifest_files({"files": {"a": {"size": 1, "sha256": "0" * 64}, "a/b": {"size": 1, "sha256": "0" * 64}}}, "x")
     Traceback (most recent call last):
     ...
-    trainer.checkpoints.CheckpointCorrupt: the manifest of x names 'a' both as a file and as the directory of 'a/b'
+    grpo_pipeline.trainer.checkpoints.CheckpointCorrupt: the manifest of x names 'a' both as a file and as the directory of 'a/b'
     """
     files = manifest.get("files")
     if not isinstance(files, dict):

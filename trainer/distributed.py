@@ -3,7 +3,7 @@ the processes must agree on (stop after SIGTERM, the resume point, whose files m
 
 torchrun (`trainer/launch.py`) starts the processes and sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
 MASTER_PORT; without them every helper here is the one-process case and costs nothing, so
-`python -m trainer --spec job.json` alone is the single-process trainer it always was. Also here:
+`python -m grpo_pipeline.trainer --spec job.json` alone is the single-process trainer it always was. Also here:
 `problems`, the checks a launch must pass before any process starts (exit 2 with the numbers and a fix).
 """
 
@@ -17,7 +17,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from trainer.spec import JobSpec
+from grpo_pipeline.trainer.spec import JobSpec
 
 log = logging.getLogger(__name__)
 LAUNCH_DIR_ENV = "GRPO_LAUNCH_DIR"  # the node launcher's folder: each local rank's pid and exit code

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainer.spec import HealthEvent, HealthSettings, RuleSettings  # noqa: F401 - RuleSettings: the doctests use it
+from grpo_pipeline.trainer.spec import HealthEvent, HealthSettings, RuleSettings  # noqa: F401 - RuleSettings: the doctests use it
 
 log = logging.getLogger(__name__)
 STATE_FILE = "health.json"  # in each checkpoint: the monitor's windows, the events so far, the lr scale baked in

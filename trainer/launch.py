@@ -1,4 +1,4 @@
-"""`python -m trainer.launch --spec job.json [--nnodes N --node-rank R --master-addr IP]`: run one job's
+"""`python -m grpo_pipeline.trainer.launch --spec job.json [--nnodes N --node-rank R --master-addr IP]`: run one job's
 training processes on this node, as `train.distributed` says, and exit with the trainer's codes.
 
 One DDP process on one node (the default on a CPU machine, or `processes_per_node: 1`) is `python -m
@@ -14,7 +14,7 @@ accelerate adds for FSDP and DeepSpeed is its config file, and that we keep: `co
 that `accelerate launch` would give its processes (`strategy_env`), which the trainer's accelerate reads.
 
 Exit codes: 0 done; 75 every rank on this node checkpointed after a SIGTERM (relaunch to resume); 2 bad spec
-or a launch that cannot work (`trainer.distributed.problems`, before anything starts); 1 anything else, such
+or a launch that cannot work (`grpo_pipeline.trainer.distributed.problems`, before anything starts); 1 anything else, such
 as a rank that died (torchrun then stops the others; collectives time out after train.distributed.timeout_s).
 
 SIGTERM to this launcher goes to the training processes directly: torchrun would pass it on too, but kill
@@ -36,10 +36,10 @@ import time
 import urllib.request
 from pathlib import Path
 
-from trainer.distributed import LAUNCH_DIR_ENV, VLLM_HOST_ENV, problems, processes_per_node
-from trainer.spec import RESULT_FILE, JobSpec
+from grpo_pipeline.trainer.distributed import LAUNCH_DIR_ENV, VLLM_HOST_ENV, problems, processes_per_node
+from grpo_pipeline.trainer.spec import RESULT_FILE, JobSpec
 
-log = logging.getLogger("trainer.launch")
+log = logging.getLogger("grpo_pipeline.trainer.launch")
 EXIT_INTERRUPTED, EXIT_BAD_INPUT = 75, 2
 DEFAULT_PORT = 29500
 VLLM_PORT = 8000
@@ -49,7 +49,7 @@ ACCELERATE_CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "accelera
 
 
 def options(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m trainer.launch", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m grpo_pipeline.trainer.launch", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--spec", required=True, help="path to a JobSpec JSON file")
     p.add_argument("--nnodes", type=int, help="nodes of the job; must match train.distributed.nodes")
@@ -95,7 +95,7 @@ def strategy_env(spec: JobSpec, nproc: int, nnodes: int) -> dict[str, str]:
     try:
         args = parser.parse_args(
             ["--config_file", f.name, "--num_processes", str(nproc * nnodes), "--num_machines", str(nnodes),
-             "-m", "trainer"])
+             "-m", "grpo_pipeline.trainer"])
         args, defaults, mp_from_config = _validate_launch_command(args)
         # accelerate ignores unknown keys inside these sections; its launch options name the ones it reads
         for section in ("fsdp_config", "deepspeed_config"):
@@ -128,13 +128,13 @@ def torchrun_command(spec_path: str, nproc: int, nnodes: int, node_rank: int, ad
     """The torchrun command line for this node.
 
     >>> " ".join(torchrun_command("/j.json", 8, 2, 1, "10.0.0.1", 29500, 600)[1:])
-    '-m torch.distributed.run --nnodes 2 --node-rank 1 --nproc-per-node 8 --master-addr 10.0.0.1 --master-port 29500 --max-restarts 0 --rdzv-conf timeout=600 -m trainer --spec /j.json'
+    '-m torch.distributed.run --nnodes 2 --node-rank 1 --nproc-per-node 8 --master-addr 10.0.0.1 --master-port 29500 --max-restarts 0 --rdzv-conf timeout=600 -m grpo_pipeline.trainer --spec /j.json'
     """
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--node-rank", str(node_rank),
             "--nproc-per-node", str(nproc), "--master-addr", addr, "--master-port", str(port),
             # a failed rank fails the job: SkyPilot (or the local launcher) relaunches all of it from a checkpoint
             "--max-restarts", "0", "--rdzv-conf", f"timeout={timeout_s}",
-            "-m", "trainer", "--spec", spec_path]
+            "-m", "grpo_pipeline.trainer", "--spec", spec_path]
 
 
 def vllm_command(spec: JobSpec, gpus: int, host: str) -> list[str]:
@@ -144,7 +144,7 @@ def vllm_command(spec: JobSpec, gpus: int, host: str) -> list[str]:
     listens on the one address its trainers use: 127.0.0.1 when they share its node, the node's own address
     (never 0.0.0.0) when it has a node of its own.
 
-    >>> from trainer.spec import JobSpec
+    >>> from grpo_pipeline.trainer.spec import JobSpec
     >>> " ".join(vllm_command(JobSpec.model_construct(model_path="m"), 2, "127.0.0.1")[3:])
     'vllm-serve --model m --tensor-parallel-size 2 --host 127.0.0.1 --port 8000'
     """
@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         return _serve_until_trainers_leave(spec, gpus, opts.master_addr, opts.master_port, env)
     train_nodes = d.nodes
     if train_nodes == 1 and nproc == 1 and not server_gpus and d.strategy == "ddp":
-        command = [sys.executable, "-m", "trainer", "--spec", opts.spec]
+        command = [sys.executable, "-m", "grpo_pipeline.trainer", "--spec", opts.spec]
         if opts.dry_run:
             print(" ".join(command))
             return 0
@@ -331,12 +331,12 @@ def _die_with_parent(launcher_pid: int) -> None:
 
 
 def rank_lifeline() -> bool:
-    """For a rank under torchrun (`python -m trainer`): SIGKILL when torchrun dies. Its ranks run in sessions
+    """For a rank under torchrun (`python -m grpo_pipeline.trainer`): SIGKILL when torchrun dies. Its ranks run in sessions
     of their own, so a SIGKILL to the launcher's process group (a cancel that escalates, the OOM killer) kills
     the launcher and torchrun and nothing else; without this the ranks trained on, unsupervised. SIGKILL, not
     SIGTERM: torchrun dead means no one collects an exit code or forwards a stop, and the relaunch must not
     meet this rank still writing. False: torchrun is gone already. True where there is no node launcher."""
-    from trainer.distributed import LAUNCH_DIR_ENV
+    from grpo_pipeline.trainer.distributed import LAUNCH_DIR_ENV
 
     folder = os.environ.get(LAUNCH_DIR_ENV)
     if not folder or "RANK" not in os.environ:

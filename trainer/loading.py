@@ -9,7 +9,7 @@ from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
-from trainer.spec import ModelLoad
+from grpo_pipeline.trainer.spec import ModelLoad
 
 
 def quantization_config(cfg: ModelLoad):

@@ -3,7 +3,7 @@ what the job reports back (its result file, its tagged progress lines).
 
 The trainer owns this contract and imports nothing else of the project, so a node runs `python -m
 trainer --spec job.json` with this package alone; the pipeline's stages fill the spec in
-(`tasks.job.build_job_spec`).
+(`grpo_pipeline.tasks.job.build_job_spec`).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class DistributedSettings(_Strict):
     """How many training processes run, on how many nodes, and what they shard (`trainer/launch.py` starts them).
 
     The defaults are one node; `processes_per_node` None means one process per GPU on the node (one on a CPU
-    machine), so `python -m trainer.launch --spec job.json` on an 8-GPU node trains on all eight.
+    machine), so `python -m grpo_pipeline.trainer.launch --spec job.json` on an 8-GPU node trains on all eight.
     """
 
     nodes: int = Field(1, ge=1)
@@ -53,14 +53,14 @@ Action = Literal["off", "warn", "stop", "rollback"]
 
 
 class RuleSettings(_Strict):
-    """One health rule (`trainer.health`): what to do when it fires, over how many logged steps, at what value."""
+    """One health rule (`grpo_pipeline.trainer.health`): what to do when it fires, over how many logged steps, at what value."""
 
     action: Action
     window: int = Field(ge=1)
     threshold: float = Field(allow_inf_nan=False)
 
 
-# The defaults, and what `configs.schema.HealthConfig` repeats field by field (a unit test holds them equal);
+# The defaults, and what `grpo_pipeline.configs.schema.HealthConfig` repeats field by field (a unit test holds them equal);
 # why each value: docs/training.md#health-rules.
 HEALTH_DEFAULTS: dict[str, dict[str, Any]] = {
     "zero_variance": {"action": "warn", "window": 5, "threshold": 0.9},
@@ -78,7 +78,7 @@ def _rule(name: str):
 
 
 class HealthSettings(_Strict):
-    """The health rules the trainer runs (`trainer.health`), and how a rollback changes the run."""
+    """The health rules the trainer runs (`grpo_pipeline.trainer.health`), and how a rollback changes the run."""
 
     zero_variance: RuleSettings = _rule("zero_variance")
     entropy_collapse: RuleSettings = _rule("entropy_collapse")
@@ -117,7 +117,7 @@ class TrainSettings(_Strict):
 
     grpo: dict[str, Any]
     lora: dict[str, Any]
-    rewards: list[str]  # names in trainer.rewards.REWARDS, or 'package.module:function'
+    rewards: list[str]  # names in grpo_pipeline.trainer.rewards.REWARDS, or 'package.module:function'
     reward_args: dict[str, dict[str, Any]] = {}  # reward name -> keyword arguments (`resolve_rewards`)
     checkpoint_every: int
     keep_checkpoints: int
@@ -155,7 +155,7 @@ class JobSpec(_Strict):
 
 class TrainingFailed(RuntimeError):
     """The job ended without a result: out of restarts, a bad spec, cancelled, or a failed managed job.
-    Raised by every launcher (`infra.launch`); defined with the job's contract so a stage can catch it
+    Raised by every launcher (`grpo_pipeline.infra.launch`); defined with the job's contract so a stage can catch it
     without importing a launcher."""
 
 
@@ -174,19 +174,19 @@ class TrainResult(BaseModel):
     mlflow_run_id: str | None
     train_runtime_s: float
     first_step_s: float | None = None  # job start to first completed step (model load, fetch, resume)
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"  # the mixed precision it trained in (trainer.precision)
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"  # the mixed precision it trained in (grpo_pipeline.trainer.precision)
     metrics: dict[str, float]
     world_size: int = 1  # training processes, all nodes together
     restarts: int = 0  # filled by the launcher: relaunches after a preemption or an error
     gpu_hours: float | None = None  # filled by launchers that rent GPUs
-    health: list[HealthEvent] = []  # every health rule that fired, in step order (trainer.health)
+    health: list[HealthEvent] = []  # every health rule that fired, in step order (grpo_pipeline.trainer.health)
     stopped_by: str | None = None  # the health event that ended training, in one line; None: it was not one
     rollbacks: int = 0  # restarts from an earlier, healthy checkpoint after a health rule's rollback
     best_step: int | None = None  # with a validation split: the step whose adapter was published (best val reward)
     best_val_reward: float | None = None
 
 
-PROGRESS_TAG = "grpo-progress"  # a validation reward, printed by trainer.callbacks.ReportValidation
+PROGRESS_TAG = "grpo-progress"  # a validation reward, printed by grpo_pipeline.trainer.callbacks.ReportValidation
 BAD_INPUT_TAG = "grpo-bad-input"  # the trainer's exit-2 reason, for launchers that would otherwise relaunch
 
 # What may stand before a tag: nothing, or the prefix SkyPilot puts on each line of a job's output, colored

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from trainer.checkpoints import METRICS_FILE
+from grpo_pipeline.trainer.checkpoints import METRICS_FILE
 
 STEP_KEY = "global_step"  # logged with every step: its latest value is the last step MLflow holds
 

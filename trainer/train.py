@@ -1,15 +1,15 @@
 """One GRPO training job: TRL's GRPOTrainer with a PEFT LoRA adapter, resumable from the checkpoint store.
 
-Run it alone on any node: `python -m trainer --spec job.json`. Exit codes: 0 finished (max_steps or
+Run it alone on any node: `python -m grpo_pipeline.trainer --spec job.json`. Exit codes: 0 finished (max_steps or
 early stop), 75 interrupted by SIGTERM after a checkpoint (relaunch to resume), 2 bad input (a bad spec, or
 a reward that cannot be resolved or gives unusable scores, `RewardError`: a relaunch would fail the same
 way), 1 any other failure, a reward's outage included (`RewardUnavailable`: its service down after its
 retries, a timeout, out of memory): a relaunch may succeed, and resumes from the last checkpoint.
 
-Under torchrun (`python -m trainer.launch`) each rank runs this same code; rank 0 alone uploads checkpoints
+Under torchrun (`python -m grpo_pipeline.trainer.launch`) each rank runs this same code; rank 0 alone uploads checkpoints
 (with every rank's files in them), commits MLflow metrics, publishes `final` and writes the result file;
 every rank resumes from the same checkpoint, and a SIGTERM to any rank stops all of them after one more
-checkpoint (`trainer.distributed`).
+checkpoint (`grpo_pipeline.trainer.distributed`).
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ import shutil
 import time
 from pathlib import Path
 
-from trainer import distributed
-from trainer.checkpoints import FINAL, checkpoint_name, choose_resume, collect_final, open_store
-from trainer.distributed import Ranks
-from trainer.spec import RESULT_FILE, HealthEvent, JobSpec, TrainResult, bad_input_line
-from trainer.tracking import CommittedMetrics, numeric
+from grpo_pipeline.trainer import distributed
+from grpo_pipeline.trainer.checkpoints import FINAL, checkpoint_name, choose_resume, collect_final, open_store
+from grpo_pipeline.trainer.distributed import Ranks
+from grpo_pipeline.trainer.spec import RESULT_FILE, HealthEvent, JobSpec, TrainResult, bad_input_line
+from grpo_pipeline.trainer.tracking import CommittedMetrics, numeric
 
 log = logging.getLogger(__name__)
 EXIT_INTERRUPTED = 75  # EX_TEMPFAIL: try again
@@ -38,11 +38,11 @@ def grpo_args(spec: JobSpec, output_dir: Path):
     import torch
     from trl import GRPOConfig
 
-    from trainer.callbacks import interactive
-    from trainer.precision import node_default_bf16
+    from grpo_pipeline.trainer.callbacks import interactive
+    from grpo_pipeline.trainer.precision import node_default_bf16
 
     user = dict(spec.train.grpo)
-    user.setdefault("bf16", node_default_bf16())  # unset: bf16 where this node computes it fast (trainer.precision)
+    user.setdefault("bf16", node_default_bf16())  # unset: bf16 where this node computes it fast (grpo_pipeline.trainer.precision)
     user.setdefault("report_to", [])  # MLflow is logged by CommittedMetrics, once per step across restarts
     user.setdefault("disable_tqdm", not interactive())  # no bar redraws in a launcher's or a worker's log
     user.setdefault("ddp_timeout", spec.train.distributed.timeout_s)  # no collective waits longer for a lost rank
@@ -108,8 +108,8 @@ def run(spec: JobSpec, started: float | None = None) -> TrainResult:
     train again from the last healthy checkpoint at a lower learning rate (`_roll_back`), in this process."""
     from datasets import load_dataset
 
-    from trainer.callbacks import FirstStepTimer, StopOnSigterm
-    from trainer.health import Ledger
+    from grpo_pipeline.trainer.callbacks import FirstStepTimer, StopOnSigterm
+    from grpo_pipeline.trainer.health import Ledger
 
     started = started or time.monotonic()
     stop = StopOnSigterm()  # first: a SIGTERM during model loading must not kill the job uncleanly
@@ -184,10 +184,16 @@ def _attempt(spec: JobSpec, store, ranks: Ranks, work: Path, run_id: str | None,
     from transformers import EarlyStoppingCallback
     from trl import GRPOTrainer
 
-    from trainer.callbacks import CheckpointSync, HealthCallback, ReportValidation, hide_library_bars, print_logs_once
-    from trainer.health import read_state
-    from trainer.loading import load_model
-    from trainer.rewards import RewardError, RewardUnavailable, resolve_rewards
+    from grpo_pipeline.trainer.callbacks import (
+        CheckpointSync,
+        HealthCallback,
+        ReportValidation,
+        hide_library_bars,
+        print_logs_once,
+    )
+    from grpo_pipeline.trainer.health import read_state
+    from grpo_pipeline.trainer.loading import load_model
+    from grpo_pipeline.trainer.rewards import RewardError, RewardUnavailable, resolve_rewards
 
     point = choose_resume(store, work / "resume")  # verified; newer ones that do not verify are moved aside
     resume = point.directory
@@ -246,7 +252,7 @@ def _attempt(spec: JobSpec, store, ranks: Ranks, work: Path, run_id: str | None,
 
 def _read_ledger(store, work: Path) -> str | None:
     """The health ledger's JSON from the store, or None when no rollback has happened in this job."""
-    from trainer.health import LEDGER
+    from grpo_pipeline.trainer.health import LEDGER
 
     if not store.has(LEDGER):
         return None
@@ -258,7 +264,7 @@ def _roll_back(spec: JobSpec, store, ranks: Ranks, work: Path, metrics, run_id: 
     moved aside (`corrupt/`, with the reason), so this attempt and any relaunch resume from it; the learning
     rate is scaled by train.health.rollback_lr_factor, and the ledger (rollbacks, scale, events) goes into the
     store first, so a preemption from here on keeps both."""
-    from trainer.health import LEDGER, healthy_checkpoint
+    from grpo_pipeline.trainer.health import LEDGER, healthy_checkpoint
 
     health = spec.train.health
     window = health.rule(event.rule).window
@@ -378,8 +384,8 @@ _TRAINING_STATE = ("optimizer.pt", "scheduler.pt", "scaler.pt", "trainer_state.j
 
 def _adapter_from_checkpoint(store, step: int, scratch: Path, dest: Path) -> None:
     """The adapter files (and the tokenizer HF saved with them) of a stored checkpoint, copied to `dest`."""
-    from trainer.checkpoints import MANIFEST, METRICS_FILE
-    from trainer.health import STATE_FILE
+    from grpo_pipeline.trainer.checkpoints import MANIFEST, METRICS_FILE
+    from grpo_pipeline.trainer.health import STATE_FILE
 
     source = store.fetch(checkpoint_name(step), scratch)
     skip = {*_TRAINING_STATE, MANIFEST, METRICS_FILE, STATE_FILE}
@@ -393,7 +399,7 @@ def _slow_bf16(spec: JobSpec) -> str | None:
     """A bf16 request this node would run far slower than float32 (a CPU without native bf16), or None."""
     import torch
 
-    from trainer.precision import cpu_has_native_bf16, slow_bf16_reason
+    from grpo_pipeline.trainer.precision import cpu_has_native_bf16, slow_bf16_reason
 
     cuda = torch.cuda.is_available()
     return slow_bf16_reason(bool(spec.train.grpo.get("bf16")), cuda, cpu_has_native_bf16())
@@ -404,7 +410,7 @@ def _unfit_adapter(spec: JobSpec) -> str | None:
     checked the base where it resolved the adapter), or None: refused before the model loads."""
     if not spec.init_adapter:
         return None
-    from trainer.loading import adapter_mismatch, read_adapter_config
+    from grpo_pipeline.trainer.loading import adapter_mismatch, read_adapter_config
 
     try:
         problem = adapter_mismatch(read_adapter_config(spec.init_adapter), None, spec.train.lora)
@@ -415,7 +421,7 @@ def _unfit_adapter(spec: JobSpec) -> str | None:
 
 def main(spec_path: str, started: float | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from trainer.launch import rank_lifeline
+    from grpo_pipeline.trainer.launch import rank_lifeline
 
     if not rank_lifeline():  # first: a rank whose torchrun is gone must not start training alone
         log.error("torchrun, this rank's parent, is gone; exiting")
@@ -426,7 +432,7 @@ def main(spec_path: str, started: float | None = None) -> int:
         log.error("bad job spec %s: %s", spec_path, exc)
         distributed.record("exit", EXIT_BAD_INPUT)
         return EXIT_BAD_INPUT
-    from trainer.rewards import RewardError, RewardUnavailable
+    from grpo_pipeline.trainer.rewards import RewardError, RewardUnavailable
 
     refused = _slow_bf16(spec) or _unfit_adapter(spec)
     if refused:

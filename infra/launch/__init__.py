@@ -1,12 +1,12 @@
 """The one launch interface: every launcher takes a `JobSpec` and gives back the trainer's `TrainResult`.
 
 - `launch(spec) -> handle` starts the job, `wait(handle) -> TrainResult` follows it to the end (through its
-  relaunches) and raises `TrainingFailed` (the job contract's, `trainer.spec`) when it cannot finish, `cancel(handle)` stops it (the trainer
+  relaunches) and raises `TrainingFailed` (the job contract's, `grpo_pipeline.trainer.spec`) when it cannot finish, `cancel(handle)` stops it (the trainer
   checkpoints on SIGTERM).
-- `LocalLauncher` (`infra.launch.local`) runs the trainer as a subprocess here, the embedded default;
-  `SkyLauncher` (`infra.launch.skypilot`) runs it as a SkyPilot managed job on spot GPUs.
+- `LocalLauncher` (`grpo_pipeline.infra.launch.local`) runs the trainer as a subprocess here, the embedded default;
+  `SkyLauncher` (`grpo_pipeline.infra.launch.skypilot`) runs it as a SkyPilot managed job on spot GPUs.
 - `make_launcher` picks one from `train.launcher`; `preflight` checks what that launcher needs before any
-  work is done, including whether `train.distributed` can launch at all (`trainer.distributed.problems`:
+  work is done, including whether `train.distributed` can launch at all (`grpo_pipeline.trainer.distributed.problems`:
   processes against GPUs, batch against num_generations, strategy against quantization, store against nodes);
   `check_launch` repeats that for the very job spec a launcher is handed, before it starts anything.
 """
@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from configs.schema import ConfigError, ModelConfig, TrainConfig
-from trainer.spec import JobSpec, TrainingFailed, TrainResult
+from grpo_pipeline.configs.schema import ConfigError, ModelConfig, TrainConfig
+from grpo_pipeline.trainer.spec import JobSpec, TrainingFailed, TrainResult
 
 __all__ = ["BadTrainingInput", "LaunchRefused", "Launcher", "TrainingFailed", "check_launch", "make_launcher",
            "preflight", "run_job"]
@@ -46,10 +46,10 @@ def make_launcher(
     """The launcher `train.launcher` names; `on_line` gets each line of the trainer's output, `on_status`
     the managed job's state changes."""
     if train.launcher == "sky":
-        from infra.launch.skypilot import SkyLauncher
+        from grpo_pipeline.infra.launch.skypilot import SkyLauncher
 
         return SkyLauncher(train.sky, train.max_restarts, on_status=on_status, on_line=on_line)
-    from infra.launch.local import LocalLauncher
+    from grpo_pipeline.infra.launch.local import LocalLauncher
 
     return LocalLauncher(train.max_restarts, on_line=on_line)
 
@@ -57,23 +57,23 @@ def make_launcher(
 def gpus_per_node(train: TrainConfig) -> list[int]:
     """The GPU counts a node may have: each of the SkyPilot task's accelerator options, or this machine's."""
     if train.launcher == "sky":
-        from infra.launch.skypilot import accelerator_options
+        from grpo_pipeline.infra.launch.skypilot import accelerator_options
 
         return sorted({count for _, count in accelerator_options(train)})
-    from trainer.launch import detect_gpus
+    from grpo_pipeline.trainer.launch import detect_gpus
 
     return [detect_gpus()]
 
 
 def check_launch(spec: JobSpec, gpu_counts: list[int]) -> None:
     """Refuse (LaunchRefused, exit 2) a job whose processes could not start or would fail once started."""
-    from configs import library_fields
-    from trainer.distributed import problems
+    from grpo_pipeline.configs import library_fields
+    from grpo_pipeline.trainer.distributed import problems
 
     defaults = {name: f.default for name, f in library_fields.fields("GRPOConfig").items()}  # TRL not imported
     found = list(dict.fromkeys(p for gpus in gpu_counts for p in problems(spec, gpus, defaults)))
     if spec.train.distributed.strategy != "ddp" and not found:
-        from trainer.launch import strategy_env
+        from grpo_pipeline.trainer.launch import strategy_env
 
         try:  # accelerate's own parser reads the strategy's config file with the overrides
             strategy_env(spec, max(gpu_counts) or 1, spec.train.distributed.nodes)
@@ -85,13 +85,13 @@ def check_launch(spec: JobSpec, gpu_counts: list[int]) -> None:
 
 def preflight(train: TrainConfig, mlflow_uri: str, model: ModelConfig | None = None) -> None:
     """What the configured launcher needs, checked before anything runs; each failure names its fix."""
-    from tasks.job import model_load, train_settings
+    from grpo_pipeline.tasks.job import model_load, train_settings
 
     probe = JobSpec(model_path="", model=model_load(model or ModelConfig()), train=train_settings(train),
                     train_file="", work_dir="", adapter_dir="", checkpoint_uri=train.checkpoint_uri or "")
     check_launch(probe, gpus_per_node(train))
     if train.launcher == "sky":
-        from infra.launch.skypilot import preflight as sky_preflight
+        from grpo_pipeline.infra.launch.skypilot import preflight as sky_preflight
 
         sky_preflight(train, mlflow_uri)
 

@@ -2,7 +2,7 @@
 
 A SkyPilot managed job relaunches after a preemption or an error until it is done or out of restarts,
 and the trainer resumes from its newest complete checkpoint; this launcher does the same on one machine.
-It runs the node launcher a SkyPilot node runs (`python -m trainer.launch`), so `train.distributed`'s
+It runs the node launcher a SkyPilot node runs (`python -m grpo_pipeline.trainer.launch`), so `train.distributed`'s
 processes_per_node start here as they would there: one process is the plain trainer, more run under torchrun
 on a free port of this machine.
 """
@@ -18,9 +18,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from infra.launch import BadTrainingInput, TrainingFailed, check_launch
-from trainer.launch import PARENT_PID_ENV, detect_gpus, free_port
-from trainer.spec import RESULT_FILE, JobSpec, TrainResult, parse_bad_input
+from grpo_pipeline.infra.launch import BadTrainingInput, TrainingFailed, check_launch
+from grpo_pipeline.trainer.launch import PARENT_PID_ENV, detect_gpus, free_port
+from grpo_pipeline.trainer.spec import RESULT_FILE, JobSpec, TrainResult, parse_bad_input
 
 log = logging.getLogger(__name__)
 NOT_RETRYABLE = {2}  # bad input (a bad spec, a reward that gives unusable scores) fails the same way every time
@@ -45,10 +45,10 @@ class LocalLauncher:
 
     def _start(self, spec_path: Path) -> subprocess.Popen:
         # a fresh port each start: the last attempt's rendezvous port may linger in TIME_WAIT
-        # PARENT_PID_ENV: the launcher dies with this process (trainer.launch.launcher_lifeline), so a flow that
+        # PARENT_PID_ENV: the launcher dies with this process (grpo_pipeline.trainer.launch.launcher_lifeline), so a flow that
         # is SIGKILLed leaves no trainer behind; it must be waited on from this thread (`wait` is)
         return subprocess.Popen(
-            [sys.executable, "-m", "trainer.launch", "--spec", str(spec_path), "--master-port", str(free_port())],
+            [sys.executable, "-m", "grpo_pipeline.trainer.launch", "--spec", str(spec_path), "--master-port", str(free_port())],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

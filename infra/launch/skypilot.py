@@ -6,7 +6,7 @@ newest complete checkpoint in S3. Turning a job spec into a `sky.Task` is a pure
 
 Several GPUs and nodes: `num_nodes` is train.distributed.nodes (plus one for a dedicated vLLM server node),
 each accelerator option asks for processes_per_node (+ vllm_server_gpus) GPUs when that is set, and the
-task's run command starts `python -m trainer.launch` on every node with the rendezvous SkyPilot gives
+task's run command starts `python -m grpo_pipeline.trainer.launch` on every node with the rendezvous SkyPilot gives
 (SKYPILOT_NODE_RANK, SKYPILOT_NODE_IPS, SKYPILOT_NUM_NODES, SKYPILOT_NUM_GPUS_PER_NODE). A recovery restarts
 the whole cluster, and every node's ranks resume from the same checkpoint in S3.
 """
@@ -24,15 +24,15 @@ from typing import Any
 
 import yaml
 
-from configs.files import SOURCE_ROOT, project_file
-from configs.schema import SkyConfig, TrainConfig
-from infra.launch import BadTrainingInput, TrainingFailed
-from trainer.checkpoints import CheckpointStoreError, collect_final, open_store
-from trainer.spec import JobSpec, TrainResult, parse_bad_input
+from grpo_pipeline.configs.files import SOURCE_ROOT, project_file
+from grpo_pipeline.configs.schema import SkyConfig, TrainConfig
+from grpo_pipeline.infra.launch import BadTrainingInput, TrainingFailed
+from grpo_pipeline.trainer.checkpoints import CheckpointStoreError, collect_final, open_store
+from grpo_pipeline.trainer.spec import JobSpec, TrainResult, parse_bad_input
 
 log = logging.getLogger(__name__)
 # The source checkout the packages run from (the tests read the shipped task YAMLs there); the launcher finds a
-# task YAML through configs.files.project_file, the working directory first, so an installed copy works too.
+# task YAML through grpo_pipeline.configs.files.project_file, the working directory first, so an installed copy works too.
 PROJECT_ROOT = SOURCE_ROOT
 NODE_JOB_DIR = "/grpo/job"  # where sky/*.yaml mounts JOB_DIR
 NODE_MODEL_DIR = "/grpo/model"
@@ -48,8 +48,8 @@ class SkyPreflightError(RuntimeError):
 def node_spec(spec: JobSpec) -> JobSpec:
     """The same job with the paths it has on the GPU node.
 
-    >>> from configs.schema import ModelConfig, TrainConfig
-    >>> from tasks.job import build_job_spec
+    >>> from grpo_pipeline.configs.schema import ModelConfig, TrainConfig
+    >>> from grpo_pipeline.tasks.job import build_job_spec
     >>> s = build_job_spec(TrainConfig(checkpoint_uri="s3://b"), ModelConfig(), "Qwen/Qwen2.5-7B-Instruct",
     ...                    {"train": "/x/train.jsonl", "val": "/x/val.jsonl"}, Path("/x/run"))
     >>> node_spec(s).train_file, node_spec(s).model_path
@@ -94,7 +94,7 @@ def _task_yaml(task_yaml: str) -> dict:
 
 
 def project_root(task_yaml: str) -> Path:
-    """The folder a relative task YAML path was found in (`configs.files.project_file`: the working directory,
+    """The folder a relative task YAML path was found in (`grpo_pipeline.configs.files.project_file`: the working directory,
     else the source checkout): SkyPilot syncs it as the workdir, and the node installs the project from it
     (`pip install -e .`), so it is the project whose YAML is launched. An absolute YAML path: the working
     directory, as SkyPilot's own `workdir: .` would read it.
@@ -208,7 +208,7 @@ class SkyLauncher:
         import os
 
         import sky
-        from infra.launch import check_launch
+        from grpo_pipeline.infra.launch import check_launch
 
         base = _task_yaml(self.sky_cfg.task_yaml)
         options = task_config(base, spec, Path(spec.work_dir), self.sky_cfg, self.max_restarts)["resources"]["ordered"]

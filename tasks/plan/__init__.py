@@ -11,12 +11,12 @@ pipeline's config in, a plan out), `render` (tables); `task` is the Prefect task
     (1, True)
 """
 
-from tasks.plan.architecture import KNOWN_MODELS, architecture, load_model_config, model_config_for
-from tasks.plan.base import GIB, PlanError
-from tasks.plan.catalogue import load_catalog
-from tasks.plan.memory import MemoryEstimate, ServerMemory, estimate_memory, estimate_vllm_server
-from tasks.plan.render import plan_tables
-from tasks.plan.search import (
+from grpo_pipeline.tasks.plan.architecture import KNOWN_MODELS, architecture, load_model_config, model_config_for
+from grpo_pipeline.tasks.plan.base import GIB, PlanError
+from grpo_pipeline.tasks.plan.catalogue import load_catalog
+from grpo_pipeline.tasks.plan.memory import MemoryEstimate, ServerMemory, estimate_memory, estimate_vllm_server
+from grpo_pipeline.tasks.plan.render import plan_tables
+from grpo_pipeline.tasks.plan.search import (
     Assumptions,
     BudgetExceeded,
     Layout,
@@ -28,8 +28,8 @@ from tasks.plan.search import (
     plan_local,
     step_seconds,
 )
-from tasks.plan.stage import apply_plan, layout_for, plan_for_config, plan_stage, workload_for
-from tasks.plan.workload import Workload
+from grpo_pipeline.tasks.plan.stage import apply_plan, layout_for, plan_for_config, plan_stage, workload_for
+from grpo_pipeline.tasks.plan.workload import Workload
 
 __all__ = [
     "GIB", "KNOWN_MODELS", "Assumptions", "BudgetExceeded", "Layout", "MemoryEstimate", "Plan", "PlanError",

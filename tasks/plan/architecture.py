@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from configs.files import packaged
-from tasks.plan.base import Frozen, PlanError
+from grpo_pipeline.configs.files import packaged
+from grpo_pipeline.tasks.plan.base import Frozen, PlanError
 
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # PEFT's targets when `target_modules` is unset (its LoraConfig default, None): a per-architecture table

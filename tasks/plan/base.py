@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
-from configs.schema import ConfigError
+from grpo_pipeline.configs.schema import ConfigError
 
 GIB = 2**30
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import yaml
 from pydantic import Field, ValidationError
 
-from configs.files import packaged
-from tasks.plan.base import Frozen, PlanError
+from grpo_pipeline.configs.files import packaged
+from grpo_pipeline.tasks.plan.base import Frozen, PlanError
 
 CATALOG_FILE = packaged("gpus.yaml")
 

@@ -1,6 +1,6 @@
 """The memory model: peak GPU memory of GRPO training with TRL, by component, for a workload on a model.
 
-    >>> from tasks.plan.architecture import load_model_config
+    >>> from grpo_pipeline.tasks.plan.architecture import load_model_config
     >>> est = estimate_memory(load_model_config("qwen2.5-7b")[1], Workload(model="qwen2.5-7b", lora_rank=16),
     ...                       per_device_batch=8, gradient_checkpointing=True)
     >>> round(est.gib()["weights"], 1), round(est.gib()["total"], 1)
@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from tasks.plan.architecture import Architecture, architecture, lora_modules, lora_params
-from tasks.plan.base import GIB, Frozen, PlanError
-from tasks.plan.workload import DTYPE_BYTES, Optimizer, Workload, trl_default
+from grpo_pipeline.tasks.plan.architecture import Architecture, architecture, lora_modules, lora_params
+from grpo_pipeline.tasks.plan.base import GIB, Frozen, PlanError
+from grpo_pipeline.tasks.plan.workload import DTYPE_BYTES, Optimizer, Workload, trl_default
 
 # TRL >= 1.x scores completions through a fused, tiled LM head (trl.kernels.chunked_logprob): the
 # (tokens x vocab) logits are never whole, only tiles of 4096 tokens x 32768 vocabulary entries.
@@ -62,7 +62,7 @@ def activation_bytes_per_token_layer(arch: Architecture, act_bytes: int, rank: i
 def kv_bytes_per_token(arch: Architecture, act_bytes: int) -> int:
     """K and V of every layer for one token.
 
-    >>> from tasks.plan.architecture import load_model_config
+    >>> from grpo_pipeline.tasks.plan.architecture import load_model_config
     >>> kv_bytes_per_token(architecture(load_model_config("llama-3.1-70b")[1]), 2)
     327680
     """
@@ -137,7 +137,7 @@ def estimate_memory(
     GPU holds neither a vLLM share nor a KV cache (the server is sized by `estimate_vllm_server`).
     lora_rank=0 is full fine-tuning (no quantization allowed).
 
-    >>> from tasks.plan.architecture import load_model_config
+    >>> from grpo_pipeline.tasks.plan.architecture import load_model_config
     >>> cfg = load_model_config("llama-3.1-70b")[1]
     >>> q = estimate_memory(cfg, Workload(model="llama-3.1-70b", quantization="nf4"))
     >>> round(q.weights / GIB, 1), q.total < estimate_memory(cfg, Workload(model="llama-3.1-70b")).total
@@ -239,7 +239,7 @@ def estimate_vllm_server(model_config: dict[str, Any], work: Workload, *, sequen
     the whole job's generation batch, since TRL's main process sends every rank's prompts in one request.
     KV heads fewer than the tensor-parallel size are replicated, as vLLM does.
 
-    >>> from tasks.plan.architecture import load_model_config
+    >>> from grpo_pipeline.tasks.plan.architecture import load_model_config
     >>> cfg = load_model_config("llama-3.1-70b")[1]
     >>> s = estimate_vllm_server(cfg, Workload(model="m", vllm=True), sequences=64, tensor_parallel=4)
     >>> round(s.weights / GIB, 1)  # 70.6 B parameters x 2 bytes / 4 GPUs

@@ -3,8 +3,8 @@ every GPU option (what `grpo-pipeline plan` prints without --json)."""
 
 from __future__ import annotations
 
-from tasks.plan.base import GIB
-from tasks.plan.search import Plan
+from grpo_pipeline.tasks.plan.base import GIB
+from grpo_pipeline.tasks.plan.search import Plan
 
 
 def plan_tables(plan: Plan) -> list:

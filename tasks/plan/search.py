@@ -9,11 +9,11 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from configs.schema import ConfigError
-from tasks.plan.architecture import architecture
-from tasks.plan.base import GIB, Frozen, PlanError
-from tasks.plan.catalogue import GPU, Catalog, load_catalog
-from tasks.plan.memory import (
+from grpo_pipeline.configs.schema import ConfigError
+from grpo_pipeline.tasks.plan.architecture import architecture
+from grpo_pipeline.tasks.plan.base import GIB, Frozen, PlanError
+from grpo_pipeline.tasks.plan.catalogue import GPU, Catalog, load_catalog
+from grpo_pipeline.tasks.plan.memory import (
     SERVER_MEMORY_UTILIZATION,
     MemoryEstimate,
     ServerMemory,
@@ -22,7 +22,7 @@ from tasks.plan.memory import (
     kv_bytes_per_token,
     weight_bytes_per_param,
 )
-from tasks.plan.workload import DTYPE_BYTES, Workload
+from grpo_pipeline.tasks.plan.workload import DTYPE_BYTES, Workload
 
 
 class BudgetExceeded(ConfigError):
@@ -277,7 +277,7 @@ def fit(model_config, work: Workload, gpu: GPU, count: int, assumptions: Assumpt
                 why_layout = f"{strategy} shards the weights, and colocated vLLM needs the whole model on each GPU"
                 continue
             if sharded and work.quantization != "none":
-                # a bitsandbytes base is not sharded as the trainer loads it (trainer.distributed.problems)
+                # a bitsandbytes base is not sharded as the trainer loads it (grpo_pipeline.trainer.distributed.problems)
                 why_layout = f"{strategy} cannot shard a bitsandbytes {work.quantization} base"
                 continue
             shards = world if sharded else 1
@@ -417,7 +417,7 @@ def make_plan(
     time and cost; every other option is listed with its cost or why it does not fit. `layout`: what the
     launch fixes (see `Layout`); the price counts every GPU of every node, a vLLM server's included.
 
-    >>> from tasks.plan import load_model_config
+    >>> from grpo_pipeline.tasks.plan import load_model_config
     >>> p = make_plan(load_model_config("qwen2.5-7b")[1], Workload(model="qwen2.5-7b", quantization="nf4"))
     >>> p.settings.count, p.estimate.usd > 0, len(p.options) == len(load_catalog().gpus)
     (1, True, True)
@@ -536,7 +536,7 @@ def plan_local(model_config: dict[str, Any], work: Workload, *, per_device_batch
 
     Time is not estimated: CPU throughput is not in the catalog and would be a guess.
 
-    >>> from tasks.plan import load_model_config
+    >>> from grpo_pipeline.tasks.plan import load_model_config
     >>> p = plan_local(load_model_config("smollm2-135m")[1], Workload(model="smollm2-135m", dtype="float32",
     ...                effective_batch=16), per_device_batch=16, gradient_accumulation=1, gradient_checkpointing=False)
     >>> p.settings.gpu, p.estimate.usd, p.estimate.hours
@@ -568,13 +568,13 @@ def plan_local(model_config: dict[str, Any], work: Workload, *, per_device_batch
 def check_budget(plan: Plan, budget_usd: float | None) -> None:
     """Refuse a run whose estimated cost is above the budget (None = no limit), before anything launches.
 
-    >>> from tasks.plan import load_model_config
+    >>> from grpo_pipeline.tasks.plan import load_model_config
     >>> p = make_plan(load_model_config("qwen2.5-0.5b")[1], Workload(model="qwen2.5-0.5b", max_steps=10))
     >>> check_budget(p, None); check_budget(p, 1e6)
     >>> check_budget(p, 0.01)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    tasks.plan.search.BudgetExceeded: estimated cost ... exceeds plan.budget_usd = $0.01...
+    grpo_pipeline.tasks.plan.search.BudgetExceeded: estimated cost ... exceeds plan.budget_usd = $0.01...
     """
     if budget_usd is None or plan.estimate.usd <= budget_usd:
         return
@@ -592,7 +592,7 @@ def actual_cost(gpu_hours: float | None, plan: Plan) -> float:
     """What the launched job cost: GPU-hours (summed across preemptions and restarts, so lost work is
     already in them) x the plan's price per GPU-hour; 0 for a local run.
 
-    >>> from tasks.plan import load_model_config
+    >>> from grpo_pipeline.tasks.plan import load_model_config
     >>> p = make_plan(load_model_config("qwen2.5-0.5b")[1], Workload(model="qwen2.5-0.5b", max_steps=10),
     ...               allowed=["L4"], spot=False)
     >>> actual_cost(2.0, p)

@@ -1,6 +1,6 @@
 """The pipeline's plan stage: a PipelineConfig in, its workload, its plan, and the config the plan sets
 (batch split, checkpointing, bf16, SkyPilot's GPU list) out. Where a `train.grpo` or `train.lora` field is
-unset, TRL's or PEFT's own default stands in (read from `configs.library_fields`), since that is what trains.
+unset, TRL's or PEFT's own default stands in (read from `grpo_pipeline.configs.library_fields`), since that is what trains.
 """
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from configs.files import project_file
-from configs.library_fields import default
-from tasks.plan.architecture import model_config_for
-from tasks.plan.base import PlanError
-from tasks.plan.catalogue import load_catalog
-from tasks.plan.search import Assumptions, Layout, Plan, make_plan, plan_local
-from tasks.plan.workload import Optimizer, Workload
+from grpo_pipeline.configs.files import project_file
+from grpo_pipeline.configs.library_fields import default
+from grpo_pipeline.tasks.plan.architecture import model_config_for
+from grpo_pipeline.tasks.plan.base import PlanError
+from grpo_pipeline.tasks.plan.catalogue import load_catalog
+from grpo_pipeline.tasks.plan.search import Assumptions, Layout, Plan, make_plan, plan_local
+from grpo_pipeline.tasks.plan.workload import Optimizer, Workload
 
 
 def _grpo(cfg, name: str) -> Any:
@@ -28,7 +28,7 @@ def _grpo(cfg, name: str) -> Any:
 
 def sky_accelerators(task_yaml: str | Path) -> list[str]:
     """GPU names a SkyPilot task YAML asks for (resources.accelerators or resources.ordered/any_of); a relative
-    path is the project root's (`configs.files.project_file`), where SkyPilot takes its workdir from.
+    path is the project root's (`grpo_pipeline.configs.files.project_file`), where SkyPilot takes its workdir from.
 
     >>> sky_accelerators("sky/train.yaml")
     ['H100', 'A100-80GB', 'L40S']
@@ -56,7 +56,7 @@ def pinned_world(cfg) -> int | None:
     train.sky.accelerators asks per node, less the vLLM server's) when every option asks the same count, as
     the node launcher would start them; None: the planner chooses.
 
-    >>> from configs.schema import load_config
+    >>> from grpo_pipeline.configs.schema import load_config
     >>> pinned_world(load_config(None, ["train.launcher=sky", "train.sky.accelerators=[H100:4]"])), pinned_world(load_config(None))
     (4, None)
     """
@@ -126,9 +126,9 @@ def plan_for_config(cfg, model_config: dict[str, Any], name: str, train_rows: in
     """The plan for a PipelineConfig. train.launcher=local: this machine, memory against its RAM, 0 USD.
     train.launcher=sky: the cheapest of plan.allowed_gpus (default: the SkyPilot task's GPU list).
 
-    >>> from configs.files import packaged
-    >>> from configs.schema import load_config
-    >>> from tasks.plan import load_model_config
+    >>> from grpo_pipeline.configs.files import packaged
+    >>> from grpo_pipeline.configs.schema import load_config
+    >>> from grpo_pipeline.tasks.plan import load_model_config
     >>> cfg = load_config(packaged("qwen2.5-7b-qlora.yaml"), ["train.launcher=sky"])
     >>> p = plan_for_config(cfg, load_model_config(cfg.model.base)[1], "qwen2.5-7b")
     >>> p.settings.gpu in ("H100", "A100-80GB", "L40S"), p.estimate.pricing
@@ -162,9 +162,9 @@ def apply_plan(cfg, plan: Plan):
     with several GPUs, each `train.distributed` layout field the user left unset (strategy, processes_per_node,
     vllm_server_gpus, vllm_server_node) from the plan. A local run is left as it is.
 
-    >>> from configs.files import packaged
-    >>> from configs.schema import load_config
-    >>> from tasks.plan import load_model_config
+    >>> from grpo_pipeline.configs.files import packaged
+    >>> from grpo_pipeline.configs.schema import load_config
+    >>> from grpo_pipeline.tasks.plan import load_model_config
     >>> cfg = load_config(packaged("qwen2.5-7b-qlora.yaml"), ["train.launcher=sky"])
     >>> plan = plan_for_config(cfg, load_model_config(cfg.model.base)[1], "qwen2.5-7b")
     >>> planned = apply_plan(cfg, plan)

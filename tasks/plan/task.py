@@ -1,8 +1,8 @@
-"""The plan stage as a Prefect task, in a module of its own: `tasks.plan` itself never imports Prefect
+"""The plan stage as a Prefect task, in a module of its own: `grpo_pipeline.tasks.plan` itself never imports Prefect
 (~2 s), so `grpo-pipeline plan` answers in well under a second."""
 
 from prefect import task
 
-from tasks.plan.stage import plan_stage
+from grpo_pipeline.tasks.plan.stage import plan_stage
 
 plan_task = task(plan_stage, name="plan")

@@ -2,7 +2,7 @@
 the memory estimate, the search, the pipeline's config adapter and the `plan` command's options all share.
 
 A field that is a TRL `GRPOConfig` setting defaults to TRL's own default, read from the snapshot of that
-class (`configs.library_fields`), so an unset field plans what TRL would run:
+class (`grpo_pipeline.configs.library_fields`), so an unset field plans what TRL would run:
 
     >>> w = Workload(model="qwen2.5-7b")
     >>> w.num_generations, w.completion_tokens, w.optimizer, w.beta
@@ -15,8 +15,8 @@ from typing import Literal
 
 from pydantic import Field
 
-from configs.library_fields import default
-from tasks.plan.base import Frozen
+from grpo_pipeline.configs.library_fields import default
+from grpo_pipeline.tasks.plan.base import Frozen
 
 Quantization = Literal["none", "nf4", "fp4", "int8"]
 DType = Literal["float32", "bfloat16", "float16"]

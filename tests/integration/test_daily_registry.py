@@ -7,10 +7,17 @@ from types import SimpleNamespace
 import mlflow
 import pytest
 
-from configs.schema import ConfigError, load_config
-from flows.pipeline import HOLDOUT_TAG, record_seen, seen_keys, train_rows_stage, unchanged_stage, warm_start_stage
-from tasks.data import config_hash
-from tasks.registry import CHAMPION, Registry
+from grpo_pipeline.configs.schema import ConfigError, load_config
+from grpo_pipeline.flows.pipeline import (
+    HOLDOUT_TAG,
+    record_seen,
+    seen_keys,
+    train_rows_stage,
+    unchanged_stage,
+    warm_start_stage,
+)
+from grpo_pipeline.tasks.data import config_hash
+from grpo_pipeline.tasks.registry import CHAMPION, Registry
 
 pytestmark = pytest.mark.integration
 

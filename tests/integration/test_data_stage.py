@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from configs.schema import ConfigError, DataConfig
-from tasks.data import build_dataset
+from grpo_pipeline.configs.schema import ConfigError, DataConfig
+from grpo_pipeline.tasks.data import build_dataset
 from tests.unit.test_data import question
 
 pytestmark = pytest.mark.integration
@@ -57,8 +57,8 @@ def test_the_prefect_task_reruns_nothing_on_unchanged_data(tmp_path):  # no toke
         import json
         from pathlib import Path
         from prefect import flow
-        import tasks.data as data
-        from configs.schema import DataConfig
+        import grpo_pipeline.tasks.data as data
+        from grpo_pipeline.configs.schema import DataConfig
 
         builds = []
         real = data.run_chain

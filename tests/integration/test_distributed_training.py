@@ -17,11 +17,11 @@ import mlflow
 import pytest
 import yaml
 
-from infra.launch.local import LocalLauncher
-from tasks.job import model_load, train_settings
-from trainer.checkpoints import FINAL, LocalStore, S3Store
-from trainer.launch import free_port
-from trainer.spec import JobSpec, TrainResult
+from grpo_pipeline.infra.launch.local import LocalLauncher
+from grpo_pipeline.tasks.job import model_load, train_settings
+from grpo_pipeline.trainer.checkpoints import FINAL, LocalStore, S3Store
+from grpo_pipeline.trainer.launch import free_port
+from grpo_pipeline.trainer.spec import JobSpec, TrainResult
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]  # a hang fails the test, never the suite
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,7 +54,7 @@ def _spec(tmp_path, tiny_model, tiny_splits, tiny_config, *overrides, checkpoint
 
 
 def _node_launcher(spec_path: Path, *args: str, env=None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "trainer.launch", "--spec", str(spec_path),
+    return subprocess.Popen([sys.executable, "-m", "grpo_pipeline.trainer.launch", "--spec", str(spec_path),
                              "--master-port", str(free_port()), *args],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
                             env={**os.environ, **(env or {})})

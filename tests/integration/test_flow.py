@@ -208,8 +208,8 @@ def test_sky_launcher_without_a_cloud_stops_at_preflight(tmp_path, tiny_yaml, s3
 
 RETRY_SCRIPT = """
 import json, sys
-import flows.pipeline as pipeline
-from infra.launch.local import LocalLauncher
+import grpo_pipeline.flows.pipeline as pipeline
+from grpo_pipeline.infra.launch.local import LocalLauncher
 from prefect import get_client
 from prefect.runtime import flow_run
 

@@ -7,10 +7,10 @@ import json
 import mlflow
 import pytest
 
-from tasks.job import model_load, train_settings
-from trainer.checkpoints import LocalStore
-from trainer.health import STATE_FILE
-from trainer.spec import JobSpec, TrainResult
+from grpo_pipeline.tasks.job import model_load, train_settings
+from grpo_pipeline.trainer.checkpoints import LocalStore
+from grpo_pipeline.trainer.health import STATE_FILE
+from grpo_pipeline.trainer.spec import JobSpec, TrainResult
 
 pytestmark = pytest.mark.integration
 REWARDS = "tests.integration.health_rewards"
@@ -23,7 +23,7 @@ def _spec(tmp_path, tiny_model, tiny_splits, cfg, **extra) -> JobSpec:
 
 
 def test_same_score_for_every_completion_stops_on_zero_variance(tmp_path, tiny_model, tiny_splits, tiny_config):
-    from trainer.train import run
+    from grpo_pipeline.trainer.train import run
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     cfg = tiny_config("train.grpo.max_steps=20", "train.checkpoint_every=2", f"train.rewards=[{REWARDS}:same_score]",
@@ -48,7 +48,7 @@ def test_same_score_for_every_completion_stops_on_zero_variance(tmp_path, tiny_m
 
 def test_nan_at_a_known_step_rolls_back_to_the_last_healthy_checkpoint_and_finishes(
         tmp_path, tiny_model, tiny_splits, tiny_config, monkeypatch):
-    from trainer.train import run
+    from grpo_pipeline.trainer.train import run
 
     monkeypatch.setenv("HEALTH_TEST_POISON", str(tmp_path / "poisoned"))
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -76,7 +76,7 @@ def test_nan_at_a_known_step_rolls_back_to_the_last_healthy_checkpoint_and_finis
 
 def test_with_a_validation_split_the_best_steps_adapter_is_published_and_kept(tmp_path, tiny_model, tiny_splits,
                                                                               tiny_config):
-    from trainer.train import run
+    from grpo_pipeline.trainer.train import run
 
     cfg = tiny_config("train.grpo.max_steps=4", "train.checkpoint_every=2", "train.keep_checkpoints=1",
                       "train.early_stopping_patience=5", f"train.rewards=[{REWARDS}:worse_with_steps]")

@@ -13,9 +13,9 @@ import optuna
 import pytest
 import yaml
 
-from configs.schema import load_config
-from tasks.hpo import apply_best, open_storage, open_study, search
-from tasks.job import build_job_spec
+from grpo_pipeline.configs.schema import load_config
+from grpo_pipeline.tasks.hpo import apply_best, open_storage, open_study, search
+from grpo_pipeline.tasks.job import build_job_spec
 from tests.unit.test_hpo import _quick
 
 pytestmark = pytest.mark.integration
@@ -105,7 +105,7 @@ def test_search_prunes_fails_one_trial_only_and_feeds_the_best_to_training(tmp_p
 
 
 def test_the_study_lives_in_postgresql_when_configured(tmp_path):
-    from infra.services import postgres
+    from grpo_pipeline.infra.services import postgres
 
     with postgres(tmp_path / "pg", "optuna") as url:
         from tests.unit.test_hpo import PLAIN
@@ -147,10 +147,10 @@ def test_a_space_whose_every_point_fails_exits_1_with_each_trials_reason(tmp_pat
 
 
 def test_a_retried_flow_run_resumes_the_study_inside_the_same_hpo_run(tmp_path):
-    """The pipeline opens the stage with `flows.runs.stage_run`; a retry of the flow run reopens it, and the
+    """The pipeline opens the stage with `grpo_pipeline.flows.runs.stage_run`; a retry of the flow run reopens it, and the
     study runs only what is left of its budget."""
-    from flows.runs import parent_run, setup_tracking, stage_run
-    from tasks.hpo import Tracking
+    from grpo_pipeline.flows.runs import parent_run, setup_tracking, stage_run
+    from grpo_pipeline.tasks.hpo import Tracking
     from tests.unit.test_hpo import PLAIN, _dies_after
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"

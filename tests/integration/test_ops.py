@@ -21,8 +21,8 @@ import psutil
 import pytest
 import yaml
 
-from infra import services
-from infra.stack import Stack
+from grpo_pipeline.infra import services
+from grpo_pipeline.infra.stack import Stack
 from tests.conftest import TINY_TRAIN
 
 pytestmark = pytest.mark.integration

@@ -1,5 +1,5 @@
 """No orphaned training processes, with real processes: a SIGKILL to the node launcher's process group
-(`python -m trainer.launch` and torchrun; the ranks run in sessions of their own) ends both ranks before they
+(`python -m grpo_pipeline.trainer.launch` and torchrun; the ranks run in sessions of their own) ends both ranks before they
 take another step, and a SIGKILL to the process that ran the local launcher (the flow's) ends its trainer."""
 
 import os
@@ -13,9 +13,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tasks.job import model_load, train_settings
-from trainer.launch import free_port
-from trainer.spec import JobSpec
+from grpo_pipeline.tasks.job import model_load, train_settings
+from grpo_pipeline.trainer.launch import free_port
+from grpo_pipeline.trainer.spec import JobSpec
 
 # slow: each kills a real launcher mid-training and waits for every rank to end (~60-120 s): `make test-slow`
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
@@ -59,7 +59,7 @@ def _is_trainer(proc, prefix: Path) -> bool:
         cmd, env = proc.info["cmdline"] or [], proc.info["environ"] or {}
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return False
-    module = cmd[cmd.index("-m") + 1] if "-m" in cmd[:-1] else None  # torchrun runs `python -u -m trainer`
+    module = cmd[cmd.index("-m") + 1] if "-m" in cmd[:-1] else None  # torchrun runs `python -u -m grpo_pipeline.trainer`
     return module == "trainer" and env.get("HEALTH_TEST_CALLS") == str(prefix)
 
 
@@ -69,7 +69,7 @@ def test_sigkill_to_the_launchers_group_ends_both_ranks_before_another_step(tmp_
                  "train.distributed.processes_per_node=2")
     prefix = tmp_path / "calls"
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "trainer.launch", "--spec", str(spec.write(tmp_path / "job.json")),
+        [sys.executable, "-m", "grpo_pipeline.trainer.launch", "--spec", str(spec.write(tmp_path / "job.json")),
          "--master-port", str(free_port())],
         cwd=ROOT, env={**os.environ, "HEALTH_TEST_CALLS": str(prefix)}, start_new_session=True,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -95,8 +95,8 @@ def test_sigkill_to_the_flows_process_ends_its_local_trainer(tmp_path, tiny_mode
     prefix = tmp_path / "calls"
     flow = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         from pathlib import Path
-        from infra.launch.local import LocalLauncher
-        from trainer.spec import JobSpec
+        from grpo_pipeline.infra.launch.local import LocalLauncher
+        from grpo_pipeline.trainer.spec import JobSpec
         launcher = LocalLauncher(max_restarts=0, on_line=lambda line: None)
         launcher.wait(launcher.launch(JobSpec.read(Path({str(spec.write(tmp_path / 'job.json'))!r}))))
         """)], cwd=ROOT, env={**os.environ, "HEALTH_TEST_CALLS": str(prefix)})

@@ -3,14 +3,14 @@
 import mlflow
 import pytest
 
-from tasks.job import model_load, train_settings
-from trainer.spec import JobSpec
+from grpo_pipeline.tasks.job import model_load, train_settings
+from grpo_pipeline.trainer.spec import JobSpec
 
 pytestmark = pytest.mark.integration
 
 
 def test_bf16_trains_and_is_in_the_result_and_the_run(tmp_path, tiny_model, tiny_splits, tiny_config):
-    from trainer.train import run
+    from grpo_pipeline.trainer.train import run
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     cfg = tiny_config("train.grpo.max_steps=2", "train.checkpoint_every=2", "train.grpo.bf16=true")

@@ -10,10 +10,10 @@ from pathlib import Path
 import mlflow
 import pytest
 
-from infra.launch.local import LocalLauncher
-from tasks.job import model_load, train_settings
-from trainer.checkpoints import S3Store
-from trainer.spec import JobSpec
+from grpo_pipeline.infra.launch.local import LocalLauncher
+from grpo_pipeline.tasks.job import model_load, train_settings
+from grpo_pipeline.trainer.checkpoints import S3Store
+from grpo_pipeline.trainer.spec import JobSpec
 
 pytestmark = pytest.mark.integration
 MAX_STEPS, INTERVAL, KILLS = 45, 5, 3
@@ -26,7 +26,7 @@ def slow_reward(completions, **_):
 
 
 def _current_step(log: Path) -> int:
-    # the trainer's one line per step (trainer.callbacks.StepLog) names its global step
+    # the trainer's one line per step (grpo_pipeline.trainer.callbacks.StepLog) names its global step
     found = re.findall(rf"'step': (\d+), 'max_steps': {MAX_STEPS}\}}", log.read_text()) if log.exists() else []
     return int(found[-1]) if found else 0
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from configs.schema import QuantizationBound, load_config
-from tasks.quantize import QuantizationRefused, judge, measure_quantization_cost, require_accepted
-from tasks.select import SelectionError, select_base_model
+from grpo_pipeline.configs.schema import QuantizationBound, load_config
+from grpo_pipeline.tasks.quantize import QuantizationRefused, judge, measure_quantization_cost, require_accepted
+from grpo_pipeline.tasks.select import SelectionError, select_base_model
 
 pytestmark = pytest.mark.integration
 

@@ -9,8 +9,8 @@ import threading
 import mlflow
 import pytest
 
-from infra.services import basic_auth_header
-from tasks.registry import (
+from grpo_pipeline.infra.services import basic_auth_header
+from grpo_pipeline.tasks.registry import (
     CHALLENGER,
     CHAMPION,
     MERGED_VERSION_TAG,
@@ -115,7 +115,7 @@ def test_report_chart_is_served_at_the_url_given_to_the_prefect_ui(mlflow_server
     """The flow hands Prefect an image URL; the MLflow server must answer it with the PNG (from S3)."""
     import urllib.request
 
-    from tasks.report import artifact_url, plot_comparison
+    from grpo_pipeline.tasks.report import artifact_url, plot_comparison
 
     stats = {"total": {"mean_diff": 0.4, "ci_low": 0.3, "ci_high": 0.5}}
     png = plot_comparison({"correct_answer": 0.2}, {"correct_answer": 0.6}, stats, tmp_path / "comparison.png")
@@ -235,7 +235,7 @@ def test_a_held_lock_is_waited_for_and_then_refused(registry):
 
 RACER = """
 import json, sys, time
-from tasks.registry import Registry, RestClient
+from grpo_pipeline.tasks.registry import Registry, RestClient
 
 registry = Registry(RestClient(sys.argv[1]), sys.argv[2], lock_timeout_s=120, stale_lock_s=60)
 print(json.dumps({"ready": time.time()}), flush=True)
@@ -254,7 +254,7 @@ def test_two_processes_racing_for_a_stale_lock_take_it_one_after_the_other(regis
     import sys
     from pathlib import Path
 
-    from tasks.registry import LOCK_SOURCE, SEEN_TAG, TOKEN_TAG
+    from grpo_pipeline.tasks.registry import LOCK_SOURCE, SEEN_TAG, TOKEN_TAG
 
     rest = Registry(RestClient(registry.client.tracking_uri), registry.name)
     with rest.lock():
@@ -281,7 +281,7 @@ def test_two_processes_racing_for_a_stale_lock_take_it_one_after_the_other(regis
 
 
 def test_release_by_a_non_owner_leaves_the_lock_and_a_broken_holder_moves_nothing(registry, tmp_path):
-    from tasks.registry import LockLost, Ticket
+    from grpo_pipeline.tasks.registry import LockLost, Ticket
 
     v1 = _candidate(registry, tmp_path, "held")
     other = Registry(mlflow.MlflowClient(registry.client.tracking_uri), registry.name)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import boto3
 import pytest
 
-from tasks.job import model_load, train_settings
-from trainer.checkpoints import CORRUPT, MANIFEST, REASON_FILE, S3Store, choose_resume
-from trainer.spec import JobSpec
+from grpo_pipeline.tasks.job import model_load, train_settings
+from grpo_pipeline.trainer.checkpoints import CORRUPT, MANIFEST, REASON_FILE, S3Store, choose_resume
+from grpo_pipeline.trainer.spec import JobSpec
 
 pytestmark = pytest.mark.integration
 
@@ -46,7 +46,7 @@ def test_the_trainer_resumes_past_a_corrupt_checkpoint_and_logs_why(tmp_path, s3
                                                                    tiny_config):
     from mlflow import MlflowClient
 
-    from trainer.train import run
+    from grpo_pipeline.trainer.train import run
 
     cfg = tiny_config("train.grpo.max_steps=4", "train.checkpoint_every=2", "train.keep_checkpoints=3",
                       f"train.s3_endpoint_url={s3_endpoint}")

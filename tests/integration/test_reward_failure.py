@@ -10,11 +10,11 @@ from pathlib import Path
 import mlflow
 import pytest
 
-from configs.schema import ConfigError
-from infra.launch import BadTrainingInput, TrainingFailed
-from infra.launch.local import LocalLauncher
-from tasks.job import build_job_spec
-from trainer.rewards import RewardError, RewardUnavailable, resolve_reward
+from grpo_pipeline.configs.schema import ConfigError
+from grpo_pipeline.infra.launch import BadTrainingInput, TrainingFailed
+from grpo_pipeline.infra.launch.local import LocalLauncher
+from grpo_pipeline.tasks.job import build_job_spec
+from grpo_pipeline.trainer.rewards import RewardError, RewardUnavailable, resolve_reward
 
 pytestmark = pytest.mark.integration
 

@@ -8,7 +8,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from trainer.rewards import RewardError, resolve_reward
+from grpo_pipeline.trainer.rewards import RewardError, resolve_reward
 
 pytestmark = pytest.mark.integration
 

@@ -3,9 +3,9 @@
 import boto3
 import pytest
 
-from tasks.job import model_load, train_settings
-from trainer.checkpoints import MANIFEST, S3Store, prune
-from trainer.spec import JobSpec
+from grpo_pipeline.tasks.job import model_load, train_settings
+from grpo_pipeline.trainer.checkpoints import MANIFEST, S3Store, prune
+from grpo_pipeline.trainer.spec import JobSpec
 
 pytestmark = pytest.mark.integration
 
@@ -37,7 +37,7 @@ def test_put_list_fetch_prune(tmp_path, s3_endpoint):
 
 
 def test_missing_bucket_is_named(s3_endpoint):
-    from trainer.checkpoints import CheckpointStoreError
+    from grpo_pipeline.trainer.checkpoints import CheckpointStoreError
 
     with pytest.raises(CheckpointStoreError, match="bucket no-such-bucket does not exist at http://127.0.0.1"):
         S3Store("s3://no-such-bucket/x", endpoint_url=s3_endpoint).check()
@@ -45,7 +45,7 @@ def test_missing_bucket_is_named(s3_endpoint):
 
 def test_trainer_resumes_from_s3_skipping_an_incomplete_checkpoint(tmp_path, s3_endpoint, tiny_model, tiny_splits,
                                                                    tiny_config):
-    from trainer.train import run
+    from grpo_pipeline.trainer.train import run
 
     cfg = tiny_config("train.grpo.max_steps=4", "train.checkpoint_every=2",
                       f"train.s3_endpoint_url={s3_endpoint}")
@@ -63,7 +63,7 @@ def test_trainer_resumes_from_s3_skipping_an_incomplete_checkpoint(tmp_path, s3_
 
 
 def test_bad_credentials_fail_the_check_with_the_fix(s3_endpoint, monkeypatch):
-    from trainer.checkpoints import CheckpointStoreError
+    from grpo_pipeline.trainer.checkpoints import CheckpointStoreError
 
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
     with pytest.raises(CheckpointStoreError, match="AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY"):
@@ -73,7 +73,7 @@ def test_bad_credentials_fail_the_check_with_the_fix(s3_endpoint, monkeypatch):
 KILL_DURING_UPLOAD = """
 import sys
 from pathlib import Path
-from trainer.checkpoints import S3Store
+from grpo_pipeline.trainer.checkpoints import S3Store
 S3Store("s3://ckpt/killed", endpoint_url=sys.argv[1]).put(Path(sys.argv[2]), "checkpoint-8", 8)
 """
 
@@ -113,7 +113,7 @@ def _add_to_manifest(store, name, files):
 
 
 def test_a_manifest_naming_files_outside_writes_nothing_there_and_resume_takes_the_good_checkpoint(tmp_path, s3_endpoint):
-    from trainer.checkpoints import CORRUPT, REASON_FILE, choose_resume
+    from grpo_pipeline.trainer.checkpoints import CORRUPT, REASON_FILE, choose_resume
 
     store = S3Store("s3://ckpt/hostile", endpoint_url=s3_endpoint)
     for step in (2, 4, 6):

@@ -6,7 +6,7 @@ import glob
 
 import pytest
 
-from infra.services import ACCESS_KEY, SECRET_KEY, s3_client, start_seaweedfs, stop
+from grpo_pipeline.infra.services import ACCESS_KEY, SECRET_KEY, s3_client, start_seaweedfs, stop
 
 pytestmark = pytest.mark.integration
 

@@ -15,9 +15,9 @@ from pathlib import Path
 import mlflow
 import pytest
 
-from configs.schema import load_config
-from tasks import serving
-from tasks.registry import CHAMPION, AliasMove, Registry
+from grpo_pipeline.configs.schema import load_config
+from grpo_pipeline.tasks import serving
+from grpo_pipeline.tasks.registry import CHAMPION, AliasMove, Registry
 
 pytestmark = pytest.mark.integration
 
@@ -30,8 +30,8 @@ def adapter(tiny_model, tmp_path_factory) -> Path:
     """A LoRA adapter with non-zero weights (so it changes the outputs) and the tokenizer, as the trainer saves it."""
     from peft import LoraConfig, get_peft_model
 
-    from trainer.loading import load_model
-    from trainer.spec import ModelLoad
+    from grpo_pipeline.trainer.loading import load_model
+    from grpo_pipeline.trainer.spec import ModelLoad
 
     model, tokenizer = load_model(str(tiny_model), ModelLoad(quantization="none", double_quant=False,
                                                              compute_dtype="float32", trust_remote_code=False))
@@ -45,9 +45,9 @@ def adapter(tiny_model, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def champion(mlflow_server_uri, tiny_model, adapter, tmp_path_factory):
     """The adapter logged as an MLflow model, registered, and made champion; with the evaluation's outputs."""
-    from tasks.evaluate import generate
-    from trainer.loading import load_model
-    from trainer.spec import ModelLoad
+    from grpo_pipeline.tasks.evaluate import generate
+    from grpo_pipeline.trainer.loading import load_model
+    from grpo_pipeline.trainer.spec import ModelLoad
 
     cfg = load_config(None, ["evaluate.max_new_tokens=6", "evaluate.batch_size=4"])
     client = mlflow.MlflowClient(mlflow_server_uri)
@@ -97,7 +97,7 @@ def test_the_champion_loads_and_generates_outside_the_project(champion, tmp_path
 def test_the_isolated_process_cannot_import_the_project(champion, tmp_path):
     env = serving.isolated_env(champion["uri"], tmp_path)
     assert str(Path(__file__).parents[2]) not in env["PYTHONPATH"]
-    proc = subprocess.run([sys.executable, "-c", "import tasks.registry"], cwd=tmp_path, env=env,
+    proc = subprocess.run([sys.executable, "-c", "import grpo_pipeline.tasks.registry"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "not importable where the model is served" in proc.stderr
 

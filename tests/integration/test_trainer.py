@@ -10,9 +10,9 @@ import time
 import mlflow
 import pytest
 
-from tasks.job import TrainProgress, model_load, train_settings
-from trainer.checkpoints import FINAL, MANIFEST, LocalStore
-from trainer.spec import JobSpec, TrainResult
+from grpo_pipeline.tasks.job import TrainProgress, model_load, train_settings
+from grpo_pipeline.trainer.checkpoints import FINAL, MANIFEST, LocalStore
+from grpo_pipeline.trainer.spec import JobSpec, TrainResult
 
 pytestmark = pytest.mark.integration
 
@@ -33,7 +33,7 @@ def _spec(tmp_path, tiny_model, tiny_splits, cfg, **extra) -> JobSpec:
 
 def _run_trainer(spec: JobSpec, tmp_path) -> subprocess.Popen:
     path = spec.write(tmp_path / "job.json")
-    return subprocess.Popen([sys.executable, "-m", "trainer", "--spec", str(path)],
+    return subprocess.Popen([sys.executable, "-m", "grpo_pipeline.trainer", "--spec", str(path)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -41,7 +41,7 @@ def test_trains_logs_to_mlflow_and_saves_a_loadable_adapter(tmp_path, tiny_model
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from trainer.train import run
+    from grpo_pipeline.trainer.train import run
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     cfg = tiny_config("train.grpo.max_steps=3", "train.checkpoint_every=2")
@@ -89,7 +89,7 @@ def test_sigkill_then_rerun_resumes_from_the_last_complete_checkpoint(tmp_path, 
 
 
 def test_resume_skips_a_checkpoint_whose_manifest_is_missing(tmp_path, tiny_model, tiny_splits, tiny_config):
-    from trainer.train import run
+    from grpo_pipeline.trainer.train import run
 
     cfg = tiny_config("train.grpo.max_steps=4", "train.checkpoint_every=2")
     spec = _spec(tmp_path, tiny_model, tiny_splits, cfg)
@@ -103,7 +103,7 @@ def test_resume_skips_a_checkpoint_whose_manifest_is_missing(tmp_path, tiny_mode
 
 
 def test_sigterm_checkpoints_and_exits_with_the_retry_code(tmp_path, tiny_model, tiny_splits, tiny_config):
-    from trainer.train import EXIT_INTERRUPTED
+    from grpo_pipeline.trainer.train import EXIT_INTERRUPTED
 
     cfg = tiny_config("train.grpo.max_steps=400", "train.checkpoint_every=1000")
     spec = _spec(tmp_path, tiny_model, tiny_splits, cfg)
@@ -122,14 +122,14 @@ def test_sigterm_checkpoints_and_exits_with_the_retry_code(tmp_path, tiny_model,
 
 def test_bad_spec_exits_2(tmp_path):
     (tmp_path / "job.json").write_text('{"model_path": 1}')
-    proc = subprocess.run([sys.executable, "-m", "trainer", "--spec", str(tmp_path / "job.json")],
+    proc = subprocess.run([sys.executable, "-m", "grpo_pipeline.trainer", "--spec", str(tmp_path / "job.json")],
                           capture_output=True, text=True)
     assert proc.returncode == 2
     assert "bad job spec" in proc.stderr
 
 
 def test_early_stopping_on_validation_reward(tmp_path, tiny_model, tiny_splits, tiny_config):
-    from trainer.train import run
+    from grpo_pipeline.trainer.train import run
 
     # A random tiny model never improves its validation reward: patience 1 stops at the second evaluation.
     cfg = tiny_config("train.grpo.max_steps=50", "train.checkpoint_every=2", "train.early_stopping_patience=1")
@@ -143,8 +143,8 @@ def test_qlora_nf4_base_trains_and_resumes(tmp_path, tiny_model, tiny_splits, ti
     """bitsandbytes 4-bit loading and LoRA backward run on the CPU, so QLoRA is tested here too."""
     import bitsandbytes as bnb
 
-    from trainer.loading import load_model
-    from trainer.train import run
+    from grpo_pipeline.trainer.loading import load_model
+    from grpo_pipeline.trainer.train import run
 
     cfg = tiny_config("model.quantization=nf4", "model.double_quant=true",
                       "train.grpo.max_steps=2", "train.checkpoint_every=1")

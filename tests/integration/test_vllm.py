@@ -5,9 +5,9 @@ Skipped where vLLM or a GPU is missing (every CPU machine); a GPU session runs i
 
 import pytest
 
-from configs.rewards import RewardSet
-from configs.schema import EvalConfig, ModelConfig
-from tasks.evaluate import evaluate_model, vllm_usable
+from grpo_pipeline.configs.rewards import RewardSet
+from grpo_pipeline.configs.schema import EvalConfig, ModelConfig
+from grpo_pipeline.tasks.evaluate import evaluate_model, vllm_usable
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(not vllm_usable(), reason="vLLM and a CUDA GPU are needed")]

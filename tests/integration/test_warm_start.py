@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from tasks.job import model_load, train_settings
-from trainer.spec import JobSpec
+from grpo_pipeline.tasks.job import model_load, train_settings
+from grpo_pipeline.trainer.spec import JobSpec
 
 pytestmark = pytest.mark.integration
 
@@ -35,7 +35,7 @@ def _weights(directory):
 
 
 def test_continues_the_adapter_with_a_fresh_step_count(tmp_path, tiny_model, tiny_splits, tiny_config):
-    from trainer.train import run
+    from grpo_pipeline.trainer.train import run
 
     parent = _parent_adapter(tiny_model, tmp_path / "parent")
     cfg = tiny_config("train.grpo.max_steps=1", "train.checkpoint_every=1")
@@ -52,7 +52,7 @@ def test_continues_the_adapter_with_a_fresh_step_count(tmp_path, tiny_model, tin
 
 
 def test_another_rank_exits_2_before_the_model_loads(tmp_path, tiny_model, tiny_splits, tiny_config, capsys):
-    from trainer.train import EXIT_BAD_INPUT, main
+    from grpo_pipeline.trainer.train import EXIT_BAD_INPUT, main
 
     parent = tmp_path / "parent"
     parent.mkdir()

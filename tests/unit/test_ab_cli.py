@@ -10,8 +10,8 @@ import pytest
 from typer.testing import CliRunner
 
 from grpo_pipeline.cli import app
-from tasks.ab_log import LOG_URL_ENV, RequestLog, RequestRow
-from tasks.registry import CHALLENGER, CHAMPION, PREVIOUS, Registry
+from grpo_pipeline.tasks.ab_log import LOG_URL_ENV, RequestLog, RequestRow
+from grpo_pipeline.tasks.registry import CHALLENGER, CHAMPION, PREVIOUS, Registry
 
 
 @pytest.fixture(scope="module")

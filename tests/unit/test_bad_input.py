@@ -6,18 +6,18 @@ from types import SimpleNamespace
 
 import pytest
 
-from configs.schema import ConfigError, ModelConfig, SkyConfig, TrainConfig
-from infra.launch import BadTrainingInput, TrainingFailed
-from infra.launch.skypilot import SkyHandle, SkyLauncher, _Lines
-from tasks.job import model_load, train_settings
-from trainer.spec import JobSpec, bad_input_line, parse_bad_input, parse_progress, progress_line
+from grpo_pipeline.configs.schema import ConfigError, ModelConfig, SkyConfig, TrainConfig
+from grpo_pipeline.infra.launch import BadTrainingInput, TrainingFailed
+from grpo_pipeline.infra.launch.skypilot import SkyHandle, SkyLauncher, _Lines
+from grpo_pipeline.tasks.job import model_load, train_settings
+from grpo_pipeline.trainer.spec import JobSpec, bad_input_line, parse_bad_input, parse_progress, progress_line
 
 
 def test_the_reason_survives_any_text_and_a_skypilot_prefix():
     message = "reward 'x' returned nan for row 1 (key k|1), completion '<b>\"}\\n'"
     assert parse_bad_input("(grpo-train, pid=4242) " + bad_input_line(message)) == message
     assert parse_bad_input("grpo-bad-input {not json") is None
-    assert parse_bad_input("ERROR trainer.train: bad input: reward 'x'") is None
+    assert parse_bad_input("ERROR grpo_pipeline.trainer.train: bad input: reward 'x'") is None
 
 
 def test_skypilots_prefixes_colored_or_not_single_or_multi_node_are_the_only_text_before_a_tag():

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from trainer.checkpoints import MANIFEST, CheckpointStoreError, LocalStore, open_store, prune
+from grpo_pipeline.trainer.checkpoints import MANIFEST, CheckpointStoreError, LocalStore, open_store, prune
 
 
 def _checkpoint(tmp_path, step, payload=b"weights"):

@@ -23,14 +23,14 @@ def _failure(result) -> dict:
 @pytest.fixture
 def no_flow_run(monkeypatch):
     """Fails the test if a flow starts: a refused input must leave no (failed) flow run behind."""
-    import flows.hpo
-    import flows.pipeline
+    import grpo_pipeline.flows.hpo
+    import grpo_pipeline.flows.pipeline
 
     def refuse(*args, **kwargs):
         raise AssertionError("a flow run was started")
 
-    monkeypatch.setattr(flows.pipeline, "grpo_pipeline", refuse)
-    monkeypatch.setattr(flows.hpo, "hpo_flow", refuse)
+    monkeypatch.setattr(grpo_pipeline.flows.pipeline, "grpo_pipeline", refuse)
+    monkeypatch.setattr(grpo_pipeline.flows.hpo, "hpo_flow", refuse)
 
 
 @pytest.mark.parametrize("command", [["run", "--json"], ["hpo", "--json"], ["data", "--json"]])
@@ -99,9 +99,9 @@ def test_commands_without_json_fail_the_same_way():
 
 @pytest.mark.parametrize("raised, code", [("config", 2), ("champion", 4), ("bug", 1)])
 def test_errors_from_inside_the_flow_end_json_with_the_failure_object(tmp_path, monkeypatch, raised, code):
-    import flows.pipeline
-    from configs.schema import ConfigError
-    from tasks.registry import ChampionMoved
+    import grpo_pipeline.flows.pipeline
+    from grpo_pipeline.configs.schema import ConfigError
+    from grpo_pipeline.tasks.registry import ChampionMoved
 
     error = {"config": ConfigError("data.source: too much was dropped; fix the source"),
              "champion": ChampionMoved("the champion moved to v3 while this run decided; run again"),
@@ -111,7 +111,7 @@ def test_errors_from_inside_the_flow_end_json_with_the_failure_object(tmp_path, 
         print("a line the flow printed")
         raise error
 
-    monkeypatch.setattr(flows.pipeline, "grpo_pipeline", flow)
+    monkeypatch.setattr(grpo_pipeline.flows.pipeline, "grpo_pipeline", flow)
     result = CliRunner().invoke(app, ["run", "--json", "--set", f"data_dir={tmp_path}"])
     assert result.exit_code == code, result.output
     failure = json.loads(result.stdout.strip().splitlines()[-1])

@@ -1,6 +1,6 @@
 import pytest
 
-from configs.schema import ConfigError, load_config
+from grpo_pipeline.configs.schema import ConfigError, load_config
 
 
 def test_defaults_are_the_demo():
@@ -62,7 +62,7 @@ def test_missing_file_and_malformed_set(tmp_path):
 
 
 def test_each_run_checkpoints_under_its_own_name(tmp_path):
-    from tasks.job import build_job_spec
+    from grpo_pipeline.tasks.job import build_job_spec
 
     cfg = load_config(None, ["train.checkpoint_uri=s3://bucket/grpo/"])
     splits = {"train": tmp_path / "train.jsonl", "val": tmp_path / "val.jsonl"}
@@ -75,9 +75,9 @@ def test_each_run_checkpoints_under_its_own_name(tmp_path):
 
 
 def test_vllm_engine_without_vllm_says_how_to_get_it(tmp_path):
-    from configs.rewards import RewardSet
-    from configs.schema import EvalConfig, ModelConfig
-    from tasks.evaluate import evaluate_model, vllm_usable
+    from grpo_pipeline.configs.rewards import RewardSet
+    from grpo_pipeline.configs.schema import EvalConfig, ModelConfig
+    from grpo_pipeline.tasks.evaluate import evaluate_model, vllm_usable
 
     if vllm_usable():
         pytest.skip("vLLM is usable here")
@@ -89,7 +89,7 @@ def test_vllm_engine_without_vllm_says_how_to_get_it(tmp_path):
 
 def test_reward_names_are_resolved_before_any_work_not_when_parsing():
     """Parsing stays free of project imports; the run's preflight resolves each reward and names the field."""
-    from tasks.job import check_rewards
+    from grpo_pipeline.tasks.job import check_rewards
 
     cfg = load_config(None, ["train.rewards=[bogus]"])
     with pytest.raises(ConfigError, match="train.rewards: unknown reward 'bogus'"):

@@ -13,9 +13,9 @@ import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 import pytest
 
-from configs.schema import ConfigError, DataConfig, load_config
-from tasks.data import DataQualityError, build_dataset, log_lineage
-from tasks.splits import split_of
+from grpo_pipeline.configs.schema import ConfigError, DataConfig, load_config
+from grpo_pipeline.tasks.data import DataQualityError, build_dataset, log_lineage
+from grpo_pipeline.tasks.splits import split_of
 
 GSM8K = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k"
 VOCAB = [f"{a}{b}" for a in ("ka", "lo", "mi", "nu", "pe", "ri", "so", "tu", "va", "ze") for b in
@@ -217,9 +217,9 @@ def test_a_rerun_on_the_same_input_does_no_work_and_new_input_does(tmp_path, mon
     path.write_text("".join(json.dumps({"prompt": p, "answer": a}) + "\n" for p, a in (question(rng, i) for i in range(30))))
     cfg = DataConfig(source=str(path))
     first = build_dataset(cfg, tmp_path / "out", str(tiny_model), ["correct_answer"])
-    import tasks.data
+    import grpo_pipeline.tasks.data
 
-    monkeypatch.setattr(tasks.data, "run_chain", lambda *a, **k: pytest.fail("rebuilt unchanged data"))
+    monkeypatch.setattr(grpo_pipeline.tasks.data, "run_chain", lambda *a, **k: pytest.fail("rebuilt unchanged data"))
     assert build_dataset(cfg, tmp_path / "out", str(tiny_model), ["correct_answer"]) == first
     with path.open("a") as fh:
         fh.write(json.dumps({"prompt": question(rng, 99)[0], "answer": "1"}) + "\n")
@@ -309,7 +309,7 @@ def test_cli_prints_the_report_and_exits_2_when_too_much_is_dropped(tmp_path, ti
 
 def test_a_missing_local_source_fails_preflight_naming_the_field():
     """Where the data stage runs, not when the configuration is parsed (that machine need not hold the data)."""
-    from tasks.data_io import check_local_sources
+    from grpo_pipeline.tasks.data_io import check_local_sources
 
     cfg = load_config(None, ["data.source=./missing.jsonl"])
     with pytest.raises(ConfigError, match=r"data\.source: \./missing\.jsonl does not exist"):

@@ -2,8 +2,8 @@ import random
 
 import pytest
 
-from configs.schema import PromotionPolicy
-from tasks.decide import decide_promotion, paired_difference
+from grpo_pipeline.configs.schema import PromotionPolicy
+from grpo_pipeline.tasks.decide import decide_promotion, paired_difference
 
 
 def _rows(correct: list[int], length: int = 2) -> list[dict]:

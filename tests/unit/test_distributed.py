@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from configs.schema import ConfigError, ModelConfig, TrainConfig, load_config
-from tasks.job import model_load, train_settings
-from trainer.distributed import problems
-from trainer.launch import ACCELERATE_CONFIGS, strategy_env
-from trainer.spec import DistributedSettings, JobSpec
+from grpo_pipeline.configs.schema import ConfigError, ModelConfig, TrainConfig, load_config
+from grpo_pipeline.tasks.job import model_load, train_settings
+from grpo_pipeline.trainer.distributed import problems
+from grpo_pipeline.trainer.launch import ACCELERATE_CONFIGS, strategy_env
+from grpo_pipeline.trainer.spec import DistributedSettings, JobSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULTS = {"per_device_train_batch_size": 8, "num_generations": 8, "gradient_accumulation_steps": 1}
@@ -29,7 +29,7 @@ def _spec(tmp_path, quantization="none", checkpoint_uri=None, grpo=None, **distr
 
 
 def test_config_and_spec_declare_the_same_distributed_fields():
-    from configs.schema import DistributedConfig
+    from grpo_pipeline.configs.schema import DistributedConfig
 
     assert set(DistributedConfig.model_fields) == set(DistributedSettings.model_fields)
     assert train_settings(load_config(None, ["train.distributed.processes_per_node=2"]).train).distributed.processes_per_node == 2
@@ -82,7 +82,7 @@ def test_zero2_keeps_a_quantized_base_and_ddp_fits(tmp_path):
 
 
 def _launch(spec_path, *args, env=None):
-    return subprocess.run([sys.executable, "-m", "trainer.launch", "--spec", str(spec_path), *args],
+    return subprocess.run([sys.executable, "-m", "grpo_pipeline.trainer.launch", "--spec", str(spec_path), *args],
                           capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})})
 
 
@@ -105,9 +105,9 @@ def test_dry_run_shows_torchrun_for_two_processes_and_the_plain_trainer_for_one(
         tmp_path / "two.json"), "--gpus-per-node", "0", "--dry-run", "--master-port", "29999")
     assert two.returncode == 0, two.stderr[-2000:]
     assert "-m torch.distributed.run --nnodes 1 --node-rank 0 --nproc-per-node 2" in two.stdout
-    assert "--master-port 29999" in two.stdout and "-m trainer --spec" in two.stdout
+    assert "--master-port 29999" in two.stdout and "-m grpo_pipeline.trainer --spec" in two.stdout
     one = _launch(_spec(tmp_path).write(tmp_path / "one.json"), "--gpus-per-node", "0", "--dry-run")
-    assert one.stdout.split()[1:] == ["-m", "trainer", "--spec", str(tmp_path / "one.json")]
+    assert one.stdout.split()[1:] == ["-m", "grpo_pipeline.trainer", "--spec", str(tmp_path / "one.json")]
 
 
 def test_vllm_server_mode_splits_the_gpus_without_overlap(tmp_path):

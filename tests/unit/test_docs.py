@@ -55,8 +55,8 @@ def test_every_relative_link_and_anchor_resolves(path):
 
 def test_the_data_page_states_the_readers_rules_as_the_code_has_them():
     """docs/data.md names every reason a JSON line is refused for, with the bounds the reader really uses."""
-    from tasks import data_io
-    from tasks.data import REASONS
+    from grpo_pipeline.tasks import data_io
+    from grpo_pipeline.tasks.data import REASONS
 
     text = " ".join((ROOT / "docs" / "data.md").read_text().split())
     for reason in ("line_too_long", "invalid_utf8", "bad_json", "too_deep", "nul_character"):
@@ -69,7 +69,7 @@ def test_the_data_page_states_the_readers_rules_as_the_code_has_them():
 
 
 def test_the_reliability_page_states_the_checkpoint_fallback_as_the_code_has_it():
-    from trainer.checkpoints import CORRUPT, REASON_FILE, ResumePoint
+    from grpo_pipeline.trainer.checkpoints import CORRUPT, REASON_FILE, ResumePoint
 
     text = " ".join((ROOT / "docs" / "reliability.md").read_text().split())
     assert f"`<root>/{CORRUPT}/checkpoint-<step>-<UTC time>/` with a `{REASON_FILE}`" in text

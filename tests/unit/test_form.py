@@ -4,9 +4,9 @@ says which keys exist, and the daily deployment says its hour and time zone."""
 import yaml
 from prefect.utilities.callables import parameter_schema
 
-from configs.schema import DeployConfig
-from flows.deploy import DAILY, PREFECT_YAML, render
-from flows.pipeline import grpo_pipeline
+from grpo_pipeline.configs.schema import DeployConfig
+from grpo_pipeline.flows.deploy import DAILY, PREFECT_YAML, render
+from grpo_pipeline.flows.pipeline import grpo_pipeline
 
 
 def test_every_form_field_opens_with_a_value():

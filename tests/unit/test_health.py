@@ -1,4 +1,4 @@
-"""The health rules as pure functions fed with metric sequences (`trainer.health`), their state through a
+"""The health rules as pure functions fed with metric sequences (`grpo_pipeline.trainer.health`), their state through a
 checkpoint, the rollback's choice of checkpoint and learning-rate change, and their configuration: a bad type,
 an out-of-range threshold, an unknown rule or a rollback with nothing to return to exits 2 naming the field."""
 
@@ -10,9 +10,9 @@ import math
 import pytest
 from typer.testing import CliRunner
 
-from configs.schema import ConfigError, HealthConfig, load_config
-from trainer.health import RULE_NAMES, Ledger, Monitor, decide, healthy_checkpoint
-from trainer.spec import HEALTH_DEFAULTS, HealthSettings, RuleSettings
+from grpo_pipeline.configs.schema import ConfigError, HealthConfig, load_config
+from grpo_pipeline.trainer.health import RULE_NAMES, Ledger, Monitor, decide, healthy_checkpoint
+from grpo_pipeline.trainer.spec import HEALTH_DEFAULTS, HealthSettings, RuleSettings
 
 
 def _monitor(**rules) -> Monitor:
@@ -102,7 +102,7 @@ def test_the_ledger_keeps_events_and_the_learning_rate_scale_through_json():
 def test_scaling_the_learning_rate_holds_for_a_resumed_scheduler():
     import torch
 
-    from trainer.health import scale_learning_rate
+    from grpo_pipeline.trainer.health import scale_learning_rate
 
     param = torch.nn.Parameter(torch.zeros(1))
     opt = torch.optim.AdamW([param], lr=1e-3)
@@ -141,10 +141,10 @@ def test_a_bad_health_setting_names_the_field(assignment, names):
 @pytest.mark.parametrize("assignment", ["train.health.zero_variance.threshold=lots", "train.health.nope.action=stop",
                                         "train.health.non_finite.action=rollback"])
 def test_a_bad_health_setting_exits_2_before_training(assignment, monkeypatch):
-    import flows.pipeline
+    import grpo_pipeline.flows.pipeline
     from grpo_pipeline.cli import EXIT_CONFIG, app
 
-    monkeypatch.setattr(flows.pipeline, "grpo_pipeline", lambda *a, **k: pytest.fail("training started"))
+    monkeypatch.setattr(grpo_pipeline.flows.pipeline, "grpo_pipeline", lambda *a, **k: pytest.fail("training started"))
     sets = ["--set", assignment, "--set", "train.grpo.max_steps=10", "--set", "train.checkpoint_every=10"]
     result = CliRunner().invoke(app, ["run", "--json", *sets])
     assert result.exit_code == EXIT_CONFIG == 2, result.output
@@ -161,8 +161,8 @@ def test_every_rank_acts_on_rank_0s_decision():
     """A rank other than 0 does not run the rules: it takes rank 0's events from the broadcast and stops too."""
     from transformers import TrainerControl, TrainerState, TrainingArguments
 
-    from trainer.callbacks import HealthCallback
-    from trainer.distributed import Ranks
+    from grpo_pipeline.trainer.callbacks import HealthCallback
+    from grpo_pipeline.trainer.distributed import Ranks
 
     class Rank1(Ranks):
         def broadcast(self, value):
@@ -180,11 +180,11 @@ def test_every_rank_acts_on_rank_0s_decision():
 
 
 def test_the_report_says_the_candidate_came_from_a_rolled_back_run():
-    from tasks.decide import Decision
-    from tasks.report import render_markdown
-    from tasks.serving import ServingCheck
-    from tasks.summary import Holdout, RegistryOutcome, RunSummary
-    from trainer.spec import HealthEvent, TrainResult
+    from grpo_pipeline.tasks.decide import Decision
+    from grpo_pipeline.tasks.report import render_markdown
+    from grpo_pipeline.tasks.serving import ServingCheck
+    from grpo_pipeline.tasks.summary import Holdout, RegistryOutcome, RunSummary
+    from grpo_pipeline.trainer.spec import HealthEvent, TrainResult
 
     assert "health" in RunSummary.model_json_schema()["$defs"]["TrainResult"]["properties"]
     event = HealthEvent(rule="non_finite", step=3, metric="loss", value=float("nan"), threshold=0.0, action="rollback",

@@ -4,9 +4,9 @@ trainer: `search` takes the function that runs one trial, and these tests hand i
 import optuna
 import pytest
 
-from configs.schema import ConfigError, load_config
-from infra.launch import BadTrainingInput
-from tasks.hpo import (
+from grpo_pipeline.configs.schema import ConfigError, load_config
+from grpo_pipeline.infra.launch import BadTrainingInput
+from grpo_pipeline.tasks.hpo import (
     HPOFailed,
     TrialFailed,
     TrialOutcome,
@@ -225,7 +225,7 @@ def test_sqlite_is_refused_for_parallel_trials():
 @pytest.fixture
 def val8(tmp_path):
     """A val split of 8 prompts: 4 to select on and 4 fresh ones to re-score on at a standard error of 0.5."""
-    from tasks.demo_task import make_row
+    from grpo_pipeline.tasks.demo_task import make_row
 
     path = tmp_path / "val.jsonl"
     path.write_text("".join(__import__("json").dumps(make_row(a, 1)) + "\n" for a in range(8)))
@@ -281,8 +281,8 @@ def test_the_top_trials_are_rescored_on_fresh_prompts_and_the_best_there_is_appl
 
 
 def test_a_target_standard_error_the_data_cannot_meet_fails_before_any_trial_naming_the_prompts_needed(cfg, tmp_path, val8):
-    from configs.schema import ConfigError
-    from tasks.hpo import NotEnoughPrompts
+    from grpo_pipeline.configs.schema import ConfigError
+    from grpo_pipeline.tasks.hpo import NotEnoughPrompts
 
     def never(*_):
         raise AssertionError("no trial may run")
@@ -317,8 +317,8 @@ def test_a_search_budget_of_one_training_run_explores_at_least_eight_configurati
 
 
 def test_rungs_and_budget_follow_the_config():
-    from configs.schema import HPOConfig
-    from tasks.hpo import budget, make_pruner, prompts_needed
+    from grpo_pipeline.configs.schema import HPOConfig
+    from grpo_pipeline.tasks.hpo import budget, make_pruner, prompts_needed
 
     assert prompts_needed(HPOConfig(target_standard_error=0.1), REWARDS) == (100, 1.0)
     pruner = make_pruner(HPOConfig(pruner="hyperband", steps=18, eval_every=2, reduction_factor=3)).inner

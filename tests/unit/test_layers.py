@@ -18,13 +18,28 @@ LAYERS = ["configs", "trainer", "tasks", "infra", "flows", "grpo_pipeline"]
 LEAVES = {"configs", "trainer"}  # may import nothing of the project but themselves
 
 
+def layer_of(module: str) -> str:
+    """The layer a module name belongs to: grpo_pipeline.tasks.data -> tasks; grpo_pipeline.cli -> grpo_pipeline.
+
+    >>> layer_of("grpo_pipeline.tasks.plan"), layer_of("grpo_pipeline.cli"), layer_of("torch.nn")
+    ('tasks', 'grpo_pipeline', 'torch')
+    """
+    parts = module.split(".")
+    if parts[0] == "grpo_pipeline" and len(parts) > 1 and parts[1] in LAYERS:
+        return parts[1]
+    return parts[0]
+
+
 def imports(path: Path) -> list[tuple[int, str]]:
     found = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
-            found += [(node.lineno, alias.name.split(".")[0]) for alias in node.names]
+            found += [(node.lineno, layer_of(alias.name)) for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            found.append((node.lineno, node.module.split(".")[0]))
+            if node.module == "grpo_pipeline":  # from grpo_pipeline import tasks
+                found += [(node.lineno, layer_of(f"grpo_pipeline.{alias.name}")) for alias in node.names]
+            else:
+                found.append((node.lineno, layer_of(node.module)))
     return found
 
 
@@ -47,7 +62,7 @@ def test_no_import_runs_up_a_layer():
 def test_the_check_sees_an_upward_import(tmp_path, monkeypatch):
     """The walk above is not vacuous: a config module that imports a task is caught."""
     (tmp_path / "configs").mkdir()
-    (tmp_path / "configs" / "bad.py").write_text("def f():\n    from tasks.plan import Plan\n")
+    (tmp_path / "configs" / "bad.py").write_text("def f():\n    from grpo_pipeline.tasks.plan import Plan\n")
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     assert upward_imports() == ["configs/bad.py:2 imports tasks"]
 

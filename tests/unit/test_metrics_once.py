@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from mlflow import MlflowClient
 
-from trainer.tracking import STEP_KEY, CommittedMetrics
+from grpo_pipeline.trainer.tracking import STEP_KEY, CommittedMetrics
 
 
 def test_the_final_step_is_logged_once(tmp_path):

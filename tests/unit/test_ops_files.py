@@ -24,9 +24,9 @@ import jsonschema
 import pytest
 import yaml
 
-from configs.schema import ConfigError, DeployConfig, load_config
-from flows.deploy import DAILY, IMAGE_WORKDIR, PREFECT_YAML, render
-from infra.stack import DEFAULT_PORTS, DEPENDS_ON
+from grpo_pipeline.configs.schema import ConfigError, DeployConfig, load_config
+from grpo_pipeline.flows.deploy import DAILY, IMAGE_WORKDIR, PREFECT_YAML, render
+from grpo_pipeline.infra.stack import DEFAULT_PORTS, DEPENDS_ON
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMA_WHEEL = "check-jsonschema==0.39.0"
@@ -351,7 +351,7 @@ def test_deploy_without_a_reachable_server_exits_2(tmp_path):
 def test_a_taken_port_is_refused_naming_the_option(tmp_path):
     import socket
 
-    from infra.services import MlflowAuth, PortInUse, prefect_auth, start_mlflow, start_prefect
+    from grpo_pipeline.infra.services import MlflowAuth, PortInUse, prefect_auth, start_mlflow, start_prefect
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from configs.library_fields import default
-from tasks.plan import (
+from grpo_pipeline.configs.library_fields import default
+from grpo_pipeline.tasks.plan import (
     GIB,
     KNOWN_MODELS,
     Assumptions,
@@ -30,7 +30,7 @@ from tasks.plan import (
     plan_local,
     workload_for,
 )
-from tasks.plan.architecture import PEFT_DEFAULT_TARGETS
+from grpo_pipeline.tasks.plan.architecture import PEFT_DEFAULT_TARGETS
 
 GB = 1e9  # the seed states its figures in GB
 
@@ -299,7 +299,7 @@ def test_catalog_override_merges_field_by_field(tmp_path):
 
 
 def test_plan_from_the_pipeline_config(tiny_config):
-    from tasks.plan import plan_for_config
+    from grpo_pipeline.tasks.plan import plan_for_config
 
     local = plan_for_config(tiny_config(), cfg("smollm2-135m"), "smollm2-135m")
     assert local.settings.gpu == "local-cpu" and local.estimate.usd == 0
@@ -374,7 +374,7 @@ def test_workload_defaults_are_trls_own():
 
 
 def test_unset_grpo_and_lora_fields_plan_what_trl_and_peft_run():
-    from configs.schema import load_config
+    from grpo_pipeline.configs.schema import load_config
 
     work = workload_for(load_config(None, ["train.grpo={}", "train.lora={}", "plan.prompt_tokens=100"]), "m",
                         train_rows=1000)
@@ -412,8 +412,8 @@ GROUPS = ["model.base=qwen2.5-0.5b", "train.launcher=sky", "train.grpo.max_steps
 
 
 def test_a_batch_trl_refuses_at_start_is_refused_at_plan_time_naming_the_fields(tmp_path):
-    from configs.schema import load_config
-    from tasks.plan import plan_for_config
+    from grpo_pipeline.configs.schema import load_config
+    from grpo_pipeline.tasks.plan import plan_for_config
 
     batch = {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2, "steps_per_generation": 1}
     config = load_config(None, GROUPS + [f"train.grpo.{k}={v}" for k, v in batch.items()])  # no process count fixed yet
@@ -435,10 +435,10 @@ SERVER_MODE = ["train.grpo.use_vllm=true", "train.grpo.vllm_mode=server"]
 def test_every_multi_gpu_plan_passes_the_launchers_batch_check(generations, target, more, tmp_path):
     """The search picks per-device batch and steps_per_generation for the world size it chose, so the node's own
     pre-launch check (TRL's rule with the process count) finds nothing in the planned job."""
-    from configs.schema import TrainConfig, load_config
-    from tasks.job import build_job_spec
-    from tasks.plan import apply_plan, plan_for_config
-    from trainer.distributed import problems
+    from grpo_pipeline.configs.schema import TrainConfig, load_config
+    from grpo_pipeline.tasks.job import build_job_spec
+    from grpo_pipeline.tasks.plan import apply_plan, plan_for_config
+    from grpo_pipeline.trainer.distributed import problems
 
     config = load_config(None, ["model.base=llama-3.1-70b", "model.compute_dtype=bfloat16", "train.launcher=sky",
                              "train.checkpoint_uri=s3://b/p", "train.grpo={}", "train.grpo.max_steps=10",
@@ -457,7 +457,7 @@ def test_every_multi_gpu_plan_passes_the_launchers_batch_check(generations, targ
 
 
 def test_server_gpus_do_not_share_the_training_work():
-    from tasks.plan import Settings, step_seconds
+    from grpo_pipeline.tasks.plan import Settings, step_seconds
 
     model, gpu = cfg("llama-3.1-8b"), load_catalog().get("H100")
     work = Workload(model="m", vllm=True, effective_batch=16)
@@ -475,8 +475,8 @@ def test_server_gpus_do_not_share_the_training_work():
 
 
 def test_a_local_run_of_two_processes_plans_each_process_at_its_configured_batch():
-    from configs.schema import load_config
-    from tasks.plan import plan_for_config
+    from grpo_pipeline.configs.schema import load_config
+    from grpo_pipeline.tasks.plan import plan_for_config
 
     one, two = (load_config(None, sets) for sets in ([], ["train.distributed.processes_per_node=2"]))
     p1, p2 = (plan_for_config(c, cfg("smollm2-135m"), "smollm2-135m") for c in (one, two))
@@ -486,8 +486,8 @@ def test_a_local_run_of_two_processes_plans_each_process_at_its_configured_batch
 
 
 def test_a_pinned_layout_that_cannot_run_says_why_not_a_memory_figure():
-    from configs.schema import load_config
-    from tasks.plan import plan_for_config
+    from grpo_pipeline.configs.schema import load_config
+    from grpo_pipeline.tasks.plan import plan_for_config
 
     sets = ["model.base=llama-3.1-70b", "model.compute_dtype=bfloat16", "train.launcher=sky", "train.grpo.max_steps=10",
             "train.grpo.use_vllm=true", "train.distributed.strategy=fsdp"]
@@ -517,9 +517,9 @@ RECIPE_SERVER = ["train.launcher=sky", "train.grpo.vllm_mode=server", "train.dis
 def test_fixed_server_gpus_add_their_count_to_the_trainers_counts_tried():
     """The 0.5B recipe fixes per device 8 x accumulation 4 (one process's batch); with 2 server GPUs only a node of
     1 + 2 runs it. Before, 3 was never tried and the plan blamed the 2-GPU node ('0 processes + 2 vLLM server GPUs')."""
-    from configs.files import packaged
-    from configs.schema import load_config
-    from tasks.plan import plan_for_config
+    from grpo_pipeline.configs.files import packaged
+    from grpo_pipeline.configs.schema import load_config
+    from grpo_pipeline.tasks.plan import plan_for_config
 
     config = load_config(packaged("gsm8k-qwen2.5-0.5b.yaml"), RECIPE_SERVER)
     s = plan_for_config(config, cfg("qwen2.5-0.5b"), "q").settings
@@ -539,8 +539,8 @@ def test_fixed_server_gpus_add_their_count_to_the_trainers_counts_tried():
 
 
 def test_reasons_are_typed_by_kind():
-    from tasks.plan import Layout
-    from tasks.plan.search import fit
+    from grpo_pipeline.tasks.plan import Layout
+    from grpo_pipeline.tasks.plan.search import fit
 
     h100, model = load_catalog().get("H100"), cfg("qwen2.5-0.5b")
     served = Workload(model="q", vllm=True, effective_batch=16)
@@ -560,10 +560,10 @@ def test_reasons_are_typed_by_kind():
 
 
 def test_the_summary_says_what_each_gpu_count_counts():
-    from configs.files import packaged
-    from configs.schema import load_config
-    from tasks.plan import plan_stage
-    from tasks.select import price
+    from grpo_pipeline.configs.files import packaged
+    from grpo_pipeline.configs.schema import load_config
+    from grpo_pipeline.tasks.plan import plan_stage
+    from grpo_pipeline.tasks.select import price
 
     config = load_config(packaged("gsm8k-llama-3.1-70b.yaml"))
     plan = plan_stage(config)

@@ -6,12 +6,12 @@ import sys
 
 import pytest
 
-from configs.schema import TrainConfig, load_config
-from infra.launch.skypilot import build_task, write_job_dir
-from tasks.job import build_job_spec
-from tasks.plan import PlanError, load_catalog, load_model_config
-from tasks.plan.stage import apply_plan, plan_for_config
-from trainer.spec import JobSpec
+from grpo_pipeline.configs.schema import TrainConfig, load_config
+from grpo_pipeline.infra.launch.skypilot import build_task, write_job_dir
+from grpo_pipeline.tasks.job import build_job_spec
+from grpo_pipeline.tasks.plan import PlanError, load_catalog, load_model_config
+from grpo_pipeline.tasks.plan.stage import apply_plan, plan_for_config
+from grpo_pipeline.trainer.spec import JobSpec
 
 
 def test_a_70b_bf16_lora_plan_asks_for_several_gpus_and_launches_one_process_on_each(tmp_path):
@@ -38,7 +38,7 @@ def test_a_70b_bf16_lora_plan_asks_for_several_gpus_and_launches_one_process_on_
     # what the node runs with the GPUs it was given (a dry run: the commands and environment, nothing started)
     node = JobSpec.read(job_dir / "job.json")
     assert node.train.distributed.processes_per_node == count
-    proc = subprocess.run([sys.executable, "-m", "trainer.launch", "--spec", str(job_dir / "job.json"), "--nnodes", "1",
+    proc = subprocess.run([sys.executable, "-m", "grpo_pipeline.trainer.launch", "--spec", str(job_dir / "job.json"), "--nnodes", "1",
                            "--gpus-per-node", str(count), "--dry-run"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"--nproc-per-node {count}" in proc.stdout
@@ -52,7 +52,7 @@ def test_a_local_run_keeps_its_own_distributed_section():
 
 
 def _dry_run(job_dir, *args):
-    proc = subprocess.run([sys.executable, "-m", "trainer.launch", "--spec", str(job_dir / "job.json"), *args,
+    proc = subprocess.run([sys.executable, "-m", "grpo_pipeline.trainer.launch", "--spec", str(job_dir / "job.json"), *args,
                            "--dry-run"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc.stdout
@@ -106,8 +106,8 @@ def test_a_70b_server_mode_plan_shards_the_trainers_and_prices_the_server_gpus(t
 
 
 def test_the_70b_recipe_plans_its_own_launch_with_a_server_node(tmp_path):
-    from configs.files import packaged
-    from tasks.plan import plan_stage
+    from grpo_pipeline.configs.files import packaged
+    from grpo_pipeline.tasks.plan import plan_stage
 
     cfg = load_config(packaged("gsm8k-llama-3.1-70b.yaml"))
     plan = plan_stage(cfg)

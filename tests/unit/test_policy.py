@@ -18,9 +18,9 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from configs.policy import CODE, CREDENTIAL, HOST, PATH, POLICY, TriggerPolicy, check_trigger, risk
-from configs.schema import ConfigError, PipelineConfig, load_config
-from flows import pipeline, trigger
+from grpo_pipeline.configs.policy import CODE, CREDENTIAL, HOST, PATH, POLICY, TriggerPolicy, check_trigger, risk
+from grpo_pipeline.configs.schema import ConfigError, PipelineConfig, load_config
+from grpo_pipeline.flows import pipeline, trigger
 
 SECRET = "hf_grpoSentinelPolicyToken0a1b2c3d4e5f6a7b"
 OWN = ["train.grpo.max_steps=4", "data.demo.n_train=64"]  # the deployment's deploy-time overrides (like `ci`)
@@ -182,7 +182,7 @@ def test_who_started_the_run_comes_from_the_flow_runs_record(monkeypatch):
 
 
 def test_the_hpo_flow_is_bound_the_same_way(worker, monkeypatch):
-    from flows import hpo
+    from grpo_pipeline.flows import hpo
 
     monkeypatch.setattr(hpo, "load_config", lambda *a: pytest.fail("the config was loaded"))
     with pytest.raises(ConfigError, match="model.trust_remote_code: loads code"):
@@ -244,7 +244,7 @@ def test_a_secret_in_the_config_or_an_override_is_refused_with_the_fix(assignmen
 
 
 def _as_file(assignment: str, tmp_path: Path) -> Path:
-    from configs.schema import apply_override
+    from grpo_pipeline.configs.schema import apply_override
 
     tree: dict = {"train": {"rewards": ["correct_answer", "remote_verifier"]}}
     apply_override(tree, assignment)

@@ -3,8 +3,8 @@ CPU without native bf16 refused before any work (it would run about 50x slower t
 
 import pytest
 
-from trainer import precision
-from trainer.precision import cpu_flags, cpu_has_native_bf16, default_bf16, slow_bf16_reason
+from grpo_pipeline.trainer import precision
+from grpo_pipeline.trainer.precision import cpu_flags, cpu_has_native_bf16, default_bf16, slow_bf16_reason
 
 
 @pytest.mark.parametrize("flags, native", [
@@ -42,9 +42,9 @@ def test_asking_bf16_on_a_cpu_without_it_names_the_flag_and_the_fallback():
 
 
 def test_the_job_refuses_slow_bf16_before_any_work(tmp_path, monkeypatch, capsys, tiny_config):
-    from tasks.job import model_load, train_settings
-    from trainer.spec import BAD_INPUT_TAG, JobSpec
-    from trainer.train import EXIT_BAD_INPUT, main
+    from grpo_pipeline.tasks.job import model_load, train_settings
+    from grpo_pipeline.trainer.spec import BAD_INPUT_TAG, JobSpec
+    from grpo_pipeline.trainer.train import EXIT_BAD_INPUT, main
 
     monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
     monkeypatch.setattr(precision.platform, "machine", lambda: "x86_64")

@@ -8,9 +8,9 @@ import select
 
 import pytest
 
-from tasks.evaluate import EvalProgress, eval_bar
-from tasks.job import TrainProgress
-from trainer.callbacks import print_logs_once, step_log_line
+from grpo_pipeline.tasks.evaluate import EvalProgress, eval_bar
+from grpo_pipeline.tasks.job import TrainProgress
+from grpo_pipeline.trainer.callbacks import print_logs_once, step_log_line
 
 
 class Clock:
@@ -66,9 +66,9 @@ def test_each_log_is_printed_once_with_its_step(tmp_path, capsys, disable_tqdm):
 
 
 def test_tqdm_is_off_in_a_log_and_on_at_a_terminal_unless_the_user_says(tmp_path, monkeypatch, tiny_config):
-    from tasks.job import model_load, train_settings
-    from trainer.spec import JobSpec
-    from trainer.train import grpo_args
+    from grpo_pipeline.tasks.job import model_load, train_settings
+    from grpo_pipeline.trainer.spec import JobSpec
+    from grpo_pipeline.trainer.train import grpo_args
 
     def args(*overrides):
         cfg = tiny_config(*overrides)
@@ -114,8 +114,8 @@ def test_the_bar_has_a_total_and_knows_the_time_left_after_one_slow_batch():
 
 
 def test_evaluation_progress_is_lines_in_a_log_and_a_bar_at_a_terminal(monkeypatch):
-    """The same test of "a person sees it" as the trainer's (trainer.callbacks.interactive)."""
-    from tasks.evaluate import progress
+    """The same test of "a person sees it" as the trainer's (grpo_pipeline.trainer.callbacks.interactive)."""
+    from grpo_pipeline.tasks.evaluate import progress
 
     log = io.StringIO()  # a pipe or a file
     monkeypatch.setattr("sys.stderr", log)

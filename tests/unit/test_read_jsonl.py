@@ -1,4 +1,4 @@
-from tasks.evaluate import read_jsonl
+from grpo_pipeline.tasks.evaluate import read_jsonl
 
 
 def test_a_line_separator_inside_a_string_does_not_split_the_row(tmp_path):

@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from configs.schema import load_config
-from tasks.plan import plan_stage
-from trainer.rewards import check_columns, resolve_rewards
+from grpo_pipeline.configs.schema import load_config
+from grpo_pipeline.tasks.plan import plan_stage
+from grpo_pipeline.trainer.rewards import check_columns, resolve_rewards
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 RECIPES = sorted(p for p in CONFIGS.glob("*.yaml") if p.name != "gpus.yaml")

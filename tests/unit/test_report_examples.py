@@ -5,12 +5,12 @@ import re
 
 from markdown_it import MarkdownIt
 
-from configs.rewards import RewardSet
-from tasks.decide import Decision
-from tasks.evaluate import EXAMPLE_CHARS, pick_examples, score
-from tasks.report import render_markdown
-from tasks.serving import ServingCheck
-from tasks.summary import Holdout, RegistryOutcome
+from grpo_pipeline.configs.rewards import RewardSet
+from grpo_pipeline.tasks.decide import Decision
+from grpo_pipeline.tasks.evaluate import EXAMPLE_CHARS, pick_examples, score
+from grpo_pipeline.tasks.report import render_markdown
+from grpo_pipeline.tasks.serving import ServingCheck
+from grpo_pipeline.tasks.summary import Holdout, RegistryOutcome
 
 HOSTILE = "<think>a | b</think> ``` <script>alert(1)</script> **bold** [x](javascript:y)\n| 9 | 9 |\n<answer>72</answer>"
 ROWS = [

@@ -8,7 +8,14 @@ import logging
 
 import pytest
 
-from trainer.checkpoints import CORRUPT, MANIFEST, REASON_FILE, CheckpointStoreError, LocalStore, choose_resume
+from grpo_pipeline.trainer.checkpoints import (
+    CORRUPT,
+    MANIFEST,
+    REASON_FILE,
+    CheckpointStoreError,
+    LocalStore,
+    choose_resume,
+)
 
 
 def _store(tmp_path, steps=(2, 4, 6)) -> LocalStore:
@@ -32,7 +39,7 @@ def test_a_truncated_and_a_changed_checkpoint_are_passed_over_and_moved_aside(tm
     store = _store(tmp_path)
     (store.root / "checkpoint-6" / "adapter.bin").write_bytes(b"weights")  # truncated
     (store.root / "checkpoint-4" / "sub" / "trainer_state.json").write_text('{"global_step": 9}')  # same size, changed
-    with caplog.at_level(logging.INFO, logger="trainer.checkpoints"):
+    with caplog.at_level(logging.INFO, logger="grpo_pipeline.trainer.checkpoints"):
         point = choose_resume(store, tmp_path / "scratch")
     assert point.step == 2 and [s["step"] for s in point.skipped] == [6, 4]
     assert "missing or truncated" in point.skipped[0]["reason"] and "sha256" in point.skipped[1]["reason"]
@@ -56,7 +63,7 @@ def test_when_none_verifies_the_job_starts_fresh_and_says_so(tmp_path, caplog):
     store = _store(tmp_path, steps=(2, 4))
     for step in (2, 4):
         (store.root / f"checkpoint-{step}" / "adapter.bin").unlink()
-    with caplog.at_level(logging.WARNING, logger="trainer.checkpoints"):
+    with caplog.at_level(logging.WARNING, logger="grpo_pipeline.trainer.checkpoints"):
         point = choose_resume(store, tmp_path / "scratch")
     assert point.step is None and point.directory is None
     assert "no checkpoint verifies: started fresh" in point.reason and "starting from step 0" in caplog.text

@@ -3,11 +3,11 @@ reward's own parameters before any work, carried in the job spec, bound by the e
 
 import pytest
 
-from configs.rewards import RewardSet
-from configs.schema import ConfigError, EvalConfig, load_config
-from tasks.evaluate import score
-from tasks.job import build_job_spec, check_rewards
-from trainer.spec import JobSpec
+from grpo_pipeline.configs.rewards import RewardSet
+from grpo_pipeline.configs.schema import ConfigError, EvalConfig, load_config
+from grpo_pipeline.tasks.evaluate import score
+from grpo_pipeline.tasks.job import build_job_spec, check_rewards
+from grpo_pipeline.trainer.spec import JobSpec
 
 TAGGED = "<reasoning>16 - 3 - 4 = 9 eggs, 9 * 2 = 18</reasoning>\n<final>18</final>"
 
@@ -65,8 +65,8 @@ def test_the_data_stage_checks_references_with_the_answer_rewards_alone(tmp_path
     import json
     import random
 
-    from configs.schema import DataConfig
-    from tasks.data import build_dataset
+    from grpo_pipeline.configs.schema import DataConfig
+    from grpo_pipeline.tasks.data import build_dataset
     from tests.unit.test_data import question, read
 
     rng = random.Random(15)
@@ -82,7 +82,7 @@ def test_the_data_stage_checks_references_with_the_answer_rewards_alone(tmp_path
 def answer_below(completions, answer, *, limit: int) -> list[float]:
     """1.0 where the completion is the answer and the answer is below `limit` (a checker with a required
     argument, as a custom answer checker may have)."""
-    from trainer.rewards import completion_text
+    from grpo_pipeline.trainer.rewards import completion_text
 
     return [float(completion_text(c).strip() == a and int(a) < limit) for c, a in zip(completions, answer, strict=True)]
 
@@ -93,8 +93,8 @@ def test_the_data_stage_binds_the_answer_checkers_arguments(tmp_path, tiny_model
     import json
     import random
 
-    from configs.schema import DataConfig
-    from tasks.data import build_dataset
+    from grpo_pipeline.configs.schema import DataConfig
+    from grpo_pipeline.tasks.data import build_dataset
     from tests.unit.test_data import question, read
 
     checker = f"{__name__}:answer_below"

@@ -1,4 +1,4 @@
-"""The run's rewards as one value (`configs.rewards.RewardSet`): resolved once from the config, and every stage
+"""The run's rewards as one value (`grpo_pipeline.configs.rewards.RewardSet`): resolved once from the config, and every stage
 that ranks models ranks by its weighted total, the one GRPO optimises and promotion compares. Before it, the
 search's scorer, base selection and the quantization cost summed the rewards unweighted.
 
@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from configs.rewards import RewardSet
-from configs.schema import ConfigError, PipelineConfig, QuantizationBound, load_config
-from tasks.demo_task import make_row
+from grpo_pipeline.configs.rewards import RewardSet
+from grpo_pipeline.configs.schema import ConfigError, PipelineConfig, QuantizationBound, load_config
+from grpo_pipeline.tasks.demo_task import make_row
 
 WEIGHED = "train.reward_weights={number_only: 0.2}"
 ENGINE = "evaluate.engine=transformers"  # "auto" would import torch to look for a GPU
@@ -57,13 +57,13 @@ def val8(tmp_path) -> Path:
 
 @pytest.fixture
 def fake_generation(monkeypatch, val8):
-    """Generation by model name, for `tasks.evaluate` and `tasks.quantize`, without loading anything; and no
-    transformers either: `trainer.callbacks` (progress bars, the libraries' loading bars) would import it."""
-    import tasks.evaluate
-    import tasks.quantize
+    """Generation by model name, for `grpo_pipeline.tasks.evaluate` and `grpo_pipeline.tasks.quantize`, without loading anything; and no
+    transformers either: `grpo_pipeline.trainer.callbacks` (progress bars, the libraries' loading bars) would import it."""
+    import grpo_pipeline.tasks.evaluate
+    import grpo_pipeline.tasks.quantize
 
     quiet = types.SimpleNamespace(interactive=lambda: False, hide_library_bars=lambda: None)
-    monkeypatch.setitem(sys.modules, "trainer.callbacks", quiet)
+    monkeypatch.setitem(sys.modules, "grpo_pipeline.trainer.callbacks", quiet)
 
     rows = {json.dumps(r["prompt"]): r for r in map(json.loads, val8.read_text().splitlines())}
 
@@ -76,10 +76,10 @@ def fake_generation(monkeypatch, val8):
         texts = [_answer(name, rows[json.dumps(p)]) for p in prompts]
         return texts, [len(t.split()) for t in texts]
 
-    for module in (tasks.evaluate, tasks.quantize):
+    for module in (grpo_pipeline.tasks.evaluate, grpo_pipeline.tasks.quantize):
         monkeypatch.setattr(module, "load_model", load_model)
         monkeypatch.setattr(module, "generate", generate)
-    monkeypatch.setattr(tasks.quantize, "answer_perplexity", lambda *a, **k: 2.0)
+    monkeypatch.setattr(grpo_pipeline.tasks.quantize, "answer_perplexity", lambda *a, **k: 2.0)
 
 
 def test_the_config_resolves_one_frozen_value_with_trls_weights():
@@ -96,11 +96,11 @@ def test_the_config_resolves_one_frozen_value_with_trls_weights():
 
 
 def test_base_selection_picks_by_the_weighted_total(fake_generation, val8, tmp_path, monkeypatch):
-    import tasks.select
-    from tasks.select import CandidateRow, select_base_model
+    import grpo_pipeline.tasks.select
+    from grpo_pipeline.tasks.select import CandidateRow, select_base_model
 
-    monkeypatch.setattr(tasks.select, "resolve_base_model", lambda model, cache: model.base)
-    monkeypatch.setattr(tasks.select, "price", lambda cfg, base, path, rows=None: CandidateRow(
+    monkeypatch.setattr(grpo_pipeline.tasks.select, "resolve_base_model", lambda model, cache: model.base)
+    monkeypatch.setattr(grpo_pipeline.tasks.select, "price", lambda cfg, base, path, rows=None: CandidateRow(
         base=base, path=path, fits=True, within_budget=True, cost_usd=1.0, params_b=0.1))
 
     def chosen(*overrides: str) -> tuple[str, dict[str, float]]:
@@ -113,7 +113,7 @@ def test_base_selection_picks_by_the_weighted_total(fake_generation, val8, tmp_p
 
 
 def test_the_quantization_cost_is_the_weighted_totals_drop(fake_generation, val8):
-    from tasks.quantize import measure_quantization_cost
+    from grpo_pipeline.tasks.quantize import measure_quantization_cost
 
     def cost(*overrides: str):
         cfg = load_config(None, ["model.quantization=nf4", *overrides])
@@ -128,7 +128,7 @@ def test_the_quantization_cost_is_the_weighted_totals_drop(fake_generation, val8
 
 
 def test_the_search_scores_and_picks_trials_by_the_weighted_total(fake_generation, val8, tmp_path):
-    from tasks.hpo import TrialOutcome, search, suggest
+    from grpo_pipeline.tasks.hpo import TrialOutcome, search, suggest
 
     def run_one(trial, cfg, model_path, splits, run_dir, tracking):
         suggest(trial, cfg.hpo.space)
@@ -151,8 +151,8 @@ def test_the_search_scores_and_picks_trials_by_the_weighted_total(fake_generatio
 
 
 def test_the_search_sizes_its_prompts_by_the_weighted_totals_spread():
-    from configs.schema import HPOConfig
-    from tasks.hpo import prompts_needed
+    from grpo_pipeline.configs.schema import HPOConfig
+    from grpo_pipeline.tasks.hpo import prompts_needed
 
     hpo = HPOConfig(target_standard_error=0.05)
     assert prompts_needed(hpo, load_config(None).train.reward_set()) == (400, 1.0)
@@ -172,7 +172,7 @@ def test_the_search_sizes_its_prompts_by_the_weighted_totals_spread():
     ("promote.guardrails={lenght: 0.5}", "promote.guardrails.lenght: 'lenght' is not a column of the evaluation"),
 ])
 def test_preflight_checks_every_reward_name_the_config_holds(override, message):
-    from flows.preflight import preflight
+    from grpo_pipeline.flows.preflight import preflight
 
     with pytest.raises(ConfigError) as err:
         preflight(load_config(None, [override]))
@@ -180,10 +180,10 @@ def test_preflight_checks_every_reward_name_the_config_holds(override, message):
 
 
 def test_every_shipped_recipe_names_rewards_and_columns_that_exist():
-    from configs.files import recipes
-    from tasks.decide import check_policy
-    from tasks.evaluate import score_columns
-    from tasks.job import check_rewards
+    from grpo_pipeline.configs.files import recipes
+    from grpo_pipeline.tasks.decide import check_policy
+    from grpo_pipeline.tasks.evaluate import score_columns
+    from grpo_pipeline.tasks.job import check_rewards
 
     for path in recipes():
         cfg = load_config(path)

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from configs.rewards import RewardSet
-from configs.schema import ConfigError, load_config
-from tasks.evaluate import contrast, pick_examples, score
-from trainer.rewards import (
+from grpo_pipeline.configs.rewards import RewardSet
+from grpo_pipeline.configs.schema import ConfigError, load_config
+from grpo_pipeline.tasks.evaluate import contrast, pick_examples, score
+from grpo_pipeline.trainer.rewards import (
     REWARDS,
     RewardError,
     RewardUnavailable,
@@ -42,10 +42,10 @@ def test_negative_and_misaligned():
 
 
 def test_dotted_path_escape_hatch():
-    resolved = resolve_reward("trainer.rewards:number_only")
+    resolved = resolve_reward("grpo_pipeline.trainer.rewards:number_only")
     assert resolved.__wrapped__ is number_only and resolved(["7"]) == [1.0]
     with pytest.raises(ValueError, match="cannot be imported"):
-        resolve_reward("trainer.rewards:missing")
+        resolve_reward("grpo_pipeline.trainer.rewards:missing")
 
 
 @pytest.mark.parametrize("completion, reference, expected", [

@@ -5,7 +5,7 @@ the real check script runs in a second or two; the integration tests run it agai
 
 import subprocess
 
-from tasks import serving
+from grpo_pipeline.tasks import serving
 
 FAKE_MLFLOW = '''
 import types

@@ -6,17 +6,17 @@ import pytest
 import yaml
 
 import sky
-from configs.schema import ModelConfig, SkyConfig, TrainConfig
-from infra.launch.skypilot import PROJECT_ROOT, build_task, node_spec, write_job_dir
-from tasks.job import model_load, train_settings
-from trainer.spec import JobSpec
+from grpo_pipeline.configs.schema import ModelConfig, SkyConfig, TrainConfig
+from grpo_pipeline.infra.launch.skypilot import PROJECT_ROOT, build_task, node_spec, write_job_dir
+from grpo_pipeline.tasks.job import model_load, train_settings
+from grpo_pipeline.trainer.spec import JobSpec
 
 
 @pytest.mark.parametrize("path", sorted((PROJECT_ROOT / "sky").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_sky_yaml_parses_and_runs_the_trainer(path):
     task = sky.Task.from_yaml(str(path))
     assert all(r.use_spot for r in task.resources)
-    assert "python -m trainer" in task.run and "--spec /grpo/job/job.json" in task.run
+    assert "python -m grpo_pipeline.trainer" in task.run and "--spec /grpo/job/job.json" in task.run
     assert path.read_text().startswith("# "), "each YAML starts with what it is for"
     assert "sky jobs launch sky/" in path.read_text()
 
@@ -70,8 +70,8 @@ def test_on_demand_and_hub_model(tmp_path):
     ],
 )
 def test_preflight_names_what_a_managed_job_needs(overrides, message):
-    from configs.schema import load_config
-    from infra.launch.skypilot import SkyPreflightError, preflight
+    from grpo_pipeline.configs.schema import load_config
+    from grpo_pipeline.infra.launch.skypilot import SkyPreflightError, preflight
 
     cfg = load_config(None, overrides)
     with pytest.raises(SkyPreflightError) as err:
@@ -80,7 +80,7 @@ def test_preflight_names_what_a_managed_job_needs(overrides, message):
 
 
 def test_streamed_log_text_reaches_the_callback_line_by_line():
-    from infra.launch.skypilot import _Lines
+    from grpo_pipeline.infra.launch.skypilot import _Lines
 
     lines = []
     stream = _Lines(lines.append)
@@ -104,7 +104,7 @@ def test_several_nodes_and_gpus_reach_the_task_and_its_run_command(tmp_path):
     assert all(r.job_recovery["recover_on_exit_codes"] == [75] for r in task.resources)
     for var in ("SKYPILOT_NUM_NODES", "SKYPILOT_NODE_RANK", "SKYPILOT_NODE_IPS", "SKYPILOT_NUM_GPUS_PER_NODE"):
         assert f'"${var}"' in task.run
-    assert "python -m trainer.launch --spec /grpo/job/job.json" in task.run
+    assert "python -m grpo_pipeline.trainer.launch --spec /grpo/job/job.json" in task.run
     assert JobSpec.read(tmp_path / "job" / "job.json").train.distributed.nodes == 2
 
 

@@ -7,9 +7,9 @@ import json
 import os
 import stat
 
-from infra import services
-from infra.services import MlflowAuth, Service
-from infra.stack import Stack
+from grpo_pipeline.infra import services
+from grpo_pipeline.infra.services import MlflowAuth, Service
+from grpo_pipeline.infra.stack import Stack
 
 
 def _record(stack: Stack, name: str, url: str, auth: bool) -> None:

@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 
-from trainer.checkpoints import (
+from grpo_pipeline.trainer.checkpoints import (
     CORRUPT,
     MANIFEST,
     REASON_FILE,
@@ -149,7 +149,7 @@ def test_a_failed_local_upload_leaves_nothing(tmp_path, monkeypatch):
 
 
 def test_a_failed_upload_leaves_no_staging_copy_and_reaches_the_training_thread(tmp_path, monkeypatch):
-    from trainer.callbacks import CheckpointSync
+    from grpo_pipeline.trainer.callbacks import CheckpointSync
 
     store = _store(tmp_path, steps=(2,))
     monkeypatch.setattr(store, "put", lambda *a: (_ for _ in ()).throw(OSError(28, "No space left on device")))
@@ -172,7 +172,7 @@ def test_prune_removes_incomplete_checkpoints_older_than_the_newest_complete_one
 
 
 def test_a_listing_key_with_dots_is_never_copied_aside(tmp_path):
-    from trainer.checkpoints import safe_relative
+    from grpo_pipeline.trainer.checkpoints import safe_relative
 
     with pytest.raises(CheckpointCorrupt, match=r"the listing of s3://b/p/checkpoint-4/ names '\.\./x', which has a"):
         safe_relative("../x", "the listing of s3://b/p/checkpoint-4/")

@@ -29,12 +29,12 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from trainer.rewards.answers import correct_answer, math_answer
-from trainer.rewards.base import RewardError, RewardFn, RewardUnavailable, completion_text
-from trainer.rewards.formats import number_only, overlong_penalty, think_format, think_format_strict
-from trainer.rewards.model import reward_model
-from trainer.rewards.remote import check_arguments as check_remote_arguments
-from trainer.rewards.remote import remote_verifier
+from grpo_pipeline.trainer.rewards.answers import correct_answer, math_answer
+from grpo_pipeline.trainer.rewards.base import RewardError, RewardFn, RewardUnavailable, completion_text
+from grpo_pipeline.trainer.rewards.formats import number_only, overlong_penalty, think_format, think_format_strict
+from grpo_pipeline.trainer.rewards.model import reward_model
+from grpo_pipeline.trainer.rewards.remote import check_arguments as check_remote_arguments
+from grpo_pipeline.trainer.rewards.remote import remote_verifier
 
 __all__ = ["REWARDS", "RewardError", "RewardFn", "RewardUnavailable", "check_columns", "completion_text", "describe",
            "required_columns", "resolve_reward", "resolve_rewards", "transient"]
@@ -111,11 +111,11 @@ def resolve_reward(name: str, args: Mapping[str, Any] | None = None, **context: 
     >>> resolve_reward("nope")
     Traceback (most recent call last):
     ...
-    trainer.rewards.base.RewardError: unknown reward 'nope'; registered: math_answer, think_format, think_format_strict, overlong_penalty, reward_model, remote_verifier, correct_answer, number_only, or use 'package.module:function'
+    grpo_pipeline.trainer.rewards.base.RewardError: unknown reward 'nope'; registered: math_answer, think_format, think_format_strict, overlong_penalty, reward_model, remote_verifier, correct_answer, number_only, or use 'package.module:function'
     >>> resolve_reward("remote_verifier")
     Traceback (most recent call last):
     ...
-    trainer.rewards.base.RewardError: reward 'remote_verifier' needs the argument url
+    grpo_pipeline.trainer.rewards.base.RewardError: reward 'remote_verifier' needs the argument url
     """
     fn = _target(name)
     takes = arguments(fn)
@@ -152,7 +152,7 @@ def check_columns(names: Sequence[str], columns: Sequence[str]) -> None:
     >>> check_columns(["math_answer"], ["prompt", "key"])
     Traceback (most recent call last):
     ...
-    trainer.rewards.base.RewardError: reward 'math_answer' needs the column 'answer', which the data does not have (it has: prompt, key)
+    grpo_pipeline.trainer.rewards.base.RewardError: reward 'math_answer' needs the column 'answer', which the data does not have (it has: prompt, key)
     """
     for name in names:
         lacking = [c for c in required_columns(_target(name)) if c not in columns]

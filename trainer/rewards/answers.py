@@ -12,7 +12,7 @@ import re
 import threading
 from fractions import Fraction
 
-from trainer.rewards.base import ascii_digits, check_tag, completion_text
+from grpo_pipeline.trainer.rewards.base import ascii_digits, check_tag, completion_text
 
 _INT = re.compile(r"-?\d+")
 # A number as people write it: sign, thousands separators, decimals, a fraction a/b.

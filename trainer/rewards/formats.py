@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from trainer.rewards.base import RewardError, check_tag, completion_text
+from grpo_pipeline.trainer.rewards.base import RewardError, check_tag, completion_text
 
 
 def number_only(completions: list, **_: object) -> list[float]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import os
 
-from trainer.rewards.base import RewardError, completion_text
+from grpo_pipeline.trainer.rewards.base import RewardError, completion_text
 
 
 def _device() -> str:
@@ -65,7 +65,7 @@ def reward_model(
     >>> reward_model(["4"], model="any/classifier", batch_size=0)
     Traceback (most recent call last):
     ...
-    trainer.rewards.base.RewardError: reward_model: batch_size must be >= 1
+    grpo_pipeline.trainer.rewards.base.RewardError: reward_model: batch_size must be >= 1
     """
     if batch_size < 1:
         raise RewardError("reward_model: batch_size must be >= 1")

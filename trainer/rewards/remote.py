@@ -42,7 +42,7 @@ import urllib.parse
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 
-from trainer.rewards.base import RewardError, RewardUnavailable, completion_text
+from grpo_pipeline.trainer.rewards.base import RewardError, RewardUnavailable, completion_text
 
 log = logging.getLogger(__name__)
 _NOT_SENT = {"trainer_state", "log_extra", "log_metric", "completion_ids", "environments"}
@@ -84,11 +84,11 @@ def check_arguments(url: str, headers: Mapping[str, str] | None = None,
     >>> check_arguments("file:///etc/passwd")
     Traceback (most recent call last):
     ...
-    trainer.rewards.base.RewardError: remote_verifier: url 'file:///etc/passwd' is not http:// or https://; the verifier is an HTTP service: give its http(s) URL
+    grpo_pipeline.trainer.rewards.base.RewardError: remote_verifier: url 'file:///etc/passwd' is not http:// or https://; the verifier is an HTTP service: give its http(s) URL
     >>> check_arguments("http://127.0.0.1:8000/score", {"Authorization": "Bearer abc"})
     Traceback (most recent call last):
     ...
-    trainer.rewards.base.RewardError: remote_verifier: headers.Authorization looks like a credential, which must not be in the config (it is logged with it); put its value in an environment variable and name it instead: headers_from_env: {Authorization: VERIFIER_TOKEN}
+    grpo_pipeline.trainer.rewards.base.RewardError: remote_verifier: headers.Authorization looks like a credential, which must not be in the config (it is logged with it); put its value in an environment variable and name it instead: headers_from_env: {Authorization: VERIFIER_TOKEN}
     """
     for given, what in ((headers, "headers"), (headers_from_env, "headers_from_env")):
         if given is not None and not isinstance(given, Mapping):
