@@ -571,10 +571,9 @@ def check_budget(plan: Plan, budget_usd: float | None) -> None:
     >>> from grpo_pipeline.tasks.plan import load_model_config
     >>> p = make_plan(load_model_config("qwen2.5-0.5b")[1], Workload(model="qwen2.5-0.5b", max_steps=10))
     >>> check_budget(p, None); check_budget(p, 1e6)
-    >>> check_budget(p, 0.01)  # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    ...
-    grpo_pipeline.tasks.plan.search.BudgetExceeded: estimated cost ... exceeds plan.budget_usd = $0.01...
+    >>> try: check_budget(p, 0.01)
+    ... except BudgetExceeded as error: print(error)  # doctest: +ELLIPSIS
+    estimated cost ... exceeds plan.budget_usd = $0.01...
     """
     if budget_usd is None or plan.estimate.usd <= budget_usd:
         return
