@@ -18,6 +18,7 @@ def results(tmp_path, monkeypatch):
     return folder
 
 
+@pytest.mark.slow
 def test_lora_vs_full_runs_each_arm_in_its_own_process_and_analyses_them(results):
     cmd = [sys.executable, "-m", "bench.lora_vs_full", "--tiny", "--arms", "full,qlora", "--steps", "2",
            "--eval-every", "1", "--holdout", "4"]

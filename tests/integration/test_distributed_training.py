@@ -90,6 +90,7 @@ def _wait(condition, what: str, limit_s: float = 600, out: "Output | None" = Non
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_two_processes_through_the_pipeline(tmp_path, tiny_model):
     cfg = {
         "data_dir": str(tmp_path / "data"),
@@ -149,6 +150,7 @@ def test_two_nodes_on_loopback_started_by_the_sky_run_command(tmp_path, s3_endpo
     assert (result.world_size, result.global_step) == (2, 3)
 
 
+@pytest.mark.slow
 def test_sigkill_of_one_rank_ends_the_job_and_the_relaunch_resumes(tmp_path, tiny_model, tiny_splits, tiny_config):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = mlflow.MlflowClient(uri)
@@ -193,6 +195,7 @@ def test_sigkill_of_one_rank_ends_the_job_and_the_relaunch_resumes(tmp_path, tin
     assert sorted(m.step for m in history) == list(range(1, 13))  # each step exactly once across the kill
 
 
+@pytest.mark.slow
 def test_sigterm_to_one_rank_then_to_the_job_checkpoints_exits_75_everywhere_and_resumes(
         tmp_path, tiny_model, tiny_splits, tiny_config):
     marker = tmp_path / "training"

@@ -100,6 +100,7 @@ def test_run_json_summary_and_mlflow_lineage(tmp_path, tiny_yaml):
     assert summary["registry"]["aliases"][alias] == summary["registry"]["candidate_version"]
 
 
+@pytest.mark.slow
 def test_second_run_decides_against_the_champion_and_rollback_restores_it(tmp_path, tiny_yaml):
     # A permissive policy, so the tiny random model's candidates are promoted and the aliases move.
     lenient = ["--set", "promote.min_effect=-10", "--set", "promote.reward_tolerance=10",
@@ -135,6 +136,7 @@ def test_second_run_decides_against_the_champion_and_rollback_restores_it(tmp_pa
     assert aliases["champion"] == v1 and aliases["previous-champion"] == v2
 
 
+@pytest.mark.slow
 def test_search_before_training_feeds_the_best_parameters_to_training(tmp_path, tiny_yaml):
     proc = _cli("run", "--config", str(tiny_yaml), "--json", "--set", "hpo.enabled=true", "--set", "hpo.trials=2",
                 "--set", "hpo.steps=2", "--set", "hpo.eval_every=1", "--set", "hpo.pruner=none",
@@ -190,6 +192,7 @@ def test_a_run_over_budget_is_refused_before_any_work(tmp_path, tiny_yaml):
     assert not (tmp_path / "data" / "runs").exists()
 
 
+@pytest.mark.slow
 def test_sky_launcher_without_a_cloud_stops_at_preflight(tmp_path, tiny_yaml, s3_endpoint):
     home = tmp_path / "home"  # SkyPilot keeps its state and API server under ~/.sky: keep them out of $HOME
     env = {"HOME": str(home)}
@@ -237,6 +240,7 @@ print(json.dumps({"summary": state.result().model_dump(mode="json"), "launches":
 """
 
 
+@pytest.mark.slow
 def test_a_retried_flow_run_resumes_after_training(tmp_path, tiny_yaml):
     """A failure after training, then the flow run's retry: nothing before the failure runs again."""
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}

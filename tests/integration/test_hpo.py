@@ -56,6 +56,7 @@ def hpo_yaml(tmp_path, tiny_model):
     return path
 
 
+@pytest.mark.slow
 def test_search_prunes_fails_one_trial_only_and_feeds_the_best_to_training(tmp_path, hpo_yaml, tiny_splits, busy_machine):
     """Run with both cores held busy by other processes: trials are slow, and none may be taken twice or
     marked stale while it runs."""
@@ -134,6 +135,7 @@ def test_a_target_standard_error_the_data_cannot_meet_exits_2_naming_the_prompts
     assert not (tmp_path / "data" / "runs").exists() or not list((tmp_path / "data" / "runs").rglob("trainer.log"))
 
 
+@pytest.mark.slow
 def test_a_space_whose_every_point_fails_exits_1_with_each_trials_reason(tmp_path, hpo_yaml):
     """Every learning rate fails (the test reward runs out of memory once a step has trained), the configured
     one too."""

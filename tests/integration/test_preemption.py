@@ -55,6 +55,7 @@ def _chaos(handle, store: S3Store, log: Path, kills: list, seed: int = 7) -> Non
         seen = checkpoint + INTERVAL  # the next kill waits for progress past the resumed run's first checkpoint
 
 
+@pytest.mark.slow
 def test_three_sigkills_lose_little_and_log_each_step_once(tmp_path, s3_endpoint, tiny_model, tiny_splits,
                                                             tiny_config):
     from peft import PeftModel

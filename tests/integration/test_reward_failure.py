@@ -33,6 +33,7 @@ def _runs(client):
     return client.search_runs([e.experiment_id for e in client.search_experiments()])
 
 
+@pytest.mark.slow
 def test_a_reward_that_returns_nan_fails_once_with_exit_2_naming_the_reward_and_row(tmp_path, tiny_model,
                                                                                       tiny_splits, tiny_config):
     cfg = tiny_config(f"train.rewards=['{BROKEN}']", f"train.reward_args={{'{BROKEN}': {{row: 2}}}}",
@@ -54,6 +55,7 @@ def test_a_reward_that_returns_nan_fails_once_with_exit_2_naming_the_reward_and_
     assert run.data.tags["failure"].startswith(f"reward '{BROKEN}' returned nan for row 2")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_reward_that_fails_on_rank_1_alone_still_ends_the_run_failed_with_the_reason(tmp_path, tiny_model,
                                                                                       tiny_splits, tiny_config):
@@ -111,6 +113,7 @@ def test_a_grader_outage_is_retryable_not_bad_input(grader_down):
     assert not isinstance(nan.value, RewardUnavailable)
 
 
+@pytest.mark.slow
 def test_the_trainer_exits_1_on_a_grader_outage_and_is_relaunched(tmp_path, tiny_model, tiny_splits, tiny_config,
                                                                    grader_down):
     args = f"{{url: '{grader_down}', retries: 1, backoff_s: 0.0, batch_size: 64}}"
