@@ -261,6 +261,29 @@ class LocalStore:
         (directory / MANIFEST).unlink(missing_ok=True)  # first: it stops counting before files go
         shutil.rmtree(directory, ignore_errors=True)
 
+    def read_record(self, name: str) -> tuple[bytes | None, str | None]:
+        """A small object at the root (`attempt.json`) and a tag that changes with each write (None: absent)."""
+        try:
+            body = (self.root / name).read_bytes()
+        except FileNotFoundError:
+            return None, None
+        return body, hashlib.sha256(body).hexdigest()
+
+    def write_record(self, name: str, body: bytes, expect: str | None) -> bool:
+        """Write `name` only if it is still as read (`expect`: its tag, None for absent); False if another
+        writer came first. A lock file serialises writers on this filesystem; the rename is atomic."""
+        import fcntl
+
+        self.root.mkdir(parents=True, exist_ok=True)
+        with open(self.root / f".{name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if self.read_record(name)[1] != expect:
+                return False
+            tmp = self.root / f".{name}.tmp"
+            tmp.write_bytes(body)
+            os.replace(tmp, self.root / name)
+        return True
+
     def move_aside(self, name: str, reason: str) -> str | None:
         """Move an entry to corrupt/<name>-<time>/ with REASON.txt; its location, or None if it was gone."""
         aside = self.root / _aside_name(name)
@@ -361,6 +384,36 @@ class S3Store:
                 log.warning("could not remove the partial upload of %s from %r: %s; prune removes it once a newer "
                             "checkpoint is complete", name, self, cleanup)
             raise
+
+    def read_record(self, name: str) -> tuple[bytes | None, str | None]:
+        """A small object at the prefix (`attempt.json`) and its ETag (None: absent)."""
+        from botocore.exceptions import ClientError
+
+        try:
+            got = self.s3.get_object(Bucket=self.bucket, Key=self._key(name))
+        except ClientError as exc:
+            if _not_found(exc):
+                return None, None
+            raise
+        return got["Body"].read(), got["ETag"]
+
+    def write_record(self, name: str, body: bytes, expect: str | None) -> bool:
+        """Write `name` only if it is still as read: S3's conditional PUT (If-Match its ETag, or If-None-Match
+        for a new object), atomic on the server; False if another writer came first. A server without
+        conditional writes (501) gets a plain PUT: the last writer wins, which is all such a server allows."""
+        from botocore.exceptions import ClientError
+
+        condition = {"IfMatch": expect} if expect else {"IfNoneMatch": "*"}
+        try:
+            self.s3.put_object(Bucket=self.bucket, Key=self._key(name), Body=body, **condition)
+        except ClientError as exc:
+            if _code(exc) in ("PreconditionFailed", "412", "ConditionalRequestConflict", "409"):
+                return False
+            if _code(exc) not in ("NotImplemented", "501"):
+                raise
+            log.warning("%r does not support conditional writes; %s is written unconditionally", self, name)
+            self.s3.put_object(Bucket=self.bucket, Key=self._key(name), Body=body)
+        return True
 
     def fetch(self, name: str, scratch: Path) -> Path:
         """Download an entry and verify it; CheckpointCorrupt when a file is missing or differs (an object

@@ -37,6 +37,7 @@ import urllib.request
 from pathlib import Path
 
 from grpo_pipeline.trainer.distributed import LAUNCH_DIR_ENV, VLLM_HOST_ENV, problems, processes_per_node
+from grpo_pipeline.trainer.fence import EXIT_SUPERSEDED
 from grpo_pipeline.trainer.spec import RESULT_FILE, JobSpec
 
 log = logging.getLogger("grpo_pipeline.trainer.launch")
@@ -194,6 +195,8 @@ def outcome(torchrun_code: int, codes: dict[str, int], nproc: int) -> int:
 
     >>> outcome(1, {"rank-0": 75, "rank-1": 75}, 2), outcome(1, {"rank-0": 75}, 2), outcome(1, {"rank-1": 2}, 2)
     (75, 1, 2)
+    >>> outcome(1, {"rank-0": 3, "rank-1": -15}, 2)
+    3
     """
     if torchrun_code == 0:
         return 0
@@ -201,6 +204,8 @@ def outcome(torchrun_code: int, codes: dict[str, int], nproc: int) -> int:
         return EXIT_INTERRUPTED
     if EXIT_BAD_INPUT in codes.values():
         return EXIT_BAD_INPUT
+    if EXIT_SUPERSEDED in codes.values():  # rank 0 found a newer attempt's claim; the other ranks were torn down
+        return EXIT_SUPERSEDED
     return 1
 
 

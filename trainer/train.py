@@ -22,6 +22,7 @@ from pathlib import Path
 from grpo_pipeline.trainer import distributed
 from grpo_pipeline.trainer.checkpoints import FINAL, checkpoint_name, choose_resume, collect_final, open_store
 from grpo_pipeline.trainer.distributed import Ranks
+from grpo_pipeline.trainer.fence import EXIT_SUPERSEDED, Superseded, claim_store
 from grpo_pipeline.trainer.spec import RESULT_FILE, HealthEvent, JobSpec, TrainResult, bad_input_line
 from grpo_pipeline.trainer.tracking import CommittedMetrics, numeric
 
@@ -29,6 +30,7 @@ log = logging.getLogger(__name__)
 EXIT_INTERRUPTED = 75  # EX_TEMPFAIL: try again
 EXIT_BAD_INPUT = 2  # the same job fails the same way again: never relaunched
 EXIT_FAILED = 1  # anything else, a reward's outage included: relaunched, resumed from the last checkpoint
+# EXIT_SUPERSEDED (3, trainer/fence.py): a newer attempt owns the checkpoint store; never relaunched
 
 
 def grpo_args(spec: JobSpec, output_dir: Path):
@@ -118,6 +120,7 @@ def run(spec: JobSpec, started: float | None = None) -> TrainResult:
     store = open_store(spec.checkpoint_uri, spec.train.s3_endpoint_url)
     if ranks.is_main:  # the others only read from the store
         store.check()
+        store = claim_store(store)  # from here on, every write checks no newer attempt has claimed it
     run_id = ranks.broadcast(_ensure_mlflow_run(spec) if ranks.is_main else None)
     metrics = CommittedMetrics(spec.mlflow_tracking_uri, run_id) if run_id and ranks.is_main else None
     if ranks.broadcast(store.has(FINAL) if ranks.is_main else None):
@@ -361,6 +364,7 @@ def _publish(spec: JobSpec, trainer, store, result: TrainResult, metrics: Commit
         trainer.save_model(spec.adapter_dir)  # every rank: under FSDP / ZeRO-3 it gathers the shards; rank 0 writes
     if not ranks.is_main:
         return
+    store.check_owner()  # before the adapter reaches MLflow: a superseded attempt publishes nothing
     # HF also pickles its TrainingArguments beside the adapter; the published adapter holds safetensors and
     # JSON only (nothing a consumer could unpickle), and the arguments are the train run's MLflow params.
     (Path(spec.adapter_dir) / TRAINING_ARGS_NAME).unlink(missing_ok=True)
@@ -451,6 +455,10 @@ def main(spec_path: str, started: float | None = None) -> int:
         print(bad_input_line(str(exc)), flush=True)  # the SkyPilot launcher cancels the job's recovery on it
         distributed.record("exit", EXIT_BAD_INPUT)
         return EXIT_BAD_INPUT
+    except Superseded as exc:  # a relaunch runs elsewhere and owns the store: stop here, never relaunched
+        log.error("superseded (exit %d): %s", EXIT_SUPERSEDED, exc)
+        distributed.record("exit", EXIT_SUPERSEDED)
+        return EXIT_SUPERSEDED
     except BaseException:
         distributed.record("exit", EXIT_FAILED)
         raise

@@ -19,11 +19,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from grpo_pipeline.infra.launch import BadTrainingInput, TrainingFailed, check_launch
+from grpo_pipeline.trainer.fence import EXIT_SUPERSEDED
 from grpo_pipeline.trainer.launch import PARENT_PID_ENV, detect_gpus, free_port
 from grpo_pipeline.trainer.spec import RESULT_FILE, JobSpec, TrainResult, parse_bad_input
 
 log = logging.getLogger(__name__)
-NOT_RETRYABLE = {2}  # bad input (a bad spec, a reward that gives unusable scores) fails the same way every time
+# Bad input (a bad spec, a reward that gives unusable scores) fails the same way every time; a superseded
+# attempt (a newer one owns the checkpoint store: trainer/fence.py) must not come back to take it over again.
+NOT_RETRYABLE = {2, EXIT_SUPERSEDED}
 
 
 @dataclass
@@ -78,9 +81,10 @@ class LocalLauncher:
             if handle.cancelled:
                 raise TrainingFailed("training was cancelled")
             if code in NOT_RETRYABLE or handle.restarts >= self.max_restarts:
-                why = " (bad input: not relaunched)" if code in NOT_RETRYABLE else ""
-                reason = handle.bad_input if code in NOT_RETRYABLE else None
-                raise (BadTrainingInput if code in NOT_RETRYABLE else TrainingFailed)(
+                why = {2: " (bad input: not relaunched)", EXIT_SUPERSEDED: " (superseded by a newer attempt on the "
+                       "same checkpoint store: not relaunched)"}.get(code, "")
+                reason = handle.bad_input if code == 2 else None
+                raise (BadTrainingInput if code == 2 else TrainingFailed)(
                     (f"{reason}\n" if reason else "")
                     + f"trainer exited with code {code}{why} after {handle.restarts} restart(s); log: {log_path}\n"
                     + "\n".join(handle.tail)
