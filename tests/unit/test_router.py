@@ -254,3 +254,41 @@ def test_an_alias_move_to_another_base_is_refused_and_the_old_adapter_keeps_serv
     assert "trained on base base-b" in reason
     assert router.arms[CHALLENGER].version == "2"
     assert [m["version"] for m in client.get("/v1/models").json()["data"]] == ["1", "2"]
+
+
+# ------------------------------------------------------------------------------------------------ the command
+
+
+def serve_cli(*args: str, env: dict | None = None):
+    from typer.testing import CliRunner
+
+    from grpo_pipeline.cli import app
+
+    return CliRunner().invoke(app, ["serve", *args], env=env)
+
+
+def test_serve_off_loopback_without_a_key_exits_2(monkeypatch):
+    monkeypatch.delenv("GRPO_SERVE_API_KEY", raising=False)
+    result = serve_cli("--host", "0.0.0.0")
+    assert result.exit_code == 2 and "needs an API key" in result.output
+
+
+def test_serve_with_the_log_store_unreachable_exits_2_naming_it(monkeypatch):
+    monkeypatch.setenv("GRPO_AB_LOG_URL", "sqlite:////proc/no-such-dir/ab.sqlite")
+    result = serve_cli()
+    assert result.exit_code == 2 and "/proc/no-such-dir/ab.sqlite is unreachable" in result.output
+
+
+def test_serve_with_the_registry_unreachable_exits_2_naming_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRPO_AB_LOG_URL", f"sqlite:///{tmp_path / 'ab.sqlite'}")
+    uri = f"http://127.0.0.1:{closed_port()}"
+    result = serve_cli("--set", f"tracking.mlflow_tracking_uri={uri}", "--set", "tracking.registered_model=m")
+    assert result.exit_code == 2 and f"the registry m at {uri} did not answer" in result.output
+
+
+@pytest.mark.slow  # an MLflow SQLite registry: its migrations take a minute on a busy machine
+def test_serve_without_a_champion_exits_2(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRPO_AB_LOG_URL", f"sqlite:///{tmp_path / 'ab.sqlite'}")
+    result = serve_cli("--set", f"tracking.mlflow_tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+                       "--set", "tracking.registered_model=nothing-here")
+    assert result.exit_code == 2 and "no champion alias in the registry nothing-here" in result.output
