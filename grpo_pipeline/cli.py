@@ -580,6 +580,7 @@ def serve(
 
     _, cfg = _load(config, overrides)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # a server's log, not a terminal
     try:
         api_key = api_key_policy(dict(os.environ), host)
         request_log = RequestLog.open(log_url(cfg.data_dir))

@@ -38,14 +38,15 @@ def engine_command(python: str, base: str, port: int, cfg: ServeConfig, adapters
 
     >>> cmd = engine_command("py", "/m/base", 8001, ServeConfig(), {"champion-v3": Path("/a/3")})
     >>> " ".join(cmd[cmd.index("--model"):])
-    '--model /m/base --host 127.0.0.1 --port 8001 --enable-lora --max-lora-rank 16 --max-loras 2 --max-cpu-loras 4 --dtype bfloat16 --max-model-len 1024 --gpu-memory-utilization 0.3 --lora-modules champion-v3=/a/3'
+    '--model /m/base --host 127.0.0.1 --port 8001 --enable-lora --max-lora-rank 16 --max-loras 2 --max-cpu-loras 4 --dtype bfloat16 --max-model-len 1024 --gpu-memory-utilization 0.3 --disable-uvicorn-access-log --lora-modules champion-v3=/a/3'
     """
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", base, "--host", HOST, "--port", str(port),
            "--enable-lora", "--max-lora-rank", str(cfg.max_lora_rank),
            # two arms batched together; room for an alias's old and new version while requests move over
            "--max-loras", "2", "--max-cpu-loras", "4",
            "--dtype", cfg.dtype, "--max-model-len", str(cfg.max_model_len),
-           "--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
+           "--gpu-memory-utilization", str(cfg.gpu_memory_utilization),
+           "--disable-uvicorn-access-log"]  # the router logs each request; a line per request here is noise
     if adapters:
         cmd += ["--lora-modules", *(f"{name}={path}" for name, path in adapters.items())]
     return cmd

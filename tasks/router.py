@@ -292,7 +292,10 @@ class Router:
             self.inflight[adapter.engine_name] -= 1
         latency = time.perf_counter() - started
         if answer is not None and answer.status_code in (400, 422):  # the client's input, not the arm's failure
-            return JSONResponse(answer.json(), answer.status_code, headers=arm_headers)
+            try:
+                return JSONResponse(answer.json(), answer.status_code, headers=arm_headers)
+            except ValueError:
+                return _error(answer.status_code, answer.text[:500], headers=arm_headers)
         payload = None
         if answer is not None:
             if answer.status_code == 200:
@@ -449,11 +452,12 @@ def serve(cfg, host: str, port: int, api_key: str | None, request_log: RequestLo
     base = local_base(champion.base, champion.base_sha256, cfg.mlflow_uri)
     python = serve_cfg.engine_python or str(default_python(cwd or Path.cwd()))
     engine = Engine(python, base, serve_cfg, Path(cfg.data_dir) / "serve" / "engine.log")
-    initial = {champion.alias: champion}
+    initial, refused = {champion.alias: champion}, {}
     if challenger is not None:
         reason = refusal(challenger, champion.base, champion.base_sha256, serve_cfg.max_lora_rank)
         if reason:
             log.error("%s; all traffic goes to the champion", reason)
+            refused[challenger.engine_name] = reason  # said once: the alias polls do not repeat it
         else:
             initial[CHALLENGER] = challenger
     if (reason := refusal(champion, champion.base, champion.base_sha256, serve_cfg.max_lora_rank)) is not None:
@@ -467,7 +471,7 @@ def serve(cfg, host: str, port: int, api_key: str | None, request_log: RequestLo
                         challenger_fraction=cfg.ab.challenger_fraction, api_key=api_key, base=champion.base,
                         base_sha256=champion.base_sha256, max_rank=serve_cfg.max_lora_rank,
                         request_timeout_s=serve_cfg.request_timeout_s)
-        router.arms = initial
+        router.arms, router.refused = initial, refused
 
         @contextlib.asynccontextmanager
         async def lifespan(_app):

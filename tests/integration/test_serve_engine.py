@@ -79,7 +79,8 @@ def world(tmp_path_factory):
     client = mlflow.MlflowClient(uri)
     cfg = load_config(None, ["evaluate.max_new_tokens=4"])
     base_exp = client.create_experiment(serving.BASE_EXPERIMENT, artifact_location=str(root / "artifacts-base"))
-    mlflow.set_experiment("serve-tests")
+    mlflow.set_experiment(experiment_id=client.create_experiment("serve-tests",
+                                                                 artifact_location=str(root / "artifacts")))
     registry = Registry(client, NAME)
     versions = []
     for i, on in enumerate([base, base, base, other_base]):
