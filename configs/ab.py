@@ -42,6 +42,38 @@ class Guardrails(_Strict):
         return self
 
 
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the values vLLM's --max-lora-rank takes
+
+
+class ServeConfig(_Strict):
+    """`grpo-pipeline serve`: the router in front of one vLLM engine holding the base and the aliases' adapters.
+
+    The engine runs from its own Python (`make serve-env` builds `.venv-serve` with vLLM's CPU build; on a GPU
+    machine, a venv with `vllm`), bound to 127.0.0.1 on a port only the router uses."""
+
+    poll_s: float = Field(30.0, gt=0, description="seconds between reads of the registry's aliases (hot-swap)")
+    engine_python: str | None = Field(
+        None, description="the Python that runs vLLM (None: .venv-serve/bin/python in the working directory)")
+    engine_port: int | None = Field(
+        None, ge=1024, le=65535, description="loopback port of the engine (None: a free one, chosen at start)")
+    max_lora_rank: int = Field(16, description="vLLM --max-lora-rank: every adapter's rank must be at or below it")
+    max_model_len: int = Field(1024, ge=16, description="vLLM --max-model-len: prompt plus completion tokens")
+    dtype: str = Field("bfloat16", pattern="^(auto|bfloat16|float16|float32)$", description="vLLM --dtype")
+    gpu_memory_utilization: float = Field(
+        0.3, gt=0.0, le=1.0,
+        description="vLLM --gpu-memory-utilization; on the CPU build, the share of the machine's memory it may "
+                    "take (it refuses to start when less is free); raise it on a GPU of its own")
+    startup_timeout_s: float = Field(900.0, gt=0, description="seconds the engine may take to answer /v1/models")
+    request_timeout_s: float = Field(300.0, gt=0, description="seconds a request may wait on the engine")
+
+    @model_validator(mode="after")
+    def _rank_is_one_vllm_takes(self) -> ServeConfig:
+        if self.max_lora_rank not in LORA_RANKS:
+            raise ValueError(f"ab.serve.max_lora_rank={self.max_lora_rank} is not one vLLM takes; use one of "
+                             f"{', '.join(map(str, LORA_RANKS))} at or above the adapters' rank")
+        return self
+
+
 class ABConfig(_Strict):
     """The live test. Outcomes are the feedback scores (`POST /v1/feedback`), compared as means per arm."""
 
@@ -59,3 +91,4 @@ class ABConfig(_Strict):
     max_duration_h: float = Field(
         168.0, gt=0.0, description="hours after which an undecided test stops: no difference, champion stays")
     guardrails: Guardrails = Guardrails()
+    serve: ServeConfig = ServeConfig()

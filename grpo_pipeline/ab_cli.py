@@ -69,8 +69,12 @@ def status(config: ConfigOpt = None, overrides: SetOpt = None, as_json: JsonOpt 
     from grpo_pipeline.tasks.ab import decide
 
     cfg, log, _, champion, challenger = _open(config, overrides, as_json)
+    from grpo_pipeline.tasks.ab_spool import pending, spool_path
+
+    # "unlogged": requests a router answered while the store was unreachable, waiting in its local file
     out = {"status": "ok", "champion": champion, "challenger": challenger,
-           "challenger_fraction": cfg.ab.challenger_fraction, "log": log.counts()}
+           "challenger_fraction": cfg.ab.challenger_fraction, "log": log.counts(),
+           "unlogged": pending(spool_path(cfg.data_dir))}
     if champion and challenger:
         a, b, hours = log.samples(champion, challenger)
         decision = decide(a, b, cfg.ab, hours)

@@ -557,6 +557,45 @@ def stack_down(root: RootOpt = DEFAULT_ROOT) -> None:
     err.print(f"stopped: {', '.join(stopped) or 'nothing was running'}", highlight=False)
 
 
+@app.command()
+def serve(
+    config: ConfigOpt = None,
+    overrides: SetOpt = None,
+    host: Annotated[str, typer.Option("--host", help="address to listen on; not loopback: GRPO_SERVE_API_KEY "
+                                                     "is required")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="port to listen on")] = 8000,
+) -> None:
+    """Serve the registry's champion and challenger behind one OpenAI-compatible endpoint (/v1/chat/completions,
+    /v1/completions, /v1/models, /v1/feedback): one vLLM engine, the live A/B split, every request logged.
+    Exit 2: no API key off loopback, the log store or the registry unreachable, no champion; 1: the engine
+    did not start (its log's tail is shown)."""
+    import logging
+    import os
+
+    from grpo_pipeline.tasks.ab_log import LogStoreError, RequestLog, log_url
+    from grpo_pipeline.tasks.adapters import AdapterError
+    from grpo_pipeline.tasks.engine import EngineError
+    from grpo_pipeline.tasks.router import ServeSetupError, api_key_policy
+    from grpo_pipeline.tasks.router import serve as run_router
+
+    _, cfg = _load(config, overrides)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # a server's log, not a terminal
+    try:
+        api_key = api_key_policy(dict(os.environ), host)
+        request_log = RequestLog.open(log_url(cfg.data_dir))
+    except (ValueError, LogStoreError) as exc:
+        _fail(False, str(exc), EXIT_CONFIG)
+    try:
+        run_router(cfg, host, port, api_key, request_log)
+    except (ServeSetupError, AdapterError) as exc:
+        _fail(False, str(exc), EXIT_CONFIG)
+    except EngineError as exc:
+        _fail(False, str(exc), EXIT_FAILED)
+    finally:
+        request_log.close()
+
+
 from grpo_pipeline.ab_cli import app as ab_cli  # noqa: E402 - light: its commands import what they use
 from grpo_pipeline.rewards_cli import app as rewards_cli  # noqa: E402 - light: typer and the reward registry
 

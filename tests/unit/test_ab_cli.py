@@ -67,6 +67,17 @@ def test_status_shows_the_counts_and_the_estimate(world):
     assert out["test"]["interval"][0] > 0 and 1.9 < out["elapsed_h"] < 2.1
 
 
+def test_status_counts_the_requests_a_router_answered_while_the_store_was_down(world, tmp_path):
+    from grpo_pipeline.tasks.ab_spool import append, spool_path
+
+    _, _, args = world
+    for i in range(3):
+        append(spool_path(tmp_path), RequestRow(id=f"spooled-{i}", arm="champion", version="1", latency_s=0.1,
+                                                prompt_tokens=3, completion_tokens=4, error=False))
+    code, out = run("status", *args, "--set", f"data_dir={tmp_path}")
+    assert code == 0 and out["unlogged"] == 3, out
+
+
 def test_a_better_challenger_is_promoted_and_the_aliases_move(world):
     log, registry, args = world
     fill(log, challenger_score=1.0)

@@ -1,0 +1,294 @@
+"""The router's pure parts (assignment, validation, keys) and its HTTP surface where no engine is needed: a real
+Starlette app over a real SQLite request log; a request the engine cannot answer (nothing listens on its port)
+is logged as an error. The engine itself (vLLM) is exercised in tests/integration/test_serve_engine.py (slow)."""
+
+import json
+import socket
+from pathlib import Path
+
+import httpx
+import pytest
+from scipy.stats import binom
+from sqlalchemy import text
+from starlette.testclient import TestClient
+
+from grpo_pipeline.configs.ab import ABConfig
+from grpo_pipeline.tasks import ab_spool
+from grpo_pipeline.tasks.ab_log import RequestLog, RequestRow, metadata
+from grpo_pipeline.tasks.adapters import Adapter, refusal
+from grpo_pipeline.tasks.router import (
+    CHALLENGER,
+    CHAMPION,
+    BadRequest,
+    Router,
+    api_key_policy,
+    arm_for,
+    assignment_hash,
+    assignment_key,
+    authorized,
+    parse_object,
+    validate_feedback,
+    validate_generation,
+)
+
+
+def share_in_interval(hits: int, n: int, p: float, level: float = 0.99) -> bool:
+    low, high = binom.interval(level, n, p)
+    return low <= hits <= high
+
+
+@pytest.mark.parametrize("fraction", [0.1, 0.5])
+def test_the_challenger_share_of_1000_requests_from_200_users_is_binomial_and_each_user_sees_one_arm(fraction):
+    seen: dict[str, set[str]] = {}
+    requests = [f"user-{i % 200}" for i in range(1000)]  # 200 users, 5 requests each, interleaved
+    for user in requests:
+        seen.setdefault(user, set()).add(arm_for(assignment_hash(user), fraction))
+    assert all(len(arms) == 1 for arms in seen.values())
+    challenger_requests = sum(CHALLENGER in seen[u] for u in requests)
+    challenger_users = sum(CHALLENGER in arms for arms in seen.values())
+    # users are the independent draws (a user's 5 requests share one arm): the user share is binomial(200)
+    assert share_in_interval(challenger_users, 200, fraction)
+    assert challenger_requests == 5 * challenger_users
+    # and over 1,000 distinct keys, binomial(1000)
+    assert share_in_interval(sum(arm_for(assignment_hash(f"k{i}"), fraction) == CHALLENGER for i in range(1000)),
+                             1000, fraction)
+
+
+def test_the_fraction_bounds_send_everyone_to_one_arm():
+    keys = [assignment_hash(f"u{i}") for i in range(500)]
+    assert {arm_for(k, 0.0) for k in keys} == {CHAMPION}
+    assert {arm_for(k, 1.0) for k in keys} == {CHALLENGER}
+
+
+def test_raising_the_fraction_moves_users_to_the_challenger_only():
+    keys = [assignment_hash(f"u{i}") for i in range(500)]
+    before = {k for k in keys if arm_for(k, 0.1) == CHALLENGER}
+    after = {k for k in keys if arm_for(k, 0.3) == CHALLENGER}
+    assert before < after
+
+
+def test_the_key_comes_from_the_header_then_safety_identifier_then_user():
+    body = {"user": "u", "safety_identifier": "s"}
+    assert assignment_key(body, {"x-assignment-key": "h"}) == "h"
+    assert assignment_key(body, {}) == "s"
+    assert assignment_key({"user": "u"}, {}) == "u"
+    assert assignment_key({}, {}) is None
+
+
+def test_fraction_outside_0_1_is_refused_by_the_config():
+    with pytest.raises(ValueError, match="challenger_fraction"):
+        ABConfig(challenger_fraction=1.5)
+    with pytest.raises(ValueError, match="max_lora_rank=12 is not one vLLM takes"):
+        ABConfig.model_validate({"serve": {"max_lora_rank": 12}})
+
+
+@pytest.mark.parametrize(("kind", "body", "reason"), [
+    ("chat", {}, "messages must be a non-empty list"),
+    ("chat", {"messages": [{"content": "no role"}]}, "messages must be a non-empty list"),
+    ("chat", {"messages": "hi"}, "messages must be a non-empty list"),
+    ("completions", {"prompt": 3}, "prompt must be a string"),
+    ("completions", {"prompt": []}, "prompt must be a string"),
+    ("completions", {"prompt": "x", "user": 7}, "user must be a string"),
+    ("chat", {"messages": [{"role": "user", "content": "x"}], "stream": True}, "stream=true is not supported"),
+])
+def test_malformed_generation_bodies_are_refused_with_the_reason(kind, body, reason):
+    with pytest.raises(BadRequest, match=reason):
+        validate_generation(kind, body)
+
+
+def test_well_formed_bodies_pass():
+    assert validate_generation("completions", {"prompt": [[1, 2], "text"]})
+    assert validate_generation("chat", {"messages": [{"role": "user", "content": "hi"}], "user": "u"})
+
+
+@pytest.mark.parametrize(("raw", "reason"), [
+    (b"{", "not valid JSON"),
+    (b"\xff", "not valid JSON"),
+    (b'"a"', "must be a JSON object, got a str"),
+])
+def test_bodies_that_are_not_json_objects_are_refused(raw, reason):
+    with pytest.raises(BadRequest, match=reason):
+        parse_object(raw)
+
+
+@pytest.mark.parametrize(("body", "reason"), [
+    ({"score": 1}, "id must be"),
+    ({"id": "", "score": 1}, "id must be"),
+    ({"id": "x" * 65, "score": 1}, "id must be"),
+    ({"id": "a"}, "score must be a finite number"),
+    ({"id": "a", "score": "1"}, "score must be a finite number"),
+    ({"id": "a", "score": True}, "score must be a finite number"),
+    ({"id": "a", "score": float("inf")}, "score must be a finite number"),
+    ({"id": "a", "score": 1, "note": "x"}, "unknown fields"),
+])
+def test_feedback_bodies_are_checked(body, reason):
+    with pytest.raises(BadRequest, match=reason):
+        validate_feedback(body)
+
+
+def test_the_api_key_is_required_off_loopback_and_checked():
+    assert api_key_policy({"GRPO_SERVE_API_KEY": "k"}, "0.0.0.0") == "k"
+    with pytest.raises(ValueError, match="set but empty"):
+        api_key_policy({"GRPO_SERVE_API_KEY": " "}, "127.0.0.1")
+    with pytest.raises(ValueError, match="needs an API key"):
+        api_key_policy({}, "10.0.0.5")
+    assert authorized("Bearer k", "k") and authorized("bearer k", "k")
+    assert not authorized("Bearer x", "k") and not authorized(None, "k") and not authorized("k", "k")
+    assert authorized(None, None)
+
+
+def adapter(alias="champion", version="1", base="base-a", sha="aaa", rank=8) -> Adapter:
+    return Adapter(alias, version, Path("/nowhere"), base, sha, rank)
+
+
+def test_an_adapter_of_another_base_or_a_higher_rank_is_refused():
+    assert refusal(adapter(), "base-a", "aaa", 16) is None
+    assert "trained on base base-b" in refusal(adapter(base="base-b", sha="bbb"), "base-a", "aaa", 16)
+    assert "rank 32" in refusal(adapter(rank=32), "base-a", "aaa", 16)
+    assert refusal(adapter(sha=None), "base-a", None, 16) is None  # no hashes: the references decide
+
+
+# ------------------------------------------------------------------------------------------------ the HTTP surface
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # nothing listens once the socket is closed
+
+
+@pytest.fixture
+def served(tmp_path):
+    """A router whose engine is absent (its port closed), over a real SQLite log, champion and challenger set."""
+    request_log = RequestLog.open(f"sqlite:///{tmp_path / 'ab.sqlite'}")
+    router = Router(engine=None, client=None, request_log=request_log, spool=tmp_path / "unlogged.jsonl",
+                    challenger_fraction=0.5, api_key="secret", base="base-a", base_sha256="aaa", max_rank=16,
+                    request_timeout_s=5)
+    router.arms = {CHAMPION: adapter(), CHALLENGER: adapter("challenger", "2")}
+
+    import contextlib
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{closed_port()}") as client:
+            router.client = client
+            yield
+
+    with TestClient(router.app(lifespan), headers={"Authorization": "Bearer secret"}) as client:
+        yield router, client, request_log
+    request_log.close()
+
+
+def test_requests_without_the_key_get_401(served):
+    _, client, _ = served
+    for path in ("/v1/models",):
+        assert client.get(path, headers={"Authorization": "Bearer wrong"}).status_code == 401
+    answer = client.post("/v1/completions", json={"prompt": "x"}, headers={"Authorization": ""})
+    assert answer.status_code == 401 and "GRPO_SERVE_API_KEY" in answer.json()["error"]["message"]
+    assert client.get("/health").status_code == 200  # load balancers probe without a key
+
+
+def test_models_lists_the_served_aliases(served):
+    _, client, _ = served
+    models = client.get("/v1/models").json()["data"]
+    assert [(m["id"], m["version"], m["engine_name"]) for m in models] == [
+        ("champion", "1", "champion-v1"), ("challenger", "2", "challenger-v2")]
+
+
+def test_malformed_bodies_get_400_with_the_reason_and_the_server_keeps_serving(served):
+    _, client, request_log = served
+    for raw in (b"{", b"[]", b'{"messages": 3}'):
+        answer = client.post("/v1/chat/completions", content=raw)
+        assert answer.status_code == 400 and answer.json()["error"]["message"]
+    assert client.get("/v1/models").status_code == 200
+    assert request_log.counts() == {}  # refused requests were never answered: not logged
+
+
+def test_a_request_the_engine_cannot_answer_is_logged_as_an_error_with_its_arm(served):
+    _, client, request_log = served
+    answer = client.post("/v1/completions", json={"prompt": "hi", "user": "alice"})
+    assert answer.status_code == 502
+    arm, version = answer.headers["X-GRPO-Arm"], answer.headers["X-GRPO-Version"]
+    assert (arm, version) == ((CHALLENGER, "2") if arm_for(assignment_hash("alice"), 0.5) == CHALLENGER
+                              else (CHAMPION, "1"))
+    assert request_log.counts() == {arm: {version: {"requests": 1, "errors": 1, "feedback": 0}}}
+    request_id = answer.json()["id"]
+    with request_log.engine.connect() as c:
+        stored = c.execute(text("SELECT assignment FROM ab_requests WHERE id = :i"), {"i": request_id}).scalar()
+    assert stored == assignment_hash("alice")  # the key's hash, never the key
+
+
+def test_feedback_joins_known_ids_and_refuses_the_rest(served):
+    _, client, request_log = served
+    request_log.record(RequestRow(id="grpo-known", arm="champion", version="1", latency_s=0.1, prompt_tokens=3,
+                                  completion_tokens=4, error=False))
+    assert client.post("/v1/feedback", json={"id": "grpo-known", "score": 1}).json()["status"] == "stored"
+    assert client.post("/v1/feedback", json={"id": "grpo-unknown", "score": 1}).status_code == 404
+    assert client.post("/v1/feedback", content=b'{"id": "grpo-known", "score": NaN}').status_code == 400
+    assert client.post("/v1/feedback", content=b"nope").status_code == 400
+    assert request_log.counts()["champion"]["1"]["feedback"] == 1
+
+
+def test_a_store_failing_mid_run_keeps_serving_spools_the_rows_and_replays_them(served, tmp_path):
+    router, client, request_log = served
+    with request_log.engine.begin() as c:  # the store breaks: its table is gone
+        c.execute(text("DROP TABLE ab_feedback"))
+        c.execute(text("DROP TABLE ab_requests"))
+    ids = [client.post("/v1/completions", json={"prompt": "hi"}).json()["id"] for _ in range(3)]
+    assert router.unlogged == 3 and ab_spool.pending(router.spool) == 3
+    assert [json.loads(line)["id"] for line in router.spool.read_text().splitlines()] == ids
+    metadata.create_all(request_log.engine)  # the store is back
+    fourth = client.post("/v1/completions", json={"prompt": "hi"}).json()["id"]
+    with request_log.engine.connect() as c:
+        logged = c.execute(text("SELECT id FROM ab_requests")).scalars().all()
+    assert sorted(logged) == sorted([*ids, fourth])
+    assert ab_spool.pending(router.spool) == 0 and router.unlogged == 0
+    assert ab_spool.replay(router.spool, request_log) == 0  # replaying again writes nothing twice
+
+
+def test_an_alias_move_to_another_base_is_refused_and_the_old_adapter_keeps_serving(served):
+    import asyncio
+
+    router, client, _ = served
+    reason = asyncio.run(router.swap(CHALLENGER, adapter("challenger", "3", base="base-b", sha="bbb")))
+    assert "trained on base base-b" in reason
+    assert router.arms[CHALLENGER].version == "2"
+    assert [m["version"] for m in client.get("/v1/models").json()["data"]] == ["1", "2"]
+
+
+# ------------------------------------------------------------------------------------------------ the command
+
+
+def serve_cli(*args: str, env: dict | None = None):
+    from typer.testing import CliRunner
+
+    from grpo_pipeline.cli import app
+
+    return CliRunner().invoke(app, ["serve", *args], env=env)
+
+
+def test_serve_off_loopback_without_a_key_exits_2(monkeypatch):
+    monkeypatch.delenv("GRPO_SERVE_API_KEY", raising=False)
+    result = serve_cli("--host", "0.0.0.0")
+    assert result.exit_code == 2 and "needs an API key" in result.output
+
+
+def test_serve_with_the_log_store_unreachable_exits_2_naming_it(monkeypatch):
+    monkeypatch.setenv("GRPO_AB_LOG_URL", "sqlite:////proc/no-such-dir/ab.sqlite")
+    result = serve_cli()
+    assert result.exit_code == 2 and "/proc/no-such-dir/ab.sqlite is unreachable" in result.output
+
+
+def test_serve_with_the_registry_unreachable_exits_2_naming_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRPO_AB_LOG_URL", f"sqlite:///{tmp_path / 'ab.sqlite'}")
+    uri = f"http://127.0.0.1:{closed_port()}"
+    result = serve_cli("--set", f"tracking.mlflow_tracking_uri={uri}", "--set", "tracking.registered_model=m")
+    assert result.exit_code == 2 and f"the registry m at {uri} did not answer" in result.output
+
+
+@pytest.mark.slow  # an MLflow SQLite registry: its migrations take a minute on a busy machine
+def test_serve_without_a_champion_exits_2(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRPO_AB_LOG_URL", f"sqlite:///{tmp_path / 'ab.sqlite'}")
+    result = serve_cli("--set", f"tracking.mlflow_tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+                       "--set", "tracking.registered_model=nothing-here")
+    assert result.exit_code == 2 and "no champion alias in the registry nothing-here" in result.output
