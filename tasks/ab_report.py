@@ -21,7 +21,8 @@ from grpo_pipeline.tasks.ab_log import RequestLog, feedback_table, requests_tabl
 
 
 class Outcomes(BaseModel):
-    """Each arm's scores with when they arrived, in hours since the challenger's first request."""
+    """Each arm's scores with the time of the request they score (a label that arrives days later still
+    belongs to its request's hour), in hours since the challenger's first request."""
 
     start: datetime | None  # the challenger version's first request; None before it answered any
     hours: dict[str, list[float]]
@@ -29,7 +30,7 @@ class Outcomes(BaseModel):
 
 
 def read_outcomes(log: RequestLog, champion: str | None, challenger: str) -> Outcomes:
-    """The scored requests of the current versions (as `RequestLog.samples` counts them), with feedback times."""
+    """The scored requests of the current versions (as `RequestLog.samples` counts them), with their times."""
     rows: dict[str, list] = {}
     with log.engine.connect() as connection:
         first = connection.execute(select(requests_table.c.created_at).where(
@@ -37,10 +38,10 @@ def read_outcomes(log: RequestLog, champion: str | None, challenger: str) -> Out
             .order_by(requests_table.c.created_at).limit(1)).scalar()
         for arm, version in zip(ARMS, (champion, challenger), strict=True):
             rows[arm] = connection.execute(
-                select(feedback_table.c.created_at, feedback_table.c.score)
+                select(requests_table.c.created_at, feedback_table.c.score)
                 .select_from(feedback_table.join(requests_table))
                 .where((requests_table.c.arm == arm) & (requests_table.c.version == version))
-                .order_by(feedback_table.c.created_at)).all()
+                .order_by(requests_table.c.created_at)).all()
     start = _naive(first) if first is not None else None
     origin = start or min((_naive(r[0]) for arm_rows in rows.values() for r in arm_rows), default=None)
     hours = {arm: [(_naive(t) - origin).total_seconds() / 3600 for t, _ in arm_rows] for arm, arm_rows in rows.items()}
@@ -62,8 +63,8 @@ class SeriesPoint(BaseModel):
 
 
 def series(outcomes: Outcomes, ab: ABConfig, points: int = 12) -> list[SeriesPoint]:
-    """The arms' mean score and the difference's confidence sequence at `points` evenly spaced moments up to
-    the last score: what the decision would have seen had it looked then.
+    """The arms' mean score and the difference's confidence sequence over the requests up to each of `points`
+    evenly spaced moments (to the last scored request).
 
     >>> o = Outcomes(start=None, hours={"champion": [0.5, 1.0, 1.5, 2.0], "challenger": [0.5, 1.0, 1.5, 2.0]},
     ...              scores={"champion": [0, 1, 0, 1], "challenger": [1, 1, 1, 0]})
