@@ -606,6 +606,12 @@ class PromotionPolicy(StrictModel):
         description="column -> tolerated regression: a reward's drop, or 'length' as a relative increase",
     )
     reward_tolerance: float = Field(0.05, ge=0, description="tolerated drop of each reward not listed in guardrails")
+    mode: Literal["offline", "canary"] = Field(
+        "offline",
+        description="offline: a candidate that passes becomes champion at once. canary: it becomes challenger and "
+                    "the online A/B (`ab-decide`) promotes or rolls it back; a newer passing candidate replaces a "
+                    "running challenger (the test restarts); with no champion yet it becomes champion directly",
+    )
 
 
 class MergeConfig(StrictModel):

@@ -33,6 +33,7 @@ PREFECT_YAML = packaged("prefect.yaml", "flows")
 PROJECT_ROOT = packaged("", "flows").parent
 FLOW_NAME = "grpo-pipeline"
 DAILY, MANUAL, CI = "daily-retrain", "manual", "ci"
+AB_FLOW, AB_HOURLY = "ab-decide", "hourly"  # flows/ab.py: the live A/B's decision, on its own schedule
 IMAGE_WORKDIR = "/opt/grpo"  # where infra/docker/Dockerfile puts the project
 AUTOMATION = "grpo-pipeline-failed"
 FAILED_EVENTS = {"prefect.flow-run.Failed", "prefect.flow-run.Crashed", "prefect.flow-run.TimedOut"}
@@ -81,7 +82,7 @@ def render(spec: dict[str, Any], deploy: DeployConfig, config_path: str | None =
         if config_path is not None:
             params["config_path"] = config_path
         params["overrides"] = [*params.get("overrides", []), *(overrides or [])]
-        if budget_usd is not None:
+        if budget_usd is not None and deployment["entrypoint"].endswith(":grpo_pipeline"):  # ab_decide trains nothing
             params.setdefault("budget_usd", budget_usd)
         deployment["parameters"] = params
         if deployment["name"] == DAILY:
@@ -199,10 +200,10 @@ def deployments_summary() -> dict[str, dict]:
 
     out = {}
     with get_client(sync_client=True) as client:
-        for name in (DAILY, MANUAL, CI):
-            d = client.read_deployment_by_name(f"{FLOW_NAME}/{name}")
+        for flow_name, name in ((FLOW_NAME, DAILY), (FLOW_NAME, MANUAL), (FLOW_NAME, CI), (AB_FLOW, AB_HOURLY)):
+            d = client.read_deployment_by_name(f"{flow_name}/{name}")
             options = d.concurrency_options
-            out[name] = {
+            out[name if flow_name == FLOW_NAME else f"{flow_name}/{name}"] = {
                 "id": str(d.id),
                 "work_pool": d.work_pool_name,
                 "schedules": [{"cron": getattr(s.schedule, "cron", None), "timezone": getattr(s.schedule, "timezone", None),
@@ -241,10 +242,10 @@ def ensure_failure_automation(block: str) -> str:
         pass
     automation = Automation(
         name=AUTOMATION,
-        description=f"Tell {block} when a {FLOW_NAME} flow run fails, crashes or times out.",
+        description=f"Tell {block} when a {FLOW_NAME} or {AB_FLOW} flow run fails, crashes or times out.",
         trigger=EventTrigger(
             expect=FAILED_EVENTS,
-            match_related={"prefect.resource.role": "flow", "prefect.resource.name": FLOW_NAME},
+            match_related={"prefect.resource.role": "flow", "prefect.resource.name": [FLOW_NAME, AB_FLOW]},
             posture=Posture.Reactive, threshold=1, within=timedelta(0),
         ),
         actions=[SendNotification(
@@ -265,7 +266,7 @@ def settings_for(cfg, **options: Any) -> DeployConfig:
 
 
 def deploy(cfg, settings: DeployConfig, config_path: Path | None, overrides: list[str]) -> dict[str, Any]:
-    """Register the daily-retrain, manual and ci deployments on the Prefect server PREFECT_API_URL names, and
+    """Register the daily-retrain, manual, ci and ab-decide/hourly deployments on the Prefect server PREFECT_API_URL names, and
     the failure automation when `settings.notify_block` is set; returns what the server now holds.
 
     Raises ConfigError for what the user fixes (no server, no such notification block) and DeployError when

@@ -203,7 +203,7 @@ def run_pipeline(cfg: PipelineConfig) -> RunSummary:
         with stage_run(pid, "serving-check"):
             check = serving_stage(cfg, registry, registered, splits["holdout"], trained)
         decision = blocked_unless_served(decision, check)
-        outcome = promote_stage(registry, registered, champion_version, decision, check)
+        outcome = promote_stage(registry, registered, champion_version, decision, check, cfg.promote.mode)
         summary = RunSummary(
             mlflow=MlflowRef(tracking_uri=cfg.mlflow_uri, run_id=pid, experiment_id=experiment_id),
             run_dir=str(run_dir.resolve()),
@@ -611,21 +611,25 @@ def _not_a_decision(task, task_run, state) -> bool:
 
 @task(name="settle", cache_policy=NO_CACHE, retries=3, retry_delay_seconds=exponential_backoff(backoff_factor=5),
       retry_condition_fn=_not_a_decision)
-def settle_task(registry: Registry, version: str, decided_against: str | None, promote: bool, decision_tags: dict) -> list:
-    return registry.settle(version, decided_against, promote, decision_tags)
+def settle_task(registry: Registry, version: str, decided_against: str | None, promote: bool, decision_tags: dict,
+                mode: str = "offline") -> list:
+    return registry.settle(version, decided_against, promote, decision_tags, mode)
 
 
 def promote_stage(registry: Registry, registered: Registered, decided_against: str | None, decision: Decision,
-                  check: ServingCheck) -> RegistryOutcome:
-    """The aliases the decision calls for, under the lock; a version that failed its serving check gets none."""
+                  check: ServingCheck, mode: str = "offline") -> RegistryOutcome:
+    """The aliases the decision calls for, under the lock; a version that failed its serving check gets none.
+
+    `promote.mode=canary`: a candidate that passed becomes `challenger` and the online A/B (flows/ab.py)
+    decides on `champion`; it replaces a running challenger, whose test restarts on the new version."""
     verdict = _verdict(decision)
-    tags = {"decision": verdict, "decision_reasons": " | ".join(decision.reasons)[:5000]}
+    tags = {"decision": verdict, "decision_reasons": " | ".join(decision.reasons)[:5000], "promote_mode": mode}
     if check.passed:
-        moves = settle_task(registry, registered.version, decided_against, decision.promote, tags)
+        moves = settle_task(registry, registered.version, decided_against, decision.promote, tags, mode)
     else:
         registry.tag(registered.version, tags)
         moves = []
-    mlflow.set_tags({"decision": verdict, "candidate_version": registered.version})
+    mlflow.set_tags({"decision": verdict, "candidate_version": registered.version, "promote_mode": mode})
     return RegistryOutcome(
         model=registry.name, candidate_version=registered.version, decided_against=decided_against,
         moves=[AliasChange(model=m.model, alias=m.alias, version=m.version, before=m.before) for m in moves],

@@ -87,24 +87,20 @@ def status(config: ConfigOpt = None, overrides: SetOpt = None, as_json: JsonOpt 
 @app.command("decide")
 def decide_cmd(config: ConfigOpt = None, overrides: SetOpt = None, as_json: JsonOpt = False,
                dry_run: Annotated[bool, typer.Option("--dry-run", help="decide, move no alias")] = False) -> None:
-    """Decide the running test; promote or rollback move the aliases (under the registry lock)."""
-    from grpo_pipeline.tasks.ab import AliasesMoved, decide, settle
+    """Decide the running test; promote or rollback move the aliases (under the registry lock). The same two
+    steps as the hourly `ab-decide` flow (grpo_pipeline.tasks.ab_apply)."""
+    from grpo_pipeline.tasks.ab import AliasesMoved
+    from grpo_pipeline.tasks.ab_apply import decide_round, settle_round
     from grpo_pipeline.tasks.registry import RegistryError, RegistryServiceError
 
-    cfg, log, registry, champion, challenger = _open(config, overrides, as_json)
-    if not challenger:
+    cfg, log, registry, _, _ = _open(config, overrides, as_json)
+    try:
+        found = decide_round(cfg.ab, log, registry)
+    finally:
         log.close()
-        _print({"status": "ok", "action": None, "champion": champion, "challenger": None,
-                "reasons": ["no challenger alias: no test is running"]}, as_json)
-        return
-    a, b, hours = log.samples(champion, challenger)
-    log.close()
-    decision = decide(a, b, cfg.ab, hours)
-    moves = []
     if not dry_run:
         try:
-            moves = settle(registry, decision, champion, challenger)
+            found = settle_round(registry, found)
         except (AliasesMoved, RegistryError, RegistryServiceError) as exc:
-            _fail(as_json, str(exc), EXIT_CONFIG, decision=decision.model_dump(mode="json"))
-    _print({"status": "ok", **decision.model_dump(mode="json"), "champion": champion, "challenger": challenger,
-            "moves": [m.describe() for m in moves]}, as_json)
+            _fail(as_json, str(exc), EXIT_CONFIG, decision=found.decision.model_dump(mode="json"))
+    _print(found.as_json(), as_json)

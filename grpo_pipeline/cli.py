@@ -452,8 +452,8 @@ def deploy_cmd(
     image: Annotated[str | None, typer.Option(help="image for a Docker or Kubernetes pool")] = None,
     notify_block: Annotated[str | None, typer.Option(help="notification block 'type/name' told of failed runs")] = None,
 ) -> None:
-    """Register the daily-retrain, manual and ci deployments on the Prefect server (PREFECT_API_URL); print
-    what the server holds as JSON (a failure: the failure object, as with --json elsewhere)."""
+    """Register the daily-retrain, manual, ci and ab-decide/hourly deployments on the Prefect server
+    (PREFECT_API_URL); print what the server holds as JSON (a failure: the failure object, as with --json elsewhere)."""
     from grpo_pipeline.flows.deploy import DeployError, deploy, settings_for
 
     as_json = True  # stdout carries the JSON summary, so it carries the failure object too

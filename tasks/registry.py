@@ -98,6 +98,39 @@ def plan_promotion(champion: str | None, candidate: str, promote: bool) -> list[
     return moves + [AliasMove(CHAMPION, candidate), AliasMove(CHALLENGER, None)]
 
 
+def plan_canary(champion: str | None, candidate: str, passed: bool) -> list[AliasMove]:
+    """Alias moves for a decided candidate under `promote.mode=canary`: one that passed the offline gate becomes
+    `challenger` (replacing a running one: the online test restarts on the new version) and the champion is
+    left to the online decision; with no champion yet there is nothing to test it against online, so it
+    becomes champion directly; a rejected one gets no alias (a running test goes on undisturbed).
+
+    >>> plan_canary("3", "5", passed=True)
+    [AliasMove(alias='challenger', version='5')]
+    >>> plan_canary(None, "1", passed=True)
+    [AliasMove(alias='champion', version='1'), AliasMove(alias='challenger', version=None)]
+    >>> plan_canary("3", "5", passed=False)
+    []
+    """
+    if not passed:
+        return []
+    if champion is None:
+        return plan_promotion(None, candidate, promote=True)
+    return [AliasMove(CHALLENGER, candidate)]
+
+
+def plan_settle(champion: str | None, candidate: str, promote: bool, mode: str = "offline") -> list[AliasMove]:
+    """The moves of a decided candidate for `promote.mode` (`offline`: `plan_promotion`; `canary`: `plan_canary`).
+
+    >>> plan_settle("3", "4", promote=True, mode="canary")
+    [AliasMove(alias='challenger', version='4')]
+    """
+    if mode == "canary":
+        return plan_canary(champion, candidate, promote)
+    if mode != "offline":
+        raise ValueError(f"promote.mode must be 'offline' or 'canary', got {mode!r}")
+    return plan_promotion(champion, candidate, promote)
+
+
 def plan_force(champion: str | None, challenger: str | None, version: str) -> list[AliasMove]:
     """An operator's promotion: `version` becomes champion and the champion it replaces becomes
     previous-champion (so `rollback` undoes it); the challenger stays unless it is `version` itself.
@@ -490,11 +523,15 @@ class Registry:
             self._held = None
             self.release(ticket)
 
-    def settle(self, candidate: str, decided_against: str | None, promote: bool, tags: dict[str, str]) -> list[AliasMove]:
-        """Move the aliases for a decision, unless the champion moved since the decision was made."""
+    def settle(self, candidate: str, decided_against: str | None, promote: bool, tags: dict[str, str],
+               mode: str = "offline") -> list[AliasMove]:
+        """Move the aliases for a decision (`plan_settle` for `promote.mode`), unless the champion moved since
+        the decision was made. In canary mode a challenger it replaces is tagged with what replaced it."""
+        planned = plan_settle(decided_against, candidate, promote, mode)
         with self.lock():
-            champion = self.version_of(CHAMPION)
-            if self.version_of(CHAMPION if promote else CHALLENGER) == candidate:
+            champion, challenger = self.version_of(CHAMPION), self.version_of(CHALLENGER)
+            given = [m.alias for m in planned if m.version == candidate]  # the alias the candidate gets, if any
+            if given and self.version_of(given[0]) == candidate:
                 return []  # settled by an earlier attempt of this run, which failed after it
             if champion != decided_against:
                 raise ChampionMoved(
@@ -502,7 +539,11 @@ class Registry:
                     f"{decided_against or 'the base model'}; re-run to decide against the new champion"
                 )
             self.tag(candidate, tags)
-            return self.apply(plan_promotion(champion, candidate, promote))
+            if mode == "canary" and challenger not in (None, candidate) and AliasMove(CHALLENGER, candidate) in planned:
+                self.tag(challenger, {"ab_decision": "replaced", "ab_reason": (
+                    f"replaced as challenger by version {candidate}, which passed the offline gate; the online "
+                    "test restarted on it, undecided for this version")})
+            return self.apply(planned)
 
     def rollback(self, reason: str) -> list[AliasMove]:
         with self.lock():

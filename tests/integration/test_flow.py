@@ -134,6 +134,20 @@ def test_second_run_decides_against_the_champion_and_rollback_restores_it(tmp_pa
     status = _cli("registry", "--config", str(tiny_yaml), **home)
     aliases = json.loads(status.stdout)
     assert aliases["champion"] == v1 and aliases["previous-champion"] == v2
+    v3 = json.loads(strict.stdout)["registry"]["candidate_version"]
+    assert aliases["challenger"] == v3  # offline: the rejected candidate is the challenger
+
+    # promote.mode=canary: a candidate that passes the offline gate becomes the challenger (replacing v3, whose
+    # test restarts on it) and the champion is left to the online decision (flows/ab.py)
+    canary = _cli("run", "--config", str(tiny_yaml), "--json", *lenient, "--set", "promote.mode=canary", **home)
+    assert canary.returncode == 0, canary.stderr[-3000:]
+    summary = json.loads(canary.stdout)
+    v4 = summary["registry"]["candidate_version"]
+    assert summary["decision"]["promote"] and summary["registry"]["decided_against"] == v1
+    assert summary["registry"]["aliases"] == {"champion": v1, "challenger": v4, "previous-champion": v2}
+    client = mlflow.MlflowClient(summary["mlflow"]["tracking_uri"])
+    assert client.get_model_version("grpo-adapter", v4).tags["promote_mode"] == "canary"
+    assert client.get_model_version("grpo-adapter", v3).tags["ab_decision"] == "replaced"
 
 
 @pytest.mark.slow

@@ -133,9 +133,12 @@ def worker(deployed, env, tmp_path_factory):
         proc.wait()
 
 
-def test_deploy_registers_the_three_deployments(deployed, env, ops_yaml):
+def test_deploy_registers_the_four_deployments(deployed, env, ops_yaml):
     deployments = deployed["deployments"]
-    assert set(deployments) == {"daily-retrain", "manual", "ci"}
+    assert set(deployments) == {"daily-retrain", "manual", "ci", "ab-decide/hourly"}
+    hourly = deployments["ab-decide/hourly"]
+    assert hourly["schedules"] == [{"cron": "0 * * * *", "timezone": "UTC", "active": True}]
+    assert (hourly["concurrency_limit"], hourly["collision_strategy"]) == (1, "CANCEL_NEW")
     daily, manual, ci = deployments["daily-retrain"], deployments["manual"], deployments["ci"]
     assert daily["schedules"] == [{"cron": "0 2 * * *", "timezone": "Europe/Berlin", "active": True}]
     assert (daily["concurrency_limit"], daily["collision_strategy"]) == (1, "CANCEL_NEW")

@@ -5,18 +5,23 @@ import yaml
 from prefect.utilities.callables import parameter_schema
 
 from grpo_pipeline.configs.schema import DeployConfig
+from grpo_pipeline.flows.ab import ab_decide
 from grpo_pipeline.flows.deploy import DAILY, PREFECT_YAML, render
 from grpo_pipeline.flows.pipeline import grpo_pipeline
 
+FLOWS = {"flows/pipeline.py:grpo_pipeline": grpo_pipeline, "flows/ab.py:ab_decide": ab_decide}
+
 
 def test_every_form_field_opens_with_a_value():
-    schema = parameter_schema(grpo_pipeline.fn).model_dump()["properties"]
     spec = render(yaml.safe_load(PREFECT_YAML.read_text()), DeployConfig(), "configs/demo-cpu.yaml", [], budget_usd=25.0)
     for deployment in spec["deployments"]:
+        schema = parameter_schema(FLOWS[deployment["entrypoint"]].fn).model_dump()["properties"]
         params = deployment["parameters"]
+        assert set(params) <= set(schema), deployment["name"]  # a parameter the flow lacks fails every run
         for name, prop in schema.items():
             assert prop.get("default") is not None or params.get(name) is not None, (deployment["name"], name)
-    assert schema["launcher"]["default"] == "config"
+            assert prop.get("description"), (deployment["name"], name)  # the form says what each field is
+    assert parameter_schema(grpo_pipeline.fn).model_dump()["properties"]["launcher"]["default"] == "config"
 
 
 def test_overrides_name_the_keys_they_take():

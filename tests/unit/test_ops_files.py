@@ -310,10 +310,10 @@ def test_gpu_recipe_runs_on_sky_under_a_budget(workflows):
     assert (cfg.train.launcher, cfg.plan.budget_usd) == ("sky", 25)
 
 
-def test_prefect_yaml_declares_the_three_deployments():
+def test_prefect_yaml_declares_the_pipeline_and_ab_deployments():
     spec = yaml.safe_load(PREFECT_YAML.read_text())
     by_name = {d["name"]: d for d in spec["deployments"]}
-    assert set(by_name) == {"daily-retrain", "manual", "ci"}
+    assert set(by_name) == {"daily-retrain", "manual", "ci", "hourly"}
     for d in by_name.values():
         path, _, func = d["entrypoint"].partition(":")
         tree = ast.parse((ROOT / path).read_text())
@@ -321,6 +321,15 @@ def test_prefect_yaml_declares_the_three_deployments():
         load_config(ROOT / d["parameters"]["config_path"], d["parameters"].get("overrides", []))
     assert by_name["daily-retrain"]["concurrency_limit"] == {"limit": 1, "collision_strategy": "CANCEL_NEW"}
     assert by_name["manual"]["concurrency_limit"] == {"limit": 1, "collision_strategy": "ENQUEUE"}
+    hourly = by_name["hourly"]  # the live A/B's decision: every hour, one at a time
+    assert hourly["entrypoint"] == "flows/ab.py:ab_decide"
+    assert hourly["schedules"] == [{"cron": "0 * * * *", "timezone": "UTC", "active": True}]
+    assert hourly["concurrency_limit"] == {"limit": 1, "collision_strategy": "CANCEL_NEW"}
+    rendered = render(spec, DeployConfig(schedule_hour=2), "configs/demo-cpu.yaml", ["ab.alpha=0.01"], budget_usd=25.0)
+    hourly = next(d for d in rendered["deployments"] if d["name"] == "hourly")
+    assert hourly["schedules"][0]["cron"] == "0 * * * *"  # the daily hour is the daily's alone
+    # the parameters ab_decide takes, and no training budget (a parameter it has not would fail every run)
+    assert hourly["parameters"] == {"config_path": "configs/demo-cpu.yaml", "overrides": ["ab.alpha=0.01"]}
     assert "prefect.blocks.secret" not in json.dumps(spec)  # resolved at deploy time: the UI would show it
 
 

@@ -1,0 +1,144 @@
+"""The `ab-decide` flow: the live A/B's decision on a schedule (flows/prefect.yaml: `ab-decide/hourly`).
+
+Each run does what `grpo-pipeline ab decide` does, through the same functions (grpo_pipeline.tasks.ab_apply):
+read the aliases and the request log, decide with the pure `grpo_pipeline.tasks.ab.decide`, and for
+`promote` or `rollback` move the aliases under the registry lock. Each decision is recorded before anything
+moves, as an MLflow run in the experiment `<tracking.experiment>-ab` (the statistics as metrics, the versions
+and `ab.*` settings as params, the action as the tag `ab_action`, the report and the score-over-time chart as
+artifacts) and as a Prefect Markdown artifact (`ab-decision`). With no challenger alias it records nothing
+and ends: an hourly schedule runs quietly between tests.
+
+The aliases moving between the decision and the lock (a new canary candidate replaced the challenger) is not
+a failure: nothing moves, the run's tag `ab_applied` says `aliases-moved`, and the next run decides on the
+new versions.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from datetime import UTC, datetime
+from pathlib import Path
+
+import mlflow
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_image_artifact, create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
+from prefect.runtime import flow_run
+from prefect.tasks import exponential_backoff
+
+from grpo_pipeline.configs.schema import PipelineConfig, load_config
+from grpo_pipeline.flows import trigger
+from grpo_pipeline.flows.runs import setup_tracking
+from grpo_pipeline.tasks.ab import AliasesMoved
+from grpo_pipeline.tasks.ab_apply import Round, decide_round, settle_round
+from grpo_pipeline.tasks.ab_log import RequestLog, log_url
+from grpo_pipeline.tasks.ab_report import (
+    Outcomes,
+    decision_metrics,
+    decision_params,
+    plot_series,
+    read_outcomes,
+    render_decision,
+    series,
+)
+from grpo_pipeline.tasks.registry import Registry, RegistryError, open_client
+from grpo_pipeline.tasks.report import artifact_url
+
+FLOW_NAME = "ab-decide"
+
+
+def experiment_name(cfg: PipelineConfig) -> str:
+    """Decisions go beside the training runs' experiment, not into it: an hourly run would crowd its table."""
+    return f"{cfg.tracking.experiment}-ab"
+
+
+def _retry_service_errors(task, task_run, state) -> bool:
+    """Retry a store or registry that did not answer; never a decision (the aliases moved, a held lock)."""
+    try:
+        state.result()
+    except (AliasesMoved, RegistryError):
+        return False
+    except Exception:
+        return True
+    return False
+
+
+def _registry(cfg: PipelineConfig) -> Registry:
+    return Registry(open_client(cfg.mlflow_uri), cfg.tracking.registered_model)
+
+
+@task(name="ab-read-and-decide", cache_policy=NO_CACHE, retries=3,
+      retry_delay_seconds=exponential_backoff(backoff_factor=5), retry_condition_fn=_retry_service_errors)
+def decide_task(cfg: PipelineConfig) -> tuple[Round, Outcomes | None]:
+    log = RequestLog.open(log_url(cfg.data_dir))
+    try:
+        found = decide_round(cfg.ab, log, _registry(cfg))
+        outcomes = read_outcomes(log, found.champion, found.challenger) if found.decision else None
+    finally:
+        log.close()
+    return found, outcomes
+
+
+@task(name="ab-settle", cache_policy=NO_CACHE, retries=3, retry_delay_seconds=exponential_backoff(backoff_factor=5),
+      retry_condition_fn=_retry_service_errors)
+def settle_task(cfg: PipelineConfig, found: Round) -> Round:
+    return settle_round(_registry(cfg), found)
+
+
+def record(cfg: PipelineConfig, found: Round, outcomes: Outcomes, workdir: Path) -> str:
+    """Open the decision's MLflow run and log what was decided (before anything moves); returns its id."""
+    setup_tracking(cfg.mlflow_uri, experiment_name(cfg), cfg.data_dir / "mlartifacts")
+    decision = found.decision
+    now = datetime.now(UTC)
+    run = mlflow.start_run(run_name=f"ab-decide {now:%Y-%m-%d %H:%M} {decision.action}", tags={
+        "ab_action": decision.action, "ab_champion": str(found.champion), "ab_challenger": str(found.challenger),
+        "ab_breaches": ",".join(decision.breaches), "ab_reasons": "; ".join(decision.reasons)[:5000],
+        "prefect_flow_run_id": flow_run.id or "local", "pipeline": FLOW_NAME})
+    mlflow.log_params(decision_params(found, cfg.ab))
+    mlflow.log_metrics(decision_metrics(found))
+    mlflow.log_dict(found.as_json(), "decision.json")
+    points = series(outcomes, cfg.ab)
+    if points:
+        mlflow.log_artifact(str(plot_series(points, workdir / "ab_scores.png")))
+    return run.info.run_id
+
+
+@flow(name=FLOW_NAME, log_prints=True)
+def ab_decide(config_path: str | None = None, overrides: list[str] | None = None) -> dict:
+    """Decide the live A/B between the registry's `champion` and `challenger` from the request log; promote
+    or roll back under the registry lock.
+
+    Args:
+        config_path: pipeline YAML (its `ab.*`, `tracking.*` and `data_dir` are read); empty: the built-in
+            defaults. A run of a deployment may pick only the deployment's own config or its recipes.
+        overrides: `section.key=value` assignments on top, e.g. `ab.alpha=0.01`; a run of a deployment may set
+            only the fields the deployment allows (docs/security.md).
+    """
+    logger = get_run_logger()
+    items = trigger.enforce(config_path, list(overrides or []), lambda params: list(params.get("overrides") or []))
+    cfg = load_config(config_path, items)
+    found, outcomes = decide_task(cfg)
+    if found.decision is None:
+        logger.info("; ".join(found.reasons))
+        return found.as_json()
+    applied = "failed"
+    with tempfile.TemporaryDirectory() as workdir:
+        run_id = record(cfg, found, outcomes, Path(workdir))
+        try:
+            found = settle_task(cfg, found)
+            applied = "yes"
+        except AliasesMoved as exc:
+            logger.warning(f"{exc}: nothing moved; the next run decides on the new versions")
+            applied = "aliases-moved"
+        finally:
+            mlflow.set_tags({"ab_applied": applied, "ab_moves": "; ".join(found.moves)})
+            markdown = render_decision(found, series(outcomes, cfg.ab), outcomes.start)
+            if applied == "aliases-moved":
+                markdown += "\nNot applied: the aliases moved since the log was read; the next run decides again.\n"
+            mlflow.log_text(markdown, "decision.md")
+            mlflow.end_run(status="FINISHED" if applied != "failed" else "FAILED")
+    create_markdown_artifact(markdown, key="ab-decision", description="the live A/B's decision")
+    if url := artifact_url(cfg.mlflow_uri, run_id, "ab_scores.png"):
+        create_image_artifact(url, key="ab-scores", description="the arms' mean score over time, with intervals")
+    logger.info(f"A/B decision: {found.action}; moves: {found.moves or 'none'}; MLflow run {run_id}")
+    return {**found.as_json(), "mlflow_run_id": run_id, "applied": applied}

@@ -1,0 +1,67 @@
+"""One round of the live A/B, as `grpo-pipeline ab decide` and the `ab-decide` flow (flows/ab.py) both run it:
+
+1. `decide_round`: read the aliases, the requests the *current* champion and challenger versions answered (the
+   log is per version: a challenger replaced by a newer candidate under `promote.mode=canary` no longer
+   counts, so its test restarts), and decide with the pure `grpo_pipeline.tasks.ab.decide`;
+2. `settle_round`: for `promote` or `rollback`, move the aliases under the registry lock
+   (`grpo_pipeline.tasks.ab.settle`), unless they moved since step 1 (`AliasesMoved`: nothing moves).
+
+Two steps so a caller can report the decision when the move fails; one implementation of each.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel
+
+from grpo_pipeline.configs.ab import ABConfig
+from grpo_pipeline.tasks.ab import Decision, decide, settle
+from grpo_pipeline.tasks.ab_log import RequestLog
+from grpo_pipeline.tasks.registry import CHALLENGER, CHAMPION, Registry
+
+NO_TEST = "no challenger alias: no test is running"
+# The rule for a candidate that arrives while a test runs (promote.mode=canary), said wherever a decision is shown.
+REPLACEMENT_RULE = ("a newer candidate that passes the offline gate replaces the challenger and the test restarts: "
+                    "only the requests the current challenger version answered count")
+
+
+class Round(BaseModel):
+    """What one round found and did. `decision` is None when no challenger alias exists (nothing to decide)."""
+
+    champion: str | None
+    challenger: str | None
+    decision: Decision | None = None
+    reasons: list[str] = []  # why there is no decision
+    moves: list[str] = []  # the alias moves made, as `model@alias: before -> after`
+    applied: bool = False  # settle_round ran (not a dry run)
+
+    @property
+    def action(self) -> str | None:
+        return self.decision.action if self.decision else None
+
+    def as_json(self) -> dict:
+        """The object `grpo-pipeline ab decide --json` prints (and the flow returns)."""
+        if self.decision is None:
+            return {"status": "ok", "action": None, "champion": self.champion, "challenger": self.challenger,
+                    "reasons": self.reasons}
+        return {"status": "ok", **self.decision.model_dump(mode="json"), "champion": self.champion,
+                "challenger": self.challenger, "moves": self.moves}
+
+
+def decide_round(ab: ABConfig, log: RequestLog, registry: Registry) -> Round:
+    """The decision on the running test (nothing moves). A champion-less challenger is compared with nothing
+    (no champion requests): it continues until `ab.max_duration_h`, then stops."""
+    aliases = registry.aliases()
+    champion, challenger = aliases[CHAMPION], aliases[CHALLENGER]
+    if not challenger:
+        return Round(champion=champion, challenger=None, reasons=[NO_TEST])
+    a, b, hours = log.samples(champion, challenger)
+    return Round(champion=champion, challenger=challenger, decision=decide(a, b, ab, hours))
+
+
+def settle_round(registry: Registry, found: Round) -> Round:
+    """Move the aliases the round's decision calls for, under the registry lock; raises `AliasesMoved`
+    (`grpo_pipeline.tasks.ab`) when the champion or challenger changed since `decide_round` read them."""
+    if found.decision is None:
+        return found.model_copy(update={"applied": True})
+    moves = settle(registry, found.decision, found.champion, found.challenger)
+    return found.model_copy(update={"moves": [m.describe() for m in moves], "applied": True})
