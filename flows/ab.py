@@ -72,7 +72,7 @@ def _registry(cfg: PipelineConfig) -> Registry:
 def decide_task(cfg: PipelineConfig) -> tuple[Round, Outcomes | None]:
     log = RequestLog.open(log_url(cfg.data_dir))
     try:
-        found = decide_round(cfg.ab, log, _registry(cfg))
+        found = decide_round(cfg.ab, log, _registry(cfg), cfg.promote.mode == "canary")
         outcomes = read_outcomes(log, found.champion, found.challenger) if found.decision else None
     finally:
         log.close()

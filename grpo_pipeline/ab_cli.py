@@ -95,7 +95,7 @@ def decide_cmd(config: ConfigOpt = None, overrides: SetOpt = None, as_json: Json
 
     cfg, log, registry, _, _ = _open(config, overrides, as_json)
     try:
-        found = decide_round(cfg.ab, log, registry)
+        found = decide_round(cfg.ab, log, registry, cfg.promote.mode == "canary")
     finally:
         log.close()
     if not dry_run:

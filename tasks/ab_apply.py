@@ -19,6 +19,8 @@ from grpo_pipeline.tasks.ab_log import RequestLog
 from grpo_pipeline.tasks.registry import CHALLENGER, CHAMPION, Registry
 
 NO_TEST = "no challenger alias: no test is running"
+OFFLINE = ("promote.mode is offline: the challenger alias holds the candidate the offline gate rejected, which is "
+           "never served nor tested live; set promote.mode=canary for a live test")
 # The rule for a candidate that arrives while a test runs (promote.mode=canary), said wherever a decision is shown.
 REPLACEMENT_RULE = ("a newer candidate that passes the offline gate replaces the challenger and the test restarts: "
                     "only the requests the current challenger version answered count")
@@ -47,11 +49,14 @@ class Round(BaseModel):
                 "challenger": self.challenger, "moves": self.moves}
 
 
-def decide_round(ab: ABConfig, log: RequestLog, registry: Registry) -> Round:
+def decide_round(ab: ABConfig, log: RequestLog, registry: Registry, canary: bool = True) -> Round:
     """The decision on the running test (nothing moves). A champion-less challenger is compared with nothing
-    (no champion requests): it continues until `ab.max_duration_h`, then stops."""
+    (no champion requests): it continues until `ab.max_duration_h`, then stops. Without `canary`
+    (`promote.mode: offline`) no test runs: there `challenger` is the offline gate's reject."""
     aliases = registry.aliases()
     champion, challenger = aliases[CHAMPION], aliases[CHALLENGER]
+    if not canary:
+        return Round(champion=champion, challenger=None, reasons=[OFFLINE])
     if not challenger:
         return Round(champion=champion, challenger=None, reasons=[NO_TEST])
     a, b, hours = log.samples(champion, challenger)

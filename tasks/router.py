@@ -435,6 +435,8 @@ def serve(cfg, host: str, port: int, api_key: str | None, request_log: RequestLo
     cache = Path(cfg.data_dir) / "serve" / "adapters"
 
     def resolve_alias(alias: str) -> Adapter | None:
+        if alias == CHALLENGER and cfg.promote.mode != "canary":
+            return None  # offline promotion puts the candidate its gate rejected there: never live traffic
         return resolve(registry, alias, cfg.mlflow_uri, cache)
 
     try:

@@ -40,7 +40,8 @@ def world(tmp_path):
     url = f"sqlite:///{tmp_path / 'ab.sqlite'}"
     log = RequestLog.open(url)
     overrides = [f"data_dir={tmp_path / 'data'}", f"tracking.mlflow_tracking_uri={uri}",
-                 "tracking.registered_model=ab-test", "ab.min_samples=40", "ab.guardrails.min_requests=40"]
+                 "tracking.registered_model=ab-test", "ab.min_samples=40", "ab.guardrails.min_requests=40",
+                 "promote.mode=canary"]
     env = {**os.environ, LOG_URL_ENV: url, "PREFECT_HOME": str(tmp_path / "prefect"),
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     yield log, Registry(client, "ab-test"), client, overrides, env

@@ -107,7 +107,7 @@ class Server:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "grpo_pipeline.cli", "serve", "--port", str(port),
                  "--set", f"tracking.mlflow_tracking_uri={world['uri']}", "--set", f"tracking.registered_model={NAME}",
-                 "--set", f"data_dir={world['root'] / 'data'}", "--set", f"ab.challenger_fraction={FRACTION}",
+                 "--set", f"data_dir={world['root'] / 'data'}", "--set", f"ab.challenger_fraction={FRACTION}", "--set", "promote.mode=canary",
                  "--set", "ab.serve.poll_s=2", "--set", f"ab.serve.engine_python={ENGINE_PYTHON}",
                  "--set", "ab.serve.max_model_len=256", "--set", "ab.serve.max_lora_rank=8"],
                 env=env, stdout=out, stderr=subprocess.STDOUT, cwd=world["root"])

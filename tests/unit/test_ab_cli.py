@@ -37,7 +37,7 @@ def world(tmp_path, monkeypatch, empty_registry_db):
     monkeypatch.setenv(LOG_URL_ENV, log_url)
     log = RequestLog.open(log_url)
     args = ["--set", f"tracking.mlflow_tracking_uri={uri}", "--set", "tracking.registered_model=ab-test",
-            "--set", "ab.min_samples=40", "--set", "ab.guardrails.min_requests=40"]
+            "--set", "ab.min_samples=40", "--set", "ab.guardrails.min_requests=40", "--set", "promote.mode=canary"]
     yield log, Registry(client, "ab-test"), args
     log.close()
 
@@ -86,6 +86,15 @@ def test_a_better_challenger_is_promoted_and_the_aliases_move(world):
     assert registry.aliases() == {CHAMPION: "2", CHALLENGER: None, PREVIOUS: "1"}
     assert out["moves"] == ["ab-test@previous-champion: (none) -> 1", "ab-test@champion: 1 -> 2",
                             "ab-test@challenger: 2 -> (removed)"]
+
+
+def test_offline_promotion_tests_nothing_live_and_moves_nothing(world):
+    """In promote.mode=offline the challenger alias is the candidate the offline gate rejected."""
+    log, registry, args = world
+    fill(log, challenger_score=1.0)
+    code, out = run("decide", *args, "--set", "promote.mode=offline")
+    assert code == 0 and out["action"] is None and "promote.mode is offline" in " ".join(out["reasons"]), out
+    assert registry.aliases() == {CHAMPION: "1", CHALLENGER: "2", PREVIOUS: None}
 
 
 def test_a_slow_challenger_is_rolled_back_and_traffic_returns_to_the_champion(world):
