@@ -176,6 +176,8 @@ def run(
 def _print_summary(summary) -> None:
     """The holdout table (base, the champion when there was one, the candidate), the decision, the serving
     check, and the aliases as a table."""
+    from grpo_pipeline.tasks.report import verdict
+
     holdout, decision, registry = summary.holdout, summary.decision, summary.registry
     columns = {"base": (holdout.base_reward, holdout.base)}
     if holdout.champion is not None:
@@ -190,7 +192,7 @@ def _print_summary(summary) -> None:
         table.add_row(name, *(f"{values[name]:.3f}" for _, values in columns.values()))
     out = Console()
     out.print(table)
-    out.print(("[green]promoted" if decision.promote else "[yellow]not promoted")
+    out.print(("[green]" if decision.promote else "[yellow]") + verdict(decision, registry)
               + f"[/]: version {registry.candidate_version} of {registry.model}")
     for reason in decision.reasons:
         out.print(f"  - {reason}")

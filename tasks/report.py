@@ -37,16 +37,31 @@ def render_skipped(reason: str) -> str:
     return "\n".join(["# GRPO run: skipped", "", f"Nothing trained: {reason}", ""])
 
 
+def verdict(decision: Decision, registry: RegistryOutcome) -> str:
+    """What the run did with its candidate, in words: under `promote.mode=canary` a candidate that passed the
+    offline gate is the live test's challenger, not yet the champion.
+
+    >>> from types import SimpleNamespace as Fake
+    >>> verdict(Fake(promote=True), Fake(aliases={"champion": "3", "challenger": "4"}, candidate_version="4"))
+    'challenger (passed the offline gate; the live A/B decides)'
+    >>> verdict(Fake(promote=True), Fake(aliases={"champion": "4", "challenger": None}, candidate_version="4"))
+    'promoted'
+    """
+    if not decision.promote:
+        return "not promoted"
+    canary = registry.aliases.get("challenger") == registry.candidate_version != registry.aliases.get("champion")
+    return "challenger (passed the offline gate; the live A/B decides)" if canary else "promoted"
+
+
 def render_markdown(holdout: Holdout, decision: Decision, registry: RegistryOutcome,
                     warm_start: WarmStart | None = None, rows: TrainRows | None = None,
                     train: TrainResult | None = None) -> str:
     """The decision, its reasons and the holdout numbers, as Markdown (MLflow artifact, Prefect artifact); with
     the training's result, whether the candidate came from a run that a health rule stopped or rolled back."""
-    verdict = "**promoted**" if decision.promote else "**not promoted**"
     baseline = f"champion version {registry.decided_against}" if registry.decided_against else "the base model"
     columns = ["base", *(["champion"] if holdout.champion else []), "candidate"]
     lines = [
-        f"# GRPO run: candidate {verdict}",
+        f"# GRPO run: candidate **{verdict(decision, registry)}**",
         "",
         f"Candidate version {registry.candidate_version} against {baseline} on {holdout.n} holdout prompts (greedy).",
         lineage_line(warm_start, rows),
