@@ -10,7 +10,8 @@ each in its own nested MLflow run under one parent run (`grpo_pipeline.flows.run
 Daily retraining (docs/operations.md): `model.init_adapter` continues an existing adapter (`warm_start_stage`,
 resolved and checked before any work); `data.skip_unchanged` ends a run after the data stage when the champion
 was trained on these rows with this configuration (`status: "skipped"`); `data.incremental` trains on the rows
-the parent's lineage has not seen plus a replayed share (`train_rows_stage`).
+the parent's lineage has not seen plus a replayed share (`train_rows_stage`); `drift_stage` logs how today's new
+rows differ from the champion's (`data.drift_alert` marks a drop of its reward on them).
 
 A retried flow run (the Prefect UI's Retry, or a flow-level retry) resumes after its last completed
 stage: the expensive stages are cached on their inputs and the flow run id, with results persisted, and
