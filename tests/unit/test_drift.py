@@ -99,3 +99,31 @@ def test_the_alert_threshold_neither_retrains_nor_rebuilds_the_data():
     on = load_config(None, ["data.drift_alert=0.1"])
     assert config_hash(on) == config_hash(load_config(None))  # so data.skip_unchanged still skips
     assert dataset_key(on.data, None, ["correct_answer"]) == dataset_key(load_config(None).data, None, ["correct_answer"])
+
+
+def test_the_decision_report_is_marked_and_shows_the_drift_section():
+    from markdown_it import MarkdownIt
+
+    from grpo_pipeline.configs.rewards import RewardSet
+    from grpo_pipeline.tasks.decide import Decision
+    from grpo_pipeline.tasks.evaluate import score
+    from grpo_pipeline.tasks.report import render_markdown
+    from grpo_pipeline.tasks.serving import ServingCheck
+    from grpo_pipeline.tasks.summary import Holdout, RegistryOutcome
+
+    rows = [{"key": "q1", "prompt": "What is 2 + 2?", "answer": "4"}]
+    result = score(rows, ["4"], RewardSet(names=("correct_answer",)), [1])
+    check = ServingCheck(model_uri="models:/m/5", prompts=1, matched=1, passed=True, seconds=1.0)
+    registry = RegistryOutcome(model="m", candidate_version="5", decided_against="4", moves=[],
+                               aliases={"champion": "4"}, base_model="org/base", serving_check=check)
+    rows = split_rows(_rows("s", [10] * 30, ["1"] * 30) + _rows("n", [40] * 30, ["x"] * 30), {f"s{i}" for i in range(30)}, "f")
+    drift = assess("4", rows, reward_drop([1.0] * 20 + [0.0] * 10, [1.0] * 5 + [0.0] * 25), threshold=0.1)
+    markdown = render_markdown(Holdout.of(result, result, result), Decision(promote=True, reasons=["gain"], stats={}),
+                               registry, drift=drift)
+    assert markdown.splitlines()[5].startswith("**Drift alert**: champion v4 scores 0.167 on 30 new rows")
+    page = MarkdownIt("commonmark").enable("table").render(markdown)
+    assert "<td>prompt characters, mean (median)</td>\n<td>10.0 (10)</td>\n<td>40.0 (40)</td>" in page
+    assert "<td>answers: text</td>\n<td>0.0%</td>\n<td>100.0%</td>" in page
+    quiet = render_markdown(Holdout.of(result, result, result), Decision(promote=True, reasons=["gain"], stats={}),
+                            registry, drift=not_measured("no champion yet"))
+    assert "Drift alert" not in quiet and "Not measured: no champion yet." in quiet
