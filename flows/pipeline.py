@@ -67,6 +67,7 @@ from grpo_pipeline.tasks.drift import (
     NewAndSeen,
     assess,
     drift_metrics,
+    judged_totals,
     not_measured,
     plot_drift,
     reward_drop,
@@ -452,7 +453,8 @@ def drift_stage(cfg: PipelineConfig, rewards: RewardSet, registry: Registry, dat
             with stage_run(parent_run_id, "drift"):
                 on_new = champion_stage(cfg, rewards, registry, champion, sample, run_dir, name="champion_new_rows",
                                         fetched=fetched)
-            reward = reward_drop([r["total"] for r in on_holdout.rows], [r["total"] for r in on_new.rows])
+            judged = seen_keys(registry, registry.name, champion, tag=HOLDOUT_TAG)
+            reward = reward_drop(judged_totals(on_holdout.rows, judged), [r["total"] for r in on_new.rows])
             drift = assess(champion, rows, reward, cfg.data.drift_alert)
     log_drift(drift, rows, cfg.mlflow_uri, run_dir)
     return drift

@@ -13,8 +13,9 @@ What is compared, exactly:
 - **answer type**: each reference answer as integer, decimal, fraction or text (`answer_type`), compared by their
   shares and a chi-square test of homogeneity (`scipy.stats.chi2_contingency`).
 - **the champion's reward**: its mean weighted total (`RewardSet.total`, what GRPO optimises) on a bounded,
-  reproducible sample of the new rows (`sample_rank`) against its mean on today's holdout, the same evaluation
-  code and settings for both; with the 95 % interval of the difference (Welch's t, `scipy.stats.ttest_ind`).
+  reproducible sample of the new rows (`sample_rank`) against its mean on the holdout rows it was judged on
+  (`judged_totals`: today's holdout less the new rows that landed in it), the same evaluation code and settings
+  for both; with the 95 % interval of the difference (Welch's t, `scipy.stats.ttest_ind`).
 
 Pure functions on rows and scores; `grpo_pipeline.flows.pipeline.drift_stage` reads the files, evaluates the
 champion and logs what these return.
@@ -221,6 +222,19 @@ class RewardDrop(BaseModel):
     ci_high: float | None = None
     holdout_rows: int
     new_rows_scored: int
+
+
+def judged_totals(rows: Sequence[dict], judged: set[str] | None) -> list[float]:
+    """The per-row totals of the champion's holdout evaluation on the rows it was judged on when it was promoted
+    (`judged`: its version's holdout keys): new rows whose key lands them in today's holdout are new to it too, and
+    would blur the comparison. All rows when it recorded none, or none of them is left.
+
+    >>> rows = [{"key": "h1", "total": 1.0}, {"key": "h2", "total": 1.0}, {"key": "new", "total": 0.0}]
+    >>> judged_totals(rows, {"h1", "h2"}), judged_totals(rows, None), judged_totals(rows, {"gone"})
+    ([1.0, 1.0], [1.0, 1.0, 0.0], [1.0, 1.0, 0.0])
+    """
+    kept = [r["total"] for r in rows if judged is not None and str(r["key"]) in judged]
+    return kept or [r["total"] for r in rows]
 
 
 def reward_drop(holdout: Sequence[float], new: Sequence[float]) -> RewardDrop:

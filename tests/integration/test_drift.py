@@ -48,8 +48,11 @@ def test_new_rows_against_the_champion_s_lineage(tmp_path, tiny_model):
             for i in range(24)]
     new = [{"prompt": [{"role": "user", "content": f"Describe, in a few words, the colour of object {i}. " * 3}],
             "answer": "blue", "key": f"n{i}"} for i in range(12)]
-    holdout = _write(tmp_path / "holdout.jsonl", [{"prompt": [{"role": "user", "content": f"What is {i} + 2?"}],
-                                                   "answer": str(i + 2), "key": f"h{i}"} for i in range(8)])
+    judged = [{"prompt": [{"role": "user", "content": f"What is {i} + 2?"}], "answer": str(i + 2), "key": f"h{i}"}
+              for i in range(6)]
+    # two new rows landed in today's holdout: not the holdout the champion was judged on
+    holdout = _write(tmp_path / "holdout.jsonl", judged + [{"prompt": [{"role": "user", "content": f"Colour {i}?"}],
+                                                            "answer": "red", "key": f"h{i}"} for i in (6, 7)])
     today = _Dataset({"train": _write(tmp_path / "today.jsonl", seen + new), "holdout": holdout}, "fp2")
 
     with mlflow.start_run() as parent:  # no champion yet
@@ -61,7 +64,7 @@ def test_new_rows_against_the_champion_s_lineage(tmp_path, tiny_model):
     day1 = _write(tmp_path / "day1.jsonl", [*seen, {"key": "gone1"}, {"key": "gone2"}])
     with mlflow.start_run() as run:
         tags = {"base_config": str(tiny_model), "quantization": "none",
-                **record_seen(None, {"train": day1, "holdout": holdout})}
+                **record_seen(None, {"train": day1, "holdout": _write(tmp_path / "hold1.jsonl", judged)})}
         version = registry.register(str(_adapter(tiny_model, tmp_path / "adapter")), run.info.run_id, tags)
     registry.client.set_registered_model_alias("drift", CHAMPION, version)
 
@@ -70,9 +73,10 @@ def test_new_rows_against_the_champion_s_lineage(tmp_path, tiny_model):
     assert (drift.champion, drift.new_rows, drift.seen_rows, drift.seen_missing) == (version, 12, 24, 2)
     assert drift.lengths.shifted and drift.lengths.new_mean > 3 * drift.lengths.seen_mean
     assert drift.answer_types.shifted and (drift.answer_types.new["text"], drift.answer_types.seen["integer"]) == (1, 1)
-    # scored by the evaluation code: every holdout answer is an integer (1.0), every new one text (0.0)
+    # scored by the evaluation code: every answer of the holdout it was judged on is an integer (1.0), every new one
+    # text (0.0); the two new holdout rows (0.0) are left out of its holdout reward
     r = drift.reward
-    assert (r.holdout_reward, r.new_reward, r.drop, r.holdout_rows, r.new_rows_scored) == (1.0, 0.0, 1.0, 8, 12)
+    assert (r.holdout_reward, r.new_reward, r.drop, r.holdout_rows, r.new_rows_scored) == (1.0, 0.0, 1.0, 6, 12)
     assert drift.alert and "beyond data.drift_alert=0.5" in drift.alert_reason
 
     logged = mlflow.get_run(parent.info.run_id)
@@ -81,7 +85,7 @@ def test_new_rows_against_the_champion_s_lineage(tmp_path, tiny_model):
     assert {"drift.json", "drift.md", "drift.png"} <= {a.path for a in mlflow.MlflowClient().list_artifacts(parent.info.run_id)}
     children = {c.info.run_name: c for c in mlflow.search_runs(
         filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'", output_format="list")}
-    assert children["evaluate-champion"].data.metrics["reward"] == 1.0  # what the later evaluate-champion stage reuses
+    assert children["evaluate-champion"].data.metrics["reward"] == 0.75  # the whole holdout: the later stage reuses it
     assert children["drift"].data.metrics["reward"] == 0.0
     markdown = mlflow.artifacts.load_text(f"runs:/{parent.info.run_id}/drift.md")
     assert f"## Drift since champion v{version}" in markdown and "**shifted**" in markdown
