@@ -127,6 +127,11 @@ class DataConfig(StrictModel):
         0.25, ge=0, le=1, description="with incremental: share of the already-seen train rows replayed beside the new "
         "ones, sampled reproducibly; more = less forgetting, longer runs"
     )
+    drift_alert: float | None = Field(
+        None, ge=0, allow_inf_nan=False, description="mark the run (tag drift_alert, summary drift.alert, the report) "
+        "when the champion's reward on today's new rows falls more than this below its holdout reward, in the "
+        "weighted total's units (e.g. 0.1 on a 0..1 accuracy); None: drift is still measured, never alerted"
+    )
 
     @field_validator("answer_regex")
     @classmethod

@@ -10,7 +10,8 @@ each in its own nested MLflow run under one parent run (`grpo_pipeline.flows.run
 Daily retraining (docs/operations.md): `model.init_adapter` continues an existing adapter (`warm_start_stage`,
 resolved and checked before any work); `data.skip_unchanged` ends a run after the data stage when the champion
 was trained on these rows with this configuration (`status: "skipped"`); `data.incremental` trains on the rows
-the parent's lineage has not seen plus a replayed share (`train_rows_stage`).
+the parent's lineage has not seen plus a replayed share (`train_rows_stage`); `drift_stage` logs how today's new
+rows differ from the champion's (`data.drift_alert` marks a drop of its reward on them).
 
 A retried flow run (the Prefect UI's Retry, or a flow-level retry) resumes after its last completed
 stage: the expensive stages are cached on their inputs and the flow run id, with results persisted, and
@@ -34,7 +35,7 @@ from prefect.tasks import exponential_backoff
 
 from grpo_pipeline.configs.library_fields import default as library_default
 from grpo_pipeline.configs.rewards import RewardSet
-from grpo_pipeline.configs.schema import ConfigError, PipelineConfig, TrainConfig, load_config
+from grpo_pipeline.configs.schema import ConfigError, ModelConfig, PipelineConfig, TrainConfig, load_config
 from grpo_pipeline.flows import trigger
 from grpo_pipeline.flows.hpo import search_stage
 from grpo_pipeline.flows.preflight import preflight
@@ -55,11 +56,23 @@ from grpo_pipeline.tasks.data import (
     config_hash,
     data_task,
     incremental_split,
+    jsonl_line,
     log_lineage,
     split_keys,
     unchanged_reason,
 )
 from grpo_pipeline.tasks.decide import Decision, decide_promotion
+from grpo_pipeline.tasks.drift import (
+    Drift,
+    NewAndSeen,
+    assess,
+    drift_metrics,
+    judged_totals,
+    not_measured,
+    plot_drift,
+    reward_drop,
+    split_rows,
+)
 from grpo_pipeline.tasks.evaluate import EvalResult, evaluate_task, read_jsonl
 from grpo_pipeline.tasks.hpo import apply_best
 from grpo_pipeline.tasks.job import (
@@ -76,7 +89,7 @@ from grpo_pipeline.tasks.plan import Plan, actual_cost, apply_plan, check_budget
 from grpo_pipeline.tasks.plan.task import plan_task
 from grpo_pipeline.tasks.quantize import quantization_cost_task, require_accepted
 from grpo_pipeline.tasks.registry import CHAMPION, MERGED_VERSION_TAG, MISSING, ChampionMoved, Registry, RegistryError
-from grpo_pipeline.tasks.report import artifact_url, plot_comparison, render_markdown, render_skipped
+from grpo_pipeline.tasks.report import artifact_url, drift_lines, plot_comparison, render_markdown, render_skipped
 from grpo_pipeline.tasks.select import select_task
 from grpo_pipeline.tasks.serving import (
     BASE_EXPERIMENT,
@@ -160,6 +173,7 @@ def run_pipeline(cfg: PipelineConfig) -> RunSummary:
         parent = (warm_start.model, warm_start.version) if warm_start and warm_start.version else (None, None)
         seen = seen_keys(registry, *parent)
         splits, rows = train_rows_stage(cfg, dataset, seen, run_dir, seen_keys(registry, *parent, tag=HOLDOUT_TAG))
+        drift = drift_stage(cfg, rewards, registry, dataset, run_dir, pid)
         with stage_run(pid, "model"):
             cfg, model_path = model_stage(cfg, rewards, base_path, splits["val"])
         with stage_run(pid, "plan"):
@@ -209,7 +223,7 @@ def run_pipeline(cfg: PipelineConfig) -> RunSummary:
             run_dir=str(run_dir.resolve()),
             data={"fingerprint": dataset.fingerprint, **dataset.report.model_dump(mode="json")},
             model=BaseChoice(base=cfg.model.base, path=model_path, quantization=cfg.model.quantization),
-            warm_start=warm_start, rows=rows, config_hash=cfg_hash,
+            warm_start=warm_start, rows=rows, drift=drift, config_hash=cfg_hash,
             holdout=Holdout.of(base, trained, champion), train=result, plan=plan.summary(), cost=cost, month=month,
             hpo=Search.of(search) if search else None,
             merge=merged, decision=decision, registry=outcome,
@@ -408,6 +422,67 @@ def month_stage(cfg: PipelineConfig, experiment_id: str, plan: Plan) -> MonthCos
     return figure
 
 
+def drift_stage(cfg: PipelineConfig, rewards: RewardSet, registry: Registry, dataset: DatasetVersion, run_dir: Path,
+                parent_run_id: str) -> Drift:
+    """How today's new train rows differ from the champion's (`grpo_pipeline.tasks.drift`: the rows whose keys its
+    version's `seen_keys` holds): prompt length, answer type, and its reward on a sample of the new rows against its
+    holdout reward (the holdout in the `evaluate-champion` stage run, whose later call is then this one's cached
+    result; the new rows in the `drift` stage run). Logged into the parent run (`log_drift`); not measured, with the
+    reason, when there is no champion, it recorded no lineage, or no row is new."""
+    champion = registry.version_of(CHAMPION)
+    seen = seen_keys(registry, registry.name, champion) if champion else None
+    rows = None
+    if champion is None:
+        drift = not_measured("no champion yet: nothing to compare today's rows with (the first promoted run makes one)")
+    elif seen is None:
+        drift = not_measured(f"champion v{champion} recorded no trained rows (no seen_keys tag: registered before "
+                             "lineage was kept)", champion)
+    else:
+        with Path(dataset.splits["train"]).open(encoding="utf-8") as f:  # only a newline ends a row (read_jsonl)
+            rows = split_rows((json.loads(line) for line in f if line.strip()), seen, dataset.fingerprint)
+        if not len(rows.new):
+            drift = not_measured(f"no train row is new since champion v{champion}", champion)
+        else:
+            fetched = champion_model(cfg, registry, champion, run_dir)
+            with stage_run(parent_run_id, "evaluate-champion"):
+                on_holdout = champion_stage(cfg, rewards, registry, champion, dataset.splits["holdout"], run_dir,
+                                            fetched=fetched)
+            sample = run_dir / "drift" / "new_rows.jsonl"
+            sample.parent.mkdir(parents=True, exist_ok=True)
+            sample.write_bytes(b"".join(jsonl_line(r) for r in rows.sample))
+            with stage_run(parent_run_id, "drift"):
+                on_new = champion_stage(cfg, rewards, registry, champion, sample, run_dir, name="champion_new_rows",
+                                        fetched=fetched)
+            judged = seen_keys(registry, registry.name, champion, tag=HOLDOUT_TAG)
+            reward = reward_drop(judged_totals(on_holdout.rows, judged), [r["total"] for r in on_new.rows])
+            drift = assess(champion, rows, reward, cfg.data.drift_alert)
+    log_drift(drift, rows, cfg.mlflow_uri, run_dir)
+    return drift
+
+
+def log_drift(drift: Drift, rows: NewAndSeen | None, tracking_uri: str, run_dir: Path) -> None:
+    """Into the active (parent) run: the `drift/` metrics, the tag `drift_alert` (true/false; with
+    `drift_alert_reason`) or `drift_skipped_reason`, drift.json, drift.md and drift.png; in the Prefect UI, the
+    markdown artifact `grpo-drift` (the chart inside when MLflow serves it by URL) and the image `grpo-drift-chart`."""
+    print(f"drift: {drift.skipped_reason or drift.alert_reason or 'measured, no alert'}")
+    if drift.skipped_reason:
+        mlflow.set_tag("drift_skipped_reason", drift.skipped_reason[:5000])
+    else:
+        mlflow.log_metrics(drift_metrics(drift))
+        mlflow.set_tags({"drift_alert": str(drift.alert).lower(),
+                         **({"drift_alert_reason": drift.alert_reason[:5000]} if drift.alert_reason else {})})
+    mlflow.log_dict(drift.model_dump(mode="json"), "drift.json")
+    markdown, url = "\n".join(drift_lines(drift)), None
+    if rows is not None and not drift.skipped_reason:
+        mlflow.log_artifact(str(plot_drift(drift, rows, run_dir / "drift.png")))
+        url = artifact_url(tracking_uri, mlflow.active_run().info.run_id, "drift.png")
+    if url:  # the Prefect UI loads images by URL; an MLflow server serves its artifacts by URL
+        markdown += f"\n![drift since champion v{drift.champion}]({url})\n"
+        create_image_artifact(url, key="grpo-drift-chart", description="today's new rows against the champion's")
+    mlflow.log_text(markdown, "drift.md")
+    create_markdown_artifact(markdown, key="grpo-drift", description="today's new rows against the champion's")
+
+
 def model_stage(cfg: PipelineConfig, rewards: RewardSet, base_path: str, val: Path) -> tuple[PipelineConfig, str]:
     """The base model: the best of `model.candidates` on the val split within memory and budget, or
     `model.base` (already resolved at `base_path`); then what its quantization costs, refused past its bound.
@@ -492,18 +567,24 @@ def fetch_champion_task(registry: Registry, version: str, dst: Path) -> tuple[st
     return mlflow.artifacts.download_artifacts(artifact_uri=mv.source, dst_path=str(dst)), mv.tags
 
 
-def champion_stage(cfg: PipelineConfig, rewards: RewardSet, registry: Registry, version: str, holdout: Path,
-                   run_dir: Path) -> EvalResult:
-    """The current champion on the same holdout, on the base it was trained on."""
+def champion_model(cfg: PipelineConfig, registry: Registry, version: str, run_dir: Path) -> tuple[str, str, ModelConfig]:
+    """The champion's base (resolved path), its adapter (downloaded into the run directory) and its model config."""
     local, tags = fetch_champion_task(registry, version, run_dir / "champion")
     adapter = Path(local) / "artifacts" / "adapter"  # an MLflow model; a version registered before was the adapter
     adapter = str(adapter) if adapter.is_dir() else local
     # base_config: the base as this project's config names it (the portable base_model names a copy of it)
     base_name = tags.get("base_config", tags.get("base_model", cfg.model.base))
     model = cfg.model.model_copy(update={"base": base_name, "quantization": tags.get("quantization", "none")})
-    path = resolve_model_task(model, cfg.data_dir / "models")
-    return evaluate_stage(cfg, rewards, path, holdout, "champion", adapter=adapter, model=model,
-                          label=f"champion v{version}")
+    return resolve_model_task(model, cfg.data_dir / "models"), adapter, model
+
+
+def champion_stage(cfg: PipelineConfig, rewards: RewardSet, registry: Registry, version: str, holdout: Path,
+                   run_dir: Path, name: str = "champion", fetched: tuple[str, str, ModelConfig] | None = None) -> EvalResult:
+    """The current champion on the same holdout (or, named otherwise, on another file of rows), on the base it was
+    trained on; `fetched`: `champion_model`'s answer, when already at hand."""
+    path, adapter, model = fetched or champion_model(cfg, registry, version, run_dir)
+    label = f"champion v{version}" + ("" if name == "champion" else f" ({name})")
+    return evaluate_stage(cfg, rewards, path, holdout, name, adapter=adapter, model=model, label=label)
 
 
 def merge_stage(cfg: PipelineConfig, model_path: str, result: TrainResult, holdout: Path, run_dir: Path,
@@ -645,7 +726,7 @@ def report(summary: RunSummary, run_dir: Path) -> None:
     mlflow.log_metrics(headline_metrics(summary))
     mlflow.log_dict(summary.model_dump(mode="json"), "summary.json")
     markdown = render_markdown(holdout, summary.decision, summary.registry, summary.warm_start, summary.rows,
-                               train=summary.train)
+                               train=summary.train, drift=summary.drift)
     mlflow.log_text(markdown, "report.md")
     chart = plot_comparison(holdout.baseline, holdout.trained, summary.decision.stats, run_dir / "comparison.png")
     mlflow.log_artifact(str(chart))

@@ -927,10 +927,10 @@ def resolve_tokenizer(cfg: PipelineConfig, given: str | None = None) -> str | No
 
 # ---------------------------------------------------------------- daily retraining: what is new since the champion
 
-RUN_FIELDS = ("skip_unchanged", "incremental", "replay_fraction")  # DataConfig fields that do not shape a version
+RUN_FIELDS = ("skip_unchanged", "incremental", "replay_fraction", "drift_alert")  # DataConfig fields that do not shape a version
 # What a configuration hash leaves out: where and how a run happens, not what it trains (docs/operations.md).
 IDENTITY_FIELDS = {
-    "data_dir": True, "tracking": True, "deploy": True, "plan": True, "data": {"skip_unchanged": True},
+    "data_dir": True, "tracking": True, "deploy": True, "plan": True, "data": {"skip_unchanged": True, "drift_alert": True},
     "train": {"launcher": True, "sky": True, "checkpoint_uri": True, "s3_endpoint_url": True, "max_restarts": True},
 }
 SEEN_KEYS_FILE = "seen_keys.json"  # the train keys a registered version's lineage trained on (its register run)
@@ -940,7 +940,7 @@ HOLDOUT_KEYS_FILE = "holdout_keys.json"  # the holdout keys a registered version
 def config_hash(cfg: PipelineConfig) -> str:
     """A hash of the configuration as it decides what trains and how the candidate is judged: every field but
     the run's identity and placement (`IDENTITY_FIELDS`: data_dir, tracking, deploy, plan, the launcher and
-    the checkpoint store, data.skip_unchanged). Two runs with the same hash on the same rows train the same way.
+    the checkpoint store, data.skip_unchanged and data.drift_alert). Two runs with the same hash on the same rows train the same way.
 
     >>> from grpo_pipeline.configs.schema import load_config
     >>> config_hash(load_config(None, ["tracking.experiment=x", "train.launcher=sky"])) == config_hash(load_config(None))

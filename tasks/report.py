@@ -8,6 +8,7 @@ from pathlib import Path
 from urllib.parse import urlencode
 
 from grpo_pipeline.tasks.decide import Decision
+from grpo_pipeline.tasks.drift import ANSWER_TYPES, Drift
 from grpo_pipeline.tasks.job import WarmStart
 from grpo_pipeline.tasks.summary import AliasChange, Example, Holdout, RegistryOutcome, TrainRows  # noqa: F401 - AliasChange: the doctests use it
 from grpo_pipeline.trainer.spec import TrainResult
@@ -55,9 +56,10 @@ def verdict(decision: Decision, registry: RegistryOutcome) -> str:
 
 def render_markdown(holdout: Holdout, decision: Decision, registry: RegistryOutcome,
                     warm_start: WarmStart | None = None, rows: TrainRows | None = None,
-                    train: TrainResult | None = None) -> str:
+                    train: TrainResult | None = None, drift: Drift | None = None) -> str:
     """The decision, its reasons and the holdout numbers, as Markdown (MLflow artifact, Prefect artifact); with
-    the training's result, whether the candidate came from a run that a health rule stopped or rolled back."""
+    the training's result, whether the candidate came from a run that a health rule stopped or rolled back; with
+    `drift`, a drift alert under the title and the drift section (`drift_lines`)."""
     baseline = f"champion version {registry.decided_against}" if registry.decided_against else "the base model"
     columns = ["base", *(["champion"] if holdout.champion else []), "candidate"]
     lines = [
@@ -66,6 +68,7 @@ def render_markdown(holdout: Holdout, decision: Decision, registry: RegistryOutc
         f"Candidate version {registry.candidate_version} against {baseline} on {holdout.n} holdout prompts (greedy).",
         lineage_line(warm_start, rows),
         "",
+        *([f"**Drift alert**: {drift.alert_reason}", ""] if drift is not None and drift.alert else []),
         *(best_step_lines(train) + health_lines(train) if train is not None else []),
         "## Reasons",
         *[f"- {reason}" for reason in decision.reasons],
@@ -78,8 +81,51 @@ def render_markdown(holdout: Holdout, decision: Decision, registry: RegistryOutc
     for name in holdout.trained:
         values = [holdout.base, *([holdout.champion] if holdout.champion else []), holdout.trained]
         lines.append(f"| {name} | " + " | ".join(f"{v[name]:.3f}" for v in values) + " |")
-    lines += ["", *example_lines(holdout.examples), *serving_lines(registry), "", *alias_table(registry), ""]
+    lines += ["", *(drift_lines(drift) if drift is not None else []), *example_lines(holdout.examples),
+              *serving_lines(registry), "", *alias_table(registry), ""]
     return "\n".join(lines)
+
+
+def drift_lines(drift: Drift) -> list[str]:
+    """How today's new rows differ from the champion's (`grpo_pipeline.tasks.drift`), as a Markdown section: the
+    two sides side by side, then a verdict per part; or why it was not measured.
+
+    >>> from grpo_pipeline.tasks.drift import not_measured
+    >>> drift_lines(not_measured("no champion yet: nothing to compare today's rows with"))
+    ['## Drift', '', "Not measured: no champion yet: nothing to compare today's rows with.", '']
+    """
+    if drift.skipped_reason:
+        return ["## Drift", "", f"Not measured: {drift.skipped_reason}.", ""]
+    lines = [f"## Drift since champion v{drift.champion}", "",
+             f"Today's {drift.new_rows} new train rows against the {drift.seen_rows} the champion's lineage trained on"
+             + (f" ({drift.seen_missing} more it trained on are no longer in the train split)" if drift.seen_missing
+                else "") + ".", ""]
+    if drift.alert:
+        lines += [f"**Alert**: {drift.alert_reason}.", ""]
+    lines += ["| | champion's rows | new rows |", "|---|---|---|"]
+    if (s := drift.lengths) is not None:
+        lines.append(f"| prompt characters, mean (median) | {s.seen_mean:.1f} ({s.seen_median:g}) | "
+                     f"{s.new_mean:.1f} ({s.new_median:g}) |")
+    if (a := drift.answer_types) is not None:
+        lines += [f"| answers: {t} | {a.seen[t]:.1%} | {a.new[t]:.1%} |" for t in ANSWER_TYPES]
+    if (r := drift.reward) is not None:
+        lines.append(f"| champion's reward | {r.holdout_reward:.3f} (holdout, {r.holdout_rows} rows) | "
+                     f"{r.new_reward:.3f} ({r.new_rows_scored} of the new rows) |")
+    lines.append("")
+    if s is not None:
+        lines.append(f"- prompt length: KS statistic {s.ks_statistic:.3f}, p {s.p_value:.3g}: "
+                     + ("**shifted**" if s.shifted else "no shift"))
+    if a is not None:
+        lines.append(f"- answer type: distance {a.distance:.3f}, p {a.p_value:.3g}: "
+                     + ("**shifted**" if a.shifted else "no shift"))
+    if r is not None:
+        interval = f" (95% CI {r.ci_low:.3f} to {r.ci_high:.3f})" if r.ci_low is not None else ""
+        against = ("alerts off (data.drift_alert unset)" if drift.alert_threshold is None
+                   else f"**beyond** data.drift_alert={drift.alert_threshold:g}" if drift.alert
+                   else f"within data.drift_alert={drift.alert_threshold:g}")
+        lines.append(f"- champion's reward: drop {r.drop:.3f}{interval}, {against}")
+    lines += [f"- {note}" for note in drift.notes]
+    return lines + [""]
 
 
 def best_step_lines(train: TrainResult) -> list[str]:

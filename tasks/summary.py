@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from grpo_pipeline.tasks.decide import Decision
+from grpo_pipeline.tasks.drift import Drift
 from grpo_pipeline.tasks.evaluate import EvalResult
 from grpo_pipeline.tasks.job import WarmStart
 from grpo_pipeline.tasks.serving import BaseRef, ServingCheck
@@ -182,6 +183,9 @@ class RunSummary(BaseModel):
     model: BaseChoice
     warm_start: WarmStart | None = None  # the adapter training continued (model.init_adapter), None: from the base
     rows: TrainRows | None = None  # what was trained on: new and replayed rows
+    # today's new rows against the champion's (prompt length, answer type, its reward on them against its holdout),
+    # .alert when that reward fell past data.drift_alert; .skipped_reason when nothing was measured (no champion)
+    drift: Drift | None = None
     config_hash: str | None = None  # the configuration as it decides what trains (grpo_pipeline.tasks.data.config_hash)
     holdout: Holdout | None = None
     train: TrainResult | None = None  # with .health (every rule that fired: rule, step, value, threshold, action,
