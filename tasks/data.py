@@ -1009,7 +1009,7 @@ class _InputsCache(CachePolicy):
 
 @task(name="data", cache_policy=_InputsCache(), persist_result=True)
 def data_task(cfg: DataConfig, out_dir: Path, tokenizer_path: str | None, rewards: list[str],
-              reward_args: dict[str, dict[str, Any]] | None = None) -> DatasetVersion:
+              reward_args: RewardArgs | None = None) -> DatasetVersion:
     return build_dataset(cfg, out_dir, tokenizer_path, rewards, reward_args)
 
 
