@@ -17,6 +17,7 @@ import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from transformers import PrinterCallback, ProgressCallback, TrainerCallback
 
@@ -24,6 +25,13 @@ from grpo_pipeline.trainer.checkpoints import Store, checkpoint_name, prune
 from grpo_pipeline.trainer.distributed import Ranks
 from grpo_pipeline.trainer.spec import progress_line
 from grpo_pipeline.trainer.tracking import CommittedMetrics
+
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
+    from transformers import Trainer
+
+    from grpo_pipeline.trainer.health import Ledger
+    from grpo_pipeline.trainer.spec import HealthEvent, HealthSettings
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +157,8 @@ class FirstStepTimer(TrainerCallback):
     """Seconds from the job's start to its first completed step: what a (re)start costs before work resumes."""
 
     def __init__(self, started: float):
-        self.started, self.seconds = started, None
+        self.started = started
+        self.seconds: float | None = None  # until the first step ends
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.seconds is None:
@@ -211,7 +220,7 @@ class BarWithoutLogs(ProgressCallback):
         pass
 
 
-def print_logs_once(trainer) -> None:
+def print_logs_once(trainer: Trainer) -> None:
     """Make StepLog the one printer of each log: HF prints it too, with PrinterCallback (no tqdm) or inside
     its tqdm bar (ProgressCallback), and on every node's local rank 0."""
     trainer.remove_callback(PrinterCallback)
@@ -249,7 +258,8 @@ class HealthCallback(TrainerCallback):
     it without that save (the state may be poisoned) and leaves `rollback` set for `grpo_pipeline.trainer.train` to restart
     from the last healthy checkpoint, unless the ledger's rollbacks are spent: then it stops."""
 
-    def __init__(self, settings, ledger, ranks: Ranks | None = None, client=None, run_id: str | None = None,
+    def __init__(self, settings: HealthSettings, ledger: Ledger, ranks: Ranks | None = None,
+                 client: MlflowClient | None = None, run_id: str | None = None,
                  restored: dict | None = None, lr_factor: float = 1.0):
         from grpo_pipeline.trainer.health import Monitor
 
@@ -258,8 +268,8 @@ class HealthCallback(TrainerCallback):
         self.monitor = Monitor(settings)
         self.restored = restored or {}
         self.lr_factor = lr_factor  # applied to the optimizer and scheduler once they are built (and resumed)
-        self.rollback = None  # the event that asks for a rollback, when one does
-        self.stopped = None  # the event that stopped training
+        self.rollback: HealthEvent | None = None  # the event that asks for a rollback, when one does
+        self.stopped: HealthEvent | None = None  # the event that stopped training
         self.seconds = 0.0  # time spent in the rules, for the overhead figure
 
     def on_train_begin(self, args, state, control, optimizer=None, lr_scheduler=None, **kwargs):
@@ -299,7 +309,7 @@ class HealthCallback(TrainerCallback):
             self.record(event)
         return control
 
-    def record(self, event) -> None:
+    def record(self, event: HealthEvent) -> None:
         """The log line, the MLflow tag and metric (rank 0), and the ledger's copy."""
         what = event.taken or f"rolling back (rollback {self.ledger.rollbacks + 1} of {self.settings.max_rollbacks})"
         self.ledger.merge([event])
