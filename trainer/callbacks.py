@@ -17,7 +17,8 @@ import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING
+from types import FrameType
+from typing import TYPE_CHECKING, Any
 
 from transformers import PrinterCallback, ProgressCallback, TrainerCallback
 
@@ -28,7 +29,7 @@ from grpo_pipeline.trainer.tracking import CommittedMetrics
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
-    from transformers import Trainer
+    from transformers import Trainer, TrainerControl, TrainerState, TrainingArguments
 
     from grpo_pipeline.trainer.health import Ledger
     from grpo_pipeline.trainer.spec import HealthEvent, HealthSettings
@@ -80,7 +81,7 @@ class CheckpointSync(TrainerCallback):
         prune_keeping_best(self.store, self.keep, best)
         log.info("checkpoint %d complete in %r", step, self.store)
 
-    def on_save(self, args, state, control, **kwargs):
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         self.raise_failures()
         step = state.global_step
         name = checkpoint_name(step)
@@ -141,11 +142,11 @@ class StopOnSigterm(TrainerCallback):
         self.ranks = ranks or Ranks()
         signal.signal(signal.SIGTERM, self._handle)
 
-    def _handle(self, signum, frame):
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
         log.warning("SIGTERM: saving a checkpoint after this step, then exiting")
         self.received = True
 
-    def on_step_end(self, args, state, control, **kwargs):
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> TrainerControl:
         if self.ranks.any(self.received):
             self.received = True
             control.should_save = True
@@ -160,7 +161,7 @@ class FirstStepTimer(TrainerCallback):
         self.started = started
         self.seconds: float | None = None  # until the first step ends
 
-    def on_step_end(self, args, state, control, **kwargs):
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         if self.seconds is None:
             self.seconds = time.monotonic() - self.started
 
@@ -173,7 +174,8 @@ class ReportValidation(TrainerCallback):
     watches a spot node). The hyperparameter search reads these lines to report to Optuna and prune.
     """
 
-    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+    def on_evaluate(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    metrics: dict[str, float] | None = None, **kwargs: Any) -> None:
         if state.is_world_process_zero and metrics and "eval_reward" in metrics:
             # flushed: stdout is a pipe
             print(progress_line(state.global_step, float(metrics["eval_reward"])), flush=True)
@@ -199,7 +201,8 @@ class StepLog(TrainerCallback):
 
     reader_gone = False
 
-    def on_log(self, args, state, control, logs=None, **kwargs):
+    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+               logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         if state.is_world_process_zero and logs and not self.reader_gone:
             from tqdm.auto import tqdm
 
@@ -216,7 +219,8 @@ class StepLog(TrainerCallback):
 class BarWithoutLogs(ProgressCallback):
     """HF's tqdm bar, without its copy of each log."""
 
-    def on_log(self, args, state, control, logs=None, **kwargs):
+    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+               logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         pass
 
 
@@ -272,7 +276,8 @@ class HealthCallback(TrainerCallback):
         self.stopped: HealthEvent | None = None  # the event that stopped training
         self.seconds = 0.0  # time spent in the rules, for the overhead figure
 
-    def on_train_begin(self, args, state, control, optimizer=None, lr_scheduler=None, **kwargs):
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                       optimizer: Any = None, lr_scheduler: Any = None, **kwargs: Any) -> None:
         from grpo_pipeline.trainer.health import scale_learning_rate
 
         self.monitor.check_grad_norm = not args.fp16  # the fp16 GradScaler logs inf grad norms on steps it skips
@@ -281,7 +286,8 @@ class HealthCallback(TrainerCallback):
         if optimizer is not None:
             scale_learning_rate(optimizer, lr_scheduler, self.lr_factor)
 
-    def on_log(self, args, state, control, logs=None, **kwargs):
+    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+               logs: dict[str, Any] | None = None, **kwargs: Any) -> TrainerControl:
         from grpo_pipeline.trainer.health import decide, is_step_log
 
         if not logs or not is_step_log(logs):
@@ -322,7 +328,7 @@ class HealthCallback(TrainerCallback):
             self.client.set_tag(self.run_id, f"health/step-{event.step}/{event.rule}",
                                 f"{event.action}: {event.message} -> {what}"[:5000])
 
-    def on_save(self, args, state, control, **kwargs):
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         """The windows and the events so far, beside the checkpoint HF just wrote (rank 0's folder is the one
         uploaded; `CheckpointSync` runs after this callback)."""
         import json
