@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, NoReturn
 
@@ -49,20 +50,20 @@ class Commands(TyperGroup):
 
     args: list[str] = []
 
-    def main(self, args=None, *rest, **options):
+    def main(self, args: Sequence[str] | None = None, *rest: Any, **options: Any) -> Any:
         self.args = list(sys.argv[1:] if args is None else args)  # as click reads its arguments
         return super().main(args, *rest, **options)
 
-    def make_context(self, *args, **kwargs):
+    def make_context(self, *args: Any, **kwargs: Any) -> Any:
         with self._told():  # the root's own options: `grpo-pipeline --json --bogus`
             return super().make_context(*args, **kwargs)
 
-    def invoke(self, ctx):
+    def invoke(self, ctx: Any) -> Any:
         with self._told():  # the command's name, and the command's options
             return super().invoke(ctx)
 
     @contextmanager
-    def _told(self):
+    def _told(self) -> Iterator[None]:
         try:
             yield
         except UsageError as exc:
