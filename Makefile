@@ -29,8 +29,11 @@ test: lint
 test-slow: $(STAMP)  # the checks that leave the default run for its 15-minute budget (markers: slow)
 	$(PY) -m pytest -m slow -n $(TEST_WORKERS) --dist loadfile
 
-lint: $(STAMP)  # ruff's findings (pyproject.toml [tool.ruff]): zero, or the test run stops before pytest
+# ruff's findings, then mypy's over the package (pyproject.toml [tool.ruff], [tool.mypy]): zero, or the test run
+# stops before pytest. mypy caches in .mypy_cache: a first run takes minutes, a later one seconds.
+lint: $(STAMP)
 	$(PY) -m ruff check .
+	$(PY) -m tests.typecheck
 
 e2e: $(STAMP)
 	$(PY) -m pytest -m e2e

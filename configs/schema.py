@@ -17,7 +17,7 @@ import math
 import os
 import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 from pydantic import (
@@ -36,6 +36,9 @@ from grpo_pipeline.configs import library_fields
 from grpo_pipeline.configs.ab import ABConfig
 from grpo_pipeline.configs.policy import ENV_NAME, ENV_NAME_SUFFIXES, TriggerPolicy, credential_key, secret_shape
 from grpo_pipeline.configs.rewards import RewardSet
+
+if TYPE_CHECKING:
+    from pydantic_core import ErrorDetails
 
 DEMO_MODEL = "smollm2-135m-instruct"
 
@@ -664,7 +667,10 @@ class SearchDim(StrictModel):
 
     def values(self) -> list[float]:
         """The bounds or choices: every value that must satisfy a hyperparameter's own constraint."""
-        return list(self.choices) if self.choices is not None else [self.low, self.high]
+        if self.choices is not None:
+            return list(self.choices)
+        assert self.low is not None and self.high is not None  # `_one_form` requires a range without choices
+        return [self.low, self.high]
 
 
 # name -> (must be an integer, smallest allowed value, is that bound exclusive)
@@ -700,6 +706,7 @@ class SearchSpace(StrictModel):
     def _dim_fits(cls, dim: SearchDim | None, info: ValidationInfo) -> SearchDim | None:
         if dim is None:
             return dim
+        assert info.field_name is not None  # a field validator's
         integer, floor, exclusive = SEARCHABLE[info.field_name]
         for value in dim.values():
             if integer and float(value) != int(value):
@@ -939,7 +946,7 @@ class PipelineConfig(StrictModel):
 
 
 # train.grpo / train.lora hold the fields of these library classes, by name
-PASSTHROUGH = {("train", "grpo"): "GRPOConfig", ("train", "lora"): "LoraConfig"}
+PASSTHROUGH: dict[tuple[str, ...], str] = {("train", "grpo"): "GRPOConfig", ("train", "lora"): "LoraConfig"}
 
 
 def unknown_field(path: str) -> str | None:
@@ -1004,7 +1011,7 @@ def apply_override(tree: dict[str, Any], assignment: str) -> None:
     node[leaf] = value
 
 
-def _describe(error: dict[str, Any], model: type[BaseModel]) -> str:
+def _describe(error: ErrorDetails, model: type[BaseModel]) -> str:
     loc = ".".join(str(p) for p in error["loc"])
     if error["type"] == "extra_forbidden":
         section: Any = model

@@ -24,7 +24,7 @@ from typing import Any
 import yaml
 
 from grpo_pipeline.configs.files import packaged
-from grpo_pipeline.configs.schema import ConfigError, DeployConfig
+from grpo_pipeline.configs.schema import ConfigError, DeployConfig, PipelineConfig
 
 PREFECT_YAML = packaged("prefect.yaml", "flows")
 # The folder holding the project's packages (the checkout; site-packages when installed without -e):
@@ -237,7 +237,7 @@ def ensure_failure_automation(block: str) -> str:
             raise ConfigError(f"no notification block {block!r} on the Prefect server: create it in the UI "
                               f"(Blocks) or with `prefect block create {slug}`, then deploy again") from None
     try:
-        Automation.read(name=AUTOMATION).delete()
+        Automation.read(name=AUTOMATION).delete()  # type: ignore[attr-defined]  # sync_compatible: a coroutine only in async code
     except ValueError:  # none yet
         pass
     automation = Automation(
@@ -255,17 +255,17 @@ def ensure_failure_automation(block: str) -> str:
                   "{{ flow_run.state.message }}\n{{ flow_run|ui_url }}"),
         )],
     ).create()
-    return str(automation.id)
+    return str(automation.id)  # type: ignore[union-attr]  # sync_compatible, as above
 
 
-def settings_for(cfg, **options: Any) -> DeployConfig:
+def settings_for(cfg: PipelineConfig, **options: Any) -> DeployConfig:
     """The config's `deploy` section with the options that were given (not None) over it; a bad value raises
     pydantic's ValidationError, which names the field."""
     given = {k: v for k, v in options.items() if v is not None}
     return DeployConfig.model_validate(cfg.deploy.model_dump() | given)
 
 
-def deploy(cfg, settings: DeployConfig, config_path: Path | None, overrides: list[str]) -> dict[str, Any]:
+def deploy(cfg: PipelineConfig, settings: DeployConfig, config_path: Path | None, overrides: list[str]) -> dict[str, Any]:
     """Register the daily-retrain, manual, ci and ab-decide/hourly deployments on the Prefect server PREFECT_API_URL names, and
     the failure automation when `settings.notify_block` is set; returns what the server now holds.
 

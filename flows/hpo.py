@@ -11,6 +11,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import optuna
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
@@ -22,13 +23,13 @@ from grpo_pipeline.flows.preflight import preflight
 from grpo_pipeline.flows.runs import parent_run, setup_tracking
 from grpo_pipeline.infra.launch import make_launcher
 from grpo_pipeline.tasks.data import data_task
-from grpo_pipeline.tasks.hpo import HPOResult, Tracking, run_trial, search
+from grpo_pipeline.tasks.hpo import HPOResult, Tracking, TrialOutcome, run_trial, search
 from grpo_pipeline.tasks.model import resolve_model_task
 
 
 @task(name="hpo-trial", task_run_name="trial-{trial.number}", cache_policy=NO_CACHE)
-def trial_task(trial, cfg: PipelineConfig, model_path: str, splits: dict[str, Path], run_dir: Path,
-               tracking: Tracking | None):
+def trial_task(trial: optuna.Trial, cfg: PipelineConfig, model_path: str, splits: dict[str, Path], run_dir: Path,
+               tracking: Tracking | None) -> TrialOutcome:
     return run_trial(trial, cfg, model_path, splits, run_dir, tracking, launcher_for=make_launcher)
 
 

@@ -6,11 +6,16 @@ retry reaches the stage again)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import mlflow
+
+if TYPE_CHECKING:
+    from grpo_pipeline.tasks.data import DatasetVersion
 
 # MLflow 3 opens an experiment in the view this tag names; without it, the GenAI view (traces, assistant).
 EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
@@ -64,7 +69,7 @@ def run_name(prefix: str, flow_run_id: str, started: datetime | None = None) -> 
 
 
 @contextmanager
-def parent_run(flow_run_id: str, name: str, started: datetime | None = None):
+def parent_run(flow_run_id: str, name: str, started: datetime | None = None) -> Iterator[mlflow.ActiveRun]:
     """The flow run's top-level MLflow run, continued by a retry of the same flow run."""
     existing = find_run(f"tags.prefect_flow_run_id = '{flow_run_id}'")
     with mlflow.start_run(run_id=existing, run_name=None if existing else run_name(name, flow_run_id, started),
@@ -77,7 +82,7 @@ def _child(parent_run_id: str, name: str) -> str | None:
 
 
 @contextmanager
-def stage_run(parent_run_id: str, name: str):
+def stage_run(parent_run_id: str, name: str) -> Iterator[mlflow.ActiveRun]:
     """The stage's nested MLflow run, reopened when a retry of this flow run reaches the stage again."""
     existing = _child(parent_run_id, name)
     with mlflow.start_run(run_id=existing, run_name=None if existing else name, nested=True) as run:
@@ -92,7 +97,7 @@ def stage_run_for_another_process(experiment_id: str, parent_run_id: str, name: 
 
 
 @contextmanager
-def system_metrics_of(run_id: str):
+def system_metrics_of(run_id: str) -> Iterator[None]:
     """CPU, memory (and GPU, with pynvml) of this machine, sampled into run `run_id` while the block runs:
     for a stage another process fills in on this machine (local training). Nothing where MLflow's monitor
     cannot run (no psutil)."""
@@ -110,7 +115,7 @@ def system_metrics_of(run_id: str):
             monitor.finish()
 
 
-def log_dataset_inputs(run_id: str, dataset) -> None:
+def log_dataset_inputs(run_id: str, dataset: DatasetVersion) -> None:
     """The dataset splits a run trains on (train, val), as its MLflow dataset inputs: the same digests the
     data stage's run lists, so the UI links them."""
     import warnings
@@ -126,7 +131,8 @@ def log_dataset_inputs(run_id: str, dataset) -> None:
         with warnings.catch_warnings():  # MLflow registers two local-file source classes and says so
             warnings.simplefilter("ignore", UserWarning)
             source = resolve_dataset_source(str(Path(dataset.splits[split]).resolve()))
-        entity = MetaDataset(source, name=split, digest=dataset.fingerprints[split])._to_mlflow_entity()
+        # MLflow's Dataset marks `profile` abstract without being an ABC: MetaDataset is made as MLflow's docs do
+        entity = MetaDataset(source, name=split, digest=dataset.fingerprints[split])._to_mlflow_entity()  # type: ignore[abstract]
         inputs.append(DatasetInput(entity, tags=[InputTag("mlflow.data.context", split),
                                                  InputTag("dataset_fingerprint", dataset.fingerprint)]))
     mlflow.MlflowClient().log_inputs(run_id, datasets=inputs)

@@ -14,11 +14,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from grpo_pipeline.failure import fail as _fail  # the CLI's one way to fail
+
+if TYPE_CHECKING:
+    from grpo_pipeline.configs.schema import PipelineConfig
+    from grpo_pipeline.tasks.ab_log import RequestLog
+    from grpo_pipeline.tasks.registry import Registry
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
 JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON object on stdout")]
@@ -29,7 +34,9 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="The live A/B: `ab status` shows it, `ab decide` decides it (sequential test, guardrails).")
 
 
-def _open(config: Path | None, overrides: list[str] | None, as_json: bool):
+def _open(
+    config: Path | None, overrides: list[str] | None, as_json: bool
+) -> tuple[PipelineConfig, RequestLog, Registry, str | None, str | None]:
     """(config, request log, registry, champion version, challenger version), or the failure naming what is
     wrong: the config (exit 2), the log store (exit 2), the registry (exit 2)."""
     from grpo_pipeline.configs.files import packaged, recipe
@@ -46,9 +53,10 @@ def _open(config: Path | None, overrides: list[str] | None, as_json: bool):
     except LogStoreError as exc:
         _fail(as_json, str(exc), EXIT_CONFIG)
     registry = Registry(open_client(cfg.mlflow_uri), cfg.tracking.registered_model)
+    unreachable: tuple[type[BaseException], ...] = (RegistryServiceError, *registry.errors)
     try:
         aliases = registry.aliases()
-    except (RegistryServiceError, *registry.errors) as exc:
+    except unreachable as exc:
         _fail(as_json, f"the registry {cfg.tracking.registered_model} at {cfg.mlflow_uri} did not answer: {exc}",
               EXIT_CONFIG)
     return cfg, log, registry, aliases[CHAMPION], aliases[CHALLENGER]

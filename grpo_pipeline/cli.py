@@ -19,7 +19,7 @@ import os
 import sys
 import traceback
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from pydantic import ValidationError
@@ -30,6 +30,15 @@ from grpo_pipeline.configs.files import packaged, recipe
 from grpo_pipeline.configs.schema import ConfigError, load_config
 from grpo_pipeline.failure import Commands, err, options_error
 from grpo_pipeline.failure import fail as _fail
+
+if TYPE_CHECKING:  # the stages' types, for annotations only: importing them here would load the training stack
+    from collections.abc import Callable
+
+    from grpo_pipeline.configs.schema import PipelineConfig
+    from grpo_pipeline.infra.stack import Stack
+    from grpo_pipeline.tasks.data import DataReport, DatasetVersion
+    from grpo_pipeline.tasks.registry import AliasMove, Registry
+    from grpo_pipeline.tasks.summary import RunSummary
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_REJECTED, EXIT_CHAMPION_MOVED = 0, 1, 2, 3, 4
 DEFAULT_CONFIG = packaged("demo-cpu.yaml")  # the CPU demo, from the installed package
@@ -49,12 +58,12 @@ def _config_path(config: Path | None) -> Path:
     return DEFAULT_CONFIG if config is None else recipe(config)
 
 
-def _load(config: Path | None, overrides: list[str] | None, as_json: bool = False):
+def _load(config: Path | None, overrides: list[str] | None, as_json: bool = False) -> tuple[Path, PipelineConfig]:
     path = _config_path(config)
     return path, _load_path(path, overrides, as_json)
 
 
-def _load_path(path: Path | None, overrides: list[str] | None, as_json: bool):
+def _load_path(path: Path | None, overrides: list[str] | None, as_json: bool) -> PipelineConfig:
     """The configuration at `path` (None: the defaults alone) with the --set overrides, or the failure naming
     the file or the --set to blame."""
     overrides = list(overrides or [])
@@ -125,7 +134,7 @@ def _input_errors() -> tuple[type[BaseException], ...]:
     return ConfigError, ModelNotFound, CheckpointStoreError, SkyPreflightError  # budget, quantization: ConfigError
 
 
-def _preflight(cfg, as_json: bool) -> None:
+def _preflight(cfg: PipelineConfig, as_json: bool) -> None:
     """The flows' own first checks, run before a flow run exists: a refused input leaves no Failed run on
     the Prefect server (whose notification would fire) and no engine traceback before the one useful line."""
     from grpo_pipeline.flows.preflight import preflight
@@ -173,13 +182,14 @@ def run(
     raise typer.Exit(code)
 
 
-def _print_summary(summary) -> None:
+def _print_summary(summary: RunSummary) -> None:
     """The holdout table (base, the champion when there was one, the candidate), the decision, the serving
     check, and the aliases as a table."""
     from grpo_pipeline.tasks.report import verdict
 
     holdout, decision, registry = summary.holdout, summary.decision, summary.registry
-    columns = {"base": (holdout.base_reward, holdout.base)}
+    assert holdout and decision and registry, "a completed run (not skipped) evaluated, decided and registered"
+    columns: dict[str, tuple[float | None, dict[str, float]]] = {"base": (holdout.base_reward, holdout.base)}
     if holdout.champion is not None:
         columns[f"champion (v{registry.decided_against})"] = (holdout.champion_reward, holdout.champion)
     columns["candidate"] = (holdout.trained_reward, holdout.trained)
@@ -214,7 +224,7 @@ def _print_summary(summary) -> None:
               f"   base: {registry.base_model}   MLflow run: {summary.mlflow.run_id}")
 
 
-def _registry(config: Path | None, overrides: list[str] | None):
+def _registry(config: Path | None, overrides: list[str] | None) -> Registry:
     """The registry the configuration names; against an MLflow server, through plain REST calls (a lookup
     answers without importing MLflow or the training stack)."""
     from grpo_pipeline.tasks.registry import Registry, open_client
@@ -223,14 +233,15 @@ def _registry(config: Path | None, overrides: list[str] | None):
     return Registry(open_client(cfg.mlflow_uri), cfg.tracking.registered_model)
 
 
-def _registry_call(registry, action) -> None:
+def _registry_call(registry: Registry, action: Callable[[], list[AliasMove]]) -> None:
     """Run an alias-moving command; print every alias it moved (on both registered models), with what each
     pointed at before."""
     from grpo_pipeline.tasks.registry import RegistryError, RegistryServiceError
 
+    refused: tuple[type[BaseException], ...] = (RegistryError, RegistryServiceError, *registry.errors)
     try:
         moves = action()
-    except (RegistryError, RegistryServiceError, *registry.errors) as exc:  # an unreachable server: at once, by URL
+    except refused as exc:  # an unreachable server: at once, by URL
         _fail(False, str(exc), EXIT_CONFIG)
     for move in moves:
         print(move.describe())
@@ -320,7 +331,7 @@ WORK = planner.Workload.model_fields  # each workload option below is a Workload
 PLAN_FLAGS: dict[str, str] = {}  # Workload field -> the option that sets it, to name it in an error
 
 
-def _work(field: str, *flags: str):
+def _work(field: str, *flags: str) -> Any:  # typer.Option() is typed as returning Any
     PLAN_FLAGS[field] = flags[0] if flags else f"--{field.replace('_', '-')}"
     return typer.Option(*flags, help=WORK[field].description)
 
@@ -419,7 +430,7 @@ def data_cmd(
     _print_data_report(version.report, version)
 
 
-def _print_data_report(report, version) -> None:
+def _print_data_report(report: DataReport, version: DatasetVersion | None) -> None:
     out = Console()
     table = Table(title=f"data: {report.source} ({report.rows_read} rows read, {report.seconds:.1f} s)")
     table.add_column("rows")
@@ -491,7 +502,7 @@ stack_cli = typer.Typer(no_args_is_help=True, help="Local PostgreSQL, S3, MLflow
 RootOpt = Annotated[Path, typer.Option("--dir", help="where the stack keeps its data and state")]
 
 
-def _stack(root: Path, **ports):
+def _stack(root: Path, **ports: int | None) -> Stack:
     """The stack recorded under `root`; an unreadable state file is an input error, named with its fix."""
     from grpo_pipeline.infra.services import ServiceError
     from grpo_pipeline.infra.stack import Stack

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import typer
 from pydantic import ValidationError
@@ -17,12 +18,12 @@ from typer.core import TyperGroup
 try:  # recent typer releases carry their own copy of click, and raise its exceptions
     from typer._click.exceptions import UsageError
 except ImportError:
-    from click import UsageError
+    from click import UsageError  # type: ignore[assignment]  # older typer: click's own class, the same role
 
 err = Console(stderr=True, soft_wrap=True)
 
 
-def fail(as_json: bool, message: str, code: int, **extra) -> NoReturn:
+def fail(as_json: bool, message: str, code: int, **extra: object) -> NoReturn:
     """The one way a command fails: the message on stderr (as written: no markup is read from it), and with
     --json the failure object {"status": "failed", "error", "exit_code"}, `extra` fields included, as the last
     line of stdout."""
@@ -32,7 +33,7 @@ def fail(as_json: bool, message: str, code: int, **extra) -> NoReturn:
     raise typer.Exit(code)
 
 
-def failure_line(message: str, code: int, **extra) -> str:
+def failure_line(message: str, code: int, **extra: object) -> str:
     """The failure object, one line of JSON.
 
     >>> failure_line("no such file", 2)
@@ -49,20 +50,20 @@ class Commands(TyperGroup):
 
     args: list[str] = []
 
-    def main(self, args=None, *rest, **options):
+    def main(self, args: Sequence[str] | None = None, *rest: Any, **options: Any) -> Any:
         self.args = list(sys.argv[1:] if args is None else args)  # as click reads its arguments
         return super().main(args, *rest, **options)
 
-    def make_context(self, *args, **kwargs):
+    def make_context(self, *args: Any, **kwargs: Any) -> Any:
         with self._told():  # the root's own options: `grpo-pipeline --json --bogus`
             return super().make_context(*args, **kwargs)
 
-    def invoke(self, ctx):
+    def invoke(self, ctx: Any) -> Any:
         with self._told():  # the command's name, and the command's options
             return super().invoke(ctx)
 
     @contextmanager
-    def _told(self):
+    def _told(self) -> Iterator[None]:
         try:
             yield
         except UsageError as exc:
@@ -71,7 +72,7 @@ class Commands(TyperGroup):
             raise
 
 
-def json_asked(command, args: list[str]) -> bool:
+def json_asked(command: object, args: list[str]) -> bool:
     """Whether `args` give `--json` as an option: not as the value of an option that takes one
     (`--set --json`), nor as an argument after `--`. Options are looked up on the command the arguments name,
     through sub-groups; where there is none (an unknown command), a `--json` typed counts as asked.
@@ -101,7 +102,7 @@ def json_asked(command, args: list[str]) -> bool:
     return False
 
 
-def _option(command, name: str):
+def _option(command: object, name: str) -> Any:  # click's Option, from typer's copy of click or click's own
     for param in getattr(command, "params", ()):
         if param.param_type_name == "option" and name in (*param.opts, *param.secondary_opts):
             return param

@@ -27,10 +27,11 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 ACCESS_KEY, SECRET_KEY = "grpo-test", "grpo-test-secret"
 REGION = "us-east-1"
@@ -210,7 +211,7 @@ def _http_ok(url: str) -> bool:
 # --- S3 (SeaweedFS) -------------------------------------------------------------------------------------
 
 
-def s3_client(endpoint: str, access_key: str, secret_key: str):
+def s3_client(endpoint: str, access_key: str, secret_key: str) -> Any:  # boto3's S3 client (untyped)
     import boto3
     from botocore.config import Config
 
@@ -293,7 +294,7 @@ def s3_healthy(service: Service, access_key: str, secret_key: str) -> bool:
 
 
 @contextmanager
-def seaweedfs_s3(workdir: Path, bucket: str, ready_timeout_s: float = 90):
+def seaweedfs_s3(workdir: Path, bucket: str, ready_timeout_s: float = 90) -> Iterator[str]:
     """SeaweedFS with the test identity; yields the endpoint URL and exports its credentials to this process."""
     service = start_seaweedfs(workdir, bucket, ACCESS_KEY, SECRET_KEY, ready_timeout_s=ready_timeout_s)
     os.environ.update(AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY, AWS_DEFAULT_REGION=REGION)
@@ -334,6 +335,9 @@ def start_postgres(workdir: Path, databases: tuple[str, ...] = ()) -> Service:
                 cur.execute(f'CREATE DATABASE "{database}"')
     conn.close()
     pid = server.get_pid()
+    if pid is None:
+        raise ServiceError(f"PostgreSQL in {workdir / 'pgdata'} answered but reports no server pid; see its log "
+                           f"{workdir / 'pgdata' / 'log'}")
     return Service(name="postgres", pid=pid, url=server.get_uri(), workdir=str(workdir),
                    log=str(workdir / "pgdata" / "log"), created=psutil.Process(pid).create_time(),
                    stop_signal=int(signal.SIGINT), group=False)
@@ -363,7 +367,7 @@ def postgres_healthy(service: Service) -> bool:
 
 
 @contextmanager
-def postgres(workdir: Path, database: str):
+def postgres(workdir: Path, database: str) -> Iterator[str]:
     """A PostgreSQL server; yields the SQLAlchemy (psycopg2) URI of a fresh `database`."""
     service = start_postgres(workdir, (database,))
     try:

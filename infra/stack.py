@@ -22,6 +22,7 @@ import json
 import os
 import secrets
 import shlex
+from collections.abc import Iterable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -37,7 +38,7 @@ DATABASES = ("mlflow", "prefect")
 STATE_FILE = "state.json"
 
 
-def with_dependencies(names) -> list[str]:
+def with_dependencies(names: Iterable[str]) -> list[str]:
     """The services to start for `names`, dependencies first, in start order.
 
     >>> with_dependencies(["mlflow"])
@@ -113,6 +114,12 @@ class Stack:
         data = self.state["services"].get(name)
         return Service.from_dict(data) if data else None
 
+    def _recorded(self, name: str) -> Service:
+        service = self.service(name)
+        if service is None:
+            raise ServiceError(f"{name} is not recorded in {self.state_path}: start it with `grpo-pipeline stack up`")
+        return service
+
     @property
     def bucket(self) -> str:
         return self.state["bucket"]
@@ -154,7 +161,7 @@ class Stack:
             service = self.service(name)
             out[name] = {
                 "healthy": self.healthy(name),
-                "running": bool(service) and services.alive(service.pid, service.created),
+                "running": service is not None and services.alive(service.pid, service.created),
                 "url": service.url if service else None,
                 "pid": service.pid if service else None,
                 "log": service.log if service else None,
@@ -163,7 +170,7 @@ class Stack:
 
     # --- up / down --------------------------------------------------------------------------------------
 
-    def up(self, names=SERVICES) -> dict[str, Service]:
+    def up(self, names: Iterable[str] = SERVICES) -> dict[str, Service]:
         """Start what is not already running and healthy (dependencies first); returns the services asked for.
         A fixed port that is taken is refused (PortInUse) before anything starts, so a refused `up` leaves no
         half-started stack behind."""
@@ -180,7 +187,7 @@ class Stack:
                 services.stop(stale)
             self.state["services"][name] = self._start(name).to_dict()
             self._save()
-        return {name: self.service(name) for name in names}
+        return {name: self._recorded(name) for name in names}
 
     def _start(self, name: str) -> Service:
         work, port = self.root / name, self.state["ports"].get(name) or None
@@ -191,11 +198,11 @@ class Stack:
             service = services.start_seaweedfs(work, self.bucket, *self.credentials, s3_port=port, ports=previous)
             self.state["weed_ports"] = service.extra["ports"]
             return service
-        pg = self.service("postgres")
+        pg = self._recorded("postgres")  # dependencies start first
         if name == "mlflow":
             access, secret = self.credentials
             env = {"AWS_ACCESS_KEY_ID": access, "AWS_SECRET_ACCESS_KEY": secret, "AWS_DEFAULT_REGION": REGION,
-                   "MLFLOW_S3_ENDPOINT_URL": self.service("s3").url}
+                   "MLFLOW_S3_ENDPOINT_URL": self._recorded("s3").url}
             return services.start_mlflow(work, services.database_uri(pg, "mlflow"), f"s3://{self.bucket}/mlflow",
                                          env, auth=self.mlflow_auth, port=port)
         return services.start_prefect(work, services.database_uri(pg, "prefect", "asyncpg"),

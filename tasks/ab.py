@@ -27,16 +27,22 @@ asymptotic), which is why the test waits for `ab.min_samples` scored responses p
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
+from numpy.typing import ArrayLike
 from pydantic import BaseModel
 
 from grpo_pipeline.configs.ab import ABConfig
 
+if TYPE_CHECKING:
+    from grpo_pipeline.tasks.registry import AliasMove, Registry
+
 Action = Literal["promote", "rollback", "continue", "stop"]
 ARMS = ("champion", "challenger")
+Sums = float | np.ndarray  # an arm's count, sum or sum of squares: one look's, or one per look
 
 
 @dataclass(frozen=True)
@@ -52,7 +58,8 @@ class ArmSample:
     scores: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
     @classmethod
-    def of(cls, latency_s=(), completion_tokens=(), error=(), scores=()) -> ArmSample:
+    def of(cls, latency_s: ArrayLike = (), completion_tokens: ArrayLike = (), error: ArrayLike = (),
+           scores: ArrayLike = ()) -> ArmSample:
         out = cls(np.asarray(latency_s, dtype=float), np.asarray(completion_tokens, dtype=float),
                   np.asarray(error, dtype=bool), np.asarray(scores, dtype=float))
         if not (len(out.latency_s) == len(out.completion_tokens) == len(out.error)):
@@ -104,7 +111,8 @@ def summarize(arm: ArmSample) -> ArmSummary:
     )
 
 
-def _mixture(n_a, s_a, ss_a, n_b, s_b, ss_b, alpha: float, mixture_effect: float):
+def _mixture(n_a: Sums, s_a: Sums, ss_a: Sums, n_b: Sums, s_b: Sums, ss_b: Sums, alpha: float,
+             mixture_effect: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(difference, log Lambda, half-width of the confidence sequence) from each arm's count, sum and sum of
     squares; scalars or arrays alike (`sequential_path` passes running sums, one entry per look)."""
     n_a, n_b = np.asarray(n_a, dtype=float), np.asarray(n_b, dtype=float)
@@ -197,7 +205,7 @@ def decide(champion: ArmSample, challenger: ArmSample, policy: ABConfig, elapsed
     arms = {"champion": summarize(champion), "challenger": summarize(challenger)}
     test = msprt(champion.scores, challenger.scores, policy.alpha, policy.mixture_effect)
 
-    def made(action: Action, reasons: list[str], breaches: list[str] = ()) -> Decision:
+    def made(action: Action, reasons: list[str], breaches: Sequence[str] = ()) -> Decision:
         return Decision(action=action, reasons=reasons, arms=arms, test=test, breaches=list(breaches),
                         elapsed_h=elapsed_h)
 
@@ -207,6 +215,7 @@ def decide(champion: ArmSample, challenger: ArmSample, policy: ABConfig, elapsed
     scored = min(arms["champion"].scored, arms["challenger"].scored)
     if scored >= policy.min_samples and test.likelihood_ratio is not None \
             and test.likelihood_ratio >= test.threshold:
+        assert test.interval is not None and test.difference is not None  # set with the likelihood ratio
         low, high = test.interval
         better = test.difference > 0
         return made("promote" if better else "rollback", [
@@ -252,7 +261,7 @@ def plan_ab_moves(action: Action, champion: str | None, challenger: str) -> list
     return []
 
 
-def settle(registry, decision: Decision, champion: str | None, challenger: str) -> list:
+def settle(registry: Registry, decision: Decision, champion: str | None, challenger: str) -> list[AliasMove]:
     """Move the aliases for `decision` under the registry's lock, unless they moved since the log was read
     (then the decision was about other versions: `AliasesMoved`, nothing moves)."""
     from grpo_pipeline.tasks.registry import CHALLENGER, CHAMPION

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -204,7 +205,7 @@ def _utc(moment: datetime) -> datetime:
 LOG_URL_ENV = "GRPO_AB_LOG_URL"
 
 
-def log_url(data_dir: Path, environ: dict | None = None) -> str:
+def log_url(data_dir: Path, environ: Mapping[str, str] | None = None) -> str:
     """Where the request log lives: `$GRPO_AB_LOG_URL` (a SQLAlchemy URL; PostgreSQL with its credentials comes
     from the environment, never the config, which is logged), else a SQLite file under `data_dir`.
 

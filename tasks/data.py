@@ -39,6 +39,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from prefect import task
 from prefect.cache_policies import CachePolicy
+from prefect.context import TaskRunContext
 from pydantic import BaseModel
 
 from grpo_pipeline.configs.schema import DEMO_MODEL, ConfigError, DataConfig, PipelineConfig
@@ -181,7 +182,7 @@ def _reject_rows(table: pa.Table, mask: np.ndarray, reason: str, details: Sequen
     rows = picked.select(["messages", "answer", "key"]).to_pylist()
     for row in rows:
         row["prompt"] = row.pop("messages")
-    detail = [details] * len(idx) if isinstance(details, str) else [details[i] for i in idx]
+    detail = [details] * len(idx) if isinstance(details, str) else [details[i] for i in idx.tolist()]
     return [Reject(reason, d, s, p, r) for d, s, p, r in zip(detail, src, pos, rows, strict=True)]
 
 
@@ -306,6 +307,7 @@ def _record_columns(records: list[dict], cfg: DataConfig) -> tuple[dict[str, pa.
 def _plain_table(columns: dict[str, pa.Array | None], cfg: DataConfig, ctx: _Context) -> pa.Table:
     """Text columns (prompt, answer, system?, key?) built into canonical columns with Arrow kernels."""
     prompt, answer, system, key = columns["prompt"], columns["answer"], columns["system"], columns["key"]
+    assert prompt is not None and answer is not None  # built for every plain row; system and key are optional
     n = len(prompt)
     content = pc.binary_join_element_wise(ctx.prefix, prompt, ctx.suffix, "") if ctx.prefix or ctx.suffix else prompt
     if system is None:
@@ -357,16 +359,19 @@ def canonical_batch(raw: RawBatch, cfg: DataConfig, ctx: _Context) -> tuple[pa.T
     rejects = list(raw.rejects)
     positions = np.asarray(raw.positions, np.int64)
     parts = []
+    columns: dict[str, pa.Array | None] | None
     if raw.records is not None:
         columns, plain = _record_columns(raw.records, cfg)
         records = [r for r, ok in zip(raw.records, plain, strict=True) if not ok]
         fields = None
     else:
+        assert raw.table is not None  # a batch is a table or records
         columns = _table_columns(raw.table, cfg)
         plain = np.full(len(positions), columns is not None, bool)
         fields = raw.table.column_names
         records = [] if columns is not None else _records(raw.table.select([c for c in _mapped(cfg) if c in fields]))
     if plain.any():
+        assert columns is not None  # rows are plain only where the columns were built
         parts.append(_with_position(_plain_table(columns, cfg, ctx), raw.source, positions[plain]))
     rows, kept_pos = [], []
     wanted = _mapped(cfg)
@@ -426,6 +431,7 @@ def extract_answers(answers: pa.Array, cfg: DataConfig) -> pa.Array:
         out = pc.utf8_trim_whitespace(answers)
     else:
         pattern = _GSM8K if cfg.answer_extraction == "gsm8k" else cfg.answer_regex
+        assert pattern is not None  # DataConfig requires answer_regex with answer_extraction=regex
         try:
             out = pc.struct_field(pc.extract_regex(answers, pattern), "answer")
         except pa.ArrowInvalid:  # a Python-only regex feature (e.g. lookbehind): match row by row
@@ -444,8 +450,9 @@ def _unverifiable(answers: list[str], ctx: _Context) -> list[str | None]:
     why: list[str | None] = [None] * len(answers)
     completions = [[{"role": "assistant", "content": a}] for a in answers]
     for name, fn in ctx.verifiers.items():
+        scores: list[float | str]
         try:
-            scores = fn(completions, answer=answers)
+            scores = list(fn(completions, answer=answers))
         except Exception:  # find the rows that break it, one at a time
             scores = []
             for c, a in zip(completions, answers, strict=True):
@@ -507,7 +514,7 @@ class _Chain:
         self.reference: list[np.ndarray] = []
         self.dropped: Counter[str] = Counter()
         self.rows_read = 0
-        self.kept = Counter()
+        self.kept: Counter[str] = Counter()
         self.work = work
         self.quarantine = (work / "quarantine.jsonl").open("wb")
         self.outputs = {s: (work / f"{s}.jsonl").open("wb") for s in ("val", "holdout")}
@@ -929,7 +936,7 @@ def resolve_tokenizer(cfg: PipelineConfig, given: str | None = None) -> str | No
 
 RUN_FIELDS = ("skip_unchanged", "incremental", "replay_fraction", "drift_alert")  # DataConfig fields that do not shape a version
 # What a configuration hash leaves out: where and how a run happens, not what it trains (docs/operations.md).
-IDENTITY_FIELDS = {
+IDENTITY_FIELDS: dict[str, Any] = {
     "data_dir": True, "tracking": True, "deploy": True, "plan": True, "data": {"skip_unchanged": True, "drift_alert": True},
     "train": {"launcher": True, "sky": True, "checkpoint_uri": True, "s3_endpoint_url": True, "max_restarts": True},
 }
@@ -997,7 +1004,8 @@ class _InputsCache(CachePolicy):
     """Prefect cache key = the version key, offered only while that version is on disk (a cached result
     that points at deleted files would be worse than rebuilding)."""
 
-    def compute_key(self, task_ctx, inputs: dict[str, Any], flow_parameters: dict[str, Any], **kwargs) -> str | None:
+    def compute_key(self, task_ctx: TaskRunContext, inputs: dict[str, Any], flow_parameters: dict[str, Any],
+                    **kwargs: Any) -> str | None:
         try:
             key = dataset_key(inputs["cfg"], inputs.get("tokenizer_path"), inputs.get("rewards") or (),
                               inputs.get("reward_args"))
@@ -1009,7 +1017,7 @@ class _InputsCache(CachePolicy):
 
 @task(name="data", cache_policy=_InputsCache(), persist_result=True)
 def data_task(cfg: DataConfig, out_dir: Path, tokenizer_path: str | None, rewards: list[str],
-              reward_args: dict[str, dict[str, Any]] | None = None) -> DatasetVersion:
+              reward_args: RewardArgs | None = None) -> DatasetVersion:
     return build_dataset(cfg, out_dir, tokenizer_path, rewards, reward_args)
 
 
@@ -1026,7 +1034,8 @@ def log_lineage(version: DatasetVersion) -> None:
         with warnings.catch_warnings():  # MLflow registers two local-file source classes and says so
             warnings.simplefilter("ignore", UserWarning)
             source = resolve_dataset_source(str(Path(path).resolve()))
-        dataset = MetaDataset(source, name=split, digest=version.fingerprints[split], schema=schema)
+        # MLflow's Dataset marks `profile` abstract without being an ABC: MetaDataset is made as MLflow's docs do
+        dataset = MetaDataset(source, name=split, digest=version.fingerprints[split], schema=schema)  # type: ignore[abstract]
         mlflow.log_input(dataset, context=split,
                          tags={"source": version.report.source, "dataset_fingerprint": version.fingerprint})
     report = version.report

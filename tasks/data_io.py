@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import orjson
 import pyarrow as pa
@@ -116,7 +116,7 @@ def format_of(name: str, declared: str = "auto") -> str:
     return _FORMATS[suffix]
 
 
-def s3_client(endpoint_url: str | None):
+def s3_client(endpoint_url: str | None) -> Any:  # boto3's S3 client (untyped)
     import boto3
 
     return boto3.client("s3", endpoint_url=endpoint_url or None)
@@ -132,7 +132,7 @@ def is_datasets_dir(path: Path) -> bool:
     return path.is_dir() and any((path / f).is_file() for f in ("state.json", "dataset_dict.json"))
 
 
-def resolve_files(source: str, declared: str, s3=None) -> list[SourceFile]:
+def resolve_files(source: str, declared: str, s3: Any = None) -> list[SourceFile]:
     """The files a source names, in a stable order: a file, a glob, a directory, s3://bucket/key or a prefix/."""
     if source.startswith("s3://"):
         bucket, key = _split_s3(source)
@@ -241,7 +241,7 @@ def iter_source(
 
 
 @contextmanager
-def _local_copy(uri: str, client, scratch: Path | None = None) -> Iterator[Path]:
+def _local_copy(uri: str, client: Any, scratch: Path | None = None) -> Iterator[Path]:
     """A local path for a file: itself, or an S3 object downloaded to a temporary file (removed after)."""
     if not uri.startswith("s3://"):
         yield Path(uri)
@@ -371,7 +371,7 @@ def json_kind(value: Any) -> str:
             bytes: "bytes"}.get(type(value), type(value).__name__)
 
 
-def _line_blocks(stream, block_bytes: int, name: str) -> Iterator[tuple[bytes, int, list[Reject]]]:
+def _line_blocks(stream: IO[bytes], block_bytes: int, name: str) -> Iterator[tuple[bytes, int, list[Reject]]]:
     """(block of whole lines, its first line's number, lines refused for length) from a byte stream. A line
     longer than MAX_LINE_BYTES is skipped as it streams by, so memory stays bounded by one block and one line."""
     line_no, carry = 1, b""
@@ -476,7 +476,7 @@ def iter_csv(path: Path, name: str, batch_rows: int, delimiter: str = ",") -> It
 
     bad_rows: list[Reject] = []
 
-    def on_invalid(row) -> str:
+    def on_invalid(row: Any) -> str:  # pyarrow.csv.InvalidRow
         bad_rows.append(Reject("bad_csv", f"expected {row.expected_columns} fields, got {row.actual_columns}",
                                name, row.number or -1, row.text))
         return "skip"
@@ -516,7 +516,7 @@ def iter_csv(path: Path, name: str, batch_rows: int, delimiter: str = ",") -> It
         yield RawBatch(name, [], table=None, records=[], rejects=bad_rows[:])
 
 
-def _splits_of(ds, split: str | None, name: str) -> list[tuple[str, Any]]:
+def _splits_of(ds: Any, split: str | None, name: str) -> list[tuple[str, Any]]:
     """(name, Dataset) pairs: the one split asked for, or every split of a DatasetDict."""
     from datasets import DatasetDict
 
@@ -529,7 +529,7 @@ def _splits_of(ds, split: str | None, name: str) -> list[tuple[str, Any]]:
     return [(name, ds[split])]
 
 
-def _load_hub(name: str, config: str | None):
+def _load_hub(name: str, config: str | None) -> Any:  # a datasets Dataset or DatasetDict
     from datasets import load_dataset
 
     try:
@@ -541,7 +541,7 @@ def _load_hub(name: str, config: str | None):
         ) from None
 
 
-def _iter_dataset(ds, name: str, batch_rows: int) -> Iterator[RawBatch]:
+def _iter_dataset(ds: Any, name: str, batch_rows: int) -> Iterator[RawBatch]:
     """A `datasets.Dataset`'s Arrow table (memory-mapped), in batches; indices mappings applied."""
     table = ds.with_format("arrow")
     row = 0

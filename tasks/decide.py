@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import math
 import statistics
+from collections.abc import Sequence
 
 import numpy as np
 from pydantic import BaseModel
@@ -85,7 +86,7 @@ def decide_promotion(
     candidate: list[dict],
     baseline: list[dict],
     policy: PromotionPolicy,
-    rewards: list[str] = (),
+    rewards: Sequence[str] = (),
     evaluation_complete: bool = True,
 ) -> Decision:
     """Promote only when the interval's lower bound clears the minimum effect and no guardrail regresses.

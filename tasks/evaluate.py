@@ -17,6 +17,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from prefect import task
 from pydantic import BaseModel
@@ -26,6 +27,11 @@ from grpo_pipeline.configs.schema import EvalConfig, ModelConfig
 from grpo_pipeline.tasks.job import format_duration, model_load
 from grpo_pipeline.trainer.loading import load_model
 from grpo_pipeline.trainer.rewards import completion_text, resolve_reward, resolve_rewards
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.progress import Progress, TaskID
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 EXAMPLE_CHARS = 600  # of a completion kept in an example: enough for a reasoning answer's ending
 
@@ -176,7 +182,7 @@ def contrast(candidate: EvalResult, baseline: EvalResult, column: str, k: int = 
     return out
 
 
-def render(tokenizer, prompts: list) -> list[str]:
+def render(tokenizer: PreTrainedTokenizerBase, prompts: list) -> list[str]:
     """Chat prompts as the model's own template writes them, ready for generation."""
     return [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
 
@@ -214,7 +220,8 @@ class EvalProgress:
         return f"{self.label}: {self.done}/{self.total} ({self.done / self.total:.0%}), {rate:.2f} prompts/s, {left}"
 
 
-def eval_bar(label: str, total: int, console=None, get_time: Callable[[], float] | None = None):
+def eval_bar(label: str, total: int, console: Console | None = None, get_time: Callable[[], float] | None = None
+             ) -> tuple[Progress, TaskID]:
     """A rich bar for a terminal, with the count, the time spent and the time left, and its task id.
 
     rich estimates the speed over the last 30 s by default: with a batch slower than that it holds one
@@ -270,7 +277,7 @@ def progress(label: str, total: int) -> Iterator[Callable[[int], None]]:
 
 
 def generate(
-    model, tokenizer, prompts: list, max_new_tokens: int, batch_size: int, label: str = ""
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list, max_new_tokens: int, batch_size: int, label: str = ""
 ) -> tuple[list[str], list[int]]:
     """Greedy completions for chat prompts and their lengths in tokens, in batches, with progress shown as
     "evaluating <label>"."""
@@ -307,7 +314,7 @@ def summary_metrics(result: EvalResult, cfg: EvalConfig) -> dict[str, float]:
     return out
 
 
-def sample(model, tokenizer, rows: list[dict], cfg: EvalConfig) -> list[list[str]]:
+def sample(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, rows: list[dict], cfg: EvalConfig) -> list[list[str]]:
     """k sampled completions per prompt (transformers), seeded so every model draws alike."""
     import torch
 
@@ -434,4 +441,4 @@ def evaluate_model(
                                      "examples": pick_examples(result, cfg.accuracy_reward, cfg.examples)})
 
 
-evaluate_task = task(evaluate_model, name="evaluate")
+evaluate_task = task(name="evaluate")(evaluate_model)

@@ -54,7 +54,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import optuna
 from pydantic import BaseModel
@@ -64,6 +64,9 @@ from grpo_pipeline.configs.rewards import RewardSet
 from grpo_pipeline.configs.schema import ConfigError, HPOConfig, PipelineConfig, SearchDim, SearchSpace, TrainConfig
 from grpo_pipeline.tasks.job import build_job_spec
 from grpo_pipeline.trainer.spec import TrainingFailed, parse_progress
+
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
 
 # Builds the launcher a trial runs on (`grpo_pipeline.infra.launch.make_launcher`): passed in by the flow, which owns the
 # launch; called with the trial's `train` section and a callback for each line of the trainer's output.
@@ -163,8 +166,10 @@ def suggest(trial: optuna.trial.BaseTrial, space: SearchSpace) -> dict[str, Any]
             choices = [int(c) for c in dim.choices] if integer else [float(c) for c in dim.choices]
             params[name] = trial.suggest_categorical(name, choices)
         elif integer:
+            assert dim.low is not None and dim.high is not None  # SearchDim: a range without choices
             params[name] = trial.suggest_int(name, int(dim.low), int(dim.high), log=dim.log)
         else:
+            assert dim.low is not None and dim.high is not None
             params[name] = trial.suggest_float(name, dim.low, dim.high, log=dim.log)
     return params
 
@@ -235,7 +240,9 @@ def open_storage(cfg: PipelineConfig) -> optuna.storages.BaseStorage:
     if cfg.hpo.storage:
         return optuna.storages.RDBStorage(url)
     Path(url).parent.mkdir(parents=True, exist_ok=True)
-    return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(url))
+    from optuna.storages.journal import JournalFileBackend
+
+    return optuna.storages.JournalStorage(JournalFileBackend(url))
 
 
 def redact(url: str) -> str:
@@ -511,7 +518,7 @@ def requeue_orphans(study: optuna.Study) -> list[int]:
     return [t.number for t in orphans]
 
 
-def earlier_best(storage, current: str, base_model: str, space: SearchSpace) -> list[dict[str, Any]]:
+def earlier_best(storage: optuna.storages.BaseStorage, current: str, base_model: str, space: SearchSpace) -> list[dict[str, Any]]:
     """The best parameters of every other study of the same base model that fit the current space."""
     found = []
     for summary in optuna.get_all_study_summaries(storage, include_best_trial=True):
@@ -577,7 +584,7 @@ class Tracking(BaseModel):
     experiment_id: str
     stage_run_id: str
 
-    def client(self):
+    def client(self) -> MlflowClient:
         from mlflow import MlflowClient
 
         return MlflowClient(self.tracking_uri)
@@ -603,7 +610,7 @@ def run_trial(
     tcfg = trial_config(cfg, overrides)
     client = tracking.client() if tracking else None
     run_id = None
-    if client:
+    if client and tracking:
         run_id = client.create_run(
             tracking.experiment_id,
             run_name=f"trial-{trial.number}",
@@ -619,7 +626,12 @@ def run_trial(
     spec = spec.model_copy(update={"val_file": str(Path(splits["val"]).resolve())})
 
     reports: queue.Queue = queue.Queue()
-    launcher = launcher_for(tcfg.train, lambda line: (report := parse_progress(line)) and reports.put(report))
+
+    def on_line(line: str) -> None:
+        if report := parse_progress(line):
+            reports.put(report)
+
+    launcher = launcher_for(tcfg.train, on_line)
     state, reason, outcome = "FAILED", None, None
     try:
         handle = launcher.launch(spec)
@@ -637,7 +649,7 @@ def run_trial(
         trial.set_user_attr("reason", reason)
         raise TrialFailed(f"trial {trial.number}: {reason}") from exc
     finally:
-        if client:
+        if client and run_id:
             # Logged last: the trainer logs its own (GRPOConfig) params only into a run that has none yet.
             logged = {"optuna.trial": trial.number, **overrides}
             client.log_batch(run_id, params=[Param(k, str(v)) for k, v in logged.items()])
@@ -649,8 +661,8 @@ def run_trial(
             client.set_terminated(run_id, state)
 
 
-def _follow(trial, launcher, handle, reports: queue.Queue, client, run_id, max_steps: int,
-            prunable: bool = True) -> TrialOutcome:
+def _follow(trial: optuna.Trial, launcher: Any, handle: Any, reports: queue.Queue, client: MlflowClient | None,
+            run_id: str | None, max_steps: int, prunable: bool = True) -> TrialOutcome:
     """Wait for the job on a helper thread; here, report each rung's validation reward and prune (unless the
     trial is the configured values' control)."""
     seen: dict[int, float] = {}
@@ -668,7 +680,7 @@ def _follow(trial, launcher, handle, reports: queue.Queue, client, run_id, max_s
                     continue
                 seen[step] = value
                 trial.report(value, step)
-                if client:
+                if client and run_id:
                     client.log_metric(run_id, "val_reward", value, step=step)
                 if prunable and step < max_steps and trial.should_prune():
                     pruned_at = step
@@ -738,6 +750,9 @@ def search(
         if outcome.pruned_at is not None:
             raise optuna.TrialPruned(f"pruned at step {outcome.pruned_at}")
         if score is None:  # hpo.trial_score=trainer: the last rung's sampled reward
+            if outcome.value is None:
+                trial.set_user_attr("reason", "the trainer reported no validation reward")
+                raise TrialFailed(f"trial {trial.number}: no validation reward")
             return outcome.value
         if not outcome.adapter_dir:
             trial.set_user_attr("reason", "the trainer left no adapter to score")
@@ -751,7 +766,7 @@ def search(
         trial.set_user_attr("scores", scores)
         return statistics.fmean(scores)
 
-    def stop_when_spent(study: optuna.Study, _trial) -> None:
+    def stop_when_spent(study: optuna.Study, _trial: optuna.trial.FrozenTrial) -> None:
         if steps_spent(study) + cfg.hpo.eval_every > budget_steps:  # not even one more first rung fits
             study.stop()
 
@@ -780,7 +795,8 @@ def search(
     return result
 
 
-def choose(study: optuna.Study, complete: list, cfg: PipelineConfig, validation: Validation, score: Scorer) -> HPOResult:
+def choose(study: optuna.Study, complete: list, cfg: PipelineConfig, validation: Validation, score: Scorer | None
+           ) -> HPOResult:
     """Re-score the top trials and the configured one on fresh prompts; the best of the re-scores replaces the
     configured values only beyond the noise."""
     configured = next((t for t in complete if t.user_attrs.get(CONFIGURED)), None)
@@ -795,12 +811,13 @@ def choose(study: optuna.Study, complete: list, cfg: PipelineConfig, validation:
             if not adapter or not Path(adapter).exists():
                 log.warning("trial %d: its adapter %s is gone; not re-scored", t.number, adapter)
                 continue
+            assert score is not None  # the loop runs only with a scorer
             cached = score(adapter, validation.rescore)
             study.set_user_attr(key, cached)
         rescores[t.number] = cached
     ranked = [t for t in searched if t.number in rescores] or searched[:1]
     pick = max(ranked, key=lambda t: statistics.fmean(rescores.get(t.number, [t.value])), default=None)
-    base = {"study_name": study.study_name, "storage": redact(storage_url(cfg)), "trials": [],
+    base: dict[str, Any] = {"study_name": study.study_name, "storage": redact(storage_url(cfg)), "trials": [],
             "configured_trial": configured.number if configured else None,
             "rescored": {n: statistics.fmean(v) for n, v in rescores.items()},
             "prompts": {"needed": validation.needed, "available": validation.available, "select": validation.needed,
@@ -868,7 +885,7 @@ def log_study(study: optuna.Study, result: HPOResult | None, tracking: Tracking,
     if result is not None:
         client.set_tag(run_id, "hpo.applied", str(result.applied).lower())
         client.set_tag(run_id, "hpo.decision", result.decision[:5000])
-        if result.difference is not None:
+        if result.difference is not None and result.difference_ci is not None:  # set together
             client.log_metric(run_id, "difference_vs_configured", result.difference)
             client.log_metric(run_id, "difference_ci_low", result.difference_ci[0])
             client.log_metric(run_id, "difference_ci_high", result.difference_ci[1])

@@ -9,7 +9,7 @@ import difflib
 import re
 import time
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel
 
@@ -274,9 +274,10 @@ class TrainProgress:
         self.step = logs["step"]
         return f"{self._position(logs.get('max_steps'), now)}  {summarize_log_line(line)}"
 
-    def _position(self, max_steps, now: float) -> str:
+    def _position(self, max_steps: Any, now: float) -> str:  # the log line's value: an int once it is known
         known = isinstance(max_steps, int) and max_steps > 0
         total = f"/{max_steps} ({self.step / max_steps:.0%})" if known else ""
+        assert self.first is not None  # `update` records the first step before it asks
         first_step, first_time = self.first
         if self.step <= first_step or now <= first_time:
             return f"step {self.step}{total}, ETA --"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from prefect import task
 
@@ -15,18 +16,22 @@ from grpo_pipeline.configs.schema import MergeConfig
 from grpo_pipeline.trainer.loading import load_model
 from grpo_pipeline.trainer.spec import ModelLoad
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
 
 class MergeRefused(RuntimeError):
     pass
 
 
-def _load_base(base_path: str, dtype: str, trust_remote_code: bool):
+def _load_base(base_path: str, dtype: str, trust_remote_code: bool) -> PreTrainedModel:
     """The base at full precision (a merge into 4-bit weights would lose the adapter's precision)."""
     load = ModelLoad(quantization="none", double_quant=False, compute_dtype=dtype, trust_remote_code=trust_remote_code)
     return load_model(base_path, load)
 
 
-def max_logit_difference(model_a, model_b, tokenizer, prompts: list[str]) -> float:
+def max_logit_difference(model_a: PreTrainedModel, model_b: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+                         prompts: list[str]) -> float:
     """The largest |logit| difference between two models over the prompts' tokens."""
     import torch
 
@@ -64,4 +69,4 @@ def merge_adapter(base_path: str, adapter_dir: str, out_dir: Path, prompts: list
     return {"merged_dir": str(out_dir), "max_logit_difference": difference, "dtype": cfg.dtype}
 
 
-merge_task = task(merge_adapter, name="merge")
+merge_task = task(name="merge")(merge_adapter)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from prefect import task
 from pydantic import BaseModel
@@ -26,6 +27,9 @@ from grpo_pipeline.configs.schema import ConfigError, EvalConfig, ModelConfig, Q
 from grpo_pipeline.tasks.evaluate import generate, read_jsonl, render, score
 from grpo_pipeline.tasks.job import model_load
 from grpo_pipeline.trainer.loading import load_model
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from grpo_pipeline.trainer.rewards import completion_text
 
 
@@ -87,7 +91,8 @@ def judge(full: Measurement, quant: Measurement, mode: str, bound: QuantizationB
     )
 
 
-def answer_perplexity(model, tokenizer, rows: list[dict], batch_size: int = 16) -> float:
+def answer_perplexity(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, rows: list[dict],
+                      batch_size: int = 16) -> float:
     """exp(mean negative log-likelihood) of each row's `answer` as the assistant's reply to its prompt."""
     import torch
 
@@ -166,4 +171,4 @@ def require_accepted(cost: QuantizationCost | None) -> None:
         )
 
 
-quantization_cost_task = task(measure_quantization_cost, name="quantization-cost")
+quantization_cost_task = task(name="quantization-cost")(measure_quantization_cost)

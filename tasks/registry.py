@@ -34,9 +34,14 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
 
 CHAMPION, CHALLENGER, PREVIOUS = "champion", "challenger", "previous-champion"
 ALIASES = (CHAMPION, CHALLENGER, PREVIOUS)
@@ -222,10 +227,10 @@ class RestClient:
         return SimpleNamespace(name=raw["name"], version=str(raw["version"]), source=raw.get("source", ""),
                                run_id=raw.get("run_id"), tags=tags)
 
-    def get_model_version_by_alias(self, name: str, alias: str):
+    def get_model_version_by_alias(self, name: str, alias: str) -> SimpleNamespace:
         return self._version(self._call("GET", "registered-models/alias", {"name": name, "alias": alias})["model_version"])
 
-    def get_model_version(self, name: str, version: str):
+    def get_model_version(self, name: str, version: str) -> SimpleNamespace:
         return self._version(self._call("GET", "model-versions/get", {"name": name, "version": version})["model_version"])
 
     def set_registered_model_alias(self, name: str, alias: str, version: str) -> None:
@@ -241,14 +246,14 @@ class RestClient:
         body = {"name": name, "tags": [{"key": k, "value": v} for k, v in (tags or {}).items()]}
         self._call("POST", "registered-models/create", body | ({"description": description} if description else {}))
 
-    def get_registered_model(self, name: str):
+    def get_registered_model(self, name: str) -> SimpleNamespace:
         raw = self._call("GET", "registered-models/get", {"name": name})["registered_model"]
         return SimpleNamespace(name=raw["name"], tags={t["key"]: t.get("value", "") for t in raw.get("tags", [])})
 
     def delete_registered_model(self, name: str) -> None:
         self._call("DELETE", "registered-models/delete", {"name": name})
 
-    def create_model_version(self, name: str, source: str, tags: dict | None = None, **_):
+    def create_model_version(self, name: str, source: str, tags: dict | None = None, **_: object) -> SimpleNamespace:
         body = {"name": name, "source": source, "tags": [{"key": k, "value": v} for k, v in (tags or {}).items()]}
         return self._version(self._call("POST", "model-versions/create", body)["model_version"])
 
@@ -265,7 +270,7 @@ class RestClient:
         self._call("DELETE", "model-versions/delete", {"name": name, "version": version})
 
 
-def open_client(tracking_uri: str):
+def open_client(tracking_uri: str) -> RestClient | MlflowClient:
     """A registry client for the operator commands: REST for an MLflow server, else MLflow's client."""
     if tracking_uri.startswith(("http://", "https://")):
         return RestClient(tracking_uri)
@@ -274,9 +279,9 @@ def open_client(tracking_uri: str):
     return mlflow.MlflowClient(tracking_uri)
 
 
-def _errors(client) -> tuple[type[BaseException], ...]:
+def _errors(client: RestClient | MlflowClient) -> tuple[type[BaseException], ...]:
     """What the client raises when the server says no (a missing alias, a name already taken)."""
-    if hasattr(client, "errors"):
+    if hasattr(client, "errors"):  # a RestClient, or a wrapper of one (duck-typed: tests count its calls)
         return client.errors
     from mlflow.exceptions import MlflowException
 
@@ -328,7 +333,7 @@ def queue_ahead(tickets: list[Ticket], mine: Ticket, now: float, stale_s: float)
 
 
 class Registry:
-    def __init__(self, client, name: str, lock_timeout_s: float = 120, stale_lock_s: float = 900):
+    def __init__(self, client: RestClient | MlflowClient, name: str, lock_timeout_s: float = 120, stale_lock_s: float = 900):
         self.client, self.name = client, name
         self.lock_timeout_s, self.stale_lock_s = lock_timeout_s, stale_lock_s
         self.heartbeat_s = min(10.0, stale_lock_s / 4)  # a waiter renews its ticket well inside the stale limit
@@ -371,8 +376,8 @@ class Registry:
         for existing in self.client.search_model_versions(f"run_id = '{run_id}'"):
             if existing.name == name and existing.source == source:
                 return str(existing.version)
-        extra = {"model_id": model_id} if model_id else {}
-        return str(self.client.create_model_version(name, source, run_id=run_id, tags=tags, **extra).version)
+        return str(self.client.create_model_version(name, source, run_id=run_id, tags=tags,
+                                                    model_id=model_id or None).version)
 
     def tag(self, version: str, tags: dict[str, str]) -> None:
         for key, value in tags.items():
@@ -513,7 +518,7 @@ class Registry:
                 raise self._service_error(f"cannot update the registry lock {self.lock_name}", exc) from exc
 
     @contextmanager
-    def lock(self):
+    def lock(self) -> Iterator[Ticket]:
         """Exclusive access to the aliases until the block ends; `self.check_holder` runs before each move."""
         ticket = self.acquire()
         self._held = ticket
@@ -548,8 +553,11 @@ class Registry:
     def rollback(self, reason: str) -> list[AliasMove]:
         with self.lock():
             aliases = self.aliases()
-            moves = self.apply(plan_rollback(aliases[CHAMPION], aliases[PREVIOUS]))
-            self.tag(aliases[CHAMPION], {"rolled_back_by": operator(), "rolled_back_reason": reason})
+            champion = aliases[CHAMPION]
+            if champion is None:  # the alias removed by hand: moving previous-champion up would tag no version
+                raise RegistryError("there is no champion to roll back")
+            moves = self.apply(plan_rollback(champion, aliases[PREVIOUS]))
+            self.tag(champion, {"rolled_back_by": operator(), "rolled_back_reason": reason})
         return moves
 
     def force(self, version: str, reason: str) -> list[AliasMove]:

@@ -392,7 +392,7 @@ class Router:
             for alias in (CHAMPION, CHALLENGER):
                 try:
                     wanted = await anyio.to_thread.run_sync(resolve, alias)
-                except Exception as e:  # noqa: BLE001 - the registry or the download failed: keep serving
+                except Exception as e:
                     log.error("reading alias %s failed (%s: %s); serving what is loaded", alias, type(e).__name__, e)
                     continue
                 if alias == CHAMPION and wanted is None:

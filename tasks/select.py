@@ -111,4 +111,4 @@ def select_base_model(cfg: PipelineConfig, rewards: RewardSet, val_file: Path, c
     return Selection(chosen=best.base, chosen_path=best.path or "", rows=rows)
 
 
-select_task = task(select_base_model, name="select-base-model")
+select_task = task(name="select-base-model")(select_base_model)

@@ -24,8 +24,17 @@ import tempfile
 import time
 from importlib import metadata
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
+
+if TYPE_CHECKING:  # MLflow and the config loaded lazily: a lookup of the module stays light
+    from mlflow import MlflowClient
+    from mlflow.entities import LoggedModel
+    from mlflow.models import ModelSignature
+    from mlflow.models.model import ModelInfo
+
+    from grpo_pipeline.configs.schema import EvalConfig, ModelConfig
 
 MODEL_CODE = Path(__file__).with_name("serving_model.py")
 BASE_EXPERIMENT = "grpo-base-models"
@@ -74,7 +83,7 @@ def content_hash(directory: Path) -> str:
     return digest.hexdigest()
 
 
-def base_reference(client, model_path: str, experiment_id: str, label: str) -> BaseRef:
+def base_reference(client: MlflowClient, model_path: str, experiment_id: str, label: str) -> BaseRef:
     """The base as others can load it: a hub id as it is; a local directory copied once per content hash."""
     if not Path(model_path).is_dir():
         return BaseRef(reference=model_path)  # a hub id: from_pretrained loads it anywhere
@@ -119,7 +128,7 @@ def _installed(name: str) -> bool:
         return False
 
 
-def _signature(max_new_tokens: int, batch_size: int):
+def _signature(max_new_tokens: int, batch_size: int) -> ModelSignature:
     from mlflow.models import ModelSignature
     from mlflow.types import ColSpec, ParamSchema, ParamSpec, Schema
 
@@ -145,7 +154,7 @@ def prompt_text(messages: list[dict]) -> str:
     return json.dumps(messages)
 
 
-def _log(name: str, artifacts: dict[str, str], model_config: dict, example: str, tags: dict):
+def _log(name: str, artifacts: dict[str, str], model_config: dict, example: str, tags: dict) -> ModelInfo:
     """Log a model from code into the active run.
 
     With an input example, MLflow loads the model in this process and predicts on the example before
@@ -172,7 +181,7 @@ def _log(name: str, artifacts: dict[str, str], model_config: dict, example: str,
     )
 
 
-def find_logged_model(run_id: str, name: str):
+def find_logged_model(run_id: str, name: str) -> LoggedModel | None:
     """The model a first attempt of this run logged, so a retry registers it instead of logging again."""
     import mlflow
 
@@ -181,9 +190,9 @@ def find_logged_model(run_id: str, name: str):
     return found[0] if found else None
 
 
-def model_config(base: BaseRef | None, model, evaluate) -> dict:
+def model_config(base: BaseRef | None, model: ModelConfig, evaluate: EvalConfig) -> dict:
     """How the model code loads and generates: base, precision, and the evaluation's decoding."""
-    out = {"max_new_tokens": evaluate.max_new_tokens, "batch_size": evaluate.batch_size,
+    out: dict[str, Any] = {"max_new_tokens": evaluate.max_new_tokens, "batch_size": evaluate.batch_size,
            "trust_remote_code": model.trust_remote_code, "compute_dtype": model.compute_dtype}
     if base is not None:
         out |= {"base": base.reference, "base_sha256": base.sha256, "quantization": model.quantization,
@@ -191,7 +200,8 @@ def model_config(base: BaseRef | None, model, evaluate) -> dict:
     return out
 
 
-def log_adapter_model(adapter_dir: str, base: BaseRef, model, evaluate, example: str, work: Path) -> tuple[str, str]:
+def log_adapter_model(adapter_dir: str, base: BaseRef, model: ModelConfig, evaluate: EvalConfig, example: str,
+                      work: Path) -> tuple[str, str]:
     """The adapter as an MLflow model in the active run; returns (model URI, logged model id)."""
     portable = portable_adapter(adapter_dir, base, work / "adapter")
     info = _log("adapter", {"adapter": str(portable)}, model_config(base, model, evaluate), example,
@@ -199,7 +209,7 @@ def log_adapter_model(adapter_dir: str, base: BaseRef, model, evaluate, example:
     return info.model_uri, info.model_id
 
 
-def log_merged_model(merged_dir: str, model, evaluate, example: str) -> tuple[str, str]:
+def log_merged_model(merged_dir: str, model: ModelConfig, evaluate: EvalConfig, example: str) -> tuple[str, str]:
     """The merged model (full weights, its tokenizer) as an MLflow model in the active run."""
     info = _log("merged", {"merged": merged_dir}, model_config(None, model, evaluate), example, {})
     return info.model_uri, info.model_id

@@ -20,6 +20,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import mlflow
 from mlflow.models import set_model
@@ -50,7 +51,7 @@ def _local_base(reference: str, digest: str | None) -> str:
     return str(target) if (target / "config.json").is_file() else local
 
 
-def _messages(prompt) -> list[dict]:
+def _messages(prompt: object) -> list[dict]:
     """One prompt as chat messages: a list of message dicts as it is, JSON text of one parsed, else one user turn."""
     if isinstance(prompt, dict):
         return [prompt]  # a lone message
@@ -67,11 +68,11 @@ def _messages(prompt) -> list[dict]:
     return [{"role": "user", "content": text}]
 
 
-def _is_chat(value) -> bool:
+def _is_chat(value: object) -> bool:
     return isinstance(value, dict) and "role" in value
 
 
-def _expand(cell) -> list:
+def _expand(cell: object) -> list:
     """The prompts one input cell holds. MLflow's enforcement turns `{"prompt": ["a", "b"]}` into one row whose
     cell is the list, and the scoring server turns JSON lists into numpy arrays: a list of strings (or of
     chats) is several prompts, a list of message dicts is one chat."""
@@ -95,7 +96,7 @@ def _expand(cell) -> list:
     return [cell]
 
 
-def _prompts(model_input) -> list:
+def _prompts(model_input: Any) -> list:  # a DataFrame, dict, list or text: whatever pyfunc was given
     """Every prompt in the input, in order, whatever shape of those the module docstring lists it came in.
 
     >>> _prompts("Hi")

@@ -3,7 +3,7 @@ prints, what the report renders and what CI reads (its JSON schema: `RunSummary.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
@@ -13,6 +13,9 @@ from grpo_pipeline.tasks.evaluate import EvalResult
 from grpo_pipeline.tasks.job import WarmStart
 from grpo_pipeline.tasks.serving import BaseRef, ServingCheck
 from grpo_pipeline.trainer.spec import TrainResult
+
+if TYPE_CHECKING:  # the search's module loads optuna; the summary is read without it
+    from grpo_pipeline.tasks.hpo import HPOResult
 
 
 class MlflowRef(BaseModel):
@@ -84,7 +87,7 @@ class Search(BaseModel):
     budget_steps: int | None = None
 
     @classmethod
-    def of(cls, result) -> Search:
+    def of(cls, result: HPOResult) -> Search:
         """From `grpo_pipeline.tasks.hpo.HPOResult`."""
         return cls(study=result.study_name, best_trial=result.best_trial, best_value=result.best_value,
                    overrides=result.overrides, applied=result.applied, decision=result.decision,

@@ -17,6 +17,8 @@ import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING, Any
 
 from transformers import PrinterCallback, ProgressCallback, TrainerCallback
 
@@ -24,6 +26,13 @@ from grpo_pipeline.trainer.checkpoints import Store, checkpoint_name, prune
 from grpo_pipeline.trainer.distributed import Ranks
 from grpo_pipeline.trainer.spec import progress_line
 from grpo_pipeline.trainer.tracking import CommittedMetrics
+
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
+    from transformers import Trainer, TrainerControl, TrainerState, TrainingArguments
+
+    from grpo_pipeline.trainer.health import Ledger
+    from grpo_pipeline.trainer.spec import HealthEvent, HealthSettings
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +81,7 @@ class CheckpointSync(TrainerCallback):
         prune_keeping_best(self.store, self.keep, best)
         log.info("checkpoint %d complete in %r", step, self.store)
 
-    def on_save(self, args, state, control, **kwargs):
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         self.raise_failures()
         step = state.global_step
         name = checkpoint_name(step)
@@ -133,11 +142,11 @@ class StopOnSigterm(TrainerCallback):
         self.ranks = ranks or Ranks()
         signal.signal(signal.SIGTERM, self._handle)
 
-    def _handle(self, signum, frame):
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
         log.warning("SIGTERM: saving a checkpoint after this step, then exiting")
         self.received = True
 
-    def on_step_end(self, args, state, control, **kwargs):
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> TrainerControl:
         if self.ranks.any(self.received):
             self.received = True
             control.should_save = True
@@ -149,9 +158,10 @@ class FirstStepTimer(TrainerCallback):
     """Seconds from the job's start to its first completed step: what a (re)start costs before work resumes."""
 
     def __init__(self, started: float):
-        self.started, self.seconds = started, None
+        self.started = started
+        self.seconds: float | None = None  # until the first step ends
 
-    def on_step_end(self, args, state, control, **kwargs):
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         if self.seconds is None:
             self.seconds = time.monotonic() - self.started
 
@@ -164,7 +174,8 @@ class ReportValidation(TrainerCallback):
     watches a spot node). The hyperparameter search reads these lines to report to Optuna and prune.
     """
 
-    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+    def on_evaluate(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    metrics: dict[str, float] | None = None, **kwargs: Any) -> None:
         if state.is_world_process_zero and metrics and "eval_reward" in metrics:
             # flushed: stdout is a pipe
             print(progress_line(state.global_step, float(metrics["eval_reward"])), flush=True)
@@ -190,7 +201,8 @@ class StepLog(TrainerCallback):
 
     reader_gone = False
 
-    def on_log(self, args, state, control, logs=None, **kwargs):
+    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+               logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         if state.is_world_process_zero and logs and not self.reader_gone:
             from tqdm.auto import tqdm
 
@@ -207,11 +219,12 @@ class StepLog(TrainerCallback):
 class BarWithoutLogs(ProgressCallback):
     """HF's tqdm bar, without its copy of each log."""
 
-    def on_log(self, args, state, control, logs=None, **kwargs):
+    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+               logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         pass
 
 
-def print_logs_once(trainer) -> None:
+def print_logs_once(trainer: Trainer) -> None:
     """Make StepLog the one printer of each log: HF prints it too, with PrinterCallback (no tqdm) or inside
     its tqdm bar (ProgressCallback), and on every node's local rank 0."""
     trainer.remove_callback(PrinterCallback)
@@ -249,7 +262,8 @@ class HealthCallback(TrainerCallback):
     it without that save (the state may be poisoned) and leaves `rollback` set for `grpo_pipeline.trainer.train` to restart
     from the last healthy checkpoint, unless the ledger's rollbacks are spent: then it stops."""
 
-    def __init__(self, settings, ledger, ranks: Ranks | None = None, client=None, run_id: str | None = None,
+    def __init__(self, settings: HealthSettings, ledger: Ledger, ranks: Ranks | None = None,
+                 client: MlflowClient | None = None, run_id: str | None = None,
                  restored: dict | None = None, lr_factor: float = 1.0):
         from grpo_pipeline.trainer.health import Monitor
 
@@ -258,11 +272,12 @@ class HealthCallback(TrainerCallback):
         self.monitor = Monitor(settings)
         self.restored = restored or {}
         self.lr_factor = lr_factor  # applied to the optimizer and scheduler once they are built (and resumed)
-        self.rollback = None  # the event that asks for a rollback, when one does
-        self.stopped = None  # the event that stopped training
+        self.rollback: HealthEvent | None = None  # the event that asks for a rollback, when one does
+        self.stopped: HealthEvent | None = None  # the event that stopped training
         self.seconds = 0.0  # time spent in the rules, for the overhead figure
 
-    def on_train_begin(self, args, state, control, optimizer=None, lr_scheduler=None, **kwargs):
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                       optimizer: Any = None, lr_scheduler: Any = None, **kwargs: Any) -> None:
         from grpo_pipeline.trainer.health import scale_learning_rate
 
         self.monitor.check_grad_norm = not args.fp16  # the fp16 GradScaler logs inf grad norms on steps it skips
@@ -271,7 +286,8 @@ class HealthCallback(TrainerCallback):
         if optimizer is not None:
             scale_learning_rate(optimizer, lr_scheduler, self.lr_factor)
 
-    def on_log(self, args, state, control, logs=None, **kwargs):
+    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+               logs: dict[str, Any] | None = None, **kwargs: Any) -> TrainerControl:
         from grpo_pipeline.trainer.health import decide, is_step_log
 
         if not logs or not is_step_log(logs):
@@ -299,7 +315,7 @@ class HealthCallback(TrainerCallback):
             self.record(event)
         return control
 
-    def record(self, event) -> None:
+    def record(self, event: HealthEvent) -> None:
         """The log line, the MLflow tag and metric (rank 0), and the ledger's copy."""
         what = event.taken or f"rolling back (rollback {self.ledger.rollbacks + 1} of {self.settings.max_rollbacks})"
         self.ledger.merge([event])
@@ -312,7 +328,7 @@ class HealthCallback(TrainerCallback):
             self.client.set_tag(self.run_id, f"health/step-{event.step}/{event.rule}",
                                 f"{event.action}: {event.message} -> {what}"[:5000])
 
-    def on_save(self, args, state, control, **kwargs):
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         """The windows and the events so far, beside the checkpoint HF just wrote (rank 0's folder is the one
         uploaded; `CheckpointSync` runs after this callback)."""
         import json

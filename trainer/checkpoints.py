@@ -26,6 +26,7 @@ import shutil
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from grpo_pipeline.trainer.spec import RESULT_FILE, JobSpec, TrainResult
 
@@ -299,7 +300,7 @@ class LocalStore:
 class S3Store:
     """Any S3 API (AWS, MinIO, SeaweedFS) through boto3."""
 
-    def __init__(self, uri: str, endpoint_url: str | None = None, client=None):
+    def __init__(self, uri: str, endpoint_url: str | None = None, client: Any = None):  # a boto3 S3 client
         bucket, _, prefix = uri.removeprefix("s3://").partition("/")
         if not bucket:
             raise CheckpointStoreError(f"{uri!r} names no bucket; use s3://bucket/prefix")
@@ -505,11 +506,11 @@ class S3Store:
         return f"s3://{self.bucket}/{aside}"
 
 
-def _code(exc) -> str | None:
+def _code(exc: Any) -> str | None:  # botocore's ClientError (untyped)
     return exc.response.get("Error", {}).get("Code")
 
 
-def _not_found(exc) -> bool:
+def _not_found(exc: Any) -> bool:
     return _code(exc) in ("404", "NoSuchKey", "NotFound")
 
 
@@ -586,7 +587,7 @@ def prune(store: Store, keep: int) -> None:
         store.delete(checkpoint_name(step))
 
 
-def collect_final(spec: JobSpec, store=None) -> tuple[TrainResult, Path]:
+def collect_final(spec: JobSpec, store: Store | None = None) -> tuple[TrainResult, Path]:
     """The finished job's result, with its adapter copied from the store's `final` entry to `adapter_dir`."""
     store = store or open_store(spec.checkpoint_uri, spec.train.s3_endpoint_url)
     final = store.fetch(FINAL, Path(spec.work_dir) / "fetched")

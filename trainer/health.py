@@ -22,6 +22,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeGuard
 
 from grpo_pipeline.trainer.spec import HealthEvent, HealthSettings, RuleSettings  # noqa: F401 - RuleSettings: the doctests use it
 
@@ -61,7 +62,7 @@ NON_FINITE = "non_finite"  # no window statistic: any non-finite loss or grad no
 RULE_NAMES = (*RULES, NON_FINITE)
 
 
-def _finite_number(value) -> bool:
+def _finite_number(value: object) -> TypeGuard[int | float]:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
@@ -219,7 +220,7 @@ class Ledger:
         self.events.sort(key=lambda e: e.step)
 
 
-def scale_learning_rate(optimizer, scheduler, factor: float) -> None:
+def scale_learning_rate(optimizer: Any, scheduler: Any, factor: float) -> None:  # torch's
     """Multiply the optimizer's and the scheduler's learning rates by `factor`, in place.
 
     A resumed optimizer and scheduler carry the rates they were saved with (HF loads both after building

@@ -163,7 +163,8 @@ class Node:
     """This node's part of the job: its processes, their pids (from the launch folder) and exit codes."""
 
     def __init__(self, folder: Path):
-        self.folder, self.stopping, self.signalled = folder, False, set()
+        self.folder, self.stopping = folder, False
+        self.signalled: set[str] = set()
         self.proc: subprocess.Popen | None = None
 
     def pids(self) -> dict[str, int]:
@@ -172,7 +173,7 @@ class Node:
     def exit_codes(self) -> dict[str, int]:
         return {p.stem: int(p.read_text()) for p in self.folder.glob("rank-*.exit")}
 
-    def forward_sigterm(self, *_):
+    def forward_sigterm(self, *_: object) -> None:  # a signal handler's (signum, frame)
         self.stopping = True
         for name, pid in self.pids().items():
             if name not in self.signalled:
@@ -183,6 +184,7 @@ class Node:
                     pass
 
     def wait(self) -> int:
+        assert self.proc is not None, "started before it is waited on"
         while self.proc.poll() is None:
             if self.stopping:  # ranks that wrote their pid after the signal get it too
                 self.forward_sigterm()

@@ -7,12 +7,16 @@ import json
 import logging
 from collections.abc import Collection, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from grpo_pipeline.trainer.spec import ModelLoad
 
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from transformers import BitsAndBytesConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-def quantization_config(cfg: ModelLoad):
+
+def quantization_config(cfg: ModelLoad) -> BitsAndBytesConfig | None:
     """The `BitsAndBytesConfig` for a quantization mode, or None for a full-precision base."""
     if cfg.quantization == "none":
         return None
@@ -88,7 +92,9 @@ def adapter_mismatch(adapter: Mapping[str, Any], bases: Collection[str] | None, 
     return None
 
 
-def load_model(path: str, cfg: ModelLoad, adapter: str | None = None, trainable: bool = False):
+def load_model(
+    path: str, cfg: ModelLoad, adapter: str | None = None, trainable: bool = False
+) -> tuple[PreTrainedModel | PeftModel, PreTrainedTokenizerBase]:
     """Return (model, tokenizer); the tokenizer gets a pad token when the model has none. With `adapter`, the
     model is a PeftModel with it loaded: frozen for evaluation, or `trainable` to continue training it."""
     import torch

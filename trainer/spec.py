@@ -73,7 +73,7 @@ HEALTH_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
-def _rule(name: str):
+def _rule(name: str) -> Any:  # a pydantic Field, typed as Any so it can default any field
     return Field(default_factory=lambda: RuleSettings(**HEALTH_DEFAULTS[name]))
 
 

@@ -14,10 +14,14 @@ import math
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from transformers import TrainerCallback
 
 from grpo_pipeline.trainer.checkpoints import METRICS_FILE
+
+if TYPE_CHECKING:
+    from transformers import TrainerControl, TrainerState, TrainingArguments
 
 STEP_KEY = "global_step"  # logged with every step: its latest value is the last step MLflow holds
 
@@ -50,7 +54,7 @@ class CommittedMetrics(TrainerCallback):
         self.skip_through = int(run.data.metrics.get(STEP_KEY, 0))
         self._has_params = bool(run.data.params)
 
-    def on_train_begin(self, args, state, control, **kwargs):
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         if self._has_params:  # a resumed job: the run already holds them, and MLflow refuses changes
             return
         from mlflow.entities import Param
@@ -60,7 +64,8 @@ class CommittedMetrics(TrainerCallback):
             self.client.log_batch(self.run_id, params=params[i : i + 100])
         self._has_params = True
 
-    def on_log(self, args, state, control, logs=None, **kwargs):
+    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+               logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         values = numeric(logs or {})
         if values:
             with self._lock:

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,7 +43,7 @@ class LocalHandle:
 
 
 class LocalLauncher:
-    def __init__(self, max_restarts: int = 3, on_line=None):
+    def __init__(self, max_restarts: int = 3, on_line: Callable[[str], None] | None = None):
         self.max_restarts = max_restarts
         self.on_line = on_line or (lambda line: log.info("trainer: %s", line))
 
@@ -68,6 +69,7 @@ class LocalLauncher:
         log_path = Path(handle.spec.work_dir) / "trainer.log"
         while True:
             with log_path.open("a") as log_file:
+                assert handle.process.stdout is not None  # started with stdout=PIPE
                 for line in handle.process.stdout:
                     log_file.write(line)
                     handle.tail.append(line.rstrip())

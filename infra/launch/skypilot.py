@@ -18,6 +18,7 @@ import logging
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -141,7 +142,7 @@ def task_config(base: dict[str, Any], spec: JobSpec, job_dir: Path, sky_cfg: Sky
     return config
 
 
-def build_task(spec: JobSpec, job_dir: Path, sky_cfg: SkyConfig, max_restarts: int, environ: dict[str, str]):
+def build_task(spec: JobSpec, job_dir: Path, sky_cfg: SkyConfig, max_restarts: int, environ: dict[str, str]) -> Any:
     """A `sky.Task`, validated by SkyPilot's own parser; declared secrets come from `environ`."""
     import sky
 
@@ -199,7 +200,8 @@ class _Lines(io.TextIOBase):
 
 
 class SkyLauncher:
-    def __init__(self, sky_cfg: SkyConfig, max_restarts: int, on_status=None, on_line=None):
+    def __init__(self, sky_cfg: SkyConfig, max_restarts: int, on_status: Callable[[str], None] | None = None,
+                 on_line: Callable[[str], None] | None = None):
         self.sky_cfg, self.max_restarts = sky_cfg, max_restarts
         self.on_status = on_status or (lambda msg: log.info(msg))
         self.on_line = on_line or (lambda line: log.debug("trainer: %s", line))
@@ -217,17 +219,19 @@ class SkyLauncher:
         job_dir = write_job_dir(spec, Path(spec.work_dir) / "sky-job")
         task = build_task(spec, job_dir, self.sky_cfg, self.max_restarts, dict(os.environ))
         job_ids, _ = sky.stream_and_get(sky.jobs.launch(task, name=f"grpo-{Path(spec.work_dir).parent.name}"))
+        if not job_ids:
+            raise TrainingFailed(f"SkyPilot accepted the managed job for {spec.work_dir} but returned no job id")
         self.on_status(f"managed job {job_ids[0]} submitted")
         return SkyHandle(spec, job_ids[0])
 
-    def _record(self, job_id: int):
+    def _record(self, job_id: int) -> Any:  # a managed-job record, as `sky jobs queue` gives it
         import sky
 
         records = sky.get(sky.jobs.queue(refresh=False, job_ids=[job_id]))
         records = records[0] if isinstance(records, tuple) else records
         return records[0]
 
-    def watch(self, handle: SkyHandle):
+    def watch(self, handle: SkyHandle) -> Callable[[str], None]:
         """The callback for each streamed line: passes it on, and keeps the trainer's bad-input reason."""
 
         def on_line(line: str) -> None:

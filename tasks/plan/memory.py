@@ -12,7 +12,7 @@ PEFT and bitsandbytes allocate memory; docs/planning.md says what has been check
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, get_args
 
 from grpo_pipeline.tasks.plan.architecture import Architecture, architecture, lora_modules, lora_params
 from grpo_pipeline.tasks.plan.base import GIB, Frozen, PlanError
@@ -47,7 +47,7 @@ def _optimizer_bytes(optimizer: str, param_bytes: int) -> float:
         return 2 * (1 + 4 / 256)
     if optimizer == "paged_adamw_32bit":
         return 8
-    raise PlanError(f"optimizer {optimizer!r} unknown to the planner; use one of {list(Optimizer.__args__)}")
+    raise PlanError(f"optimizer {optimizer!r} unknown to the planner; use one of {list(get_args(Optimizer))}")
 
 
 def activation_bytes_per_token_layer(arch: Architecture, act_bytes: int, rank: int, n_targets: int) -> int:
@@ -145,7 +145,7 @@ def estimate_memory(
     """
     if gradient_checkpointing is None:
         auto = work.gradient_checkpointing == "auto"
-        gradient_checkpointing = trl_default("gradient_checkpointing") if auto else work.gradient_checkpointing
+        gradient_checkpointing = trl_default("gradient_checkpointing") if auto else work.gradient_checkpointing is True
     if per_device_batch < 1 or shards < 1:
         raise PlanError("per_device_batch >= 1 and shards >= 1 are required")
     if work.lora_rank == 0 and work.quantization != "none":
@@ -161,6 +161,8 @@ def estimate_memory(
     weights = arch.linear_params * per_param + row_scales + arch.other_params * a
 
     targets = lora_modules(work.lora_targets) if lora_rank else ()
+    adapter: float  # bytes; a share of them once sharded
+    reference: float
     if lora_rank:
         trainable = lora_params(arch, lora_rank, targets)
         # PEFT upcasts adapters to fp32; TRL casts them to bf16 on a quantized base (QLoRA paper's recipe).
@@ -172,8 +174,8 @@ def estimate_memory(
         p_bytes = a
         adapter = 0
         reference = int(weights) if work.beta > 0 else 0
-    gradients = trainable * p_bytes
-    optimizer_b = trainable * _optimizer_bytes(work.optimizer, p_bytes)
+    gradients: float = trainable * p_bytes
+    optimizer_b: float = trainable * _optimizer_bytes(work.optimizer, p_bytes)
 
     tokens = per_device_batch * (prompt_tokens + completion_tokens)
     per_layer = activation_bytes_per_token_layer(arch, a, lora_rank, len(targets))
@@ -196,6 +198,8 @@ def estimate_memory(
 
     gen_seqs = generation_batch or per_device_batch
     gen_kv = gen_seqs * (prompt_tokens + completion_tokens) * kv_bytes_per_token(arch, a)
+    vllm_b: float
+    kv_cache: float
     if work.vllm and vllm_server:
         vllm_b = kv_cache = 0  # the server's GPUs generate; the trainers only send prompts and receive tokens
     elif work.vllm:
@@ -250,6 +254,6 @@ def estimate_vllm_server(model_config: dict[str, Any], work: Workload, *, sequen
         raise PlanError(f"vLLM's tensor-parallel size must divide the attention heads: {tensor_parallel} does not "
                         f"divide {arch.heads}")
     weights = arch.params * 2 / tensor_parallel
-    kv = sequences * (work.prompt_tokens + work.completion_tokens) * kv_bytes_per_token(arch, 2)
+    kv: float = sequences * (work.prompt_tokens + work.completion_tokens) * kv_bytes_per_token(arch, 2)
     kv /= min(tensor_parallel, arch.kv_heads)
     return ServerMemory(tensor_parallel=tensor_parallel, weights=int(weights), kv_cache=int(kv), overhead=GIB)

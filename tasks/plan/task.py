@@ -5,4 +5,4 @@ from prefect import task
 
 from grpo_pipeline.tasks.plan.stage import plan_stage
 
-plan_task = task(plan_stage, name="plan")
+plan_task = task(name="plan")(plan_stage)

@@ -11,7 +11,7 @@ class (`grpo_pipeline.configs.library_fields`), so an unset field plans what TRL
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -26,7 +26,7 @@ Optimizer = Literal[
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def trl_default(name: str):
+def trl_default(name: str) -> Any:  # the snapshot's JSON value
     """TRL's default for a GRPOConfig field.
 
     >>> trl_default("per_device_train_batch_size")

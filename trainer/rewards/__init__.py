@@ -247,5 +247,5 @@ def _checked(fn: RewardFn, name: str, columns: list[str]) -> RewardFn:
 
     reward.__name__ = reward.__qualname__ = name  # TRL logs rewards/<name>/mean
     reward.__doc__ = getattr(fn, "__doc__", None)
-    reward.__wrapped__ = fn  # inspect.signature sees the reward's own parameters (the data stage reads them)
+    reward.__wrapped__ = fn  # type: ignore[attr-defined]  # functools.wraps would copy more; inspect.signature sees the reward's own parameters (the data stage reads them)
     return reward

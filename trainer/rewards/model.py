@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import Any
 
 from grpo_pipeline.trainer.rewards.base import RewardError, completion_text
 
@@ -18,7 +19,7 @@ def _device() -> str:
 
 
 @functools.lru_cache(maxsize=4)
-def _load(path: str, device: str, dtype: str, trust_remote_code: bool):
+def _load(path: str, device: str, dtype: str, trust_remote_code: bool) -> tuple[Any, Any]:  # tokenizer, model
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -36,7 +37,7 @@ def _load(path: str, device: str, dtype: str, trust_remote_code: bool):
     return tokenizer, model.to(device).eval()
 
 
-def _text(tokenizer, prompt, completion) -> str:
+def _text(tokenizer: Any, prompt: str | list[dict] | None, completion: str | list[dict]) -> str:
     """Prompt and completion as the reward model reads them: its chat template for conversations."""
     if isinstance(completion, list):
         messages = (prompt if isinstance(prompt, list) else []) + completion

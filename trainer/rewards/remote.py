@@ -39,7 +39,7 @@ import ssl
 import threading
 import time
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 from grpo_pipeline.trainer.rewards.base import RewardError, RewardUnavailable, completion_text
@@ -144,6 +144,9 @@ def _env_headers(headers_from_env: Mapping[str, str]) -> dict[str, str]:
 
 def _connection(url: str, timeout_s: float) -> tuple[http.client.HTTPConnection, str]:
     parts = urllib.parse.urlsplit(url)
+    if not parts.hostname:
+        raise RewardError(f"remote_verifier: {url!r} names no host; use http(s)://host[:port]/path")
+    conn: http.client.HTTPConnection
     if parts.scheme == "https":
         conn = http.client.HTTPSConnection(parts.hostname, parts.port, timeout=timeout_s,
                                            context=ssl.create_default_context())
@@ -247,7 +250,7 @@ def remote_verifier(
     headers: dict[str, str] | None = None,
     headers_from_env: dict[str, str] | None = None,
     max_reply_bytes: int = MAX_REPLY_BYTES,
-    log_metric=None,
+    log_metric: Callable[[str, float], None] | None = None,
     **columns: object,
 ) -> list[float]:
     """Scores from an HTTP verifier: POST of completions + columns to `url`, with a deadline per request, bounded
@@ -290,7 +293,7 @@ def remote_verifier(
     with ThreadPoolExecutor(max_workers=min(concurrency, len(chunks))) as pool:
         results = list(pool.map(score_chunk, chunks))
     scores: list[float] = []
-    failed: list[tuple[int, int, str]] = []
+    failed: list[tuple[int, int, _Failed]] = []
     for (lo, hi), result in zip(chunks, results, strict=True):
         if isinstance(result, _Failed):
             failed.append((lo, hi, result))
