@@ -970,12 +970,6 @@ def apply_override(tree: dict[str, Any], assignment: str) -> None:
     if not all(p.strip() for p in [*parents, leaf]):
         raise ConfigError(f"--set {assignment!r}: '{path.strip()}' has an empty part; write dotted keys such as "
                           f"train.grpo.max_steps")
-    node = tree
-    for part in parents:
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"--set {assignment!r}: '{part}' holds a value, not a section")
-        node = child
     try:
         value = yaml.safe_load(raw)
     except yaml.YAMLError as exc:
@@ -990,6 +984,23 @@ def apply_override(tree: dict[str, Any], assignment: str) -> None:
             value = float(value) if any(c in value.lower() for c in ".e") else int(value)
         except ValueError:
             pass
+    set_path(tree, [*parents, leaf], value, f"--set {assignment!r}: ")
+
+
+def set_path(tree: dict[str, Any], path: list[str], value: Any, blame: str = "") -> None:
+    """Set the value at a dotted path's parts in a nested dict, making the sections on the way (what
+    `apply_override` does after parsing the value; `grpo_pipeline.tasks.hpo.apply_best` with typed values).
+
+    >>> t = {"train": {"grpo": {"beta": 0.0}}}; set_path(t, ["train", "grpo", "learning_rate"], 3e-4); t
+    {'train': {'grpo': {'beta': 0.0, 'learning_rate': 0.0003}}}
+    """
+    *parents, leaf = path
+    node = tree
+    for part in parents:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{blame}'{part}' holds a value, not a section")
+        node = child
     node[leaf] = value
 
 

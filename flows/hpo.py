@@ -59,6 +59,18 @@ def hpo_flow(config_path: str | None = None, overrides: list[str] | None = None)
     # a run of a deployment of this flow may set only what the deployment allows (docs/security.md)
     cfg = load_config(config_path, trigger.enforce(config_path, overrides or [], _own_overrides))
     preflight(cfg)
+    return run_search(cfg)
+
+
+@flow(name="grpo-hpo", log_prints=True)
+def checked_hpo(cfg: PipelineConfig) -> dict:
+    """The search on a configuration loaded and preflighted already (`grpo-pipeline hpo` does both before a flow
+    run exists): the checks do not run twice."""
+    return run_search(cfg)
+
+
+def run_search(cfg: PipelineConfig) -> dict:
+    """Data, base model, study on a preflighted config, inside the flow run; the result as JSON."""
     rewards = cfg.train.reward_set()  # resolved once, as the pipeline does
     run_dir = cfg.data_dir / "runs" / f"{datetime.now():%Y%m%d-%H%M%S}-{(flow_run.id or 'local')[:8]}-hpo"
     model_path = resolve_model_task(cfg.model, cfg.data_dir / "models")
