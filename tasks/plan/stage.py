@@ -13,6 +13,7 @@ import yaml
 from pydantic import ValidationError
 
 from grpo_pipeline.configs.files import project_file
+from grpo_pipeline.configs.layout import DistributedConfig, batch_problem
 from grpo_pipeline.configs.library_fields import default
 from grpo_pipeline.configs.schema import ModelConfig, PipelineConfig, PlanConfig, TrainConfig
 from grpo_pipeline.tasks.plan.architecture import architecture, model_config_for
@@ -63,28 +64,25 @@ def pinned_world(train: TrainConfig) -> int | None:
     (4, None)
     """
     d = train.distributed
-    if d.processes_per_node:
-        return d.nodes * d.processes_per_node
     counts = {int(a.partition(":")[2] or 1) for a in train.sky.accelerators or []}
+    if d.processes_per_node:
+        return d.world_size(0)  # the processes set hold on any node
     if train.launcher == "sky" and len(counts) == 1:
-        return d.nodes * max(counts.pop() - d.vllm_server_gpus, 1)
+        return d.world_size(counts.pop())
     return None
 
 
 def layout_for(train: TrainConfig) -> Layout:
     """What the launch fixes already, and the plan must keep: train.distributed's fields the user set, the
     train.grpo batch fields the user set (apply_plan never overrides them), train.sky.accelerators' counts."""
-    d, grpo, set_ = train.distributed, train.grpo, train.distributed.model_fields_set
     counts = {}
     for option in train.sky.accelerators or []:
         name, _, count = option.partition(":")
         counts.setdefault(name, int(count or 1))
     return Layout(
-        nodes=d.nodes, gpus_per_node=counts or None, processes_per_node=d.processes_per_node,
-        strategy=d.strategy if "strategy" in set_ else None, vllm_server=_vllm_server(train),
-        vllm_server_gpus=d.vllm_server_gpus or None, vllm_server_node=d.vllm_server_node,
-        **{k: grpo.get(k) for k in ("per_device_train_batch_size", "gradient_accumulation_steps",
-                                    "steps_per_generation")},
+        distributed=train.distributed, gpus_per_node=counts or None, vllm_server=_vllm_server(train),
+        **{k: train.grpo.get(k) for k in ("per_device_train_batch_size", "gradient_accumulation_steps",
+                                          "steps_per_generation")},
     )
 
 
@@ -195,14 +193,12 @@ def apply_plan(cfg: PipelineConfig, plan: Plan) -> PipelineConfig:
         # the planned layout, as the node launcher reads it (trainers on the first GPUs, the server on the rest),
         # field by field: what the user set stays (the plan was sized with it), the plan fills in the rest. Server
         # mode always sets vllm_server_gpus or vllm_server_node, and the planned strategy must still be written
-        planned = {"strategy": "ddp" if settings.strategy == "single" else settings.strategy,
-                   "processes_per_node": settings.processes_per_node or settings.count,
-                   "vllm_server_gpus": settings.vllm_server_gpus, "vllm_server_node": settings.vllm_server_node}
-        unset = {k: v for k, v in planned.items() if k not in distributed.model_fields_set}
+        unset = {k: v for k, v in settings.distributed_overrides().items() if k not in distributed.model_fields_set}
         if unset:
-            distributed = type(distributed)(**{**distributed.model_dump(exclude_unset=True), **unset})
-    world = distributed.nodes * (distributed.processes_per_node or settings.count - distributed.vllm_server_gpus)
-    if problem := distributed.batch_problem(grpo, world):  # TRL's check at start, made before any GPU is rented
+            distributed = DistributedConfig(**{**distributed.model_dump(exclude_unset=True), **unset})
+    world = distributed.world_size(settings.count)
+    # TRL's check at start, made before any GPU is rented
+    if problem := batch_problem(grpo, world, lambda name: default("GRPOConfig", name)):
         raise PlanError(f"the planned launch ({world} training processes) would fail at start: {problem}")
     return cfg.model_copy(update={"train": cfg.train.model_copy(
         update={"grpo": grpo, "sky": sky, "distributed": distributed})})

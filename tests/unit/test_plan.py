@@ -545,6 +545,7 @@ def test_fixed_server_gpus_add_their_count_to_the_trainers_counts_tried():
 
 
 def test_reasons_are_typed_by_kind():
+    from grpo_pipeline.configs.layout import DistributedConfig
     from grpo_pipeline.tasks.plan import Layout
     from grpo_pipeline.tasks.plan.search import fit
 
@@ -554,7 +555,8 @@ def test_reasons_are_typed_by_kind():
     settings, mem, _, why = fit(model, served, h100, 1, Assumptions(), Layout(vllm_server=True))
     assert settings is None and mem is None and why.kind == "layout"
     assert why.text.startswith("a vLLM server (vllm_mode=server) needs GPUs of its own, and 1 GPU per node leaves none")
-    _, _, _, why = fit(model, served, h100, 2, Assumptions(), Layout(vllm_server=True, vllm_server_gpus=2))
+    _, _, _, why = fit(model, served, h100, 2, Assumptions(),
+                       Layout(vllm_server=True, distributed=DistributedConfig(vllm_server_gpus=2)))
     assert why.kind == "layout" and "leave no GPU to train on" in why.text
     _, _, _, why = fit(model, Workload(model="q", effective_batch=16), h100, 4, Assumptions(),
                        Layout(per_device_train_batch_size=16))
