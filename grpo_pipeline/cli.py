@@ -125,7 +125,7 @@ def _input_errors() -> tuple[type[BaseException], ...]:
     return ConfigError, ModelNotFound, CheckpointStoreError, SkyPreflightError  # budget, quantization: ConfigError
 
 
-def _preflight(cfg, as_json: bool):
+def _preflight_or_exit(cfg, as_json: bool):
     """The flows' own first checks, run before a flow run exists: a refused input leaves no Failed run on
     the Prefect server (whose notification would fire) and no engine traceback before the one useful line.
     Returns what they return (the plan the budget was priced with), for the flow, which does not check again."""
@@ -150,7 +150,7 @@ def run(
     """Run the pipeline (the CPU demo by default), print base and trained holdout reward and the decision."""
     _, cfg = _load(config, overrides, as_json)
     _ephemeral_prefect_defaults()
-    priced = _preflight(cfg, as_json)
+    priced = _preflight_or_exit(cfg, as_json)
     # heavy imports only once the config is known to be good
     from grpo_pipeline.flows.pipeline import checked_pipeline
     from grpo_pipeline.tasks.registry import ChampionMoved
@@ -286,7 +286,7 @@ def hpo(
     extra = [*(overrides or []), "hpo.enabled=true", *([f"hpo.trials={trials}"] if trials else [])]
     _, cfg = _load(config, extra, as_json)
     _ephemeral_prefect_defaults()
-    _preflight(cfg, as_json)
+    _preflight_or_exit(cfg, as_json)
     from grpo_pipeline.flows.hpo import checked_hpo
     from grpo_pipeline.tasks.hpo import HPOFailed
 
