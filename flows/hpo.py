@@ -62,11 +62,16 @@ def hpo_flow(config_path: str | None = None, overrides: list[str] | None = None)
     return run_search(cfg)
 
 
-@flow(name="grpo-hpo", log_prints=True)
-def checked_hpo(cfg: PipelineConfig) -> dict:
-    """The search on a configuration loaded and preflighted already (`grpo-pipeline hpo` does both before a flow
-    run exists): the checks do not run twice."""
-    return run_search(cfg)
+def checked_hpo(cfg: PipelineConfig, config_path: str | None, overrides: list[str]) -> dict:
+    """The `grpo-hpo` flow on a configuration loaded and preflighted already (`grpo-pipeline hpo` does both before
+    a flow run exists): the checks do not run twice. The flow run records what was asked; the checked config
+    reaches it by closure (as `grpo_pipeline.flows.pipeline.checked_pipeline` explains)."""
+
+    @flow(name="grpo-hpo", log_prints=True)
+    def grpo_hpo_checked(config_path: str | None = None, overrides: list[str] | None = None) -> dict:
+        return run_search(cfg)
+
+    return grpo_hpo_checked(config_path=config_path, overrides=overrides)
 
 
 def run_search(cfg: PipelineConfig) -> dict:

@@ -138,12 +138,21 @@ def grpo_pipeline(
     return run_pipeline(cfg, preflight(cfg))
 
 
-@flow(name="grpo-pipeline", log_prints=True)
-def checked_pipeline(cfg: PipelineConfig, priced: Plan | None = None) -> RunSummary:
-    """The pipeline on a configuration loaded and preflighted already (`grpo-pipeline run` does both before
+def checked_pipeline(cfg: PipelineConfig, priced: Plan | None, config_path: str | None,
+                     overrides: list[str]) -> RunSummary:
+    """The pipeline flow on a configuration loaded and preflighted already (`grpo-pipeline run` does both before
     a flow run exists, so a refused input leaves none behind): the checks do not run twice, nor the budget's
-    plan. `priced`: what preflight returned."""
-    return run_pipeline(cfg, priced)
+    plan (`priced`: what preflight returned).
+
+    The flow run records what was asked (`config_path`, `overrides`), as a deployment's run does; the checked
+    values reach it by closure, never as parameters: Prefect sends parameters as strict JSON, which a plan's
+    NaN (a GPU refused before any memory estimate) or a config's infinity would fail."""
+
+    @flow(name="grpo-pipeline", log_prints=True)
+    def grpo_pipeline_checked(config_path: str | None = None, overrides: list[str] | None = None) -> RunSummary:
+        return run_pipeline(cfg, priced)
+
+    return grpo_pipeline_checked(config_path=config_path, overrides=overrides)
 
 
 def run_pipeline(cfg: PipelineConfig, priced: Plan | None = None) -> RunSummary:

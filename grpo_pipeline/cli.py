@@ -148,7 +148,7 @@ def run(
     fail_on_reject: Annotated[bool, typer.Option(help="exit 3 when the candidate is not promoted")] = False,
 ) -> None:
     """Run the pipeline (the CPU demo by default), print base and trained holdout reward and the decision."""
-    _, cfg = _load(config, overrides, as_json)
+    path, cfg = _load(config, overrides, as_json)
     _ephemeral_prefect_defaults()
     priced = _preflight_or_exit(cfg, as_json)
     # heavy imports only once the config is known to be good
@@ -156,7 +156,7 @@ def run(
     from grpo_pipeline.tasks.registry import ChampionMoved
 
     try:
-        summary = checked_pipeline(cfg, priced)  # loaded and checked once, here
+        summary = checked_pipeline(cfg, priced, str(path), list(overrides or []))  # loaded and checked once, here
     except _input_errors() as exc:  # found during the run (e.g. the data stage's quality bound)
         _fail(as_json, str(exc), EXIT_CONFIG)
     except ChampionMoved as exc:
@@ -284,14 +284,14 @@ def hpo(
 ) -> None:
     """Search hyperparameters alone (no training): print the best as --set overrides for `run`."""
     extra = [*(overrides or []), "hpo.enabled=true", *([f"hpo.trials={trials}"] if trials else [])]
-    _, cfg = _load(config, extra, as_json)
+    path, cfg = _load(config, extra, as_json)
     _ephemeral_prefect_defaults()
     _preflight_or_exit(cfg, as_json)
     from grpo_pipeline.flows.hpo import checked_hpo
     from grpo_pipeline.tasks.hpo import HPOFailed
 
     try:
-        result = checked_hpo(cfg)  # loaded and checked once, here
+        result = checked_hpo(cfg, str(path), extra)  # loaded and checked once, here
     except _input_errors() as exc:
         _fail(as_json, str(exc), EXIT_CONFIG)
     except HPOFailed as exc:
