@@ -42,7 +42,7 @@ def plain(cfg) -> dict:
     from grpo_pipeline.tasks.evaluate import evaluate_model
     from grpo_pipeline.tasks.job import build_job_spec
     from grpo_pipeline.tasks.model import resolve_base_model
-    from grpo_pipeline.tasks.plan import apply_plan, check_budget, plan_stage
+    from grpo_pipeline.tasks.plan import apply_plan, check_budget, plan_run
     from grpo_pipeline.tasks.quantize import measure_quantization_cost, require_accepted
     from grpo_pipeline.tasks.report import plot_comparison, render_markdown
     from grpo_pipeline.tasks.splits import write_splits
@@ -53,7 +53,7 @@ def plain(cfg) -> dict:
     splits = write_splits(generate(cfg.data.demo), run_dir / "data")
     model_path = resolve_base_model(cfg.model, cfg.data_dir / "models")
     require_accepted(measure_quantization_cost(model_path, cfg.model, splits["val"], rewards, cfg.evaluate))
-    plan = plan_stage(cfg, model_path)
+    plan = plan_run(cfg.model, cfg.train, cfg.plan, model_path)
     check_budget(plan, cfg.plan.budget_usd)
     cfg = apply_plan(cfg, plan)
     base = evaluate_model(model_path, cfg.model, splits["holdout"], rewards, cfg.evaluate)

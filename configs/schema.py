@@ -12,7 +12,6 @@ against those classes' own fields and types, so nothing here re-declares them.
 from __future__ import annotations
 
 import difflib
-import functools
 import math
 import os
 import typing
@@ -34,6 +33,7 @@ from pydantic import (
 
 from grpo_pipeline.configs import library_fields
 from grpo_pipeline.configs.ab import ABConfig
+from grpo_pipeline.configs.layout import DistributedConfig, batch_problem
 from grpo_pipeline.configs.policy import ENV_NAME, ENV_NAME_SUFFIXES, TriggerPolicy, credential_key, secret_shape
 from grpo_pipeline.configs.rewards import RewardSet
 
@@ -293,67 +293,9 @@ class SkyConfig(StrictModel):
     poll_seconds: float = Field(30, gt=0, description="how often the job's state is read")
 
 
-# Keys of accelerate's config file that train.distributed itself sets (nodes, processes, strategy) or that
-# train.grpo does (precision): given in train.distributed.accelerate they would disagree with the launch.
-ACCELERATE_OWNED = {"distributed_type", "num_machines", "num_processes", "machine_rank", "main_process_ip",
-                    "main_process_port", "mixed_precision", "use_cpu", "gpu_ids"}
-
-
-class DistributedConfig(StrictModel):
-    """How many processes train, on how many nodes, and what each GPU holds. `trainer/launch.py` runs them
-    under torchrun, with FSDP / DeepSpeed set up from configs/accelerate/<strategy>.yaml (TRL's recipes).
-    The defaults train on every GPU of one node (one process on a CPU machine), each holding the whole model."""
-
-    nodes: int = Field(1, ge=1, description="machines; more than one needs train.launcher=sky and an s3:// checkpoint_uri")
-    processes_per_node: int | None = Field(
-        None, ge=1, description="training processes per node, one per GPU; None: as many as the node has GPUs (1 on a CPU)"
-    )
-    strategy: Literal["ddp", "fsdp", "zero2", "zero3"] = Field(
-        "ddp", description="ddp: each GPU holds everything (fastest while it fits); zero2: optimizer state and gradients "
-        "sharded (DeepSpeed); zero3 / fsdp: the weights too (DeepSpeed / FSDP2): least memory per GPU, most traffic"
-    )
-    timeout_s: int = Field(
-        600, ge=30, description="collective and rendezvous timeout: a dead or stuck rank ends the job after this, never a hang"
-    )
-    accelerate: dict[str, Any] = Field(
-        default_factory=dict, description="merged over configs/accelerate/<strategy>.yaml (accelerate's config-file format), "
-        "e.g. {fsdp_config: {fsdp_activation_checkpointing: true}} or {deepspeed_config: {offload_optimizer_device: cpu}}"
-    )
-    vllm_server_gpus: int = Field(
-        0, ge=0, description="with train.grpo vllm_mode=server: GPUs of each node given to `trl vllm-serve`; trainers get the rest"
-    )
-    vllm_server_node: bool = Field(
-        False, description="with vllm_mode=server on several nodes: one more node runs `trl vllm-serve` on all its GPUs"
-    )
-
-    @field_validator("accelerate")
-    @classmethod
-    def _not_owned(cls, v: dict[str, Any]) -> dict[str, Any]:
-        if owned := sorted(ACCELERATE_OWNED & set(v)):
-            raise ValueError(f"{owned} follow from train.distributed (nodes, processes_per_node, strategy) and "
-                             "train.grpo (bf16); set them there")
-        return v
-
-    def batch_problem(self, grpo: dict[str, Any], world: int) -> str | None:
-        """TRL's rule for `world` processes: each generation batch holds whole groups of num_generations.
-
-        >>> DistributedConfig().batch_problem({"num_generations": 8, "per_device_train_batch_size": 4}, 2) is None
-        True
-        """
-        from math import gcd
-
-        get = functools.partial(library_fields.grpo_value, grpo)
-        pdb, gens = int(get("per_device_train_batch_size")), int(get("num_generations"))
-        if grpo.get("generation_batch_size") is not None:
-            return None  # checked on the node, where TRL's own rule for it applies
-        steps = int(grpo.get("steps_per_generation") or get("gradient_accumulation_steps") or 1)
-        total = pdb * world * steps
-        if total % gens:
-            unit = gens // gcd(gens, world * steps)
-            return (f"the global batch per_device_train_batch_size x processes x steps_per_generation = {pdb} x {world} "
-                    f"x {steps} = {total} completions is not a multiple of num_generations ({gens}), and TRL needs "
-                    f"whole groups: set train.grpo.per_device_train_batch_size={-(-pdb // unit) * unit}")
-        return None
+def _grpo_default(name: str) -> Any:
+    """GRPOConfig's default for a field (from the snapshot: no TRL import), for the batch rule."""
+    return library_fields.default("GRPOConfig", name)
 
 
 HealthAction = Literal["off", "warn", "stop", "rollback"]
@@ -567,14 +509,11 @@ class TrainConfig(StrictModel):
                                  f"{f' + vllm_server_gpus={d.vllm_server_gpus}' if d.vllm_server_gpus else ''} needs {need} "
                                  f"GPUs per node, and train.sky.accelerators offers {short}: ask for GPU:{need}, or "
                                  "set fewer processes (one per GPU)")
-        if d.processes_per_node:
-            worlds = [d.nodes * d.processes_per_node]
-        elif self.launcher == "sky":
-            worlds = [d.nodes * max(c - d.vllm_server_gpus, 1) for c in gpu_counts]
-        else:
-            worlds = [d.nodes]  # local, one process per GPU: the node knows how many (checked there)
-        for world in worlds:
-            if problem := d.batch_problem(self.grpo, world):
+        # each GPU count the sky task may get; locally, one process per GPU: the node knows how many (checked
+        # there), so the count here is the CPU machine's 0, one process per node
+        counts = gpu_counts if self.launcher == "sky" and not d.processes_per_node else [0]
+        for world in [d.world_size(c) for c in counts]:
+            if problem := batch_problem(self.grpo, world, _grpo_default):
                 raise ValueError(f"train.distributed ({world} processes): {problem}")
         return self
 
@@ -988,12 +927,6 @@ def apply_override(tree: dict[str, Any], assignment: str) -> None:
     if not all(p.strip() for p in [*parents, leaf]):
         raise ConfigError(f"--set {assignment!r}: '{path.strip()}' has an empty part; write dotted keys such as "
                           f"train.grpo.max_steps")
-    node = tree
-    for part in parents:
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"--set {assignment!r}: '{part}' holds a value, not a section")
-        node = child
     try:
         value = yaml.safe_load(raw)
     except yaml.YAMLError as exc:
@@ -1008,6 +941,23 @@ def apply_override(tree: dict[str, Any], assignment: str) -> None:
             value = float(value) if any(c in value.lower() for c in ".e") else int(value)
         except ValueError:
             pass
+    set_path(tree, [*parents, leaf], value, f"--set {assignment!r}: ")
+
+
+def set_path(tree: dict[str, Any], path: list[str], value: Any, blame: str = "") -> None:
+    """Set the value at a dotted path's parts in a nested dict, making the sections on the way (what
+    `apply_override` does after parsing the value; `grpo_pipeline.tasks.hpo.apply_best` with typed values).
+
+    >>> t = {"train": {"grpo": {"beta": 0.0}}}; set_path(t, ["train", "grpo", "learning_rate"], 3e-4); t
+    {'train': {'grpo': {'beta': 0.0, 'learning_rate': 0.0003}}}
+    """
+    *parents, leaf = path
+    node = tree
+    for part in parents:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{blame}'{part}' holds a value, not a section")
+        node = child
     node[leaf] = value
 
 

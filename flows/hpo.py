@@ -60,6 +60,23 @@ def hpo_flow(config_path: str | None = None, overrides: list[str] | None = None)
     # a run of a deployment of this flow may set only what the deployment allows (docs/security.md)
     cfg = load_config(config_path, trigger.enforce(config_path, overrides or [], _own_overrides))
     preflight(cfg)
+    return run_search(cfg)
+
+
+def checked_hpo(cfg: PipelineConfig, config_path: str | None, overrides: list[str]) -> dict:
+    """The `grpo-hpo` flow on a configuration loaded and preflighted already (`grpo-pipeline hpo` does both before
+    a flow run exists): the checks do not run twice. The flow run records what was asked; the checked config
+    reaches it by closure (as `grpo_pipeline.flows.pipeline.checked_pipeline` explains)."""
+
+    @flow(name="grpo-hpo", log_prints=True)
+    def grpo_hpo_checked(config_path: str | None = None, overrides: list[str] | None = None) -> dict:
+        return run_search(cfg)
+
+    return grpo_hpo_checked(config_path=config_path, overrides=overrides)
+
+
+def run_search(cfg: PipelineConfig) -> dict:
+    """Data, base model, study on a preflighted config, inside the flow run; the result as JSON."""
     rewards = cfg.train.reward_set()  # resolved once, as the pipeline does
     run_dir = cfg.data_dir / "runs" / f"{datetime.now():%Y%m%d-%H%M%S}-{(flow_run.id or 'local')[:8]}-hpo"
     model_path = resolve_model_task(cfg.model, cfg.data_dir / "models")

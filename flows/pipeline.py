@@ -147,12 +147,32 @@ def grpo_pipeline(
     # A run triggered through a deployment may set only what the deployment allows: checked on the raw fields,
     # before the config file is read or anything runs (docs/security.md).
     items = trigger.enforce(config_path, flow_overrides(overrides, launcher, budget_usd), deployment_overrides)
-    return run_pipeline(load_config(config_path, items))
+    cfg = load_config(config_path, items)
+    return run_pipeline(cfg, preflight(cfg))
 
 
-def run_pipeline(cfg: PipelineConfig) -> RunSummary:
-    """The stages in order; called inside the Prefect flow so each task is tracked."""
-    preflight(cfg)
+def checked_pipeline(cfg: PipelineConfig, priced: Plan | None, config_path: str | None,
+                     overrides: list[str]) -> RunSummary:
+    """The pipeline flow on a configuration loaded and preflighted already (`grpo-pipeline run` does both before
+    a flow run exists, so a refused input leaves none behind): the checks do not run twice, nor the budget's
+    plan (`priced`: what preflight returned).
+
+    The flow run records what was asked (`config_path`, `overrides`), as a deployment's run does; the checked
+    values reach it by closure, never as parameters: Prefect sends parameters as strict JSON, which a plan's
+    NaN (a GPU refused before any memory estimate) or a config's infinity would fail."""
+
+    @flow(name="grpo-pipeline", log_prints=True)
+    def grpo_pipeline_checked(config_path: str | None = None, overrides: list[str] | None = None) -> RunSummary:
+        return run_pipeline(cfg, priced)
+
+    return grpo_pipeline_checked(config_path=config_path, overrides=overrides)
+
+
+def run_pipeline(cfg: PipelineConfig, priced: Plan | None = None) -> RunSummary:
+    """The stages in order on a preflighted config (`priced`: the plan its preflight priced the budget with);
+    called inside the Prefect flow so each task is tracked. `cfg` is the config as given; each stage that
+    changes it returns a new value under its own name: `selected` (the base model chosen), `planned` (the
+    plan's batch split and GPUs), `tuned` (the search's best values), which is what trains."""
     # Resolved once: training, every evaluation, the search, base selection and the quantization cost all
     # score by this value's weighted total, so no stage ranks models by a sum the training did not optimise.
     rewards = cfg.train.reward_set()
@@ -175,54 +195,55 @@ def run_pipeline(cfg: PipelineConfig) -> RunSummary:
         splits, rows = train_rows_stage(cfg, dataset, seen, run_dir, seen_keys(registry, *parent, tag=HOLDOUT_TAG))
         drift = drift_stage(cfg, rewards, registry, dataset, run_dir, pid)
         with stage_run(pid, "model"):
-            cfg, model_path = model_stage(cfg, rewards, base_path, splits["val"])
-        with stage_run(pid, "plan"):
-            plan = plan_stage(cfg, model_path)
-        cfg = apply_plan(cfg, plan)
+            selected, model_path = model_stage(cfg, rewards, base_path, splits["val"])
+        with stage_run(pid, "plan"):  # preflight's plan holds while the base is the configured one
+            plan = plan_stage(selected, model_path, priced if selected.model == cfg.model else None)
+        planned = apply_plan(selected, plan)
         search = None
-        if cfg.hpo.enabled:
+        if planned.hpo.enabled:
             with stage_run(pid, "hpo") as run:
-                search = search_stage(cfg, rewards, model_path, splits, run_dir, experiment_id, run.info.run_id,
+                search = search_stage(planned, rewards, model_path, splits, run_dir, experiment_id, run.info.run_id,
                                       train_usd=plan.estimate.usd)
-            cfg = apply_best(cfg, search.overrides)
-        log_resolved_config(cfg, dataset, model_path)  # what trains is what the run shows
+        tuned = apply_best(planned, search.overrides) if search else planned
+        log_resolved_config(tuned, dataset, model_path)  # what trains is what the run shows
         with stage_run(pid, "evaluate-base"):
-            base = evaluate_stage(cfg, rewards, model_path, splits["holdout"], "base")
+            base = evaluate_stage(tuned, rewards, model_path, splits["holdout"], "base")
         train_run = stage_run_for_another_process(experiment_id, pid, "train")
-        spec = build_job_spec(cfg.train, cfg.model, model_path, splits, run_dir, mlflow_tracking_uri=cfg.mlflow_uri,
-                              mlflow_experiment=cfg.tracking.experiment, mlflow_run_id=train_run,
+        spec = build_job_spec(tuned.train, tuned.model, model_path, splits, run_dir, mlflow_tracking_uri=tuned.mlflow_uri,
+                              mlflow_experiment=tuned.tracking.experiment, mlflow_run_id=train_run,
                               init_adapter=warm_start.adapter_dir if warm_start else None)
         log_dataset_inputs(train_run, dataset)
-        result = _resumable(train_task)(spec, cfg.train)
+        result = _resumable(train_task)(spec, tuned.train)
         cost = Cost(cost_usd_estimated=plan.estimate.usd, cost_usd_actual=actual_cost(result.gpu_hours, plan))
         mlflow.log_metrics(cost.model_dump())
-        month = month_stage(cfg, experiment_id, plan)
+        month = month_stage(tuned, experiment_id, plan)
         with stage_run(pid, "evaluate-candidate"):
-            trained = evaluate_stage(cfg, rewards, model_path, splits["holdout"], "candidate", adapter=result.adapter_dir)
+            trained = evaluate_stage(tuned, rewards, model_path, splits["holdout"], "candidate",
+                                     adapter=result.adapter_dir)
         champion_version = registry.version_of(CHAMPION)  # the baseline: the champion, or the base model
         champion = None
         if champion_version:
             with stage_run(pid, "evaluate-champion"):
-                champion = champion_stage(cfg, rewards, registry, champion_version, splits["holdout"], run_dir)
+                champion = champion_stage(tuned, rewards, registry, champion_version, splits["holdout"], run_dir)
         merged = None
-        if cfg.merge.enabled:
+        if tuned.merge.enabled:
             with stage_run(pid, "merge") as run:
-                merged = merge_stage(cfg, model_path, result, splits["holdout"], run_dir, run.info.run_id)
+                merged = merge_stage(tuned, model_path, result, splits["holdout"], run_dir, run.info.run_id)
         with stage_run(pid, "decide"):
-            decision = decide_stage(cfg, rewards, trained, champion or base)
+            decision = decide_stage(tuned, rewards, trained, champion or base)
         with stage_run(pid, "register"):
             lineage = {"config_hash": cfg_hash, **lineage_tags(warm_start), **record_seen(seen, splits)}
-            registered = register_stage(cfg, registry, dataset, model_path, result, merged, pid, splits["holdout"],
+            registered = register_stage(tuned, registry, dataset, model_path, result, merged, pid, splits["holdout"],
                                         lineage)
         with stage_run(pid, "serving-check"):
-            check = serving_stage(cfg, registry, registered, splits["holdout"], trained)
+            check = serving_stage(tuned, registry, registered, splits["holdout"], trained)
         decision = blocked_unless_served(decision, check)
         outcome = promote_stage(registry, registered, champion_version, decision, check, cfg.promote.mode)
         summary = RunSummary(
-            mlflow=MlflowRef(tracking_uri=cfg.mlflow_uri, run_id=pid, experiment_id=experiment_id),
+            mlflow=MlflowRef(tracking_uri=tuned.mlflow_uri, run_id=pid, experiment_id=experiment_id),
             run_dir=str(run_dir.resolve()),
             data={"fingerprint": dataset.fingerprint, **dataset.report.model_dump(mode="json")},
-            model=BaseChoice(base=cfg.model.base, path=model_path, quantization=cfg.model.quantization),
+            model=BaseChoice(base=tuned.model.base, path=model_path, quantization=tuned.model.quantization),
             warm_start=warm_start, rows=rows, drift=drift, config_hash=cfg_hash,
             holdout=Holdout.of(base, trained, champion), train=result, plan=plan.summary(), cost=cost, month=month,
             hpo=Search.of(search) if search else None,
@@ -487,23 +508,27 @@ def model_stage(cfg: PipelineConfig, rewards: RewardSet, base_path: str, val: Pa
     """The base model: the best of `model.candidates` on the val split within memory and budget, or
     `model.base` (already resolved at `base_path`); then what its quantization costs, refused past its bound.
     Both rank by `rewards`' weighted total, as training and promotion do."""
-    model_path = base_path
+    selected, model_path = cfg, base_path
     if cfg.model.candidates:
-        selection = _resumable(select_task)(cfg, rewards, val, cfg.data_dir / "models")
+        selection = _resumable(select_task)(cfg.model, cfg.train, cfg.plan, cfg.evaluate, rewards, val,
+                                            cfg.data_dir / "models")
         mlflow.log_table(selection.table(), "base_selection.json")
-        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"base": selection.chosen})})
+        selected = cfg.model_copy(update={"model": cfg.model.model_copy(update={"base": selection.chosen})})
         model_path = selection.chosen_path
-    mlflow.log_params({"base": cfg.model.base, "path": model_path, "quantization": cfg.model.quantization})
-    quantization = _resumable(quantization_cost_task)(model_path, cfg.model, val, rewards, cfg.evaluate)
+    model = selected.model
+    mlflow.log_params({"base": model.base, "path": model_path, "quantization": model.quantization})
+    quantization = _resumable(quantization_cost_task)(model_path, model, val, rewards, cfg.evaluate)
     if quantization:
         mlflow.log_metrics(quantization.metrics())
         mlflow.log_dict(quantization.model_dump(mode="json"), "quantization_cost.json")
     require_accepted(quantization)  # logged first, then refused
-    return cfg, model_path
+    return selected, model_path
 
 
-def plan_stage(cfg: PipelineConfig, model_path: str) -> Plan:
-    plan = plan_task(cfg, model_path)
+def plan_stage(cfg: PipelineConfig, model_path: str, priced: Plan | None = None) -> Plan:
+    """The plan for the chosen base, resolved at `model_path` (`priced`: preflight's, reused when it holds),
+    logged; the budget guard before any training compute is spent."""
+    plan = plan_task(cfg.model, cfg.train, cfg.plan, model_path, priced=priced)
     mlflow.log_params(plan.summary())
     mlflow.log_dict(plan.report(), "plan.json")
     check_budget(plan, cfg.plan.budget_usd)  # before any training compute is spent

@@ -37,6 +37,7 @@ if TYPE_CHECKING:  # the stages' types, for annotations only: importing them her
     from grpo_pipeline.configs.schema import PipelineConfig
     from grpo_pipeline.infra.stack import Stack
     from grpo_pipeline.tasks.data import DataReport, DatasetVersion
+    from grpo_pipeline.tasks.plan import Plan
     from grpo_pipeline.tasks.registry import AliasMove, Registry
     from grpo_pipeline.tasks.summary import RunSummary
 
@@ -134,13 +135,14 @@ def _input_errors() -> tuple[type[BaseException], ...]:
     return ConfigError, ModelNotFound, CheckpointStoreError, SkyPreflightError  # budget, quantization: ConfigError
 
 
-def _preflight(cfg: PipelineConfig, as_json: bool) -> None:
+def _preflight_or_exit(cfg: PipelineConfig, as_json: bool) -> Plan | None:
     """The flows' own first checks, run before a flow run exists: a refused input leaves no Failed run on
-    the Prefect server (whose notification would fire) and no engine traceback before the one useful line."""
+    the Prefect server (whose notification would fire) and no engine traceback before the one useful line.
+    Returns what they return (the plan the budget was priced with), for the flow, which does not check again."""
     from grpo_pipeline.flows.preflight import preflight
 
     try:
-        preflight(cfg)
+        return preflight(cfg)
     except _input_errors() as exc:
         _fail(as_json, str(exc), EXIT_CONFIG)
     except Exception as exc:  # a fault of a check, not of the input: the traceback too, and still the JSON
@@ -158,12 +160,13 @@ def run(
     """Run the pipeline (the CPU demo by default), print base and trained holdout reward and the decision."""
     path, cfg = _load(config, overrides, as_json)
     _ephemeral_prefect_defaults()
-    _preflight(cfg, as_json)
-    from grpo_pipeline.flows.pipeline import grpo_pipeline  # heavy imports only once the config is known to be good
+    priced = _preflight_or_exit(cfg, as_json)
+    # heavy imports only once the config is known to be good
+    from grpo_pipeline.flows.pipeline import checked_pipeline
     from grpo_pipeline.tasks.registry import ChampionMoved
 
     try:
-        summary = grpo_pipeline(config_path=str(path), overrides=list(overrides or []))
+        summary = checked_pipeline(cfg, priced, str(path), list(overrides or []))  # loaded and checked once, here
     except _input_errors() as exc:  # found during the run (e.g. the data stage's quality bound)
         _fail(as_json, str(exc), EXIT_CONFIG)
     except ChampionMoved as exc:
@@ -297,12 +300,12 @@ def hpo(
     extra = [*(overrides or []), "hpo.enabled=true", *([f"hpo.trials={trials}"] if trials else [])]
     path, cfg = _load(config, extra, as_json)
     _ephemeral_prefect_defaults()
-    _preflight(cfg, as_json)
-    from grpo_pipeline.flows.hpo import hpo_flow
+    _preflight_or_exit(cfg, as_json)
+    from grpo_pipeline.flows.hpo import checked_hpo
     from grpo_pipeline.tasks.hpo import HPOFailed
 
     try:
-        result = hpo_flow(config_path=str(path), overrides=extra)
+        result = checked_hpo(cfg, str(path), extra)  # loaded and checked once, here
     except _input_errors() as exc:
         _fail(as_json, str(exc), EXIT_CONFIG)
     except HPOFailed as exc:
@@ -367,7 +370,7 @@ def plan_cmd(
     try:
         if model is None:
             _, cfg = _load(config, overrides, as_json)
-            result = planner.plan_stage(cfg)
+            result = planner.plan_run(cfg.model, cfg.train, cfg.plan)
             budget = cfg.plan.budget_usd if budget is None else budget
         else:
             name, model_config = planner.load_model_config(model)

@@ -24,6 +24,7 @@ from pydantic import BaseModel
 
 from grpo_pipeline.configs.rewards import RewardSet
 from grpo_pipeline.configs.schema import EvalConfig, ModelConfig
+from grpo_pipeline.tasks.chat_prompts import render
 from grpo_pipeline.tasks.job import format_duration, model_load
 from grpo_pipeline.trainer.loading import load_model
 from grpo_pipeline.trainer.rewards import completion_text, resolve_reward, resolve_rewards
@@ -54,7 +55,7 @@ def read_jsonl(path: Path) -> list[dict]:
 
 def last_user_message(prompt: str | list[dict]) -> str:
     """The last user message of a chat prompt (what the row asks, as the report shows it), or the prompt itself.
-    Not what a model is given: `render` writes that (and `grpo_pipeline.tasks.serving.prompt_text` the served model's input).
+    Not what a model is given: `render` writes that (`grpo_pipeline.tasks.chat_prompts`, the served model's renderer too).
 
     >>> last_user_message([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 3?"}])
     'What is 2 + 3?'
@@ -180,11 +181,6 @@ def contrast(candidate: EvalResult, baseline: EvalResult, column: str, k: int = 
             out[kind].append({"key": row["key"], "prompt": row.get("prompt", ""), "answer": row.get("answer"),
                               "baseline": trim(other["completion"]), "candidate": trim(row["completion"])})
     return out
-
-
-def render(tokenizer: PreTrainedTokenizerBase, prompts: list) -> list[str]:
-    """Chat prompts as the model's own template writes them, ready for generation."""
-    return [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
 
 
 class EvalProgress:

@@ -61,7 +61,15 @@ from pydantic import BaseModel
 
 from grpo_pipeline.configs.library_fields import grpo_value
 from grpo_pipeline.configs.rewards import RewardSet
-from grpo_pipeline.configs.schema import ConfigError, HPOConfig, PipelineConfig, SearchDim, SearchSpace, TrainConfig
+from grpo_pipeline.configs.schema import (
+    ConfigError,
+    HPOConfig,
+    PipelineConfig,
+    SearchDim,
+    SearchSpace,
+    TrainConfig,
+    set_path,
+)
 from grpo_pipeline.tasks.job import build_job_spec
 from grpo_pipeline.trainer.spec import TrainingFailed, parse_progress
 
@@ -198,11 +206,7 @@ def apply_best(cfg: PipelineConfig, best: dict[str, Any]) -> PipelineConfig:
     """
     tree = cfg.model_dump()
     for path, value in best.items():
-        *parents, leaf = path.split(".")
-        node = tree
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
+        set_path(tree, path.split("."), value, f"{path}: ")
     return PipelineConfig.model_validate(tree)
 
 

@@ -21,10 +21,10 @@ from prefect import task
 from pydantic import BaseModel
 
 from grpo_pipeline.configs.rewards import RewardSet
-from grpo_pipeline.configs.schema import ConfigError, PipelineConfig
+from grpo_pipeline.configs.schema import ConfigError, EvalConfig, ModelConfig, PlanConfig, TrainConfig
 from grpo_pipeline.tasks.evaluate import evaluate_model
 from grpo_pipeline.tasks.model import ModelNotFound, resolve_base_model
-from grpo_pipeline.tasks.plan import GIB, PlanError, plan_stage
+from grpo_pipeline.tasks.plan import GIB, PlanError, plan_run
 
 
 class SelectionError(ConfigError):
@@ -70,14 +70,16 @@ def choose(rows: list[CandidateRow]) -> CandidateRow:
                                         -(r.cost_usd or 0.0), -(r.params_b or 0.0)))
 
 
-def price(cfg: PipelineConfig, base: str, path: str, train_rows: int | None = None) -> CandidateRow:
-    """The planner's verdict for one candidate: memory, GPU, cost, fits, within budget."""
-    one = cfg.model_copy(update={"model": cfg.model.model_copy(update={"base": base})})
+def price(model: ModelConfig, train: TrainConfig, planning: PlanConfig, path: str,
+          train_rows: int | None = None) -> CandidateRow:
+    """The planner's verdict for one candidate (`model.base`, resolved at `path`): memory, GPU, cost, fits,
+    within budget."""
+    base = model.base
     try:
-        plan = plan_stage(one, path, train_rows)
+        plan = plan_run(model, train, planning, path, train_rows)
     except PlanError as exc:
         return CandidateRow(base=base, path=path, note=str(exc))
-    budget = cfg.plan.budget_usd
+    budget = planning.budget_usd
     within = budget is None or plan.estimate.usd <= budget
     fits = all(o.fits for o in plan.options if o.gpu == plan.settings.gpu)
     note = "" if within else f"estimated ${plan.estimate.usd:,.2f} > plan.budget_usd ${budget:,.2f}"
@@ -88,22 +90,23 @@ def price(cfg: PipelineConfig, base: str, path: str, train_rows: int | None = No
                         fits=fits, within_budget=within, note=note)
 
 
-def select_base_model(cfg: PipelineConfig, rewards: RewardSet, val_file: Path, cache_dir: Path,
-                      train_rows: int | None = None) -> Selection:
-    """Price every candidate, score those that fit on the val split by `rewards`' weighted total
-    (`grpo_pipeline.tasks.evaluate.evaluate_model`), choose."""
-    candidates = list(dict.fromkeys(cfg.model.candidates or [cfg.model.base]))
+def select_base_model(model: ModelConfig, train: TrainConfig, planning: PlanConfig, evaluation: EvalConfig,
+                      rewards: RewardSet, val_file: Path, cache_dir: Path, train_rows: int | None = None) -> Selection:
+    """Price every candidate of `model.candidates` (for training as `train` sets it, within `planning`'s budget),
+    score those that fit on the val split by `rewards`' weighted total (`grpo_pipeline.tasks.evaluate.evaluate_model`
+    with `evaluation`'s settings), choose."""
+    candidates = list(dict.fromkeys(model.candidates or [model.base]))
     rows = []
     for base in candidates:
+        one = model.model_copy(update={"base": base})
         try:
-            path = resolve_base_model(cfg.model.model_copy(update={"base": base}), cache_dir)
+            path = resolve_base_model(one, cache_dir)
         except ModelNotFound as exc:
             rows.append(CandidateRow(base=base, note=str(exc)))
             continue
-        row = price(cfg, base, path, train_rows)
+        row = price(one, train, planning, path, train_rows)
         if row.fits and row.within_budget and len(candidates) > 1:
-            result = evaluate_model(path, cfg.model.model_copy(update={"base": base}), val_file, rewards,
-                                    cfg.evaluate, label=f"base {base}")
+            result = evaluate_model(path, one, val_file, rewards, evaluation, label=f"base {base}")
             row = row.model_copy(update={"reward": result.reward, "per_reward": result.per_reward,
                                          "metrics": result.metrics})
         rows.append(row)

@@ -36,7 +36,10 @@ if TYPE_CHECKING:  # MLflow and the config loaded lazily: a lookup of the module
 
     from grpo_pipeline.configs.schema import EvalConfig, ModelConfig
 
+from grpo_pipeline.tasks.chat_prompts import prompt_text  # the served model's input; re-exported for the flow
+
 MODEL_CODE = Path(__file__).with_name("serving_model.py")
+RENDERER_CODE = Path(__file__).with_name("chat_prompts.py")  # shipped with it: the evaluation's renderer
 BASE_EXPERIMENT = "grpo-base-models"
 BASE_TAG = "base_sha256"
 PROJECT_PACKAGES = ("configs", "trainer", "tasks", "infra", "flows", "grpo_pipeline", "bench", "tests")
@@ -140,20 +143,6 @@ def _signature(max_new_tokens: int, batch_size: int) -> ModelSignature:
     )
 
 
-def prompt_text(messages: list[dict]) -> str:
-    """A holdout prompt as the model's `prompt` column takes it: the text of a lone user message, else the
-    messages as JSON.
-
-    >>> prompt_text([{"role": "user", "content": "What is 2 + 3?"}])
-    'What is 2 + 3?'
-    >>> prompt_text([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
-    '[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]'
-    """
-    if len(messages) == 1 and messages[0].get("role") == "user":
-        return messages[0]["content"]
-    return json.dumps(messages)
-
-
 def _log(name: str, artifacts: dict[str, str], model_config: dict, example: str, tags: dict) -> ModelInfo:
     """Log a model from code into the active run.
 
@@ -173,7 +162,7 @@ def _log(name: str, artifacts: dict[str, str], model_config: dict, example: str,
     flavor = SimpleNamespace(__name__=mlflow.pyfunc.__name__, save_model=save_model)
     return mlflow.models.Model.log(
         artifact_path=None, name=name, flavor=flavor, flavor_name="pyfunc.ModelFromCode",
-        python_model=str(MODEL_CODE), artifacts=artifacts, model_config=model_config,
+        python_model=str(MODEL_CODE), code_paths=[str(RENDERER_CODE)], artifacts=artifacts, model_config=model_config,
         signature=_signature(model_config["max_new_tokens"], model_config["batch_size"]),
         input_example=pd.DataFrame({"prompt": [example]}),
         pip_requirements=_requirements(model_config.get("quantization", "none") != "none"),

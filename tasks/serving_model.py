@@ -8,7 +8,8 @@ Input, in the shapes MLflow's transformers flavor takes: a string, a list of str
 signature, whose first column) holds them. A prompt is plain text (one user message), a list of chat messages
 (`[{"role": "user", "content": "..."}]`), or that list as JSON text. Output: one completion per prompt, in
 order (a cell holding a list of strings is several prompts), greedy, decoded as the pipeline's evaluation
-decodes it (the model's chat template, left padding, special tokens skipped). Params: `max_new_tokens`,
+decodes it (the model's chat template, through the evaluation's own renderer `chat_prompts.render`, left
+padding, special tokens skipped). Params: `max_new_tokens`,
 `batch_size`. MLflow enforces the logged signature before `predict` sees the input: a plain string or list of
 strings reaches it only under an unnamed string column (`ColSpec("string")`, as the transformers flavor logs).
 
@@ -16,7 +17,6 @@ The model config names the base: a hub id, or the URI of the base's copy in the 
 once per content hash into `$GRPO_MODEL_CACHE`, default `~/.cache/grpo-models`).
 """
 
-import json
 import os
 import tempfile
 from pathlib import Path
@@ -25,6 +25,11 @@ from typing import Any
 import mlflow
 from mlflow.models import set_model
 from mlflow.pyfunc import PythonModel
+
+try:  # in a logged model, shipped beside this file (code_paths): the renderer the pipeline's evaluation uses
+    from chat_prompts import render
+except ModuleNotFoundError:  # read inside the project (its doctests): the same file under its package name
+    from grpo_pipeline.tasks.chat_prompts import render
 
 
 def _is_uri(reference: str) -> bool:
@@ -49,23 +54,6 @@ def _local_base(reference: str, digest: str | None) -> str:
     except OSError:
         pass
     return str(target) if (target / "config.json").is_file() else local
-
-
-def _messages(prompt: object) -> list[dict]:
-    """One prompt as chat messages: a list of message dicts as it is, JSON text of one parsed, else one user turn."""
-    if isinstance(prompt, dict):
-        return [prompt]  # a lone message
-    if isinstance(prompt, list):
-        return prompt
-    text = str(prompt)
-    if text.lstrip().startswith("["):
-        try:
-            messages = json.loads(text)
-            if isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages):
-                return messages
-        except ValueError:
-            pass
-    return [{"role": "user", "content": text}]
 
 
 def _is_chat(value: object) -> bool:
@@ -159,8 +147,7 @@ class GRPOChatModel(PythonModel):
         params = params or {}
         max_new_tokens = int(params.get("max_new_tokens") or self.max_new_tokens)
         batch_size = int(params.get("batch_size") or self.batch_size)
-        texts = [self.tokenizer.apply_chat_template(_messages(p), tokenize=False, add_generation_prompt=True)
-                 for p in _prompts(model_input)]
+        texts = render(self.tokenizer, _prompts(model_input))  # as the pipeline's evaluation renders them
         out = []
         with torch.inference_mode():
             for start in range(0, len(texts), batch_size):

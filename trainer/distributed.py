@@ -4,19 +4,20 @@ the processes must agree on (stop after SIGTERM, the resume point, whose files m
 torchrun (`trainer/launch.py`) starts the processes and sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
 MASTER_PORT; without them every helper here is the one-process case and costs nothing, so
 `python -m grpo_pipeline.trainer --spec job.json` alone is the single-process trainer it always was. Also here:
-`problems`, the checks a launch must pass before any process starts (exit 2 with the numbers and a fix).
+`problems`, the checks a launch must pass before any process starts (exit 2 with the numbers and a fix); the
+world size and TRL's batch rule they apply are the config's own (`grpo_pipeline.configs.layout`).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from grpo_pipeline.configs.layout import batch_problem
 from grpo_pipeline.trainer.spec import JobSpec
 
 log = logging.getLogger(__name__)
@@ -197,46 +198,10 @@ def record(kind: str, value: int) -> None:
 # ------------------------------------------------------------------------------------ checks before launch
 
 
-def processes_per_node(spec: JobSpec, gpus: int) -> int:
-    """Training processes on one node: as set, else one per GPU the vLLM server does not take (1 on a CPU)."""
-    d = spec.train.distributed
-    return d.processes_per_node or max(gpus - d.vllm_server_gpus, 1)
-
-
 def _grpo_defaults() -> dict[str, Any]:
     from trl import GRPOConfig
 
     return {f.name: f.default for f in fields(GRPOConfig)}
-
-
-def batch_problem(grpo: dict[str, Any], world: int, defaults: dict[str, Any]) -> str | None:
-    """TRL's rule, checked before launch: each generation batch holds whole groups of num_generations.
-
-    >>> batch_problem({"num_generations": 8, "per_device_train_batch_size": 4}, 3, {"gradient_accumulation_steps": 1})
-    'the global batch per_device_train_batch_size x processes x steps_per_generation = 4 x 3 x 1 = 12 completions is not a multiple of num_generations (8), and TRL needs whole groups: set train.grpo.per_device_train_batch_size=8'
-    >>> batch_problem({"num_generations": 4, "per_device_train_batch_size": 2}, 2, {"gradient_accumulation_steps": 1}) is None
-    True
-    """
-    get = lambda k: grpo[k] if grpo.get(k) is not None else defaults.get(k)  # noqa: E731
-    pdb, gens = int(get("per_device_train_batch_size")), int(get("num_generations"))
-    gbs = grpo.get("generation_batch_size")
-    if gbs is not None:
-        if gbs % (pdb * world):
-            return (f"train.grpo.generation_batch_size ({gbs}) is not a multiple of per_device_train_batch_size x "
-                    f"processes = {pdb} x {world} = {pdb * world}: set it to {math.ceil(gbs / (pdb * world)) * pdb * world}")
-        total = gbs
-        how = f"generation_batch_size = {gbs}"
-    else:
-        steps = int(grpo.get("steps_per_generation") or get("gradient_accumulation_steps") or 1)
-        total = pdb * world * steps
-        how = (f"per_device_train_batch_size x processes x steps_per_generation = {pdb} x {world} x {steps} = {total}")
-        if total % gens:
-            unit = gens // math.gcd(gens, world * steps)  # the per-device batches that give whole groups
-            return (f"the global batch {how} completions is not a multiple of num_generations ({gens}), and TRL needs "
-                    f"whole groups: set train.grpo.per_device_train_batch_size={math.ceil(pdb / unit) * unit}")
-    if total % gens:
-        return f"{how} completions is not a multiple of num_generations ({gens}): TRL needs whole groups"
-    return None
 
 
 def problems(spec: JobSpec, gpus_per_node: int, defaults: dict[str, Any] | None = None) -> list[str]:
@@ -245,7 +210,7 @@ def problems(spec: JobSpec, gpus_per_node: int, defaults: dict[str, Any] | None 
     `gpus_per_node` is what the node has (0: a CPU machine), or, before a SkyPilot launch, what it asks for.
     """
     d, grpo, found = spec.train.distributed, spec.train.grpo, []
-    ppn = processes_per_node(spec, gpus_per_node)
+    ppn = d.processes(gpus_per_node)
     server = bool(grpo.get("use_vllm")) and grpo.get("vllm_mode", "colocate") == "server"
     if gpus_per_node and ppn + d.vllm_server_gpus > gpus_per_node:
         extra = f" + vllm_server_gpus ({d.vllm_server_gpus})" if d.vllm_server_gpus else ""
@@ -274,7 +239,7 @@ def problems(spec: JobSpec, gpus_per_node: int, defaults: dict[str, Any] | None 
         found.append("train.distributed: give vllm_server_gpus (GPUs on each node) or vllm_server_node, not both")
     if not gpus_per_node and server:
         found.append("train.grpo.vllm_mode=server needs GPUs; vLLM does not run on the CPU")
-    world = d.nodes * ppn
-    if batch := batch_problem(grpo, world, defaults if defaults is not None else _grpo_defaults()):
+    trl = defaults if defaults is not None else _grpo_defaults()
+    if batch := batch_problem(grpo, d.world_size(gpus_per_node), trl.get):
         found.append(batch)
     return found

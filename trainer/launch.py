@@ -36,7 +36,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from grpo_pipeline.trainer.distributed import LAUNCH_DIR_ENV, VLLM_HOST_ENV, problems, processes_per_node
+from grpo_pipeline.trainer.distributed import LAUNCH_DIR_ENV, VLLM_HOST_ENV, problems
 from grpo_pipeline.trainer.fence import EXIT_SUPERSEDED
 from grpo_pipeline.trainer.spec import RESULT_FILE, JobSpec
 
@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         for problem in found:
             log.error("cannot launch: %s", problem)
         return EXIT_BAD_INPUT
-    nproc = processes_per_node(spec, gpus)
+    nproc = d.processes(gpus)
     env = dict(os.environ)
     try:
         strategy = strategy_env(spec, nproc, d.nodes)

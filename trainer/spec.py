@@ -1,8 +1,9 @@
 """The job spec: everything one training job needs, as JSON, so a launcher can ship it to any node; and
 what the job reports back (its result file, its tagged progress lines).
 
-The trainer owns this contract and imports nothing else of the project, so a node runs `python -m
-trainer --spec job.json` with this package alone; the pipeline's stages fill the spec in
+The trainer owns this contract and imports nothing else of the project but the distributed layout's one type
+(`grpo_pipeline.configs.layout`, pure pydantic), so a node runs `python -m grpo_pipeline.trainer --spec
+job.json` without the orchestrator's libraries; the pipeline's stages fill the spec in
 (`grpo_pipeline.tasks.job.build_job_spec`).
 """
 
@@ -14,6 +15,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+# the one module of the project the trainer imports: the layout is the config's own type (configs/layout.py)
+from grpo_pipeline.configs.layout import DistributedConfig
 
 
 class _Strict(BaseModel):
@@ -27,26 +31,6 @@ class ModelLoad(_Strict):
     double_quant: bool
     compute_dtype: Literal["float32", "bfloat16", "float16"]
     trust_remote_code: bool
-
-
-Strategy = Literal["ddp", "fsdp", "zero2", "zero3"]
-
-
-class DistributedSettings(_Strict):
-    """How many training processes run, on how many nodes, and what they shard (`trainer/launch.py` starts them).
-
-    The defaults are one node; `processes_per_node` None means one process per GPU on the node (one on a CPU
-    machine), so `python -m grpo_pipeline.trainer.launch --spec job.json` on an 8-GPU node trains on all eight.
-    """
-
-    nodes: int = Field(1, ge=1)
-    processes_per_node: int | None = Field(None, ge=1)
-    strategy: Strategy = "ddp"  # ddp: replicas; fsdp: FSDP2 shards all; zero2: optimizer + grads; zero3: all
-    timeout_s: int = Field(600, ge=30)  # collectives and rendezvous: a dead or stuck rank ends the job after this
-    # merged over configs/accelerate/<strategy>.yaml: keys of accelerate's config file (fsdp_config, deepspeed_config)
-    accelerate: dict[str, Any] = Field(default_factory=dict)
-    vllm_server_gpus: int = Field(0, ge=0)  # vllm_mode=server: GPUs per node given to `trl vllm-serve` (or nodes)
-    vllm_server_node: bool = False  # vllm_mode=server on several nodes: one more node serves, trainers on the rest
 
 
 Action = Literal["off", "warn", "stop", "rollback"]
@@ -123,7 +107,7 @@ class TrainSettings(_Strict):
     keep_checkpoints: int
     early_stopping_patience: int | None
     s3_endpoint_url: str | None
-    distributed: DistributedSettings = DistributedSettings()
+    distributed: DistributedConfig = DistributedConfig()  # train.distributed as configured
     health: HealthSettings = HealthSettings()
 
 

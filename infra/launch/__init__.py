@@ -5,7 +5,7 @@
   checkpoints on SIGTERM).
 - `LocalLauncher` (`grpo_pipeline.infra.launch.local`) runs the trainer as a subprocess here, the embedded default;
   `SkyLauncher` (`grpo_pipeline.infra.launch.skypilot`) runs it as a SkyPilot managed job on spot GPUs.
-- `make_launcher` picks one from `train.launcher`; `preflight` checks what that launcher needs before any
+- `make_launcher` picks one from `train.launcher`; `check_launcher` checks what that launcher needs before any
   work is done, including whether `train.distributed` can launch at all (`grpo_pipeline.trainer.distributed.problems`:
   processes against GPUs, batch against num_generations, strategy against quantization, store against nodes);
   `check_launch` repeats that for the very job spec a launcher is handed, before it starts anything.
@@ -20,7 +20,7 @@ from grpo_pipeline.configs.schema import ConfigError, ModelConfig, TrainConfig
 from grpo_pipeline.trainer.spec import JobSpec, TrainingFailed, TrainResult
 
 __all__ = ["BadTrainingInput", "LaunchRefused", "Launcher", "TrainingFailed", "check_launch", "make_launcher",
-           "preflight", "run_job"]
+           "check_launcher", "run_job"]
 
 
 class LaunchRefused(ConfigError):
@@ -83,7 +83,7 @@ def check_launch(spec: JobSpec, gpu_counts: list[int]) -> None:
         raise LaunchRefused("cannot launch training:\n  " + "\n  ".join(found))
 
 
-def preflight(train: TrainConfig, mlflow_uri: str, model: ModelConfig | None = None) -> None:
+def check_launcher(train: TrainConfig, mlflow_uri: str, model: ModelConfig | None = None) -> None:
     """What the configured launcher needs, checked before anything runs; each failure names its fix."""
     from grpo_pipeline.tasks.job import model_load, train_settings
 
@@ -91,9 +91,9 @@ def preflight(train: TrainConfig, mlflow_uri: str, model: ModelConfig | None = N
                     train_file="", work_dir="", adapter_dir="", checkpoint_uri=train.checkpoint_uri or "")
     check_launch(probe, gpus_per_node(train))
     if train.launcher == "sky":
-        from grpo_pipeline.infra.launch.skypilot import preflight as sky_preflight
+        from grpo_pipeline.infra.launch.skypilot import check_sky
 
-        sky_preflight(train, mlflow_uri)
+        check_sky(train, mlflow_uri)
 
 
 def run_job(launcher: Launcher, spec: JobSpec) -> TrainResult:

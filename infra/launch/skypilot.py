@@ -152,7 +152,7 @@ def build_task(spec: JobSpec, job_dir: Path, sky_cfg: SkyConfig, max_restarts: i
     return sky.Task.from_yaml_config(config, secrets_overrides=secrets)
 
 
-def preflight(train: TrainConfig, mlflow_uri: str) -> None:
+def check_sky(train: TrainConfig, mlflow_uri: str) -> None:
     """Everything a managed job needs, checked before anything is launched, each failure naming its fix."""
     uri = train.checkpoint_uri or ""
     if not uri.startswith("s3://"):

@@ -28,13 +28,13 @@ from grpo_pipeline.tasks.plan.search import (
     plan_local,
     step_seconds,
 )
-from grpo_pipeline.tasks.plan.stage import apply_plan, layout_for, plan_for_config, plan_stage, workload_for
+from grpo_pipeline.tasks.plan.stage import apply_plan, layout_for, plan_for_config, plan_run, workload_for
 from grpo_pipeline.tasks.plan.workload import Workload
 
 __all__ = [
     "GIB", "KNOWN_MODELS", "Assumptions", "BudgetExceeded", "Layout", "MemoryEstimate", "Plan", "PlanError",
     "ServerMemory", "Settings", "Workload", "actual_cost", "apply_plan", "architecture", "check_budget",
     "estimate_memory", "estimate_vllm_server", "layout_for", "load_catalog",
-    "load_model_config", "make_plan", "model_config_for", "plan_for_config", "plan_local", "plan_stage",
+    "load_model_config", "make_plan", "model_config_for", "plan_for_config", "plan_local", "plan_run",
     "plan_tables", "step_seconds", "workload_for",
 ]

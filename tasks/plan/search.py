@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from grpo_pipeline.configs.layout import DistributedConfig, Strategy, processes_per_node, world_size
 from grpo_pipeline.configs.schema import ConfigError
 from grpo_pipeline.tasks.plan.architecture import architecture
 from grpo_pipeline.tasks.plan.base import GIB, Frozen, PlanError
@@ -50,19 +51,23 @@ class Assumptions(Frozen):
 
 
 class Layout(Frozen):
-    """What the launch already fixes and the search keeps: train.distributed, the train.grpo batch fields the user
-    set, train.sky.accelerators' GPU counts. None (or unset): the planner chooses."""
+    """What the launch already fixes and the search keeps: train.distributed (the config's own type, so the two
+    cannot differ), the train.grpo batch fields the user set, train.sky.accelerators' GPU counts. None (or, in
+    `distributed`, a field the user left unset): the planner chooses."""
 
-    nodes: int = Field(1, ge=1, description="training nodes (train.distributed.nodes)")
+    distributed: DistributedConfig = Field(
+        default_factory=DistributedConfig, description="train.distributed: its nodes and processes_per_node hold; "
+        "its strategy only when set; vllm_server_gpus 0: the fewest that hold the server")
     gpus_per_node: dict[str, int] | None = Field(None, description="GPU name -> GPUs per node (train.sky.accelerators)")
-    processes_per_node: int | None = Field(None, ge=1, description="None: one per GPU the vLLM server leaves, as the launch does")
-    strategy: Literal["ddp", "zero2", "fsdp", "zero3"] | None = None
     vllm_server: bool = Field(False, description="train.grpo.use_vllm with vllm_mode=server: generation on GPUs of its own")
-    vllm_server_gpus: int | None = Field(None, ge=1, description="GPUs per node for the server; None: the fewest that hold it")
-    vllm_server_node: bool = Field(False, description="one more node serves on all its GPUs")
     per_device_train_batch_size: int | None = Field(None, ge=1)
     gradient_accumulation_steps: int | None = Field(None, ge=1)
     steps_per_generation: int | None = Field(None, ge=1)
+
+    @property
+    def strategy(self) -> Strategy | None:
+        """The strategy the user set; None: the planner chooses (the config's default, ddp, is a default only)."""
+        return self.distributed.strategy if "strategy" in self.distributed.model_fields_set else None
 
 
 class Settings(Frozen):
@@ -92,7 +97,7 @@ class Settings(Frozen):
     @property
     def world_size(self) -> int:
         """Training processes, all nodes together: what TRL's batch rule and the per-GPU share count."""
-        return self.train_nodes * (self.processes_per_node or self.count)
+        return world_size(self.train_nodes, self.count, self.processes_per_node, self.vllm_server_gpus)
 
     @property
     def gpus(self) -> int:
@@ -108,6 +113,13 @@ class Settings(Frozen):
             where = "each node" if self.train_nodes > 1 else "the node"
             return f"GPUs {first}-{self.count - 1} of {where}" if self.vllm_server_gpus > 1 else f"GPU {first} of {where}"
         return ""
+
+    def distributed_overrides(self) -> dict[str, Any]:
+        """The `train.distributed` fields this plan sets (`DistributedConfig` names), as the node launcher reads
+        them: trainers on the first GPUs of each node, the server on the rest or on a node of its own."""
+        return {"strategy": "ddp" if self.strategy in ("single", "local") else self.strategy,
+                "processes_per_node": self.processes_per_node or self.count,
+                "vllm_server_gpus": self.vllm_server_gpus, "vllm_server_node": self.vllm_server_node}
 
     def grpo_overrides(self) -> dict[str, Any]:
         """The `train.grpo` fields this plan sets (TRL GRPOConfig names)."""
@@ -207,12 +219,13 @@ def capacity_bytes(gpu: GPU, assumptions: Assumptions) -> float:
 def _server_layouts(work: Workload, layout: Layout, count: int) -> list[tuple[int, bool]]:
     """(vllm_server_gpus per node, vllm_server_node) to try on nodes of `count` GPUs: none without a server;
     the user's when given; else 1, 2, 4, ... server GPUs per node while trainers keep at least one."""
+    fixed = layout.distributed
     if not (work.vllm and layout.vllm_server):
         return [(0, False)]
-    if layout.vllm_server_node:
+    if fixed.vllm_server_node:
         return [(0, True)]
-    if layout.vllm_server_gpus:
-        return [(layout.vllm_server_gpus, False)]
+    if fixed.vllm_server_gpus:
+        return [(fixed.vllm_server_gpus, False)]
     return [(k, False) for k in (1, 2, 4, 8, 16) if k < count]
 
 
@@ -230,6 +243,7 @@ def fit(model_config, work: Workload, gpu: GPU, count: int, assumptions: Assumpt
     (num_generations, or the whole per-GPU share if smaller) fits without it: it costs ~1/3 more compute.
     """
     layout = layout or Layout()
+    fixed = layout.distributed
     gens = work.num_generations
     if work.effective_batch % gens:
         raise PlanError(f"the effective batch ({work.effective_batch}: plan.target_effective_batch, else "
@@ -248,15 +262,16 @@ def fit(model_config, work: Workload, gpu: GPU, count: int, assumptions: Assumpt
         why_layout = (f"a vLLM server (vllm_mode=server) needs GPUs of its own, and {count} GPU per node leaves none "
                       "to train on beside it")
     for server_gpus, server_node in layouts:
-        procs = layout.processes_per_node or count - server_gpus  # the launch's default: every GPU the server leaves
-        if procs < 1:
+        if not fixed.processes_per_node and server_gpus >= count:
             why_layout = (f"{server_gpus} vLLM server GPUs leave no GPU to train on beside them on a node of {count} "
                           "GPUs")
             continue
+        # the launch's default: every GPU the server leaves
+        procs = processes_per_node(count, fixed.processes_per_node, server_gpus)
         if procs + server_gpus > count:
             why_layout = (f"{procs} processes + {server_gpus} vLLM server GPUs do not fit {count} GPUs per node")
             continue
-        world = layout.nodes * procs
+        world = world_size(fixed.nodes, count, fixed.processes_per_node, server_gpus)
         if work.effective_batch % world:
             why_batch = f"the effective batch ({work.effective_batch}) does not split over {world} training processes"
             continue
@@ -293,7 +308,7 @@ def fit(model_config, work: Workload, gpu: GPU, count: int, assumptions: Assumpt
                                      f"effective batch of {work.effective_batch}")
                         continue
                     for spg in [layout.steps_per_generation] if layout.steps_per_generation else _divisors(accum):
-                        if (pdb * world * spg) % gens:  # TRL refuses this at start, after the GPUs are paid for
+                        if (pdb * world * spg) % gens:  # TRL refuses this at start (`batch_problem`), after the GPUs are paid for
                             why_batch = (f"per_device_train_batch_size x processes x steps_per_generation = {pdb} x "
                                          f"{world} x {spg} = {pdb * world * spg} completions is not a multiple of "
                                          f"num_generations ({gens}), which TRL refuses at start")
@@ -322,7 +337,7 @@ def fit(model_config, work: Workload, gpu: GPU, count: int, assumptions: Assumpt
                             gpu=gpu.name, count=count, strategy=strategy, per_device_train_batch_size=pdb,
                             gradient_accumulation_steps=accum, steps_per_generation=spg,
                             gradient_checkpointing=ckpt, bf16=work.dtype == "bfloat16",
-                            vllm_gpu_memory_utilization=util, nodes=layout.nodes + server_node,
+                            vllm_gpu_memory_utilization=util, nodes=fixed.nodes + server_node,
                             processes_per_node=procs, vllm_server_gpus=server_gpus, vllm_server_node=server_node,
                             vllm_tensor_parallel=tp,
                         ), mem, server, None
@@ -429,17 +444,18 @@ def make_plan(
     gpus = [catalog.get(name) for name in allowed] if allowed else list(catalog.gpus.values())
     arch = architecture(model_config)
     layout = layout or Layout()
+    fixed = layout.distributed
     counts = [c for c in (1, 2, 4, 8, 16) if c <= assumptions.max_gpus]
     fallback: list[int] = []  # counts tried only when none of `counts` can run the job
-    if layout.processes_per_node:  # nodes too small for the processes (+ server GPUs) the launch fixes are no option
-        need = layout.processes_per_node + (layout.vllm_server_gpus or 0)
+    if fixed.processes_per_node:  # nodes too small for the processes (+ server GPUs) the launch fixes are no option
+        need = fixed.processes_per_node + fixed.vllm_server_gpus
         counts = sorted({c for c in counts if c >= need} | {need})
-    elif layout.vllm_server_gpus and layout.vllm_server and work.vllm:
+    elif fixed.vllm_server_gpus and layout.vllm_server and work.vllm:
         # the server's K GPUs come on top of the trainers': a per-device batch and accumulation the user fixed may
         # leave 1 + K (or 2 + K, ...) the only node that runs them. Clouds sell nodes of 1, 2, 4, 8 GPUs, so such a
         # count is a fallback, tried only when no power of two can run the job
-        fallback = sorted({p + layout.vllm_server_gpus for p in counts
-                           if p + layout.vllm_server_gpus <= assumptions.max_gpus} - set(counts))
+        fallback = sorted({p + fixed.vllm_server_gpus for p in counts
+                           if p + fixed.vllm_server_gpus <= assumptions.max_gpus} - set(counts))
     best = None
     options = []
     reasons = []

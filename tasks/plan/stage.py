@@ -1,5 +1,5 @@
-"""The pipeline's plan stage: a PipelineConfig in, its workload, its plan, and the config the plan sets
-(batch split, checkpointing, bf16, SkyPilot's GPU list) out. Where a `train.grpo` or `train.lora` field is
+"""The pipeline's plan stage: the config's model, train and plan sections in, their workload, their plan, and
+the config the plan sets (batch split, checkpointing, bf16, SkyPilot's GPU list) out. Where a `train.grpo` or `train.lora` field is
 unset, TRL's or PEFT's own default stands in (read from `grpo_pipeline.configs.library_fields`), since that is what trains.
 """
 
@@ -13,17 +13,19 @@ import yaml
 from pydantic import ValidationError
 
 from grpo_pipeline.configs.files import project_file
+from grpo_pipeline.configs.layout import DistributedConfig, batch_problem
 from grpo_pipeline.configs.library_fields import default
-from grpo_pipeline.tasks.plan.architecture import model_config_for
+from grpo_pipeline.configs.schema import ModelConfig, PipelineConfig, PlanConfig, TrainConfig
+from grpo_pipeline.tasks.plan.architecture import architecture, model_config_for
 from grpo_pipeline.tasks.plan.base import PlanError
 from grpo_pipeline.tasks.plan.catalogue import load_catalog
 from grpo_pipeline.tasks.plan.search import Assumptions, Layout, Plan, make_plan, plan_local
 from grpo_pipeline.tasks.plan.workload import Optimizer, Workload
 
 
-def _grpo(cfg, name: str) -> Any:
+def _grpo(train: TrainConfig, name: str) -> Any:
     """A `train.grpo` field as TRL will see it: the configured value, else GRPOConfig's default."""
-    return cfg.train.grpo.get(name, default("GRPOConfig", name))
+    return train.grpo.get(name, default("GRPOConfig", name))
 
 
 def sky_accelerators(task_yaml: str | Path) -> list[str]:
@@ -47,115 +49,116 @@ def sky_accelerators(task_yaml: str | Path) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def _vllm_server(cfg) -> bool:
-    return bool(_grpo(cfg, "use_vllm")) and _grpo(cfg, "vllm_mode") == "server"
+def _vllm_server(train: TrainConfig) -> bool:
+    return bool(_grpo(train, "use_vllm")) and _grpo(train, "vllm_mode") == "server"
 
 
-def pinned_world(cfg) -> int | None:
+def pinned_world(train: TrainConfig) -> int | None:
     """Training processes the config itself fixes: nodes x processes_per_node, else nodes x (the GPUs that
     train.sky.accelerators asks per node, less the vLLM server's) when every option asks the same count, as
     the node launcher would start them; None: the planner chooses.
 
     >>> from grpo_pipeline.configs.schema import load_config
-    >>> pinned_world(load_config(None, ["train.launcher=sky", "train.sky.accelerators=[H100:4]"])), pinned_world(load_config(None))
+    >>> sky = load_config(None, ["train.launcher=sky", "train.sky.accelerators=[H100:4]"])
+    >>> pinned_world(sky.train), pinned_world(load_config(None).train)
     (4, None)
     """
-    d = cfg.train.distributed
+    d = train.distributed
+    counts = {int(a.partition(":")[2] or 1) for a in train.sky.accelerators or []}
     if d.processes_per_node:
-        return d.nodes * d.processes_per_node
-    counts = {int(a.partition(":")[2] or 1) for a in cfg.train.sky.accelerators or []}
-    if cfg.train.launcher == "sky" and len(counts) == 1:
-        return d.nodes * max(counts.pop() - d.vllm_server_gpus, 1)
+        return d.world_size(0)  # the processes set hold on any node
+    if train.launcher == "sky" and len(counts) == 1:
+        return d.world_size(counts.pop())
     return None
 
 
-def layout_for(cfg) -> Layout:
+def layout_for(train: TrainConfig) -> Layout:
     """What the launch fixes already, and the plan must keep: train.distributed's fields the user set, the
     train.grpo batch fields the user set (apply_plan never overrides them), train.sky.accelerators' counts."""
-    d, grpo, set_ = cfg.train.distributed, cfg.train.grpo, cfg.train.distributed.model_fields_set
     counts = {}
-    for option in cfg.train.sky.accelerators or []:
+    for option in train.sky.accelerators or []:
         name, _, count = option.partition(":")
         counts.setdefault(name, int(count or 1))
     return Layout(
-        nodes=d.nodes, gpus_per_node=counts or None, processes_per_node=d.processes_per_node,
-        strategy=d.strategy if "strategy" in set_ else None, vllm_server=_vllm_server(cfg),
-        vllm_server_gpus=d.vllm_server_gpus or None, vllm_server_node=d.vllm_server_node,
-        **{k: grpo.get(k) for k in ("per_device_train_batch_size", "gradient_accumulation_steps",
-                                    "steps_per_generation")},
+        distributed=train.distributed, gpus_per_node=counts or None, vllm_server=_vllm_server(train),
+        **{k: train.grpo.get(k) for k in ("per_device_train_batch_size", "gradient_accumulation_steps",
+                                          "steps_per_generation")},
     )
 
 
-def workload_for(cfg, name: str, train_rows: int | None = None) -> Workload:
-    """The run described by a PipelineConfig: model precision, LoRA, GRPO lengths and batch, steps
+def workload_for(model: ModelConfig, train: TrainConfig, plan: PlanConfig, name: str,
+                 train_rows: int | None = None) -> Workload:
+    """The run the config's sections describe: model precision, LoRA, GRPO lengths and batch, steps
     (max_steps, else epochs x train_rows / prompts per step, else None: unknown).
 
     The effective batch is plan.target_effective_batch, else what TRL will run: per_device_train_batch_size x
     gradient_accumulation_steps x the training processes the config fixes (`pinned_world`; 1 when the
     planner chooses them, and then it keeps that total whatever it picks)."""
-    lora = cfg.train.lora
-    generations = _grpo(cfg, "num_generations")
-    effective = cfg.plan.target_effective_batch or (
-        _grpo(cfg, "per_device_train_batch_size") * _grpo(cfg, "gradient_accumulation_steps") * (pinned_world(cfg) or 1))
-    steps = _grpo(cfg, "max_steps")
+    lora = train.lora
+    generations = _grpo(train, "num_generations")
+    effective = plan.target_effective_batch or (
+        _grpo(train, "per_device_train_batch_size") * _grpo(train, "gradient_accumulation_steps")
+        * (pinned_world(train) or 1))
+    steps = _grpo(train, "max_steps")
     if steps is None or steps <= 0:
         steps = None if not train_rows else math.ceil(
-            _grpo(cfg, "num_train_epochs") * train_rows / (effective / generations))
-    optimizer = cfg.plan.optimizer or _grpo(cfg, "optim")
+            _grpo(train, "num_train_epochs") * train_rows / (effective / generations))
+    optimizer = plan.optimizer or _grpo(train, "optim")
     if optimizer not in Optimizer.__args__:
         raise PlanError(f"optimizer {optimizer!r} (train.grpo.optim) is unknown to the planner; set plan.optimizer "
                         f"to one of {list(Optimizer.__args__)}")
     targets = lora.get("target_modules", default("LoraConfig", "target_modules"))
     try:
         return Workload(
-            model=name, quantization=cfg.model.quantization, double_quant=cfg.model.double_quant,
-            dtype=cfg.model.compute_dtype, lora_rank=lora.get("r", default("LoraConfig", "r")),
+            model=name, quantization=model.quantization, double_quant=model.double_quant,
+            dtype=model.compute_dtype, lora_rank=lora.get("r", default("LoraConfig", "r")),
             lora_targets=tuple(targets) if isinstance(targets, list) else targets, optimizer=optimizer,
             # a value set in train.grpo is what trains (apply_plan keeps it), so the plan sizes that one
-            gradient_checkpointing=(cfg.train.grpo.get("gradient_checkpointing", "auto")
-                                    if cfg.plan.gradient_checkpointing == "auto" else cfg.plan.gradient_checkpointing),
-            prompt_tokens=cfg.plan.prompt_tokens,
-            completion_tokens=_grpo(cfg, "max_completion_length"), num_generations=generations,
-            effective_batch=effective, max_steps=steps, beta=_grpo(cfg, "beta"), vllm=_grpo(cfg, "use_vllm"),
+            gradient_checkpointing=(train.grpo.get("gradient_checkpointing", "auto")
+                                    if plan.gradient_checkpointing == "auto" else plan.gradient_checkpointing),
+            prompt_tokens=plan.prompt_tokens,
+            completion_tokens=_grpo(train, "max_completion_length"), num_generations=generations,
+            effective_batch=effective, max_steps=steps, beta=_grpo(train, "beta"), vllm=_grpo(train, "use_vllm"),
         )
     except ValidationError as exc:
         raise PlanError(f"cannot plan this configuration: {exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}") from None
 
 
-def plan_for_config(cfg, model_config: dict[str, Any], name: str, train_rows: int | None = None) -> Plan:
-    """The plan for a PipelineConfig. train.launcher=local: this machine, memory against its RAM, 0 USD.
+def plan_for_config(model: ModelConfig, train: TrainConfig, plan: PlanConfig, model_config: dict[str, Any], name: str,
+                    train_rows: int | None = None) -> Plan:
+    """The plan for the config's sections. train.launcher=local: this machine, memory against its RAM, 0 USD.
     train.launcher=sky: the cheapest of plan.allowed_gpus (default: the SkyPilot task's GPU list).
 
     >>> from grpo_pipeline.configs.files import packaged
     >>> from grpo_pipeline.configs.schema import load_config
     >>> from grpo_pipeline.tasks.plan import load_model_config
     >>> cfg = load_config(packaged("qwen2.5-7b-qlora.yaml"), ["train.launcher=sky"])
-    >>> p = plan_for_config(cfg, load_model_config(cfg.model.base)[1], "qwen2.5-7b")
+    >>> p = plan_for_config(cfg.model, cfg.train, cfg.plan, load_model_config(cfg.model.base)[1], "qwen2.5-7b")
     >>> p.settings.gpu in ("H100", "A100-80GB", "L40S"), p.estimate.pricing
     (True, 'spot')
     """
-    work = workload_for(cfg, name, train_rows)
-    if cfg.train.launcher == "local":
-        pdb = _grpo(cfg, "per_device_train_batch_size")
+    work = workload_for(model, train, plan, name, train_rows)
+    if train.launcher == "local":
+        pdb = _grpo(train, "per_device_train_batch_size")
         return plan_local(model_config, work, per_device_batch=pdb,
                           # per process: the effective batch counts every process of the run
-                          gradient_accumulation=max(1, work.effective_batch // (pdb * (pinned_world(cfg) or 1))),
-                          gradient_checkpointing=_grpo(cfg, "gradient_checkpointing"),
-                          daily=cfg.plan.daily_projection)
-    allowed = cfg.plan.allowed_gpus or (
-        [a.split(":")[0] for a in cfg.train.sky.accelerators] if cfg.train.sky.accelerators
-        else sky_accelerators(cfg.train.sky.task_yaml))
-    spot = cfg.train.sky.use_spot if cfg.plan.spot is None else cfg.plan.spot
-    assumptions = Assumptions(mfu=cfg.plan.mfu, preemption_overhead=cfg.plan.preemption_overhead)
-    plan = make_plan(model_config, work, load_catalog(cfg.plan.gpu_catalog), allowed=allowed or None, spot=spot,
-                     assumptions=assumptions, daily=cfg.plan.daily_projection, layout=layout_for(cfg))
-    notes = list(plan.notes)
+                          gradient_accumulation=max(1, work.effective_batch // (pdb * (pinned_world(train) or 1))),
+                          gradient_checkpointing=_grpo(train, "gradient_checkpointing"),
+                          daily=plan.daily_projection)
+    allowed = plan.allowed_gpus or (
+        [a.split(":")[0] for a in train.sky.accelerators] if train.sky.accelerators
+        else sky_accelerators(train.sky.task_yaml))
+    spot = train.sky.use_spot if plan.spot is None else plan.spot
+    assumptions = Assumptions(mfu=plan.mfu, preemption_overhead=plan.preemption_overhead)
+    made = make_plan(model_config, work, load_catalog(plan.gpu_catalog), allowed=allowed or None, spot=spot,
+                     assumptions=assumptions, daily=plan.daily_projection, layout=layout_for(train))
+    notes = list(made.notes)
     if work.dtype == "float32":
         notes.append("model.compute_dtype=float32 keeps fp32 weights on the GPU (2x bf16); bfloat16 is usual there")
-    return plan.model_copy(update={"notes": notes})
+    return made.model_copy(update={"notes": notes})
 
 
-def apply_plan(cfg, plan: Plan):
+def apply_plan(cfg: PipelineConfig, plan: Plan) -> PipelineConfig:
     """The config a SkyPilot run trains with: the plan's batch split, checkpointing and bf16 for every
     `train.grpo` field the user left unset, and, unless `train.sky.accelerators` is set, the GPU options
     that fit with the plan's GPU count and strategy, cheapest first (SkyPilot takes the first one it can get);
@@ -166,7 +169,7 @@ def apply_plan(cfg, plan: Plan):
     >>> from grpo_pipeline.configs.schema import load_config
     >>> from grpo_pipeline.tasks.plan import load_model_config
     >>> cfg = load_config(packaged("qwen2.5-7b-qlora.yaml"), ["train.launcher=sky"])
-    >>> plan = plan_for_config(cfg, load_model_config(cfg.model.base)[1], "qwen2.5-7b")
+    >>> plan = plan_for_config(cfg.model, cfg.train, cfg.plan, load_model_config(cfg.model.base)[1], "qwen2.5-7b")
     >>> planned = apply_plan(cfg, plan)
     >>> planned.train.sky.accelerators[0] == f"{plan.settings.gpu}:{plan.settings.count}"
     True
@@ -190,20 +193,28 @@ def apply_plan(cfg, plan: Plan):
         # the planned layout, as the node launcher reads it (trainers on the first GPUs, the server on the rest),
         # field by field: what the user set stays (the plan was sized with it), the plan fills in the rest. Server
         # mode always sets vllm_server_gpus or vllm_server_node, and the planned strategy must still be written
-        planned = {"strategy": "ddp" if settings.strategy == "single" else settings.strategy,
-                   "processes_per_node": settings.processes_per_node or settings.count,
-                   "vllm_server_gpus": settings.vllm_server_gpus, "vllm_server_node": settings.vllm_server_node}
-        unset = {k: v for k, v in planned.items() if k not in distributed.model_fields_set}
+        unset = {k: v for k, v in settings.distributed_overrides().items() if k not in distributed.model_fields_set}
         if unset:
-            distributed = type(distributed)(**{**distributed.model_dump(exclude_unset=True), **unset})
-    world = distributed.nodes * (distributed.processes_per_node or settings.count - distributed.vllm_server_gpus)
-    if problem := distributed.batch_problem(grpo, world):  # TRL's check at start, made before any GPU is rented
+            distributed = DistributedConfig(**{**distributed.model_dump(exclude_unset=True), **unset})
+    world = distributed.world_size(settings.count)
+    # TRL's check at start, made before any GPU is rented
+    if problem := batch_problem(grpo, world, lambda name: default("GRPOConfig", name)):
         raise PlanError(f"the planned launch ({world} training processes) would fail at start: {problem}")
     return cfg.model_copy(update={"train": cfg.train.model_copy(
         update={"grpo": grpo, "sky": sky, "distributed": distributed})})
 
 
-def plan_stage(cfg, model_path: str | None = None, train_rows: int | None = None) -> Plan:
-    """The pipeline's plan stage: the model's own config.json when resolved, else the shipped one."""
-    name, model_config = model_config_for(cfg.model.base, model_path)
-    return plan_for_config(cfg, model_config, name, train_rows)
+def plan_run(model: ModelConfig, train: TrainConfig, plan: PlanConfig, model_path: str | None = None,
+             train_rows: int | None = None, priced: Plan | None = None) -> Plan:
+    """The plan of a run: for the model's own config.json when resolved, else the shipped one.
+
+    `priced`: the plan preflight priced the budget with, for these same sections before the model was resolved
+    (`model_path` None); it is the answer again when the resolved model has the same name and architecture,
+    the only parts of config.json the planner reads, so the run plans once.
+    """
+    name, model_config = model_config_for(model.base, model_path)
+    if priced is not None and train_rows is None:
+        priced_name, priced_config = model_config_for(model.base)
+        if (name, architecture(model_config)) == (priced_name, architecture(priced_config)):
+            return priced
+    return plan_for_config(model, train, plan, model_config, name, train_rows)

@@ -3,6 +3,6 @@
 
 from prefect import task
 
-from grpo_pipeline.tasks.plan.stage import plan_stage
+from grpo_pipeline.tasks.plan.stage import plan_run
 
-plan_task = task(name="plan")(plan_stage)
+plan_task = task(name="plan")(plan_run)

@@ -55,7 +55,8 @@ def test_selection_scores_candidates_that_fit_and_picks_the_best(tiny_model, tin
 
     bigger = create_random_model(tmp_path / "bigger", hidden_size=128, seed=1)
     cfg = tiny_config(f"model.candidates=[{tiny_model}, {bigger}]", *FAST_EVAL)
-    selection = select_base_model(cfg, cfg.train.reward_set(), tiny_splits["val"], tmp_path / "cache")
+    selection = select_base_model(cfg.model, cfg.train, cfg.plan, cfg.evaluate, cfg.train.reward_set(),
+                                  tiny_splits["val"], tmp_path / "cache")
     assert [r.base for r in selection.rows] == [str(tiny_model), str(bigger)]
     assert all(r.fits and r.within_budget and r.reward is not None and r.cost_usd == 0 for r in selection.rows)
     best = max(selection.rows, key=lambda r: (r.reward, -r.params_b))
@@ -67,4 +68,5 @@ def test_selection_refuses_when_no_candidate_is_within_budget(tiny_model, tiny_s
     cfg = tiny_config(f"model.candidates=[{tiny_model}]", "train.launcher=sky", "train.grpo.max_steps=100",
                       "train.sky.accelerators=[H100:1]", "plan.budget_usd=0.001")
     with pytest.raises(SelectionError, match=r"estimated \$.* > plan.budget_usd \$0.00"):
-        select_base_model(cfg, cfg.train.reward_set(), tiny_splits["val"], tmp_path / "cache")
+        select_base_model(cfg.model, cfg.train, cfg.plan, cfg.evaluate, cfg.train.reward_set(), tiny_splits["val"],
+                          tmp_path / "cache")

@@ -29,8 +29,9 @@ def no_flow_run(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a flow run was started")
 
-    monkeypatch.setattr(grpo_pipeline.flows.pipeline, "grpo_pipeline", refuse)
-    monkeypatch.setattr(grpo_pipeline.flows.hpo, "hpo_flow", refuse)
+    # what the CLI starts: the flows on the config it loaded and preflighted
+    monkeypatch.setattr(grpo_pipeline.flows.pipeline, "checked_pipeline", refuse)
+    monkeypatch.setattr(grpo_pipeline.flows.hpo, "checked_hpo", refuse)
 
 
 @pytest.mark.parametrize("command", [["run", "--json"], ["hpo", "--json"], ["data", "--json"]])
@@ -107,11 +108,11 @@ def test_errors_from_inside_the_flow_end_json_with_the_failure_object(tmp_path, 
              "champion": ChampionMoved("the champion moved to v3 while this run decided; run again"),
              "bug": RuntimeError("something broke")}[raised]
 
-    def flow(**kwargs):
+    def flow(*args, **kwargs):
         print("a line the flow printed")
         raise error
 
-    monkeypatch.setattr(grpo_pipeline.flows.pipeline, "grpo_pipeline", flow)
+    monkeypatch.setattr(grpo_pipeline.flows.pipeline, "checked_pipeline", flow)
     result = CliRunner().invoke(app, ["run", "--json", "--set", f"data_dir={tmp_path}"])
     assert result.exit_code == code, result.output
     failure = json.loads(result.stdout.strip().splitlines()[-1])

@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+from grpo_pipeline.configs.layout import DistributedConfig
 from grpo_pipeline.configs.schema import ConfigError, ModelConfig, TrainConfig, load_config
 from grpo_pipeline.tasks.job import model_load, train_settings
 from grpo_pipeline.trainer.distributed import problems
 from grpo_pipeline.trainer.launch import ACCELERATE_CONFIGS, strategy_env
-from grpo_pipeline.trainer.spec import DistributedSettings, JobSpec
+from grpo_pipeline.trainer.spec import JobSpec, TrainSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULTS = {"per_device_train_batch_size": 8, "num_generations": 8, "gradient_accumulation_steps": 1}
@@ -23,15 +24,21 @@ DEFAULTS = {"per_device_train_batch_size": 8, "num_generations": 8, "gradient_ac
 def _spec(tmp_path, quantization="none", checkpoint_uri=None, grpo=None, **distributed) -> JobSpec:
     return JobSpec(model_path="m", model=model_load(ModelConfig(quantization=quantization)),
                    train=train_settings(TrainConfig()).model_copy(
-                       update={"grpo": grpo or {}, "distributed": DistributedSettings(**distributed)}),
+                       update={"grpo": grpo or {}, "distributed": DistributedConfig(**distributed)}),
                    train_file="t", work_dir=str(tmp_path / "work"), adapter_dir=str(tmp_path / "a"),
                    checkpoint_uri=checkpoint_uri or str(tmp_path / "ckpt"))
 
 
-def test_config_and_spec_declare_the_same_distributed_fields():
-    from grpo_pipeline.configs.schema import DistributedConfig
+def test_config_spec_and_planner_hold_the_one_distributed_type():
+    """One type, not copies kept alike: the config's train.distributed, the job spec's and the planner's fixed
+    layout are the same class, so a field, bound, default or validator cannot differ between them."""
+    from grpo_pipeline.tasks.plan import Layout
 
-    assert set(DistributedConfig.model_fields) == set(DistributedSettings.model_fields)
+    holders = (TrainConfig, TrainSettings, Layout)
+    assert {holder.model_fields["distributed"].annotation for holder in holders} == {DistributedConfig}
+    with pytest.raises(ValueError, match="follow from train.distributed"):  # the config's validator, on the node too
+        TrainSettings.model_validate({**train_settings(TrainConfig()).model_dump(),
+                                      "distributed": {"accelerate": {"num_processes": 4}}})
     assert train_settings(load_config(None, ["train.distributed.processes_per_node=2"]).train).distributed.processes_per_node == 2
 
 

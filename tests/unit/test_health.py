@@ -144,7 +144,8 @@ def test_a_bad_health_setting_exits_2_before_training(assignment, monkeypatch):
     import grpo_pipeline.flows.pipeline
     from grpo_pipeline.cli import EXIT_CONFIG, app
 
-    monkeypatch.setattr(grpo_pipeline.flows.pipeline, "grpo_pipeline", lambda *a, **k: pytest.fail("training started"))
+    monkeypatch.setattr(grpo_pipeline.flows.pipeline, "checked_pipeline",
+                        lambda *a, **k: pytest.fail("training started"))
     sets = ["--set", assignment, "--set", "train.grpo.max_steps=10", "--set", "train.checkpoint_every=10"]
     result = CliRunner().invoke(app, ["run", "--json", *sets])
     assert result.exit_code == EXIT_CONFIG == 2, result.output

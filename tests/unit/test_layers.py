@@ -3,7 +3,10 @@
     configs -> trainer -> tasks -> infra -> flows -> grpo_pipeline (the CLI)
 
 `configs` and `trainer` import nothing else of the project: the config is pure pydantic, and the trainer is
-what a GPU node runs alone. Every import is read with `ast`, those inside functions included.
+what a GPU node runs alone. One exception, named in SHARED: the trainer imports `grpo_pipeline.configs.layout`,
+the distributed layout's one type and its two rules (world size, TRL's batch rule), which the config, the
+planner and the job spec share; it imports nothing of the project itself. Every import is read with `ast`, those
+inside functions included.
 """
 
 import ast
@@ -15,7 +18,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 LAYERS = ["configs", "trainer", "tasks", "infra", "flows", "grpo_pipeline"]
-LEAVES = {"configs", "trainer"}  # may import nothing of the project but themselves
+LEAVES = {"configs", "trainer"}  # may import nothing of the project but themselves, and SHARED
+SHARED = {"trainer": {"grpo_pipeline.configs.layout"}}  # a leaf's allowed imports of a lower layer: module names
 
 
 def layer_of(module: str) -> str:
@@ -30,16 +34,18 @@ def layer_of(module: str) -> str:
     return parts[0]
 
 
-def imports(path: Path) -> list[tuple[int, str]]:
+def imports(path: Path) -> list[tuple[int, str, str]]:
+    """(line, layer, module) of each import in a file."""
     found = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
-            found += [(node.lineno, layer_of(alias.name)) for alias in node.names]
+            found += [(node.lineno, layer_of(alias.name), alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             if node.module == "grpo_pipeline":  # from grpo_pipeline import tasks
-                found += [(node.lineno, layer_of(f"grpo_pipeline.{alias.name}")) for alias in node.names]
+                found += [(node.lineno, layer_of(f"grpo_pipeline.{alias.name}"), f"grpo_pipeline.{alias.name}")
+                          for alias in node.names]
             else:
-                found.append((node.lineno, layer_of(node.module)))
+                found.append((node.lineno, layer_of(node.module), node.module))
     return found
 
 
@@ -47,8 +53,8 @@ def upward_imports() -> list[str]:
     bad = []
     for layer in LAYERS:
         for path in sorted((ROOT / layer).rglob("*.py")):
-            for line, target in imports(path):
-                if target not in LAYERS or target == layer:
+            for line, target, module in imports(path):
+                if target not in LAYERS or target == layer or module in SHARED.get(layer, ()):
                     continue
                 if layer in LEAVES or LAYERS.index(target) > LAYERS.index(layer):
                     bad.append(f"{path.relative_to(ROOT)}:{line} imports {target}")
@@ -65,6 +71,19 @@ def test_the_check_sees_an_upward_import(tmp_path, monkeypatch):
     (tmp_path / "configs" / "bad.py").write_text("def f():\n    from grpo_pipeline.tasks.plan import Plan\n")
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     assert upward_imports() == ["configs/bad.py:2 imports tasks"]
+
+
+def test_the_shared_layout_module_stays_a_leaf_and_the_only_exception(tmp_path, monkeypatch):
+    """What the trainer may import of configs imports nothing of the project; any other configs module the
+    trainer imports is caught."""
+    shared = [imports(ROOT / (module.removeprefix("grpo_pipeline.").replace(".", "/") + ".py"))
+              for modules in SHARED.values() for module in modules]
+    assert not [found for found in shared for _, target, _ in found if target in LAYERS]
+    (tmp_path / "trainer").mkdir()
+    (tmp_path / "trainer" / "bad.py").write_text("from grpo_pipeline.configs.layout import world_size\n"
+                                                 "from grpo_pipeline.configs.schema import TrainConfig\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert upward_imports() == ["trainer/bad.py:2 imports configs"]
 
 
 HEAVY = ("torch", "transformers", "trl", "peft")

@@ -32,6 +32,11 @@ from grpo_pipeline.tasks.plan import (
 )
 from grpo_pipeline.tasks.plan.architecture import PEFT_DEFAULT_TARGETS
 
+
+def _sections(cfg):
+    """What the planner's stage functions take of a PipelineConfig."""
+    return cfg.model, cfg.train, cfg.plan
+
 GB = 1e9  # the seed states its figures in GB
 
 # Published parameter counts (model cards), in billions.
@@ -301,16 +306,16 @@ def test_catalog_override_merges_field_by_field(tmp_path):
 def test_plan_from_the_pipeline_config(tiny_config):
     from grpo_pipeline.tasks.plan import plan_for_config
 
-    local = plan_for_config(tiny_config(), cfg("smollm2-135m"), "smollm2-135m")
+    local = plan_for_config(*_sections(tiny_config()), cfg("smollm2-135m"), "smollm2-135m")
     assert local.settings.gpu == "local-cpu" and local.estimate.usd == 0
     sky = tiny_config("train.launcher=sky", "model.compute_dtype=bfloat16", "train.grpo.max_steps=100",
                       "train.sky.accelerators=[L4:1, A10G:1]", "plan.spot=false")
-    p = plan_for_config(sky, cfg("qwen2.5-1.5b"), "qwen2.5-1.5b")
+    p = plan_for_config(sky.model, sky.train, sky.plan, cfg("qwen2.5-1.5b"), "qwen2.5-1.5b")
     assert p.settings.gpu in ("L4", "A10G") and p.estimate.pricing == "on-demand"
     assert {o.gpu for o in p.options} == {"L4", "A10G"}
     no_steps = tiny_config("train.launcher=sky")
     with pytest.raises(PlanError, match="max_steps"):
-        plan_for_config(no_steps, cfg("qwen2.5-1.5b"), "q")
+        plan_for_config(no_steps.model, no_steps.train, no_steps.plan, cfg("qwen2.5-1.5b"), "q")
 
 
 HEAVY = ("torch", "transformers", "prefect", "trl")
@@ -376,8 +381,8 @@ def test_workload_defaults_are_trls_own():
 def test_unset_grpo_and_lora_fields_plan_what_trl_and_peft_run():
     from grpo_pipeline.configs.schema import load_config
 
-    work = workload_for(load_config(None, ["train.grpo={}", "train.lora={}", "plan.prompt_tokens=100"]), "m",
-                        train_rows=1000)
+    work = workload_for(*_sections(load_config(None, ["train.grpo={}", "train.lora={}", "plan.prompt_tokens=100"])),
+                        "m", train_rows=1000)
     grpo = lambda name: default("GRPOConfig", name)  # noqa: E731
     assert (work.num_generations, work.completion_tokens, work.optimizer, work.beta, work.vllm) == (
         grpo("num_generations"), grpo("max_completion_length"), grpo("optim"), grpo("beta"), grpo("use_vllm"))
@@ -422,7 +427,7 @@ def test_a_batch_trl_refuses_at_start_is_refused_at_plan_time_naming_the_fields(
         trl.GRPOConfig(output_dir=str(tmp_path), num_generations=8, use_cpu=True, **batch)
     with pytest.raises(PlanError, match=r"TRL's check at start.*per_device_train_batch_size x processes x "
                                         r"steps_per_generation = 4 x 1 x 1 = 4 .*num_generations \(8\)") as refused:
-        plan_for_config(config, cfg("qwen2.5-0.5b"), "q")
+        plan_for_config(config.model, config.train, config.plan, cfg("qwen2.5-0.5b"), "q")
     assert "train.grpo.per_device_train_batch_size" in str(refused.value)
     assert "train.distributed.nodes / processes_per_node" in str(refused.value)
 
@@ -443,7 +448,7 @@ def test_every_multi_gpu_plan_passes_the_launchers_batch_check(generations, targ
     config = load_config(None, ["model.base=llama-3.1-70b", "model.compute_dtype=bfloat16", "train.launcher=sky",
                              "train.checkpoint_uri=s3://b/p", "train.grpo={}", "train.grpo.max_steps=10",
                              f"train.grpo.num_generations={generations}", f"plan.target_effective_batch={target}", *more])
-    plan = plan_for_config(config, cfg("llama-3.1-70b"), "m")
+    plan = plan_for_config(config.model, config.train, config.plan, cfg("llama-3.1-70b"), "m")
     s = plan.settings
     assert s.world_size > 1 and bool(s.vllm_server_gpus) == bool(more)  # the server's GPUs are not in the world
     planned = apply_plan(config, plan)
@@ -479,7 +484,7 @@ def test_a_local_run_of_two_processes_plans_each_process_at_its_configured_batch
     from grpo_pipeline.tasks.plan import plan_for_config
 
     one, two = (load_config(None, sets) for sets in ([], ["train.distributed.processes_per_node=2"]))
-    p1, p2 = (plan_for_config(c, cfg("smollm2-135m"), "smollm2-135m") for c in (one, two))
+    p1, p2 = (plan_for_config(c.model, c.train, c.plan, cfg("smollm2-135m"), "smollm2-135m") for c in (one, two))
     assert p2.workload.effective_batch == 2 * p1.workload.effective_batch  # TRL runs the batch on each process
     split = lambda p: (p.settings.per_device_train_batch_size, p.settings.gradient_accumulation_steps)  # noqa: E731
     assert split(p2) == split(p1) and p2.memory.total == p1.memory.total
@@ -492,8 +497,9 @@ def test_a_pinned_layout_that_cannot_run_says_why_not_a_memory_figure():
     sets = ["model.base=llama-3.1-70b", "model.compute_dtype=bfloat16", "train.launcher=sky", "train.grpo.max_steps=10",
             "train.grpo.use_vllm=true", "train.distributed.strategy=fsdp"]
     with pytest.raises(PlanError, match="cannot be planned as configured: .*colocated vLLM needs the whole model"):
-        plan_for_config(load_config(None, sets), cfg("llama-3.1-70b"), "m")
-    served = plan_for_config(load_config(None, sets + ["train.grpo.vllm_mode=server"]), cfg("llama-3.1-70b"), "m")
+        plan_for_config(*_sections(load_config(None, sets)), cfg("llama-3.1-70b"), "m")
+    served = plan_for_config(*_sections(load_config(None, sets + ["train.grpo.vllm_mode=server"])), cfg("llama-3.1-70b"),
+                             "m")
     assert served.settings.strategy == "fsdp" and served.settings.vllm_tensor_parallel > 0
 
 
@@ -522,23 +528,24 @@ def test_fixed_server_gpus_add_their_count_to_the_trainers_counts_tried():
     from grpo_pipeline.tasks.plan import plan_for_config
 
     config = load_config(packaged("gsm8k-qwen2.5-0.5b.yaml"), RECIPE_SERVER)
-    s = plan_for_config(config, cfg("qwen2.5-0.5b"), "q").settings
+    s = plan_for_config(config.model, config.train, config.plan, cfg("qwen2.5-0.5b"), "q").settings
     assert (s.count, s.processes_per_node, s.vllm_server_gpus, s.world_size) == (3, 1, 2, 1)
     assert s.per_device_train_batch_size * s.gradient_accumulation_steps == 32
     # such a node is a fallback: when a power of two runs the job it is chosen, though 3 GPUs would cost less
     big = ["model.base=qwen2.5-32b", "model.compute_dtype=bfloat16", "train.launcher=sky", "train.grpo.max_steps=10",
            "train.grpo.use_vllm=true", "plan.target_effective_batch=64", "plan.allowed_gpus=[H100]", *RECIPE_SERVER[1:]]
-    plan = plan_for_config(load_config(None, big), cfg("qwen2.5-32b"), "q")
+    plan = plan_for_config(*_sections(load_config(None, big)), cfg("qwen2.5-32b"), "q")
     assert (plan.settings.count, plan.settings.processes_per_node) == (4, 2)
     # and when nothing runs the batch, the batch is the reason, not the nodes too small for the server
     with pytest.raises(PlanError, match=r"no launch of this batch passes TRL's check at start: H100: "
                                         r"per_device_train_batch_size x processes x steps_per_generation = 8 x 1 x 1"):
-        plan_for_config(load_config(packaged("gsm8k-qwen2.5-0.5b.yaml"), RECIPE_SERVER + [
-            "train.grpo.steps_per_generation=1", "train.grpo.num_generations=16", "plan.allowed_gpus=[H100]"]),
+        plan_for_config(*_sections(load_config(packaged("gsm8k-qwen2.5-0.5b.yaml"), RECIPE_SERVER + [
+            "train.grpo.steps_per_generation=1", "train.grpo.num_generations=16", "plan.allowed_gpus=[H100]"])),
             cfg("qwen2.5-0.5b"), "q")
 
 
 def test_reasons_are_typed_by_kind():
+    from grpo_pipeline.configs.layout import DistributedConfig
     from grpo_pipeline.tasks.plan import Layout
     from grpo_pipeline.tasks.plan.search import fit
 
@@ -548,7 +555,8 @@ def test_reasons_are_typed_by_kind():
     settings, mem, _, why = fit(model, served, h100, 1, Assumptions(), Layout(vllm_server=True))
     assert settings is None and mem is None and why.kind == "layout"
     assert why.text.startswith("a vLLM server (vllm_mode=server) needs GPUs of its own, and 1 GPU per node leaves none")
-    _, _, _, why = fit(model, served, h100, 2, Assumptions(), Layout(vllm_server=True, vllm_server_gpus=2))
+    _, _, _, why = fit(model, served, h100, 2, Assumptions(),
+                       Layout(vllm_server=True, distributed=DistributedConfig(vllm_server_gpus=2)))
     assert why.kind == "layout" and "leave no GPU to train on" in why.text
     _, _, _, why = fit(model, Workload(model="q", effective_batch=16), h100, 4, Assumptions(),
                        Layout(per_device_train_batch_size=16))
@@ -562,16 +570,36 @@ def test_reasons_are_typed_by_kind():
 def test_the_summary_says_what_each_gpu_count_counts():
     from grpo_pipeline.configs.files import packaged
     from grpo_pipeline.configs.schema import load_config
-    from grpo_pipeline.tasks.plan import plan_stage
+    from grpo_pipeline.tasks.plan import plan_run
     from grpo_pipeline.tasks.select import price
 
     config = load_config(packaged("gsm8k-llama-3.1-70b.yaml"))
-    plan = plan_stage(config)
+    plan = plan_run(config.model, config.train, config.plan)
     s, summary = plan.settings, plan.summary()
     assert s.nodes > 1 and s.vllm_server_node  # the server's node is one of them
     assert (summary["plan_gpus_total"], summary["plan_gpus_per_node"], summary["plan_nodes"]) == (
         s.nodes * s.count, s.count, s.nodes)
     assert summary["plan_world_size"] == (s.nodes - 1) * s.processes_per_node
     assert plan.estimate.gpu_hours == pytest.approx(plan.estimate.hours * summary["plan_gpus_total"])
-    row = price(config, config.model.base, "unused")
+    row = price(config.model, config.train, config.plan, "unused")
     assert (row.gpu, row.gpus_total) == (s.gpu, summary["plan_gpus_total"])
+
+
+def test_the_plan_stage_reuses_preflights_plan_only_for_a_model_that_plans_the_same(tmp_path):
+    """With a budget, preflight prices the configured base from its shipped config.json; the plan stage, given
+    the resolved model, answers with that plan when the model's name and architecture are the same (one plan per
+    run), and plans again for a model that differs."""
+    from grpo_pipeline.configs.schema import load_config
+    from grpo_pipeline.tasks.plan import load_model_config, plan_run
+
+    cfg = load_config(None, ["model.base=qwen2.5-0.5b", "train.launcher=sky", "train.grpo.max_steps=10"])
+    priced = plan_run(cfg.model, cfg.train, cfg.plan)
+    shipped = load_model_config("qwen2.5-0.5b")[1]
+    same, deeper = tmp_path / "same", tmp_path / "deeper"
+    for folder, config in ((same, shipped), (deeper, {**shipped, "num_hidden_layers": 4 * shipped["num_hidden_layers"]})):
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(config))
+    assert plan_run(cfg.model, cfg.train, cfg.plan, str(same), priced=priced) is priced
+    replanned = plan_run(cfg.model, cfg.train, cfg.plan, str(deeper), priced=priced)
+    assert replanned.params > priced.params
+    assert plan_run(cfg.model, cfg.train, cfg.plan, str(same), train_rows=100, priced=priced) is not priced

@@ -14,11 +14,16 @@ from grpo_pipeline.tasks.plan.stage import apply_plan, plan_for_config
 from grpo_pipeline.trainer.spec import JobSpec
 
 
+def _sections(cfg):
+    """What the planner's stage functions take of a PipelineConfig."""
+    return cfg.model, cfg.train, cfg.plan
+
+
 def test_a_70b_bf16_lora_plan_asks_for_several_gpus_and_launches_one_process_on_each(tmp_path):
     cfg = load_config(None, ["model.base=llama-3.1-70b", "model.compute_dtype=bfloat16", "train.launcher=sky",
                              "train.checkpoint_uri=s3://b/p",
                              "train.grpo.max_steps=100"])
-    plan = plan_for_config(cfg, load_model_config(cfg.model.base)[1], cfg.model.base)
+    plan = plan_for_config(cfg.model, cfg.train, cfg.plan, load_model_config(cfg.model.base)[1], cfg.model.base)
     count, strategy = plan.settings.count, plan.settings.strategy
     assert count > 1 and strategy == "fsdp"  # 70B weights do not fit one GPU: sharded over several
     planned = apply_plan(cfg, plan)
@@ -47,7 +52,7 @@ def test_a_70b_bf16_lora_plan_asks_for_several_gpus_and_launches_one_process_on_
 
 def test_a_local_run_keeps_its_own_distributed_section():
     cfg = load_config(None, ["train.distributed.processes_per_node=2"])
-    plan = plan_for_config(cfg, load_model_config("smollm2-135m")[1], "smollm2-135m")
+    plan = plan_for_config(cfg.model, cfg.train, cfg.plan, load_model_config("smollm2-135m")[1], "smollm2-135m")
     assert apply_plan(cfg, plan).train.distributed == cfg.train.distributed
 
 
@@ -73,7 +78,7 @@ SERVER = ["model.base=llama-3.1-70b", "model.compute_dtype=bfloat16", "train.lau
 def test_a_70b_server_mode_plan_shards_the_trainers_and_prices_the_server_gpus(tmp_path):
     cfg = load_config(None, SERVER + ["train.grpo.vllm_mode=server"])
     model_config = load_model_config("llama-3.1-70b")[1]
-    plan = plan_for_config(cfg, model_config, "llama-3.1-70b")
+    plan = plan_for_config(cfg.model, cfg.train, cfg.plan, model_config, "llama-3.1-70b")
     s = plan.settings
     assert s.strategy == "fsdp" and s.vllm_server_gpus >= 1 and s.vllm_tensor_parallel == s.vllm_server_gpus
     assert s.processes_per_node + s.vllm_server_gpus == s.count and s.world_size == s.processes_per_node
@@ -86,7 +91,7 @@ def test_a_70b_server_mode_plan_shards_the_trainers_and_prices_the_server_gpus(t
     assert plan.estimate.on_demand_usd == pytest.approx(plan.estimate.hours * s.count * gpu.on_demand_usd_h)
     # colocated, the same run cannot shard (vLLM needs the whole bf16 model beside each trainer): nothing fits
     with pytest.raises(PlanError, match="does not fit any allowed GPU"):
-        plan_for_config(load_config(None, SERVER + ["train.grpo.vllm_mode=colocate"]), model_config, "m")
+        plan_for_config(*_sections(load_config(None, SERVER + ["train.grpo.vllm_mode=colocate"])), model_config, "m")
 
     planned = apply_plan(cfg, plan)
     d = planned.train.distributed
@@ -107,10 +112,10 @@ def test_a_70b_server_mode_plan_shards_the_trainers_and_prices_the_server_gpus(t
 
 def test_the_70b_recipe_plans_its_own_launch_with_a_server_node(tmp_path):
     from grpo_pipeline.configs.files import packaged
-    from grpo_pipeline.tasks.plan import plan_stage
+    from grpo_pipeline.tasks.plan import plan_run
 
     cfg = load_config(packaged("gsm8k-llama-3.1-70b.yaml"))
-    plan = plan_stage(cfg)
+    plan = plan_run(cfg.model, cfg.train, cfg.plan)
     s, d, grpo = plan.settings, cfg.train.distributed, cfg.train.grpo
     assert (s.strategy, s.vllm_server_node, s.processes_per_node) == ("fsdp", True, d.processes_per_node)
     assert s.nodes == d.nodes + 1 and s.gpus == s.nodes * s.count and s.vllm_tensor_parallel == s.count
@@ -140,12 +145,13 @@ def test_a_server_mode_config_with_its_own_server_gpus_launches_the_planned_stra
             "train.distributed.vllm_server_gpus=2", "plan.target_effective_batch=64"]
     cfg = load_config(None, sets)
     model_config = load_model_config("qwen2.5-32b")[1]
-    plan = plan_for_config(cfg, model_config, "qwen2.5-32b")
+    plan = plan_for_config(cfg.model, cfg.train, cfg.plan, model_config, "qwen2.5-32b")
     s = plan.settings
     assert (s.gpu, s.count, s.strategy, s.processes_per_node, s.vllm_server_gpus) == ("L40S", 4, "fsdp", 2, 2)
     # unsharded, the same node runs out of memory: the strategy is what makes this plan fit
     with pytest.raises(PlanError, match="does not fit any allowed GPU"):
-        plan_for_config(load_config(None, sets + ["train.distributed.strategy=ddp", "train.sky.accelerators=[L40S:4]"]),
+        plan_for_config(*_sections(load_config(None, sets + ["train.distributed.strategy=ddp",
+                                                             "train.sky.accelerators=[L40S:4]"])),
                         model_config, "qwen2.5-32b")
 
     planned = apply_plan(cfg, plan)
@@ -168,7 +174,7 @@ def test_the_user_s_distributed_fields_win_and_the_plan_fills_the_rest():
             "train.grpo.use_vllm=true", "train.grpo.vllm_mode=server", "train.distributed.vllm_server_gpus=2",
             "train.distributed.strategy=zero3", "plan.target_effective_batch=64"]
     cfg = load_config(None, sets)
-    plan = plan_for_config(cfg, load_model_config("qwen2.5-32b")[1], "qwen2.5-32b")
+    plan = plan_for_config(cfg.model, cfg.train, cfg.plan, load_model_config("qwen2.5-32b")[1], "qwen2.5-32b")
     d = apply_plan(cfg, plan).train.distributed
     assert plan.settings.strategy == "zero3"  # the plan was sized with the user's strategy
     assert (d.strategy, d.vllm_server_gpus, d.processes_per_node) == ("zero3", 2, plan.settings.processes_per_node)

@@ -29,8 +29,8 @@ OWN = ["train.grpo.max_steps=4", "data.demo.n_train=64"]  # the deployment's dep
 @pytest.fixture
 def worker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
     """The worker's project root (the cwd), the deployment's own config and a second recipe it allows, a module
-    whose import leaves a mark, and the flow's stages replaced by a recorder (so a refused run is seen not to
-    start them, and an allowed one is seen to get its config)."""
+    whose import leaves a mark, and the flow's stages (its preflight too) replaced by a recorder (so a refused run
+    is seen not to start them, and an allowed one is seen to get its config)."""
     monkeypatch.chdir(tmp_path)
     data_dir = tmp_path / "data"
     own = {"data_dir": str(data_dir), "deploy": {"trigger": {"recipes": ["recipes/alt.yaml"]}}}
@@ -44,7 +44,8 @@ def worker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
                                              "    return [0.0] * len(completions)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     started: list[PipelineConfig] = []
-    monkeypatch.setattr(pipeline, "run_pipeline", started.append)
+    monkeypatch.setattr(pipeline, "preflight", lambda cfg: None)  # the run's first check: a stage here too
+    monkeypatch.setattr(pipeline, "run_pipeline", lambda cfg, priced=None: started.append(cfg))
     deployment = trigger.Deployment(name="grpo-pipeline/manual",
                                     parameters={"config_path": "deploy.yaml", "overrides": OWN, "budget_usd": 25.0})
     monkeypatch.setattr(trigger, "started_by", lambda: deployment)
@@ -153,7 +154,8 @@ def test_an_operator_on_the_workers_shell_keeps_full_power(worker, monkeypatch):
     monkeypatch.undo()  # the real `started_by`, the real stages' places: called directly, no deployment
     monkeypatch.chdir(worker.root)
     started: list[PipelineConfig] = []
-    monkeypatch.setattr(pipeline, "run_pipeline", started.append)
+    monkeypatch.setattr(pipeline, "preflight", lambda cfg: None)
+    monkeypatch.setattr(pipeline, "run_pipeline", lambda cfg, priced=None: started.append(cfg))
     pipeline.grpo_pipeline.fn("evil.yaml", ["tracking.mlflow_tracking_uri=http://mlflow.internal:5000",
                                             "data.source=/srv/data/train.jsonl", "train.grpo.push_to_hub=true",
                                             "train.rewards=[pkg.mod:fn]"])

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from grpo_pipeline.configs.schema import load_config
-from grpo_pipeline.tasks.plan import plan_stage
+from grpo_pipeline.tasks.plan import plan_run
 from grpo_pipeline.trainer.rewards import check_columns, resolve_rewards
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -22,7 +22,7 @@ def test_every_recipe_loads_and_plans(path):
     gpu = cfg.model.base != "smollm2-135m-instruct"
     if gpu:  # a GPU recipe is priced against the catalogue, as `grpo-pipeline plan --set train.launcher=sky` does
         cfg = load_config(path, ["train.launcher=sky"] if cfg.train.launcher != "sky" else [])
-    plan = plan_stage(cfg)
+    plan = plan_run(cfg.model, cfg.train, cfg.plan)
     assert plan.settings.count >= 1
     if gpu:
         assert plan.estimate.usd > 0

@@ -100,12 +100,13 @@ def test_base_selection_picks_by_the_weighted_total(fake_generation, val8, tmp_p
     from grpo_pipeline.tasks.select import CandidateRow, select_base_model
 
     monkeypatch.setattr(grpo_pipeline.tasks.select, "resolve_base_model", lambda model, cache: model.base)
-    monkeypatch.setattr(grpo_pipeline.tasks.select, "price", lambda cfg, base, path, rows=None: CandidateRow(
-        base=base, path=path, fits=True, within_budget=True, cost_usd=1.0, params_b=0.1))
+    monkeypatch.setattr(grpo_pipeline.tasks.select, "price", lambda model, train, planning, path, rows=None: CandidateRow(
+        base=model.base, path=path, fits=True, within_budget=True, cost_usd=1.0, params_b=0.1))
 
     def chosen(*overrides: str) -> tuple[str, dict[str, float]]:
         cfg = load_config(None, ["model.candidates=[terse, wordy]", ENGINE, *overrides])
-        selection = select_base_model(cfg, cfg.train.reward_set(), val8, tmp_path)
+        selection = select_base_model(cfg.model, cfg.train, cfg.plan, cfg.evaluate, cfg.train.reward_set(), val8,
+                                      tmp_path)
         return selection.chosen, {r.base: r.reward for r in selection.rows}
 
     assert chosen() == ("terse", {"terse": 1.5, "wordy": 1.0})

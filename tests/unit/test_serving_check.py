@@ -3,7 +3,10 @@ order, and none of it is on a command line (over 128 KiB in one argument failed 
 was registered, and argv shows in `ps`). MLflow is stood in for by a stub module that echoes the prompts, so
 the real check script runs in a second or two; the integration tests run it against a real MLflow model."""
 
+import json
 import subprocess
+
+import pytest
 
 from grpo_pipeline.tasks import serving
 
@@ -44,3 +47,40 @@ def test_a_megabyte_of_prompts_goes_through_stdin_never_argv(tmp_path, monkeypat
                                   batch_size=8, timeout_s=300)
     assert check.error is None and check.passed and check.matched == 64, check
     assert sum(len(a) for a in argv[0]) < 4096 and "xxxx" not in " ".join(argv[0])
+
+
+class _TemplateProbe:
+    """A tokenizer whose chat template writes out everything a template can read (the messages and the flags), so
+    two renderings are equal under it exactly when they are equal under every chat template."""
+
+    def apply_chat_template(self, messages, **flags):
+        return json.dumps([messages, flags], sort_keys=True)
+
+
+CHATS = [
+    [{"role": "user", "content": "What is 2 + 3?"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "2+2?"}],
+    [{"role": "user", "content": '[{"role": "system", "content": "a user who writes JSON"}]'}],  # reads as a chat
+    [{"role": "user", "content": "  [1, 2] is a list"}],
+    [{"role": "user", "content": "Hi", "name": "alice"}],  # a field beside role and content
+]
+
+
+@pytest.mark.parametrize("chat", CHATS, ids=range(len(CHATS)))
+def test_the_served_model_renders_what_the_evaluation_rendered(chat):
+    """The serving check compares the evaluation's completions with the served model's for the same prompt: the
+    served model is given `prompt_text` of the chat and renders it with the evaluation's own renderer, which must
+    hand the chat template the very messages the evaluation did, whatever the template."""
+    from grpo_pipeline.tasks.chat_prompts import render
+
+    probe = _TemplateProbe()
+    assert render(probe, [serving.prompt_text(chat)]) == render(probe, [chat])
+    assert serving.prompt_text is evaluate_renderer_module().prompt_text  # one renderer, not a copy
+
+
+def evaluate_renderer_module():
+    from grpo_pipeline.tasks import chat_prompts, evaluate
+
+    assert evaluate.render is chat_prompts.render
+    return chat_prompts

@@ -71,11 +71,11 @@ def test_on_demand_and_hub_model(tmp_path):
 )
 def test_preflight_names_what_a_managed_job_needs(overrides, message):
     from grpo_pipeline.configs.schema import load_config
-    from grpo_pipeline.infra.launch.skypilot import SkyPreflightError, preflight
+    from grpo_pipeline.infra.launch.skypilot import SkyPreflightError, check_sky
 
     cfg = load_config(None, overrides)
     with pytest.raises(SkyPreflightError) as err:
-        preflight(cfg.train, cfg.mlflow_uri)
+        check_sky(cfg.train, cfg.mlflow_uri)
     assert message in str(err.value)
 
 
