@@ -7,9 +7,10 @@ logged model (`code_paths`), where it is imported as the top-level module `chat_
 """
 
 import json
+from typing import Any
 
 
-def as_messages(prompt) -> list[dict]:
+def as_messages(prompt: object) -> list[dict]:
     """One prompt as chat messages: a list of message dicts as it is, one message dict as a list of it, JSON
     text of such a list parsed, any other text one user turn.
 
@@ -33,7 +34,7 @@ def as_messages(prompt) -> list[dict]:
     return [{"role": "user", "content": text}]
 
 
-def render(tokenizer, prompts: list) -> list[str]:
+def render(tokenizer: Any, prompts: list) -> list[str]:  # Any: a transformers tokenizer, not imported here
     """Prompts (any shape `as_messages` reads) as the model's own chat template writes them, ready for
     generation."""
     return [tokenizer.apply_chat_template(as_messages(p), tokenize=False, add_generation_prompt=True) for p in prompts]

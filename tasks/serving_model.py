@@ -27,7 +27,7 @@ from mlflow.models import set_model
 from mlflow.pyfunc import PythonModel
 
 try:  # in a logged model, shipped beside this file (code_paths): the renderer the pipeline's evaluation uses
-    from chat_prompts import render
+    from chat_prompts import render  # type: ignore[import-not-found]  # only there, beside this file
 except ModuleNotFoundError:  # read inside the project (its doctests): the same file under its package name
     from grpo_pipeline.tasks.chat_prompts import render
 
