@@ -62,13 +62,14 @@ def portable(hint: Any) -> str:
     values (or a plain str), any other class of its own becomes Any.
 
     >>> portable(typing.Optional[list[str]]), portable(dict[str, Any]), portable(None | str | list[str])
-    ('Optional[list[str]]', 'dict[str, Any]', 'Optional[Union[str, list[str]]]')
+    ('Optional[list[str]]', 'dict[str, Any]', 'Optional[Union[list[str], str]]')
     """
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if hint is type(None):
         return "None"
     if origin in (Union, types.UnionType):  # Optional[X] and X | None (transformers 5 writes the latter)
-        parts = [portable(a) for a in args if a is not type(None)]
+        # sorted: typing caches equal unions, so the order of X | Y depends on what was imported first
+        parts = sorted(portable(a) for a in args if a is not type(None))
         inner = parts[0] if len(parts) == 1 else f"Union[{', '.join(parts)}]"
         return f"Optional[{inner}]" if type(None) in args else inner
     if origin is Literal:
