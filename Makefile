@@ -2,20 +2,34 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# SkyPilot's own environment (its click<8.2 pin conflicts with the training stack): the launcher runs it there.
+SKY_VENV ?= .venv-sky
+SKY_PY := $(SKY_VENV)/bin/python
+SKY_STAMP := $(SKY_VENV)/.installed
 
 .PHONY: install demo test test-slow lint e2e bench check-deps clean serve-env
 
-$(STAMP): pyproject.toml
+# Order-only: every target that needs the main environment gets SkyPilot's too (the launcher's tests parse
+# task YAMLs there), and a change to sky/requirements.txt rebuilds only that one.
+$(STAMP): pyproject.toml | $(SKY_STAMP)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev]'
 	$(PY) -m pip check
 	touch $(STAMP)
 
-install: $(STAMP)
+$(SKY_STAMP): sky/requirements.txt
+	test -x $(SKY_PY) || python3 -m venv $(SKY_VENV)
+	$(SKY_PY) -m pip install --quiet --upgrade pip
+	$(SKY_PY) -m pip install --quiet -r sky/requirements.txt
+	$(SKY_PY) -m pip check
+	touch $(SKY_STAMP)
 
-check-deps: $(STAMP)
+install: $(STAMP) $(SKY_STAMP)
+
+check-deps: $(STAMP) $(SKY_STAMP)
 	$(PY) -m pip check
+	$(SKY_PY) -m pip check
 
 demo: $(STAMP)
 	$(VENV)/bin/grpo-pipeline run
@@ -58,4 +72,4 @@ $(SERVE_VENV)/.installed:
 	touch $@
 
 clean:
-	rm -rf $(VENV) .grpo
+	rm -rf $(VENV) $(SKY_VENV) .grpo

@@ -18,6 +18,7 @@ import dataclasses
 import enum
 import functools
 import json
+import types
 import typing
 from pathlib import Path
 from typing import Any, Literal, NamedTuple, Optional, Union  # names the snapshot's types use
@@ -60,14 +61,15 @@ def portable(hint: Any) -> str:
     """A type annotation written with the names above only: a library's enum becomes the Literal of its
     values (or a plain str), any other class of its own becomes Any.
 
-    >>> portable(typing.Optional[list[str]]), portable(dict[str, Any])
-    ('Optional[list[str]]', 'dict[str, Any]')
+    >>> portable(typing.Optional[list[str]]), portable(dict[str, Any]), portable(None | str | list[str])
+    ('Optional[list[str]]', 'dict[str, Any]', 'Optional[Union[list[str], str]]')
     """
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if hint is type(None):
         return "None"
-    if origin is Union or str(origin) == "types.UnionType":
-        parts = [portable(a) for a in args if a is not type(None)]
+    if origin in (Union, types.UnionType):  # Optional[X] and X | None (transformers 5 writes the latter)
+        # sorted: typing caches equal unions, so the order of X | Y depends on what was imported first
+        parts = sorted(portable(a) for a in args if a is not type(None))
         inner = parts[0] if len(parts) == 1 else f"Union[{', '.join(parts)}]"
         return f"Optional[{inner}]" if type(None) in args else inner
     if origin is Literal:

@@ -105,14 +105,14 @@ def convert_gguf(gguf_path: Path, cache_dir: Path, name: str | None = None) -> P
         return target
     folder, file = str(gguf_path.parent), gguf_path.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
-    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, torch_dtype=torch.float32)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32)
     # A GGUF-loaded model cannot be saved directly (its config carries the GGUF quantization);
     # rebuild a plain model from the config and move the dequantized weights over.
     config = AutoConfig.from_pretrained(folder, gguf_file=file)
     for attr in ("quantization_config", "_pre_quantization_dtype"):
         if hasattr(config, attr):
             delattr(config, attr)
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(loaded.state_dict())
     model.generation_config = loaded.generation_config
     cache_dir.mkdir(parents=True, exist_ok=True)

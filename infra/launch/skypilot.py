@@ -1,8 +1,14 @@
 """Launch the trainer as a SkyPilot managed job on spot GPUs, follow it, collect its adapter from the store.
 
 SkyPilot recovers a preempted job (relaunching it, another region first); the trainer resumes from its
-newest complete checkpoint in S3. Turning a job spec into a `sky.Task` is a pure function
-(`task_config`), so tests inspect exactly what would be launched without a cloud.
+newest complete checkpoint in S3. Turning a job spec into a task config is a pure function (`task_config`),
+and SkyPilot's own parser reads it back (`build_task`), so tests inspect exactly what would be launched without
+a cloud.
+
+SkyPilot lives in an environment of its own (`.venv-sky`, pinned by sky/requirements.txt, built by `make install`):
+it pins click<8.2, which the training stack's huggingface-hub outgrew. Every SkyPilot call runs there, through
+`sky_driver.py` beside this file (one long-lived process answers JSON requests; importing SkyPilot takes seconds);
+`GRPO_SKY_PYTHON` names another environment's python (an installed, non-editable copy has no .venv-sky beside it).
 
 Several GPUs and nodes: `num_nodes` is train.distributed.nodes (plus one for a dedicated vLLM server node),
 each accelerator option asks for processes_per_node (+ vllm_server_gpus) GPUs when that is set, and the
@@ -13,13 +19,18 @@ the whole cluster, and every node's ranks resume from the same checkpoint in S3.
 
 from __future__ import annotations
 
+import atexit
+import codecs
 import io
+import json
 import logging
+import os
 import shutil
+import subprocess
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,8 +53,125 @@ TERMINAL_OK = {"SUCCEEDED"}
 TERMINAL_BAD = {"CANCELLED", "FAILED", "FAILED_SETUP", "FAILED_PRECHECKS", "FAILED_NO_RESOURCE", "FAILED_CONTROLLER"}
 
 
+DRIVER = Path(__file__).with_name("sky_driver.py")
+SKY_PYTHON_VARIABLE = "GRPO_SKY_PYTHON"
+
+
 class SkyPreflightError(RuntimeError):
     pass
+
+
+class SkyError(RuntimeError):
+    """A SkyPilot call failed in its environment; the message is SkyPilot's."""
+
+
+def sky_python(environ: dict[str, str] | None = None) -> Path:
+    """The python of SkyPilot's environment: $GRPO_SKY_PYTHON, else the checkout's .venv-sky.
+
+    >>> str(sky_python({"GRPO_SKY_PYTHON": "/usr/bin/env"}))
+    '/usr/bin/env'
+    """
+    environ = os.environ if environ is None else environ
+    named = environ.get(SKY_PYTHON_VARIABLE)
+    python = Path(named) if named else SOURCE_ROOT / ".venv-sky" / "bin" / "python"
+    if not (python.is_file() and os.access(python, os.X_OK)):
+        raise SkyPreflightError(
+            f"SkyPilot's environment is missing: no python at {python}. Run `make install` in the project "
+            f"checkout (it builds .venv-sky from sky/requirements.txt), or set {SKY_PYTHON_VARIABLE} to the python "
+            "of an environment where `pip install -r sky/requirements.txt` ran"
+        )
+    return python
+
+
+def _driver_command(command: str, python: Path | None = None) -> list[str]:
+    # -I: isolated, so neither this folder (its skypilot.py) nor the caller's PYTHON* variables reach SkyPilot
+    return [str(python or sky_python()), "-I", "-u", str(DRIVER), command]
+
+
+class _Driver:
+    """The driver serving in SkyPilot's environment, one per python, started on first use; its standard error
+    (SkyPilot's progress: a launch's controller start and upload) is this process's."""
+
+    def __init__(self, python: Path):
+        self.process = subprocess.Popen(_driver_command("serve", python), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.lock = threading.Lock()  # the log thread and the state loop share it: one request at a time
+        atexit.register(self.close)
+
+    def call(self, command: str, request: dict) -> dict:
+        with self.lock:
+            try:
+                self.process.stdin.write(json.dumps({"command": command, "request": request}) + "\n")
+                self.process.stdin.flush()
+                line = self.process.stdout.readline()
+            except (BrokenPipeError, ValueError):
+                line = ""
+        if not line:
+            raise SkyError(f"SkyPilot {command}: the driver in SkyPilot's environment exited "
+                           f"(code {self.process.poll()}); its messages are above")
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.stdin.close()  # end of requests: the driver returns
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+
+
+_drivers: dict[str, _Driver] = {}
+_drivers_lock = threading.Lock()
+
+
+def _drive(command: str, request: dict) -> dict:
+    """One call in SkyPilot's environment: its JSON answer, or SkyError with SkyPilot's message."""
+    python = sky_python()
+    with _drivers_lock:
+        driver = _drivers.get(str(python))
+        if driver is None or driver.process.poll() is not None:  # first use, or it died: a fresh one
+            driver = _drivers[str(python)] = _Driver(python)
+    answer = driver.call(command, request)
+    if "error" in answer:
+        raise SkyError(f"SkyPilot {command}: {answer['error']}")
+    return answer
+
+
+@dataclass(frozen=True)
+class ParsedResources:
+    accelerators: dict[str, int]
+    use_spot: bool
+    job_recovery: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ParsedTask:
+    """What SkyPilot's parser made of a task config: the `sky.Task` fields the launcher sets, read back."""
+
+    name: str | None
+    num_nodes: int
+    run: str
+    envs: dict[str, str]
+    file_mounts: dict[str, str]
+    secrets: dict[str, str]
+    resources: list[ParsedResources]
+
+
+def parse_task(config: dict, secrets: dict[str, str] | None = None) -> ParsedTask:
+    """`config` through SkyPilot's own parser (`sky.Task.from_yaml_config`) in its environment; SkyError when
+    SkyPilot rejects it."""
+    parsed = _drive("task", {"config": config, "secrets": secrets or {}})
+    return ParsedTask(**{**parsed, "resources": [ParsedResources(**r) for r in parsed["resources"]]})
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """A managed job's state, as SkyPilot's queue reports it."""
+
+    status: str
+    recovery_count: int | None = None
+    failure_reason: str | None = None
+    accelerators: dict[str, float] | None = None
+    job_duration: float | None = None
 
 
 def node_spec(spec: JobSpec) -> JobSpec:
@@ -142,14 +270,19 @@ def task_config(base: dict[str, Any], spec: JobSpec, job_dir: Path, sky_cfg: Sky
     return config
 
 
-def build_task(spec: JobSpec, job_dir: Path, sky_cfg: SkyConfig, max_restarts: int, environ: dict[str, str]) -> Any:
-    """A `sky.Task`, validated by SkyPilot's own parser; declared secrets come from `environ`."""
-    import sky
+def task_request(spec: JobSpec, job_dir: Path, sky_cfg: SkyConfig, max_restarts: int,
+                 environ: dict[str, str]) -> dict:
+    """The task config with this job filled in, and the secrets it declares that `environ` has."""
+    config = task_config(_task_yaml(sky_cfg.task_yaml), spec, job_dir, sky_cfg, max_restarts)
+    secrets = {k: environ[k] for k in (config.get("secrets") or {}) if environ.get(k)}
+    return {"config": config, "secrets": secrets}
 
-    base = _task_yaml(sky_cfg.task_yaml)
-    config = task_config(base, spec, job_dir, sky_cfg, max_restarts)
-    secrets = [(k, environ[k]) for k in (config.get("secrets") or {}) if environ.get(k)]
-    return sky.Task.from_yaml_config(config, secrets_overrides=secrets)
+
+def build_task(spec: JobSpec, job_dir: Path, sky_cfg: SkyConfig, max_restarts: int,
+               environ: dict[str, str]) -> ParsedTask:
+    """The task as SkyPilot's own parser reads it; declared secrets come from `environ`."""
+    request = task_request(spec, job_dir, sky_cfg, max_restarts, environ)
+    return parse_task(request["config"], request["secrets"])
 
 
 def check_sky(train: TrainConfig, mlflow_uri: str) -> None:
@@ -168,10 +301,9 @@ def check_sky(train: TrainConfig, mlflow_uri: str) -> None:
         open_store(uri, train.s3_endpoint_url).check()
     except CheckpointStoreError as exc:
         raise SkyPreflightError(str(exc)) from None
-    from sky.client import sdk
-
-    sdk.get(sdk.check(None, verbose=False))  # refreshes credentials; starts a local API server if none
-    if not sdk.get(sdk.enabled_clouds()):
+    sky_python()  # its environment first: the fix for a missing one is not `sky check`
+    # refreshes credentials; starts a local API server if none
+    if not _drive("check", {})["enabled_clouds"]:
         raise SkyPreflightError(
             "SkyPilot has no cloud enabled: run `sky check` and follow its hints (cloud credentials, "
             "or a Kubernetes context), or use train.launcher=local"
@@ -183,6 +315,7 @@ class SkyHandle:
     spec: JobSpec
     job_id: int
     bad_input: str | None = None  # the trainer's exit-2 reason, once its log line streams in
+    log_process: subprocess.Popen | None = field(default=None, repr=False)  # the driver following the job's log
 
 
 class _Lines(io.TextIOBase):
@@ -207,9 +340,6 @@ class SkyLauncher:
         self.on_line = on_line or (lambda line: log.debug("trainer: %s", line))
 
     def launch(self, spec: JobSpec) -> SkyHandle:
-        import os
-
-        import sky
         from grpo_pipeline.infra.launch import check_launch
 
         base = _task_yaml(self.sky_cfg.task_yaml)
@@ -217,19 +347,14 @@ class SkyLauncher:
         check_launch(spec, sorted({_count(o["accelerators"])[1] for o in options}))  # before the job folder is written
 
         job_dir = write_job_dir(spec, Path(spec.work_dir) / "sky-job")
-        task = build_task(spec, job_dir, self.sky_cfg, self.max_restarts, dict(os.environ))
-        job_ids, _ = sky.stream_and_get(sky.jobs.launch(task, name=f"grpo-{Path(spec.work_dir).parent.name}"))
-        if not job_ids:
-            raise TrainingFailed(f"SkyPilot accepted the managed job for {spec.work_dir} but returned no job id")
-        self.on_status(f"managed job {job_ids[0]} submitted")
-        return SkyHandle(spec, job_ids[0])
+        request = task_request(spec, job_dir, self.sky_cfg, self.max_restarts, dict(os.environ))
+        # SkyPilot's launch progress (controller start, upload) goes to this process's standard error
+        job_id = _drive("launch", {**request, "name": f"grpo-{Path(spec.work_dir).parent.name}"})["job_id"]
+        self.on_status(f"managed job {job_id} submitted")
+        return SkyHandle(spec, job_id)
 
-    def _record(self, job_id: int) -> Any:  # a managed-job record, as `sky jobs queue` gives it
-        import sky
-
-        records = sky.get(sky.jobs.queue(refresh=False, job_ids=[job_id]))
-        records = records[0] if isinstance(records, tuple) else records
-        return records[0]
+    def _record(self, job_id: int) -> JobRecord:
+        return JobRecord(**_drive("queue", {"job_id": job_id}))
 
     def watch(self, handle: SkyHandle) -> Callable[[str], None]:
         """The callback for each streamed line: passes it on, and keeps the trainer's bad-input reason."""
@@ -242,19 +367,33 @@ class SkyLauncher:
         return on_line
 
     def _stream_logs(self, handle: SkyHandle) -> None:
-        import sky
-
         try:  # follows the job across recoveries until it ends
-            sky.jobs.tail_logs(job_id=handle.job_id, follow=True, output_stream=_Lines(self.watch(handle)))
+            handle.log_process = subprocess.Popen(_driver_command("logs"), stdin=subprocess.PIPE,
+                                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            process = handle.log_process
+            process.stdin.write(json.dumps({"job_id": handle.job_id, "follow": True}).encode())
+            process.stdin.close()
+            lines, text = _Lines(self.watch(handle)), codecs.getincrementaldecoder("utf-8")(errors="replace")
+            while chunk := process.stdout.read1(65536):
+                lines.write(text.decode(chunk))
+            if process.wait():
+                raise SkyError(process.stderr.read().decode(errors="replace").strip()[-2000:])
         except Exception as exc:  # the state loop below still decides the outcome
             log.warning("log streaming of managed job %d stopped: %s", handle.job_id, exc)
 
     def wait(self, handle: SkyHandle) -> TrainResult:
         threading.Thread(target=self._stream_logs, args=(handle,), daemon=True).start()
+        try:
+            return self._follow(handle)
+        finally:
+            if handle.log_process is not None and handle.log_process.poll() is None:
+                handle.log_process.terminate()  # the job ended or was given up on: its log has nothing more
+
+    def _follow(self, handle: SkyHandle) -> TrainResult:
         last = None
         while True:
             record = self._record(handle.job_id)
-            status = getattr(record.status, "value", str(record.status))
+            status = str(record.status)
             if status != last:
                 self.on_status(f"managed job {handle.job_id}: {status} (recoveries: {record.recovery_count})")
                 last = status
@@ -283,17 +422,13 @@ class SkyLauncher:
         )
 
     def _tail(self, handle: SkyHandle, lines: int = 40) -> str:
-        import sky
-
-        out = io.StringIO()
         try:
-            sky.jobs.tail_logs(job_id=handle.job_id, follow=False, tail=lines, output_stream=out)
-        except Exception as exc:  # the logs are a courtesy; the failure reason is already in the message
+            done = subprocess.run(_driver_command("logs"), input=json.dumps({"job_id": handle.job_id, "tail": lines}),
+                                  text=True, errors="replace", capture_output=True, check=False)
+        except (OSError, SkyPreflightError) as exc:  # the logs are a courtesy; the failure reason is in the message
             return f"(logs unavailable: {exc})"
-        return out.getvalue()
+        return done.stdout if done.returncode == 0 else f"(logs unavailable: {done.stderr.strip()[-500:]})"
 
     def cancel(self, handle: SkyHandle) -> None:
-        import sky
-
-        sky.get(sky.jobs.cancel(job_ids=[handle.job_id]))
+        _drive("cancel", {"job_id": handle.job_id})
         self.on_status(f"managed job {handle.job_id} cancelled")

@@ -94,3 +94,13 @@ def test_reward_names_are_resolved_before_any_work_not_when_parsing():
     cfg = load_config(None, ["train.rewards=[bogus]"])
     with pytest.raises(ConfigError, match="train.rewards: unknown reward 'bogus'"):
         check_rewards(cfg.train.reward_set(), cfg.evaluate)
+
+
+def test_the_library_fields_snapshot_is_the_installed_trl_and_peft():
+    """configs/library_fields.json is what the installed TRL and PEFT declare; after an upgrade, refresh it with
+    `python -m grpo_pipeline.configs.library_fields`."""
+    import json
+
+    from grpo_pipeline.configs.library_fields import SNAPSHOT, take_snapshot
+
+    assert take_snapshot() == json.loads(SNAPSHOT.read_text())

@@ -1,20 +1,32 @@
-"""SkyPilot task YAMLs and the spec -> sky.Task conversion, checked with SkyPilot's own parser."""
+"""SkyPilot task YAMLs and the spec -> sky.Task conversion, checked with SkyPilot's own parser in SkyPilot's own
+environment (.venv-sky), driven from this one."""
 
+import importlib.metadata
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-import sky
 from grpo_pipeline.configs.schema import ModelConfig, SkyConfig, TrainConfig
-from grpo_pipeline.infra.launch.skypilot import PROJECT_ROOT, build_task, node_spec, write_job_dir
+from grpo_pipeline.infra.launch.skypilot import (
+    PROJECT_ROOT,
+    SkyError,
+    SkyPreflightError,
+    build_task,
+    node_spec,
+    parse_task,
+    sky_python,
+    write_job_dir,
+)
 from grpo_pipeline.tasks.job import model_load, train_settings
 from grpo_pipeline.trainer.spec import JobSpec
 
 
 @pytest.mark.parametrize("path", sorted((PROJECT_ROOT / "sky").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_sky_yaml_parses_and_runs_the_trainer(path):
-    task = sky.Task.from_yaml(str(path))
+    task = parse_task(yaml.safe_load(path.read_text()))
     assert all(r.use_spot for r in task.resources)
     assert "python -m grpo_pipeline.trainer" in task.run and "--spec /grpo/job/job.json" in task.run
     assert path.read_text().startswith("# "), "each YAML starts with what it is for"
@@ -42,7 +54,7 @@ def test_spec_to_task_sets_spot_recovery_mounts_envs_and_secrets(tmp_path):
     assert all(r.job_recovery["recover_on_exit_codes"] == [75] for r in task.resources)
     assert task.envs["JOB_DIR"] == str(job_dir.resolve())
     assert task.file_mounts == {"/grpo/job": str(job_dir.resolve()), "/grpo/model": str(model.resolve())}
-    assert {k: v.get_secret_value() for k, v in task.secrets.items()} == {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"}
+    assert task.secrets == {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"}
 
     shipped = JobSpec.read(job_dir / "job.json")
     assert shipped.model_path == "/grpo/model" and shipped.train_file == "/grpo/job/data/train.jsonl"
@@ -124,3 +136,26 @@ def test_a_plan_of_two_gpus_asks_for_two_and_launches_two_processes(tmp_path):
                       environ={})
     assert [dict(r.accelerators) for r in task.resources] == [{"A100-80GB": 2}]
     assert task.num_nodes == 1
+
+
+def test_skypilot_lives_apart_and_each_environment_is_consistent():
+    """The training stack's environment has no SkyPilot (its click pin would hold huggingface-hub back), and
+    `pip check` passes in both environments."""
+    with pytest.raises(importlib.metadata.PackageNotFoundError):
+        importlib.metadata.distribution("skypilot")
+    for python in (sys.executable, sky_python()):
+        check = subprocess.run([str(python), "-m", "pip", "check"], capture_output=True, text=True)
+        assert check.returncode == 0, (python, check.stdout + check.stderr)
+
+
+def test_a_task_skypilot_rejects_fails_with_skypilots_reason(tmp_path):
+    spec = _spec(tmp_path, "Qwen/Qwen2.5-7B-Instruct")
+    with pytest.raises(SkyError, match="num_nodes"):
+        parse_task({"name": "x", "run": "true", "num_nodes": "two"})
+    assert build_task(spec, write_job_dir(spec, tmp_path / "job"), SkyConfig(), 3, environ={}).num_nodes == 1
+
+
+def test_a_missing_skypilot_environment_names_the_fix(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRPO_SKY_PYTHON", str(tmp_path / "nowhere" / "python"))
+    with pytest.raises(SkyPreflightError, match="make install"):
+        parse_task({"name": "x", "run": "true"})
