@@ -18,6 +18,7 @@ from __future__ import annotations
 import tempfile
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import mlflow
 from prefect import flow, get_run_logger, task
@@ -44,6 +45,11 @@ from grpo_pipeline.tasks.ab_report import (
 from grpo_pipeline.tasks.registry import Registry, RegistryError, open_client
 from grpo_pipeline.tasks.report import artifact_url
 
+if TYPE_CHECKING:
+    from prefect import Task
+    from prefect.client.schemas import TaskRun
+    from prefect.states import State
+
 FLOW_NAME = "ab-decide"
 
 
@@ -52,7 +58,7 @@ def experiment_name(cfg: PipelineConfig) -> str:
     return f"{cfg.tracking.experiment}-ab"
 
 
-def _retry_service_errors(task, task_run, state) -> bool:
+def _retry_service_errors(task: Task[..., Any], task_run: TaskRun, state: State) -> bool:
     """Retry a store or registry that did not answer; never a decision (the aliases moved, a held lock)."""
     try:
         state.result()
@@ -73,7 +79,7 @@ def decide_task(cfg: PipelineConfig) -> tuple[Round, Outcomes | None]:
     log = RequestLog.open(log_url(cfg.data_dir))
     try:
         found = decide_round(cfg.ab, log, _registry(cfg), cfg.promote.mode == "canary")
-        outcomes = read_outcomes(log, found.champion, found.challenger) if found.decision else None
+        outcomes = read_outcomes(log, found.champion, found.decided()[1]) if found.decision else None
     finally:
         log.close()
     return found, outcomes
@@ -88,7 +94,7 @@ def settle_task(cfg: PipelineConfig, found: Round) -> Round:
 def record(cfg: PipelineConfig, found: Round, outcomes: Outcomes, workdir: Path) -> str:
     """Open the decision's MLflow run and log what was decided (before anything moves); returns its id."""
     setup_tracking(cfg.mlflow_uri, experiment_name(cfg), cfg.data_dir / "mlartifacts")
-    decision = found.decision
+    decision, _ = found.decided()
     now = datetime.now(UTC)
     run = mlflow.start_run(run_name=f"ab-decide {now:%Y-%m-%d %H:%M} {decision.action}", tags={
         "ab_action": decision.action, "ab_champion": str(found.champion), "ab_challenger": str(found.challenger),
@@ -121,6 +127,8 @@ def ab_decide(config_path: str | None = None, overrides: list[str] | None = None
     if found.decision is None:
         logger.info("; ".join(found.reasons))
         return found.as_json()
+    if outcomes is None:  # decide_task reads the outcomes whenever the round decided something
+        raise RuntimeError("ab-read-and-decide returned a decision without its outcomes; nothing was recorded")
     applied = "failed"
     with tempfile.TemporaryDirectory() as workdir:
         run_id = record(cfg, found, outcomes, Path(workdir))

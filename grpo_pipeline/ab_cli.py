@@ -110,5 +110,5 @@ def decide_cmd(config: ConfigOpt = None, overrides: SetOpt = None, as_json: Json
         try:
             found = settle_round(registry, found)
         except (AliasesMoved, RegistryError, RegistryServiceError) as exc:
-            _fail(as_json, str(exc), EXIT_CONFIG, decision=found.decision.model_dump(mode="json"))
+            _fail(as_json, str(exc), EXIT_CONFIG, decision=found.decided()[0].model_dump(mode="json"))
     _print(found.as_json(), as_json)

@@ -36,6 +36,14 @@ class Round(BaseModel):
     moves: list[str] = []  # the alias moves made, as `model@alias: before -> after`
     applied: bool = False  # settle_round ran (not a dry run)
 
+    def decided(self) -> tuple[Decision, str]:
+        """The decision and the challenger version it is about; a round that decided nothing (no challenger,
+        `promote.mode: offline`) raises ValueError, as there is nothing to settle or report."""
+        if self.decision is None or self.challenger is None:
+            raise ValueError(f"this A/B round has no decision ({'; '.join(self.reasons) or 'no challenger'}); "
+                             "only a round with a decision can be settled or reported")
+        return self.decision, self.challenger
+
     @property
     def action(self) -> str | None:
         return self.decision.action if self.decision else None
@@ -68,5 +76,6 @@ def settle_round(registry: Registry, found: Round) -> Round:
     (`grpo_pipeline.tasks.ab`) when the champion or challenger changed since `decide_round` read them."""
     if found.decision is None:
         return found.model_copy(update={"applied": True})
-    moves = settle(registry, found.decision, found.champion, found.challenger)
+    decision, challenger = found.decided()
+    moves = settle(registry, decision, found.champion, challenger)
     return found.model_copy(update={"moves": [m.describe() for m in moves], "applied": True})

@@ -154,9 +154,10 @@ class RequestLog:
                 connection.execute(feedback_table.insert().values(request_id=request_id, score=float(score),
                                                                   created_at=now))
 
-    def samples(self, champion_version: str, challenger_version: str) -> tuple[ArmSample, ArmSample, float]:
+    def samples(self, champion_version: str | None, challenger_version: str) -> tuple[ArmSample, ArmSample, float]:
         """(champion, challenger, hours since the challenger's first request): the requests each arm's current
-        version answered, and their scores. Hours are 0 before the challenger has answered."""
+        version answered, and their scores. Hours are 0 before the challenger has answered. A champion of None
+        (no champion alias) matches no request: `version` is never NULL in the log."""
         out = []
         started = None
         with self.engine.connect() as connection:

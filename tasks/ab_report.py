@@ -6,13 +6,14 @@ Prefect artifact), and the two arms' mean score over time with its interval (a t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
 from pydantic import BaseModel
 from scipy import stats
-from sqlalchemy import select
+from sqlalchemy import Row, select
 
 from grpo_pipeline.configs.ab import ABConfig
 from grpo_pipeline.tasks.ab import ARMS, msprt
@@ -31,7 +32,7 @@ class Outcomes(BaseModel):
 
 def read_outcomes(log: RequestLog, champion: str | None, challenger: str) -> Outcomes:
     """The scored requests of the current versions (as `RequestLog.samples` counts them), with their times."""
-    rows: dict[str, list] = {}
+    rows: dict[str, Sequence[Row[datetime, float]]] = {}  # (request time, score)
     with log.engine.connect() as connection:
         first = connection.execute(select(requests_table.c.created_at).where(
             (requests_table.c.arm == "challenger") & (requests_table.c.version == challenger))
@@ -44,6 +45,8 @@ def read_outcomes(log: RequestLog, champion: str | None, challenger: str) -> Out
                 .order_by(requests_table.c.created_at)).all()
     start = _naive(first) if first is not None else None
     origin = start or min((_naive(r[0]) for arm_rows in rows.values() for r in arm_rows), default=None)
+    if origin is None:  # no challenger request and no scored one: nothing to place in time
+        return Outcomes(start=None, hours={arm: [] for arm in rows}, scores={arm: [] for arm in rows})
     hours = {arm: [(_naive(t) - origin).total_seconds() / 3600 for t, _ in arm_rows] for arm, arm_rows in rows.items()}
     return Outcomes(start=start, hours=hours, scores={arm: [float(s) for _, s in r] for arm, r in rows.items()})
 
@@ -91,7 +94,7 @@ def series(outcomes: Outcomes, ab: ABConfig, points: int = 12) -> list[SeriesPoi
 
 def decision_metrics(found: Round) -> dict[str, float]:
     """The decision's numbers as MLflow metrics (`<arm>/<statistic>`, `test/<statistic>`), absent ones left out."""
-    decision = found.decision
+    decision, _ = found.decided()
     out: dict[str, float] = {"elapsed_h": decision.elapsed_h}
     for arm, summary in decision.arms.items():
         out |= {f"{arm}/{k}": float(v) for k, v in summary.model_dump().items() if v is not None}
@@ -117,7 +120,7 @@ def _num(value: float | None, digits: int = 4) -> str:
 
 def render_decision(found: Round, points: list[SeriesPoint], start: datetime | None) -> str:
     """The decision as Markdown: the action and why, each arm, the test, the moves, the score over time."""
-    decision = found.decision
+    decision, _ = found.decided()
     test = decision.test
     lines = [f"# A/B decision: **{decision.action}**", "",
              f"Challenger version {found.challenger} against champion version {found.champion or '(none)'}, "
@@ -166,8 +169,8 @@ def plot_series(points: list[SeriesPoint], path: Path) -> Path:
     hours = [p.hours for p in points]
     for arm in ARMS:
         mean = [np.nan if p.mean[arm] is None else p.mean[arm] for p in points]
-        low = [np.nan if p.interval[arm] is None else p.interval[arm][0] for p in points]
-        high = [np.nan if p.interval[arm] is None else p.interval[arm][1] for p in points]
+        low = [np.nan if (ci := p.interval[arm]) is None else ci[0] for p in points]
+        high = [np.nan if (ci := p.interval[arm]) is None else ci[1] for p in points]
         arms.plot(hours, mean, marker="o", label=arm)
         arms.fill_between(hours, low, high, alpha=0.2)
     arms.set_ylabel("mean score")

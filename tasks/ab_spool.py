@@ -13,10 +13,12 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
 from datetime import datetime
 from pathlib import Path
+from typing import IO
 
 from grpo_pipeline.tasks.ab_log import RequestLog, RequestRow
 
@@ -26,7 +28,7 @@ def spool_path(data_dir: Path) -> Path:
 
 
 @contextmanager
-def _locked(path: Path):
+def _locked(path: Path) -> Iterator[IO[str]]:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a+") as f:
         fcntl.flock(f, fcntl.LOCK_EX)

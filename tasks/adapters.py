@@ -16,6 +16,10 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from grpo_pipeline.tasks.registry import Registry
 
 
 class AdapterError(RuntimeError):
@@ -80,7 +84,7 @@ def read_version(alias: str, version: str, model_dir: Path) -> Adapter:
     return Adapter(alias, str(version), adapter, str(config["base"]), config.get("base_sha256"), int(peft.get("r", 0)))
 
 
-def resolve(registry, alias: str, tracking_uri: str, cache: Path) -> Adapter | None:
+def resolve(registry: Registry, alias: str, tracking_uri: str, cache: Path) -> Adapter | None:
     """The adapter `models:/<name>@<alias>` names now, downloaded once per version (None: no such alias)."""
     version = registry.version_of(alias)
     if version is None:

@@ -387,7 +387,7 @@ def plot_drift(drift: Drift, rows: NewAndSeen, path: Path) -> Path:
         r = drift.reward
         reward.bar([0, 1], [r.holdout_reward, r.new_reward], color=["tab:blue", "tab:orange"])
         reward.set_xticks([0, 1], [f"holdout\n({r.holdout_rows})", f"new rows\n({r.new_rows_scored})"])
-        if r.ci_low is not None:  # the drop's interval, as where the new rows' mean lies
+        if r.ci_low is not None and r.ci_high is not None:  # the drop's interval, as where the new rows' mean lies
             reward.errorbar([1], [r.new_reward], yerr=[[r.ci_high - r.drop], [r.drop - r.ci_low]], fmt="none",
                             capsize=8, color="black")
         if drift.alert_threshold is not None:

@@ -35,8 +35,9 @@ import secrets
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import httpx
@@ -44,10 +45,15 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
+from starlette.types import Lifespan
 
 from grpo_pipeline.tasks import ab_spool
 from grpo_pipeline.tasks.ab_log import LogStoreError, RequestLog, RequestRow, UnknownRequest
 from grpo_pipeline.tasks.adapters import Adapter, refusal
+
+if TYPE_CHECKING:
+    from grpo_pipeline.configs.schema import PipelineConfig
+    from grpo_pipeline.tasks.engine import Engine
 
 CHAMPION, CHALLENGER = "champion", "challenger"
 KEY_HEADER = "x-assignment-key"
@@ -85,7 +91,7 @@ def arm_for(key_hash: str, challenger_fraction: float) -> str:
     return CHALLENGER if int(key_hash, 16) < challenger_fraction * 2**64 else CHAMPION
 
 
-def assignment_key(body: dict, headers) -> str | None:
+def assignment_key(body: dict, headers: Mapping[str, str]) -> str | None:
     """The user's key: the `X-Assignment-Key` header, else `safety_identifier`, else `user` (None: none given)."""
     for value in (headers.get(KEY_HEADER), body.get("safety_identifier"), body.get("user")):
         if isinstance(value, str) and value:
@@ -111,7 +117,7 @@ def parse_object(raw: bytes) -> dict:
     return body
 
 
-def _is_token_list(value) -> bool:
+def _is_token_list(value: object) -> bool:
     return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool)
                                                            for t in value)
 
@@ -214,7 +220,8 @@ def usage_tokens(answer: dict) -> tuple[int, int]:
     return int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
 
 
-def _error(status: int, message: str, kind: str = "invalid_request_error", headers=None, **extra) -> JSONResponse:
+def _error(status: int, message: str, kind: str = "invalid_request_error", headers: Mapping[str, str] | None = None,
+           **extra: Any) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}, **extra}, status,
                         headers=headers)
 
@@ -225,10 +232,10 @@ def _error(status: int, message: str, kind: str = "invalid_request_error", heade
 class Router:
     """What one process holds: the adapter serving each alias and the requests in flight on each adapter."""
 
-    def __init__(self, *, engine, client: httpx.AsyncClient, request_log: RequestLog, spool: Path,
+    def __init__(self, *, engine: Engine, client: httpx.AsyncClient | None, request_log: RequestLog, spool: Path,
                  challenger_fraction: float, api_key: str | None, base: str, base_sha256: str | None,
                  max_rank: int, request_timeout_s: float):
-        self.engine, self.client, self.log, self.spool = engine, client, request_log, spool
+        self.engine, self._client, self.log, self.spool = engine, client, request_log, spool
         self.fraction, self.api_key = challenger_fraction, api_key
         self.base, self.base_sha256, self.max_rank = base, base_sha256, max_rank
         self.timeout_s = request_timeout_s
@@ -296,19 +303,25 @@ class Router:
                 return JSONResponse(answer.json(), answer.status_code, headers=arm_headers)
             except ValueError:
                 return _error(answer.status_code, answer.text[:500], headers=arm_headers)
-        payload = None
+        payload: dict[str, Any] | None = None
         if answer is not None:
-            if answer.status_code == 200:
-                payload = answer.json()
-            else:
+            if answer.status_code != 200:
                 failure = f"the engine answered HTTP {answer.status_code}: {answer.text[:300]}"
+            else:
+                try:
+                    payload = answer.json()
+                except ValueError:
+                    payload = None
+                if not isinstance(payload, dict):  # a completion is a JSON object: anything else is the arm failing
+                    payload, failure = None, f"the engine answered HTTP 200 without a JSON object: {answer.text[:300]}"
         prompt_tokens, completion_tokens = usage_tokens(payload or {})
         row = RequestRow(id=request_id, arm=adapter.alias, version=adapter.version, latency_s=latency,
                          prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                          error=payload is None, assignment=hashed)
         await anyio.to_thread.run_sync(self._write, row)  # committed (or spooled) before the answer leaves
         if payload is None:
-            return _error(502, failure, "engine_error", headers=arm_headers, id=request_id)
+            return _error(502, failure or "the engine gave no answer", "engine_error", headers=arm_headers,
+                          id=request_id)
         return JSONResponse(payload | {"id": request_id, "model": adapter.engine_name}, headers=arm_headers)
 
     async def chat(self, request: Request) -> JSONResponse:
@@ -401,7 +414,19 @@ class Router:
                     continue
                 await self.swap(alias, wanted)
 
-    def app(self, lifespan=None) -> Starlette:
+    @property
+    def client(self) -> httpx.AsyncClient:
+        """The engine's HTTP client: opened by the app's lifespan (`serve`), hence None until it starts."""
+        if self._client is None:
+            raise RuntimeError("the router has no engine client yet: it is opened by the lifespan given to "
+                               "Router.app, so serve the app (uvicorn, TestClient) before sending requests")
+        return self._client
+
+    @client.setter
+    def client(self, client: httpx.AsyncClient) -> None:
+        self._client = client
+
+    def app(self, lifespan: Lifespan[Starlette] | None = None) -> Starlette:
         return Starlette(routes=[
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
@@ -418,7 +443,7 @@ class ServeSetupError(RuntimeError):
     """What keeps the router from starting that the user fixes (exit 2): no champion, an unreachable registry."""
 
 
-def serve(cfg, host: str, port: int, api_key: str | None, request_log: RequestLog,
+def serve(cfg: PipelineConfig, host: str, port: int, api_key: str | None, request_log: RequestLog,
           cwd: Path | None = None) -> None:
     """Resolve the aliases, start the engine with their adapters, serve until stopped (SIGINT/SIGTERM).
     The log store is opened (and proven reachable) by the caller; `api_key` comes from `api_key_policy`."""
@@ -439,10 +464,11 @@ def serve(cfg, host: str, port: int, api_key: str | None, request_log: RequestLo
             return None  # offline promotion puts the candidate its gate rejected there: never live traffic
         return resolve(registry, alias, cfg.mlflow_uri, cache)
 
+    service_errors: tuple[type[BaseException], ...] = (RegistryServiceError, *registry.errors)
     try:
         champion = resolve_alias(CHAMPION)
         challenger = resolve_alias(CHALLENGER)
-    except (RegistryServiceError, *registry.errors) as e:
+    except service_errors as e:
         raise ServeSetupError(f"the registry {registry.name} at {cfg.mlflow_uri} did not answer: {e}") from e
     if champion is None:
         raise ServeSetupError(f"no champion alias in the registry {registry.name} at {cfg.mlflow_uri}: run the "

@@ -218,6 +218,58 @@ def test_a_request_the_engine_cannot_answer_is_logged_as_an_error_with_its_arm(s
     assert stored == assignment_hash("alice")  # the key's hash, never the key
 
 
+@pytest.mark.parametrize("engine_body", [b"null", b"[1, 2]", b"<html>busy</html>"])
+def test_an_engine_answer_that_is_not_a_json_object_is_the_arms_502_and_is_logged(tmp_path, engine_body):
+    """A real HTTP server in the engine's place answers 200 with something other than a completion object."""
+    import contextlib
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Engine(BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(engine_body)))
+            self.end_headers()
+            self.wfile.write(engine_body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Engine)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    request_log = RequestLog.open(f"sqlite:///{tmp_path / 'ab.sqlite'}")
+    router = Router(engine=None, client=None, request_log=request_log, spool=tmp_path / "unlogged.jsonl",
+                    challenger_fraction=0.0, api_key=None, base="base-a", base_sha256="aaa", max_rank=16,
+                    request_timeout_s=5)
+    router.arms = {CHAMPION: adapter()}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.server_address[1]}") as client:
+            router.client = client
+            yield
+
+    try:
+        with TestClient(router.app(lifespan)) as client:
+            answer = client.post("/v1/completions", json={"prompt": "hi", "user": "alice"})
+        assert answer.status_code == 502
+        assert "without a JSON object" in answer.json()["error"]["message"]
+        assert request_log.counts() == {CHAMPION: {"1": {"requests": 1, "errors": 1, "feedback": 0}}}
+    finally:
+        server.shutdown()
+        request_log.close()
+
+
+def test_a_router_serves_nothing_before_its_lifespan_opens_the_engine_client(tmp_path):
+    router = Router(engine=None, client=None, request_log=None, spool=tmp_path / "unlogged.jsonl",
+                    challenger_fraction=0.0, api_key=None, base="base-a", base_sha256="aaa", max_rank=16,
+                    request_timeout_s=5)
+    with pytest.raises(RuntimeError, match="opened by the lifespan"):
+        _ = router.client
+
+
 def test_feedback_joins_known_ids_and_refuses_the_rest(served):
     _, client, request_log = served
     request_log.record(RequestRow(id="grpo-known", arm="champion", version="1", latency_s=0.1, prompt_tokens=3,
