@@ -40,7 +40,6 @@ def test_a_prompt_without_variance_sits_out_at_most_max_skips_passes_then_return
             drawn.append(chunk)
             _observe_all(c, chunk, zero=set())  # when 0 is drawn again, it now has variance: back for good
     flat = [i for chunk in drawn for i in chunk]
-    first_return = flat.index(0)
     assert drawn[:2] == [[1, 2], [3, 1]]  # passed over twice: epoch 1's pass, then the pass that tops it up
     assert flat.index(0) == 4 and c.skipped_total == 2 and not c.benched(0)
     assert flat.count(0) == 2  # back at TRL's rate afterwards: once per epoch (2 and 3)
