@@ -46,8 +46,9 @@ def recurring_subset(source: Path, out: Path, rows: int, seed: int = 0) -> Path:
     >>> import tempfile
     >>> d = Path(tempfile.mkdtemp())
     >>> _ = (d / "t.jsonl").write_text("".join(json.dumps({"question": q, "answer": "1"}) + "\\n" for q in "aabcd"))
-    >>> [json.loads(line)["question"] for line in recurring_subset(d / "t.jsonl", d / "s.jsonl", 3).read_text().splitlines()]
-    ['b', 'c', 'd']
+    >>> picked = [json.loads(line)["question"] for line in recurring_subset(d / "t.jsonl", d / "s.jsonl", 3).read_text().splitlines()]
+    >>> len(picked), len(set(picked)), set(picked) <= set("abcd")
+    (3, 3, True)
     """
     seen: dict[str, dict] = {}
     for line in source.read_text().splitlines():
@@ -71,6 +72,7 @@ def overrides(recipe: str, variant: str, arm: str, tiny: bool) -> list[str]:
         sets.append(f"data.demo.n_train={RECURRING_ROWS}")
     if tiny:
         sets += ["train.grpo.max_steps=2", "promote.min_samples=1"]
+        sets.append("data.demo.n_holdout=16" if recipe == "demo" else "data.holdout_share=0.01")
     return sets
 
 
