@@ -13,8 +13,8 @@ over steps), the steps where every group had zero variance, the holdout reward o
     python -m bench.zero_signal --recipes demo --variants recurring
     python -m bench.zero_signal --tiny                   # 2 steps per run: does the chain run?
 
-Resumable: each finished run is kept in .grpo/bench-zero_signal/runs.json and skipped when the script is run
-again with the same settings (delete that file, or pass --fresh, to measure again); arms run alternately
+Resumable: each finished run is kept in .grpo/bench-zero_signal/runs.json (by recipe, variant and arm) and
+skipped when the script is run again (pass --fresh to measure all again); arms run alternately
 (on, off, on, off...) so a machine's changing load falls on both. GSM8K's rows come from `bench.gsm8k_calc`'s
 prepared slice (../shared/data/gsm8k; skipped with a note when it is absent).
 """
@@ -146,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true", help="2 steps per run: the chain, not the figures")
     parser.add_argument("--fresh", action="store_true", help="forget finished runs and measure all again")
     parser.add_argument("--gsm8k", type=Path, default=GSM8K)
-    parser.add_argument("--threads", type=int, default=None, help="torch threads per process (default: torch's)")
+    parser.add_argument("--threads", default="auto", help="torch threads per process; auto: 1 when other work "
+                        "already keeps a core busy (two threads on one free core thrash), else torch's own")
     opts = parser.parse_args(argv)
 
     gsm8k = None
@@ -159,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         except FileNotFoundError as exc:
             print(f"[{NAME}] gsm8k skipped: {exc}", flush=True)
             recipes.remove("gsm8k")
+    busy = os.getloadavg()[0]
+    threads = (1 if busy >= 0.8 else None) if opts.threads == "auto" else int(opts.threads)
     runs = _load_runs(opts.fresh)
     for recipe in recipes:
         for variant in opts.variants:
@@ -172,10 +175,10 @@ def main(argv: list[str] | None = None) -> int:
                 started = time.monotonic()
                 if recipe == "gsm8k":  # configs/gsm8k-calc-cpu.yaml on the prepared rows (or their subset)
                     data = {"train": gsm8k["recurring" if variant == "recurring" else "train"], "test": gsm8k["test"]}
-                    summary, seconds = run_pipeline(data, work, sets, opts.threads)
+                    summary, seconds = run_pipeline(data, work, sets, threads)
                 else:
-                    summary, seconds = _run_demo(work, sets, opts.threads)
-                runs[key] = measure(summary, seconds) | {"overrides": sets}
+                    summary, seconds = _run_demo(work, sets, threads)
+                runs[key] = measure(summary, seconds) | {"overrides": sets, "threads": threads}
                 _keep(runs)  # after each run: a killed bench resumes from the next one
                 print(f"[{NAME}] {key}: {json.dumps(runs[key])} ({(time.monotonic() - started) / 60:.1f} min)", flush=True)
     pairs: dict[str, dict] = {}
