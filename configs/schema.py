@@ -379,6 +379,17 @@ class HealthConfig(StrictModel):
                 if isinstance(getattr(self, name), BaseModel) and getattr(self, name).action == "rollback"]
 
 
+class CurriculumConfig(StrictModel):
+    """Fewer wasted steps (docs/training.md#fewer-wasted-steps): a prompt whose last group of completions all got
+    the same reward (all right or all wrong: no advantage, no gradient) sits out its next passes over the data,
+    at most `max_skips` of them, then comes back. Until a prompt recurs, the order is TRL's own."""
+
+    enabled: bool = Field(True, description="bench prompts whose recent groups had zero reward variance")
+    patience: int = Field(1, ge=1, description="zero-variance groups in a row before a prompt is benched")
+    max_skips: int = Field(2, ge=1, description="passes over the data a benched prompt sits out before it is drawn "
+                                                 "again (the cap: a prompt too hard today may be learnable later)")
+
+
 # Fields of GRPOConfig that the trainer derives from the spec; letting YAML set them would break resume.
 GRPO_OWNED = {"output_dir", "save_strategy", "save_steps", "save_total_limit", "resume_from_checkpoint"}
 
@@ -420,6 +431,9 @@ class TrainConfig(StrictModel):
     )
     health: HealthConfig = Field(
         HealthConfig(), description="collapse and reward-hacking guards: warn, stop or roll back (docs/training.md#health-rules)"
+    )
+    curriculum: CurriculumConfig = Field(
+        CurriculumConfig(), description="prompts without reward variance sit out (docs/training.md#fewer-wasted-steps)"
     )
 
     @field_validator("grpo")

@@ -81,6 +81,29 @@ class HealthSettings(_Strict):
         return [name for name in HEALTH_DEFAULTS if self.rule(name).action == "rollback"]
 
 
+# What `grpo_pipeline.configs.schema.CurriculumConfig` repeats (a unit test holds them equal); why: docs/training.md#fewer-wasted-steps.
+CURRICULUM_DEFAULTS: dict[str, Any] = {"enabled": True, "patience": 1, "max_skips": 2}
+
+
+class CurriculumSettings(_Strict):
+    """Prompts whose groups had no reward variance sit out (`grpo_pipeline.trainer.sampling`)."""
+
+    enabled: bool = CURRICULUM_DEFAULTS["enabled"]
+    patience: int = Field(CURRICULUM_DEFAULTS["patience"], ge=1)  # zero-variance groups in a row before benching
+    max_skips: int = Field(CURRICULUM_DEFAULTS["max_skips"], ge=1)  # passes a benched prompt sits out, then it is drawn
+
+
+class ZeroSignal(BaseModel):
+    """How much of the run had no learning signal: TRL's `frac_reward_zero_std` (the fraction of groups whose
+    completions all got the same reward) over the logged steps; and what the curriculum did about it."""
+
+    mean_fraction: float
+    wasted_steps: int  # logged steps where every group had zero variance (no advantage, no gradient)
+    logged_steps: int
+    skipped_draws: int | None = None  # curriculum on: times a benched prompt was passed over
+    benched_prompts: int | None = None  # curriculum on: prompts sitting out at the end
+
+
 class HealthEvent(BaseModel):
     """A rule that fired: at which step, on what value against what threshold, and what was done."""
 
@@ -109,6 +132,7 @@ class TrainSettings(_Strict):
     s3_endpoint_url: str | None
     distributed: DistributedConfig = DistributedConfig()  # train.distributed as configured
     health: HealthSettings = HealthSettings()
+    curriculum: CurriculumSettings = CurriculumSettings()
 
 
 class JobSpec(_Strict):
@@ -168,6 +192,7 @@ class TrainResult(BaseModel):
     rollbacks: int = 0  # restarts from an earlier, healthy checkpoint after a health rule's rollback
     best_step: int | None = None  # with a validation split: the step whose adapter was published (best val reward)
     best_val_reward: float | None = None
+    zero_signal: ZeroSignal | None = None  # groups without reward variance, and prompts the curriculum benched
 
 
 PROGRESS_TAG = "grpo-progress"  # a validation reward, printed by grpo_pipeline.trainer.callbacks.ReportValidation

@@ -112,6 +112,7 @@ def run(spec: JobSpec, started: float | None = None) -> TrainResult:
 
     from grpo_pipeline.trainer.callbacks import FirstStepTimer, StopOnSigterm
     from grpo_pipeline.trainer.health import Ledger
+    from grpo_pipeline.trainer.sampling import summarize
 
     started = started or time.monotonic()
     stop = StopOnSigterm()  # first: a SIGTERM during model loading must not kill the job uncleanly
@@ -164,6 +165,7 @@ def run(spec: JobSpec, started: float | None = None) -> TrainResult:
         rollbacks=ledger.rollbacks,
         best_step=state.best_global_step,
         best_val_reward=state.best_metric if state.best_global_step is not None else None,
+        zero_signal=summarize(state.log_history, getattr(attempt.trainer, "curriculum", None)),
     )
     if metrics and stopped:
         metrics.client.set_tag(run_id, "health_stopped", result.stopped_by[:5000])
@@ -187,6 +189,7 @@ def _attempt(spec: JobSpec, store, ranks: Ranks, work: Path, run_id: str | None,
     from transformers import EarlyStoppingCallback
     from trl import GRPOTrainer
 
+    from grpo_pipeline.trainer import sampling
     from grpo_pipeline.trainer.callbacks import (
         CheckpointSync,
         HealthCallback,
@@ -197,6 +200,7 @@ def _attempt(spec: JobSpec, store, ranks: Ranks, work: Path, run_id: str | None,
     from grpo_pipeline.trainer.health import read_state
     from grpo_pipeline.trainer.loading import load_model
     from grpo_pipeline.trainer.rewards import RewardError, RewardUnavailable, resolve_rewards
+    from grpo_pipeline.trainer.sampling import read_state as read_curriculum
 
     point = choose_resume(store, work / "resume")  # verified; newer ones that do not verify are moved aside
     resume = point.directory
@@ -228,7 +232,9 @@ def _attempt(spec: JobSpec, store, ranks: Ranks, work: Path, run_id: str | None,
     if spec.train.early_stopping_patience:
         callbacks.append(EarlyStoppingCallback(spec.train.early_stopping_patience))
 
-    trainer = GRPOTrainer(
+    curriculum = spec.train.curriculum
+    extra = {"curriculum_settings": curriculum, "restored": read_curriculum(resume)} if curriculum.enabled else {}
+    trainer = (sampling.trainer_class() if curriculum.enabled else GRPOTrainer)(
         model=model,
         reward_funcs=resolve_rewards(spec.train.rewards, spec.train.reward_args,
                                      max_completion_length=args.max_completion_length),
@@ -239,6 +245,7 @@ def _attempt(spec: JobSpec, store, ranks: Ranks, work: Path, run_id: str | None,
         # a warm start passes a PeftModel holding its adapter, and TRL takes no peft_config with one
         peft_config=None if spec.init_adapter else LoraConfig(task_type="CAUSAL_LM", **spec.train.lora),
         callbacks=callbacks,
+        **extra,
     )
     print_logs_once(trainer)  # one line per log, with its step, for the parent's progress
     try:
@@ -390,9 +397,10 @@ def _adapter_from_checkpoint(store, step: int, scratch: Path, dest: Path) -> Non
     """The adapter files (and the tokenizer HF saved with them) of a stored checkpoint, copied to `dest`."""
     from grpo_pipeline.trainer.checkpoints import MANIFEST, METRICS_FILE
     from grpo_pipeline.trainer.health import STATE_FILE
+    from grpo_pipeline.trainer.sampling import STATE_FILE as CURRICULUM_FILE
 
     source = store.fetch(checkpoint_name(step), scratch)
-    skip = {*_TRAINING_STATE, MANIFEST, METRICS_FILE, STATE_FILE}
+    skip = {*_TRAINING_STATE, MANIFEST, METRICS_FILE, STATE_FILE, CURRICULUM_FILE}
     dest.mkdir(parents=True, exist_ok=True)
     for path in source.iterdir():
         if path.is_file() and path.name not in skip and not path.name.startswith("rng_state"):

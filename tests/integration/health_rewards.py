@@ -30,7 +30,7 @@ def nan_weights_once(completions, *, at_step: int = 3, trainer_state=None, **_) 
     if marker and not Path(marker).exists() and trainer_state is not None and trainer_state.global_step == at_step - 1:
         for frame in inspect.stack():
             owner = frame.frame.f_locals.get("self")
-            if owner is not None and type(owner).__name__ == "GRPOTrainer":
+            if owner is not None and any(c.__name__ == "GRPOTrainer" for c in type(owner).__mro__):
                 weight = next(p for p in owner.model.parameters() if p.requires_grad)
                 weight.data.fill_(math.nan)
                 Path(marker).touch()

@@ -1,0 +1,223 @@
+"""Fewer wasted steps: the curriculum sampler (`train.curriculum`) on vs off, at equal steps and so equal
+wall time (it adds no generation: a benched prompt's slot goes to another prompt, the step costs the same),
+on the demo and on `configs/gsm8k-calc-cpu.yaml`.
+
+For each recipe, two variants: `shipped` (the recipe as it is: each prompt is drawn about once, so both arms
+should draw the same prompts and agree: a check that the sampler changes nothing where it cannot help) and
+`recurring` (a small training set, so prompts come round 2-3 times in the same steps: where the curriculum
+acts). Reported side by side per arm: the fraction of zero-signal groups (TRL's `frac_reward_zero_std`, mean
+over steps), the steps where every group had zero variance, the holdout reward of the trained adapter
+(`math_answer` / the demo's summed reward, greedy, the pipeline's own evaluation), wall time and train time.
+
+    python -m bench.zero_signal                          # all 8 runs, ~80 min on a quiet 2-core machine
+    python -m bench.zero_signal --recipes demo --variants recurring
+    python -m bench.zero_signal --tiny                   # 2 steps per run: does the chain run?
+
+Resumable: each finished run is kept in .grpo/bench-zero_signal/runs.json (by recipe, variant and arm) and
+skipped when the script is run again (pass --fresh to measure all again); arms run alternately
+(on, off, on, off...) so a machine's changing load falls on both. GSM8K's rows come from `bench.gsm8k_calc`'s
+prepared slice (../shared/data/gsm8k; skipped with a note when it is absent).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+from bench.harness import ROOT, save
+from bench.table import Row
+
+NAME = "zero_signal"
+WORK = ROOT / ".grpo" / f"bench-{NAME}"
+RECIPES = ("demo", "gsm8k")
+VARIANTS = ("shipped", "recurring")
+ARMS = ("on", "off")
+RECURRING_ROWS = 32  # distinct training prompts in the `recurring` variant: 2 prompts a step -> a pass per 16 steps
+
+
+def recurring_subset(source: Path, out: Path, rows: int, seed: int = 0) -> Path:
+    """`rows` distinct questions of a prepared JSONL (one occurrence each), written to `out`.
+
+    >>> import tempfile
+    >>> d = Path(tempfile.mkdtemp())
+    >>> _ = (d / "t.jsonl").write_text("".join(json.dumps({"question": q, "answer": "1"}) + "\\n" for q in "aabcd"))
+    >>> picked = [json.loads(line)["question"] for line in recurring_subset(d / "t.jsonl", d / "s.jsonl", 3).read_text().splitlines()]
+    >>> len(picked), len(set(picked)), set(picked) <= set("abcd")
+    (3, 3, True)
+    """
+    seen: dict[str, dict] = {}
+    for line in source.read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            seen.setdefault(row["question"], row)
+    chosen = sorted(random.Random(seed).sample(sorted(seen), min(rows, len(seen))))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("".join(json.dumps(seen[q]) + "\n" for q in chosen))
+    return out
+
+
+def overrides(recipe: str, variant: str, arm: str, tiny: bool) -> list[str]:
+    """The `--set` overrides of one run (the gsm8k recipe's data paths are `bench.gsm8k_calc.run_pipeline`'s).
+
+    >>> overrides("demo", "recurring", "off", False)
+    ['train.curriculum.enabled=false', 'data.demo.n_train=32']
+    """
+    sets = [f"train.curriculum.enabled={'true' if arm == 'on' else 'false'}"]
+    if recipe == "demo" and variant == "recurring":
+        sets.append(f"data.demo.n_train={RECURRING_ROWS}")
+    if tiny:
+        sets += ["train.grpo.max_steps=2", "promote.min_samples=1"]
+        sets.append("data.demo.n_holdout=16" if recipe == "demo" else "data.holdout_share=0.01")
+    return sets
+
+
+def measure(summary: dict, seconds: float) -> dict:
+    """One run's figures from the pipeline's `--json` summary."""
+    decision = summary.get("decision") or {}
+    stats = decision.get("stats") or {}
+    metric = next((k for k in stats if k != "guardrails"), None)
+    train = summary["train"]
+    zero = train.get("zero_signal") or {}
+    return {
+        "zero_fraction": zero.get("mean_fraction"),
+        "wasted_steps": zero.get("wasted_steps"),
+        "logged_steps": zero.get("logged_steps"),
+        "skipped_draws": zero.get("skipped_draws"),
+        "holdout_metric": metric,
+        "holdout_reward": stats[metric]["mean_candidate"] if metric else None,
+        "base_reward": stats[metric]["mean_baseline"] if metric else None,
+        "steps": train["global_step"],
+        "train_runtime_s": round(train["train_runtime_s"], 1),
+        "wall_s": round(seconds, 1),
+        "load_1min": os.getloadavg()[0],
+    }
+
+
+def _runs_file() -> Path:
+    return WORK / "runs.json"
+
+
+def _load_runs(fresh: bool) -> dict:
+    path = _runs_file()
+    return {} if fresh or not path.is_file() else json.loads(path.read_text())
+
+
+def _keep(runs: dict) -> None:
+    path = _runs_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(runs, indent=1))
+    tmp.replace(path)
+
+
+def table_rows(load) -> list[Row]:
+    r = load(NAME)
+    bench = "fewer wasted steps: curriculum sampler off vs on, equal steps (`bench.zero_signal`)"
+    if r is None:
+        return [Row(bench, "off", "on", None, "", note="not run yet")]
+    rows = []
+    for key, pair in sorted(r["pairs"].items()):
+        off, on = pair.get("off"), pair.get("on")
+        if not (off and on) or off["zero_fraction"] is None or on["zero_fraction"] is None:
+            continue
+        ratio = on["zero_fraction"] / off["zero_fraction"] if off["zero_fraction"] else None
+        rows.append(Row(
+            f"{bench}, {key}: zero-signal fraction",
+            f"off: {off['zero_fraction']:.3f} ({off['wasted_steps']} wasted steps)",
+            f"on: {on['zero_fraction']:.3f} ({on['wasted_steps']} wasted steps)", ratio, "<= 1",
+            note=(f"holdout {off['holdout_reward']:.3f} -> {on['holdout_reward']:.3f}; wall {off['wall_s'] / 60:.1f} vs "
+                  f"{on['wall_s'] / 60:.1f} min") if off["holdout_reward"] is not None and on["holdout_reward"] is not None
+            else "",
+        ))
+    return rows or [Row(bench, "off", "on", None, "", note="no pair finished")]
+
+
+def main(argv: list[str] | None = None) -> int:
+    from bench.gsm8k_calc import GSM8K, OUT, prepare, run_pipeline
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--recipes", nargs="+", choices=RECIPES, default=list(RECIPES))
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument("--tiny", action="store_true", help="2 steps per run: the chain, not the figures")
+    parser.add_argument("--fresh", action="store_true", help="forget finished runs and measure all again")
+    parser.add_argument("--gsm8k", type=Path, default=GSM8K)
+    parser.add_argument("--threads", default="auto", help="torch threads per process; auto: 1 when other work "
+                        "already keeps a core busy (two threads on one free core thrash), else torch's own")
+    opts = parser.parse_args(argv)
+
+    gsm8k = None
+    recipes = list(opts.recipes)
+    if "gsm8k" in recipes:
+        try:
+            paths = prepare(opts.gsm8k, OUT)
+            subset = recurring_subset(paths["train"], WORK / "gsm8k-recurring.jsonl", RECURRING_ROWS)
+            gsm8k = {"train": paths["train"], "test": paths["test"], "recurring": subset}
+        except FileNotFoundError as exc:
+            print(f"[{NAME}] gsm8k skipped: {exc}", flush=True)
+            recipes.remove("gsm8k")
+    busy = os.getloadavg()[0]
+    threads = (1 if busy >= 0.8 else None) if opts.threads == "auto" else int(opts.threads)
+    runs = _load_runs(opts.fresh)
+    for recipe in recipes:
+        for variant in opts.variants:
+            for arm in ARMS:  # alternating arms within each pair
+                key = f"{recipe}/{variant}/{arm}{'/tiny' if opts.tiny else ''}"
+                if key in runs:
+                    print(f"[{NAME}] {key}: kept from an earlier run", flush=True)
+                    continue
+                sets = overrides(recipe, variant, arm, opts.tiny)
+                work = WORK / key.replace("/", "-")
+                started = time.monotonic()
+                if recipe == "gsm8k":  # configs/gsm8k-calc-cpu.yaml on the prepared rows (or their subset)
+                    data = {"train": gsm8k["recurring" if variant == "recurring" else "train"], "test": gsm8k["test"]}
+                    summary, seconds = run_pipeline(data, work, sets, threads)
+                else:
+                    summary, seconds = _run_demo(work, sets, threads)
+                runs[key] = measure(summary, seconds) | {"overrides": sets, "threads": threads}
+                _keep(runs)  # after each run: a killed bench resumes from the next one
+                print(f"[{NAME}] {key}: {json.dumps(runs[key])} ({(time.monotonic() - started) / 60:.1f} min)", flush=True)
+    pairs: dict[str, dict] = {}
+    for key, figures in runs.items():
+        parts = key.split("/")
+        if (len(parts) == 4) != opts.tiny:
+            continue
+        pairs.setdefault(f"{parts[0]}/{parts[1]}", {})[parts[2]] = figures
+    report = {"name": NAME, "tiny": opts.tiny, "pairs": pairs, "machine": {"cpus": os.cpu_count()},
+              "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    save(f"{NAME}_tiny" if opts.tiny else NAME, report)
+    for row in table_rows(lambda _name: report):
+        print(f"[{NAME}] {row.benchmark}: {row.baseline} | {row.candidate} | {row.note}", flush=True)
+    return 0
+
+
+def _run_demo(work: Path, sets: list[str], threads: int | None) -> tuple[dict, float]:
+    """The demo recipe (the CLI's default config) through `grpo-pipeline run --json`, like `bench.gsm8k_calc`."""
+    import shutil
+    import subprocess
+
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    models = ROOT / ".grpo" / "models"
+    if models.is_dir():
+        (work / "models").symlink_to(models.resolve())
+    cmd = [sys.executable, "-m", "grpo_pipeline.cli", "run", "--json", "--set", f"data_dir={work}"]
+    for s in sets:
+        cmd += ["--set", s]
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"} | {"PREFECT_HOME": str(work / "prefect")}
+    if threads:
+        env |= {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    started = time.monotonic()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    seconds = time.monotonic() - started
+    if proc.returncode not in (0, 3):
+        raise SystemExit(f"grpo-pipeline run exited {proc.returncode}: {proc.stdout[-2000:]}")
+    return json.loads(proc.stdout[proc.stdout.index("{"):]), seconds
+
+
+if __name__ == "__main__":
+    sys.exit(main())
