@@ -22,8 +22,10 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from grpo_pipeline.trainer.checkpoints import checkpoint_name
 from grpo_pipeline.trainer.spec import CurriculumSettings, ZeroSignal
@@ -31,7 +33,7 @@ from grpo_pipeline.trainer.spec import CurriculumSettings, ZeroSignal
 STATE_FILE = "curriculum.json"  # in each checkpoint, beside health.json
 
 
-def prompt_key(prompt) -> str:
+def prompt_key(prompt: object) -> str:
     """A short stable key for a prompt (text or chat messages), the same on every rank.
 
     >>> prompt_key("What is 2 + 2?") == prompt_key("What is 2 + 2?"), len(prompt_key([{"role": "user", "content": "x"}]))
@@ -78,7 +80,7 @@ class Curriculum:
         return (self.streak.get(index, 0) >= self.settings.patience
                 and self.skips.get(index, 0) < self.settings.max_skips)
 
-    def epoch_chunks(self, epoch: int):
+    def epoch_chunks(self, epoch: int) -> Iterator[list[int]]:
         """The chunks of `epoch`, drawn lazily (each as late as the data loader asks for it, so it sees every
         observation made before); the ones already drawn in this epoch (a resume) come first, as they were."""
         if epoch != self.epoch:
@@ -90,10 +92,13 @@ class Curriculum:
             yield chunk
 
     def _draw(self) -> list[int]:
+        epoch = self.epoch
+        if epoch is None:
+            raise RuntimeError("Curriculum._draw before epoch_chunks set the epoch")
         chunk: list[int] = []
         while len(chunk) < self.batch_size:
             k, pos = self.cursor
-            order = self._pass(self.epoch, k)
+            order = self._pass(epoch, k)
             if pos >= len(order):
                 self.cursor = (k + 1, 0)  # this epoch's pass is spent by skips: an overflow pass continues it
                 continue
@@ -161,7 +166,7 @@ class Curriculum:
         self.skipped_total = int(state.get("skipped_total", 0))
 
 
-def zero_variance_groups(rewards, num_generations: int) -> list[bool]:
+def zero_variance_groups(rewards: Any, num_generations: int) -> list[bool]:  # Any: a torch tensor or a list
     """Per group of `num_generations` consecutive rewards: True when they all agree (TRL's `frac_reward_zero_std`
     test: the group's std is close to 0). A group that is all NaN (unscorable) is not counted as zero.
 
@@ -199,7 +204,7 @@ def read_state(checkpoint: Path | None) -> dict:
     return json.loads(path.read_text()) if path and path.is_file() else {}
 
 
-def curriculum_sampler(curriculum: Curriculum, mini_repeat_count: int, repeat_count: int):
+def curriculum_sampler(curriculum: Curriculum, mini_repeat_count: int, repeat_count: int) -> Any:  # a torch Sampler
     """A torch Sampler yielding RepeatSampler's index stream for the curriculum's chunks."""
     from torch.utils.data import Sampler
 
@@ -232,7 +237,8 @@ def trainer_class():
     from trl import GRPOTrainer
 
     class CurriculumGRPOTrainer(GRPOTrainer):
-        def __init__(self, *args, curriculum_settings: CurriculumSettings, restored: dict | None = None, **kwargs):
+        def __init__(self, *args: Any, curriculum_settings: CurriculumSettings, restored: dict | None = None,
+                     **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             data = self.train_dataset
             if isinstance(data, IterableDataset):

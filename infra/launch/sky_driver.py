@@ -21,7 +21,8 @@ from __future__ import annotations
 import enum
 import json
 import sys
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, cast
 
 
 def _field(record: Any, name: str) -> Any:
@@ -49,7 +50,7 @@ def _plain(value: Any) -> Any:
     return str(value)
 
 
-def _task(request: dict):
+def _task(request: dict) -> Any:  # a sky.Task
     import sky
 
     secrets = [(k, v) for k, v in (request.get("secrets") or {}).items()]
@@ -103,7 +104,7 @@ def logs(request: dict) -> dict:
     import sky
 
     sky.jobs.tail_logs(job_id=request["job_id"], follow=bool(request.get("follow")), tail=request.get("tail"),
-                       output_stream=_ANSWER)
+                       output_stream=cast(Any, _ANSWER))  # a text stream is what it writes to; typed narrower
     return {}
 
 
@@ -140,7 +141,7 @@ def answer(command: str, request: dict) -> dict:
         return {"error": f"{type(exc).__name__}: {exc}"}
 
 
-def serve(requests) -> None:
+def serve(requests: Iterable[str]) -> None:
     """Answers each request line in turn, until standard input closes (the caller is done, or gone)."""
     for line in requests:
         if line.strip():

@@ -29,7 +29,7 @@ import shutil
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,14 +65,13 @@ class SkyError(RuntimeError):
     """A SkyPilot call failed in its environment; the message is SkyPilot's."""
 
 
-def sky_python(environ: dict[str, str] | None = None) -> Path:
+def sky_python(environ: Mapping[str, str] | None = None) -> Path:
     """The python of SkyPilot's environment: $GRPO_SKY_PYTHON, else the checkout's .venv-sky.
 
     >>> str(sky_python({"GRPO_SKY_PYTHON": "/usr/bin/env"}))
     '/usr/bin/env'
     """
-    environ = os.environ if environ is None else environ
-    named = environ.get(SKY_PYTHON_VARIABLE)
+    named = (os.environ if environ is None else environ).get(SKY_PYTHON_VARIABLE)
     python = Path(named) if named else SOURCE_ROOT / ".venv-sky" / "bin" / "python"
     if not (python.is_file() and os.access(python, os.X_OK)):
         raise SkyPreflightError(
@@ -98,11 +97,13 @@ class _Driver:
         atexit.register(self.close)
 
     def call(self, command: str, request: dict) -> dict:
+        stdin, stdout = self.process.stdin, self.process.stdout
+        assert stdin is not None and stdout is not None  # both are pipes (Popen above)
         with self.lock:
             try:
-                self.process.stdin.write(json.dumps({"command": command, "request": request}) + "\n")
-                self.process.stdin.flush()
-                line = self.process.stdout.readline()
+                stdin.write(json.dumps({"command": command, "request": request}) + "\n")
+                stdin.flush()
+                line = stdout.readline()
             except (BrokenPipeError, ValueError):
                 line = ""
         if not line:
@@ -111,7 +112,7 @@ class _Driver:
         return json.loads(line)
 
     def close(self) -> None:
-        if self.process.poll() is None:
+        if self.process.poll() is None and self.process.stdin is not None:
             self.process.stdin.close()  # end of requests: the driver returns
             try:
                 self.process.wait(timeout=30)
@@ -371,10 +372,11 @@ class SkyLauncher:
             handle.log_process = subprocess.Popen(_driver_command("logs"), stdin=subprocess.PIPE,
                                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE)
             process = handle.log_process
+            assert process.stdin is not None and process.stdout is not None and process.stderr is not None  # pipes
             process.stdin.write(json.dumps({"job_id": handle.job_id, "follow": True}).encode())
             process.stdin.close()
             lines, text = _Lines(self.watch(handle)), codecs.getincrementaldecoder("utf-8")(errors="replace")
-            while chunk := process.stdout.read1(65536):
+            while chunk := process.stdout.read1(65536):  # type: ignore[attr-defined]  # a BufferedReader: bufsize=-1
                 lines.write(text.decode(chunk))
             if process.wait():
                 raise SkyError(process.stderr.read().decode(errors="replace").strip()[-2000:])
