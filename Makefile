@@ -47,6 +47,7 @@ test-slow: $(STAMP)  # the checks that leave the default run for its 15-minute b
 # stops before pytest. mypy caches in .mypy_cache: a first run takes minutes, a later one seconds.
 lint: $(STAMP)
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	$(PY) -m tests.typecheck
 
 e2e: $(STAMP)

@@ -47,8 +47,13 @@ SUITE = (
     Bench("hpo_gain", "searched vs default hyperparameters at equal steps", 15),
     Bench("machine_limit", "GRPO step FLOP/s and tokens/s vs measured matmul peak and bandwidth", 2),
     Bench("lora_vs_full", "LoRA and QLoRA vs full-parameter GRPO: quality, time to quality, memory", 17),
-    Bench("gpu_check", "bf16 LoRA / NF4 QLoRA on 0.5B-7B: GPU memory vs the planner (GPU only)", 6,
-          tiny=("--dry-run",), needs_gpu=True),
+    Bench(
+        "gpu_check",
+        "bf16 LoRA / NF4 QLoRA on 0.5B-7B: GPU memory vs the planner (GPU only)",
+        6,
+        tiny=("--dry-run",),
+        needs_gpu=True,
+    ),
     Bench("reward_throughput", "math_answer completions/s; remote_verifier at concurrency 16 vs 1 (fixed latency)", 1),
     Bench("gsm8k_calc", "real data: GRPO on GSM8K's calculator annotations, trained vs base on the holdout", 15),
     Bench("zero_signal", "curriculum sampler on vs off: zero-signal groups and holdout reward at equal steps", 80),
@@ -63,18 +68,30 @@ def available() -> list[Bench]:
 def _data_throughput_rows(load) -> list[Row]:
     r = load("data_throughput")
     if r is None:
-        return [Row("data stage throughput (`bench.data_throughput`)", "per-row Python", "data stage", None, "",
-                    note="not run yet")]
+        return [
+            Row(
+                "data stage throughput (`bench.data_throughput`)",
+                "per-row Python",
+                "data stage",
+                None,
+                "",
+                note="not run yet",
+            )
+        ]
     m, goals = r["median"], r["goals"]
     rows = []
     for near, key, goal in ((False, "", goals["rows_per_s"]), (True, "_near", goals["rows_per_s_near_dedup"])):
         rate = m[f"arrow{key}"]
-        rows.append(Row(
-            f"data stage, {r['rows']:,} GSM8K-built rows, {'with' if near else 'without'} near-dedup (`bench.data_throughput`)",
-            f"per-row Python: {m[f'baseline{key}']:,.0f} rows/s", f"data stage: {rate:,.0f} rows/s",
-            r["ratio_near_dedup" if near else "ratio"], "",
-            note=f"{'meets' if rate >= goal else 'misses'} its own goal (≥ {goal:,} rows/s)",
-        ))
+        rows.append(
+            Row(
+                f"data stage, {r['rows']:,} GSM8K-built rows, {'with' if near else 'without'} near-dedup (`bench.data_throughput`)",
+                f"per-row Python: {m[f'baseline{key}']:,.0f} rows/s",
+                f"data stage: {rate:,.0f} rows/s",
+                r["ratio_near_dedup" if near else "ratio"],
+                "",
+                note=f"{'meets' if rate >= goal else 'misses'} its own goal (≥ {goal:,} rows/s)",
+            )
+        )
     return rows
 
 
@@ -122,20 +139,26 @@ def run(bench: Bench, tiny: bool, extra: list[str]) -> bool:
         import torch
 
         if not torch.cuda.is_available():
-            print(f"[bench] {bench.name}: needs a CUDA GPU, skipped here (bash bench/gpu_check.sh on a GPU machine)",
-                  flush=True)
+            print(
+                f"[bench] {bench.name}: needs a CUDA GPU, skipped here (bash bench/gpu_check.sh on a GPU machine)",
+                flush=True,
+            )
             return True
     started = time.monotonic()
     print(f"[bench] {bench.name}: {bench.compares} (~{bench.minutes:g} min)", flush=True)
     code = subprocess.run([sys.executable, "-m", f"bench.{bench.name}", *args, *extra], cwd=ROOT).returncode
-    print(f"[bench] {bench.name}: {'done' if code == 0 else f'FAILED (exit {code})'} in "
-          f"{time.monotonic() - started:.0f} s", flush=True)
+    print(
+        f"[bench] {bench.name}: {'done' if code == 0 else f'FAILED (exit {code})'} in "
+        f"{time.monotonic() - started:.0f} s",
+        flush=True,
+    )
     return code == 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("what", nargs="+", help="all | table | list | benchmark names")
     parser.add_argument("--tiny", action="store_true", help="smoke test on tiny models (results not tabled)")
     parser.add_argument("--skip", default="", help="comma-separated names to leave out of 'all'")
@@ -156,7 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         unknown = [w for w in opts.what if w not in by_name]
         if unknown:
-            parser.error(f"unknown benchmark(s) {', '.join(unknown)}; known: {', '.join(by_name)} (or all, table, list)")
+            parser.error(
+                f"unknown benchmark(s) {', '.join(unknown)}; known: {', '.join(by_name)} (or all, table, list)"
+            )
         chosen = [by_name[w] for w in opts.what]
     if opts.args and len(chosen) != 1:
         parser.error("--args goes with exactly one named benchmark")

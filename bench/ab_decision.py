@@ -30,7 +30,7 @@ BASE = 0.5
 def fixed_total(delta: float, alpha: float, power: float = 0.8) -> int:
     """Both arms' responses a fixed-sample two-sided z-test needs for `delta` at `power`."""
     z = stats.norm.ppf(1 - alpha / 2) + stats.norm.ppf(power)
-    return 2 * math.ceil(2 * z ** 2 * BASE * (1 - BASE) / delta ** 2)
+    return 2 * math.ceil(2 * z**2 * BASE * (1 - BASE) / delta**2)
 
 
 def simulate(delta: float, runs: int, horizon: int, policy: ABConfig, seed: int) -> dict:
@@ -47,10 +47,16 @@ def simulate(delta: float, runs: int, horizon: int, policy: ABConfig, seed: int)
             promoted += theta[first] > 0
             rolled_back += theta[first] < 0
             stops.append(first + 1)
-    return {"delta": delta, "runs": runs, "horizon": horizon, "promoted": promoted / runs,
-            "rolled_back": rolled_back / runs, "decided": len(stops) / runs,
-            "median_responses": statistics.median(stops) if stops else None,
-            "p90_responses": float(np.percentile(stops, 90)) if stops else None}
+    return {
+        "delta": delta,
+        "runs": runs,
+        "horizon": horizon,
+        "promoted": promoted / runs,
+        "rolled_back": rolled_back / runs,
+        "decided": len(stops) / runs,
+        "median_responses": statistics.median(stops) if stops else None,
+        "p90_responses": float(np.percentile(stops, 90)) if stops else None,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,22 +68,33 @@ def main(argv: list[str] | None = None) -> int:
     if opts.tiny:
         opts.aa_runs, opts.runs = 20, 10
     policy = ABConfig(challenger_fraction=0.5)
-    report = {"name": NAME, "alpha": policy.alpha, "mixture_effect": policy.mixture_effect,
-              "min_samples": policy.min_samples,
-              "aa": simulate(0.0, opts.aa_runs, 20_000, policy, seed=0), "effects": []}
+    report = {
+        "name": NAME,
+        "alpha": policy.alpha,
+        "mixture_effect": policy.mixture_effect,
+        "min_samples": policy.min_samples,
+        "aa": simulate(0.0, opts.aa_runs, 20_000, policy, seed=0),
+        "effects": [],
+    }
     for delta in (0.05, 0.1, 0.2):
         fixed = fixed_total(delta, policy.alpha)
         result = simulate(delta, opts.runs, 8 * fixed, policy, seed=int(delta * 1000))
-        result |= {"fixed_sample_responses": fixed,
-                   "median_vs_fixed": result["median_responses"] / fixed if result["median_responses"] else None}
+        result |= {
+            "fixed_sample_responses": fixed,
+            "median_vs_fixed": result["median_responses"] / fixed if result["median_responses"] else None,
+        }
         report["effects"].append(result)
     aa = report["aa"]
-    print(f"A/A, {aa['runs']} tests peeked after each of {aa['horizon']:,} responses: false promotion "
-          f"{aa['promoted']:.2%}, false rollback {aa['rolled_back']:.2%} (alpha {policy.alpha})")
+    print(
+        f"A/A, {aa['runs']} tests peeked after each of {aa['horizon']:,} responses: false promotion "
+        f"{aa['promoted']:.2%}, false rollback {aa['rolled_back']:.2%} (alpha {policy.alpha})"
+    )
     for e in report["effects"]:
-        print(f"+{e['delta']:.2f} thumbs-up rate: promoted {e['promoted']:.0%}, median {e['median_responses']} "
-              f"responses (p90 {e['p90_responses']}), fixed-sample test at 80 % power: "
-              f"{e['fixed_sample_responses']} ({e['median_vs_fixed']:.2f}x)")
+        print(
+            f"+{e['delta']:.2f} thumbs-up rate: promoted {e['promoted']:.0%}, median {e['median_responses']} "
+            f"responses (p90 {e['p90_responses']}), fixed-sample test at 80 % power: "
+            f"{e['fixed_sample_responses']} ({e['median_vs_fixed']:.2f}x)"
+        )
     save(NAME + ("_tiny" if opts.tiny else ""), report | stamp())
     return 0
 

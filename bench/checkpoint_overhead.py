@@ -84,15 +84,27 @@ def table_rows(load) -> list[Row]:
     steady, restart, lost = load("checkpoint_every_step_s3"), load("restart_vs_cold_start"), load("preemption_cost")
     steps = steady["steps"] if steady else 6
     rows = [
-        from_compare(steady, f"checkpoint every step to S3 (`bench.checkpoint_overhead`, SeaweedFS, {steps} steps)",
-                     "no checkpoints", "every step", "<= 1.10"),
+        from_compare(
+            steady,
+            f"checkpoint every step to S3 (`bench.checkpoint_overhead`, SeaweedFS, {steps} steps)",
+            "no checkpoints",
+            "every step",
+            "<= 1.10",
+        ),
         from_compare(restart, "restart to first new step (same)", "cold start", "fetch + resume", "<= 1.5"),
     ]
     if lost:
         n = lost["checkpoint_every"]
-        rows.append(Row(f"work lost per preemption, checkpoint every {n} steps (same)", f"one step: {lost['step_s']:.1f} s",
-                        f"{n / 2:g} steps + restart: {lost['expected_lost_s']:.0f} s",
-                        lost["expected_lost_s"] / lost["step_s"], "", note="reported (in steps)"))
+        rows.append(
+            Row(
+                f"work lost per preemption, checkpoint every {n} steps (same)",
+                f"one step: {lost['step_s']:.1f} s",
+                f"{n / 2:g} steps + restart: {lost['expected_lost_s']:.0f} s",
+                lost["expected_lost_s"] / lost["step_s"],
+                "",
+                note="reported (in steps)",
+            )
+        )
     return rows
 
 

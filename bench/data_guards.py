@@ -36,9 +36,11 @@ BEFORE = "52691f2"  # the last commit before the guards (tasks/data_io.py, tasks
 
 def load_before(rev: str) -> types.ModuleType:
     """grpo_pipeline.tasks.data as of `rev`, with the grpo_pipeline.tasks.data_io of `rev` beneath it, as modules of their own."""
+
     def source(path: str) -> str:
-        return subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, check=True, capture_output=True,
-                              text=True).stdout
+        return subprocess.run(
+            ["git", "show", f"{rev}:{path}"], cwd=ROOT, check=True, capture_output=True, text=True
+        ).stdout
 
     modules = {}
     for name, path in (("_before_data_io", "tasks/data_io.py"), ("_before_data", "tasks/data.py")):
@@ -58,8 +60,14 @@ def one_run(run_chain, cfg, tokenizer: str) -> dict:
         report = run_chain(cfg, Path(out), tokenizer, ["correct_answer"])
         seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu
         kept = {s: sum(1 for _ in open(Path(out) / f"{s}.jsonl")) for s in ("train", "val", "holdout")}
-    return {"seconds": seconds, "cpu_seconds": cpu_seconds, "rows_read": report.rows_read, "kept": kept,
-            "dropped": report.dropped, "load_average": os.getloadavg()[0]}
+    return {
+        "seconds": seconds,
+        "cpu_seconds": cpu_seconds,
+        "rows_read": report.rows_read,
+        "kept": kept,
+        "dropped": report.dropped,
+        "load_average": os.getloadavg()[0],
+    }
 
 
 def main() -> None:
@@ -80,17 +88,27 @@ def main() -> None:
     tokenizer = tokenizer_dir(work)
     corpus = work / "corpus.jsonl"
     build_corpus(corpus, args.rows)
-    cfg = DataConfig(source=str(corpus), prompt_column="question", answer_extraction="gsm8k",
-                     eval_sources=[str(GSM8K / "test.jsonl")], near_dup_threshold=None, max_dropped_fraction=1.0)
+    cfg = DataConfig(
+        source=str(corpus),
+        prompt_column="question",
+        answer_extraction="gsm8k",
+        eval_sources=[str(GSM8K / "test.jsonl")],
+        near_dup_threshold=None,
+        max_dropped_fraction=1.0,
+    )
     one_run(after, cfg, tokenizer)  # warm: imports, the tokenizer, the page cache
     runs = []
     for i in range(args.repeats):
-        for side, chain in (("before", before), ("after", after)) if i % 2 == 0 else (("after", after), ("before", before)):
+        for side, chain in (
+            (("before", before), ("after", after)) if i % 2 == 0 else (("after", after), ("before", before))
+        ):
             r = {"side": side, **one_run(chain, cfg, tokenizer)}
             runs.append(r)
-            print(f"[{NAME}] round {i + 1}/{args.repeats} {side:6s}: {r['seconds']:.2f} s "
-                  f"({r['cpu_seconds']:.2f} CPU-s, load {r['load_average']:.1f}), kept {sum(r['kept'].values())}",
-                  flush=True)
+            print(
+                f"[{NAME}] round {i + 1}/{args.repeats} {side:6s}: {r['seconds']:.2f} s "
+                f"({r['cpu_seconds']:.2f} CPU-s, load {r['load_average']:.1f}), kept {sum(r['kept'].values())}",
+                flush=True,
+            )
 
     def median(side: str, key: str) -> float:
         return statistics.median(r[key] for r in runs if r["side"] == side)
@@ -114,25 +132,41 @@ def main() -> None:
     }
     save(NAME, report)
     m = report["median_seconds"]
-    print(f"[{NAME}] {args.rows:,} rows: before {m['before']:.2f} s, after {m['after']:.2f} s: x{report['ratio']:.3f} "
-          f"(CPU x{report['ratio_cpu']:.3f}); same rows kept: {same}")
-
+    print(
+        f"[{NAME}] {args.rows:,} rows: before {m['before']:.2f} s, after {m['after']:.2f} s: x{report['ratio']:.3f} "
+        f"(CPU x{report['ratio_cpu']:.3f}); same rows kept: {same}"
+    )
 
 
 def table_rows(load) -> list[Row]:
     """One row: after / before in wall time, the spread of the rounds' own ratios (each round ran both sides)."""
     r = load(NAME)
     if r is None:
-        return [Row("data stage input guards (`bench.data_guards`)", "reader before the guards", "with the guards", None, "<= 1.05", note="not run yet")]
+        return [
+            Row(
+                "data stage input guards (`bench.data_guards`)",
+                "reader before the guards",
+                "with the guards",
+                None,
+                "<= 1.05",
+                note="not run yet",
+            )
+        ]
     rounds: dict[int, dict[str, float]] = {}
     for i, run in enumerate(r["runs"]):  # in order, two per round
         rounds.setdefault(i // 2, {})[run["side"]] = run["seconds"]
     ratios = [sides["after"] / sides["before"] for sides in rounds.values() if len(sides) == 2]
     m = r["median_seconds"]
-    return [Row(f"data stage input guards, {r['rows']:,} GSM8K-built rows, without near-dedup (`bench.data_guards`)",
-                f"reader before the guards ({r['before']}): {m['before']:.2f} s",
-                f"with the guards: {m['after']:.2f} s (CPU ×{r['ratio_cpu']:.3f})", r["ratio"], "<= 1.05",
-                spread=(min(ratios), max(ratios)) if len(ratios) > 1 else None)]
+    return [
+        Row(
+            f"data stage input guards, {r['rows']:,} GSM8K-built rows, without near-dedup (`bench.data_guards`)",
+            f"reader before the guards ({r['before']}): {m['before']:.2f} s",
+            f"with the guards: {m['after']:.2f} s (CPU ×{r['ratio_cpu']:.3f})",
+            r["ratio"],
+            "<= 1.05",
+            spread=(min(ratios), max(ratios)) if len(ratios) > 1 else None,
+        )
+    ]
 
 
 if __name__ == "__main__":

@@ -86,10 +86,17 @@ def baseline_chain(source: Path, eval_source: Path, out: Path, cfg, tokenizer_pa
     from grpo_pipeline.trainer.rewards import correct_answer
 
     tok = AutoTokenizer.from_pretrained(tokenizer_path)
-    overhead = len(tok(tok.apply_chat_template([{"role": "user", "content": ""}], tokenize=False,
-                                               add_generation_prompt=True), add_special_tokens=False)["input_ids"])
-    near = (MinHashLSH(threshold=cfg.near_dup_threshold, num_perm=cfg.near_dup_num_perm, weights=LSH_WEIGHTS)
-            if cfg.near_dup_threshold else None)
+    overhead = len(
+        tok(
+            tok.apply_chat_template([{"role": "user", "content": ""}], tokenize=False, add_generation_prompt=True),
+            add_special_tokens=False,
+        )["input_ids"]
+    )
+    near = (
+        MinHashLSH(threshold=cfg.near_dup_threshold, num_perm=cfg.near_dup_num_perm, weights=LSH_WEIGHTS)
+        if cfg.near_dup_threshold
+        else None
+    )
     signatures: dict[str, MinHash] = {}
     seen: set[bytes] = set()
     kept: dict[str, list[dict]] = {"train": [], "val": [], "holdout": []}
@@ -144,7 +151,8 @@ def baseline_chain(source: Path, eval_source: Path, out: Path, cfg, tokenizer_pa
             near.insert(key, m)
             signatures[key] = m
         kept[split_of(key, cfg.holdout_share, cfg.val_share)].append(
-            {"prompt": [{"role": "user", "content": prompt}], "answer": answer, "key": key, "text": prompt})
+            {"prompt": [{"role": "user", "content": prompt}], "answer": answer, "key": key, "text": prompt}
+        )
     reference = set()
     for row in kept["holdout"] + kept["val"]:
         reference.update(_grams(row["text"], cfg.contamination_ngram))
@@ -185,8 +193,14 @@ def worker(side: str, source: Path, eval_source: Path, near: bool, tokenizer_pat
     from grpo_pipeline.tasks.data import run_chain
 
     AutoTokenizer.from_pretrained(tokenizer_path)
-    cfg = DataConfig(source=str(source), prompt_column="question", answer_extraction="gsm8k",
-                     eval_sources=[str(eval_source)], near_dup_threshold=0.8 if near else None, max_dropped_fraction=1.0)
+    cfg = DataConfig(
+        source=str(source),
+        prompt_column="question",
+        answer_extraction="gsm8k",
+        eval_sources=[str(eval_source)],
+        near_dup_threshold=0.8 if near else None,
+        max_dropped_fraction=1.0,
+    )
     start_rss = _rss_mb("VmRSS")
     with tempfile.TemporaryDirectory() as out:
         started, cpu = time.perf_counter(), time.process_time()
@@ -195,18 +209,41 @@ def worker(side: str, source: Path, eval_source: Path, near: bool, tokenizer_pat
         else:
             report = baseline_chain(source, eval_source, Path(out), cfg, tokenizer_path)
         seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu
-        keys = {s: sorted(json.loads(line)["key"] for line in open(Path(out) / f"{s}.jsonl")) for s in ("train", "val", "holdout")}
+        keys = {
+            s: sorted(json.loads(line)["key"] for line in open(Path(out) / f"{s}.jsonl"))
+            for s in ("train", "val", "holdout")
+        }
     digest = hashlib.sha256(json.dumps(keys).encode()).hexdigest()[:16]
-    return {"side": side, "near_dedup": near, "rows": report["rows_read"], "seconds": seconds,
-            "rows_per_s": report["rows_read"] / seconds, "cpu_seconds": cpu_seconds,
-            "rows_per_cpu_s": report["rows_read"] / cpu_seconds, "load_average": os.getloadavg()[0], "peak_rss_mb": _rss_mb("VmHWM"),
-            "working_mb": _rss_mb("VmHWM") - start_rss, "splits": report["splits"], "dropped": report["dropped"],
-            "kept_keys_digest": digest, "kept_keys": {s: len(k) for s, k in keys.items()}}
+    return {
+        "side": side,
+        "near_dedup": near,
+        "rows": report["rows_read"],
+        "seconds": seconds,
+        "rows_per_s": report["rows_read"] / seconds,
+        "cpu_seconds": cpu_seconds,
+        "rows_per_cpu_s": report["rows_read"] / cpu_seconds,
+        "load_average": os.getloadavg()[0],
+        "peak_rss_mb": _rss_mb("VmHWM"),
+        "working_mb": _rss_mb("VmHWM") - start_rss,
+        "splits": report["splits"],
+        "dropped": report["dropped"],
+        "kept_keys_digest": digest,
+        "kept_keys": {s: len(k) for s, k in keys.items()},
+    }
 
 
 def run_side(side: str, source: Path, near: bool, tokenizer_path: str) -> dict:
-    cmd = [sys.executable, "-m", "bench.data_throughput", "--worker", side, "--source", str(source),
-           "--tokenizer", tokenizer_path] + (["--near"] if near else [])
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.data_throughput",
+        "--worker",
+        side,
+        "--source",
+        str(source),
+        "--tokenizer",
+        tokenizer_path,
+    ] + (["--near"] if near else [])
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
@@ -248,14 +285,19 @@ def main() -> None:
             for side in ("baseline", "arrow"):
                 r = run_side(side, corpus, near, tok)
                 runs.append(r)
-                print(f"[{NAME}] round {i + 1}/{args.repeats} {side:8s} near_dedup={near!s:5s}: "
-                      f"{r['rows_per_s']:,.0f} rows/s ({r['rows_per_cpu_s']:,.0f} per CPU-second, load {r['load_average']:.1f}), "
-                      f"peak {r['peak_rss_mb']:.0f} MiB (+{r['working_mb']:.0f})", flush=True)
+                print(
+                    f"[{NAME}] round {i + 1}/{args.repeats} {side:8s} near_dedup={near!s:5s}: "
+                    f"{r['rows_per_s']:,.0f} rows/s ({r['rows_per_cpu_s']:,.0f} per CPU-second, load {r['load_average']:.1f}), "
+                    f"peak {r['peak_rss_mb']:.0f} MiB (+{r['working_mb']:.0f})",
+                    flush=True,
+                )
 
     def median(side: str, near: bool, key: str = "rows_per_s") -> float:
         return statistics.median(r[key] for r in runs if r["side"] == side and r["near_dedup"] == near)
 
-    same_rows = {near: len({r["kept_keys_digest"] for r in runs if r["near_dedup"] == near}) == 1 for near in (False, True)}
+    same_rows = {
+        near: len({r["kept_keys_digest"] for r in runs if r["near_dedup"] == near}) == 1 for near in (False, True)
+    }
     memory = []
     for rows in sorted(int(s) for s in args.scales.split(",") if s):
         path = work / f"corpus-{rows}.jsonl"
@@ -263,35 +305,52 @@ def main() -> None:
             build_corpus(path, rows)
         for side in ("baseline", "arrow"):
             r = run_side(side, path, False, tok)
-            memory.append({k: r[k] for k in ("side", "rows", "peak_rss_mb", "working_mb", "rows_per_s", "rows_per_cpu_s")})
-            print(f"[{NAME}] memory {side:8s} {rows:>7,} rows: peak {r['peak_rss_mb']:.0f} MiB "
-                  f"(+{r['working_mb']:.0f} over start), {r['rows_per_s']:,.0f} rows/s", flush=True)
+            memory.append(
+                {k: r[k] for k in ("side", "rows", "peak_rss_mb", "working_mb", "rows_per_s", "rows_per_cpu_s")}
+            )
+            print(
+                f"[{NAME}] memory {side:8s} {rows:>7,} rows: peak {r['peak_rss_mb']:.0f} MiB "
+                f"(+{r['working_mb']:.0f} over start), {r['rows_per_s']:,.0f} rows/s",
+                flush=True,
+            )
     report = {
         "name": NAME,
         "metric": "rows per second through the whole chain (rows read / wall seconds)",
         "rows": args.rows,
         "tokenizer": tok,
         "corpus": "GSM8K train+test rewritten into variants; 10% exact dups, 5% near dups, 0.5% GSM8K test leaks, 0.1% broken lines",
-        "median": {f"{side}{'_near' if near else ''}": median(side, near) for side in ("baseline", "arrow") for near in (False, True)},
+        "median": {
+            f"{side}{'_near' if near else ''}": median(side, near)
+            for side in ("baseline", "arrow")
+            for near in (False, True)
+        },
         # Wall-clock rows/s depends on what else runs on the machine; rows per CPU-second much less so.
-        "median_per_cpu_s": {f"{side}{'_near' if near else ''}": median(side, near, "rows_per_cpu_s")
-                             for side in ("baseline", "arrow") for near in (False, True)},
+        "median_per_cpu_s": {
+            f"{side}{'_near' if near else ''}": median(side, near, "rows_per_cpu_s")
+            for side in ("baseline", "arrow")
+            for near in (False, True)
+        },
         "ratio": median("arrow", False) / median("baseline", False),
         "ratio_near_dedup": median("arrow", True) / median("baseline", True),
         "goals": {"rows_per_s": 20_000, "rows_per_s_near_dedup": 3_000},
         "same_rows_kept_without_near_dedup": same_rows[False],
         "same_rows_kept_with_near_dedup": same_rows[True],
-        "peak_rss_mb": {f"{side}{'_near' if near else ''}": median(side, near, "peak_rss_mb")
-                        for side in ("baseline", "arrow") for near in (False, True)},
+        "peak_rss_mb": {
+            f"{side}{'_near' if near else ''}": median(side, near, "peak_rss_mb")
+            for side in ("baseline", "arrow")
+            for near in (False, True)
+        },
         "memory_by_rows": memory,
         "runs": runs,
         **stamp(),
     }
     save(NAME, report)
     m = report["median"]
-    print(f"[{NAME}] without near-dedup: arrow {m['arrow']:,.0f} rows/s vs per-row {m['baseline']:,.0f} "
-          f"(x{report['ratio']:.1f}); with: {m['arrow_near']:,.0f} vs {m['baseline_near']:,.0f} "
-          f"(x{report['ratio_near_dedup']:.1f}); same rows kept: {same_rows}")
+    print(
+        f"[{NAME}] without near-dedup: arrow {m['arrow']:,.0f} rows/s vs per-row {m['baseline']:,.0f} "
+        f"(x{report['ratio']:.1f}); with: {m['arrow_near']:,.0f} vs {m['baseline_near']:,.0f} "
+        f"(x{report['ratio_near_dedup']:.1f}); same rows kept: {same_rows}"
+    )
 
 
 if __name__ == "__main__":

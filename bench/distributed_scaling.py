@@ -29,43 +29,79 @@ def main() -> None:
     setup = training_setup(args, "bench-dist-")
     demo, work, model, suffix = setup.demo, setup.work, setup.model, setup.suffix
     gens = demo.train.grpo.get("num_generations", 8)
-    common = [f"train.grpo.max_steps={args.steps}", f"train.grpo.num_generations={gens}",
-              "train.grpo.gradient_accumulation_steps=1", "train.grpo.logging_steps=1"]
+    common = [
+        f"train.grpo.max_steps={args.steps}",
+        f"train.grpo.num_generations={gens}",
+        "train.grpo.gradient_accumulation_steps=1",
+        "train.grpo.logging_steps=1",
+    ]
 
     def spec_file(name: str, *overrides: str, endpoint: str | None = None):
         return setup.spec_file(name, *common, *overrides, endpoint=endpoint)
 
-    one = spec_file("one", f"train.grpo.per_device_train_batch_size={2 * gens}",
-                    "train.distributed.processes_per_node=1", "train.checkpoint_every=100000")
-    two = spec_file("two", f"train.grpo.per_device_train_batch_size={gens}",
-                    "train.distributed.processes_per_node=2", "train.checkpoint_every=100000")
+    one = spec_file(
+        "one",
+        f"train.grpo.per_device_train_batch_size={2 * gens}",
+        "train.distributed.processes_per_node=1",
+        "train.checkpoint_every=100000",
+    )
+    two = spec_file(
+        "two",
+        f"train.grpo.per_device_train_batch_size={gens}",
+        "train.distributed.processes_per_node=2",
+        "train.checkpoint_every=100000",
+    )
+
     def clean() -> None:  # each run starts afresh rather than resuming the last one's checkpoints
         for name in ("one", "two"):
             shutil.rmtree(work / name / "checkpoints", ignore_errors=True)
 
-    compare("distributed_1_vs_2" + suffix, baseline=[*LAUNCH, str(one)], candidate=[*LAUNCH, str(two)],
-            metric="metrics.train_runtime", repeats=args.repeats, before_each=clean, steps=args.steps,
-            completions_per_step=2 * gens, model=str(model))
+    compare(
+        "distributed_1_vs_2" + suffix,
+        baseline=[*LAUNCH, str(one)],
+        candidate=[*LAUNCH, str(two)],
+        metric="metrics.train_runtime",
+        repeats=args.repeats,
+        before_each=clean,
+        steps=args.steps,
+        completions_per_step=2 * gens,
+        model=str(model),
+    )
 
     with seaweedfs_s3(work / "s3", bucket=BUCKET) as endpoint:
         two_args = [f"train.grpo.per_device_train_batch_size={gens}", "train.distributed.processes_per_node=2"]
         none = spec_file("none2", *two_args, "train.checkpoint_every=100000", endpoint=endpoint)
-        every = spec_file("every2", *two_args, "train.checkpoint_every=1", "train.keep_checkpoints=2",
-                          endpoint=endpoint)
+        every = spec_file(
+            "every2", *two_args, "train.checkpoint_every=1", "train.keep_checkpoints=2", endpoint=endpoint
+        )
         stores = [setup.store(n, endpoint) for n in ("none2", "every2")]
-        compare("distributed_checkpoint_overhead" + suffix, baseline=[*LAUNCH, str(none)],
-                candidate=[*LAUNCH, str(every)], metric="metrics.train_runtime", repeats=args.repeats,
-                before_each=lambda: [clear_store(store) for store in stores], steps=args.steps, ranks=2, model=str(model))
+        compare(
+            "distributed_checkpoint_overhead" + suffix,
+            baseline=[*LAUNCH, str(none)],
+            candidate=[*LAUNCH, str(every)],
+            metric="metrics.train_runtime",
+            repeats=args.repeats,
+            before_each=lambda: [clear_store(store) for store in stores],
+            steps=args.steps,
+            ranks=2,
+            model=str(model),
+        )
 
 
 def table_rows(load) -> list[Row]:
     scaling, ckpt = load("distributed_1_vs_2"), load("distributed_checkpoint_overhead")
     steps = (scaling or ckpt or {}).get("steps", 6)
     return [
-        from_compare(scaling, f"2 training processes vs 1, same global batch (`bench.distributed_scaling`, CPU, "
-                     f"{steps} steps)", "1 process", "2 processes (torchrun, gloo)", ""),
-        from_compare(ckpt, "2 ranks: checkpoint every step to S3 vs none (same)", "no checkpoints", "every step",
-                     "<= 1.15"),
+        from_compare(
+            scaling,
+            f"2 training processes vs 1, same global batch (`bench.distributed_scaling`, CPU, {steps} steps)",
+            "1 process",
+            "2 processes (torchrun, gloo)",
+            "",
+        ),
+        from_compare(
+            ckpt, "2 ranks: checkpoint every step to S3 vs none (same)", "no checkpoints", "every step", "<= 1.15"
+        ),
     ]
 
 

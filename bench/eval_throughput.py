@@ -71,9 +71,17 @@ def main() -> None:
 def table_rows(load) -> list[Row]:
     result = load("eval_throughput")
     n, batch = (result["prompts"], result["batch_size"]) if result else (64, 32)
-    return [from_compare(result, f"evaluation throughput (`bench.eval_throughput`, {n} prompts, 16 tokens)",
-                         "one prompt at a time", f"batches of {batch}", ">= 3", value="{:.1f}/s",
-                         sides=("one_at_a_time", "batched"))]
+    return [
+        from_compare(
+            result,
+            f"evaluation throughput (`bench.eval_throughput`, {n} prompts, 16 tokens)",
+            "one prompt at a time",
+            f"batches of {batch}",
+            ">= 3",
+            value="{:.1f}/s",
+            sides=("one_at_a_time", "batched"),
+        )
+    ]
 
 
 if __name__ == "__main__":

@@ -34,8 +34,15 @@ from bench.table import Row
 MODELS = ("qwen2.5-7b", "qwen2.5-1.5b", "qwen2.5-0.5b")  # largest first: the figure that matters most
 QUANTS = ("none", "nf4")
 # --dry-run: Qwen2 (biases on q, k, v; untied head as in 7B) shrunk to run in seconds on a CPU.
-TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "vocab_size": 1024, "max_window_layers": 2}
+TINY = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 1024,
+    "max_window_layers": 2,
+}
 
 
 def options(argv: list[str] | None = None) -> argparse.Namespace:
@@ -145,16 +152,37 @@ def run_case(name: str, quant: str, model_dir: Path, model_cfg: dict, opts, gpu)
         reset_peak_rss()
     generations = min(4, opts.batch)
     args = GRPOConfig(
-        output_dir=str(model_dir.parent / f"out-{name}-{quant}"), save_strategy="no", report_to=[],
-        max_steps=opts.steps, per_device_train_batch_size=opts.batch, num_generations=generations,
-        max_completion_length=opts.completion_tokens, generation_kwargs={"min_new_tokens": opts.completion_tokens},
-        learning_rate=1e-5, beta=0.0, bf16=True, gradient_checkpointing=False, logging_steps=1, disable_tqdm=True,
-        temperature=1.0, seed=0, use_cpu=not cuda,  # transformers allows bf16 autocast on a CPU only when told
+        output_dir=str(model_dir.parent / f"out-{name}-{quant}"),
+        save_strategy="no",
+        report_to=[],
+        max_steps=opts.steps,
+        per_device_train_batch_size=opts.batch,
+        num_generations=generations,
+        max_completion_length=opts.completion_tokens,
+        generation_kwargs={"min_new_tokens": opts.completion_tokens},
+        learning_rate=1e-5,
+        beta=0.0,
+        bf16=True,
+        gradient_checkpointing=False,
+        logging_steps=1,
+        disable_tqdm=True,
+        temperature=1.0,
+        seed=0,
+        use_cpu=not cuda,  # transformers allows bf16 autocast on a CPU only when told
     )
-    lora = LoraConfig(task_type="CAUSAL_LM", r=opts.lora_rank, lora_alpha=2 * opts.lora_rank,
-                      target_modules="all-linear", lora_dropout=0.0)
+    lora = LoraConfig(
+        task_type="CAUSAL_LM",
+        r=opts.lora_rank,
+        lora_alpha=2 * opts.lora_rank,
+        target_modules="all-linear",
+        lora_dropout=0.0,
+    )
     trainer = _probed_trainer()(
-        model=model, reward_funcs=[varied_reward], args=args, processing_class=tokenizer, peft_config=lora,
+        model=model,
+        reward_funcs=[varied_reward],
+        args=args,
+        processing_class=tokenizer,
+        peft_config=lora,
         train_dataset=Dataset.from_list(prompts(opts.batch * opts.steps, opts.prompt_tokens)),
     )
     trainer.remove_callback(PrinterCallback)  # one summary line per case instead of HF's per-step dicts
@@ -169,31 +197,59 @@ def run_case(name: str, quant: str, model_dir: Path, model_cfg: dict, opts, gpu)
         "step_s": statistics.median(s["step_s"] for s in steps),
         "generation_s": statistics.median(s["gen_s"] for s in steps),
         "train_s": statistics.median(s["train_s"] for s in steps),
-        "prompt_len": steps[0]["prompt_len"], "completion_len": steps[0]["completion_len"],
+        "prompt_len": steps[0]["prompt_len"],
+        "completion_len": steps[0]["completion_len"],
         "trainable_params": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
         "load_s": load_s,
     }
     measured["tokens_per_s"] = opts.batch * (measured["prompt_len"] + measured["completion_len"]) / measured["step_s"]
     # the run above as the planner describes it (TRL's defaults where the GRPOConfig above leaves them)
-    work = Workload(model=name, quantization=quant, dtype="bfloat16", lora_rank=opts.lora_rank,
-                    lora_targets="all-linear", prompt_tokens=opts.prompt_tokens,
-                    completion_tokens=opts.completion_tokens, num_generations=generations, effective_batch=opts.batch)
-    estimate = estimate_memory(model_cfg, work, per_device_batch=opts.batch, gradient_checkpointing=False,
-                               generation_batch=opts.batch)
-    out = {"model": name, "quantization": quant, "measured": measured,
-           "estimate": {"bytes": estimate.total, "training_peak": estimate.training_peak,
-                        "generation_peak": estimate.generation_peak, "gib": estimate.gib(),
-                        "trainable_params": estimate.trainable_params}}
+    work = Workload(
+        model=name,
+        quantization=quant,
+        dtype="bfloat16",
+        lora_rank=opts.lora_rank,
+        lora_targets="all-linear",
+        prompt_tokens=opts.prompt_tokens,
+        completion_tokens=opts.completion_tokens,
+        num_generations=generations,
+        effective_batch=opts.batch,
+    )
+    estimate = estimate_memory(
+        model_cfg, work, per_device_batch=opts.batch, gradient_checkpointing=False, generation_batch=opts.batch
+    )
+    out = {
+        "model": name,
+        "quantization": quant,
+        "measured": measured,
+        "estimate": {
+            "bytes": estimate.total,
+            "training_peak": estimate.training_peak,
+            "generation_peak": estimate.generation_peak,
+            "gib": estimate.gib(),
+            "trainable_params": estimate.trainable_params,
+        },
+    }
     if measured["peak_bytes"]:
         out["memory_ratio"] = measured["peak_bytes"] / estimate.total  # measured / estimated
     if gpu is not None:
-        settings = Settings(gpu=gpu.name, count=1, strategy="single", per_device_train_batch_size=opts.batch,
-                            gradient_accumulation_steps=1, steps_per_generation=1, gradient_checkpointing=False,
-                            bf16=True)
+        settings = Settings(
+            gpu=gpu.name,
+            count=1,
+            strategy="single",
+            per_device_train_batch_size=opts.batch,
+            gradient_accumulation_steps=1,
+            steps_per_generation=1,
+            gradient_checkpointing=False,
+            bf16=True,
+        )
         train_est, gen_est = step_seconds(model_cfg, work, settings, gpu, Assumptions())
-        out["time_estimate"] = {"train_s": train_est, "generation_s": gen_est,
-                                "train_ratio": measured["train_s"] / train_est,
-                                "generation_ratio": measured["generation_s"] / gen_est}
+        out["time_estimate"] = {
+            "train_s": train_est,
+            "generation_s": gen_est,
+            "train_ratio": measured["train_s"] / train_est,
+            "generation_ratio": measured["generation_s"] / gen_est,
+        }
     del trainer, model
     _free()
     return out
@@ -214,19 +270,24 @@ def main(argv: list[str] | None = None) -> dict:
     if cuda:
         name = torch.cuda.get_device_name()
         try:
-            gpu = load_catalog().get(next((g for g in ("H200", "H100", "A100-80GB", "L40S") if g.split("-")[0] in name),
-                                          name))
+            gpu = load_catalog().get(
+                next((g for g in ("H200", "H100", "A100-80GB", "L40S") if g.split("-")[0] in name), name)
+            )
         except PlanError:
             gpu = None  # not in the catalog: memory is still checked, time is not
     shm = Path("/dev/shm")
     need = 1.2 * max(2 * architecture(load_model_config(m)[1]).params for m in opts.models.split(","))  # bf16
-    root = Path(tempfile.mkdtemp(prefix="gpu-check-", dir=shm if shm.is_dir() and shutil.disk_usage(shm).free > need else None))
+    root = Path(
+        tempfile.mkdtemp(prefix="gpu-check-", dir=shm if shm.is_dir() and shutil.disk_usage(shm).free > need else None)
+    )
     report = {
         "name": "gpu_check" + ("_dry_run" if opts.dry_run else ""),
         "device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
         "catalog_gpu": gpu.name if gpu else None,
         "versions": {m: __import__(m).__version__ for m in ("torch", "transformers", "trl", "peft", "bitsandbytes")},
-        "settings": {k: getattr(opts, k) for k in ("steps", "batch", "prompt_tokens", "completion_tokens", "lora_rank")},
+        "settings": {
+            k: getattr(opts, k) for k in ("steps", "batch", "prompt_tokens", "completion_tokens", "lora_rank")
+        },
         "cases": [],
     }
     try:
@@ -243,11 +304,18 @@ def main(argv: list[str] | None = None) -> dict:
                     if model_dir is None:
                         t = time.perf_counter()
                         model_dir = random_checkpoint(model_cfg, root / model_name, torch.bfloat16, device)
-                        print(f"[gpu_check] {model_name}: random checkpoint in {time.perf_counter() - t:.0f} s", flush=True)
+                        print(
+                            f"[gpu_check] {model_name}: random checkpoint in {time.perf_counter() - t:.0f} s",
+                            flush=True,
+                        )
                     case = run_case(model_name, quant, model_dir, model_cfg, opts, gpu)
                 except Exception as exc:  # one case failing (out of memory, a library mismatch) must not hide the rest
-                    case = {"model": model_name, "quantization": quant, "error": f"{type(exc).__name__}: {exc}"[:800],
-                            "traceback": traceback.format_exc()[-3000:]}
+                    case = {
+                        "model": model_name,
+                        "quantization": quant,
+                        "error": f"{type(exc).__name__}: {exc}"[:800],
+                        "traceback": traceback.format_exc()[-3000:],
+                    }
                     _free()
                 report["cases"].append(case)
                 _write(report, Path(opts.out), started)  # after every case: a hard stop keeps what was measured
@@ -257,7 +325,9 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         shutil.rmtree(root, ignore_errors=True)
         _write(report, Path(opts.out), started)
-        print(f"[gpu_check] {len(report['cases'])} cases in {report['seconds']:.0f} s -> {opts.out}/{report['name']}.json")
+        print(
+            f"[gpu_check] {len(report['cases'])} cases in {report['seconds']:.0f} s -> {opts.out}/{report['name']}.json"
+        )
     return report
 
 
@@ -275,35 +345,65 @@ def _summary(case: dict) -> dict:
     if "measured" not in case:
         return case
     m = case["measured"]
-    out = {"model": case["model"], "quantization": case["quantization"], "step_s": round(m["step_s"], 3),
-           "tokens_per_s": round(m["tokens_per_s"], 1), "estimate_gib": round(case["estimate"]["gib"]["total"], 2)}
+    out = {
+        "model": case["model"],
+        "quantization": case["quantization"],
+        "step_s": round(m["step_s"], 3),
+        "tokens_per_s": round(m["tokens_per_s"], 1),
+        "estimate_gib": round(case["estimate"]["gib"]["total"], 2),
+    }
     if m["peak_bytes"]:
         out |= {"peak_gib": round(m["peak_bytes"] / 2**30, 2), "measured/estimate": round(case["memory_ratio"], 3)}
     else:
         out["peak_rss_mb"] = round(m["peak_rss_mb"])
     if "time_estimate" in case:
-        out |= {"train_s/estimate": round(case["time_estimate"]["train_ratio"], 2),
-                "generation_s/estimate": round(case["time_estimate"]["generation_ratio"], 2)}
+        out |= {
+            "train_s/estimate": round(case["time_estimate"]["train_ratio"], 2),
+            "generation_s/estimate": round(case["time_estimate"]["generation_ratio"], 2),
+        }
     return out
 
 
 def table_rows(load) -> list[Row]:
     r = load("gpu_check")
     if r is None:
-        return [Row("GPU check (`bench/gpu_check.sh`): peak memory vs planner estimate, 0.5B/1.5B/7B × bf16 LoRA/NF4 "
-                    "QLoRA", "`grpo_pipeline.tasks.plan.estimate_memory`", "`torch.cuda.max_memory_allocated`", None, "",
-                    note="not run: no GPU was lent to this session; `--dry-run` passes on the CPU")]
+        return [
+            Row(
+                "GPU check (`bench/gpu_check.sh`): peak memory vs planner estimate, 0.5B/1.5B/7B × bf16 LoRA/NF4 QLoRA",
+                "`grpo_pipeline.tasks.plan.estimate_memory`",
+                "`torch.cuda.max_memory_allocated`",
+                None,
+                "",
+                note="not run: no GPU was lent to this session; `--dry-run` passes on the CPU",
+            )
+        ]
     rows = []
     for c in r["cases"]:
         label = f"{c['model']} {'NF4 QLoRA' if c['quantization'] == 'nf4' else 'bf16 LoRA'}"
         if "measured" not in c:
-            rows.append(Row(f"GPU check {label}", "estimate", "measured", None, "", note=c.get("skipped") or c.get("error", "")[:80]))
+            rows.append(
+                Row(
+                    f"GPU check {label}",
+                    "estimate",
+                    "measured",
+                    None,
+                    "",
+                    note=c.get("skipped") or c.get("error", "")[:80],
+                )
+            )
             continue
         m, e = c["measured"], c["estimate"]
-        rows.append(Row(f"GPU check {label} on {r['device']}: peak memory, measured / planner estimate",
-                        f"estimate: {e['bytes'] / 2**30:.2f} GiB", f"measured: {m['peak_bytes'] / 2**30:.2f} GiB "
-                        f"({m['tokens_per_s']:.0f} tokens/s, {m['step_s']:.2f} s/step)",
-                        c["memory_ratio"], "<= 1.1", spread=None))
+        rows.append(
+            Row(
+                f"GPU check {label} on {r['device']}: peak memory, measured / planner estimate",
+                f"estimate: {e['bytes'] / 2**30:.2f} GiB",
+                f"measured: {m['peak_bytes'] / 2**30:.2f} GiB "
+                f"({m['tokens_per_s']:.0f} tokens/s, {m['step_s']:.2f} s/step)",
+                c["memory_ratio"],
+                "<= 1.1",
+                spread=None,
+            )
+        )
     return rows
 
 

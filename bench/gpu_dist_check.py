@@ -53,8 +53,11 @@ def cases(gpus: int) -> list[tuple[str, dict, str | None]]:
         ("sigterm-ddp-2", {"processes_per_node": 2}, two),
         ("zero2-1", {"processes_per_node": 1, "strategy": "zero2"}, ds),
         ("zero3-2", {"processes_per_node": 2, "strategy": "zero3"}, two or ds),
-        ("vllm-server", {"processes_per_node": 1, "vllm_server_gpus": 1,
-                         "grpo": {"use_vllm": True, "vllm_mode": "server"}}, two or vllm),
+        (
+            "vllm-server",
+            {"processes_per_node": 1, "vllm_server_gpus": 1, "grpo": {"use_vllm": True, "vllm_mode": "server"}},
+            two or vllm,
+        ),
     ]
 
 
@@ -70,8 +73,12 @@ class PeakMemory(threading.Thread):
     def run(self):
         while self.running:
             try:
-                out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                                     capture_output=True, text=True, timeout=10).stdout
+                out = subprocess.run(
+                    ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                    capture_output=True,
+                    text=True,
+                    timeout=10,
+                ).stdout
             except (OSError, subprocess.TimeoutExpired):
                 return
             for line in out.strip().splitlines():
@@ -90,15 +97,30 @@ def write_job(work: Path, model_dir: Path, data: Path, name: str, distributed: d
     from grpo_pipeline.tasks.job import model_load, train_settings
     from grpo_pipeline.trainer.spec import JobSpec
 
-    grpo = {"max_steps": steps, "num_generations": GENERATIONS, "per_device_train_batch_size": 8,
-            "max_completion_length": COMPLETION_TOKENS, "logging_steps": 1, "bf16": True,
-            **distributed.pop("grpo", {})}
-    cfg = load_config(None, ["model.compute_dtype=bfloat16", "train.checkpoint_every=2", "train.rewards=[bench.gpu_check:varied_reward]"])
+    grpo = {
+        "max_steps": steps,
+        "num_generations": GENERATIONS,
+        "per_device_train_batch_size": 8,
+        "max_completion_length": COMPLETION_TOKENS,
+        "logging_steps": 1,
+        "bf16": True,
+        **distributed.pop("grpo", {}),
+    }
+    cfg = load_config(
+        None,
+        ["model.compute_dtype=bfloat16", "train.checkpoint_every=2", "train.rewards=[bench.gpu_check:varied_reward]"],
+    )
     train = train_settings(cfg.train).model_copy(update={"grpo": {**grpo, "min_new_tokens": COMPLETION_TOKENS}})
     train = train.model_copy(update={"distributed": train.distributed.model_copy(update=distributed)})
-    spec = JobSpec(model_path=str(model_dir), model=model_load(cfg.model), train=train, train_file=str(data),
-                   work_dir=str(work / name / "work"), checkpoint_uri=str(work / name / "ckpt"),
-                   adapter_dir=str(work / name / "adapter"))
+    spec = JobSpec(
+        model_path=str(model_dir),
+        model=model_load(cfg.model),
+        train=train,
+        train_file=str(data),
+        work_dir=str(work / name / "work"),
+        checkpoint_uri=str(work / name / "ckpt"),
+        adapter_dir=str(work / name / "adapter"),
+    )
     return spec.write(work / name / "job.json")
 
 
@@ -107,11 +129,23 @@ def estimate_gib(model_cfg: dict, strategy: str, count: int) -> float:
     from grpo_pipeline.tasks.plan.memory import estimate_memory
     from grpo_pipeline.tasks.plan.workload import Workload
 
-    work = Workload(model=MODEL, dtype="bfloat16", lora_rank=16, lora_targets="all-linear", prompt_tokens=PROMPT_TOKENS,
-                    completion_tokens=COMPLETION_TOKENS, num_generations=GENERATIONS, effective_batch=8 * count)
+    work = Workload(
+        model=MODEL,
+        dtype="bfloat16",
+        lora_rank=16,
+        lora_targets="all-linear",
+        prompt_tokens=PROMPT_TOKENS,
+        completion_tokens=COMPLETION_TOKENS,
+        num_generations=GENERATIONS,
+        effective_batch=8 * count,
+    )
     shards = count if strategy in ("fsdp", "zero3") else 1
-    return estimate_memory(model_cfg, work, per_device_batch=8, gradient_checkpointing=False, generation_batch=8,
-                           shards=shards).total / GIB
+    return (
+        estimate_memory(
+            model_cfg, work, per_device_batch=8, gradient_checkpointing=False, generation_batch=8, shards=shards
+        ).total
+        / GIB
+    )
 
 
 def run_case(name: str, spec_path: Path, gpus_used: int, model_cfg: dict, strategy: str) -> dict:
@@ -175,7 +209,16 @@ def main(argv=None) -> dict:
         used = distributed.get("processes_per_node", 1)
         spec_path = write_job(work, model_dir, data, name, dict(distributed), opts.steps)
         if opts.dry_run:
-            cmd = [sys.executable, "-m", "grpo_pipeline.trainer.launch", "--spec", str(spec_path), "--gpus-per-node", "8", "--dry-run"]
+            cmd = [
+                sys.executable,
+                "-m",
+                "grpo_pipeline.trainer.launch",
+                "--spec",
+                str(spec_path),
+                "--gpus-per-node",
+                "8",
+                "--dry-run",
+            ]
             proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
             print(f"[{name}] exit {proc.returncode}: {proc.stdout.strip() or proc.stderr.strip()[-500:]}")
             report["cases"].append({"case": name, "dry_run_code": proc.returncode})

@@ -56,7 +56,15 @@ def calculations(answer: str, max_operand: int) -> list[dict]:
         a, op, b = int(match[1]), match[2], int(match[3])
         if a > max_operand or b > max_operand or (op == "/" and b == 0):
             continue
-        value = Fraction(a + b) if op == "+" else Fraction(a - b) if op == "-" else Fraction(a * b) if op == "*" else Fraction(a, b)
+        value = (
+            Fraction(a + b)
+            if op == "+"
+            else Fraction(a - b)
+            if op == "-"
+            else Fraction(a * b)
+            if op == "*"
+            else Fraction(a, b)
+        )
         if value.denominator != 1 or value < 0:
             continue
         try:
@@ -75,7 +83,9 @@ def prepare(gsm8k: Path = GSM8K, out: Path = OUT, max_operand: int = 20) -> dict
     for split in ("train", "test"):
         source = gsm8k / f"{split}.jsonl"
         if not source.is_file():
-            raise FileNotFoundError(f"{source} not found: point --gsm8k at a folder with GSM8K's train.jsonl and test.jsonl")
+            raise FileNotFoundError(
+                f"{source} not found: point --gsm8k at a folder with GSM8K's train.jsonl and test.jsonl"
+            )
         rows, problems = [], 0
         with open(source, encoding="utf-8") as f:
             for line in f:
@@ -99,9 +109,21 @@ def run_pipeline(paths: dict[str, Path], work: Path, overrides: list[str], threa
     models = ROOT / ".grpo" / "models"
     if models.is_dir():  # the converted demo model, so the run does not fetch and convert it again
         (work / "models").symlink_to(models.resolve())
-    cmd = [sys.executable, "-m", "grpo_pipeline.cli", "run", "--json", "--config", str(CONFIG),
-           "--set", f"data_dir={work}", "--set", f"data.source={paths['train']}",
-           "--set", f"data.eval_sources=[{paths['test']}]"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "grpo_pipeline.cli",
+        "run",
+        "--json",
+        "--config",
+        str(CONFIG),
+        "--set",
+        f"data_dir={work}",
+        "--set",
+        f"data.source={paths['train']}",
+        "--set",
+        f"data.eval_sources=[{paths['test']}]",
+    ]
     for o in overrides:
         cmd += ["--set", o]
     # Its own MLflow (sqlite under data_dir) and Prefect home: no earlier champion, no shared database.
@@ -113,7 +135,7 @@ def run_pipeline(paths: dict[str, Path], work: Path, overrides: list[str], threa
     seconds = time.monotonic() - started
     if proc.returncode not in (0, 3):
         raise SystemExit(f"grpo-pipeline run exited {proc.returncode}: {proc.stdout[-2000:]}")
-    return json.loads(proc.stdout[proc.stdout.index("{"):]), seconds
+    return json.loads(proc.stdout[proc.stdout.index("{") :]), seconds
 
 
 def result(summary: dict, seconds: float, prepared: dict, tiny: bool) -> dict:
@@ -145,13 +167,17 @@ def table_rows(load) -> list[Row]:
         return [Row(bench, "base", "trained", None, "", note="not run yet")]
     s = r["stats"]
     verdict = "significant (promoted)" if r["promote"] else "not significant / not promoted"
-    return [Row(
-        bench + f", {r['steps']} steps, {r['wall_s'] / 60:.1f} min",
-        f"base: {s['mean_baseline']:.3f}", f"trained: {s['mean_candidate']:.3f}",
-        s["mean_diff"], "> 0",
-        note=f"gain {s['mean_diff']:+.3f}, 95% CI {s['ci_low']:+.3f} to {s['ci_high']:+.3f} on {s['n']} prompts: {verdict}",
-        unit="",
-    )]
+    return [
+        Row(
+            bench + f", {r['steps']} steps, {r['wall_s'] / 60:.1f} min",
+            f"base: {s['mean_baseline']:.3f}",
+            f"trained: {s['mean_candidate']:.3f}",
+            s["mean_diff"],
+            "> 0",
+            note=f"gain {s['mean_diff']:+.3f}, 95% CI {s['ci_low']:+.3f} to {s['ci_high']:+.3f} on {s['n']} prompts: {verdict}",
+            unit="",
+        )
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -162,8 +188,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-operand", type=int, default=20)
     parser.add_argument("--tiny", action="store_true", help="2 steps, 16 holdout prompts: the chain, not the gain")
     parser.add_argument("--set", dest="overrides", action="append", default=[], help="more pipeline overrides")
-    parser.add_argument("--threads", default="auto", help="torch threads per process; auto: 1 when other work "
-                        "already keeps a core busy (two threads on one free core thrash: 10x slower steps), else torch's own")
+    parser.add_argument(
+        "--threads",
+        default="auto",
+        help="torch threads per process; auto: 1 when other work "
+        "already keeps a core busy (two threads on one free core thrash: 10x slower steps), else torch's own",
+    )
     opts = parser.parse_args(argv)
     paths = prepare(opts.gsm8k, opts.out, opts.max_operand)
     prepared = json.loads((opts.out / "prepared.json").read_text())
@@ -176,13 +206,17 @@ def main(argv: list[str] | None = None) -> int:
     busy = os.getloadavg()[0]
     threads = (1 if busy >= 0.8 else None) if opts.threads == "auto" else int(opts.threads)
     print(f"[{NAME}] load {busy:.1f} before the run: torch threads {threads or 'default'}", flush=True)
-    summary, seconds = run_pipeline(paths, ROOT / ".grpo" / f"bench-{NAME}{'-tiny' if opts.tiny else ''}", overrides,
-                                    threads)
+    summary, seconds = run_pipeline(
+        paths, ROOT / ".grpo" / f"bench-{NAME}{'-tiny' if opts.tiny else ''}", overrides, threads
+    )
     report = result(summary, seconds, prepared, opts.tiny) | {"threads": threads, "load_before": busy}
     s = report["stats"]
-    print(f"[{NAME}] {report['metric']}: base {s['mean_baseline']:.3f} -> trained {s['mean_candidate']:.3f}, gain "
-          f"{s['mean_diff']:+.3f} (95% CI {s['ci_low']:+.3f} to {s['ci_high']:+.3f}, n={s['n']}); "
-          f"{'promoted' if report['promote'] else 'not promoted'}; {seconds / 60:.1f} min", flush=True)
+    print(
+        f"[{NAME}] {report['metric']}: base {s['mean_baseline']:.3f} -> trained {s['mean_candidate']:.3f}, gain "
+        f"{s['mean_diff']:+.3f} (95% CI {s['ci_low']:+.3f} to {s['ci_high']:+.3f}, n={s['n']}); "
+        f"{'promoted' if report['promote'] else 'not promoted'}; {seconds / 60:.1f} min",
+        flush=True,
+    )
     save(f"{NAME}_tiny" if opts.tiny else NAME, report)
     return 0
 

@@ -84,8 +84,10 @@ def reset_peak_rss() -> bool:
 
 def stamp() -> dict:
     """Where and when a result was measured, for the end of its JSON."""
-    return {"machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
-            "date": datetime.now(UTC).isoformat(timespec="seconds")}
+    return {
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
 
 
 def save(name: str, report: dict) -> Path:

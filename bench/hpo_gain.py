@@ -98,8 +98,7 @@ def paired_ci(candidate: list[float], baseline: list[float]) -> dict:
     ci = mean_ci(d.tolist())
     verdict = "one seed: no interval"
     if ci["low"] is not None:
-        verdict = ("above beyond noise" if ci["low"] > 0 else "below beyond noise" if ci["high"] < 0
-                   else "within noise")
+        verdict = "above beyond noise" if ci["low"] > 0 else "below beyond noise" if ci["high"] < 0 else "within noise"
     return {"diff": ci["mean"], "low": ci["low"], "high": ci["high"], "n": ci["n"], "verdict": verdict}
 
 
@@ -111,17 +110,28 @@ def summarize(runs: dict[str, dict[int, dict]], base_reward: float) -> dict:
         if not by_seed:
             continue
         rewards = [by_seed[s]["holdout_reward"] for s in sorted(by_seed)]
-        out["arms"][arm] = {"seeds": sorted(by_seed), "holdout_reward": rewards, **mean_ci(rewards),
-                            "gain_mean": mean_ci(rewards)["mean"] - base_reward}
+        out["arms"][arm] = {
+            "seeds": sorted(by_seed),
+            "holdout_reward": rewards,
+            **mean_ci(rewards),
+            "gain_mean": mean_ci(rewards)["mean"] - base_reward,
+        }
     for cand, base in (("searched", "hand"), ("searched", "defaults"), ("hand", "defaults")):
         if cand in runs and base in runs:
             common = sorted(set(runs[cand]) & set(runs[base]))
             if common:
-                entry = {"seeds": common, **paired_ci([runs[cand][s]["holdout_reward"] for s in common],
-                                                      [runs[base][s]["holdout_reward"] for s in common])}
+                entry = {
+                    "seeds": common,
+                    **paired_ci(
+                        [runs[cand][s]["holdout_reward"] for s in common],
+                        [runs[base][s]["holdout_reward"] for s in common],
+                    ),
+                }
                 # the holdout prompts' part of the noise alone (every common seed's prompts, paired)
-                entry["prompts"] = paired_ci(sum((runs[cand][s]["totals"] for s in common), []),
-                                             sum((runs[base][s]["totals"] for s in common), []))
+                entry["prompts"] = paired_ci(
+                    sum((runs[cand][s]["totals"] for s in common), []),
+                    sum((runs[base][s]["totals"] for s in common), []),
+                )
                 out["comparisons"][f"{cand}-{base}"] = entry
     return out
 
@@ -149,8 +159,13 @@ def run_fixed(cfg, model, splits, work: Path) -> dict:
     result = _train(cfg, model, splits, work)
     train_s = time.monotonic() - started
     scored = _holdout(model, cfg, splits, result.adapter_dir)
-    return {"holdout_reward": scored.reward, "per_reward": scored.per_reward, "steps": result.global_step,
-            "train_s": train_s, "totals": [r["total"] for r in scored.rows]}
+    return {
+        "holdout_reward": scored.reward,
+        "per_reward": scored.per_reward,
+        "steps": result.global_step,
+        "train_s": train_s,
+        "totals": [r["total"] for r in scored.rows],
+    }
 
 
 def run_searched(start, model, splits, work: Path, seed: int, budget: int, fraction: float) -> dict:
@@ -161,15 +176,28 @@ def run_searched(start, model, splits, work: Path, seed: int, budget: int, fract
     from grpo_pipeline.infra.launch import make_launcher
     from grpo_pipeline.tasks.hpo import HPOFailed, Tracking, apply_best, run_trial, search
 
-    cfg = apply_best(start, {"hpo.seed": seed, "hpo.study_name": f"bench-hpo-gain-s{seed}",
-                             "hpo.budget_steps": max(1, int(budget * fraction))})
+    cfg = apply_best(
+        start,
+        {
+            "hpo.seed": seed,
+            "hpo.study_name": f"bench-hpo-gain-s{seed}",
+            "hpo.budget_steps": max(1, int(budget * fraction)),
+        },
+    )
     exp_id = setup_tracking(cfg.mlflow_uri, cfg.tracking.experiment, work.parent / "mlartifacts")
     stage = MlflowClient(cfg.mlflow_uri).create_run(exp_id, run_name=f"hpo-s{seed}")
     tracking = Tracking(tracking_uri=cfg.mlflow_uri, experiment_id=exp_id, stage_run_id=stage.info.run_id)
     started = time.monotonic()
     try:
-        result = search(cfg, model, splits, work / "search", rewards=cfg.train.reward_set(),
-                        run_one=partial(run_trial, launcher_for=make_launcher), tracking=tracking)
+        result = search(
+            cfg,
+            model,
+            splits,
+            work / "search",
+            rewards=cfg.train.reward_set(),
+            run_one=partial(run_trial, launcher_for=make_launcher),
+            tracking=tracking,
+        )
     except HPOFailed as exc:  # what the pipeline would do: fail, and train nothing
         return {"failed": str(exc), "search_s": time.monotonic() - started}
     search_s = time.monotonic() - started
@@ -181,13 +209,23 @@ def run_searched(start, model, splits, work: Path, seed: int, budget: int, fract
     trained = _train(trained_cfg, model, splits, work / "final")
     train_s = time.monotonic() - started
     scored = _holdout(model, cfg, splits, trained.adapter_dir)
-    return {"holdout_reward": scored.reward, "per_reward": scored.per_reward, "totals": [r["total"] for r in scored.rows],
-            "steps": {"search": result.steps_spent, "final_training": trained.global_step},
-            "search_s": search_s, "train_s": train_s, "search_over_training": search_s / train_s,
-            "applied": result.applied, "decision": result.decision, "overrides": result.overrides,
-            "best_trial": result.best_trial, "best_params": result.best_params,
-            "configurations": len([t for t in result.trials if t.params]),  # searched ones (not the control)
-            "trials": [t.model_dump() for t in result.trials], "validation_prompts": result.prompts}
+    return {
+        "holdout_reward": scored.reward,
+        "per_reward": scored.per_reward,
+        "totals": [r["total"] for r in scored.rows],
+        "steps": {"search": result.steps_spent, "final_training": trained.global_step},
+        "search_s": search_s,
+        "train_s": train_s,
+        "search_over_training": search_s / train_s,
+        "applied": result.applied,
+        "decision": result.decision,
+        "overrides": result.overrides,
+        "best_trial": result.best_trial,
+        "best_params": result.best_params,
+        "configurations": len([t for t in result.trials if t.params]),  # searched ones (not the control)
+        "trials": [t.model_dump() for t in result.trials],
+        "validation_prompts": result.prompts,
+    }
 
 
 # ---------------------------------------------------------------------------------------------- the driver
@@ -199,16 +237,28 @@ def _options(argv=None):
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (training data order, sampling, TPE)")
     parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of " + ",".join(ARMS))
     parser.add_argument("--search-fraction", type=float, default=0.5, help="share of the budget the search may spend")
-    parser.add_argument("--trials", type=int, default=12, help="most trials per search (the step budget stops it first)")
+    parser.add_argument(
+        "--trials", type=int, default=12, help="most trials per search (the step budget stops it first)"
+    )
     parser.add_argument("--trial-steps", type=int, default=2, help="steps of a trial that is never pruned")
-    parser.add_argument("--reduction-factor", type=int, default=2, help="1 in this many trials goes on to the next rung")
-    parser.add_argument("--min-configurations", type=int, default=3,
-                        help="configurations at the first rung before any goes past it")
+    parser.add_argument(
+        "--reduction-factor", type=int, default=2, help="1 in this many trials goes on to the next rung"
+    )
+    parser.add_argument(
+        "--min-configurations", type=int, default=3, help="configurations at the first rung before any goes past it"
+    )
     parser.add_argument("--target-se", type=float, default=0.15, help="hpo.target_standard_error")
-    parser.add_argument("--tiny", action="store_true", help="a tiny random model and tiny sizes: a quick check that it runs")
-    parser.add_argument("--report-only", action="store_true",
-                        help="run nothing: rewrite the result file from the runs the work folder holds")
-    parser.add_argument("--work", type=Path, default=None, help="keep every run here; a rerun reuses them (default: a temp dir)")
+    parser.add_argument(
+        "--tiny", action="store_true", help="a tiny random model and tiny sizes: a quick check that it runs"
+    )
+    parser.add_argument(
+        "--report-only",
+        action="store_true",
+        help="run nothing: rewrite the result file from the runs the work folder holds",
+    )
+    parser.add_argument(
+        "--work", type=Path, default=None, help="keep every run here; a rerun reuses them (default: a temp dir)"
+    )
     return parser.parse_args(argv)
 
 
@@ -227,23 +277,45 @@ def main(argv=None) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     seeds = [int(s) for s in opts.seeds.split(",") if s.strip()]
     arms = [a for a in opts.arms.split(",") if a]
-    overrides = [f"tracking.mlflow_tracking_uri=sqlite:///{work / 'mlflow.db'}", f"data_dir={work / 'data_dir'}",
-                 "hpo.enabled=true", "hpo.warm_start=false", "hpo.pruner=successive_halving",
-                 f"hpo.steps={opts.trial_steps}", "hpo.eval_every=1", f"hpo.trials={opts.trials}",
-                 f"hpo.target_standard_error={opts.target_se}", "hpo.rescore_top_k=2", "hpo.concurrency=1",
-                 f"hpo.reduction_factor={opts.reduction_factor}", f"hpo.min_configurations={opts.min_configurations}",
-                 "train.checkpoint_every=1000"]
+    overrides = [
+        f"tracking.mlflow_tracking_uri=sqlite:///{work / 'mlflow.db'}",
+        f"data_dir={work / 'data_dir'}",
+        "hpo.enabled=true",
+        "hpo.warm_start=false",
+        "hpo.pruner=successive_halving",
+        f"hpo.steps={opts.trial_steps}",
+        "hpo.eval_every=1",
+        f"hpo.trials={opts.trials}",
+        f"hpo.target_standard_error={opts.target_se}",
+        "hpo.rescore_top_k=2",
+        "hpo.concurrency=1",
+        f"hpo.reduction_factor={opts.reduction_factor}",
+        f"hpo.min_configurations={opts.min_configurations}",
+        "train.checkpoint_every=1000",
+    ]
     if opts.tiny:
-        overrides += ["data.demo.n_train=64", "data.demo.n_holdout=8", "train.grpo.max_completion_length=6",
-                      "evaluate.max_new_tokens=6", "hpo.target_standard_error=0.5", "hpo.rung_prompts=2"]
+        overrides += [
+            "data.demo.n_train=64",
+            "data.demo.n_holdout=8",
+            "train.grpo.max_completion_length=6",
+            "evaluate.max_new_tokens=6",
+            "hpo.target_standard_error=0.5",
+            "hpo.rung_prompts=2",
+        ]
     demo = load_config(ROOT / "configs" / "demo-cpu.yaml", overrides)
     tiny = work / "tiny"
-    model = str((tiny if (tiny / "config.json").is_file() else create_random_model(tiny)) if opts.tiny
-                else ensure_demo_model(ROOT / ".grpo" / "models"))
+    model = str(
+        (tiny if (tiny / "config.json").is_file() else create_random_model(tiny))
+        if opts.tiny
+        else ensure_demo_model(ROOT / ".grpo" / "models")
+    )
     data = generate(demo.data.demo.model_copy(update={"n_val": 0}))
     # validation questions from the wider val pool (operands up to 30): still none in train or holdout
-    data["val"] = generate(demo.data.demo.model_copy(update={"max_operand": 30, "n_val": 16 if opts.tiny else 98,
-                                                             "n_holdout": 0, "n_train": 0}))["val"]
+    data["val"] = generate(
+        demo.data.demo.model_copy(
+            update={"max_operand": 30, "n_val": 16 if opts.tiny else 98, "n_holdout": 0, "n_train": 0}
+        )
+    )["val"]
     splits = write_splits(data, work / "data")
     defaults = library_defaults()
     start = apply_best(demo, defaults | {"train.grpo.max_steps": opts.budget})
@@ -259,19 +331,34 @@ def main(argv=None) -> dict:
 
     def report(status: str) -> dict:
         out = {
-            "name": name, "status": status, "budget_steps": opts.budget, "seeds": seeds,
+            "name": name,
+            "status": status,
+            "budget_steps": opts.budget,
+            "seeds": seeds,
             "metric": f"holdout reward ({base.n} prompts, greedy; reward = sum of {demo.train.rewards}, max "
-                      f"{len(demo.train.rewards)})",
-            "base_reward": base.reward, "summary": summarize({a: r for a, r in runs.items() if r}, base.reward),
-            "hyperparameters": {"defaults": defaults, "hand": {k: hand.model_dump()["train"][k.split(".")[1]].get(
-                k.split(".")[2]) for k in LIBRARY_DEFAULTS}},
-            "search": {"fraction": opts.search_fraction, "trials_at_most": opts.trials, "trial_steps": opts.trial_steps,
-                       "pruner": "successive_halving", "reduction_factor": opts.reduction_factor,
-                       "min_configurations": opts.min_configurations, "target_standard_error": opts.target_se},
+            f"{len(demo.train.rewards)})",
+            "base_reward": base.reward,
+            "summary": summarize({a: r for a, r in runs.items() if r}, base.reward),
+            "hyperparameters": {
+                "defaults": defaults,
+                "hand": {k: hand.model_dump()["train"][k.split(".")[1]].get(k.split(".")[2]) for k in LIBRARY_DEFAULTS},
+            },
+            "search": {
+                "fraction": opts.search_fraction,
+                "trials_at_most": opts.trials,
+                "trial_steps": opts.trial_steps,
+                "pruner": "successive_halving",
+                "reduction_factor": opts.reduction_factor,
+                "min_configurations": opts.min_configurations,
+                "target_standard_error": opts.target_se,
+            },
             "runs": {a: {str(s): r for s, r in by.items()} for a, by in runs.items()},
             "wall_s_this_invocation": time.monotonic() - started,
-            "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                        "threads": os.environ.get("OMP_NUM_THREADS")},
+            "machine": {
+                "cpus": os.cpu_count(),
+                "python": platform.python_version(),
+                "threads": os.environ.get("OMP_NUM_THREADS"),
+            },
             "date": datetime.now(UTC).isoformat(timespec="seconds"),
             "model": "tiny random llama" if opts.tiny else model,
         }
@@ -287,8 +374,9 @@ def main(argv=None) -> dict:
                 print(f"[hpo_gain] {arm}, seed {seed}", file=sys.stderr, flush=True)
                 folder = work / f"{arm}-s{seed}"
                 if arm == "searched":
-                    result = run_searched(start.model_copy(deep=True), model, splits, folder, seed, opts.budget,
-                                          opts.search_fraction)
+                    result = run_searched(
+                        start.model_copy(deep=True), model, splits, folder, seed, opts.budget, opts.search_fraction
+                    )
                 else:
                     cfg = apply_best(start if arm == "defaults" else hand, {"train.grpo.seed": seed})
                     result = run_fixed(cfg, model, splits, folder)
@@ -330,34 +418,70 @@ def table_rows(load) -> list[Row]:
         if c["low"] is None and c.get("prompts"):  # one seed: the holdout prompts' interval, labelled as such
             c = {**c["prompts"], "verdict": c["prompts"]["verdict"] + " (prompts only; one seed)"}
         goal = "beyond noise" if base == "defaults" else "within noise or above"
-        met = c["verdict"].startswith("above beyond noise") if base == "defaults" else not c["verdict"].startswith("below")
-        interval = f"{c['diff']:+.3f} ({c['low']:+.3f} to {c['high']:+.3f})" if c["low"] is not None else f"{c['diff']:+.3f}"
-        rows.append(Row(
-            f"{bench}, {budget} steps per arm, searched − {'TRL/PEFT defaults' if base == 'defaults' else 'hand-tuned demo'}",
-            f"{base}: {_fmt(arms[base])}", f"searched: {_fmt(arms['searched'])}", None, "",
-            note=f"difference {interval}: {c['verdict']}; goal {goal}: {'meets' if met else 'misses'}{partial_note}"))
+        met = (
+            c["verdict"].startswith("above beyond noise")
+            if base == "defaults"
+            else not c["verdict"].startswith("below")
+        )
+        interval = (
+            f"{c['diff']:+.3f} ({c['low']:+.3f} to {c['high']:+.3f})" if c["low"] is not None else f"{c['diff']:+.3f}"
+        )
+        rows.append(
+            Row(
+                f"{bench}, {budget} steps per arm, searched − {'TRL/PEFT defaults' if base == 'defaults' else 'hand-tuned demo'}",
+                f"{base}: {_fmt(arms[base])}",
+                f"searched: {_fmt(arms['searched'])}",
+                None,
+                "",
+                note=f"difference {interval}: {c['verdict']}; goal {goal}: {'meets' if met else 'misses'}{partial_note}",
+            )
+        )
     if "hand-defaults" in comps:
         c = comps["hand-defaults"]
-        interval = f"{c['diff']:+.3f} ({c['low']:+.3f} to {c['high']:+.3f})" if c["low"] is not None else f"{c['diff']:+.3f}"
-        rows.append(Row(f"{bench}, {budget} steps per arm, hand-tuned demo − TRL/PEFT defaults (context)",
-                        f"defaults: {_fmt(arms['defaults'])}", f"hand: {_fmt(arms['hand'])}", None, "",
-                        note=f"difference {interval}: {c['verdict']}"))
+        interval = (
+            f"{c['diff']:+.3f} ({c['low']:+.3f} to {c['high']:+.3f})" if c["low"] is not None else f"{c['diff']:+.3f}"
+        )
+        rows.append(
+            Row(
+                f"{bench}, {budget} steps per arm, hand-tuned demo − TRL/PEFT defaults (context)",
+                f"defaults: {_fmt(arms['defaults'])}",
+                f"hand: {_fmt(arms['hand'])}",
+                None,
+                "",
+                note=f"difference {interval}: {c['verdict']}",
+            )
+        )
     failed = [s for s, v in r["runs"].get("searched", {}).items() if "failed" in v]
     if failed:
-        rows.append(Row(f"{bench}: searches that failed (no searched trial completed)", "", "", None, "",
-                        note=f"seeds {', '.join(failed)}: the stage failed, nothing trained"))
+        rows.append(
+            Row(
+                f"{bench}: searches that failed (no searched trial completed)",
+                "",
+                "",
+                None,
+                "",
+                note=f"seeds {', '.join(failed)}: the stage failed, nothing trained",
+            )
+        )
     searched = [v for v in r["runs"].get("searched", {}).values() if "train_s" in v]
     if searched:
         ratios = [v["search_over_training"] for v in searched]
-        rows.append(Row(
-            "search wall time against the final training it feeds (same run, same seed)",
-            f"final training: {sum(v['train_s'] for v in searched) / len(searched):.0f} s "
-            f"({searched[0]['steps']['final_training']} steps)",
-            f"search: {sum(v['search_s'] for v in searched) / len(searched):.0f} s "
-            f"({searched[0]['steps']['search']} trial steps)",
-            sorted(ratios)[len(ratios) // 2], "", spread=(min(ratios), max(ratios)) if len(ratios) > 1 else None))
+        rows.append(
+            Row(
+                "search wall time against the final training it feeds (same run, same seed)",
+                f"final training: {sum(v['train_s'] for v in searched) / len(searched):.0f} s "
+                f"({searched[0]['steps']['final_training']} steps)",
+                f"search: {sum(v['search_s'] for v in searched) / len(searched):.0f} s "
+                f"({searched[0]['steps']['search']} trial steps)",
+                sorted(ratios)[len(ratios) // 2],
+                "",
+                spread=(min(ratios), max(ratios)) if len(ratios) > 1 else None,
+            )
+        )
     if not rows:
-        rows.append(Row(bench, "defaults / hand-tuned", "searched", None, "", note=f"no arms to compare yet{partial_note}"))
+        rows.append(
+            Row(bench, "defaults / hand-tuned", "searched", None, "", note=f"no arms to compare yet{partial_note}")
+        )
     return rows
 
 

@@ -52,18 +52,33 @@ def _options(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=16, help="GRPO steps per arm (the fixed budget)")
     parser.add_argument("--eval-every", type=int, default=4, help="steps between holdout evaluations")
     parser.add_argument("--holdout", type=int, default=48, help="held-out prompts per evaluation")
-    parser.add_argument("--threshold", type=float, default=0.8,
-                        help="holdout reward (of 2) that counts as 'quality': most answers in the asked format")
+    parser.add_argument(
+        "--threshold",
+        type=float,
+        default=0.8,
+        help="holdout reward (of 2) that counts as 'quality': most answers in the asked format",
+    )
     parser.add_argument("--full-lr", type=float, default=3e-5, help="full fine-tuning's learning rate")
-    parser.add_argument("--full-lrs", default="", help="comma-separated learning rates to sweep for full fine-tuning "
-                        "(the best at the first seed is run at every seed); default: --full-lr alone")
+    parser.add_argument(
+        "--full-lrs",
+        default="",
+        help="comma-separated learning rates to sweep for full fine-tuning "
+        "(the best at the first seed is run at every seed); default: --full-lr alone",
+    )
     parser.add_argument("--adapter-lrs", default="", help="the same for LoRA and QLoRA; default: the demo config's")
     parser.add_argument("--seeds", default="0", help="comma-separated training seeds (data order and sampling)")
-    parser.add_argument("--seeds-first", action="store_true",
-                        help="every seed at each arm's first rate before the other rates at the first seed (when "
-                             "the time may run out: the seeds' interval is then there first)")
-    parser.add_argument("--keep", type=Path, default=None,
-                        help="work folder kept between invocations: finished runs are reused (default: a temp dir)")
+    parser.add_argument(
+        "--seeds-first",
+        action="store_true",
+        help="every seed at each arm's first rate before the other rates at the first seed (when "
+        "the time may run out: the seeds' interval is then there first)",
+    )
+    parser.add_argument(
+        "--keep",
+        type=Path,
+        default=None,
+        help="work folder kept between invocations: finished runs are reused (default: a temp dir)",
+    )
     parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of full,lora,qlora")
     parser.add_argument("--tiny", action="store_true", help="a tiny random model: checks the code path in seconds")
     parser.add_argument("--arm", choices=ARMS, help=argparse.SUPPRESS)  # internal: run one arm in this process
@@ -101,12 +116,22 @@ def _holdout_callback(rows: list[dict], tokenizer, every: int, max_new_tokens: i
             self.last_totals = [r["total"] for r in result.rows]
             train_s = (started - self.t0) - self.eval_s if step else 0.0
             train_cpu_s = (started_cpu - self.t0_cpu) - self.eval_cpu_s if step else 0.0
-            self.curve.append({"step": step, "train_s": train_s, "train_cpu_s": train_cpu_s, "reward": result.reward,
-                               **result.per_reward})
+            self.curve.append(
+                {
+                    "step": step,
+                    "train_s": train_s,
+                    "train_cpu_s": train_cpu_s,
+                    "reward": result.reward,
+                    **result.per_reward,
+                }
+            )
             self.eval_s += time.perf_counter() - started
             self.eval_cpu_s += time.process_time() - started_cpu
-            print(f"  step {step:3d}  train {train_s:7.1f} s ({train_cpu_s:7.1f} CPU s)  holdout reward "
-                  f"{result.reward:.3f}", flush=True)
+            print(
+                f"  step {step:3d}  train {train_s:7.1f} s ({train_cpu_s:7.1f} CPU s)  holdout reward "
+                f"{result.reward:.3f}",
+                flush=True,
+            )
 
         def on_train_begin(self, args, state, control, **kw):
             # the step-0 evaluation ran before the clocks start
@@ -137,8 +162,14 @@ def run_arm(arm: str, model_path: str, train_file: str, holdout_file: str, opts:
     from grpo_pipeline.trainer.rewards import resolve_reward
 
     cfg = load_config(ROOT / "configs" / "demo-cpu.yaml")
-    grpo = dict(cfg.train.grpo) | {"max_steps": opts.steps, "logging_steps": 1, "bf16": False, "report_to": [],
-                                   "disable_tqdm": True, "seed": opts.seed}
+    grpo = dict(cfg.train.grpo) | {
+        "max_steps": opts.steps,
+        "logging_steps": 1,
+        "bf16": False,
+        "report_to": [],
+        "disable_tqdm": True,
+        "seed": opts.seed,
+    }
     if arm == "full":
         grpo["learning_rate"] = opts.full_lr
     if opts.lr is not None:
@@ -212,8 +243,9 @@ def speedup(full_curve: list[dict], arm_curve: list[dict], threshold: float, clo
     if hit and full_hit:
         out["ratio"] = full_hit["train_s"] / hit["train_s"]
         # the arm crossed after its previous evaluation; at the first one there is no upper bound
-        out["spread"] = ([full_hit["after_s"] / hit["train_s"], full_hit["train_s"] / hit["after_s"]]
-                         if hit["after_s"] > 0 else None)
+        out["spread"] = (
+            [full_hit["after_s"] / hit["train_s"], full_hit["train_s"] / hit["after_s"]] if hit["after_s"] > 0 else None
+        )
     elif hit:  # full never got there: the speedup is at least its whole budget over the arm's time
         out["ratio_at_least"] = out["full_total_s"] / hit["train_s"]
     elif full_hit:  # the arm never got there: the speedup is at most full's time over the arm's whole budget
@@ -241,8 +273,13 @@ def quality_gap(full: list[float], arm: list[float], seed: int = 0) -> dict:
         return (f.mean(axis=axis) - a.mean(axis=axis)) / f.mean(axis=axis) * 100
 
     ci = bootstrap((f, a), gap, paired=True, vectorized=True, n_resamples=4000, random_state=seed, method="percentile")
-    return {"gap_pct": float(gap(f, a)), "low_pct": float(ci.confidence_interval.low),
-            "high_pct": float(ci.confidence_interval.high), "full": float(f.mean()), "arm": float(a.mean())}
+    return {
+        "gap_pct": float(gap(f, a)),
+        "low_pct": float(ci.confidence_interval.low),
+        "high_pct": float(ci.confidence_interval.high),
+        "full": float(f.mean()),
+        "arm": float(a.mean()),
+    }
 
 
 def analyse(arms: dict[str, dict], threshold: float) -> dict:
@@ -258,8 +295,11 @@ def analyse(arms: dict[str, dict], threshold: float) -> dict:
             # CPU seconds: neighbours on a shared machine slow the wall clock of one arm and not another
             "time_to_quality": speedup(full["curve"], arm["curve"], threshold, "train_cpu_s"),
             "time_to_quality_wall": speedup(full["curve"], arm["curve"], threshold, "train_s"),
-            "memory": {"full_mb": full["peak_rss_train_mb"], "arm_mb": arm["peak_rss_train_mb"],
-                       "ratio": arm["peak_rss_train_mb"] / full["peak_rss_train_mb"]},
+            "memory": {
+                "full_mb": full["peak_rss_train_mb"],
+                "arm_mb": arm["peak_rss_train_mb"],
+                "ratio": arm["peak_rss_train_mb"] / full["peak_rss_train_mb"],
+            },
             "step_s": {"full": spread(full["step_s"]), "arm": spread(arm["step_s"])},
         }
     return out
@@ -311,12 +351,19 @@ def sweep_analysis(runs: list[dict], seeds: list[int], wanted_threshold: float) 
             if r["arm"] == arm:
                 counts[r["learning_rate"]] = counts.get(r["learning_rate"], 0) + 1
         rates[arm] = max(counts, key=lambda lr: (counts[lr], lr == best[arm]))
-    at_best = {arm: {r["seed"]: r for r in runs if r["arm"] == arm and r["learning_rate"] == lr}
-               for arm, lr in rates.items()}
-    out: dict = {"best_learning_rate": best, "compared_learning_rate": rates, "sweep_seed": seeds[0],
-                 "by_rate": {arm: {f"{r['learning_rate']:g}": final_reward(r) for r in runs
-                                   if r["arm"] == arm and r["seed"] == seeds[0]} for arm in rates},
-                 "arms": {}}
+    at_best = {
+        arm: {r["seed"]: r for r in runs if r["arm"] == arm and r["learning_rate"] == lr} for arm, lr in rates.items()
+    }
+    out: dict = {
+        "best_learning_rate": best,
+        "compared_learning_rate": rates,
+        "sweep_seed": seeds[0],
+        "by_rate": {
+            arm: {f"{r['learning_rate']:g}": final_reward(r) for r in runs if r["arm"] == arm and r["seed"] == seeds[0]}
+            for arm in rates
+        },
+        "arms": {},
+    }
     if "full" not in at_best:
         return out
     full = at_best["full"]
@@ -328,9 +375,14 @@ def sweep_analysis(runs: list[dict], seeds: list[int], wanted_threshold: float) 
             continue
         f = np.array([final_reward(full[s]) for s in common])
         a = np.array([final_reward(by_seed[s]) for s in common])
-        entry: dict = {"seeds": common, "full": f.tolist(), "arm": a.tolist(), "full_mean": float(f.mean()),
-                       "arm_mean": float(a.mean()),
-                       "gap_pct": float((f.mean() - a.mean()) / f.mean() * 100) if f.mean() > 0 else None}
+        entry: dict = {
+            "seeds": common,
+            "full": f.tolist(),
+            "arm": a.tolist(),
+            "full_mean": float(f.mean()),
+            "arm_mean": float(a.mean()),
+            "gap_pct": float((f.mean() - a.mean()) / f.mean() * 100) if f.mean() > 0 else None,
+        }
         if len(common) >= 2 and f.mean() > 0:
             diff = f - a
             if np.ptp(diff) == 0:  # identical differences: a t interval is undefined (zero spread)
@@ -340,19 +392,29 @@ def sweep_analysis(runs: list[dict], seeds: list[int], wanted_threshold: float) 
                 low, high = float(ci.low), float(ci.high)
             entry |= {"gap_low_pct": low / f.mean() * 100, "gap_high_pct": high / f.mean() * 100}
         # the same over prompts (every seed's prompts pooled, paired): the data's part of the noise alone
-        entry["pooled_prompts"] = quality_gap(sum((full[s]["final_totals"] for s in common), []),
-                                              sum((by_seed[s]["final_totals"] for s in common), []))
-        threshold = shared_threshold([full[s]["curve"] for s in common] + [by_seed[s]["curve"] for s in common],
-                                     wanted_threshold)
+        entry["pooled_prompts"] = quality_gap(
+            sum((full[s]["final_totals"] for s in common), []), sum((by_seed[s]["final_totals"] for s in common), [])
+        )
+        threshold = shared_threshold(
+            [full[s]["curve"] for s in common] + [by_seed[s]["curve"] for s in common], wanted_threshold
+        )
         per_seed = []
         for s in common:
             fh = time_to_quality(full[s]["curve"], threshold, "train_cpu_s")
             ah = time_to_quality(by_seed[s]["curve"], threshold, "train_cpu_s")
-            per_seed.append({"seed": s, "full": fh, "arm": ah,
-                             "ratio": fh["train_s"] / ah["train_s"] if fh and ah and ah["train_s"] > 0 else None})
+            per_seed.append(
+                {
+                    "seed": s,
+                    "full": fh,
+                    "arm": ah,
+                    "ratio": fh["train_s"] / ah["train_s"] if fh and ah and ah["train_s"] > 0 else None,
+                }
+            )
         ratios = [p["ratio"] for p in per_seed if p["ratio"] is not None]
         entry["time_to_quality"] = {
-            "threshold": threshold, "clock": "train_cpu_s", "per_seed": per_seed,
+            "threshold": threshold,
+            "clock": "train_cpu_s",
+            "per_seed": per_seed,
             "full_cpu_s": float(np.median([p["full"]["train_s"] for p in per_seed])),
             "arm_cpu_s": float(np.median([p["arm"]["train_s"] for p in per_seed])),
             "ratio": float(np.median(ratios)) if ratios else None,
@@ -376,31 +438,61 @@ def sweep_rows(result: dict) -> list[Row]:
         sweep_note = ""
         by_rate = sweep["by_rate"]
         if any(len(v) > 1 for v in by_rate.values()):
-            sweep_note = "; rates at seed {}: {}".format(sweep["sweep_seed"], "; ".join(
-                f"{LABEL[arm]} " + ", ".join(f"{lr} → {v:.3f}" for lr, v in sorted(rs.items(), key=lambda x: float(x[0])))
-                for arm, rs in by_rate.items()))
+            sweep_note = "; rates at seed {}: {}".format(
+                sweep["sweep_seed"],
+                "; ".join(
+                    f"{LABEL[arm]} "
+                    + ", ".join(f"{lr} → {v:.3f}" for lr, v in sorted(rs.items(), key=lambda x: float(x[0])))
+                    for arm, rs in by_rate.items()
+                ),
+            )
         label = f"{LABEL[name]} vs full: holdout reward after {steps} steps, {n} seed{'s' if n != 1 else ''}, gap % (`bench.lora_vs_full`)"
         spread = (a["gap_low_pct"], a["gap_high_pct"]) if "gap_low_pct" in a else None
-        rows.append(Row(label, f"full (lr {rate['full']:g}): {a['full_mean']:.3f} ({', '.join(f'{v:.2f}' for v in a['full'])})",
-                        f"{LABEL[name]} (lr {rate[name]:g}): {a['arm_mean']:.3f} ({', '.join(f'{v:.2f}' for v in a['arm'])})",
-                        a["gap_pct"], "<= 3", unit="%", spread=spread,
-                        note=("" if a["gap_pct"] is not None else "not measurable: full scored 0")
-                        + (f"{'within noise' if spread and spread[0] <= 3 <= spread[1] else ('meets' if a['gap_pct'] is not None and a['gap_pct'] <= 3 else 'misses')}{sweep_note}{status}"
-                           if (sweep_note or status) and a["gap_pct"] is not None else "")))
+        rows.append(
+            Row(
+                label,
+                f"full (lr {rate['full']:g}): {a['full_mean']:.3f} ({', '.join(f'{v:.2f}' for v in a['full'])})",
+                f"{LABEL[name]} (lr {rate[name]:g}): {a['arm_mean']:.3f} ({', '.join(f'{v:.2f}' for v in a['arm'])})",
+                a["gap_pct"],
+                "<= 3",
+                unit="%",
+                spread=spread,
+                note=("" if a["gap_pct"] is not None else "not measurable: full scored 0")
+                + (
+                    f"{'within noise' if spread and spread[0] <= 3 <= spread[1] else ('meets' if a['gap_pct'] is not None and a['gap_pct'] <= 3 else 'misses')}{sweep_note}{status}"
+                    if (sweep_note or status) and a["gap_pct"] is not None
+                    else ""
+                ),
+            )
+        )
         t = a["time_to_quality"]
-        rows.append(Row(
-            f"{LABEL[name]} vs full: training CPU time to holdout reward ≥ {t['threshold']:g} (reached by every run), "
-            f"speedup, {n} seed{'s' if n != 1 else ''}",
-            f"full: {t['full_cpu_s']:.0f} CPU s (median)", f"{LABEL[name]}: {t['arm_cpu_s']:.0f} CPU s (median)",
-            t["ratio"], ">= 3", spread=tuple(t["spread"]) if t["spread"] else None))
+        rows.append(
+            Row(
+                f"{LABEL[name]} vs full: training CPU time to holdout reward ≥ {t['threshold']:g} (reached by every run), "
+                f"speedup, {n} seed{'s' if n != 1 else ''}",
+                f"full: {t['full_cpu_s']:.0f} CPU s (median)",
+                f"{LABEL[name]}: {t['arm_cpu_s']:.0f} CPU s (median)",
+                t["ratio"],
+                ">= 3",
+                spread=tuple(t["spread"]) if t["spread"] else None,
+            )
+        )
     return rows
 
 
 def table_rows(load) -> list[Row]:
     result = load("lora_vs_full")
     if result is None:
-        return [Row("LoRA/QLoRA vs full fine-tuning (`bench.lora_vs_full`)", "full", "LoRA, QLoRA", None, "",
-                    note="not run yet")]
+        return [
+            Row(
+                "LoRA/QLoRA vs full fine-tuning (`bench.lora_vs_full`)",
+                "full",
+                "LoRA, QLoRA",
+                None,
+                "",
+                note="not run yet",
+            )
+        ]
     rows = sweep_rows(result) if result.get("sweep") and result["sweep"].get("arms") else []
     earlier = load("lora_vs_full_qlora_1seed")  # the earlier one-seed run: its QLoRA rows (not rerun)
     if earlier is not None:
@@ -417,12 +509,18 @@ def _single_rows(result: dict) -> list[Row]:
     analysis = analyse(arms, thr)  # from the saved measurements, so the table follows the analysis code
     for name, a in analysis.items():
         q = a["quality"]
-        rows.append(Row(
-            f"{LABEL[name]} vs full: holdout reward after {steps} steps, one seed, gap % (`bench.lora_vs_full`)",
-            f"full: {q['full']:.3f}", f"{LABEL[name]}: {q['arm']:.3f}", q["gap_pct"], "<= 3", unit="%",
-            spread=(q["low_pct"], q["high_pct"]) if q["gap_pct"] is not None else None,
-            note="" if q["gap_pct"] is not None else "not measurable: full fine-tuning scored 0",
-        ))
+        rows.append(
+            Row(
+                f"{LABEL[name]} vs full: holdout reward after {steps} steps, one seed, gap % (`bench.lora_vs_full`)",
+                f"full: {q['full']:.3f}",
+                f"{LABEL[name]}: {q['arm']:.3f}",
+                q["gap_pct"],
+                "<= 3",
+                unit="%",
+                spread=(q["low_pct"], q["high_pct"]) if q["gap_pct"] is not None else None,
+                note="" if q["gap_pct"] is not None else "not measurable: full fine-tuning scored 0",
+            )
+        )
     for name, a in analysis.items():
         t, w = a["time_to_quality"], a["time_to_quality_wall"]
 
@@ -435,25 +533,33 @@ def _single_rows(result: dict) -> list[Row]:
         arm_side = side(LABEL[name], t["arm"], w["arm"], result["arms"][name]["curve"][-1]["train_cpu_s"])
         bench = f"{LABEL[name]} vs full: training CPU time to holdout reward ≥ {thr:g}, speedup"
         if "ratio" in t:
-            rows.append(Row(bench, full_side, arm_side, t["ratio"], ">= 3",
-                            spread=tuple(t["spread"]) if t["spread"] else None))
+            rows.append(
+                Row(bench, full_side, arm_side, t["ratio"], ">= 3", spread=tuple(t["spread"]) if t["spread"] else None)
+            )
         elif "ratio_at_least" in t:
             ok = "meets" if t["ratio_at_least"] >= 3 else "not measurable: full never got there"
-            rows.append(Row(bench, full_side, arm_side, t["ratio_at_least"], ">= 3",
-                            note=f"{ok} (≥ {t['ratio_at_least']:.2f})"))
+            rows.append(
+                Row(bench, full_side, arm_side, t["ratio_at_least"], ">= 3", note=f"{ok} (≥ {t['ratio_at_least']:.2f})")
+            )
         elif "ratio_at_most" in t:
             ok = "misses" if t["ratio_at_most"] < 3 else "not measurable: the adapter never got there"
-            rows.append(Row(bench, full_side, arm_side, t["ratio_at_most"], ">= 3",
-                            note=f"{ok} (≤ {t['ratio_at_most']:.2f})"))
+            rows.append(
+                Row(bench, full_side, arm_side, t["ratio_at_most"], ">= 3", note=f"{ok} (≤ {t['ratio_at_most']:.2f})")
+            )
         else:
             rows.append(Row(bench, full_side, arm_side, None, ">= 3", note="neither side got there"))
     for name, a in analysis.items():
         m = a["memory"]
         tp = arms[name]["trainable_params"] / arms["full"]["trainable_params"] * 100
-        rows.append(Row(
-            f"{LABEL[name]} vs full: peak RSS while training ({tp:.1f} % of the parameters trained)",
-            f"full: {m['full_mb']:,.0f} MiB", f"{LABEL[name]}: {m['arm_mb']:,.0f} MiB", m["ratio"], "< 1",
-        ))
+        rows.append(
+            Row(
+                f"{LABEL[name]} vs full: peak RSS while training ({tp:.1f} % of the parameters trained)",
+                f"full: {m['full_mb']:,.0f} MiB",
+                f"{LABEL[name]}: {m['arm_mb']:,.0f} MiB",
+                m["ratio"],
+                "< 1",
+            )
+        )
     return rows
 
 
@@ -464,8 +570,13 @@ def main(argv: list[str] | None = None) -> dict | None:
     opts = _options(argv)
     if opts.arm:  # child: one arm, result as JSON in the work folder
         work = Path(opts.work)
-        result = run_arm(opts.arm, (work / "model_path").read_text(), str(work / "data" / "train.jsonl"),
-                         str(work / "data" / "holdout.jsonl"), opts)
+        result = run_arm(
+            opts.arm,
+            (work / "model_path").read_text(),
+            str(work / "data" / "train.jsonl"),
+            str(work / "data" / "holdout.jsonl"),
+            opts,
+        )
         (work / f"{opts.arm}.json").write_text(json.dumps(result))
         return None
 
@@ -490,8 +601,11 @@ def main(argv: list[str] | None = None) -> dict | None:
     def floats(text: str) -> list[float]:
         return [float(x) for x in text.split(",") if x.strip()]
 
-    rates = {arm: floats(opts.full_lrs if arm == "full" else opts.adapter_lrs)
-             or [opts.full_lr if arm == "full" else demo.train.grpo["learning_rate"]] for arm in arms}
+    rates = {
+        arm: floats(opts.full_lrs if arm == "full" else opts.adapter_lrs)
+        or [opts.full_lr if arm == "full" else demo.train.grpo["learning_rate"]]
+        for arm in arms
+    }
     seeds = [int(x) for x in opts.seeds.split(",") if x.strip()]
     runs: list[dict] = []
     started = time.monotonic()
@@ -506,8 +620,11 @@ def main(argv: list[str] | None = None) -> dict | None:
             # that are not work, and the arms are compared on CPU seconds.
             env = os.environ | {"OMP_WAIT_POLICY": "PASSIVE"}
             passthrough = [f"--steps={opts.steps}", f"--eval-every={opts.eval_every}", f"--lr={lr}", f"--seed={seed}"]
-            subprocess.run([sys.executable, "-m", "bench.lora_vs_full", "--arm", arm, "--work", str(work), *passthrough],
-                           check=True, env=env)
+            subprocess.run(
+                [sys.executable, "-m", "bench.lora_vs_full", "--arm", arm, "--work", str(work), *passthrough],
+                check=True,
+                env=env,
+            )
             (work / f"{arm}.json").replace(out)
         run = json.loads(out.read_text())
         if not any(r["arm"] == arm and r["learning_rate"] == run["learning_rate"] and r["seed"] == seed for r in runs):
@@ -515,14 +632,31 @@ def main(argv: list[str] | None = None) -> dict | None:
         return run
 
     def report(status: str) -> dict:
-        first = {arm: next((r for r in runs if r["arm"] == arm and r["seed"] == seeds[0]
-                            and r["learning_rate"] == best_rates(runs, seeds[0]).get(arm)), None) for arm in arms}
+        first = {
+            arm: next(
+                (
+                    r
+                    for r in runs
+                    if r["arm"] == arm
+                    and r["seed"] == seeds[0]
+                    and r["learning_rate"] == best_rates(runs, seeds[0]).get(arm)
+                ),
+                None,
+            )
+            for arm in arms
+        }
         chosen = {arm: r for arm, r in first.items() if r is not None}
         out = {
-            "name": name, "status": status,
+            "name": name,
+            "status": status,
             "baseline": "full-parameter GRPO (TRL GRPOTrainer, no peft_config)",
-            "steps": opts.steps, "eval_every": opts.eval_every, "holdout": opts.holdout,
-            "threshold": opts.threshold, "model": str(model), "rates": rates, "seeds": seeds,
+            "steps": opts.steps,
+            "eval_every": opts.eval_every,
+            "holdout": opts.holdout,
+            "threshold": opts.threshold,
+            "model": str(model),
+            "rates": rates,
+            "seeds": seeds,
             # the best rate's run at the first seed per arm: what the single-run analysis reads
             "analysis": analyse(chosen, opts.threshold) if "full" in chosen else {},
             "arms": chosen,
@@ -558,16 +692,23 @@ def main(argv: list[str] | None = None) -> dict | None:
     for label, a in analysis.items():
         q, t, m = a["quality"], a["time_to_quality"], a["memory"]
         speed = t.get("ratio") or t.get("ratio_at_least") or t.get("ratio_at_most")
-        gap = "n/a" if q["gap_pct"] is None else (
-            f"{q['gap_pct']:+.1f} % (95 % CI {q['low_pct']:+.1f} to {q['high_pct']:+.1f})")
-        print(f"[lora_vs_full] {LABEL[label]}: holdout reward {q['arm']:.3f} vs full {q['full']:.3f}, gap {gap}; "
-              f"time-to-quality speedup "
-              f"{'n/a' if speed is None else f'{speed:.2f}x'}; peak RSS ratio {m['ratio']:.2f}")
+        gap = (
+            "n/a"
+            if q["gap_pct"] is None
+            else (f"{q['gap_pct']:+.1f} % (95 % CI {q['low_pct']:+.1f} to {q['high_pct']:+.1f})")
+        )
+        print(
+            f"[lora_vs_full] {LABEL[label]}: holdout reward {q['arm']:.3f} vs full {q['full']:.3f}, gap {gap}; "
+            f"time-to-quality speedup "
+            f"{'n/a' if speed is None else f'{speed:.2f}x'}; peak RSS ratio {m['ratio']:.2f}"
+        )
     for label, a in ((final["sweep"] or {}).get("arms") or {}).items():
         gap = "n/a" if a["gap_pct"] is None else f"{a['gap_pct']:+.1f} %"
-        print(f"[lora_vs_full] over seeds {a['seeds']} at the best rates {final['sweep']['best_learning_rate']}: "
-              f"{LABEL[label]} {a['arm']} vs full {a['full']}, gap {gap} "
-              f"({a.get('gap_low_pct', float('nan')):+.1f} to {a.get('gap_high_pct', float('nan')):+.1f})")
+        print(
+            f"[lora_vs_full] over seeds {a['seeds']} at the best rates {final['sweep']['best_learning_rate']}: "
+            f"{LABEL[label]} {a['arm']} vs full {a['full']}, gap {gap} "
+            f"({a.get('gap_low_pct', float('nan')):+.1f} to {a.get('gap_high_pct', float('nan')):+.1f})"
+        )
     return final
 
 

@@ -107,9 +107,13 @@ def _probed_trainer():
             self._peaks["before_generation"] = phase_peak()  # the previous optimizer step's peak is in here
             start = now()
             out = super()._generate_single_turn(prompt_ids, *args, **kwargs)
-            self._gen = {"gen_s": now() - start, "seqs": len(prompt_ids),
-                         "gen_prompt_len": max(map(len, prompt_ids)), "gen_steps": max(map(len, out[0])),
-                         "gen_tokens": sum(map(len, out[0]))}
+            self._gen = {
+                "gen_s": now() - start,
+                "seqs": len(prompt_ids),
+                "gen_prompt_len": max(map(len, prompt_ids)),
+                "gen_steps": max(map(len, out[0])),
+                "gen_tokens": sum(map(len, out[0])),
+            }
             self._peaks["generation"] = phase_peak()
             return out
 
@@ -127,9 +131,17 @@ def _probed_trainer():
             total = now() - start
             self._peaks["train"] = phase_peak()
             batch, completion, prompt = self._shape
-            self.probe.append({**self._gen, "step_s": total, "train_s": total - self._prepare_s,
-                               "batch": batch, "prompt_len": prompt, "completion_len": completion,
-                               **({"cuda_peaks": dict(self._peaks)} if cuda else {})})
+            self.probe.append(
+                {
+                    **self._gen,
+                    "step_s": total,
+                    "train_s": total - self._prepare_s,
+                    "batch": batch,
+                    "prompt_len": prompt,
+                    "completion_len": completion,
+                    **({"cuda_peaks": dict(self._peaks)} if cuda else {}),
+                }
+            )
             return loss
 
     return Probed
@@ -150,13 +162,20 @@ def flops(arch, lora: int, step: dict) -> dict:
     attn_width = arch.heads * arch.head_dim
     t = step["prompt_len"] + step["completion_len"]
     tokens = step["batch"] * t
-    fwd = 2 * body * tokens + 2 * head * step["batch"] * step["completion_len"] + 4 * arch.layers * t * attn_width * tokens
+    fwd = (
+        2 * body * tokens
+        + 2 * head * step["batch"] * step["completion_len"]
+        + 4 * arch.layers * t * attn_width * tokens
+    )
     train = 2 * fwd + 6 * lora * tokens  # input gradients cost a forward; LoRA's weight gradients are extra
     g_t = step["gen_prompt_len"] + step["gen_steps"]
     g_tokens = step["seqs"] * g_t
     # prefill + one token per decoding step per sequence; logits only at the last position of each step
-    gen = (2 * (body + 2 * lora) * g_tokens + 2 * head * step["seqs"] * step["gen_steps"]
-           + 2 * arch.layers * g_t * attn_width * g_tokens)
+    gen = (
+        2 * (body + 2 * lora) * g_tokens
+        + 2 * head * step["seqs"] * step["gen_steps"]
+        + 2 * arch.layers * g_t * attn_width * g_tokens
+    )
     return {"train": train, "generation": gen}
 
 
@@ -191,22 +210,32 @@ def main(argv: list[str] | None = None) -> dict:
 
     bf16 = node_default_bf16()  # what the trainer chooses here: the step runs its matmuls in this precision
     precision = "bf16" if bf16 else cfg.model.compute_dtype
-    print(f"[machine_limit] {torch.get_num_threads()} threads, {cfg.model.compute_dtype} weights, "
-          f"step in {precision}", flush=True)
+    print(
+        f"[machine_limit] {torch.get_num_threads()} threads, {cfg.model.compute_dtype} weights, step in {precision}",
+        flush=True,
+    )
     # --tiny checks the code path: small matrices and copies, figures not meant to be read. Both peaks are
     # measured, so the page says what bf16 offers on this CPU (where it is emulated: 1/50 of float32; bf16 at
     # one size there, a 3072 matmul would take a minute); the step is set against the one it runs in.
     fp32_peak = matmul_peak(torch.float32, opts.repeats, sizes=(256, 512) if opts.tiny else (1024, 2048, 3072))
-    bf16_peak = matmul_peak(torch.bfloat16, opts.repeats,
-                            sizes=(256,) if opts.tiny else (1024, 2048, 3072) if cpu_has_native_bf16() else (1024,))
+    bf16_peak = matmul_peak(
+        torch.bfloat16,
+        opts.repeats,
+        sizes=(256,) if opts.tiny else (1024, 2048, 3072) if cpu_has_native_bf16() else (1024,),
+    )
     peak = bf16_peak if bf16 else fp32_peak if dtype == torch.float32 else matmul_peak(dtype, opts.repeats)
     bandwidth = copy_bandwidth(opts.repeats, mib=32 if opts.tiny else 512)
     peak_s, bw_s = spread(peak["samples"]), spread(bandwidth)
-    print(f"[machine_limit] matmul peaks: float32 {statistics.median(fp32_peak['samples']) / 1e9:.1f}, bfloat16 "
-          f"{statistics.median(bf16_peak['samples']) / 1e9:.1f} GFLOP/s (native bf16: {cpu_has_native_bf16()})",
-          flush=True)
-    print(f"[machine_limit] the step's matmul peak {peak_s['median'] / 1e9:.1f} GFLOP/s (n={peak['size']}); "
-          f"copy bandwidth {bw_s['median'] / 1e9:.2f} GB/s", flush=True)
+    print(
+        f"[machine_limit] matmul peaks: float32 {statistics.median(fp32_peak['samples']) / 1e9:.1f}, bfloat16 "
+        f"{statistics.median(bf16_peak['samples']) / 1e9:.1f} GFLOP/s (native bf16: {cpu_has_native_bf16()})",
+        flush=True,
+    )
+    print(
+        f"[machine_limit] the step's matmul peak {peak_s['median'] / 1e9:.1f} GFLOP/s (n={peak['size']}); "
+        f"copy bandwidth {bw_s['median'] / 1e9:.2f} GB/s",
+        flush=True,
+    )
 
     model, tokenizer = load_model(str(model_dir), model_load(cfg.model))
     bytes_per_param = torch.finfo(dtype).bits // 8
@@ -215,8 +244,14 @@ def main(argv: list[str] | None = None) -> dict:
     decode_bound = bw_s["median"] / model_bytes
 
     splits = write_splits(generate(cfg.data.demo), work / "data")
-    grpo = dict(cfg.train.grpo) | {"max_steps": opts.steps, "bf16": bf16, "use_cpu": not torch.cuda.is_available(),
-                                   "report_to": [], "disable_tqdm": True, "logging_steps": opts.steps}
+    grpo = dict(cfg.train.grpo) | {
+        "max_steps": opts.steps,
+        "bf16": bf16,
+        "use_cpu": not torch.cuda.is_available(),
+        "report_to": [],
+        "disable_tqdm": True,
+        "logging_steps": opts.steps,
+    }
     trainer = _probed_trainer()(
         model=model,
         reward_funcs=[resolve_reward(n) for n in cfg.train.rewards],
@@ -235,45 +270,72 @@ def main(argv: list[str] | None = None) -> dict:
         s["gen_flops_per_s"] = f["generation"] / s["gen_s"]
         s["step_flops_per_s"] = (f["train"] + f["generation"]) / s["step_s"]
         s["gen_seq_tokens_per_s"] = s["seqs"] * s["gen_steps"] / s["gen_s"]  # decoding work, padding included
-        s["gen_bound"] = min(s["seqs"] * bw_s["median"] / (model_bytes + lora_bytes),
-                             peak_s["median"] / (2 * (arch.matmul_params + 2 * lora)))
+        s["gen_bound"] = min(
+            s["seqs"] * bw_s["median"] / (model_bytes + lora_bytes),
+            peak_s["median"] / (2 * (arch.matmul_params + 2 * lora)),
+        )
 
     def med(key):
         return spread([s[key] for s in steps])
 
-    train, gen, whole, rate = (med(k) for k in ("train_flops_per_s", "gen_flops_per_s", "step_flops_per_s",
-                                                "gen_seq_tokens_per_s"))
+    train, gen, whole, rate = (
+        med(k) for k in ("train_flops_per_s", "gen_flops_per_s", "step_flops_per_s", "gen_seq_tokens_per_s")
+    )
     gen_bound = statistics.median(s["gen_bound"] for s in steps)
     report = {
         "name": "machine_limit" + ("_tiny" if opts.tiny else ""),
-        "model": str(model_dir), "dtype": cfg.model.compute_dtype, "step_precision": precision,
-        "native_bf16": cpu_has_native_bf16(), "threads": torch.get_num_threads(),
-        "matmul_params": arch.matmul_params, "lora_params": lora, "model_bytes": model_bytes,
+        "model": str(model_dir),
+        "dtype": cfg.model.compute_dtype,
+        "step_precision": precision,
+        "native_bf16": cpu_has_native_bf16(),
+        "threads": torch.get_num_threads(),
+        "matmul_params": arch.matmul_params,
+        "lora_params": lora,
+        "model_bytes": model_bytes,
         "matmul_peak": {"size": peak["size"], **peak_s},
-        "matmul_peaks": {name: {"size": p["size"], **spread(p["samples"])}
-                         for name, p in (("float32", fp32_peak), ("bfloat16", bf16_peak))},
+        "matmul_peaks": {
+            name: {"size": p["size"], **spread(p["samples"])}
+            for name, p in (("float32", fp32_peak), ("bfloat16", bf16_peak))
+        },
         "copy_bandwidth": bw_s,
-        "train_phase": {"flops_per_s": train, "fraction": train["median"] / peak_s["median"],
-                        "spread": [train["min"] / peak_s["median"], train["max"] / peak_s["median"]]},
-        "generation_phase": {"flops_per_s": gen, "fraction_of_peak": gen["median"] / peak_s["median"],
-                             "tokens_per_s": rate, "bound_tokens_per_s": gen_bound,
-                             "fraction": rate["median"] / gen_bound,
-                             "spread": [rate["min"] / gen_bound, rate["max"] / gen_bound]},
-        "whole_step": {"flops_per_s": whole, "fraction": whole["median"] / peak_s["median"],
-                       "generation_share_of_time": statistics.median(s["gen_s"] / s["step_s"] for s in steps)},
-        "decode_batch1": {"tokens_per_s": decode, "bound_tokens_per_s": decode_bound,
-                          "fraction": decode["median"] / decode_bound,
-                          "spread": [decode["min"] / decode_bound, decode["max"] / decode_bound]},
+        "train_phase": {
+            "flops_per_s": train,
+            "fraction": train["median"] / peak_s["median"],
+            "spread": [train["min"] / peak_s["median"], train["max"] / peak_s["median"]],
+        },
+        "generation_phase": {
+            "flops_per_s": gen,
+            "fraction_of_peak": gen["median"] / peak_s["median"],
+            "tokens_per_s": rate,
+            "bound_tokens_per_s": gen_bound,
+            "fraction": rate["median"] / gen_bound,
+            "spread": [rate["min"] / gen_bound, rate["max"] / gen_bound],
+        },
+        "whole_step": {
+            "flops_per_s": whole,
+            "fraction": whole["median"] / peak_s["median"],
+            "generation_share_of_time": statistics.median(s["gen_s"] / s["step_s"] for s in steps),
+        },
+        "decode_batch1": {
+            "tokens_per_s": decode,
+            "bound_tokens_per_s": decode_bound,
+            "fraction": decode["median"] / decode_bound,
+            "spread": [decode["min"] / decode_bound, decode["max"] / decode_bound],
+        },
         "steps": steps,
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
     }
     save(report["name"], report)
-    print(f"[machine_limit] training phase {train['median'] / 1e9:.2f} GFLOP/s = "
-          f"{report['train_phase']['fraction']:.1%} of the matmul peak; whole step {report['whole_step']['fraction']:.1%} "
-          f"(generation {report['whole_step']['generation_share_of_time']:.0%} of the time)")
-    print(f"[machine_limit] decode (1 sequence) {decode['median']:.1f} tok/s = {report['decode_batch1']['fraction']:.1%} "
-          f"of the bandwidth bound {decode_bound:.1f}; GRPO generation ({steps[0]['seqs']} sequences) "
-          f"{rate['median']:.0f} tok/s = {report['generation_phase']['fraction']:.1%} of its roofline {gen_bound:.0f}")
+    print(
+        f"[machine_limit] training phase {train['median'] / 1e9:.2f} GFLOP/s = "
+        f"{report['train_phase']['fraction']:.1%} of the matmul peak; whole step {report['whole_step']['fraction']:.1%} "
+        f"(generation {report['whole_step']['generation_share_of_time']:.0%} of the time)"
+    )
+    print(
+        f"[machine_limit] decode (1 sequence) {decode['median']:.1f} tok/s = {report['decode_batch1']['fraction']:.1%} "
+        f"of the bandwidth bound {decode_bound:.1f}; GRPO generation ({steps[0]['seqs']} sequences) "
+        f"{rate['median']:.0f} tok/s = {report['generation_phase']['fraction']:.1%} of its roofline {gen_bound:.0f}"
+    )
     return report
 
 
@@ -281,30 +343,63 @@ def table_rows(load) -> list[Row]:
     r = load("machine_limit")
     name = "`bench.machine_limit`"
     if r is None:
-        return [Row(f"distance from the machine's limits ({name})", "measured peaks", "GRPO step", None, "",
-                    note="not run yet")]
+        return [
+            Row(
+                f"distance from the machine's limits ({name})",
+                "measured peaks",
+                "GRPO step",
+                None,
+                "",
+                note="not run yet",
+            )
+        ]
     peak, bw = r["matmul_peak"]["median"], r["copy_bandwidth"]["median"]
     t, g, d = r["train_phase"], r["generation_phase"], r["decode_batch1"]
     seqs = r["steps"][0]["seqs"]
     peaks = r.get("matmul_peaks", {})
-    both = [Row(f"matmul peak, bfloat16 against float32 on this CPU (native bf16: {r['native_bf16']}) ({name})",
+    both = (
+        [
+            Row(
+                f"matmul peak, bfloat16 against float32 on this CPU (native bf16: {r['native_bf16']}) ({name})",
                 f"float32: {peaks['float32']['median'] / 1e9:.1f} GFLOP/s",
                 f"bfloat16: {peaks['bfloat16']['median'] / 1e9:.1f} GFLOP/s",
-                peaks["float32"]["median"] / peaks["bfloat16"]["median"], "", note="reported (time ratio)")
-            ] if peaks else []
+                peaks["float32"]["median"] / peaks["bfloat16"]["median"],
+                "",
+                note="reported (time ratio)",
+            )
+        ]
+        if peaks
+        else []
+    )
     return both + [
-        Row(f"GRPO training phase FLOP/s (4·N per token, LoRA) against the matmul peak, "
+        Row(
+            f"GRPO training phase FLOP/s (4·N per token, LoRA) against the matmul peak, "
             f"{r.get('step_precision', r['dtype'])} ({name})",
-            f"matmul peak: {peak / 1e9:.1f} GFLOP/s", f"fwd + bwd: {t['flops_per_s']['median'] / 1e9:.1f} GFLOP/s",
-            t["fraction"], "", spread=tuple(t["spread"]), note="reported (fraction)"),
-        Row(f"GRPO generation, {seqs} sequences, tokens/s against the roofline (same)",
+            f"matmul peak: {peak / 1e9:.1f} GFLOP/s",
+            f"fwd + bwd: {t['flops_per_s']['median'] / 1e9:.1f} GFLOP/s",
+            t["fraction"],
+            "",
+            spread=tuple(t["spread"]),
+            note="reported (fraction)",
+        ),
+        Row(
+            f"GRPO generation, {seqs} sequences, tokens/s against the roofline (same)",
             f"min(B·bandwidth/bytes, peak/2N): {g['bound_tokens_per_s']:.0f}/s",
-            f"measured: {g['tokens_per_s']['median']:.0f}/s", g["fraction"], "", spread=tuple(g["spread"]),
-            note="reported (fraction)"),
-        Row("decoding one sequence, tokens/s against the bandwidth bound (same)",
+            f"measured: {g['tokens_per_s']['median']:.0f}/s",
+            g["fraction"],
+            "",
+            spread=tuple(g["spread"]),
+            note="reported (fraction)",
+        ),
+        Row(
+            "decoding one sequence, tokens/s against the bandwidth bound (same)",
             f"{bw / 1e9:.1f} GB/s ÷ {r['model_bytes'] / 2**20:.0f} MiB: {d['bound_tokens_per_s']:.1f}/s",
-            f"measured: {d['tokens_per_s']['median']:.1f}/s", d["fraction"], "", spread=tuple(d["spread"]),
-            note="reported (fraction)"),
+            f"measured: {d['tokens_per_s']['median']:.1f}/s",
+            d["fraction"],
+            "",
+            spread=tuple(d["spread"]),
+            note="reported (fraction)",
+        ),
     ]
 
 

@@ -58,8 +58,11 @@ def plain(cfg) -> dict:
     cfg = apply_plan(cfg, plan)
     base = evaluate_model(model_path, cfg.model, splits["holdout"], rewards, cfg.evaluate)
     spec = build_job_spec(cfg.train, cfg.model, model_path, splits, run_dir)
-    subprocess.run([sys.executable, str(ROOT / "bench" / "plain_trl.py"), "--spec", str(spec.write(run_dir / "job.json"))],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "plain_trl.py"), "--spec", str(spec.write(run_dir / "job.json"))],
+        check=True,
+        capture_output=True,
+    )
     trained = evaluate_model(model_path, cfg.model, splits["holdout"], rewards, cfg.evaluate, adapter=spec.adapter_dir)
     decision = decide_promotion(trained.rows, base.rows, cfg.promote, list(rewards.names))
     holdout = Holdout.of(base, trained, None)
@@ -72,12 +75,23 @@ def plain(cfg) -> dict:
 
 def overrides(data_dir: Path, model_dir: Path, steps: int, tiny: bool) -> list[str]:
     """The short configuration both sides run: the demo config with fewer steps and a smaller holdout."""
-    out = [f"data_dir={data_dir}", f"model.base={model_dir}", f"train.grpo.max_steps={steps}",
-           f"train.checkpoint_every={max(1, steps // 2)}", "data.demo.n_holdout=32"]
+    out = [
+        f"data_dir={data_dir}",
+        f"model.base={model_dir}",
+        f"train.grpo.max_steps={steps}",
+        f"train.checkpoint_every={max(1, steps // 2)}",
+        "data.demo.n_holdout=32",
+    ]
     if tiny:
-        out += ["train.grpo.num_generations=4", "train.grpo.per_device_train_batch_size=4",
-                "train.grpo.max_completion_length=6", "evaluate.max_new_tokens=6", "data.demo.n_holdout=8",
-                "data.demo.max_operand=9", "data.demo.n_val=4"]
+        out += [
+            "train.grpo.num_generations=4",
+            "train.grpo.per_device_train_batch_size=4",
+            "train.grpo.max_completion_length=6",
+            "evaluate.max_new_tokens=6",
+            "data.demo.n_holdout=8",
+            "data.demo.max_operand=9",
+            "data.demo.n_val=4",
+        ]
     return out
 
 
@@ -111,7 +125,9 @@ def main(argv: list[str] | None = None) -> dict | None:
     parser.add_argument("--steps", type=int, default=4, help="GRPO steps per run")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--tiny", action="store_true", help="a tiny random model: checks the code path")
-    parser.add_argument("--plain", nargs="*", help=argparse.SUPPRESS)  # internal: run the plain side with these overrides
+    parser.add_argument(
+        "--plain", nargs="*", help=argparse.SUPPRESS
+    )  # internal: run the plain side with these overrides
     opts = parser.parse_args(argv)
     from grpo_pipeline.configs.schema import load_config
 
@@ -140,15 +156,21 @@ def main(argv: list[str] | None = None) -> dict | None:
             seconds, out = _timed(cmd)
             samples[side].append(seconds)
             rewards[side].append(out["holdout"]["trained_reward"])
-            print(f"[orchestration_overhead] round {i + 1}/{opts.repeats} {side}: {seconds:.1f} s "
-                  f"(holdout reward after training {out['holdout']['trained_reward']:.3f})", flush=True)
+            print(
+                f"[orchestration_overhead] round {i + 1}/{opts.repeats} {side}: {seconds:.1f} s "
+                f"(holdout reward after training {out['holdout']['trained_reward']:.3f})",
+                flush=True,
+            )
 
     medians = {side: statistics.median(v) for side, v in samples.items()}
     fixed = medians["flow"] - medians["plain"]
     # the demo's full run, plain: its measured step time (the trainer overhead benchmark) times 40 steps,
     # plus this run's non-training time; the same fixed cost on top
-    step_s = json.loads((ROOT / "bench" / "results" / "trainer_overhead.json").read_text())["median"]["baseline"] / 6 \
-        if (ROOT / "bench" / "results" / "trainer_overhead.json").is_file() else None
+    step_s = (
+        json.loads((ROOT / "bench" / "results" / "trainer_overhead.json").read_text())["median"]["baseline"] / 6
+        if (ROOT / "bench" / "results" / "trainer_overhead.json").is_file()
+        else None
+    )
     demo_steps = demo.train.grpo["max_steps"]
     projected = None
     if step_s and not opts.tiny:
@@ -171,8 +193,10 @@ def main(argv: list[str] | None = None) -> dict | None:
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
     }
     save(report["name"], report)
-    print(f"[orchestration_overhead] ratio flow / plain = {report['ratio']:.3f} (fixed cost {fixed:.1f} s)"
-          + (f"; for the demo's {demo_steps} steps: {projected['ratio']:.3f}" if projected else ""))
+    print(
+        f"[orchestration_overhead] ratio flow / plain = {report['ratio']:.3f} (fixed cost {fixed:.1f} s)"
+        + (f"; for the demo's {demo_steps} steps: {projected['ratio']:.3f}" if projected else "")
+    )
     return report
 
 
@@ -181,13 +205,26 @@ def table_rows(load) -> list[Row]:
 
     r = load("orchestration_overhead")
     steps = r["steps"] if r else 4
-    rows = [from_compare(r, f"orchestration overhead, whole pipeline, {steps} GRPO steps (`bench.orchestration_overhead`)",
-                         "stages as plain functions", "Prefect flow + MLflow + checkpoints", "<= 1.05")]
+    rows = [
+        from_compare(
+            r,
+            f"orchestration overhead, whole pipeline, {steps} GRPO steps (`bench.orchestration_overhead`)",
+            "stages as plain functions",
+            "Prefect flow + MLflow + checkpoints",
+            "<= 1.05",
+        )
+    ]
     if r and r.get("projected_demo"):
         p = r["projected_demo"]
-        rows.append(Row(f"same fixed cost ({r['fixed_overhead_s']:.0f} s) on the demo's {p['steps']} steps (derived)",
-                        f"plain: {p['plain_s']:.0f} s", f"flow: {p['plain_s'] + r['fixed_overhead_s']:.0f} s",
-                        p["ratio"], "<= 1.05"))
+        rows.append(
+            Row(
+                f"same fixed cost ({r['fixed_overhead_s']:.0f} s) on the demo's {p['steps']} steps (derived)",
+                f"plain: {p['plain_s']:.0f} s",
+                f"flow: {p['plain_s'] + r['fixed_overhead_s']:.0f} s",
+                p["ratio"],
+                "<= 1.05",
+            )
+        )
     return rows
 
 

@@ -43,7 +43,9 @@ def completions(n: int) -> tuple[list[str], list[str]]:
         ref = ref.strip().replace(",", "")
         given = ref if i % 2 == 0 else str(int(float(ref)) + 1)
         if i % 10 == 0:
-            texts.append(f"<think>{body.strip()}</think>\n<answer>\\boxed{{\\frac{{{2 * int(float(given))}}}{{2}}}}</answer>")
+            texts.append(
+                f"<think>{body.strip()}</think>\n<answer>\\boxed{{\\frac{{{2 * int(float(given))}}}{{2}}}}</answer>"
+            )
         else:
             texts.append(f"{body.strip()}\nSo the answer is {given}.")
         refs.append(ref)
@@ -61,7 +63,12 @@ def time_math_answer(n: int, repeats: int) -> dict:
         started = time.perf_counter()
         scores = fn(texts, answer=refs)
         rates.append(n / (time.perf_counter() - started))
-    return {"n": n, "completions_per_s": statistics.median(rates), "samples": rates, "mean_score": statistics.fmean(scores)}
+    return {
+        "n": n,
+        "completions_per_s": statistics.median(rates),
+        "samples": rates,
+        "mean_score": statistics.fmean(scores),
+    }
 
 
 class _Slow(BaseHTTPRequestHandler):
@@ -115,13 +122,23 @@ def table_rows(load) -> list[Row]:
     m, remote = r["math_answer"], r["remote_verifier"]
     ratios = remote["ratios"]
     return [
-        Row(f"math_answer on {m['n']:,} GSM8K-solution completions, 1 in 10 LaTeX (`bench.reward_throughput`)",
-            "–", f"{m['completions_per_s']:,.0f} completions/s", None, "", note="reported (a GRPO step scores 64–512)"),
-        Row(f"remote_verifier, {remote['n']} completions one per request, local server {remote['latency_s'] * 1000:.0f} ms "
+        Row(
+            f"math_answer on {m['n']:,} GSM8K-solution completions, 1 in 10 LaTeX (`bench.reward_throughput`)",
+            "–",
+            f"{m['completions_per_s']:,.0f} completions/s",
+            None,
+            "",
+            note="reported (a GRPO step scores 64–512)",
+        ),
+        Row(
+            f"remote_verifier, {remote['n']} completions one per request, local server {remote['latency_s'] * 1000:.0f} ms "
             "per request (same)",
             f"concurrency 1: {remote['concurrency_1']['completions_per_s']:,.0f}/s",
             f"concurrency 16: {remote['concurrency_16']['completions_per_s']:,.0f}/s",
-            remote["ratio"], ">= 8", spread=(min(ratios), max(ratios)) if len(ratios) > 1 else None),
+            remote["ratio"],
+            ">= 8",
+            spread=(min(ratios), max(ratios)) if len(ratios) > 1 else None,
+        ),
     ]
 
 
@@ -143,9 +160,11 @@ def main(argv: list[str] | None = None) -> int:
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     m, r = report["math_answer"], report["remote_verifier"]
-    print(f"[{NAME}] math_answer: {m['completions_per_s']:,.0f} completions/s; remote_verifier "
-          f"({r['latency_s'] * 1000:.0f} ms/request): {r['concurrency_1']['completions_per_s']:,.0f}/s at 1, "
-          f"{r['concurrency_16']['completions_per_s']:,.0f}/s at 16 ({r['ratio']:.1f}x)")
+    print(
+        f"[{NAME}] math_answer: {m['completions_per_s']:,.0f} completions/s; remote_verifier "
+        f"({r['latency_s'] * 1000:.0f} ms/request): {r['concurrency_1']['completions_per_s']:,.0f}/s at 1, "
+        f"{r['concurrency_16']['completions_per_s']:,.0f}/s at 16 ({r['ratio']:.1f}x)"
+    )
     save(f"{NAME}_tiny" if opts.tiny else NAME, report)
     return 0
 

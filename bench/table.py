@@ -19,7 +19,12 @@ from bench.harness import RESULTS
 
 START = "<!-- bench:start -->"
 END = "<!-- bench:end -->"
-_OPS: dict[str, Callable[[float, float], bool]] = {"<=": operator.le, ">=": operator.ge, "<": operator.lt, ">": operator.gt}
+_OPS: dict[str, Callable[[float, float], bool]] = {
+    "<=": operator.le,
+    ">=": operator.ge,
+    "<": operator.lt,
+    ">": operator.gt,
+}
 
 
 @dataclass

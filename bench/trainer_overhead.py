@@ -26,8 +26,10 @@ from tests.tiny_model import create_random_model
 def main() -> None:
     args = training_bench_args(__doc__)
 
-    cfg = load_config(ROOT / "configs" / "demo-cpu.yaml", [f"train.grpo.max_steps={args.steps}",
-                                                           f"train.checkpoint_every={max(1, args.steps // 2)}"])
+    cfg = load_config(
+        ROOT / "configs" / "demo-cpu.yaml",
+        [f"train.grpo.max_steps={args.steps}", f"train.checkpoint_every={max(1, args.steps // 2)}"],
+    )
     work = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
     model = create_random_model(work / "tiny") if args.tiny else ensure_demo_model(cfg.data_dir / "models")
     splits = write_splits(generate(cfg.data.demo), work / "data")
@@ -49,8 +51,15 @@ def main() -> None:
 def table_rows(load) -> list[Row]:
     result = load("trainer_overhead")
     steps = result["steps"] if result else 6
-    return [from_compare(result, f"trainer overhead (`bench.trainer_overhead`, {steps} steps, 2 checkpoints)",
-                         "plain TRL script", "`python -m grpo_pipeline.trainer`", "<= 1.0")]
+    return [
+        from_compare(
+            result,
+            f"trainer overhead (`bench.trainer_overhead`, {steps} steps, 2 checkpoints)",
+            "plain TRL script",
+            "`python -m grpo_pipeline.trainer`",
+            "<= 1.0",
+        )
+    ]
 
 
 if __name__ == "__main__":

@@ -126,14 +126,21 @@ def table_rows(load) -> list[Row]:
         if not (off and on) or off["zero_fraction"] is None or on["zero_fraction"] is None:
             continue
         ratio = on["zero_fraction"] / off["zero_fraction"] if off["zero_fraction"] else None
-        rows.append(Row(
-            f"{bench}, {key}: zero-signal fraction",
-            f"off: {off['zero_fraction']:.3f} ({off['wasted_steps']} wasted steps)",
-            f"on: {on['zero_fraction']:.3f} ({on['wasted_steps']} wasted steps)", ratio, "<= 1",
-            note=(f"holdout {off['holdout_reward']:.3f} -> {on['holdout_reward']:.3f}; wall {off['wall_s'] / 60:.1f} vs "
-                  f"{on['wall_s'] / 60:.1f} min") if off["holdout_reward"] is not None and on["holdout_reward"] is not None
-            else "",
-        ))
+        rows.append(
+            Row(
+                f"{bench}, {key}: zero-signal fraction",
+                f"off: {off['zero_fraction']:.3f} ({off['wasted_steps']} wasted steps)",
+                f"on: {on['zero_fraction']:.3f} ({on['wasted_steps']} wasted steps)",
+                ratio,
+                "<= 1",
+                note=(
+                    f"holdout {off['holdout_reward']:.3f} -> {on['holdout_reward']:.3f}; wall {off['wall_s'] / 60:.1f} vs "
+                    f"{on['wall_s'] / 60:.1f} min"
+                )
+                if off["holdout_reward"] is not None and on["holdout_reward"] is not None
+                else "",
+            )
+        )
     return rows or [Row(bench, "off", "on", None, "", note="no pair finished")]
 
 
@@ -146,8 +153,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true", help="2 steps per run: the chain, not the figures")
     parser.add_argument("--fresh", action="store_true", help="forget finished runs and measure all again")
     parser.add_argument("--gsm8k", type=Path, default=GSM8K)
-    parser.add_argument("--threads", default="auto", help="torch threads per process; auto: 1 when other work "
-                        "already keeps a core busy (two threads on one free core thrash), else torch's own")
+    parser.add_argument(
+        "--threads",
+        default="auto",
+        help="torch threads per process; auto: 1 when other work "
+        "already keeps a core busy (two threads on one free core thrash), else torch's own",
+    )
     opts = parser.parse_args(argv)
 
     gsm8k = None
@@ -180,15 +191,22 @@ def main(argv: list[str] | None = None) -> int:
                     summary, seconds = _run_demo(work, sets, threads)
                 runs[key] = measure(summary, seconds) | {"overrides": sets, "threads": threads}
                 _keep(runs)  # after each run: a killed bench resumes from the next one
-                print(f"[{NAME}] {key}: {json.dumps(runs[key])} ({(time.monotonic() - started) / 60:.1f} min)", flush=True)
+                print(
+                    f"[{NAME}] {key}: {json.dumps(runs[key])} ({(time.monotonic() - started) / 60:.1f} min)", flush=True
+                )
     pairs: dict[str, dict] = {}
     for key, figures in runs.items():
         parts = key.split("/")
         if (len(parts) == 4) != opts.tiny:
             continue
         pairs.setdefault(f"{parts[0]}/{parts[1]}", {})[parts[2]] = figures
-    report = {"name": NAME, "tiny": opts.tiny, "pairs": pairs, "machine": {"cpus": os.cpu_count()},
-              "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    report = {
+        "name": NAME,
+        "tiny": opts.tiny,
+        "pairs": pairs,
+        "machine": {"cpus": os.cpu_count()},
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
     save(f"{NAME}_tiny" if opts.tiny else NAME, report)
     for row in table_rows(lambda _name: report):
         print(f"[{NAME}] {row.benchmark}: {row.baseline} | {row.candidate} | {row.note}", flush=True)
@@ -216,7 +234,7 @@ def _run_demo(work: Path, sets: list[str], threads: int | None) -> tuple[dict, f
     seconds = time.monotonic() - started
     if proc.returncode not in (0, 3):
         raise SystemExit(f"grpo-pipeline run exited {proc.returncode}: {proc.stdout[-2000:]}")
-    return json.loads(proc.stdout[proc.stdout.index("{"):]), seconds
+    return json.loads(proc.stdout[proc.stdout.index("{") :]), seconds
 
 
 if __name__ == "__main__":

@@ -20,8 +20,17 @@ Strategy = Literal["ddp", "fsdp", "zero2", "zero3"]
 
 # Keys of accelerate's config file that train.distributed itself sets (nodes, processes, strategy) or that
 # train.grpo does (precision): given in train.distributed.accelerate they would disagree with the launch.
-ACCELERATE_OWNED = {"distributed_type", "num_machines", "num_processes", "machine_rank", "main_process_ip",
-                    "main_process_port", "mixed_precision", "use_cpu", "gpu_ids"}
+ACCELERATE_OWNED = {
+    "distributed_type",
+    "num_machines",
+    "num_processes",
+    "machine_rank",
+    "main_process_ip",
+    "main_process_port",
+    "mixed_precision",
+    "use_cpu",
+    "gpu_ids",
+}
 
 
 def processes_per_node(gpus_per_node: int, processes: int | None = None, vllm_server_gpus: int = 0) -> int:
@@ -56,6 +65,7 @@ def batch_problem(grpo: dict[str, Any], world: int, default: Callable[[str], Any
     >>> batch_problem({"num_generations": 4, "per_device_train_batch_size": 2, "generation_batch_size": 6}, 2, trl)
     'train.grpo.generation_batch_size (6) is not a multiple of per_device_train_batch_size x processes = 2 x 2 = 4: set it to 8'
     """
+
     def get(name: str) -> Any:
         return grpo[name] if grpo.get(name) is not None else default(name)
 
@@ -63,8 +73,10 @@ def batch_problem(grpo: dict[str, Any], world: int, default: Callable[[str], Any
     gbs = grpo.get("generation_batch_size")
     if gbs is not None:
         if gbs % (pdb * world):
-            return (f"train.grpo.generation_batch_size ({gbs}) is not a multiple of per_device_train_batch_size x "
-                    f"processes = {pdb} x {world} = {pdb * world}: set it to {math.ceil(gbs / (pdb * world)) * pdb * world}")
+            return (
+                f"train.grpo.generation_batch_size ({gbs}) is not a multiple of per_device_train_batch_size x "
+                f"processes = {pdb} x {world} = {pdb * world}: set it to {math.ceil(gbs / (pdb * world)) * pdb * world}"
+            )
         total = gbs
         how = f"generation_batch_size = {gbs}"
     else:
@@ -73,8 +85,10 @@ def batch_problem(grpo: dict[str, Any], world: int, default: Callable[[str], Any
         how = f"per_device_train_batch_size x processes x steps_per_generation = {pdb} x {world} x {steps} = {total}"
         if total % gens:
             unit = gens // math.gcd(gens, world * steps)  # the per-device batches that give whole groups
-            return (f"the global batch {how} completions is not a multiple of num_generations ({gens}), and TRL needs "
-                    f"whole groups: set train.grpo.per_device_train_batch_size={math.ceil(pdb / unit) * unit}")
+            return (
+                f"the global batch {how} completions is not a multiple of num_generations ({gens}), and TRL needs "
+                f"whole groups: set train.grpo.per_device_train_batch_size={math.ceil(pdb / unit) * unit}"
+            )
     if total % gens:
         return f"{how} completions is not a multiple of num_generations ({gens}): TRL needs whole groups"
     return None
@@ -87,23 +101,33 @@ class DistributedConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-    nodes: int = Field(1, ge=1, description="machines; more than one needs train.launcher=sky and an s3:// checkpoint_uri")
+    nodes: int = Field(
+        1, ge=1, description="machines; more than one needs train.launcher=sky and an s3:// checkpoint_uri"
+    )
     processes_per_node: int | None = Field(
-        None, ge=1, description="training processes per node, one per GPU; None: as many as the node has GPUs (1 on a CPU)"
+        None,
+        ge=1,
+        description="training processes per node, one per GPU; None: as many as the node has GPUs (1 on a CPU)",
     )
     strategy: Strategy = Field(
-        "ddp", description="ddp: each GPU holds everything (fastest while it fits); zero2: optimizer state and gradients "
-        "sharded (DeepSpeed); zero3 / fsdp: the weights too (DeepSpeed / FSDP2): least memory per GPU, most traffic"
+        "ddp",
+        description="ddp: each GPU holds everything (fastest while it fits); zero2: optimizer state and gradients "
+        "sharded (DeepSpeed); zero3 / fsdp: the weights too (DeepSpeed / FSDP2): least memory per GPU, most traffic",
     )
     timeout_s: int = Field(
-        600, ge=30, description="collective and rendezvous timeout: a dead or stuck rank ends the job after this, never a hang"
+        600,
+        ge=30,
+        description="collective and rendezvous timeout: a dead or stuck rank ends the job after this, never a hang",
     )
     accelerate: dict[str, Any] = Field(
-        default_factory=dict, description="merged over configs/accelerate/<strategy>.yaml (accelerate's config-file format), "
-        "e.g. {fsdp_config: {fsdp_activation_checkpointing: true}} or {deepspeed_config: {offload_optimizer_device: cpu}}"
+        default_factory=dict,
+        description="merged over configs/accelerate/<strategy>.yaml (accelerate's config-file format), "
+        "e.g. {fsdp_config: {fsdp_activation_checkpointing: true}} or {deepspeed_config: {offload_optimizer_device: cpu}}",
     )
     vllm_server_gpus: int = Field(
-        0, ge=0, description="with train.grpo vllm_mode=server: GPUs of each node given to `trl vllm-serve`; trainers get the rest"
+        0,
+        ge=0,
+        description="with train.grpo vllm_mode=server: GPUs of each node given to `trl vllm-serve`; trainers get the rest",
     )
     vllm_server_node: bool = Field(
         False, description="with vllm_mode=server on several nodes: one more node runs `trl vllm-serve` on all its GPUs"
@@ -113,8 +137,10 @@ class DistributedConfig(BaseModel):
     @classmethod
     def _not_owned(cls, v: dict[str, Any]) -> dict[str, Any]:
         if owned := sorted(ACCELERATE_OWNED & set(v)):
-            raise ValueError(f"{owned} follow from train.distributed (nodes, processes_per_node, strategy) and "
-                             "train.grpo (bf16); set them there")
+            raise ValueError(
+                f"{owned} follow from train.distributed (nodes, processes_per_node, strategy) and "
+                "train.grpo (bf16); set them there"
+            )
         return v
 
     def processes(self, gpus_per_node: int) -> int:

@@ -25,8 +25,20 @@ from typing import Any, Literal, NamedTuple, Optional, Union  # names the snapsh
 
 SNAPSHOT = Path(__file__).with_name("library_fields.json")
 CLASSES = {"GRPOConfig": ("trl", "GRPOConfig"), "LoraConfig": ("peft", "LoraConfig")}
-_TYPE_NAMES = {"Any": Any, "Literal": Literal, "Optional": Optional, "Union": Union, "list": list, "dict": dict,
-               "tuple": tuple, "int": int, "float": float, "str": str, "bool": bool, "None": None}
+_TYPE_NAMES = {
+    "Any": Any,
+    "Literal": Literal,
+    "Optional": Optional,
+    "Union": Union,
+    "list": list,
+    "dict": dict,
+    "tuple": tuple,
+    "int": int,
+    "float": float,
+    "str": str,
+    "bool": bool,
+    "None": None,
+}
 
 
 class LibraryField(NamedTuple):

@@ -26,8 +26,13 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 # What a trigger may change unless its deployment says otherwise: the knobs a person tunes between runs of one
 # recipe. Each is a number or a choice among fixed values, so none can reach code, a host, a file or a secret.
 DEFAULT_ALLOW: tuple[str, ...] = (
-    "train.grpo.max_steps", "train.grpo.learning_rate", "train.grpo.seed", "train.lora.r", "train.lora.lora_alpha",
-    "train.launcher", "plan.budget_usd",
+    "train.grpo.max_steps",
+    "train.grpo.learning_rate",
+    "train.grpo.seed",
+    "train.lora.r",
+    "train.lora.lora_alpha",
+    "train.launcher",
+    "plan.budget_usd",
 )
 
 CODE = "loads code on the worker or the training node"
@@ -61,15 +66,35 @@ RISKS: dict[str, str] = {
 # TRL's GRPOConfig and PEFT's LoraConfig fields (train.grpo.*, train.lora.*) by name, where the name alone
 # does not tell (the word rules in `_passthrough_risk` catch hub_*, *_dir, *_path, *token*).
 PASSTHROUGH_RISKS: dict[str, str] = {
-    "trust_remote_code": CODE, "model_init_kwargs": CODE,  # model_init_kwargs may carry trust_remote_code
-    "report_to": HOST, "trackio_space_id": HOST, "project": HOST, "vllm_server_base_url": HOST,
-    "vllm_server_host": HOST, "vllm_server_port": HOST, "vllm_group_port": HOST,
-    "deepspeed": PATH, "fsdp_config": PATH, "accelerator_config": PATH, "resume_from_checkpoint": PATH,
-    "output_dir": PATH, "runtime_config": PATH,
+    "trust_remote_code": CODE,
+    "model_init_kwargs": CODE,  # model_init_kwargs may carry trust_remote_code
+    "report_to": HOST,
+    "trackio_space_id": HOST,
+    "project": HOST,
+    "vllm_server_base_url": HOST,
+    "vllm_server_host": HOST,
+    "vllm_server_port": HOST,
+    "vllm_group_port": HOST,
+    "deepspeed": PATH,
+    "fsdp_config": PATH,
+    "accelerator_config": PATH,
+    "resume_from_checkpoint": PATH,
+    "output_dir": PATH,
+    "runtime_config": PATH,
 }
 # Words of a key that make its string value a credential: hub_token, api_key, Authorization, X-Api-Key, ...
-CREDENTIAL_WORDS = {"token", "secret", "password", "passwd", "authorization", "apikey", "credential", "credentials",
-                    "cookie", "bearer"}
+CREDENTIAL_WORDS = {
+    "token",
+    "secret",
+    "password",
+    "passwd",
+    "authorization",
+    "apikey",
+    "credential",
+    "credentials",
+    "cookie",
+    "bearer",
+}
 CREDENTIAL_PAIRS = {("api", "key"), ("access", "key"), ("private", "key"), ("secret", "key"), ("auth", "token")}
 # A subtree whose key ends so holds environment variable *names* (headers_from_env: {Authorization: VERIFIER_TOKEN})
 ENV_NAME_SUFFIXES = ("_from_env", "_env")
@@ -97,7 +122,9 @@ def credential_key(key: str) -> bool:
     if key in NOT_CREDENTIALS:
         return False
     words = key_words(key)
-    return bool(CREDENTIAL_WORDS & set(words)) or any(pair in CREDENTIAL_PAIRS for pair in zip(words, words[1:], strict=False))
+    return bool(CREDENTIAL_WORDS & set(words)) or any(
+        pair in CREDENTIAL_PAIRS for pair in zip(words, words[1:], strict=False)
+    )
 
 
 # Shapes of secrets whatever key holds them: an Authorization header's value, and the token formats of the
@@ -136,7 +163,10 @@ def url_secret(value: str) -> str | None:
     if password:
         return "a password"
     for key, _ in parse_qsl(parts.query):
-        if any(word in key.lower() for word in ("token", "secret", "password", "signature", "credential", "apikey", "api_key")):
+        if any(
+            word in key.lower()
+            for word in ("token", "secret", "password", "signature", "credential", "apikey", "api_key")
+        ):
             return f"the query parameter '{key}'"
     return None
 
@@ -222,8 +252,10 @@ class TriggerPolicy(BaseModel):
     def _never_risky(cls, v: list[str]) -> list[str]:
         for field in v:
             if why := risk(field):
-                raise ValueError(f"'{field}' {why}, so a trigger may never set it; set its value in the deployment's "
-                                 "config (or `grpo-pipeline deploy --set`) instead of allowing it")
+                raise ValueError(
+                    f"'{field}' {why}, so a trigger may never set it; set its value in the deployment's "
+                    "config (or `grpo-pipeline deploy --set`) instead of allowing it"
+                )
         return v
 
 
@@ -258,9 +290,15 @@ def _same_file(a: str | None, b: str | None, root: Path) -> bool:
     return (root / a).resolve() == (root / b).resolve()
 
 
-def check_trigger(policy: TriggerPolicy, own_config: str | None, own_overrides: typing.Sequence[str],
-                  config_path: str | None, overrides: typing.Sequence[str], root: Path = Path("."),
-                  config_file: str = "the deployment's config") -> list[Refusal]:
+def check_trigger(
+    policy: TriggerPolicy,
+    own_config: str | None,
+    own_overrides: typing.Sequence[str],
+    config_path: str | None,
+    overrides: typing.Sequence[str],
+    root: Path = Path("."),
+    config_file: str = "the deployment's config",
+) -> list[Refusal]:
     """What a triggered run asks for beyond its deployment's policy; empty when the run may go.
 
     `own_config` and `own_overrides` are the deployment's own (as registered: what `grpo-pipeline deploy` set),
@@ -269,37 +307,50 @@ def check_trigger(policy: TriggerPolicy, own_config: str | None, own_overrides: 
     """
     refused = []
     if not (_same_file(config_path, own_config, root) or any(_same_file(config_path, r, root) for r in policy.recipes)):
-        refused.append(Refusal(
-            field="config_path",
-            why=f"this deployment runs {own_config or 'the built-in defaults'}"
+        refused.append(
+            Refusal(
+                field="config_path",
+                why=f"this deployment runs {own_config or 'the built-in defaults'}"
                 f"{' or one of ' + ', '.join(policy.recipes) if policy.recipes else ''}, and a trigger may pick only "
                 "among those (a config file decides code, hosts, paths and credentials)",
-            fix=f"to allow another recipe, change the deployment: add it to deploy.trigger.recipes in {config_file} "
+                fix=f"to allow another recipe, change the deployment: add it to deploy.trigger.recipes in {config_file} "
                 "and run `grpo-pipeline deploy` again; or run it on the worker's shell: grpo-pipeline run --config FILE",
-        ))
+            )
+        )
     own = set(own_overrides)
     for i, assignment in enumerate(overrides):
         if assignment in own:  # set at deploy time
             continue
         field = override_field(assignment)
         if field is None:
-            refused.append(Refusal(field=f"overrides[{i}]", why="is not a KEY=VALUE assignment",
-                                   fix="write it as e.g. train.grpo.max_steps=20"))
+            refused.append(
+                Refusal(
+                    field=f"overrides[{i}]",
+                    why="is not a KEY=VALUE assignment",
+                    fix="write it as e.g. train.grpo.max_steps=20",
+                )
+            )
         elif field in policy.allow:
             continue
         elif why := risk(field):
-            refused.append(Refusal(
-                field=field, why=f"{why}, so a trigger may never set it",
-                fix=f"change the deployment instead: set it in {config_file} (or `grpo-pipeline deploy --set "
+            refused.append(
+                Refusal(
+                    field=field,
+                    why=f"{why}, so a trigger may never set it",
+                    fix=f"change the deployment instead: set it in {config_file} (or `grpo-pipeline deploy --set "
                     f"{field}=...`) and deploy again; or run on the worker's shell: grpo-pipeline run --set {field}=...",
-            ))
+                )
+            )
         else:
-            refused.append(Refusal(
-                field=field, why="is not among the fields this deployment lets a trigger set "
-                                 f"({', '.join(policy.allow) or 'none'})",
-                fix=f"to allow it, change the deployment: add it to deploy.trigger.allow in {config_file} and run "
+            refused.append(
+                Refusal(
+                    field=field,
+                    why="is not among the fields this deployment lets a trigger set "
+                    f"({', '.join(policy.allow) or 'none'})",
+                    fix=f"to allow it, change the deployment: add it to deploy.trigger.allow in {config_file} and run "
                     "`grpo-pipeline deploy` again",
-            ))
+                )
+            )
     return refused
 
 
@@ -310,5 +361,7 @@ def refusal_message(refusals: typing.Sequence[Refusal], deployment: str) -> str:
     refused: a run triggered through the deployment grpo-pipeline/manual may not set (nothing was run):
       model.base: w; f
     """
-    return (f"refused: a run triggered through the deployment {deployment} may not set (nothing was run):\n  "
-            + "\n  ".join(r.line() for r in refusals))
+    return (
+        f"refused: a run triggered through the deployment {deployment} may not set (nothing was run):\n  "
+        + "\n  ".join(r.line() for r in refusals)
+    )

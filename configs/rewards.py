@@ -47,14 +47,18 @@ class RewardSet(BaseModel):
     @model_validator(mode="after")
     def _consistent(self) -> RewardSet:
         if len(self.weights) != len(self.names):
-            raise ValueError(f"{len(self.weights)} weights for {len(self.names)} reward"
-                             f"{'s' if len(self.names) > 1 else ''} ({', '.join(self.names)}): give one weight per reward")
+            raise ValueError(
+                f"{len(self.weights)} weights for {len(self.names)} reward"
+                f"{'s' if len(self.names) > 1 else ''} ({', '.join(self.names)}): give one weight per reward"
+            )
         if bad := [w for w in self.weights if not math.isfinite(w)]:
             raise ValueError(f"reward weights {bad} are not finite numbers")
         if not any(self.weights):  # every group's advantages would be 0, and every ranking a tie
             raise ValueError(f"every reward weight is 0 ({', '.join(self.names)}): there is nothing to optimise")
         if stray := sorted(set(self.args) - set(self.names)):
-            raise ValueError(f"arguments for {', '.join(stray)}, which are not among the rewards ({', '.join(self.names)})")
+            raise ValueError(
+                f"arguments for {', '.join(stray)}, which are not among the rewards ({', '.join(self.names)})"
+            )
         return self
 
     def args_for(self, name: str) -> dict[str, Any] | None:

@@ -73,8 +73,13 @@ def _registry(cfg: PipelineConfig) -> Registry:
     return Registry(open_client(cfg.mlflow_uri), cfg.tracking.registered_model)
 
 
-@task(name="ab-read-and-decide", cache_policy=NO_CACHE, retries=3,
-      retry_delay_seconds=exponential_backoff(backoff_factor=5), retry_condition_fn=_retry_service_errors)
+@task(
+    name="ab-read-and-decide",
+    cache_policy=NO_CACHE,
+    retries=3,
+    retry_delay_seconds=exponential_backoff(backoff_factor=5),
+    retry_condition_fn=_retry_service_errors,
+)
 def decide_task(cfg: PipelineConfig) -> tuple[Round, Outcomes | None]:
     log = RequestLog.open(log_url(cfg.data_dir))
     try:
@@ -85,8 +90,13 @@ def decide_task(cfg: PipelineConfig) -> tuple[Round, Outcomes | None]:
     return found, outcomes
 
 
-@task(name="ab-settle", cache_policy=NO_CACHE, retries=3, retry_delay_seconds=exponential_backoff(backoff_factor=5),
-      retry_condition_fn=_retry_service_errors)
+@task(
+    name="ab-settle",
+    cache_policy=NO_CACHE,
+    retries=3,
+    retry_delay_seconds=exponential_backoff(backoff_factor=5),
+    retry_condition_fn=_retry_service_errors,
+)
 def settle_task(cfg: PipelineConfig, found: Round) -> Round:
     return settle_round(_registry(cfg), found)
 
@@ -96,10 +106,18 @@ def record(cfg: PipelineConfig, found: Round, outcomes: Outcomes, workdir: Path)
     setup_tracking(cfg.mlflow_uri, experiment_name(cfg), cfg.data_dir / "mlartifacts")
     decision, _ = found.decided()
     now = datetime.now(UTC)
-    run = mlflow.start_run(run_name=f"ab-decide {now:%Y-%m-%d %H:%M} {decision.action}", tags={
-        "ab_action": decision.action, "ab_champion": str(found.champion), "ab_challenger": str(found.challenger),
-        "ab_breaches": ",".join(decision.breaches), "ab_reasons": "; ".join(decision.reasons)[:5000],
-        "prefect_flow_run_id": flow_run.id or "local", "pipeline": FLOW_NAME})
+    run = mlflow.start_run(
+        run_name=f"ab-decide {now:%Y-%m-%d %H:%M} {decision.action}",
+        tags={
+            "ab_action": decision.action,
+            "ab_champion": str(found.champion),
+            "ab_challenger": str(found.challenger),
+            "ab_breaches": ",".join(decision.breaches),
+            "ab_reasons": "; ".join(decision.reasons)[:5000],
+            "prefect_flow_run_id": flow_run.id or "local",
+            "pipeline": FLOW_NAME,
+        },
+    )
     mlflow.log_params(decision_params(found, cfg.ab))
     mlflow.log_metrics(decision_metrics(found))
     mlflow.log_dict(found.as_json(), "decision.json")

@@ -58,9 +58,14 @@ def project_path(path: Path | str, root: Path = PROJECT_ROOT) -> str:
         return str(resolved)
 
 
-def render(spec: dict[str, Any], deploy: DeployConfig, config_path: str | None = None,
-           overrides: list[str] | None = None, pool_type: str = "process",
-           budget_usd: float | None = None) -> dict[str, Any]:
+def render(
+    spec: dict[str, Any],
+    deploy: DeployConfig,
+    config_path: str | None = None,
+    overrides: list[str] | None = None,
+    pool_type: str = "process",
+    budget_usd: float | None = None,
+) -> dict[str, Any]:
     """prefect.yaml with the daily schedule, the configuration and the work pool applied.
 
     Every field of the UI's run form gets a value (an empty `overrides` list; the config's budget, when it
@@ -87,15 +92,19 @@ def render(spec: dict[str, Any], deploy: DeployConfig, config_path: str | None =
         deployment["parameters"] = params
         if deployment["name"] == DAILY:
             (schedule,) = deployment["schedules"]
-            deployment["schedules"] = [{**schedule, "cron": f"0 {deploy.schedule_hour} * * *",
-                                        "timezone": deploy.timezone}]
+            deployment["schedules"] = [
+                {**schedule, "cron": f"0 {deploy.schedule_hour} * * *", "timezone": deploy.timezone}
+            ]
             # the UI lists a schedule by its cron; the description says when that is, and where
-            deployment["description"] = (f"Daily at {deploy.schedule_hour:02d}:00 {deploy.timezone}. "
-                                         + deployment.get("description", ""))
+            deployment["description"] = f"Daily at {deploy.schedule_hour:02d}:00 {deploy.timezone}. " + deployment.get(
+                "description", ""
+            )
         if pool_type != "process":
             if not deploy.image:
-                raise ConfigError(f"work pool {deploy.work_pool!r} is a {pool_type} pool: give the image its runs "
-                                  "use (--image, built from infra/docker/Dockerfile)")
+                raise ConfigError(
+                    f"work pool {deploy.work_pool!r} is a {pool_type} pool: give the image its runs "
+                    "use (--image, built from infra/docker/Dockerfile)"
+                )
             pool["job_variables"] = {**(pool.get("job_variables") or {}), "image": deploy.image}
         deployment["work_pool"] = pool
     if pool_type != "process":  # the image holds the code; the deploying machine's path means nothing there
@@ -109,17 +118,21 @@ def check_server() -> str:
 
     url = PREFECT_API_URL.value()
     if not url:
-        raise ConfigError("PREFECT_API_URL is not set: start a server (`grpo-pipeline stack up`, then "
-                          "`eval \"$(grpo-pipeline stack env)\"`, or docker compose up) or point it at yours")
+        raise ConfigError(
+            "PREFECT_API_URL is not set: start a server (`grpo-pipeline stack up`, then "
+            '`eval "$(grpo-pipeline stack env)"`, or docker compose up) or point it at yours'
+        )
     import urllib.request
 
     try:
         with urllib.request.urlopen(f"{url.rstrip('/')}/health", timeout=10) as response:
             response.read()
     except OSError as exc:
-        raise ConfigError(f"the Prefect server at PREFECT_API_URL={url} does not answer ({getattr(exc, 'reason', exc)}); "
-                          "start it (`grpo-pipeline stack up`, or docker compose up) or point PREFECT_API_URL at "
-                          "a server that runs") from None
+        raise ConfigError(
+            f"the Prefect server at PREFECT_API_URL={url} does not answer ({getattr(exc, 'reason', exc)}); "
+            "start it (`grpo-pipeline stack up`, or docker compose up) or point PREFECT_API_URL at "
+            "a server that runs"
+        ) from None
     return url
 
 
@@ -141,9 +154,11 @@ def locked_template(template: dict[str, Any]) -> dict[str, Any]:
     >>> "{{ command }}" in str(locked["job_configuration"])
     False
     """
-    variables = {**template["variables"], "additionalProperties": False,
-                 "properties": {k: v for k, v in template["variables"]["properties"].items()
-                                if k not in EXECUTING_VARIABLES}}
+    variables = {
+        **template["variables"],
+        "additionalProperties": False,
+        "properties": {k: v for k, v in template["variables"]["properties"].items() if k not in EXECUTING_VARIABLES},
+    }
     job = {k: v for k, v in template["job_configuration"].items() if k not in EXECUTING_VARIABLES}
     return {**template, "variables": variables, "job_configuration": job}
 
@@ -172,9 +187,13 @@ def ensure_work_pool(name: str) -> tuple[str, list[str]]:
             pool = client.read_work_pool(name)
             return pool.type, open_variables(pool.base_job_template)
         except ObjectNotFound:
-            client.create_work_pool(WorkPoolCreate(
-                name=name, type="process",
-                base_job_template=locked_template(ProcessWorker.get_default_base_job_template())))
+            client.create_work_pool(
+                WorkPoolCreate(
+                    name=name,
+                    type="process",
+                    base_job_template=locked_template(ProcessWorker.get_default_base_job_template()),
+                )
+            )
             return "process", []
 
 
@@ -186,9 +205,14 @@ def register(spec: dict[str, Any], workdir: Path) -> str:
     tmp.write_text(yaml.safe_dump(spec, sort_keys=False))
     tmp.replace(rendered)
     prefect = Path(sys.executable).parent / "prefect"
-    proc = subprocess.run([str(prefect), "--no-prompt", "deploy", "--all", "--prefect-file", str(rendered)],
-                          cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"})
+    proc = subprocess.run(
+        [str(prefect), "--no-prompt", "deploy", "--all", "--prefect-file", str(rendered)],
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"},
+    )
     if proc.returncode != 0:
         raise DeployError(f"`prefect deploy` failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
     return proc.stdout
@@ -206,8 +230,14 @@ def deployments_summary() -> dict[str, dict]:
             out[name if flow_name == FLOW_NAME else f"{flow_name}/{name}"] = {
                 "id": str(d.id),
                 "work_pool": d.work_pool_name,
-                "schedules": [{"cron": getattr(s.schedule, "cron", None), "timezone": getattr(s.schedule, "timezone", None),
-                               "active": s.active} for s in d.schedules],
+                "schedules": [
+                    {
+                        "cron": getattr(s.schedule, "cron", None),
+                        "timezone": getattr(s.schedule, "timezone", None),
+                        "active": s.active,
+                    }
+                    for s in d.schedules
+                ],
                 "concurrency_limit": d.global_concurrency_limit.limit if d.global_concurrency_limit else None,
                 "collision_strategy": options.collision_strategy.value if options else None,
                 "parameters": d.parameters,
@@ -234,8 +264,10 @@ def ensure_failure_automation(block: str) -> str:
         try:
             document = client.read_block_document_by_name(name=name, block_type_slug=slug)
         except ObjectNotFound:
-            raise ConfigError(f"no notification block {block!r} on the Prefect server: create it in the UI "
-                              f"(Blocks) or with `prefect block create {slug}`, then deploy again") from None
+            raise ConfigError(
+                f"no notification block {block!r} on the Prefect server: create it in the UI "
+                f"(Blocks) or with `prefect block create {slug}`, then deploy again"
+            ) from None
     try:
         Automation.read(name=AUTOMATION).delete()  # type: ignore[attr-defined]  # sync_compatible: a coroutine only in async code
     except ValueError:  # none yet
@@ -246,14 +278,20 @@ def ensure_failure_automation(block: str) -> str:
         trigger=EventTrigger(
             expect=FAILED_EVENTS,
             match_related={"prefect.resource.role": "flow", "prefect.resource.name": [FLOW_NAME, AB_FLOW]},
-            posture=Posture.Reactive, threshold=1, within=timedelta(0),
+            posture=Posture.Reactive,
+            threshold=1,
+            within=timedelta(0),
         ),
-        actions=[SendNotification(
-            block_document_id=document.id,
-            subject="GRPO pipeline: {{ flow_run.name }} {{ flow_run.state.name }}",
-            body=("Flow run {{ flow_run.name }} ({{ deployment.name }}) ended {{ flow_run.state.name }}: "
-                  "{{ flow_run.state.message }}\n{{ flow_run|ui_url }}"),
-        )],
+        actions=[
+            SendNotification(
+                block_document_id=document.id,
+                subject="GRPO pipeline: {{ flow_run.name }} {{ flow_run.state.name }}",
+                body=(
+                    "Flow run {{ flow_run.name }} ({{ deployment.name }}) ended {{ flow_run.state.name }}: "
+                    "{{ flow_run.state.message }}\n{{ flow_run|ui_url }}"
+                ),
+            )
+        ],
     ).create()
     return str(automation.id)  # type: ignore[union-attr]  # sync_compatible, as above
 
@@ -265,7 +303,9 @@ def settings_for(cfg: PipelineConfig, **options: Any) -> DeployConfig:
     return DeployConfig.model_validate(cfg.deploy.model_dump() | given)
 
 
-def deploy(cfg: PipelineConfig, settings: DeployConfig, config_path: Path | None, overrides: list[str]) -> dict[str, Any]:
+def deploy(
+    cfg: PipelineConfig, settings: DeployConfig, config_path: Path | None, overrides: list[str]
+) -> dict[str, Any]:
     """Register the daily-retrain, manual, ci and ab-decide/hourly deployments on the Prefect server PREFECT_API_URL names, and
     the failure automation when `settings.notify_block` is set; returns what the server now holds.
 
@@ -273,17 +313,29 @@ def deploy(cfg: PipelineConfig, settings: DeployConfig, config_path: Path | None
     Prefect's own `prefect deploy` fails."""
     check_server()
     pool_type, open_to_runs = ensure_work_pool(settings.work_pool)
-    spec = render(yaml.safe_load(PREFECT_YAML.read_text()), settings,
-                  project_path(config_path) if config_path else None, overrides, pool_type,
-                  budget_usd=cfg.plan.budget_usd)
+    spec = render(
+        yaml.safe_load(PREFECT_YAML.read_text()),
+        settings,
+        project_path(config_path) if config_path else None,
+        overrides,
+        pool_type,
+        budget_usd=cfg.plan.budget_usd,
+    )
     register(spec, cfg.data_dir / "deploy")
-    summary: dict[str, Any] = {"deployments": deployments_summary(),
-                               "work_pool": {"name": settings.work_pool, "type": pool_type,
-                                             # a pool made elsewhere may let a run choose what executes
-                                             "run_may_set": open_to_runs},
-                               # what a run started through them may set (docs/security.md)
-                               "trigger_policy": cfg.deploy.trigger.model_dump()}
+    summary: dict[str, Any] = {
+        "deployments": deployments_summary(),
+        "work_pool": {
+            "name": settings.work_pool,
+            "type": pool_type,
+            # a pool made elsewhere may let a run choose what executes
+            "run_may_set": open_to_runs,
+        },
+        # what a run started through them may set (docs/security.md)
+        "trigger_policy": cfg.deploy.trigger.model_dump(),
+    }
     if settings.notify_block:
-        summary["failure_automation"] = {"id": ensure_failure_automation(settings.notify_block),
-                                         "block": settings.notify_block}
+        summary["failure_automation"] = {
+            "id": ensure_failure_automation(settings.notify_block),
+            "block": settings.notify_block,
+        }
     return summary

@@ -28,20 +28,35 @@ from grpo_pipeline.tasks.model import resolve_model_task
 
 
 @task(name="hpo-trial", task_run_name="trial-{trial.number}", cache_policy=NO_CACHE)
-def trial_task(trial: optuna.Trial, cfg: PipelineConfig, model_path: str, splits: dict[str, Path], run_dir: Path,
-               tracking: Tracking | None) -> TrialOutcome:
+def trial_task(
+    trial: optuna.Trial,
+    cfg: PipelineConfig,
+    model_path: str,
+    splits: dict[str, Path],
+    run_dir: Path,
+    tracking: Tracking | None,
+) -> TrialOutcome:
     return run_trial(trial, cfg, model_path, splits, run_dir, tracking, launcher_for=make_launcher)
 
 
-def search_stage(cfg: PipelineConfig, rewards: RewardSet, model_path: str, splits: dict[str, Path], run_dir: Path,
-                 experiment_id: str, stage_run_id: str, train_usd: float | None = None) -> HPOResult:
+def search_stage(
+    cfg: PipelineConfig,
+    rewards: RewardSet,
+    model_path: str,
+    splits: dict[str, Path],
+    run_dir: Path,
+    experiment_id: str,
+    stage_run_id: str,
+    train_usd: float | None = None,
+) -> HPOResult:
     """The study, its trials scored by `rewards`' weighted total; each trial a task run and an MLflow run nested
     under the stage's run (`grpo_pipeline.flows.runs.stage_run`, which a retried flow run reopens, as the study resumes).
     `train_usd`: the planned cost of the training run the search feeds, for its budget in USD
     (`hpo.budget_fraction`)."""
     tracking = Tracking(tracking_uri=cfg.mlflow_uri, experiment_id=experiment_id, stage_run_id=stage_run_id)
-    return search(cfg, model_path, splits, run_dir, rewards=rewards, run_one=trial_task, tracking=tracking,
-                  train_usd=train_usd)
+    return search(
+        cfg, model_path, splits, run_dir, rewards=rewards, run_one=trial_task, tracking=tracking, train_usd=train_usd
+    )
 
 
 def _own_overrides(parameters: dict[str, Any]) -> list[str]:
@@ -80,8 +95,9 @@ def run_search(cfg: PipelineConfig) -> dict:
     rewards = cfg.train.reward_set()  # resolved once, as the pipeline does
     run_dir = cfg.data_dir / "runs" / f"{datetime.now():%Y%m%d-%H%M%S}-{(flow_run.id or 'local')[:8]}-hpo"
     model_path = resolve_model_task(cfg.model, cfg.data_dir / "models")
-    dataset = data_task(cfg.data, cfg.data_dir / "datasets", model_path, list(rewards.names),
-                        dict(rewards.args))  # as the pipeline does
+    dataset = data_task(
+        cfg.data, cfg.data_dir / "datasets", model_path, list(rewards.names), dict(rewards.args)
+    )  # as the pipeline does
     experiment_id = setup_tracking(cfg.mlflow_uri, cfg.tracking.experiment, cfg.data_dir / "mlartifacts")
     with parent_run(flow_run.id or "local", "hpo") as run:  # a retry of this flow run continues it
         result = search_stage(cfg, rewards, model_path, dataset.splits, run_dir, experiment_id, run.info.run_id)

@@ -151,8 +151,9 @@ def grpo_pipeline(
     return run_pipeline(cfg, preflight(cfg))
 
 
-def checked_pipeline(cfg: PipelineConfig, priced: Plan | None, config_path: str | None,
-                     overrides: list[str]) -> RunSummary:
+def checked_pipeline(
+    cfg: PipelineConfig, priced: Plan | None, config_path: str | None, overrides: list[str]
+) -> RunSummary:
     """The pipeline flow on a configuration loaded and preflighted already (`grpo-pipeline run` does both before
     a flow run exists, so a refused input leaves none behind): the checks do not run twice, nor the budget's
     plan (`priced`: what preflight returned).
@@ -202,24 +203,41 @@ def run_pipeline(cfg: PipelineConfig, priced: Plan | None = None) -> RunSummary:
         search = None
         if planned.hpo.enabled:
             with stage_run(pid, "hpo") as run:
-                search = search_stage(planned, rewards, model_path, splits, run_dir, experiment_id, run.info.run_id,
-                                      train_usd=plan.estimate.usd)
+                search = search_stage(
+                    planned,
+                    rewards,
+                    model_path,
+                    splits,
+                    run_dir,
+                    experiment_id,
+                    run.info.run_id,
+                    train_usd=plan.estimate.usd,
+                )
         tuned = apply_best(planned, search.overrides) if search else planned
         log_resolved_config(tuned, dataset, model_path)  # what trains is what the run shows
         with stage_run(pid, "evaluate-base"):
             base = evaluate_stage(tuned, rewards, model_path, splits["holdout"], "base")
         train_run = stage_run_for_another_process(experiment_id, pid, "train")
-        spec = build_job_spec(tuned.train, tuned.model, model_path, splits, run_dir, mlflow_tracking_uri=tuned.mlflow_uri,
-                              mlflow_experiment=tuned.tracking.experiment, mlflow_run_id=train_run,
-                              init_adapter=warm_start.adapter_dir if warm_start else None)
+        spec = build_job_spec(
+            tuned.train,
+            tuned.model,
+            model_path,
+            splits,
+            run_dir,
+            mlflow_tracking_uri=tuned.mlflow_uri,
+            mlflow_experiment=tuned.tracking.experiment,
+            mlflow_run_id=train_run,
+            init_adapter=warm_start.adapter_dir if warm_start else None,
+        )
         log_dataset_inputs(train_run, dataset)
         result = _resumable(train_task)(spec, tuned.train)
         cost = Cost(cost_usd_estimated=plan.estimate.usd, cost_usd_actual=actual_cost(result.gpu_hours, plan))
         mlflow.log_metrics(cost.model_dump())
         month = month_stage(tuned, experiment_id, plan)
         with stage_run(pid, "evaluate-candidate"):
-            trained = evaluate_stage(tuned, rewards, model_path, splits["holdout"], "candidate",
-                                     adapter=result.adapter_dir)
+            trained = evaluate_stage(
+                tuned, rewards, model_path, splits["holdout"], "candidate", adapter=result.adapter_dir
+            )
         champion_version = registry.version_of(CHAMPION)  # the baseline: the champion, or the base model
         champion = None
         if champion_version:
@@ -233,8 +251,9 @@ def run_pipeline(cfg: PipelineConfig, priced: Plan | None = None) -> RunSummary:
             decision = decide_stage(tuned, rewards, trained, champion or base)
         with stage_run(pid, "register"):
             lineage = {"config_hash": cfg_hash, **lineage_tags(warm_start), **record_seen(seen, splits)}
-            registered = register_stage(tuned, registry, dataset, model_path, result, merged, pid, splits["holdout"],
-                                        lineage)
+            registered = register_stage(
+                tuned, registry, dataset, model_path, result, merged, pid, splits["holdout"], lineage
+            )
         with stage_run(pid, "serving-check"):
             check = serving_stage(tuned, registry, registered, splits["holdout"], trained)
         decision = blocked_unless_served(decision, check)
@@ -244,10 +263,19 @@ def run_pipeline(cfg: PipelineConfig, priced: Plan | None = None) -> RunSummary:
             run_dir=str(run_dir.resolve()),
             data={"fingerprint": dataset.fingerprint, **dataset.report.model_dump(mode="json")},
             model=BaseChoice(base=tuned.model.base, path=model_path, quantization=tuned.model.quantization),
-            warm_start=warm_start, rows=rows, drift=drift, config_hash=cfg_hash,
-            holdout=Holdout.of(base, trained, champion), train=result, plan=plan.summary(), cost=cost, month=month,
+            warm_start=warm_start,
+            rows=rows,
+            drift=drift,
+            config_hash=cfg_hash,
+            holdout=Holdout.of(base, trained, champion),
+            train=result,
+            plan=plan.summary(),
+            cost=cost,
+            month=month,
             hpo=Search.of(search) if search else None,
-            merge=merged, decision=decision, registry=outcome,
+            merge=merged,
+            decision=decision,
+            registry=outcome,
         )
         report(summary, run_dir)
     return summary
@@ -296,14 +324,17 @@ def warm_start_stage(cfg: PipelineConfig, registry: Registry, run_dir: Path) -> 
         if version is None:
             raise ConfigError(
                 f"{field}: registered model {model!r} has no {ref.ref!r} alias yet (no run was promoted); train from the "
-                f"base (model.init_adapter=none) or name a version (model.init_adapter=models:/{model}/<version>)")
+                f"base (model.init_adapter=none) or name a version (model.init_adapter=models:/{model}/<version>)"
+            )
         try:
             mv = registry.client.get_model_version(model, version)
         except registry.errors as exc:
             if getattr(exc, "error_code", None) not in MISSING:
                 raise
-            raise ConfigError(f"{field}: registered model {model!r} has no version {version}; "
-                              f"`grpo-pipeline registry` lists the versions, or use model.init_adapter=none") from None
+            raise ConfigError(
+                f"{field}: registered model {model!r} has no version {version}; "
+                f"`grpo-pipeline registry` lists the versions, or use model.init_adapter=none"
+            ) from None
         uri, source, tags = f"models:/{model}/{version}", mv.source, dict(mv.tags)
     adapter = fetch_adapter(source, run_dir / "init-adapter", field)
     try:
@@ -328,8 +359,10 @@ def fetch_adapter(source: str, dst: Path, field: str) -> str:
     except (MlflowException, OSError) as exc:
         if isinstance(exc, MlflowException) and exc.error_code not in MISSING:
             raise  # the server, not the URI: a service fault
-        raise ConfigError(f"{field}: nothing to download at {source} ({str(exc).splitlines()[0][:300]}); name an "
-                          "existing models:/ version or runs:/<run_id>/adapter, or use model.init_adapter=none") from None
+        raise ConfigError(
+            f"{field}: nothing to download at {source} ({str(exc).splitlines()[0][:300]}); name an "
+            "existing models:/ version or runs:/<run_id>/adapter, or use model.init_adapter=none"
+        ) from None
     inner = local / "artifacts" / "adapter"
     return str(inner if inner.is_dir() else local)
 
@@ -379,37 +412,80 @@ def unchanged_stage(registry: Registry, dataset: DatasetVersion, cfg_hash: str) 
     return unchanged_reason(champion, tags, dataset.fingerprint, cfg_hash, new)
 
 
-def train_rows_stage(cfg: PipelineConfig, dataset: DatasetVersion, seen: set[str] | None, run_dir: Path,
-                     holdout_before: set[str] | None = None) -> tuple[dict[str, Path], TrainRows]:
+def train_rows_stage(
+    cfg: PipelineConfig,
+    dataset: DatasetVersion,
+    seen: set[str] | None,
+    run_dir: Path,
+    holdout_before: set[str] | None = None,
+) -> tuple[dict[str, Path], TrainRows]:
     """The splits training uses: with `data.incremental`, a train split of the new rows plus the replayed share
     (written under the run directory; val and holdout are the version's own, the same rows every day); and how
     many of each it holds, with the holdout rows the parent was not judged on (`holdout_before`: its holdout)."""
     splits = dict(dataset.splits)
-    new_holdout = None if holdout_before is None else sum(k not in holdout_before for k in split_keys(splits["holdout"]))
+    new_holdout = (
+        None if holdout_before is None else sum(k not in holdout_before for k in split_keys(splits["holdout"]))
+    )
     keys = split_keys(splits["train"])
     before = sum(k in seen for k in keys) if seen else 0
     if not cfg.data.incremental:
-        rows = TrainRows(incremental=False, new=len(keys) - before, replayed=before, seen_before=before,
-                         lineage_known=seen is not None, new_holdout=new_holdout)
+        rows = TrainRows(
+            incremental=False,
+            new=len(keys) - before,
+            replayed=before,
+            seen_before=before,
+            lineage_known=seen is not None,
+            new_holdout=new_holdout,
+        )
     else:
-        splits["train"], new, replayed = incremental_split(splits["train"], seen or set(), cfg.data.replay_fraction,
-                                                           dataset.fingerprint, run_dir / "data" / "train.jsonl")
-        rows = TrainRows(incremental=True, new=new, replayed=replayed, seen_before=before, lineage_known=seen is not None,
-                         new_holdout=new_holdout)
-    mlflow.log_metrics({"rows/new": rows.new, "rows/replayed": rows.replayed, "rows/seen_before": rows.seen_before,
-                        **({"rows/new_holdout": new_holdout} if new_holdout is not None else {})})
+        splits["train"], new, replayed = incremental_split(
+            splits["train"],
+            seen or set(),
+            cfg.data.replay_fraction,
+            dataset.fingerprint,
+            run_dir / "data" / "train.jsonl",
+        )
+        rows = TrainRows(
+            incremental=True,
+            new=new,
+            replayed=replayed,
+            seen_before=before,
+            lineage_known=seen is not None,
+            new_holdout=new_holdout,
+        )
+    mlflow.log_metrics(
+        {
+            "rows/new": rows.new,
+            "rows/replayed": rows.replayed,
+            "rows/seen_before": rows.seen_before,
+            **({"rows/new_holdout": new_holdout} if new_holdout is not None else {}),
+        }
+    )
     return splits, rows
 
 
-def skipped(reason: str, cfg: PipelineConfig, pid: str, experiment_id: str, run_dir: Path, dataset: DatasetVersion,
-            base: BaseChoice, cfg_hash: str, warm_start: WarmStart | None) -> RunSummary:
+def skipped(
+    reason: str,
+    cfg: PipelineConfig,
+    pid: str,
+    experiment_id: str,
+    run_dir: Path,
+    dataset: DatasetVersion,
+    base: BaseChoice,
+    cfg_hash: str,
+    warm_start: WarmStart | None,
+) -> RunSummary:
     """The summary of a run that ends after the data stage; its reason in the MLflow run and the Prefect UI."""
     print(f"skipped: {reason}")
     summary = RunSummary(
-        status="skipped", skipped_reason=reason,
+        status="skipped",
+        skipped_reason=reason,
         mlflow=MlflowRef(tracking_uri=cfg.mlflow_uri, run_id=pid, experiment_id=experiment_id),
-        run_dir=str(run_dir.resolve()), data={"fingerprint": dataset.fingerprint, **dataset.report.model_dump(mode="json")},
-        model=base, warm_start=warm_start, config_hash=cfg_hash,
+        run_dir=str(run_dir.resolve()),
+        data={"fingerprint": dataset.fingerprint, **dataset.report.model_dump(mode="json")},
+        model=base,
+        warm_start=warm_start,
+        config_hash=cfg_hash,
     )
     mlflow.set_tags({"status": "skipped", "skipped_reason": reason[:5000]})
     mlflow.log_dict(summary.model_dump(mode="json"), "summary.json")
@@ -435,16 +511,31 @@ def month_stage(cfg: PipelineConfig, experiment_id: str, plan: Plan) -> MonthCos
     run a day (`cost/month_projected_usd`)."""
     month, since = month_of(datetime.now(UTC))
     runs = mlflow.MlflowClient(cfg.mlflow_uri).search_runs(
-        [experiment_id], f"metrics.cost_usd_actual >= 0 and attributes.start_time >= {since}", max_results=50000)
-    figure = MonthCost(month=month, actual_usd=sum(r.data.metrics["cost_usd_actual"] for r in runs), runs=len(runs),
-                       projected_usd=plan.estimate.monthly_usd)
-    mlflow.log_metrics({"cost/month_actual_usd": figure.actual_usd,
-                        **({"cost/month_projected_usd": figure.projected_usd} if figure.projected_usd is not None else {})})
+        [experiment_id], f"metrics.cost_usd_actual >= 0 and attributes.start_time >= {since}", max_results=50000
+    )
+    figure = MonthCost(
+        month=month,
+        actual_usd=sum(r.data.metrics["cost_usd_actual"] for r in runs),
+        runs=len(runs),
+        projected_usd=plan.estimate.monthly_usd,
+    )
+    mlflow.log_metrics(
+        {
+            "cost/month_actual_usd": figure.actual_usd,
+            **({"cost/month_projected_usd": figure.projected_usd} if figure.projected_usd is not None else {}),
+        }
+    )
     return figure
 
 
-def drift_stage(cfg: PipelineConfig, rewards: RewardSet, registry: Registry, dataset: DatasetVersion, run_dir: Path,
-                parent_run_id: str) -> Drift:
+def drift_stage(
+    cfg: PipelineConfig,
+    rewards: RewardSet,
+    registry: Registry,
+    dataset: DatasetVersion,
+    run_dir: Path,
+    parent_run_id: str,
+) -> Drift:
     """How today's new train rows differ from the champion's (`grpo_pipeline.tasks.drift`: the rows whose keys its
     version's `seen_keys` holds): prompt length, answer type, and its reward on a sample of the new rows against its
     holdout reward (the holdout in the `evaluate-champion` stage run, whose later call is then this one's cached
@@ -456,8 +547,10 @@ def drift_stage(cfg: PipelineConfig, rewards: RewardSet, registry: Registry, dat
     if champion is None:
         drift = not_measured("no champion yet: nothing to compare today's rows with (the first promoted run makes one)")
     elif seen is None:
-        drift = not_measured(f"champion v{champion} recorded no trained rows (no seen_keys tag: registered before "
-                             "lineage was kept)", champion)
+        drift = not_measured(
+            f"champion v{champion} recorded no trained rows (no seen_keys tag: registered before lineage was kept)",
+            champion,
+        )
     else:
         with Path(dataset.splits["train"]).open(encoding="utf-8") as f:  # only a newline ends a row (read_jsonl)
             rows = split_rows((json.loads(line) for line in f if line.strip()), seen, dataset.fingerprint)
@@ -466,14 +559,16 @@ def drift_stage(cfg: PipelineConfig, rewards: RewardSet, registry: Registry, dat
         else:
             fetched = champion_model(cfg, registry, champion, run_dir)
             with stage_run(parent_run_id, "evaluate-champion"):
-                on_holdout = champion_stage(cfg, rewards, registry, champion, dataset.splits["holdout"], run_dir,
-                                            fetched=fetched)
+                on_holdout = champion_stage(
+                    cfg, rewards, registry, champion, dataset.splits["holdout"], run_dir, fetched=fetched
+                )
             sample = run_dir / "drift" / "new_rows.jsonl"
             sample.parent.mkdir(parents=True, exist_ok=True)
             sample.write_bytes(b"".join(jsonl_line(r) for r in rows.sample))
             with stage_run(parent_run_id, "drift"):
-                on_new = champion_stage(cfg, rewards, registry, champion, sample, run_dir, name="champion_new_rows",
-                                        fetched=fetched)
+                on_new = champion_stage(
+                    cfg, rewards, registry, champion, sample, run_dir, name="champion_new_rows", fetched=fetched
+                )
             judged = seen_keys(registry, registry.name, champion, tag=HOLDOUT_TAG)
             reward = reward_drop(judged_totals(on_holdout.rows, judged), [r["total"] for r in on_new.rows])
             drift = assess(champion, rows, reward, cfg.data.drift_alert)
@@ -490,8 +585,12 @@ def log_drift(drift: Drift, rows: NewAndSeen | None, tracking_uri: str, run_dir:
         mlflow.set_tag("drift_skipped_reason", drift.skipped_reason[:5000])
     else:
         mlflow.log_metrics(drift_metrics(drift))
-        mlflow.set_tags({"drift_alert": str(drift.alert).lower(),
-                         **({"drift_alert_reason": drift.alert_reason[:5000]} if drift.alert_reason else {})})
+        mlflow.set_tags(
+            {
+                "drift_alert": str(drift.alert).lower(),
+                **({"drift_alert_reason": drift.alert_reason[:5000]} if drift.alert_reason else {}),
+            }
+        )
     mlflow.log_dict(drift.model_dump(mode="json"), "drift.json")
     markdown, url = "\n".join(drift_lines(drift)), None
     if rows is not None and not drift.skipped_reason:
@@ -510,8 +609,9 @@ def model_stage(cfg: PipelineConfig, rewards: RewardSet, base_path: str, val: Pa
     Both rank by `rewards`' weighted total, as training and promotion do."""
     selected, model_path = cfg, base_path
     if cfg.model.candidates:
-        selection = _resumable(select_task)(cfg.model, cfg.train, cfg.plan, cfg.evaluate, rewards, val,
-                                            cfg.data_dir / "models")
+        selection = _resumable(select_task)(
+            cfg.model, cfg.train, cfg.plan, cfg.evaluate, rewards, val, cfg.data_dir / "models"
+        )
         mlflow.log_table(selection.table(), "base_selection.json")
         selected = cfg.model_copy(update={"model": cfg.model.model_copy(update={"base": selection.chosen})})
         model_path = selection.chosen_path
@@ -540,18 +640,33 @@ def log_resolved_config(cfg: PipelineConfig, dataset: DatasetVersion, model_path
     parameters as params, so runs compare in the MLflow UI."""
     mlflow.log_dict(cfg.model_dump(mode="json"), "config.json")
     grpo, lora = cfg.train.grpo, cfg.train.lora
-    mlflow.log_params({
-        "base_model": cfg.model.base, "model_path": model_path, "quantization": cfg.model.quantization,
-        "dataset_fingerprint": dataset.fingerprint, "rewards": ",".join(cfg.train.rewards),
-        "launcher": cfg.train.launcher, "hpo": cfg.hpo.enabled,
-        # the value that trains: the configured one, else TRL's or PEFT's default
-        **{f"grpo.{k}": grpo.get(k, library_default("GRPOConfig", k)) for k in KEY_GRPO},
-        **{f"lora.{k}": lora.get(k, library_default("LoraConfig", k)) for k in KEY_LORA},
-    })
+    mlflow.log_params(
+        {
+            "base_model": cfg.model.base,
+            "model_path": model_path,
+            "quantization": cfg.model.quantization,
+            "dataset_fingerprint": dataset.fingerprint,
+            "rewards": ",".join(cfg.train.rewards),
+            "launcher": cfg.train.launcher,
+            "hpo": cfg.hpo.enabled,
+            # the value that trains: the configured one, else TRL's or PEFT's default
+            **{f"grpo.{k}": grpo.get(k, library_default("GRPOConfig", k)) for k in KEY_GRPO},
+            **{f"lora.{k}": lora.get(k, library_default("LoraConfig", k)) for k in KEY_LORA},
+        }
+    )
 
 
-KEY_GRPO = ("learning_rate", "max_steps", "num_generations", "per_device_train_batch_size",
-            "gradient_accumulation_steps", "max_completion_length", "temperature", "beta", "loss_type")
+KEY_GRPO = (
+    "learning_rate",
+    "max_steps",
+    "num_generations",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "max_completion_length",
+    "temperature",
+    "beta",
+    "loss_type",
+)
 KEY_LORA = ("r", "lora_alpha", "lora_dropout", "target_modules")
 
 
@@ -573,26 +688,40 @@ def train_task(spec: JobSpec, train: TrainConfig) -> TrainResult:
         return run_job(make_launcher(train, on_line=show, on_status=logger.info), spec)
 
 
-def evaluate_stage(cfg: PipelineConfig, rewards: RewardSet, model_path: str, holdout: Path, name: str,
-                   adapter: str | None = None, model=None, label: str | None = None) -> EvalResult:
+def evaluate_stage(
+    cfg: PipelineConfig,
+    rewards: RewardSet,
+    model_path: str,
+    holdout: Path,
+    name: str,
+    adapter: str | None = None,
+    model=None,
+    label: str | None = None,
+) -> EvalResult:
     """`name` (base, candidate, champion) names its artifacts; `label` (else `name`) the model in progress lines."""
     # scored by the same weighted total GRPO optimised (`RewardSet.total`)
-    result = _resumable(evaluate_task)(model_path, model or cfg.model, holdout, rewards, cfg.evaluate,
-                                       adapter=adapter, label=label or name)
-    mlflow.log_metrics({"reward": result.reward, **{f"reward/{k}": v for k, v in result.per_reward.items()},
-                        **result.metrics})
+    result = _resumable(evaluate_task)(
+        model_path, model or cfg.model, holdout, rewards, cfg.evaluate, adapter=adapter, label=label or name
+    )
+    mlflow.log_metrics(
+        {"reward": result.reward, **{f"reward/{k}": v for k, v in result.per_reward.items()}, **result.metrics}
+    )
     columns = {k: [row[k] for row in result.rows] for k in result.rows[0]} if result.rows else {}
     mlflow.log_table(columns, artifact_file=f"{name}_samples.json")
     return result
 
 
-@task(name="fetch-champion", cache_policy=NO_CACHE, retries=3, retry_delay_seconds=exponential_backoff(backoff_factor=5))
+@task(
+    name="fetch-champion", cache_policy=NO_CACHE, retries=3, retry_delay_seconds=exponential_backoff(backoff_factor=5)
+)
 def fetch_champion_task(registry: Registry, version: str, dst: Path) -> tuple[str, dict]:
     mv = registry.client.get_model_version(registry.name, version)
     return mlflow.artifacts.download_artifacts(artifact_uri=mv.source, dst_path=str(dst)), mv.tags
 
 
-def champion_model(cfg: PipelineConfig, registry: Registry, version: str, run_dir: Path) -> tuple[str, str, ModelConfig]:
+def champion_model(
+    cfg: PipelineConfig, registry: Registry, version: str, run_dir: Path
+) -> tuple[str, str, ModelConfig]:
     """The champion's base (resolved path), its adapter (downloaded into the run directory) and its model config."""
     local, tags = fetch_champion_task(registry, version, run_dir / "champion")
     adapter = Path(local) / "artifacts" / "adapter"  # an MLflow model; a version registered before was the adapter
@@ -603,8 +732,16 @@ def champion_model(cfg: PipelineConfig, registry: Registry, version: str, run_di
     return resolve_model_task(model, cfg.data_dir / "models"), adapter, model
 
 
-def champion_stage(cfg: PipelineConfig, rewards: RewardSet, registry: Registry, version: str, holdout: Path,
-                   run_dir: Path, name: str = "champion", fetched: tuple[str, str, ModelConfig] | None = None) -> EvalResult:
+def champion_stage(
+    cfg: PipelineConfig,
+    rewards: RewardSet,
+    registry: Registry,
+    version: str,
+    holdout: Path,
+    run_dir: Path,
+    name: str = "champion",
+    fetched: tuple[str, str, ModelConfig] | None = None,
+) -> EvalResult:
     """The current champion on the same holdout (or, named otherwise, on another file of rows), on the base it was
     trained on; `fetched`: `champion_model`'s answer, when already at hand."""
     path, adapter, model = fetched or champion_model(cfg, registry, version, run_dir)
@@ -612,16 +749,26 @@ def champion_stage(cfg: PipelineConfig, rewards: RewardSet, registry: Registry, 
     return evaluate_stage(cfg, rewards, path, holdout, name, adapter=adapter, model=model, label=label)
 
 
-def merge_stage(cfg: PipelineConfig, model_path: str, result: TrainResult, holdout: Path, run_dir: Path,
-                run_id: str) -> Merged:
+def merge_stage(
+    cfg: PipelineConfig, model_path: str, result: TrainResult, holdout: Path, run_dir: Path, run_id: str
+) -> Merged:
     prompts = [str(r["prompt"]) for r in read_jsonl(holdout)]
-    merged = _resumable(merge_task)(model_path, result.adapter_dir, run_dir / "merged", prompts, cfg.merge,
-                                    trust_remote_code=cfg.model.trust_remote_code)
+    merged = _resumable(merge_task)(
+        model_path,
+        result.adapter_dir,
+        run_dir / "merged",
+        prompts,
+        cfg.merge,
+        trust_remote_code=cfg.model.trust_remote_code,
+    )
     mlflow.log_metric("max_logit_difference", merged["max_logit_difference"])
     found = find_logged_model(run_id, "merged")  # a retry registers what its first attempt logged
     serving_model = cfg.model.model_copy(update={"compute_dtype": cfg.merge.dtype})
-    uri, model_id = (found.model_uri, found.model_id) if found else log_merged_model(
-        merged["merged_dir"], serving_model, cfg.evaluate, _example(holdout))
+    uri, model_id = (
+        (found.model_uri, found.model_id)
+        if found
+        else log_merged_model(merged["merged_dir"], serving_model, cfg.evaluate, _example(holdout))
+    )
     return Merged(**merged, source=uri, model_id=model_id, run_id=run_id)
 
 
@@ -642,13 +789,23 @@ def _verdict(decision: Decision) -> str:
 
 
 @task(name="register", cache_policy=NO_CACHE, retries=3, retry_delay_seconds=exponential_backoff(backoff_factor=5))
-def register_task(registry: Registry, source: str, run_id: str, tags: dict, model_id: str, name: str | None = None) -> str:
+def register_task(
+    registry: Registry, source: str, run_id: str, tags: dict, model_id: str, name: str | None = None
+) -> str:
     return registry.register(source, run_id, tags, name=name, model_id=model_id)
 
 
-def register_stage(cfg: PipelineConfig, registry: Registry, dataset: DatasetVersion, model_path: str,
-                   result: TrainResult, merged: Merged | None, parent_run_id: str, holdout: Path,
-                   lineage: dict[str, str] | None = None) -> Registered:
+def register_stage(
+    cfg: PipelineConfig,
+    registry: Registry,
+    dataset: DatasetVersion,
+    model_path: str,
+    result: TrainResult,
+    merged: Merged | None,
+    parent_run_id: str,
+    holdout: Path,
+    lineage: dict[str, str] | None = None,
+) -> Registered:
     """The candidate as an MLflow model on a base anyone can load, registered as a new version (and the
     merged model as a version of `<name>-merged`); no alias moves yet. `lineage`: the version's parent, the
     configuration hash and the keys its lineage trained on, as tags (daily retraining)."""
@@ -657,8 +814,18 @@ def register_stage(cfg: PipelineConfig, registry: Registry, dataset: DatasetVers
     base = base_reference(client, model_path, base_experiment, cfg.model.base)
     run_id = mlflow.active_run().info.run_id
     found = find_logged_model(run_id, "adapter")  # a retry registers what its first attempt logged
-    uri, model_id = (found.model_uri, found.model_id) if found else log_adapter_model(
-        result.adapter_dir, base, cfg.model, cfg.evaluate, _example(holdout), Path(result.adapter_dir).parent / "serving")
+    uri, model_id = (
+        (found.model_uri, found.model_id)
+        if found
+        else log_adapter_model(
+            result.adapter_dir,
+            base,
+            cfg.model,
+            cfg.evaluate,
+            _example(holdout),
+            Path(result.adapter_dir).parent / "serving",
+        )
+    )
     mlflow.log_params({"base_reference": base.reference, "base_uploaded": base.uploaded})
     tags = {
         "base_model": base.reference,
@@ -675,23 +842,43 @@ def register_stage(cfg: PipelineConfig, registry: Registry, dataset: DatasetVers
     version = register_task(registry, uri, run_id, tags, model_id)
     registered = Registered(model=registry.name, version=version, model_uri=uri, base=base)
     if merged:
-        merged_version = register_task(registry, merged.source, merged.run_id, {**tags, "adapter_version": version},
-                                       merged.model_id, name=registry.merged)
+        merged_version = register_task(
+            registry,
+            merged.source,
+            merged.run_id,
+            {**tags, "adapter_version": version},
+            merged.model_id,
+            name=registry.merged,
+        )
         registry.tag(version, {MERGED_VERSION_TAG: merged_version})
         registered = registered.model_copy(update={"merged_model": registry.merged, "merged_version": merged_version})
     mlflow.set_tags({"candidate_version": version, "model_uri": registered.uri})
     return registered
 
 
-def serving_stage(cfg: PipelineConfig, registry: Registry, registered: Registered, holdout: Path,
-                  trained: EvalResult) -> ServingCheck:
+def serving_stage(
+    cfg: PipelineConfig, registry: Registry, registered: Registered, holdout: Path, trained: EvalResult
+) -> ServingCheck:
     """A clean process outside the project loads the version by its registry URI and generates for the
     holdout's first evaluation batch; its outputs must be the evaluation's greedy outputs."""
     rows = read_jsonl(holdout)[: cfg.evaluate.batch_size]  # the same batch, so the same padding
-    check = serving_check(registered.uri, cfg.mlflow_uri, rows, [r["completion"] for r in trained.rows[: len(rows)]],
-                          cfg.evaluate.max_new_tokens, cfg.evaluate.batch_size, cache_dir=cfg.data_dir / "serving-cache")
-    mlflow.log_metrics({"serving_check_passed": float(check.passed), "serving_check_matched": check.matched,
-                        "serving_check_prompts": check.prompts, "serving_check_s": check.seconds})
+    check = serving_check(
+        registered.uri,
+        cfg.mlflow_uri,
+        rows,
+        [r["completion"] for r in trained.rows[: len(rows)]],
+        cfg.evaluate.max_new_tokens,
+        cfg.evaluate.batch_size,
+        cache_dir=cfg.data_dir / "serving-cache",
+    )
+    mlflow.log_metrics(
+        {
+            "serving_check_passed": float(check.passed),
+            "serving_check_matched": check.matched,
+            "serving_check_prompts": check.prompts,
+            "serving_check_s": check.seconds,
+        }
+    )
     mlflow.log_dict(check.model_dump(mode="json"), "serving_check.json")
     registry.tag(registered.version, {"serving_check": "passed" if check.passed else "failed"})
     return check
@@ -715,15 +902,32 @@ def _not_a_decision(task, task_run, state) -> bool:
     return False
 
 
-@task(name="settle", cache_policy=NO_CACHE, retries=3, retry_delay_seconds=exponential_backoff(backoff_factor=5),
-      retry_condition_fn=_not_a_decision)
-def settle_task(registry: Registry, version: str, decided_against: str | None, promote: bool, decision_tags: dict,
-                mode: str = "offline") -> list:
+@task(
+    name="settle",
+    cache_policy=NO_CACHE,
+    retries=3,
+    retry_delay_seconds=exponential_backoff(backoff_factor=5),
+    retry_condition_fn=_not_a_decision,
+)
+def settle_task(
+    registry: Registry,
+    version: str,
+    decided_against: str | None,
+    promote: bool,
+    decision_tags: dict,
+    mode: str = "offline",
+) -> list:
     return registry.settle(version, decided_against, promote, decision_tags, mode)
 
 
-def promote_stage(registry: Registry, registered: Registered, decided_against: str | None, decision: Decision,
-                  check: ServingCheck, mode: str = "offline") -> RegistryOutcome:
+def promote_stage(
+    registry: Registry,
+    registered: Registered,
+    decided_against: str | None,
+    decision: Decision,
+    check: ServingCheck,
+    mode: str = "offline",
+) -> RegistryOutcome:
     """The aliases the decision calls for, under the lock; a version that failed its serving check gets none.
 
     `promote.mode=canary`: a candidate that passed becomes `challenger` and the online A/B (flows/ab.py)
@@ -737,10 +941,15 @@ def promote_stage(registry: Registry, registered: Registered, decided_against: s
         moves = []
     mlflow.set_tags({"decision": verdict, "candidate_version": registered.version, "promote_mode": mode})
     return RegistryOutcome(
-        model=registry.name, candidate_version=registered.version, decided_against=decided_against,
+        model=registry.name,
+        candidate_version=registered.version,
+        decided_against=decided_against,
         moves=[AliasChange(model=m.model, alias=m.alias, version=m.version, before=m.before) for m in moves],
-        aliases=registry.aliases(), base_model=registered.base.reference, serving_check=check,
-        merged_model=registered.merged_model, merged_version=registered.merged_version,
+        aliases=registry.aliases(),
+        base_model=registered.base.reference,
+        serving_check=check,
+        merged_model=registered.merged_model,
+        merged_version=registered.merged_version,
         merged_aliases=registry.aliases(registry.merged) if registered.merged_model else None,
     )
 
@@ -750,8 +959,15 @@ def report(summary: RunSummary, run_dir: Path) -> None:
     holdout = summary.holdout
     mlflow.log_metrics(headline_metrics(summary))
     mlflow.log_dict(summary.model_dump(mode="json"), "summary.json")
-    markdown = render_markdown(holdout, summary.decision, summary.registry, summary.warm_start, summary.rows,
-                               train=summary.train, drift=summary.drift)
+    markdown = render_markdown(
+        holdout,
+        summary.decision,
+        summary.registry,
+        summary.warm_start,
+        summary.rows,
+        train=summary.train,
+        drift=summary.drift,
+    )
     mlflow.log_text(markdown, "report.md")
     chart = plot_comparison(holdout.baseline, holdout.trained, summary.decision.stats, run_dir / "comparison.png")
     mlflow.log_artifact(str(chart))
@@ -764,14 +980,20 @@ def report(summary: RunSummary, run_dir: Path) -> None:
 def headline_metrics(summary: RunSummary) -> dict[str, float]:
     """The parent run's metrics, for comparing runs in the MLflow UI's table."""
     holdout, out = summary.holdout, {}
-    for model, reward, values in (("base", holdout.base_reward, holdout.base),
-                                  ("candidate", holdout.trained_reward, holdout.trained),
-                                  ("champion", holdout.champion_reward, holdout.champion)):
+    for model, reward, values in (
+        ("base", holdout.base_reward, holdout.base),
+        ("candidate", holdout.trained_reward, holdout.trained),
+        ("champion", holdout.champion_reward, holdout.champion),
+    ):
         if values is not None:
             out |= {f"holdout/{model}_reward": reward, **{f"holdout/{model}/{k}": v for k, v in values.items()}}
-    out |= {"holdout/gain": holdout.gain, "promoted": float(summary.decision.promote),
-            "serving_check_passed": float(summary.registry.serving_check.passed),
-            "train/global_step": summary.train.global_step, "train/runtime_s": summary.train.train_runtime_s}
+    out |= {
+        "holdout/gain": holdout.gain,
+        "promoted": float(summary.decision.promote),
+        "serving_check_passed": float(summary.registry.serving_check.passed),
+        "train/global_step": summary.train.global_step,
+        "train/runtime_s": summary.train.train_runtime_s,
+    }
     # the names earlier runs used, so they stay comparable
     out |= {"holdout/base_reward": holdout.base_reward, "holdout/trained_reward": holdout.trained_reward}
     return out

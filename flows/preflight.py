@@ -30,7 +30,9 @@ def preflight(cfg: PipelineConfig) -> Plan | None:
     if cfg.plan.budget_usd is not None:  # the configured base; the plan stage checks the chosen one again
         priced = plan_run(cfg.model, cfg.train, cfg.plan)
         check_budget(priced, cfg.plan.budget_usd)
-    launch.check_launcher(cfg.train, cfg.mlflow_uri, cfg.model)  # the distributed launch; SkyPilot: the store a node reaches
+    launch.check_launcher(
+        cfg.train, cfg.mlflow_uri, cfg.model
+    )  # the distributed launch; SkyPilot: the store a node reaches
     if cfg.train.launcher == "local":
         check_store(cfg.train)
     return priced

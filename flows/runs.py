@@ -72,8 +72,11 @@ def run_name(prefix: str, flow_run_id: str, started: datetime | None = None) -> 
 def parent_run(flow_run_id: str, name: str, started: datetime | None = None) -> Iterator[mlflow.ActiveRun]:
     """The flow run's top-level MLflow run, continued by a retry of the same flow run."""
     existing = find_run(f"tags.prefect_flow_run_id = '{flow_run_id}'")
-    with mlflow.start_run(run_id=existing, run_name=None if existing else run_name(name, flow_run_id, started),
-                          tags={"prefect_flow_run_id": flow_run_id, "pipeline": name}) as run:
+    with mlflow.start_run(
+        run_id=existing,
+        run_name=None if existing else run_name(name, flow_run_id, started),
+        tags={"prefect_flow_run_id": flow_run_id, "pipeline": name},
+    ) as run:
         yield run
 
 
@@ -91,9 +94,12 @@ def stage_run(parent_run_id: str, name: str) -> Iterator[mlflow.ActiveRun]:
 
 def stage_run_for_another_process(experiment_id: str, parent_run_id: str, name: str) -> str:
     """A nested run that another process (the trainer) fills in and ends; the same one on a retry."""
-    return _child(parent_run_id, name) or mlflow.MlflowClient().create_run(
-        experiment_id, run_name=name, tags={"mlflow.parentRunId": parent_run_id}
-    ).info.run_id
+    return (
+        _child(parent_run_id, name)
+        or mlflow.MlflowClient()
+        .create_run(experiment_id, run_name=name, tags={"mlflow.parentRunId": parent_run_id})
+        .info.run_id
+    )
 
 
 @contextmanager
@@ -133,6 +139,10 @@ def log_dataset_inputs(run_id: str, dataset: DatasetVersion) -> None:
             source = resolve_dataset_source(str(Path(dataset.splits[split]).resolve()))
         # MLflow's Dataset marks `profile` abstract without being an ABC: MetaDataset is made as MLflow's docs do
         entity = MetaDataset(source, name=split, digest=dataset.fingerprints[split])._to_mlflow_entity()  # type: ignore[abstract]
-        inputs.append(DatasetInput(entity, tags=[InputTag("mlflow.data.context", split),
-                                                 InputTag("dataset_fingerprint", dataset.fingerprint)]))
+        inputs.append(
+            DatasetInput(
+                entity,
+                tags=[InputTag("mlflow.data.context", split), InputTag("dataset_fingerprint", dataset.fingerprint)],
+            )
+        )
     mlflow.MlflowClient().log_inputs(run_id, datasets=inputs)

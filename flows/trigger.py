@@ -50,8 +50,12 @@ def started_by() -> Deployment | None:
     return _read_deployment(run.deployment_id)
 
 
-def enforce(config_path: str | None, overrides: list[str],
-            as_overrides: typing.Callable[[dict[str, Any]], list[str]], root: Path | None = None) -> list[str]:
+def enforce(
+    config_path: str | None,
+    overrides: list[str],
+    as_overrides: typing.Callable[[dict[str, Any]], list[str]],
+    root: Path | None = None,
+) -> list[str]:
     """The overrides the run uses; ConfigError, before any work, when a triggered run sets what its deployment does
     not allow.
 
@@ -67,8 +71,15 @@ def enforce(config_path: str | None, overrides: list[str],
     own_overrides = as_overrides(deployment.parameters)
     # The deployment's own configuration holds the policy; it passed the same checks when it was deployed.
     policy = load_config(own_config, own_overrides).deploy.trigger
-    refusals = check_trigger(policy, own_config, own_overrides, config_path, overrides, root or Path.cwd(),
-                             config_file=own_config or "the deployment's config")
+    refusals = check_trigger(
+        policy,
+        own_config,
+        own_overrides,
+        config_path,
+        overrides,
+        root or Path.cwd(),
+        config_file=own_config or "the deployment's config",
+    )
     if refusals:
         raise ConfigError(refusal_message(refusals, deployment.name))
     return [*own_overrides, *(item for item in overrides if item not in own_overrides)]

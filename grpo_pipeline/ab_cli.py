@@ -30,8 +30,11 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON object on 
 ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="pipeline YAML; default: configs/demo-cpu.yaml")]
 SetOpt = Annotated[list[str] | None, typer.Option("--set", help="override, e.g. --set ab.alpha=0.01 (repeatable)")]
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
-                  help="The live A/B: `ab status` shows it, `ab decide` decides it (sequential test, guardrails).")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="The live A/B: `ab status` shows it, `ab decide` decides it (sequential test, guardrails).",
+)
 
 
 def _open(
@@ -57,8 +60,11 @@ def _open(
     try:
         aliases = registry.aliases()
     except unreachable as exc:
-        _fail(as_json, f"the registry {cfg.tracking.registered_model} at {cfg.mlflow_uri} did not answer: {exc}",
-              EXIT_CONFIG)
+        _fail(
+            as_json,
+            f"the registry {cfg.tracking.registered_model} at {cfg.mlflow_uri} did not answer: {exc}",
+            EXIT_CONFIG,
+        )
     return cfg, log, registry, aliases[CHAMPION], aliases[CHALLENGER]
 
 
@@ -80,21 +86,33 @@ def status(config: ConfigOpt = None, overrides: SetOpt = None, as_json: JsonOpt 
     from grpo_pipeline.tasks.ab_spool import pending, spool_path
 
     # "unlogged": requests a router answered while the store was unreachable, waiting in its local file
-    out = {"status": "ok", "champion": champion, "challenger": challenger,
-           "challenger_fraction": cfg.ab.challenger_fraction, "log": log.counts(),
-           "unlogged": pending(spool_path(cfg.data_dir))}
+    out = {
+        "status": "ok",
+        "champion": champion,
+        "challenger": challenger,
+        "challenger_fraction": cfg.ab.challenger_fraction,
+        "log": log.counts(),
+        "unlogged": pending(spool_path(cfg.data_dir)),
+    }
     if champion and challenger:
         a, b, hours = log.samples(champion, challenger)
         decision = decide(a, b, cfg.ab, hours)
-        out |= {"arms": {k: v.model_dump() for k, v in decision.arms.items()}, "test": decision.test.model_dump(),
-                "elapsed_h": hours}
+        out |= {
+            "arms": {k: v.model_dump() for k, v in decision.arms.items()},
+            "test": decision.test.model_dump(),
+            "elapsed_h": hours,
+        }
     log.close()
     _print(out, as_json)
 
 
 @app.command("decide")
-def decide_cmd(config: ConfigOpt = None, overrides: SetOpt = None, as_json: JsonOpt = False,
-               dry_run: Annotated[bool, typer.Option("--dry-run", help="decide, move no alias")] = False) -> None:
+def decide_cmd(
+    config: ConfigOpt = None,
+    overrides: SetOpt = None,
+    as_json: JsonOpt = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="decide, move no alias")] = False,
+) -> None:
     """Decide the running test; promote or rollback move the aliases (under the registry lock). The same two
     steps as the hourly `ab-decide` flow (grpo_pipeline.tasks.ab_apply)."""
     from grpo_pipeline.tasks.ab import AliasesMoved

@@ -46,9 +46,7 @@ DEFAULT_CONFIG = packaged("demo-cpu.yaml")  # the CPU demo, from the installed p
 
 app = typer.Typer(cls=Commands, add_completion=False, no_args_is_help=True, help="GRPO fine-tuning pipeline.")
 
-ConfigOpt = Annotated[
-    Path | None, typer.Option("--config", "-c", help="pipeline YAML; default: configs/demo-cpu.yaml")
-]
+ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="pipeline YAML; default: configs/demo-cpu.yaml")]
 SetOpt = Annotated[
     list[str] | None, typer.Option("--set", help="override, e.g. --set train.grpo.max_steps=20 (repeatable)")
 ]
@@ -205,13 +203,18 @@ def _print_summary(summary: RunSummary) -> None:
         table.add_row(name, *(f"{values[name]:.3f}" for _, values in columns.values()))
     out = Console()
     out.print(table)
-    out.print(("[green]" if decision.promote else "[yellow]") + verdict(decision, registry)
-              + f"[/]: version {registry.candidate_version} of {registry.model}")
+    out.print(
+        ("[green]" if decision.promote else "[yellow]")
+        + verdict(decision, registry)
+        + f"[/]: version {registry.candidate_version} of {registry.model}"
+    )
     for reason in decision.reasons:
         out.print(f"  - {reason}")
     check = registry.serving_check
-    out.print(("[green]served" if check.passed else "[red]serving check failed")
-              + f"[/]: {check.reason()} in {check.seconds:.0f} s")
+    out.print(
+        ("[green]served" if check.passed else "[red]serving check failed")
+        + f"[/]: {check.reason()} in {check.seconds:.0f} s"
+    )
     moved = {(m.model, m.alias): m.before for m in registry.moves}
     aliases = Table(title="aliases")
     for column in ("model", "alias", "version", "before this run"):
@@ -223,8 +226,10 @@ def _print_summary(summary: RunSummary) -> None:
         for alias, version in pointers.items():
             aliases.add_row(model, alias, version or "-", moved.get((model, alias), version) or "-")
     out.print(aliases)
-    out.print(f"load: mlflow.pyfunc.load_model(\"models:/{registry.model}/{registry.candidate_version}\")"
-              f"   base: {registry.base_model}   MLflow run: {summary.mlflow.run_id}")
+    out.print(
+        f'load: mlflow.pyfunc.load_model("models:/{registry.model}/{registry.candidate_version}")'
+        f"   base: {registry.base_model}   MLflow run: {summary.mlflow.run_id}"
+    )
 
 
 def _registry(config: Path | None, overrides: list[str] | None) -> Registry:
@@ -320,7 +325,9 @@ def hpo(
         table.add_column(column)
     for t in result["trials"]:
         value = "" if t["value"] is None else f"{t['value']:.4f}"
-        table.add_row(str(t["number"]), t["state"], value, json.dumps(t["params"]) + (f"  {t['reason']}" if t["reason"] else ""))
+        table.add_row(
+            str(t["number"]), t["state"], value, json.dumps(t["params"]) + (f"  {t['reason']}" if t["reason"] else "")
+        )
     out = Console()
     out.print(table)
     out.print(f"best: trial {result['best_trial']}, validation reward {result['best_value']:.4f}")
@@ -341,14 +348,21 @@ def _work(field: str, *flags: str) -> Any:  # typer.Option() is typed as returni
 
 @app.command("plan")
 def plan_cmd(
-    model: Annotated[str | None, typer.Option(help="known id (qwen2.5-7b, meta-llama/Llama-3.1-70B, ...), config.json or model dir; default: the --config's model.base")] = None,
+    model: Annotated[
+        str | None,
+        typer.Option(
+            help="known id (qwen2.5-7b, meta-llama/Llama-3.1-70B, ...), config.json or model dir; default: the --config's model.base"
+        ),
+    ] = None,
     quantization: Annotated[str, _work("quantization", "--quant", "--quantization")] = WORK["quantization"].default,
     double_quant: Annotated[bool, _work("double_quant")] = WORK["double_quant"].default,
     lora_rank: Annotated[int, _work("lora_rank")] = WORK["lora_rank"].default,
     lora_targets: Annotated[str, _work("lora_targets", "--targets", "--lora-targets")] = WORK["lora_targets"].default,
     optimizer: Annotated[str, _work("optimizer")] = WORK["optimizer"].default,
     dtype: Annotated[str, _work("dtype")] = WORK["dtype"].default,
-    effective_batch: Annotated[int, _work("effective_batch", "--batch", "--effective-batch")] = WORK["effective_batch"].default,
+    effective_batch: Annotated[int, _work("effective_batch", "--batch", "--effective-batch")] = WORK[
+        "effective_batch"
+    ].default,
     num_generations: Annotated[int, _work("num_generations")] = WORK["num_generations"].default,
     prompt_tokens: Annotated[int, _work("prompt_tokens")] = WORK["prompt_tokens"].default,
     completion_tokens: Annotated[int, _work("completion_tokens")] = WORK["completion_tokens"].default,
@@ -356,11 +370,17 @@ def plan_cmd(
     beta: Annotated[float, _work("beta")] = WORK["beta"].default,
     vllm: Annotated[bool, _work("vllm")] = WORK["vllm"].default,
     gradient_checkpointing: Annotated[str, _work("gradient_checkpointing")] = WORK["gradient_checkpointing"].default,
-    gpus: Annotated[str | None, typer.Option(help="allowed GPU types, comma-separated; default: the whole catalog")] = None,
+    gpus: Annotated[
+        str | None, typer.Option(help="allowed GPU types, comma-separated; default: the whole catalog")
+    ] = None,
     spot: Annotated[bool, typer.Option("--spot/--on-demand")] = True,
-    budget: Annotated[float | None, typer.Option(help="refuse (exit 2) when the estimate is above this many USD")] = None,
+    budget: Annotated[
+        float | None, typer.Option(help="refuse (exit 2) when the estimate is above this many USD")
+    ] = None,
     catalog: Annotated[Path | None, typer.Option(help="YAML merged over configs/gpus.yaml")] = None,
-    mfu: Annotated[float, typer.Option(help="assumed model FLOPs utilisation")] = planner.Assumptions.model_fields["mfu"].default,
+    mfu: Annotated[float, typer.Option(help="assumed model FLOPs utilisation")] = planner.Assumptions.model_fields[
+        "mfu"
+    ].default,
     as_json: Annotated[bool, typer.Option("--json", help="print the plan as JSON")] = False,
     config: ConfigOpt = None,
     overrides: SetOpt = None,
@@ -375,8 +395,14 @@ def plan_cmd(
         else:
             name, model_config = planner.load_model_config(model)
             work = planner.Workload(model=name, **work_options)
-            result = planner.make_plan(model_config, work, planner.load_catalog(catalog), spot=spot,
-                                       allowed=gpus.split(",") if gpus else None, assumptions=planner.Assumptions(mfu=mfu))
+            result = planner.make_plan(
+                model_config,
+                work,
+                planner.load_catalog(catalog),
+                spot=spot,
+                allowed=gpus.split(",") if gpus else None,
+                assumptions=planner.Assumptions(mfu=mfu),
+            )
     except ValidationError as exc:  # a workload option out of range or not one of its choices
         _fail(as_json, options_error(exc, PLAN_FLAGS), EXIT_CONFIG)
     except (ConfigError, ValueError) as exc:  # PlanError included
@@ -401,7 +427,10 @@ def data_cmd(
     config: ConfigOpt = None,
     overrides: SetOpt = None,
     out: Annotated[Path | None, typer.Option(help="where versions go; default: <data_dir>/datasets")] = None,
-    tokenizer: Annotated[str | None, typer.Option(help="tokenizer dir for the token bounds; default: model.base's, resolved as a run resolves it")] = None,
+    tokenizer: Annotated[
+        str | None,
+        typer.Option(help="tokenizer dir for the token bounds; default: model.base's, resolved as a run resolves it"),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the report as JSON on stdout")] = False,
 ) -> None:
     """Build the dataset version (load, validate, dedup, split, decontaminate) and print its report."""
@@ -413,8 +442,9 @@ def data_cmd(
     try:
         check_local_sources(cfg.data)
         tok = resolve_tokenizer(cfg, tokenizer)  # the token bounds apply, or the stage refuses
-        version = build_dataset(cfg.data, out or cfg.data_dir / "datasets", tok, cfg.train.rewards,
-                                cfg.train.reward_args)
+        version = build_dataset(
+            cfg.data, out or cfg.data_dir / "datasets", tok, cfg.train.rewards, cfg.train.reward_args
+        )
     except DataQualityError as exc:  # bad input: the report still says why
         failure = (str(exc), EXIT_CONFIG, {"report": exc.report.model_dump(mode="json")})
         if not as_json:
@@ -447,8 +477,10 @@ def _print_data_report(report: DataReport, version: DatasetVersion | None) -> No
     for check, how in report.checks.items():
         out.print(f"  {check}: {how}")
     if version is not None:
-        out.print(f"fingerprint {version.fingerprint}; splits in {Path(version.splits['train']).parent}; "
-                  f"quarantine {version.quarantine}")
+        out.print(
+            f"fingerprint {version.fingerprint}; splits in {Path(version.splits['train']).parent}; "
+            f"quarantine {version.quarantine}"
+        )
 
 
 @app.command("config")
@@ -460,11 +492,21 @@ def show_config(config: ConfigOpt = None, overrides: SetOpt = None) -> None:
 
 @app.command("deploy")
 def deploy_cmd(
-    config: Annotated[Path | None, typer.Option("--config", "-c", help="pipeline YAML the deployments run; default: prefect.yaml's")] = None,
-    overrides: Annotated[list[str] | None, typer.Option("--set", help="override for the runs and the deploy section (repeatable)")] = None,
-    schedule_hour: Annotated[int | None, typer.Option(help="hour of the daily run, 0-23 (default: deploy.schedule_hour, 3)")] = None,
-    timezone: Annotated[str | None, typer.Option(help="IANA time zone of the daily run (default: deploy.timezone, UTC)")] = None,
-    pool: Annotated[str | None, typer.Option("--pool", help="work pool (default: deploy.work_pool, grpo-process)")] = None,
+    config: Annotated[
+        Path | None, typer.Option("--config", "-c", help="pipeline YAML the deployments run; default: prefect.yaml's")
+    ] = None,
+    overrides: Annotated[
+        list[str] | None, typer.Option("--set", help="override for the runs and the deploy section (repeatable)")
+    ] = None,
+    schedule_hour: Annotated[
+        int | None, typer.Option(help="hour of the daily run, 0-23 (default: deploy.schedule_hour, 3)")
+    ] = None,
+    timezone: Annotated[
+        str | None, typer.Option(help="IANA time zone of the daily run (default: deploy.timezone, UTC)")
+    ] = None,
+    pool: Annotated[
+        str | None, typer.Option("--pool", help="work pool (default: deploy.work_pool, grpo-process)")
+    ] = None,
     image: Annotated[str | None, typer.Option(help="image for a Docker or Kubernetes pool")] = None,
     notify_block: Annotated[str | None, typer.Option(help="notification block 'type/name' told of failed runs")] = None,
 ) -> None:
@@ -477,8 +519,9 @@ def deploy_cmd(
     path = recipe(config) if config else None
     cfg = _load_path(path, overrides, as_json)
     try:
-        settings = settings_for(cfg, schedule_hour=schedule_hour, timezone=timezone, work_pool=pool, image=image,
-                                notify_block=notify_block)
+        settings = settings_for(
+            cfg, schedule_hour=schedule_hour, timezone=timezone, work_pool=pool, image=image, notify_block=notify_block
+        )
     except ValidationError as exc:
         _fail(as_json, options_error(exc, DEPLOY_FLAGS), EXIT_CONFIG)
     try:
@@ -496,12 +539,19 @@ def deploy_cmd(
     err.print(f"start a worker to run them:  prefect worker start --pool {settings.work_pool}", highlight=False)
 
 
-DEPLOY_FLAGS = {"schedule_hour": "--schedule-hour", "timezone": "--timezone", "work_pool": "--pool",
-                "image": "--image", "notify_block": "--notify-block"}  # deploy section field -> its option
+DEPLOY_FLAGS = {
+    "schedule_hour": "--schedule-hour",
+    "timezone": "--timezone",
+    "work_pool": "--pool",
+    "image": "--image",
+    "notify_block": "--notify-block",
+}  # deploy section field -> its option
 
 from grpo_pipeline.infra.stack import DEFAULT_PORTS, DEFAULT_ROOT  # noqa: E402 - light: the service helpers, no clients
 
-stack_cli = typer.Typer(no_args_is_help=True, help="Local PostgreSQL, S3, MLflow and Prefect servers (no Docker needed).")
+stack_cli = typer.Typer(
+    no_args_is_help=True, help="Local PostgreSQL, S3, MLflow and Prefect servers (no Docker needed)."
+)
 RootOpt = Annotated[Path, typer.Option("--dir", help="where the stack keeps its data and state")]
 
 
@@ -540,12 +590,16 @@ def stack_up(
     env = stack.env()
     # stdout carries only the exports, so `eval "$(...)"` works; where things are goes to stderr
     # Both UIs ask for a login: say where it is, not what it is.
-    err.print(f"MLflow UI:  {env['MLFLOW_TRACKING_URI']} (user {env['MLFLOW_TRACKING_USERNAME']}, password: "
-              "MLFLOW_TRACKING_PASSWORD in `stack env`)\n"
-              f"Prefect UI: {env['PREFECT_API_URL'].removesuffix('/api')} (asks for PREFECT_API_AUTH_STRING from "
-              "`stack env`)\n"
-              f"S3 API:     {env['AWS_ENDPOINT_URL_S3']} (bucket '{stack.bucket}')\n"
-              f"Use it from a shell with:  eval \"$(grpo-pipeline stack env --dir {root})\"", markup=False, highlight=False)
+    err.print(
+        f"MLflow UI:  {env['MLFLOW_TRACKING_URI']} (user {env['MLFLOW_TRACKING_USERNAME']}, password: "
+        "MLFLOW_TRACKING_PASSWORD in `stack env`)\n"
+        f"Prefect UI: {env['PREFECT_API_URL'].removesuffix('/api')} (asks for PREFECT_API_AUTH_STRING from "
+        "`stack env`)\n"
+        f"S3 API:     {env['AWS_ENDPOINT_URL_S3']} (bucket '{stack.bucket}')\n"
+        f'Use it from a shell with:  eval "$(grpo-pipeline stack env --dir {root})"',
+        markup=False,
+        highlight=False,
+    )
     if not sys.stdout.isatty():
         print(exports(env))
 
@@ -577,8 +631,9 @@ def stack_down(root: RootOpt = DEFAULT_ROOT) -> None:
 def serve(
     config: ConfigOpt = None,
     overrides: SetOpt = None,
-    host: Annotated[str, typer.Option("--host", help="address to listen on; not loopback: GRPO_SERVE_API_KEY "
-                                                     "is required")] = "127.0.0.1",
+    host: Annotated[
+        str, typer.Option("--host", help="address to listen on; not loopback: GRPO_SERVE_API_KEY is required")
+    ] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="port to listen on")] = 8000,
 ) -> None:
     """Serve the registry's champion and challenger behind one OpenAI-compatible endpoint (/v1/chat/completions,

@@ -31,8 +31,11 @@ from grpo_pipeline.trainer.rewards import REWARDS, RewardError, check_columns, c
 EXIT_OK, EXIT_FAILED, EXIT_INPUT = 0, 1, 2
 JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON on stdout")]
 
-app = typer.Typer(add_completion=False, invoke_without_command=True,
-                  help="The reward registry; `rewards check` scores a file of completions with one reward.")
+app = typer.Typer(
+    add_completion=False,
+    invoke_without_command=True,
+    help="The reward registry; `rewards check` scores a file of completions with one reward.",
+)
 
 
 @app.callback()
@@ -51,7 +54,9 @@ def rewards(ctx: typer.Context, as_json: JsonOpt = False) -> None:
         args = ", ".join(f"{k}={v!r}" if v != "required" else f"{k} (required)" for k, v in e["arguments"].items())
         table.add_row(e["name"], e["statement"], ", ".join(e["columns"]) or "–", args or "–")
     Console().print(table)
-    Console().print("Any importable function works too: 'package.module:function' (TRL's signature); arguments: `rewards check NAME --arg k=v`, or functools.partial(reward, k=v) in your module.")
+    Console().print(
+        "Any importable function works too: 'package.module:function' (TRL's signature); arguments: `rewards check NAME --arg k=v`, or functools.partial(reward, k=v) in your module."
+    )
 
 
 def _read(path: Path) -> list[dict]:
@@ -99,7 +104,9 @@ def check(
         columns = sorted({k for row in rows for k in row} - {"completion", "prompt", "completion_length"})
         partial = [c for c in columns if not all(c in row for row in rows)]
         if partial:
-            raise ValueError(f"{input}: column(s) {', '.join(partial)} missing from some rows; every row needs the same columns")
+            raise ValueError(
+                f"{input}: column(s) {', '.join(partial)} missing from some rows; every row needs the same columns"
+            )
         check_columns([name], columns)
     except (ValueError, OSError) as exc:  # RewardError included
         _fail(as_json, str(exc), EXIT_INPUT)
@@ -115,8 +122,16 @@ def check(
         scores = fn(completions, **inputs)
     except RewardError as exc:
         _fail(as_json, str(exc), EXIT_FAILED)
-    summary = {"status": "completed", "reward": name, "n": len(scores), "mean": statistics.fmean(scores),
-               "min": min(scores), "max": max(scores), "metrics": dict(logged), "scores": scores}
+    summary = {
+        "status": "completed",
+        "reward": name,
+        "n": len(scores),
+        "mean": statistics.fmean(scores),
+        "min": min(scores),
+        "max": max(scores),
+        "metrics": dict(logged),
+        "scores": scores,
+    }
     if as_json:
         print(json.dumps(summary, indent=2))
         return
@@ -133,5 +148,7 @@ def check(
         table.add_row(str(i), text if len(text) <= 100 else "…" + text[-99:], f"{s:g}")
     out = Console()
     out.print(table)
-    out.print(f"mean {summary['mean']:.4g} (min {summary['min']:g}, max {summary['max']:g})"
-              + "".join(f"; {k} {v:g}" for k, v in logged.items()))
+    out.print(
+        f"mean {summary['mean']:.4g} (min {summary['min']:g}, max {summary['max']:g})"
+        + "".join(f"; {k} {v:g}" for k, v in logged.items())
+    )

@@ -98,11 +98,15 @@ def check_port(service: str, port: int) -> None:
     (s3, mlflow, prefect) is to listen on is taken; SeaweedFS's S3 port needs its gRPC port (+10000) too."""
     if service == "s3":
         if not (port_is_free(port) and port_is_free(port + GRPC_OFFSET)):
-            raise PortInUse(f"S3 port {port} (or its gRPC port {port + GRPC_OFFSET}) is in use or out of range; "
-                            "choose another with --s3-port (below 55536) or stop what listens there")
+            raise PortInUse(
+                f"S3 port {port} (or its gRPC port {port + GRPC_OFFSET}) is in use or out of range; "
+                "choose another with --s3-port (below 55536) or stop what listens there"
+            )
     elif not port_is_free(port):
         label = {"mlflow": "MLflow", "prefect": "Prefect"}[service]
-        raise PortInUse(f"{label} port {port} is in use; choose another with --{service}-port or stop what listens there")
+        raise PortInUse(
+            f"{label} port {port} is in use; choose another with --{service}-port or stop what listens there"
+        )
 
 
 def _free_port_pair() -> int:
@@ -132,10 +136,23 @@ def _spawn(name: str, args: list[str], workdir: Path, env: dict[str, str] | None
     workdir.mkdir(parents=True, exist_ok=True)
     log_path = workdir / f"{name}.log"
     with log_path.open("a") as log:
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, env={**os.environ, **(env or {})}, cwd=workdir)
-    return Service(name=name, pid=proc.pid, url="", workdir=str(workdir), log=str(log_path),
-                   created=psutil.Process(proc.pid).create_time())
+        proc = subprocess.Popen(
+            args,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env={**os.environ, **(env or {})},
+            cwd=workdir,
+        )
+    return Service(
+        name=name,
+        pid=proc.pid,
+        url="",
+        workdir=str(workdir),
+        log=str(log_path),
+        created=psutil.Process(proc.pid).create_time(),
+    )
 
 
 def _wait_until(ready: Callable[[], bool], service: Service, timeout_s: float) -> None:
@@ -215,12 +232,26 @@ def s3_client(endpoint: str, access_key: str, secret_key: str) -> Any:  # boto3'
     import boto3
     from botocore.config import Config
 
-    return boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=access_key, aws_secret_access_key=secret_key,
-                        region_name=REGION, config=Config(retries={"max_attempts": 1}, connect_timeout=3))
+    return boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        aws_access_key_id=access_key,
+        aws_secret_access_key=secret_key,
+        region_name=REGION,
+        config=Config(retries={"max_attempts": 1}, connect_timeout=3),
+    )
 
 
-def start_seaweedfs(workdir: Path, bucket: str, access_key: str, secret_key: str, *, s3_port: int | None = None,
-                    ports: dict[str, int] | None = None, ready_timeout_s: float = 90) -> Service:
+def start_seaweedfs(
+    workdir: Path,
+    bucket: str,
+    access_key: str,
+    secret_key: str,
+    *,
+    s3_port: int | None = None,
+    ports: dict[str, int] | None = None,
+    ready_timeout_s: float = 90,
+) -> Service:
     """`weed server -s3` on loopback with one identity (wrong credentials are refused, as on AWS); returns once
     `bucket` exists. `ports` (from an earlier start) are reused so the volume and filer keep their addresses."""
     from botocore.exceptions import BotoCoreError, ClientError
@@ -238,16 +269,33 @@ def start_seaweedfs(workdir: Path, bucket: str, access_key: str, secret_key: str
                 check_port("s3", s3_port)
             ports[name] = _free_port_pair()
     workdir.mkdir(parents=True, exist_ok=True)
-    identities = {"identities": [{"name": "grpo", "credentials": [{"accessKey": access_key, "secretKey": secret_key}],
-                                  "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}
+    identities = {
+        "identities": [
+            {
+                "name": "grpo",
+                "credentials": [{"accessKey": access_key, "secretKey": secret_key}],
+                "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+            }
+        ]
+    }
     config = workdir / "s3.json"
     config.touch(mode=0o600)
     config.write_text(json.dumps(identities))
     # SeaweedFS grows several volumes per bucket (a collection) at its first write, so a fixed -volume.max
     # ran out after about two buckets ("No writable volumes"); 0 sizes the limit by the free disk instead.
     # Volumes are not preallocated, so 256 MB each costs only what is written.
-    args = [weed, "server", f"-s3.config={config}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={workdir}", "-s3",
-            "-filer", "-master.volumeSizeLimitMB=256", "-volume.max=0"]
+    args = [
+        weed,
+        "server",
+        f"-s3.config={config}",
+        "-ip=127.0.0.1",
+        "-ip.bind=127.0.0.1",
+        f"-dir={workdir}",
+        "-s3",
+        "-filer",
+        "-master.volumeSizeLimitMB=256",
+        "-volume.max=0",
+    ]
     args += [f"-{name}={port}" for name, port in ports.items()]
     # Its unix sockets and log files stayed in /tmp after every run. The filer's and S3's sockets, and the log
     # files (through TMPDIR), go to a private directory that `stop` removes (short: a socket path holds at most
@@ -260,8 +308,10 @@ def start_seaweedfs(workdir: Path, bucket: str, access_key: str, secret_key: str
         shutil.rmtree(sockets, ignore_errors=True)
         raise
     service.url = f"http://127.0.0.1:{ports['s3.port']}"
-    grpc_sockets = [f"/tmp/seaweedfs-{server}-grpc-{ports[f'{server}.port'] + GRPC_OFFSET}.sock"
-                    for server in ("master", "volume", "filer", "s3")]
+    grpc_sockets = [
+        f"/tmp/seaweedfs-{server}-grpc-{ports[f'{server}.port'] + GRPC_OFFSET}.sock"
+        for server in ("master", "volume", "filer", "s3")
+    ]
     service.extra = {"ports": ports, "bucket": bucket, "tmpdir": sockets, "sockets": grpc_sockets}
     client = s3_client(service.url, access_key, secret_key)
 
@@ -273,8 +323,10 @@ def start_seaweedfs(workdir: Path, bucket: str, access_key: str, secret_key: str
             code = exc.response.get("Error", {}).get("Code")
             if code == "InvalidBucketName":  # no use waiting for it
                 stop(service)
-                raise ServiceError(f"bucket name {bucket!r} refused by S3: {exc}; bucket names are 3-63 lower-case "
-                                   "letters, digits, dots and hyphens") from None
+                raise ServiceError(
+                    f"bucket name {bucket!r} refused by S3: {exc}; bucket names are 3-63 lower-case "
+                    "letters, digits, dots and hyphens"
+                ) from None
             return code in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists")
         except BotoCoreError:
             return False
@@ -336,11 +388,20 @@ def start_postgres(workdir: Path, databases: tuple[str, ...] = ()) -> Service:
     conn.close()
     pid = server.get_pid()
     if pid is None:
-        raise ServiceError(f"PostgreSQL in {workdir / 'pgdata'} answered but reports no server pid; see its log "
-                           f"{workdir / 'pgdata' / 'log'}")
-    return Service(name="postgres", pid=pid, url=server.get_uri(), workdir=str(workdir),
-                   log=str(workdir / "pgdata" / "log"), created=psutil.Process(pid).create_time(),
-                   stop_signal=int(signal.SIGINT), group=False)
+        raise ServiceError(
+            f"PostgreSQL in {workdir / 'pgdata'} answered but reports no server pid; see its log "
+            f"{workdir / 'pgdata' / 'log'}"
+        )
+    return Service(
+        name="postgres",
+        pid=pid,
+        url=server.get_uri(),
+        workdir=str(workdir),
+        log=str(workdir / "pgdata" / "log"),
+        created=psutil.Process(pid).create_time(),
+        stop_signal=int(signal.SIGINT),
+        group=False,
+    )
 
 
 def database_uri(service: Service, database: str, driver: str = "psycopg2") -> str:
@@ -424,8 +485,16 @@ auth_cache_ttl_seconds = 300
 """
 
 
-def start_mlflow(workdir: Path, backend_uri: str, artifacts_destination: str, env: dict[str, str], *,
-                 auth: MlflowAuth, port: int | None = None, ready_timeout_s: float = 120) -> Service:
+def start_mlflow(
+    workdir: Path,
+    backend_uri: str,
+    artifacts_destination: str,
+    env: dict[str, str],
+    *,
+    auth: MlflowAuth,
+    port: int | None = None,
+    ready_timeout_s: float = 120,
+) -> Service:
     """`mlflow server --app-name basic-auth` on loopback, serving artifacts (clients need no S3 credentials);
     ready when /health answers and the admin's credentials are accepted.
 
@@ -439,12 +508,31 @@ def start_mlflow(workdir: Path, backend_uri: str, artifacts_destination: str, en
     workdir.chmod(0o700)  # the user database (password hashes) and the server's log
     auth_config = workdir / "basic_auth.ini"
     auth_config.write_text(MLFLOW_AUTH_INI.format(database=(workdir / "basic_auth.db").resolve()))
-    args = [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port), "--backend-store-uri",
-            backend_uri, "--artifacts-destination", artifacts_destination, "--serve-artifacts", "--workers", "1",
-            "--app-name", "basic-auth"]
+    args = [
+        str(BIN / "mlflow"),
+        "server",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--backend-store-uri",
+        backend_uri,
+        "--artifacts-destination",
+        artifacts_destination,
+        "--serve-artifacts",
+        "--workers",
+        "1",
+        "--app-name",
+        "basic-auth",
+    ]
     # Credentials through the environment, never on the command line (`ps` shows argv to every local user).
-    env = {**env, "MLFLOW_AUTH_CONFIG_PATH": str(auth_config), "MLFLOW_AUTH_ADMIN_USERNAME": auth.username,
-           "MLFLOW_AUTH_ADMIN_PASSWORD": auth.password, "MLFLOW_FLASK_SERVER_SECRET_KEY": auth.secret_key}
+    env = {
+        **env,
+        "MLFLOW_AUTH_CONFIG_PATH": str(auth_config),
+        "MLFLOW_AUTH_ADMIN_USERNAME": auth.username,
+        "MLFLOW_AUTH_ADMIN_PASSWORD": auth.password,
+        "MLFLOW_FLASK_SERVER_SECRET_KEY": auth.secret_key,
+    }
     service = _spawn("mlflow", args, workdir, env)
     service.url = f"http://127.0.0.1:{port}"
     service.extra = {"auth": "basic"}
@@ -462,17 +550,20 @@ def start_mlflow(workdir: Path, backend_uri: str, artifacts_destination: str, en
     _wait_until(admin_answered, service, max(ready_timeout_s - (time.monotonic() - started), 30))
     if (code := answers[-1]) == 401:
         stop(service)
-        raise ServiceError(f"MLflow's user database {workdir / 'basic_auth.db'} refuses the admin credentials "
-                           "of this stack: it was made with another password. Set that password back, or delete "
-                           "the file to create the admin afresh (other users are lost)")
+        raise ServiceError(
+            f"MLflow's user database {workdir / 'basic_auth.db'} refuses the admin credentials "
+            "of this stack: it was made with another password. Set that password back, or delete "
+            "the file to create the admin afresh (other users are lost)"
+        )
     if code != 200:
         stop(service)
         raise ServiceError(f"MLflow answered HTTP {code} to its admin's login; see {service.log}")
     return service
 
 
-def start_prefect(workdir: Path, database_url: str, *, auth_string: str, port: int | None = None,
-                  ready_timeout_s: float = 120) -> Service:
+def start_prefect(
+    workdir: Path, database_url: str, *, auth_string: str, port: int | None = None, ready_timeout_s: float = 120
+) -> Service:
     """`prefect server start` on loopback with its database in PostgreSQL and its API behind `auth_string`
     ("user:password", HTTP Basic); `url` is the API (PREFECT_API_URL)."""
     port = port or free_port()

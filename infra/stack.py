@@ -66,8 +66,14 @@ class Stack:
     generated at the first `up` and kept in the state file, as are MLflow's admin and Prefect's auth string.
     """
 
-    def __init__(self, root: Path = DEFAULT_ROOT, *, ports: dict[str, int | None] | None = None,
-                 bucket: str | None = None, credentials: tuple[str, str] | None = None):
+    def __init__(
+        self,
+        root: Path = DEFAULT_ROOT,
+        *,
+        ports: dict[str, int | None] | None = None,
+        bucket: str | None = None,
+        credentials: tuple[str, str] | None = None,
+    ):
         self.root = Path(root).resolve()
         self.state = self._load()
         recorded = self.state.setdefault("ports", {})
@@ -97,8 +103,9 @@ class Stack:
         except FileNotFoundError:
             return {}
         except json.JSONDecodeError as exc:
-            raise ServiceError(f"{self.state_path} is not valid JSON ({exc}); stop the services by hand and delete it") \
-                from None
+            raise ServiceError(
+                f"{self.state_path} is not valid JSON ({exc}); stop the services by hand and delete it"
+            ) from None
 
     def _save(self) -> None:
         """Written aside then renamed, never half-written; 0600 because it holds the stack's credentials."""
@@ -201,12 +208,23 @@ class Stack:
         pg = self._recorded("postgres")  # dependencies start first
         if name == "mlflow":
             access, secret = self.credentials
-            env = {"AWS_ACCESS_KEY_ID": access, "AWS_SECRET_ACCESS_KEY": secret, "AWS_DEFAULT_REGION": REGION,
-                   "MLFLOW_S3_ENDPOINT_URL": self._recorded("s3").url}
-            return services.start_mlflow(work, services.database_uri(pg, "mlflow"), f"s3://{self.bucket}/mlflow",
-                                         env, auth=self.mlflow_auth, port=port)
-        return services.start_prefect(work, services.database_uri(pg, "prefect", "asyncpg"),
-                                      auth_string=self.prefect_auth_string, port=port)
+            env = {
+                "AWS_ACCESS_KEY_ID": access,
+                "AWS_SECRET_ACCESS_KEY": secret,
+                "AWS_DEFAULT_REGION": REGION,
+                "MLFLOW_S3_ENDPOINT_URL": self._recorded("s3").url,
+            }
+            return services.start_mlflow(
+                work,
+                services.database_uri(pg, "mlflow"),
+                f"s3://{self.bucket}/mlflow",
+                env,
+                auth=self.mlflow_auth,
+                port=port,
+            )
+        return services.start_prefect(
+            work, services.database_uri(pg, "prefect", "asyncpg"), auth_string=self.prefect_auth_string, port=port
+        )
 
     def down(self) -> list[str]:
         """Stop every recorded service, dependents first; data, ports and credentials stay for the next `up`."""
@@ -240,8 +258,13 @@ class Stack:
                 out["PREFECT_API_AUTH_STRING"] = self.prefect_auth_string
         if (s3 := self.service("s3")) is not None:
             access, secret = self.credentials
-            out |= {"AWS_ACCESS_KEY_ID": access, "AWS_SECRET_ACCESS_KEY": secret, "AWS_DEFAULT_REGION": REGION,
-                    "AWS_ENDPOINT_URL_S3": s3.url, "MLFLOW_S3_ENDPOINT_URL": s3.url}
+            out |= {
+                "AWS_ACCESS_KEY_ID": access,
+                "AWS_SECRET_ACCESS_KEY": secret,
+                "AWS_DEFAULT_REGION": REGION,
+                "AWS_ENDPOINT_URL_S3": s3.url,
+                "MLFLOW_S3_ENDPOINT_URL": s3.url,
+            }
         return out
 
 

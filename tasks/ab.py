@@ -58,13 +58,20 @@ class ArmSample:
     scores: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
     @classmethod
-    def of(cls, latency_s: ArrayLike = (), completion_tokens: ArrayLike = (), error: ArrayLike = (),
-           scores: ArrayLike = ()) -> ArmSample:
-        out = cls(np.asarray(latency_s, dtype=float), np.asarray(completion_tokens, dtype=float),
-                  np.asarray(error, dtype=bool), np.asarray(scores, dtype=float))
+    def of(
+        cls, latency_s: ArrayLike = (), completion_tokens: ArrayLike = (), error: ArrayLike = (), scores: ArrayLike = ()
+    ) -> ArmSample:
+        out = cls(
+            np.asarray(latency_s, dtype=float),
+            np.asarray(completion_tokens, dtype=float),
+            np.asarray(error, dtype=bool),
+            np.asarray(scores, dtype=float),
+        )
         if not (len(out.latency_s) == len(out.completion_tokens) == len(out.error)):
-            raise ValueError("ArmSample: latency_s, completion_tokens and error need one entry per request "
-                             f"(got {len(out.latency_s)}, {len(out.completion_tokens)}, {len(out.error)})")
+            raise ValueError(
+                "ArmSample: latency_s, completion_tokens and error need one entry per request "
+                f"(got {len(out.latency_s)}, {len(out.completion_tokens)}, {len(out.error)})"
+            )
         if not np.all(np.isfinite(out.scores)):
             raise ValueError("ArmSample.scores: a score is NaN or infinite; the feedback store refuses those")
         return out
@@ -103,7 +110,8 @@ class Decision(BaseModel):
 def summarize(arm: ArmSample) -> ArmSummary:
     answered = arm.latency_s[~arm.error]
     return ArmSummary(
-        requests=arm.requests, scored=int(len(arm.scores)),
+        requests=arm.requests,
+        scored=int(len(arm.scores)),
         mean_score=float(arm.scores.mean()) if len(arm.scores) else None,
         error_rate=float(arm.error.mean()) if arm.requests else None,
         latency_p95_s=float(np.percentile(answered, 95)) if len(answered) else None,
@@ -111,27 +119,29 @@ def summarize(arm: ArmSample) -> ArmSummary:
     )
 
 
-def _mixture(n_a: Sums, s_a: Sums, ss_a: Sums, n_b: Sums, s_b: Sums, ss_b: Sums, alpha: float,
-             mixture_effect: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _mixture(
+    n_a: Sums, s_a: Sums, ss_a: Sums, n_b: Sums, s_b: Sums, ss_b: Sums, alpha: float, mixture_effect: float
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(difference, log Lambda, half-width of the confidence sequence) from each arm's count, sum and sum of
     squares; scalars or arrays alike (`sequential_path` passes running sums, one entry per look)."""
     n_a, n_b = np.asarray(n_a, dtype=float), np.asarray(n_b, dtype=float)
     mean_a, mean_b = s_a / n_a, s_b / n_b
-    var_a = np.maximum(ss_a - n_a * mean_a ** 2, 0.0) / (n_a - 1)
-    var_b = np.maximum(ss_b - n_b * mean_b ** 2, 0.0) / (n_b - 1)
+    var_a = np.maximum(ss_a - n_a * mean_a**2, 0.0) / (n_a - 1)
+    var_b = np.maximum(ss_b - n_b * mean_b**2, 0.0) / (n_b - 1)
     pooled = ((n_a - 1) * var_a + (n_b - 1) * var_b) / (n_a + n_b - 2)
     # A floor keeps two constant arms (all thumbs up) from dividing by zero; far below any real variance.
     floor = 1e-12 * np.maximum(1.0, np.maximum(np.abs(mean_a), np.abs(mean_b)))
     v = np.maximum(var_a / n_a + var_b / n_b, floor)
-    tau2 = np.maximum(mixture_effect ** 2 * pooled, floor)
+    tau2 = np.maximum(mixture_effect**2 * pooled, floor)
     theta = mean_b - mean_a
-    log_lr = 0.5 * np.log(v / (v + tau2)) + theta ** 2 * tau2 / (2 * v * (v + tau2))
+    log_lr = 0.5 * np.log(v / (v + tau2)) + theta**2 * tau2 / (2 * v * (v + tau2))
     half = np.sqrt(2 * v * (v + tau2) / tau2 * (math.log(1 / alpha) + 0.5 * np.log((v + tau2) / v)))
     return theta, log_lr, half
 
 
-def msprt(champion_scores: np.ndarray, challenger_scores: np.ndarray, alpha: float,
-          mixture_effect: float) -> TestStatistics:
+def msprt(
+    champion_scores: np.ndarray, challenger_scores: np.ndarray, alpha: float, mixture_effect: float
+) -> TestStatistics:
     """The normal-mixture SPRT of "equal means" at this look (formulas in the module docstring).
 
     >>> s = msprt(np.array([0., 1.] * 200), np.array([1., 1., 1., 0.] * 100), alpha=0.05, mixture_effect=0.2)
@@ -142,15 +152,23 @@ def msprt(champion_scores: np.ndarray, challenger_scores: np.ndarray, alpha: flo
     a, b = np.asarray(champion_scores, dtype=float), np.asarray(challenger_scores, dtype=float)
     if len(a) < 2 or len(b) < 2:
         return TestStatistics(threshold=threshold)
-    theta, log_lr, half = (float(x) for x in _mixture(len(a), a.sum(), (a * a).sum(), len(b), b.sum(),
-                                                       (b * b).sum(), alpha, mixture_effect))
+    theta, log_lr, half = (
+        float(x)
+        for x in _mixture(len(a), a.sum(), (a * a).sum(), len(b), b.sum(), (b * b).sum(), alpha, mixture_effect)
+    )
     likelihood_ratio = math.exp(min(log_lr, 700.0))  # exp overflows past ~709; beyond 1e304 it decides the same
-    return TestStatistics(difference=theta, interval=(theta - half, theta + half), likelihood_ratio=likelihood_ratio,
-                          p_value=min(1.0, 1.0 / likelihood_ratio), threshold=threshold)
+    return TestStatistics(
+        difference=theta,
+        interval=(theta - half, theta + half),
+        likelihood_ratio=likelihood_ratio,
+        p_value=min(1.0, 1.0 / likelihood_ratio),
+        threshold=threshold,
+    )
 
 
-def sequential_path(is_challenger: np.ndarray, scores: np.ndarray, alpha: float, mixture_effect: float,
-                    min_samples: int) -> tuple[np.ndarray, np.ndarray]:
+def sequential_path(
+    is_challenger: np.ndarray, scores: np.ndarray, alpha: float, mixture_effect: float, min_samples: int
+) -> tuple[np.ndarray, np.ndarray]:
     """The test after every scored response of a stream (in arrival order): (difference, log Lambda) per look,
     NaN before both arms have `min_samples`. What a decision run after every response would see; the
     simulations and the benchmark use it to find the first look that decides, then ask `decide` there."""
@@ -175,27 +193,50 @@ def guardrail_breaches(champion: ArmSummary, challenger: ArmSummary, policy: ABC
     out = []
     error_gap = (challenger.error_rate or 0.0) - (champion.error_rate or 0.0)
     if error_gap > g.error_rate_margin:
-        out.append(("error_rate", f"challenger error rate {challenger.error_rate:.3f} is {error_gap:.3f} above the "
-                                  f"champion's {champion.error_rate:.3f} (allowed: ab.guardrails.error_rate_margin="
-                                  f"{g.error_rate_margin})"))
+        out.append(
+            (
+                "error_rate",
+                f"challenger error rate {challenger.error_rate:.3f} is {error_gap:.3f} above the "
+                f"champion's {champion.error_rate:.3f} (allowed: ab.guardrails.error_rate_margin="
+                f"{g.error_rate_margin})",
+            )
+        )
     if challenger.latency_p95_s is not None and champion.latency_p95_s:
         ratio = challenger.latency_p95_s / champion.latency_p95_s
         if ratio > g.latency_p95_ratio_max:
-            out.append(("latency_p95_ratio", f"challenger p95 latency {challenger.latency_p95_s:.3f}s is "
-                                             f"{ratio:.2f}x the champion's {champion.latency_p95_s:.3f}s (allowed: "
-                                             f"ab.guardrails.latency_p95_ratio_max={g.latency_p95_ratio_max})"))
-    if g.latency_p95_max_s is not None and challenger.latency_p95_s is not None \
-            and challenger.latency_p95_s > g.latency_p95_max_s:
-        out.append(("latency_p95_max_s", f"challenger p95 latency {challenger.latency_p95_s:.3f}s is above "
-                                         f"ab.guardrails.latency_p95_max_s={g.latency_p95_max_s}"))
+            out.append(
+                (
+                    "latency_p95_ratio",
+                    f"challenger p95 latency {challenger.latency_p95_s:.3f}s is "
+                    f"{ratio:.2f}x the champion's {champion.latency_p95_s:.3f}s (allowed: "
+                    f"ab.guardrails.latency_p95_ratio_max={g.latency_p95_ratio_max})",
+                )
+            )
+    if (
+        g.latency_p95_max_s is not None
+        and challenger.latency_p95_s is not None
+        and challenger.latency_p95_s > g.latency_p95_max_s
+    ):
+        out.append(
+            (
+                "latency_p95_max_s",
+                f"challenger p95 latency {challenger.latency_p95_s:.3f}s is above "
+                f"ab.guardrails.latency_p95_max_s={g.latency_p95_max_s}",
+            )
+        )
     if challenger.mean_completion_tokens is not None and champion.mean_completion_tokens:
         ratio = challenger.mean_completion_tokens / champion.mean_completion_tokens
         if not g.completion_tokens_ratio_min <= ratio <= g.completion_tokens_ratio_max:
-            out.append(("completion_tokens", f"challenger mean completion {challenger.mean_completion_tokens:.1f} "
-                                              f"tokens is {ratio:.2f}x the champion's "
-                                              f"{champion.mean_completion_tokens:.1f} (allowed: "
-                                              f"{g.completion_tokens_ratio_min}..{g.completion_tokens_ratio_max}, "
-                                              "ab.guardrails.completion_tokens_ratio_min/max)"))
+            out.append(
+                (
+                    "completion_tokens",
+                    f"challenger mean completion {challenger.mean_completion_tokens:.1f} "
+                    f"tokens is {ratio:.2f}x the champion's "
+                    f"{champion.mean_completion_tokens:.1f} (allowed: "
+                    f"{g.completion_tokens_ratio_min}..{g.completion_tokens_ratio_max}, "
+                    "ab.guardrails.completion_tokens_ratio_min/max)",
+                )
+            )
     return out
 
 
@@ -206,33 +247,46 @@ def decide(champion: ArmSample, challenger: ArmSample, policy: ABConfig, elapsed
     test = msprt(champion.scores, challenger.scores, policy.alpha, policy.mixture_effect)
 
     def made(action: Action, reasons: list[str], breaches: Sequence[str] = ()) -> Decision:
-        return Decision(action=action, reasons=reasons, arms=arms, test=test, breaches=list(breaches),
-                        elapsed_h=elapsed_h)
+        return Decision(
+            action=action, reasons=reasons, arms=arms, test=test, breaches=list(breaches), elapsed_h=elapsed_h
+        )
 
     breaches = guardrail_breaches(arms["champion"], arms["challenger"], policy)
     if breaches:
         return made("rollback", [reason for _, reason in breaches], [name for name, _ in breaches])
     scored = min(arms["champion"].scored, arms["challenger"].scored)
-    if scored >= policy.min_samples and test.likelihood_ratio is not None \
-            and test.likelihood_ratio >= test.threshold:
+    if scored >= policy.min_samples and test.likelihood_ratio is not None and test.likelihood_ratio >= test.threshold:
         assert test.interval is not None and test.difference is not None  # set with the likelihood ratio
         low, high = test.interval
         better = test.difference > 0
-        return made("promote" if better else "rollback", [
-            f"challenger {'better' if better else 'worse'} by {test.difference:+.4f} in mean score "
-            f"({1 - policy.alpha:.0%} always-valid interval {low:+.4f}..{high:+.4f}; likelihood ratio "
-            f"{test.likelihood_ratio:.3g} >= 1/alpha = {test.threshold:.3g})"])
+        return made(
+            "promote" if better else "rollback",
+            [
+                f"challenger {'better' if better else 'worse'} by {test.difference:+.4f} in mean score "
+                f"({1 - policy.alpha:.0%} always-valid interval {low:+.4f}..{high:+.4f}; likelihood ratio "
+                f"{test.likelihood_ratio:.3g} >= 1/alpha = {test.threshold:.3g})"
+            ],
+        )
     if elapsed_h >= policy.max_duration_h:
-        return made("stop", [f"{elapsed_h:.1f} h reached ab.max_duration_h={policy.max_duration_h} without a "
-                             "difference; the champion stays" +
-                             (f" (only {scored} scored responses in the smaller arm, ab.min_samples="
-                              f"{policy.min_samples})" if scored < policy.min_samples else "")])
+        return made(
+            "stop",
+            [
+                f"{elapsed_h:.1f} h reached ab.max_duration_h={policy.max_duration_h} without a "
+                "difference; the champion stays"
+                + (
+                    f" (only {scored} scored responses in the smaller arm, ab.min_samples={policy.min_samples})"
+                    if scored < policy.min_samples
+                    else ""
+                )
+            ],
+        )
     if scored < policy.min_samples:
-        return made("continue", [f"{scored} scored responses in the smaller arm, fewer than ab.min_samples="
-                                 f"{policy.min_samples}"])
+        return made(
+            "continue",
+            [f"{scored} scored responses in the smaller arm, fewer than ab.min_samples={policy.min_samples}"],
+        )
     ratio = test.likelihood_ratio if test.likelihood_ratio is not None else 0.0
-    return made("continue", [f"no difference yet: likelihood ratio {ratio:.3g} below 1/alpha = "
-                             f"{test.threshold:.3g}"])
+    return made("continue", [f"no difference yet: likelihood ratio {ratio:.3g} below 1/alpha = {test.threshold:.3g}"])
 
 
 # ------------------------------------------------------------------------------------------------ the aliases
@@ -272,9 +326,11 @@ def settle(registry: Registry, decision: Decision, champion: str | None, challen
     with registry.lock():
         now = registry.aliases()
         if (now[CHAMPION], now[CHALLENGER]) != (champion, challenger):
-            raise AliasesMoved(f"the aliases moved since the decision was made (champion {champion} -> "
-                               f"{now[CHAMPION]}, challenger {challenger} -> {now[CHALLENGER]}); run "
-                               "`grpo-pipeline ab decide` again")
+            raise AliasesMoved(
+                f"the aliases moved since the decision was made (champion {champion} -> "
+                f"{now[CHAMPION]}, challenger {challenger} -> {now[CHALLENGER]}); run "
+                "`grpo-pipeline ab decide` again"
+            )
         tag = {"ab_decision": decision.action, "ab_reason": "; ".join(decision.reasons)[:500]}
         registry.tag(challenger, tag)
         return registry.apply(moves)

@@ -19,11 +19,15 @@ from grpo_pipeline.tasks.ab_log import RequestLog
 from grpo_pipeline.tasks.registry import CHALLENGER, CHAMPION, Registry
 
 NO_TEST = "no challenger alias: no test is running"
-OFFLINE = ("promote.mode is offline: the challenger alias holds the candidate the offline gate rejected, which is "
-           "never served nor tested live; set promote.mode=canary for a live test")
+OFFLINE = (
+    "promote.mode is offline: the challenger alias holds the candidate the offline gate rejected, which is "
+    "never served nor tested live; set promote.mode=canary for a live test"
+)
 # The rule for a candidate that arrives while a test runs (promote.mode=canary), said wherever a decision is shown.
-REPLACEMENT_RULE = ("a newer candidate that passes the offline gate replaces the challenger and the test restarts: "
-                    "only the requests the current challenger version answered count")
+REPLACEMENT_RULE = (
+    "a newer candidate that passes the offline gate replaces the challenger and the test restarts: "
+    "only the requests the current challenger version answered count"
+)
 
 
 class Round(BaseModel):
@@ -40,8 +44,10 @@ class Round(BaseModel):
         """The decision and the challenger version it is about; a round that decided nothing (no challenger,
         `promote.mode: offline`) raises ValueError, as there is nothing to settle or report."""
         if self.decision is None or self.challenger is None:
-            raise ValueError(f"this A/B round has no decision ({'; '.join(self.reasons) or 'no challenger'}); "
-                             "only a round with a decision can be settled or reported")
+            raise ValueError(
+                f"this A/B round has no decision ({'; '.join(self.reasons) or 'no challenger'}); "
+                "only a round with a decision can be settled or reported"
+            )
         return self.decision, self.challenger
 
     @property
@@ -51,10 +57,20 @@ class Round(BaseModel):
     def as_json(self) -> dict:
         """The object `grpo-pipeline ab decide --json` prints (and the flow returns)."""
         if self.decision is None:
-            return {"status": "ok", "action": None, "champion": self.champion, "challenger": self.challenger,
-                    "reasons": self.reasons}
-        return {"status": "ok", **self.decision.model_dump(mode="json"), "champion": self.champion,
-                "challenger": self.challenger, "moves": self.moves}
+            return {
+                "status": "ok",
+                "action": None,
+                "champion": self.champion,
+                "challenger": self.challenger,
+                "reasons": self.reasons,
+            }
+        return {
+            "status": "ok",
+            **self.decision.model_dump(mode="json"),
+            "champion": self.champion,
+            "challenger": self.challenger,
+            "moves": self.moves,
+        }
 
 
 def decide_round(ab: ABConfig, log: RequestLog, registry: Registry, canary: bool = True) -> Round:

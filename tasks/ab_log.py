@@ -45,7 +45,8 @@ from grpo_pipeline.tasks.ab import ArmSample
 metadata = MetaData()
 
 requests_table = Table(
-    "ab_requests", metadata,
+    "ab_requests",
+    metadata,
     Column("id", String(64), primary_key=True),  # the response's `id`, the key /v1/feedback takes
     Column("created_at", DateTime(timezone=True), nullable=False, index=True),
     Column("arm", String(32), nullable=False),  # champion | challenger
@@ -58,7 +59,8 @@ requests_table = Table(
 )
 
 feedback_table = Table(
-    "ab_feedback", metadata,
+    "ab_feedback",
+    metadata,
     Column("request_id", String(64), ForeignKey("ab_requests.id"), primary_key=True),
     Column("score", Float, nullable=False),
     Column("created_at", DateTime(timezone=True), nullable=False),
@@ -122,9 +124,11 @@ class RequestLog:
             with engine.connect() as connection:
                 connection.execute(text("SELECT 1"))
         except (SQLAlchemyError, OSError, ValueError) as e:
-            raise LogStoreError(f"the A/B request log at {masked(url)} is unreachable ({type(e).__name__}: "
-                                f"{str(e).splitlines()[0][:200]}); fix: start the database, or set ab.log_url "
-                                "(or GRPO_AB_LOG_URL) to one that answers") from e
+            raise LogStoreError(
+                f"the A/B request log at {masked(url)} is unreachable ({type(e).__name__}: "
+                f"{str(e).splitlines()[0][:200]}); fix: start the database, or set ab.log_url "
+                "(or GRPO_AB_LOG_URL) to one that answers"
+            ) from e
         return cls(engine, url)
 
     def record(self, row: RequestRow) -> bool:
@@ -148,11 +152,15 @@ class RequestLog:
             known = connection.execute(select(requests_table.c.id).where(requests_table.c.id == request_id)).first()
             if known is None:
                 raise UnknownRequest(f"no request with id {request_id!r} in the A/B log")
-            updated = connection.execute(feedback_table.update().where(feedback_table.c.request_id == request_id)
-                                         .values(score=float(score), created_at=now)).rowcount
+            updated = connection.execute(
+                feedback_table.update()
+                .where(feedback_table.c.request_id == request_id)
+                .values(score=float(score), created_at=now)
+            ).rowcount
             if not updated:
-                connection.execute(feedback_table.insert().values(request_id=request_id, score=float(score),
-                                                                  created_at=now))
+                connection.execute(
+                    feedback_table.insert().values(request_id=request_id, score=float(score), created_at=now)
+                )
 
     def samples(self, champion_version: str | None, challenger_version: str) -> tuple[ArmSample, ArmSample, float]:
         """(champion, challenger, hours since the challenger's first request): the requests each arm's current
@@ -163,13 +171,29 @@ class RequestLog:
         with self.engine.connect() as connection:
             for arm, version in (("champion", champion_version), ("challenger", challenger_version)):
                 where = (requests_table.c.arm == arm) & (requests_table.c.version == version)
-                rows = connection.execute(select(requests_table.c.latency_s, requests_table.c.completion_tokens,
-                                                 requests_table.c.error, requests_table.c.created_at)
-                                          .where(where)).all()
-                scores = connection.execute(select(feedback_table.c.score).select_from(
-                    feedback_table.join(requests_table)).where(where)).scalars().all()
-                out.append(ArmSample.of(latency_s=[r[0] for r in rows], completion_tokens=[r[1] for r in rows],
-                                        error=[r[2] for r in rows], scores=scores))
+                rows = connection.execute(
+                    select(
+                        requests_table.c.latency_s,
+                        requests_table.c.completion_tokens,
+                        requests_table.c.error,
+                        requests_table.c.created_at,
+                    ).where(where)
+                ).all()
+                scores = (
+                    connection.execute(
+                        select(feedback_table.c.score).select_from(feedback_table.join(requests_table)).where(where)
+                    )
+                    .scalars()
+                    .all()
+                )
+                out.append(
+                    ArmSample.of(
+                        latency_s=[r[0] for r in rows],
+                        completion_tokens=[r[1] for r in rows],
+                        error=[r[2] for r in rows],
+                        scores=scores,
+                    )
+                )
                 if arm == "challenger" and rows:
                     started = min(_utc(r[3]) for r in rows)
         elapsed_h = (datetime.now(UTC) - started).total_seconds() / 3600 if started else 0.0
@@ -180,13 +204,18 @@ class RequestLog:
         out: dict[str, dict[str, dict[str, int]]] = {}
         with self.engine.connect() as connection:
             requests = connection.execute(
-                select(requests_table.c.arm, requests_table.c.version, func.count(),
-                       func.sum(requests_table.c.error.cast(Integer)))
-                .group_by(requests_table.c.arm, requests_table.c.version)).all()
+                select(
+                    requests_table.c.arm,
+                    requests_table.c.version,
+                    func.count(),
+                    func.sum(requests_table.c.error.cast(Integer)),
+                ).group_by(requests_table.c.arm, requests_table.c.version)
+            ).all()
             scored = connection.execute(
                 select(requests_table.c.arm, requests_table.c.version, func.count())
                 .select_from(feedback_table.join(requests_table))
-                .group_by(requests_table.c.arm, requests_table.c.version)).all()
+                .group_by(requests_table.c.arm, requests_table.c.version)
+            ).all()
         for arm, version, n, errors in requests:
             out.setdefault(arm, {})[version] = {"requests": int(n), "errors": int(errors or 0), "feedback": 0}
         for arm, version, n in scored:
@@ -200,7 +229,6 @@ class RequestLog:
 def _utc(moment: datetime) -> datetime:
     # SQLite hands back naive datetimes for what was written in UTC; PostgreSQL aware ones.
     return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
-
 
 
 LOG_URL_ENV = "GRPO_AB_LOG_URL"

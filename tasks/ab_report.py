@@ -34,15 +34,19 @@ def read_outcomes(log: RequestLog, champion: str | None, challenger: str) -> Out
     """The scored requests of the current versions (as `RequestLog.samples` counts them), with their times."""
     rows: dict[str, Sequence[Row[datetime, float]]] = {}  # (request time, score)
     with log.engine.connect() as connection:
-        first = connection.execute(select(requests_table.c.created_at).where(
-            (requests_table.c.arm == "challenger") & (requests_table.c.version == challenger))
-            .order_by(requests_table.c.created_at).limit(1)).scalar()
+        first = connection.execute(
+            select(requests_table.c.created_at)
+            .where((requests_table.c.arm == "challenger") & (requests_table.c.version == challenger))
+            .order_by(requests_table.c.created_at)
+            .limit(1)
+        ).scalar()
         for arm, version in zip(ARMS, (champion, challenger), strict=True):
             rows[arm] = connection.execute(
                 select(requests_table.c.created_at, feedback_table.c.score)
                 .select_from(feedback_table.join(requests_table))
                 .where((requests_table.c.arm == arm) & (requests_table.c.version == version))
-                .order_by(requests_table.c.created_at)).all()
+                .order_by(requests_table.c.created_at)
+            ).all()
     start = _naive(first) if first is not None else None
     origin = start or min((_naive(r[0]) for arm_rows in rows.values() for r in arm_rows), default=None)
     if origin is None:  # no challenger request and no scored one: nothing to place in time
@@ -87,8 +91,16 @@ def series(outcomes: Outcomes, ab: ABConfig, points: int = 12) -> list[SeriesPoi
             half = z * float(x.std(ddof=1)) / np.sqrt(len(x)) if len(x) > 1 else None
             interval[arm] = (mean[arm] - half, mean[arm] + half) if half is not None else None
         test = msprt(seen["champion"], seen["challenger"], ab.alpha, ab.mixture_effect)
-        out.append(SeriesPoint(hours=round(float(cut), 4), n={arm: len(x) for arm, x in seen.items()}, mean=mean,
-                               interval=interval, difference=test.difference, difference_interval=test.interval))
+        out.append(
+            SeriesPoint(
+                hours=round(float(cut), 4),
+                n={arm: len(x) for arm, x in seen.items()},
+                mean=mean,
+                interval=interval,
+                difference=test.difference,
+                difference_interval=test.interval,
+            )
+        )
     return out
 
 
@@ -99,8 +111,16 @@ def decision_metrics(found: Round) -> dict[str, float]:
     for arm, summary in decision.arms.items():
         out |= {f"{arm}/{k}": float(v) for k, v in summary.model_dump().items() if v is not None}
     test = decision.test
-    out |= {f"test/{k}": float(v) for k, v in (("difference", test.difference), ("likelihood_ratio",
-            test.likelihood_ratio), ("p_value", test.p_value), ("threshold", test.threshold)) if v is not None}
+    out |= {
+        f"test/{k}": float(v)
+        for k, v in (
+            ("difference", test.difference),
+            ("likelihood_ratio", test.likelihood_ratio),
+            ("p_value", test.p_value),
+            ("threshold", test.threshold),
+        )
+        if v is not None
+    }
     if test.interval is not None:
         out |= {"test/interval_low": test.interval[0], "test/interval_high": test.interval[1]}
     return out
@@ -110,8 +130,11 @@ def decision_params(found: Round, ab: ABConfig) -> dict[str, str]:
     """What the decision was about and under which settings (`ab.*`), as MLflow params."""
     flat = {f"ab.{k}": v for k, v in ab.model_dump().items() if k != "guardrails"}
     flat |= {f"ab.guardrails.{k}": v for k, v in ab.guardrails.model_dump().items()}
-    return {"champion_version": str(found.champion), "challenger_version": str(found.challenger),
-            **{k: str(v) for k, v in flat.items()}}
+    return {
+        "champion_version": str(found.champion),
+        "challenger_version": str(found.challenger),
+        **{k: str(v) for k, v in flat.items()},
+    }
 
 
 def _num(value: float | None, digits: int = 4) -> str:
@@ -122,29 +145,50 @@ def render_decision(found: Round, points: list[SeriesPoint], start: datetime | N
     """The decision as Markdown: the action and why, each arm, the test, the moves, the score over time."""
     decision, _ = found.decided()
     test = decision.test
-    lines = [f"# A/B decision: **{decision.action}**", "",
-             f"Challenger version {found.challenger} against champion version {found.champion or '(none)'}, "
-             f"{decision.elapsed_h:.1f} h since the challenger's first request"
-             + (f" ({start:%Y-%m-%d %H:%M} UTC)" if start else "") + ".",
-             f"Rule: {REPLACEMENT_RULE}.", "", "## Reasons", *[f"- {r}" for r in decision.reasons], "",
-             "## Arms", "", "| | requests | scored | mean score | error rate | p95 latency (s) | mean completion tokens |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# A/B decision: **{decision.action}**",
+        "",
+        f"Challenger version {found.challenger} against champion version {found.champion or '(none)'}, "
+        f"{decision.elapsed_h:.1f} h since the challenger's first request"
+        + (f" ({start:%Y-%m-%d %H:%M} UTC)" if start else "")
+        + ".",
+        f"Rule: {REPLACEMENT_RULE}.",
+        "",
+        "## Reasons",
+        *[f"- {r}" for r in decision.reasons],
+        "",
+        "## Arms",
+        "",
+        "| | requests | scored | mean score | error rate | p95 latency (s) | mean completion tokens |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for arm, s in decision.arms.items():
-        lines.append(f"| {arm} | {s.requests} | {s.scored} | {_num(s.mean_score)} | {_num(s.error_rate)} | "
-                     f"{_num(s.latency_p95_s)} | {_num(s.mean_completion_tokens)} |")
+        lines.append(
+            f"| {arm} | {s.requests} | {s.scored} | {_num(s.mean_score)} | {_num(s.error_rate)} | "
+            f"{_num(s.latency_p95_s)} | {_num(s.mean_completion_tokens)} |"
+        )
     interval = f"{test.interval[0]:+.4f} .. {test.interval[1]:+.4f}" if test.interval else "–"
-    lines += ["", "## Sequential test (always valid: holds at every look)", "",
-              "| difference (challenger − champion) | interval | likelihood ratio | p-value | threshold (1/alpha) |",
-              "|---|---|---|---|---|",
-              f"| {_num(test.difference)} | {interval} | {_num(test.likelihood_ratio)} | {_num(test.p_value)} | "
-              f"{_num(test.threshold)} |", ""]
+    lines += [
+        "",
+        "## Sequential test (always valid: holds at every look)",
+        "",
+        "| difference (challenger − champion) | interval | likelihood ratio | p-value | threshold (1/alpha) |",
+        "|---|---|---|---|---|",
+        f"| {_num(test.difference)} | {interval} | {_num(test.likelihood_ratio)} | {_num(test.p_value)} | "
+        f"{_num(test.threshold)} |",
+        "",
+    ]
     if decision.breaches:
         lines += [f"Guardrails breached: {', '.join(decision.breaches)}.", ""]
     lines += ["## Aliases", "", *([f"- {m}" for m in found.moves] or ["- nothing moved"]), ""]
     if points:
-        lines += ["## Mean score over time", "",
-                  "| hours | champion n | champion mean (interval) | challenger n | challenger mean (interval) | "
-                  "difference (always-valid interval) |", "|---|---|---|---|---|---|"]
+        lines += [
+            "## Mean score over time",
+            "",
+            "| hours | champion n | champion mean (interval) | challenger n | challenger mean (interval) | "
+            "difference (always-valid interval) |",
+            "|---|---|---|---|---|---|",
+        ]
         for p in points:
             cells = [f"{p.hours:.2f}"]
             for arm in ARMS:
@@ -177,9 +221,14 @@ def plot_series(points: list[SeriesPoint], path: Path) -> Path:
     arms.legend()
     diff = [np.nan if p.difference is None else p.difference for p in points]
     delta.plot(hours, diff, marker="o", color="black", label="challenger − champion")
-    delta.fill_between(hours, [np.nan if p.difference_interval is None else p.difference_interval[0] for p in points],
-                       [np.nan if p.difference_interval is None else p.difference_interval[1] for p in points],
-                       alpha=0.2, color="gray", label="always-valid interval")
+    delta.fill_between(
+        hours,
+        [np.nan if p.difference_interval is None else p.difference_interval[0] for p in points],
+        [np.nan if p.difference_interval is None else p.difference_interval[1] for p in points],
+        alpha=0.2,
+        color="gray",
+        label="always-valid interval",
+    )
     delta.axhline(0, color="red", linewidth=0.8)
     delta.set_xlabel("hours since the challenger's first request")
     delta.set_ylabel("difference")

@@ -59,11 +59,15 @@ def refusal(a: Adapter, base: str, base_sha256: str | None, max_rank: int) -> st
     'challenger v7 has LoRA rank 32, above ab.serve.max_lora_rank=16; not loaded: raise ab.serve.max_lora_rank and restart the router'
     """
     if not same_base(a, base, base_sha256):
-        return (f"{a.alias} v{a.version} was trained on base {a.base} (sha256 {a.base_sha256}), the engine serves "
-                f"{base} (sha256 {base_sha256}); not loaded: serve it from a router started on that base")
+        return (
+            f"{a.alias} v{a.version} was trained on base {a.base} (sha256 {a.base_sha256}), the engine serves "
+            f"{base} (sha256 {base_sha256}); not loaded: serve it from a router started on that base"
+        )
     if a.rank > max_rank:
-        return (f"{a.alias} v{a.version} has LoRA rank {a.rank}, above ab.serve.max_lora_rank={max_rank}; not "
-                "loaded: raise ab.serve.max_lora_rank and restart the router")
+        return (
+            f"{a.alias} v{a.version} has LoRA rank {a.rank}, above ab.serve.max_lora_rank={max_rank}; not "
+            "loaded: raise ab.serve.max_lora_rank and restart the router"
+        )
     return None
 
 
@@ -78,8 +82,10 @@ def read_version(alias: str, version: str, model_dir: Path) -> Adapter:
         raise AdapterError(f"{alias} v{version}: {model_dir} is not an MLflow model ({type(e).__name__}: {e})") from e
     adapter = model_dir / "artifacts" / "adapter"
     if not (adapter / "adapter_config.json").is_file() or "base" not in config:
-        raise AdapterError(f"{alias} v{version} is not a LoRA adapter model (a merged model, or another kind): the "
-                           "router serves adapters on one base; register the adapter model")
+        raise AdapterError(
+            f"{alias} v{version} is not a LoRA adapter model (a merged model, or another kind): the "
+            "router serves adapters on one base; register the adapter model"
+        )
     peft = json.loads((adapter / "adapter_config.json").read_text())
     return Adapter(alias, str(version), adapter, str(config["base"]), config.get("base_sha256"), int(peft.get("r", 0)))
 
@@ -96,8 +102,9 @@ def resolve(registry: Registry, alias: str, tracking_uri: str, cache: Path) -> A
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".download-"))
         try:
-            local = mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{registry.name}/{version}",
-                                                        dst_path=str(staging), tracking_uri=tracking_uri)
+            local = mlflow.artifacts.download_artifacts(
+                artifact_uri=f"models:/{registry.name}/{version}", dst_path=str(staging), tracking_uri=tracking_uri
+            )
             Path(local).rename(target)  # whole or not at all
         except OSError:
             if not (target / "MLmodel").is_file():

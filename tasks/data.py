@@ -87,8 +87,16 @@ REASONS = {
     "contaminated": "a train row whose n-grams overlap the holdout, val or eval sets beyond data.contamination_threshold",
 }
 MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])
-CANONICAL = pa.schema([("pos", pa.int64()), ("source", pa.string()), ("messages", pa.list_(MESSAGE)),
-                       ("raw", pa.string()), ("answer", pa.string()), ("key", pa.string())])
+CANONICAL = pa.schema(
+    [
+        ("pos", pa.int64()),
+        ("source", pa.string()),
+        ("messages", pa.list_(MESSAGE)),
+        ("raw", pa.string()),
+        ("answer", pa.string()),
+        ("key", pa.string()),
+    ]
+)
 _GSM8K = r"(?s)^.*####\s*(?P<answer>.*?)\s*$"
 _CODE_FILES = ("data.py", "data_io.py", "data_text.py", "demo_task.py", "splits.py")
 
@@ -154,7 +162,9 @@ class _Context:
         self.prefix, self.suffix = prefix, suffix
         # bound with train.reward_args, as the trainer binds them: a checker's required argument is given,
         # and a row is kept or quarantined by the reward as configured
-        self.verifiers = {name: resolve_reward(name, args) for name, args in _verifier_args(rewards, reward_args).items()}
+        self.verifiers = {
+            name: resolve_reward(name, args) for name, args in _verifier_args(rewards, reward_args).items()
+        }
 
 
 # Characters that str.splitlines() breaks lines at but JSON leaves unescaped (orjson escapes the ASCII ones).
@@ -186,8 +196,9 @@ def _reject_rows(table: pa.Table, mask: np.ndarray, reason: str, details: Sequen
     return [Reject(reason, d, s, p, r) for d, s, p, r in zip(detail, src, pos, rows, strict=True)]
 
 
-def _canonical_record(rec: dict, cfg: DataConfig, ctx: _Context,
-                      fields: Sequence[str] | None = None) -> tuple[dict | None, tuple[str, str] | None]:
+def _canonical_record(
+    rec: dict, cfg: DataConfig, ctx: _Context, fields: Sequence[str] | None = None
+) -> tuple[dict | None, tuple[str, str] | None]:
     """One parsed record -> (row in canonical form, None) or (None, (reason, detail)). `fields`: the columns
     the row came with, named when a mapped one is missing (default: the record's keys)."""
 
@@ -203,7 +214,10 @@ def _canonical_record(rec: dict, cfg: DataConfig, ctx: _Context,
         if rec.get(column, ...) is None:
             return None, ("missing_field", f"'{column}' is null")
         # Name what the row does have: a wrong column mapping shows at once.
-        return None, ("missing_field", f"no '{column}' (the row has: {', '.join(map(str, fields or rec))[:200] or 'nothing'})")
+        return None, (
+            "missing_field",
+            f"no '{column}' (the row has: {', '.join(map(str, fields or rec))[:200] or 'nothing'})",
+        )
 
     try:
         prompt = text(rec.get(cfg.prompt_column), "prompt")
@@ -226,8 +240,11 @@ def _canonical_record(rec: dict, cfg: DataConfig, ctx: _Context,
                     return None, ("wrong_type", f"'{cfg.prompt_column}' message {i} is {json_kind(m)}, not an object")
                 for part in ("role", "content"):
                     if not isinstance(m.get(part), str):
-                        return None, ("wrong_type", f"'{cfg.prompt_column}' message {i}: '{part}' is "
-                                                    f"{json_kind(m.get(part)) if part in m else 'missing'}, not text")
+                        return None, (
+                            "wrong_type",
+                            f"'{cfg.prompt_column}' message {i}: '{part}' is "
+                            f"{json_kind(m.get(part)) if part in m else 'missing'}, not text",
+                        )
             messages = [{"role": m["role"], "content": m["content"]} for m in prompt]
             if not any(m["role"] == "user" for m in messages):
                 return None, ("wrong_type", f"'{cfg.prompt_column}' has no user message")
@@ -242,8 +259,7 @@ def _canonical_record(rec: dict, cfg: DataConfig, ctx: _Context,
                 return missing(cfg.key_column)
             if isinstance(key, bool) or not isinstance(key, str | int):
                 return None, ("wrong_type", f"'{cfg.key_column}' is {json_kind(key)}, not text or an integer")
-        return {"messages": messages, "raw": raw, "answer": str(answer),
-                "key": None if key is None else str(key)}, None
+        return {"messages": messages, "raw": raw, "answer": str(answer), "key": None if key is None else str(key)}, None
     except _RowError as exc:
         return None, (exc.reason, exc.detail)
 
@@ -300,8 +316,12 @@ def _record_columns(records: list[dict], cfg: DataConfig) -> tuple[dict[str, pa.
             picked = [v if type(v) is str else str(v) for v in picked]
         return pa.array(picked, pa.string())
 
-    return {"prompt": column(prompts), "answer": column(answers, True), "system": column(systems),
-            "key": column(keys, True)}, mask
+    return {
+        "prompt": column(prompts),
+        "answer": column(answers, True),
+        "system": column(systems),
+        "key": column(keys, True),
+    }, mask
 
 
 def _plain_table(columns: dict[str, pa.Array | None], cfg: DataConfig, ctx: _Context) -> pa.Table:
@@ -311,7 +331,9 @@ def _plain_table(columns: dict[str, pa.Array | None], cfg: DataConfig, ctx: _Con
     n = len(prompt)
     content = pc.binary_join_element_wise(ctx.prefix, prompt, ctx.suffix, "") if ctx.prefix or ctx.suffix else prompt
     if system is None:
-        system = pa.nulls(n, pa.string()) if cfg.system_prompt is None else pa.array([cfg.system_prompt] * n, pa.string())
+        system = (
+            pa.nulls(n, pa.string()) if cfg.system_prompt is None else pa.array([cfg.system_prompt] * n, pa.string())
+        )
     elif cfg.system_prompt is not None:
         system = pc.if_else(pc.or_kleene(pc.is_null(system), pc.equal(system, "")), cfg.system_prompt, system)
     has_system = pc.and_(pc.is_valid(system), pc.not_equal(system.fill_null(""), "")).to_numpy(zero_copy_only=False)
@@ -321,14 +343,23 @@ def _plain_table(columns: dict[str, pa.Array | None], cfg: DataConfig, ctx: _Con
     take = np.empty(offsets[-1], np.int64)
     take[offsets[1:] - 1] = np.arange(n)
     take[offsets[:-1][has_system]] = n + np.flatnonzero(has_system)
-    contents = pa.concat_arrays([content.combine_chunks() if isinstance(content, pa.ChunkedArray) else content,
-                                 system.fill_null("")]).take(pa.array(take))
+    contents = pa.concat_arrays(
+        [content.combine_chunks() if isinstance(content, pa.ChunkedArray) else content, system.fill_null("")]
+    ).take(pa.array(take))
     role_idx = np.zeros(offsets[-1], np.int8)
     role_idx[offsets[:-1][has_system]] = 1
     roles = pa.array(["user", "system"]).take(pa.array(role_idx))
-    messages = pa.ListArray.from_arrays(pa.array(offsets), pa.StructArray.from_arrays([roles, contents], fields=list(MESSAGE)))
-    return pa.table({"messages": messages, "raw": prompt, "answer": answer,
-                     "key": key if key is not None else pa.nulls(n, pa.string())})
+    messages = pa.ListArray.from_arrays(
+        pa.array(offsets), pa.StructArray.from_arrays([roles, contents], fields=list(MESSAGE))
+    )
+    return pa.table(
+        {
+            "messages": messages,
+            "raw": prompt,
+            "answer": answer,
+            "key": key if key is not None else pa.nulls(n, pa.string()),
+        }
+    )
 
 
 class _NotText(Exception):
@@ -378,12 +409,18 @@ def canonical_batch(raw: RawBatch, cfg: DataConfig, ctx: _Context) -> tuple[pa.T
     for pos, rec in zip(positions[~plain].tolist(), records, strict=True):
         row, problem = _canonical_record(rec, cfg, ctx, fields)
         if problem:  # the mapped columns only: a huge or deep unused field stays out of the quarantine
-            rejects.append(Reject(problem[0], problem[1], raw.source, pos, _jsonable({c: rec[c] for c in wanted if c in rec})))
+            rejects.append(
+                Reject(problem[0], problem[1], raw.source, pos, _jsonable({c: rec[c] for c in wanted if c in rec}))
+            )
         else:
             rows.append(row)
             kept_pos.append(pos)
     if rows or not parts:
-        table = pa.Table.from_pylist(rows, schema=CANONICAL.remove(0).remove(0)) if rows else CANONICAL.empty_table().drop(["pos", "source"])
+        table = (
+            pa.Table.from_pylist(rows, schema=CANONICAL.remove(0).remove(0))
+            if rows
+            else CANONICAL.empty_table().drop(["pos", "source"])
+        )
         parts.append(_with_position(table, raw.source, np.array(kept_pos, np.int64)))
     table = parts[0] if len(parts) == 1 else pa.concat_tables(parts).sort_by("pos")  # the rows in file order
     return table, rejects
@@ -482,8 +519,11 @@ def validate(table: pa.Table, cfg: DataConfig, ctx: _Context) -> tuple[pa.Table,
     table = table.filter(pa.array(~empty))
     extracted = extract_answers(table.column("answer").combine_chunks(), cfg)
     failed = pc.is_null(extracted).to_numpy(zero_copy_only=False)
-    how = {"none": "the answer is empty", "gsm8k": "no '#### <answer>' line in the answer",
-           "regex": f"answer_regex {cfg.answer_regex!r} does not match"}[cfg.answer_extraction]
+    how = {
+        "none": "the answer is empty",
+        "gsm8k": "no '#### <answer>' line in the answer",
+        "regex": f"answer_regex {cfg.answer_regex!r} does not match",
+    }[cfg.answer_extraction]
     rejects += _reject_rows(table, failed, "answer_extraction_failed", how)
     table = table.filter(pa.array(~failed))
     table = table.set_column(table.column_names.index("answer"), "answer", extracted.filter(pa.array(~failed)))
@@ -493,7 +533,9 @@ def validate(table: pa.Table, cfg: DataConfig, ctx: _Context) -> tuple[pa.Table,
         why_unique = _unverifiable(answers.dictionary.to_pylist(), ctx)
         index = answers.indices.to_numpy(zero_copy_only=False)
         bad = np.array([w is not None for w in why_unique], bool)[index] if len(why_unique) else np.zeros(0, bool)
-        rejects += _reject_rows(table, bad, "answer_unverifiable", [why_unique[i] if b else "" for i, b in zip(index, bad, strict=True)])
+        rejects += _reject_rows(
+            table, bad, "answer_unverifiable", [why_unique[i] if b else "" for i, b in zip(index, bad, strict=True)]
+        )
         table = table.filter(pa.array(~bad))
     return table, rejects
 
@@ -510,7 +552,9 @@ class _Chain:
         # prompt's own hash) the key is implied, so a set of ints holds the same at a third of the memory.
         self.seen_text: dict[int, str] | set[int] = {} if cfg.key_column else set()
         self.seen_keys: set[str] = set()
-        self.near = NearDuplicateIndex(cfg.near_dup_threshold, cfg.near_dup_num_perm) if cfg.near_dup_threshold else None
+        self.near = (
+            NearDuplicateIndex(cfg.near_dup_threshold, cfg.near_dup_num_perm) if cfg.near_dup_threshold else None
+        )
         self.reference: list[np.ndarray] = []
         self.dropped: Counter[str] = Counter()
         self.rows_read = 0
@@ -572,18 +616,33 @@ class _Chain:
             high = cfg.max_prompt_tokens if cfg.max_prompt_tokens is not None else float("inf")
             low, up = self.tokens.lengths(table.column("messages").combine_chunks(), cfg.min_prompt_tokens, high)
             short, long = up < cfg.min_prompt_tokens, low > high
-            self.drop(_reject_rows(table, short, "too_few_tokens",
-                                   [f"at most {n} tokens, min_prompt_tokens={cfg.min_prompt_tokens}" for n in up]))
-            self.drop(_reject_rows(table, long, "too_many_tokens",
-                                   [f"at least {n} tokens, max_prompt_tokens={cfg.max_prompt_tokens}" for n in low]))
+            self.drop(
+                _reject_rows(
+                    table,
+                    short,
+                    "too_few_tokens",
+                    [f"at most {n} tokens, min_prompt_tokens={cfg.min_prompt_tokens}" for n in up],
+                )
+            )
+            self.drop(
+                _reject_rows(
+                    table,
+                    long,
+                    "too_many_tokens",
+                    [f"at least {n} tokens, max_prompt_tokens={cfg.max_prompt_tokens}" for n in low],
+                )
+            )
             ok = ~(short | long)
             table, keys = table.filter(pa.array(ok)), [k for k, o in zip(keys, ok, strict=True) if o]
         if self.near is not None and table.num_rows:
             gram, rows = ngram_hashes(words(table.column("raw").combine_chunks()), cfg.near_dup_ngram)
             found = self.near.check(gram, rows, table.num_rows, keys)
             near = np.array([f is not None for f in found])
-            self.drop(_reject_rows(table, near, "near_duplicate",
-                                   [f"near duplicate of the kept row with key {f}" for f in found]))
+            self.drop(
+                _reject_rows(
+                    table, near, "near_duplicate", [f"near duplicate of the kept row with key {f}" for f in found]
+                )
+            )
             table, keys = table.filter(pa.array(~near)), [k for k, f in zip(keys, found, strict=True) if f is None]
         if not table.num_rows:
             return
@@ -608,9 +667,15 @@ class _Chain:
         roles, contents = flat.field("role").to_pylist(), flat.field("content").to_pylist()
         answers, keys = table.column("answer").to_pylist(), table.column("key").to_pylist()
         out.writelines(
-            jsonl_line({"prompt": [{"role": roles[j], "content": contents[j]} for j in range(offsets[i], offsets[i + 1])],
-                        "answer": answers[i], "key": keys[i]})
-            for i in range(len(answers)))
+            jsonl_line(
+                {
+                    "prompt": [{"role": roles[j], "content": contents[j]} for j in range(offsets[i], offsets[i + 1])],
+                    "answer": answers[i],
+                    "key": keys[i],
+                }
+            )
+            for i in range(len(answers))
+        )
         self.kept[split] += table.num_rows
 
     def add_reference(self, texts: pa.Array) -> None:
@@ -632,10 +697,17 @@ class _Chain:
                     gram, rows = ngram_hashes(words(table.column("raw").combine_chunks()), cfg.contamination_ngram)
                     share = overlap_fraction(gram, rows, table.num_rows, reference)
                     dirty = share >= cfg.contamination_threshold
-                    self.drop(_reject_rows(
-                        table, dirty, "contaminated",
-                        [f"{s:.0%} of its {cfg.contamination_ngram}-grams appear in the holdout, val or eval sets"
-                         for s in share]))
+                    self.drop(
+                        _reject_rows(
+                            table,
+                            dirty,
+                            "contaminated",
+                            [
+                                f"{s:.0%} of its {cfg.contamination_ngram}-grams appear in the holdout, val or eval sets"
+                                for s in share
+                            ],
+                        )
+                    )
                     table = table.filter(pa.array(~dirty))
                 if table.num_rows:
                     self._write("train", table)
@@ -647,10 +719,18 @@ class _Chain:
 def _eval_texts(source: str, cfg: DataConfig, scratch: Path) -> Iterator[pa.Array]:
     """Prompt texts of an evaluation set, for decontamination only: rows without a usable prompt are skipped."""
     ctx = _Context(cfg.model_copy(update={"answer_extraction": "none", "answer_regex": None}), [])
-    loose = cfg.model_copy(update={"answer_column": cfg.prompt_column, "system_column": None, "key_column": None,
-                                   "source_format": "auto"})
-    for raw in iter_source(source, "auto", cfg.batch_rows, split=None, config=cfg.source_config,
-                           s3_endpoint_url=cfg.s3_endpoint_url, scratch=scratch):
+    loose = cfg.model_copy(
+        update={"answer_column": cfg.prompt_column, "system_column": None, "key_column": None, "source_format": "auto"}
+    )
+    for raw in iter_source(
+        source,
+        "auto",
+        cfg.batch_rows,
+        split=None,
+        config=cfg.source_config,
+        s3_endpoint_url=cfg.s3_endpoint_url,
+        scratch=scratch,
+    ):
         table, _ = canonical_batch(raw, loose, ctx)
         if table.num_rows:
             yield table.column("raw").combine_chunks()
@@ -666,8 +746,16 @@ def _effective(cfg: DataConfig) -> DataConfig:
     """With no source, the demo generator's rows and columns (its answers are plain integers)."""
     if cfg.source is not None:
         return cfg
-    return cfg.model_copy(update={"prompt_column": "prompt", "answer_column": "answer", "system_column": None,
-                                  "key_column": "key", "answer_extraction": "none", "answer_regex": None})
+    return cfg.model_copy(
+        update={
+            "prompt_column": "prompt",
+            "answer_column": "answer",
+            "system_column": None,
+            "key_column": "key",
+            "answer_extraction": "none",
+            "answer_regex": None,
+        }
+    )
 
 
 def token_bounds_apply(cfg: DataConfig) -> bool:
@@ -683,7 +771,8 @@ def token_bounds_apply(cfg: DataConfig) -> bool:
 def _bounds(cfg: DataConfig) -> str:
     return " and ".join(
         ([f"data.max_prompt_tokens={cfg.max_prompt_tokens}"] if cfg.max_prompt_tokens is not None else [])
-        + ([f"data.min_prompt_tokens={cfg.min_prompt_tokens}"] if cfg.min_prompt_tokens > 1 else []))
+        + ([f"data.min_prompt_tokens={cfg.min_prompt_tokens}"] if cfg.min_prompt_tokens > 1 else [])
+    )
 
 
 TOKENS_OFF = "--set data.max_prompt_tokens=null --set data.min_prompt_tokens=0"
@@ -694,7 +783,8 @@ def missing_tokenizer(cfg: DataConfig, why: str) -> ConfigError:
     return ConfigError(
         f"the token bounds ({_bounds(cfg)}) are counted in the model's own tokens, but {why}. Give the model's "
         "tokenizer (grpo-pipeline data --tokenizer DIR, a directory with tokenizer.json or tokenizer_config.json), "
-        f"or drop the bounds ({TOKENS_OFF})")
+        f"or drop the bounds ({TOKENS_OFF})"
+    )
 
 
 def _prompt_tokens(cfg: DataConfig, tokenizer_path: str | None) -> PromptTokens | None:
@@ -706,12 +796,20 @@ def _prompt_tokens(cfg: DataConfig, tokenizer_path: str | None) -> PromptTokens 
     try:
         return PromptTokens(tokenizer_path)
     except (OSError, ValueError, TypeError) as exc:  # not a tokenizer directory, or a hub id off the hub
-        raise missing_tokenizer(cfg, f"{tokenizer_path} does not load as one ({type(exc).__name__}: "
-                                     f"{str(exc).splitlines()[0][:200] if str(exc) else ''})") from None
+        raise missing_tokenizer(
+            cfg,
+            f"{tokenizer_path} does not load as one ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0][:200] if str(exc) else ''})",
+        ) from None
 
 
-def run_chain(cfg: DataConfig, work: Path, tokenizer_path: str | None, rewards: Sequence[str],
-              reward_args: RewardArgs | None = None) -> DataReport:
+def run_chain(
+    cfg: DataConfig,
+    work: Path,
+    tokenizer_path: str | None,
+    rewards: Sequence[str],
+    reward_args: RewardArgs | None = None,
+) -> DataReport:
     """The whole chain into `work`: train/val/holdout.jsonl, quarantine.jsonl. Returns the report."""
     started = time.perf_counter()
     cfg = _effective(cfg)
@@ -724,9 +822,19 @@ def run_chain(cfg: DataConfig, work: Path, tokenizer_path: str | None, rewards: 
     collecting = gc.isenabled()
     gc.disable()
     try:
-        batches = _demo_batches(cfg) if cfg.source is None else iter_source(
-            cfg.source, cfg.source_format, cfg.batch_rows, split=cfg.source_split, config=cfg.source_config,
-            s3_endpoint_url=cfg.s3_endpoint_url, scratch=work)
+        batches = (
+            _demo_batches(cfg)
+            if cfg.source is None
+            else iter_source(
+                cfg.source,
+                cfg.source_format,
+                cfg.batch_rows,
+                split=cfg.source_split,
+                config=cfg.source_config,
+                s3_endpoint_url=cfg.s3_endpoint_url,
+                scratch=work,
+            )
+        )
         for raw in batches:
             chain.feed(raw)
         if cfg.contamination_threshold is not None:
@@ -744,21 +852,37 @@ def run_chain(cfg: DataConfig, work: Path, tokenizer_path: str | None, rewards: 
     kept = sum(chain.kept.values())
     dropped = sum(chain.dropped.values())
     checks = {
-        "answer": f"rewards {', '.join(ctx.verifiers)} score the reference answer" if ctx.verifiers
+        "answer": f"rewards {', '.join(ctx.verifiers)} score the reference answer"
+        if ctx.verifiers
         else "no configured reward takes an answer: not checked",
-        "tokens": (f"{tokenizer_path}: {tokens.exact} prompts tokenized, the rest bounded by byte length"
-                   if tokens else "off: data.max_prompt_tokens is null and data.min_prompt_tokens <= 1"),
-        "near_dedup": (f"MinHash LSH, {cfg.near_dup_num_perm} permutations, Jaccard >= {cfg.near_dup_threshold} "
-                       f"on word {cfg.near_dup_ngram}-grams" if cfg.near_dup_threshold else "off"),
-        "contamination": (f"train vs holdout, val and {len(cfg.eval_sources)} eval source(s): share of word "
-                          f"{cfg.contamination_ngram}-grams >= {cfg.contamination_threshold}"
-                          if cfg.contamination_threshold else "off"),
+        "tokens": (
+            f"{tokenizer_path}: {tokens.exact} prompts tokenized, the rest bounded by byte length"
+            if tokens
+            else "off: data.max_prompt_tokens is null and data.min_prompt_tokens <= 1"
+        ),
+        "near_dedup": (
+            f"MinHash LSH, {cfg.near_dup_num_perm} permutations, Jaccard >= {cfg.near_dup_threshold} "
+            f"on word {cfg.near_dup_ngram}-grams"
+            if cfg.near_dup_threshold
+            else "off"
+        ),
+        "contamination": (
+            f"train vs holdout, val and {len(cfg.eval_sources)} eval source(s): share of word "
+            f"{cfg.contamination_ngram}-grams >= {cfg.contamination_threshold}"
+            if cfg.contamination_threshold
+            else "off"
+        ),
     }
     return DataReport(
-        source=cfg.source or "demo", rows_read=chain.rows_read, rows_kept=kept,
-        splits={s: chain.kept[s] for s in SPLITS}, dropped=dict(sorted(chain.dropped.items())),
+        source=cfg.source or "demo",
+        rows_read=chain.rows_read,
+        rows_kept=kept,
+        splits={s: chain.kept[s] for s in SPLITS},
+        dropped=dict(sorted(chain.dropped.items())),
         dropped_fraction=dropped / chain.rows_read if chain.rows_read else 0.0,
-        max_dropped_fraction=cfg.max_dropped_fraction, checks=checks, eval_rows=eval_rows,
+        max_dropped_fraction=cfg.max_dropped_fraction,
+        checks=checks,
+        eval_rows=eval_rows,
         seconds=round(time.perf_counter() - started, 3),
     )
 
@@ -772,13 +896,23 @@ def _tokenizer_digest(tokenizer_path: str | None) -> str:
     root = Path(tokenizer_path)
     if not root.is_dir():
         return str(tokenizer_path)
-    names = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "vocab.json", "merges.txt",
-             "tokenizer.model", "special_tokens_map.json")
-    return hashlib.sha256("".join(f"{n}:{file_digest(root / n)}" for n in names if (root / n).is_file()).encode()).hexdigest()
+    names = (
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+        "vocab.json",
+        "merges.txt",
+        "tokenizer.model",
+        "special_tokens_map.json",
+    )
+    return hashlib.sha256(
+        "".join(f"{n}:{file_digest(root / n)}" for n in names if (root / n).is_file()).encode()
+    ).hexdigest()
 
 
-def dataset_key(cfg: DataConfig, tokenizer_path: str | None, rewards: Sequence[str],
-                reward_args: RewardArgs | None = None) -> str:
+def dataset_key(
+    cfg: DataConfig, tokenizer_path: str | None, rewards: Sequence[str], reward_args: RewardArgs | None = None
+) -> str:
     """A hash of everything the output depends on: input content, configuration, tokenizer, rewards and the
     answer checkers' arguments (the others' do not change a row), code."""
     # what the run does with a built version (skip it, train on its new rows) does not change the version
@@ -791,8 +925,11 @@ def dataset_key(cfg: DataConfig, tokenizer_path: str | None, rewards: Sequence[s
     if checker_args:  # only what changes a row: another url for remote_verifier rebuilds nothing
         digest.update(b"\0" + orjson.dumps(checker_args, option=orjson.OPT_SORT_KEYS, default=str))
     if cfg.source is not None:
-        digest.update(source_fingerprint(cfg.source, cfg.source_format, cfg.s3_endpoint_url,
-                                         f"{cfg.source_split}:{cfg.source_config}").encode())
+        digest.update(
+            source_fingerprint(
+                cfg.source, cfg.source_format, cfg.s3_endpoint_url, f"{cfg.source_split}:{cfg.source_config}"
+            ).encode()
+        )
     for source in cfg.eval_sources:
         digest.update(source_fingerprint(source, "auto", cfg.s3_endpoint_url, "all splits").encode())
     return digest.hexdigest()
@@ -801,9 +938,13 @@ def dataset_key(cfg: DataConfig, tokenizer_path: str | None, rewards: Sequence[s
 def _version_from(target: Path, key: str, report: DataReport) -> DatasetVersion:
     splits = {s: target / f"{s}.jsonl" for s in SPLITS}
     return DatasetVersion(
-        splits=splits, fingerprints={s: file_digest(p)[:16] for s, p in splits.items()},
-        fingerprint=splits_fingerprint(splits), report=report, quarantine=target / "quarantine.jsonl",
-        report_path=target / "report.json", key=key,
+        splits=splits,
+        fingerprints={s: file_digest(p)[:16] for s, p in splits.items()},
+        fingerprint=splits_fingerprint(splits),
+        report=report,
+        quarantine=target / "quarantine.jsonl",
+        report_path=target / "report.json",
+        key=key,
     )
 
 
@@ -817,7 +958,10 @@ def load_version(target: Path) -> DatasetVersion | None:
 
 
 def build_dataset(
-    cfg: DataConfig, out_dir: Path, tokenizer_path: str | None = None, rewards: Sequence[str] = ("correct_answer",),
+    cfg: DataConfig,
+    out_dir: Path,
+    tokenizer_path: str | None = None,
+    rewards: Sequence[str] = ("correct_answer",),
     reward_args: RewardArgs | None = None,
 ) -> DatasetVersion:
     """Build (or find, when the same inputs were built before) a dataset version under out_dir/<key>.
@@ -858,7 +1002,9 @@ def build_dataset(
             raise DataQualityError(
                 f"{report.dropped_fraction:.1%} of {report.rows_read} rows were dropped ({worst}), more than "
                 f"data.max_dropped_fraction={cfg.max_dropped_fraction}; see {rejected / 'quarantine.jsonl'} "
-                "and fix the source or the column mapping (or raise the bound)", report)
+                "and fix the source or the column mapping (or raise the bound)",
+                report,
+            )
         version = _version_from(work, key, report)
         (work / "version.json").write_bytes(orjson.dumps({"key": key, "report": report.model_dump(mode="json")}))
         try:
@@ -928,16 +1074,26 @@ def resolve_tokenizer(cfg: PipelineConfig, given: str | None = None) -> str | No
     try:
         return resolve_base_model(cfg.model, cfg.data_dir / "models")
     except Exception as exc:  # a missing path, no network for the demo model's download, a bad GGUF file
-        raise missing_tokenizer(cfg.data, f"model.base {base!r} could not be resolved here "
-                                          f"({type(exc).__name__}: {str(exc)[:300]})") from None
+        raise missing_tokenizer(
+            cfg.data, f"model.base {base!r} could not be resolved here ({type(exc).__name__}: {str(exc)[:300]})"
+        ) from None
 
 
 # ---------------------------------------------------------------- daily retraining: what is new since the champion
 
-RUN_FIELDS = ("skip_unchanged", "incremental", "replay_fraction", "drift_alert")  # DataConfig fields that do not shape a version
+RUN_FIELDS = (
+    "skip_unchanged",
+    "incremental",
+    "replay_fraction",
+    "drift_alert",
+)  # DataConfig fields that do not shape a version
 # What a configuration hash leaves out: where and how a run happens, not what it trains (docs/operations.md).
 IDENTITY_FIELDS: dict[str, Any] = {
-    "data_dir": True, "tracking": True, "deploy": True, "plan": True, "data": {"skip_unchanged": True, "drift_alert": True},
+    "data_dir": True,
+    "tracking": True,
+    "deploy": True,
+    "plan": True,
+    "data": {"skip_unchanged": True, "drift_alert": True},
     "train": {"launcher": True, "sky": True, "checkpoint_uri": True, "s3_endpoint_url": True, "max_restarts": True},
 }
 SEEN_KEYS_FILE = "seen_keys.json"  # the train keys a registered version's lineage trained on (its register run)
@@ -965,8 +1121,9 @@ def split_keys(path: Path) -> list[str]:
         return [orjson.loads(line)["key"] for line in f if line.strip()]
 
 
-def unchanged_reason(champion: str, tags: Mapping[str, str], fingerprint: str, cfg_hash: str,
-                     new_rows: int | None) -> str | None:
+def unchanged_reason(
+    champion: str, tags: Mapping[str, str], fingerprint: str, cfg_hash: str, new_rows: int | None
+) -> str | None:
     """Why a run may end after the data stage: the champion (version `champion`, its model-version `tags`) was
     trained with this configuration on these rows, or on a lineage that saw every train row there is now
     (`new_rows` 0; None when the lineage is unknown). None: something changed, so the run trains.
@@ -980,15 +1137,21 @@ def unchanged_reason(champion: str, tags: Mapping[str, str], fingerprint: str, c
     if tags.get("config_hash") != cfg_hash:
         return None
     if tags.get("dataset_fingerprint") == fingerprint:
-        return (f"champion v{champion} was trained on this dataset (fingerprint {fingerprint}) with this configuration "
-                f"(hash {cfg_hash}): no new rows, nothing to train")
+        return (
+            f"champion v{champion} was trained on this dataset (fingerprint {fingerprint}) with this configuration "
+            f"(hash {cfg_hash}): no new rows, nothing to train"
+        )
     if new_rows == 0:
-        return (f"no train row of dataset {fingerprint} is new since champion v{champion} (its lineage trained on all "
-                f"of them) and the configuration is the same (hash {cfg_hash}): nothing to train")
+        return (
+            f"no train row of dataset {fingerprint} is new since champion v{champion} (its lineage trained on all "
+            f"of them) and the configuration is the same (hash {cfg_hash}): nothing to train"
+        )
     return None
 
 
-def incremental_split(train: Path, seen: set[str], replay_fraction: float, salt: str, out: Path) -> tuple[Path, int, int]:
+def incremental_split(
+    train: Path, seen: set[str], replay_fraction: float, salt: str, out: Path
+) -> tuple[Path, int, int]:
     """`data.incremental`: the train split's new rows plus `replay_fraction` of the seen ones
     (`grpo_pipeline.tasks.splits.incremental_rows`, sampled by `salt`, the dataset's fingerprint), written to `out`; the version
     itself stays whole. Returns (path, new, replayed)."""
@@ -1004,11 +1167,13 @@ class _InputsCache(CachePolicy):
     """Prefect cache key = the version key, offered only while that version is on disk (a cached result
     that points at deleted files would be worse than rebuilding)."""
 
-    def compute_key(self, task_ctx: TaskRunContext, inputs: dict[str, Any], flow_parameters: dict[str, Any],
-                    **kwargs: Any) -> str | None:
+    def compute_key(
+        self, task_ctx: TaskRunContext, inputs: dict[str, Any], flow_parameters: dict[str, Any], **kwargs: Any
+    ) -> str | None:
         try:
-            key = dataset_key(inputs["cfg"], inputs.get("tokenizer_path"), inputs.get("rewards") or (),
-                              inputs.get("reward_args"))
+            key = dataset_key(
+                inputs["cfg"], inputs.get("tokenizer_path"), inputs.get("rewards") or (), inputs.get("reward_args")
+            )
         except (DataSourceError, OSError, ValueError):
             return None  # the task itself reports the problem
         out_dir = Path(inputs["out_dir"])
@@ -1016,8 +1181,13 @@ class _InputsCache(CachePolicy):
 
 
 @task(name="data", cache_policy=_InputsCache(), persist_result=True)
-def data_task(cfg: DataConfig, out_dir: Path, tokenizer_path: str | None, rewards: list[str],
-              reward_args: RewardArgs | None = None) -> DatasetVersion:
+def data_task(
+    cfg: DataConfig,
+    out_dir: Path,
+    tokenizer_path: str | None,
+    rewards: list[str],
+    reward_args: RewardArgs | None = None,
+) -> DatasetVersion:
     return build_dataset(cfg, out_dir, tokenizer_path, rewards, reward_args)
 
 
@@ -1036,12 +1206,17 @@ def log_lineage(version: DatasetVersion) -> None:
             source = resolve_dataset_source(str(Path(path).resolve()))
         # MLflow's Dataset marks `profile` abstract without being an ABC: MetaDataset is made as MLflow's docs do
         dataset = MetaDataset(source, name=split, digest=version.fingerprints[split], schema=schema)  # type: ignore[abstract]
-        mlflow.log_input(dataset, context=split,
-                         tags={"source": version.report.source, "dataset_fingerprint": version.fingerprint})
+        mlflow.log_input(
+            dataset, context=split, tags={"source": version.report.source, "dataset_fingerprint": version.fingerprint}
+        )
     report = version.report
-    mlflow.log_params({f"rows_{s}": n for s, n in report.splits.items()} | {"source": report.source, "data_key": version.key[:16]})
-    mlflow.log_metrics({"rows_read": report.rows_read, "dropped_fraction": report.dropped_fraction}
-                       | {f"dropped/{r}": n for r, n in report.dropped.items()})
+    mlflow.log_params(
+        {f"rows_{s}": n for s, n in report.splits.items()} | {"source": report.source, "data_key": version.key[:16]}
+    )
+    mlflow.log_metrics(
+        {"rows_read": report.rows_read, "dropped_fraction": report.dropped_fraction}
+        | {f"dropped/{r}": n for r, n in report.dropped.items()}
+    )
     mlflow.set_tag("dataset_fingerprint", version.fingerprint)
     mlflow.log_artifact(str(version.report_path))
     mlflow.log_artifact(str(version.quarantine))

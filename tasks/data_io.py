@@ -27,11 +27,19 @@ import pyarrow as pa
 
 from grpo_pipeline.configs.schema import ConfigError, DataConfig
 
-_FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet", ".pq": "parquet",
-            ".csv": "csv", ".tsv": "csv"}
+_FORMATS = {
+    ".jsonl": "jsonl",
+    ".json": "jsonl",
+    ".ndjson": "jsonl",
+    ".parquet": "parquet",
+    ".pq": "parquet",
+    ".csv": "csv",
+    ".tsv": "csv",
+}
 JSON_BLOCK_BYTES = 1 << 22  # JSONL is parsed in ~4 MiB blocks; a block never splits a line
 
 DATA_EXTENSIONS = (".jsonl", ".json", ".ndjson", ".parquet", ".pq", ".csv", ".tsv")
+
 
 def looks_local(source: str) -> bool:
     """A data source that must be on this machine: not s3://, not a hub id 'org/name'.
@@ -51,8 +59,10 @@ def check_local_sources(data: DataConfig) -> None:
 
     Checked where the data stage runs (a worker), not when the configuration is parsed: the machine
     that writes or validates a config need not hold the data."""
-    for field_name, sources in (("data.source", [data.source] if data.source else []),
-                                ("data.eval_sources", data.eval_sources)):
+    for field_name, sources in (
+        ("data.source", [data.source] if data.source else []),
+        ("data.eval_sources", data.eval_sources),
+    ):
         for source in sources:
             path = str(Path(source).expanduser())
             if looks_local(source) and not (glob.glob(path) if glob.has_magic(path) else Path(path).exists()):
@@ -77,8 +87,13 @@ class Reject:
     row: Any = None
 
     def as_dict(self) -> dict:
-        return {"reason": self.reason, "detail": self.detail, "source": self.source, "position": self.position,
-                "row": self.row}
+        return {
+            "reason": self.reason,
+            "detail": self.detail,
+            "source": self.source,
+            "position": self.position,
+            "row": self.row,
+        }
 
 
 @dataclass
@@ -152,7 +167,9 @@ def resolve_files(source: str, declared: str, s3: Any = None) -> list[SourceFile
     elif path.is_file():
         names = [str(path)]
     else:
-        raise DataSourceError(f"data.source: {source} does not exist; give a file, a glob, a directory or s3://bucket/key")
+        raise DataSourceError(
+            f"data.source: {source} does not exist; give a file, a glob, a directory or s3://bucket/key"
+        )
     if not names:
         raise DataSourceError(f"data.source: {source} holds no {', '.join(DATA_EXTENSIONS)} files")
     return [SourceFile(n, format_of(n, declared), _delimiter(n)) for n in names]
@@ -213,8 +230,14 @@ def source_fingerprint(source: str, declared: str, s3_endpoint_url: str | None, 
 
 
 def iter_source(
-    source: str, declared: str, batch_rows: int, *, split: str | None = "train", config: str | None = None,
-    s3_endpoint_url: str | None = None, scratch: Path | None = None,
+    source: str,
+    declared: str,
+    batch_rows: int,
+    *,
+    split: str | None = "train",
+    config: str | None = None,
+    s3_endpoint_url: str | None = None,
+    scratch: Path | None = None,
 ) -> Iterator[RawBatch]:
     """Every row of a source, in bounded batches, in a stable order. `split` picks one split of a
     DatasetDict (a save_to_disk directory or a hub dataset); None reads them all (evaluation sets).
@@ -253,8 +276,10 @@ def _local_copy(uri: str, client: Any, scratch: Path | None = None) -> Iterator[
         try:
             client.download_file(bucket, key, tmp)
         except Exception as exc:
-            raise DataSourceError(f"cannot read {uri} at {client.meta.endpoint_url}: {exc}; check the key, the "
-                                  "credentials and data.s3_endpoint_url") from None
+            raise DataSourceError(
+                f"cannot read {uri} at {client.meta.endpoint_url}: {exc}; check the key, the "
+                "credentials and data.s3_endpoint_url"
+            ) from None
         yield Path(tmp)
     finally:
         os.unlink(tmp)
@@ -288,7 +313,12 @@ MAX_LINE_BYTES = 16 << 20  # a row longer than this is refused (a long-context p
 MAX_DEPTH = 64  # arrays and objects; a prompt in messages form is 3 deep
 PREVIEW_CHARS = 2000  # of a refused line, in quarantine.jsonl
 _BOM = b"\xef\xbb\xbf"
-_WIDE_BOMS = {b"\xff\xfe\x00\x00": "UTF-32", b"\x00\x00\xfe\xff": "UTF-32", b"\xff\xfe": "UTF-16", b"\xfe\xff": "UTF-16"}
+_WIDE_BOMS = {
+    b"\xff\xfe\x00\x00": "UTF-32",
+    b"\x00\x00\xfe\xff": "UTF-32",
+    b"\xff\xfe": "UTF-16",
+    b"\xfe\xff": "UTF-16",
+}
 
 
 def _preview(line: bytes, total: int | None = None) -> str:
@@ -323,8 +353,13 @@ def judge_line(line: bytes, name: str, position: int) -> dict | Reject | None:
     True
     """
     if len(line) > MAX_LINE_BYTES:
-        return Reject("line_too_long", f"{len(line):,} bytes; a row may hold at most {MAX_LINE_BYTES:,}",
-                      name, position, _preview(line))
+        return Reject(
+            "line_too_long",
+            f"{len(line):,} bytes; a row may hold at most {MAX_LINE_BYTES:,}",
+            name,
+            position,
+            _preview(line),
+        )
     if line.startswith(_BOM):
         line = line[3:]
     if not line.strip():
@@ -338,22 +373,30 @@ def judge_line(line: bytes, name: str, position: int) -> dict | Reject | None:
         try:
             line.decode("utf-8")
         except UnicodeDecodeError as exc:
-            return Reject("invalid_utf8", f"byte {exc.start}: {exc.reason}", name, position,
-                          _preview(line))
+            return Reject("invalid_utf8", f"byte {exc.start}: {exc.reason}", name, position, _preview(line))
         if "depth" in problem:  # orjson stops at 1024 levels, before any deeper recursion could
-            return Reject("too_deep", f"nested more than 1024 levels; at most {MAX_DEPTH} are read",
-                          name, position, _preview(line))
+            return Reject(
+                "too_deep",
+                f"nested more than 1024 levels; at most {MAX_DEPTH} are read",
+                name,
+                position,
+                _preview(line),
+            )
         if b"\x00" in line:
-            problem += (f"; a raw NUL byte at byte {line.index(0)} (JSON writes it as \\u0000; a UTF-16 file "
-                        "has one in every other byte: save it as UTF-8)")
+            problem += (
+                f"; a raw NUL byte at byte {line.index(0)} (JSON writes it as \\u0000; a UTF-16 file "
+                "has one in every other byte: save it as UTF-8)"
+            )
         return Reject("bad_json", problem, name, position, _preview(line))
     # An upper bound first: nesting needs an opening bracket per level.
     if line.count(b"{") + line.count(b"[") > MAX_DEPTH and _depth(record, MAX_DEPTH) > MAX_DEPTH:
-        return Reject("too_deep", f"nested more than {MAX_DEPTH} levels (arrays and objects)", name, position,
-                      _preview(line))
+        return Reject(
+            "too_deep", f"nested more than {MAX_DEPTH} levels (arrays and objects)", name, position, _preview(line)
+        )
     if not isinstance(record, dict):
-        return Reject("bad_json", f"a line must hold one JSON object, not {json_kind(record)}", name, position,
-                      _preview(line))
+        return Reject(
+            "bad_json", f"a line must hold one JSON object, not {json_kind(record)}", name, position, _preview(line)
+        )
     return record
 
 
@@ -367,8 +410,14 @@ def json_kind(value: Any) -> str:
         return "null"
     if isinstance(value, bool):
         return "true/false"
-    return {int: "an integer", float: "a number with a fraction", str: "text", list: "an array", dict: "an object",
-            bytes: "bytes"}.get(type(value), type(value).__name__)
+    return {
+        int: "an integer",
+        float: "a number with a fraction",
+        str: "text",
+        list: "an array",
+        dict: "an object",
+        bytes: "bytes",
+    }.get(type(value), type(value).__name__)
 
 
 def _line_blocks(stream: IO[bytes], block_bytes: int, name: str) -> Iterator[tuple[bytes, int, list[Reject]]]:
@@ -384,8 +433,19 @@ def _line_blocks(stream: IO[bytes], block_bytes: int, name: str) -> Iterator[tup
                 long[2] += len(chunk)
                 continue
             long[2] += cut if cut >= 0 else 0
-            yield b"", line_no, [Reject("line_too_long", f"{long[2]:,} bytes; a row may hold at most {MAX_LINE_BYTES:,}",
-                                        name, line_no, _preview(long[1], long[2]))]
+            yield (
+                b"",
+                line_no,
+                [
+                    Reject(
+                        "line_too_long",
+                        f"{long[2]:,} bytes; a row may hold at most {MAX_LINE_BYTES:,}",
+                        name,
+                        line_no,
+                        _preview(long[1], long[2]),
+                    )
+                ],
+            )
             line_no += 1
             long = None
             if cut < 0:
@@ -422,8 +482,10 @@ def iter_jsonl(path: Path, name: str, batch_rows: int) -> Iterator[RawBatch]:
             if first == 1:
                 for bom, encoding in _WIDE_BOMS.items():
                     if block.startswith(bom):
-                        raise DataSourceError(f"{name} is {encoding} text; JSON Lines must be UTF-8: save it as UTF-8 "
-                                              f"(e.g. iconv -f {encoding} -t UTF-8)")
+                        raise DataSourceError(
+                            f"{name} is {encoding} text; JSON Lines must be UTF-8: save it as UTF-8 "
+                            f"(e.g. iconv -f {encoding} -t UTF-8)"
+                        )
             rejects += refused
             for i, line in enumerate(block.split(b"\n")):
                 # The common case inline (one parse, a type check, a bracket count: nesting needs one bracket
@@ -432,8 +494,11 @@ def iter_jsonl(path: Path, name: str, batch_rows: int) -> Iterator[RawBatch]:
                     record = loads(line)
                 except orjson.JSONDecodeError:
                     record = None
-                if type(record) is not dict or len(line) > MAX_LINE_BYTES or (
-                        line.count(b"{") + line.count(b"[") > limit and _depth(record, limit) > limit):
+                if (
+                    type(record) is not dict
+                    or len(line) > MAX_LINE_BYTES
+                    or (line.count(b"{") + line.count(b"[") > limit and _depth(record, limit) > limit)
+                ):
                     record = judge_line(line, name, first + i)
                     if record is None:
                         continue
@@ -477,8 +542,15 @@ def iter_csv(path: Path, name: str, batch_rows: int, delimiter: str = ",") -> It
     bad_rows: list[Reject] = []
 
     def on_invalid(row: Any) -> str:  # pyarrow.csv.InvalidRow
-        bad_rows.append(Reject("bad_csv", f"expected {row.expected_columns} fields, got {row.actual_columns}",
-                               name, row.number or -1, row.text))
+        bad_rows.append(
+            Reject(
+                "bad_csv",
+                f"expected {row.expected_columns} fields, got {row.actual_columns}",
+                name,
+                row.number or -1,
+                row.text,
+            )
+        )
         return "skip"
 
     with pa.input_stream(str(path), compression="detect") as head:
@@ -488,14 +560,20 @@ def iter_csv(path: Path, name: str, batch_rows: int, delimiter: str = ",") -> It
     columns = next(csv.reader(io.StringIO(header_text), delimiter=delimiter), [])
     twice = sorted({c for c in columns if columns.count(c) > 1})
     if twice:
-        raise DataSourceError(f"{name}: the header names {', '.join(map(repr, twice))} more than once, so a column "
-                              "mapping could mean either; rename the duplicates")
+        raise DataSourceError(
+            f"{name}: the header names {', '.join(map(repr, twice))} more than once, so a column "
+            "mapping could mean either; rename the duplicates"
+        )
     try:
         reader = pcsv.open_csv(
             pa.input_stream(str(path), compression="detect"),
             read_options=pcsv.ReadOptions(block_size=max(1 << 16, batch_rows * 256)),
-            parse_options=pcsv.ParseOptions(delimiter=delimiter, newlines_in_values=True, invalid_row_handler=on_invalid),
-            convert_options=pcsv.ConvertOptions(column_types={c: pa.binary() for c in columns}, strings_can_be_null=False),
+            parse_options=pcsv.ParseOptions(
+                delimiter=delimiter, newlines_in_values=True, invalid_row_handler=on_invalid
+            ),
+            convert_options=pcsv.ConvertOptions(
+                column_types={c: pa.binary() for c in columns}, strings_can_be_null=False
+            ),
         )
     except pa.ArrowInvalid as exc:
         raise DataSourceError(f"{name} is not readable CSV: {exc}") from None
@@ -506,8 +584,9 @@ def iter_csv(path: Path, name: str, batch_rows: int, delimiter: str = ",") -> It
         except StopIteration:
             break
         except pa.ArrowInvalid as exc:  # e.g. a quote never closed: CSV cannot find the next row after it
-            raise DataSourceError(f"{name}: cannot read past data line ~{row}: {exc}; a quoted value may be "
-                                  "unterminated") from None
+            raise DataSourceError(
+                f"{name}: cannot read past data line ~{row}: {exc}; a quoted value may be unterminated"
+            ) from None
         table = pa.Table.from_batches([batch])
         yield RawBatch(name, range(row, row + table.num_rows), table=table, rejects=bad_rows[:])
         bad_rows.clear()
@@ -564,5 +643,3 @@ def check_readable(source: str, s3_endpoint_url: str | None) -> None:
             f"data.source: cannot list {source} at {client.meta.endpoint_url} ({exc}); check the bucket, the AWS "
             "credentials and data.s3_endpoint_url"
         ) from None
-
-

@@ -148,8 +148,9 @@ class NearDuplicateIndex:
     def __len__(self) -> int:
         return len(self.labels)
 
-    def check(self, gram: np.ndarray, rows: np.ndarray, n_rows: int, labels: Sequence[str],
-              keep: np.ndarray | None = None) -> list[str | None]:
+    def check(
+        self, gram: np.ndarray, rows: np.ndarray, n_rows: int, labels: Sequence[str], keep: np.ndarray | None = None
+    ) -> list[str | None]:
         """For each row: the label of the kept row it nearly duplicates, or None (and it is kept).
 
         Rows with `keep[i] == False` are skipped (already dropped by an earlier check).

@@ -45,14 +45,25 @@ def paired_difference(cand: list[float], base: list[float], confidence: float, s
     """Mean of candidate - baseline per prompt, its paired-bootstrap interval, and McNemar for 0/1 data."""
     c, b = np.asarray(cand, dtype=float), np.asarray(base, dtype=float)
     diff = c - b
-    out: dict = {"n": len(diff), "mean_candidate": float(c.mean()), "mean_baseline": float(b.mean()),
-                 "mean_diff": float(diff.mean())}
+    out: dict = {
+        "n": len(diff),
+        "mean_candidate": float(c.mean()),
+        "mean_baseline": float(b.mean()),
+        "mean_diff": float(diff.mean()),
+    }
     if np.all(diff == diff[0]):  # no spread: the bootstrap interval collapses to the point
         out["ci_low"] = out["ci_high"] = float(diff[0])
     else:
-        res = stats.bootstrap((c, b), lambda x, y: np.mean(x - y), paired=True, vectorized=False,
-                              confidence_level=confidence, method="percentile", rng=np.random.default_rng(seed),
-                              n_resamples=4999)
+        res = stats.bootstrap(
+            (c, b),
+            lambda x, y: np.mean(x - y),
+            paired=True,
+            vectorized=False,
+            confidence_level=confidence,
+            method="percentile",
+            rng=np.random.default_rng(seed),
+            n_resamples=4999,
+        )
         out["ci_low"], out["ci_high"] = float(res.confidence_interval.low), float(res.confidence_interval.high)
     sd = float(diff.std(ddof=1)) if len(diff) > 1 else 0.0
     z = stats.norm.ppf(1 - (1 - confidence) / 2)
@@ -78,8 +89,10 @@ def check_policy(policy: PromotionPolicy, columns: list[str]) -> None:
     for field, column in named:
         if column not in columns:
             close = difflib.get_close_matches(column, columns, n=1)
-            raise ConfigError(f"{field}: {column!r} is not a column of the evaluation ({', '.join(columns)})"
-                              + (f"; did you mean '{close[0]}'?" if close else ""))
+            raise ConfigError(
+                f"{field}: {column!r} is not a column of the evaluation ({', '.join(columns)})"
+                + (f"; did you mean '{close[0]}'?" if close else "")
+            )
 
 
 def decide_promotion(
@@ -119,8 +132,12 @@ def decide_promotion(
         b_mean = statistics.fmean(r[column] for r in base)
         # Lengths regress upward (rambling); rewards and rates regress downward.
         regression = (c_mean - b_mean) / max(b_mean, 1e-9) if column == "length" else b_mean - c_mean
-        summary["guardrails"][column] = {"candidate": c_mean, "baseline": b_mean, "regression": regression,
-                                         "tolerance": tolerance}
+        summary["guardrails"][column] = {
+            "candidate": c_mean,
+            "baseline": b_mean,
+            "regression": regression,
+            "tolerance": tolerance,
+        }
         if regression > tolerance:
             guards_ok = False
             unit = "relative increase" if column == "length" else "drop"

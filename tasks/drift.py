@@ -170,9 +170,15 @@ def length_shift(new: Sequence[int], seen: Sequence[int]) -> LengthShift:
 
     test = stats.ks_2samp(new, seen)
     statistic, p = float(test.statistic), float(test.pvalue)
-    return LengthShift(new_mean=float(np.mean(new)), seen_mean=float(np.mean(seen)), new_median=float(np.median(new)),
-                       seen_median=float(np.median(seen)), ks_statistic=statistic, p_value=p,
-                       shifted=statistic >= SHIFT_DISTANCE and p < SHIFT_P)
+    return LengthShift(
+        new_mean=float(np.mean(new)),
+        seen_mean=float(np.mean(seen)),
+        new_median=float(np.median(new)),
+        seen_median=float(np.median(seen)),
+        ks_statistic=statistic,
+        p_value=p,
+        shifted=statistic >= SHIFT_DISTANCE and p < SHIFT_P,
+    )
 
 
 class AnswerTypes(BaseModel):
@@ -207,9 +213,15 @@ def answer_type_shift(new: Profile, seen: Profile) -> AnswerTypes:
     else:
         p = 1.0  # one type on both sides: nothing differs
     distance = 0.5 * sum(abs(p_new[t] - p_seen[t]) for t in ANSWER_TYPES)
-    return AnswerTypes(new=p_new, seen=p_seen, numeric_new=sum(p_new[t] for t in NUMERIC),
-                       numeric_seen=sum(p_seen[t] for t in NUMERIC), distance=distance, p_value=p,
-                       shifted=distance >= SHIFT_DISTANCE and p < SHIFT_P)
+    return AnswerTypes(
+        new=p_new,
+        seen=p_seen,
+        numeric_new=sum(p_new[t] for t in NUMERIC),
+        numeric_seen=sum(p_seen[t] for t in NUMERIC),
+        distance=distance,
+        p_value=p,
+        shifted=distance >= SHIFT_DISTANCE and p < SHIFT_P,
+    )
 
 
 class RewardDrop(BaseModel):
@@ -255,8 +267,15 @@ def reward_drop(holdout: Sequence[float], new: Sequence[float]) -> RewardDrop:
         if math.isfinite(interval.low) and math.isfinite(interval.high):
             low, high = float(interval.low), float(interval.high)
     h, n = float(np.mean(holdout)), float(np.mean(new))
-    return RewardDrop(holdout_reward=h, new_reward=n, drop=h - n, ci_low=low, ci_high=high, holdout_rows=len(holdout),
-                      new_rows_scored=len(new))
+    return RewardDrop(
+        holdout_reward=h,
+        new_reward=n,
+        drop=h - n,
+        ci_low=low,
+        ci_high=high,
+        holdout_rows=len(holdout),
+        new_rows_scored=len(new),
+    )
 
 
 class Drift(BaseModel):
@@ -280,8 +299,11 @@ class Drift(BaseModel):
     @property
     def shifted(self) -> list[str]:
         """What moved beyond noise: 'prompt length', 'answer type'."""
-        return [name for name, part in (("prompt length", self.lengths), ("answer type", self.answer_types))
-                if part is not None and part.shifted]
+        return [
+            name
+            for name, part in (("prompt length", self.lengths), ("answer type", self.answer_types))
+            if part is not None and part.shifted
+        ]
 
 
 def not_measured(reason: str, champion: str | None = None) -> Drift:
@@ -307,14 +329,26 @@ def assess(champion: str, rows: NewAndSeen, reward: RewardDrop | None, threshold
         lengths = length_shift(rows.new.lengths, rows.seen.lengths)
         types = answer_type_shift(rows.new, rows.seen)
     else:
-        notes.append(f"none of the {rows.seen_missing} rows champion v{champion} trained on is in today's train split: "
-                     "prompt length and answer type have nothing to be compared with")
+        notes.append(
+            f"none of the {rows.seen_missing} rows champion v{champion} trained on is in today's train split: "
+            "prompt length and answer type have nothing to be compared with"
+        )
     if reward is None:
         notes.append("the champion's reward was not measured")
     reason = alert_reason(champion, reward, threshold) if reward is not None else None
-    return Drift(champion=champion, new_rows=len(rows.new), seen_rows=len(rows.seen), seen_missing=rows.seen_missing,
-                 lengths=lengths, answer_types=types, reward=reward, alert_threshold=threshold, alert=reason is not None,
-                 alert_reason=reason, notes=notes)
+    return Drift(
+        champion=champion,
+        new_rows=len(rows.new),
+        seen_rows=len(rows.seen),
+        seen_missing=rows.seen_missing,
+        lengths=lengths,
+        answer_types=types,
+        reward=reward,
+        alert_threshold=threshold,
+        alert=reason is not None,
+        alert_reason=reason,
+        notes=notes,
+    )
 
 
 def alert_reason(champion: str, reward: RewardDrop, threshold: float | None) -> str | None:
@@ -322,9 +356,11 @@ def alert_reason(champion: str, reward: RewardDrop, threshold: float | None) -> 
     if threshold is None or not reward.drop > threshold:
         return None
     interval = f" (95% CI {reward.ci_low:.3f} to {reward.ci_high:.3f})" if reward.ci_low is not None else ""
-    return (f"champion v{champion} scores {reward.new_reward:.3f} on {reward.new_rows_scored} new rows against "
-            f"{reward.holdout_reward:.3f} on its {reward.holdout_rows}-row holdout: a drop of {reward.drop:.3f}"
-            f"{interval}, beyond data.drift_alert={threshold:g}")
+    return (
+        f"champion v{champion} scores {reward.new_reward:.3f} on {reward.new_rows_scored} new rows against "
+        f"{reward.holdout_reward:.3f} on its {reward.holdout_rows}-row holdout: a drop of {reward.drop:.3f}"
+        f"{interval}, beyond data.drift_alert={threshold:g}"
+    )
 
 
 def drift_metrics(drift: Drift) -> dict[str, float]:
@@ -337,21 +373,40 @@ def drift_metrics(drift: Drift) -> dict[str, float]:
     """
     if drift.skipped_reason:
         return {}
-    out = {"drift/new_rows": float(drift.new_rows), "drift/seen_rows": float(drift.seen_rows),
-           "drift/seen_missing": float(drift.seen_missing), "drift/alert": float(drift.alert)}
+    out = {
+        "drift/new_rows": float(drift.new_rows),
+        "drift/seen_rows": float(drift.seen_rows),
+        "drift/seen_missing": float(drift.seen_missing),
+        "drift/alert": float(drift.alert),
+    }
     if (s := drift.lengths) is not None:
-        out |= {"drift/prompt_chars_mean_new": s.new_mean, "drift/prompt_chars_mean_seen": s.seen_mean,
-                "drift/prompt_chars_ks": s.ks_statistic, "drift/prompt_chars_ks_p": s.p_value,
-                "drift/prompt_chars_shifted": float(s.shifted)}
+        out |= {
+            "drift/prompt_chars_mean_new": s.new_mean,
+            "drift/prompt_chars_mean_seen": s.seen_mean,
+            "drift/prompt_chars_ks": s.ks_statistic,
+            "drift/prompt_chars_ks_p": s.p_value,
+            "drift/prompt_chars_shifted": float(s.shifted),
+        }
     if (a := drift.answer_types) is not None:
-        out |= {f"drift/answer_share_{side}/{t}": shares[t] for side, shares in (("new", a.new), ("seen", a.seen))
-                for t in ANSWER_TYPES}
-        out |= {"drift/answer_numeric_new": a.numeric_new, "drift/answer_numeric_seen": a.numeric_seen,
-                "drift/answer_types_distance": a.distance, "drift/answer_types_p": a.p_value,
-                "drift/answer_types_shifted": float(a.shifted)}
+        out |= {
+            f"drift/answer_share_{side}/{t}": shares[t]
+            for side, shares in (("new", a.new), ("seen", a.seen))
+            for t in ANSWER_TYPES
+        }
+        out |= {
+            "drift/answer_numeric_new": a.numeric_new,
+            "drift/answer_numeric_seen": a.numeric_seen,
+            "drift/answer_types_distance": a.distance,
+            "drift/answer_types_p": a.p_value,
+            "drift/answer_types_shifted": float(a.shifted),
+        }
     if (r := drift.reward) is not None:
-        out |= {"drift/champion_reward_holdout": r.holdout_reward, "drift/champion_reward_new": r.new_reward,
-                "drift/champion_reward_drop": r.drop, "drift/new_rows_scored": float(r.new_rows_scored)}
+        out |= {
+            "drift/champion_reward_holdout": r.holdout_reward,
+            "drift/champion_reward_new": r.new_reward,
+            "drift/champion_reward_drop": r.drop,
+            "drift/new_rows_scored": float(r.new_rows_scored),
+        }
     return out
 
 
@@ -388,11 +443,22 @@ def plot_drift(drift: Drift, rows: NewAndSeen, path: Path) -> Path:
         reward.bar([0, 1], [r.holdout_reward, r.new_reward], color=["tab:blue", "tab:orange"])
         reward.set_xticks([0, 1], [f"holdout\n({r.holdout_rows})", f"new rows\n({r.new_rows_scored})"])
         if r.ci_low is not None and r.ci_high is not None:  # the drop's interval, as where the new rows' mean lies
-            reward.errorbar([1], [r.new_reward], yerr=[[r.ci_high - r.drop], [r.drop - r.ci_low]], fmt="none",
-                            capsize=8, color="black")
+            reward.errorbar(
+                [1],
+                [r.new_reward],
+                yerr=[[r.ci_high - r.drop], [r.drop - r.ci_low]],
+                fmt="none",
+                capsize=8,
+                color="black",
+            )
         if drift.alert_threshold is not None:
-            reward.axhline(r.holdout_reward - drift.alert_threshold, color="red", linestyle="--", linewidth=0.8,
-                           label="alert below")
+            reward.axhline(
+                r.holdout_reward - drift.alert_threshold,
+                color="red",
+                linestyle="--",
+                linewidth=0.8,
+                label="alert below",
+            )
             reward.legend(fontsize=8)
     reward.set_title(f"champion v{drift.champion} reward" + (": ALERT" if drift.alert else ""), fontsize=9)
     fig.tight_layout()

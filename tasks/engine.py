@@ -40,13 +40,32 @@ def engine_command(python: str, base: str, port: int, cfg: ServeConfig, adapters
     >>> " ".join(cmd[cmd.index("--model"):])
     '--model /m/base --host 127.0.0.1 --port 8001 --enable-lora --max-lora-rank 16 --max-loras 2 --max-cpu-loras 4 --dtype bfloat16 --max-model-len 1024 --gpu-memory-utilization 0.3 --disable-uvicorn-access-log --lora-modules champion-v3=/a/3'
     """
-    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", base, "--host", HOST, "--port", str(port),
-           "--enable-lora", "--max-lora-rank", str(cfg.max_lora_rank),
-           # two arms batched together; room for an alias's old and new version while requests move over
-           "--max-loras", "2", "--max-cpu-loras", "4",
-           "--dtype", cfg.dtype, "--max-model-len", str(cfg.max_model_len),
-           "--gpu-memory-utilization", str(cfg.gpu_memory_utilization),
-           "--disable-uvicorn-access-log"]  # the router logs each request; a line per request here is noise
+    cmd = [
+        python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        base,
+        "--host",
+        HOST,
+        "--port",
+        str(port),
+        "--enable-lora",
+        "--max-lora-rank",
+        str(cfg.max_lora_rank),
+        # two arms batched together; room for an alias's old and new version while requests move over
+        "--max-loras",
+        "2",
+        "--max-cpu-loras",
+        "4",
+        "--dtype",
+        cfg.dtype,
+        "--max-model-len",
+        str(cfg.max_model_len),
+        "--gpu-memory-utilization",
+        str(cfg.gpu_memory_utilization),
+        "--disable-uvicorn-access-log",
+    ]  # the router logs each request; a line per request here is noise
     if adapters:
         cmd += ["--lora-modules", *(f"{name}={path}" for name, path in adapters.items())]
     return cmd
@@ -95,14 +114,21 @@ class Engine:
     def start(self, adapters: dict[str, Path]) -> None:
         """Start the process (call from the main thread: the death signal follows the thread that forks)."""
         if not Path(self.python).is_file():
-            raise EngineError(f"no engine Python at {self.python}: run `make serve-env` (vLLM's CPU build in "
-                              ".venv-serve), or set ab.serve.engine_python to a Python with vllm installed")
+            raise EngineError(
+                f"no engine Python at {self.python}: run `make serve-env` (vLLM's CPU build in "
+                ".venv-serve), or set ab.serve.engine_python to a Python with vllm installed"
+            )
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
                 engine_command(self.python, self.base, self.port, self.cfg, adapters),
-                env=engine_env(dict(os.environ), self.key), stdout=log, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent)
+                env=engine_env(dict(os.environ), self.key),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
 
     def _tail(self, lines: int = 15) -> str:
         try:
@@ -115,16 +141,20 @@ class Engine:
         deadline = time.monotonic() + (timeout_s or self.cfg.startup_timeout_s)
         while time.monotonic() < deadline:
             if self.process is not None and self.process.poll() is not None:
-                raise EngineError(f"the engine exited with {self.process.returncode} during start-up; its log "
-                                  f"({self.log_path}) ends:\n{self._tail()}")
+                raise EngineError(
+                    f"the engine exited with {self.process.returncode} during start-up; its log "
+                    f"({self.log_path}) ends:\n{self._tail()}"
+                )
             try:
                 if httpx.get(f"{self.url}/v1/models", headers=self.headers, timeout=5).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(1)
-        raise EngineError(f"the engine did not answer within {timeout_s or self.cfg.startup_timeout_s:.0f} s "
-                          f"(ab.serve.startup_timeout_s); its log ({self.log_path}) ends:\n{self._tail()}")
+        raise EngineError(
+            f"the engine did not answer within {timeout_s or self.cfg.startup_timeout_s:.0f} s "
+            f"(ab.serve.startup_timeout_s); its log ({self.log_path}) ends:\n{self._tail()}"
+        )
 
     async def load(self, client: httpx.AsyncClient, name: str, path: Path) -> None:
         r = await client.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)})

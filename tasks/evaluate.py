@@ -93,23 +93,29 @@ def score(
     def log_metric(name: str, value: float) -> None:
         logged[name] += value
 
-    inputs = {**columns, "prompts": [row.get("prompt") for row in rows], "completion_lengths": list(lengths),
-              "log_metric": log_metric}
+    inputs = {
+        **columns,
+        "prompts": [row.get("prompt") for row in rows],
+        "completion_lengths": list(lengths),
+        "log_metric": log_metric,
+    }
     names = list(rewards.names) + [e for e in extra if e not in rewards.names]
     functions = resolve_rewards(names, rewards.args, max_completion_length=max_completion_length)
     per_sample = {name: fn(completions, **inputs) if rows else [] for name, fn in zip(names, functions, strict=True)}
     out_rows = []
     for i, row in enumerate(rows):
         scores = {name: per_sample[name][i] for name in names}
-        out_rows.append({
-            "key": row.get("key", i),
-            "prompt": last_user_message(row.get("prompt", "")),
-            **({"answer": row["answer"]} if "answer" in row else {}),
-            "completion": completions[i],
-            **scores,
-            "total": rewards.total(scores),
-            "length": lengths[i],
-        })
+        out_rows.append(
+            {
+                "key": row.get("key", i),
+                "prompt": last_user_message(row.get("prompt", "")),
+                **({"answer": row["answer"]} if "answer" in row else {}),
+                "completion": completions[i],
+                **scores,
+                "total": rewards.total(scores),
+                "length": lengths[i],
+            }
+        )
     return EvalResult(
         reward=statistics.fmean(r["total"] for r in out_rows) if out_rows else 0.0,
         per_reward={name: statistics.fmean(per_sample[name]) for name in rewards.names} if out_rows else {},
@@ -149,12 +155,21 @@ def pick_examples(result: EvalResult, column: str | None, k: int) -> list[dict]:
         verdict = "right" if row[column] > 0 else "wrong"
         if len(picked[verdict]) < k:
             text = row["completion"]
-            picked[verdict].append({
-                "verdict": verdict, "key": row["key"], "prompt": row.get("prompt", ""), "answer": row.get("answer"),
-                "completion": text if len(text) <= EXAMPLE_CHARS else "..." + text[-EXAMPLE_CHARS:],
-                "scores": {name: v for name, v in row.items()
-                           if name not in ("key", "prompt", "answer", "completion", "length") and not name.startswith("pass_at_")},
-            })
+            picked[verdict].append(
+                {
+                    "verdict": verdict,
+                    "key": row["key"],
+                    "prompt": row.get("prompt", ""),
+                    "answer": row.get("answer"),
+                    "completion": text if len(text) <= EXAMPLE_CHARS else "..." + text[-EXAMPLE_CHARS:],
+                    "scores": {
+                        name: v
+                        for name, v in row.items()
+                        if name not in ("key", "prompt", "answer", "completion", "length")
+                        and not name.startswith("pass_at_")
+                    },
+                }
+            )
     return picked["right"] + picked["wrong"]
 
 
@@ -178,8 +193,15 @@ def contrast(candidate: EvalResult, baseline: EvalResult, column: str, k: int = 
         kind = "fixed" if row[column] > 0 >= other[column] else "broken" if other[column] > 0 >= row[column] else None
         if kind and len(out[kind]) < k:
             trim = lambda t: t if len(t) <= EXAMPLE_CHARS else "..." + t[-EXAMPLE_CHARS:]  # noqa: E731
-            out[kind].append({"key": row["key"], "prompt": row.get("prompt", ""), "answer": row.get("answer"),
-                              "baseline": trim(other["completion"]), "candidate": trim(row["completion"])})
+            out[kind].append(
+                {
+                    "key": row["key"],
+                    "prompt": row.get("prompt", ""),
+                    "answer": row.get("answer"),
+                    "baseline": trim(other["completion"]),
+                    "candidate": trim(row["completion"]),
+                }
+            )
     return out
 
 
@@ -211,13 +233,19 @@ class EvalProgress:
             return None
         self.tenths = tenths
         rate = self.done / (now - self.started) if now > self.started else 0.0
-        left = (f"done in {format_duration(now - self.started)}" if self.done >= self.total
-                else f"ETA {format_duration((self.total - self.done) / rate)}" if rate else "ETA --")
+        left = (
+            f"done in {format_duration(now - self.started)}"
+            if self.done >= self.total
+            else f"ETA {format_duration((self.total - self.done) / rate)}"
+            if rate
+            else "ETA --"
+        )
         return f"{self.label}: {self.done}/{self.total} ({self.done / self.total:.0%}), {rate:.2f} prompts/s, {left}"
 
 
-def eval_bar(label: str, total: int, console: Console | None = None, get_time: Callable[[], float] | None = None
-             ) -> tuple[Progress, TaskID]:
+def eval_bar(
+    label: str, total: int, console: Console | None = None, get_time: Callable[[], float] | None = None
+) -> tuple[Progress, TaskID]:
     """A rich bar for a terminal, with the count, the time spent and the time left, and its task id.
 
     rich estimates the speed over the last 30 s by default: with a batch slower than that it holds one
@@ -233,9 +261,18 @@ def eval_bar(label: str, total: int, console: Console | None = None, get_time: C
         TimeRemainingColumn,
     )
 
-    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                        TextColumn("ETA"), TimeRemainingColumn(), console=console or Console(stderr=True),
-                        transient=True, speed_estimate_period=7 * 24 * 3600, get_time=get_time)
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+        console=console or Console(stderr=True),
+        transient=True,
+        speed_estimate_period=7 * 24 * 3600,
+        get_time=get_time,
+    )
     task_id = progress.add_task(label, total=total)
     progress.advance(task_id, 0)
     return progress, task_id
@@ -273,7 +310,12 @@ def progress(label: str, total: int) -> Iterator[Callable[[int], None]]:
 
 
 def generate(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list, max_new_tokens: int, batch_size: int, label: str = ""
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list,
+    max_new_tokens: int,
+    batch_size: int,
+    label: str = "",
 ) -> tuple[list[str], list[int]]:
     """Greedy completions for chat prompts and their lengths in tokens, in batches, with progress shown as
     "evaluating <label>"."""
@@ -285,7 +327,9 @@ def generate(
     lengths: list[int] = []
     with progress(f"evaluating {label}".strip(), len(texts)) as advance, torch.inference_mode():
         for start in range(0, len(texts), batch_size):
-            batch = tokenizer(texts[start : start + batch_size], return_tensors="pt", padding=True, add_special_tokens=False)
+            batch = tokenizer(
+                texts[start : start + batch_size], return_tensors="pt", padding=True, add_special_tokens=False
+            )
             generated = model.generate(
                 **batch, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
             )
@@ -310,7 +354,9 @@ def summary_metrics(result: EvalResult, cfg: EvalConfig) -> dict[str, float]:
     return out
 
 
-def sample(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, rows: list[dict], cfg: EvalConfig) -> list[list[str]]:
+def sample(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, rows: list[dict], cfg: EvalConfig
+) -> list[list[str]]:
     """k sampled completions per prompt (transformers), seeded so every model draws alike."""
     import torch
 
@@ -321,9 +367,14 @@ def sample(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, rows: lis
         texts = render(tokenizer, [r["prompt"] for r in rows[start : start + cfg.batch_size]])
         batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
         with torch.inference_mode():
-            out = model.generate(**batch, max_new_tokens=cfg.max_new_tokens, do_sample=True,
-                                 temperature=cfg.temperature, num_return_sequences=k,
-                                 pad_token_id=tokenizer.pad_token_id)
+            out = model.generate(
+                **batch,
+                max_new_tokens=cfg.max_new_tokens,
+                do_sample=True,
+                temperature=cfg.temperature,
+                num_return_sequences=k,
+                pad_token_id=tokenizer.pad_token_id,
+            )
         completions = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
         samples += [completions[i * k : (i + 1) * k] for i in range(len(texts))]
     return samples
@@ -376,12 +427,14 @@ def generate_vllm(
     from grpo_pipeline.trainer.callbacks import interactive
 
     bars = interactive()  # vLLM's tqdm, only where a person sees it
-    greedy = llm.generate(texts, SamplingParams(temperature=0.0, max_tokens=cfg.max_new_tokens), lora_request=lora,
-                          use_tqdm=bars)
+    greedy = llm.generate(
+        texts, SamplingParams(temperature=0.0, max_tokens=cfg.max_new_tokens), lora_request=lora, use_tqdm=bars
+    )
     samples: list[list[str]] = []
     if cfg.samples_k:
-        params = SamplingParams(n=cfg.samples_k, temperature=cfg.temperature, seed=cfg.seed,
-                                max_tokens=cfg.max_new_tokens)
+        params = SamplingParams(
+            n=cfg.samples_k, temperature=cfg.temperature, seed=cfg.seed, max_tokens=cfg.max_new_tokens
+        )
         samples = [[c.text for c in o.outputs] for o in llm.generate(texts, params, lora_request=lora, use_tqdm=bars)]
     return [o.outputs[0].text for o in greedy], [len(o.outputs[0].token_ids) for o in greedy], samples
 
@@ -419,12 +472,21 @@ def evaluate_model(
         model, tokenizer = load_model(model_path, model_load(model_cfg), adapter=adapter)
         model.eval()
         completions, lengths = generate(
-            model, tokenizer, [r["prompt"] for r in rows], cfg.max_new_tokens, cfg.batch_size,
+            model,
+            tokenizer,
+            [r["prompt"] for r in rows],
+            cfg.max_new_tokens,
+            cfg.batch_size,
             label=label,
         )
-    result = score(rows, [completion_text(c) for c in completions], rewards, lengths,
-                   extra=[r for r in (cfg.accuracy_reward, cfg.format_reward) if r],
-                   max_completion_length=cfg.max_new_tokens)
+    result = score(
+        rows,
+        [completion_text(c) for c in completions],
+        rewards,
+        lengths,
+        extra=[r for r in (cfg.accuracy_reward, cfg.format_reward) if r],
+        max_completion_length=cfg.max_new_tokens,
+    )
     metrics = result.metrics | summary_metrics(result, cfg)
     if cfg.samples_k and cfg.accuracy_reward:
         if not use_vllm:
@@ -433,8 +495,9 @@ def evaluate_model(
         for row, value in zip(result.rows, passed, strict=True):
             row[f"pass_at_{cfg.samples_k}"] = value
         metrics[f"pass_at_{cfg.samples_k}"] = statistics.fmean(passed)
-    return result.model_copy(update={"metrics": metrics,
-                                     "examples": pick_examples(result, cfg.accuracy_reward, cfg.examples)})
+    return result.model_copy(
+        update={"metrics": metrics, "examples": pick_examples(result, cfg.accuracy_reward, cfg.examples)}
+    )
 
 
 evaluate_task = task(name="evaluate")(evaluate_model)

@@ -224,7 +224,9 @@ def trial_config(cfg: PipelineConfig, overrides: dict[str, Any]) -> PipelineConf
         "eval_steps": hpo.eval_every,
         "num_generations_eval": hpo.eval_generations,
         # as many completions per evaluation batch as per training batch, in whole prompt groups
-        "per_device_eval_batch_size": max(hpo.eval_generations, per_device // hpo.eval_generations * hpo.eval_generations),
+        "per_device_eval_batch_size": max(
+            hpo.eval_generations, per_device // hpo.eval_generations * hpo.eval_generations
+        ),
     }
     train = trial.train.model_copy(update={"grpo": grpo, "early_stopping_patience": None, "max_restarts": 0})
     if train.launcher == "sky":  # the trial YAML's cheaper GPU list, not the one planned for training
@@ -312,9 +314,13 @@ class FirstRungFloor(optuna.pruners.BasePruner):
 
     def prune(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> bool:
         if trial.last_step == self.first_rung and self.floor > 1:
-            reached = sum(1 for t in study.get_trials(deepcopy=False)
-                          if t.number != trial.number and self.first_rung in t.intermediate_values
-                          and not t.user_attrs.get(CONFIGURED))
+            reached = sum(
+                1
+                for t in study.get_trials(deepcopy=False)
+                if t.number != trial.number
+                and self.first_rung in t.intermediate_values
+                and not t.user_attrs.get(CONFIGURED)
+            )
             if reached < self.floor - 1:
                 return True
         return self.inner.prune(study, trial)
@@ -331,12 +337,19 @@ def make_pruner(hpo: HPOConfig) -> optuna.pruners.BasePruner:
     if hpo.pruner == "median":
         return optuna.pruners.MedianPruner(n_startup_trials=hpo.pruner_startup_trials, n_warmup_steps=0)
     if hpo.pruner == "hyperband":
-        return FirstRungFloor(optuna.pruners.HyperbandPruner(
-            min_resource=hpo.eval_every, max_resource=hpo.steps, reduction_factor=hpo.reduction_factor),
-            hpo.eval_every, hpo.min_configurations)
+        return FirstRungFloor(
+            optuna.pruners.HyperbandPruner(
+                min_resource=hpo.eval_every, max_resource=hpo.steps, reduction_factor=hpo.reduction_factor
+            ),
+            hpo.eval_every,
+            hpo.min_configurations,
+        )
     if hpo.pruner == "successive_halving":
-        return FirstRungFloor(optuna.pruners.SuccessiveHalvingPruner(
-            min_resource=hpo.eval_every, reduction_factor=hpo.reduction_factor), hpo.eval_every, hpo.min_configurations)
+        return FirstRungFloor(
+            optuna.pruners.SuccessiveHalvingPruner(min_resource=hpo.eval_every, reduction_factor=hpo.reduction_factor),
+            hpo.eval_every,
+            hpo.min_configurations,
+        )
     if hpo.pruner == "threshold":
         return optuna.pruners.ThresholdPruner(lower=hpo.prune_below)
     return optuna.pruners.NopPruner()
@@ -380,14 +393,23 @@ def prepare_validation(cfg: PipelineConfig, rewards: RewardSet, val_file: Path |
             "value, or loosen hpo.target_standard_error"
         )
     out_dir.mkdir(parents=True, exist_ok=True)
-    files = {"select": rows[:needed], "rescore": rows[needed:2 * needed],
-             "rungs": rows[: min(cfg.hpo.rung_prompts, needed) or cfg.hpo.rung_prompts]}
+    files = {
+        "select": rows[:needed],
+        "rescore": rows[needed : 2 * needed],
+        "rungs": rows[: min(cfg.hpo.rung_prompts, needed) or cfg.hpo.rung_prompts],
+    }
     for name, part in files.items():
         (out_dir / f"val-{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
-    log.info("validation: %d prompts per scoring for a standard error of %g (per-prompt SD %g); %d available",
-             needed, cfg.hpo.target_standard_error, sd, len(rows))
-    return Validation(needed=needed, available=len(rows), reward_sd=sd,
-                      **{name: out_dir / f"val-{name}.jsonl" for name in files})
+    log.info(
+        "validation: %d prompts per scoring for a standard error of %g (per-prompt SD %g); %d available",
+        needed,
+        cfg.hpo.target_standard_error,
+        sd,
+        len(rows),
+    )
+    return Validation(
+        needed=needed, available=len(rows), reward_sd=sd, **{name: out_dir / f"val-{name}.jsonl" for name in files}
+    )
 
 
 def budget(cfg: PipelineConfig, train_usd: float | None = None) -> tuple[int, float | None]:
@@ -412,7 +434,9 @@ def steps_spent(study: optuna.Study) -> int:
     return sum(int(t.user_attrs.get("steps", 0)) for t in study.get_trials(deepcopy=False) if t.state.is_finished())
 
 
-def paired_decision(best: list[float], configured: list[float], trial: int, conf_trial: int) -> tuple[bool, str, float, tuple[float, float]]:
+def paired_decision(
+    best: list[float], configured: list[float], trial: int, conf_trial: int
+) -> tuple[bool, str, float, tuple[float, float]]:
     """Whether the best trial beats the configured one beyond the noise: a paired t interval (95 %) of the
     per-prompt differences lying above zero.
 
@@ -433,8 +457,10 @@ def paired_decision(best: list[float], configured: list[float], trial: int, conf
         ci = stats.ttest_rel(b, c).confidence_interval(0.95)
         low, high = float(ci.low), float(ci.high)
     diff = float(d.mean())
-    figures = (f"trial {trial} {b.mean():.3f} vs the configured values (trial {conf_trial}) {c.mean():.3f} on "
-               f"{len(d)} fresh prompts: difference {diff:+.3f} (95 % CI {low:+.3f} to {high:+.3f})")
+    figures = (
+        f"trial {trial} {b.mean():.3f} vs the configured values (trial {conf_trial}) {c.mean():.3f} on "
+        f"{len(d)} fresh prompts: difference {diff:+.3f} (95 % CI {low:+.3f} to {high:+.3f})"
+    )
     if low > 0:
         return True, f"{figures}: better beyond the noise, applied", diff, (low, high)
     return False, f"{figures}: not better beyond the noise, the configured values are kept", diff, (low, high)
@@ -447,8 +473,14 @@ def greedy_scorer(cfg: PipelineConfig, rewards: RewardSet, model_path: str) -> S
     def score(adapter_dir: str, prompts: Path) -> list[float]:
         from grpo_pipeline.tasks.evaluate import evaluate_model
 
-        result = evaluate_model(model_path, cfg.model, prompts, rewards,
-                                cfg.evaluate.model_copy(update={"samples_k": 0}), adapter=adapter_dir)
+        result = evaluate_model(
+            model_path,
+            cfg.model,
+            prompts,
+            rewards,
+            cfg.evaluate.model_copy(update={"samples_k": 0}),
+            adapter=adapter_dir,
+        )
         return [float(r["total"]) for r in result.rows]
 
     return score
@@ -511,8 +543,11 @@ def _dead(worker: str | None) -> bool:
 
 def requeue_orphans(study: optuna.Study) -> list[int]:
     """Mark FAIL the trials a dead search process left RUNNING, and queue their parameters again."""
-    orphans = [t for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
-               if _dead(t.user_attrs.get(WORKER))]
+    orphans = [
+        t
+        for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
+        if _dead(t.user_attrs.get(WORKER))
+    ]
     for t in orphans:
         reason = f"the search process {t.user_attrs[WORKER]} died while this trial ran; queued again"
         study._storage.set_trial_user_attr(t._trial_id, "reason", reason)
@@ -522,7 +557,9 @@ def requeue_orphans(study: optuna.Study) -> list[int]:
     return [t.number for t in orphans]
 
 
-def earlier_best(storage: optuna.storages.BaseStorage, current: str, base_model: str, space: SearchSpace) -> list[dict[str, Any]]:
+def earlier_best(
+    storage: optuna.storages.BaseStorage, current: str, base_model: str, space: SearchSpace
+) -> list[dict[str, Any]]:
     """The best parameters of every other study of the same base model that fit the current space."""
     found = []
     for summary in optuna.get_all_study_summaries(storage, include_best_trial=True):
@@ -532,7 +569,9 @@ def earlier_best(storage: optuna.storages.BaseStorage, current: str, base_model:
         if fits(best.params, space):
             found.append(best.params)
         else:
-            log.info("not warm-starting from study %s: its best trial lies outside the search space", summary.study_name)
+            log.info(
+                "not warm-starting from study %s: its best trial lies outside the search space", summary.study_name
+            )
     return found
 
 
@@ -552,9 +591,13 @@ def failure_report(trials: list[TrialSummary], searched_only: bool = False) -> s
     no trial completed, so there are no best hyperparameters (the configured ones are not used silently):
       trial 0: FAIL: exit 1
     """
-    lines = [f"  trial {t.number}: {t.state}: {t.reason or ('the configured values, completed' if t.state == 'COMPLETE' else 'no reason recorded')}"
-             for t in trials]
-    what = "no searched trial completed (only the configured values' control)" if searched_only else "no trial completed"
+    lines = [
+        f"  trial {t.number}: {t.state}: {t.reason or ('the configured values, completed' if t.state == 'COMPLETE' else 'no reason recorded')}"
+        for t in trials
+    ]
+    what = (
+        "no searched trial completed (only the configured values' control)" if searched_only else "no trial completed"
+    )
     return f"{what}, so there are no best hyperparameters (the configured ones are not used silently):\n" + (
         "\n".join(lines) or "  (the study has no trials: hpo.trials is 0?)"
     )
@@ -618,15 +661,26 @@ def run_trial(
         run_id = client.create_run(
             tracking.experiment_id,
             run_name=f"trial-{trial.number}",
-            tags={"mlflow.parentRunId": tracking.stage_run_id, "optuna.trial": str(trial.number),
-                  "optuna.configured": str(configured).lower()},
+            tags={
+                "mlflow.parentRunId": tracking.stage_run_id,
+                "optuna.trial": str(trial.number),
+                "optuna.configured": str(configured).lower(),
+            },
         ).info.run_id
     trial.set_user_attr("overrides", overrides)
     trial.set_user_attr(WORKER, _this_worker())
     # Unique across runs: build_job_spec names the run's checkpoint prefix after this folder.
     trial_dir = run_dir / "hpo" / f"{run_dir.name}-trial-{trial.number:03d}"
-    spec = build_job_spec(tcfg.train, tcfg.model, model_path, splits, trial_dir, mlflow_tracking_uri=cfg.mlflow_uri,
-                          mlflow_experiment=cfg.tracking.experiment, mlflow_run_id=run_id)
+    spec = build_job_spec(
+        tcfg.train,
+        tcfg.model,
+        model_path,
+        splits,
+        trial_dir,
+        mlflow_tracking_uri=cfg.mlflow_uri,
+        mlflow_experiment=cfg.tracking.experiment,
+        mlflow_run_id=run_id,
+    )
     spec = spec.model_copy(update={"val_file": str(Path(splits["val"]).resolve())})
 
     reports: queue.Queue = queue.Queue()
@@ -665,8 +719,16 @@ def run_trial(
             client.set_terminated(run_id, state)
 
 
-def _follow(trial: optuna.Trial, launcher: Any, handle: Any, reports: queue.Queue, client: MlflowClient | None,
-            run_id: str | None, max_steps: int, prunable: bool = True) -> TrialOutcome:
+def _follow(
+    trial: optuna.Trial,
+    launcher: Any,
+    handle: Any,
+    reports: queue.Queue,
+    client: MlflowClient | None,
+    run_id: str | None,
+    max_steps: int,
+    prunable: bool = True,
+) -> TrialOutcome:
     """Wait for the job on a helper thread; here, report each rung's validation reward and prune (unless the
     trial is the configured values' control)."""
     seen: dict[int, float] = {}
@@ -741,8 +803,15 @@ def search(
     study = open_study(cfg)
     finished = [t for t in study.trials if t.state.is_finished()]
     remaining = max(0, cfg.hpo.trials - len(finished))
-    log.info("study %s in %s: %d trial(s) finished, %d at most to run; %d of %d trial steps spent",
-             study.study_name, redact(storage_url(cfg)), len(finished), remaining, steps_spent(study), budget_steps)
+    log.info(
+        "study %s in %s: %d trial(s) finished, %d at most to run; %d of %d trial steps spent",
+        study.study_name,
+        redact(storage_url(cfg)),
+        len(finished),
+        remaining,
+        steps_spent(study),
+        budget_steps,
+    )
     trial_splits = {**splits, "val": validation.rungs}  # the trainer's rung checks: the same prompts for every trial
     # Optuna runs parallel trials on its own threads; each gets a copy of this thread's context, so a
     # Prefect task called there belongs to the calling flow run.
@@ -777,8 +846,9 @@ def search(
     if remaining and steps_spent(study) + cfg.hpo.eval_every <= budget_steps:
         # Only TrialFailed is caught: anything else (bad input, a cancel) ends optimize, which marks that
         # trial FAIL, starts no other and lets the running ones finish, and reaches the caller as raised.
-        study.optimize(objective, n_trials=remaining, n_jobs=cfg.hpo.concurrency, catch=(TrialFailed,),
-                       callbacks=[stop_when_spent])
+        study.optimize(
+            objective, n_trials=remaining, n_jobs=cfg.hpo.concurrency, catch=(TrialFailed,), callbacks=[stop_when_spent]
+        )
     trials = summarize(study)
     spent = steps_spent(study)
     complete = [t for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))]
@@ -786,11 +856,16 @@ def search(
     if complete:
         result = choose(study, complete, cfg, validation, score)
         per_step = (budget_usd / budget_steps) if budget_usd is not None else None
-        result = result.model_copy(update={
-            "trials": summarize(study), "steps_spent": spent, "budget_steps": budget_steps, "budget_usd": budget_usd,
-            "spent_usd": per_step * spent if per_step is not None else None,
-            "mlflow_run_id": tracking.stage_run_id if tracking else None,
-        })
+        result = result.model_copy(
+            update={
+                "trials": summarize(study),
+                "steps_spent": spent,
+                "budget_steps": budget_steps,
+                "budget_usd": budget_usd,
+                "spent_usd": per_step * spent if per_step is not None else None,
+                "mlflow_run_id": tracking.stage_run_id if tracking else None,
+            }
+        )
         log.info("%s", result.decision)
     if tracking:
         log_study(study, result, tracking, run_dir / "hpo", validation)
@@ -799,8 +874,9 @@ def search(
     return result
 
 
-def choose(study: optuna.Study, complete: list, cfg: PipelineConfig, validation: Validation, score: Scorer | None
-           ) -> HPOResult:
+def choose(
+    study: optuna.Study, complete: list, cfg: PipelineConfig, validation: Validation, score: Scorer | None
+) -> HPOResult:
     """Re-score the top trials and the configured one on fresh prompts; the best of the re-scores replaces the
     configured values only beyond the noise."""
     configured = next((t for t in complete if t.user_attrs.get(CONFIGURED)), None)
@@ -821,36 +897,68 @@ def choose(study: optuna.Study, complete: list, cfg: PipelineConfig, validation:
         rescores[t.number] = cached
     ranked = [t for t in searched if t.number in rescores] or searched[:1]
     pick = max(ranked, key=lambda t: statistics.fmean(rescores.get(t.number, [t.value])), default=None)
-    base: dict[str, Any] = {"study_name": study.study_name, "storage": redact(storage_url(cfg)), "trials": [],
-            "configured_trial": configured.number if configured else None,
-            "rescored": {n: statistics.fmean(v) for n, v in rescores.items()},
-            "prompts": {"needed": validation.needed, "available": validation.available, "select": validation.needed,
-                        "rescore": validation.needed, "reward_sd": validation.reward_sd}}
+    base: dict[str, Any] = {
+        "study_name": study.study_name,
+        "storage": redact(storage_url(cfg)),
+        "trials": [],
+        "configured_trial": configured.number if configured else None,
+        "rescored": {n: statistics.fmean(v) for n, v in rescores.items()},
+        "prompts": {
+            "needed": validation.needed,
+            "available": validation.available,
+            "select": validation.needed,
+            "rescore": validation.needed,
+            "reward_sd": validation.reward_sd,
+        },
+    }
     if pick is None:  # only the configured control completed: every point of the space failed
         raise HPOFailed(failure_report(summarize(study), searched_only=True))
     best_overrides = to_overrides(pick.params, cfg)
-    common = dict(base, best_trial=pick.number, best_value=pick.value, best_params=pick.params,
-                  best_overrides=best_overrides)
+    common = dict(
+        base, best_trial=pick.number, best_value=pick.value, best_params=pick.params, best_overrides=best_overrides
+    )
     if score is None:  # trainer-reported values: no per-prompt scores to pair
         if configured is not None and configured.value >= pick.value:
-            return HPOResult(**common, overrides={}, applied=False,
-                             decision=f"trial {pick.number} ({pick.value:.3f}, trainer-reported) does not beat the "
-                                      f"configured values (trial {configured.number}, {configured.value:.3f}); kept")
-        return HPOResult(**common, overrides=best_overrides, applied=True,
-                         decision=f"trial {pick.number} applied: {pick.value:.3f} (trainer-reported, sampled; not "
-                                  "re-scored) against " + (f"the configured values' {configured.value:.3f}"
-                                                           if configured else "no configured trial"))
+            return HPOResult(
+                **common,
+                overrides={},
+                applied=False,
+                decision=f"trial {pick.number} ({pick.value:.3f}, trainer-reported) does not beat the "
+                f"configured values (trial {configured.number}, {configured.value:.3f}); kept",
+            )
+        return HPOResult(
+            **common,
+            overrides=best_overrides,
+            applied=True,
+            decision=f"trial {pick.number} applied: {pick.value:.3f} (trainer-reported, sampled; not "
+            "re-scored) against "
+            + (f"the configured values' {configured.value:.3f}" if configured else "no configured trial"),
+        )
     if configured is None or configured.number not in rescores or pick.number not in rescores:
-        why = ("the configured values were not run (hpo.keep_configured is off)" if not cfg.hpo.keep_configured
-               else "the configured values have no score to compare with (their trial did not complete or its "
-                    "adapter is gone)")
-        return HPOResult(**common, overrides=best_overrides, applied=True,
-                         decision=f"trial {pick.number} applied ({statistics.fmean(rescores.get(pick.number, [pick.value])):.3f}"
-                                  f" on fresh prompts): {why}")
-    applied, decision, diff, ci = paired_decision(rescores[pick.number], rescores[configured.number], pick.number,
-                                                  configured.number)
-    return HPOResult(**common, overrides=best_overrides if applied else {}, applied=applied, decision=decision,
-                     difference=diff, difference_ci=ci)
+        why = (
+            "the configured values were not run (hpo.keep_configured is off)"
+            if not cfg.hpo.keep_configured
+            else "the configured values have no score to compare with (their trial did not complete or its "
+            "adapter is gone)"
+        )
+        return HPOResult(
+            **common,
+            overrides=best_overrides,
+            applied=True,
+            decision=f"trial {pick.number} applied ({statistics.fmean(rescores.get(pick.number, [pick.value])):.3f}"
+            f" on fresh prompts): {why}",
+        )
+    applied, decision, diff, ci = paired_decision(
+        rescores[pick.number], rescores[configured.number], pick.number, configured.number
+    )
+    return HPOResult(
+        **common,
+        overrides=best_overrides if applied else {},
+        applied=applied,
+        decision=decision,
+        difference=diff,
+        difference_ci=ci,
+    )
 
 
 PLOTS = {  # artifact -> optuna.visualization.matplotlib function
@@ -860,8 +968,13 @@ PLOTS = {  # artifact -> optuna.visualization.matplotlib function
 }
 
 
-def log_study(study: optuna.Study, result: HPOResult | None, tracking: Tracking, out_dir: Path,
-              validation: Validation | None = None) -> list[str]:
+def log_study(
+    study: optuna.Study,
+    result: HPOResult | None,
+    tracking: Tracking,
+    out_dir: Path,
+    validation: Validation | None = None,
+) -> list[str]:
     """The trials table, the best parameters and the study's plots, into the stage run; returns what was logged."""
     import matplotlib
 

@@ -142,8 +142,9 @@ def reward_fields(rewards: RewardSet, evaluate: EvalConfig) -> list[tuple[str, s
     [('train.rewards', 'math_answer'), ('evaluate.accuracy_reward', 'math_answer')]
     """
     named = [("train.rewards", name) for name in rewards.names]
-    return named + [(f"evaluate.{key}", name) for key in ("accuracy_reward", "format_reward")
-                    if (name := getattr(evaluate, key))]
+    return named + [
+        (f"evaluate.{key}", name) for key in ("accuracy_reward", "format_reward") if (name := getattr(evaluate, key))
+    ]
 
 
 def check_rewards(rewards: RewardSet, evaluate: EvalConfig) -> None:
@@ -173,8 +174,11 @@ def check_rewards(rewards: RewardSet, evaluate: EvalConfig) -> None:
             resolve_reward(name, rewards.args_for(name))
         except ValueError as exc:
             # only the training's rewards take train.reward_args; an evaluation-only one is bound with none
-            where = (f"train.reward_args.{name}" if name in rewards.names
-                     else f"{field} (not in train.rewards, so no train.reward_args)")
+            where = (
+                f"train.reward_args.{name}"
+                if name in rewards.names
+                else f"{field} (not in train.rewards, so no train.reward_args)"
+            )
             raise ConfigError(f"{where}: {exc}") from None
         try:
             check_columns([name], DATA_COLUMNS)
@@ -202,8 +206,11 @@ def _log_dict(line: str) -> dict | None:
 
 def _is_step_log(logs: dict) -> bool:
     """A training step's log (not an evaluation's, nor the end-of-training summary)."""
-    return ("loss" in logs or "reward" in logs) and "train_runtime" not in logs and not any(
-        k.startswith("eval_") for k in logs)
+    return (
+        ("loss" in logs or "reward" in logs)
+        and "train_runtime" not in logs
+        and not any(k.startswith("eval_") for k in logs)
+    )
 
 
 def summarize_log_line(line: str) -> str | None:

@@ -30,8 +30,9 @@ def _load_base(base_path: str, dtype: str, trust_remote_code: bool) -> PreTraine
     return load_model(base_path, load)
 
 
-def max_logit_difference(model_a: PreTrainedModel, model_b: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
-                         prompts: list[str]) -> float:
+def max_logit_difference(
+    model_a: PreTrainedModel, model_b: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list[str]
+) -> float:
     """The largest |logit| difference between two models over the prompts' tokens."""
     import torch
 
@@ -44,8 +45,14 @@ def max_logit_difference(model_a: PreTrainedModel, model_b: PreTrainedModel, tok
     return float((a - b).abs()[mask].max())
 
 
-def merge_adapter(base_path: str, adapter_dir: str, out_dir: Path, prompts: list[str], cfg: MergeConfig,
-                  trust_remote_code: bool = False) -> dict:
+def merge_adapter(
+    base_path: str,
+    adapter_dir: str,
+    out_dir: Path,
+    prompts: list[str],
+    cfg: MergeConfig,
+    trust_remote_code: bool = False,
+) -> dict:
     """Merge, verify against base + adapter, and save as safetensors (written aside, then moved in place)."""
     from peft import PeftModel
 

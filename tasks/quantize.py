@@ -61,17 +61,28 @@ class QuantizationCost(BaseModel):
     def metrics(self) -> dict[str, float]:
         """Flat numbers for MLflow."""
         return {
-            "quant/reward_unquantized": self.unquantized.reward, "quant/reward_quantized": self.quantized.reward,
-            "quant/reward_drop": self.reward_drop, "quant/perplexity_unquantized": self.unquantized.perplexity,
-            "quant/perplexity_quantized": self.quantized.perplexity, "quant/perplexity_ratio": self.perplexity_ratio,
+            "quant/reward_unquantized": self.unquantized.reward,
+            "quant/reward_quantized": self.quantized.reward,
+            "quant/reward_drop": self.reward_drop,
+            "quant/perplexity_unquantized": self.unquantized.perplexity,
+            "quant/perplexity_quantized": self.quantized.perplexity,
+            "quant/perplexity_ratio": self.perplexity_ratio,
             "quant/footprint_mb_unquantized": self.unquantized.footprint_bytes / 1e6,
             "quant/footprint_mb_quantized": self.quantized.footprint_bytes / 1e6,
             "quant/accepted": float(self.accepted),
         }
 
 
-def judge(full: Measurement, quant: Measurement, mode: str, bound: QuantizationBound | None, *, n_rows: int,
-          double_quant: bool = False, compute_dtype: str = "float32") -> QuantizationCost:
+def judge(
+    full: Measurement,
+    quant: Measurement,
+    mode: str,
+    bound: QuantizationBound | None,
+    *,
+    n_rows: int,
+    double_quant: bool = False,
+    compute_dtype: str = "float32",
+) -> QuantizationCost:
     """Compare the two measurements against the bound (pure); no bound accepts whatever was measured."""
     drop = full.reward - quant.reward
     ratio = quant.perplexity / full.perplexity if full.perplexity > 0 else math.inf
@@ -79,34 +90,53 @@ def judge(full: Measurement, quant: Measurement, mode: str, bound: QuantizationB
     if bound is None:
         pass
     elif drop > bound.max_reward_drop:
-        reasons.append(f"reward drops by {drop:.3f} ({full.reward:.3f} -> {quant.reward:.3f}), "
-                       f"more than max_reward_drop={bound.max_reward_drop:g}")
+        reasons.append(
+            f"reward drops by {drop:.3f} ({full.reward:.3f} -> {quant.reward:.3f}), "
+            f"more than max_reward_drop={bound.max_reward_drop:g}"
+        )
     if bound is not None and ratio > bound.max_perplexity_ratio:
-        reasons.append(f"perplexity grows {ratio:.2f}x ({full.perplexity:.2f} -> {quant.perplexity:.2f}), "
-                       f"more than max_perplexity_ratio={bound.max_perplexity_ratio:g}")
+        reasons.append(
+            f"perplexity grows {ratio:.2f}x ({full.perplexity:.2f} -> {quant.perplexity:.2f}), "
+            f"more than max_perplexity_ratio={bound.max_perplexity_ratio:g}"
+        )
     return QuantizationCost(
-        mode=mode, double_quant=double_quant, compute_dtype=compute_dtype, n_rows=n_rows, unquantized=full,
-        quantized=quant, reward_drop=drop, perplexity_ratio=ratio,
-        footprint_ratio=quant.footprint_bytes / full.footprint_bytes, accepted=not reasons, reasons=reasons,
+        mode=mode,
+        double_quant=double_quant,
+        compute_dtype=compute_dtype,
+        n_rows=n_rows,
+        unquantized=full,
+        quantized=quant,
+        reward_drop=drop,
+        perplexity_ratio=ratio,
+        footprint_ratio=quant.footprint_bytes / full.footprint_bytes,
+        accepted=not reasons,
+        reasons=reasons,
     )
 
 
-def answer_perplexity(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, rows: list[dict],
-                      batch_size: int = 16) -> float:
+def answer_perplexity(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, rows: list[dict], batch_size: int = 16
+) -> float:
     """exp(mean negative log-likelihood) of each row's `answer` as the assistant's reply to its prompt."""
     import torch
 
     prompts = render(tokenizer, [r["prompt"] for r in rows])
-    fulls = [tokenizer.apply_chat_template([*r["prompt"], {"role": "assistant", "content": str(r["answer"])}],
-                                           tokenize=False) for r in rows]
+    fulls = [
+        tokenizer.apply_chat_template(
+            [*r["prompt"], {"role": "assistant", "content": str(r["answer"])}], tokenize=False
+        )
+        for r in rows
+    ]
     total_nll, total_tokens = 0.0, 0
     tokenizer.padding_side = "right"
     with torch.inference_mode():
         for start in range(0, len(rows), batch_size):
-            batch = tokenizer(fulls[start:start + batch_size], return_tensors="pt", padding=True, add_special_tokens=False)
+            batch = tokenizer(
+                fulls[start : start + batch_size], return_tensors="pt", padding=True, add_special_tokens=False
+            )
             labels = batch["input_ids"].clone()
             labels[batch["attention_mask"] == 0] = -100
-            for i, prompt in enumerate(prompts[start:start + batch_size]):
+            for i, prompt in enumerate(prompts[start : start + batch_size]):
                 # score only the answer: the prompt's tokens (and the template around it) are given
                 labels[i, : len(tokenizer(prompt, add_special_tokens=False)["input_ids"])] = -100
             batch = {k: v.to(model.device) for k, v in batch.items()}
@@ -120,24 +150,40 @@ def answer_perplexity(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
     return math.exp(total_nll / total_tokens)
 
 
-def measure(model_path: str, model_cfg: ModelConfig, rows: list[dict], rewards: RewardSet,
-            eval_cfg: EvalConfig) -> Measurement:
+def measure(
+    model_path: str, model_cfg: ModelConfig, rows: list[dict], rewards: RewardSet, eval_cfg: EvalConfig
+) -> Measurement:
     """Load the model at `model_cfg`'s quantization once; footprint, answer perplexity and greedy reward."""
     started = time.monotonic()
     model, tokenizer = load_model(model_path, model_load(model_cfg))
     model.eval()
     footprint = model.get_memory_footprint()
     ppl = answer_perplexity(model, tokenizer, rows, eval_cfg.batch_size)
-    completions, lengths = generate(model, tokenizer, [r["prompt"] for r in rows], eval_cfg.max_new_tokens,
-                                    eval_cfg.batch_size, label=model_cfg.quantization)
+    completions, lengths = generate(
+        model,
+        tokenizer,
+        [r["prompt"] for r in rows],
+        eval_cfg.max_new_tokens,
+        eval_cfg.batch_size,
+        label=model_cfg.quantization,
+    )
     result = score(rows, [completion_text(c) for c in completions], rewards, lengths)
     del model
-    return Measurement(reward=result.reward, per_reward=result.per_reward, perplexity=ppl,
-                       footprint_bytes=footprint, seconds=time.monotonic() - started)
+    return Measurement(
+        reward=result.reward,
+        per_reward=result.per_reward,
+        perplexity=ppl,
+        footprint_bytes=footprint,
+        seconds=time.monotonic() - started,
+    )
 
 
 def measure_quantization_cost(
-    model_path: str, model_cfg: ModelConfig, val_file: Path, rewards: RewardSet, eval_cfg: EvalConfig,
+    model_path: str,
+    model_cfg: ModelConfig,
+    val_file: Path,
+    rewards: RewardSet,
+    eval_cfg: EvalConfig,
     bound: QuantizationBound | None = None,
 ) -> QuantizationCost | None:
     """Quantized (`model_cfg.quantization`) against unquantized on the first `bound.rows` val rows.
@@ -155,8 +201,15 @@ def measure_quantization_cost(
         raise ValueError(f"{val_file} has no rows to measure quantization on; raise data.demo.n_val")
     full = measure(model_path, model_cfg.model_copy(update={"quantization": "none"}), rows, rewards, eval_cfg)
     quant = measure(model_path, model_cfg, rows, rewards, eval_cfg)
-    return judge(full, quant, model_cfg.quantization, bound, n_rows=len(rows),
-                 double_quant=model_cfg.double_quant, compute_dtype=model_cfg.compute_dtype)
+    return judge(
+        full,
+        quant,
+        model_cfg.quantization,
+        bound,
+        n_rows=len(rows),
+        double_quant=model_cfg.double_quant,
+        compute_dtype=model_cfg.compute_dtype,
+    )
 
 
 def require_accepted(cost: QuantizationCost | None) -> None:
@@ -166,7 +219,8 @@ def require_accepted(cost: QuantizationCost | None) -> None:
     """
     if cost is not None and not cost.accepted:
         raise QuantizationRefused(
-            f"model.quantization={cost.mode} refused on {cost.n_rows} val rows: " + "; ".join(cost.reasons)
+            f"model.quantization={cost.mode} refused on {cost.n_rows} val rows: "
+            + "; ".join(cost.reasons)
             + ". Use a milder mode (int8, or none), loosen model.max_quantization_cost, or choose another base"
         )
 

@@ -215,8 +215,10 @@ class RestClient:
                 answer = json.loads(exc.read() or b"{}")
             except ValueError:
                 answer = {}
-            raise RestError(answer.get("error_code", f"HTTP {exc.code}"),
-                            answer.get("message", f"{method} {endpoint}: HTTP {exc.code}")) from None
+            raise RestError(
+                answer.get("error_code", f"HTTP {exc.code}"),
+                answer.get("message", f"{method} {endpoint}: HTTP {exc.code}"),
+            ) from None
         except urllib.error.URLError as exc:
             raise RestError("UNREACHABLE", f"MLflow at {self.tracking_uri} does not answer: {exc.reason}") from None
         return json.loads(payload) if payload else {}
@@ -224,14 +226,23 @@ class RestClient:
     @staticmethod
     def _version(raw: dict) -> SimpleNamespace:
         tags = {t["key"]: t.get("value", "") for t in raw.get("tags", [])}
-        return SimpleNamespace(name=raw["name"], version=str(raw["version"]), source=raw.get("source", ""),
-                               run_id=raw.get("run_id"), tags=tags)
+        return SimpleNamespace(
+            name=raw["name"],
+            version=str(raw["version"]),
+            source=raw.get("source", ""),
+            run_id=raw.get("run_id"),
+            tags=tags,
+        )
 
     def get_model_version_by_alias(self, name: str, alias: str) -> SimpleNamespace:
-        return self._version(self._call("GET", "registered-models/alias", {"name": name, "alias": alias})["model_version"])
+        return self._version(
+            self._call("GET", "registered-models/alias", {"name": name, "alias": alias})["model_version"]
+        )
 
     def get_model_version(self, name: str, version: str) -> SimpleNamespace:
-        return self._version(self._call("GET", "model-versions/get", {"name": name, "version": version})["model_version"])
+        return self._version(
+            self._call("GET", "model-versions/get", {"name": name, "version": version})["model_version"]
+        )
 
     def set_registered_model_alias(self, name: str, alias: str, version: str) -> None:
         self._call("POST", "registered-models/alias", {"name": name, "alias": alias, "version": version})
@@ -260,8 +271,11 @@ class RestClient:
     def search_model_versions(self, filter_string: str) -> list:
         found, token = [], None
         while True:
-            page = self._call("GET", "model-versions/search", {"filter": filter_string, "max_results": 1000}
-                              | ({"page_token": token} if token else {}))
+            page = self._call(
+                "GET",
+                "model-versions/search",
+                {"filter": filter_string, "max_results": 1000} | ({"page_token": token} if token else {}),
+            )
             found += [self._version(raw) for raw in page.get("model_versions", [])]
             if not (token := page.get("next_page_token")):
                 return found
@@ -333,7 +347,9 @@ def queue_ahead(tickets: list[Ticket], mine: Ticket, now: float, stale_s: float)
 
 
 class Registry:
-    def __init__(self, client: RestClient | MlflowClient, name: str, lock_timeout_s: float = 120, stale_lock_s: float = 900):
+    def __init__(
+        self, client: RestClient | MlflowClient, name: str, lock_timeout_s: float = 120, stale_lock_s: float = 900
+    ):
         self.client, self.name = client, name
         self.lock_timeout_s, self.stale_lock_s = lock_timeout_s, stale_lock_s
         self.heartbeat_s = min(10.0, stale_lock_s / 4)  # a waiter renews its ticket well inside the stale limit
@@ -367,17 +383,23 @@ class Registry:
     def aliases(self, name: str | None = None) -> dict[str, str | None]:
         return {alias: self.version_of(alias, name) for alias in ALIASES}
 
-    def register(self, source: str, run_id: str, tags: dict[str, str], *, name: str | None = None,
-                 model_id: str | None = None) -> str:
+    def register(
+        self, source: str, run_id: str, tags: dict[str, str], *, name: str | None = None, model_id: str | None = None
+    ) -> str:
         """The version of `source` (a logged model's URI); a retried pipeline run finds the one it registered."""
         name = name or self.name
-        self.ensure(name, "GRPO adapters merged into their base; aliases follow the adapter model's"
-                    if name == self.merged else "GRPO adapters; aliases mark what serves")
+        self.ensure(
+            name,
+            "GRPO adapters merged into their base; aliases follow the adapter model's"
+            if name == self.merged
+            else "GRPO adapters; aliases mark what serves",
+        )
         for existing in self.client.search_model_versions(f"run_id = '{run_id}'"):
             if existing.name == name and existing.source == source:
                 return str(existing.version)
-        return str(self.client.create_model_version(name, source, run_id=run_id, tags=tags,
-                                                    model_id=model_id or None).version)
+        return str(
+            self.client.create_model_version(name, source, run_id=run_id, tags=tags, model_id=model_id or None).version
+        )
 
     def tag(self, version: str, tags: dict[str, str]) -> None:
         for key, value in tags.items():
@@ -443,8 +465,11 @@ class Registry:
         name, deadline = self.lock_name, time.monotonic() + self.lock_timeout_s
         token = secrets.token_hex(16)
         try:
-            self.client.create_registered_model(name, description=f"the promotion lock of {self.name}: each "
-                                                "model version is a ticket; the lowest holds the lock")
+            self.client.create_registered_model(
+                name,
+                description=f"the promotion lock of {self.name}: each "
+                "model version is a ticket; the lowest holds the lock",
+            )
         except self.errors as exc:
             if _code(exc) != "RESOURCE_ALREADY_EXISTS":
                 raise self._service_error(f"cannot take the registry lock {name}", exc) from exc
@@ -465,9 +490,11 @@ class Registry:
                     self._renew(ticket)  # held from now: its age counts from here, not from its wait
                     return ticket
                 if time.monotonic() > deadline:
-                    raise RegistryError(f"the registry lock {name} is held (ticket {ahead[0].version}); if no promotion "
-                                        f"is running, delete version {ahead[0].version} of {name}, or wait "
-                                        f"{self.stale_lock_s:g} s for it to count as stale")
+                    raise RegistryError(
+                        f"the registry lock {name} is held (ticket {ahead[0].version}); if no promotion "
+                        f"is running, delete version {ahead[0].version} of {name}, or wait "
+                        f"{self.stale_lock_s:g} s for it to count as stale"
+                    )
                 if time.monotonic() - beat > self.heartbeat_s:  # a live waiter is never taken for a dead one
                     self._renew(ticket)
                     beat = time.monotonic()
@@ -487,9 +514,11 @@ class Registry:
         return current.tags.get(TOKEN_TAG) == ticket.token
 
     def _lost(self, ticket: Ticket) -> LockLost:
-        return LockLost(f"the registry lock {self.lock_name} was taken from ticket {ticket.version} (counted as stale "
-                        f"after {self.stale_lock_s:g} s without a sign of life); nothing more was moved: check the "
-                        "aliases and re-run")
+        return LockLost(
+            f"the registry lock {self.lock_name} was taken from ticket {ticket.version} (counted as stale "
+            f"after {self.stale_lock_s:g} s without a sign of life); nothing more was moved: check the "
+            "aliases and re-run"
+        )
 
     def check_holder(self, ticket: Ticket) -> None:
         """This ticket still holds the lock (its number is there with its token), or `LockLost`; renews it."""
@@ -528,8 +557,9 @@ class Registry:
             self._held = None
             self.release(ticket)
 
-    def settle(self, candidate: str, decided_against: str | None, promote: bool, tags: dict[str, str],
-               mode: str = "offline") -> list[AliasMove]:
+    def settle(
+        self, candidate: str, decided_against: str | None, promote: bool, tags: dict[str, str], mode: str = "offline"
+    ) -> list[AliasMove]:
         """Move the aliases for a decision (`plan_settle` for `promote.mode`), unless the champion moved since
         the decision was made. In canary mode a challenger it replaces is tagged with what replaced it."""
         planned = plan_settle(decided_against, candidate, promote, mode)
@@ -545,9 +575,16 @@ class Registry:
                 )
             self.tag(candidate, tags)
             if mode == "canary" and challenger not in (None, candidate) and AliasMove(CHALLENGER, candidate) in planned:
-                self.tag(challenger, {"ab_decision": "replaced", "ab_reason": (
-                    f"replaced as challenger by version {candidate}, which passed the offline gate; the online "
-                    "test restarted on it, undecided for this version")})
+                self.tag(
+                    challenger,
+                    {
+                        "ab_decision": "replaced",
+                        "ab_reason": (
+                            f"replaced as challenger by version {candidate}, which passed the offline gate; the online "
+                            "test restarted on it, undecided for this version"
+                        ),
+                    },
+                )
             return self.apply(planned)
 
     def rollback(self, reason: str) -> list[AliasMove]:
@@ -572,6 +609,12 @@ class Registry:
         with self.lock():
             aliases = self.aliases()
             moves = self.apply(plan_force(aliases[CHAMPION], aliases[CHALLENGER], version))
-            self.tag(version, {"forced_by": operator(), "forced_reason": reason,
-                               "forced_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+            self.tag(
+                version,
+                {
+                    "forced_by": operator(),
+                    "forced_reason": reason,
+                    "forced_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                },
+            )
         return moves

@@ -30,7 +30,9 @@ def lineage_line(warm_start: WarmStart | None, rows: TrainRows | None) -> str:
     if rows is None or not rows.incremental:
         return f"{start}."
     held = f"; {rows.new_holdout} new rows went to the holdout" if rows.new_holdout else ""
-    return f"{start} on {rows.new} new rows and {rows.replayed} replayed ones (of {rows.seen_before} seen before){held}."
+    return (
+        f"{start} on {rows.new} new rows and {rows.replayed} replayed ones (of {rows.seen_before} seen before){held}."
+    )
 
 
 def render_skipped(reason: str) -> str:
@@ -54,9 +56,15 @@ def verdict(decision: Decision, registry: RegistryOutcome) -> str:
     return "challenger (passed the offline gate; the live A/B decides)" if canary else "promoted"
 
 
-def render_markdown(holdout: Holdout, decision: Decision, registry: RegistryOutcome,
-                    warm_start: WarmStart | None = None, rows: TrainRows | None = None,
-                    train: TrainResult | None = None, drift: Drift | None = None) -> str:
+def render_markdown(
+    holdout: Holdout,
+    decision: Decision,
+    registry: RegistryOutcome,
+    warm_start: WarmStart | None = None,
+    rows: TrainRows | None = None,
+    train: TrainResult | None = None,
+    drift: Drift | None = None,
+) -> str:
     """The decision, its reasons and the holdout numbers, as Markdown (MLflow artifact, Prefect artifact); with
     the training's result, whether the candidate came from a run that a health rule stopped or rolled back; with
     `drift`, a drift alert under the title and the drift section (`drift_lines`)."""
@@ -81,8 +89,15 @@ def render_markdown(holdout: Holdout, decision: Decision, registry: RegistryOutc
     for name in holdout.trained:
         values = [holdout.base, *([holdout.champion] if holdout.champion else []), holdout.trained]
         lines.append(f"| {name} | " + " | ".join(f"{v[name]:.3f}" for v in values) + " |")
-    lines += ["", *(drift_lines(drift) if drift is not None else []), *example_lines(holdout.examples),
-              *serving_lines(registry), "", *alias_table(registry), ""]
+    lines += [
+        "",
+        *(drift_lines(drift) if drift is not None else []),
+        *example_lines(holdout.examples),
+        *serving_lines(registry),
+        "",
+        *alias_table(registry),
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -96,33 +111,49 @@ def drift_lines(drift: Drift) -> list[str]:
     """
     if drift.skipped_reason:
         return ["## Drift", "", f"Not measured: {drift.skipped_reason}.", ""]
-    lines = [f"## Drift since champion v{drift.champion}", "",
-             f"Today's {drift.new_rows} new train rows against the {drift.seen_rows} the champion's lineage trained on"
-             + (f" ({drift.seen_missing} more it trained on are no longer in the train split)" if drift.seen_missing
-                else "") + ".", ""]
+    lines = [
+        f"## Drift since champion v{drift.champion}",
+        "",
+        f"Today's {drift.new_rows} new train rows against the {drift.seen_rows} the champion's lineage trained on"
+        + (f" ({drift.seen_missing} more it trained on are no longer in the train split)" if drift.seen_missing else "")
+        + ".",
+        "",
+    ]
     if drift.alert:
         lines += [f"**Alert**: {drift.alert_reason}.", ""]
     lines += ["| | champion's rows | new rows |", "|---|---|---|"]
     if (s := drift.lengths) is not None:
-        lines.append(f"| prompt characters, mean (median) | {s.seen_mean:.1f} ({s.seen_median:g}) | "
-                     f"{s.new_mean:.1f} ({s.new_median:g}) |")
+        lines.append(
+            f"| prompt characters, mean (median) | {s.seen_mean:.1f} ({s.seen_median:g}) | "
+            f"{s.new_mean:.1f} ({s.new_median:g}) |"
+        )
     if (a := drift.answer_types) is not None:
         lines += [f"| answers: {t} | {a.seen[t]:.1%} | {a.new[t]:.1%} |" for t in ANSWER_TYPES]
     if (r := drift.reward) is not None:
-        lines.append(f"| champion's reward | {r.holdout_reward:.3f} (holdout, {r.holdout_rows} rows) | "
-                     f"{r.new_reward:.3f} ({r.new_rows_scored} of the new rows) |")
+        lines.append(
+            f"| champion's reward | {r.holdout_reward:.3f} (holdout, {r.holdout_rows} rows) | "
+            f"{r.new_reward:.3f} ({r.new_rows_scored} of the new rows) |"
+        )
     lines.append("")
     if s is not None:
-        lines.append(f"- prompt length: KS statistic {s.ks_statistic:.3f}, p {s.p_value:.3g}: "
-                     + ("**shifted**" if s.shifted else "no shift"))
+        lines.append(
+            f"- prompt length: KS statistic {s.ks_statistic:.3f}, p {s.p_value:.3g}: "
+            + ("**shifted**" if s.shifted else "no shift")
+        )
     if a is not None:
-        lines.append(f"- answer type: distance {a.distance:.3f}, p {a.p_value:.3g}: "
-                     + ("**shifted**" if a.shifted else "no shift"))
+        lines.append(
+            f"- answer type: distance {a.distance:.3f}, p {a.p_value:.3g}: "
+            + ("**shifted**" if a.shifted else "no shift")
+        )
     if r is not None:
         interval = f" (95% CI {r.ci_low:.3f} to {r.ci_high:.3f})" if r.ci_low is not None else ""
-        against = ("alerts off (data.drift_alert unset)" if drift.alert_threshold is None
-                   else f"**beyond** data.drift_alert={drift.alert_threshold:g}" if drift.alert
-                   else f"within data.drift_alert={drift.alert_threshold:g}")
+        against = (
+            "alerts off (data.drift_alert unset)"
+            if drift.alert_threshold is None
+            else f"**beyond** data.drift_alert={drift.alert_threshold:g}"
+            if drift.alert
+            else f"within data.drift_alert={drift.alert_threshold:g}"
+        )
         lines.append(f"- champion's reward: drop {r.drop:.3f}{interval}, {against}")
     lines += [f"- {note}" for note in drift.notes]
     return lines + [""]
@@ -132,8 +163,11 @@ def best_step_lines(train: TrainResult) -> list[str]:
     """Which step's adapter is the candidate, when a validation split chose an earlier one than the last."""
     if train.best_step is None or train.best_step == train.global_step:
         return []
-    return [f"The candidate is the adapter of step {train.best_step}, the best validation reward "
-            f"({train.best_val_reward:.4g}), not of the last step ({train.global_step}).", ""]
+    return [
+        f"The candidate is the adapter of step {train.best_step}, the best validation reward "
+        f"({train.best_val_reward:.4g}), not of the last step ({train.global_step}).",
+        "",
+    ]
 
 
 def health_lines(train: TrainResult) -> list[str]:
@@ -160,16 +194,27 @@ def health_lines(train: TrainResult) -> list[str]:
         return []
     said = []
     if train.stopped_by:
-        said.append(f"**The candidate comes from a training run that a health rule stopped** at step "
-                    f"{train.global_step} of {train.max_steps}: {inline(train.stopped_by, 300)}")
+        said.append(
+            f"**The candidate comes from a training run that a health rule stopped** at step "
+            f"{train.global_step} of {train.max_steps}: {inline(train.stopped_by, 300)}"
+        )
     if train.rollbacks:
-        said.append(f"**The candidate comes from a training run rolled back {train.rollbacks} time(s)** to an earlier "
-                    "checkpoint at a lower learning rate (table below).")
-    lines = ["## Training health", "", *[line for s in said for line in (s, "")],
-             "| step | rule | value | threshold | action | taken |", "|---|---|---|---|---|---|"]
+        said.append(
+            f"**The candidate comes from a training run rolled back {train.rollbacks} time(s)** to an earlier "
+            "checkpoint at a lower learning rate (table below)."
+        )
+    lines = [
+        "## Training health",
+        "",
+        *[line for s in said for line in (s, "")],
+        "| step | rule | value | threshold | action | taken |",
+        "|---|---|---|---|---|---|",
+    ]
     for e in train.health:
-        lines.append(f"| {e.step} | {inline(e.rule)} | {e.value:.4g} | {e.threshold:g} | {e.action} | "
-                     f"{inline(e.taken or '-', 120)} |")
+        lines.append(
+            f"| {e.step} | {inline(e.rule)} | {e.value:.4g} | {e.threshold:g} | {e.action} | "
+            f"{inline(e.taken or '-', 120)} |"
+        )
     return lines + [""]
 
 
@@ -209,29 +254,52 @@ def example_lines(examples: list[Example]) -> list[str]:
     if not examples:
         return []
     right = sum(e.verdict == "right" for e in examples)
-    lines = ["## Examples", "",
-             f"The candidate's first {right} right and {len(examples) - right} wrong holdout samples by the accuracy "
-             "reward (`evaluate.accuracy_reward`); a completion's ending, a prompt's beginning.", ""]
+    lines = [
+        "## Examples",
+        "",
+        f"The candidate's first {right} right and {len(examples) - right} wrong holdout samples by the accuracy "
+        "reward (`evaluate.accuracy_reward`); a completion's ending, a prompt's beginning.",
+        "",
+    ]
     for i, e in enumerate(examples, 1):
         prompt = e.prompt if len(e.prompt) <= PROMPT_CHARS else e.prompt[:PROMPT_CHARS] + "..."
-        lines += [f"### {i}. {e.verdict}: key {inline(e.key)}", "",
-                  "| reference | " + " | ".join(inline(n) for n in e.scores) + " |",
-                  "|---|" + "---|" * len(e.scores),
-                  f"| {inline(e.answer) if e.answer is not None else '-'} | "
-                  + " | ".join(f"{v:.3f}" for v in e.scores.values()) + " |",
-                  "", "Prompt:", "", *fenced(prompt), "", "Completion:", "", *fenced(e.completion), ""]
+        lines += [
+            f"### {i}. {e.verdict}: key {inline(e.key)}",
+            "",
+            "| reference | " + " | ".join(inline(n) for n in e.scores) + " |",
+            "|---|" + "---|" * len(e.scores),
+            f"| {inline(e.answer) if e.answer is not None else '-'} | "
+            + " | ".join(f"{v:.3f}" for v in e.scores.values())
+            + " |",
+            "",
+            "Prompt:",
+            "",
+            *fenced(prompt),
+            "",
+            "Completion:",
+            "",
+            *fenced(e.completion),
+            "",
+        ]
     return lines
 
 
 def serving_lines(registry: RegistryOutcome) -> list[str]:
     """How to load the candidate, and whether it served as it was evaluated."""
     check = registry.serving_check
-    lines = ["## Serving", "",
-             f"`mlflow.pyfunc.load_model(\"models:/{registry.model}/{registry.candidate_version}\")` "
-             f"on base `{registry.base_model}`"
-             + (f"; merged: `models:/{registry.merged_model}/{registry.merged_version}`" if registry.merged_model else "")
-             + ".", "", f"- {'passed' if check.passed else '**failed**'}: {check.reason()} ({check.seconds:.0f} s)"]
-    return lines + [f"  - prompt {m['key']}: evaluated {m['expected']!r}, served {m['served']!r}" for m in check.mismatches]
+    lines = [
+        "## Serving",
+        "",
+        f'`mlflow.pyfunc.load_model("models:/{registry.model}/{registry.candidate_version}")` '
+        f"on base `{registry.base_model}`"
+        + (f"; merged: `models:/{registry.merged_model}/{registry.merged_version}`" if registry.merged_model else "")
+        + ".",
+        "",
+        f"- {'passed' if check.passed else '**failed**'}: {check.reason()} ({check.seconds:.0f} s)",
+    ]
+    return lines + [
+        f"  - prompt {m['key']}: evaluated {m['expected']!r}, served {m['served']!r}" for m in check.mismatches
+    ]
 
 
 def alias_table(registry: RegistryOutcome) -> list[str]:
@@ -281,8 +349,13 @@ def plot_comparison(baseline: dict[str, float], candidate: dict[str, float], sta
     metric = next((k for k in stats if k != "guardrails"), None)
     if metric:
         s = stats[metric]
-        delta.errorbar([0], [s["mean_diff"]], yerr=[[s["mean_diff"] - s["ci_low"]], [s["ci_high"] - s["mean_diff"]]],
-                       fmt="o", capsize=8)
+        delta.errorbar(
+            [0],
+            [s["mean_diff"]],
+            yerr=[[s["mean_diff"] - s["ci_low"]], [s["ci_high"] - s["mean_diff"]]],
+            fmt="o",
+            capsize=8,
+        )
         delta.axhline(0, color="grey", linewidth=0.8)
         delta.set_xticks([0], [f"{metric}\ncandidate - baseline"])
         delta.set_title("paired difference, 95% CI")

@@ -118,8 +118,9 @@ def parse_object(raw: bytes) -> dict:
 
 
 def _is_token_list(value: object) -> bool:
-    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool)
-                                                           for t in value)
+    return (
+        isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    )
 
 
 def validate_generation(kind: str, body: dict) -> dict:
@@ -134,22 +135,29 @@ def validate_generation(kind: str, body: dict) -> dict:
     """
     if kind == "chat":
         messages = body.get("messages")
-        if not (isinstance(messages, list) and messages
-                and all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages)):
+        if not (
+            isinstance(messages, list)
+            and messages
+            and all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages)
+        ):
             raise BadRequest('messages must be a non-empty list of {"role": ..., "content": ...} objects')
     else:
         prompt = body.get("prompt")
-        ok = (isinstance(prompt, str) or _is_token_list(prompt)
-              or (isinstance(prompt, list) and prompt
-                  and all(isinstance(p, str) or _is_token_list(p) for p in prompt)))
+        ok = (
+            isinstance(prompt, str)
+            or _is_token_list(prompt)
+            or (isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_token_list(p) for p in prompt))
+        )
         if not ok:
             raise BadRequest("prompt must be a string, a list of strings, or token ids (a list of integers)")
     for field in ("user", "safety_identifier"):
         if field in body and not isinstance(body[field], str):
             raise BadRequest(f"{field} must be a string (the user's key for the A/B assignment)")
     if body.get("stream"):
-        raise BadRequest("stream=true is not supported by this router: send stream=false (the whole answer is "
-                         "logged with its token counts before it is returned)")
+        raise BadRequest(
+            "stream=true is not supported by this router: send stream=false (the whole answer is "
+            "logged with its token counts before it is returned)"
+        )
     return body
 
 
@@ -210,8 +218,10 @@ def api_key_policy(environ: dict, host: str) -> str | None:
     if key is not None and not key.strip():
         raise ValueError(f"{API_KEY_ENV} is set but empty: set a key, or unset it to serve keyless on 127.0.0.1")
     if key is None and not is_loopback(host):
-        raise ValueError(f"serving on {host} needs an API key for clients: set {API_KEY_ENV} (clients send "
-                         "Authorization: Bearer <key>), or serve on 127.0.0.1 for local use")
+        raise ValueError(
+            f"serving on {host} needs an API key for clients: set {API_KEY_ENV} (clients send "
+            "Authorization: Bearer <key>), or serve on 127.0.0.1 for local use"
+        )
     return key
 
 
@@ -220,10 +230,14 @@ def usage_tokens(answer: dict) -> tuple[int, int]:
     return int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
 
 
-def _error(status: int, message: str, kind: str = "invalid_request_error", headers: Mapping[str, str] | None = None,
-           **extra: Any) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}, **extra}, status,
-                        headers=headers)
+def _error(
+    status: int,
+    message: str,
+    kind: str = "invalid_request_error",
+    headers: Mapping[str, str] | None = None,
+    **extra: Any,
+) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}, **extra}, status, headers=headers)
 
 
 # ------------------------------------------------------------------------------------------------ the router
@@ -232,9 +246,20 @@ def _error(status: int, message: str, kind: str = "invalid_request_error", heade
 class Router:
     """What one process holds: the adapter serving each alias and the requests in flight on each adapter."""
 
-    def __init__(self, *, engine: Engine, client: httpx.AsyncClient | None, request_log: RequestLog, spool: Path,
-                 challenger_fraction: float, api_key: str | None, base: str, base_sha256: str | None,
-                 max_rank: int, request_timeout_s: float):
+    def __init__(
+        self,
+        *,
+        engine: Engine,
+        client: httpx.AsyncClient | None,
+        request_log: RequestLog,
+        spool: Path,
+        challenger_fraction: float,
+        api_key: str | None,
+        base: str,
+        base_sha256: str | None,
+        max_rank: int,
+        request_timeout_s: float,
+    ):
         self.engine, self._client, self.log, self.spool = engine, client, request_log, spool
         self.fraction, self.api_key = challenger_fraction, api_key
         self.base, self.base_sha256, self.max_rank = base, base_sha256, max_rank
@@ -262,8 +287,13 @@ class Router:
         except LogStoreError as e:
             ab_spool.append(self.spool, row)
             self.unlogged += 1
-            log.error("A/B log store failed; request %s kept in %s (%d waiting): %s", row.id, self.spool,
-                      ab_spool.pending(self.spool), e)
+            log.error(
+                "A/B log store failed; request %s kept in %s (%d waiting): %s",
+                row.id,
+                self.spool,
+                ab_spool.pending(self.spool),
+                e,
+            )
             return
         if self.unlogged or self.spool.exists():
             try:
@@ -275,8 +305,9 @@ class Router:
 
     async def generate(self, request: Request, kind: str) -> JSONResponse:
         if not authorized(request.headers.get("authorization"), self.api_key):
-            return _error(401, f"missing or wrong API key: send Authorization: Bearer <{API_KEY_ENV}>",
-                          "authentication_error")
+            return _error(
+                401, f"missing or wrong API key: send Authorization: Bearer <{API_KEY_ENV}>", "authentication_error"
+            )
         try:
             body = validate_generation(kind, parse_object(await request.body()))
         except BadRequest as e:
@@ -315,13 +346,21 @@ class Router:
                 if not isinstance(payload, dict):  # a completion is a JSON object: anything else is the arm failing
                     payload, failure = None, f"the engine answered HTTP 200 without a JSON object: {answer.text[:300]}"
         prompt_tokens, completion_tokens = usage_tokens(payload or {})
-        row = RequestRow(id=request_id, arm=adapter.alias, version=adapter.version, latency_s=latency,
-                         prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                         error=payload is None, assignment=hashed)
+        row = RequestRow(
+            id=request_id,
+            arm=adapter.alias,
+            version=adapter.version,
+            latency_s=latency,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            error=payload is None,
+            assignment=hashed,
+        )
         await anyio.to_thread.run_sync(self._write, row)  # committed (or spooled) before the answer leaves
         if payload is None:
-            return _error(502, failure or "the engine gave no answer", "engine_error", headers=arm_headers,
-                          id=request_id)
+            return _error(
+                502, failure or "the engine gave no answer", "engine_error", headers=arm_headers, id=request_id
+            )
         return JSONResponse(payload | {"id": request_id, "model": adapter.engine_name}, headers=arm_headers)
 
     async def chat(self, request: Request) -> JSONResponse:
@@ -332,8 +371,9 @@ class Router:
 
     async def feedback(self, request: Request) -> JSONResponse:
         if not authorized(request.headers.get("authorization"), self.api_key):
-            return _error(401, f"missing or wrong API key: send Authorization: Bearer <{API_KEY_ENV}>",
-                          "authentication_error")
+            return _error(
+                401, f"missing or wrong API key: send Authorization: Bearer <{API_KEY_ENV}>", "authentication_error"
+            )
         try:
             request_id, score = validate_feedback(parse_object(await request.body()))
             await anyio.to_thread.run_sync(self.log.feedback, request_id, score)
@@ -347,17 +387,26 @@ class Router:
 
     async def models(self, request: Request) -> JSONResponse:
         if not authorized(request.headers.get("authorization"), self.api_key):
-            return _error(401, f"missing or wrong API key: send Authorization: Bearer <{API_KEY_ENV}>",
-                          "authentication_error")
-        data = [{"id": a.alias, "object": "model", "owned_by": "grpo-pipeline", "version": a.version,
-                 "engine_name": a.engine_name, "parent": self.base} for a in self.arms.values()]
+            return _error(
+                401, f"missing or wrong API key: send Authorization: Bearer <{API_KEY_ENV}>", "authentication_error"
+            )
+        data = [
+            {
+                "id": a.alias,
+                "object": "model",
+                "owned_by": "grpo-pipeline",
+                "version": a.version,
+                "engine_name": a.engine_name,
+                "parent": self.base,
+            }
+            for a in self.arms.values()
+        ]
         return JSONResponse({"object": "list", "data": data})
 
     async def health(self, request: Request) -> JSONResponse:
         # For load balancers: no key, nothing about the models; 503 until the champion is loaded.
         ready = CHAMPION in self.arms
-        return JSONResponse({"status": "ok" if ready else "starting", "unlogged": self.unlogged},
-                            200 if ready else 503)
+        return JSONResponse({"status": "ok" if ready else "starting", "unlogged": self.unlogged}, 200 if ready else 503)
 
     # --- alias moves
 
@@ -409,8 +458,10 @@ class Router:
                     log.error("reading alias %s failed (%s: %s); serving what is loaded", alias, type(e).__name__, e)
                     continue
                 if alias == CHAMPION and wanted is None:
-                    log.error("the champion alias is gone from the registry; serving %s until it is set again",
-                              self.arms[CHAMPION].engine_name if CHAMPION in self.arms else "nothing")
+                    log.error(
+                        "the champion alias is gone from the registry; serving %s until it is set again",
+                        self.arms[CHAMPION].engine_name if CHAMPION in self.arms else "nothing",
+                    )
                     continue
                 await self.swap(alias, wanted)
 
@@ -418,8 +469,10 @@ class Router:
     def client(self) -> httpx.AsyncClient:
         """The engine's HTTP client: opened by the app's lifespan (`serve`), hence None until it starts."""
         if self._client is None:
-            raise RuntimeError("the router has no engine client yet: it is opened by the lifespan given to "
-                               "Router.app, so serve the app (uvicorn, TestClient) before sending requests")
+            raise RuntimeError(
+                "the router has no engine client yet: it is opened by the lifespan given to "
+                "Router.app, so serve the app (uvicorn, TestClient) before sending requests"
+            )
         return self._client
 
     @client.setter
@@ -427,13 +480,16 @@ class Router:
         self._client = client
 
     def app(self, lifespan: Lifespan[Starlette] | None = None) -> Starlette:
-        return Starlette(routes=[
-            Route("/v1/chat/completions", self.chat, methods=["POST"]),
-            Route("/v1/completions", self.completions, methods=["POST"]),
-            Route("/v1/feedback", self.feedback, methods=["POST"]),
-            Route("/v1/models", self.models, methods=["GET"]),
-            Route("/health", self.health, methods=["GET"]),
-        ], lifespan=lifespan)
+        return Starlette(
+            routes=[
+                Route("/v1/chat/completions", self.chat, methods=["POST"]),
+                Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/feedback", self.feedback, methods=["POST"]),
+                Route("/v1/models", self.models, methods=["GET"]),
+                Route("/health", self.health, methods=["GET"]),
+            ],
+            lifespan=lifespan,
+        )
 
 
 # ------------------------------------------------------------------------------------------------ the process
@@ -443,8 +499,9 @@ class ServeSetupError(RuntimeError):
     """What keeps the router from starting that the user fixes (exit 2): no champion, an unreachable registry."""
 
 
-def serve(cfg: PipelineConfig, host: str, port: int, api_key: str | None, request_log: RequestLog,
-          cwd: Path | None = None) -> None:
+def serve(
+    cfg: PipelineConfig, host: str, port: int, api_key: str | None, request_log: RequestLog, cwd: Path | None = None
+) -> None:
     """Resolve the aliases, start the engine with their adapters, serve until stopped (SIGINT/SIGTERM).
     The log store is opened (and proven reachable) by the caller; `api_key` comes from `api_key_policy`."""
     import contextlib
@@ -471,8 +528,10 @@ def serve(cfg: PipelineConfig, host: str, port: int, api_key: str | None, reques
     except service_errors as e:
         raise ServeSetupError(f"the registry {registry.name} at {cfg.mlflow_uri} did not answer: {e}") from e
     if champion is None:
-        raise ServeSetupError(f"no champion alias in the registry {registry.name} at {cfg.mlflow_uri}: run the "
-                              "pipeline until a version is promoted, or `grpo-pipeline promote --force`")
+        raise ServeSetupError(
+            f"no champion alias in the registry {registry.name} at {cfg.mlflow_uri}: run the "
+            "pipeline until a version is promoted, or `grpo-pipeline promote --force`"
+        )
     spool = ab_spool.spool_path(cfg.data_dir)
     if ab_spool.replay(spool, request_log):
         log.warning("replayed the requests an earlier run answered while the log store was unreachable")
@@ -490,22 +549,36 @@ def serve(cfg: PipelineConfig, host: str, port: int, api_key: str | None, reques
             initial[CHALLENGER] = challenger
     if (reason := refusal(champion, champion.base, champion.base_sha256, serve_cfg.max_lora_rank)) is not None:
         raise ServeSetupError(reason)
-    log.warning("starting the engine (%s) on %s with %s; its log: %s", python, engine.url,
-                ", ".join(a.engine_name for a in initial.values()), engine.log_path)
+    log.warning(
+        "starting the engine (%s) on %s with %s; its log: %s",
+        python,
+        engine.url,
+        ", ".join(a.engine_name for a in initial.values()),
+        engine.log_path,
+    )
     engine.start({a.engine_name: a.path for a in initial.values()})  # main thread: the death signal follows it
     try:
         engine.wait_ready()
-        router = Router(engine=engine, client=None, request_log=request_log, spool=spool,
-                        challenger_fraction=cfg.ab.challenger_fraction, api_key=api_key, base=champion.base,
-                        base_sha256=champion.base_sha256, max_rank=serve_cfg.max_lora_rank,
-                        request_timeout_s=serve_cfg.request_timeout_s)
+        router = Router(
+            engine=engine,
+            client=None,
+            request_log=request_log,
+            spool=spool,
+            challenger_fraction=cfg.ab.challenger_fraction,
+            api_key=api_key,
+            base=champion.base,
+            base_sha256=champion.base_sha256,
+            max_rank=serve_cfg.max_lora_rank,
+            request_timeout_s=serve_cfg.request_timeout_s,
+        )
         router.arms, router.refused = initial, refused
 
         @contextlib.asynccontextmanager
         async def lifespan(_app):
             limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
-            async with httpx.AsyncClient(base_url=engine.url, headers=engine.headers, limits=limits,
-                                         timeout=serve_cfg.request_timeout_s) as client:
+            async with httpx.AsyncClient(
+                base_url=engine.url, headers=engine.headers, limits=limits, timeout=serve_cfg.request_timeout_s
+            ) as client:
                 router.client = client
                 follower = asyncio.create_task(router.follow(resolve_alias, serve_cfg.poll_s))
                 try:
@@ -513,8 +586,13 @@ def serve(cfg: PipelineConfig, host: str, port: int, api_key: str | None, reques
                 finally:
                     follower.cancel()
 
-        log.warning("serving %s on http://%s:%d (API key %s)", ", ".join(router.arms), host, port,
-                    "required" if api_key else f"off: loopback only, {API_KEY_ENV} unset")
+        log.warning(
+            "serving %s on http://%s:%d (API key %s)",
+            ", ".join(router.arms),
+            host,
+            port,
+            "required" if api_key else f"off: loopback only, {API_KEY_ENV} unset",
+        )
         uvicorn.run(router.app(lifespan), host=host, port=port, log_level="warning", access_log=False)
     finally:
         engine.stop()

@@ -54,8 +54,21 @@ class Selection(BaseModel):
 
     def table(self) -> dict[str, list]:
         """Columns for `mlflow.log_table`."""
-        keys = ("base", "params_b", "reward", "memory_gib", "gpu", "gpus_total", "cost_usd", "fits", "within_budget", "note")
-        return {k: [getattr(r, k) for r in self.rows] for k in keys} | {"chosen": [r.base == self.chosen for r in self.rows]}
+        keys = (
+            "base",
+            "params_b",
+            "reward",
+            "memory_gib",
+            "gpu",
+            "gpus_total",
+            "cost_usd",
+            "fits",
+            "within_budget",
+            "note",
+        )
+        return {k: [getattr(r, k) for r in self.rows] for k in keys} | {
+            "chosen": [r.base == self.chosen for r in self.rows]
+        }
 
 
 def choose(rows: list[CandidateRow]) -> CandidateRow:
@@ -64,14 +77,19 @@ def choose(rows: list[CandidateRow]) -> CandidateRow:
     eligible = [r for r in rows if r.fits and r.within_budget]
     if not eligible:
         reasons = "; ".join(f"{r.base}: {r.note or 'does not fit'}" for r in rows)
-        raise SelectionError(f"no candidate base fits the memory and budget ({reasons}); add smaller candidates, "
-                             "quantize (model.quantization=nf4), allow larger GPUs or raise plan.budget_usd")
-    return max(eligible, key=lambda r: (r.reward if r.reward is not None else float("-inf"),
-                                        -(r.cost_usd or 0.0), -(r.params_b or 0.0)))
+        raise SelectionError(
+            f"no candidate base fits the memory and budget ({reasons}); add smaller candidates, "
+            "quantize (model.quantization=nf4), allow larger GPUs or raise plan.budget_usd"
+        )
+    return max(
+        eligible,
+        key=lambda r: (r.reward if r.reward is not None else float("-inf"), -(r.cost_usd or 0.0), -(r.params_b or 0.0)),
+    )
 
 
-def price(model: ModelConfig, train: TrainConfig, planning: PlanConfig, path: str,
-          train_rows: int | None = None) -> CandidateRow:
+def price(
+    model: ModelConfig, train: TrainConfig, planning: PlanConfig, path: str, train_rows: int | None = None
+) -> CandidateRow:
     """The planner's verdict for one candidate (`model.base`, resolved at `path`): memory, GPU, cost, fits,
     within budget."""
     base = model.base
@@ -85,13 +103,30 @@ def price(model: ModelConfig, train: TrainConfig, planning: PlanConfig, path: st
     note = "" if within else f"estimated ${plan.estimate.usd:,.2f} > plan.budget_usd ${budget:,.2f}"
     if not fits:
         note = plan.notes[-1]
-    return CandidateRow(base=base, path=path, params_b=plan.params / 1e9, memory_gib=plan.memory.total / GIB,
-                        gpu=plan.settings.gpu, gpus_total=plan.settings.gpus, cost_usd=plan.estimate.usd,
-                        fits=fits, within_budget=within, note=note)
+    return CandidateRow(
+        base=base,
+        path=path,
+        params_b=plan.params / 1e9,
+        memory_gib=plan.memory.total / GIB,
+        gpu=plan.settings.gpu,
+        gpus_total=plan.settings.gpus,
+        cost_usd=plan.estimate.usd,
+        fits=fits,
+        within_budget=within,
+        note=note,
+    )
 
 
-def select_base_model(model: ModelConfig, train: TrainConfig, planning: PlanConfig, evaluation: EvalConfig,
-                      rewards: RewardSet, val_file: Path, cache_dir: Path, train_rows: int | None = None) -> Selection:
+def select_base_model(
+    model: ModelConfig,
+    train: TrainConfig,
+    planning: PlanConfig,
+    evaluation: EvalConfig,
+    rewards: RewardSet,
+    val_file: Path,
+    cache_dir: Path,
+    train_rows: int | None = None,
+) -> Selection:
     """Price every candidate of `model.candidates` (for training as `train` sets it, within `planning`'s budget),
     score those that fit on the val split by `rewards`' weighted total (`grpo_pipeline.tasks.evaluate.evaluate_model`
     with `evaluation`'s settings), choose."""
@@ -107,8 +142,9 @@ def select_base_model(model: ModelConfig, train: TrainConfig, planning: PlanConf
         row = price(one, train, planning, path, train_rows)
         if row.fits and row.within_budget and len(candidates) > 1:
             result = evaluate_model(path, one, val_file, rewards, evaluation, label=f"base {base}")
-            row = row.model_copy(update={"reward": result.reward, "per_reward": result.per_reward,
-                                         "metrics": result.metrics})
+            row = row.model_copy(
+                update={"reward": result.reward, "per_reward": result.per_reward, "metrics": result.metrics}
+            )
         rows.append(row)
     best = choose(rows)
     return Selection(chosen=best.base, chosen_path=best.path or "", rows=rows)

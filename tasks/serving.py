@@ -65,8 +65,10 @@ class ServingCheck(BaseModel):
     def reason(self) -> str:
         if self.error:
             return f"serving check: {self.model_uri} did not load or generate outside the project ({self.error})"
-        return (f"serving check: {self.model_uri} served {self.matched}/{self.prompts} holdout prompts as "
-                "the evaluation generated them")
+        return (
+            f"serving check: {self.model_uri} served {self.matched}/{self.prompts} holdout prompts as "
+            "the evaluation generated them"
+        )
 
 
 # ------------------------------------------------------------------------------------------------ the base
@@ -91,8 +93,9 @@ def base_reference(client: MlflowClient, model_path: str, experiment_id: str, la
     if not Path(model_path).is_dir():
         return BaseRef(reference=model_path)  # a hub id: from_pretrained loads it anywhere
     sha = content_hash(Path(model_path))
-    found = client.search_runs([experiment_id], f"tags.{BASE_TAG} = '{sha}' and attributes.status = 'FINISHED'",
-                               max_results=1)
+    found = client.search_runs(
+        [experiment_id], f"tags.{BASE_TAG} = '{sha}' and attributes.status = 'FINISHED'", max_results=1
+    )
     if found:
         return BaseRef(reference=f"runs:/{found[0].info.run_id}/model", sha256=sha)
     run = client.create_run(experiment_id, run_name=f"{label}-{sha[:12]}", tags={"base_label": label})
@@ -138,8 +141,9 @@ def _signature(max_new_tokens: int, batch_size: int) -> ModelSignature:
     return ModelSignature(
         inputs=Schema([ColSpec("string", "prompt")]),
         outputs=Schema([ColSpec("string")]),
-        params=ParamSchema([ParamSpec("max_new_tokens", "long", max_new_tokens),
-                            ParamSpec("batch_size", "long", batch_size)]),
+        params=ParamSchema(
+            [ParamSpec("max_new_tokens", "long", max_new_tokens), ParamSpec("batch_size", "long", batch_size)]
+        ),
     )
 
 
@@ -161,12 +165,19 @@ def _log(name: str, artifacts: dict[str, str], model_config: dict, example: str,
 
     flavor = SimpleNamespace(__name__=mlflow.pyfunc.__name__, save_model=save_model)
     return mlflow.models.Model.log(
-        artifact_path=None, name=name, flavor=flavor, flavor_name="pyfunc.ModelFromCode",
-        python_model=str(MODEL_CODE), code_paths=[str(RENDERER_CODE)], artifacts=artifacts, model_config=model_config,
+        artifact_path=None,
+        name=name,
+        flavor=flavor,
+        flavor_name="pyfunc.ModelFromCode",
+        python_model=str(MODEL_CODE),
+        code_paths=[str(RENDERER_CODE)],
+        artifacts=artifacts,
+        model_config=model_config,
         signature=_signature(model_config["max_new_tokens"], model_config["batch_size"]),
         input_example=pd.DataFrame({"prompt": [example]}),
         pip_requirements=_requirements(model_config.get("quantization", "none") != "none"),
-        validate_serving_input=False, tags=tags,
+        validate_serving_input=False,
+        tags=tags,
     )
 
 
@@ -174,27 +185,42 @@ def find_logged_model(run_id: str, name: str) -> LoggedModel | None:
     """The model a first attempt of this run logged, so a retry registers it instead of logging again."""
     import mlflow
 
-    found = mlflow.search_logged_models(filter_string=f"source_run_id = '{run_id}' AND name = '{name}'",
-                                        output_format="list", max_results=1)
+    found = mlflow.search_logged_models(
+        filter_string=f"source_run_id = '{run_id}' AND name = '{name}'", output_format="list", max_results=1
+    )
     return found[0] if found else None
 
 
 def model_config(base: BaseRef | None, model: ModelConfig, evaluate: EvalConfig) -> dict:
     """How the model code loads and generates: base, precision, and the evaluation's decoding."""
-    out: dict[str, Any] = {"max_new_tokens": evaluate.max_new_tokens, "batch_size": evaluate.batch_size,
-           "trust_remote_code": model.trust_remote_code, "compute_dtype": model.compute_dtype}
+    out: dict[str, Any] = {
+        "max_new_tokens": evaluate.max_new_tokens,
+        "batch_size": evaluate.batch_size,
+        "trust_remote_code": model.trust_remote_code,
+        "compute_dtype": model.compute_dtype,
+    }
     if base is not None:
-        out |= {"base": base.reference, "base_sha256": base.sha256, "quantization": model.quantization,
-                "double_quant": model.double_quant}
+        out |= {
+            "base": base.reference,
+            "base_sha256": base.sha256,
+            "quantization": model.quantization,
+            "double_quant": model.double_quant,
+        }
     return out
 
 
-def log_adapter_model(adapter_dir: str, base: BaseRef, model: ModelConfig, evaluate: EvalConfig, example: str,
-                      work: Path) -> tuple[str, str]:
+def log_adapter_model(
+    adapter_dir: str, base: BaseRef, model: ModelConfig, evaluate: EvalConfig, example: str, work: Path
+) -> tuple[str, str]:
     """The adapter as an MLflow model in the active run; returns (model URI, logged model id)."""
     portable = portable_adapter(adapter_dir, base, work / "adapter")
-    info = _log("adapter", {"adapter": str(portable)}, model_config(base, model, evaluate), example,
-                {"base_model": base.reference})
+    info = _log(
+        "adapter",
+        {"adapter": str(portable)},
+        model_config(base, model, evaluate),
+        example,
+        {"base_model": base.reference},
+    )
     return info.model_uri, info.model_id
 
 
@@ -243,33 +269,70 @@ def isolated_env(tracking_uri: str, workdir: Path, cache_dir: Path | None = None
     hook.mkdir(parents=True, exist_ok=True)
     (hook / "sitecustomize.py").write_text(BLOCKER % (PROJECT_PACKAGES,))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "GRPO_"))}
-    env |= {"PYTHONPATH": str(hook), "MLFLOW_TRACKING_URI": tracking_uri, "PYTHONNOUSERSITE": "1",
-            "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false", "TOKENIZERS_PARALLELISM": "false"}
+    env |= {
+        "PYTHONPATH": str(hook),
+        "MLFLOW_TRACKING_URI": tracking_uri,
+        "PYTHONNOUSERSITE": "1",
+        "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     if cache_dir is not None:
         env["GRPO_MODEL_CACHE"] = str(cache_dir)
     return env
 
 
-def serving_check(model_uri: str, tracking_uri: str, rows: list[dict], expected: list[str], max_new_tokens: int,
-                  batch_size: int, cache_dir: Path | None = None, timeout_s: float = 1800) -> ServingCheck:
+def serving_check(
+    model_uri: str,
+    tracking_uri: str,
+    rows: list[dict],
+    expected: list[str],
+    max_new_tokens: int,
+    batch_size: int,
+    cache_dir: Path | None = None,
+    timeout_s: float = 1800,
+) -> ServingCheck:
     """Load `model_uri` in a clean process outside the project and compare its outputs with `expected`
     (the evaluation's greedy completions of the same holdout rows, in the same batches)."""
     started = time.monotonic()
     prompts = [prompt_text(r["prompt"]) for r in rows]
     with tempfile.TemporaryDirectory(prefix="grpo-serving-check-") as tmp:
-        payload = json.dumps({"tracking_uri": tracking_uri, "model_uri": model_uri, "prompts": prompts,
-                              "max_new_tokens": max_new_tokens, "batch_size": batch_size})
+        payload = json.dumps(
+            {
+                "tracking_uri": tracking_uri,
+                "model_uri": model_uri,
+                "prompts": prompts,
+                "max_new_tokens": max_new_tokens,
+                "batch_size": batch_size,
+            }
+        )
         # On stdin, not argv: one argument is capped at 128 KiB (a long holdout failed with E2BIG), and argv
         # shows in `ps` to every user of the machine.
-        proc = subprocess.run([sys.executable, "-c", CHECK], input=payload, cwd=tmp, capture_output=True, text=True,
-                              env=isolated_env(tracking_uri, Path(tmp), cache_dir), timeout=timeout_s)
+        proc = subprocess.run(
+            [sys.executable, "-c", CHECK],
+            input=payload,
+            cwd=tmp,
+            capture_output=True,
+            text=True,
+            env=isolated_env(tracking_uri, Path(tmp), cache_dir),
+            timeout=timeout_s,
+        )
     seconds = time.monotonic() - started
     if proc.returncode != 0:
         tail = proc.stderr.strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
-        return ServingCheck(model_uri=model_uri, prompts=len(rows), matched=0, passed=False, seconds=seconds,
-                            error=tail[0][:500])
+        return ServingCheck(
+            model_uri=model_uri, prompts=len(rows), matched=0, passed=False, seconds=seconds, error=tail[0][:500]
+        )
     served = json.loads(proc.stdout.strip().splitlines()[-1])["outputs"]
-    mismatches = [{"key": r.get("key", i), "expected": e, "served": s}
-                  for i, (r, e, s) in enumerate(zip(rows, expected, served, strict=True)) if e != s]
-    return ServingCheck(model_uri=model_uri, prompts=len(rows), matched=len(rows) - len(mismatches),
-                        passed=not mismatches, seconds=seconds, mismatches=mismatches[:5])
+    mismatches = [
+        {"key": r.get("key", i), "expected": e, "served": s}
+        for i, (r, e, s) in enumerate(zip(rows, expected, served, strict=True))
+        if e != s
+    ]
+    return ServingCheck(
+        model_uri=model_uri,
+        prompts=len(rows),
+        matched=len(rows) - len(mismatches),
+        passed=not mismatches,
+        seconds=seconds,
+        mismatches=mismatches[:5],
+    )

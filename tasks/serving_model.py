@@ -76,8 +76,10 @@ def _expand(cell: object) -> list:
         return out
     if isinstance(cell, dict) and not _is_chat(cell):
         if "prompt" not in cell:
-            raise ValueError(f"an input record has no 'prompt' (keys: {sorted(cell)}); pass "
-                             '{"prompt": "<text or chat messages>"}')
+            raise ValueError(
+                f"an input record has no 'prompt' (keys: {sorted(cell)}); pass "
+                '{"prompt": "<text or chat messages>"}'
+            )
         return _expand(cell["prompt"])
     if cell is None:
         raise ValueError("an input prompt is empty (None); pass text or a list of chat messages")
@@ -130,9 +132,14 @@ class GRPOChatModel(PythonModel):
             from transformers import BitsAndBytesConfig
 
             kwargs["quantization_config"] = (
-                BitsAndBytesConfig(load_in_8bit=True) if quantization == "int8" else BitsAndBytesConfig(
-                    load_in_4bit=True, bnb_4bit_quant_type=quantization,
-                    bnb_4bit_use_double_quant=bool(cfg.get("double_quant", False)), bnb_4bit_compute_dtype=dtype)
+                BitsAndBytesConfig(load_in_8bit=True)
+                if quantization == "int8"
+                else BitsAndBytesConfig(
+                    load_in_4bit=True,
+                    bnb_4bit_quant_type=quantization,
+                    bnb_4bit_use_double_quant=bool(cfg.get("double_quant", False)),
+                    bnb_4bit_compute_dtype=dtype,
+                )
             )
         model = AutoModelForCausalLM.from_pretrained(weights, **kwargs)
         if not merged:
@@ -151,11 +158,15 @@ class GRPOChatModel(PythonModel):
         out = []
         with torch.inference_mode():
             for start in range(0, len(texts), batch_size):
-                batch = self.tokenizer(texts[start : start + batch_size], return_tensors="pt", padding=True,
-                                       add_special_tokens=False).to(self.model.device)
-                generated = self.model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,
-                                                pad_token_id=self.tokenizer.pad_token_id)
-                out += self.tokenizer.batch_decode(generated[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
+                batch = self.tokenizer(
+                    texts[start : start + batch_size], return_tensors="pt", padding=True, add_special_tokens=False
+                ).to(self.model.device)
+                generated = self.model.generate(
+                    **batch, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=self.tokenizer.pad_token_id
+                )
+                out += self.tokenizer.batch_decode(
+                    generated[:, batch["input_ids"].shape[1] :], skip_special_tokens=True
+                )
         return out
 
 

@@ -54,7 +54,9 @@ def replay_rank(key: str, salt: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{salt}\0{key}".encode()).digest()[:8], "big")
 
 
-def incremental_rows(rows: list[dict], seen: set[str], replay_fraction: float, salt: str) -> tuple[list[dict], int, int]:
+def incremental_rows(
+    rows: list[dict], seen: set[str], replay_fraction: float, salt: str
+) -> tuple[list[dict], int, int]:
     """The train rows of an incremental run: every row whose key is not in `seen` (the keys the parent adapter's
     lineage trained on), plus `replay_fraction` of the seen ones (rounded up), picked by `replay_rank`; in the
     rows' own order. Returns (rows, new, replayed).

@@ -58,8 +58,12 @@ class Holdout(BaseModel):
     @classmethod
     def of(cls, base: EvalResult, trained: EvalResult, champion: EvalResult | None) -> Holdout:
         return cls(
-            n=base.n, base_reward=base.reward, trained_reward=trained.reward, gain=trained.reward - base.reward,
-            base=base.per_reward | base.metrics, trained=trained.per_reward | trained.metrics,
+            n=base.n,
+            base_reward=base.reward,
+            trained_reward=trained.reward,
+            gain=trained.reward - base.reward,
+            base=base.per_reward | base.metrics,
+            trained=trained.per_reward | trained.metrics,
             champion_reward=champion.reward if champion else None,
             champion=champion.per_reward | champion.metrics if champion else None,
             examples=trained.examples,
@@ -89,11 +93,19 @@ class Search(BaseModel):
     @classmethod
     def of(cls, result: HPOResult) -> Search:
         """From `grpo_pipeline.tasks.hpo.HPOResult`."""
-        return cls(study=result.study_name, best_trial=result.best_trial, best_value=result.best_value,
-                   overrides=result.overrides, applied=result.applied, decision=result.decision,
-                   best_overrides=result.best_overrides, difference=result.difference,
-                   difference_ci=result.difference_ci, steps_spent=result.steps_spent,
-                   budget_steps=result.budget_steps)
+        return cls(
+            study=result.study_name,
+            best_trial=result.best_trial,
+            best_value=result.best_value,
+            overrides=result.overrides,
+            applied=result.applied,
+            decision=result.decision,
+            best_overrides=result.best_overrides,
+            difference=result.difference,
+            difference_ci=result.difference_ci,
+            steps_spent=result.steps_spent,
+            budget_steps=result.budget_steps,
+        )
 
 
 class Cost(BaseModel):

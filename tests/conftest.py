@@ -81,8 +81,12 @@ def local_stack(tmp_path_factory):
     from grpo_pipeline.infra.services import ACCESS_KEY, SECRET_KEY
     from grpo_pipeline.infra.stack import Stack
 
-    stack = Stack(tmp_path_factory.mktemp("stack"), ports={"s3": 0, "mlflow": 0, "prefect": 0}, bucket="ckpt",
-                  credentials=(ACCESS_KEY, SECRET_KEY))
+    stack = Stack(
+        tmp_path_factory.mktemp("stack"),
+        ports={"s3": 0, "mlflow": 0, "prefect": 0},
+        bucket="ckpt",
+        credentials=(ACCESS_KEY, SECRET_KEY),
+    )
     yield stack
     stack.down()
 

@@ -26,7 +26,10 @@ def create_random_model(target: Path, *, hidden_size: int = 64, layers: int = 2,
     corpus = [f"What is {a} + {b}? Reply with just the number. {a + b}" for a in range(30) for b in range(30)]
     bpe.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=specials))
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=bpe, bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        tokenizer_object=bpe,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
         model_input_names=["input_ids", "attention_mask"],
     )
     tokenizer.chat_template = TINY_CHAT_TEMPLATE

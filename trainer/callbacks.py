@@ -64,8 +64,14 @@ class CheckpointSync(TrainerCallback):
     a rank's part; the other ranks drop their copies.
     """
 
-    def __init__(self, store: Store, keep: int, staging: Path, metrics: CommittedMetrics | None = None,
-                 ranks: Ranks | None = None):
+    def __init__(
+        self,
+        store: Store,
+        keep: int,
+        staging: Path,
+        metrics: CommittedMetrics | None = None,
+        ranks: Ranks | None = None,
+    ):
         self.store, self.keep, self.staging, self.metrics = store, keep, staging, metrics
         self.ranks = ranks or Ranks()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-upload")
@@ -146,7 +152,9 @@ class StopOnSigterm(TrainerCallback):
         log.warning("SIGTERM: saving a checkpoint after this step, then exiting")
         self.received = True
 
-    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> TrainerControl:
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> TrainerControl:
         if self.ranks.any(self.received):
             self.received = True
             control.should_save = True
@@ -174,8 +182,14 @@ class ReportValidation(TrainerCallback):
     watches a spot node). The hyperparameter search reads these lines to report to Optuna and prune.
     """
 
-    def on_evaluate(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                    metrics: dict[str, float] | None = None, **kwargs: Any) -> None:
+    def on_evaluate(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        metrics: dict[str, float] | None = None,
+        **kwargs: Any,
+    ) -> None:
         if state.is_world_process_zero and metrics and "eval_reward" in metrics:
             # flushed: stdout is a pipe
             print(progress_line(state.global_step, float(metrics["eval_reward"])), flush=True)
@@ -189,8 +203,9 @@ def step_log_line(logs: dict, step: int, max_steps: int) -> str:
     >>> step_log_line({"loss": float("nan"), "reward": 0.5, "total_flos": 9.0}, 12, 40)
     "{'loss': 'nan', 'reward': 0.5, 'step': 12, 'max_steps': 40}"
     """
-    shown = {k: str(v) if isinstance(v, float) and not math.isfinite(v) else v
-             for k, v in logs.items() if k != "total_flos"}  # total_flos: HF's printer drops it too
+    shown = {
+        k: str(v) if isinstance(v, float) and not math.isfinite(v) else v for k, v in logs.items() if k != "total_flos"
+    }  # total_flos: HF's printer drops it too
     return str({**shown, "step": step, "max_steps": max_steps})
 
 
@@ -201,8 +216,14 @@ class StepLog(TrainerCallback):
 
     reader_gone = False
 
-    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-               logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
         if state.is_world_process_zero and logs and not self.reader_gone:
             from tqdm.auto import tqdm
 
@@ -219,8 +240,14 @@ class StepLog(TrainerCallback):
 class BarWithoutLogs(ProgressCallback):
     """HF's tqdm bar, without its copy of each log."""
 
-    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-               logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
         pass
 
 
@@ -262,9 +289,16 @@ class HealthCallback(TrainerCallback):
     it without that save (the state may be poisoned) and leaves `rollback` set for `grpo_pipeline.trainer.train` to restart
     from the last healthy checkpoint, unless the ledger's rollbacks are spent: then it stops."""
 
-    def __init__(self, settings: HealthSettings, ledger: Ledger, ranks: Ranks | None = None,
-                 client: MlflowClient | None = None, run_id: str | None = None,
-                 restored: dict | None = None, lr_factor: float = 1.0):
+    def __init__(
+        self,
+        settings: HealthSettings,
+        ledger: Ledger,
+        ranks: Ranks | None = None,
+        client: MlflowClient | None = None,
+        run_id: str | None = None,
+        restored: dict | None = None,
+        lr_factor: float = 1.0,
+    ):
         from grpo_pipeline.trainer.health import Monitor
 
         self.settings, self.ledger, self.ranks = settings, ledger, ranks or Ranks()
@@ -276,8 +310,15 @@ class HealthCallback(TrainerCallback):
         self.stopped: HealthEvent | None = None  # the event that stopped training
         self.seconds = 0.0  # time spent in the rules, for the overhead figure
 
-    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                       optimizer: Any = None, lr_scheduler: Any = None, **kwargs: Any) -> None:
+    def on_train_begin(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        optimizer: Any = None,
+        lr_scheduler: Any = None,
+        **kwargs: Any,
+    ) -> None:
         from grpo_pipeline.trainer.health import scale_learning_rate
 
         self.monitor.check_grad_norm = not args.fp16  # the fp16 GradScaler logs inf grad norms on steps it skips
@@ -286,8 +327,14 @@ class HealthCallback(TrainerCallback):
         if optimizer is not None:
             scale_learning_rate(optimizer, lr_scheduler, self.lr_factor)
 
-    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-               logs: dict[str, Any] | None = None, **kwargs: Any) -> TrainerControl:
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> TrainerControl:
         from grpo_pipeline.trainer.health import decide, is_step_log
 
         if not logs or not is_step_log(logs):
@@ -307,8 +354,11 @@ class HealthCallback(TrainerCallback):
                 control.should_save = False  # not this step's state: it is what the rule found unhealthy
             else:
                 spent = chosen.action == "rollback"
-                chosen.taken = (f"stopped (rollbacks spent: {self.ledger.rollbacks} of {self.settings.max_rollbacks})"
-                                if spent else "stopped")
+                chosen.taken = (
+                    f"stopped (rollbacks spent: {self.ledger.rollbacks} of {self.settings.max_rollbacks})"
+                    if spent
+                    else "stopped"
+                )
                 self.stopped = chosen
             control.should_training_stop = True
         for event in events:
@@ -325,8 +375,11 @@ class HealthCallback(TrainerCallback):
         if self.client and self.run_id:
             value = event.value if math.isfinite(event.value) else -1.0  # MLflow refuses NaN; -1: "not finite"
             self.client.log_metric(self.run_id, f"health/{event.rule}", value, step=event.step)
-            self.client.set_tag(self.run_id, f"health/step-{event.step}/{event.rule}",
-                                f"{event.action}: {event.message} -> {what}"[:5000])
+            self.client.set_tag(
+                self.run_id,
+                f"health/step-{event.step}/{event.rule}",
+                f"{event.action}: {event.message} -> {what}"[:5000],
+            )
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         """The windows and the events so far, beside the checkpoint HF just wrote (rank 0's folder is the one
@@ -339,6 +392,10 @@ class HealthCallback(TrainerCallback):
             return
         folder = Path(args.output_dir) / checkpoint_name(state.global_step)
         if folder.is_dir():
-            body = {**self.monitor.state(), "events": [e.model_dump(mode="json") for e in self.ledger.events],
-                    "rollbacks": self.ledger.rollbacks, "lr_scale": self.ledger.lr_scale}
+            body = {
+                **self.monitor.state(),
+                "events": [e.model_dump(mode="json") for e in self.ledger.events],
+                "rollbacks": self.ledger.rollbacks,
+                "lr_scale": self.ledger.lr_scale,
+            }
             (folder / STATE_FILE).write_text(json.dumps(body))

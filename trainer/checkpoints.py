@@ -93,8 +93,10 @@ def safe_relative(name: object, origin: str) -> str:
         problem = "has an empty or '.' part"
     else:
         return name
-    raise CheckpointCorrupt(f"{origin} names {name!r}, which {problem}; a name read from a store must be a relative "
-                            "path inside its directory (a/b/c), so the checkpoint is treated as corrupt")
+    raise CheckpointCorrupt(
+        f"{origin} names {name!r}, which {problem}; a name read from a store must be a relative "
+        "path inside its directory (a/b/c), so the checkpoint is treated as corrupt"
+    )
 
 
 def inside(directory: Path, name: str) -> Path:
@@ -102,8 +104,10 @@ def inside(directory: Path, name: str) -> Path:
     path = directory / name
     root = directory.resolve()
     if not path.resolve().is_relative_to(root):
-        raise CheckpointCorrupt(f"checkpoint file {path} resolves to {path.resolve()}, outside {root} (a symlink); "
-                                "the checkpoint is treated as corrupt")
+        raise CheckpointCorrupt(
+            f"checkpoint file {path} resolves to {path.resolve()}, outside {root} (a symlink); "
+            "the checkpoint is treated as corrupt"
+        )
     return path
 
 
@@ -124,16 +128,22 @@ def manifest_files(manifest: dict, where: str) -> dict[str, tuple[int, str]]:
     for name, meta in files.items():
         safe_relative(name, f"the manifest of {where}")
         size, sha = (meta.get("size"), meta.get("sha256")) if isinstance(meta, dict) else (None, None)
-        if isinstance(size, bool) or not isinstance(size, int) or size < 0 or not isinstance(sha, str) \
-                or not _SHA256.fullmatch(sha):
+        if (
+            isinstance(size, bool)
+            or not isinstance(size, int)
+            or size < 0
+            or not isinstance(sha, str)
+            or not _SHA256.fullmatch(sha)
+        ):
             raise CheckpointCorrupt(f"the manifest of {where} gives {name!r} no valid size and sha256: {meta!r:.200}")
         out[name] = (size, sha)
     for name in out:
         parents = name.split("/")[:-1]
         for i in range(1, len(parents) + 1):
             if (parent := "/".join(parents[:i])) in out:
-                raise CheckpointCorrupt(f"the manifest of {where} names {parent!r} both as a file and as the "
-                                        f"directory of {name!r}")
+                raise CheckpointCorrupt(
+                    f"the manifest of {where} names {parent!r} both as a file and as the directory of {name!r}"
+                )
     return out
 
 
@@ -144,8 +154,10 @@ def verify(directory: Path, manifest: dict) -> None:
         if not path.is_file():
             raise CheckpointCorrupt(f"checkpoint file {path} is missing or truncated (it is missing)")
         if path.stat().st_size != size:
-            raise CheckpointCorrupt(f"checkpoint file {path} is missing or truncated ({path.stat().st_size:,} bytes, "
-                                    f"the manifest says {size:,})")
+            raise CheckpointCorrupt(
+                f"checkpoint file {path} is missing or truncated ({path.stat().st_size:,} bytes, "
+                f"the manifest says {size:,})"
+            )
         if _sha256(path) != sha:
             raise CheckpointCorrupt(f"checkpoint file {path} does not match its manifest's sha256")
 
@@ -222,7 +234,9 @@ class LocalStore:
     def complete_steps(self) -> list[int]:
         if not self.root.is_dir():
             return []
-        return steps_with_manifest([p.relative_to(self.root).as_posix() for p in self.root.glob(f"checkpoint-*/{MANIFEST}")])
+        return steps_with_manifest(
+            [p.relative_to(self.root).as_posix() for p in self.root.glob(f"checkpoint-*/{MANIFEST}")]
+        )
 
     def entry_steps(self) -> list[int]:
         if not self.root.is_dir():
@@ -336,7 +350,9 @@ class S3Store:
             self.s3.head_bucket(Bucket=self.bucket)
         except ClientError as exc:
             if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchBucket"):
-                raise CheckpointStoreError(f"bucket {self.bucket} does not exist at {where}; create it. {fix}") from None
+                raise CheckpointStoreError(
+                    f"bucket {self.bucket} does not exist at {where}; create it. {fix}"
+                ) from None
             raise CheckpointStoreError(f"cannot write to {self.uri} at {where}: {exc}. {fix}") from None
         except BotoCoreError as exc:
             raise CheckpointStoreError(f"cannot write to {self.uri} at {where}: {exc}. {fix}") from None
@@ -382,8 +398,13 @@ class S3Store:
             try:
                 self.delete(name)
             except Exception as cleanup:  # the store may be the reason the upload failed
-                log.warning("could not remove the partial upload of %s from %r: %s; prune removes it once a newer "
-                            "checkpoint is complete", name, self, cleanup)
+                log.warning(
+                    "could not remove the partial upload of %s from %r: %s; prune removes it once a newer "
+                    "checkpoint is complete",
+                    name,
+                    self,
+                    cleanup,
+                )
             raise
 
     def read_record(self, name: str) -> tuple[bytes | None, str | None]:
@@ -440,10 +461,14 @@ class S3Store:
                 self.s3.download_file(self.bucket, self._key(name, file), str(target))
             except ClientError as exc:
                 if _not_found(exc):
-                    raise CheckpointCorrupt(f"checkpoint file {where}/{file} is missing or truncated (it is missing)") from None
+                    raise CheckpointCorrupt(
+                        f"checkpoint file {where}/{file} is missing or truncated (it is missing)"
+                    ) from None
                 if _code(exc) in _BAD_KEY:  # the server will not take the name: so it is the manifest's fault
-                    raise CheckpointCorrupt(f"the manifest of {where} names {file!r}, a key the server refuses "
-                                            f"({exc}); the checkpoint is treated as corrupt") from None
+                    raise CheckpointCorrupt(
+                        f"the manifest of {where} names {file!r}, a key the server refuses "
+                        f"({exc}); the checkpoint is treated as corrupt"
+                    ) from None
                 raise
         verify(directory, manifest)
         return directory
@@ -540,8 +565,10 @@ class ResumePoint:
         """One line for the log and MLflow on why the newest checkpoint was not used; None when it was."""
         if not self.skipped:
             return None
-        passed = "; ".join(f"checkpoint {s['step']}: {s['reason']}" + (f" (moved to {s['moved_to']})" if s["moved_to"] else "")
-                           for s in self.skipped)
+        passed = "; ".join(
+            f"checkpoint {s['step']}: {s['reason']}" + (f" (moved to {s['moved_to']})" if s["moved_to"] else "")
+            for s in self.skipped
+        )
         target = f"resumed from step {self.step}" if self.step is not None else "no checkpoint verifies: started fresh"
         return f"{target}; passed over {passed}"
 
@@ -562,14 +589,19 @@ def choose_resume(store: Store, scratch: Path, *, move_aside: bool = True) -> Re
         except CheckpointCorrupt as exc:
             shutil.rmtree(Path(scratch) / name, ignore_errors=True)  # a partial download, if any
             moved = store.move_aside(name, str(exc)) if move_aside else None
-            log.warning("checkpoint %d in %r does not verify: %s%s", step, store, exc,
-                        f"; moved to {moved}" if moved else "")
+            log.warning(
+                "checkpoint %d in %r does not verify: %s%s", step, store, exc, f"; moved to {moved}" if moved else ""
+            )
             point.skipped.append({"step": step, "reason": str(exc), "moved_to": moved})
             continue
         break
     if point.step is not None:
-        log.info("resuming from step %d in %r%s", point.step, store,
-                 f" (passed over {len(point.skipped)} newer checkpoint(s) that do not verify)" if point.skipped else "")
+        log.info(
+            "resuming from step %d in %r%s",
+            point.step,
+            store,
+            f" (passed over {len(point.skipped)} newer checkpoint(s) that do not verify)" if point.skipped else "",
+        )
     elif point.skipped:
         log.warning("no checkpoint in %r verifies; starting from step 0", store)
     return point

@@ -214,27 +214,39 @@ def problems(spec: JobSpec, gpus_per_node: int, defaults: dict[str, Any] | None 
     server = bool(grpo.get("use_vllm")) and grpo.get("vllm_mode", "colocate") == "server"
     if gpus_per_node and ppn + d.vllm_server_gpus > gpus_per_node:
         extra = f" + vllm_server_gpus ({d.vllm_server_gpus})" if d.vllm_server_gpus else ""
-        found.append(f"train.distributed.processes_per_node ({ppn}){extra} needs {ppn + d.vllm_server_gpus} GPUs on "
-                     f"a node that has {gpus_per_node}: set processes_per_node <= {gpus_per_node - d.vllm_server_gpus} "
-                     "(one process per GPU), or ask for more GPUs per node")
+        found.append(
+            f"train.distributed.processes_per_node ({ppn}){extra} needs {ppn + d.vllm_server_gpus} GPUs on "
+            f"a node that has {gpus_per_node}: set processes_per_node <= {gpus_per_node - d.vllm_server_gpus} "
+            "(one process per GPU), or ask for more GPUs per node"
+        )
     if not gpus_per_node and d.strategy != "ddp":
-        found.append(f"train.distributed.strategy={d.strategy} needs GPUs (accelerate's FSDP and DeepSpeed do not run "
-                     "on the CPU): use strategy ddp here, or launch on GPUs (train.launcher=sky)")
+        found.append(
+            f"train.distributed.strategy={d.strategy} needs GPUs (accelerate's FSDP and DeepSpeed do not run "
+            "on the CPU): use strategy ddp here, or launch on GPUs (train.launcher=sky)"
+        )
     if d.nodes > 1 and not spec.checkpoint_uri.startswith("s3://"):
-        found.append(f"train.distributed.nodes={d.nodes}: nodes do not share a local checkpoint directory "
-                     f"({spec.checkpoint_uri}), and every node resumes from the store: set "
-                     "train.checkpoint_uri=s3://bucket/prefix")
+        found.append(
+            f"train.distributed.nodes={d.nodes}: nodes do not share a local checkpoint directory "
+            f"({spec.checkpoint_uri}), and every node resumes from the store: set "
+            "train.checkpoint_uri=s3://bucket/prefix"
+        )
     if d.strategy in SHARDING and spec.model.quantization != "none":
-        found.append(f"train.distributed.strategy={d.strategy} shards the base's weights, and a bitsandbytes "
-                     f"{spec.model.quantization} base cannot be sharded as loaded here (FSDP and ZeRO-3 need "
-                     "bnb_4bit_quant_storage equal to the compute dtype for 4-bit, and do not shard int8): use "
-                     "strategy ddp or zero2 with a quantized base, or model.quantization=none")
+        found.append(
+            f"train.distributed.strategy={d.strategy} shards the base's weights, and a bitsandbytes "
+            f"{spec.model.quantization} base cannot be sharded as loaded here (FSDP and ZeRO-3 need "
+            "bnb_4bit_quant_storage equal to the compute dtype for 4-bit, and do not shard int8): use "
+            "strategy ddp or zero2 with a quantized base, or model.quantization=none"
+        )
     if server and not (d.vllm_server_gpus or d.vllm_server_node):
-        found.append("train.grpo.vllm_mode=server needs GPUs for the server that the trainers do not use: set "
-                     "train.distributed.vllm_server_gpus=K (on the node) or vllm_server_node=true (a node of its own)")
+        found.append(
+            "train.grpo.vllm_mode=server needs GPUs for the server that the trainers do not use: set "
+            "train.distributed.vllm_server_gpus=K (on the node) or vllm_server_node=true (a node of its own)"
+        )
     if (d.vllm_server_gpus or d.vllm_server_node) and not server:
-        found.append("train.distributed.vllm_server_gpus / vllm_server_node give GPUs to a vLLM server only with "
-                     "train.grpo.use_vllm=true and vllm_mode=server; unset them")
+        found.append(
+            "train.distributed.vllm_server_gpus / vllm_server_node give GPUs to a vLLM server only with "
+            "train.grpo.use_vllm=true and vllm_mode=server; unset them"
+        )
     if d.vllm_server_gpus and d.vllm_server_node:
         found.append("train.distributed: give vllm_server_gpus (GPUs on each node) or vllm_server_node, not both")
     if not gpus_per_node and server:

@@ -94,12 +94,16 @@ class FencedStore:
         if record is None:
             owner = "nobody: its attempt record is gone (the store was cleared or moved)"
         else:
-            owner = (f"epoch {record.get('epoch')} ({record.get('host')} pid {record.get('pid')}, "
-                     f"since {record.get('since')})")
-        raise Superseded(f"{self.store!r} is now owned by {owner}; this attempt, {self.claim.describe()}, stops "
-                         "without writing, so the store holds only the newer attempt's checkpoints and final. "
-                         "Nothing to fix if a relaunch took over; otherwise two jobs share this checkpoint URI: "
-                         "give each its own")
+            owner = (
+                f"epoch {record.get('epoch')} ({record.get('host')} pid {record.get('pid')}, "
+                f"since {record.get('since')})"
+            )
+        raise Superseded(
+            f"{self.store!r} is now owned by {owner}; this attempt, {self.claim.describe()}, stops "
+            "without writing, so the store holds only the newer attempt's checkpoints and final. "
+            "Nothing to fix if a relaunch took over; otherwise two jobs share this checkpoint URI: "
+            "give each its own"
+        )
 
     def put(self, local_dir: Path, name: str, step: int) -> None:
         self.check_owner()
@@ -118,10 +122,16 @@ def claim_store(store: Store) -> FencedStore:
     """Claim the store for this attempt (epoch one above the last) and return it fenced."""
     for _ in range(_CLAIM_TRIES):
         body, tag = store.read_record(ATTEMPT)
-        claim = next_claim(_parse(body), token=uuid.uuid4().hex, host=socket.gethostname(), pid=os.getpid(),
-                           now=datetime.now(UTC))
-        record = {"epoch": claim.epoch, "token": claim.token, "host": claim.host, "pid": claim.pid,
-                  "since": claim.since}
+        claim = next_claim(
+            _parse(body), token=uuid.uuid4().hex, host=socket.gethostname(), pid=os.getpid(), now=datetime.now(UTC)
+        )
+        record = {
+            "epoch": claim.epoch,
+            "token": claim.token,
+            "host": claim.host,
+            "pid": claim.pid,
+            "since": claim.since,
+        }
         if store.write_record(ATTEMPT, json.dumps(record, indent=1).encode(), tag):
             return FencedStore(store, claim)
     raise CheckpointStoreError(f"could not claim {store!r}: {_CLAIM_TRIES} other attempts claimed it meanwhile")

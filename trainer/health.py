@@ -46,18 +46,39 @@ class Rule:
     relative: bool = False
 
 
-RULES: dict[str, Rule] = {r.name: r for r in (
-    Rule("zero_variance", "frac_reward_zero_std", lambda v, t: v >= t,
-         "mean fraction of groups whose completions all got the same reward (no advantage, no gradient)"),
-    Rule("entropy_collapse", "entropy", lambda v, t: v <= t,
-         "mean policy entropy as a fraction of the run's first window", relative=True),
-    Rule("length_drift", "completions/mean_length", lambda v, t: v >= t or v <= 1 / t,
-         "mean completion length as a multiple of the run's first window", relative=True),
-    Rule("clipped_completions", "completions/clipped_ratio", lambda v, t: v >= t,
-         "mean fraction of completions cut at max_completion_length"),
-    Rule("kl_blowup", "kl", lambda v, t: v >= t, "mean per-token KL to the reference"),
-    Rule("reward_collapse", "reward_std", lambda v, t: v <= t, "mean spread (std) of the rewards in a batch"),
-)}
+RULES: dict[str, Rule] = {
+    r.name: r
+    for r in (
+        Rule(
+            "zero_variance",
+            "frac_reward_zero_std",
+            lambda v, t: v >= t,
+            "mean fraction of groups whose completions all got the same reward (no advantage, no gradient)",
+        ),
+        Rule(
+            "entropy_collapse",
+            "entropy",
+            lambda v, t: v <= t,
+            "mean policy entropy as a fraction of the run's first window",
+            relative=True,
+        ),
+        Rule(
+            "length_drift",
+            "completions/mean_length",
+            lambda v, t: v >= t or v <= 1 / t,
+            "mean completion length as a multiple of the run's first window",
+            relative=True,
+        ),
+        Rule(
+            "clipped_completions",
+            "completions/clipped_ratio",
+            lambda v, t: v >= t,
+            "mean fraction of completions cut at max_completion_length",
+        ),
+        Rule("kl_blowup", "kl", lambda v, t: v >= t, "mean per-token KL to the reference"),
+        Rule("reward_collapse", "reward_std", lambda v, t: v <= t, "mean spread (std) of the rewards in a batch"),
+    )
+}
 NON_FINITE = "non_finite"  # no window statistic: any non-finite loss or grad norm fires at once
 RULE_NAMES = (*RULES, NON_FINITE)
 
@@ -72,8 +93,11 @@ def is_step_log(logs: dict) -> bool:
     >>> is_step_log({"loss": 0.1, "reward": 0.5}), is_step_log({"eval_reward": 0.5}), is_step_log({"train_runtime": 3})
     (True, False, False)
     """
-    return ("loss" in logs or "reward" in logs) and "train_runtime" not in logs and not any(
-        k.startswith("eval_") for k in logs)
+    return (
+        ("loss" in logs or "reward" in logs)
+        and "train_runtime" not in logs
+        and not any(k.startswith("eval_") for k in logs)
+    )
 
 
 @dataclass
@@ -125,26 +149,52 @@ class Monitor:
                 mean = mean / track.baseline
             fired = rule.bad(mean, cfg.threshold)
             if fired and track.armed:
-                events.append(HealthEvent(
-                    rule=name, step=step, metric=rule.metric, value=mean, threshold=cfg.threshold, action=cfg.action,
-                    message=f"{rule.says}: {mean:.4g} over the last {cfg.window} logged step(s), threshold "
-                            f"{cfg.threshold:g}" + _detail(name, logs)))
+                events.append(
+                    HealthEvent(
+                        rule=name,
+                        step=step,
+                        metric=rule.metric,
+                        value=mean,
+                        threshold=cfg.threshold,
+                        action=cfg.action,
+                        message=f"{rule.says}: {mean:.4g} over the last {cfg.window} logged step(s), threshold "
+                        f"{cfg.threshold:g}" + _detail(name, logs),
+                    )
+                )
             track.armed = not fired
         nf = self.settings.non_finite
         if nf.action != "off":
-            bad = {k: logs[k] for k in ("loss", "grad_norm") if k in logs and (k != "grad_norm" or self.check_grad_norm)
-                   and isinstance(logs[k], int | float) and not math.isfinite(logs[k])}
+            bad = {
+                k: logs[k]
+                for k in ("loss", "grad_norm")
+                if k in logs
+                and (k != "grad_norm" or self.check_grad_norm)
+                and isinstance(logs[k], int | float)
+                and not math.isfinite(logs[k])
+            }
             if bad and self.armed_non_finite:
                 key, value = next(iter(bad.items()))
-                events.append(HealthEvent(rule=NON_FINITE, step=step, metric=key, value=float(value), threshold=0.0,
-                                          action=nf.action, message=f"non-finite {', '.join(f'{k}={v}' for k, v in bad.items())}"))
+                events.append(
+                    HealthEvent(
+                        rule=NON_FINITE,
+                        step=step,
+                        metric=key,
+                        value=float(value),
+                        threshold=0.0,
+                        action=nf.action,
+                        message=f"non-finite {', '.join(f'{k}={v}' for k, v in bad.items())}",
+                    )
+                )
             self.armed_non_finite = not bad
         return events
 
     def state(self) -> dict:
-        return {"tracks": {n: {"values": list(t.values), "baseline": t.baseline, "armed": t.armed}
-                           for n, t in self.tracks.items()},
-                "armed_non_finite": self.armed_non_finite}
+        return {
+            "tracks": {
+                n: {"values": list(t.values), "baseline": t.baseline, "armed": t.armed} for n, t in self.tracks.items()
+            },
+            "armed_non_finite": self.armed_non_finite,
+        }
 
     def load(self, state: dict) -> None:
         """Windows from a checkpoint; a rule whose window size changed keeps the newest values that fit."""
@@ -159,8 +209,11 @@ class Monitor:
 def _detail(rule: str, logs: dict) -> str:
     """What the team needs beside the number: for a reward collapse, whether all right or all wrong."""
     if rule in ("reward_collapse", "zero_variance"):
-        spreads = {k.removeprefix("rewards/").removesuffix("/std"): v for k, v in logs.items()
-                   if k.startswith("rewards/") and k.endswith("/std") and _finite_number(v)}
+        spreads = {
+            k.removeprefix("rewards/").removesuffix("/std"): v
+            for k, v in logs.items()
+            if k.startswith("rewards/") and k.endswith("/std") and _finite_number(v)
+        }
         parts = [f"reward mean {logs['reward']:.4g}"] if _finite_number(logs.get("reward")) else []
         parts += [f"{name} std {v:.3g}" for name, v in spreads.items()]
         return f" ({', '.join(parts)})" if parts else ""
@@ -203,14 +256,22 @@ class Ledger:
     lr_scale: float = 1.0
 
     def to_json(self) -> str:
-        return json.dumps({"events": [e.model_dump(mode="json") for e in self.events], "rollbacks": self.rollbacks,
-                           "lr_scale": self.lr_scale})
+        return json.dumps(
+            {
+                "events": [e.model_dump(mode="json") for e in self.events],
+                "rollbacks": self.rollbacks,
+                "lr_scale": self.lr_scale,
+            }
+        )
 
     @classmethod
     def from_json(cls, text: str) -> Ledger:
         raw = json.loads(text)
-        return cls([HealthEvent.model_validate(e) for e in raw.get("events", [])], int(raw.get("rollbacks", 0)),
-                   float(raw.get("lr_scale", 1.0)))
+        return cls(
+            [HealthEvent.model_validate(e) for e in raw.get("events", [])],
+            int(raw.get("rollbacks", 0)),
+            float(raw.get("lr_scale", 1.0)),
+        )
 
     def merge(self, events: list[HealthEvent]) -> None:
         """Add events not yet recorded (a resumed run refires nothing it saved, but a ledger and a checkpoint

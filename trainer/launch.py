@@ -50,8 +50,11 @@ ACCELERATE_CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "accelera
 
 
 def options(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m grpo_pipeline.trainer.launch", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m grpo_pipeline.trainer.launch",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--spec", required=True, help="path to a JobSpec JSON file")
     p.add_argument("--nnodes", type=int, help="nodes of the job; must match train.distributed.nodes")
     p.add_argument("--node-rank", type=int, default=0)
@@ -95,17 +98,30 @@ def strategy_env(spec: JobSpec, nproc: int, nnodes: int) -> dict[str, str]:
     known = {action.dest for action in parser._actions}
     try:
         args = parser.parse_args(
-            ["--config_file", f.name, "--num_processes", str(nproc * nnodes), "--num_machines", str(nnodes),
-             "-m", "grpo_pipeline.trainer"])
+            [
+                "--config_file",
+                f.name,
+                "--num_processes",
+                str(nproc * nnodes),
+                "--num_machines",
+                str(nnodes),
+                "-m",
+                "grpo_pipeline.trainer",
+            ]
+        )
         args, defaults, mp_from_config = _validate_launch_command(args)
         # accelerate ignores unknown keys inside these sections; its launch options name the ones it reads
         for section in ("fsdp_config", "deepspeed_config"):
             if unknown := sorted(set(getattr(defaults, section, None) or {}) - known):
-                raise ValueError(f"train.distributed.accelerate: {section} has keys accelerate does not know: {unknown}")
+                raise ValueError(
+                    f"train.distributed.accelerate: {section} has keys accelerate does not know: {unknown}"
+                )
         if args.use_deepspeed:
             # as accelerate's launch_command does before its DeepSpeed launcher
             fields = list(defaults.deepspeed_config) if defaults else []
-            args.deepspeed_fields_from_accelerate_config = ",".join(fields + (["mixed_precision"] if mp_from_config else []))
+            args.deepspeed_fields_from_accelerate_config = ",".join(
+                fields + (["mixed_precision"] if mp_from_config else [])
+            )
             _, env = prepare_deepspeed_cmd_env(args)
         else:
             env = prepare_multi_gpu_env(args)
@@ -124,18 +140,38 @@ def detect_gpus() -> int:
         return 0
 
 
-def torchrun_command(spec_path: str, nproc: int, nnodes: int, node_rank: int, addr: str, port: int,
-                     timeout_s: int) -> list[str]:
+def torchrun_command(
+    spec_path: str, nproc: int, nnodes: int, node_rank: int, addr: str, port: int, timeout_s: int
+) -> list[str]:
     """The torchrun command line for this node.
 
     >>> " ".join(torchrun_command("/j.json", 8, 2, 1, "10.0.0.1", 29500, 600)[1:])
     '-m torch.distributed.run --nnodes 2 --node-rank 1 --nproc-per-node 8 --master-addr 10.0.0.1 --master-port 29500 --max-restarts 0 --rdzv-conf timeout=600 -m grpo_pipeline.trainer --spec /j.json'
     """
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--node-rank", str(node_rank),
-            "--nproc-per-node", str(nproc), "--master-addr", addr, "--master-port", str(port),
-            # a failed rank fails the job: SkyPilot (or the local launcher) relaunches all of it from a checkpoint
-            "--max-restarts", "0", "--rdzv-conf", f"timeout={timeout_s}",
-            "-m", "grpo_pipeline.trainer", "--spec", spec_path]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        str(nnodes),
+        "--node-rank",
+        str(node_rank),
+        "--nproc-per-node",
+        str(nproc),
+        "--master-addr",
+        addr,
+        "--master-port",
+        str(port),
+        # a failed rank fails the job: SkyPilot (or the local launcher) relaunches all of it from a checkpoint
+        "--max-restarts",
+        "0",
+        "--rdzv-conf",
+        f"timeout={timeout_s}",
+        "-m",
+        "grpo_pipeline.trainer",
+        "--spec",
+        spec_path,
+    ]
 
 
 def vllm_command(spec: JobSpec, gpus: int, host: str) -> list[str]:
@@ -149,8 +185,20 @@ def vllm_command(spec: JobSpec, gpus: int, host: str) -> list[str]:
     >>> " ".join(vllm_command(JobSpec.model_construct(model_path="m"), 2, "127.0.0.1")[3:])
     'vllm-serve --model m --tensor-parallel-size 2 --host 127.0.0.1 --port 8000'
     """
-    return [sys.executable, "-m", "trl.cli.main", "vllm-serve", "--model", spec.model_path,
-            "--tensor-parallel-size", str(gpus), "--host", host, "--port", str(VLLM_PORT)]
+    return [
+        sys.executable,
+        "-m",
+        "trl.cli.main",
+        "vllm-serve",
+        "--model",
+        spec.model_path,
+        "--tensor-parallel-size",
+        str(gpus),
+        "--host",
+        host,
+        "--port",
+        str(VLLM_PORT),
+    ]
 
 
 def free_port() -> int:
@@ -256,8 +304,10 @@ def main(argv: list[str] | None = None) -> int:
     nnodes = opts.nnodes or d.nodes
     found = problems(spec, gpus)
     if nnodes != d.nodes + d.vllm_server_node:
-        found.append(f"--nnodes {nnodes} (SKYPILOT_NUM_NODES) differs from the job's train.distributed.nodes "
-                     f"({d.nodes}{' + 1 vLLM node' if d.vllm_server_node else ''}): launch the task the job was built for")
+        found.append(
+            f"--nnodes {nnodes} (SKYPILOT_NUM_NODES) differs from the job's train.distributed.nodes "
+            f"({d.nodes}{' + 1 vLLM node' if d.vllm_server_node else ''}): launch the task the job was built for"
+        )
     if found:
         for problem in found:
             log.error("cannot launch: %s", problem)
@@ -288,13 +338,19 @@ def main(argv: list[str] | None = None) -> int:
     env.update(strategy)
     if server_gpus:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in range(gpus - d.vllm_server_gpus))
-    command = torchrun_command(opts.spec, nproc, train_nodes, opts.node_rank, opts.master_addr, opts.master_port,
-                               d.timeout_s)
+    command = torchrun_command(
+        opts.spec, nproc, train_nodes, opts.node_rank, opts.master_addr, opts.master_port, d.timeout_s
+    )
     if opts.dry_run:
         if server_gpus:
-            print(f"CUDA_VISIBLE_DEVICES={','.join(map(str, server_gpus))} " + " ".join(vllm_command(spec, len(server_gpus), LOOPBACK)))
-        print(" ".join(f"{k}={v}" for k, v in sorted(env.items()) if k not in os.environ or os.environ[k] != v),
-              " ".join(command))
+            print(
+                f"CUDA_VISIBLE_DEVICES={','.join(map(str, server_gpus))} "
+                + " ".join(vllm_command(spec, len(server_gpus), LOOPBACK))
+            )
+        print(
+            " ".join(f"{k}={v}" for k, v in sorted(env.items()) if k not in os.environ or os.environ[k] != v),
+            " ".join(command),
+        )
         return 0
     return _run_node(spec, command, env, nproc, server_gpus, opts.node_rank)
 
@@ -379,8 +435,10 @@ def _run_node(spec: JobSpec, command: list[str], env: dict, nproc: int, server_g
     signal.signal(signal.SIGTERM, node.forward_sigterm)
     server = None
     if server_gpus:
-        server = subprocess.Popen(vllm_command(spec, len(server_gpus), LOOPBACK),
-                                  env={**env, "CUDA_VISIBLE_DEVICES": ",".join(map(str, server_gpus))})
+        server = subprocess.Popen(
+            vllm_command(spec, len(server_gpus), LOOPBACK),
+            env={**env, "CUDA_VISIBLE_DEVICES": ",".join(map(str, server_gpus))},
+        )
         _wait_for_vllm(server, spec.train.distributed.timeout_s)
     log.info("node %d: %s", node_rank, " ".join(command))
     try:

@@ -77,18 +77,24 @@ def adapter_mismatch(adapter: Mapping[str, Any], bases: Collection[str] | None, 
     base = adapter.get("base_model_name_or_path")
     if bases is not None and base is not None and base not in bases:
         configured = next(iter(bases), "?")
-        return (f"the adapter was trained on base {base!r}, not on model.base {configured!r}; set model.base to it, "
-                "or model.init_adapter=none")
+        return (
+            f"the adapter was trained on base {base!r}, not on model.base {configured!r}; set model.base to it, "
+            "or model.init_adapter=none"
+        )
     r = lora.get("r", PEFT_DEFAULT_R)
     if adapter.get("r") != r:
-        return f"the adapter has LoRA rank r={adapter.get('r')}, train.lora.r is {r}; set train.lora.r={adapter.get('r')}, " \
-               "or model.init_adapter=none"
+        return (
+            f"the adapter has LoRA rank r={adapter.get('r')}, train.lora.r is {r}; set train.lora.r={adapter.get('r')}, "
+            "or model.init_adapter=none"
+        )
     want, have = _modules(lora.get("target_modules")), _modules(adapter.get("target_modules"))
     if want is not None and want != have and not (want == "all-linear" and isinstance(have, frozenset)):
         shown = sorted(have) if isinstance(have, frozenset) else have
-        return (f"the adapter's LoRA target_modules are {shown}, train.lora.target_modules is "
-                f"{sorted(want) if isinstance(want, frozenset) else want!r}; set train.lora.target_modules to the "
-                "adapter's, or model.init_adapter=none")
+        return (
+            f"the adapter's LoRA target_modules are {shown}, train.lora.target_modules is "
+            f"{sorted(want) if isinstance(want, frozenset) else want!r}; set train.lora.target_modules to the "
+            "adapter's, or model.init_adapter=none"
+        )
     return None
 
 
@@ -105,7 +111,9 @@ def load_model(
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=getattr(torch, cfg.compute_dtype), quantization_config=quantization_config(cfg),
+        path,
+        dtype=getattr(torch, cfg.compute_dtype),
+        quantization_config=quantization_config(cfg),
         trust_remote_code=cfg.trust_remote_code,
     )
     if adapter is not None:

@@ -66,9 +66,11 @@ def slow_bf16_reason(bf16: bool, cuda: bool, cpu_native_bf16: bool) -> str | Non
     """
     if not bf16 or cuda or cpu_native_bf16:
         return None
-    return ("train.grpo.bf16=true on a CPU without native bfloat16 (no avx512_bf16 or amx_bf16 flag): bfloat16 "
-            "matmuls run about 50x slower than float32 there. Leave train.grpo.bf16 unset (bf16 is chosen "
-            "automatically where the CPU has it) or set it to false")
+    return (
+        "train.grpo.bf16=true on a CPU without native bfloat16 (no avx512_bf16 or amx_bf16 flag): bfloat16 "
+        "matmuls run about 50x slower than float32 there. Leave train.grpo.bf16 unset (bf16 is chosen "
+        "automatically where the CPU has it) or set it to false"
+    )
 
 
 def node_default_bf16() -> bool:

@@ -77,8 +77,9 @@ class Curriculum:
         return self.n // self.batch_size  # RepeatSampler's: the last, incomplete chunk is dropped
 
     def benched(self, index: int) -> bool:
-        return (self.streak.get(index, 0) >= self.settings.patience
-                and self.skips.get(index, 0) < self.settings.max_skips)
+        return (
+            self.streak.get(index, 0) >= self.settings.patience and self.skips.get(index, 0) < self.settings.max_skips
+        )
 
     def epoch_chunks(self, epoch: int) -> Iterator[list[int]]:
         """The chunks of `epoch`, drawn lazily (each as late as the data loader asks for it, so it sees every
@@ -148,9 +149,16 @@ class Curriculum:
         return sum(1 for i in self.streak if self.benched(i))
 
     def state(self) -> dict:
-        return {"streak": {str(i): v for i, v in self.streak.items()}, "skips": {str(i): v for i, v in self.skips.items()},
-                "epoch": self.epoch, "drawn": self.drawn, "cursor": list(self.cursor),
-                "skipped_total": self.skipped_total, "n": self.n, "batch_size": self.batch_size}
+        return {
+            "streak": {str(i): v for i, v in self.streak.items()},
+            "skips": {str(i): v for i, v in self.skips.items()},
+            "epoch": self.epoch,
+            "drawn": self.drawn,
+            "cursor": list(self.cursor),
+            "skipped_total": self.skipped_total,
+            "n": self.n,
+            "batch_size": self.batch_size,
+        }
 
     def load(self, state: dict) -> None:
         """A checkpoint's state; one made for other data or another batch shape is not replayed (its chunks
@@ -188,15 +196,21 @@ def summarize(log_history: list[dict], curriculum: Curriculum | None) -> ZeroSig
     >>> summarize([{"step": 1, "frac_reward_zero_std": 0.5}, {"step": 2, "frac_reward_zero_std": 1.0}], None)
     ZeroSignal(mean_fraction=0.75, wasted_steps=1, logged_steps=2, skipped_draws=None, benched_prompts=None)
     """
-    by_step = {e["step"]: e["frac_reward_zero_std"] for e in log_history
-               if isinstance(e.get("frac_reward_zero_std"), int | float) and "step" in e}
+    by_step = {
+        e["step"]: e["frac_reward_zero_std"]
+        for e in log_history
+        if isinstance(e.get("frac_reward_zero_std"), int | float) and "step" in e
+    }
     if not by_step:
         return None
     fractions = list(by_step.values())
-    return ZeroSignal(mean_fraction=sum(fractions) / len(fractions), wasted_steps=sum(f >= 1.0 for f in fractions),
-                      logged_steps=len(fractions),
-                      skipped_draws=curriculum.skipped_total if curriculum else None,
-                      benched_prompts=curriculum.benched_now if curriculum else None)
+    return ZeroSignal(
+        mean_fraction=sum(fractions) / len(fractions),
+        wasted_steps=sum(f >= 1.0 for f in fractions),
+        logged_steps=len(fractions),
+        skipped_draws=curriculum.skipped_total if curriculum else None,
+        benched_prompts=curriculum.benched_now if curriculum else None,
+    )
 
 
 def read_state(checkpoint: Path | None) -> dict:
@@ -237,15 +251,23 @@ def trainer_class():
     from trl import GRPOTrainer
 
     class CurriculumGRPOTrainer(GRPOTrainer):
-        def __init__(self, *args: Any, curriculum_settings: CurriculumSettings, restored: dict | None = None,
-                     **kwargs: Any) -> None:
+        def __init__(
+            self, *args: Any, curriculum_settings: CurriculumSettings, restored: dict | None = None, **kwargs: Any
+        ) -> None:
             super().__init__(*args, **kwargs)
             data = self.train_dataset
             if isinstance(data, IterableDataset):
-                raise ValueError("train.curriculum needs a map-style training dataset (it indexes prompts); "
-                                 "set train.curriculum.enabled=false for a streamed one")
-            self.curriculum = Curriculum(n=len(data), batch_size=self.args.generation_batch_size // self.num_generations,
-                                         seed=self.args.seed, settings=curriculum_settings, shuffle=self.shuffle_dataset)
+                raise ValueError(
+                    "train.curriculum needs a map-style training dataset (it indexes prompts); "
+                    "set train.curriculum.enabled=false for a streamed one"
+                )
+            self.curriculum = Curriculum(
+                n=len(data),
+                batch_size=self.args.generation_batch_size // self.num_generations,
+                seed=self.args.seed,
+                settings=curriculum_settings,
+                shuffle=self.shuffle_dataset,
+            )
             if restored:
                 self.curriculum.load(restored)
             self._indices_of: dict[str, list[int]] = {}
@@ -253,8 +275,9 @@ def trainer_class():
                 self._indices_of.setdefault(prompt_key(prompt), []).append(index)
 
         def _get_train_sampler(self, dataset=None):
-            return curriculum_sampler(self.curriculum, self.num_generations,
-                                      self.num_iterations * self.args.steps_per_generation)
+            return curriculum_sampler(
+                self.curriculum, self.num_generations, self.num_iterations * self.args.steps_per_generation
+            )
 
         def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
             rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
@@ -264,8 +287,9 @@ def trainer_class():
                 rewards = (rewards_per_func * weights).nansum(dim=1)
                 zero = zero_variance_groups(rewards, self.num_generations)
                 g = self.num_generations
-                self.curriculum.observe([(i, z) for k, z in zip(keys[::g], zero, strict=True)
-                                         for i in self._indices_of.get(k, [])])
+                self.curriculum.observe(
+                    [(i, z) for k, z in zip(keys[::g], zero, strict=True) for i in self._indices_of.get(k, [])]
+                )
                 self._metrics["train"]["curriculum/benched_prompts"].append(float(self.curriculum.benched_now))
                 self._metrics["train"]["curriculum/skipped_draws"].append(float(self.curriculum.skipped_total))
             return rewards_per_func

@@ -182,7 +182,9 @@ class TrainResult(BaseModel):
     mlflow_run_id: str | None
     train_runtime_s: float
     first_step_s: float | None = None  # job start to first completed step (model load, fetch, resume)
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"  # the mixed precision it trained in (grpo_pipeline.trainer.precision)
+    precision: Literal["fp32", "bf16", "fp16"] = (
+        "fp32"  # the mixed precision it trained in (grpo_pipeline.trainer.precision)
+    )
     metrics: dict[str, float]
     world_size: int = 1  # training processes, all nodes together
     restarts: int = 0  # filled by the launcher: relaunches after a preemption or an error

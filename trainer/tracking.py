@@ -54,7 +54,9 @@ class CommittedMetrics(TrainerCallback):
         self.skip_through = int(run.data.metrics.get(STEP_KEY, 0))
         self._has_params = bool(run.data.params)
 
-    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         if self._has_params:  # a resumed job: the run already holds them, and MLflow refuses changes
             return
         from mlflow.entities import Param
@@ -64,8 +66,14 @@ class CommittedMetrics(TrainerCallback):
             self.client.log_batch(self.run_id, params=params[i : i + 100])
         self._has_params = True
 
-    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-               logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
         values = numeric(logs or {})
         if values:
             with self._lock:

@@ -44,7 +44,9 @@ def grpo_args(spec: JobSpec, output_dir: Path):
     from grpo_pipeline.trainer.precision import node_default_bf16
 
     user = dict(spec.train.grpo)
-    user.setdefault("bf16", node_default_bf16())  # unset: bf16 where this node computes it fast (grpo_pipeline.trainer.precision)
+    user.setdefault(
+        "bf16", node_default_bf16()
+    )  # unset: bf16 where this node computes it fast (grpo_pipeline.trainer.precision)
     user.setdefault("report_to", [])  # MLflow is logged by CommittedMetrics, once per step across restarts
     user.setdefault("disable_tqdm", not interactive())  # no bar redraws in a launcher's or a worker's log
     user.setdefault("ddp_timeout", spec.train.distributed.timeout_s)  # no collective waits longer for a lost rank
@@ -134,8 +136,9 @@ def run(spec: JobSpec, started: float | None = None) -> TrainResult:
     ledger = Ledger.from_json(saved) if saved else Ledger()
     timer = FirstStepTimer(started)
     while True:
-        attempt = _attempt(spec, store, ranks, work, run_id, metrics, stop, timer, ledger, saved is not None,
-                           train_ds, val_ds)
+        attempt = _attempt(
+            spec, store, ranks, work, run_id, metrics, stop, timer, ledger, saved is not None, train_ds, val_ds
+        )
         if attempt.health.rollback is None:
             break
         _roll_back(spec, store, ranks, work, metrics, run_id, ledger, attempt.health.rollback)
@@ -182,8 +185,20 @@ class _Attempt:
         self.trainer, self.point, self.output, self.health = trainer, point, output, health
 
 
-def _attempt(spec: JobSpec, store, ranks: Ranks, work: Path, run_id: str | None, metrics, stop, timer, ledger,
-             from_store: bool, train_ds, val_ds) -> _Attempt:
+def _attempt(
+    spec: JobSpec,
+    store,
+    ranks: Ranks,
+    work: Path,
+    run_id: str | None,
+    metrics,
+    stop,
+    timer,
+    ledger,
+    from_store: bool,
+    train_ds,
+    val_ds,
+) -> _Attempt:
     """Resume from the newest verified checkpoint and train until the end, a stop or a rollback request."""
     from peft import LoraConfig
     from transformers import EarlyStoppingCallback
@@ -225,8 +240,15 @@ def _attempt(spec: JobSpec, store, ranks: Ranks, work: Path, run_id: str | None,
     # a warm start continues the adapter's own weights (trainable); the optimizer, scheduler and step are fresh
     model, tokenizer = load_model(spec.model_path, spec.model, adapter=spec.init_adapter, trainable=True)
     sync = CheckpointSync(store, spec.train.keep_checkpoints, work / "staging", metrics, ranks)
-    health = HealthCallback(spec.train.health, ledger, ranks, metrics.client if metrics else None, run_id, restored,
-                            lr_factor=ledger.lr_scale / baked)
+    health = HealthCallback(
+        spec.train.health,
+        ledger,
+        ranks,
+        metrics.client if metrics else None,
+        run_id,
+        restored,
+        lr_factor=ledger.lr_scale / baked,
+    )
     # health before sync: its on_save writes health.json into the checkpoint that sync then uploads
     callbacks = [health, sync, stop, timer, ReportValidation()] + ([metrics] if metrics else [])
     if spec.train.early_stopping_patience:
@@ -236,8 +258,9 @@ def _attempt(spec: JobSpec, store, ranks: Ranks, work: Path, run_id: str | None,
     extra = {"curriculum_settings": curriculum, "restored": read_curriculum(resume)} if curriculum.enabled else {}
     trainer = (sampling.trainer_class() if curriculum.enabled else GRPOTrainer)(
         model=model,
-        reward_funcs=resolve_rewards(spec.train.rewards, spec.train.reward_args,
-                                     max_completion_length=args.max_completion_length),
+        reward_funcs=resolve_rewards(
+            spec.train.rewards, spec.train.reward_args, max_completion_length=args.max_completion_length
+        ),
         args=args,
         train_dataset=train_ds,
         eval_dataset=val_ds,
@@ -284,13 +307,16 @@ def _roll_back(spec: JobSpec, store, ranks: Ranks, work: Path, metrics, run_id: 
         target = healthy_checkpoint(steps, event, window)
         for step in steps:
             if target is None or step > target:
-                store.move_aside(checkpoint_name(step), f"health rollback: {event.rule} fired at step {event.step} "
-                                                        f"({event.message})")
+                store.move_aside(
+                    checkpoint_name(step), f"health rollback: {event.rule} fired at step {event.step} ({event.message})"
+                )
     target = ranks.broadcast(target)
     ledger.rollbacks += 1
     ledger.lr_scale *= health.rollback_lr_factor
-    event.taken = (f"rolled back to step {target or 0} (learning rate x{ledger.lr_scale:g} of the configured; "
-                   f"rollback {ledger.rollbacks} of {health.max_rollbacks})")
+    event.taken = (
+        f"rolled back to step {target or 0} (learning rate x{ledger.lr_scale:g} of the configured; "
+        f"rollback {ledger.rollbacks} of {health.max_rollbacks})"
+    )
     ledger.merge([event])
     for mine in ledger.events:  # the ledger may hold a copy (merged before `taken` was known)
         if (mine.rule, mine.step, mine.action) == (event.rule, event.step, event.action):
@@ -304,8 +330,11 @@ def _roll_back(spec: JobSpec, store, ranks: Ranks, work: Path, metrics, run_id: 
         store.put(folder, LEDGER, event.step)
         if metrics:
             metrics.take()  # the rolled-back steps not yet committed: the steps recomputed from here stand
-            metrics.client.set_tag(run_id, f"health/step-{event.step}/{event.rule}",
-                                   f"{event.action}: {event.message} -> {event.taken}"[:5000])
+            metrics.client.set_tag(
+                run_id,
+                f"health/step-{event.step}/{event.rule}",
+                f"{event.action}: {event.message} -> {event.taken}"[:5000],
+            )
             metrics.client.log_metric(run_id, "health/rollbacks", ledger.rollbacks, step=event.step)
     shutil.rmtree(work / "hf", ignore_errors=True)  # HF's local checkpoints of the abandoned steps
     ranks.barrier()
@@ -345,8 +374,9 @@ def _same_resume_point(ranks: Ranks, resume: Path | None) -> None:
         raise RuntimeError(f"ranks chose different checkpoints to resume from (steps by rank: {chosen})")
 
 
-def _publish(spec: JobSpec, trainer, store, result: TrainResult, metrics: CommittedMetrics | None,
-             ranks: Ranks) -> None:
+def _publish(
+    spec: JobSpec, trainer, store, result: TrainResult, metrics: CommittedMetrics | None, ranks: Ranks
+) -> None:
     """Save the adapter, log it, and store it as the `final` entry (with the result and last metrics)."""
     from transformers.trainer import TRAINING_ARGS_NAME
 
@@ -356,8 +386,11 @@ def _publish(spec: JobSpec, trainer, store, result: TrainResult, metrics: Commit
     best = result.best_step
     older_best = best is not None and best != result.global_step
     if ranks.broadcast(older_best and not store.has(checkpoint_name(best)) if ranks.is_main else None):
-        log.warning("the best validation reward's checkpoint (step %d) is no longer in the store; publishing the "
-                    "last step's adapter", best)
+        log.warning(
+            "the best validation reward's checkpoint (step %d) is no longer in the store; publishing the "
+            "last step's adapter",
+            best,
+        )
         result.best_step = result.best_val_reward = None
         older_best = False
     if older_best:
@@ -365,8 +398,12 @@ def _publish(spec: JobSpec, trainer, store, result: TrainResult, metrics: Commit
         if not ranks.is_main:
             return
         _adapter_from_checkpoint(store, best, Path(spec.work_dir) / "best", Path(spec.adapter_dir))
-        log.info("published the adapter of step %d (best validation reward %.4g), not the last step's (%d)",
-                 best, result.best_val_reward, result.global_step)
+        log.info(
+            "published the adapter of step %d (best validation reward %.4g), not the last step's (%d)",
+            best,
+            result.best_val_reward,
+            result.global_step,
+        )
     else:
         trainer.save_model(spec.adapter_dir)  # every rank: under FSDP / ZeRO-3 it gathers the shards; rank 0 writes
     if not ranks.is_main:

@@ -19,8 +19,16 @@ from typing import Any, Protocol
 from grpo_pipeline.configs.schema import ConfigError, ModelConfig, TrainConfig
 from grpo_pipeline.trainer.spec import JobSpec, TrainingFailed, TrainResult
 
-__all__ = ["BadTrainingInput", "LaunchRefused", "Launcher", "TrainingFailed", "check_launch", "make_launcher",
-           "check_launcher", "run_job"]
+__all__ = [
+    "BadTrainingInput",
+    "LaunchRefused",
+    "Launcher",
+    "TrainingFailed",
+    "check_launch",
+    "make_launcher",
+    "check_launcher",
+    "run_job",
+]
 
 
 class LaunchRefused(ConfigError):
@@ -87,8 +95,15 @@ def check_launcher(train: TrainConfig, mlflow_uri: str, model: ModelConfig | Non
     """What the configured launcher needs, checked before anything runs; each failure names its fix."""
     from grpo_pipeline.tasks.job import model_load, train_settings
 
-    probe = JobSpec(model_path="", model=model_load(model or ModelConfig()), train=train_settings(train),
-                    train_file="", work_dir="", adapter_dir="", checkpoint_uri=train.checkpoint_uri or "")
+    probe = JobSpec(
+        model_path="",
+        model=model_load(model or ModelConfig()),
+        train=train_settings(train),
+        train_file="",
+        work_dir="",
+        adapter_dir="",
+        checkpoint_uri=train.checkpoint_uri or "",
+    )
     check_launch(probe, gpus_per_node(train))
     if train.launcher == "sky":
         from grpo_pipeline.infra.launch.skypilot import check_sky

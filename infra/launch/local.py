@@ -52,7 +52,15 @@ class LocalLauncher:
         # PARENT_PID_ENV: the launcher dies with this process (grpo_pipeline.trainer.launch.launcher_lifeline), so a flow that
         # is SIGKILLed leaves no trainer behind; it must be waited on from this thread (`wait` is)
         return subprocess.Popen(
-            [sys.executable, "-m", "grpo_pipeline.trainer.launch", "--spec", str(spec_path), "--master-port", str(free_port())],
+            [
+                sys.executable,
+                "-m",
+                "grpo_pipeline.trainer.launch",
+                "--spec",
+                str(spec_path),
+                "--master-port",
+                str(free_port()),
+            ],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -83,8 +91,10 @@ class LocalLauncher:
             if handle.cancelled:
                 raise TrainingFailed("training was cancelled")
             if code in NOT_RETRYABLE or handle.restarts >= self.max_restarts:
-                why = {2: " (bad input: not relaunched)", EXIT_SUPERSEDED: " (superseded by a newer attempt on the "
-                       "same checkpoint store: not relaunched)"}.get(code, "")
+                why = {
+                    2: " (bad input: not relaunched)",
+                    EXIT_SUPERSEDED: " (superseded by a newer attempt on the same checkpoint store: not relaunched)",
+                }.get(code, "")
                 reason = handle.bad_input if code == 2 else None
                 raise (BadTrainingInput if code == 2 else TrainingFailed)(
                     (f"{reason}\n" if reason else "")

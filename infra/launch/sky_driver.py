@@ -69,8 +69,11 @@ def task(request: dict) -> dict:
         "file_mounts": _plain(dict(t.file_mounts or {})),
         "secrets": {k: v for k, v in secrets.items() if v is not None},
         "resources": [
-            {"accelerators": _plain(dict(r.accelerators or {})), "use_spot": bool(r.use_spot),
-             "job_recovery": _plain(r.job_recovery or {})}
+            {
+                "accelerators": _plain(dict(r.accelerators or {})),
+                "use_spot": bool(r.use_spot),
+                "job_recovery": _plain(r.job_recovery or {}),
+            }
             for r in t.resources
         ],
     }
@@ -103,8 +106,12 @@ def logs(request: dict) -> dict:
     """The job's log text on standard output: followed across recoveries until the job ends, or its last lines."""
     import sky
 
-    sky.jobs.tail_logs(job_id=request["job_id"], follow=bool(request.get("follow")), tail=request.get("tail"),
-                       output_stream=cast(Any, _ANSWER))  # a text stream is what it writes to; typed narrower
+    sky.jobs.tail_logs(
+        job_id=request["job_id"],
+        follow=bool(request.get("follow")),
+        tail=request.get("tail"),
+        output_stream=cast(Any, _ANSWER),
+    )  # a text stream is what it writes to; typed narrower
     return {}
 
 
@@ -147,8 +154,11 @@ def serve(requests: Iterable[str]) -> None:
         if line.strip():
             message = json.loads(line)
             command = message.get("command")
-            reply = {"error": "logs streams: run it on its own"} if command == "logs" else answer(
-                command, message.get("request") or {})
+            reply = (
+                {"error": "logs streams: run it on its own"}
+                if command == "logs"
+                else answer(command, message.get("request") or {})
+            )
             _ANSWER.write(json.dumps(reply) + "\n")
             _ANSWER.flush()
 

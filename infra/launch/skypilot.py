@@ -92,7 +92,9 @@ class _Driver:
     (SkyPilot's progress: a launch's controller start and upload) is this process's."""
 
     def __init__(self, python: Path):
-        self.process = subprocess.Popen(_driver_command("serve", python), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.process = subprocess.Popen(
+            _driver_command("serve", python), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
         self.lock = threading.Lock()  # the log thread and the state loop share it: one request at a time
         atexit.register(self.close)
 
@@ -107,8 +109,10 @@ class _Driver:
             except (BrokenPipeError, ValueError):
                 line = ""
         if not line:
-            raise SkyError(f"SkyPilot {command}: the driver in SkyPilot's environment exited "
-                           f"(code {self.process.poll()}); its messages are above")
+            raise SkyError(
+                f"SkyPilot {command}: the driver in SkyPilot's environment exited "
+                f"(code {self.process.poll()}); its messages are above"
+            )
         return json.loads(line)
 
     def close(self) -> None:
@@ -209,8 +213,11 @@ def write_job_dir(spec: JobSpec, job_dir: Path) -> Path:
 
 
 def _options(resources: dict) -> list[str]:
-    return [o["accelerators"] for o in resources.get("ordered") or resources.get("any_of") or []
-            if isinstance(o, dict) and "accelerators" in o] or ([resources["accelerators"]] if "accelerators" in resources else [])
+    return [
+        o["accelerators"]
+        for o in resources.get("ordered") or resources.get("any_of") or []
+        if isinstance(o, dict) and "accelerators" in o
+    ] or ([resources["accelerators"]] if "accelerators" in resources else [])
 
 
 def _count(option: str) -> tuple[str, int]:
@@ -262,8 +269,9 @@ def task_config(base: dict[str, Any], spec: JobSpec, job_dir: Path, sky_cfg: Sky
     if options:
         for key in ("any_of", "accelerators"):
             resources.pop(key, None)
-        resources["ordered"] = [{"accelerators": f"{name}:{max(count, need or count)}"}
-                                for name, count in map(_count, options)]
+        resources["ordered"] = [
+            {"accelerators": f"{name}:{max(count, need or count)}"} for name, count in map(_count, options)
+        ]
     config["num_nodes"] = d.nodes + d.vllm_server_node
     resources["use_spot"] = sky_cfg.use_spot
     recovery = resources.setdefault("job_recovery", {})
@@ -271,16 +279,16 @@ def task_config(base: dict[str, Any], spec: JobSpec, job_dir: Path, sky_cfg: Sky
     return config
 
 
-def task_request(spec: JobSpec, job_dir: Path, sky_cfg: SkyConfig, max_restarts: int,
-                 environ: dict[str, str]) -> dict:
+def task_request(spec: JobSpec, job_dir: Path, sky_cfg: SkyConfig, max_restarts: int, environ: dict[str, str]) -> dict:
     """The task config with this job filled in, and the secrets it declares that `environ` has."""
     config = task_config(_task_yaml(sky_cfg.task_yaml), spec, job_dir, sky_cfg, max_restarts)
     secrets = {k: environ[k] for k in (config.get("secrets") or {}) if environ.get(k)}
     return {"config": config, "secrets": secrets}
 
 
-def build_task(spec: JobSpec, job_dir: Path, sky_cfg: SkyConfig, max_restarts: int,
-               environ: dict[str, str]) -> ParsedTask:
+def build_task(
+    spec: JobSpec, job_dir: Path, sky_cfg: SkyConfig, max_restarts: int, environ: dict[str, str]
+) -> ParsedTask:
     """The task as SkyPilot's own parser reads it; declared secrets come from `environ`."""
     request = task_request(spec, job_dir, sky_cfg, max_restarts, environ)
     return parse_task(request["config"], request["secrets"])
@@ -334,8 +342,13 @@ class _Lines(io.TextIOBase):
 
 
 class SkyLauncher:
-    def __init__(self, sky_cfg: SkyConfig, max_restarts: int, on_status: Callable[[str], None] | None = None,
-                 on_line: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        sky_cfg: SkyConfig,
+        max_restarts: int,
+        on_status: Callable[[str], None] | None = None,
+        on_line: Callable[[str], None] | None = None,
+    ):
         self.sky_cfg, self.max_restarts = sky_cfg, max_restarts
         self.on_status = on_status or (lambda msg: log.info(msg))
         self.on_line = on_line or (lambda line: log.debug("trainer: %s", line))
@@ -369,8 +382,9 @@ class SkyLauncher:
 
     def _stream_logs(self, handle: SkyHandle) -> None:
         try:  # follows the job across recoveries until it ends
-            handle.log_process = subprocess.Popen(_driver_command("logs"), stdin=subprocess.PIPE,
-                                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            handle.log_process = subprocess.Popen(
+                _driver_command("logs"), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+            )
             process = handle.log_process
             assert process.stdin is not None and process.stdout is not None and process.stderr is not None  # pipes
             process.stdin.write(json.dumps({"job_id": handle.job_id, "follow": True}).encode())
@@ -405,8 +419,9 @@ class SkyLauncher:
                 # SkyPilot recovers any failed job (max_restarts_on_errors) and has no "never on this exit
                 # code"; bad input would fail every recovery the same way, each on a fresh cluster.
                 self.cancel(handle)
-                raise BadTrainingInput(f"managed job {handle.job_id}: bad input, cancelled instead of recovered: "
-                                       f"{handle.bad_input}")
+                raise BadTrainingInput(
+                    f"managed job {handle.job_id}: bad input, cancelled instead of recovered: {handle.bad_input}"
+                )
             time.sleep(self.sky_cfg.poll_seconds)
         if status in TERMINAL_BAD:
             # The job may end (out of recoveries, or before the next poll) with the trainer's reason already
@@ -425,8 +440,14 @@ class SkyLauncher:
 
     def _tail(self, handle: SkyHandle, lines: int = 40) -> str:
         try:
-            done = subprocess.run(_driver_command("logs"), input=json.dumps({"job_id": handle.job_id, "tail": lines}),
-                                  text=True, errors="replace", capture_output=True, check=False)
+            done = subprocess.run(
+                _driver_command("logs"),
+                input=json.dumps({"job_id": handle.job_id, "tail": lines}),
+                text=True,
+                errors="replace",
+                capture_output=True,
+                check=False,
+            )
         except (OSError, SkyPreflightError) as exc:  # the logs are a courtesy; the failure reason is in the message
             return f"(logs unavailable: {exc})"
         return done.stdout if done.returncode == 0 else f"(logs unavailable: {done.stderr.strip()[-500:]})"

@@ -26,10 +26,18 @@ KNOWN_MODELS: dict[str, tuple[str, ...]] = {
     "qwen2.5-72b": ("Qwen/Qwen2.5-72B", "Qwen/Qwen2.5-72B-Instruct"),
     "llama-3.2-1b": ("meta-llama/Llama-3.2-1B", "meta-llama/Llama-3.2-1B-Instruct"),
     "llama-3.2-3b": ("meta-llama/Llama-3.2-3B", "meta-llama/Llama-3.2-3B-Instruct"),
-    "llama-3.1-8b": ("meta-llama/Llama-3.1-8B", "meta-llama/Llama-3.1-8B-Instruct",
-                     "meta-llama/Meta-Llama-3.1-8B", "meta-llama/Meta-Llama-3.1-8B-Instruct"),
-    "llama-3.1-70b": ("meta-llama/Llama-3.1-70B", "meta-llama/Llama-3.1-70B-Instruct",
-                      "meta-llama/Meta-Llama-3.1-70B", "meta-llama/Meta-Llama-3.1-70B-Instruct"),
+    "llama-3.1-8b": (
+        "meta-llama/Llama-3.1-8B",
+        "meta-llama/Llama-3.1-8B-Instruct",
+        "meta-llama/Meta-Llama-3.1-8B",
+        "meta-llama/Meta-Llama-3.1-8B-Instruct",
+    ),
+    "llama-3.1-70b": (
+        "meta-llama/Llama-3.1-70B",
+        "meta-llama/Llama-3.1-70B-Instruct",
+        "meta-llama/Meta-Llama-3.1-70B",
+        "meta-llama/Meta-Llama-3.1-70B-Instruct",
+    ),
     "smollm2-135m": ("HuggingFaceTB/SmolLM2-135M", "HuggingFaceTB/SmolLM2-135M-Instruct", "smollm2-135m-instruct"),
 }
 
@@ -105,8 +113,13 @@ class Architecture(Frozen):
         """(in_features, out_features) of each linear layer in one decoder layer."""
         h, i = self.hidden, self.intermediate
         return {
-            "q_proj": (h, self.q_dim), "k_proj": (h, self.kv_dim), "v_proj": (h, self.kv_dim),
-            "o_proj": (self.q_dim, h), "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
+            "q_proj": (h, self.q_dim),
+            "k_proj": (h, self.kv_dim),
+            "v_proj": (h, self.kv_dim),
+            "o_proj": (self.q_dim, h),
+            "gate_proj": (h, i),
+            "up_proj": (h, i),
+            "down_proj": (i, h),
         }
 
     @property
@@ -142,8 +155,11 @@ def architecture(config: dict[str, Any]) -> Architecture:
     cfg = config.get("text_config") or config  # multimodal configs nest the language model
     if any(k in cfg for k in ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")):
         raise PlanError("mixture-of-experts configs are not supported by the memory estimate; plan a dense model")
-    missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                           "vocab_size") if not cfg.get(k)]
+    missing = [
+        k
+        for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+        if not cfg.get(k)
+    ]
     if missing:
         raise PlanError(f"the model config lacks {', '.join(missing)}: give a decoder-only model's config.json")
     heads = cfg["num_attention_heads"]

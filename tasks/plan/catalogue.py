@@ -40,7 +40,9 @@ class Catalog(Frozen):
         for gpu_name, gpu in self.gpus.items():
             if gpu_name.upper() == key:
                 return gpu
-        raise PlanError(f"GPU {name!r} is not in the catalog; known: {', '.join(self.gpus)} (add it with plan.gpu_catalog)")
+        raise PlanError(
+            f"GPU {name!r} is not in the catalog; known: {', '.join(self.gpus)} (add it with plan.gpu_catalog)"
+        )
 
 
 def _read_yaml(path: Path) -> dict:
@@ -71,7 +73,10 @@ def load_catalog(override: str | Path | None = None) -> Catalog:
         for name, fields in (user.get("gpus") or {}).items():
             data["gpus"][name] = {**data["gpus"].get(name, {}), **(fields or {})}
     try:
-        return Catalog(as_of=str(data.get("as_of", "")), source=str(data.get("source", "")).strip(),
-                       gpus={n: GPU(name=n, **f) for n, f in data["gpus"].items()})
+        return Catalog(
+            as_of=str(data.get("as_of", "")),
+            source=str(data.get("source", "")).strip(),
+            gpus={n: GPU(name=n, **f) for n, f in data["gpus"].items()},
+        )
     except (ValidationError, TypeError) as exc:
         raise PlanError(f"GPU catalog {override or CATALOG_FILE} is invalid: {exc}") from None

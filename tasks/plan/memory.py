@@ -55,8 +55,11 @@ def activation_bytes_per_token_layer(arch: Architecture, act_bytes: int, rank: i
     SDPA attention, no dropout): two RMSNorm inputs upcast to fp32 (2 x 4H), two normed inputs (2H),
     q and the repeated k, v plus the attention output (4 q_dim; GQA heads are expanded before SDPA),
     the MLP's gate, up, SiLU(gate) and product (4I), and each LoRA A output (rank)."""
-    return (8 * arch.hidden + act_bytes * (2 * arch.hidden + 4 * arch.q_dim + 4 * arch.intermediate)
-            + act_bytes * rank * n_targets)
+    return (
+        8 * arch.hidden
+        + act_bytes * (2 * arch.hidden + 4 * arch.q_dim + 4 * arch.intermediate)
+        + act_bytes * rank * n_targets
+    )
 
 
 def kv_bytes_per_token(arch: Architecture, act_bytes: int) -> int:
@@ -107,11 +110,22 @@ class MemoryEstimate(Frozen):
         return max(self.training_peak, self.generation_peak)
 
     def gib(self) -> dict[str, float]:
-        parts = ("weights", "adapter", "optimizer", "reference", "vllm", "gradients", "activations", "logits",
-                 "buffers", "kv_cache")
+        parts = (
+            "weights",
+            "adapter",
+            "optimizer",
+            "reference",
+            "vllm",
+            "gradients",
+            "activations",
+            "logits",
+            "buffers",
+            "kv_cache",
+        )
         out = {k: getattr(self, k) / GIB for k in parts}
-        out.update(training_peak=self.training_peak / GIB, generation_peak=self.generation_peak / GIB,
-                   total=self.total / GIB)
+        out.update(
+            training_peak=self.training_peak / GIB, generation_peak=self.generation_peak / GIB, total=self.total / GIB
+        )
         return out
 
 
@@ -149,7 +163,9 @@ def estimate_memory(
     if per_device_batch < 1 or shards < 1:
         raise PlanError("per_device_batch >= 1 and shards >= 1 are required")
     if work.lora_rank == 0 and work.quantization != "none":
-        raise PlanError("full fine-tuning (lora_rank=0) of a quantized base is not possible; use LoRA or quantization=none")
+        raise PlanError(
+            "full fine-tuning (lora_rank=0) of a quantized base is not possible; use LoRA or quantization=none"
+        )
     arch = architecture(model_config)
     a = DTYPE_BYTES[work.dtype]
     quantized = work.quantization != "none"
@@ -185,8 +201,9 @@ def estimate_memory(
     else:
         activations = tokens * (arch.layers + 1) * per_layer
     scored = per_device_batch * completion_tokens
-    logits = (min(scored, LOGIT_TILE_TOKENS) * min(arch.vocab, LOGIT_TILE_VOCAB) * (a + 4)
-              + tokens * arch.hidden * (4 + a))  # a tile (compute dtype + fp32 stats/grad) + final norm
+    logits = min(scored, LOGIT_TILE_TOKENS) * min(arch.vocab, LOGIT_TILE_VOCAB) * (a + 4) + tokens * arch.hidden * (
+        4 + a
+    )  # a tile (compute dtype + fp32 stats/grad) + final norm
 
     biggest_linear = max(i * o for i, o in shapes.values())
     buffers = biggest_linear * a if quantized else 0
@@ -210,9 +227,18 @@ def estimate_memory(
         vllm_b = 0
         kv_cache = gen_kv + gen_seqs * arch.vocab * 4  # + the last position's fp32 logits per step
     return MemoryEstimate(
-        params=arch.params, trainable_params=trainable, weights=int(weights), adapter=int(adapter),
-        optimizer=int(optimizer_b), reference=int(reference), vllm=int(vllm_b), gradients=int(gradients),
-        activations=int(activations), logits=int(logits), buffers=int(buffers), kv_cache=int(kv_cache),
+        params=arch.params,
+        trainable_params=trainable,
+        weights=int(weights),
+        adapter=int(adapter),
+        optimizer=int(optimizer_b),
+        reference=int(reference),
+        vllm=int(vllm_b),
+        gradients=int(gradients),
+        activations=int(activations),
+        logits=int(logits),
+        buffers=int(buffers),
+        kv_cache=int(kv_cache),
     )
 
 
@@ -234,8 +260,9 @@ class ServerMemory(Frozen):
         return self.weights + self.kv_cache + self.overhead
 
 
-def estimate_vllm_server(model_config: dict[str, Any], work: Workload, *, sequences: int,
-                         tensor_parallel: int) -> ServerMemory:
+def estimate_vllm_server(
+    model_config: dict[str, Any], work: Workload, *, sequences: int, tensor_parallel: int
+) -> ServerMemory:
     """Per-GPU memory of `trl vllm-serve` holding `sequences` sequences of prompt + completion at once.
 
     The server loads the checkpoint itself, in bf16 and unquantized (trainer/launch.py passes no quantization:
@@ -251,8 +278,10 @@ def estimate_vllm_server(model_config: dict[str, Any], work: Workload, *, sequen
     """
     arch = architecture(model_config)
     if arch.heads % tensor_parallel:
-        raise PlanError(f"vLLM's tensor-parallel size must divide the attention heads: {tensor_parallel} does not "
-                        f"divide {arch.heads}")
+        raise PlanError(
+            f"vLLM's tensor-parallel size must divide the attention heads: {tensor_parallel} does not "
+            f"divide {arch.heads}"
+        )
     weights = arch.params * 2 / tensor_parallel
     kv: float = sequences * (work.prompt_tokens + work.completion_tokens) * kv_bytes_per_token(arch, 2)
     kv /= min(tensor_parallel, arch.kv_heads)

@@ -36,18 +36,30 @@ class Assumptions(Frozen):
     mfu: float = Field(0.35, gt=0, le=1, description="model FLOPs utilisation of training and prefill")
     decode_efficiency_vllm: float = Field(0.6, gt=0, le=1, description="share of memory bandwidth vLLM decodes at")
     decode_efficiency_transformers: float = Field(
-        0.15, gt=0, le=1, description="share of memory bandwidth transformers generate() decodes at (per-token Python overhead)")
+        0.15,
+        gt=0,
+        le=1,
+        description="share of memory bandwidth transformers generate() decodes at (per-token Python overhead)",
+    )
     multi_gpu_efficiency: float = Field(0.9, gt=0, le=1, description="throughput kept per GPU when there are several")
-    headroom_fraction: float = Field(0.95, gt=0, le=1, description="usable share of GPU memory (allocator fragmentation)")
+    headroom_fraction: float = Field(
+        0.95, gt=0, le=1, description="usable share of GPU memory (allocator fragmentation)"
+    )
     headroom_gib: float = Field(1.0, ge=0, description="CUDA context and library workspaces")
     setup_minutes: float = Field(15, ge=0, description="provisioning, install, model download, first step")
-    preemption_overhead: float = Field(0.10, ge=0, description="extra spot GPU-time: lost steps since a checkpoint + restarts")
+    preemption_overhead: float = Field(
+        0.10, ge=0, description="extra spot GPU-time: lost steps since a checkpoint + restarts"
+    )
     days_per_month: float = 30
     max_gpus: int = Field(8, ge=1)
     max_micro_batch_tokens: int = Field(
-        16384, ge=1, description="largest micro-batch tried: past ~16k tokens a GPU is saturated and more only adds memory")
+        16384,
+        ge=1,
+        description="largest micro-batch tried: past ~16k tokens a GPU is saturated and more only adds memory",
+    )
     weight_sync_gbs: float = Field(
-        25, gt=0, description="GB/s at which TRL pushes the merged bf16 weights to a vLLM server after each step (NCCL)")
+        25, gt=0, description="GB/s at which TRL pushes the merged bf16 weights to a vLLM server after each step (NCCL)"
+    )
 
 
 class Layout(Frozen):
@@ -56,10 +68,14 @@ class Layout(Frozen):
     `distributed`, a field the user left unset): the planner chooses."""
 
     distributed: DistributedConfig = Field(
-        default_factory=DistributedConfig, description="train.distributed: its nodes and processes_per_node hold; "
-        "its strategy only when set; vllm_server_gpus 0: the fewest that hold the server")
+        default_factory=DistributedConfig,
+        description="train.distributed: its nodes and processes_per_node hold; "
+        "its strategy only when set; vllm_server_gpus 0: the fewest that hold the server",
+    )
     gpus_per_node: dict[str, int] | None = Field(None, description="GPU name -> GPUs per node (train.sky.accelerators)")
-    vllm_server: bool = Field(False, description="train.grpo.use_vllm with vllm_mode=server: generation on GPUs of its own")
+    vllm_server: bool = Field(
+        False, description="train.grpo.use_vllm with vllm_mode=server: generation on GPUs of its own"
+    )
     per_device_train_batch_size: int | None = Field(None, ge=1)
     gradient_accumulation_steps: int | None = Field(None, ge=1)
     steps_per_generation: int | None = Field(None, ge=1)
@@ -111,15 +127,20 @@ class Settings(Frozen):
         if self.vllm_server_gpus:
             first = self.count - self.vllm_server_gpus
             where = "each node" if self.train_nodes > 1 else "the node"
-            return f"GPUs {first}-{self.count - 1} of {where}" if self.vllm_server_gpus > 1 else f"GPU {first} of {where}"
+            return (
+                f"GPUs {first}-{self.count - 1} of {where}" if self.vllm_server_gpus > 1 else f"GPU {first} of {where}"
+            )
         return ""
 
     def distributed_overrides(self) -> dict[str, Any]:
         """The `train.distributed` fields this plan sets (`DistributedConfig` names), as the node launcher reads
         them: trainers on the first GPUs of each node, the server on the rest or on a node of its own."""
-        return {"strategy": "ddp" if self.strategy in ("single", "local") else self.strategy,
-                "processes_per_node": self.processes_per_node or self.count,
-                "vllm_server_gpus": self.vllm_server_gpus, "vllm_server_node": self.vllm_server_node}
+        return {
+            "strategy": "ddp" if self.strategy in ("single", "local") else self.strategy,
+            "processes_per_node": self.processes_per_node or self.count,
+            "vllm_server_gpus": self.vllm_server_gpus,
+            "vllm_server_node": self.vllm_server_node,
+        }
 
     def grpo_overrides(self) -> dict[str, Any]:
         """The `train.grpo` fields this plan sets (TRL GRPOConfig names)."""
@@ -195,10 +216,15 @@ class Plan(Frozen):
         """Flat numbers for MLflow params/metrics. plan_gpus_total: every GPU rented on every node (the vLLM
         server's included, what the price counts); plan_world_size: the training processes among them."""
         return {
-            "plan_gpu": self.settings.gpu, "plan_gpus_total": self.settings.gpus, "plan_nodes": self.settings.nodes,
-            "plan_gpus_per_node": self.settings.count, "plan_world_size": self.settings.world_size,
-            "plan_memory_gib": round(self.memory.total / GIB, 2), "plan_hours": self.estimate.hours,
-            "cost_usd_estimated": round(self.estimate.usd, 2), "plan_pricing": self.estimate.pricing,
+            "plan_gpu": self.settings.gpu,
+            "plan_gpus_total": self.settings.gpus,
+            "plan_nodes": self.settings.nodes,
+            "plan_gpus_per_node": self.settings.count,
+            "plan_world_size": self.settings.world_size,
+            "plan_memory_gib": round(self.memory.total / GIB, 2),
+            "plan_hours": self.estimate.hours,
+            "cost_usd_estimated": round(self.estimate.usd, 2),
+            "plan_pricing": self.estimate.pricing,
             **{f"plan_{k}": v for k, v in self.settings.grpo_overrides().items()},
         }
 
@@ -246,10 +272,12 @@ def fit(model_config, work: Workload, gpu: GPU, count: int, assumptions: Assumpt
     fixed = layout.distributed
     gens = work.num_generations
     if work.effective_batch % gens:
-        raise PlanError(f"the effective batch ({work.effective_batch}: plan.target_effective_batch, else "
-                        f"train.grpo.per_device_train_batch_size x gradient_accumulation_steps x training processes) "
-                        f"must be a multiple of num_generations ({gens}): GRPO normalises rewards within each "
-                        "prompt's group, and TRL refuses the run at start otherwise")
+        raise PlanError(
+            f"the effective batch ({work.effective_batch}: plan.target_effective_batch, else "
+            f"train.grpo.per_device_train_batch_size x gradient_accumulation_steps x training processes) "
+            f"must be a multiple of num_generations ({gens}): GRPO normalises rewards within each "
+            "prompt's group, and TRL refuses the run at start otherwise"
+        )
     cap = max(1, assumptions.max_micro_batch_tokens // (work.prompt_tokens + work.completion_tokens))
     capacity = capacity_bytes(gpu, assumptions)
     server_capacity = gpu.memory_gib * GIB * SERVER_MEMORY_UTILIZATION
@@ -259,17 +287,20 @@ def fit(model_config, work: Workload, gpu: GPU, count: int, assumptions: Assumpt
     why_server = why_batch = why_layout = None
     layouts = _server_layouts(work, layout, count)
     if not layouts:  # server mode, the planner choosing the server's GPUs, and a node of one GPU
-        why_layout = (f"a vLLM server (vllm_mode=server) needs GPUs of its own, and {count} GPU per node leaves none "
-                      "to train on beside it")
+        why_layout = (
+            f"a vLLM server (vllm_mode=server) needs GPUs of its own, and {count} GPU per node leaves none "
+            "to train on beside it"
+        )
     for server_gpus, server_node in layouts:
         if not fixed.processes_per_node and server_gpus >= count:
-            why_layout = (f"{server_gpus} vLLM server GPUs leave no GPU to train on beside them on a node of {count} "
-                          "GPUs")
+            why_layout = (
+                f"{server_gpus} vLLM server GPUs leave no GPU to train on beside them on a node of {count} GPUs"
+            )
             continue
         # the launch's default: every GPU the server leaves
         procs = processes_per_node(count, fixed.processes_per_node, server_gpus)
         if procs + server_gpus > count:
-            why_layout = (f"{procs} processes + {server_gpus} vLLM server GPUs do not fit {count} GPUs per node")
+            why_layout = f"{procs} processes + {server_gpus} vLLM server GPUs do not fit {count} GPUs per node"
             continue
         world = world_size(fixed.nodes, count, fixed.processes_per_node, server_gpus)
         if work.effective_batch % world:
@@ -278,14 +309,19 @@ def fit(model_config, work: Workload, gpu: GPU, count: int, assumptions: Assumpt
         per_gpu = work.effective_batch // world
         tp = count if server_node else server_gpus
         if tp and architecture(model_config).heads % tp:
-            why_layout = (f"vLLM's tensor-parallel size {tp} does not divide the model's "
-                          f"{architecture(model_config).heads} attention heads")
+            why_layout = (
+                f"vLLM's tensor-parallel size {tp} does not divide the model's "
+                f"{architecture(model_config).heads} attention heads"
+            )
             continue
         # least traffic first: ddp replicates everything, zero2 shards gradients and optimizer state, fsdp the
         # weights too (the only one that helps a base too large for one GPU)
         strategies = [layout.strategy] if layout.strategy else ["single"] if world == 1 else ["ddp", "zero2", "fsdp"]
-        pdbs = [layout.per_device_train_batch_size] if layout.per_device_train_batch_size else [
-            b for b in _divisors(per_gpu) if b <= cap]
+        pdbs = (
+            [layout.per_device_train_batch_size]
+            if layout.per_device_train_batch_size
+            else [b for b in _divisors(per_gpu) if b <= cap]
+        )
         for strategy in strategies:
             sharded = strategy in ("fsdp", "zero3")
             if sharded and work.vllm and not tp:
@@ -303,54 +339,96 @@ def fit(model_config, work: Workload, gpu: GPU, count: int, assumptions: Assumpt
                         break
                     accum, rest = divmod(per_gpu, pdb)
                     if rest or (layout.gradient_accumulation_steps not in (None, accum)):
-                        why_batch = (f"per_device_train_batch_size x gradient_accumulation_steps x processes = {pdb} "
-                                     f"x {layout.gradient_accumulation_steps or '?'} x {world} cannot make the "
-                                     f"effective batch of {work.effective_batch}")
+                        why_batch = (
+                            f"per_device_train_batch_size x gradient_accumulation_steps x processes = {pdb} "
+                            f"x {layout.gradient_accumulation_steps or '?'} x {world} cannot make the "
+                            f"effective batch of {work.effective_batch}"
+                        )
                         continue
                     for spg in [layout.steps_per_generation] if layout.steps_per_generation else _divisors(accum):
-                        if (pdb * world * spg) % gens:  # TRL refuses this at start (`batch_problem`), after the GPUs are paid for
-                            why_batch = (f"per_device_train_batch_size x processes x steps_per_generation = {pdb} x "
-                                         f"{world} x {spg} = {pdb * world * spg} completions is not a multiple of "
-                                         f"num_generations ({gens}), which TRL refuses at start")
+                        if (
+                            pdb * world * spg
+                        ) % gens:  # TRL refuses this at start (`batch_problem`), after the GPUs are paid for
+                            why_batch = (
+                                f"per_device_train_batch_size x processes x steps_per_generation = {pdb} x "
+                                f"{world} x {spg} = {pdb * world * spg} completions is not a multiple of "
+                                f"num_generations ({gens}), which TRL refuses at start"
+                            )
                             continue
                         server = None
                         if tp:
-                            server = estimate_vllm_server(model_config, work, sequences=pdb * spg * world,
-                                                          tensor_parallel=tp)
-                        mem = estimate_memory(model_config, work, per_device_batch=pdb, gradient_checkpointing=ckpt,
-                                              generation_batch=pdb * spg, shards=shards, vllm_server=bool(tp))
+                            server = estimate_vllm_server(
+                                model_config, work, sequences=pdb * spg * world, tensor_parallel=tp
+                            )
+                        mem = estimate_memory(
+                            model_config,
+                            work,
+                            per_device_batch=pdb,
+                            gradient_checkpointing=ckpt,
+                            generation_batch=pdb * spg,
+                            shards=shards,
+                            vllm_server=bool(tp),
+                        )
                         if strategy == "zero2":  # ZeRO-2: each GPU keeps 1/world of the gradients and optimizer state
-                            mem = mem.model_copy(update={"gradients": mem.gradients // world,
-                                                         "optimizer": mem.optimizer // world})
+                            mem = mem.model_copy(
+                                update={"gradients": mem.gradients // world, "optimizer": mem.optimizer // world}
+                            )
                         if smallest is None or mem.total < smallest.total:
                             smallest = mem
                         if mem.total > capacity:
                             continue
                         if server is not None and server.total > server_capacity:
-                            why_server = (f"the vLLM server needs {server.total / GIB:.1f} GiB on each of {tp} GPUs, "
-                                          f"{server_capacity / GIB:.1f} GiB usable")
+                            why_server = (
+                                f"the vLLM server needs {server.total / GIB:.1f} GiB on each of {tp} GPUs, "
+                                f"{server_capacity / GIB:.1f} GiB usable"
+                            )
                             continue
                         util = None
                         if work.vllm and not tp:
                             util = math.ceil(mem.vllm / (gpu.memory_gib * GIB) * 20) / 20
-                        return Settings(
-                            gpu=gpu.name, count=count, strategy=strategy, per_device_train_batch_size=pdb,
-                            gradient_accumulation_steps=accum, steps_per_generation=spg,
-                            gradient_checkpointing=ckpt, bf16=work.dtype == "bfloat16",
-                            vllm_gpu_memory_utilization=util, nodes=fixed.nodes + server_node,
-                            processes_per_node=procs, vllm_server_gpus=server_gpus, vllm_server_node=server_node,
-                            vllm_tensor_parallel=tp,
-                        ), mem, server, None
+                        return (
+                            Settings(
+                                gpu=gpu.name,
+                                count=count,
+                                strategy=strategy,
+                                per_device_train_batch_size=pdb,
+                                gradient_accumulation_steps=accum,
+                                steps_per_generation=spg,
+                                gradient_checkpointing=ckpt,
+                                bf16=work.dtype == "bfloat16",
+                                vllm_gpu_memory_utilization=util,
+                                nodes=fixed.nodes + server_node,
+                                processes_per_node=procs,
+                                vllm_server_gpus=server_gpus,
+                                vllm_server_node=server_node,
+                                vllm_tensor_parallel=tp,
+                            ),
+                            mem,
+                            server,
+                            None,
+                        )
     if smallest is not None:  # sized: the server's reason when a training share fit (then only it failed)
-        return None, smallest, None, Reason(kind="memory", text=why_server or (
-            f"needs {smallest.total / GIB:.1f} GiB per training GPU at the smallest settings, "
-            f"{capacity / GIB:.1f} GiB usable"))
+        return (
+            None,
+            smallest,
+            None,
+            Reason(
+                kind="memory",
+                text=why_server
+                or (
+                    f"needs {smallest.total / GIB:.1f} GiB per training GPU at the smallest settings, "
+                    f"{capacity / GIB:.1f} GiB usable"
+                ),
+            ),
+        )
     if why_batch:
         return None, None, None, Reason(kind="batch", text=why_batch)
     return None, None, None, Reason(kind="layout", text=why_layout or f"no layout was tried on {count} GPUs per node")
 
 
-def step_seconds(model_config, work: Workload, settings: Settings, gpu: GPU, assumptions: Assumptions) -> tuple[float, float]:
+def step_seconds(
+    model_config, work: Workload, settings: Settings, gpu: GPU, assumptions: Assumptions
+) -> tuple[float, float]:
     """(training, generation) seconds per optimizer step.
 
     Training: FLOPs per token = forward 2N + input gradients 2N + weight gradients 2N (full fine-tuning
@@ -367,7 +445,9 @@ def step_seconds(model_config, work: Workload, settings: Settings, gpu: GPU, ass
     arch = architecture(model_config)
     n = arch.matmul_params
     full = work.lora_rank == 0
-    per_token = n * (4 + (2 if full else 0) + (2 if settings.gradient_checkpointing else 0) + (2 if work.beta > 0 else 0))
+    per_token = n * (
+        4 + (2 if full else 0) + (2 if settings.gradient_checkpointing else 0) + (2 if work.beta > 0 else 0)
+    )
     world = settings.world_size
     seqs = work.effective_batch // world  # per training GPU per optimizer step
     peak = gpu.bf16_tflops * 1e12 * assumptions.mfu
@@ -375,8 +455,10 @@ def step_seconds(model_config, work: Workload, settings: Settings, gpu: GPU, ass
     train = per_token * seqs * (work.prompt_tokens + work.completion_tokens) / peak * scale
 
     a = DTYPE_BYTES[work.dtype]
-    weight_read = (arch.linear_params * weight_bytes_per_param(work.quantization, work.double_quant, work.dtype)
-                   + arch.other_params * a)
+    weight_read = (
+        arch.linear_params * weight_bytes_per_param(work.quantization, work.double_quant, work.dtype)
+        + arch.other_params * a
+    )
     gen_batch = settings.per_device_train_batch_size * settings.steps_per_generation
     tp = settings.vllm_tensor_parallel
     sync = 0.0
@@ -410,10 +492,18 @@ def _costs(hours: float, count: int, gpu: GPU, spot: bool, assumptions: Assumpti
     usd = spot_usd if spot else on_demand
     days = assumptions.days_per_month
     return Estimate(
-        train_s_per_step=None, generation_s_per_step=None, hours=hours, gpu_hours=gpu_hours,
-        on_demand_usd=on_demand, spot_usd=spot_usd, pricing="spot" if spot else "on-demand",
-        usd_per_gpu_hour=gpu.spot_usd_h if spot else gpu.on_demand_usd_h, usd=usd,
-        monthly_usd=usd * days, monthly_on_demand_usd=on_demand * days, monthly_spot_usd=spot_usd * days,
+        train_s_per_step=None,
+        generation_s_per_step=None,
+        hours=hours,
+        gpu_hours=gpu_hours,
+        on_demand_usd=on_demand,
+        spot_usd=spot_usd,
+        pricing="spot" if spot else "on-demand",
+        usd_per_gpu_hour=gpu.spot_usd_h if spot else gpu.on_demand_usd_h,
+        usd=usd,
+        monthly_usd=usd * days,
+        monthly_on_demand_usd=on_demand * days,
+        monthly_spot_usd=spot_usd * days,
     )
 
 
@@ -454,8 +544,10 @@ def make_plan(
         # the server's K GPUs come on top of the trainers': a per-device batch and accumulation the user fixed may
         # leave 1 + K (or 2 + K, ...) the only node that runs them. Clouds sell nodes of 1, 2, 4, 8 GPUs, so such a
         # count is a fallback, tried only when no power of two can run the job
-        fallback = sorted({p + fixed.vllm_server_gpus for p in counts
-                           if p + fixed.vllm_server_gpus <= assumptions.max_gpus} - set(counts))
+        fallback = sorted(
+            {p + fixed.vllm_server_gpus for p in counts if p + fixed.vllm_server_gpus <= assumptions.max_gpus}
+            - set(counts)
+        )
     best = None
     options = []
     reasons = []
@@ -477,9 +569,12 @@ def make_plan(
             train, gen = step_seconds(model_config, work, settings, gpu, assumptions)
             hours = work.max_steps * (train + gen) / 3600 + assumptions.setup_minutes / 60
             est = _costs(hours, settings.gpus, gpu, spot, assumptions).model_copy(
-                update={"train_s_per_step": train, "generation_s_per_step": gen})
+                update={"train_s_per_step": train, "generation_s_per_step": gen}
+            )
             if not daily:
-                est = est.model_copy(update={"monthly_usd": None, "monthly_on_demand_usd": None, "monthly_spot_usd": None})
+                est = est.model_copy(
+                    update={"monthly_usd": None, "monthly_on_demand_usd": None, "monthly_spot_usd": None}
+                )
             candidate = (est.usd, hours, settings, mem, est, server)
             if option is None or candidate[:2] < option[:2]:
                 option = candidate
@@ -492,21 +587,45 @@ def make_plan(
             memory, batch, layout_ = ([w for w in by_count if w.kind == kind] for kind in ("memory", "batch", "layout"))
             why = memory[-1] if memory else batch[0] if batch else layout_[-1]
             reasons.append((gpu.name, why))
-            options.append(Option(gpu=gpu.name, count=None, fits=False, need_gib=need, capacity_gib=cap, usd=None,
-                                  hours=None, note=why.text, refused=why.kind))
+            options.append(
+                Option(
+                    gpu=gpu.name,
+                    count=None,
+                    fits=False,
+                    need_gib=need,
+                    capacity_gib=cap,
+                    usd=None,
+                    hours=None,
+                    note=why.text,
+                    refused=why.kind,
+                )
+            )
             continue
         usd, hours, settings, mem, est, _ = option
-        options.append(Option(gpu=gpu.name, count=settings.count, fits=True, need_gib=mem.total / GIB,
-                              capacity_gib=cap, usd=usd, hours=hours, note=settings.strategy, nodes=settings.nodes,
-                              vllm_server_gpus=settings.vllm_server_gpus))
+        options.append(
+            Option(
+                gpu=gpu.name,
+                count=settings.count,
+                fits=True,
+                need_gib=mem.total / GIB,
+                capacity_gib=cap,
+                usd=usd,
+                hours=hours,
+                note=settings.strategy,
+                nodes=settings.nodes,
+                vllm_server_gpus=settings.vllm_server_gpus,
+            )
+        )
         if best is None or (usd, hours) < (best[0], best[1]):
             best = option
     if best is None:
         said = "; ".join(f"{name}: {why.text}" for name, why in reasons)
         if reasons and all(why.kind == "batch" for _, why in reasons):  # the batch rule refused them, not memory
-            raise PlanError(f"no launch of this batch passes TRL's check at start: {said}; change "
-                            "train.grpo.per_device_train_batch_size, gradient_accumulation_steps or num_generations, "
-                            "or train.distributed.nodes / processes_per_node (plan.target_effective_batch: the total)")
+            raise PlanError(
+                f"no launch of this batch passes TRL's check at start: {said}; change "
+                "train.grpo.per_device_train_batch_size, gradient_accumulation_steps or num_generations, "
+                "or train.distributed.nodes / processes_per_node (plan.target_effective_batch: the total)"
+            )
         needs = [o.need_gib for o in options if not math.isnan(o.need_gib)]
         if not needs:  # refused before any memory was estimated: the layout itself cannot run
             raise PlanError(f"{work.model} cannot be planned as configured: {said}")
@@ -516,26 +635,44 @@ def make_plan(
         raise PlanError(
             f"{work.model} does not fit any allowed GPU ({', '.join(g.name for g in gpus)}, up to "
             f"{assumptions.max_gpus} per node): it needs at least {need:.1f} GiB per GPU"
-            + (f" ({other})" if other else "") + ". "
+            + (f" ({other})" if other else "")
+            + ". "
             + ("Quantize the base (model.quantization=nf4), " if work.quantization == "none" else "")
             + "lower the LoRA rank or completion length, enable gradient checkpointing, "
             "or allow larger GPUs (plan.allowed_gpus)"
         )
     _, _, settings, mem, est, server = best
-    notes = [f"time assumes MFU {assumptions.mfu:.0%} and decoding at "
-             f"{(assumptions.decode_efficiency_vllm if work.vllm else assumptions.decode_efficiency_transformers):.0%}"
-             f" of memory bandwidth ({'vLLM' if work.vllm else 'transformers generate()'}); unvalidated on GPUs"]
+    notes = [
+        f"time assumes MFU {assumptions.mfu:.0%} and decoding at "
+        f"{(assumptions.decode_efficiency_vllm if work.vllm else assumptions.decode_efficiency_transformers):.0%}"
+        f" of memory bandwidth ({'vLLM' if work.vllm else 'transformers generate()'}); unvalidated on GPUs"
+    ]
     if server is not None:
-        notes.append(f"vllm_mode=server: `trl vllm-serve` on {settings.server_gpus()}, tensor parallel "
-                     f"{settings.vllm_tensor_parallel}, {server.total / GIB:.1f} GiB per GPU; the price counts its GPUs; "
-                     f"the merged weights are pushed to it each step at {assumptions.weight_sync_gbs:g} GB/s")
+        notes.append(
+            f"vllm_mode=server: `trl vllm-serve` on {settings.server_gpus()}, tensor parallel "
+            f"{settings.vllm_tensor_parallel}, {server.total / GIB:.1f} GiB per GPU; the price counts its GPUs; "
+            f"the merged weights are pushed to it each step at {assumptions.weight_sync_gbs:g} GB/s"
+        )
         if settings.vllm_server_gpus and settings.train_nodes > 1:
-            notes.append(f"vllm_server_gpus on each of {settings.train_nodes} nodes: only the first node's server "
-                         "generates (TRL's main process talks to one server), the others' GPUs idle; "
-                         "train.distributed.vllm_server_node=true serves from one node instead")
-    return Plan(model=work.model, params=arch.params, workload=work, memory=mem, server_memory=server, settings=settings,
-                estimate=est, options=options, assumptions=assumptions, catalog_as_of=catalog.as_of,
-                catalog_source=catalog.source, notes=notes)
+            notes.append(
+                f"vllm_server_gpus on each of {settings.train_nodes} nodes: only the first node's server "
+                "generates (TRL's main process talks to one server), the others' GPUs idle; "
+                "train.distributed.vllm_server_node=true serves from one node instead"
+            )
+    return Plan(
+        model=work.model,
+        params=arch.params,
+        workload=work,
+        memory=mem,
+        server_memory=server,
+        settings=settings,
+        estimate=est,
+        options=options,
+        assumptions=assumptions,
+        catalog_as_of=catalog.as_of,
+        catalog_source=catalog.source,
+        notes=notes,
+    )
 
 
 def local_ram_bytes() -> int:
@@ -546,8 +683,15 @@ def local_ram_bytes() -> int:
         return 0
 
 
-def plan_local(model_config: dict[str, Any], work: Workload, *, per_device_batch: int, gradient_accumulation: int,
-               gradient_checkpointing: bool, daily: bool = True) -> Plan:
+def plan_local(
+    model_config: dict[str, Any],
+    work: Workload,
+    *,
+    per_device_batch: int,
+    gradient_accumulation: int,
+    gradient_checkpointing: bool,
+    daily: bool = True,
+) -> Plan:
     """A run on this machine's CPU: memory of the configured settings against its RAM, and no rental cost.
 
     Time is not estimated: CPU throughput is not in the catalog and would be a guess.
@@ -559,26 +703,66 @@ def plan_local(model_config: dict[str, Any], work: Workload, *, per_device_batch
     ('local-cpu', 0.0, None)
     """
     arch = architecture(model_config)
-    mem = estimate_memory(model_config, work, per_device_batch=per_device_batch,
-                          gradient_checkpointing=gradient_checkpointing,
-                          generation_batch=per_device_batch * gradient_accumulation)
+    mem = estimate_memory(
+        model_config,
+        work,
+        per_device_batch=per_device_batch,
+        gradient_checkpointing=gradient_checkpointing,
+        generation_batch=per_device_batch * gradient_accumulation,
+    )
     ram = local_ram_bytes()
-    settings = Settings(gpu="local-cpu", count=1, strategy="local", per_device_train_batch_size=per_device_batch,
-                        gradient_accumulation_steps=gradient_accumulation, steps_per_generation=gradient_accumulation,
-                        gradient_checkpointing=gradient_checkpointing, bf16=False)
+    settings = Settings(
+        gpu="local-cpu",
+        count=1,
+        strategy="local",
+        per_device_train_batch_size=per_device_batch,
+        gradient_accumulation_steps=gradient_accumulation,
+        steps_per_generation=gradient_accumulation,
+        gradient_checkpointing=gradient_checkpointing,
+        bf16=False,
+    )
     zero = 0.0 if daily else None
-    est = Estimate(train_s_per_step=None, generation_s_per_step=None, hours=None, gpu_hours=0.0, on_demand_usd=0.0,
-                   spot_usd=0.0, pricing="local", usd_per_gpu_hour=0.0, usd=0.0, monthly_usd=zero, monthly_on_demand_usd=zero,
-                   monthly_spot_usd=zero)
+    est = Estimate(
+        train_s_per_step=None,
+        generation_s_per_step=None,
+        hours=None,
+        gpu_hours=0.0,
+        on_demand_usd=0.0,
+        spot_usd=0.0,
+        pricing="local",
+        usd_per_gpu_hour=0.0,
+        usd=0.0,
+        monthly_usd=zero,
+        monthly_on_demand_usd=zero,
+        monthly_spot_usd=zero,
+    )
     fits = not ram or mem.total <= ram
-    option = Option(gpu="local-cpu", count=1, fits=fits, need_gib=mem.total / GIB, capacity_gib=ram / GIB,
-                    usd=0.0, hours=None, note="this machine's RAM")
+    option = Option(
+        gpu="local-cpu",
+        count=1,
+        fits=fits,
+        need_gib=mem.total / GIB,
+        capacity_gib=ram / GIB,
+        usd=0.0,
+        hours=None,
+        note="this machine's RAM",
+    )
     notes = ["train.launcher=local: runs on this machine, no GPU rented, cost 0 USD; time not estimated"]
     if not fits:
         notes.append(f"needs {mem.total / GIB:.1f} GiB but this machine has {ram / GIB:.1f} GiB of RAM")
-    return Plan(model=work.model, params=arch.params, workload=work, memory=mem, settings=settings, estimate=est,
-                options=[option], assumptions=Assumptions(), catalog_as_of="", catalog_source="", notes=notes)
-
+    return Plan(
+        model=work.model,
+        params=arch.params,
+        workload=work,
+        memory=mem,
+        settings=settings,
+        estimate=est,
+        options=[option],
+        assumptions=Assumptions(),
+        catalog_as_of="",
+        catalog_source="",
+        notes=notes,
+    )
 
 
 def check_budget(plan: Plan, budget_usd: float | None) -> None:
@@ -597,7 +781,11 @@ def check_budget(plan: Plan, budget_usd: float | None) -> None:
     raise BudgetExceeded(
         f"estimated cost ${e.usd:,.2f} ({e.pricing}, {s.count}x {s.gpu}, {e.hours:.2f} h for "
         f"{plan.workload.max_steps} steps"
-        + (f", incl. {plan.assumptions.preemption_overhead:.0%} expected preemption overhead" if e.pricing == "spot" else "")
+        + (
+            f", incl. {plan.assumptions.preemption_overhead:.0%} expected preemption overhead"
+            if e.pricing == "spot"
+            else ""
+        )
         + f") exceeds plan.budget_usd = ${budget_usd:,.2f}; lower train.grpo.max_steps or the completion length, "
         f"quantize the base, use spot GPUs, or raise plan.budget_usd"
     )
@@ -616,5 +804,3 @@ def actual_cost(gpu_hours: float | None, plan: Plan) -> float:
     if not gpu_hours or plan.estimate.pricing == "local":
         return 0.0
     return round(gpu_hours * plan.estimate.usd_per_gpu_hour, 6)
-
-

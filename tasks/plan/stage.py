@@ -38,8 +38,10 @@ def sky_accelerators(task_yaml: str | Path) -> list[str]:
     try:
         resources = (yaml.safe_load(project_file(task_yaml).read_text()) or {}).get("resources") or {}
     except (OSError, yaml.YAMLError) as exc:
-        raise PlanError(f"cannot read {task_yaml} for its GPU list ({exc}); run from the project root, or set "
-                        "plan.allowed_gpus or train.sky.accelerators") from None
+        raise PlanError(
+            f"cannot read {task_yaml} for its GPU list ({exc}); run from the project root, or set "
+            "plan.allowed_gpus or train.sky.accelerators"
+        ) from None
     entries = resources.get("ordered") or resources.get("any_of") or [resources]
     names: list[str] = []
     for entry in entries:
@@ -80,14 +82,19 @@ def layout_for(train: TrainConfig) -> Layout:
         name, _, count = option.partition(":")
         counts.setdefault(name, int(count or 1))
     return Layout(
-        distributed=train.distributed, gpus_per_node=counts or None, vllm_server=_vllm_server(train),
-        **{k: train.grpo.get(k) for k in ("per_device_train_batch_size", "gradient_accumulation_steps",
-                                          "steps_per_generation")},
+        distributed=train.distributed,
+        gpus_per_node=counts or None,
+        vllm_server=_vllm_server(train),
+        **{
+            k: train.grpo.get(k)
+            for k in ("per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation")
+        },
     )
 
 
-def workload_for(model: ModelConfig, train: TrainConfig, plan: PlanConfig, name: str,
-                 train_rows: int | None = None) -> Workload:
+def workload_for(
+    model: ModelConfig, train: TrainConfig, plan: PlanConfig, name: str, train_rows: int | None = None
+) -> Workload:
     """The run the config's sections describe: model precision, LoRA, GRPO lengths and batch, steps
     (max_steps, else epochs x train_rows / prompts per step, else None: unknown).
 
@@ -97,35 +104,59 @@ def workload_for(model: ModelConfig, train: TrainConfig, plan: PlanConfig, name:
     lora = train.lora
     generations = _grpo(train, "num_generations")
     effective = plan.target_effective_batch or (
-        _grpo(train, "per_device_train_batch_size") * _grpo(train, "gradient_accumulation_steps")
-        * (pinned_world(train) or 1))
+        _grpo(train, "per_device_train_batch_size")
+        * _grpo(train, "gradient_accumulation_steps")
+        * (pinned_world(train) or 1)
+    )
     steps = _grpo(train, "max_steps")
     if steps is None or steps <= 0:
-        steps = None if not train_rows else math.ceil(
-            _grpo(train, "num_train_epochs") * train_rows / (effective / generations))
+        steps = (
+            None
+            if not train_rows
+            else math.ceil(_grpo(train, "num_train_epochs") * train_rows / (effective / generations))
+        )
     optimizer = plan.optimizer or _grpo(train, "optim")
     if optimizer not in Optimizer.__args__:
-        raise PlanError(f"optimizer {optimizer!r} (train.grpo.optim) is unknown to the planner; set plan.optimizer "
-                        f"to one of {list(Optimizer.__args__)}")
+        raise PlanError(
+            f"optimizer {optimizer!r} (train.grpo.optim) is unknown to the planner; set plan.optimizer "
+            f"to one of {list(Optimizer.__args__)}"
+        )
     targets = lora.get("target_modules", default("LoraConfig", "target_modules"))
     try:
         return Workload(
-            model=name, quantization=model.quantization, double_quant=model.double_quant,
-            dtype=model.compute_dtype, lora_rank=lora.get("r", default("LoraConfig", "r")),
-            lora_targets=tuple(targets) if isinstance(targets, list) else targets, optimizer=optimizer,
+            model=name,
+            quantization=model.quantization,
+            double_quant=model.double_quant,
+            dtype=model.compute_dtype,
+            lora_rank=lora.get("r", default("LoraConfig", "r")),
+            lora_targets=tuple(targets) if isinstance(targets, list) else targets,
+            optimizer=optimizer,
             # a value set in train.grpo is what trains (apply_plan keeps it), so the plan sizes that one
-            gradient_checkpointing=(train.grpo.get("gradient_checkpointing", "auto")
-                                    if plan.gradient_checkpointing == "auto" else plan.gradient_checkpointing),
+            gradient_checkpointing=(
+                train.grpo.get("gradient_checkpointing", "auto")
+                if plan.gradient_checkpointing == "auto"
+                else plan.gradient_checkpointing
+            ),
             prompt_tokens=plan.prompt_tokens,
-            completion_tokens=_grpo(train, "max_completion_length"), num_generations=generations,
-            effective_batch=effective, max_steps=steps, beta=_grpo(train, "beta"), vllm=_grpo(train, "use_vllm"),
+            completion_tokens=_grpo(train, "max_completion_length"),
+            num_generations=generations,
+            effective_batch=effective,
+            max_steps=steps,
+            beta=_grpo(train, "beta"),
+            vllm=_grpo(train, "use_vllm"),
         )
     except ValidationError as exc:
         raise PlanError(f"cannot plan this configuration: {exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}") from None
 
 
-def plan_for_config(model: ModelConfig, train: TrainConfig, plan: PlanConfig, model_config: dict[str, Any], name: str,
-                    train_rows: int | None = None) -> Plan:
+def plan_for_config(
+    model: ModelConfig,
+    train: TrainConfig,
+    plan: PlanConfig,
+    model_config: dict[str, Any],
+    name: str,
+    train_rows: int | None = None,
+) -> Plan:
     """The plan for the config's sections. train.launcher=local: this machine, memory against its RAM, 0 USD.
     train.launcher=sky: the cheapest of plan.allowed_gpus (default: the SkyPilot task's GPU list).
 
@@ -140,18 +171,32 @@ def plan_for_config(model: ModelConfig, train: TrainConfig, plan: PlanConfig, mo
     work = workload_for(model, train, plan, name, train_rows)
     if train.launcher == "local":
         pdb = _grpo(train, "per_device_train_batch_size")
-        return plan_local(model_config, work, per_device_batch=pdb,
-                          # per process: the effective batch counts every process of the run
-                          gradient_accumulation=max(1, work.effective_batch // (pdb * (pinned_world(train) or 1))),
-                          gradient_checkpointing=_grpo(train, "gradient_checkpointing"),
-                          daily=plan.daily_projection)
+        return plan_local(
+            model_config,
+            work,
+            per_device_batch=pdb,
+            # per process: the effective batch counts every process of the run
+            gradient_accumulation=max(1, work.effective_batch // (pdb * (pinned_world(train) or 1))),
+            gradient_checkpointing=_grpo(train, "gradient_checkpointing"),
+            daily=plan.daily_projection,
+        )
     allowed = plan.allowed_gpus or (
-        [a.split(":")[0] for a in train.sky.accelerators] if train.sky.accelerators
-        else sky_accelerators(train.sky.task_yaml))
+        [a.split(":")[0] for a in train.sky.accelerators]
+        if train.sky.accelerators
+        else sky_accelerators(train.sky.task_yaml)
+    )
     spot = train.sky.use_spot if plan.spot is None else plan.spot
     assumptions = Assumptions(mfu=plan.mfu, preemption_overhead=plan.preemption_overhead)
-    made = make_plan(model_config, work, load_catalog(plan.gpu_catalog), allowed=allowed or None, spot=spot,
-                     assumptions=assumptions, daily=plan.daily_projection, layout=layout_for(train))
+    made = make_plan(
+        model_config,
+        work,
+        load_catalog(plan.gpu_catalog),
+        allowed=allowed or None,
+        spot=spot,
+        assumptions=assumptions,
+        daily=plan.daily_projection,
+        layout=layout_for(train),
+    )
     notes = list(made.notes)
     if work.dtype == "float32":
         notes.append("model.compute_dtype=float32 keeps fp32 weights on the GPU (2x bf16); bfloat16 is usual there")
@@ -184,9 +229,19 @@ def apply_plan(cfg: PipelineConfig, plan: Plan) -> PipelineConfig:
     sky, settings = cfg.train.sky, plan.settings
     if sky.accelerators is None:
         # the same GPU count and strategy as the plan: its batch split holds for those and no other
-        fitting = sorted((o for o in plan.options if o.fits and o.usd is not None and o.count == settings.count
-                          and o.note == settings.strategy and o.nodes == settings.nodes
-                          and o.vllm_server_gpus == settings.vllm_server_gpus), key=lambda o: o.usd)
+        fitting = sorted(
+            (
+                o
+                for o in plan.options
+                if o.fits
+                and o.usd is not None
+                and o.count == settings.count
+                and o.note == settings.strategy
+                and o.nodes == settings.nodes
+                and o.vllm_server_gpus == settings.vllm_server_gpus
+            ),
+            key=lambda o: o.usd,
+        )
         sky = sky.model_copy(update={"accelerators": [f"{o.gpu}:{o.count}" for o in fitting]})
     distributed = cfg.train.distributed
     if settings.gpus > 1 or settings.strategy not in ("single", "ddp"):
@@ -200,12 +255,19 @@ def apply_plan(cfg: PipelineConfig, plan: Plan) -> PipelineConfig:
     # TRL's check at start, made before any GPU is rented
     if problem := batch_problem(grpo, world, lambda name: default("GRPOConfig", name)):
         raise PlanError(f"the planned launch ({world} training processes) would fail at start: {problem}")
-    return cfg.model_copy(update={"train": cfg.train.model_copy(
-        update={"grpo": grpo, "sky": sky, "distributed": distributed})})
+    return cfg.model_copy(
+        update={"train": cfg.train.model_copy(update={"grpo": grpo, "sky": sky, "distributed": distributed})}
+    )
 
 
-def plan_run(model: ModelConfig, train: TrainConfig, plan: PlanConfig, model_path: str | None = None,
-             train_rows: int | None = None, priced: Plan | None = None) -> Plan:
+def plan_run(
+    model: ModelConfig,
+    train: TrainConfig,
+    plan: PlanConfig,
+    model_path: str | None = None,
+    train_rows: int | None = None,
+    priced: Plan | None = None,
+) -> Plan:
     """The plan of a run: for the model's own config.json when resolved, else the shipped one.
 
     `priced`: the plan preflight priced the budget with, for these same sections before the model was resolved

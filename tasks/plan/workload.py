@@ -46,18 +46,24 @@ class Workload(Frozen):
     # a plan given no adapter sizes a run people make. lora_targets=None is PEFT's default.
     lora_rank: int = Field(16, ge=0, description="LoRA rank; 0 = full fine-tuning")
     lora_targets: str | tuple[str, ...] | None = Field(
-        "all-linear", description="LoRA targets: all-linear or q_proj,v_proj,...")
+        "all-linear", description="LoRA targets: all-linear or q_proj,v_proj,..."
+    )
     optimizer: Optimizer = Field(
-        trl_default("optim"), description="adamw_torch(_fused) | adamw_8bit | paged_adamw_8bit | paged_adamw_32bit")
+        trl_default("optim"), description="adamw_torch(_fused) | adamw_8bit | paged_adamw_8bit | paged_adamw_32bit"
+    )
     gradient_checkpointing: bool | Literal["auto"] = Field(
-        "auto", description="auto | on | off; auto: on only when a prompt's group does not fit without it")
+        "auto", description="auto | on | off; auto: on only when a prompt's group does not fit without it"
+    )
     prompt_tokens: int = Field(256, ge=0, description="prompt length in tokens, chat template included")
     completion_tokens: int = Field(
-        trl_default("max_completion_length"), ge=1, description="completion length in tokens (max_completion_length)")
+        trl_default("max_completion_length"), ge=1, description="completion length in tokens (max_completion_length)"
+    )
     num_generations: int = Field(trl_default("num_generations"), ge=2, description="completions per prompt")
     effective_batch: int = Field(64, ge=1, description="completions per optimizer step, all GPUs together")
     max_steps: int | None = Field(
-        500, ge=1, description="optimizer steps; None: unknown (a local plan does not estimate time)")
+        500, ge=1, description="optimizer steps; None: unknown (a local plan does not estimate time)"
+    )
     beta: float = Field(
-        trl_default("beta"), ge=0, description="KL coefficient (full fine-tuning keeps a reference copy when > 0)")
+        trl_default("beta"), ge=0, description="KL coefficient (full fine-tuning keeps a reference copy when > 0)"
+    )
     vllm: bool = Field(trl_default("use_vllm"), description="generate with colocated vLLM")

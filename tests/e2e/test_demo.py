@@ -17,7 +17,11 @@ def test_demo_trains_above_the_base_model(tmp_path):
     data_dir = ROOT / ".grpo"  # shares the converted model cache with `make demo`
     proc = subprocess.run(
         [sys.executable, "-m", "grpo_pipeline.cli", "run", "--json", "--set", f"data_dir={data_dir}"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1500,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     holdout = json.loads(proc.stdout)["holdout"]

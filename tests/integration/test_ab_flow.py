@@ -39,11 +39,20 @@ def world(tmp_path):
     client.set_registered_model_alias("ab-test", CHALLENGER, "2")
     url = f"sqlite:///{tmp_path / 'ab.sqlite'}"
     log = RequestLog.open(url)
-    overrides = [f"data_dir={tmp_path / 'data'}", f"tracking.mlflow_tracking_uri={uri}",
-                 "tracking.registered_model=ab-test", "ab.min_samples=40", "ab.guardrails.min_requests=40",
-                 "promote.mode=canary"]
-    env = {**os.environ, LOG_URL_ENV: url, "PREFECT_HOME": str(tmp_path / "prefect"),
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    overrides = [
+        f"data_dir={tmp_path / 'data'}",
+        f"tracking.mlflow_tracking_uri={uri}",
+        "tracking.registered_model=ab-test",
+        "ab.min_samples=40",
+        "ab.guardrails.min_requests=40",
+        "promote.mode=canary",
+    ]
+    env = {
+        **os.environ,
+        LOG_URL_ENV: url,
+        "PREFECT_HOME": str(tmp_path / "prefect"),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    }
     yield log, Registry(client, "ab-test"), client, overrides, env
     log.close()
 
@@ -53,15 +62,25 @@ def fill(log: RequestLog, challenger_score: float, challenger_latency: float = 0
     start = datetime.now(UTC) - timedelta(hours=2)
     for i in range(2 * per_arm):
         arm, version = ("challenger", "2") if i % 2 else ("champion", "1")
-        log.record(RequestRow(id=f"r{i}", arm=arm, version=version, prompt_tokens=9, completion_tokens=30,
-                              latency_s=challenger_latency if arm == "challenger" else 0.2, error=False,
-                              created_at=start + timedelta(minutes=i)))
+        log.record(
+            RequestRow(
+                id=f"r{i}",
+                arm=arm,
+                version=version,
+                prompt_tokens=9,
+                completion_tokens=30,
+                latency_s=challenger_latency if arm == "challenger" else 0.2,
+                error=False,
+                created_at=start + timedelta(minutes=i),
+            )
+        )
         log.feedback(f"r{i}", challenger_score if arm == "challenger" else float(i // 2 % 2))
 
 
 def run_flow(overrides: list[str], env: dict, times: int = 1) -> dict:
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(times), *overrides], env=env, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(times), *overrides], env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     (line,) = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     return json.loads(line.removeprefix("RESULT "))
@@ -79,8 +98,11 @@ def test_a_clearly_better_challenger_is_promoted_and_the_decision_recorded(world
     (result,) = out["runs"]
     assert result["action"] == "promote" and result["applied"] == "yes", result
     assert registry.aliases() == {CHAMPION: "2", CHALLENGER: None, PREVIOUS: "1"}
-    assert result["moves"] == ["ab-test@previous-champion: (none) -> 1", "ab-test@champion: 1 -> 2",
-                               "ab-test@challenger: 2 -> (removed)"]
+    assert result["moves"] == [
+        "ab-test@previous-champion: (none) -> 1",
+        "ab-test@champion: 1 -> 2",
+        "ab-test@challenger: 2 -> (removed)",
+    ]
     (run,) = decision_runs(client)
     assert run.info.run_id == result["mlflow_run_id"] and run.info.status == "FINISHED"
     assert run.data.tags["ab_action"] == "promote" and run.data.tags["ab_applied"] == "yes"

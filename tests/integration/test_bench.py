@@ -20,8 +20,20 @@ def results(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_lora_vs_full_runs_each_arm_in_its_own_process_and_analyses_them(results):
-    cmd = [sys.executable, "-m", "bench.lora_vs_full", "--tiny", "--arms", "full,qlora", "--steps", "2",
-           "--eval-every", "1", "--holdout", "4"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.lora_vs_full",
+        "--tiny",
+        "--arms",
+        "full,qlora",
+        "--steps",
+        "2",
+        "--eval-every",
+        "1",
+        "--holdout",
+        "4",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((results / "lora_vs_full_tiny.json").read_text())
@@ -50,7 +62,10 @@ def test_gpu_check_dry_run_takes_the_gpu_code_path_on_the_cpu(tmp_path):
     report = main(["--dry-run", "--models", "qwen2.5-0.5b", "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "gpu_check_dry_run.json").read_text())
     assert saved["cases"] == json.loads(json.dumps(report["cases"]))
-    assert [(c["model"], c["quantization"]) for c in saved["cases"]] == [("qwen2.5-0.5b", "none"), ("qwen2.5-0.5b", "nf4")]
+    assert [(c["model"], c["quantization"]) for c in saved["cases"]] == [
+        ("qwen2.5-0.5b", "none"),
+        ("qwen2.5-0.5b", "nf4"),
+    ]
     for case in saved["cases"]:
         assert "error" not in case, case.get("error")
         m = case["measured"]

@@ -19,8 +19,15 @@ STEPS = 12  # one prompt per step: three passes over the four prompts
 
 def _train_file(tmp_path):
     path = tmp_path / "train.jsonl"
-    path.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"What is {i} + 1?"}],
-                                        "answer": str(i + 1), "kind": kind}) + "\n" for i, kind in enumerate(KINDS)))
+    path.write_text(
+        "".join(
+            json.dumps(
+                {"prompt": [{"role": "user", "content": f"What is {i} + 1?"}], "answer": str(i + 1), "kind": kind}
+            )
+            + "\n"
+            for i, kind in enumerate(KINDS)
+        )
+    )
     return path
 
 
@@ -28,13 +35,23 @@ def _run(tmp_path, tiny_model, cfg, name, **extra):
     from grpo_pipeline.trainer.train import run
 
     work = tmp_path / name
-    return run(JobSpec(model_path=str(tiny_model), model=model_load(cfg.model), train=train_settings(cfg.train),
-                       train_file=str(_train_file(tmp_path)), work_dir=str(work / "work"),
-                       checkpoint_uri=str(work / "ckpt"), adapter_dir=str(work / "adapter"), **extra))
+    return run(
+        JobSpec(
+            model_path=str(tiny_model),
+            model=model_load(cfg.model),
+            train=train_settings(cfg.train),
+            train_file=str(_train_file(tmp_path)),
+            work_dir=str(work / "work"),
+            checkpoint_uri=str(work / "ckpt"),
+            adapter_dir=str(work / "adapter"),
+            **extra,
+        )
+    )
 
 
-def test_prompts_that_always_score_the_same_are_drawn_less_and_fewer_steps_are_wasted(tmp_path, tiny_model,
-                                                                                      tiny_config):
+def test_prompts_that_always_score_the_same_are_drawn_less_and_fewer_steps_are_wasted(
+    tmp_path, tiny_model, tiny_config
+):
     sets = [f"train.grpo.max_steps={STEPS}", "train.checkpoint_every=6", f"train.rewards=[{REWARD}]"]
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     on = _run(tmp_path, tiny_model, tiny_config(*sets), "on", mlflow_tracking_uri=uri)
@@ -46,7 +63,9 @@ def test_prompts_that_always_score_the_same_are_drawn_less_and_fewer_steps_are_w
     assert on.zero_signal.wasted_steps < off.zero_signal.wasted_steps and on.zero_signal.skipped_draws > 0
     # exactly what the pure selection logic draws, fed the verdicts the real rewards give; the data loader
     # draws one batch ahead of the step it yields, so a verdict reaches the draw after next
-    expected = Curriculum(n=len(KINDS), batch_size=1, seed=42, settings=train_settings(tiny_config(*sets).train).curriculum)
+    expected = Curriculum(
+        n=len(KINDS), batch_size=1, seed=42, settings=train_settings(tiny_config(*sets).train).curriculum
+    )
     wasted = steps = 0
     for epoch in range(STEPS):
         if steps == STEPS:  # HF stops at max_steps: no later epoch is begun

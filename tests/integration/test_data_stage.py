@@ -39,15 +39,25 @@ def test_an_s3_prefix_reads_like_the_same_local_files(tmp_path, s3_endpoint, tin
     for f in ("a.jsonl", "b.parquet"):
         s3.upload_file(str(local / f), "ckpt", f"data-stage/{f}")
 
-    from_s3 = build_dataset(DataConfig(source="s3://ckpt/data-stage/", s3_endpoint_url=s3_endpoint),
-                            tmp_path / "out-s3", str(tiny_model), ["correct_answer"])
-    from_disk = build_dataset(DataConfig(source=str(local)), tmp_path / "out-local", str(tiny_model), ["correct_answer"])
+    from_s3 = build_dataset(
+        DataConfig(source="s3://ckpt/data-stage/", s3_endpoint_url=s3_endpoint),
+        tmp_path / "out-s3",
+        str(tiny_model),
+        ["correct_answer"],
+    )
+    from_disk = build_dataset(
+        DataConfig(source=str(local)), tmp_path / "out-local", str(tiny_model), ["correct_answer"]
+    )
     assert from_s3.report.rows_kept == 80
     assert from_s3.fingerprint == from_disk.fingerprint
 
     with pytest.raises(ConfigError, match="s3_endpoint_url"):
-        build_dataset(DataConfig(source="s3://no-such-bucket/x.jsonl", s3_endpoint_url=s3_endpoint),
-                      tmp_path / "out-missing", str(tiny_model), ["correct_answer"])
+        build_dataset(
+            DataConfig(source="s3://no-such-bucket/x.jsonl", s3_endpoint_url=s3_endpoint),
+            tmp_path / "out-missing",
+            str(tiny_model),
+            ["correct_answer"],
+        )
 
 
 def test_the_prefect_task_reruns_nothing_on_unchanged_data(tmp_path):  # no token bounds: no tokenizer needed
@@ -67,16 +77,22 @@ def test_the_prefect_task_reruns_nothing_on_unchanged_data(tmp_path):  # no toke
         @flow
         def twice():
             cfg = DataConfig(source={str(data)!r}, max_prompt_tokens=None)
-            states = [data.data_task(cfg, Path({str(tmp_path / 'out')!r}), None, ["correct_answer"], return_state=True)
+            states = [data.data_task(cfg, Path({str(tmp_path / "out")!r}), None, ["correct_answer"], return_state=True)
                       for _ in range(3)]
             return [s.name for s in states], [s.result().fingerprint for s in states]
 
         names, fingerprints = twice()
         print(json.dumps({{"states": names, "fingerprints": fingerprints, "builds": len(builds)}}))
     """)
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "PREFECT_LOCAL_STORAGE_PATH": str(tmp_path / "prefect" / "storage")}
-    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(tmp_path / "prefect"),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_LOCAL_STORAGE_PATH": str(tmp_path / "prefect" / "storage"),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     # One build; the first rerun finds the content-addressed version on disk, the next is a Prefect cache hit.

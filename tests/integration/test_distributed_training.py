@@ -47,17 +47,36 @@ def prompt_reward(completions, prompts, trainer_state, **_):
 
 def _spec(tmp_path, tiny_model, tiny_splits, tiny_config, *overrides, checkpoint_uri=None, **extra) -> JobSpec:
     cfg = tiny_config(*overrides)
-    return JobSpec(model_path=str(tiny_model), model=model_load(cfg.model), train=train_settings(cfg.train),
-                   train_file=str(tiny_splits["train"]), work_dir=str(tmp_path / "work"),
-                   checkpoint_uri=checkpoint_uri or str(tmp_path / "ckpt"), adapter_dir=str(tmp_path / "adapter"),
-                   **extra)
+    return JobSpec(
+        model_path=str(tiny_model),
+        model=model_load(cfg.model),
+        train=train_settings(cfg.train),
+        train_file=str(tiny_splits["train"]),
+        work_dir=str(tmp_path / "work"),
+        checkpoint_uri=checkpoint_uri or str(tmp_path / "ckpt"),
+        adapter_dir=str(tmp_path / "adapter"),
+        **extra,
+    )
 
 
 def _node_launcher(spec_path: Path, *args: str, env=None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "grpo_pipeline.trainer.launch", "--spec", str(spec_path),
-                             "--master-port", str(free_port()), *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                            env={**os.environ, **(env or {})})
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "grpo_pipeline.trainer.launch",
+            "--spec",
+            str(spec_path),
+            "--master-port",
+            str(free_port()),
+            *args,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+    )
 
 
 class Output(threading.Thread):
@@ -84,9 +103,9 @@ def _wait(condition, what: str, limit_s: float = 600, out: "Output | None" = Non
     deadline = time.monotonic() + limit_s
     while not condition():
         ended = out is not None and out.proc.poll() is not None
-        assert not ended and time.monotonic() < deadline, (f"{what}: not after {limit_s:.0f} s" if not ended else
-                                                           f"{what}: the job ended first") + (
-            "\n" + "".join(out.lines[-60:]) if out else "")
+        assert not ended and time.monotonic() < deadline, (
+            f"{what}: not after {limit_s:.0f} s" if not ended else f"{what}: the job ended first"
+        ) + ("\n" + "".join(out.lines[-60:]) if out else "")
         time.sleep(0.05)
 
 
@@ -96,16 +115,30 @@ def test_two_processes_through_the_pipeline(tmp_path, tiny_model):
         "data_dir": str(tmp_path / "data"),
         "data": {"demo": {"max_operand": 9, "n_train": 32, "n_val": 4, "n_holdout": 6}},
         "model": {"base": str(tiny_model)},
-        "train": {"checkpoint_every": 2, "keep_checkpoints": 5, "distributed": {"processes_per_node": 2},
-                  "grpo": {"max_steps": 4, "num_generations": 4, "per_device_train_batch_size": 2,
-                           "max_completion_length": 6, "logging_steps": 1},
-                  "lora": {"r": 4, "target_modules": "all-linear"}},
+        "train": {
+            "checkpoint_every": 2,
+            "keep_checkpoints": 5,
+            "distributed": {"processes_per_node": 2},
+            "grpo": {
+                "max_steps": 4,
+                "num_generations": 4,
+                "per_device_train_batch_size": 2,
+                "max_completion_length": 6,
+                "logging_steps": 1,
+            },
+            "lora": {"r": 4, "target_modules": "all-linear"},
+        },
         "evaluate": {"max_new_tokens": 6, "batch_size": 4},
     }
     (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(cfg))
-    proc = subprocess.run([sys.executable, "-m", "grpo_pipeline.cli", "run", "--config", str(tmp_path / "tiny.yaml"),
-                           "--json"], cwd=tmp_path, capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "PREFECT_HOME": str(tmp_path / "prefect")})
+    proc = subprocess.run(
+        [sys.executable, "-m", "grpo_pipeline.cli", "run", "--config", str(tmp_path / "tiny.yaml"), "--json"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "PREFECT_HOME": str(tmp_path / "prefect")},
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = json.loads(proc.stdout)
     assert summary["train"]["world_size"] == 2 and summary["train"]["global_step"] == 4
@@ -117,13 +150,26 @@ def test_two_processes_through_the_pipeline(tmp_path, tiny_model):
     assert sorted(m.step for m in history) == [1, 2, 3, 4]  # each step once, from rank 0 alone
 
 
-def test_two_nodes_on_loopback_started_by_the_sky_run_command(tmp_path, s3_endpoint, tiny_model, tiny_splits,
-                                                              tiny_config):
-    spec = _spec(tmp_path, tiny_model, tiny_splits, tiny_config, "train.grpo.max_steps=3", "train.checkpoint_every=2",
-                 f"train.s3_endpoint_url={s3_endpoint}",
-                 checkpoint_uri="s3://ckpt/two-nodes")
-    spec = spec.model_copy(update={"train": spec.train.model_copy(
-        update={"distributed": spec.train.distributed.model_copy(update={"nodes": 2})})})
+def test_two_nodes_on_loopback_started_by_the_sky_run_command(
+    tmp_path, s3_endpoint, tiny_model, tiny_splits, tiny_config
+):
+    spec = _spec(
+        tmp_path,
+        tiny_model,
+        tiny_splits,
+        tiny_config,
+        "train.grpo.max_steps=3",
+        "train.checkpoint_every=2",
+        f"train.s3_endpoint_url={s3_endpoint}",
+        checkpoint_uri="s3://ckpt/two-nodes",
+    )
+    spec = spec.model_copy(
+        update={
+            "train": spec.train.model_copy(
+                update={"distributed": spec.train.distributed.model_copy(update={"nodes": 2})}
+            )
+        }
+    )
     spec_path = spec.write(tmp_path / "job.json")
     # The task's run command as written, with a stand-in for the node's venv and this job's spec path for the
     # mount point; the variables as SkyPilot sets them on each node (IPs one per line, head first).
@@ -133,12 +179,25 @@ def test_two_nodes_on_loopback_started_by_the_sky_run_command(tmp_path, s3_endpo
     (venv / "python").write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
     (venv / "python").chmod(0o755)
     port = str(free_port())
-    nodes = [subprocess.Popen(["bash", "-c", run], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, env={**os.environ, "HOME": str(tmp_path / "home"), "MASTER_PORT": port,
-                                              "SKYPILOT_NUM_NODES": "2", "SKYPILOT_NODE_RANK": str(rank),
-                                              "SKYPILOT_NODE_IPS": "127.0.0.1\n127.0.0.1\n",
-                                              "SKYPILOT_NUM_GPUS_PER_NODE": "0"})
-             for rank in (0, 1)]
+    nodes = [
+        subprocess.Popen(
+            ["bash", "-c", run],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={
+                **os.environ,
+                "HOME": str(tmp_path / "home"),
+                "MASTER_PORT": port,
+                "SKYPILOT_NUM_NODES": "2",
+                "SKYPILOT_NODE_RANK": str(rank),
+                "SKYPILOT_NODE_IPS": "127.0.0.1\n127.0.0.1\n",
+                "SKYPILOT_NUM_GPUS_PER_NODE": "0",
+            },
+        )
+        for rank in (0, 1)
+    ]
     outputs = [Output(n) for n in nodes]
     codes = [n.wait(timeout=800) for n in nodes]
     assert codes == [0, 0], [o.text()[-3000:] for o in outputs]
@@ -155,11 +214,22 @@ def test_sigkill_of_one_rank_ends_the_job_and_the_relaunch_resumes(tmp_path, tin
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = mlflow.MlflowClient(uri)
     run_id = client.create_run(client.create_experiment("dist")).info.run_id
-    spec = _spec(tmp_path, tiny_model, tiny_splits, tiny_config, "train.grpo.max_steps=12", "train.checkpoint_every=3",
-                 "train.keep_checkpoints=5", "train.grpo.per_device_train_batch_size=2", "train.max_restarts=2",
-                 "train.distributed.processes_per_node=2", "train.distributed.timeout_s=60",
-                 f"train.rewards=[correct_answer, {__name__}:slow_reward]",
-                 mlflow_tracking_uri=uri, mlflow_run_id=run_id)
+    spec = _spec(
+        tmp_path,
+        tiny_model,
+        tiny_splits,
+        tiny_config,
+        "train.grpo.max_steps=12",
+        "train.checkpoint_every=3",
+        "train.keep_checkpoints=5",
+        "train.grpo.per_device_train_batch_size=2",
+        "train.max_restarts=2",
+        "train.distributed.processes_per_node=2",
+        "train.distributed.timeout_s=60",
+        f"train.rewards=[correct_answer, {__name__}:slow_reward]",
+        mlflow_tracking_uri=uri,
+        mlflow_run_id=run_id,
+    )
     store = LocalStore(spec.checkpoint_uri)
     pids: dict[int, int] = {}
 
@@ -197,11 +267,21 @@ def test_sigkill_of_one_rank_ends_the_job_and_the_relaunch_resumes(tmp_path, tin
 
 @pytest.mark.slow
 def test_sigterm_to_one_rank_then_to_the_job_checkpoints_exits_75_everywhere_and_resumes(
-        tmp_path, tiny_model, tiny_splits, tiny_config):
+    tmp_path, tiny_model, tiny_splits, tiny_config
+):
     marker = tmp_path / "training"
-    spec = _spec(tmp_path, tiny_model, tiny_splits, tiny_config, "train.grpo.max_steps=400",
-                 "train.checkpoint_every=1000", "train.keep_checkpoints=3", "train.grpo.per_device_train_batch_size=2",
-                 "train.distributed.processes_per_node=2", f"train.rewards=[{__name__}:slow_reward]")
+    spec = _spec(
+        tmp_path,
+        tiny_model,
+        tiny_splits,
+        tiny_config,
+        "train.grpo.max_steps=400",
+        "train.checkpoint_every=1000",
+        "train.keep_checkpoints=3",
+        "train.grpo.per_device_train_batch_size=2",
+        "train.distributed.processes_per_node=2",
+        f"train.rewards=[{__name__}:slow_reward]",
+    )
     spec_path = spec.write(tmp_path / "job.json")
     store = LocalStore(spec.checkpoint_uri)
     env = {MARKER_ENV: str(marker)}
@@ -218,8 +298,9 @@ def test_sigterm_to_one_rank_then_to_the_job_checkpoints_exits_75_everywhere_and
     assert len(store.complete_steps()) == 2 and 0 < steps[0] < steps[1] < 400  # one checkpoint per SIGTERM
 
     # and the job resumes from the second one, on both ranks, to the end
-    short = spec.model_copy(update={"train": spec.train.model_copy(
-        update={"grpo": {**spec.train.grpo, "max_steps": steps[1] + 2}})})
+    short = spec.model_copy(
+        update={"train": spec.train.model_copy(update={"grpo": {**spec.train.grpo, "max_steps": steps[1] + 2}})}
+    )
     proc = _node_launcher(short.write(tmp_path / "short.json"))
     out = Output(proc)
     assert proc.wait(timeout=600) == 0, out.text()[-3000:]
@@ -238,9 +319,17 @@ def test_one_and_two_processes_train_on_the_same_global_batch(tmp_path, tiny_mod
     runs = {}
     for procs, pdb in ((1, 8), (2, 4)):
         marker = tmp_path / f"p{procs}"
-        spec = _spec(tmp_path / f"p{procs}", tiny_model, tiny_splits, tiny_config, "train.grpo.max_steps=3",
-                     "train.checkpoint_every=100", f"train.grpo.per_device_train_batch_size={pdb}",
-                     f"train.distributed.processes_per_node={procs}", f"train.rewards=[{__name__}:prompt_reward]")
+        spec = _spec(
+            tmp_path / f"p{procs}",
+            tiny_model,
+            tiny_splits,
+            tiny_config,
+            "train.grpo.max_steps=3",
+            "train.checkpoint_every=100",
+            f"train.grpo.per_device_train_batch_size={pdb}",
+            f"train.distributed.processes_per_node={procs}",
+            f"train.rewards=[{__name__}:prompt_reward]",
+        )
         proc = _node_launcher(spec.write(tmp_path / f"p{procs}.json"), env={MARKER_ENV: str(marker)})
         out = Output(proc)
         assert proc.wait(timeout=600) == 0, out.text()[-3000:]

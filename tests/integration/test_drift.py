@@ -26,8 +26,10 @@ def _adapter(tiny_model, directory):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model),
-                           LoraConfig(task_type="CAUSAL_LM", r=4, target_modules="all-linear"))
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(tiny_model),
+        LoraConfig(task_type="CAUSAL_LM", r=4, target_modules="all-linear"),
+    )
     model.save_pretrained(directory)
     return directory
 
@@ -40,19 +42,42 @@ class _Dataset:
 def test_new_rows_against_the_champion_s_lineage(tmp_path, tiny_model):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     mlflow.set_tracking_uri(uri)
-    cfg = load_config(None, [f"data_dir={tmp_path}", f"tracking.mlflow_tracking_uri={uri}", f"model.base={tiny_model}",
-                             f"train.rewards=[{REWARD}]", "evaluate.max_new_tokens=2", "evaluate.accuracy_reward=null",
-                             "evaluate.format_reward=null", "data.drift_alert=0.5"])
+    cfg = load_config(
+        None,
+        [
+            f"data_dir={tmp_path}",
+            f"tracking.mlflow_tracking_uri={uri}",
+            f"model.base={tiny_model}",
+            f"train.rewards=[{REWARD}]",
+            "evaluate.max_new_tokens=2",
+            "evaluate.accuracy_reward=null",
+            "evaluate.format_reward=null",
+            "data.drift_alert=0.5",
+        ],
+    )
     registry = Registry(mlflow.MlflowClient(uri), "drift")
-    seen = [{"prompt": [{"role": "user", "content": f"What is {i} + 1?"}], "answer": str(i + 1), "key": f"s{i}"}
-            for i in range(24)]
-    new = [{"prompt": [{"role": "user", "content": f"Describe, in a few words, the colour of object {i}. " * 3}],
-            "answer": "blue", "key": f"n{i}"} for i in range(12)]
-    judged = [{"prompt": [{"role": "user", "content": f"What is {i} + 2?"}], "answer": str(i + 2), "key": f"h{i}"}
-              for i in range(6)]
+    seen = [
+        {"prompt": [{"role": "user", "content": f"What is {i} + 1?"}], "answer": str(i + 1), "key": f"s{i}"}
+        for i in range(24)
+    ]
+    new = [
+        {
+            "prompt": [{"role": "user", "content": f"Describe, in a few words, the colour of object {i}. " * 3}],
+            "answer": "blue",
+            "key": f"n{i}",
+        }
+        for i in range(12)
+    ]
+    judged = [
+        {"prompt": [{"role": "user", "content": f"What is {i} + 2?"}], "answer": str(i + 2), "key": f"h{i}"}
+        for i in range(6)
+    ]
     # two new rows landed in today's holdout: not the holdout the champion was judged on
-    holdout = _write(tmp_path / "holdout.jsonl", judged + [{"prompt": [{"role": "user", "content": f"Colour {i}?"}],
-                                                            "answer": "red", "key": f"h{i}"} for i in (6, 7)])
+    holdout = _write(
+        tmp_path / "holdout.jsonl",
+        judged
+        + [{"prompt": [{"role": "user", "content": f"Colour {i}?"}], "answer": "red", "key": f"h{i}"} for i in (6, 7)],
+    )
     today = _Dataset({"train": _write(tmp_path / "today.jsonl", seen + new), "holdout": holdout}, "fp2")
 
     with mlflow.start_run() as parent:  # no champion yet
@@ -63,8 +88,11 @@ def test_new_rows_against_the_champion_s_lineage(tmp_path, tiny_model):
     # the champion trained on the 24 seen rows and 2 that have left the source since
     day1 = _write(tmp_path / "day1.jsonl", [*seen, {"key": "gone1"}, {"key": "gone2"}])
     with mlflow.start_run() as run:
-        tags = {"base_config": str(tiny_model), "quantization": "none",
-                **record_seen(None, {"train": day1, "holdout": _write(tmp_path / "hold1.jsonl", judged)})}
+        tags = {
+            "base_config": str(tiny_model),
+            "quantization": "none",
+            **record_seen(None, {"train": day1, "holdout": _write(tmp_path / "hold1.jsonl", judged)}),
+        }
         version = registry.register(str(_adapter(tiny_model, tmp_path / "adapter")), run.info.run_id, tags)
     registry.client.set_registered_model_alias("drift", CHAMPION, version)
 
@@ -82,9 +110,15 @@ def test_new_rows_against_the_champion_s_lineage(tmp_path, tiny_model):
     logged = mlflow.get_run(parent.info.run_id)
     assert logged.data.tags["drift_alert"] == "true" and "drop of 1.000" in logged.data.tags["drift_alert_reason"]
     assert logged.data.metrics["drift/champion_reward_drop"] == 1.0 and logged.data.metrics["drift/new_rows"] == 12
-    assert {"drift.json", "drift.md", "drift.png"} <= {a.path for a in mlflow.MlflowClient().list_artifacts(parent.info.run_id)}
-    children = {c.info.run_name: c for c in mlflow.search_runs(
-        filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'", output_format="list")}
+    assert {"drift.json", "drift.md", "drift.png"} <= {
+        a.path for a in mlflow.MlflowClient().list_artifacts(parent.info.run_id)
+    }
+    children = {
+        c.info.run_name: c
+        for c in mlflow.search_runs(
+            filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'", output_format="list"
+        )
+    }
     assert children["evaluate-champion"].data.metrics["reward"] == 0.75  # the whole holdout: the later stage reuses it
     assert children["drift"].data.metrics["reward"] == 0.0
     markdown = mlflow.artifacts.load_text(f"runs:/{parent.info.run_id}/drift.md")

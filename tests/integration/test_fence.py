@@ -39,16 +39,27 @@ def test_s3_claims_are_compare_and_swap(tmp_path, s3_endpoint):
 
 
 @pytest.mark.slow  # a real trainer to its first checkpoint: a minute or more on 2 cores
-def test_a_relaunch_elsewhere_stops_the_running_attempt_at_its_next_checkpoint(tmp_path, tiny_model, tiny_splits,
-                                                                                tiny_config):
+def test_a_relaunch_elsewhere_stops_the_running_attempt_at_its_next_checkpoint(
+    tmp_path, tiny_model, tiny_splits, tiny_config
+):
     cfg = tiny_config("train.grpo.max_steps=30", "train.checkpoint_every=1", "train.keep_checkpoints=50")
-    spec = JobSpec(model_path=str(tiny_model), model=model_load(cfg.model), train=train_settings(cfg.train),
-                   train_file=str(tiny_splits["train"]), val_file=str(tiny_splits["val"]),
-                   work_dir=str(tmp_path / "work"), checkpoint_uri=str(tmp_path / "ckpt"),
-                   adapter_dir=str(tmp_path / "adapter"))
+    spec = JobSpec(
+        model_path=str(tiny_model),
+        model=model_load(cfg.model),
+        train=train_settings(cfg.train),
+        train_file=str(tiny_splits["train"]),
+        val_file=str(tiny_splits["val"]),
+        work_dir=str(tmp_path / "work"),
+        checkpoint_uri=str(tmp_path / "ckpt"),
+        adapter_dir=str(tmp_path / "adapter"),
+    )
     path = spec.write(tmp_path / "job.json")
-    proc = subprocess.Popen([sys.executable, "-m", "grpo_pipeline.trainer", "--spec", str(path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "grpo_pipeline.trainer", "--spec", str(path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     record = tmp_path / "ckpt" / ATTEMPT
     deadline = time.monotonic() + 300  # a bound on a hung trainer, not a timing assumption
     while not record.exists() and proc.poll() is None and time.monotonic() < deadline:

@@ -16,8 +16,14 @@ pytestmark = pytest.mark.integration
 
 def _cli(*args, cwd, prefect_home, extra_env=None):
     env = {**os.environ, "PREFECT_HOME": str(prefect_home), **(extra_env or {})}
-    return subprocess.run([sys.executable, "-m", "grpo_pipeline.cli", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=900)
+    return subprocess.run(
+        [sys.executable, "-m", "grpo_pipeline.cli", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
 
 
 @pytest.fixture
@@ -28,8 +34,13 @@ def tiny_yaml(tmp_path, tiny_model):
         "model": {"base": str(tiny_model)},
         "train": {
             "checkpoint_every": 1,
-            "grpo": {"max_steps": 2, "num_generations": 4, "per_device_train_batch_size": 4,
-                     "max_completion_length": 6, "logging_steps": 1},
+            "grpo": {
+                "max_steps": 2,
+                "num_generations": 4,
+                "per_device_train_batch_size": 4,
+                "max_completion_length": 6,
+                "logging_steps": 1,
+            },
             "lora": {"r": 4, "target_modules": "all-linear"},
         },
         "evaluate": {"max_new_tokens": 6, "batch_size": 4},
@@ -54,11 +65,21 @@ def test_run_json_summary_and_mlflow_lineage(tmp_path, tiny_yaml):
 
     client = mlflow.MlflowClient(summary["mlflow"]["tracking_uri"])
     parent = summary["mlflow"]["run_id"]
-    children = client.search_runs([summary["mlflow"]["experiment_id"]],
-                                  filter_string=f"tags.mlflow.parentRunId = '{parent}'")
+    children = client.search_runs(
+        [summary["mlflow"]["experiment_id"]], filter_string=f"tags.mlflow.parentRunId = '{parent}'"
+    )
     by_name = {r.info.run_name: r for r in children}
-    assert set(by_name) == {"data", "model", "plan", "evaluate-base", "train", "evaluate-candidate", "decide",
-                            "register", "serving-check"}
+    assert set(by_name) == {
+        "data",
+        "model",
+        "plan",
+        "evaluate-base",
+        "train",
+        "evaluate-candidate",
+        "decide",
+        "register",
+        "serving-check",
+    }
     experiment = client.get_experiment(summary["mlflow"]["experiment_id"])
     assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"  # the model-training view
     parent_run = client.get_run(parent)
@@ -103,13 +124,30 @@ def test_run_json_summary_and_mlflow_lineage(tmp_path, tiny_yaml):
 @pytest.mark.slow
 def test_second_run_decides_against_the_champion_and_rollback_restores_it(tmp_path, tiny_yaml):
     # A permissive policy, so the tiny random model's candidates are promoted and the aliases move.
-    lenient = ["--set", "promote.min_effect=-10", "--set", "promote.reward_tolerance=10",
-               "--set", "promote.guardrails={}"]
+    lenient = [
+        "--set",
+        "promote.min_effect=-10",
+        "--set",
+        "promote.reward_tolerance=10",
+        "--set",
+        "promote.guardrails={}",
+    ]
     home = {"cwd": tmp_path, "prefect_home": tmp_path / "prefect"}
     first = _cli("run", "--config", str(tiny_yaml), "--json", *lenient, **home)
     assert first.returncode == 0, first.stderr[-3000:]
-    second = _cli("run", "--config", str(tiny_yaml), "--json", "--fail-on-reject", *lenient,
-                  "--set", "merge.enabled=true", "--set", "evaluate.samples_k=3", **home)
+    second = _cli(
+        "run",
+        "--config",
+        str(tiny_yaml),
+        "--json",
+        "--fail-on-reject",
+        *lenient,
+        "--set",
+        "merge.enabled=true",
+        "--set",
+        "evaluate.samples_k=3",
+        **home,
+    )
     assert second.returncode == 0, second.stderr[-3000:]
     v1 = json.loads(first.stdout)["registry"]["candidate_version"]
     summary = json.loads(second.stdout)
@@ -122,8 +160,9 @@ def test_second_run_decides_against_the_champion_and_rollback_restores_it(tmp_pa
     merged = summary["registry"]["merged_version"]  # the merged model is registered, its alias moved with v2's
     assert merged and summary["registry"]["merged_aliases"]["champion"] == merged
 
-    strict = _cli("run", "--config", str(tiny_yaml), "--json", "--fail-on-reject", "--set", "promote.min_effect=10",
-                  **home)
+    strict = _cli(
+        "run", "--config", str(tiny_yaml), "--json", "--fail-on-reject", "--set", "promote.min_effect=10", **home
+    )
     assert strict.returncode == 3, strict.stderr[-3000:]  # not promoted, and CI asked to fail on that
     assert json.loads(strict.stdout)["decision"]["promote"] is False
 
@@ -152,22 +191,44 @@ def test_second_run_decides_against_the_champion_and_rollback_restores_it(tmp_pa
 
 @pytest.mark.slow
 def test_search_before_training_feeds_the_best_parameters_to_training(tmp_path, tiny_yaml):
-    proc = _cli("run", "--config", str(tiny_yaml), "--json", "--set", "hpo.enabled=true", "--set", "hpo.trials=2",
-                "--set", "hpo.steps=2", "--set", "hpo.eval_every=1", "--set", "hpo.pruner=none",
-                # the tiny split has 4 val rows: too few for greedy scores at a known noise; the trainer's own
-                # validation reward ranks the trials, and the best is applied without the configured control
-                "--set", "hpo.trial_score=trainer", "--set", "hpo.keep_configured=false", "--set", "hpo.budget_fraction=2",
-                cwd=tmp_path, prefect_home=tmp_path / "prefect")
+    proc = _cli(
+        "run",
+        "--config",
+        str(tiny_yaml),
+        "--json",
+        "--set",
+        "hpo.enabled=true",
+        "--set",
+        "hpo.trials=2",
+        "--set",
+        "hpo.steps=2",
+        "--set",
+        "hpo.eval_every=1",
+        "--set",
+        "hpo.pruner=none",
+        # the tiny split has 4 val rows: too few for greedy scores at a known noise; the trainer's own
+        # validation reward ranks the trials, and the best is applied without the configured control
+        "--set",
+        "hpo.trial_score=trainer",
+        "--set",
+        "hpo.keep_configured=false",
+        "--set",
+        "hpo.budget_fraction=2",
+        cwd=tmp_path,
+        prefect_home=tmp_path / "prefect",
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = json.loads(proc.stdout)
     best = summary["hpo"]["overrides"]
     assert best and len(summary["hpo"]["study"]) > 0
     client = mlflow.MlflowClient(summary["mlflow"]["tracking_uri"])
-    children = client.search_runs([summary["mlflow"]["experiment_id"]],
-                                  filter_string=f"tags.mlflow.parentRunId = '{summary['mlflow']['run_id']}'")
+    children = client.search_runs(
+        [summary["mlflow"]["experiment_id"]], filter_string=f"tags.mlflow.parentRunId = '{summary['mlflow']['run_id']}'"
+    )
     by_name = {r.info.run_name: r for r in children}
-    trials = client.search_runs([summary["mlflow"]["experiment_id"]],
-                                filter_string=f"tags.mlflow.parentRunId = '{by_name['hpo'].info.run_id}'")
+    trials = client.search_runs(
+        [summary["mlflow"]["experiment_id"]], filter_string=f"tags.mlflow.parentRunId = '{by_name['hpo'].info.run_id}'"
+    )
     assert len(trials) == 2
     spec = json.loads((Path(summary["run_dir"]) / "train" / "job.json").read_text())
     for path, value in best.items():  # the training job ran with the search's best values
@@ -190,8 +251,18 @@ def test_bad_input_exits_2_and_writes_nothing(tmp_path, tiny_yaml, override, mes
 
 
 def test_unreachable_s3_store_fails_before_any_work(tmp_path, tiny_yaml):
-    proc = _cli("run", "--config", str(tiny_yaml), "--json", "--set", "train.checkpoint_uri=s3://ckpt/run",
-                "--set", "train.s3_endpoint_url=http://127.0.0.1:9", cwd=tmp_path, prefect_home=tmp_path / "p")
+    proc = _cli(
+        "run",
+        "--config",
+        str(tiny_yaml),
+        "--json",
+        "--set",
+        "train.checkpoint_uri=s3://ckpt/run",
+        "--set",
+        "train.s3_endpoint_url=http://127.0.0.1:9",
+        cwd=tmp_path,
+        prefect_home=tmp_path / "p",
+    )
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert json.loads(proc.stdout.splitlines()[-1])["status"] == "failed"
     assert "cannot write to s3://ckpt/run at http://127.0.0.1:9" in proc.stderr
@@ -199,8 +270,19 @@ def test_unreachable_s3_store_fails_before_any_work(tmp_path, tiny_yaml):
 
 
 def test_a_run_over_budget_is_refused_before_any_work(tmp_path, tiny_yaml):
-    proc = _cli("run", "--config", str(tiny_yaml), "--set", "train.launcher=sky", "--set", "plan.budget_usd=0.1",
-                "--set", "train.grpo.max_steps=200000", cwd=tmp_path, prefect_home=tmp_path / "p")
+    proc = _cli(
+        "run",
+        "--config",
+        str(tiny_yaml),
+        "--set",
+        "train.launcher=sky",
+        "--set",
+        "plan.budget_usd=0.1",
+        "--set",
+        "train.grpo.max_steps=200000",
+        cwd=tmp_path,
+        prefect_home=tmp_path / "p",
+    )
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "exceeds plan.budget_usd = $0.10" in proc.stderr
     assert not (tmp_path / "data" / "runs").exists()
@@ -211,16 +293,32 @@ def test_sky_launcher_without_a_cloud_stops_at_preflight(tmp_path, tiny_yaml, s3
     home = tmp_path / "home"  # SkyPilot keeps its state and API server under ~/.sky: keep them out of $HOME
     env = {"HOME": str(home)}
     try:
-        proc = _cli("run", "--config", str(tiny_yaml), "--set", "train.launcher=sky",
-                    "--set", "train.checkpoint_uri=s3://ckpt/sky", "--set", f"train.s3_endpoint_url={s3_endpoint}",
-                    "--set", "tracking.mlflow_tracking_uri=http://127.0.0.1:9", cwd=tmp_path,
-                    prefect_home=tmp_path / "p", extra_env=env)
+        proc = _cli(
+            "run",
+            "--config",
+            str(tiny_yaml),
+            "--set",
+            "train.launcher=sky",
+            "--set",
+            "train.checkpoint_uri=s3://ckpt/sky",
+            "--set",
+            f"train.s3_endpoint_url={s3_endpoint}",
+            "--set",
+            "tracking.mlflow_tracking_uri=http://127.0.0.1:9",
+            cwd=tmp_path,
+            prefect_home=tmp_path / "p",
+            extra_env=env,
+        )
         assert proc.returncode == 2, proc.stderr[-3000:]
         assert "SkyPilot has no cloud enabled: run `sky check`" in proc.stderr
         assert not (tmp_path / "data" / "runs").exists()
     finally:
-        subprocess.run([str(Path(sys.executable).parent / "sky"), "api", "stop"], env={**os.environ, **env},
-                       capture_output=True, timeout=120)
+        subprocess.run(
+            [str(Path(sys.executable).parent / "sky"), "api", "stop"],
+            env={**os.environ, **env},
+            capture_output=True,
+            timeout=120,
+        )
 
 
 RETRY_SCRIPT = """
@@ -258,8 +356,14 @@ print(json.dumps({"summary": state.result().model_dump(mode="json"), "launches":
 def test_a_retried_flow_run_resumes_after_training(tmp_path, tiny_yaml):
     """A failure after training, then the flow run's retry: nothing before the failure runs again."""
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-    proc = subprocess.run([sys.executable, "-c", RETRY_SCRIPT, str(tiny_yaml)], cwd=Path(__file__).parents[2],
-                          env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-c", RETRY_SCRIPT, str(tiny_yaml)],
+        cwd=Path(__file__).parents[2],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.splitlines()[-1])
     assert out["decisions"] == 2  # the injected failure happened, and the retry got past it

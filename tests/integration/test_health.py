@@ -17,17 +17,29 @@ REWARDS = "tests.integration.health_rewards"
 
 
 def _spec(tmp_path, tiny_model, tiny_splits, cfg, **extra) -> JobSpec:
-    return JobSpec(model_path=str(tiny_model), model=model_load(cfg.model), train=train_settings(cfg.train),
-                   train_file=str(tiny_splits["train"]), work_dir=str(tmp_path / "work"),
-                   checkpoint_uri=str(tmp_path / "ckpt"), adapter_dir=str(tmp_path / "adapter"), **extra)
+    return JobSpec(
+        model_path=str(tiny_model),
+        model=model_load(cfg.model),
+        train=train_settings(cfg.train),
+        train_file=str(tiny_splits["train"]),
+        work_dir=str(tmp_path / "work"),
+        checkpoint_uri=str(tmp_path / "ckpt"),
+        adapter_dir=str(tmp_path / "adapter"),
+        **extra,
+    )
 
 
 def test_same_score_for_every_completion_stops_on_zero_variance(tmp_path, tiny_model, tiny_splits, tiny_config):
     from grpo_pipeline.trainer.train import run
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    cfg = tiny_config("train.grpo.max_steps=20", "train.checkpoint_every=2", f"train.rewards=[{REWARDS}:same_score]",
-                      "train.health.zero_variance.action=stop", "train.health.zero_variance.window=2")
+    cfg = tiny_config(
+        "train.grpo.max_steps=20",
+        "train.checkpoint_every=2",
+        f"train.rewards=[{REWARDS}:same_score]",
+        "train.health.zero_variance.action=stop",
+        "train.health.zero_variance.window=2",
+    )
     result = run(_spec(tmp_path, tiny_model, tiny_splits, cfg, mlflow_tracking_uri=uri))
 
     assert (result.global_step, result.stopped_early) == (2, True)
@@ -47,13 +59,18 @@ def test_same_score_for_every_completion_stops_on_zero_variance(tmp_path, tiny_m
 
 
 def test_nan_at_a_known_step_rolls_back_to_the_last_healthy_checkpoint_and_finishes(
-        tmp_path, tiny_model, tiny_splits, tiny_config, monkeypatch):
+    tmp_path, tiny_model, tiny_splits, tiny_config, monkeypatch
+):
     from grpo_pipeline.trainer.train import run
 
     monkeypatch.setenv("HEALTH_TEST_POISON", str(tmp_path / "poisoned"))
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    cfg = tiny_config("train.grpo.max_steps=5", "train.checkpoint_every=2", "train.keep_checkpoints=3",
-                      f"train.rewards=[{REWARDS}:nan_weights_once]")
+    cfg = tiny_config(
+        "train.grpo.max_steps=5",
+        "train.checkpoint_every=2",
+        "train.keep_checkpoints=3",
+        f"train.rewards=[{REWARDS}:nan_weights_once]",
+    )
     assert cfg.train.health.non_finite.action == "rollback"  # the default
     result = run(_spec(tmp_path, tiny_model, tiny_splits, cfg, mlflow_tracking_uri=uri))
 
@@ -74,12 +91,18 @@ def test_nan_at_a_known_step_rolls_back_to_the_last_healthy_checkpoint_and_finis
     assert lrs[4] == pytest.approx(0.5 * 1e-3 * (1 - 3 / 5), rel=1e-6)
 
 
-def test_with_a_validation_split_the_best_steps_adapter_is_published_and_kept(tmp_path, tiny_model, tiny_splits,
-                                                                              tiny_config):
+def test_with_a_validation_split_the_best_steps_adapter_is_published_and_kept(
+    tmp_path, tiny_model, tiny_splits, tiny_config
+):
     from grpo_pipeline.trainer.train import run
 
-    cfg = tiny_config("train.grpo.max_steps=4", "train.checkpoint_every=2", "train.keep_checkpoints=1",
-                      "train.early_stopping_patience=5", f"train.rewards=[{REWARDS}:worse_with_steps]")
+    cfg = tiny_config(
+        "train.grpo.max_steps=4",
+        "train.checkpoint_every=2",
+        "train.keep_checkpoints=1",
+        "train.early_stopping_patience=5",
+        f"train.rewards=[{REWARDS}:worse_with_steps]",
+    )
     spec = _spec(tmp_path, tiny_model, tiny_splits, cfg, val_file=str(tiny_splits["val"]))
     result = run(spec)
 

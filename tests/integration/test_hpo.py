@@ -37,18 +37,32 @@ def hpo_yaml(tmp_path, tiny_model):
         "model": {"base": str(tiny_model)},
         "train": {
             "rewards": ["tests.integration.lr_reward:learning_rate_reward"],
-            "grpo": {"num_generations": 4, "per_device_train_batch_size": 4, "max_completion_length": 6,
-                     "logging_steps": 1, "lr_scheduler_type": "constant"},
+            "grpo": {
+                "num_generations": 4,
+                "per_device_train_batch_size": 4,
+                "max_completion_length": 6,
+                "logging_steps": 1,
+                "lr_scheduler_type": "constant",
+            },
             "lora": {"r": 4, "target_modules": "all-linear"},
         },
         "hpo": {
-            "trials": 5, "concurrency": 2, "steps": 2, "eval_every": 1, "eval_generations": 2,
-            "pruner": "threshold", "prune_below": 0.5, "study_name": "test-study",
+            "trials": 5,
+            "concurrency": 2,
+            "steps": 2,
+            "eval_every": 1,
+            "eval_generations": 2,
+            "pruner": "threshold",
+            "prune_below": 0.5,
+            "study_name": "test-study",
             # the test reward is a function of the learning rate the trainer reports, which greedy scoring
             # after training cannot see: the trials are ranked on what the trainer reports
             "trial_score": "trainer",
-            "space": {"lora_r": {"choices": [4, 8]}, "lora_alpha_ratio": {"choices": [1, 2]},
-                      "learning_rate": {"low": 1e-5, "high": 1e-2}},
+            "space": {
+                "lora_r": {"choices": [4, 8]},
+                "lora_alpha_ratio": {"choices": [1, 2]},
+                "learning_rate": {"low": 1e-5, "high": 1e-2},
+            },
         },
     }
     path = tmp_path / "hpo.yaml"
@@ -57,7 +71,9 @@ def hpo_yaml(tmp_path, tiny_model):
 
 
 @pytest.mark.slow
-def test_search_prunes_fails_one_trial_only_and_feeds_the_best_to_training(tmp_path, hpo_yaml, tiny_splits, busy_machine):
+def test_search_prunes_fails_one_trial_only_and_feeds_the_best_to_training(
+    tmp_path, hpo_yaml, tiny_splits, busy_machine
+):
     """Run with both cores held busy by other processes: trials are slow, and none may be taken twice or
     marked stale while it runs."""
     cfg = load_config(hpo_yaml)
@@ -66,8 +82,13 @@ def test_search_prunes_fails_one_trial_only_and_feeds_the_best_to_training(tmp_p
         study.enqueue_trial(params)
 
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect")}
-    proc = subprocess.run([sys.executable, "-m", "grpo_pipeline.cli", "hpo", "--config", str(hpo_yaml), "--json"],
-                          env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "grpo_pipeline.cli", "hpo", "--config", str(hpo_yaml), "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout)
     assert result["best_trial"] == 1 and result["best_value"] == pytest.approx(2.0)
@@ -87,10 +108,19 @@ def test_search_prunes_fails_one_trial_only_and_feeds_the_best_to_training(tmp_p
     # Each trial is an MLflow run nested under the search's run, with its parameters and validation rewards.
     client = mlflow.MlflowClient(result["mlflow_tracking_uri"])
     stage = client.get_run(result["mlflow_run_id"])
-    trials = {r.info.run_name: r for r in client.search_runs(
-        [stage.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{stage.info.run_id}'")}
+    trials = {
+        r.info.run_name: r
+        for r in client.search_runs(
+            [stage.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{stage.info.run_id}'"
+        )
+    }
     assert {name: r.info.status for name, r in trials.items()} == {
-        "trial-0": "FINISHED", "trial-1": "FINISHED", "trial-2": "KILLED", "trial-3": "FAILED", "trial-4": "FINISHED"}
+        "trial-0": "FINISHED",
+        "trial-1": "FINISHED",
+        "trial-2": "KILLED",
+        "trial-3": "FAILED",
+        "trial-4": "FINISHED",
+    }
     assert trials["trial-0"].data.tags["optuna.configured"] == "true"
     assert trials["trial-1"].data.params["train.grpo.learning_rate"] == "0.002"
     assert [m.step for m in client.get_metric_history(trials["trial-1"].info.run_id, "val_reward")] == [1, 2]
@@ -111,7 +141,9 @@ def test_the_study_lives_in_postgresql_when_configured(tmp_path):
     with postgres(tmp_path / "pg", "optuna") as url:
         from tests.unit.test_hpo import PLAIN
 
-        c = load_config(None, [f"data_dir={tmp_path}", f"hpo.storage={url}", "hpo.study_name=pg", "hpo.trials=2", *PLAIN])
+        c = load_config(
+            None, [f"data_dir={tmp_path}", f"hpo.storage={url}", "hpo.study_name=pg", "hpo.trials=2", *PLAIN]
+        )
         # no training: the storage is what is tested
         result = search(c, "m", {}, tmp_path, rewards=c.train.reward_set(), run_one=_quick([0.4, 0.7]))
         assert result.storage.startswith("postgresql") and result.best_value == 0.7
@@ -122,8 +154,13 @@ def test_the_study_lives_in_postgresql_when_configured(tmp_path):
 def _cli_hpo(tmp_path, hpo_yaml, *sets):
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect")}
     args = [a for s in sets for a in ("--set", s)]
-    return subprocess.run([sys.executable, "-m", "grpo_pipeline.cli", "hpo", "--config", str(hpo_yaml), "--json", *args],
-                          env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "grpo_pipeline.cli", "hpo", "--config", str(hpo_yaml), "--json", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_a_target_standard_error_the_data_cannot_meet_exits_2_naming_the_prompts_needed(tmp_path, hpo_yaml):
@@ -139,8 +176,14 @@ def test_a_target_standard_error_the_data_cannot_meet_exits_2_naming_the_prompts
 def test_a_space_whose_every_point_fails_exits_1_with_each_trials_reason(tmp_path, hpo_yaml):
     """Every learning rate fails (the test reward runs out of memory once a step has trained), the configured
     one too."""
-    proc = _cli_hpo(tmp_path, hpo_yaml, "train.rewards=[tests.integration.oom_reward:oom_reward]",
-                    "hpo.trials=2", "hpo.concurrency=1", "hpo.study_name=all-fail")
+    proc = _cli_hpo(
+        tmp_path,
+        hpo_yaml,
+        "train.rewards=[tests.integration.oom_reward:oom_reward]",
+        "hpo.trials=2",
+        "hpo.concurrency=1",
+        "hpo.study_name=all-fail",
+    )
     assert proc.returncode == 1, proc.stderr[-3000:]
     error = json.loads(proc.stdout)["error"]
     assert "no trial completed" in error and "not used silently" in error
@@ -156,8 +199,16 @@ def test_a_retried_flow_run_resumes_the_study_inside_the_same_hpo_run(tmp_path):
     from tests.unit.test_hpo import PLAIN, _dies_after
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    cfg = load_config(None, [f"data_dir={tmp_path}", *PLAIN, "hpo.trials=3", "hpo.study_name=retried",
-                             f"tracking.mlflow_tracking_uri={uri}"])
+    cfg = load_config(
+        None,
+        [
+            f"data_dir={tmp_path}",
+            *PLAIN,
+            "hpo.trials=3",
+            "hpo.study_name=retried",
+            f"tracking.mlflow_tracking_uri={uri}",
+        ],
+    )
     experiment = setup_tracking(uri, "retry", tmp_path / "artifacts")
     stage_ids = []
     for attempt, run_one in enumerate((_dies_after(1), _quick([0.9]))):
@@ -165,8 +216,9 @@ def test_a_retried_flow_run_resumes_the_study_inside_the_same_hpo_run(tmp_path):
             with parent_run("flow-run-1", "grpo-pipeline") as parent, stage_run(parent.info.run_id, "hpo") as stage:
                 stage_ids.append(stage.info.run_id)
                 tracking = Tracking(tracking_uri=uri, experiment_id=experiment, stage_run_id=stage.info.run_id)
-                result = search(cfg, "m", {}, tmp_path, rewards=cfg.train.reward_set(), run_one=run_one,
-                                tracking=tracking)
+                result = search(
+                    cfg, "m", {}, tmp_path, rewards=cfg.train.reward_set(), run_one=run_one, tracking=tracking
+                )
         except KeyboardInterrupt:  # the first attempt dies inside its second trial
             assert attempt == 0
     assert stage_ids[0] == stage_ids[1] and result.mlflow_run_id == stage_ids[0]

@@ -16,8 +16,10 @@ def _random_adapter(tiny_model, path, seed):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model),
-                           LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(tiny_model),
+        LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False),
+    )
     model.save_pretrained(path)
     return str(path)
 
@@ -39,6 +41,7 @@ def test_merged_model_matches_base_plus_adapter(tmp_path, tiny_model):
 def test_merge_is_refused_beyond_tolerance(tmp_path, tiny_model):
     adapter = _random_adapter(tiny_model, tmp_path / "adapter", seed=2)
     with pytest.raises(MergeRefused, match="merge.tolerance"):
-        merge_adapter(str(tiny_model), adapter, tmp_path / "merged", PROMPTS,
-                      MergeConfig(dtype="bfloat16", tolerance=1e-9))
+        merge_adapter(
+            str(tiny_model), adapter, tmp_path / "merged", PROMPTS, MergeConfig(dtype="bfloat16", tolerance=1e-9)
+        )
     assert not (tmp_path / "merged").exists()

@@ -42,8 +42,9 @@ def prefect_api(env: dict[str, str]):
     """This process's Prefect client pointed at the stack's server, with the auth string it demands."""
     from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
-    with temporary_settings({PREFECT_API_URL: env["PREFECT_API_URL"],
-                             PREFECT_API_AUTH_STRING: env["PREFECT_API_AUTH_STRING"]}):
+    with temporary_settings(
+        {PREFECT_API_URL: env["PREFECT_API_URL"], PREFECT_API_AUTH_STRING: env["PREFECT_API_AUTH_STRING"]}
+    ):
         yield
 
 
@@ -58,8 +59,12 @@ def stack(local_stack, mlflow_server_uri) -> Stack:
 @pytest.fixture(scope="module")
 def env(stack, tmp_path_factory) -> dict[str, str]:
     """What a user's shell has after `eval "$(grpo-pipeline stack env)"`."""
-    return {**os.environ, **stack.env(), "PREFECT_HOME": str(tmp_path_factory.mktemp("prefect-home")),
-            "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    return {
+        **os.environ,
+        **stack.env(),
+        "PREFECT_HOME": str(tmp_path_factory.mktemp("prefect-home")),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    }
 
 
 class Hook(BaseHTTPRequestHandler):
@@ -105,12 +110,29 @@ def deployed(stack, env, ops_yaml, webhook):
     from prefect.blocks.notifications import CustomWebhookNotificationBlock
 
     with prefect_api(env):
-        CustomWebhookNotificationBlock(name="grpo-ops", url=webhook, json_data={"text": "{{subject}}\n{{body}}"},
-                                       allow_private_urls=True).save("grpo-ops", overwrite=True)
+        CustomWebhookNotificationBlock(
+            name="grpo-ops", url=webhook, json_data={"text": "{{subject}}\n{{body}}"}, allow_private_urls=True
+        ).save("grpo-ops", overwrite=True)
     proc = subprocess.run(
-        [sys.executable, "-m", "grpo_pipeline.cli", "deploy", "--config", str(ops_yaml), *sum((["--set", o] for o in TINY_TRAIN), []),
-         "--schedule-hour", "2", "--timezone", "Europe/Berlin", "--notify-block", "custom-webhook/grpo-ops"],
-        env=env, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "grpo_pipeline.cli",
+            "deploy",
+            "--config",
+            str(ops_yaml),
+            *sum((["--set", o] for o in TINY_TRAIN), []),
+            "--schedule-hour",
+            "2",
+            "--timezone",
+            "Europe/Berlin",
+            "--notify-block",
+            "custom-webhook/grpo-ops",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout)
@@ -122,8 +144,13 @@ def worker(deployed, env, tmp_path_factory):
     log = tmp_path_factory.mktemp("worker") / "worker.log"
     worker_env = {**env, **SENTINELS, "PREFECT_WORKER_QUERY_SECONDS": "2"}
     with log.open("w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", "grpo-process"],
-                                env=worker_env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "prefect", "worker", "start", "--pool", "grpo-process"],
+            env=worker_env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     yield proc, log
     os.killpg(proc.pid, signal.SIGTERM)
     try:
@@ -153,8 +180,9 @@ def test_deploy_registers_the_four_deployments(deployed, env, ops_yaml):
 
     with prefect_api(env), get_client(sync_client=True) as client:
         d = client.read_deployment_by_name("grpo-pipeline/manual")
-        assert d.pull_steps == [{"prefect.deployments.steps.set_working_directory":
-                                 {"directory": str(Path(__file__).resolve().parents[2])}}]
+        assert d.pull_steps == [
+            {"prefect.deployments.steps.set_working_directory": {"directory": str(Path(__file__).resolve().parents[2])}}
+        ]
         # The UI renders this schema as the run form: every parameter typed and described.
         properties = d.parameter_openapi_schema["properties"]
         assert {"config_path", "overrides"} <= set(properties)
@@ -177,8 +205,12 @@ def test_collisions_follow_each_deployments_strategy(deployed, env):
         for name in ("daily-retrain", "manual"):
             deployment = client.read_deployment_by_name(f"grpo-pipeline/{name}")
             # Scheduled a day ahead, so no worker picks them up; Pending is where a worker takes the slot.
-            runs = [client.create_flow_run_from_deployment(
-                deployment.id, state=Scheduled(scheduled_time=now("UTC") + timedelta(days=1))) for _ in range(2)]
+            runs = [
+                client.create_flow_run_from_deployment(
+                    deployment.id, state=Scheduled(scheduled_time=now("UTC") + timedelta(days=1))
+                )
+                for _ in range(2)
+            ]
             try:
                 first = client.set_flow_run_state(runs[0].id, Pending())
                 second = client.set_flow_run_state(runs[1].id, Pending())
@@ -201,12 +233,17 @@ def test_a_run_cannot_choose_what_the_worker_executes(deployed, env):
 
     with prefect_api(env), get_client(sync_client=True) as client:
         deployment = client.read_deployment_by_name("grpo-pipeline/manual")
-        for variables in ({"command": "touch /tmp/owned"}, {"env": {"LD_PRELOAD": "/tmp/owned.so"}},
-                          {"working_dir": "/tmp"}):
+        for variables in (
+            {"command": "touch /tmp/owned"},
+            {"env": {"LD_PRELOAD": "/tmp/owned.so"}},
+            {"working_dir": "/tmp"},
+        ):
             with pytest.raises(PrefectHTTPStatusError, match="422"):
                 client.create_flow_run_from_deployment(
-                    deployment.id, job_variables=variables,
-                    state=Scheduled(scheduled_time=now("UTC") + timedelta(days=1)))
+                    deployment.id,
+                    job_variables=variables,
+                    state=Scheduled(scheduled_time=now("UTC") + timedelta(days=1)),
+                )
         runs = client.read_flow_runs(limit=200)
     assert not any((r.job_variables or {}).keys() & {"command", "env", "working_dir"} for r in runs)
 
@@ -217,8 +254,9 @@ def manual_run(worker, env):
     from prefect.deployments import run_deployment
 
     with prefect_api(env):
-        flow_run = run_deployment("grpo-pipeline/manual", parameters={"launcher": "local"}, timeout=900,
-                                  poll_interval=3)
+        flow_run = run_deployment(
+            "grpo-pipeline/manual", parameters={"launcher": "local"}, timeout=900, poll_interval=3
+        )
     return flow_run
 
 
@@ -241,11 +279,16 @@ def test_manual_run_completes_on_the_worker_into_mlflow_and_s3(manual_run, stack
     assert not [p for p in adapter if p.endswith(PICKLES)], adapter  # safetensors and JSON only
 
     s3 = services.s3_client(stack.service("s3").url, *stack.credentials)
-    keys = [o["Key"] for page in s3.get_paginator("list_objects_v2").paginate(Bucket="ckpt")
-            for o in page.get("Contents", [])]
+    keys = [
+        o["Key"]
+        for page in s3.get_paginator("list_objects_v2").paginate(Bucket="ckpt")
+        for o in page.get("Contents", [])
+    ]
     prefix = f"mlflow/{experiment.experiment_id}/{train.info.run_id}/artifacts/adapter/"
     assert f"{prefix}adapter_model.safetensors" in keys
-    assert any(k.startswith(f"mlflow/{experiment.experiment_id}/{parent.info.run_id}/artifacts/summary.json") for k in keys)
+    assert any(
+        k.startswith(f"mlflow/{experiment.experiment_id}/{parent.info.run_id}/artifacts/summary.json") for k in keys
+    )
     assert any(k.startswith("ops/") and k.endswith("final/manifest.json") for k in keys)  # checkpoints in S3 too
 
 
@@ -255,8 +298,9 @@ def _flow_run_logs(env: dict[str, str], flow_run_id) -> str:
 
     lines, offset = [], 0
     with prefect_api(env), get_client(sync_client=True) as client:
-        while batch := client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])),
-                                        limit=200, offset=offset):
+        while batch := client.read_logs(
+            LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])), limit=200, offset=offset
+        ):
             lines += [log.message for log in batch]
             offset += len(batch)
     return "\n".join(lines)
@@ -264,9 +308,12 @@ def _flow_run_logs(env: dict[str, str], flow_run_id) -> str:
 
 def test_secrets_in_the_environment_leave_no_trace(manual_run, stack, worker, env, ops_yaml, tmp_path):
     proc, log = worker
-    secrets = {**SENTINELS, "AWS_SECRET_ACCESS_KEY": stack.credentials[1],
-               "MLFLOW_TRACKING_PASSWORD": stack.mlflow_auth.password,
-               "PREFECT_API_AUTH_STRING": stack.prefect_auth_string.partition(":")[2]}  # its password half
+    secrets = {
+        **SENTINELS,
+        "AWS_SECRET_ACCESS_KEY": stack.credentials[1],
+        "MLFLOW_TRACKING_PASSWORD": stack.mlflow_auth.password,
+        "PREFECT_API_AUTH_STRING": stack.prefect_auth_string.partition(":")[2],
+    }  # its password half
     held = psutil.Process(proc.pid).environ()
     assert all(held.get(k) == v for k, v in SENTINELS.items())  # the worker (and so the flow run) had them
     assert held.get("MLFLOW_TRACKING_PASSWORD") == secrets["MLFLOW_TRACKING_PASSWORD"]
@@ -275,9 +322,13 @@ def test_secrets_in_the_environment_leave_no_trace(manual_run, stack, worker, en
     client = mlflow.MlflowClient(stack.env()["MLFLOW_TRACKING_URI"])
     for run in client.search_runs([client.get_experiment_by_name("ops").experiment_id]):
         places[f"mlflow params/tags of {run.info.run_name}"] = json.dumps(
-            [run.data.params, run.data.tags, run.info.run_name]).encode()
-        dst = mlflow.artifacts.download_artifacts(run_id=run.info.run_id, dst_path=str(tmp_path / run.info.run_id),
-                                                  tracking_uri=stack.env()["MLFLOW_TRACKING_URI"])
+            [run.data.params, run.data.tags, run.info.run_name]
+        ).encode()
+        dst = mlflow.artifacts.download_artifacts(
+            run_id=run.info.run_id,
+            dst_path=str(tmp_path / run.info.run_id),
+            tracking_uri=stack.env()["MLFLOW_TRACKING_URI"],
+        )
         for file in Path(dst).rglob("*"):
             if file.is_file():
                 places[f"mlflow artifact {file.relative_to(tmp_path)}"] = file.read_bytes()
@@ -297,8 +348,9 @@ def test_secrets_in_the_environment_leave_no_trace(manual_run, stack, worker, en
             places[f"prefect home {file.name}"] = file.read_bytes()
 
     assert len(places) > 20 and places["prefect flow run logs"]  # the scan looked at real material
-    leaks = [(where, name) for where, blob in places.items() for name, value in secrets.items()
-             if value.encode() in blob]
+    leaks = [
+        (where, name) for where, blob in places.items() for name, value in secrets.items() if value.encode() in blob
+    ]
     assert not leaks
 
 
@@ -306,8 +358,9 @@ def test_secrets_in_the_environment_leave_no_trace(manual_run, stack, worker, en
 FORM_SECRET = "hf_grpoSentinelFormToken0a1b2c3d4e5f6a7b8c9d"
 
 
-def test_secrets_in_a_config_or_a_forms_overrides_are_refused_and_leave_no_trace(deployed, worker, env, stack,
-                                                                                 tmp_path):
+def test_secrets_in_a_config_or_a_forms_overrides_are_refused_and_leave_no_trace(
+    deployed, worker, env, stack, tmp_path
+):
     """A secret in a form's overrides (a credential field, a field the deployment allows, a verifier header) or in
     a config file the run names fails the run before any work: no MLflow run, and the secret is in no log and no
     S3 object. Only the flow run's own parameters hold it, as the trigger sent them."""
@@ -317,19 +370,28 @@ def test_secrets_in_a_config_or_a_forms_overrides_are_refused_and_leave_no_trace
     leaky = tmp_path / "leaky.yaml"
     leaky.write_text(yaml.safe_dump({"train": {"grpo": {"hub_token": FORM_SECRET}}}))
     asks = {
-        "a credential field": ({"overrides": [f"train.grpo.hub_token={FORM_SECRET}"]}, "train.grpo.hub_token: carries a credential"),
-        "an allowed field": ({"overrides": [f"train.grpo.learning_rate={FORM_SECRET}"]},
-                             "train.grpo.learning_rate holds a credential"),
-        "a header": ({"overrides": [f"train.reward_args.remote_verifier.headers.Authorization=Bearer {FORM_SECRET}"]},
-                     "train.reward_args.remote_verifier.headers.Authorization: carries a credential"),
+        "a credential field": (
+            {"overrides": [f"train.grpo.hub_token={FORM_SECRET}"]},
+            "train.grpo.hub_token: carries a credential",
+        ),
+        "an allowed field": (
+            {"overrides": [f"train.grpo.learning_rate={FORM_SECRET}"]},
+            "train.grpo.learning_rate holds a credential",
+        ),
+        "a header": (
+            {"overrides": [f"train.reward_args.remote_verifier.headers.Authorization=Bearer {FORM_SECRET}"]},
+            "train.reward_args.remote_verifier.headers.Authorization: carries a credential",
+        ),
         "a config file": ({"config_path": str(leaky)}, "config_path: this deployment runs"),
     }
     client = mlflow.MlflowClient(stack.env()["MLFLOW_TRACKING_URI"])
     experiments = [e.experiment_id for e in client.search_experiments()]
     before = {r.info.run_id for r in client.search_runs(experiments)}
     with prefect_api(env):
-        runs = {what: run_deployment("grpo-pipeline/ci", parameters=parameters, timeout=300, poll_interval=2)
-                for what, (parameters, _) in asks.items()}
+        runs = {
+            what: run_deployment("grpo-pipeline/ci", parameters=parameters, timeout=300, poll_interval=2)
+            for what, (parameters, _) in asks.items()
+        }
     for what, run in runs.items():
         assert run.state.is_failed(), (what, run.state)
         assert asks[what][1] in run.state.message, (what, run.state.message)
@@ -341,8 +403,9 @@ def test_secrets_in_a_config_or_a_forms_overrides_are_refused_and_leave_no_trace
     s3 = services.s3_client(stack.service("s3").url, *stack.credentials)
     for page in s3.get_paginator("list_objects_v2").paginate(Bucket="ckpt"):
         for obj in page.get("Contents", []):
-            places[f"s3://ckpt/{obj['Key']}"] = s3.get_object(Bucket="ckpt", Key=obj["Key"])["Body"].read().decode(
-                errors="replace")
+            places[f"s3://ckpt/{obj['Key']}"] = (
+                s3.get_object(Bucket="ckpt", Key=obj["Key"])["Body"].read().decode(errors="replace")
+            )
     assert all(places[f"prefect logs of {what}"] for what in runs)  # the scan looked at real logs
     assert not [where for where, text in places.items() if FORM_SECRET in text]
 
@@ -353,8 +416,9 @@ def test_a_failed_run_notifies_the_block(manual_run, env):
 
     Hook.received.clear()
     with prefect_api(env):
-        failed = run_deployment("grpo-pipeline/ci", parameters={"config_path": "/no/such/config.yaml"}, timeout=300,
-                                poll_interval=2)
+        failed = run_deployment(
+            "grpo-pipeline/ci", parameters={"config_path": "/no/such/config.yaml"}, timeout=300, poll_interval=2
+        )
     assert failed.state.is_failed(), failed.state
     deadline = time.monotonic() + 90
     while not any(failed.name.encode() in body for body in Hook.received) and time.monotonic() < deadline:
@@ -380,12 +444,20 @@ def _status(url: str, login: str | None = None, body: dict | None = None) -> int
 
 
 def test_stack_cli_reports_health_and_exports(stack):
-    status = subprocess.run([sys.executable, "-m", "grpo_pipeline.cli", "stack", "status", "--dir", str(stack.root)],
-                            capture_output=True, text=True, timeout=120)
+    status = subprocess.run(
+        [sys.executable, "-m", "grpo_pipeline.cli", "stack", "status", "--dir", str(stack.root)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert status.returncode == 0, status.stdout + status.stderr
     assert all(s["healthy"] for s in json.loads(status.stdout).values())  # health needs no credentials
-    exports = subprocess.run([sys.executable, "-m", "grpo_pipeline.cli", "stack", "env", "--dir", str(stack.root)],
-                             capture_output=True, text=True, timeout=120).stdout.splitlines()
+    exports = subprocess.run(
+        [sys.executable, "-m", "grpo_pipeline.cli", "stack", "env", "--dir", str(stack.root)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout.splitlines()
     assert f"export MLFLOW_TRACKING_URI={stack.service('mlflow').url}" in exports
     assert f"export PREFECT_API_URL={stack.service('prefect').url}" in exports
     auth = stack.mlflow_auth
@@ -400,9 +472,12 @@ def test_the_stacks_servers_refuse_requests_without_credentials(stack):
     answer 401 without the credentials of `stack env` or with wrong ones, and serve with them."""
     mlflow_url, prefect_url = stack.service("mlflow").url, stack.service("prefect").url
     admin = f"{stack.mlflow_auth.username}:{stack.mlflow_auth.password}"
-    for path in ("/api/2.0/mlflow/experiments/search?max_results=1",
-                 "/api/2.0/mlflow/registered-models/search?max_results=1",
-                 "/api/2.0/mlflow-artifacts/artifacts", "/"):
+    for path in (
+        "/api/2.0/mlflow/experiments/search?max_results=1",
+        "/api/2.0/mlflow/registered-models/search?max_results=1",
+        "/api/2.0/mlflow-artifacts/artifacts",
+        "/",
+    ):
         assert _status(mlflow_url + path) == 401, path
         assert _status(mlflow_url + path, f"{stack.mlflow_auth.username}:wrong-password") == 401, path
     assert _status(mlflow_url + "/api/2.0/mlflow/experiments/search?max_results=1", admin) == 200
@@ -419,8 +494,10 @@ def test_the_stacks_servers_refuse_requests_without_credentials(stack):
     from prefect.exceptions import PrefectHTTPStatusError
     from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
-    with temporary_settings({PREFECT_API_URL: prefect_url}, restore_defaults={PREFECT_API_AUTH_STRING}), \
-            get_client(sync_client=True) as client:
+    with (
+        temporary_settings({PREFECT_API_URL: prefect_url}, restore_defaults={PREFECT_API_AUTH_STRING}),
+        get_client(sync_client=True) as client,
+    ):
         with pytest.raises(PrefectHTTPStatusError, match="401"):
             client.read_deployments(limit=1)
     with prefect_api(stack.env()), get_client(sync_client=True) as client:
@@ -440,5 +517,10 @@ def test_a_dead_service_is_restarted_on_its_port_and_down_stops_it(tmp_path):
     finally:
         Stack(tmp_path / "stack").down()
     assert not services.alive(second.pid, second.created)
-    assert Stack(tmp_path / "stack").status()["s3"] == {"healthy": False, "running": False, "url": None, "pid": None,
-                                                        "log": None}
+    assert Stack(tmp_path / "stack").status()["s3"] == {
+        "healthy": False,
+        "running": False,
+        "url": None,
+        "pid": None,
+        "log": None,
+    }

@@ -24,11 +24,18 @@ RECORDED = "tests.integration.health_rewards:recorded"
 
 
 def _spec(tmp_path, tiny_model, tiny_splits, tiny_config, *overrides) -> JobSpec:
-    cfg = tiny_config("train.grpo.max_steps=400", "train.checkpoint_every=1000", f"train.rewards=[{RECORDED}]",
-                      *overrides)
-    return JobSpec(model_path=str(tiny_model), model=model_load(cfg.model), train=train_settings(cfg.train),
-                   train_file=str(tiny_splits["train"]), work_dir=str(tmp_path / "work"),
-                   checkpoint_uri=str(tmp_path / "ckpt"), adapter_dir=str(tmp_path / "adapter"))
+    cfg = tiny_config(
+        "train.grpo.max_steps=400", "train.checkpoint_every=1000", f"train.rewards=[{RECORDED}]", *overrides
+    )
+    return JobSpec(
+        model_path=str(tiny_model),
+        model=model_load(cfg.model),
+        train=train_settings(cfg.train),
+        train_file=str(tiny_splits["train"]),
+        work_dir=str(tmp_path / "work"),
+        checkpoint_uri=str(tmp_path / "ckpt"),
+        adapter_dir=str(tmp_path / "adapter"),
+    )
 
 
 def _calls(prefix: Path) -> dict[str, int]:
@@ -59,20 +66,40 @@ def _is_trainer(proc, prefix: Path) -> bool:
         cmd, env = proc.info["cmdline"] or [], proc.info["environ"] or {}
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return False
-    module = cmd[cmd.index("-m") + 1] if "-m" in cmd[:-1] else None  # torchrun runs `python -u -m grpo_pipeline.trainer`
+    module = (
+        cmd[cmd.index("-m") + 1] if "-m" in cmd[:-1] else None
+    )  # torchrun runs `python -u -m grpo_pipeline.trainer`
     return module == "trainer" and env.get("HEALTH_TEST_CALLS") == str(prefix)
 
 
-def test_sigkill_to_the_launchers_group_ends_both_ranks_before_another_step(tmp_path, tiny_model, tiny_splits,
-                                                                            tiny_config):
-    spec = _spec(tmp_path, tiny_model, tiny_splits, tiny_config, "train.grpo.per_device_train_batch_size=2",
-                 "train.distributed.processes_per_node=2")
+def test_sigkill_to_the_launchers_group_ends_both_ranks_before_another_step(
+    tmp_path, tiny_model, tiny_splits, tiny_config
+):
+    spec = _spec(
+        tmp_path,
+        tiny_model,
+        tiny_splits,
+        tiny_config,
+        "train.grpo.per_device_train_batch_size=2",
+        "train.distributed.processes_per_node=2",
+    )
     prefix = tmp_path / "calls"
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "grpo_pipeline.trainer.launch", "--spec", str(spec.write(tmp_path / "job.json")),
-         "--master-port", str(free_port())],
-        cwd=ROOT, env={**os.environ, "HEALTH_TEST_CALLS": str(prefix)}, start_new_session=True,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [
+            sys.executable,
+            "-m",
+            "grpo_pipeline.trainer.launch",
+            "--spec",
+            str(spec.write(tmp_path / "job.json")),
+            "--master-port",
+            str(free_port()),
+        ],
+        cwd=ROOT,
+        env={**os.environ, "HEALTH_TEST_CALLS": str(prefix)},
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     _until(lambda: len(_calls(prefix)) == 2 or launcher.poll() is not None, "both ranks scoring completions")
     try:
         assert launcher.poll() is None
@@ -93,13 +120,21 @@ def test_sigkill_to_the_launchers_group_ends_both_ranks_before_another_step(tmp_
 def test_sigkill_to_the_flows_process_ends_its_local_trainer(tmp_path, tiny_model, tiny_splits, tiny_config):
     spec = _spec(tmp_path, tiny_model, tiny_splits, tiny_config)
     prefix = tmp_path / "calls"
-    flow = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+    flow = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(f"""
         from pathlib import Path
         from grpo_pipeline.infra.launch.local import LocalLauncher
         from grpo_pipeline.trainer.spec import JobSpec
         launcher = LocalLauncher(max_restarts=0, on_line=lambda line: None)
-        launcher.wait(launcher.launch(JobSpec.read(Path({str(spec.write(tmp_path / 'job.json'))!r}))))
-        """)], cwd=ROOT, env={**os.environ, "HEALTH_TEST_CALLS": str(prefix)})
+        launcher.wait(launcher.launch(JobSpec.read(Path({str(spec.write(tmp_path / "job.json"))!r}))))
+        """),
+        ],
+        cwd=ROOT,
+        env={**os.environ, "HEALTH_TEST_CALLS": str(prefix)},
+    )
     _until(lambda: _calls(prefix) or flow.poll() is not None, "the trainer scoring completions")
     assert flow.poll() is None
     (trainer,) = _trainers_of(prefix)

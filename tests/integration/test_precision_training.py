@@ -14,10 +14,16 @@ def test_bf16_trains_and_is_in_the_result_and_the_run(tmp_path, tiny_model, tiny
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     cfg = tiny_config("train.grpo.max_steps=2", "train.checkpoint_every=2", "train.grpo.bf16=true")
-    spec = JobSpec(model_path=str(tiny_model), model=model_load(cfg.model), train=train_settings(cfg.train),
-                   train_file=str(tiny_splits["train"]), work_dir=str(tmp_path / "work"),
-                   checkpoint_uri=str(tmp_path / "ckpt"), adapter_dir=str(tmp_path / "adapter"),
-                   mlflow_tracking_uri=uri)
+    spec = JobSpec(
+        model_path=str(tiny_model),
+        model=model_load(cfg.model),
+        train=train_settings(cfg.train),
+        train_file=str(tiny_splits["train"]),
+        work_dir=str(tmp_path / "work"),
+        checkpoint_uri=str(tmp_path / "ckpt"),
+        adapter_dir=str(tmp_path / "adapter"),
+        mlflow_tracking_uri=uri,
+    )
     result = run(spec)  # run() itself, past main()'s refusal of slow bf16: the code path, not the speed
 
     assert result.global_step == 2 and result.precision == "bf16"

@@ -56,21 +56,31 @@ def _chaos(handle, store: S3Store, log: Path, kills: list, seed: int = 7) -> Non
 
 
 @pytest.mark.slow
-def test_three_sigkills_lose_little_and_log_each_step_once(tmp_path, s3_endpoint, tiny_model, tiny_splits,
-                                                            tiny_config):
+def test_three_sigkills_lose_little_and_log_each_step_once(tmp_path, s3_endpoint, tiny_model, tiny_splits, tiny_config):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = mlflow.MlflowClient(uri)
     run_id = client.create_run(client.create_experiment("preempt")).info.run_id
-    cfg = tiny_config(f"train.grpo.max_steps={MAX_STEPS}", f"train.checkpoint_every={INTERVAL}",
-                      "train.max_restarts=5", f"train.s3_endpoint_url={s3_endpoint}",
-                      f"train.rewards=[correct_answer, {__name__}:slow_reward]")
-    spec = JobSpec(model_path=str(tiny_model), model=model_load(cfg.model), train=train_settings(cfg.train),
-                   train_file=str(tiny_splits["train"]), work_dir=str(tmp_path / "work"),
-                   checkpoint_uri="s3://ckpt/preempt", adapter_dir=str(tmp_path / "adapter"),
-                   mlflow_tracking_uri=uri, mlflow_run_id=run_id)
+    cfg = tiny_config(
+        f"train.grpo.max_steps={MAX_STEPS}",
+        f"train.checkpoint_every={INTERVAL}",
+        "train.max_restarts=5",
+        f"train.s3_endpoint_url={s3_endpoint}",
+        f"train.rewards=[correct_answer, {__name__}:slow_reward]",
+    )
+    spec = JobSpec(
+        model_path=str(tiny_model),
+        model=model_load(cfg.model),
+        train=train_settings(cfg.train),
+        train_file=str(tiny_splits["train"]),
+        work_dir=str(tmp_path / "work"),
+        checkpoint_uri="s3://ckpt/preempt",
+        adapter_dir=str(tmp_path / "adapter"),
+        mlflow_tracking_uri=uri,
+        mlflow_run_id=run_id,
+    )
     store = S3Store(spec.checkpoint_uri, endpoint_url=s3_endpoint)
     launcher = LocalLauncher(max_restarts=5)
     handle = launcher.launch(spec)

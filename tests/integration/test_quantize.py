@@ -18,8 +18,9 @@ def nf4_cost(tiny_model, tiny_splits):
     """One measurement (both loads) shared by the tests below; the tight bound leaves nothing tolerated."""
     cfg = load_config(None, ["model.quantization=nf4", *FAST_EVAL])
     tight = QuantizationBound(max_reward_drop=0.0, max_perplexity_ratio=1.0, rows=4)
-    return measure_quantization_cost(str(tiny_model), cfg.model, tiny_splits["val"], cfg.train.reward_set(),
-                                     cfg.evaluate, tight)
+    return measure_quantization_cost(
+        str(tiny_model), cfg.model, tiny_splits["val"], cfg.train.reward_set(), cfg.evaluate, tight
+    )
 
 
 def test_nf4_footprint_is_below_fp32_and_the_cost_is_measured(nf4_cost):
@@ -46,8 +47,10 @@ def test_a_tight_bound_refuses_the_mode_with_the_figures(nf4_cost):
 
 def test_nothing_to_measure_without_quantization(tiny_model, tiny_splits, tiny_config):
     cfg = tiny_config()
-    assert measure_quantization_cost(str(tiny_model), cfg.model, tiny_splits["val"], cfg.train.reward_set(),
-                                     cfg.evaluate) is None
+    assert (
+        measure_quantization_cost(str(tiny_model), cfg.model, tiny_splits["val"], cfg.train.reward_set(), cfg.evaluate)
+        is None
+    )
 
 
 def test_selection_scores_candidates_that_fit_and_picks_the_best(tiny_model, tiny_splits, tiny_config, tmp_path):
@@ -55,8 +58,9 @@ def test_selection_scores_candidates_that_fit_and_picks_the_best(tiny_model, tin
 
     bigger = create_random_model(tmp_path / "bigger", hidden_size=128, seed=1)
     cfg = tiny_config(f"model.candidates=[{tiny_model}, {bigger}]", *FAST_EVAL)
-    selection = select_base_model(cfg.model, cfg.train, cfg.plan, cfg.evaluate, cfg.train.reward_set(),
-                                  tiny_splits["val"], tmp_path / "cache")
+    selection = select_base_model(
+        cfg.model, cfg.train, cfg.plan, cfg.evaluate, cfg.train.reward_set(), tiny_splits["val"], tmp_path / "cache"
+    )
     assert [r.base for r in selection.rows] == [str(tiny_model), str(bigger)]
     assert all(r.fits and r.within_budget and r.reward is not None and r.cost_usd == 0 for r in selection.rows)
     best = max(selection.rows, key=lambda r: (r.reward, -r.params_b))
@@ -65,8 +69,14 @@ def test_selection_scores_candidates_that_fit_and_picks_the_best(tiny_model, tin
 
 
 def test_selection_refuses_when_no_candidate_is_within_budget(tiny_model, tiny_splits, tiny_config, tmp_path):
-    cfg = tiny_config(f"model.candidates=[{tiny_model}]", "train.launcher=sky", "train.grpo.max_steps=100",
-                      "train.sky.accelerators=[H100:1]", "plan.budget_usd=0.001")
+    cfg = tiny_config(
+        f"model.candidates=[{tiny_model}]",
+        "train.launcher=sky",
+        "train.grpo.max_steps=100",
+        "train.sky.accelerators=[H100:1]",
+        "plan.budget_usd=0.001",
+    )
     with pytest.raises(SelectionError, match=r"estimated \$.* > plan.budget_usd \$0.00"):
-        select_base_model(cfg.model, cfg.train, cfg.plan, cfg.evaluate, cfg.train.reward_set(), tiny_splits["val"],
-                          tmp_path / "cache")
+        select_base_model(
+            cfg.model, cfg.train, cfg.plan, cfg.evaluate, cfg.train.reward_set(), tiny_splits["val"], tmp_path / "cache"
+        )

@@ -34,7 +34,8 @@ def registry(mlflow_server_uri, request):
 def _candidate(registry: Registry, tmp_path, label: str) -> str:
     client = registry.client
     exp = client.get_experiment_by_name("registry-tests") or client.get_experiment(
-        client.create_experiment("registry-tests"))
+        client.create_experiment("registry-tests")
+    )
     run_id = client.create_run(exp.experiment_id, run_name=label).info.run_id
     adapter = tmp_path / label
     adapter.mkdir()
@@ -57,7 +58,9 @@ def test_promote_reject_rollback_and_force(registry, tmp_path):
 
     registry.rollback("bad outputs in production")
     assert registry.aliases()[CHAMPION] == v1 and registry.aliases()[PREVIOUS] == v2
-    assert registry.client.get_model_version(registry.name, v2).tags["rolled_back_reason"] == "bad outputs in production"
+    assert (
+        registry.client.get_model_version(registry.name, v2).tags["rolled_back_reason"] == "bad outputs in production"
+    )
 
     v4 = _candidate(registry, tmp_path, "four")
     registry.settle(v4, decided_against=v1, promote=False, tags={"decision": "reject"})
@@ -72,10 +75,13 @@ def test_promote_reject_rollback_and_force(registry, tmp_path):
 
     # The champion's adapter comes back from S3 through the server.
     source = registry.client.get_model_version(registry.name, v3).source
-    local = mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=str(tmp_path / "dl"),
-                                                tracking_uri=registry.client.tracking_uri)
-    assert '"three"' in (tmp_path / "dl" / "adapter" / "adapter_config.json").read_text() or "three" in open(
-        f"{local}/adapter_config.json").read()
+    local = mlflow.artifacts.download_artifacts(
+        artifact_uri=source, dst_path=str(tmp_path / "dl"), tracking_uri=registry.client.tracking_uri
+    )
+    assert (
+        '"three"' in (tmp_path / "dl" / "adapter" / "adapter_config.json").read_text()
+        or "three" in open(f"{local}/adapter_config.json").read()
+    )
 
 
 def test_rollback_without_a_previous_champion_is_refused(registry, tmp_path):
@@ -120,13 +126,16 @@ def test_report_chart_is_served_at_the_url_given_to_the_prefect_ui(mlflow_server
     stats = {"total": {"mean_diff": 0.4, "ci_low": 0.3, "ci_high": 0.5}}
     png = plot_comparison({"correct_answer": 0.2}, {"correct_answer": 0.6}, stats, tmp_path / "comparison.png")
     client = mlflow.MlflowClient(mlflow_server_uri)
-    exp = client.get_experiment_by_name("report-tests") or client.get_experiment(client.create_experiment("report-tests"))
+    exp = client.get_experiment_by_name("report-tests") or client.get_experiment(
+        client.create_experiment("report-tests")
+    )
     run_id = client.create_run(exp.experiment_id).info.run_id
     client.log_artifact(run_id, str(png))
     # A browser logged in to MLflow sends its basic-auth credentials with the image request; so does this.
     login = f"{os.environ['MLFLOW_TRACKING_USERNAME']}:{os.environ['MLFLOW_TRACKING_PASSWORD']}"
-    request = urllib.request.Request(artifact_url(mlflow_server_uri, run_id, "comparison.png"),
-                                     headers=basic_auth_header(login))
+    request = urllib.request.Request(
+        artifact_url(mlflow_server_uri, run_id, "comparison.png"), headers=basic_auth_header(login)
+    )
     with urllib.request.urlopen(request, timeout=30) as response:
         body = response.read()
     assert body.startswith(b"\x89PNG") and body == png.read_bytes()
@@ -147,8 +156,12 @@ def test_merged_aliases_move_with_the_adapters(registry, tmp_path):
     registry.settle(a1, decided_against=None, promote=True, tags={})
     moves = registry.settle(a2, decided_against=a1, promote=True, tags={})
     assert registry.aliases(registry.merged) == {CHAMPION: m2, CHALLENGER: None, PREVIOUS: m1}
-    assert {(m.model, m.alias) for m in moves} == {(registry.name, CHAMPION), (registry.name, PREVIOUS),
-                                                    (registry.merged, CHAMPION), (registry.merged, PREVIOUS)}
+    assert {(m.model, m.alias) for m in moves} == {
+        (registry.name, CHAMPION),
+        (registry.name, PREVIOUS),
+        (registry.merged, CHAMPION),
+        (registry.merged, PREVIOUS),
+    }
     registry.rollback("merged regression")
     assert registry.aliases(registry.merged)[CHAMPION] == m1
     plain = _candidate(registry, tmp_path, "no-merge")
@@ -166,8 +179,10 @@ def test_the_rest_client_does_what_mlflows_client_does(registry, tmp_path):
     rest = Registry(RestClient(registry.client.tracking_uri), registry.name)
     assert rest.aliases() == registry.aliases()
     moves = rest.rollback("via REST")
-    assert [m.describe() for m in moves] == [f"{registry.name}@champion: {v2} -> {v1}",
-                                             f"{registry.name}@previous-champion: {v1} -> {v2}"]
+    assert [m.describe() for m in moves] == [
+        f"{registry.name}@champion: {v2} -> {v1}",
+        f"{registry.name}@previous-champion: {v1} -> {v2}",
+    ]
     assert registry.aliases() == {CHAMPION: v1, CHALLENGER: None, PREVIOUS: v2}
     with pytest.raises(RegistryError, match="has no version 999"):
         rest.force("999", "no such version")
@@ -262,8 +277,16 @@ def test_two_processes_racing_for_a_stale_lock_take_it_one_after_the_other(regis
     dead = registry.client.create_model_version(rest.lock_name, LOCK_SOURCE, tags={TOKEN_TAG: "dead", SEEN_TAG: "0"})
     root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    racers = [subprocess.Popen([sys.executable, "-c", RACER, registry.client.tracking_uri, registry.name], env=env,
-                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    racers = [
+        subprocess.Popen(
+            [sys.executable, "-c", RACER, registry.client.tracking_uri, registry.name],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
     for racer in racers:
         assert "ready" in racer.stdout.readline()
     for racer in racers:

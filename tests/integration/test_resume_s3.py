@@ -27,7 +27,9 @@ def test_a_truncated_and_a_wrong_hash_file_in_s3_fall_back_to_the_older_checkpoi
         store.put(_checkpoint(tmp_path, step), f"checkpoint-{step}", step)
     s3 = boto3.client("s3", endpoint_url=s3_endpoint)
     s3.put_object(Bucket="ckpt", Key="fallback/checkpoint-6/adapter.bin", Body=b"cut short")  # truncated
-    s3.put_object(Bucket="ckpt", Key="fallback/checkpoint-4/nested/state.json", Body=b'{"global_step": 999}')  # same size
+    s3.put_object(
+        Bucket="ckpt", Key="fallback/checkpoint-4/nested/state.json", Body=b'{"global_step": 999}'
+    )  # same size
 
     point = choose_resume(store, tmp_path / "scratch")
     assert point.step == 2 and (point.directory / "nested" / "state.json").read_text() == '{"global_step": 002}'
@@ -38,33 +40,54 @@ def test_a_truncated_and_a_wrong_hash_file_in_s3_fall_back_to_the_older_checkpoi
     for skipped in point.skipped:
         prefix = skipped["moved_to"].removeprefix("s3://ckpt/")
         assert {f"{prefix}/{MANIFEST}", f"{prefix}/{REASON_FILE}", f"{prefix}/adapter.bin"} <= keys
-    assert not [k for k in (o["Key"] for o in s3.list_objects_v2(Bucket="ckpt", Prefix="fallback/checkpoint-6/")
-                            .get("Contents", []))]
+    assert not [
+        k
+        for k in (
+            o["Key"] for o in s3.list_objects_v2(Bucket="ckpt", Prefix="fallback/checkpoint-6/").get("Contents", [])
+        )
+    ]
 
 
-def test_the_trainer_resumes_past_a_corrupt_checkpoint_and_logs_why(tmp_path, s3_endpoint, tiny_model, tiny_splits,
-                                                                   tiny_config):
+def test_the_trainer_resumes_past_a_corrupt_checkpoint_and_logs_why(
+    tmp_path, s3_endpoint, tiny_model, tiny_splits, tiny_config
+):
     from mlflow import MlflowClient
 
     from grpo_pipeline.trainer.train import run
 
-    cfg = tiny_config("train.grpo.max_steps=4", "train.checkpoint_every=2", "train.keep_checkpoints=3",
-                      f"train.s3_endpoint_url={s3_endpoint}")
-    spec = JobSpec(model_path=str(tiny_model), model=model_load(cfg.model), train=train_settings(cfg.train),
-                   train_file=str(tiny_splits["train"]), work_dir=str(tmp_path / "work"),
-                   checkpoint_uri="s3://ckpt/corrupt-run", adapter_dir=str(tmp_path / "adapter"),
-                   mlflow_tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    cfg = tiny_config(
+        "train.grpo.max_steps=4",
+        "train.checkpoint_every=2",
+        "train.keep_checkpoints=3",
+        f"train.s3_endpoint_url={s3_endpoint}",
+    )
+    spec = JobSpec(
+        model_path=str(tiny_model),
+        model=model_load(cfg.model),
+        train=train_settings(cfg.train),
+        train_file=str(tiny_splits["train"]),
+        work_dir=str(tmp_path / "work"),
+        checkpoint_uri="s3://ckpt/corrupt-run",
+        adapter_dir=str(tmp_path / "adapter"),
+        mlflow_tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}",
+    )
     first = run(spec)
     store = S3Store("s3://ckpt/corrupt-run", endpoint_url=s3_endpoint)
     assert store.complete_steps() == [2, 4]
     store.delete("final")  # as if preempted after checkpoint 4, whose largest file then went bad in the store
-    key = max(store._keys("corrupt-run/checkpoint-4/"), key=lambda k: store.s3.head_object(Bucket="ckpt", Key=k)["ContentLength"])
+    key = max(
+        store._keys("corrupt-run/checkpoint-4/"),
+        key=lambda k: store.s3.head_object(Bucket="ckpt", Key=k)["ContentLength"],
+    )
     body = store.s3.get_object(Bucket="ckpt", Key=key)["Body"].read()
     store.s3.put_object(Bucket="ckpt", Key=key, Body=body[: len(body) // 2])
 
     train = train_settings(cfg.train).model_copy(update={"grpo": {**spec.train.grpo, "max_steps": 6}})
-    second = run(spec.model_copy(update={"work_dir": str(tmp_path / "work2"), "train": train,
-                                         "mlflow_run_id": first.mlflow_run_id}))
+    second = run(
+        spec.model_copy(
+            update={"work_dir": str(tmp_path / "work2"), "train": train, "mlflow_run_id": first.mlflow_run_id}
+        )
+    )
     assert (second.resumed_from_step, second.global_step, second.interrupted) == (2, 6, False)
     client = MlflowClient(spec.mlflow_tracking_uri)
     tag = client.get_run(first.mlflow_run_id).data.tags["resume_fallback"]

@@ -34,10 +34,15 @@ def _runs(client):
 
 
 @pytest.mark.slow
-def test_a_reward_that_returns_nan_fails_once_with_exit_2_naming_the_reward_and_row(tmp_path, tiny_model,
-                                                                                      tiny_splits, tiny_config):
-    cfg = tiny_config(f"train.rewards=['{BROKEN}']", f"train.reward_args={{'{BROKEN}': {{row: 2}}}}",
-                      "train.grpo.max_steps=3", "train.max_restarts=3")
+def test_a_reward_that_returns_nan_fails_once_with_exit_2_naming_the_reward_and_row(
+    tmp_path, tiny_model, tiny_splits, tiny_config
+):
+    cfg = tiny_config(
+        f"train.rewards=['{BROKEN}']",
+        f"train.reward_args={{'{BROKEN}': {{row: 2}}}}",
+        "train.grpo.max_steps=3",
+        "train.max_restarts=3",
+    )
     launcher, handle, spec, client = _launch(cfg, tmp_path, tiny_model, tiny_splits)
     with pytest.raises(BadTrainingInput) as failed:  # a TrainingFailed, and a ConfigError: exit 2 from the CLI
         launcher.wait(handle)
@@ -57,14 +62,20 @@ def test_a_reward_that_returns_nan_fails_once_with_exit_2_naming_the_reward_and_
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_a_reward_that_fails_on_rank_1_alone_still_ends_the_run_failed_with_the_reason(tmp_path, tiny_model,
-                                                                                      tiny_splits, tiny_config):
+def test_a_reward_that_fails_on_rank_1_alone_still_ends_the_run_failed_with_the_reason(
+    tmp_path, tiny_model, tiny_splits, tiny_config
+):
     """Rank 0 never sees rank 1's reward fail (it waits in the gather, until torchrun stops it): rank 1, which
     knows why, ends the MLflow run FAILED with the reason, and the job is bad input all the same."""
     on_rank = "tests.integration.broken_reward:nan_on_rank"
-    cfg = tiny_config(f"train.rewards=['{on_rank}']", "train.grpo.max_steps=3", "train.max_restarts=1",
-                      "train.distributed.processes_per_node=2", "train.distributed.timeout_s=60",
-                      "train.grpo.per_device_train_batch_size=2")
+    cfg = tiny_config(
+        f"train.rewards=['{on_rank}']",
+        "train.grpo.max_steps=3",
+        "train.max_restarts=1",
+        "train.distributed.processes_per_node=2",
+        "train.distributed.timeout_s=60",
+        "train.grpo.per_device_train_batch_size=2",
+    )
     launcher, handle, spec, client = _launch(cfg, tmp_path, tiny_model, tiny_splits)
     with pytest.raises(BadTrainingInput) as failed:
         launcher.wait(handle)
@@ -104,8 +115,11 @@ def test_a_grader_outage_is_retryable_not_bad_input(grader_down):
     """remote_verifier's service answering 500 through its retries is an outage: RewardUnavailable (exit 1, a
     relaunch resumes), while a NaN from the same reward path stays bad input (exit 2)."""
     fn = resolve_reward("remote_verifier", {"url": grader_down, "retries": 1, "backoff_s": 0.0})
-    with pytest.raises(RewardUnavailable, match=r"'remote_verifier' at .*/score failed for row 0 of 1: HTTP 500 "
-                                                r".*\(after 2 attempts\)"):
+    with pytest.raises(
+        RewardUnavailable,
+        match=r"'remote_verifier' at .*/score failed for row 0 of 1: HTTP 500 "
+        r".*\(after 2 attempts\)",
+    ):
         fn(["72"], answer=["72"])
     assert _Down.calls == 2
     with pytest.raises(RewardError) as nan:
@@ -114,11 +128,16 @@ def test_a_grader_outage_is_retryable_not_bad_input(grader_down):
 
 
 @pytest.mark.slow
-def test_the_trainer_exits_1_on_a_grader_outage_and_is_relaunched(tmp_path, tiny_model, tiny_splits, tiny_config,
-                                                                   grader_down):
+def test_the_trainer_exits_1_on_a_grader_outage_and_is_relaunched(
+    tmp_path, tiny_model, tiny_splits, tiny_config, grader_down
+):
     args = f"{{url: '{grader_down}', retries: 1, backoff_s: 0.0, batch_size: 64}}"
-    cfg = tiny_config("train.rewards=[remote_verifier]", f"train.reward_args={{remote_verifier: {args}}}",
-                      "train.grpo.max_steps=3", "train.max_restarts=1")
+    cfg = tiny_config(
+        "train.rewards=[remote_verifier]",
+        f"train.reward_args={{remote_verifier: {args}}}",
+        "train.grpo.max_steps=3",
+        "train.max_restarts=1",
+    )
     launcher, handle, spec, client = _launch(cfg, tmp_path, tiny_model, tiny_splits)
     with pytest.raises(TrainingFailed) as failed:
         launcher.wait(handle)

@@ -94,8 +94,11 @@ def test_good_answers_are_scored_in_order(server):
 def test_a_500_is_retried_then_named(server):
     assert _verifier(server + "/flaky", retries=1)(["72"], answer=["72"]) == [1.0]
     assert Verifier.calls["/flaky"] == 2
-    with pytest.raises(RewardError, match=r"'remote_verifier' at http://127\.0\.0\.1:\d+/error failed for row 0 "
-                                          r"of 1: HTTP 500 .*after 3 attempts"):
+    with pytest.raises(
+        RewardError,
+        match=r"'remote_verifier' at http://127\.0\.0\.1:\d+/error failed for row 0 "
+        r"of 1: HTTP 500 .*after 3 attempts",
+    ):
         _verifier(server + "/error", retries=2)(["72"], answer=["72"])
     assert Verifier.calls["/error"] == 3
 
@@ -107,8 +110,11 @@ def test_a_client_error_is_not_retried(server):
 
 
 def test_a_timeout_is_an_error_that_names_the_verifier(server):
-    with pytest.raises(RewardError, match=r"'remote_verifier' at .*/hang failed for row 0 of 1: no reply within "
-                                          r"0\.2 s \(after 2 attempts\)"):
+    with pytest.raises(
+        RewardError,
+        match=r"'remote_verifier' at .*/hang failed for row 0 of 1: no reply within "
+        r"0\.2 s \(after 2 attempts\)",
+    ):
         _verifier(server + "/hang", timeout_s=0.2, retries=1)(["72"], answer=["72"])
 
 
@@ -130,7 +136,9 @@ def test_the_fallback_is_counted_never_silent(server):
 
 
 def test_concurrency_is_bounded(server):
-    scores = _verifier(server + "/count", concurrency=4)([str(i) for i in range(16)], answer=[str(i) for i in range(16)])
+    scores = _verifier(server + "/count", concurrency=4)(
+        [str(i) for i in range(16)], answer=[str(i) for i in range(16)]
+    )
     assert scores == [1.0] * 16
     assert Verifier.calls["/count"] == 16 and 1 <= Verifier.most_in_flight <= 4
 
@@ -141,8 +149,11 @@ def test_an_unreachable_verifier_is_named():
     with socket.socket() as probe:  # a port that was free a moment ago: nothing listens there
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    with pytest.raises(RewardError, match=rf"'remote_verifier' at http://127.0.0.1:{port}/score failed for row 0 of 1: "
-                                          r".*Connection.*\(after 1 attempt\)"):
+    with pytest.raises(
+        RewardError,
+        match=rf"'remote_verifier' at http://127.0.0.1:{port}/score failed for row 0 of 1: "
+        r".*Connection.*\(after 1 attempt\)",
+    ):
         _verifier(f"http://127.0.0.1:{port}/score", retries=0)(["1"], answer=["1"])
 
 
@@ -261,10 +272,17 @@ def hostile():
 
 def test_a_redirect_is_refused_and_the_credential_goes_nowhere(hostile, server, monkeypatch):
     monkeypatch.setenv("VERIFIER_TOKEN", "Bearer s3cret")
-    fn = _verifier(hostile + "/redirect", retries=2, headers={"X-Redirect-To": server + "/good"},
-                   headers_from_env={"Authorization": "VERIFIER_TOKEN"})
-    with pytest.raises(RewardError, match=rf"HTTP 307 .*a redirect to {server}/good, which is not followed .*set url "
-                                          "to the verifier's own address"):
+    fn = _verifier(
+        hostile + "/redirect",
+        retries=2,
+        headers={"X-Redirect-To": server + "/good"},
+        headers_from_env={"Authorization": "VERIFIER_TOKEN"},
+    )
+    with pytest.raises(
+        RewardError,
+        match=rf"HTTP 307 .*a redirect to {server}/good, which is not followed .*set url "
+        "to the verifier's own address",
+    ):
         fn(["1"], answer=["1"])
     assert "/good" not in Verifier.calls  # nothing, and no token, reached the other server
 
@@ -293,8 +311,10 @@ def test_a_100_mb_reply_is_cut_at_the_cap_without_being_held(hostile, path):
 def test_credentials_come_from_the_environment_never_the_config(hostile, monkeypatch):
     fn = _verifier(hostile + "/auth", headers_from_env={"Authorization": "VERIFIER_TOKEN"})
     monkeypatch.delenv("VERIFIER_TOKEN", raising=False)
-    with pytest.raises(RewardError, match="headers_from_env.Authorization names the environment variable "
-                                          "VERIFIER_TOKEN, which is not set"):
+    with pytest.raises(
+        RewardError,
+        match="headers_from_env.Authorization names the environment variable VERIFIER_TOKEN, which is not set",
+    ):
         fn(["1"], answer=["1"])
     monkeypatch.setenv("VERIFIER_TOKEN", "Bearer s3cret")
     assert fn(["1"], answer=["1"]) == [1.0]
@@ -303,11 +323,14 @@ def test_credentials_come_from_the_environment_never_the_config(hostile, monkeyp
             _verifier(hostile + "/auth", headers=headers)  # refused when resolved: preflight, before any work
 
 
-@pytest.mark.parametrize(("url", "message"), [
-    ("file:///etc/passwd", "is not http:// or https://; the verifier is an HTTP service: give its http"),
-    ("ftp://127.0.0.1/score", "is not http:// or https://"),
-    ("http://user:pw@127.0.0.1:9/score", "holds a user or password"),
-])
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("file:///etc/passwd", "is not http:// or https://; the verifier is an HTTP service: give its http"),
+        ("ftp://127.0.0.1/score", "is not http:// or https://"),
+        ("http://user:pw@127.0.0.1:9/score", "holds a user or password"),
+    ],
+)
 def test_only_http_urls_without_credentials(url, message):
     with pytest.raises(RewardError, match=message) as refused:
         _verifier(url)

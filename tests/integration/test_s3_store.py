@@ -31,8 +31,10 @@ def test_put_list_fetch_prune(tmp_path, s3_endpoint):
 
     prune(store, keep=1)
     assert store.complete_steps() == [6]
-    keys = [o["Key"] for o in boto3.client("s3", endpoint_url=s3_endpoint).list_objects_v2(
-        Bucket="ckpt", Prefix="unit/")["Contents"]]
+    keys = [
+        o["Key"]
+        for o in boto3.client("s3", endpoint_url=s3_endpoint).list_objects_v2(Bucket="ckpt", Prefix="unit/")["Contents"]
+    ]
     assert all(k.startswith("unit/checkpoint-6/") for k in keys)
 
 
@@ -43,15 +45,21 @@ def test_missing_bucket_is_named(s3_endpoint):
         S3Store("s3://no-such-bucket/x", endpoint_url=s3_endpoint).check()
 
 
-def test_trainer_resumes_from_s3_skipping_an_incomplete_checkpoint(tmp_path, s3_endpoint, tiny_model, tiny_splits,
-                                                                   tiny_config):
+def test_trainer_resumes_from_s3_skipping_an_incomplete_checkpoint(
+    tmp_path, s3_endpoint, tiny_model, tiny_splits, tiny_config
+):
     from grpo_pipeline.trainer.train import run
 
-    cfg = tiny_config("train.grpo.max_steps=4", "train.checkpoint_every=2",
-                      f"train.s3_endpoint_url={s3_endpoint}")
-    spec = JobSpec(model_path=str(tiny_model), model=model_load(cfg.model), train=train_settings(cfg.train),
-                   train_file=str(tiny_splits["train"]), work_dir=str(tmp_path / "work"),
-                   checkpoint_uri="s3://ckpt/trainer", adapter_dir=str(tmp_path / "adapter"))
+    cfg = tiny_config("train.grpo.max_steps=4", "train.checkpoint_every=2", f"train.s3_endpoint_url={s3_endpoint}")
+    spec = JobSpec(
+        model_path=str(tiny_model),
+        model=model_load(cfg.model),
+        train=train_settings(cfg.train),
+        train_file=str(tiny_splits["train"]),
+        work_dir=str(tmp_path / "work"),
+        checkpoint_uri="s3://ckpt/trainer",
+        adapter_dir=str(tmp_path / "adapter"),
+    )
     first = run(spec)
     store = S3Store("s3://ckpt/trainer", endpoint_url=s3_endpoint)
     assert (first.global_step, store.complete_steps(), store.has("final")) == (4, [2, 4], True)
@@ -112,7 +120,9 @@ def _add_to_manifest(store, name, files):
     store.s3.put_object(Bucket=store.bucket, Key=key, Body=json.dumps(manifest).encode())
 
 
-def test_a_manifest_naming_files_outside_writes_nothing_there_and_resume_takes_the_good_checkpoint(tmp_path, s3_endpoint):
+def test_a_manifest_naming_files_outside_writes_nothing_there_and_resume_takes_the_good_checkpoint(
+    tmp_path, s3_endpoint
+):
     from grpo_pipeline.trainer.checkpoints import CORRUPT, REASON_FILE, choose_resume
 
     store = S3Store("s3://ckpt/hostile", endpoint_url=s3_endpoint)

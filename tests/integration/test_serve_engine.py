@@ -41,8 +41,11 @@ FRACTION = 0.3
 PROMPT = [{"role": "user", "content": "What is 3 + 4? Reply with just the number."}]
 
 if not ENGINE_PYTHON.is_file():
-    pytest.skip(f"no vLLM engine Python at {ENGINE_PYTHON}: run `make serve-env` (vLLM's CPU build in "
-                ".venv-serve) or set GRPO_SERVE_ENGINE_PYTHON", allow_module_level=True)
+    pytest.skip(
+        f"no vLLM engine Python at {ENGINE_PYTHON}: run `make serve-env` (vLLM's CPU build in "
+        ".venv-serve) or set GRPO_SERVE_ENGINE_PYTHON",
+        allow_module_level=True,
+    )
 
 
 def free_port() -> int:
@@ -59,8 +62,9 @@ def random_adapter(base: Path, out: Path, seed: int) -> Path:
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(base)
-    peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=32, target_modules=["q_proj", "v_proj", "o_proj"],
-                                                  init_lora_weights=False))
+    peft_model = get_peft_model(
+        model, LoraConfig(r=8, lora_alpha=32, target_modules=["q_proj", "v_proj", "o_proj"], init_lora_weights=False)
+    )
     peft_model.save_pretrained(out)
     AutoTokenizer.from_pretrained(base).save_pretrained(out)
     return out
@@ -79,21 +83,29 @@ def world(tmp_path_factory):
     client = mlflow.MlflowClient(uri)
     cfg = load_config(None, ["evaluate.max_new_tokens=4"])
     base_exp = client.create_experiment(serving.BASE_EXPERIMENT, artifact_location=str(root / "artifacts-base"))
-    mlflow.set_experiment(experiment_id=client.create_experiment("serve-tests",
-                                                                 artifact_location=str(root / "artifacts")))
+    mlflow.set_experiment(
+        experiment_id=client.create_experiment("serve-tests", artifact_location=str(root / "artifacts"))
+    )
     registry = Registry(client, NAME)
     versions = []
     for i, on in enumerate([base, base, base, other_base]):
         reference = serving.base_reference(client, str(on), base_exp, on.name)
         adapter = random_adapter(on, root / f"adapter-{i}", seed=10 + i)
         with mlflow.start_run() as run:
-            model_uri, model_id = serving.log_adapter_model(str(adapter), reference, cfg.model, cfg.evaluate,
-                                                            "What is 1 + 1?", root / f"work-{i}")
-        versions.append(registry.register(model_uri, run.info.run_id, {"base_model": reference.reference},
-                                          model_id=model_id))
+            model_uri, model_id = serving.log_adapter_model(
+                str(adapter), reference, cfg.model, cfg.evaluate, "What is 1 + 1?", root / f"work-{i}"
+            )
+        versions.append(
+            registry.register(model_uri, run.info.run_id, {"base_model": reference.reference}, model_id=model_id)
+        )
     registry.apply([AliasMove(CHAMPION, versions[0]), AliasMove(CHALLENGER, versions[1])])
-    return {"root": root, "uri": uri, "registry": registry, "versions": versions,
-            "log_url": f"sqlite:///{root / 'ab.sqlite'}"}
+    return {
+        "root": root,
+        "uri": uri,
+        "registry": registry,
+        "versions": versions,
+        "log_url": f"sqlite:///{root / 'ab.sqlite'}",
+    }
 
 
 class Server:
@@ -101,16 +113,45 @@ class Server:
         self.world, self.port = world, port
         self.url = f"http://127.0.0.1:{port}"
         self.output = world["root"] / f"router-{port}.log"
-        env = {**os.environ, "GRPO_AB_LOG_URL": world["log_url"], "GRPO_SERVE_API_KEY": "test-key",
-               "GRPO_MODEL_CACHE": str(world["root"] / "model-cache")}
+        env = {
+            **os.environ,
+            "GRPO_AB_LOG_URL": world["log_url"],
+            "GRPO_SERVE_API_KEY": "test-key",
+            "GRPO_MODEL_CACHE": str(world["root"] / "model-cache"),
+        }
         with open(self.output, "ab") as out:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "grpo_pipeline.cli", "serve", "--port", str(port),
-                 "--set", f"tracking.mlflow_tracking_uri={world['uri']}", "--set", f"tracking.registered_model={NAME}",
-                 "--set", f"data_dir={world['root'] / 'data'}", "--set", f"ab.challenger_fraction={FRACTION}", "--set", "promote.mode=canary",
-                 "--set", "ab.serve.poll_s=2", "--set", f"ab.serve.engine_python={ENGINE_PYTHON}",
-                 "--set", "ab.serve.max_model_len=256", "--set", "ab.serve.max_lora_rank=8"],
-                env=env, stdout=out, stderr=subprocess.STDOUT, cwd=world["root"])
+                [
+                    sys.executable,
+                    "-m",
+                    "grpo_pipeline.cli",
+                    "serve",
+                    "--port",
+                    str(port),
+                    "--set",
+                    f"tracking.mlflow_tracking_uri={world['uri']}",
+                    "--set",
+                    f"tracking.registered_model={NAME}",
+                    "--set",
+                    f"data_dir={world['root'] / 'data'}",
+                    "--set",
+                    f"ab.challenger_fraction={FRACTION}",
+                    "--set",
+                    "promote.mode=canary",
+                    "--set",
+                    "ab.serve.poll_s=2",
+                    "--set",
+                    f"ab.serve.engine_python={ENGINE_PYTHON}",
+                    "--set",
+                    "ab.serve.max_model_len=256",
+                    "--set",
+                    "ab.serve.max_lora_rank=8",
+                ],
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=world["root"],
+            )
         self.client = httpx.Client(base_url=self.url, headers={"Authorization": "Bearer test-key"}, timeout=120)
 
     def wait_ready(self, timeout_s: float = 900) -> None:
@@ -126,8 +167,9 @@ class Server:
         raise AssertionError(f"the router was not ready in {timeout_s} s:\n{self.output.read_text()[-3000:]}")
 
     def ask(self, user: str, max_tokens: int = 2) -> httpx.Response:
-        return self.client.post("/v1/chat/completions", json={"messages": PROMPT, "max_tokens": max_tokens,
-                                                              "temperature": 0, "user": user})
+        return self.client.post(
+            "/v1/chat/completions", json={"messages": PROMPT, "max_tokens": max_tokens, "temperature": 0, "user": user}
+        )
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -232,8 +274,9 @@ def test_kill_9_loses_no_answered_request_and_a_restart_serves(server, world):
         i = 0
         while not stop.is_set():
             try:
-                a = client.post("/v1/completions", json={"prompt": "What is 2 + 2?", "max_tokens": 2,
-                                                         "user": f"kill-{n}-{i}"})
+                a = client.post(
+                    "/v1/completions", json={"prompt": "What is 2 + 2?", "max_tokens": 2, "user": f"kill-{n}-{i}"}
+                )
             except httpx.HTTPError:
                 break  # the router is gone
             if a.status_code == 200:
@@ -245,8 +288,11 @@ def test_kill_9_loses_no_answered_request_and_a_restart_serves(server, world):
         t.start()
     while len(answered) < 100:
         time.sleep(0.1)
-    engine_port = int(next(line for line in server.output.read_text().splitlines()
-                           if "starting the engine" in line).split("http://127.0.0.1:")[1].split()[0])
+    engine_port = int(
+        next(line for line in server.output.read_text().splitlines() if "starting the engine" in line)
+        .split("http://127.0.0.1:")[1]
+        .split()[0]
+    )
     os.kill(server.process.pid, signal.SIGKILL)
     server.process.wait()
     stop.set()

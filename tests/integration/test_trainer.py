@@ -33,8 +33,12 @@ def _spec(tmp_path, tiny_model, tiny_splits, cfg, **extra) -> JobSpec:
 
 def _run_trainer(spec: JobSpec, tmp_path) -> subprocess.Popen:
     path = spec.write(tmp_path / "job.json")
-    return subprocess.Popen([sys.executable, "-m", "grpo_pipeline.trainer", "--spec", str(path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "grpo_pipeline.trainer", "--spec", str(path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def test_trains_logs_to_mlflow_and_saves_a_loadable_adapter(tmp_path, tiny_model, tiny_splits, tiny_config):
@@ -56,9 +60,7 @@ def test_trains_logs_to_mlflow_and_saves_a_loadable_adapter(tmp_path, tiny_model
     run_ = client.get_run(result.mlflow_run_id)
     assert run_.data.params["learning_rate"] == "0.001"
     assert len(client.get_metric_history(run_.info.run_id, "reward")) == 3
-    assert "adapter/adapter_model.safetensors" in [
-        f.path for f in client.list_artifacts(run_.info.run_id, "adapter")
-    ]
+    assert "adapter/adapter_model.safetensors" in [f.path for f in client.list_artifacts(run_.info.run_id, "adapter")]
 
 
 def test_sigkill_then_rerun_resumes_from_the_last_complete_checkpoint(tmp_path, tiny_model, tiny_splits, tiny_config):
@@ -122,8 +124,11 @@ def test_sigterm_checkpoints_and_exits_with_the_retry_code(tmp_path, tiny_model,
 
 def test_bad_spec_exits_2(tmp_path):
     (tmp_path / "job.json").write_text('{"model_path": 1}')
-    proc = subprocess.run([sys.executable, "-m", "grpo_pipeline.trainer", "--spec", str(tmp_path / "job.json")],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "grpo_pipeline.trainer", "--spec", str(tmp_path / "job.json")],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2
     assert "bad job spec" in proc.stderr
 
@@ -146,8 +151,9 @@ def test_qlora_nf4_base_trains_and_resumes(tmp_path, tiny_model, tiny_splits, ti
     from grpo_pipeline.trainer.loading import load_model
     from grpo_pipeline.trainer.train import run
 
-    cfg = tiny_config("model.quantization=nf4", "model.double_quant=true",
-                      "train.grpo.max_steps=2", "train.checkpoint_every=1")
+    cfg = tiny_config(
+        "model.quantization=nf4", "model.double_quant=true", "train.grpo.max_steps=2", "train.checkpoint_every=1"
+    )
     model, _ = load_model(str(tiny_model), model_load(cfg.model))
     assert any(isinstance(m, bnb.nn.Linear4bit) for m in model.modules())
     first = run(_spec(tmp_path, tiny_model, tiny_splits, cfg))

@@ -9,8 +9,7 @@ from grpo_pipeline.configs.rewards import RewardSet
 from grpo_pipeline.configs.schema import EvalConfig, ModelConfig
 from grpo_pipeline.tasks.evaluate import evaluate_model, vllm_usable
 
-pytestmark = [pytest.mark.integration,
-              pytest.mark.skipif(not vllm_usable(), reason="vLLM and a CUDA GPU are needed")]
+pytestmark = [pytest.mark.integration, pytest.mark.skipif(not vllm_usable(), reason="vLLM and a CUDA GPU are needed")]
 
 
 def test_vllm_and_transformers_agree_on_greedy_completions(tiny_model, tiny_splits):

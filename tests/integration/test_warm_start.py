@@ -11,10 +11,16 @@ pytestmark = pytest.mark.integration
 
 
 def _spec(tmp_path, tiny_model, tiny_splits, cfg, init_adapter) -> JobSpec:
-    return JobSpec(model_path=str(tiny_model), model=model_load(cfg.model), train=train_settings(cfg.train),
-                   train_file=str(tiny_splits["train"]), work_dir=str(tmp_path / "work"),
-                   checkpoint_uri=str(tmp_path / "ckpt"), adapter_dir=str(tmp_path / "adapter"),
-                   init_adapter=str(init_adapter))
+    return JobSpec(
+        model_path=str(tiny_model),
+        model=model_load(cfg.model),
+        train=train_settings(cfg.train),
+        train_file=str(tiny_splits["train"]),
+        work_dir=str(tmp_path / "work"),
+        checkpoint_uri=str(tmp_path / "ckpt"),
+        adapter_dir=str(tmp_path / "adapter"),
+        init_adapter=str(init_adapter),
+    )
 
 
 def _parent_adapter(tiny_model, directory, r=4):
@@ -22,8 +28,10 @@ def _parent_adapter(tiny_model, directory, r=4):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model),
-                           LoraConfig(task_type="CAUSAL_LM", r=r, target_modules="all-linear", init_lora_weights=False))
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(tiny_model),
+        LoraConfig(task_type="CAUSAL_LM", r=r, target_modules="all-linear", init_lora_weights=False),
+    )
     model.save_pretrained(directory)
     return directory
 

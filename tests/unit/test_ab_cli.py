@@ -36,8 +36,18 @@ def world(tmp_path, monkeypatch, empty_registry_db):
     log_url = f"sqlite:///{tmp_path / 'ab.sqlite'}"
     monkeypatch.setenv(LOG_URL_ENV, log_url)
     log = RequestLog.open(log_url)
-    args = ["--set", f"tracking.mlflow_tracking_uri={uri}", "--set", "tracking.registered_model=ab-test",
-            "--set", "ab.min_samples=40", "--set", "ab.guardrails.min_requests=40", "--set", "promote.mode=canary"]
+    args = [
+        "--set",
+        f"tracking.mlflow_tracking_uri={uri}",
+        "--set",
+        "tracking.registered_model=ab-test",
+        "--set",
+        "ab.min_samples=40",
+        "--set",
+        "ab.guardrails.min_requests=40",
+        "--set",
+        "promote.mode=canary",
+    ]
     yield log, Registry(client, "ab-test"), args
     log.close()
 
@@ -46,9 +56,18 @@ def fill(log: RequestLog, challenger_score: float, challenger_latency: float = 0
     start = datetime.now(UTC) - timedelta(hours=2)
     for i in range(2 * per_arm):
         arm, version = ("challenger", "2") if i % 2 else ("champion", "1")
-        log.record(RequestRow(id=f"r{i}", arm=arm, version=version, prompt_tokens=9, completion_tokens=30,
-                              latency_s=challenger_latency if arm == "challenger" else 0.2, error=False,
-                              created_at=start + timedelta(seconds=i)))
+        log.record(
+            RequestRow(
+                id=f"r{i}",
+                arm=arm,
+                version=version,
+                prompt_tokens=9,
+                completion_tokens=30,
+                latency_s=challenger_latency if arm == "challenger" else 0.2,
+                error=False,
+                created_at=start + timedelta(seconds=i),
+            )
+        )
         log.feedback(f"r{i}", challenger_score if arm == "challenger" else float(i // 2 % 2))  # champion: 50 %
 
 
@@ -72,8 +91,18 @@ def test_status_counts_the_requests_a_router_answered_while_the_store_was_down(w
 
     _, _, args = world
     for i in range(3):
-        append(spool_path(tmp_path), RequestRow(id=f"spooled-{i}", arm="champion", version="1", latency_s=0.1,
-                                                prompt_tokens=3, completion_tokens=4, error=False))
+        append(
+            spool_path(tmp_path),
+            RequestRow(
+                id=f"spooled-{i}",
+                arm="champion",
+                version="1",
+                latency_s=0.1,
+                prompt_tokens=3,
+                completion_tokens=4,
+                error=False,
+            ),
+        )
     code, out = run("status", *args, "--set", f"data_dir={tmp_path}")
     assert code == 0 and out["unlogged"] == 3, out
 
@@ -84,8 +113,11 @@ def test_a_better_challenger_is_promoted_and_the_aliases_move(world):
     code, out = run("decide", *args)
     assert code == 0 and out["action"] == "promote", out
     assert registry.aliases() == {CHAMPION: "2", CHALLENGER: None, PREVIOUS: "1"}
-    assert out["moves"] == ["ab-test@previous-champion: (none) -> 1", "ab-test@champion: 1 -> 2",
-                            "ab-test@challenger: 2 -> (removed)"]
+    assert out["moves"] == [
+        "ab-test@previous-champion: (none) -> 1",
+        "ab-test@champion: 1 -> 2",
+        "ab-test@challenger: 2 -> (removed)",
+    ]
 
 
 def test_offline_promotion_tests_nothing_live_and_moves_nothing(world):

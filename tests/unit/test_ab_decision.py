@@ -28,8 +28,14 @@ def arms_of(is_challenger: np.ndarray, scores: np.ndarray, rng, slow: float = 1.
     out = []
     for mask, factor in ((~is_challenger, 1.0), (is_challenger, slow)):
         n = int(mask.sum())
-        out.append(ArmSample.of(latency_s=rng.lognormal(math.log(0.2), 0.3, n) * factor,
-                                completion_tokens=rng.poisson(40, n), error=np.zeros(n, bool), scores=scores[mask]))
+        out.append(
+            ArmSample.of(
+                latency_s=rng.lognormal(math.log(0.2), 0.3, n) * factor,
+                completion_tokens=rng.poisson(40, n),
+                error=np.zeros(n, bool),
+                scores=scores[mask],
+            )
+        )
     return out[0], out[1]
 
 
@@ -48,7 +54,7 @@ def fixed_horizon_total(delta: float, alpha: float = 0.05, power: float = 0.8) -
     """Responses (both arms, even split) a fixed-sample two-sided z-test needs for `delta` at this power:
     the yardstick for a sequential test's sample size."""
     z = stats.norm.ppf(1 - alpha / 2) + stats.norm.ppf(power)
-    per_arm = 2 * z ** 2 * BASE_RATE * (1 - BASE_RATE) / delta ** 2
+    per_arm = 2 * z**2 * BASE_RATE * (1 - BASE_RATE) / delta**2
     return 2 * math.ceil(per_arm)
 
 
@@ -92,8 +98,12 @@ def test_a_slow_challenger_is_rolled_back_even_when_it_scores_better():
 
 
 def _requests(n, latency=0.2, tokens=40, errors=0, scores=()):
-    return ArmSample.of(latency_s=[latency] * n, completion_tokens=[tokens] * n,
-                        error=[True] * errors + [False] * (n - errors), scores=scores)
+    return ArmSample.of(
+        latency_s=[latency] * n,
+        completion_tokens=[tokens] * n,
+        error=[True] * errors + [False] * (n - errors),
+        scores=scores,
+    )
 
 
 def test_errors_and_completion_length_are_guarded_and_named():
@@ -103,7 +113,9 @@ def test_errors_and_completion_length_are_guarded_and_named():
     assert decide(champion, _requests(200, tokens=100), policy, 1.0).breaches == ["completion_tokens"]
     assert decide(champion, _requests(200, tokens=5), policy, 1.0).breaches == ["completion_tokens"]  # collapse
     assert decide(champion, _requests(200, latency=0.6), policy, 1.0).breaches == [
-        "latency_p95_ratio", "latency_p95_max_s"]
+        "latency_p95_ratio",
+        "latency_p95_max_s",
+    ]
     assert decide(champion, _requests(200, errors=5), policy, 1.0).action == "continue"  # 2.5 % vs 1 %: in margin
 
 

@@ -16,9 +16,16 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def row(i: int, arm: str = "champion", version: str = "1", **kw) -> RequestRow:
-    return RequestRow(id=f"cmpl-{i}", arm=arm, version=version, latency_s=kw.pop("latency_s", 0.2),
-                      prompt_tokens=12, completion_tokens=kw.pop("completion_tokens", 30),
-                      error=kw.pop("error", False), **kw)
+    return RequestRow(
+        id=f"cmpl-{i}",
+        arm=arm,
+        version=version,
+        latency_s=kw.pop("latency_s", 0.2),
+        prompt_tokens=12,
+        completion_tokens=kw.pop("completion_tokens", 30),
+        error=kw.pop("error", False),
+        **kw,
+    )
 
 
 @pytest.fixture
@@ -52,8 +59,16 @@ def test_the_decision_reads_each_arms_current_version_from_the_log(log):
     started = datetime.now(UTC) - timedelta(hours=3)
     for i in range(240):  # 120 per arm: past ab.guardrails.min_requests
         arm, version = ("challenger", "2") if i % 2 else ("champion", "1")
-        log.record(row(i, arm, version, created_at=started + timedelta(seconds=i),
-                       latency_s=0.6 if arm == "challenger" else 0.2, error=(i % 50 == 0)))
+        log.record(
+            row(
+                i,
+                arm,
+                version,
+                created_at=started + timedelta(seconds=i),
+                latency_s=0.6 if arm == "challenger" else 0.2,
+                error=(i % 50 == 0),
+            )
+        )
         log.feedback(f"cmpl-{i}", 1.0 if arm == "challenger" else 0.0)
     log.record(row(1000, "challenger", "1"))  # an older challenger version: not this test's
     champion, challenger, hours = log.samples("1", "2")
@@ -66,11 +81,18 @@ def test_the_decision_reads_each_arms_current_version_from_the_log(log):
 
 def test_what_one_process_committed_another_reads(tmp_path):
     url = f"sqlite:///{tmp_path / 'ab.sqlite'}"
-    code = (f"from grpo_pipeline.tasks.ab_log import RequestLog, RequestRow; log = RequestLog.open({url!r}); "
-            "log.record(RequestRow(id='cmpl-x', arm='challenger', version='7', latency_s=0.1, prompt_tokens=1, "
-            "completion_tokens=2, error=False, assignment='ab12'))")
-    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120,
-                   env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    code = (
+        f"from grpo_pipeline.tasks.ab_log import RequestLog, RequestRow; log = RequestLog.open({url!r}); "
+        "log.record(RequestRow(id='cmpl-x', arm='challenger', version='7', latency_s=0.1, prompt_tokens=1, "
+        "completion_tokens=2, error=False, assignment='ab12'))"
+    )
+    subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        check=True,
+        timeout=120,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+    )
     reader = RequestLog.open(url)
     assert reader.counts() == {"challenger": {"7": {"requests": 1, "errors": 0, "feedback": 0}}}
     reader.close()

@@ -22,8 +22,12 @@ def test_the_reason_survives_any_text_and_a_skypilot_prefix():
 
 def test_skypilots_prefixes_colored_or_not_single_or_multi_node_are_the_only_text_before_a_tag():
     line = bad_input_line("reward 'x' returned nan for row 1")
-    for prefix in ("(task, pid=7) ", "(head, rank=0, pid=7) ", "(worker1, rank=1, pid=7, ip=10.0.0.2) ",
-                   "\x1b[36m(grpo-train, pid=4242)\x1b[0m "):
+    for prefix in (
+        "(task, pid=7) ",
+        "(head, rank=0, pid=7) ",
+        "(worker1, rank=1, pid=7, ip=10.0.0.2) ",
+        "\x1b[36m(grpo-train, pid=4242)\x1b[0m ",
+    ):
         assert parse_bad_input(prefix + line) == "reward 'x' returned nan for row 1", prefix
         assert parse_progress(prefix + progress_line(3, 0.5)) == {"step": 3, "val_reward": 0.5}, prefix
 
@@ -32,15 +36,27 @@ def test_a_tag_in_the_middle_of_a_line_is_model_text_not_the_trainers_word():
     """TRL's log_completions prints what the model wrote: a completion holding the tag must not cancel the job
     (nor report a validation reward to the search's pruner)."""
     forged = bad_input_line("reward 'x' returned nan for row 0")
-    for line in (f"│ 12 │ {forged} │ 0.0 │", f"(task, pid=7) │ {forged}", f"INFO trainer: {forged}",
-                 f"(task, pid=7) (task, pid=8) x {forged}", f" {forged}"):
+    for line in (
+        f"│ 12 │ {forged} │ 0.0 │",
+        f"(task, pid=7) │ {forged}",
+        f"INFO trainer: {forged}",
+        f"(task, pid=7) (task, pid=8) x {forged}",
+        f" {forged}",
+    ):
         assert parse_bad_input(line) is None, line
     assert parse_progress("│ " + progress_line(3, 1.0)) is None
 
 
 def _spec(tmp_path) -> JobSpec:
-    return JobSpec(model_path="m", model=model_load(ModelConfig()), train=train_settings(TrainConfig()),
-                   train_file="t", work_dir=str(tmp_path), checkpoint_uri="s3://b/r", adapter_dir=str(tmp_path / "a"))
+    return JobSpec(
+        model_path="m",
+        model=model_load(ModelConfig()),
+        train=train_settings(TrainConfig()),
+        train_file="t",
+        work_dir=str(tmp_path),
+        checkpoint_uri="s3://b/r",
+        adapter_dir=str(tmp_path / "a"),
+    )
 
 
 def test_the_sky_launcher_keeps_the_first_reason_from_the_streamed_log_and_passes_every_line_on(tmp_path):
@@ -60,8 +76,9 @@ class _EndsFailed(SkyLauncher):
     quicker than the poll), with the trainer's log streamed first; the SkyPilot calls are the only stand-ins."""
 
     def __init__(self, streamed: list[str]):
-        super().__init__(SkyConfig(poll_seconds=0.01), max_restarts=0, on_status=lambda msg: None,
-                         on_line=lambda line: None)
+        super().__init__(
+            SkyConfig(poll_seconds=0.01), max_restarts=0, on_status=lambda msg: None, on_line=lambda line: None
+        )
         self.streamed, self.logged, self.cancelled = streamed, threading.Event(), False
 
     def _stream_logs(self, handle):
@@ -81,7 +98,9 @@ class _EndsFailed(SkyLauncher):
 
 def test_a_job_that_fails_with_the_reason_already_seen_is_bad_input_and_one_without_is_not(tmp_path):
     launcher = _EndsFailed(["step 1", "(task, pid=9) " + bad_input_line("reward 'r' returned nan for row 2")])
-    with pytest.raises(BadTrainingInput, match=r"^reward 'r' returned nan for row 2\nmanaged job 7 ended FAILED") as failed:
+    with pytest.raises(
+        BadTrainingInput, match=r"^reward 'r' returned nan for row 2\nmanaged job 7 ended FAILED"
+    ) as failed:
         launcher.wait(SkyHandle(_spec(tmp_path), job_id=7))
     assert isinstance(failed.value, ConfigError)  # exit 2 from the CLI
 

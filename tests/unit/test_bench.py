@@ -13,8 +13,13 @@ def _curve(points):
 
 
 def _arm(points, totals, rss, trainable):
-    return {"curve": _curve(points), "final_totals": totals, "peak_rss_train_mb": rss, "trainable_params": trainable,
-            "step_s": [10.0, 11.0, 12.0]}
+    return {
+        "curve": _curve(points),
+        "final_totals": totals,
+        "peak_rss_train_mb": rss,
+        "trainable_params": trainable,
+        "step_s": [10.0, 11.0, 12.0],
+    }
 
 
 def test_every_benchmark_gives_rows_before_anything_ran():
@@ -80,8 +85,12 @@ def test_speedup_bracket_when_both_cross_between_evaluations():
 def test_full_never_reaching_the_threshold_gives_a_lower_bound_not_a_ratio():
     full = _arm([(0, 0, 0.1), (4, 40, 0.5), (8, 80, 0.7)], [0.5, 1.0] * 10, 3000.0, 1000)
     lora = _arm([(0, 0, 0.1), (4, 20, 1.1), (8, 40, 1.3)], [1.0, 2.0] * 10, 2000.0, 10)
-    result = {"steps": 8, "threshold": 1.0, "arms": {"full": full, "lora": lora},
-              "analysis": analyse({"full": full, "lora": lora}, threshold=1.0)}
+    result = {
+        "steps": 8,
+        "threshold": 1.0,
+        "arms": {"full": full, "lora": lora},
+        "analysis": analyse({"full": full, "lora": lora}, threshold=1.0),
+    }
     ttq = result["analysis"]["lora"]["time_to_quality"]
     assert "ratio" not in ttq and ttq["ratio_at_least"] == pytest.approx(80 / 20)
     table = {r.benchmark: r for r in lora_rows(lambda name: result)}
@@ -95,8 +104,12 @@ def test_full_never_reaching_the_threshold_gives_a_lower_bound_not_a_ratio():
 def test_an_adapter_that_never_gets_there_bounds_the_speedup_from_above():
     full = _arm([(0, 0, 0.1), (4, 40, 0.6), (8, 80, 1.2)], [1.0, 2.0] * 10, 3000.0, 1000)
     lora = _arm([(0, 0, 0.1), (4, 50, 0.2), (8, 100, 0.7)], [0.5, 1.0] * 10, 2000.0, 10)
-    result = {"steps": 8, "threshold": 1.0, "arms": {"full": full, "lora": lora},
-              "analysis": analyse({"full": full, "lora": lora}, threshold=1.0)}
+    result = {
+        "steps": 8,
+        "threshold": 1.0,
+        "arms": {"full": full, "lora": lora},
+        "analysis": analyse({"full": full, "lora": lora}, threshold=1.0),
+    }
     assert result["analysis"]["lora"]["time_to_quality"]["ratio_at_most"] == pytest.approx(80 / 100)
     speed = next(r for r in lora_rows(lambda name: result) if "speedup" in r.benchmark)
     assert speed.verdict == "misses (≤ 0.80)" and "LoRA: not in 8 steps (200 CPU s)" == speed.candidate

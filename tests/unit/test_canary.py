@@ -84,8 +84,14 @@ def test_canary_with_no_champion_yet_makes_the_candidate_champion(registry):
 def test_promote_force_still_sets_a_champion_by_hand_during_a_canary(registry, tmp_path):
     registry.client.set_registered_model_alias("canary-test", CHAMPION, "1")
     registry.client.set_registered_model_alias("canary-test", CHALLENGER, "2")
-    args = ["--set", f"tracking.mlflow_tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
-            "--set", "tracking.registered_model=canary-test", "--set", "promote.mode=canary"]
+    args = [
+        "--set",
+        f"tracking.mlflow_tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+        "--set",
+        "tracking.registered_model=canary-test",
+        "--set",
+        "promote.mode=canary",
+    ]
     result = CliRunner().invoke(app, ["promote", "--version", "2", "--force", "--reason", "on-call", *args])
     assert result.exit_code == 0, result.output
     assert registry.aliases() == {CHAMPION: "2", CHALLENGER: None, PREVIOUS: "1"}
@@ -95,9 +101,18 @@ def fill(log: RequestLog, challenger_version: str, per_arm: int = 60) -> None:
     start = datetime.now(UTC) - timedelta(hours=2)
     for i in range(2 * per_arm):
         arm, version = ("challenger", challenger_version) if i % 2 else ("champion", "1")
-        log.record(RequestRow(id=f"{challenger_version}-{i}", arm=arm, version=version, prompt_tokens=9,
-                              completion_tokens=30, latency_s=0.2, error=False,
-                              created_at=start + timedelta(minutes=i)))
+        log.record(
+            RequestRow(
+                id=f"{challenger_version}-{i}",
+                arm=arm,
+                version=version,
+                prompt_tokens=9,
+                completion_tokens=30,
+                latency_s=0.2,
+                error=False,
+                created_at=start + timedelta(minutes=i),
+            )
+        )
         log.feedback(f"{challenger_version}-{i}", 1.0 if arm == "challenger" else float(i // 2 % 2))
 
 

@@ -35,13 +35,16 @@ def no_flow_run(monkeypatch):
 
 
 @pytest.mark.parametrize("command", [["run", "--json"], ["hpo", "--json"], ["data", "--json"]])
-@pytest.mark.parametrize("assignment, says", [
-    ("train.grpo.lerning_rate=1", "did you mean 'learning_rate'"),
-    ("data.sorce=x.jsonl", "did you mean 'source'"),
-    ("data.max_prompt_tokens=many", "valid integer"),
-    ("notakeyvalue", "expected KEY=VALUE"),
-    ("data.system_prompt=a: b: c", "not valid YAML"),
-])
+@pytest.mark.parametrize(
+    "assignment, says",
+    [
+        ("train.grpo.lerning_rate=1", "did you mean 'learning_rate'"),
+        ("data.sorce=x.jsonl", "did you mean 'source'"),
+        ("data.max_prompt_tokens=many", "valid integer"),
+        ("notakeyvalue", "expected KEY=VALUE"),
+        ("data.system_prompt=a: b: c", "not valid YAML"),
+    ],
+)
 def test_a_bad_set_names_the_set_not_the_file(command, assignment, says, no_flow_run):
     failure = _failure(CliRunner().invoke(app, [*command, "--set", assignment]))
     assert failure["error"].startswith(f"--set {assignment}: ") and says in failure["error"]
@@ -49,8 +52,9 @@ def test_a_bad_set_names_the_set_not_the_file(command, assignment, says, no_flow
 
 
 def test_several_sets_that_fail_only_together_are_all_named(no_flow_run):
-    failure = _failure(CliRunner().invoke(app, ["run", "--json", "--set", "data.holdout_share=0.7",
-                                                "--set", "data.val_share=0.3"]))
+    failure = _failure(
+        CliRunner().invoke(app, ["run", "--json", "--set", "data.holdout_share=0.7", "--set", "data.val_share=0.3"])
+    )
     assert failure["error"].startswith("--set data.holdout_share=0.7 --set data.val_share=0.3 (together):")
 
 
@@ -63,8 +67,11 @@ def test_a_bad_config_file_is_named(tmp_path, no_flow_run):
 
 def test_a_preflight_failure_comes_before_any_flow_run(tmp_path, no_flow_run):
     for command in ("run", "hpo"):
-        failure = _failure(CliRunner().invoke(app, [command, "--json", "--set", "model.base=/no/such/model",
-                                                    "--set", f"data_dir={tmp_path}"]))
+        failure = _failure(
+            CliRunner().invoke(
+                app, [command, "--json", "--set", "model.base=/no/such/model", "--set", f"data_dir={tmp_path}"]
+            )
+        )
         assert "model.base: /no/such/model does not exist" in failure["error"]
     assert list(tmp_path.iterdir()) == []
 
@@ -104,9 +111,11 @@ def test_errors_from_inside_the_flow_end_json_with_the_failure_object(tmp_path, 
     from grpo_pipeline.configs.schema import ConfigError
     from grpo_pipeline.tasks.registry import ChampionMoved
 
-    error = {"config": ConfigError("data.source: too much was dropped; fix the source"),
-             "champion": ChampionMoved("the champion moved to v3 while this run decided; run again"),
-             "bug": RuntimeError("something broke")}[raised]
+    error = {
+        "config": ConfigError("data.source: too much was dropped; fix the source"),
+        "champion": ChampionMoved("the champion moved to v3 while this run decided; run again"),
+        "bug": RuntimeError("something broke"),
+    }[raised]
 
     def flow(*args, **kwargs):
         print("a line the flow printed")
@@ -116,15 +125,30 @@ def test_errors_from_inside_the_flow_end_json_with_the_failure_object(tmp_path, 
     result = CliRunner().invoke(app, ["run", "--json", "--set", f"data_dir={tmp_path}"])
     assert result.exit_code == code, result.output
     failure = json.loads(result.stdout.strip().splitlines()[-1])
-    assert failure == {"status": "failed", "exit_code": code,
-                       "error": str(error) if raised != "bug" else "RuntimeError: something broke"}
+    assert failure == {
+        "status": "failed",
+        "exit_code": code,
+        "error": str(error) if raised != "bug" else "RuntimeError: something broke",
+    }
 
 
 def test_an_unreadable_data_source_fails_the_data_command_the_same_way(tmp_path):
     (tmp_path / "d.jsonl").write_bytes('{"prompt": "1 + 1?", "answer": "2"}\n'.encode("utf-16"))
-    failure = _failure(CliRunner().invoke(app, ["data", "--json", "--out", str(tmp_path / "out"),
-                                                "--set", f"data.source={tmp_path / 'd.jsonl'}",
-                                                "--set", "data.max_prompt_tokens=null"]))
+    failure = _failure(
+        CliRunner().invoke(
+            app,
+            [
+                "data",
+                "--json",
+                "--out",
+                str(tmp_path / "out"),
+                "--set",
+                f"data.source={tmp_path / 'd.jsonl'}",
+                "--set",
+                "data.max_prompt_tokens=null",
+            ],
+        )
+    )
     assert "UTF-16 text; JSON Lines must be UTF-8" in failure["error"]
     missing = _failure(CliRunner().invoke(app, ["data", "--json", "--set", f"data.source={tmp_path / 'none.jsonl'}"]))
     assert "data.source:" in missing["error"] and "does not exist" in missing["error"]
@@ -133,6 +157,7 @@ def test_an_unreadable_data_source_fails_the_data_command_the_same_way(tmp_path)
 # --- every command, the same way -------------------------------------------------------------------------
 # Each case: the arguments (built in tmp_path), what the message must say. Commands with --json (and deploy,
 # whose stdout is its JSON summary) end stdout with the failure object; the others print nothing on stdout.
+
 
 def _inputs(tmp_path):
     (tmp_path / "bad.yaml").write_text("gpus: [\n")
@@ -147,32 +172,68 @@ MLFLOW_DOWN = "tracking.mlflow_tracking_uri=http://127.0.0.1:9"  # nothing liste
 
 JSON_CASES = {
     "plan: unknown model id": (["plan", "--model", "org/no-such-model"], "no model config for 'org/no-such-model'"),
-    "plan: bad option value": (["plan", "--model", "qwen2.5-7b", "--quant", "nf5"], "--quant: Input should be 'none', 'nf4'"),
-    "plan: bad catalog YAML": (["plan", "--model", "qwen2.5-7b", "--catalog", "{tmp}/bad.yaml"], "GPU catalog {tmp}/bad.yaml cannot be read"),
-    "plan: missing catalog": (["plan", "--model", "qwen2.5-7b", "--catalog", "{tmp}/none.yaml"], "{tmp}/none.yaml not found"),
+    "plan: bad option value": (
+        ["plan", "--model", "qwen2.5-7b", "--quant", "nf5"],
+        "--quant: Input should be 'none', 'nf4'",
+    ),
+    "plan: bad catalog YAML": (
+        ["plan", "--model", "qwen2.5-7b", "--catalog", "{tmp}/bad.yaml"],
+        "GPU catalog {tmp}/bad.yaml cannot be read",
+    ),
+    "plan: missing catalog": (
+        ["plan", "--model", "qwen2.5-7b", "--catalog", "{tmp}/none.yaml"],
+        "{tmp}/none.yaml not found",
+    ),
     "plan: unknown GPU": (["plan", "--model", "qwen2.5-7b", "--gpus", "NOPE"], "GPU 'NOPE' is not in the catalog"),
     "plan: bad --set": (["plan", "--set", "data.sorce=x"], "--set data.sorce=x: data.sorce: unknown key"),
     "plan: over budget": (["plan", "--model", "qwen2.5-7b", "--budget", "0.01"], "exceeds plan.budget_usd = $0.01"),
     "data: missing config": (["data", "--config", "{tmp}/none.yaml"], "config file {tmp}/none.yaml not found"),
-    "run: unknown model": (["run", "--set", "model.base=/no/such/model", "--set", "data_dir={tmp}/d"], "model.base: /no/such/model does not exist"),
+    "run: unknown model": (
+        ["run", "--set", "model.base=/no/such/model", "--set", "data_dir={tmp}/d"],
+        "model.base: /no/such/model does not exist",
+    ),
     "hpo: bad --set": (["hpo", "--set", "hpo.trials=0"], "--set hpo.trials=0: hpo.trials"),
-    "rewards check: unknown reward": (["rewards", "check", "no_such_reward", "--input", "{tmp}/rows.jsonl"], "no_such_reward"),
-    "rewards check: missing file": (["rewards", "check", "math_answer", "--input", "{tmp}/none.jsonl"], "--input {tmp}/none.jsonl: no such file"),
-    "rewards check: not JSON": (["rewards", "check", "math_answer", "--input", "{tmp}/notjson.jsonl"], "notjson.jsonl:1: not JSON"),
-    "rewards check: bad --arg": (["rewards", "check", "math_answer", "--input", "{tmp}/rows.jsonl", "--arg", "x"], "--arg 'x': expected KEY=VALUE"),
+    "rewards check: unknown reward": (
+        ["rewards", "check", "no_such_reward", "--input", "{tmp}/rows.jsonl"],
+        "no_such_reward",
+    ),
+    "rewards check: missing file": (
+        ["rewards", "check", "math_answer", "--input", "{tmp}/none.jsonl"],
+        "--input {tmp}/none.jsonl: no such file",
+    ),
+    "rewards check: not JSON": (
+        ["rewards", "check", "math_answer", "--input", "{tmp}/notjson.jsonl"],
+        "notjson.jsonl:1: not JSON",
+    ),
+    "rewards check: bad --arg": (
+        ["rewards", "check", "math_answer", "--input", "{tmp}/rows.jsonl", "--arg", "x"],
+        "--arg 'x': expected KEY=VALUE",
+    ),
 }
 JSON_ALWAYS = {  # deploy prints its summary as JSON on stdout without being asked, so its failure too
     "deploy: bad --set": (["deploy", "--set", "data.sorce=x"], "--set data.sorce=x: data.sorce: unknown key"),
-    "deploy: bad option value": (["deploy", "--timezone", "Mars/Olympus"], "--timezone: unknown time zone 'Mars/Olympus'"),
+    "deploy: bad option value": (
+        ["deploy", "--timezone", "Mars/Olympus"],
+        "--timezone: unknown time zone 'Mars/Olympus'",
+    ),
     "deploy: missing config": (["deploy", "--config", "{tmp}/none.yaml"], "config file {tmp}/none.yaml not found"),
 }
 PLAIN_CASES = {
     "config: missing file": (["config", "--config", "{tmp}/none.yaml"], "config file {tmp}/none.yaml not found"),
     "registry: MLflow down": (["registry", "--set", MLFLOW_DOWN], "MLflow at http://127.0.0.1:9 does not answer"),
-    "rollback: MLflow down": (["rollback", "--reason", "x", "--set", MLFLOW_DOWN], "MLflow at http://127.0.0.1:9 does not answer"),
-    "promote: MLflow down": (["promote", "--version", "1", "--reason", "x", "--force", "--set", MLFLOW_DOWN], "MLflow at http://127.0.0.1:9 does not answer"),
+    "rollback: MLflow down": (
+        ["rollback", "--reason", "x", "--set", MLFLOW_DOWN],
+        "MLflow at http://127.0.0.1:9 does not answer",
+    ),
+    "promote: MLflow down": (
+        ["promote", "--version", "1", "--reason", "x", "--force", "--set", MLFLOW_DOWN],
+        "MLflow at http://127.0.0.1:9 does not answer",
+    ),
     "promote: no --force": (["promote", "--version", "1", "--reason", "x"], "pass --force to confirm"),
-    "stack status: bad state": (["stack", "status", "--dir", "{tmp}/state"], "{tmp}/state/state.json is not valid JSON"),
+    "stack status: bad state": (
+        ["stack", "status", "--dir", "{tmp}/state"],
+        "{tmp}/state/state.json is not valid JSON",
+    ),
     "stack env: bad state": (["stack", "env", "--dir", "{tmp}/state"], "{tmp}/state/state.json is not valid JSON"),
     "stack down: bad state": (["stack", "down", "--dir", "{tmp}/state"], "{tmp}/state/state.json is not valid JSON"),
 }
@@ -237,12 +298,15 @@ def test_stack_up_refuses_a_taken_port_before_starting_anything(tmp_path):
     assert not state.exists() or json.loads(state.read_text())["services"] == {}  # PostgreSQL was not started
 
 
-@pytest.mark.parametrize("args, says", [
-    (["plan", "--lora-rank", "many", "--json"], "Invalid value for '--lora-rank'"),
-    (["hpo", "--trials", "0", "--json"], "Invalid value for '--trials'"),
-    (["rewards", "check", "math_answer", "--json"], "Missing option '--input'"),
-    (["data", "--json", "--no-such-option"], "No such option: --no-such-option"),
-])
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["plan", "--lora-rank", "many", "--json"], "Invalid value for '--lora-rank'"),
+        (["hpo", "--trials", "0", "--json"], "Invalid value for '--trials'"),
+        (["rewards", "check", "math_answer", "--json"], "Missing option '--input'"),
+        (["data", "--json", "--no-such-option"], "No such option: --no-such-option"),
+    ],
+)
 def test_a_usage_error_caught_by_the_parser_ends_json_with_the_failure_object_too(args, says):
     result = CliRunner().invoke(app, args)
     assert result.exit_code == EXIT_CONFIG, result.output
@@ -252,12 +316,15 @@ def test_a_usage_error_caught_by_the_parser_ends_json_with_the_failure_object_to
     assert CliRunner().invoke(app, [a for a in args if a != "--json"]).stdout == ""  # without --json: stderr only
 
 
-@pytest.mark.parametrize("args, says", [
-    (["--json", "--bogus"], "No such option: --json"),  # the root has no --json: its parser refuses it first
-    (["--bogus", "data", "--json"], "No such option: --bogus"),  # refused before any command is named
-    (["nosuch", "--json"], "No such command 'nosuch'"),
-    (["rewards", "nosuch", "--json"], "No such command 'nosuch'"),
-])
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--json", "--bogus"], "No such option: --json"),  # the root has no --json: its parser refuses it first
+        (["--bogus", "data", "--json"], "No such option: --bogus"),  # refused before any command is named
+        (["nosuch", "--json"], "No such command 'nosuch'"),
+        (["rewards", "nosuch", "--json"], "No such command 'nosuch'"),
+    ],
+)
 def test_a_usage_error_at_the_root_ends_json_with_the_failure_object_too(args, says):
     result = CliRunner().invoke(app, args)
     assert result.exit_code == EXIT_CONFIG, result.output
@@ -266,12 +333,15 @@ def test_a_usage_error_at_the_root_ends_json_with_the_failure_object_too(args, s
     assert says in failure["error"] and says in result.stderr
 
 
-@pytest.mark.parametrize("args, says", [
-    (["data", "--set", "--json", "--bogus"], "No such option: --bogus"),  # --json is the value of --set
-    (["data", "--set", "data.source=--json", "--bogus"], "No such option: --bogus"),
-    (["data", "--config", "--json", "--bogus"], "No such option: --bogus"),
-    (["plan", "--model", "qwen2.5-7b", "--", "--json"], "unexpected extra argument"),  # an argument after --
-])
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["data", "--set", "--json", "--bogus"], "No such option: --bogus"),  # --json is the value of --set
+        (["data", "--set", "data.source=--json", "--bogus"], "No such option: --bogus"),
+        (["data", "--config", "--json", "--bogus"], "No such option: --bogus"),
+        (["plan", "--model", "qwen2.5-7b", "--", "--json"], "unexpected extra argument"),  # an argument after --
+    ],
+)
 def test_json_as_an_option_value_asks_for_no_failure_object(args, says):
     result = CliRunner().invoke(app, args)
     assert result.exit_code == EXIT_CONFIG, result.output

@@ -84,7 +84,9 @@ def test_vllm_engine_without_vllm_says_how_to_get_it(tmp_path):
     holdout = tmp_path / "holdout.jsonl"
     holdout.write_text('{"prompt": [{"role": "user", "content": "1+1"}], "answer": "2"}\n')
     with pytest.raises(RuntimeError, match=r"pip install '.\[gpu\]'"):
-        evaluate_model("unused", ModelConfig(), holdout, RewardSet(names=("correct_answer",)), EvalConfig(engine="vllm"))
+        evaluate_model(
+            "unused", ModelConfig(), holdout, RewardSet(names=("correct_answer",)), EvalConfig(engine="vllm")
+        )
 
 
 def test_reward_names_are_resolved_before_any_work_not_when_parsing():

@@ -53,8 +53,16 @@ def _registry(tmp_path, tags=None, aliases=None, **config) -> Registry:
 
 
 def _cfg(tmp_path, *overrides):
-    return load_config(None, [f"data_dir={tmp_path}", "model.base=org/base", "train.lora.r=4",
-                              "train.lora.target_modules=[q_proj, v_proj]", *overrides])
+    return load_config(
+        None,
+        [
+            f"data_dir={tmp_path}",
+            "model.base=org/base",
+            "train.lora.r=4",
+            "train.lora.target_modules=[q_proj, v_proj]",
+            *overrides,
+        ],
+    )
 
 
 def test_champion_resolves_to_its_version_and_adapter(tmp_path):
@@ -73,11 +81,14 @@ def test_unknown_version_is_refused(tmp_path):
         warm_start_stage(_cfg(tmp_path, "model.init_adapter=models:/grpo-adapter/9"), _registry(tmp_path), tmp_path)
 
 
-@pytest.mark.parametrize("config, tags, expected", [
-    ({"r": 16}, None, "LoRA rank r=16, train.lora.r is 4; set train.lora.r=16"),
-    ({"target_modules": ["o_proj"]}, None, "target_modules are \\['o_proj'\\]"),
-    ({"base_model_name_or_path": "org/other"}, {"base_config": "org/other"}, "trained on base 'org/other'"),
-])
+@pytest.mark.parametrize(
+    "config, tags, expected",
+    [
+        ({"r": 16}, None, "LoRA rank r=16, train.lora.r is 4; set train.lora.r=16"),
+        ({"target_modules": ["o_proj"]}, None, "target_modules are \\['o_proj'\\]"),
+        ({"base_model_name_or_path": "org/other"}, {"base_config": "org/other"}, "trained on base 'org/other'"),
+    ],
+)
 def test_another_shape_or_base_is_refused_before_any_work(tmp_path, config, tags, expected):
     registry = _registry(tmp_path, tags=tags, **config)
     with pytest.raises(ConfigError, match=f"model.init_adapter \\(models:/grpo-adapter/3\\): .*{expected}"):
@@ -90,20 +101,32 @@ def test_all_linear_matches_a_named_module_list():
     assert adapter_mismatch(ADAPTER, None, {"r": 8}).startswith("the adapter has LoRA rank r=4")  # PEFT's default 8
 
 
-@pytest.mark.parametrize("override, message", [
-    ("model.init_adapter=/tmp/adapter", "model.init_adapter: '/tmp/adapter' is not 'none', 'champion'"),
-    ("data.replay_fraction=1.5", "data.replay_fraction: Input should be less than or equal to 1"),
-    ("data.incremental=true", "data.incremental .* needs one: set model.init_adapter=champion"),
-    ("model.init_adapter=champion train.launcher=sky", "the sky launcher does not ship a starting adapter"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("model.init_adapter=/tmp/adapter", "model.init_adapter: '/tmp/adapter' is not 'none', 'champion'"),
+        ("data.replay_fraction=1.5", "data.replay_fraction: Input should be less than or equal to 1"),
+        ("data.incremental=true", "data.incremental .* needs one: set model.init_adapter=champion"),
+        ("model.init_adapter=champion train.launcher=sky", "the sky launcher does not ship a starting adapter"),
+    ],
+)
 def test_bad_input_names_the_field(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, override.split())
 
 
 def test_config_hash_ignores_where_and_how_a_run_happens():
-    same = load_config(None, ["data_dir=/elsewhere", "tracking.experiment=x", "plan.budget_usd=5", "train.launcher=sky",
-                              "data.skip_unchanged=true", "deploy.schedule_hour=1"])
+    same = load_config(
+        None,
+        [
+            "data_dir=/elsewhere",
+            "tracking.experiment=x",
+            "plan.budget_usd=5",
+            "train.launcher=sky",
+            "data.skip_unchanged=true",
+            "deploy.schedule_hour=1",
+        ],
+    )
     assert config_hash(same) == config_hash(load_config(None))
     assert config_hash(load_config(None, ["train.lora.r=8"])) != config_hash(load_config(None))
 
@@ -119,7 +142,9 @@ def test_skip_only_when_rows_and_configuration_are_the_champions():
 
 def test_incremental_split_is_new_rows_plus_a_reproducible_replay(tmp_path):
     train = tmp_path / "train.jsonl"
-    train.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": str(i), "key": f"k{i}"}) + "\n" for i in range(100)))
+    train.write_text(
+        "".join(json.dumps({"prompt": f"q{i}", "answer": str(i), "key": f"k{i}"}) + "\n" for i in range(100))
+    )
     seen = {f"k{i}" for i in range(80)}
     path, new, replayed = incremental_split(train, seen, 0.25, "fp1", tmp_path / "out" / "train.jsonl")
     keys = [json.loads(line)["key"] for line in path.read_text().splitlines()]

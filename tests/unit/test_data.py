@@ -18,8 +18,11 @@ from grpo_pipeline.tasks.data import DataQualityError, build_dataset, log_lineag
 from grpo_pipeline.tasks.splits import split_of
 
 GSM8K = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k"
-VOCAB = [f"{a}{b}" for a in ("ka", "lo", "mi", "nu", "pe", "ri", "so", "tu", "va", "ze") for b in
-         ("bar", "cen", "dol", "fim", "gor", "hul", "jix", "kem", "lup", "mov", "nix", "pod", "quy", "ros")]
+VOCAB = [
+    f"{a}{b}"
+    for a in ("ka", "lo", "mi", "nu", "pe", "ri", "so", "tu", "va", "ze")
+    for b in ("bar", "cen", "dol", "fim", "gor", "hul", "jix", "kem", "lup", "mov", "nix", "pod", "quy", "ros")
+]
 
 
 def question(rng: random.Random, i: int, words: int = 25) -> tuple[str, str]:
@@ -43,13 +46,35 @@ def malformed_corpus(tmp_path: Path) -> tuple[Path, Path, list[str], dict[str, s
     holdout_row = next(r for r in valid if split_of(r["id"]) == "holdout")
     eval_question, eval_answer = question(rng, 999)
     planted = {
-        "dup": ("exact_duplicate", {"id": "dup", "prompt": "  " + valid[3]["prompt"].upper().replace(" ", "   "), "answer": valid[3]["answer"]}),
-        "near": ("near_duplicate", {"id": "near", "prompt": valid[5]["prompt"] + " Please.", "answer": valid[5]["answer"]}),
+        "dup": (
+            "exact_duplicate",
+            {
+                "id": "dup",
+                "prompt": "  " + valid[3]["prompt"].upper().replace(" ", "   "),
+                "answer": valid[3]["answer"],
+            },
+        ),
+        "near": (
+            "near_duplicate",
+            {"id": "near", "prompt": valid[5]["prompt"] + " Please.", "answer": valid[5]["answer"]},
+        ),
         "same-key": ("duplicate_key", {"id": valid[7]["id"], "prompt": question(rng, 77)[0], "answer": "1"}),
-        "holdout-leak": ("contaminated", {"id": key_in("train", "leak"), "answer": holdout_row["answer"],
-                                          "prompt": holdout_row["prompt"] + " " + " ".join(rng.choice(VOCAB) for _ in range(15))}),
-        "eval-leak": ("contaminated", {"id": key_in("train", "evalleak"), "prompt": eval_question, "answer": eval_answer}),
-        "huge": ("too_many_tokens", {"id": "huge", "prompt": " ".join(rng.choice(VOCAB) for _ in range(3000)), "answer": "5"}),
+        "holdout-leak": (
+            "contaminated",
+            {
+                "id": key_in("train", "leak"),
+                "answer": holdout_row["answer"],
+                "prompt": holdout_row["prompt"] + " " + " ".join(rng.choice(VOCAB) for _ in range(15)),
+            },
+        ),
+        "eval-leak": (
+            "contaminated",
+            {"id": key_in("train", "evalleak"), "prompt": eval_question, "answer": eval_answer},
+        ),
+        "huge": (
+            "too_many_tokens",
+            {"id": "huge", "prompt": " ".join(rng.choice(VOCAB) for _ in range(3000)), "answer": "5"},
+        ),
         "empty": ("empty_prompt", {"id": "empty", "prompt": "  \n\t ", "answer": "5"}),
         "no-answer": ("missing_field", {"id": "no-answer", "prompt": question(rng, 80)[0]}),
         "int-prompt": ("wrong_type", {"id": "int-prompt", "prompt": 123, "answer": "5"}),
@@ -71,17 +96,27 @@ def malformed_corpus(tmp_path: Path) -> tuple[Path, Path, list[str], dict[str, s
 
 
 def corpus_config(corpus: Path, eval_set: Path, **kw) -> DataConfig:
-    return DataConfig(source=str(corpus), key_column="id", eval_sources=[str(eval_set)], max_prompt_tokens=400,
-                      max_dropped_fraction=0.5, **kw)
+    return DataConfig(
+        source=str(corpus),
+        key_column="id",
+        eval_sources=[str(eval_set)],
+        max_prompt_tokens=400,
+        max_dropped_fraction=0.5,
+        **kw,
+    )
 
 
 def test_every_bad_row_is_quarantined_with_its_reason_and_every_valid_row_kept(tmp_path, tiny_model):
     corpus, eval_set, valid_ids, expected = malformed_corpus(tmp_path)
-    version = build_dataset(corpus_config(corpus, eval_set), tmp_path / "out", str(tiny_model), ["correct_answer", "number_only"])
+    version = build_dataset(
+        corpus_config(corpus, eval_set), tmp_path / "out", str(tiny_model), ["correct_answer", "number_only"]
+    )
 
     kept = {s: read(p) for s, p in version.splits.items()}
     assert sorted(r["key"] for rows in kept.values() for r in rows) == sorted(valid_ids)
-    assert all(isinstance(r["answer"], str) and r["prompt"][-1]["role"] == "user" for rows in kept.values() for r in rows)
+    assert all(
+        isinstance(r["answer"], str) and r["prompt"][-1]["role"] == "user" for rows in kept.values() for r in rows
+    )
 
     quarantine = read(version.quarantine)
     by_id = {}
@@ -133,8 +168,12 @@ def test_a_one_word_edit_of_a_long_question_is_a_near_duplicate_not_a_contaminat
 def test_too_many_drops_fail_the_stage_and_keep_the_quarantine(tmp_path, tiny_model):
     corpus, eval_set, _, _ = malformed_corpus(tmp_path)
     with pytest.raises(DataQualityError, match="max_dropped_fraction=0.1") as info:
-        build_dataset(corpus_config(corpus, eval_set).model_copy(update={"max_dropped_fraction": 0.1}),
-                      tmp_path / "out", str(tiny_model), ["correct_answer"])
+        build_dataset(
+            corpus_config(corpus, eval_set).model_copy(update={"max_dropped_fraction": 0.1}),
+            tmp_path / "out",
+            str(tiny_model),
+            ["correct_answer"],
+        )
     assert info.value.report.dropped_fraction > 0.1
     rejected = next((tmp_path / "out").glob("*.rejected"))
     assert (rejected / "quarantine.jsonl").is_file() and not (rejected / "train.jsonl").exists()
@@ -152,8 +191,14 @@ def test_every_format_gives_the_same_rows(tmp_path, tiny_model):
     DatasetDict({"train": Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "saved"))
     fingerprints = {}
     for name in ("d.jsonl", "d.parquet", "d.csv", "saved"):
-        cfg = DataConfig(source=str(tmp_path / name), prompt_column="question", answer_column="solution",
-                         answer_extraction="gsm8k", batch_rows=64, system_prompt="Think, then answer.")
+        cfg = DataConfig(
+            source=str(tmp_path / name),
+            prompt_column="question",
+            answer_column="solution",
+            answer_extraction="gsm8k",
+            batch_rows=64,
+            system_prompt="Think, then answer.",
+        )
         version = build_dataset(cfg, tmp_path / "out" / name, str(tiny_model), ["correct_answer"])
         assert version.report.rows_kept == 60, (name, version.report.dropped)
         fingerprints[name] = version.fingerprint
@@ -165,9 +210,12 @@ def test_every_format_gives_the_same_rows(tmp_path, tiny_model):
 
 def test_csv_rows_with_bad_bytes_or_fields_are_rejected_alone(tmp_path, tiny_model):
     path = tmp_path / "d.csv"
-    path.write_bytes(b'prompt,answer\n"What is 1 + 2?",3\n"caf\xe9 1 + 1",2\n"What is 2 + 2?",4,extra\n"What is 5 + 5?",10\n')
-    version = build_dataset(DataConfig(source=str(path), max_dropped_fraction=0.6), tmp_path / "out", str(tiny_model),
-                            ["correct_answer"])
+    path.write_bytes(
+        b'prompt,answer\n"What is 1 + 2?",3\n"caf\xe9 1 + 1",2\n"What is 2 + 2?",4,extra\n"What is 5 + 5?",10\n'
+    )
+    version = build_dataset(
+        DataConfig(source=str(path), max_dropped_fraction=0.6), tmp_path / "out", str(tiny_model), ["correct_answer"]
+    )
     assert version.report.rows_kept == 2
     assert version.report.dropped == {"bad_csv": 1, "invalid_utf8": 1}
 
@@ -180,7 +228,9 @@ def test_adding_rows_never_moves_a_row_between_splits(tmp_path, tiny_model):
 
     def splits_of(data: list[dict], name: str) -> dict[str, str]:
         (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in data))
-        version = build_dataset(DataConfig(source=str(tmp_path / name)), tmp_path / "out", str(tiny_model), ["correct_answer"])
+        version = build_dataset(
+            DataConfig(source=str(tmp_path / name)), tmp_path / "out", str(tiny_model), ["correct_answer"]
+        )
         return {r["prompt"][-1]["content"]: s for s, p in version.splits.items() for r in read(p)}
 
     before, after = splits_of(old, "old.jsonl"), splits_of(grown, "grown.jsonl")
@@ -194,27 +244,45 @@ def test_token_budget_counts_the_chat_template_with_the_models_tokenizer(tmp_pat
 
     tok = AutoTokenizer.from_pretrained(str(tiny_model))
     rng = random.Random(3)
-    rows = [{"prompt": " ".join(rng.choice(VOCAB) for _ in range(n)) + f" {n}?", "answer": str(n)} for n in range(1, 80, 3)]
+    rows = [
+        {"prompt": " ".join(rng.choice(VOCAB) for _ in range(n)) + f" {n}?", "answer": str(n)} for n in range(1, 80, 3)
+    ]
     (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    lengths = {r["answer"]: len(tok.apply_chat_template([{"role": "system", "content": "Be brief."},
-                                                          {"role": "user", "content": r["prompt"]}],
-                                                         tokenize=True, add_generation_prompt=True)) for r in rows}
+    lengths = {
+        r["answer"]: len(
+            tok.apply_chat_template(
+                [{"role": "system", "content": "Be brief."}, {"role": "user", "content": r["prompt"]}],
+                tokenize=True,
+                add_generation_prompt=True,
+            )
+        )
+        for r in rows
+    }
     budget, low = int(np.median(list(lengths.values()))), sorted(lengths.values())[3]
-    cfg = DataConfig(source=str(tmp_path / "d.jsonl"), system_prompt="Be brief.", max_prompt_tokens=budget,
-                     min_prompt_tokens=low, max_dropped_fraction=1.0, near_dup_threshold=None)
+    cfg = DataConfig(
+        source=str(tmp_path / "d.jsonl"),
+        system_prompt="Be brief.",
+        max_prompt_tokens=budget,
+        min_prompt_tokens=low,
+        max_dropped_fraction=1.0,
+        near_dup_threshold=None,
+    )
     version = build_dataset(cfg, tmp_path / "out", str(tiny_model), ["correct_answer"])
     kept = {r["answer"] for p in version.splits.values() for r in read(p)}
     assert kept == {a for a, n in lengths.items() if low <= n <= budget}
     reasons = {q["row"]["answer"]: q["reason"] for q in read(version.quarantine)}
-    assert reasons == {a: "too_many_tokens" if n > budget else "too_few_tokens"
-                       for a, n in lengths.items() if not low <= n <= budget}
+    assert reasons == {
+        a: "too_many_tokens" if n > budget else "too_few_tokens" for a, n in lengths.items() if not low <= n <= budget
+    }
     assert {q["reason"] for q in read(version.quarantine)} == {"too_many_tokens", "too_few_tokens"}
 
 
 def test_a_rerun_on_the_same_input_does_no_work_and_new_input_does(tmp_path, monkeypatch, tiny_model):
     rng = random.Random(4)
     path = tmp_path / "d.jsonl"
-    path.write_text("".join(json.dumps({"prompt": p, "answer": a}) + "\n" for p, a in (question(rng, i) for i in range(30))))
+    path.write_text(
+        "".join(json.dumps({"prompt": p, "answer": a}) + "\n" for p, a in (question(rng, i) for i in range(30)))
+    )
     cfg = DataConfig(source=str(path))
     first = build_dataset(cfg, tmp_path / "out", str(tiny_model), ["correct_answer"])
     import grpo_pipeline.tasks.data
@@ -240,13 +308,16 @@ def test_the_demo_goes_through_the_chain_with_its_holdout(tmp_path, tiny_model):
     assert version.report.dropped == {} and len(keys["train"]) == len(rows["train"])
 
 
-@pytest.mark.parametrize("override, field", [
-    ("data.answer_extraction=regex", "data.answer_regex"),
-    ("data.answer_regex='(\\d+)'", "data.answer_regex"),
-    ("data.near_dup_threshold=1.5", "data.near_dup_threshold"),
-    ("data.holdout_share=0.95", "data.val_share"),
-    ("data.prompt_template=no-placeholder", "data.prompt_template"),
-])
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ("data.answer_extraction=regex", "data.answer_regex"),
+        ("data.answer_regex='(\\d+)'", "data.answer_regex"),
+        ("data.near_dup_threshold=1.5", "data.near_dup_threshold"),
+        ("data.holdout_share=0.95", "data.val_share"),
+        ("data.prompt_template=no-placeholder", "data.prompt_template"),
+    ],
+)
 def test_invalid_data_config_names_the_field(override, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         load_config(None, [override])
@@ -275,8 +346,12 @@ def test_lineage_logs_splits_report_and_quarantine(tmp_path, tiny_model):
 
 @pytest.mark.skipif(not (GSM8K / "train.jsonl").is_file(), reason="GSM8K is not in ../shared/data")
 def test_gsm8k_decontaminated_against_its_test_set(tmp_path, tiny_model):
-    cfg = DataConfig(source=str(GSM8K / "train.jsonl"), prompt_column="question", answer_extraction="gsm8k",
-                     eval_sources=[str(GSM8K / "test.jsonl")])
+    cfg = DataConfig(
+        source=str(GSM8K / "train.jsonl"),
+        prompt_column="question",
+        answer_extraction="gsm8k",
+        eval_sources=[str(GSM8K / "test.jsonl")],
+    )
     version = build_dataset(cfg, tmp_path, str(tiny_model), ["correct_answer"])
     report = version.report
     assert report.rows_read == 7473 and report.rows_kept > 7400 and report.eval_rows == 1319
@@ -293,8 +368,21 @@ def test_cli_prints_the_report_and_exits_2_when_too_much_is_dropped(tmp_path, ti
     from grpo_pipeline.cli import app
 
     corpus, eval_set, valid_ids, expected = malformed_corpus(tmp_path)
-    args = ["data", "--out", str(tmp_path / "out"), "--tokenizer", str(tiny_model), "--set", f"data.source={corpus}", "--set", "data.key_column=id",
-            "--set", f"data.eval_sources=[{eval_set}]", "--set", "data.max_prompt_tokens=400"]
+    args = [
+        "data",
+        "--out",
+        str(tmp_path / "out"),
+        "--tokenizer",
+        str(tiny_model),
+        "--set",
+        f"data.source={corpus}",
+        "--set",
+        "data.key_column=id",
+        "--set",
+        f"data.eval_sources=[{eval_set}]",
+        "--set",
+        "data.max_prompt_tokens=400",
+    ]
     ok = CliRunner().invoke(app, [*args, "--set", "data.max_dropped_fraction=0.5", "--json"])
     assert ok.exit_code == 0, ok.output
     result = json.loads(ok.stdout)

@@ -52,10 +52,16 @@ def hostile_lines(rng: random.Random) -> dict[str, tuple[bytes, str]]:
         "crlf": (row("crlf") + b"\r", "kept"),
         "int-answer": (row("int-answer", answer=7), "kept"),
         "int-key": (raw("int-key", '{"id": 12345, "prompt": "PROMPT", "answer": "7"}'), "kept"),
-        "messages": (json.dumps({"id": "messages", "prompt": [{"role": "user", "content": _prompt(rng, "m")}],
-                                 "answer": "7"}).encode(), "kept"),
-        "duplicate-key": (raw("duplicate-key", '{"id": "duplicate-key", "prompt": "first", "prompt": "PROMPT", '
-                                               '"answer": "7"}'), "kept"),
+        "messages": (
+            json.dumps(
+                {"id": "messages", "prompt": [{"role": "user", "content": _prompt(rng, "m")}], "answer": "7"}
+            ).encode(),
+            "kept",
+        ),
+        "duplicate-key": (
+            raw("duplicate-key", '{"id": "duplicate-key", "prompt": "first", "prompt": "PROMPT", "answer": "7"}'),
+            "kept",
+        ),
         "depth-64": (deep_field("depth-64", 63), "kept"),  # the object itself is the first level
         "depth-65": (deep_field("depth-65", 64), "too_deep"),
         "depth-2500": (deep_field("depth-2500", 2500), "too_deep"),
@@ -63,8 +69,10 @@ def hostile_lines(rng: random.Random) -> dict[str, tuple[bytes, str]]:
         "braces-in-text": (row("braces-in-text", note="{[" * 200), "kept"),  # brackets inside a string: no depth
         "two-objects": (row("two-objects") + b'{"id": "second", "prompt": "x", "answer": "1"}', "bad_json"),
         "nan": (raw("nan", '{"id": "nan", "prompt": "PROMPT", "answer": NaN}'), "bad_json"),
-        "trailing-comma": (raw("trailing-comma", '{"id": "trailing-comma", "prompt": "PROMPT", "answer": "7",}'),
-                           "bad_json"),
+        "trailing-comma": (
+            raw("trailing-comma", '{"id": "trailing-comma", "prompt": "PROMPT", "answer": "7",}'),
+            "bad_json",
+        ),
         "raw-nul": (row("raw-nul").replace(b'"7"', b'"7\x00"'), "bad_json"),
         "escaped-nul": (row("escaped-nul").replace(b'"7"', b'"7\\u0000"'), "nul_character"),
         "lone-surrogate": (row("lone-surrogate").replace(b'"7"', b'"\\ud800"'), "bad_json"),
@@ -74,7 +82,10 @@ def hostile_lines(rng: random.Random) -> dict[str, tuple[bytes, str]]:
         "no-answer": (raw("no-answer", '{"id": "no-answer", "prompt": "PROMPT"}'), "missing_field"),
         "number-prompt": (raw("number-prompt", '{"id": "number-prompt", "prompt": 12, "answer": "7"}'), "wrong_type"),
         "date-answer": (row("date-answer", answer="2020-01-01"), "answer_unverifiable"),  # Arrow made it a timestamp
-        "float-answer": (row("float-answer", answer=3.5), "answer_unverifiable"),  # Arrow turned a neighbour's 7 into 7.0
+        "float-answer": (
+            row("float-answer", answer=3.5),
+            "answer_unverifiable",
+        ),  # Arrow turned a neighbour's 7 into 7.0
         "bool-key": (raw("bool-key", '{"id": true, "prompt": "PROMPT", "answer": "7"}'), "wrong_type"),
         "long": (row("long", note="z" * 60_000), "line_too_long"),  # over the limit the test sets
     }
@@ -83,12 +94,19 @@ def hostile_lines(rng: random.Random) -> dict[str, tuple[bytes, str]]:
 KEPT_AS = {"int-key": "12345"}  # the key a kept row is written with, where it is not its name
 
 
-def _outcomes(path: Path, lines: list[bytes], names: list[str | None], out: Path, tiny_model: Path,
-              batch_rows: int) -> tuple[dict[str, str], dict]:
+def _outcomes(
+    path: Path, lines: list[bytes], names: list[str | None], out: Path, tiny_model: Path, batch_rows: int
+) -> tuple[dict[str, str], dict]:
     """Build the dataset and say what happened to each named line (by its position in the file)."""
     path.write_bytes(b"\n".join(lines) + b"\n")
-    cfg = DataConfig(source=str(path), key_column="id", max_dropped_fraction=1.0, batch_rows=batch_rows,
-                     near_dup_threshold=None, contamination_threshold=None)
+    cfg = DataConfig(
+        source=str(path),
+        key_column="id",
+        max_dropped_fraction=1.0,
+        batch_rows=batch_rows,
+        near_dup_threshold=None,
+        contamination_threshold=None,
+    )
     version = build_dataset(cfg, out, str(tiny_model), ["correct_answer"])
     by_position = {q["position"]: q["reason"] for q in read(version.quarantine)}
     kept = {r["key"]: r for p in version.splits.values() for r in read(p)}
@@ -103,26 +121,37 @@ def test_a_rows_outcome_does_not_depend_on_its_block_or_neighbours(tmp_path, tin
     monkeypatch.setattr(data_io, "MAX_LINE_BYTES", 50_000)
     rng = random.Random(5)
     hostile = hostile_lines(rng)
-    fillers = [json.dumps({"id": f"f{i}", "prompt": p, "answer": a}).encode()
-               for i, (p, a) in enumerate(question(rng, i) for i in range(600))]
+    fillers = [
+        json.dumps({"id": f"f{i}", "prompt": p, "answer": a}).encode()
+        for i, (p, a) in enumerate(question(rng, i) for i in range(600))
+    ]
     names = list(hostile)
     arrangements = {
         "first": [*names, *[None] * len(fillers)],
         "last": [*[None] * len(fillers), *names],
-        "spread": [x for i, name in enumerate(names) for x in ([None] * 23 + [name])] + [None] * (600 - 23 * len(names)),
-        "reversed-among-blanks": [x for name in reversed(names) for x in (None, "", name)] + [None] * (600 - len(names)),
+        "spread": [x for i, name in enumerate(names) for x in ([None] * 23 + [name])]
+        + [None] * (600 - 23 * len(names)),
+        "reversed-among-blanks": [x for name in reversed(names) for x in (None, "", name)]
+        + [None] * (600 - len(names)),
     }
     seen = {}
     for label, layout in arrangements.items():
         for batch_rows in (64, 8192):  # 64 KiB blocks and batches of 64 rows; one 4 MiB block
             filler = iter(fillers)
             lines = [hostile[x][0] if x else (b"  \t" if x == "" else next(filler)) for x in layout]
-            outcome, result = _outcomes(tmp_path / f"{label}-{batch_rows}.jsonl", lines,
-                                        [x or None for x in layout], tmp_path / f"out-{label}-{batch_rows}",
-                                        tiny_model, batch_rows)
+            outcome, result = _outcomes(
+                tmp_path / f"{label}-{batch_rows}.jsonl",
+                lines,
+                [x or None for x in layout],
+                tmp_path / f"out-{label}-{batch_rows}",
+                tiny_model,
+                batch_rows,
+            )
             seen[(label, batch_rows)] = outcome
             assert result["report"].rows_read == sum(1 for x in layout if x != ""), label  # blank lines are no rows
-            assert result["kept"]["duplicate-key"]["prompt"][-1]["content"].startswith("duplicate-key:")  # the last wins
+            assert result["kept"]["duplicate-key"]["prompt"][-1]["content"].startswith(
+                "duplicate-key:"
+            )  # the last wins
     expected = {name: want for name, (_, want) in hostile.items()}
     for key, outcome in seen.items():
         assert outcome == expected, (key, {n: (outcome[n], expected[n]) for n in expected if outcome[n] != expected[n]})
@@ -133,8 +162,16 @@ def test_deep_and_long_lines_are_refused_with_their_reason_while_streaming(tmp_p
     with no newline before the end of the file, one just over the limit, and one in the middle of a block."""
     monkeypatch.setattr(data_io, "MAX_LINE_BYTES", 100_000)
     good = b'{"prompt": "p", "answer": "1"}'
-    lines = [good, b'{"x": "' + b"a" * 100_001 + b'"}', good, b'{"x": ' + _nested(40_000) + b"}", good,
-             b'{"x": "' + b"b" * 2_600_000 + b'"}', good, b'{"x": "' + b"c" * 2_600_000]  # the last: no newline, EOF
+    lines = [
+        good,
+        b'{"x": "' + b"a" * 100_001 + b'"}',
+        good,
+        b'{"x": ' + _nested(40_000) + b"}",
+        good,
+        b'{"x": "' + b"b" * 2_600_000 + b'"}',
+        good,
+        b'{"x": "' + b"c" * 2_600_000,
+    ]  # the last: no newline, EOF
     path = tmp_path / "d.jsonl"
     path.write_bytes(b"\n".join(lines))
     batches = list(iter_jsonl(path, "d", 64))
@@ -142,7 +179,11 @@ def test_deep_and_long_lines_are_refused_with_their_reason_while_streaming(tmp_p
     positions = [p for b in batches for p in b.positions]
     assert positions == [1, 3, 5, 7]
     assert {p: reason for p, (reason, _) in rejects.items()} == {
-        2: "line_too_long", 4: "too_deep", 6: "line_too_long", 8: "line_too_long"}
+        2: "line_too_long",
+        4: "too_deep",
+        6: "line_too_long",
+        8: "line_too_long",
+    }
     assert f"{len(lines[5]):,} bytes" in rejects[6][1] and "100,000" in rejects[6][1]
     assert f"{len(lines[7]):,} bytes" in rejects[8][1] and f"{len(lines[1]):,} bytes" in rejects[2][1]
     assert all(len(r.row) < 3000 for b in batches for r in b.rejects)  # the quarantine holds a preview
@@ -186,18 +227,31 @@ def test_csv_that_cannot_be_read_is_a_clear_error(tmp_path, tiny_model):
 
 
 def test_nul_is_refused_in_every_format_and_messages_name_null_and_kinds(tmp_path, tiny_model):
-    (tmp_path / "d.csv").write_bytes(b"prompt,answer,id\nWhat is 1\x00 + 1?,2,a\nWhat is 2 + 2?,,b\nWhat is 3 + 3?,6,\n")
-    version = build_dataset(DataConfig(source=str(tmp_path / "d.csv"), key_column="id", max_dropped_fraction=1.0),
-                            tmp_path / "out", str(tiny_model))
+    (tmp_path / "d.csv").write_bytes(
+        b"prompt,answer,id\nWhat is 1\x00 + 1?,2,a\nWhat is 2 + 2?,,b\nWhat is 3 + 3?,6,\n"
+    )
+    version = build_dataset(
+        DataConfig(source=str(tmp_path / "d.csv"), key_column="id", max_dropped_fraction=1.0),
+        tmp_path / "out",
+        str(tiny_model),
+    )
     found = {q["position"]: (q["reason"], q["detail"]) for q in read(version.quarantine)}
     assert found[2][0] == "nul_character"
     (tmp_path / "d.jsonl").write_text(
         '{"question": null, "answer": "1"}\n{"answer": "1", "id": 3}\n{"question": "q", "answer": [1]}\n'
-        '{"question": "q2", "answer": "1", "id": null}\n{"question": "q3", "answer": "1", "id": 2.5}\n')
-    cfg = DataConfig(source=str(tmp_path / "d.jsonl"), prompt_column="question", key_column="id", max_dropped_fraction=1.0)
+        '{"question": "q2", "answer": "1", "id": null}\n{"question": "q3", "answer": "1", "id": 2.5}\n'
+    )
+    cfg = DataConfig(
+        source=str(tmp_path / "d.jsonl"), prompt_column="question", key_column="id", max_dropped_fraction=1.0
+    )
     details = [q["detail"] for q in read(build_dataset(cfg, tmp_path / "out2", str(tiny_model)).quarantine)]
-    assert details == ["'question' is null", "no 'question' (the row has: answer, id)", "'answer' is an array, not text or a number",
-                       "'id' is null", "'id' is a number with a fraction, not text or an integer"]
+    assert details == [
+        "'question' is null",
+        "no 'question' (the row has: answer, id)",
+        "'answer' is an array, not text or a number",
+        "'id' is null",
+        "'id' is a number with a fraction, not text or an integer",
+    ]
 
 
 def test_a_configured_token_bound_applies_or_the_stage_refuses(tmp_path):
@@ -205,7 +259,9 @@ def test_a_configured_token_bound_applies_or_the_stage_refuses(tmp_path):
     rows = [{"prompt": "x " * 200_000, "answer": "1"}, {"prompt": "What is 1 + 1?", "answer": "2"}]
     (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = DataConfig(source=str(tmp_path / "d.jsonl"), max_dropped_fraction=1.0)
-    with pytest.raises(ConfigError, match=r"data\.max_prompt_tokens=512.*--tokenizer DIR.*data\.max_prompt_tokens=null"):
+    with pytest.raises(
+        ConfigError, match=r"data\.max_prompt_tokens=512.*--tokenizer DIR.*data\.max_prompt_tokens=null"
+    ):
         build_dataset(cfg, tmp_path / "out", None)
     with pytest.raises(ConfigError, match="does not load as one"):
         build_dataset(cfg, tmp_path / "out", str(tmp_path))  # a directory, but no tokenizer in it
@@ -220,9 +276,20 @@ def test_grpo_pipeline_data_resolves_the_models_tokenizer_or_exits_2(tmp_path, t
     from grpo_pipeline.cli import app
 
     (tmp_path / "d.jsonl").write_text(json.dumps({"prompt": "What is 1 + 1?", "answer": "2"}) + "\n")
-    args = ["data", "--json", "--out", str(tmp_path / "out"), "--set", f"data.source={tmp_path / 'd.jsonl'}",
-            "--set", f"data_dir={tmp_path / 'data'}"]
-    for base, found in (("/no/such/model", "could not be resolved here"), ("some-org/not-on-this-machine", "does not load")):
+    args = [
+        "data",
+        "--json",
+        "--out",
+        str(tmp_path / "out"),
+        "--set",
+        f"data.source={tmp_path / 'd.jsonl'}",
+        "--set",
+        f"data_dir={tmp_path / 'data'}",
+    ]
+    for base, found in (
+        ("/no/such/model", "could not be resolved here"),
+        ("some-org/not-on-this-machine", "does not load"),
+    ):
         result = CliRunner().invoke(app, [*args, "--set", f"model.base={base}"])
         assert result.exit_code == 2, result.output
         failure = json.loads(result.stdout.strip().splitlines()[-1])
@@ -256,11 +323,15 @@ data.build_dataset(DataConfig(source=sys.argv[1], max_prompt_tokens=None), Path(
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
 def test_no_work_directory_survives_a_signal(tmp_path, sig):
     rng = random.Random(7)
-    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"prompt": p, "answer": a}) + "\n"
-                                              for p, a in (question(rng, i) for i in range(50))))
+    (tmp_path / "d.jsonl").write_text(
+        "".join(json.dumps({"prompt": p, "answer": a}) + "\n" for p, a in (question(rng, i) for i in range(50)))
+    )
     marker, out = tmp_path / "marker", tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(_SLOW_BUILD), str(tmp_path / "d.jsonl"), str(marker),
-                             str(out)], cwd=ROOT, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(_SLOW_BUILD), str(tmp_path / "d.jsonl"), str(marker), str(out)],
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+    )
     try:
         for _ in range(3000):  # the build reaches its first batch at its own pace (a hang guard, not a timing)
             if marker.exists():

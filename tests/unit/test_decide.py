@@ -7,8 +7,9 @@ from grpo_pipeline.tasks.decide import decide_promotion, paired_difference
 
 
 def _rows(correct: list[int], length: int = 2) -> list[dict]:
-    return [{"key": f"q{i}", "total": float(c), "correct_answer": float(c), "length": length}
-            for i, c in enumerate(correct)]
+    return [
+        {"key": f"q{i}", "total": float(c), "correct_answer": float(c), "length": length} for i, c in enumerate(correct)
+    ]
 
 
 def _coin(p: float, n: int, seed: int) -> list[int]:
@@ -45,8 +46,10 @@ def test_a_guardrail_regression_blocks_a_win():
 
 def test_a_reward_guardrail_blocks_when_another_reward_carries_the_total():
     base = [{"key": i, "total": 1.0, "fmt": 1.0, "ok": 0.0, "length": 1} for i in range(200)]
-    cand = [{"key": i, "total": 1.5, "fmt": 0.5 if i % 2 else 1.0, "ok": 1.0 if i % 2 else 0.5, "length": 1}
-            for i in range(200)]
+    cand = [
+        {"key": i, "total": 1.5, "fmt": 0.5 if i % 2 else 1.0, "ok": 1.0 if i % 2 else 0.5, "length": 1}
+        for i in range(200)
+    ]
     decision = decide_promotion(cand, base, POLICY, rewards=["fmt", "ok"])
     assert not decision.promote
     assert any(r.startswith("guardrail fmt") for r in decision.reasons)

@@ -22,11 +22,17 @@ DEFAULTS = {"per_device_train_batch_size": 8, "num_generations": 8, "gradient_ac
 
 
 def _spec(tmp_path, quantization="none", checkpoint_uri=None, grpo=None, **distributed) -> JobSpec:
-    return JobSpec(model_path="m", model=model_load(ModelConfig(quantization=quantization)),
-                   train=train_settings(TrainConfig()).model_copy(
-                       update={"grpo": grpo or {}, "distributed": DistributedConfig(**distributed)}),
-                   train_file="t", work_dir=str(tmp_path / "work"), adapter_dir=str(tmp_path / "a"),
-                   checkpoint_uri=checkpoint_uri or str(tmp_path / "ckpt"))
+    return JobSpec(
+        model_path="m",
+        model=model_load(ModelConfig(quantization=quantization)),
+        train=train_settings(TrainConfig()).model_copy(
+            update={"grpo": grpo or {}, "distributed": DistributedConfig(**distributed)}
+        ),
+        train_file="t",
+        work_dir=str(tmp_path / "work"),
+        adapter_dir=str(tmp_path / "a"),
+        checkpoint_uri=checkpoint_uri or str(tmp_path / "ckpt"),
+    )
 
 
 def test_config_spec_and_planner_hold_the_one_distributed_type():
@@ -37,23 +43,38 @@ def test_config_spec_and_planner_hold_the_one_distributed_type():
     holders = (TrainConfig, TrainSettings, Layout)
     assert {holder.model_fields["distributed"].annotation for holder in holders} == {DistributedConfig}
     with pytest.raises(ValueError, match="follow from train.distributed"):  # the config's validator, on the node too
-        TrainSettings.model_validate({**train_settings(TrainConfig()).model_dump(),
-                                      "distributed": {"accelerate": {"num_processes": 4}}})
-    assert train_settings(load_config(None, ["train.distributed.processes_per_node=2"]).train).distributed.processes_per_node == 2
+        TrainSettings.model_validate(
+            {**train_settings(TrainConfig()).model_dump(), "distributed": {"accelerate": {"num_processes": 4}}}
+        )
+    assert (
+        train_settings(
+            load_config(None, ["train.distributed.processes_per_node=2"]).train
+        ).distributed.processes_per_node
+        == 2
+    )
 
 
-@pytest.mark.parametrize(("overrides", "message"), [
-    (["train.distributed.nodes=2"], "needs train.launcher=sky"),
-    (["train.distributed.nodes=2", "train.launcher=sky"], "set train.checkpoint_uri=s3://bucket/prefix"),
-    (["train.distributed.processes_per_node=3", "train.grpo.per_device_train_batch_size=4"],
-     "4 x 3 x 1 = 12 completions is not a multiple of num_generations (8)"),
-    (["train.launcher=sky", "train.sky.accelerators=[L4:1]", "train.distributed.processes_per_node=2"],
-     "needs 2 GPUs per node, and train.sky.accelerators offers [1]"),
-    (["train.launcher=sky", "train.sky.accelerators=[H100:3]", "train.grpo.per_device_train_batch_size=4"],
-     "per_device_train_batch_size=8"),  # one process per GPU: 3 of them
-    (["train.distributed.accelerate={num_processes: 4}"], "follow from train.distributed"),
-    (["train.distributed.strategy=zero4"], "train.distributed.strategy"),
-])
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["train.distributed.nodes=2"], "needs train.launcher=sky"),
+        (["train.distributed.nodes=2", "train.launcher=sky"], "set train.checkpoint_uri=s3://bucket/prefix"),
+        (
+            ["train.distributed.processes_per_node=3", "train.grpo.per_device_train_batch_size=4"],
+            "4 x 3 x 1 = 12 completions is not a multiple of num_generations (8)",
+        ),
+        (
+            ["train.launcher=sky", "train.sky.accelerators=[L4:1]", "train.distributed.processes_per_node=2"],
+            "needs 2 GPUs per node, and train.sky.accelerators offers [1]",
+        ),
+        (
+            ["train.launcher=sky", "train.sky.accelerators=[H100:3]", "train.grpo.per_device_train_batch_size=4"],
+            "per_device_train_batch_size=8",
+        ),  # one process per GPU: 3 of them
+        (["train.distributed.accelerate={num_processes: 4}"], "follow from train.distributed"),
+        (["train.distributed.strategy=zero4"], "train.distributed.strategy"),
+    ],
+)
 def test_bad_distributed_config_is_refused_with_the_numbers_and_a_fix(overrides, message):
     with pytest.raises(ConfigError) as err:
         load_config(None, overrides)
@@ -61,22 +82,36 @@ def test_bad_distributed_config_is_refused_with_the_numbers_and_a_fix(overrides,
 
 
 def test_a_good_two_node_config_validates():
-    cfg = load_config(None, ["train.launcher=sky", "train.checkpoint_uri=s3://b/p", "train.distributed.nodes=2",
-                             "train.sky.accelerators=[H100:8]", "train.grpo.per_device_train_batch_size=4"])
+    cfg = load_config(
+        None,
+        [
+            "train.launcher=sky",
+            "train.checkpoint_uri=s3://b/p",
+            "train.distributed.nodes=2",
+            "train.sky.accelerators=[H100:8]",
+            "train.grpo.per_device_train_batch_size=4",
+        ],
+    )
     assert cfg.train.distributed.nodes == 2
 
 
-@pytest.mark.parametrize(("kwargs", "gpus", "message"), [
-    ({"processes_per_node": 4}, 2, "processes_per_node (4) needs 4 GPUs on a node that has 2"),
-    ({"strategy": "fsdp"}, 0, "strategy=fsdp needs GPUs"),
-    ({"strategy": "zero3", "quantization": "nf4"}, 2, "a bitsandbytes nf4 base cannot be sharded"),
-    ({"strategy": "fsdp", "quantization": "int8"}, 2, "do not shard int8"),
-    ({"nodes": 2}, 8, "set train.checkpoint_uri=s3://bucket/prefix"),
-    ({"grpo": {"use_vllm": True, "vllm_mode": "server"}}, 8, "set train.distributed.vllm_server_gpus=K"),
-    ({"vllm_server_gpus": 2}, 8, "only with train.grpo.use_vllm=true and vllm_mode=server"),
-    ({"processes_per_node": 3, "grpo": {"per_device_train_batch_size": 2, "num_generations": 4}}, 4,
-     "2 x 3 x 1 = 6 completions is not a multiple of num_generations (4)"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "gpus", "message"),
+    [
+        ({"processes_per_node": 4}, 2, "processes_per_node (4) needs 4 GPUs on a node that has 2"),
+        ({"strategy": "fsdp"}, 0, "strategy=fsdp needs GPUs"),
+        ({"strategy": "zero3", "quantization": "nf4"}, 2, "a bitsandbytes nf4 base cannot be sharded"),
+        ({"strategy": "fsdp", "quantization": "int8"}, 2, "do not shard int8"),
+        ({"nodes": 2}, 8, "set train.checkpoint_uri=s3://bucket/prefix"),
+        ({"grpo": {"use_vllm": True, "vllm_mode": "server"}}, 8, "set train.distributed.vllm_server_gpus=K"),
+        ({"vllm_server_gpus": 2}, 8, "only with train.grpo.use_vllm=true and vllm_mode=server"),
+        (
+            {"processes_per_node": 3, "grpo": {"per_device_train_batch_size": 2, "num_generations": 4}},
+            4,
+            "2 x 3 x 1 = 6 completions is not a multiple of num_generations (4)",
+        ),
+    ],
+)
 def test_problems_name_numbers_and_fix(tmp_path, kwargs, gpus, message):
     quant, grpo = kwargs.pop("quantization", "none"), kwargs.pop("grpo", None)
     found = problems(_spec(tmp_path, quant, grpo=grpo, **kwargs), gpus, DEFAULTS)
@@ -89,8 +124,13 @@ def test_zero2_keeps_a_quantized_base_and_ddp_fits(tmp_path):
 
 
 def _launch(spec_path, *args, env=None):
-    return subprocess.run([sys.executable, "-m", "grpo_pipeline.trainer.launch", "--spec", str(spec_path), *args],
-                          capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "grpo_pipeline.trainer.launch", "--spec", str(spec_path), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def test_bad_launch_exits_2_before_anything_starts(tmp_path):
@@ -108,8 +148,14 @@ def test_node_count_must_match_the_job(tmp_path):
 
 
 def test_dry_run_shows_torchrun_for_two_processes_and_the_plain_trainer_for_one(tmp_path):
-    two = _launch(_spec(tmp_path, processes_per_node=2, grpo={"per_device_train_batch_size": 4}).write(
-        tmp_path / "two.json"), "--gpus-per-node", "0", "--dry-run", "--master-port", "29999")
+    two = _launch(
+        _spec(tmp_path, processes_per_node=2, grpo={"per_device_train_batch_size": 4}).write(tmp_path / "two.json"),
+        "--gpus-per-node",
+        "0",
+        "--dry-run",
+        "--master-port",
+        "29999",
+    )
     assert two.returncode == 0, two.stderr[-2000:]
     assert "-m torch.distributed.run --nnodes 1 --node-rank 0 --nproc-per-node 2" in two.stdout
     assert "--master-port 29999" in two.stdout and "-m grpo_pipeline.trainer --spec" in two.stdout
@@ -118,8 +164,9 @@ def test_dry_run_shows_torchrun_for_two_processes_and_the_plain_trainer_for_one(
 
 
 def test_vllm_server_mode_splits_the_gpus_without_overlap(tmp_path):
-    spec = _spec(tmp_path, vllm_server_gpus=2, grpo={"use_vllm": True, "vllm_mode": "server",
-                                                     "per_device_train_batch_size": 4})
+    spec = _spec(
+        tmp_path, vllm_server_gpus=2, grpo={"use_vllm": True, "vllm_mode": "server", "per_device_train_batch_size": 4}
+    )
     proc = _launch(spec.write(tmp_path / "job.json"), "--gpus-per-node", "8", "--dry-run")
     assert proc.returncode == 0, proc.stderr[-2000:]
     server, trainers = proc.stdout.strip().splitlines()
@@ -130,10 +177,23 @@ def test_vllm_server_mode_splits_the_gpus_without_overlap(tmp_path):
 
 
 def test_a_vllm_node_of_its_own_listens_on_its_own_address_only(tmp_path):
-    spec = _spec(tmp_path, vllm_server_node=True, checkpoint_uri="s3://b/p",
-                 grpo={"use_vllm": True, "vllm_mode": "server", "per_device_train_batch_size": 4})
-    proc = _launch(spec.write(tmp_path / "job.json"), "--nnodes", "2", "--node-rank", "1", "--gpus-per-node", "8",
-                   "--dry-run", env={"SKYPILOT_NODE_IPS": "10.0.0.1\n10.0.0.2"})
+    spec = _spec(
+        tmp_path,
+        vllm_server_node=True,
+        checkpoint_uri="s3://b/p",
+        grpo={"use_vllm": True, "vllm_mode": "server", "per_device_train_batch_size": 4},
+    )
+    proc = _launch(
+        spec.write(tmp_path / "job.json"),
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "1",
+        "--gpus-per-node",
+        "8",
+        "--dry-run",
+        env={"SKYPILOT_NODE_IPS": "10.0.0.1\n10.0.0.2"},
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "vllm-serve" in proc.stdout and "--host 10.0.0.2 " in proc.stdout and "0.0.0.0" not in proc.stdout
 
@@ -185,10 +245,16 @@ def test_zero_configs_become_accelerates_deepspeed_plugin(tmp_path, monkeypatch,
     assert DeepSpeedConfig(filled).zero_optimization_stage == stage
 
 
-@pytest.mark.parametrize(("override", "message"), [
-    ({"fsdp_config": {"fsdp_reshard_after_forwrd": True}}, "keys accelerate does not know: ['fsdp_reshard_after_forwrd']"),
-    ({"fsdp_configs": {}}, "unknown keys (['fsdp_configs'])"),
-])
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (
+            {"fsdp_config": {"fsdp_reshard_after_forwrd": True}},
+            "keys accelerate does not know: ['fsdp_reshard_after_forwrd']",
+        ),
+        ({"fsdp_configs": {}}, "unknown keys (['fsdp_configs'])"),
+    ],
+)
 def test_a_misspelt_override_is_refused_by_accelerates_parser(tmp_path, override, message):
     with pytest.raises(ValueError) as err:
         strategy_env(_spec(tmp_path, strategy="fsdp", accelerate=override), 8, 1)

@@ -8,8 +8,17 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
-PAGES = ("architecture", "data", "training", "planning", "operations", "reliability", "benchmarks", "security",
-         "serving")
+PAGES = (
+    "architecture",
+    "data",
+    "training",
+    "planning",
+    "operations",
+    "reliability",
+    "benchmarks",
+    "security",
+    "serving",
+)
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 

@@ -18,8 +18,10 @@ from grpo_pipeline.tasks.report import drift_lines
 
 
 def _rows(prefix, lengths, answers):
-    return [{"key": f"{prefix}{i}", "prompt": [{"role": "user", "content": "x" * n}], "answer": a}
-            for i, (n, a) in enumerate(zip(lengths, answers, strict=True))]
+    return [
+        {"key": f"{prefix}{i}", "prompt": [{"role": "user", "content": "x" * n}], "answer": a}
+        for i, (n, a) in enumerate(zip(lengths, answers, strict=True))
+    ]
 
 
 def _lengths(mean, n, seed):
@@ -60,7 +62,9 @@ def test_the_scored_sample_is_bounded_reproducible_and_new_only():
 
 
 def test_the_alert_fires_past_the_threshold_only():
-    same = split_rows(_rows("s", [5] * 10, ["1"] * 10) + _rows("n", [5] * 10, ["1"] * 10), {f"s{i}" for i in range(10)}, "f")
+    same = split_rows(
+        _rows("s", [5] * 10, ["1"] * 10) + _rows("n", [5] * 10, ["1"] * 10), {f"s{i}" for i in range(10)}, "f"
+    )
     drop = reward_drop([1.0, 1.0, 1.0, 0.0] * 25, [1.0, 0.0] * 50)  # 0.75 -> 0.5
     assert drop.drop == pytest.approx(0.25) and drop.ci_low < 0.25 < drop.ci_high
     alerted = assess("4", same, drop, threshold=0.2)
@@ -85,11 +89,14 @@ def test_nothing_to_compare_is_said_not_guessed():
     assert "none of the 2 rows champion v2 trained on" in drift.notes[0]
 
 
-@pytest.mark.parametrize("value, message", [
-    ("-0.1", "data.drift_alert: Input should be greater than or equal to 0"),
-    ("nan", "data.drift_alert: Input should be a finite number"),
-    ("much", "data.drift_alert: Input should be a valid number"),
-])
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("-0.1", "data.drift_alert: Input should be greater than or equal to 0"),
+        ("nan", "data.drift_alert: Input should be a finite number"),
+        ("much", "data.drift_alert: Input should be a valid number"),
+    ],
+)
 def test_a_drift_alert_out_of_range_is_refused_at_load(value, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, [f"data.drift_alert={value}"])
@@ -98,7 +105,9 @@ def test_a_drift_alert_out_of_range_is_refused_at_load(value, message):
 def test_the_alert_threshold_neither_retrains_nor_rebuilds_the_data():
     on = load_config(None, ["data.drift_alert=0.1"])
     assert config_hash(on) == config_hash(load_config(None))  # so data.skip_unchanged still skips
-    assert dataset_key(on.data, None, ["correct_answer"]) == dataset_key(load_config(None).data, None, ["correct_answer"])
+    assert dataset_key(on.data, None, ["correct_answer"]) == dataset_key(
+        load_config(None).data, None, ["correct_answer"]
+    )
 
 
 def test_the_decision_report_is_marked_and_shows_the_drift_section():
@@ -114,16 +123,30 @@ def test_the_decision_report_is_marked_and_shows_the_drift_section():
     rows = [{"key": "q1", "prompt": "What is 2 + 2?", "answer": "4"}]
     result = score(rows, ["4"], RewardSet(names=("correct_answer",)), [1])
     check = ServingCheck(model_uri="models:/m/5", prompts=1, matched=1, passed=True, seconds=1.0)
-    registry = RegistryOutcome(model="m", candidate_version="5", decided_against="4", moves=[],
-                               aliases={"champion": "4"}, base_model="org/base", serving_check=check)
-    rows = split_rows(_rows("s", [10] * 30, ["1"] * 30) + _rows("n", [40] * 30, ["x"] * 30), {f"s{i}" for i in range(30)}, "f")
+    registry = RegistryOutcome(
+        model="m",
+        candidate_version="5",
+        decided_against="4",
+        moves=[],
+        aliases={"champion": "4"},
+        base_model="org/base",
+        serving_check=check,
+    )
+    rows = split_rows(
+        _rows("s", [10] * 30, ["1"] * 30) + _rows("n", [40] * 30, ["x"] * 30), {f"s{i}" for i in range(30)}, "f"
+    )
     drift = assess("4", rows, reward_drop([1.0] * 20 + [0.0] * 10, [1.0] * 5 + [0.0] * 25), threshold=0.1)
-    markdown = render_markdown(Holdout.of(result, result, result), Decision(promote=True, reasons=["gain"], stats={}),
-                               registry, drift=drift)
+    markdown = render_markdown(
+        Holdout.of(result, result, result), Decision(promote=True, reasons=["gain"], stats={}), registry, drift=drift
+    )
     assert markdown.splitlines()[5].startswith("**Drift alert**: champion v4 scores 0.167 on 30 new rows")
     page = MarkdownIt("commonmark").enable("table").render(markdown)
     assert "<td>prompt characters, mean (median)</td>\n<td>10.0 (10)</td>\n<td>40.0 (40)</td>" in page
     assert "<td>answers: text</td>\n<td>0.0%</td>\n<td>100.0%</td>" in page
-    quiet = render_markdown(Holdout.of(result, result, result), Decision(promote=True, reasons=["gain"], stats={}),
-                            registry, drift=not_measured("no champion yet"))
+    quiet = render_markdown(
+        Holdout.of(result, result, result),
+        Decision(promote=True, reasons=["gain"], stats={}),
+        registry,
+        drift=not_measured("no champion yet"),
+    )
     assert "Drift alert" not in quiet and "Not measured: no champion yet." in quiet

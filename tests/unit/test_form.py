@@ -13,7 +13,9 @@ FLOWS = {"flows/pipeline.py:grpo_pipeline": grpo_pipeline, "flows/ab.py:ab_decid
 
 
 def test_every_form_field_opens_with_a_value():
-    spec = render(yaml.safe_load(PREFECT_YAML.read_text()), DeployConfig(), "configs/demo-cpu.yaml", [], budget_usd=25.0)
+    spec = render(
+        yaml.safe_load(PREFECT_YAML.read_text()), DeployConfig(), "configs/demo-cpu.yaml", [], budget_usd=25.0
+    )
     for deployment in spec["deployments"]:
         schema = parameter_schema(FLOWS[deployment["entrypoint"]].fn).model_dump()["properties"]
         params = deployment["parameters"]

@@ -50,8 +50,9 @@ def test_clipped_kl_and_reward_collapse():
     assert _fired(m, "kl", [0.01, 0.5, 2.0]) == [(3, "kl_blowup")]
     assert _fired(_monitor(kl_blowup={"action": "stop", "window": 1, "threshold": 1.0}), "loss", [1, 2]) == []  # beta 0
     m = _monitor(reward_collapse={"action": "warn", "window": 2, "threshold": 0.01})
-    events = m.observe(1, {"reward_std": 0.0, "reward": 1.0}) + m.observe(2, {"reward_std": 0.0, "reward": 1.0,
-                                                                              "rewards/correct/std": 0.0})
+    events = m.observe(1, {"reward_std": 0.0, "reward": 1.0}) + m.observe(
+        2, {"reward_std": 0.0, "reward": 1.0, "rewards/correct/std": 0.0}
+    )
     assert [e.rule for e in events] == ["reward_collapse"] and "(reward mean 1, correct std 0)" in events[0].message
 
 
@@ -65,8 +66,10 @@ def test_non_finite_loss_or_grad_norm_fires_at_once_and_fp16_grad_norms_are_left
 
 
 def test_a_nan_at_a_known_step_decides_a_rollback_to_the_checkpoint_before_it():
-    m = _monitor(non_finite={"action": "rollback", "window": 1, "threshold": 0.0},
-                 zero_variance={"action": "warn", "window": 1, "threshold": 0.9})
+    m = _monitor(
+        non_finite={"action": "rollback", "window": 1, "threshold": 0.0},
+        zero_variance={"action": "warn", "window": 1, "threshold": 0.9},
+    )
     logs = [{"loss": 0.1, "grad_norm": 1.0, "frac_reward_zero_std": 0.0}] * 4
     logs.append({"loss": float("nan"), "grad_norm": float("nan"), "frac_reward_zero_std": 1.0})
     events = [e for step, entry in enumerate(logs, start=1) for e in m.observe(step, entry)]
@@ -123,29 +126,54 @@ def test_the_configs_defaults_are_the_trainers():
     assert cfg.model_dump() == HealthSettings().model_dump()
 
 
-@pytest.mark.parametrize("assignment, names", [
-    ("train.health.zero_variance.threshold=lots", "train.health.zero_variance.threshold: Input should be a valid number"),
-    ("train.health.zero_variance.threshold=1.5", "train.health.zero_variance.threshold: Input should be less than or equal to 1"),
-    ("train.health.length_drift.threshold=0.5", "train.health.length_drift.threshold: Input should be greater than 1"),
-    ("train.health.kl_blowup.window=0", "train.health.kl_blowup.window: Input should be greater than or equal to 1"),
-    ("train.health.entropy.action=stop", "train.health.entropy: unknown key; did you mean 'entropy_collapse'?"),
-    ("train.health.kl_blowup.action=halt", "train.health.kl_blowup.action: Input should be 'off', 'warn', 'stop' or 'rollback'"),
-    ("train.health.zero_variance.action=rollback", "train.health.zero_variance.action=rollback needs checkpoints"),
-])
+@pytest.mark.parametrize(
+    "assignment, names",
+    [
+        (
+            "train.health.zero_variance.threshold=lots",
+            "train.health.zero_variance.threshold: Input should be a valid number",
+        ),
+        (
+            "train.health.zero_variance.threshold=1.5",
+            "train.health.zero_variance.threshold: Input should be less than or equal to 1",
+        ),
+        (
+            "train.health.length_drift.threshold=0.5",
+            "train.health.length_drift.threshold: Input should be greater than 1",
+        ),
+        (
+            "train.health.kl_blowup.window=0",
+            "train.health.kl_blowup.window: Input should be greater than or equal to 1",
+        ),
+        ("train.health.entropy.action=stop", "train.health.entropy: unknown key; did you mean 'entropy_collapse'?"),
+        (
+            "train.health.kl_blowup.action=halt",
+            "train.health.kl_blowup.action: Input should be 'off', 'warn', 'stop' or 'rollback'",
+        ),
+        ("train.health.zero_variance.action=rollback", "train.health.zero_variance.action=rollback needs checkpoints"),
+    ],
+)
 def test_a_bad_health_setting_names_the_field(assignment, names):
     with pytest.raises(ConfigError) as caught:
         load_config(None, [assignment, "train.grpo.max_steps=10", "train.checkpoint_every=10"])
     assert names in str(caught.value)
 
 
-@pytest.mark.parametrize("assignment", ["train.health.zero_variance.threshold=lots", "train.health.nope.action=stop",
-                                        "train.health.non_finite.action=rollback"])
+@pytest.mark.parametrize(
+    "assignment",
+    [
+        "train.health.zero_variance.threshold=lots",
+        "train.health.nope.action=stop",
+        "train.health.non_finite.action=rollback",
+    ],
+)
 def test_a_bad_health_setting_exits_2_before_training(assignment, monkeypatch):
     import grpo_pipeline.flows.pipeline
     from grpo_pipeline.cli import EXIT_CONFIG, app
 
-    monkeypatch.setattr(grpo_pipeline.flows.pipeline, "checked_pipeline",
-                        lambda *a, **k: pytest.fail("training started"))
+    monkeypatch.setattr(
+        grpo_pipeline.flows.pipeline, "checked_pipeline", lambda *a, **k: pytest.fail("training started")
+    )
     sets = ["--set", assignment, "--set", "train.grpo.max_steps=10", "--set", "train.checkpoint_every=10"]
     result = CliRunner().invoke(app, ["run", "--json", *sets])
     assert result.exit_code == EXIT_CONFIG == 2, result.output
@@ -169,13 +197,16 @@ def test_every_rank_acts_on_rank_0s_decision():
         def broadcast(self, value):
             assert value is None  # this rank decided nothing itself
             return _monitor(zero_variance={"action": "stop", "window": 1, "threshold": 0.9}).observe(
-                2, {"frac_reward_zero_std": 1.0})
+                2, {"frac_reward_zero_std": 1.0}
+            )
 
     settings = HealthSettings(zero_variance=RuleSettings(action="stop", window=1, threshold=0.9))
     callback = HealthCallback(settings, Ledger(), Rank1(rank=1, world=2))
     state, control = TrainerState(global_step=2), TrainerControl()
     # rank 1's own metrics would not fire: the decision is rank 0's
-    callback.on_log(TrainingArguments("unused", report_to=[]), state, control, logs={"loss": 0.1, "frac_reward_zero_std": 0.0})
+    callback.on_log(
+        TrainingArguments("unused", report_to=[]), state, control, logs={"loss": 0.1, "frac_reward_zero_std": 0.0}
+    )
     assert control.should_training_stop and callback.stopped.rule == "zero_variance"
     assert [e.taken for e in callback.ledger.events] == ["stopped"]
 
@@ -188,21 +219,54 @@ def test_the_report_says_the_candidate_came_from_a_rolled_back_run():
     from grpo_pipeline.trainer.spec import HealthEvent, TrainResult
 
     assert "health" in RunSummary.model_json_schema()["$defs"]["TrainResult"]["properties"]
-    event = HealthEvent(rule="non_finite", step=3, metric="loss", value=float("nan"), threshold=0.0, action="rollback",
-                        message="non-finite loss=nan", taken="rolled back to step 2 (learning rate x0.5 of the configured)")
-    train = TrainResult(adapter_dir="a", global_step=5, max_steps=5, resumed_from_step=None, interrupted=False,
-                        stopped_early=False, mlflow_run_id=None, train_runtime_s=1.0, metrics={}, health=[event],
-                        rollbacks=1)
+    event = HealthEvent(
+        rule="non_finite",
+        step=3,
+        metric="loss",
+        value=float("nan"),
+        threshold=0.0,
+        action="rollback",
+        message="non-finite loss=nan",
+        taken="rolled back to step 2 (learning rate x0.5 of the configured)",
+    )
+    train = TrainResult(
+        adapter_dir="a",
+        global_step=5,
+        max_steps=5,
+        resumed_from_step=None,
+        interrupted=False,
+        stopped_early=False,
+        mlflow_run_id=None,
+        train_runtime_s=1.0,
+        metrics={},
+        health=[event],
+        rollbacks=1,
+    )
     assert TrainResult.model_validate_json(train.model_dump_json()).health[0].taken == event.taken  # NaN survives
     holdout = Holdout(n=2, base_reward=0.0, trained_reward=1.0, gain=1.0, base={"r": 0.0}, trained={"r": 1.0})
     check = ServingCheck(model_uri="models:/m/2", prompts=2, matched=2, passed=True, seconds=1.0)
-    registry = RegistryOutcome(model="m", candidate_version="2", decided_against=None, moves=[], aliases={},
-                               base_model="org/base", serving_check=check)
+    registry = RegistryOutcome(
+        model="m",
+        candidate_version="2",
+        decided_against=None,
+        moves=[],
+        aliases={},
+        base_model="org/base",
+        serving_check=check,
+    )
     markdown = render_markdown(holdout, Decision(promote=True, reasons=["gain"], stats={}), registry, train=train)
-    assert "rolled back 1 time(s)" in markdown and "| 3 | non\\_finite | nan | 0 | rollback | rolled back to step 2" in markdown
+    assert (
+        "rolled back 1 time(s)" in markdown
+        and "| 3 | non\\_finite | nan | 0 | rollback | rolled back to step 2" in markdown
+    )
     assert markdown.index("## Training health") < markdown.index("## Reasons")
     best = train.model_copy(update={"best_step": 4, "best_val_reward": 0.5, "global_step": 8})
     assert "adapter of step 4, the best validation reward (0.5), not of the last step (8)" in render_markdown(
-        holdout, Decision(promote=True, reasons=[], stats={}), registry, train=best)
-    assert "## Training health" not in render_markdown(holdout, Decision(promote=True, reasons=[], stats={}), registry,
-                                                        train=train.model_copy(update={"health": [], "rollbacks": 0}))
+        holdout, Decision(promote=True, reasons=[], stats={}), registry, train=best
+    )
+    assert "## Training health" not in render_markdown(
+        holdout,
+        Decision(promote=True, reasons=[], stats={}),
+        registry,
+        train=train.model_copy(update={"health": [], "rollbacks": 0}),
+    )

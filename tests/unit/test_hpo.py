@@ -38,7 +38,10 @@ def cfg(tmp_path):
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("hpo.space.learning_rate={low: 0, high: 1.0e-3, log: true}", "hpo.space.learning_rate: a log-scale range needs low > 0"),
+        (
+            "hpo.space.learning_rate={low: 0, high: 1.0e-3, log: true}",
+            "hpo.space.learning_rate: a log-scale range needs low > 0",
+        ),
         ("hpo.space.learning_rate={low: 1.0e-3, high: 1.0e-4}", "low (0.001) must be below high (0.0001)"),
         ("hpo.space.lora_r={choices: [0, 8]}", "hpo.space.lora_r: 0 is out of range; it must be >= 1"),
         ("hpo.space.lora_r={choices: [4.5]}", "hpo.space.lora_r: 4.5 is not an integer"),
@@ -58,13 +61,27 @@ def test_invalid_search_settings_fail_validation_with_the_field_and_the_fix(over
 
 
 def test_parameters_become_training_overrides_and_a_trial_config(cfg):
-    base = cfg("hpo.space.beta={low: 0.0, high: 0.1}", "hpo.space.num_generations={choices: [4, 8]}",
-               "train.grpo.per_device_train_batch_size=16", "train.max_restarts=3", "train.early_stopping_patience=2")
-    params = suggest(optuna.trial.FixedTrial(
-        {"lora_r": 32, "lora_alpha_ratio": 2, "learning_rate": 5e-4, "beta": 0.02, "num_generations": 4}), base.hpo.space)
+    base = cfg(
+        "hpo.space.beta={low: 0.0, high: 0.1}",
+        "hpo.space.num_generations={choices: [4, 8]}",
+        "train.grpo.per_device_train_batch_size=16",
+        "train.max_restarts=3",
+        "train.early_stopping_patience=2",
+    )
+    params = suggest(
+        optuna.trial.FixedTrial(
+            {"lora_r": 32, "lora_alpha_ratio": 2, "learning_rate": 5e-4, "beta": 0.02, "num_generations": 4}
+        ),
+        base.hpo.space,
+    )
     overrides = to_overrides(params, base)
-    assert overrides == {"train.lora.r": 32, "train.lora.lora_alpha": 64, "train.grpo.learning_rate": 5e-4,
-                         "train.grpo.beta": 0.02, "train.grpo.num_generations": 4}
+    assert overrides == {
+        "train.lora.r": 32,
+        "train.lora.lora_alpha": 64,
+        "train.grpo.learning_rate": 5e-4,
+        "train.grpo.beta": 0.02,
+        "train.grpo.num_generations": 4,
+    }
 
     best = apply_best(base, overrides)
     assert best.train.lora["r"] == 32 and best.train.grpo["num_generations"] == 4
@@ -157,7 +174,6 @@ def test_when_no_trial_completes_the_stage_fails_with_each_reason(cfg, tmp_path)
     assert "not used silently" in message
 
 
-
 class _TrainerExited2:
     """A launcher whose trainer exits 2 on every job, as LocalLauncher reports it (that LocalLauncher does:
     tests/integration/test_reward_failure.py)."""
@@ -170,8 +186,10 @@ class _TrainerExited2:
         return spec
 
     def wait(self, handle):
-        raise BadTrainingInput("reward 'x:nan' returned nan for row 1 (key k1), completion '7'\n"
-                               "trainer exited with code 2 (bad input: not relaunched) after 0 restart(s)")
+        raise BadTrainingInput(
+            "reward 'x:nan' returned nan for row 1 (key k1), completion '7'\n"
+            "trainer exited with code 2 (bad input: not relaunched) after 0 restart(s)"
+        )
 
     def cancel(self, handle):
         pass
@@ -254,10 +272,13 @@ GREEDY = ["hpo.trial_score=greedy", "hpo.keep_configured=true", "hpo.target_stan
 
 
 def test_the_best_is_not_applied_when_it_does_not_beat_the_configured_values_beyond_the_noise(cfg, tmp_path, val8):
-    run_one, score = _scored(tmp_path, {
-        0: ([1, 0, 1, 0], [1, 0, 1, 0]),
-        1: ([1, 1, 1, 0], [1, 1, 0, 0]),  # the best on the selection prompts; a wash on fresh ones
-    })
+    run_one, score = _scored(
+        tmp_path,
+        {
+            0: ([1, 0, 1, 0], [1, 0, 1, 0]),
+            1: ([1, 1, 1, 0], [1, 1, 0, 0]),  # the best on the selection prompts; a wash on fresh ones
+        },
+    )
     result = search(cfg(*GREEDY, "hpo.trials=2"), "m", val8, tmp_path, rewards=REWARDS, run_one=run_one, score=score)
     assert result.configured_trial == 0 and result.best_trial == 1 and result.best_value == 0.75
     assert not result.applied and result.overrides == {}  # training keeps what was configured ...
@@ -268,19 +289,24 @@ def test_the_best_is_not_applied_when_it_does_not_beat_the_configured_values_bey
 
 
 def test_the_top_trials_are_rescored_on_fresh_prompts_and_the_best_there_is_applied(cfg, tmp_path, val8):
-    run_one, score = _scored(tmp_path, {
-        0: ([0, 0, 1, 0], [0, 1, 0, 0]),
-        1: ([2, 2, 2, 2], [0, 1, 1, 0]),  # lucky on the selection prompts: the winner's curse
-        2: ([2, 2, 2, 1], [2, 2, 1, 2]),
-        3: ([0, 0, 0, 0], [2, 2, 2, 2]),  # not in the top 2: never re-scored
-    })
+    run_one, score = _scored(
+        tmp_path,
+        {
+            0: ([0, 0, 1, 0], [0, 1, 0, 0]),
+            1: ([2, 2, 2, 2], [0, 1, 1, 0]),  # lucky on the selection prompts: the winner's curse
+            2: ([2, 2, 2, 1], [2, 2, 1, 2]),
+            3: ([0, 0, 0, 0], [2, 2, 2, 2]),  # not in the top 2: never re-scored
+        },
+    )
     result = search(cfg(*GREEDY, "hpo.trials=4"), "m", val8, tmp_path, rewards=REWARDS, run_one=run_one, score=score)
     assert set(result.rescored) == {0, 1, 2}
     assert result.best_trial == 2 and result.applied and result.overrides == result.best_overrides
     assert "better beyond the noise, applied" in result.decision and result.difference_ci[0] > 0
 
 
-def test_a_target_standard_error_the_data_cannot_meet_fails_before_any_trial_naming_the_prompts_needed(cfg, tmp_path, val8):
+def test_a_target_standard_error_the_data_cannot_meet_fails_before_any_trial_naming_the_prompts_needed(
+    cfg, tmp_path, val8
+):
     from grpo_pipeline.configs.schema import ConfigError
     from grpo_pipeline.tasks.hpo import NotEnoughPrompts
 
@@ -307,8 +333,15 @@ def test_a_search_budget_of_one_training_run_explores_at_least_eight_configurati
                 return TrialOutcome(value=None, pruned_at=step, steps=step)
         return TrialOutcome(value=-abs(math.log10(lr) + 3.5), steps=cfg.hpo.steps)
 
-    c = cfg("hpo.pruner=successive_halving", "hpo.keep_configured=true", "hpo.steps=12", "hpo.eval_every=2",
-            "train.grpo.max_steps=40", "hpo.trials=50", "hpo.budget_fraction=1.0")
+    c = cfg(
+        "hpo.pruner=successive_halving",
+        "hpo.keep_configured=true",
+        "hpo.steps=12",
+        "hpo.eval_every=2",
+        "train.grpo.max_steps=40",
+        "hpo.trials=50",
+        "hpo.budget_fraction=1.0",
+    )
     result = search(c, "m", {}, tmp_path, rewards=c.train.reward_set(), run_one=run_one)
     searched = [t.state for t in result.trials[1:]]
     assert len(searched) >= 8 and searched.count("PRUNED") >= 7  # the first 7 stop at the first rung

@@ -42,8 +42,10 @@ def imports(path: Path) -> list[tuple[int, str, str]]:
             found += [(node.lineno, layer_of(alias.name), alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             if node.module == "grpo_pipeline":  # from grpo_pipeline import tasks
-                found += [(node.lineno, layer_of(f"grpo_pipeline.{alias.name}"), f"grpo_pipeline.{alias.name}")
-                          for alias in node.names]
+                found += [
+                    (node.lineno, layer_of(f"grpo_pipeline.{alias.name}"), f"grpo_pipeline.{alias.name}")
+                    for alias in node.names
+                ]
             else:
                 found.append((node.lineno, layer_of(node.module), node.module))
     return found
@@ -76,12 +78,16 @@ def test_the_check_sees_an_upward_import(tmp_path, monkeypatch):
 def test_the_shared_layout_module_stays_a_leaf_and_the_only_exception(tmp_path, monkeypatch):
     """What the trainer may import of configs imports nothing of the project; any other configs module the
     trainer imports is caught."""
-    shared = [imports(ROOT / (module.removeprefix("grpo_pipeline.").replace(".", "/") + ".py"))
-              for modules in SHARED.values() for module in modules]
+    shared = [
+        imports(ROOT / (module.removeprefix("grpo_pipeline.").replace(".", "/") + ".py"))
+        for modules in SHARED.values()
+        for module in modules
+    ]
     assert not [found for found in shared for _, target, _ in found if target in LAYERS]
     (tmp_path / "trainer").mkdir()
-    (tmp_path / "trainer" / "bad.py").write_text("from grpo_pipeline.configs.layout import world_size\n"
-                                                 "from grpo_pipeline.configs.schema import TrainConfig\n")
+    (tmp_path / "trainer" / "bad.py").write_text(
+        "from grpo_pipeline.configs.layout import world_size\nfrom grpo_pipeline.configs.schema import TrainConfig\n"
+    )
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     assert upward_imports() == ["trainer/bad.py:2 imports configs"]
 
@@ -97,12 +103,16 @@ finally:
 """
 
 
-@pytest.mark.parametrize("args", [
-    ["config"],
-    ["config", "--set", "train.grpo.learning_rate=3e-4", "--set", "train.lora.r=8"],
-    ["plan", "--config", "configs/demo-cpu.yaml"],
-    ["plan", "--model", "qwen2.5-7b", "--quant", "nf4"],
-], ids=lambda a: " ".join(a))
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["config"],
+        ["config", "--set", "train.grpo.learning_rate=3e-4", "--set", "train.lora.r=8"],
+        ["plan", "--config", "configs/demo-cpu.yaml"],
+        ["plan", "--model", "qwen2.5-7b", "--quant", "nf4"],
+    ],
+    ids=lambda a: " ".join(a),
+)
 def test_config_and_plan_load_no_torch(args):
     proc = subprocess.run([sys.executable, "-c", PROBE, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]

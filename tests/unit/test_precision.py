@@ -7,12 +7,15 @@ from grpo_pipeline.trainer import precision
 from grpo_pipeline.trainer.precision import cpu_flags, cpu_has_native_bf16, default_bf16, slow_bf16_reason
 
 
-@pytest.mark.parametrize("flags, native", [
-    ("fpu sse avx avx2 fma avx512f avx512_bf16", True),  # Zen 4, Cooper Lake
-    ("fpu sse avx avx2 avx512f amx_tile amx_bf16", True),  # Sapphire Rapids
-    ("fpu sse avx avx2 fma avx512f avx512bw", False),  # AVX-512 without its bf16 extension: emulated
-    ("fpu sse avx avx2 fma", False),  # Zen 3: the machine these tests were written on
-])
+@pytest.mark.parametrize(
+    "flags, native",
+    [
+        ("fpu sse avx avx2 fma avx512f avx512_bf16", True),  # Zen 4, Cooper Lake
+        ("fpu sse avx avx2 avx512f amx_tile amx_bf16", True),  # Sapphire Rapids
+        ("fpu sse avx avx2 fma avx512f avx512bw", False),  # AVX-512 without its bf16 extension: emulated
+        ("fpu sse avx avx2 fma", False),  # Zen 3: the machine these tests were written on
+    ],
+)
 def test_native_bf16_is_read_from_the_cpus_flags(tmp_path, flags, native):
     info = tmp_path / "cpuinfo"
     info.write_text(f"processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: {flags}\n\nprocessor\t: 1\n")
@@ -24,12 +27,15 @@ def test_unreadable_cpuinfo_means_float32(tmp_path):
     assert cpu_has_native_bf16(frozenset()) is False
 
 
-@pytest.mark.parametrize("cuda, cuda_bf16, cpu_native, expected", [
-    (False, False, True, True),  # a CPU with native bf16: on by default
-    (False, False, False, False),  # a CPU without: float32
-    (True, True, False, True),  # an A100 / H100 / L4
-    (True, False, True, False),  # a T4 / V100: the GPU decides, not the host's CPU
-])
+@pytest.mark.parametrize(
+    "cuda, cuda_bf16, cpu_native, expected",
+    [
+        (False, False, True, True),  # a CPU with native bf16: on by default
+        (False, False, False, False),  # a CPU without: float32
+        (True, True, False, True),  # an A100 / H100 / L4
+        (True, False, True, False),  # a T4 / V100: the GPU decides, not the host's CPU
+    ],
+)
 def test_the_default_follows_the_device_that_computes(cuda, cuda_bf16, cpu_native, expected):
     assert default_bf16(cuda, cuda_bf16, cpu_native) is expected
 
@@ -49,9 +55,15 @@ def test_the_job_refuses_slow_bf16_before_any_work(tmp_path, monkeypatch, capsys
     monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
     monkeypatch.setattr(precision.platform, "machine", lambda: "x86_64")
     cfg = tiny_config("train.grpo.bf16=true")
-    spec = JobSpec(model_path=str(tmp_path / "no-model"), model=model_load(cfg.model), train=train_settings(cfg.train),
-                   train_file=str(tmp_path / "train.jsonl"), work_dir=str(tmp_path / "work"),
-                   checkpoint_uri=str(tmp_path / "ckpt"), adapter_dir=str(tmp_path / "adapter"))
+    spec = JobSpec(
+        model_path=str(tmp_path / "no-model"),
+        model=model_load(cfg.model),
+        train=train_settings(cfg.train),
+        train_file=str(tmp_path / "train.jsonl"),
+        work_dir=str(tmp_path / "work"),
+        checkpoint_uri=str(tmp_path / "ckpt"),
+        adapter_dir=str(tmp_path / "adapter"),
+    )
     assert main(str(spec.write(tmp_path / "job.json"))) == EXIT_BAD_INPUT
     out = capsys.readouterr().out
     assert BAD_INPUT_TAG in out and "train.grpo.bf16=true on a CPU without native bfloat16" in out

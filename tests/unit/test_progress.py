@@ -27,7 +27,9 @@ def test_progress_reads_the_step_the_trainer_prints_not_a_count_of_lines():
     # logging_steps=10, resumed from checkpoint 20: the first line this process sees is step 30
     assert progress.update(step_log_line({"loss": 0.1, "reward": 0.5}, 30, 100)).startswith("step 30/100 (30%), ETA --")
     clock.now += 50.0
-    line = progress.update("(grpo-train, pid=7) " + step_log_line({"loss": 0.1, "reward": 0.6}, 40, 100))  # SkyPilot's prefix
+    line = progress.update(
+        "(grpo-train, pid=7) " + step_log_line({"loss": 0.1, "reward": 0.6}, 40, 100)
+    )  # SkyPilot's prefix
     assert line.startswith("step 40/100 (40%), 0.20 steps/s, ETA 5m 0s"), line
 
 
@@ -49,8 +51,9 @@ def test_each_log_is_printed_once_with_its_step(tmp_path, capsys, disable_tqdm):
     from transformers import TrainerControl, TrainerState, TrainingArguments
     from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback, PrinterCallback, ProgressCallback
 
-    handler = CallbackHandler([DefaultFlowCallback, PrinterCallback if disable_tqdm else ProgressCallback],
-                              None, None, None, None)
+    handler = CallbackHandler(
+        [DefaultFlowCallback, PrinterCallback if disable_tqdm else ProgressCallback], None, None, None, None
+    )
     print_logs_once(handler)  # the Trainer's add/pop/remove_callback are its handler's
     args = TrainingArguments(output_dir=str(tmp_path), disable_tqdm=disable_tqdm, use_cpu=True, report_to=[])
     state, control = TrainerState(global_step=0, max_steps=4), TrainerControl()
@@ -61,8 +64,10 @@ def test_each_log_is_printed_once_with_its_step(tmp_path, capsys, disable_tqdm):
     handler.on_train_end(args, state, control)
 
     logs = [line for line in capsys.readouterr().out.splitlines() if "'loss'" in line]
-    assert logs == ["{'loss': 0.5, 'reward': 0.25, 'step': 1, 'max_steps': 4}",
-                    "{'loss': 0.5, 'reward': 0.25, 'step': 2, 'max_steps': 4}"]
+    assert logs == [
+        "{'loss': 0.5, 'reward': 0.25, 'step': 1, 'max_steps': 4}",
+        "{'loss': 0.5, 'reward': 0.25, 'step': 2, 'max_steps': 4}",
+    ]
 
 
 def test_tqdm_is_off_in_a_log_and_on_at_a_terminal_unless_the_user_says(tmp_path, monkeypatch, tiny_config):
@@ -72,8 +77,15 @@ def test_tqdm_is_off_in_a_log_and_on_at_a_terminal_unless_the_user_says(tmp_path
 
     def args(*overrides):
         cfg = tiny_config(*overrides)
-        spec = JobSpec(model_path="unused", model=model_load(cfg.model), train=train_settings(cfg.train),
-                       train_file="unused", work_dir=str(tmp_path), checkpoint_uri=str(tmp_path), adapter_dir=str(tmp_path))
+        spec = JobSpec(
+            model_path="unused",
+            model=model_load(cfg.model),
+            train=train_settings(cfg.train),
+            train_file="unused",
+            work_dir=str(tmp_path),
+            checkpoint_uri=str(tmp_path),
+            adapter_dir=str(tmp_path),
+        )
         return grpo_args(spec, tmp_path)
 
     monkeypatch.setattr("sys.stderr", io.StringIO())  # a pipe or a file

@@ -12,7 +12,9 @@ from grpo_pipeline.tasks.report import render_markdown
 from grpo_pipeline.tasks.serving import ServingCheck
 from grpo_pipeline.tasks.summary import Holdout, RegistryOutcome
 
-HOSTILE = "<think>a | b</think> ``` <script>alert(1)</script> **bold** [x](javascript:y)\n| 9 | 9 |\n<answer>72</answer>"
+HOSTILE = (
+    "<think>a | b</think> ``` <script>alert(1)</script> **bold** [x](javascript:y)\n| 9 | 9 |\n<answer>72</answer>"
+)
 ROWS = [
     {"key": "q1", "prompt": "Natalia sold 48 clips in April and half as many in May. How many in all?", "answer": "72"},
     {"key": "q|2", "prompt": "What is 2 + 2? <img src=x onerror=alert(1)>", "answer": "4 | <i>4</i>"},
@@ -29,15 +31,26 @@ def _report(examples: int) -> tuple[str, Holdout]:
     trained = trained.model_copy(update={"examples": pick_examples(trained, "math_answer", examples)})
     holdout = Holdout.of(base, trained, None)
     check = ServingCheck(model_uri="models:/m/2", prompts=2, matched=2, passed=True, seconds=1.0)
-    registry = RegistryOutcome(model="m", candidate_version="2", decided_against=None, moves=[], aliases={"champion": "2"},
-                               base_model="org/base", serving_check=check)
+    registry = RegistryOutcome(
+        model="m",
+        candidate_version="2",
+        decided_against=None,
+        moves=[],
+        aliases={"champion": "2"},
+        base_model="org/base",
+        serving_check=check,
+    )
     return render_markdown(holdout, Decision(promote=True, reasons=["gain"], stats={}), registry), holdout
 
 
 def test_right_and_wrong_examples_with_prompt_reference_scores_and_completion():
     markdown, holdout = _report(examples=2)
-    assert [(e.verdict, e.key) for e in holdout.examples] == [("right", "q1"), ("right", "q3"), ("wrong", "q|2"),
-                                                                ("wrong", "q4")]
+    assert [(e.verdict, e.key) for e in holdout.examples] == [
+        ("right", "q1"),
+        ("right", "q3"),
+        ("wrong", "q|2"),
+        ("wrong", "q4"),
+    ]
     assert "## Examples" in markdown
     assert "first 2 right and 2 wrong" in markdown
     assert "### 3. wrong: key q\\|2" in markdown
@@ -62,8 +75,9 @@ def test_model_output_cannot_break_the_tables_or_inject_html():
     # nothing the model or the data wrote became HTML; the example headings are the four
     assert not re.search(r"<(script|img|b|i)\b", page)
     assert "&lt;script&gt;" in page and "&lt;img" in page
-    assert [t.content for t in tokens if t.type == "inline" and t.content.startswith(("1. ", "2. ", "3. ", "4. "))
-            ][:4] == ["1. right: key q1", "2. right: key q3", "3. wrong: key q\\|2", "4. wrong: key q4"]
+    assert [t.content for t in tokens if t.type == "inline" and t.content.startswith(("1. ", "2. ", "3. ", "4. "))][
+        :4
+    ] == ["1. right: key q1", "2. right: key q3", "3. wrong: key q\\|2", "4. wrong: key q4"]
 
 
 def test_no_examples_no_section():

@@ -22,30 +22,48 @@ train:
     overlong_penalty: {buffer: 64}
 """)
     cfg = load_config(path, ["train.reward_args.math_answer={answer_tag: final}"])
-    assert cfg.train.reward_args == {"think_format": {"think_tag": "reasoning", "answer_tag": "final"},
-                                     "overlong_penalty": {"buffer": 64}, "math_answer": {"answer_tag": "final"}}
+    assert cfg.train.reward_args == {
+        "think_format": {"think_tag": "reasoning", "answer_tag": "final"},
+        "overlong_penalty": {"buffer": 64},
+        "math_answer": {"answer_tag": "final"},
+    }
     check_rewards(cfg.train.reward_set(), cfg.evaluate)
-    spec = build_job_spec(cfg.train, cfg.model, "m", {"train": tmp_path / "t.jsonl", "val": tmp_path / "v.jsonl"},
-                          tmp_path / "run")
+    spec = build_job_spec(
+        cfg.train, cfg.model, "m", {"train": tmp_path / "t.jsonl", "val": tmp_path / "v.jsonl"}, tmp_path / "run"
+    )
     assert JobSpec.model_validate_json(spec.model_dump_json()).train.reward_args == cfg.train.reward_args
 
 
 def test_arguments_for_a_reward_the_run_does_not_use_are_refused_by_the_config():
-    with pytest.raises(ConfigError, match=r"train.reward_args names \['think_format'\], which are not among "
-                                          r"train.rewards \(correct_answer, number_only\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"train.reward_args names \['think_format'\], which are not among "
+        r"train.rewards \(correct_answer, number_only\)",
+    ):
         load_config(None, ["train.reward_args={think_format: {think_tag: r}}"])
 
 
 def test_preflight_names_the_field_and_lists_the_valid_arguments():
-    with pytest.raises(ConfigError, match=r"^train.reward_args.think_format: reward 'think_format' takes no argument "
-                                          r"'tag'; its arguments: think_tag='think', answer_tag='answer'$"):
-        check_rewards(RewardSet(names=("math_answer", "think_format"), args={"think_format": {"tag": "reasoning"}}),
-                      EvalConfig())
-    with pytest.raises(ConfigError, match=r"^train.reward_args.remote_verifier: reward 'remote_verifier' needs the "
-                                          r"argument url$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^train.reward_args.think_format: reward 'think_format' takes no argument "
+        r"'tag'; its arguments: think_tag='think', answer_tag='answer'$",
+    ):
+        check_rewards(
+            RewardSet(names=("math_answer", "think_format"), args={"think_format": {"tag": "reasoning"}}), EvalConfig()
+        )
+    with pytest.raises(
+        ConfigError,
+        match=r"^train.reward_args.remote_verifier: reward 'remote_verifier' needs the "
+        r"argument url$",
+    ):
         check_rewards(RewardSet(names=("remote_verifier",)), EvalConfig())
-    check_rewards(RewardSet(names=("remote_verifier",), args={"remote_verifier": {"url": "http://127.0.0.1:9/score",
-                                                                                   "fallback": 0.0}}), EvalConfig())
+    check_rewards(
+        RewardSet(
+            names=("remote_verifier",), args={"remote_verifier": {"url": "http://127.0.0.1:9/score", "fallback": 0.0}}
+        ),
+        EvalConfig(),
+    )
     with pytest.raises(ConfigError, match=r"^train.rewards: unknown reward 'think'"):
         check_rewards(RewardSet(names=("think",), args={"think": {"x": 1}}), EvalConfig())
 
@@ -74,9 +92,12 @@ def test_the_data_stage_checks_references_with_the_answer_rewards_alone(tmp_path
     rows.append({"prompt": question(rng, 99)[0], "answer": "forty-two"})
     path = tmp_path / "d.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    version = build_dataset(DataConfig(source=str(path)), tmp_path / "out", str(tiny_model),
-                            ["math_answer", "remote_verifier"])
-    assert [(q["row"]["answer"], q["reason"]) for q in read(version.quarantine)] == [("forty-two", "answer_unverifiable")]
+    version = build_dataset(
+        DataConfig(source=str(path)), tmp_path / "out", str(tiny_model), ["math_answer", "remote_verifier"]
+    )
+    assert [(q["row"]["answer"], q["reason"]) for q in read(version.quarantine)] == [
+        ("forty-two", "answer_unverifiable")
+    ]
 
 
 def answer_below(completions, answer, *, limit: int) -> list[float]:
@@ -98,7 +119,9 @@ def test_the_data_stage_binds_the_answer_checkers_arguments(tmp_path, tiny_model
     from tests.unit.test_data import question, read
 
     checker = f"{__name__}:answer_below"
-    cfg = load_config(None, [f"train.rewards=['{checker}', number_only]", f"train.reward_args={{'{checker}': {{limit: 1000}}}}"])
+    cfg = load_config(
+        None, [f"train.rewards=['{checker}', number_only]", f"train.reward_args={{'{checker}': {{limit: 1000}}}}"]
+    )
     check_rewards(cfg.train.reward_set(), cfg.evaluate)  # preflight passes it
     rng = random.Random(3)
     rows = [{"prompt": p, "answer": a} for p, a in (question(rng, i) for i in range(30))]

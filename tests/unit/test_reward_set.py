@@ -100,13 +100,19 @@ def test_base_selection_picks_by_the_weighted_total(fake_generation, val8, tmp_p
     from grpo_pipeline.tasks.select import CandidateRow, select_base_model
 
     monkeypatch.setattr(grpo_pipeline.tasks.select, "resolve_base_model", lambda model, cache: model.base)
-    monkeypatch.setattr(grpo_pipeline.tasks.select, "price", lambda model, train, planning, path, rows=None: CandidateRow(
-        base=model.base, path=path, fits=True, within_budget=True, cost_usd=1.0, params_b=0.1))
+    monkeypatch.setattr(
+        grpo_pipeline.tasks.select,
+        "price",
+        lambda model, train, planning, path, rows=None: CandidateRow(
+            base=model.base, path=path, fits=True, within_budget=True, cost_usd=1.0, params_b=0.1
+        ),
+    )
 
     def chosen(*overrides: str) -> tuple[str, dict[str, float]]:
         cfg = load_config(None, ["model.candidates=[terse, wordy]", ENGINE, *overrides])
-        selection = select_base_model(cfg.model, cfg.train, cfg.plan, cfg.evaluate, cfg.train.reward_set(), val8,
-                                      tmp_path)
+        selection = select_base_model(
+            cfg.model, cfg.train, cfg.plan, cfg.evaluate, cfg.train.reward_set(), val8, tmp_path
+        )
         return selection.chosen, {r.base: r.reward for r in selection.rows}
 
     assert chosen() == ("terse", {"terse": 1.5, "wordy": 1.0})
@@ -118,8 +124,9 @@ def test_the_quantization_cost_is_the_weighted_totals_drop(fake_generation, val8
 
     def cost(*overrides: str):
         cfg = load_config(None, ["model.quantization=nf4", *overrides])
-        return measure_quantization_cost("wordy", cfg.model, val8, cfg.train.reward_set(), cfg.evaluate,
-                                         QuantizationBound(rows=8))
+        return measure_quantization_cost(
+            "wordy", cfg.model, val8, cfg.train.reward_set(), cfg.evaluate, QuantizationBound(rows=8)
+        )
 
     unweighted = cost()  # terse scores higher unweighted: quantizing looks free
     assert (unweighted.unquantized.reward, unweighted.quantized.reward) == (1.0, 1.5) and unweighted.accepted
@@ -138,10 +145,21 @@ def test_the_search_scores_and_picks_trials_by_the_weighted_total(fake_generatio
         return TrialOutcome(value=0.0, steps=cfg.hpo.steps, adapter_dir=str(adapter))
 
     def searched(name: str, *overrides: str):
-        cfg: PipelineConfig = load_config(None, [
-            f"data_dir={tmp_path / name}", "hpo.trials=2", "hpo.trial_score=greedy", "hpo.keep_configured=false",
-            "hpo.pruner=none", "hpo.reward_sd=1.0", "hpo.target_standard_error=0.5", "hpo.rescore_top_k=2", ENGINE,
-            *overrides])
+        cfg: PipelineConfig = load_config(
+            None,
+            [
+                f"data_dir={tmp_path / name}",
+                "hpo.trials=2",
+                "hpo.trial_score=greedy",
+                "hpo.keep_configured=false",
+                "hpo.pruner=none",
+                "hpo.reward_sd=1.0",
+                "hpo.target_standard_error=0.5",
+                "hpo.rescore_top_k=2",
+                ENGINE,
+                *overrides,
+            ],
+        )
         return search(cfg, "base", {"val": val8}, tmp_path / name, rewards=cfg.train.reward_set(), run_one=run_one)
 
     unweighted = searched("unweighted")
@@ -160,18 +178,38 @@ def test_the_search_sizes_its_prompts_by_the_weighted_totals_spread():
     assert prompts_needed(hpo, load_config(None, [WEIGHED]).train.reward_set()) == (144, 0.6)
 
 
-@pytest.mark.parametrize(("override", "message"), [
-    ("evaluate.accuracy_reward=corect_answer",
-     "evaluate.accuracy_reward: unknown reward 'corect_answer'; did you mean 'correct_answer'?"),
-    ("evaluate.format_reward=nomber_only", "evaluate.format_reward: unknown reward 'nomber_only'; did you mean 'number_only'?"),
-    ("evaluate.format_reward=nowhere.module:fn", "evaluate.format_reward: reward 'nowhere.module:fn' cannot be imported"),
-    ("evaluate.accuracy_reward=remote_verifier", "evaluate.accuracy_reward (not in train.rewards, so no "
-                                                 "train.reward_args): reward 'remote_verifier' needs the argument url"),
-    ("train.rewards=[correct_answr]", "train.rewards: unknown reward 'correct_answr'; did you mean 'correct_answer'?"),
-    ("promote.metric=corect_answer", "promote.metric: 'corect_answer' is not a column of the evaluation "
-                                     "(correct_answer, number_only, total, length); did you mean 'correct_answer'?"),
-    ("promote.guardrails={lenght: 0.5}", "promote.guardrails.lenght: 'lenght' is not a column of the evaluation"),
-])
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (
+            "evaluate.accuracy_reward=corect_answer",
+            "evaluate.accuracy_reward: unknown reward 'corect_answer'; did you mean 'correct_answer'?",
+        ),
+        (
+            "evaluate.format_reward=nomber_only",
+            "evaluate.format_reward: unknown reward 'nomber_only'; did you mean 'number_only'?",
+        ),
+        (
+            "evaluate.format_reward=nowhere.module:fn",
+            "evaluate.format_reward: reward 'nowhere.module:fn' cannot be imported",
+        ),
+        (
+            "evaluate.accuracy_reward=remote_verifier",
+            "evaluate.accuracy_reward (not in train.rewards, so no "
+            "train.reward_args): reward 'remote_verifier' needs the argument url",
+        ),
+        (
+            "train.rewards=[correct_answr]",
+            "train.rewards: unknown reward 'correct_answr'; did you mean 'correct_answer'?",
+        ),
+        (
+            "promote.metric=corect_answer",
+            "promote.metric: 'corect_answer' is not a column of the evaluation "
+            "(correct_answer, number_only, total, length); did you mean 'correct_answer'?",
+        ),
+        ("promote.guardrails={lenght: 0.5}", "promote.guardrails.lenght: 'lenght' is not a column of the evaluation"),
+    ],
+)
 def test_preflight_checks_every_reward_name_the_config_holds(override, message):
     from grpo_pipeline.flows.preflight import preflight
 
@@ -201,4 +239,6 @@ def test_a_typo_in_an_evaluation_reward_exits_2_before_any_flow_runs():
     assert result.exit_code == 2, result.output
     failure = json.loads(result.stdout.strip().splitlines()[-1])
     assert failure["exit_code"] == 2
-    assert failure["error"].startswith("evaluate.accuracy_reward: unknown reward 'corect_answer'; did you mean 'correct_answer'?")
+    assert failure["error"].startswith(
+        "evaluate.accuracy_reward: unknown reward 'corect_answer'; did you mean 'correct_answer'?"
+    )

@@ -25,8 +25,10 @@ from grpo_pipeline.trainer.rewards import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
-COT = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips altogether "
-       "in April and May.\n#### 72")
+COT = (
+    "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips altogether "
+    "in April and May.\n#### 72"
+)
 
 
 def test_conversational_completions():
@@ -48,33 +50,43 @@ def test_dotted_path_escape_hatch():
         resolve_reward("grpo_pipeline.trainer.rewards:missing")
 
 
-@pytest.mark.parametrize("completion, reference, expected", [
-    (COT, "72", 1.0),                                              # GSM8K's own solution: the #### line, not 24
-    ("First 48/2 = 24, then 48 + 24 = 72. So she sold 72 clips.", "72", 1.0),   # last number, not the first
-    ("<think>48/2 = 24 and 48 + 24 = 72</think>\n<answer>72</answer>", "72", 1.0),
-    ("<think>maybe 70</think><answer>The answer is $1,080.00.</answer>", "1080", 1.0),  # currency, separator, decimals
-    ("so the total is \\boxed{\\frac{3}{4}} of the cake", "0.75", 1.0),
-    ("The probability is 3/4", "0.75", 1.0),
-    ("It is 25%.", "25", 1.0),
-    ("<answer>٧٢</answer>", "72", 1.0),                             # Arabic-Indic digits
-    ("The answer is ７２.", "72", 1.0),                              # full-width digits
-    ("The change is −5 dollars", "-5", 1.0),                        # a Unicode minus
-    ("The change is 5 dollars", "-5", 0.0),                         # a sign is not noise
-    ("48 + 24 = 71", "72", 0.0),
-    ("<answer>seventy-two</answer>", "72", 0.0),                   # words are not the number
-    ("<answer>72", "72", 1.0),                                      # unclosed tag: the last number still counts
-    ("", "72", 0.0),
-    ("I cannot solve this.", "72", 0.0),
-    ("Step. " * 5000 + "So 72.", "72", 1.0),                       # very long
-    ("Step 1. " * 5000, "72", 0.0),
-])
+@pytest.mark.parametrize(
+    "completion, reference, expected",
+    [
+        (COT, "72", 1.0),  # GSM8K's own solution: the #### line, not 24
+        ("First 48/2 = 24, then 48 + 24 = 72. So she sold 72 clips.", "72", 1.0),  # last number, not the first
+        ("<think>48/2 = 24 and 48 + 24 = 72</think>\n<answer>72</answer>", "72", 1.0),
+        (
+            "<think>maybe 70</think><answer>The answer is $1,080.00.</answer>",
+            "1080",
+            1.0,
+        ),  # currency, separator, decimals
+        ("so the total is \\boxed{\\frac{3}{4}} of the cake", "0.75", 1.0),
+        ("The probability is 3/4", "0.75", 1.0),
+        ("It is 25%.", "25", 1.0),
+        ("<answer>٧٢</answer>", "72", 1.0),  # Arabic-Indic digits
+        ("The answer is ７２.", "72", 1.0),  # full-width digits
+        ("The change is −5 dollars", "-5", 1.0),  # a Unicode minus
+        ("The change is 5 dollars", "-5", 0.0),  # a sign is not noise
+        ("48 + 24 = 71", "72", 0.0),
+        ("<answer>seventy-two</answer>", "72", 0.0),  # words are not the number
+        ("<answer>72", "72", 1.0),  # unclosed tag: the last number still counts
+        ("", "72", 0.0),
+        ("I cannot solve this.", "72", 0.0),
+        ("Step. " * 5000 + "So 72.", "72", 1.0),  # very long
+        ("Step 1. " * 5000, "72", 0.0),
+    ],
+)
 def test_math_answer(completion, reference, expected):
     assert resolve_reward("math_answer")([completion], answer=[reference]) == [expected]
 
 
 def test_math_answer_latex_goes_to_math_verify():
     fn = resolve_reward("math_answer")
-    assert fn(["\\boxed{\\frac{1}{\\sqrt{2}}}", "\\boxed{\\sqrt{3}}"], answer=["\\frac{\\sqrt{2}}{2}"] * 2) == [1.0, 0.0]
+    assert fn(["\\boxed{\\frac{1}{\\sqrt{2}}}", "\\boxed{\\sqrt{3}}"], answer=["\\frac{\\sqrt{2}}{2}"] * 2) == [
+        1.0,
+        0.0,
+    ]
 
 
 def test_math_answer_custom_tag():
@@ -84,20 +96,23 @@ def test_math_answer_custom_tag():
         resolve_reward("math_answer", {"answer_tag": "a b"})(["x"], answer=["1"])
 
 
-@pytest.mark.parametrize("completion, lenient, strict", [
-    ("<think>\n48/2 = 24\n</think>\n<answer>\n72\n</answer>", 1.0, 1.0),
-    ("<think>48/2 = 24</think> The answer is 72.", 1.0, 0.0),        # plain answer: lenient only
-    ("  <think>x</think><answer>72</answer>  ", 1.0, 1.0),            # whitespace around is fine
-    ("<think></think><answer>72</answer>", 0.0, 0.0),                 # empty reasoning
-    ("<think>x</think>", 0.0, 0.0),                                   # no answer
-    ("<think>x</think><answer> </answer>", 1.0, 0.0),
-    ("So <think>x</think><answer>72</answer>", 0.0, 0.0),             # text before the block
-    ("<think>a</think><think>b</think><answer>72</answer>", 0.0, 0.0),  # a second attempt
-    ("<think>x</think><answer>72</answer> extra", 1.0, 0.0),
-    ("<think>x<answer>72</answer>", 0.0, 0.0),                       # unclosed
-    ("", 0.0, 0.0),
-    ("72", 0.0, 0.0),
-])
+@pytest.mark.parametrize(
+    "completion, lenient, strict",
+    [
+        ("<think>\n48/2 = 24\n</think>\n<answer>\n72\n</answer>", 1.0, 1.0),
+        ("<think>48/2 = 24</think> The answer is 72.", 1.0, 0.0),  # plain answer: lenient only
+        ("  <think>x</think><answer>72</answer>  ", 1.0, 1.0),  # whitespace around is fine
+        ("<think></think><answer>72</answer>", 0.0, 0.0),  # empty reasoning
+        ("<think>x</think>", 0.0, 0.0),  # no answer
+        ("<think>x</think><answer> </answer>", 1.0, 0.0),
+        ("So <think>x</think><answer>72</answer>", 0.0, 0.0),  # text before the block
+        ("<think>a</think><think>b</think><answer>72</answer>", 0.0, 0.0),  # a second attempt
+        ("<think>x</think><answer>72</answer> extra", 1.0, 0.0),
+        ("<think>x<answer>72</answer>", 0.0, 0.0),  # unclosed
+        ("", 0.0, 0.0),
+        ("72", 0.0, 0.0),
+    ],
+)
 def test_think_format(completion, lenient, strict):
     assert resolve_reward("think_format")([completion]) == [lenient]
     assert resolve_reward("think_format_strict")([completion]) == [strict]
@@ -155,7 +170,9 @@ def bad_type(completions, **_):
 def test_a_failing_reward_names_itself_and_the_row():
     here = __name__
     rows = {"answer": ["123", "12", "4567"], "key": ["k0", "k1", "k2"]}
-    with pytest.raises(RewardError, match=rf"reward '{here}:bad_raises' raised on row 1 \(key k1\), completion 'b': ZeroDivisionError"):
+    with pytest.raises(
+        RewardError, match=rf"reward '{here}:bad_raises' raised on row 1 \(key k1\), completion 'b': ZeroDivisionError"
+    ):
         resolve_reward(f"{here}:bad_raises")(["a", "b", "c"], **rows)
     with pytest.raises(RewardError, match="returned 1 scores for 3 completions"):
         resolve_reward(f"{here}:bad_count")(["a", "b", "c"])
@@ -206,8 +223,11 @@ def test_an_outage_or_exhausted_memory_is_retryable_and_not_rerun_row_by_row():
     here = __name__
     for reward, kind in (("flaky_network", "ConnectionResetError"), ("out_of_memory", "OutOfMemoryError")):
         CALLS.clear()
-        with pytest.raises(RewardUnavailable, match=rf"^reward '{here}:{reward}' could not run on a batch of 3 "
-                                                    rf"completions: {kind}"):
+        with pytest.raises(
+            RewardUnavailable,
+            match=rf"^reward '{here}:{reward}' could not run on a batch of 3 "
+            rf"completions: {kind}",
+        ):
             resolve_reward(f"{here}:{reward}")(["a", "b", "c"])
         assert CALLS == [3]
     with pytest.raises(RewardUnavailable, match=rf"^reward '{here}:unavailable': the judge's queue is full$"):
@@ -215,8 +235,11 @@ def test_an_outage_or_exhausted_memory_is_retryable_and_not_rerun_row_by_row():
 
 
 def test_a_missing_column_is_named_before_the_reward_runs():
-    with pytest.raises(RewardError, match="'math_answer' needs the column 'answer', which the data does not have "
-                                          r"\(it has: key, solution\)"):
+    with pytest.raises(
+        RewardError,
+        match="'math_answer' needs the column 'answer', which the data does not have "
+        r"\(it has: key, solution\)",
+    ):
         resolve_reward("math_answer")(["72"], solution=["72"], key=["k"], trainer_state=None)
     check_columns(["math_answer", "think_format", "overlong_penalty"], ["prompt", "answer", "key"])
     with pytest.raises(RewardError, match="'math_answer' needs the column 'answer'"):
@@ -245,8 +268,10 @@ def test_every_registered_reward_is_described():
 
 
 def test_reward_weights_by_name_reach_trl_in_reward_order():
-    cfg = load_config(None, ["train.rewards=[math_answer, think_format, overlong_penalty]",
-                             "train.reward_weights={think_format: 0.25}"])
+    cfg = load_config(
+        None,
+        ["train.rewards=[math_answer, think_format, overlong_penalty]", "train.reward_weights={think_format: 0.25}"],
+    )
     assert cfg.train.grpo["reward_weights"] == [1.0, 0.25, 1.0]
     with pytest.raises(ConfigError, match=r"names \['think'\], which are not among train.rewards"):
         load_config(None, ["train.reward_weights={think: 1}"])
@@ -257,11 +282,18 @@ def test_reward_weights_by_name_reach_trl_in_reward_order():
 
 
 def test_evaluation_scores_with_the_training_rewards():
-    rows = [{"prompt": [{"role": "user", "content": "48 + 24?"}], "answer": "72", "key": "a"},
-            {"prompt": [{"role": "user", "content": "5 - 9?"}], "answer": "-4", "key": "b"}]
+    rows = [
+        {"prompt": [{"role": "user", "content": "48 + 24?"}], "answer": "72", "key": "a"},
+        {"prompt": [{"role": "user", "content": "5 - 9?"}], "answer": "-4", "key": "b"},
+    ]
     completions = ["<think>48 + 24 = 72</think><answer>72</answer>", "<think>5 - 9 = 4</think><answer>4</answer>"]
-    result = score(rows, completions, RewardSet(names=("math_answer", "think_format", "overlong_penalty"),
-                                                weights=(1.0, 0.5, 1.0)), [12, 16], max_completion_length=16)
+    result = score(
+        rows,
+        completions,
+        RewardSet(names=("math_answer", "think_format", "overlong_penalty"), weights=(1.0, 0.5, 1.0)),
+        [12, 16],
+        max_completion_length=16,
+    )
     assert [r["total"] for r in result.rows] == [1.5, -0.5]  # 1 + 0.5; 0 + 0.5 - 1 (cut at the limit)
     assert result.per_reward == {"math_answer": 0.5, "think_format": 1.0, "overlong_penalty": -0.5}
     assert result.rows[0]["prompt"] == "48 + 24?" and result.rows[1]["answer"] == "-4"
@@ -273,8 +305,13 @@ def test_evaluation_scores_with_the_training_rewards():
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "grpo_pipeline.cli", "rewards", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "grpo_pipeline.cli", "rewards", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_rewards_cli_lists_and_checks(tmp_path):
@@ -282,11 +319,16 @@ def test_rewards_cli_lists_and_checks(tmp_path):
     assert listed.returncode == 0, listed.stderr
     assert {e["name"] for e in json.loads(listed.stdout)} == set(REWARDS)
     samples = tmp_path / "samples.jsonl"
-    samples.write_text("".join(json.dumps(r) + "\n" for r in [
-        {"completion": "<think>48 + 24</think><answer>72</answer>", "answer": "72", "prompt": "48 + 24?"},
-        {"completion": [{"role": "assistant", "content": "So 1,234.0 in all"}], "answer": "1234"},
-        {"completion": "no idea", "answer": "5"},
-    ]))
+    samples.write_text(
+        "".join(
+            json.dumps(r) + "\n"
+            for r in [
+                {"completion": "<think>48 + 24</think><answer>72</answer>", "answer": "72", "prompt": "48 + 24?"},
+                {"completion": [{"role": "assistant", "content": "So 1,234.0 in all"}], "answer": "1234"},
+                {"completion": "no idea", "answer": "5"},
+            ]
+        )
+    )
     checked = _cli("check", "math_answer", "--input", str(samples), "--json")
     assert checked.returncode == 0, checked.stderr
     assert json.loads(checked.stdout)["scores"] == [1.0, 1.0, 0.0]

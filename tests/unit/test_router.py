@@ -50,8 +50,9 @@ def test_the_challenger_share_of_1000_requests_from_200_users_is_binomial_and_ea
     assert share_in_interval(challenger_users, 200, fraction)
     assert challenger_requests == 5 * challenger_users
     # and over 1,000 distinct keys, binomial(1000)
-    assert share_in_interval(sum(arm_for(assignment_hash(f"k{i}"), fraction) == CHALLENGER for i in range(1000)),
-                             1000, fraction)
+    assert share_in_interval(
+        sum(arm_for(assignment_hash(f"k{i}"), fraction) == CHALLENGER for i in range(1000)), 1000, fraction
+    )
 
 
 def test_the_fraction_bounds_send_everyone_to_one_arm():
@@ -82,15 +83,18 @@ def test_fraction_outside_0_1_is_refused_by_the_config():
         ABConfig.model_validate({"serve": {"max_lora_rank": 12}})
 
 
-@pytest.mark.parametrize(("kind", "body", "reason"), [
-    ("chat", {}, "messages must be a non-empty list"),
-    ("chat", {"messages": [{"content": "no role"}]}, "messages must be a non-empty list"),
-    ("chat", {"messages": "hi"}, "messages must be a non-empty list"),
-    ("completions", {"prompt": 3}, "prompt must be a string"),
-    ("completions", {"prompt": []}, "prompt must be a string"),
-    ("completions", {"prompt": "x", "user": 7}, "user must be a string"),
-    ("chat", {"messages": [{"role": "user", "content": "x"}], "stream": True}, "stream=true is not supported"),
-])
+@pytest.mark.parametrize(
+    ("kind", "body", "reason"),
+    [
+        ("chat", {}, "messages must be a non-empty list"),
+        ("chat", {"messages": [{"content": "no role"}]}, "messages must be a non-empty list"),
+        ("chat", {"messages": "hi"}, "messages must be a non-empty list"),
+        ("completions", {"prompt": 3}, "prompt must be a string"),
+        ("completions", {"prompt": []}, "prompt must be a string"),
+        ("completions", {"prompt": "x", "user": 7}, "user must be a string"),
+        ("chat", {"messages": [{"role": "user", "content": "x"}], "stream": True}, "stream=true is not supported"),
+    ],
+)
 def test_malformed_generation_bodies_are_refused_with_the_reason(kind, body, reason):
     with pytest.raises(BadRequest, match=reason):
         validate_generation(kind, body)
@@ -101,26 +105,32 @@ def test_well_formed_bodies_pass():
     assert validate_generation("chat", {"messages": [{"role": "user", "content": "hi"}], "user": "u"})
 
 
-@pytest.mark.parametrize(("raw", "reason"), [
-    (b"{", "not valid JSON"),
-    (b"\xff", "not valid JSON"),
-    (b'"a"', "must be a JSON object, got a str"),
-])
+@pytest.mark.parametrize(
+    ("raw", "reason"),
+    [
+        (b"{", "not valid JSON"),
+        (b"\xff", "not valid JSON"),
+        (b'"a"', "must be a JSON object, got a str"),
+    ],
+)
 def test_bodies_that_are_not_json_objects_are_refused(raw, reason):
     with pytest.raises(BadRequest, match=reason):
         parse_object(raw)
 
 
-@pytest.mark.parametrize(("body", "reason"), [
-    ({"score": 1}, "id must be"),
-    ({"id": "", "score": 1}, "id must be"),
-    ({"id": "x" * 65, "score": 1}, "id must be"),
-    ({"id": "a"}, "score must be a finite number"),
-    ({"id": "a", "score": "1"}, "score must be a finite number"),
-    ({"id": "a", "score": True}, "score must be a finite number"),
-    ({"id": "a", "score": float("inf")}, "score must be a finite number"),
-    ({"id": "a", "score": 1, "note": "x"}, "unknown fields"),
-])
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        ({"score": 1}, "id must be"),
+        ({"id": "", "score": 1}, "id must be"),
+        ({"id": "x" * 65, "score": 1}, "id must be"),
+        ({"id": "a"}, "score must be a finite number"),
+        ({"id": "a", "score": "1"}, "score must be a finite number"),
+        ({"id": "a", "score": True}, "score must be a finite number"),
+        ({"id": "a", "score": float("inf")}, "score must be a finite number"),
+        ({"id": "a", "score": 1, "note": "x"}, "unknown fields"),
+    ],
+)
 def test_feedback_bodies_are_checked(body, reason):
     with pytest.raises(BadRequest, match=reason):
         validate_feedback(body)
@@ -161,9 +171,18 @@ def closed_port() -> int:
 def served(tmp_path):
     """A router whose engine is absent (its port closed), over a real SQLite log, champion and challenger set."""
     request_log = RequestLog.open(f"sqlite:///{tmp_path / 'ab.sqlite'}")
-    router = Router(engine=None, client=None, request_log=request_log, spool=tmp_path / "unlogged.jsonl",
-                    challenger_fraction=0.5, api_key="secret", base="base-a", base_sha256="aaa", max_rank=16,
-                    request_timeout_s=5)
+    router = Router(
+        engine=None,
+        client=None,
+        request_log=request_log,
+        spool=tmp_path / "unlogged.jsonl",
+        challenger_fraction=0.5,
+        api_key="secret",
+        base="base-a",
+        base_sha256="aaa",
+        max_rank=16,
+        request_timeout_s=5,
+    )
     router.arms = {CHAMPION: adapter(), CHALLENGER: adapter("challenger", "2")}
 
     import contextlib
@@ -192,7 +211,9 @@ def test_models_lists_the_served_aliases(served):
     _, client, _ = served
     models = client.get("/v1/models").json()["data"]
     assert [(m["id"], m["version"], m["engine_name"]) for m in models] == [
-        ("champion", "1", "champion-v1"), ("challenger", "2", "challenger-v2")]
+        ("champion", "1", "champion-v1"),
+        ("challenger", "2", "challenger-v2"),
+    ]
 
 
 def test_malformed_bodies_get_400_with_the_reason_and_the_server_keeps_serving(served):
@@ -209,8 +230,9 @@ def test_a_request_the_engine_cannot_answer_is_logged_as_an_error_with_its_arm(s
     answer = client.post("/v1/completions", json={"prompt": "hi", "user": "alice"})
     assert answer.status_code == 502
     arm, version = answer.headers["X-GRPO-Arm"], answer.headers["X-GRPO-Version"]
-    assert (arm, version) == ((CHALLENGER, "2") if arm_for(assignment_hash("alice"), 0.5) == CHALLENGER
-                              else (CHAMPION, "1"))
+    assert (arm, version) == (
+        (CHALLENGER, "2") if arm_for(assignment_hash("alice"), 0.5) == CHALLENGER else (CHAMPION, "1")
+    )
     assert request_log.counts() == {arm: {version: {"requests": 1, "errors": 1, "feedback": 0}}}
     request_id = answer.json()["id"]
     with request_log.engine.connect() as c:
@@ -240,9 +262,18 @@ def test_an_engine_answer_that_is_not_a_json_object_is_the_arms_502_and_is_logge
     server = ThreadingHTTPServer(("127.0.0.1", 0), Engine)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     request_log = RequestLog.open(f"sqlite:///{tmp_path / 'ab.sqlite'}")
-    router = Router(engine=None, client=None, request_log=request_log, spool=tmp_path / "unlogged.jsonl",
-                    challenger_fraction=0.0, api_key=None, base="base-a", base_sha256="aaa", max_rank=16,
-                    request_timeout_s=5)
+    router = Router(
+        engine=None,
+        client=None,
+        request_log=request_log,
+        spool=tmp_path / "unlogged.jsonl",
+        challenger_fraction=0.0,
+        api_key=None,
+        base="base-a",
+        base_sha256="aaa",
+        max_rank=16,
+        request_timeout_s=5,
+    )
     router.arms = {CHAMPION: adapter()}
 
     @contextlib.asynccontextmanager
@@ -263,17 +294,35 @@ def test_an_engine_answer_that_is_not_a_json_object_is_the_arms_502_and_is_logge
 
 
 def test_a_router_serves_nothing_before_its_lifespan_opens_the_engine_client(tmp_path):
-    router = Router(engine=None, client=None, request_log=None, spool=tmp_path / "unlogged.jsonl",
-                    challenger_fraction=0.0, api_key=None, base="base-a", base_sha256="aaa", max_rank=16,
-                    request_timeout_s=5)
+    router = Router(
+        engine=None,
+        client=None,
+        request_log=None,
+        spool=tmp_path / "unlogged.jsonl",
+        challenger_fraction=0.0,
+        api_key=None,
+        base="base-a",
+        base_sha256="aaa",
+        max_rank=16,
+        request_timeout_s=5,
+    )
     with pytest.raises(RuntimeError, match="opened by the lifespan"):
         _ = router.client
 
 
 def test_feedback_joins_known_ids_and_refuses_the_rest(served):
     _, client, request_log = served
-    request_log.record(RequestRow(id="grpo-known", arm="champion", version="1", latency_s=0.1, prompt_tokens=3,
-                                  completion_tokens=4, error=False))
+    request_log.record(
+        RequestRow(
+            id="grpo-known",
+            arm="champion",
+            version="1",
+            latency_s=0.1,
+            prompt_tokens=3,
+            completion_tokens=4,
+            error=False,
+        )
+    )
     assert client.post("/v1/feedback", json={"id": "grpo-known", "score": 1}).json()["status"] == "stored"
     assert client.post("/v1/feedback", json={"id": "grpo-unknown", "score": 1}).status_code == 404
     assert client.post("/v1/feedback", content=b'{"id": "grpo-known", "score": NaN}').status_code == 400
@@ -341,6 +390,10 @@ def test_serve_with_the_registry_unreachable_exits_2_naming_it(tmp_path, monkeyp
 @pytest.mark.slow  # an MLflow SQLite registry: its migrations take a minute on a busy machine
 def test_serve_without_a_champion_exits_2(tmp_path, monkeypatch):
     monkeypatch.setenv("GRPO_AB_LOG_URL", f"sqlite:///{tmp_path / 'ab.sqlite'}")
-    result = serve_cli("--set", f"tracking.mlflow_tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
-                       "--set", "tracking.registered_model=nothing-here")
+    result = serve_cli(
+        "--set",
+        f"tracking.mlflow_tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+        "--set",
+        "tracking.registered_model=nothing-here",
+    )
     assert result.exit_code == 2 and "no champion alias in the registry nothing-here" in result.output

@@ -135,8 +135,12 @@ def test_a_state_for_other_data_is_not_replayed():
 
 
 def test_summary_counts_wasted_steps_from_the_log_history():
-    history = [{"step": 1, "frac_reward_zero_std": 0.0, "loss": 0.1}, {"step": 2, "frac_reward_zero_std": 1.0},
-               {"step": 3, "frac_reward_zero_std": 0.5}, {"step": 3, "train_runtime": 9.0}]
+    history = [
+        {"step": 1, "frac_reward_zero_std": 0.0, "loss": 0.1},
+        {"step": 2, "frac_reward_zero_std": 1.0},
+        {"step": 3, "frac_reward_zero_std": 0.5},
+        {"step": 3, "train_runtime": 9.0},
+    ]
     c = _curriculum()
     c.observe([(2, True)])
     summary = summarize(history, c)
@@ -149,11 +153,14 @@ def test_the_configs_defaults_are_the_trainers():
     assert CurriculumConfig().model_dump() == CURRICULUM_DEFAULTS == CurriculumSettings().model_dump()
 
 
-@pytest.mark.parametrize("assignment, names", [
-    ("train.curriculum.max_skips=0", "train.curriculum.max_skips: Input should be greater than or equal to 1"),
-    ("train.curriculum.patience=soon", "train.curriculum.patience: Input should be a valid integer"),
-    ("train.curriculum.skip=true", "train.curriculum.skip: unknown key"),
-])
+@pytest.mark.parametrize(
+    "assignment, names",
+    [
+        ("train.curriculum.max_skips=0", "train.curriculum.max_skips: Input should be greater than or equal to 1"),
+        ("train.curriculum.patience=soon", "train.curriculum.patience: Input should be a valid integer"),
+        ("train.curriculum.skip=true", "train.curriculum.skip: unknown key"),
+    ],
+)
 def test_a_bad_curriculum_setting_names_the_field(assignment, names):
     with pytest.raises(ConfigError) as caught:
         load_config(None, [assignment, "train.grpo.max_steps=10"])

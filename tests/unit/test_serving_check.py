@@ -10,7 +10,7 @@ import pytest
 
 from grpo_pipeline.tasks import serving
 
-FAKE_MLFLOW = '''
+FAKE_MLFLOW = """
 import types
 
 def set_tracking_uri(uri):
@@ -21,7 +21,7 @@ class _Echo:
         return list(frame["prompt"])
 
 pyfunc = types.SimpleNamespace(load_model=lambda uri: _Echo())
-'''
+"""
 
 
 def test_a_megabyte_of_prompts_goes_through_stdin_never_argv(tmp_path, monkeypatch):
@@ -40,11 +40,13 @@ def test_a_megabyte_of_prompts_goes_through_stdin_never_argv(tmp_path, monkeypat
 
     monkeypatch.setattr(serving, "isolated_env", env_with_stub)
     monkeypatch.setattr(serving.subprocess, "run", recording_run)
-    rows = [{"key": f"k{i}", "prompt": [{"role": "user", "content": f"{i:04d}" + "x" * (16 << 10)}]}
-            for i in range(64)]  # 1 MiB
+    rows = [
+        {"key": f"k{i}", "prompt": [{"role": "user", "content": f"{i:04d}" + "x" * (16 << 10)}]} for i in range(64)
+    ]  # 1 MiB
     expected = [r["prompt"][0]["content"] for r in rows]
-    check = serving.serving_check("models:/m/1", "http://127.0.0.1:9", rows, expected, max_new_tokens=4,
-                                  batch_size=8, timeout_s=300)
+    check = serving.serving_check(
+        "models:/m/1", "http://127.0.0.1:9", rows, expected, max_new_tokens=4, batch_size=8, timeout_s=300
+    )
     assert check.error is None and check.passed and check.matched == 64, check
     assert sum(len(a) for a in argv[0]) < 4096 and "xxxx" not in " ".join(argv[0])
 

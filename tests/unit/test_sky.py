@@ -36,9 +36,17 @@ def test_every_sky_yaml_parses_and_runs_the_trainer(path):
 def _spec(tmp_path, model_path):
     data = tmp_path / "train.jsonl"
     data.write_text('{"prompt": "1+1", "answer": "2"}\n')
-    return JobSpec(model_path=str(model_path), model=model_load(ModelConfig()), train=train_settings(TrainConfig()), train_file=str(data),
-                   work_dir=str(tmp_path / "w"), checkpoint_uri="s3://bucket/run", adapter_dir=str(tmp_path / "a"),
-                   mlflow_tracking_uri="http://mlflow:5000", mlflow_run_id="abc")
+    return JobSpec(
+        model_path=str(model_path),
+        model=model_load(ModelConfig()),
+        train=train_settings(TrainConfig()),
+        train_file=str(data),
+        work_dir=str(tmp_path / "w"),
+        checkpoint_uri="s3://bucket/run",
+        adapter_dir=str(tmp_path / "a"),
+        mlflow_tracking_uri="http://mlflow:5000",
+        mlflow_run_id="abc",
+    )
 
 
 def test_spec_to_task_sets_spot_recovery_mounts_envs_and_secrets(tmp_path):
@@ -47,7 +55,9 @@ def test_spec_to_task_sets_spot_recovery_mounts_envs_and_secrets(tmp_path):
     spec = _spec(tmp_path, model)
     job_dir = write_job_dir(spec, tmp_path / "job")
     cfg = SkyConfig(accelerators=["A100-80GB:1", "L40S:1"])
-    task = build_task(spec, job_dir, cfg, max_restarts=5, environ={"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"})
+    task = build_task(
+        spec, job_dir, cfg, max_restarts=5, environ={"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"}
+    )
 
     assert [dict(r.accelerators) for r in task.resources] == [{"A100-80GB": 1}, {"L40S": 1}]
     assert all(r.use_spot and r.job_recovery["max_restarts_on_errors"] == 5 for r in task.resources)
@@ -103,8 +113,13 @@ def test_streamed_log_text_reaches_the_callback_line_by_line():
 
 def _distributed(tmp_path, **distributed):
     spec = _spec(tmp_path, "Qwen/Qwen2.5-7B-Instruct")
-    return spec.model_copy(update={"train": spec.train.model_copy(
-        update={"distributed": spec.train.distributed.model_copy(update=distributed)})})
+    return spec.model_copy(
+        update={
+            "train": spec.train.model_copy(
+                update={"distributed": spec.train.distributed.model_copy(update=distributed)}
+            )
+        }
+    )
 
 
 def test_several_nodes_and_gpus_reach_the_task_and_its_run_command(tmp_path):
@@ -122,8 +137,9 @@ def test_several_nodes_and_gpus_reach_the_task_and_its_run_command(tmp_path):
 
 def test_a_dedicated_vllm_node_is_one_more_node(tmp_path):
     spec = _distributed(tmp_path, nodes=2, vllm_server_node=True)
-    spec = spec.model_copy(update={"train": spec.train.model_copy(
-        update={"grpo": {"use_vllm": True, "vllm_mode": "server"}})})
+    spec = spec.model_copy(
+        update={"train": spec.train.model_copy(update={"grpo": {"use_vllm": True, "vllm_mode": "server"}})}
+    )
     task = build_task(spec, write_job_dir(spec, tmp_path / "job"), SkyConfig(accelerators=["H100:8"]), 3, environ={})
     assert task.num_nodes == 3
     assert [dict(r.accelerators) for r in task.resources] == [{"H100": 8}]
@@ -132,8 +148,9 @@ def test_a_dedicated_vllm_node_is_one_more_node(tmp_path):
 def test_a_plan_of_two_gpus_asks_for_two_and_launches_two_processes(tmp_path):
     """apply_plan's accelerator options (GPU:count) and strategy reach the task unchanged."""
     spec = _distributed(tmp_path, strategy="fsdp")
-    task = build_task(spec, write_job_dir(spec, tmp_path / "job"), SkyConfig(accelerators=["A100-80GB:2"]), 3,
-                      environ={})
+    task = build_task(
+        spec, write_job_dir(spec, tmp_path / "job"), SkyConfig(accelerators=["A100-80GB:2"]), 3, environ={}
+    )
     assert [dict(r.accelerators) for r in task.resources] == [{"A100-80GB": 2}]
     assert task.num_nodes == 1
 

@@ -14,8 +14,9 @@ from grpo_pipeline.infra.stack import Stack
 
 def _record(stack: Stack, name: str, url: str, auth: bool) -> None:
     """A service entry as `up` writes it (pid 1: alive, but never ours, so nothing is stopped or reached)."""
-    service = Service(name, 1, url, str(stack.root), str(stack.root / f"{name}.log"), 0.0,
-                      extra={"auth": "basic"} if auth else {})
+    service = Service(
+        name, 1, url, str(stack.root), str(stack.root / f"{name}.log"), 0.0, extra={"auth": "basic"} if auth else {}
+    )
     stack.state["services"][name] = service.to_dict()
     stack._save()
 
@@ -30,7 +31,8 @@ def test_credentials_are_generated_once_kept_private_and_differ_per_stack(tmp_pa
     assert state["mlflow_auth"]["password"] == first.mlflow_auth.password
     other = Stack(tmp_path / "b")
     assert {other.mlflow_auth.password, other.mlflow_auth.secret_key, other.prefect_auth_string}.isdisjoint(
-        {first.mlflow_auth.password, first.mlflow_auth.secret_key, first.prefect_auth_string})
+        {first.mlflow_auth.password, first.mlflow_auth.secret_key, first.prefect_auth_string}
+    )
     user, _, password = first.prefect_auth_string.partition(":")
     assert user and len(password) >= 32 and len(first.mlflow_auth.password) >= 32
     assert first.mlflow_auth.password not in repr(first.mlflow_auth)  # never in a traceback or a log line

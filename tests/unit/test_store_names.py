@@ -72,12 +72,15 @@ def test_a_symlink_out_of_a_local_checkpoint_is_corrupt(tmp_path):
     assert point.step == 2 and "outside" in point.skipped[0]["reason"] and "symlink" in point.skipped[0]["reason"]
 
 
-@pytest.mark.parametrize(("files", "message"), [
-    ({"a.bin": {"size": 1}}, "no valid size and sha256"),
-    ({"a.bin": {"size": "1", "sha256": "0" * 64}}, "no valid size and sha256"),
-    ({"a": {"size": 1, "sha256": "0" * 64}, "a/b": {"size": 1, "sha256": "0" * 64}}, "both as a file and as the"),
-    ([], "lists no files"),
-])
+@pytest.mark.parametrize(
+    ("files", "message"),
+    [
+        ({"a.bin": {"size": 1}}, "no valid size and sha256"),
+        ({"a.bin": {"size": "1", "sha256": "0" * 64}}, "no valid size and sha256"),
+        ({"a": {"size": 1, "sha256": "0" * 64}, "a/b": {"size": 1, "sha256": "0" * 64}}, "both as a file and as the"),
+        ([], "lists no files"),
+    ],
+)
 def test_a_malformed_manifest_is_corrupt_not_a_crash(tmp_path, files, message):
     store = _store(tmp_path)
     (store.root / "checkpoint-4" / MANIFEST).write_text(json.dumps({"step": 4, "files": files}))
@@ -121,12 +124,20 @@ class _FakeS3:
 
 def test_a_key_the_s3_server_refuses_makes_the_checkpoint_corrupt_not_the_relaunch_crash(tmp_path):
     def manifest(files):
-        return json.dumps({"step": 1, "files": {n: {"size": len(b), "sha256": hashlib.sha256(b).hexdigest()}
-                                                for n, b in files.items()}}).encode()
+        return json.dumps(
+            {
+                "step": 1,
+                "files": {n: {"size": len(b), "sha256": hashlib.sha256(b).hexdigest()} for n, b in files.items()},
+            }
+        ).encode()
 
     good, odd = {"adapter.bin": b"w2"}, {"adapter.bin": b"w4", "x" * 2000: b"?"}  # a key too long for the server
-    objects = {"p/checkpoint-2/adapter.bin": b"w2", "p/checkpoint-2/manifest.json": manifest(good),
-               "p/checkpoint-4/adapter.bin": b"w4", "p/checkpoint-4/manifest.json": manifest(odd)}
+    objects = {
+        "p/checkpoint-2/adapter.bin": b"w2",
+        "p/checkpoint-2/manifest.json": manifest(good),
+        "p/checkpoint-4/adapter.bin": b"w4",
+        "p/checkpoint-4/manifest.json": manifest(odd),
+    }
     store = S3Store("s3://b/p", client=_FakeS3(objects, refuse="x" * 2000))
     point = choose_resume(store, tmp_path / "scratch", move_aside=False)
     assert point.step == 2 and "a key the server refuses" in point.skipped[0]["reason"]

@@ -36,8 +36,19 @@ from grpo_pipeline.trainer.rewards.model import reward_model
 from grpo_pipeline.trainer.rewards.remote import check_arguments as check_remote_arguments
 from grpo_pipeline.trainer.rewards.remote import remote_verifier
 
-__all__ = ["REWARDS", "RewardError", "RewardFn", "RewardUnavailable", "check_columns", "completion_text", "describe",
-           "required_columns", "resolve_reward", "resolve_rewards", "transient"]
+__all__ = [
+    "REWARDS",
+    "RewardError",
+    "RewardFn",
+    "RewardUnavailable",
+    "check_columns",
+    "completion_text",
+    "describe",
+    "required_columns",
+    "resolve_reward",
+    "resolve_rewards",
+    "transient",
+]
 
 REWARDS: dict[str, RewardFn] = {
     "math_answer": math_answer,
@@ -55,10 +66,18 @@ REWARDS: dict[str, RewardFn] = {
 ARGUMENT_CHECKS: dict[RewardFn, Callable[..., None]] = {remote_verifier: check_remote_arguments}
 
 # What the runner (TRL's trainer, the evaluation, `rewards check`) passes itself: never a data column.
-RUNNER_INPUTS = frozenset({
-    "completions", "prompts", "completion_ids", "completion_lengths", "trainer_state", "log_extra", "log_metric",
-    "environments",
-})
+RUNNER_INPUTS = frozenset(
+    {
+        "completions",
+        "prompts",
+        "completion_ids",
+        "completion_lengths",
+        "trainer_state",
+        "log_extra",
+        "log_metric",
+        "environments",
+    }
+)
 REQUIRED = inspect.Parameter.empty
 
 
@@ -92,8 +111,13 @@ def required_columns(fn: RewardFn) -> list[str]:
     >>> required_columns(math_answer), required_columns(think_format)
     (['answer'], [])
     """
-    return [p.name for p in _parameters(fn)[1:] if p.name not in RUNNER_INPUTS and p.default is REQUIRED
-            and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return [
+        p.name
+        for p in _parameters(fn)[1:]
+        if p.name not in RUNNER_INPUTS
+        and p.default is REQUIRED
+        and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
 
 
 def arguments(fn: RewardFn) -> dict[str, Any]:
@@ -123,7 +147,9 @@ def resolve_reward(name: str, args: Mapping[str, Any] | None = None, **context: 
     unknown = sorted(set(bound) - set(takes))
     if unknown:
         offered = ", ".join(f"{k}={'(required)' if v is REQUIRED else repr(v)}" for k, v in takes.items()) or "none"
-        raise RewardError(f"reward '{name}' takes no argument {', '.join(map(repr, unknown))}; its arguments: {offered}")
+        raise RewardError(
+            f"reward '{name}' takes no argument {', '.join(map(repr, unknown))}; its arguments: {offered}"
+        )
     for key, value in context.items():
         if key in takes and key not in bound and value is not None:
             bound[key] = value
@@ -135,13 +161,16 @@ def resolve_reward(name: str, args: Mapping[str, Any] | None = None, **context: 
     return _checked(functools.partial(fn, **bound) if bound else fn, name, required_columns(fn))
 
 
-def resolve_rewards(names: Sequence[str], args: Mapping[str, Mapping[str, Any]] | None = None,
-                    **context: Any) -> list[RewardFn]:
+def resolve_rewards(
+    names: Sequence[str], args: Mapping[str, Mapping[str, Any]] | None = None, **context: Any
+) -> list[RewardFn]:
     """Every reward of a run, in order, each with its own arguments (`args[name]`)."""
     args = args or {}
     stray = sorted(set(args) - set(names))
     if stray:
-        raise RewardError(f"reward arguments for {', '.join(stray)}, which are not among the rewards ({', '.join(names)})")
+        raise RewardError(
+            f"reward arguments for {', '.join(stray)}, which are not among the rewards ({', '.join(names)})"
+        )
     return [resolve_reward(name, args.get(name), **context) for name in names]
 
 
@@ -159,7 +188,8 @@ def check_columns(names: Sequence[str], columns: Sequence[str]) -> None:
         if lacking:
             raise RewardError(
                 f"reward '{name}' needs the column{'s' if len(lacking) > 1 else ''} {', '.join(map(repr, lacking))}, "
-                f"which the data does not have (it has: {', '.join(columns)})")
+                f"which the data does not have (it has: {', '.join(columns)})"
+            )
 
 
 def describe(name: str) -> dict[str, Any]:
@@ -213,26 +243,31 @@ def _checked(fn: RewardFn, name: str, columns: list[str]) -> RewardFn:
         lacking = [c for c in columns if c not in kwargs]
         if lacking:
             given = sorted(k for k in kwargs if k not in RUNNER_INPUTS)
-            raise RewardError(f"reward '{name}' needs the column{'s' if len(lacking) > 1 else ''} "
-                              f"{', '.join(map(repr, lacking))}, which the data does not have (it has: "
-                              f"{', '.join(given) or 'no columns'})")
+            raise RewardError(
+                f"reward '{name}' needs the column{'s' if len(lacking) > 1 else ''} "
+                f"{', '.join(map(repr, lacking))}, which the data does not have (it has: "
+                f"{', '.join(given) or 'no columns'})"
+            )
         try:
             out = fn(completions, *args, **kwargs)
         except RewardError as exc:  # its class says whether it is an outage (RewardUnavailable) or bad input
             raise exc if f"'{name}'" in str(exc) else type(exc)(f"reward '{name}': {exc}") from None
         except Exception as exc:
             if transient(exc):  # not the row's fault: no rerun (it would hit the service or the GPU n more times)
-                raise RewardUnavailable(f"reward '{name}' could not run on a batch of {n} completions: "
-                                        f"{type(exc).__name__}: {exc}") from exc
+                raise RewardUnavailable(
+                    f"reward '{name}' could not run on a batch of {n} completions: {type(exc).__name__}: {exc}"
+                ) from exc
             for i in range(n):  # which row breaks it: rerun one at a time (only ever on the way to an error)
                 try:
                     fn(completions[i : i + 1], *args, **_row_slice(i, n, kwargs))
                 except Exception as row_exc:
                     raise (RewardUnavailable if transient(row_exc) else RewardError)(
                         f"reward '{name}' raised on {_where(i, completions, kwargs)}: "
-                        f"{type(row_exc).__name__}: {row_exc}") from exc
-            raise RewardError(f"reward '{name}' raised on a batch of {n} completions: "
-                              f"{type(exc).__name__}: {exc}") from exc
+                        f"{type(row_exc).__name__}: {row_exc}"
+                    ) from exc
+            raise RewardError(
+                f"reward '{name}' raised on a batch of {n} completions: {type(exc).__name__}: {exc}"
+            ) from exc
         try:
             scores = list(out)
         except TypeError:
@@ -241,8 +276,10 @@ def _checked(fn: RewardFn, name: str, columns: list[str]) -> RewardFn:
             raise RewardError(f"reward '{name}' returned {len(scores)} scores for {n} completions")
         for i, s in enumerate(scores):
             if not isinstance(s, numbers.Real) or not math.isfinite(s):
-                raise RewardError(f"reward '{name}' returned {s!r} for {_where(i, completions, kwargs)}: "
-                                  "every score must be a finite number")
+                raise RewardError(
+                    f"reward '{name}' returned {s!r} for {_where(i, completions, kwargs)}: "
+                    "every score must be a finite number"
+                )
         return [float(s) for s in scores]
 
     reward.__name__ = reward.__qualname__ = name  # TRL logs rewards/<name>/mean

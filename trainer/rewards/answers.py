@@ -154,5 +154,7 @@ def math_answer(completions: list, answer: list, *, answer_tag: str = "answer", 
     [1.0, 1.0, 1.0, 0.0]
     """
     check_tag(answer_tag, "answer_tag")
-    return [float(answers_match(str(ref), final_answer(completion_text(c), answer_tag)))
-            for c, ref in zip(completions, answer, strict=True)]
+    return [
+        float(answers_match(str(ref), final_answer(completion_text(c), answer_tag)))
+        for c, ref in zip(completions, answer, strict=True)
+    ]

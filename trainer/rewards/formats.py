@@ -30,7 +30,9 @@ def _think_then_answer(text: str, think_tag: str, answer_tag: str, strict: bool)
     return all(text.count(tag) == 1 for tag in tags)  # one block each: no second attempt appended
 
 
-def think_format(completions: list, *, think_tag: str = "think", answer_tag: str = "answer", **_: object) -> list[float]:
+def think_format(
+    completions: list, *, think_tag: str = "think", answer_tag: str = "answer", **_: object
+) -> list[float]:
     """1.0 for one non-empty `<think>…</think>` block at the start followed by a non-empty answer.
 
     The answer after the block may be plain text or tagged; `think_format_strict` requires the tags.

@@ -26,7 +26,8 @@ def _load(path: str, device: str, dtype: str, trust_remote_code: bool) -> tuple[
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         model = AutoModelForSequenceClassification.from_pretrained(
-            path, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code)
+            path, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code
+        )
     except (OSError, ValueError) as exc:
         raise RewardError(f"reward_model: cannot load {path!r}: {exc}") from None
     if tokenizer.pad_token is None:
@@ -78,8 +79,14 @@ def reward_model(
     scores: list[float] = []
     with torch.inference_mode():
         for start in range(0, len(texts), batch_size):
-            batch = tokenizer(texts[start : start + batch_size], return_tensors="pt", padding=True,
-                              truncation=True, max_length=max_length, add_special_tokens=False).to(scorer.device)
+            batch = tokenizer(
+                texts[start : start + batch_size],
+                return_tensors="pt",
+                padding=True,
+                truncation=True,
+                max_length=max_length,
+                add_special_tokens=False,
+            ).to(scorer.device)
             logits = scorer(**batch).logits.float()
             values = logits[:, 0] if logits.shape[1] == 1 else logits.softmax(dim=-1)[:, -1]
             scores += values.tolist()

@@ -50,8 +50,11 @@ MAX_REPLY_BYTES = 4 << 20  # JSON scores for thousands of completions fit in a f
 _CHUNK = 64 << 10
 # header names and values that carry a credential: these go in the environment (`headers_from_env`)
 _SECRET_NAME = re.compile(r"auth|token|secret|passw|api[-_]?key|cookie|session|signature|credential", re.I)
-_SECRET_VALUE = re.compile(r"^\s*(bearer|basic|digest|token|negotiate)\s+\S|^eyJ[\w-]+\.[\w-]+|"
-                           r"^(sk-|hf_|ghp_|gho_|github_pat_|glpat-|xox[abp]-|AKIA)", re.I)
+_SECRET_VALUE = re.compile(
+    r"^\s*(bearer|basic|digest|token|negotiate)\s+\S|^eyJ[\w-]+\.[\w-]+|"
+    r"^(sk-|hf_|ghp_|gho_|github_pat_|glpat-|xox[abp]-|AKIA)",
+    re.I,
+)
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")  # RFC 9110 token
 
@@ -74,8 +77,12 @@ def _jsonable(value: object) -> bool:
         return False
 
 
-def check_arguments(url: str, headers: Mapping[str, str] | None = None,
-                    headers_from_env: Mapping[str, str] | None = None, max_reply_bytes: int = MAX_REPLY_BYTES) -> None:
+def check_arguments(
+    url: str,
+    headers: Mapping[str, str] | None = None,
+    headers_from_env: Mapping[str, str] | None = None,
+    max_reply_bytes: int = MAX_REPLY_BYTES,
+) -> None:
     """Refuse, before any request, what `remote_verifier` must not be given: a URL that is not http(s) or that
     holds a user or password, a header that carries a credential in the config, a malformed header or
     environment variable name. Each refusal names the argument, why, and the fix. Pure: reads no environment.
@@ -92,16 +99,22 @@ def check_arguments(url: str, headers: Mapping[str, str] | None = None,
     """
     for given, what in ((headers, "headers"), (headers_from_env, "headers_from_env")):
         if given is not None and not isinstance(given, Mapping):
-            raise RewardError(f"remote_verifier: {what} must be a mapping of header name to "
-                              f"{'value' if what == 'headers' else 'environment variable name'}, not {type(given).__name__}")
+            raise RewardError(
+                f"remote_verifier: {what} must be a mapping of header name to "
+                f"{'value' if what == 'headers' else 'environment variable name'}, not {type(given).__name__}"
+            )
     parts = urllib.parse.urlsplit(url) if isinstance(url, str) else None
     if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
-        raise RewardError(f"remote_verifier: url {url!r} is not http:// or https://; the verifier is an HTTP service: "
-                          "give its http(s) URL")
+        raise RewardError(
+            f"remote_verifier: url {url!r} is not http:// or https://; the verifier is an HTTP service: "
+            "give its http(s) URL"
+        )
     if parts.username is not None or parts.password is not None:
-        raise RewardError(f"remote_verifier: url {parts.scheme}://...@{parts.hostname} holds a user or password, "
-                          "which must not be in the config; drop them from the url and send the credential as a "
-                          "header from the environment: headers_from_env: {Authorization: VERIFIER_TOKEN}")
+        raise RewardError(
+            f"remote_verifier: url {parts.scheme}://...@{parts.hostname} holds a user or password, "
+            "which must not be in the config; drop them from the url and send the credential as a "
+            "header from the environment: headers_from_env: {Authorization: VERIFIER_TOKEN}"
+        )
     try:
         parts.port  # noqa: B018 - parsing it raises on a bad port
     except ValueError as exc:
@@ -109,22 +122,34 @@ def check_arguments(url: str, headers: Mapping[str, str] | None = None,
     if isinstance(max_reply_bytes, bool) or not isinstance(max_reply_bytes, int) or max_reply_bytes < 1:
         raise RewardError(f"remote_verifier: max_reply_bytes must be a positive integer, not {max_reply_bytes!r}")
     for key, value in (headers or {}).items():
-        if not isinstance(key, str) or not _HEADER_NAME.match(key) or not isinstance(value, str) \
-                or any(c in value for c in "\r\n\0"):
-            raise RewardError(f"remote_verifier: headers.{key} is not a valid HTTP header (a token name, a one-line "
-                              "string value); fix the name or the value")
+        if (
+            not isinstance(key, str)
+            or not _HEADER_NAME.match(key)
+            or not isinstance(value, str)
+            or any(c in value for c in "\r\n\0")
+        ):
+            raise RewardError(
+                f"remote_verifier: headers.{key} is not a valid HTTP header (a token name, a one-line "
+                "string value); fix the name or the value"
+            )
         if _SECRET_NAME.search(key) or _SECRET_VALUE.search(value):
-            raise RewardError(f"remote_verifier: headers.{key} looks like a credential, which must not be in the "
-                              "config (it is logged with it); put its value in an environment variable and name it "
-                              f"instead: headers_from_env: {{{key}: VERIFIER_TOKEN}}")
+            raise RewardError(
+                f"remote_verifier: headers.{key} looks like a credential, which must not be in the "
+                "config (it is logged with it); put its value in an environment variable and name it "
+                f"instead: headers_from_env: {{{key}: VERIFIER_TOKEN}}"
+            )
     for key, env in (headers_from_env or {}).items():
         if not isinstance(key, str) or not _HEADER_NAME.match(key):
             raise RewardError(f"remote_verifier: headers_from_env has {key!r}, which is not an HTTP header name")
         if not isinstance(env, str) or not _ENV_NAME.match(env):
-            raise RewardError(f"remote_verifier: headers_from_env.{key} must name an environment variable "
-                              f"(letters, digits, '_'), not {env!r}")
+            raise RewardError(
+                f"remote_verifier: headers_from_env.{key} must name an environment variable "
+                f"(letters, digits, '_'), not {env!r}"
+            )
         if key.lower() in {k.lower() for k in headers or {}}:
-            raise RewardError(f"remote_verifier: header {key} is given both in headers and in headers_from_env; keep one")
+            raise RewardError(
+                f"remote_verifier: header {key} is given both in headers and in headers_from_env; keep one"
+            )
 
 
 def _env_headers(headers_from_env: Mapping[str, str]) -> dict[str, str]:
@@ -133,11 +158,15 @@ def _env_headers(headers_from_env: Mapping[str, str]) -> dict[str, str]:
     for key, env in headers_from_env.items():
         value = os.environ.get(env)
         if not value:
-            raise RewardError(f"remote_verifier: headers_from_env.{key} names the environment variable {env}, which "
-                              "is not set (or empty) here; set it where the trainer runs (the launcher's secrets)")
+            raise RewardError(
+                f"remote_verifier: headers_from_env.{key} names the environment variable {env}, which "
+                "is not set (or empty) here; set it where the trainer runs (the launcher's secrets)"
+            )
         if any(c in value for c in "\r\n\0"):
-            raise RewardError(f"remote_verifier: the environment variable {env} (headers_from_env.{key}) holds a "
-                              "line break; set it to a one-line header value")
+            raise RewardError(
+                f"remote_verifier: the environment variable {env} (headers_from_env.{key}) holds a "
+                "line break; set it to a one-line header value"
+            )
         out[key] = value
     return out
 
@@ -148,8 +177,9 @@ def _connection(url: str, timeout_s: float) -> tuple[http.client.HTTPConnection,
         raise RewardError(f"remote_verifier: {url!r} names no host; use http(s)://host[:port]/path")
     conn: http.client.HTTPConnection
     if parts.scheme == "https":
-        conn = http.client.HTTPSConnection(parts.hostname, parts.port, timeout=timeout_s,
-                                           context=ssl.create_default_context())
+        conn = http.client.HTTPSConnection(
+            parts.hostname, parts.port, timeout=timeout_s, context=ssl.create_default_context()
+        )
     else:
         conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout_s)
     return conn, (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
@@ -159,15 +189,19 @@ def _read_capped(reply: http.client.HTTPResponse, limit: int) -> bytes:
     """The reply's body, refused past `limit` bytes without reading (or holding) more than that."""
     length = reply.getheader("Content-Length")
     if length and length.isdigit() and int(length) > limit:
-        raise RewardError(f"the reply is {int(length):,} bytes, over max_reply_bytes={limit:,}; raise "
-                          "max_reply_bytes if the service really answers that much")
+        raise RewardError(
+            f"the reply is {int(length):,} bytes, over max_reply_bytes={limit:,}; raise "
+            "max_reply_bytes if the service really answers that much"
+        )
     chunks, size = [], 0
     while chunk := reply.read(min(_CHUNK, limit + 1 - size)):
         chunks.append(chunk)
         size += len(chunk)
         if size > limit:
-            raise RewardError(f"the reply is over max_reply_bytes={limit:,} bytes; raise max_reply_bytes if the "
-                              "service really answers that much")
+            raise RewardError(
+                f"the reply is over max_reply_bytes={limit:,} bytes; raise max_reply_bytes if the "
+                "service really answers that much"
+            )
     return b"".join(chunks)
 
 
@@ -200,8 +234,10 @@ def _post(url: str, body: bytes, timeout_s: float, headers: dict[str, str], max_
         reply = conn.getresponse()
         if 300 <= reply.status < 400:
             where = reply.getheader("Location") or "(no Location)"
-            raise RewardError(f"HTTP {reply.status} {reply.reason}: a redirect to {where}, which is not followed (the "
-                              "request's headers would go with it); set url to the verifier's own address")
+            raise RewardError(
+                f"HTTP {reply.status} {reply.reason}: a redirect to {where}, which is not followed (the "
+                "request's headers would go with it); set url to the verifier's own address"
+            )
         if reply.status == 429 or reply.status >= 500:
             raise _Retryable(f"HTTP {reply.status} {reply.reason}")
         if reply.status >= 400:
@@ -267,8 +303,9 @@ def remote_verifier(
     if not n:
         return []
     sent_headers = {**(headers or {}), **_env_headers(headers_from_env or {})}
-    sent = {k: v for k, v in columns.items()
-            if k not in _NOT_SENT and isinstance(v, list) and len(v) == n and _jsonable(v)}
+    sent = {
+        k: v for k, v in columns.items() if k not in _NOT_SENT and isinstance(v, list) and len(v) == n and _jsonable(v)
+    }
     if prompts is not None and _jsonable(prompts):
         sent["prompts"] = prompts
     texts = [completion_text(c) for c in completions]
@@ -309,11 +346,18 @@ def remote_verifier(
         rows = f"row {lo}" if hi - lo == 1 else f"rows {lo}-{hi - 1}"
         raise (RewardError if lasting else RewardUnavailable)(
             f"reward 'remote_verifier' at {url} failed for {rows} of {n}"
-            f"{f' (and {len(failed) - 1} more chunks)' if len(failed) > 1 else ''}: {problem}")
+            f"{f' (and {len(failed) - 1} more chunks)' if len(failed) > 1 else ''}: {problem}"
+        )
     fell_back = sum(hi - lo for lo, hi, _ in failed)
     if log_metric is not None:
         log_metric("remote_verifier/fallbacks", float(fell_back))
     if fell_back:
-        log.warning("remote_verifier at %s: %d of %d completions scored with the fallback %s: %s",
-                    url, fell_back, n, fallback, failed[0][2])
+        log.warning(
+            "remote_verifier at %s: %d of %d completions scored with the fallback %s: %s",
+            url,
+            fell_back,
+            n,
+            fallback,
+            failed[0][2],
+        )
     return scores
