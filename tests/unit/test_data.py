@@ -253,6 +253,7 @@ def test_token_budget_counts_the_chat_template_with_the_models_tokenizer(tmp_pat
             tok.apply_chat_template(
                 [{"role": "system", "content": "Be brief."}, {"role": "user", "content": r["prompt"]}],
                 tokenize=True,
+                return_dict=False,  # the ids: transformers 5 returns a BatchEncoding by default
                 add_generation_prompt=True,
             )
         )
