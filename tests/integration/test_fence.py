@@ -8,10 +8,9 @@ import time
 
 import pytest
 
-from grpo_pipeline.tasks.job import model_load, train_settings
 from grpo_pipeline.trainer.checkpoints import FINAL, LocalStore, S3Store
 from grpo_pipeline.trainer.fence import ATTEMPT, EXIT_SUPERSEDED, Superseded, claim_store
-from grpo_pipeline.trainer.spec import JobSpec
+from tests.integration.test_trainer import _spec
 
 pytestmark = pytest.mark.integration
 
@@ -43,16 +42,7 @@ def test_a_relaunch_elsewhere_stops_the_running_attempt_at_its_next_checkpoint(
     tmp_path, tiny_model, tiny_splits, tiny_config
 ):
     cfg = tiny_config("train.grpo.max_steps=30", "train.checkpoint_every=1", "train.keep_checkpoints=50")
-    spec = JobSpec(
-        model_path=str(tiny_model),
-        model=model_load(cfg.model),
-        train=train_settings(cfg.train),
-        train_file=str(tiny_splits["train"]),
-        val_file=str(tiny_splits["val"]),
-        work_dir=str(tmp_path / "work"),
-        checkpoint_uri=str(tmp_path / "ckpt"),
-        adapter_dir=str(tmp_path / "adapter"),
-    )
+    spec = _spec(tmp_path, tiny_model, tiny_splits, cfg)
     path = spec.write(tmp_path / "job.json")
     proc = subprocess.Popen(
         [sys.executable, "-m", "grpo_pipeline.trainer", "--spec", str(path)],
