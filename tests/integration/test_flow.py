@@ -290,6 +290,8 @@ def test_a_run_over_budget_is_refused_before_any_work(tmp_path, tiny_yaml):
 
 @pytest.mark.slow
 def test_sky_launcher_without_a_cloud_stops_at_preflight(tmp_path, tiny_yaml, s3_endpoint):
+    from grpo_pipeline.infra.launch.skypilot import sky_python
+
     home = tmp_path / "home"  # SkyPilot keeps its state and API server under ~/.sky: keep them out of $HOME
     env = {"HOME": str(home)}
     try:
@@ -314,7 +316,7 @@ def test_sky_launcher_without_a_cloud_stops_at_preflight(tmp_path, tiny_yaml, s3
         assert not (tmp_path / "data" / "runs").exists()
     finally:
         subprocess.run(
-            [str(Path(sys.executable).parent / "sky"), "api", "stop"],
+            [str(sky_python().parent / "sky"), "api", "stop"],  # SkyPilot's own environment (.venv-sky)
             env={**os.environ, **env},
             capture_output=True,
             timeout=120,

@@ -69,7 +69,7 @@ def _is_trainer(proc, prefix: Path) -> bool:
     module = (
         cmd[cmd.index("-m") + 1] if "-m" in cmd[:-1] else None
     )  # torchrun runs `python -u -m grpo_pipeline.trainer`
-    return module == "trainer" and env.get("HEALTH_TEST_CALLS") == str(prefix)
+    return module == "grpo_pipeline.trainer" and env.get("HEALTH_TEST_CALLS") == str(prefix)
 
 
 def test_sigkill_to_the_launchers_group_ends_both_ranks_before_another_step(
