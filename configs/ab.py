@@ -78,6 +78,11 @@ class ServeConfig(_Strict):
     )
     startup_timeout_s: float = Field(900.0, gt=0, description="seconds the engine may take to answer /v1/models")
     request_timeout_s: float = Field(300.0, gt=0, description="seconds a request may wait on the engine")
+    log_completions: bool = Field(
+        True,
+        description="keep each answer's text in the request log, so feedback with a `reference` can be scored by "
+        "the pipeline's rewards; off: only counts and timings are logged (and `reference` feedback is refused)",
+    )
 
     @model_validator(mode="after")
     def _rank_is_one_vllm_takes(self) -> ServeConfig:

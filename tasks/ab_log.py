@@ -8,6 +8,9 @@ SQLAlchemy speaks (SQLite by default; PostgreSQL when the stack runs, shared by 
 - `feedback(id, score)` joins a score to its request: an unknown id raises `UnknownRequest` (HTTP 404) and
   stores nothing, a NaN or infinite score raises `ValueError` (HTTP 400). A later score for the same request
   replaces the earlier one (a label that arrives after the thumbs): the test sees one outcome per request.
+- The completion's text is kept (`completion`, the first choice's; None for an error or when
+  `ab.serve.log_completions` is off) so that feedback with a `reference` can be scored later by the
+  pipeline's own rewards (`completion(id)`). The prompt is never stored, the user's key only as a hash.
 - `samples(champion_version, challenger_version)` reads what `grpo_pipeline.tasks.ab.decide` takes, and `counts()` what
   `grpo-pipeline ab status` shows.
 """
@@ -31,9 +34,11 @@ from sqlalchemy import (
     MetaData,
     String,
     Table,
+    Text,
     create_engine,
     event,
     func,
+    inspect,
     select,
     text,
 )
@@ -56,6 +61,7 @@ requests_table = Table(
     Column("completion_tokens", Integer, nullable=False),
     Column("error", Boolean, nullable=False),
     Column("assignment", String(16)),  # hash of the user's key (never the key): one arm per user is checkable
+    Column("completion", Text),  # the answer's text, for feedback scored against a reference (None: not kept)
 )
 
 feedback_table = Table(
@@ -85,6 +91,7 @@ class RequestRow:
     completion_tokens: int
     error: bool
     assignment: str | None = None
+    completion: str | None = None
     created_at: datetime | None = None  # now, when None
 
 
@@ -121,6 +128,7 @@ class RequestLog:
             if engine.dialect.name == "sqlite":
                 event.listen(engine, "connect", _sqlite_pragmas)
             metadata.create_all(engine)
+            _add_completion_column(engine)
             with engine.connect() as connection:
                 connection.execute(text("SELECT 1"))
         except (SQLAlchemyError, OSError, ValueError) as e:
@@ -142,6 +150,18 @@ class RequestLog:
         except SQLAlchemyError as e:
             raise LogStoreError(f"writing request {row.id} to {masked(self.url)} failed: {type(e).__name__}") from e
         return True
+
+    def completion(self, request_id: str) -> tuple[str | None, int]:
+        """(the logged completion text, its completion tokens) of a request; `UnknownRequest` if absent."""
+        with self.engine.connect() as connection:
+            row = connection.execute(
+                select(requests_table.c.completion, requests_table.c.completion_tokens).where(
+                    requests_table.c.id == request_id
+                )
+            ).first()
+        if row is None:
+            raise UnknownRequest(f"no request with id {request_id!r} in the A/B log")
+        return row[0], int(row[1])
 
     def feedback(self, request_id: str, score: float) -> None:
         """Store `score` for the request (replacing an earlier one); refuse non-finite scores and unknown ids."""
@@ -224,6 +244,22 @@ class RequestLog:
 
     def close(self) -> None:
         self.engine.dispose()
+
+
+def _add_completion_column(engine: Engine) -> None:
+    """A log created before completions were kept gets the column (NULL for its old rows); idempotent."""
+
+    def present() -> bool:
+        return "completion" in {c["name"] for c in inspect(engine).get_columns("ab_requests")}
+
+    if present():
+        return
+    try:
+        with engine.begin() as connection:
+            connection.execute(text("ALTER TABLE ab_requests ADD COLUMN completion TEXT"))
+    except SQLAlchemyError:
+        if not present():  # not a replica that added it at the same moment
+            raise
 
 
 def _utc(moment: datetime) -> datetime:

@@ -14,9 +14,13 @@ replicas behind any load balancer agree.
 - **Each response** carries `X-GRPO-Arm` and `X-GRPO-Version`, its `model` is `<alias>-v<version>` and its
   `id` the log's id (what `/v1/feedback` takes).
 - **Logging before answering.** The row is committed before the response is sent, so an answered request is
-  in the log even if the router is killed right after; the id is the primary key, so never twice. A store
+  in the log even if the router is killed right after; the id is the primary key, so never twice. A streamed
+  answer (`stream: true`) is relayed chunk by chunk and its row committed when the engine's stream ends,
+  before the final `data: [DONE]`; a client that leaves mid-stream gets its row with the error flag, once. A store
   that fails mid-run does not stop serving: the row goes to a local write-ahead file (`tasks/ab_spool.py`),
   counted by `ab status` and replayed into the store by the next successful write.
+- **Feedback** takes a `score`, or a `reference` that the pipeline's own rewards (the config's `RewardSet`,
+  weighted total) score the logged completion against: one judge for training, holdout and production.
 - **Alias moves.** Every `ab.serve.poll_s` the registry is read; a moved alias gets its new adapter loaded,
   requests switched to it, and the old one unloaded once its requests in flight have finished. An adapter
   of another base (or a rank above the engine's) is refused with the reason, and the old one keeps serving.
@@ -43,15 +47,18 @@ import anyio
 import httpx
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
-from starlette.types import Lifespan
+from starlette.types import Lifespan, Receive, Scope, Send
 
 from grpo_pipeline.tasks import ab_spool
 from grpo_pipeline.tasks.ab_log import LogStoreError, RequestLog, RequestRow, UnknownRequest
 from grpo_pipeline.tasks.adapters import Adapter, refusal
 
 if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Awaitable
+
+    from grpo_pipeline.configs.rewards import RewardSet
     from grpo_pipeline.configs.schema import PipelineConfig
     from grpo_pipeline.tasks.engine import Engine
 
@@ -60,6 +67,8 @@ KEY_HEADER = "x-assignment-key"
 ARM_HEADER, VERSION_HEADER = "X-GRPO-Arm", "X-GRPO-Version"
 API_KEY_ENV = "GRPO_SERVE_API_KEY"
 MAX_ID = 64  # the log's id column
+MAX_REFERENCE = 100_000  # characters of a feedback reference
+DONE = b"data: [DONE]\n\n"
 
 log = logging.getLogger("grpo_pipeline.serve")
 
@@ -125,7 +134,7 @@ def _is_token_list(value: object) -> bool:
 
 def validate_generation(kind: str, body: dict) -> dict:
     """What the router checks itself before the engine sees a request (the engine checks the rest and its 400
-    is passed on): the prompt's shape, the key fields' types, no streaming.
+    is passed on): the prompt's shape, the key fields' and the streaming fields' types.
 
     >>> try:
     ...     validate_generation("chat", {"messages": []})
@@ -153,32 +162,64 @@ def validate_generation(kind: str, body: dict) -> dict:
     for field in ("user", "safety_identifier"):
         if field in body and not isinstance(body[field], str):
             raise BadRequest(f"{field} must be a string (the user's key for the A/B assignment)")
-    if body.get("stream"):
-        raise BadRequest(
-            "stream=true is not supported by this router: send stream=false (the whole answer is "
-            "logged with its token counts before it is returned)"
-        )
+    if "stream" in body and not isinstance(body["stream"], bool):
+        raise BadRequest("stream must be true or false")
+    if body.get("stream_options") is not None and not isinstance(body["stream_options"], dict):
+        raise BadRequest('stream_options must be an object, e.g. {"include_usage": true}')
     return body
 
 
-def validate_feedback(body: dict) -> tuple[str, float]:
-    """(request id, score) of a `/v1/feedback` body, or `BadRequest`.
+def validate_feedback(body: dict) -> tuple[str, float | None, str | None]:
+    """(request id, score, reference) of a `/v1/feedback` body, exactly one of score and reference set; else
+    `BadRequest`. A score is the outcome itself; a reference is what the answer should have been, scored by
+    the pipeline's rewards. Both at once is refused: which one would count is not the router's guess.
 
     >>> try:
     ...     validate_feedback({"id": "grpo-1", "score": float("nan")})
     ... except BadRequest as e:
     ...     print(e)
     score must be a finite number, got nan
+    >>> validate_feedback({"id": "grpo-1", "reference": "42"})
+    ('grpo-1', None, '42')
     """
-    request_id, score = body.get("id"), body.get("score")
+    request_id = body.get("id")
     if not isinstance(request_id, str) or not 0 < len(request_id) <= MAX_ID:
         raise BadRequest(f"id must be the response's id (a string of 1 to {MAX_ID} characters), got {request_id!r}")
+    extra = set(body) - {"id", "score", "reference"}
+    if extra:
+        raise BadRequest(f"unknown fields {sorted(extra)}: feedback takes id and one of score or reference")
+    if "score" in body and "reference" in body:
+        raise BadRequest(
+            "give score or reference, not both: a score is stored as it is, a reference is scored by the "
+            "pipeline's rewards; send two requests if both are meant (the later one replaces the earlier)"
+        )
+    if "reference" in body:
+        reference = body["reference"]
+        if not isinstance(reference, (str, int)) or isinstance(reference, bool) or not str(reference).strip():
+            raise BadRequest(f"reference must be a non-empty string (the expected answer), got {reference!r}")
+        if len(str(reference)) > MAX_REFERENCE:
+            raise BadRequest(f"reference is longer than {MAX_REFERENCE:,} characters")
+        return request_id, None, str(reference)
+    score = body.get("score")
+    if "score" not in body:
+        raise BadRequest("feedback needs a score (a finite number) or a reference (the expected answer)")
     if isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score):
         raise BadRequest(f"score must be a finite number, got {score!r}")
-    extra = set(body) - {"id", "score"}
-    if extra:
-        raise BadRequest(f"unknown fields {sorted(extra)}: feedback takes id and score")
-    return request_id, float(score)
+    return request_id, float(score), None
+
+
+def score_reference(rewards: RewardSet, completion: str, reference: str, completion_tokens: int) -> dict[str, float]:
+    """The pipeline's rewards on one logged completion against its reference, as evaluation scores the holdout
+    (`grpo_pipeline.tasks.evaluate.score`): each reward's score and the weighted `total`, the outcome stored.
+
+    >>> from grpo_pipeline.configs.rewards import RewardSet
+    >>> score_reference(RewardSet(names=("correct_answer", "number_only"), weights=(1.0, 0.5)), "42", "42", 1)
+    {'correct_answer': 1.0, 'number_only': 1.0, 'total': 1.5}
+    """
+    from grpo_pipeline.tasks.evaluate import score  # the reward functions: loaded once feedback needs them
+
+    row = score([{"answer": reference}], [completion], rewards, [completion_tokens]).rows[0]
+    return {**{name: float(row[name]) for name in rewards.names}, "total": float(row["total"])}
 
 
 def authorized(header: str | None, api_key: str | None) -> bool:
@@ -230,6 +271,59 @@ def usage_tokens(answer: dict) -> tuple[int, int]:
     return int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
 
 
+def answer_text(kind: str, answer: dict) -> str | None:
+    """The first choice's text of a whole (not streamed) answer: what `reference` feedback is scored on.
+
+    >>> answer_text("chat", {"choices": [{"message": {"role": "assistant", "content": "7"}}]})
+    '7'
+    >>> answer_text("completions", {"choices": []}) is None
+    True
+    """
+    try:
+        first = answer["choices"][0]
+        text = first["message"]["content"] if kind == "chat" else first["text"]
+    except (KeyError, IndexError, TypeError):
+        return None
+    return text if isinstance(text, str) else None
+
+
+def chunk_text(kind: str, chunk: dict) -> dict[int, str]:
+    """{choice index: the text it adds} of one streamed chunk.
+
+    >>> chunk_text("chat", {"choices": [{"index": 0, "delta": {"content": "4"}}]})
+    {0: '4'}
+    >>> chunk_text("completions", {"choices": [{"index": 1, "text": " two"}], "usage": None})
+    {1: ' two'}
+    """
+    out: dict[int, str] = {}
+    for choice in chunk.get("choices") or ():
+        if not isinstance(choice, dict):
+            continue
+        text = (choice.get("delta") or {}).get("content") if kind == "chat" else choice.get("text")
+        if isinstance(text, str) and text:
+            out[int(choice.get("index") or 0)] = text
+    return out
+
+
+def relay_chunk(chunk: dict, request_id: str, model: str, client_wants_usage: bool) -> dict | None:
+    """A chunk as the client sees it: the log's `id` and the arm's `model`, as for a whole answer; the usage the
+    router asked the engine for (to log the token counts) is taken out again when the client did not ask.
+    None: nothing left to send (the usage-only last chunk nobody asked for).
+
+    >>> relay_chunk({"id": "cmpl-1", "model": "champion-v1", "choices": [], "usage": {"completion_tokens": 3}},
+    ...             "grpo-9", "champion-v1", False) is None
+    True
+    >>> relay_chunk({"id": "cmpl-1", "choices": [{"text": "a"}], "usage": None}, "grpo-9", "champion-v1", False)
+    {'id': 'grpo-9', 'choices': [{'text': 'a'}], 'model': 'champion-v1'}
+    """
+    out = chunk | {"id": request_id, "model": model}
+    if not client_wants_usage and "usage" in out:
+        del out["usage"]
+        if not out.get("choices"):
+            return None
+    return out
+
+
 def _error(
     status: int,
     message: str,
@@ -238,6 +332,31 @@ def _error(
     **extra: Any,
 ) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}, **extra}, status, headers=headers)
+
+
+def _passed_on(status: int, raw: bytes, headers: Mapping[str, str]) -> JSONResponse:
+    """The engine's own 400/422 (the client's input), passed on as it said it."""
+    try:
+        return JSONResponse(json.loads(raw), status, headers=headers)
+    except ValueError:
+        return _error(status, raw[:500].decode(errors="replace"), headers=headers)
+
+
+class _LoggedStream(StreamingResponse):
+    """Server-sent events whose `closed` runs however the response ends: streamed to the end, the client gone
+    (Starlette cancels the stream, or the send fails), or an error. Shielded, so a cancelled response still
+    closes the engine's stream and writes its row."""
+
+    def __init__(self, content: AsyncIterator[bytes], closed: Callable[[], Awaitable[None]], headers: dict[str, str]):
+        super().__init__(content, media_type="text/event-stream", headers=headers)
+        self.closed = closed
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.closed()
 
 
 # ------------------------------------------------------------------------------------------------ the router
@@ -259,8 +378,11 @@ class Router:
         base_sha256: str | None,
         max_rank: int,
         request_timeout_s: float,
+        rewards: RewardSet | None = None,
+        log_completions: bool = True,
     ):
         self.engine, self._client, self.log, self.spool = engine, client, request_log, spool
+        self.rewards, self.log_completions = rewards, log_completions
         self.fraction, self.api_key = challenger_fraction, api_key
         self.base, self.base_sha256, self.max_rank = base, base_sha256, max_rank
         self.timeout_s = request_timeout_s
@@ -303,11 +425,33 @@ class Router:
             except LogStoreError:
                 pass
 
-    async def generate(self, request: Request, kind: str) -> JSONResponse:
-        if not authorized(request.headers.get("authorization"), self.api_key):
-            return _error(
-                401, f"missing or wrong API key: send Authorization: Bearer <{API_KEY_ENV}>", "authentication_error"
-            )
+    def _denied(self, request: Request) -> JSONResponse | None:
+        if authorized(request.headers.get("authorization"), self.api_key):
+            return None
+        return _error(
+            401, f"missing or wrong API key: send Authorization: Bearer <{API_KEY_ENV}>", "authentication_error"
+        )
+
+    def _row(
+        self, request_id: str, adapter: Adapter, hashed: str | None, latency: float, usage: dict, **fields: Any
+    ) -> RequestRow:
+        prompt_tokens, completion_tokens = usage_tokens({"usage": usage})
+        completion = fields.pop("completion", None)
+        return RequestRow(
+            id=request_id,
+            arm=adapter.alias,
+            version=adapter.version,
+            latency_s=latency,
+            prompt_tokens=fields.pop("prompt_tokens", prompt_tokens),
+            completion_tokens=fields.pop("completion_tokens", completion_tokens),
+            assignment=hashed,
+            completion=completion if self.log_completions else None,
+            **fields,
+        )
+
+    async def generate(self, request: Request, kind: str) -> Response:
+        if (denied := self._denied(request)) is not None:
+            return denied
         try:
             body = validate_generation(kind, parse_object(await request.body()))
         except BadRequest as e:
@@ -319,6 +463,8 @@ class Router:
         request_id = f"grpo-{uuid.uuid4().hex}"
         body["model"] = adapter.engine_name  # the arm decides; a client's `model` is not a choice of adapter
         path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+        if body.get("stream"):
+            return await self._stream(kind, path, body, adapter, hashed, request_id, arm_headers)
         self.inflight[adapter.engine_name] += 1
         started = time.perf_counter()
         try:
@@ -330,10 +476,7 @@ class Router:
             self.inflight[adapter.engine_name] -= 1
         latency = time.perf_counter() - started
         if answer is not None and answer.status_code in (400, 422):  # the client's input, not the arm's failure
-            try:
-                return JSONResponse(answer.json(), answer.status_code, headers=arm_headers)
-            except ValueError:
-                return _error(answer.status_code, answer.text[:500], headers=arm_headers)
+            return _passed_on(answer.status_code, answer.content, arm_headers)
         payload: dict[str, Any] | None = None
         if answer is not None:
             if answer.status_code != 200:
@@ -345,16 +488,14 @@ class Router:
                     payload = None
                 if not isinstance(payload, dict):  # a completion is a JSON object: anything else is the arm failing
                     payload, failure = None, f"the engine answered HTTP 200 without a JSON object: {answer.text[:300]}"
-        prompt_tokens, completion_tokens = usage_tokens(payload or {})
-        row = RequestRow(
-            id=request_id,
-            arm=adapter.alias,
-            version=adapter.version,
-            latency_s=latency,
-            prompt_tokens=prompt_tokens,
-            completion_tokens=completion_tokens,
+        row = self._row(
+            request_id,
+            adapter,
+            hashed,
+            latency,
+            (payload or {}).get("usage") or {},
             error=payload is None,
-            assignment=hashed,
+            completion=answer_text(kind, payload) if payload else None,
         )
         await anyio.to_thread.run_sync(self._write, row)  # committed (or spooled) before the answer leaves
         if payload is None:
@@ -363,19 +504,138 @@ class Router:
             )
         return JSONResponse(payload | {"id": request_id, "model": adapter.engine_name}, headers=arm_headers)
 
-    async def chat(self, request: Request) -> JSONResponse:
+    async def _stream(
+        self,
+        kind: str,
+        path: str,
+        body: dict,
+        adapter: Adapter,
+        hashed: str | None,
+        request_id: str,
+        arm_headers: dict[str, str],
+    ) -> Response:
+        """Relay the engine's server-sent events; the row is committed when its stream ends, before `[DONE]`.
+        The engine is always asked for usage (the token counts of the log); the client gets it if it asked."""
+        options = body.get("stream_options") or {}
+        client_wants_usage = bool(options.get("include_usage"))
+        body["stream_options"] = {**options, "include_usage": True}
+        name = adapter.engine_name
+        self.inflight[name] += 1
+        started = time.perf_counter()
+        texts: dict[int, list[str]] = {}
+        usage: dict = {}
+        chunks_with_text = 0
+        logged = False
+
+        async def commit(error: bool) -> None:
+            """Write the row once (whichever of the end, a failure or a disconnect comes first)."""
+            nonlocal logged
+            if logged:
+                return
+            logged = True
+            self.inflight[name] -= 1
+            counts = {} if usage else {"completion_tokens": chunks_with_text}  # a cut stream has no usage
+            row = self._row(
+                request_id,
+                adapter,
+                hashed,
+                time.perf_counter() - started,
+                usage,
+                error=error,
+                completion="".join(texts.get(0, [])) if not error else None,
+                **counts,
+            )
+            await anyio.to_thread.run_sync(self._write, row)
+
+        try:
+            upstream = await self.client.send(
+                self.client.build_request("POST", path, json=body, timeout=self.timeout_s), stream=True
+            )
+        except httpx.HTTPError as e:
+            await commit(error=True)
+            return _error(
+                502,
+                f"the engine did not answer ({type(e).__name__}: {e})",
+                "engine_error",
+                headers=arm_headers,
+                id=request_id,
+            )
+        if upstream.status_code != 200:
+            raw = await upstream.aread()
+            await upstream.aclose()
+            if upstream.status_code in (400, 422):
+                logged = True  # the client's input: not the arm's request, not logged
+                self.inflight[name] -= 1
+                return _passed_on(upstream.status_code, raw, arm_headers)
+            await commit(error=True)
+            return _error(
+                502,
+                f"the engine answered HTTP {upstream.status_code}: {raw[:300].decode(errors='replace')}",
+                "engine_error",
+                headers=arm_headers,
+                id=request_id,
+            )
+
+        async def events() -> AsyncIterator[bytes]:
+            nonlocal usage, chunks_with_text
+            done, failure = False, None
+            try:
+                async for line in upstream.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue  # blank separators, comments
+                    data = line[len("data:") :].strip()
+                    if data == "[DONE]":
+                        done = True
+                        break
+                    try:
+                        chunk = json.loads(data)
+                    except ValueError:
+                        chunk = None
+                    if not isinstance(chunk, dict):
+                        failure = f"the engine streamed something other than a JSON object: {data[:200]}"
+                        break
+                    if "error" in chunk:  # vLLM reports a failure mid-stream as an event, then [DONE]
+                        failure = f"the engine failed mid-stream: {json.dumps(chunk['error'])[:300]}"
+                    if isinstance(chunk.get("usage"), dict):
+                        usage = chunk["usage"]
+                    for index, text in chunk_text(kind, chunk).items():
+                        texts.setdefault(index, []).append(text)
+                        chunks_with_text += 1
+                    out = relay_chunk(chunk, request_id, name, client_wants_usage)
+                    if out is not None:
+                        yield f"data: {json.dumps(out)}\n\n".encode()
+            except httpx.HTTPError as e:
+                failure = f"the engine's stream broke ({type(e).__name__}: {e})"
+            if not done and failure is None:
+                failure = "the engine's stream ended without [DONE]"
+            await commit(error=failure is not None)  # in the log before the client's [DONE]
+            if failure is not None:
+                error = {"message": failure, "type": "engine_error", "code": 502}
+                yield f"data: {json.dumps({'id': request_id, 'error': error})}\n\n".encode()
+            yield DONE
+
+        async def closed() -> None:
+            await upstream.aclose()
+            await commit(error=True)  # a no-op when the stream ended: only a client that left mid-stream
+
+        return _LoggedStream(events(), closed, arm_headers)
+
+    async def chat(self, request: Request) -> Response:
         return await self.generate(request, "chat")
 
-    async def completions(self, request: Request) -> JSONResponse:
+    async def completions(self, request: Request) -> Response:
         return await self.generate(request, "completions")
 
     async def feedback(self, request: Request) -> JSONResponse:
-        if not authorized(request.headers.get("authorization"), self.api_key):
-            return _error(
-                401, f"missing or wrong API key: send Authorization: Bearer <{API_KEY_ENV}>", "authentication_error"
-            )
+        if (denied := self._denied(request)) is not None:
+            return denied
         try:
-            request_id, score = validate_feedback(parse_object(await request.body()))
+            request_id, score, reference = validate_feedback(parse_object(await request.body()))
+            rewards: dict[str, float] | None = None
+            if reference is not None:
+                rewards = await self._score_reference(request_id, reference)
+                score = rewards["total"]
+            assert score is not None
             await anyio.to_thread.run_sync(self.log.feedback, request_id, score)
         except BadRequest as e:
             return _error(400, str(e))
@@ -383,13 +643,26 @@ class Router:
             return _error(404, f"{e}: feedback takes the id of a response this service gave", "not_found_error")
         except LogStoreError as e:
             return _error(503, f"the A/B log store did not take the feedback: {e}", "service_unavailable")
-        return JSONResponse({"id": request_id, "score": score, "status": "stored"})
+        return JSONResponse(
+            {"id": request_id, "score": score, **({"rewards": rewards} if rewards else {}), "status": "stored"}
+        )
+
+    async def _score_reference(self, request_id: str, reference: str) -> dict[str, float]:
+        """The rewards' scores of the logged completion against `reference` (BadRequest when it cannot be)."""
+        if self.rewards is None:
+            raise BadRequest("this router was started without the pipeline's rewards: send a score instead")
+        completion, tokens = await anyio.to_thread.run_sync(self.log.completion, request_id)
+        if completion is None:
+            raise BadRequest(
+                f"request {request_id!r} has no logged completion to score (an error, or ab.serve.log_completions "
+                "is off): send a score instead"
+            )
+        assert self.rewards is not None
+        return await anyio.to_thread.run_sync(score_reference, self.rewards, completion, reference, tokens)
 
     async def models(self, request: Request) -> JSONResponse:
-        if not authorized(request.headers.get("authorization"), self.api_key):
-            return _error(
-                401, f"missing or wrong API key: send Authorization: Bearer <{API_KEY_ENV}>", "authentication_error"
-            )
+        if (denied := self._denied(request)) is not None:
+            return denied
         data = [
             {
                 "id": a.alias,
@@ -570,6 +843,8 @@ def serve(
             base_sha256=champion.base_sha256,
             max_rank=serve_cfg.max_lora_rank,
             request_timeout_s=serve_cfg.request_timeout_s,
+            rewards=cfg.train.reward_set(),  # the same judge as training and the holdout, for `reference` feedback
+            log_completions=serve_cfg.log_completions,
         )
         router.arms, router.refused = initial, refused
 

@@ -2,8 +2,12 @@
 Starlette app over a real SQLite request log; a request the engine cannot answer (nothing listens on its port)
 is logged as an error. The engine itself (vLLM) is exercised in tests/integration/test_serve_engine.py (slow)."""
 
+import contextlib
 import json
 import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -13,6 +17,7 @@ from sqlalchemy import text
 from starlette.testclient import TestClient
 
 from grpo_pipeline.configs.ab import ABConfig
+from grpo_pipeline.configs.rewards import RewardSet
 from grpo_pipeline.tasks import ab_spool
 from grpo_pipeline.tasks.ab_log import RequestLog, RequestRow, metadata
 from grpo_pipeline.tasks.adapters import Adapter, refusal
@@ -92,7 +97,8 @@ def test_fraction_outside_0_1_is_refused_by_the_config():
         ("completions", {"prompt": 3}, "prompt must be a string"),
         ("completions", {"prompt": []}, "prompt must be a string"),
         ("completions", {"prompt": "x", "user": 7}, "user must be a string"),
-        ("chat", {"messages": [{"role": "user", "content": "x"}], "stream": True}, "stream=true is not supported"),
+        ("chat", {"messages": [{"role": "user", "content": "x"}], "stream": "yes"}, "stream must be true or false"),
+        ("completions", {"prompt": "x", "stream": True, "stream_options": [1]}, "stream_options must be an object"),
     ],
 )
 def test_malformed_generation_bodies_are_refused_with_the_reason(kind, body, reason):
@@ -124,7 +130,10 @@ def test_bodies_that_are_not_json_objects_are_refused(raw, reason):
         ({"score": 1}, "id must be"),
         ({"id": "", "score": 1}, "id must be"),
         ({"id": "x" * 65, "score": 1}, "id must be"),
-        ({"id": "a"}, "score must be a finite number"),
+        ({"id": "a"}, "needs a score .* or a reference"),
+        ({"id": "a", "score": 1, "reference": "1"}, "score or reference, not both"),
+        ({"id": "a", "reference": " "}, "reference must be a non-empty string"),
+        ({"id": "a", "reference": ["1"]}, "reference must be a non-empty string"),
         ({"id": "a", "score": "1"}, "score must be a finite number"),
         ({"id": "a", "score": True}, "score must be a finite number"),
         ({"id": "a", "score": float("inf")}, "score must be a finite number"),
@@ -167,35 +176,149 @@ def closed_port() -> int:
         return s.getsockname()[1]  # nothing listens once the socket is closed
 
 
-@pytest.fixture
-def served(tmp_path):
-    """A router whose engine is absent (its port closed), over a real SQLite log, champion and challenger set."""
-    request_log = RequestLog.open(f"sqlite:///{tmp_path / 'ab.sqlite'}")
+def make_router(tmp_path, request_log, fraction: float = 0.5, api_key=None, **kw) -> Router:
+    """A router over `request_log` serving champion v1 and (with a fraction) challenger v2 on base-a."""
     router = Router(
         engine=None,
         client=None,
         request_log=request_log,
         spool=tmp_path / "unlogged.jsonl",
-        challenger_fraction=0.5,
-        api_key="secret",
+        challenger_fraction=fraction,
+        api_key=api_key,
         base="base-a",
         base_sha256="aaa",
         max_rank=16,
-        request_timeout_s=5,
+        request_timeout_s=30,
+        **kw,
     )
-    router.arms = {CHAMPION: adapter(), CHALLENGER: adapter("challenger", "2")}
+    router.arms = {CHAMPION: adapter(), CHALLENGER: adapter("challenger", "2")} if fraction else {CHAMPION: adapter()}
+    return router
 
-    import contextlib
+
+def app_of(router: Router, engine_url: str):
+    """The router's app with the lifespan `serve` gives it: the engine's HTTP client, here on `engine_url`."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{closed_port()}") as client:
+        async with httpx.AsyncClient(base_url=engine_url) as client:
             router.client = client
             yield
 
-    with TestClient(router.app(lifespan), headers={"Authorization": "Bearer secret"}) as client:
+    return router.app(lifespan)
+
+
+class StandInEngine(BaseHTTPRequestHandler):
+    """A real HTTP server in vLLM's place speaking its OpenAI shapes: a whole answer or server-sent events (one
+    word a chunk, `usage` last when `stream_options.include_usage`), the text naming the adapter asked for, so
+    the arms answer differently. The prompt "forever" streams until the reader leaves; "fail" answers 500."""
+
+    received: list[dict] = []
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).received.append(body)
+        chat = self.path.endswith("/chat/completions")
+        prompt = body["messages"][-1]["content"] if chat else body["prompt"]
+        if prompt == "fail":
+            self.send_response(500)
+            self.end_headers()
+            self.wfile.write(b"engine crashed")
+            return
+        words = f"the answer is 42 from {body['model']}".split(" ")
+        usage = {"prompt_tokens": 3, "completion_tokens": len(words), "total_tokens": 3 + len(words)}
+        if not body.get("stream"):
+            text = " ".join(words)
+            choice = (
+                {"index": 0, "message": {"role": "assistant", "content": text}} if chat else {"index": 0, "text": text}
+            )
+            self._send(
+                200, json.dumps({"id": "cmpl-engine", "model": body["model"], "choices": [choice], "usage": usage})
+            )
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        try:
+            for i in range(100_000 if prompt == "forever" else len(words)):
+                word = words[i % len(words)] + " "
+                choice = {"index": 0, "delta": {"content": word}} if chat else {"index": 0, "text": word}
+                self._event({"id": "cmpl-engine", "model": body["model"], "choices": [choice], "usage": None})
+                if prompt == "forever":
+                    time.sleep(0.005)
+            if (body.get("stream_options") or {}).get("include_usage"):
+                self._event({"id": "cmpl-engine", "model": body["model"], "choices": [], "usage": usage})
+            self.wfile.write(b"data: [DONE]\n\n")
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the router closed its stream
+
+    def _event(self, chunk: dict) -> None:
+        self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        self.wfile.flush()
+
+    def _send(self, status: int, text: str) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(text.encode())))
+        self.end_headers()
+        self.wfile.write(text.encode())
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def engine_url():
+    StandInEngine.received = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), StandInEngine)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+@pytest.fixture
+def request_log(tmp_path):
+    log = RequestLog.open(f"sqlite:///{tmp_path / 'ab.sqlite'}")
+    yield log
+    log.close()
+
+
+@pytest.fixture
+def served(tmp_path, request_log):
+    """A router whose engine is absent (its port closed), over a real SQLite log, champion and challenger set."""
+    router = make_router(tmp_path, request_log, api_key="secret")
+    with TestClient(
+        app_of(router, f"http://127.0.0.1:{closed_port()}"), headers={"Authorization": "Bearer secret"}
+    ) as client:
         yield router, client, request_log
-    request_log.close()
+
+
+@contextlib.contextmanager
+def live(router: Router, engine_url: str):
+    """The router under uvicorn on a free loopback port, as `serve` runs it: real sockets, so a client can stream
+    and hang up. Yields its URL."""
+    import uvicorn
+
+    port = closed_port()
+    server = uvicorn.Server(
+        uvicorn.Config(app_of(router, engine_url), host="127.0.0.1", port=port, log_level="warning")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+def rows(request_log) -> list[dict]:
+    with request_log.engine.connect() as c:
+        return [dict(r._mapping) for r in c.execute(text("SELECT * FROM ab_requests"))]
 
 
 def test_requests_without_the_key_get_401(served):
@@ -241,11 +364,8 @@ def test_a_request_the_engine_cannot_answer_is_logged_as_an_error_with_its_arm(s
 
 
 @pytest.mark.parametrize("engine_body", [b"null", b"[1, 2]", b"<html>busy</html>"])
-def test_an_engine_answer_that_is_not_a_json_object_is_the_arms_502_and_is_logged(tmp_path, engine_body):
+def test_an_engine_answer_that_is_not_a_json_object_is_the_arms_502_and_is_logged(tmp_path, request_log, engine_body):
     """A real HTTP server in the engine's place answers 200 with something other than a completion object."""
-    import contextlib
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     class Engine(BaseHTTPRequestHandler):
         def do_POST(self):
@@ -261,51 +381,19 @@ def test_an_engine_answer_that_is_not_a_json_object_is_the_arms_502_and_is_logge
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Engine)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    request_log = RequestLog.open(f"sqlite:///{tmp_path / 'ab.sqlite'}")
-    router = Router(
-        engine=None,
-        client=None,
-        request_log=request_log,
-        spool=tmp_path / "unlogged.jsonl",
-        challenger_fraction=0.0,
-        api_key=None,
-        base="base-a",
-        base_sha256="aaa",
-        max_rank=16,
-        request_timeout_s=5,
-    )
-    router.arms = {CHAMPION: adapter()}
-
-    @contextlib.asynccontextmanager
-    async def lifespan(_app):
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.server_address[1]}") as client:
-            router.client = client
-            yield
-
+    router = make_router(tmp_path, request_log, fraction=0.0)
     try:
-        with TestClient(router.app(lifespan)) as client:
+        with TestClient(app_of(router, f"http://127.0.0.1:{server.server_address[1]}")) as client:
             answer = client.post("/v1/completions", json={"prompt": "hi", "user": "alice"})
         assert answer.status_code == 502
         assert "without a JSON object" in answer.json()["error"]["message"]
         assert request_log.counts() == {CHAMPION: {"1": {"requests": 1, "errors": 1, "feedback": 0}}}
     finally:
         server.shutdown()
-        request_log.close()
 
 
 def test_a_router_serves_nothing_before_its_lifespan_opens_the_engine_client(tmp_path):
-    router = Router(
-        engine=None,
-        client=None,
-        request_log=None,
-        spool=tmp_path / "unlogged.jsonl",
-        challenger_fraction=0.0,
-        api_key=None,
-        base="base-a",
-        base_sha256="aaa",
-        max_rank=16,
-        request_timeout_s=5,
-    )
+    router = make_router(tmp_path, None)
     with pytest.raises(RuntimeError, match="opened by the lifespan"):
         _ = router.client
 
@@ -355,6 +443,162 @@ def test_an_alias_move_to_another_base_is_refused_and_the_old_adapter_keeps_serv
     assert "trained on base base-b" in reason
     assert router.arms[CHALLENGER].version == "2"
     assert [m["version"] for m in client.get("/v1/models").json()["data"]] == ["1", "2"]
+
+
+# ------------------------------------------------------------------------------------------------ answers, streams
+
+
+def events(lines) -> list:
+    """The `data:` payloads of a server-sent event stream, JSON decoded ("[DONE]" kept as it is)."""
+    out = []
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[len("data: ") :]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def test_a_whole_answer_is_logged_with_its_text_and_the_engines_token_counts(tmp_path, request_log, engine_url):
+    router = make_router(tmp_path, request_log, fraction=0.0)
+    with TestClient(app_of(router, engine_url)) as client:
+        answer = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert answer.status_code == 200
+    body = answer.json()
+    assert body["model"] == "champion-v1" and body["id"].startswith("grpo-")
+    [row] = rows(request_log)
+    assert row["id"] == body["id"] and row["completion"] == "the answer is 42 from champion-v1"
+    assert (row["prompt_tokens"], row["completion_tokens"], row["error"]) == (3, 6, False)
+
+
+@pytest.mark.parametrize("kind", ["chat", "completions"])
+def test_a_stream_is_relayed_with_the_arm_and_logged_before_its_done(tmp_path, request_log, engine_url, kind):
+    router = make_router(tmp_path, request_log, api_key="k")
+    path, prompt = (
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+        if kind == "chat"
+        else ("/v1/completions", {"prompt": "hi"})
+    )
+    with live(router, engine_url) as url, httpx.Client(base_url=url, headers={"Authorization": "Bearer k"}) as client:
+        with client.stream("POST", path, json=prompt | {"stream": True, "user": "bob"}) as answer:
+            assert answer.status_code == 200 and answer.headers["content-type"].startswith("text/event-stream")
+            arm, version = answer.headers["X-GRPO-Arm"], answer.headers["X-GRPO-Version"]
+            seen = []
+            for line in answer.iter_lines():
+                seen.append(line)
+                if line == "data: [DONE]":
+                    logged = rows(request_log)  # read the instant [DONE] arrives: the row is already there
+                    break
+    chunks = events(seen)
+    assert chunks[-1] == "[DONE]" and len(chunks) == 7  # six words, no usage chunk: the client did not ask
+    assert arm == (CHALLENGER if arm_for(assignment_hash("bob"), 0.5) == CHALLENGER else CHAMPION)
+    model = f"{arm}-v{version}"
+    assert {c["id"] for c in chunks[:-1]} == {logged[0]["id"]} and {c["model"] for c in chunks[:-1]} == {model}
+    assert all("usage" not in c for c in chunks[:-1])
+    text_of = (lambda c: c["choices"][0]["delta"]["content"]) if kind == "chat" else (lambda c: c["choices"][0]["text"])
+    assert "".join(map(text_of, chunks[:-1])) == f"the answer is 42 from {model} "
+    [row] = logged
+    assert (row["arm"], row["version"], row["error"]) == (arm, version, False)
+    assert (row["prompt_tokens"], row["completion_tokens"]) == (3, 6)  # from the usage the router asked for
+    assert row["completion"] == f"the answer is 42 from {model} "
+    assert StandInEngine.received[-1]["stream_options"] == {"include_usage": True}
+
+
+def test_a_stream_passes_usage_on_when_the_client_asks_for_it(tmp_path, request_log, engine_url):
+    router = make_router(tmp_path, request_log, fraction=0.0)
+    with TestClient(app_of(router, engine_url)) as client:
+        answer = client.post(
+            "/v1/completions", json={"prompt": "hi", "stream": True, "stream_options": {"include_usage": True}}
+        )
+    chunks = events(answer.text.splitlines())
+    assert chunks[-2]["choices"] == [] and chunks[-2]["usage"]["completion_tokens"] == 6
+    assert chunks[-2]["id"] == rows(request_log)[0]["id"]
+
+
+def test_a_client_that_leaves_mid_stream_is_logged_once_with_the_error_flag(tmp_path, request_log, engine_url):
+    router = make_router(tmp_path, request_log, fraction=0.0)
+    with live(router, engine_url) as url, httpx.Client(base_url=url, timeout=30) as client:
+        with client.stream("POST", "/v1/completions", json={"prompt": "forever", "stream": True}) as answer:
+            request_id = None
+            for i, line in enumerate(answer.iter_lines()):
+                if line.startswith("data: "):
+                    request_id = json.loads(line[len("data: ") :])["id"]
+                if i >= 6:
+                    break  # leave: the response is closed with the engine still streaming
+        deadline = time.monotonic() + 60
+        while not rows(request_log) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        logged = rows(request_log)
+        assert len(logged) == 1 and logged[0]["id"] == request_id and logged[0]["error"]
+        assert logged[0]["completion_tokens"] >= 3 and logged[0]["completion"] is None
+        assert router.inflight["champion-v1"] == 0  # a drain before an unload does not wait on it
+        # the router still serves, and the disconnect was written once
+        assert client.post("/v1/completions", json={"prompt": "hi"}).status_code == 200
+    assert [r["error"] for r in rows(request_log)].count(True) == 1
+
+
+def test_a_stream_the_engine_refuses_is_the_arms_502_and_is_logged(tmp_path, request_log, engine_url):
+    router = make_router(tmp_path, request_log, fraction=0.0)
+    with TestClient(app_of(router, engine_url)) as client:
+        answer = client.post("/v1/completions", json={"prompt": "fail", "stream": True})
+        assert answer.status_code == 502 and "HTTP 500" in answer.json()["error"]["message"]
+    [row] = rows(request_log)
+    assert row["id"] == answer.json()["id"] and row["error"]
+
+
+def test_feedback_with_a_reference_is_scored_by_the_pipelines_rewards(tmp_path, request_log, engine_url):
+    rewards = RewardSet(names=("correct_answer", "number_only"), weights=(1.0, 0.5))
+    router = make_router(tmp_path, request_log, fraction=0.0, rewards=rewards)
+    with TestClient(app_of(router, engine_url)) as client:
+        request_id = client.post("/v1/completions", json={"prompt": "hi"}).json()["id"]  # "the answer is 42 ..."
+        right = client.post("/v1/feedback", json={"id": request_id, "reference": "42"})
+        assert right.status_code == 200
+        assert right.json()["rewards"] == {"correct_answer": 1.0, "number_only": 0.0, "total": 1.0}
+        assert right.json()["score"] == 1.0
+        wrong = client.post("/v1/feedback", json={"id": request_id, "reference": 41})  # replaces the earlier
+        assert wrong.json()["score"] == 0.0
+        assert client.post("/v1/feedback", json={"id": "grpo-nope", "reference": "42"}).status_code == 404
+        both = client.post("/v1/feedback", json={"id": request_id, "score": 1, "reference": "42"})
+        assert both.status_code == 400 and "not both" in both.json()["error"]["message"]
+        assert client.post("/v1/feedback", json={"id": request_id}).status_code == 400
+    with request_log.engine.connect() as c:
+        assert c.execute(text("SELECT score FROM ab_feedback")).scalars().all() == [0.0]
+
+
+def test_reference_feedback_needs_the_logged_completion(tmp_path, request_log, engine_url):
+    rewards = RewardSet(names=("correct_answer",))
+    router = make_router(tmp_path, request_log, fraction=0.0, rewards=rewards, log_completions=False)
+    with TestClient(app_of(router, engine_url)) as client:
+        request_id = client.post("/v1/completions", json={"prompt": "hi"}).json()["id"]
+        refused = client.post("/v1/feedback", json={"id": request_id, "reference": "42"})
+        assert refused.status_code == 400 and "ab.serve.log_completions" in refused.json()["error"]["message"]
+        assert client.post("/v1/feedback", json={"id": request_id, "score": 1}).status_code == 200
+    assert rows(request_log)[0]["completion"] is None
+
+
+def test_a_log_from_before_completions_were_kept_gets_the_column(tmp_path):
+    from sqlalchemy import create_engine
+
+    url = f"sqlite:///{tmp_path / 'old.sqlite'}"
+    old = create_engine(url)
+    with old.begin() as c:
+        c.execute(
+            text(
+                "CREATE TABLE ab_requests (id VARCHAR(64) PRIMARY KEY, created_at DATETIME NOT NULL, "
+                "arm VARCHAR(32) NOT NULL, version VARCHAR(32) NOT NULL, latency_s FLOAT NOT NULL, "
+                "prompt_tokens INTEGER NOT NULL, completion_tokens INTEGER NOT NULL, error BOOLEAN NOT NULL, "
+                "assignment VARCHAR(16))"
+            )
+        )
+        c.execute(text("INSERT INTO ab_requests VALUES ('old', '2026-01-01', 'champion', '1', 0.1, 1, 1, 0, NULL)"))
+    old.dispose()
+    log = RequestLog.open(url)
+    try:
+        assert log.completion("old") == (None, 1)
+        log.record(RequestRow("new", "champion", "1", 0.1, 1, 2, False, completion="7"))
+        assert log.completion("new") == ("7", 2)
+        RequestLog.open(url).close()  # opening again finds the column: nothing to add
+    finally:
+        log.close()
 
 
 # ------------------------------------------------------------------------------------------------ the command
