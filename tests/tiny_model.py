@@ -52,3 +52,21 @@ def create_random_model(target: Path, *, hidden_size: int = 64, layers: int = 2,
     model.save_pretrained(target)
     tokenizer.save_pretrained(target)
     return target
+
+
+def create_random_adapter(base: Path, out: Path, seed: int, rank: int = 8) -> Path:
+    """A LoRA adapter with random, non-zero weights (so it changes the outputs), with the tokenizer, saved as the
+    trainer saves one: for the serving tests and `bench.serving`."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(base)
+    peft_model = get_peft_model(
+        model,
+        LoraConfig(r=rank, lora_alpha=32, target_modules=["q_proj", "v_proj", "o_proj"], init_lora_weights=False),
+    )
+    peft_model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(base).save_pretrained(out)
+    return out

@@ -6,13 +6,15 @@ import json
 import os
 import subprocess
 import sys
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 
 import mlflow
 import pytest
 
-from grpo_pipeline.tasks.ab_log import LOG_URL_ENV, RequestLog, RequestRow
+from grpo_pipeline.tasks.ab_log import LOG_URL_ENV, RequestLog
 from grpo_pipeline.tasks.registry import CHALLENGER, CHAMPION, PREVIOUS, Registry
+from tests import ab_world
+from tests.ab_world import NAME, make_registry, overrides
 
 pytestmark = pytest.mark.integration
 
@@ -30,51 +32,22 @@ print("RESULT " + json.dumps({"runs": results, "artifact": artifact.data if arti
 @pytest.fixture
 def world(tmp_path):
     """A registry with versions 1 (champion) and 2 (challenger), an empty request log, the flow's overrides."""
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    client = mlflow.MlflowClient(uri)
-    client.create_registered_model("ab-test")
-    for _ in range(2):
-        client.create_model_version("ab-test", source=str(tmp_path))
-    client.set_registered_model_alias("ab-test", CHAMPION, "1")
-    client.set_registered_model_alias("ab-test", CHALLENGER, "2")
+    uri, client = make_registry(tmp_path)
     url = f"sqlite:///{tmp_path / 'ab.sqlite'}"
     log = RequestLog.open(url)
-    overrides = [
-        f"data_dir={tmp_path / 'data'}",
-        f"tracking.mlflow_tracking_uri={uri}",
-        "tracking.registered_model=ab-test",
-        "ab.min_samples=40",
-        "ab.guardrails.min_requests=40",
-        "promote.mode=canary",
-    ]
     env = {
         **os.environ,
         LOG_URL_ENV: url,
         "PREFECT_HOME": str(tmp_path / "prefect"),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     }
-    yield log, Registry(client, "ab-test"), client, overrides, env
+    yield log, Registry(client, NAME), client, [f"data_dir={tmp_path / 'data'}", *overrides(uri)], env
     log.close()
 
 
-def fill(log: RequestLog, challenger_score: float, challenger_latency: float = 0.2, per_arm: int = 60) -> None:
-    """Both arms answered over the last two hours; the champion's thumbs-up rate is 50 %."""
-    start = datetime.now(UTC) - timedelta(hours=2)
-    for i in range(2 * per_arm):
-        arm, version = ("challenger", "2") if i % 2 else ("champion", "1")
-        log.record(
-            RequestRow(
-                id=f"r{i}",
-                arm=arm,
-                version=version,
-                prompt_tokens=9,
-                completion_tokens=30,
-                latency_s=challenger_latency if arm == "challenger" else 0.2,
-                error=False,
-                created_at=start + timedelta(minutes=i),
-            )
-        )
-        log.feedback(f"r{i}", challenger_score if arm == "challenger" else float(i // 2 % 2))
+def fill(log: RequestLog, challenger_score: float, challenger_latency: float = 0.2) -> None:
+    """60 requests an arm, one a minute over the last two hours (the score-over-time table needs the spread)."""
+    ab_world.fill(log, challenger_score, challenger_latency, per_arm=60, step=timedelta(minutes=1))
 
 
 def run_flow(overrides: list[str], env: dict, times: int = 1) -> dict:

@@ -54,26 +54,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def random_adapter(base: Path, out: Path, seed: int) -> Path:
-    """Non-zero LoRA weights (so the adapter changes the outputs), rank 8, with the tokenizer, as the trainer saves."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_pretrained(base)
-    peft_model = get_peft_model(
-        model, LoraConfig(r=8, lora_alpha=32, target_modules=["q_proj", "v_proj", "o_proj"], init_lora_weights=False)
-    )
-    peft_model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(base).save_pretrained(out)
-    return out
-
-
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     """A registry with champion v1, challenger v2 (same base), v3 (same base, other weights), v4 (another base)."""
-    from tests.tiny_model import create_random_model
+    from tests.tiny_model import create_random_adapter, create_random_model
 
     root = tmp_path_factory.mktemp("serve")
     base = create_random_model(root / "base", hidden_size=256, seed=0)
@@ -90,7 +74,7 @@ def world(tmp_path_factory):
     versions = []
     for i, on in enumerate([base, base, base, other_base]):
         reference = serving.base_reference(client, str(on), base_exp, on.name)
-        adapter = random_adapter(on, root / f"adapter-{i}", seed=10 + i)
+        adapter = create_random_adapter(on, root / f"adapter-{i}", seed=10 + i)
         with mlflow.start_run() as run:
             model_uri, model_id = serving.log_adapter_model(
                 str(adapter), reference, cfg.model, cfg.evaluate, "What is 1 + 1?", root / f"work-{i}"

@@ -2,8 +2,6 @@
 decision read from the log, the aliases moved under the lock, the failures named with exit 2."""
 
 import json
-import shutil
-from datetime import UTC, datetime, timedelta
 
 import mlflow
 import pytest
@@ -12,6 +10,7 @@ from typer.testing import CliRunner
 from grpo_pipeline.cli import app
 from grpo_pipeline.tasks.ab_log import LOG_URL_ENV, RequestLog, RequestRow
 from grpo_pipeline.tasks.registry import CHALLENGER, CHAMPION, PREVIOUS, Registry
+from tests.ab_world import NAME, fill, make_registry, overrides
 
 
 @pytest.fixture(scope="module")
@@ -25,50 +24,12 @@ def empty_registry_db(tmp_path_factory):
 @pytest.fixture
 def world(tmp_path, monkeypatch, empty_registry_db):
     """A registry with versions 1 (champion) and 2 (challenger), and an empty request log."""
-    shutil.copy(empty_registry_db, tmp_path / "mlflow.db")
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    client = mlflow.MlflowClient(uri)
-    client.create_registered_model("ab-test")
-    for _ in range(2):
-        client.create_model_version("ab-test", source=str(tmp_path))
-    client.set_registered_model_alias("ab-test", CHAMPION, "1")
-    client.set_registered_model_alias("ab-test", CHALLENGER, "2")
+    uri, client = make_registry(tmp_path, empty_registry_db)
     log_url = f"sqlite:///{tmp_path / 'ab.sqlite'}"
     monkeypatch.setenv(LOG_URL_ENV, log_url)
     log = RequestLog.open(log_url)
-    args = [
-        "--set",
-        f"tracking.mlflow_tracking_uri={uri}",
-        "--set",
-        "tracking.registered_model=ab-test",
-        "--set",
-        "ab.min_samples=40",
-        "--set",
-        "ab.guardrails.min_requests=40",
-        "--set",
-        "promote.mode=canary",
-    ]
-    yield log, Registry(client, "ab-test"), args
+    yield log, Registry(client, NAME), [arg for o in overrides(uri) for arg in ("--set", o)]
     log.close()
-
-
-def fill(log: RequestLog, challenger_score: float, challenger_latency: float = 0.2, per_arm: int = 50) -> None:
-    start = datetime.now(UTC) - timedelta(hours=2)
-    for i in range(2 * per_arm):
-        arm, version = ("challenger", "2") if i % 2 else ("champion", "1")
-        log.record(
-            RequestRow(
-                id=f"r{i}",
-                arm=arm,
-                version=version,
-                prompt_tokens=9,
-                completion_tokens=30,
-                latency_s=challenger_latency if arm == "challenger" else 0.2,
-                error=False,
-                created_at=start + timedelta(seconds=i),
-            )
-        )
-        log.feedback(f"r{i}", challenger_score if arm == "challenger" else float(i // 2 % 2))  # champion: 50 %
 
 
 def run(*args: str) -> tuple[int, dict]:
