@@ -572,17 +572,24 @@ def stack_up(
     s3_port: Annotated[int | None, typer.Option(help=f"S3 API port (default {DEFAULT_PORTS['s3']})")] = None,
     mlflow_port: Annotated[int | None, typer.Option(help=f"MLflow port (default {DEFAULT_PORTS['mlflow']})")] = None,
     prefect_port: Annotated[int | None, typer.Option(help=f"Prefect port (default {DEFAULT_PORTS['prefect']})")] = None,
+    serve: Annotated[
+        bool, typer.Option("--serve", help="also start `grpo-pipeline serve` (the router and its vLLM engine)")
+    ] = False,
+    serve_config: Annotated[Path | None, typer.Option(help="the pipeline config the router serves")] = None,
+    serve_port: Annotated[int | None, typer.Option(help=f"router port (default {DEFAULT_PORTS['serve']})")] = None,
 ) -> None:
     """Start the services that are not running. Into a pipe (`eval "$(grpo-pipeline stack up)"`) it prints the
     environment exports; to a terminal only where things are, so the stack's credentials (S3 key, MLflow
     password, Prefect auth string) never land on screen or in a terminal log (`stack env` prints the exports
-    for `eval`)."""
+    for `eval`). `--serve` also starts the router once the registry has a champion (its key: GRPO_SERVE_API_KEY
+    in `stack env`)."""
     from grpo_pipeline.infra.services import PortInUse, ServiceError
-    from grpo_pipeline.infra.stack import exports
+    from grpo_pipeline.infra.stack import DEFAULT_UP, exports
 
-    stack = _stack(root, s3=s3_port, mlflow=mlflow_port, prefect=prefect_port)
+    stack = _stack(root, s3=s3_port, mlflow=mlflow_port, prefect=prefect_port, serve=serve_port)
+    options = _serve_options(serve_config) if serve else None
     try:
-        stack.up()
+        stack.up([*DEFAULT_UP, "serve"] if serve else DEFAULT_UP, serve=options)
     except PortInUse as exc:  # the user's choice of port: exit 2, the message names the option
         _fail(False, f"stack up: {exc}", EXIT_CONFIG)
     except ServiceError as exc:  # a service did not start: the message names its log
@@ -596,12 +603,32 @@ def stack_up(
         f"Prefect UI: {env['PREFECT_API_URL'].removesuffix('/api')} (asks for PREFECT_API_AUTH_STRING from "
         "`stack env`)\n"
         f"S3 API:     {env['AWS_ENDPOINT_URL_S3']} (bucket '{stack.bucket}')\n"
-        f'Use it from a shell with:  eval "$(grpo-pipeline stack env --dir {root})"',
+        + (f"Router:     {env['GRPO_SERVE_URL']} (key: GRPO_SERVE_API_KEY in `stack env`)\n" if serve else "")
+        + f'Use it from a shell with:  eval "$(grpo-pipeline stack env --dir {root})"',
         markup=False,
         highlight=False,
     )
     if not sys.stdout.isatty():
         print(exports(env))
+
+
+def _serve_options(config: Path | None):
+    """The router's options, checked before anything starts: the config loads, the engine's Python exists."""
+    from grpo_pipeline.infra.stack import ServeOptions
+    from grpo_pipeline.tasks.engine import default_python
+
+    _, cfg = _load(config, [])
+    python = cfg.ab.serve.engine_python or str(default_python(Path.cwd()))
+    if not Path(python).is_file():
+        _fail(
+            False,
+            f"stack up --serve: no engine Python at {python}: run `make serve-env` (vLLM's CPU build in .venv-serve) "
+            "or set ab.serve.engine_python",
+            EXIT_CONFIG,
+        )
+    return ServeOptions(
+        str(config.resolve()) if config else None, str(Path(python).resolve()), cfg.ab.serve.startup_timeout_s
+    )
 
 
 @stack_cli.command("env")

@@ -4,6 +4,8 @@
     eval "$(grpo-pipeline stack env)"   # URLs and credentials: MLFLOW_*, PREFECT_API_*, AWS_* in this shell
     grpo-pipeline stack status    # each service's health
     grpo-pipeline stack down      # stop them (data stays under .grpo/stack for the next `up`)
+    grpo-pipeline stack up --serve      # also `grpo-pipeline serve` on 127.0.0.1:8000: the registry's champion and
+                                        # challenger, its request log in the stack's PostgreSQL (database `ab`)
 
 The same layout as docker-compose.yml: MLflow keeps its runs in PostgreSQL and its artifacts in the
 bucket (served through the MLflow server, so clients need no S3 credentials), Prefect keeps its database
@@ -14,6 +16,10 @@ servers refuse requests without them (any local user can reach a loopback port);
 to clients, workers and shells. PostgreSQL listens on a Unix socket only; the others listen on fixed ports
 (`DEFAULT_PORTS`, the ports docker-compose.yml publishes), so URLs stay the same from one `up` to the next. The
 `grpo-pipeline stack` commands themselves are in grpo_pipeline/cli.py.
+
+The router (`serve`, only with `up --serve`) reads the MLflow registry as the stack's admin, writes its request
+log to the `ab` database, and asks clients for the key generated at the first `up` (`GRPO_SERVE_API_KEY` in
+`stack env`); its engine listens on loopback with a key of its own that only the router holds.
 """
 
 from __future__ import annotations
@@ -22,19 +28,28 @@ import json
 import os
 import secrets
 import shlex
+import signal
+import sys
 from collections.abc import Iterable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from grpo_pipeline.infra import services
 from grpo_pipeline.infra.services import REGION, Service, ServiceError
 
 DEFAULT_ROOT = Path(".grpo/stack")
-DEFAULT_PORTS = {"s3": 9000, "mlflow": 5000, "prefect": 4200}  # docker-compose.yml publishes the same
+DEFAULT_PORTS = {"s3": 9000, "mlflow": 5000, "prefect": 4200, "serve": 8000}  # docker-compose.yml publishes the same
 DEFAULT_BUCKET = "grpo"
-SERVICES = ("postgres", "s3", "mlflow", "prefect")  # start order; `down` stops in reverse
-DEPENDS_ON = {"postgres": (), "s3": (), "mlflow": ("postgres", "s3"), "prefect": ("postgres",)}
-DATABASES = ("mlflow", "prefect")
+SERVICES = ("postgres", "s3", "mlflow", "prefect", "serve")  # start order; `down` stops in reverse
+DEFAULT_UP = ("postgres", "s3", "mlflow", "prefect")  # what `up` starts; the router only with --serve
+DEPENDS_ON = {
+    "postgres": (),
+    "s3": (),
+    "mlflow": ("postgres", "s3"),
+    "prefect": ("postgres",),
+    "serve": ("postgres", "mlflow"),
+}
+DATABASES = ("mlflow", "prefect", "ab")  # ab: the router's request log
 STATE_FILE = "state.json"
 
 
@@ -89,6 +104,7 @@ class Stack:
         # A state file from before auth was on gets them here; they are saved with the first service `up` starts.
         self.state.setdefault("mlflow_auth", asdict(services.MlflowAuth.generate()))
         self.state.setdefault("prefect_auth_string", services.prefect_auth())
+        self.state.setdefault("serve_api_key", secrets.token_urlsafe(32))  # what the router's clients send
         self.state.setdefault("services", {})
 
     # --- state ------------------------------------------------------------------------------------------
@@ -144,6 +160,10 @@ class Stack:
     def prefect_auth_string(self) -> str:
         return self.state["prefect_auth_string"]
 
+    @property
+    def serve_api_key(self) -> str:
+        return self.state["serve_api_key"]
+
     def _without_auth(self, name: str) -> bool:
         """A server recorded as started without authentication (by a version before auth was on): `up`
         restarts it rather than leave it open while `stack env` hands out credentials it ignores."""
@@ -163,9 +183,12 @@ class Stack:
         return services.http_healthy(service)
 
     def status(self) -> dict[str, dict]:
+        """Each service's health; the router's only when it was started (`up --serve`)."""
         out = {}
         for name in SERVICES:
             service = self.service(name)
+            if name not in DEFAULT_UP and service is None:
+                continue
             out[name] = {
                 "healthy": self.healthy(name),
                 "running": service is not None and services.alive(service.pid, service.created),
@@ -177,10 +200,16 @@ class Stack:
 
     # --- up / down --------------------------------------------------------------------------------------
 
-    def up(self, names: Iterable[str] = SERVICES) -> dict[str, Service]:
+    def up(self, names: Iterable[str] = DEFAULT_UP, serve: ServeOptions | None = None) -> dict[str, Service]:
         """Start what is not already running and healthy (dependencies first); returns the services asked for.
         A fixed port that is taken is refused (PortInUse) before anything starts, so a refused `up` leaves no
-        half-started stack behind."""
+        half-started stack behind. `serve`: how to start the router, when `names` holds it (recorded, so the
+        state says what runs)."""
+        names = list(names)
+        if "serve" in names:
+            if serve is None:
+                raise ServiceError("starting the router needs its options (a config and the engine's Python)")
+            self.state["serve_options"] = serve.as_dict()
         todo = [name for name in with_dependencies(names) if not self.healthy(name) or self._without_auth(name)]
         for name in todo:
             port, stale = self.state["ports"].get(name), self.service(name)
@@ -206,6 +235,8 @@ class Stack:
             self.state["weed_ports"] = service.extra["ports"]
             return service
         pg = self._recorded("postgres")  # dependencies start first
+        if name == "serve":
+            return self._start_router(work, port or DEFAULT_PORTS["serve"], pg)
         if name == "mlflow":
             access, secret = self.credentials
             env = {
@@ -225,6 +256,23 @@ class Stack:
         return services.start_prefect(
             work, services.database_uri(pg, "prefect", "asyncpg"), auth_string=self.prefect_auth_string, port=port
         )
+
+    def _start_router(self, work: Path, port: int, pg: Service) -> Service:
+        """`grpo-pipeline serve` on loopback, detached; ready once /health says the champion is loaded (the
+        engine's start-up: minutes on a CPU)."""
+        options = ServeOptions(**self.state["serve_options"])
+        mlflow = self._recorded("mlflow")
+        env = {
+            "GRPO_AB_LOG_URL": services.database_uri(pg, "ab"),
+            "GRPO_SERVE_API_KEY": self.serve_api_key,
+            "MLFLOW_TRACKING_URI": mlflow.url,
+            **self.mlflow_auth.client_env(),
+        }
+        service = services._spawn("serve", router_command(options, port, mlflow.url, work / "data"), work, env)
+        service.url = f"http://127.0.0.1:{port}"
+        service.stop_signal = int(signal.SIGINT)  # uvicorn's clean stop; the router then stops its engine
+        services._wait_until(lambda: services.http_healthy(service), service, options.startup_timeout_s + 60)
+        return service
 
     def down(self) -> list[str]:
         """Stop every recorded service, dependents first; data, ports and credentials stay for the next `up`."""
@@ -256,6 +304,9 @@ class Stack:
             out["PREFECT_API_URL"] = prefect.url
             if prefect.extra.get("auth") == "basic":
                 out["PREFECT_API_AUTH_STRING"] = self.prefect_auth_string
+        if (serve := self.service("serve")) is not None:  # the application's side: where to send, with what key
+            out["GRPO_SERVE_URL"] = f"{serve.url}/v1"
+            out["GRPO_SERVE_API_KEY"] = self.serve_api_key
         if (s3 := self.service("s3")) is not None:
             access, secret = self.credentials
             out |= {
@@ -266,6 +317,38 @@ class Stack:
                 "MLFLOW_S3_ENDPOINT_URL": s3.url,
             }
         return out
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """How `up --serve` starts the router: the pipeline config it serves (None: the defaults), the Python that
+    runs vLLM, and how long the engine may take to start."""
+
+    config: str | None
+    engine_python: str
+    startup_timeout_s: float = 900.0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def router_command(options: ServeOptions, port: int, tracking_uri: str, data_dir: Path) -> list[str]:
+    """The router's command line: `grpo-pipeline serve` on loopback, against the stack's registry.
+
+    >>> " ".join(router_command(ServeOptions(None, "/v/python"), 8000, "http://127.0.0.1:5000", Path("/d"))[1:])
+    '-m grpo_pipeline.cli serve --host 127.0.0.1 --port 8000 --set tracking.mlflow_tracking_uri=http://127.0.0.1:5000 --set ab.serve.engine_python=/v/python --set data_dir=/d'
+    """
+    cmd = [sys.executable, "-m", "grpo_pipeline.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    if options.config:
+        cmd += ["--config", options.config]
+    return cmd + [
+        "--set",
+        f"tracking.mlflow_tracking_uri={tracking_uri}",
+        "--set",
+        f"ab.serve.engine_python={options.engine_python}",
+        "--set",
+        f"data_dir={data_dir}",
+    ]
 
 
 def exports(env: dict[str, str]) -> str:
