@@ -35,7 +35,14 @@ SCHEMA_WHEEL = "check-jsonschema==0.39.0"
 SCHEMA_WHEEL_SHA256 = "14ce5c94871c551268ea948ffe21e9f1464dc48fb20bf9a4c13deeaaf756cf9b"
 SCHEMAS = ("compose-spec.json", "github-workflows.json")
 # compose service -> the local stack's service it stands for
-AS_STACK = {"postgres": "postgres", "minio": "s3", "create-bucket": "s3", "mlflow": "mlflow", "prefect": "prefect"}
+AS_STACK = {
+    "postgres": "postgres",
+    "minio": "s3",
+    "create-bucket": "s3",
+    "mlflow": "mlflow",
+    "prefect": "prefect",
+    "serve": "serve",
+}
 SECRET_NAME = re.compile(r"PASSWORD|SECRET|TOKEN|API_KEY|AUTH_STRING")  # an access key id names, it does not prove
 
 
@@ -106,8 +113,10 @@ def _published(service: dict) -> dict[int, int]:
 
 def test_compose_ports_and_dependencies_agree_with_the_local_stack(compose):
     services = compose["services"]
-    assert set(services) == {"postgres", "minio", "create-bucket", "mlflow", "prefect", "worker"}
+    assert set(services) == {"postgres", "minio", "create-bucket", "mlflow", "prefect", "worker", "serve"}
     assert _published(services["minio"])[9000] == DEFAULT_PORTS["s3"]
+    assert _published(services["serve"])[8000] == DEFAULT_PORTS["serve"]
+    assert services["serve"]["command"][-4:-2] == ["--port", "8000"] and services["serve"]["profiles"] == ["serve"]
     assert _published(services["mlflow"])[5000] == DEFAULT_PORTS["mlflow"]
     assert _published(services["prefect"])[4200] == DEFAULT_PORTS["prefect"]
     assert "--port 5000" in services["mlflow"]["command"][-1]
@@ -131,7 +140,7 @@ def test_compose_ports_and_dependencies_agree_with_the_local_stack(compose):
     assert "--serve-artifacts" in services["mlflow"]["command"][-1]
 
     declared = set(compose["volumes"])
-    for name in ("postgres", "minio", "mlflow", "worker"):
+    for name in ("postgres", "minio", "mlflow", "worker", "serve"):
         mounts = {v.split(":")[0] for v in services[name]["volumes"]}
         assert mounts & declared, f"{name} keeps its data in no named volume"
 
@@ -207,7 +216,12 @@ def test_compose_starts_both_servers_with_auth_and_refuses_to_start_without_it()
     # The health checks use the routes both servers leave open.
     assert "/health" in str(mlflow["healthcheck"]["test"]) and "/api/health" in str(prefect["healthcheck"]["test"])
 
+    serve = services["serve"]["environment"]  # the router asks its clients for a key, and gets the stack's
+    assert (
+        serve["GRPO_SERVE_API_KEY"] == filled["GRPO_SERVE_API_KEY"] and "@postgres:5432/ab" in serve["GRPO_AB_LOG_URL"]
+    )
     for required in (
+        "GRPO_SERVE_API_KEY",
         "PREFECT_AUTH_STRING",
         "MLFLOW_AUTH_ADMIN_PASSWORD",
         "MLFLOW_FLASK_SERVER_SECRET_KEY",
@@ -236,7 +250,7 @@ def test_compose_images_are_pinned_and_mc_gets_the_secret_on_stdin(compose):
 def test_dockerfile_targets_and_versions_match_the_project(compose):
     dockerfile = (ROOT / "infra" / "docker" / "Dockerfile").read_text()
     targets = set(re.findall(r"^FROM \S+ AS (\S+)$", dockerfile, re.M))
-    for name in ("mlflow", "worker"):
+    for name in ("mlflow", "worker", "serve"):
         build = compose["services"][name]["build"]
         assert build["dockerfile"] == "infra/docker/Dockerfile" and build["target"] in targets
     assert f'"mlflow[auth]=={version("mlflow")}"' in dockerfile  # with the basic-auth app's dependencies
@@ -247,7 +261,7 @@ def test_dockerfile_targets_and_versions_match_the_project(compose):
 
 def test_the_worker_image_leaves_its_code_unwritable_by_the_runs_user():
     """The run's user (grpo) owns only .grpo; the code it imports stays root's, without group or world write."""
-    worker = (ROOT / "infra" / "docker" / "Dockerfile").read_text().split(" AS worker")[1]
+    worker = (ROOT / "infra" / "docker" / "Dockerfile").read_text().split(" AS worker")[1].split("\nFROM ")[0]
     before_user, _, after_user = worker.partition("\nUSER grpo")
     chowns = re.findall(r"chown\s+(-R\s+)?\S+\s+(\S+)", before_user)
     assert chowns == [("", ".grpo")], chowns  # not `chown -R grpo /opt/grpo`
