@@ -35,7 +35,7 @@ if TYPE_CHECKING:  # the stages' types, for annotations only: importing them her
     from collections.abc import Callable
 
     from grpo_pipeline.configs.schema import PipelineConfig
-    from grpo_pipeline.infra.stack import Stack
+    from grpo_pipeline.infra.stack import ServeOptions, Stack
     from grpo_pipeline.tasks.data import DataReport, DatasetVersion
     from grpo_pipeline.tasks.plan import Plan
     from grpo_pipeline.tasks.registry import AliasMove, Registry
@@ -612,7 +612,7 @@ def stack_up(
         print(exports(env))
 
 
-def _serve_options(config: Path | None):
+def _serve_options(config: Path | None) -> ServeOptions:
     """The router's options, checked before anything starts: the config loads, the engine's Python exists."""
     from grpo_pipeline.infra.stack import ServeOptions
     from grpo_pipeline.tasks.engine import default_python

@@ -8,6 +8,7 @@ the artifact store). One engine start-up per router start (minutes on two cores)
 - the arms answer differently (two adapters);
 - the challenger alias moves while requests flow: none fails, later requests are served by the new adapter;
   an adapter of another base is refused and the old one keeps serving;
+- a streamed answer relayed with the arm's id and model in every chunk and logged before its `[DONE]`;
 - `kill -9` of the router while requests flow: every answered request is in the log, once; the engine died
   with it (its port closes); a restarted router serves again.
 """
@@ -248,6 +249,36 @@ def test_an_alias_move_while_requests_flow_fails_none_and_the_new_adapter_serves
     time.sleep(8)  # several polls
     assert arm_text(server, CHALLENGER)[0] == v3
     assert "trained on base" in server.output.read_text()
+
+
+def test_a_stream_from_the_engine_is_relayed_and_logged_before_its_done(server, world):
+    import json
+
+    body = {"messages": PROMPT, "max_tokens": 6, "temperature": 0, "user": "streamer", "stream": True}
+    chunks, at_done = [], None
+    with server.client.stream("POST", "/v1/chat/completions", json=body) as answer:
+        assert answer.status_code == 200 and answer.headers["content-type"].startswith("text/event-stream")
+        arm, version = answer.headers["X-GRPO-Arm"], answer.headers["X-GRPO-Version"]
+        for line in answer.iter_lines():
+            if line == "data: [DONE]":
+                at_done = logged(world)  # read the instant [DONE] arrives
+                break
+            if line.startswith("data: "):
+                chunks.append(json.loads(line.removeprefix("data: ")))
+    (request_id,) = {c["id"] for c in chunks}
+    assert at_done[request_id] == (arm, version, 1)
+    assert {c["model"] for c in chunks} == {f"{arm}-v{version}"}
+    assert not [c for c in chunks if "usage" in c]  # asked of the engine for the log, not passed on unasked
+    streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    engine = create_engine(world["log_url"])
+    with engine.connect() as c:
+        completion, tokens = c.execute(
+            text("SELECT completion, completion_tokens FROM ab_requests WHERE id = :i"), {"i": request_id}
+        ).one()
+    engine.dispose()
+    assert completion == streamed and 1 <= tokens <= 6
+    whole = server.ask("streamer", 6)  # greedy: the same user, the same adapter, the same answer
+    assert whole.headers["X-GRPO-Arm"] == arm and whole.json()["choices"][0]["message"]["content"] == streamed
 
 
 def test_kill_9_loses_no_answered_request_and_a_restart_serves(server, world):
