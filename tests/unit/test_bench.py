@@ -124,3 +124,30 @@ def test_suite_rejects_unknown_names(capsys):
 def test_rendered_table_has_one_line_per_row():
     table = render([Row("a", "b", "c", 1.0, ">= 3"), Row("d", "e", "f", None, "", note="not run yet")])
     assert len(table.splitlines()) == 4 and "| not run yet |" in table
+
+
+def test_serving_rows_read_the_saturation_throughput_swap_and_merged_ratios():
+    from bench.serving import table_rows as serving_rows
+
+    def side(rps, p95, tok):
+        return {"requests_per_s": rps, "p95_s": p95, "tokens_per_s": tok}
+
+    result = {
+        "model": "m",
+        "tokens": 16,
+        "overhead": {
+            "1": {"engine": [side(1.0, 1.0, 1)], "router": [side(0.5, 2.0, 1)]},  # not the saturation: ignored
+            "16": {
+                "engine": [side(10.0, 2.0, 1), side(12.0, 2.0, 1)],
+                "router": [side(9.8, 2.1, 1), side(11.0, 2.0, 1)],
+            },
+        },
+        "hot_swap": {"plain_request_s": 0.5, "swaps": [{"first_answer_s": 1.0}, {"first_answer_s": 2.0}]},
+        "stacked_vs_merged": {"16": {"stacked": [side(0, 0, 50.0)], "merged": [side(0, 0, 150.0)]}},
+    }
+    overhead, p95, swap, merged = serving_rows(lambda name: result if name == "serving" else None)
+    assert "concurrency 16" in overhead.benchmark and overhead.goal == "<= 1.05"
+    assert overhead.spread == pytest.approx((10 / 9.8, 12 / 11)) and overhead.verdict == "within noise"
+    assert p95.ratio == pytest.approx((2.1 / 2.0 + 1.0) / 2)
+    assert swap.ratio == pytest.approx(1.5 / 0.5) and swap.verdict == "reported"
+    assert merged.ratio == pytest.approx(3.0) and "merged model: 150.0 tok/s" in merged.candidate
