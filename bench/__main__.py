@@ -61,7 +61,7 @@ SUITE = (
     Bench(
         "serving",
         "router vs vLLM alone (req/s, p50/p95); adapter hot-swap; LoRA stacked vs merged per arm (vLLM CPU)",
-        25,
+        20,
     ),
 )
 

@@ -1,7 +1,7 @@
 """Serving: what the router costs, how fast an alias move takes effect, and adapters stacked on one base against
 merged models, all through vLLM's CPU build (`.venv-serve`, `make serve-env`).
 
-    python -m bench.serving            # SmolLM2-135M (the demo model), ~25 min on 2 cores; bench/results/serving.json
+    python -m bench.serving            # SmolLM2-135M (the demo model), ~20 min on 2 cores; bench/results/serving.json
     python -m bench.serving --tiny     # a tiny random Llama, a few requests: does it run? (serving_tiny.json)
 
 1. **Router overhead.** One engine holding the base and two random LoRA adapters (champion-v1, challenger-v2);
