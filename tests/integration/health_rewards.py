@@ -54,3 +54,12 @@ def worse_with_steps(completions, trainer_state=None, **_) -> list[float]:
     each evaluation scores lower than the one before, so the best validation reward is the first one's."""
     step = trainer_state.global_step if trainer_state is not None else 0
     return [1.0 / (1 + step) + 0.01 * (len(str(c)) % 2) for c in completions]
+
+
+def longer_is_better(completions, **_) -> list[float]:
+    """Pays for length alone, in characters: the reward hacking the length rules are there to catch.
+
+    >>> longer_is_better(["ab", [{"role": "assistant", "content": "abcd"}]])
+    [2.0, 4.0]
+    """
+    return [float(len(c[0]["content"] if isinstance(c, list) else c)) for c in completions]

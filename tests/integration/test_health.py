@@ -1,11 +1,13 @@
 """The health rules on real training (tiny random Llama, a few steps): a reward that gives every completion the
-same score stops the run on the zero-variance rule; a NaN at a known step rolls back to the last healthy
+same score stops the run on the zero-variance rule; a reward that pays for length stops it on the length rule;
+a NaN at a known step rolls back to the last healthy
 checkpoint at half the learning rate and the run finishes; every event is in the result and in MLflow."""
 
 import json
 
 import mlflow
 import pytest
+import torch
 
 from grpo_pipeline.tasks.job import model_load, train_settings
 from grpo_pipeline.trainer.checkpoints import LocalStore
@@ -113,3 +115,64 @@ def test_with_a_validation_split_the_best_steps_adapter_is_published_and_kept(
     assert published == (tmp_path / "ckpt" / "checkpoint-2" / "adapter_model.safetensors").read_bytes()
     assert published != (tmp_path / "ckpt" / "checkpoint-4" / "adapter_model.safetensors").read_bytes()
     assert not (tmp_path / "adapter" / "optimizer.pt").exists()
+
+
+@pytest.fixture(scope="module")
+def short_model(tiny_model, tmp_path_factory):
+    """The tiny model made to end its answers early (about 2.3 tokens on average, few cut at 6),
+    so that a reward can lengthen them: one hidden dimension is the same for every token's embedding (its
+    logit contribution is then the same for every token, no change), except the end token's, which is larger
+    there, so every position leans to ending. Its weights stay trainable like any others."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = tmp_path_factory.mktemp("short-llama")
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(tiny_model), AutoTokenizer.from_pretrained(tiny_model)
+    with torch.no_grad():
+        embeddings = model.get_input_embeddings().weight  # tied: the output layer's too
+        embeddings[:, 0] = 1.0
+        embeddings[tokenizer.eos_token_id, 0] = 1.5
+    model.save_pretrained(target)
+    tokenizer.save_pretrained(target)
+    return target
+
+
+def test_a_reward_that_pays_for_length_trips_the_length_rule_and_stops(
+    tmp_path, short_model, tiny_splits, tiny_config
+):
+    from grpo_pipeline.trainer.train import run
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = tiny_config(
+        "train.grpo.max_steps=12",
+        "train.checkpoint_every=4",
+        "train.grpo.per_device_train_batch_size=8",
+        "train.grpo.learning_rate=1e-2",
+        "train.grpo.max_completion_length=12",  # room to grow: the model starts at about 2.5 tokens
+        f"train.rewards=[{REWARDS}:longer_is_better]",
+        "train.health.length_drift.action=stop",
+        "train.health.length_drift.window=2",
+        "train.health.length_drift.threshold=1.5",
+        "train.health.clipped_completions.window=2",  # warn, the default action
+    )
+    spec = _spec(tmp_path, tiny_model=short_model, tiny_splits=tiny_splits, cfg=cfg, mlflow_tracking_uri=uri)
+    result = run(spec)
+
+    client = mlflow.MlflowClient(uri)
+    lengths = {int(m.step): m.value for m in client.get_metric_history(result.mlflow_run_id, "completions/mean_length")}
+    event = next(e for e in result.health if e.rule == "length_drift")
+    # the lengths grew from the first window's to 1.5 times it, and the run ended on that step
+    assert event.value >= 1.5 and event.action == "stop" and event.taken == "stopped"
+    first = (lengths[1] + lengths[2]) / 2
+    assert (lengths[event.step] + lengths[event.step - 1]) / 2 == pytest.approx(event.value * first)
+    assert first < 12 / 1.5  # it started short: the growth is the reward's doing, not a model born at the limit
+    assert result.stopped_early and result.global_step == event.step < 12
+    assert result.stopped_by.startswith(f"health rule length_drift at step {event.step}")
+    assert result.adapter_dir is not None
+    # where the team looks: the summary the flow reads, and MLflow's tag and metric at the step it fired
+    saved = TrainResult.model_validate_json((tmp_path / "work" / "result.json").read_text())
+    assert saved.health == result.health and saved.stopped_by == result.stopped_by
+    run_ = client.get_run(result.mlflow_run_id)
+    assert run_.data.tags[f"health/step-{event.step}/length_drift"].startswith("stop: mean completion length")
+    assert run_.data.tags["health_stopped"] == result.stopped_by
+    [metric] = client.get_metric_history(result.mlflow_run_id, "health/length_drift")
+    assert (metric.step, metric.value) == (event.step, pytest.approx(event.value))
