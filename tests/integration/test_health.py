@@ -136,9 +136,7 @@ def short_model(tiny_model, tmp_path_factory):
     return target
 
 
-def test_a_reward_that_pays_for_length_trips_the_length_rule_and_stops(
-    tmp_path, short_model, tiny_splits, tiny_config
-):
+def test_a_reward_that_pays_for_length_trips_the_length_rule_and_stops(tmp_path, short_model, tiny_splits, tiny_config):
     from grpo_pipeline.trainer.train import run
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
