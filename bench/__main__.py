@@ -57,6 +57,7 @@ SUITE = (
     Bench("reward_throughput", "math_answer completions/s; remote_verifier at concurrency 16 vs 1 (fixed latency)", 1),
     Bench("gsm8k_calc", "real data: GRPO on GSM8K's calculator annotations, trained vs base on the holdout", 15),
     Bench("zero_signal", "curriculum sampler on vs off: zero-signal groups and holdout reward at equal steps", 80),
+    Bench("health_overhead", "the trainer with the health rules on vs off; the rules' own time per step", 10),
 )
 
 
