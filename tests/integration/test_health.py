@@ -1,9 +1,14 @@
 """The health rules on real training (tiny random Llama, a few steps): a reward that gives every completion the
 same score stops the run on the zero-variance rule; a reward that pays for length stops it on the length rule;
-a NaN at a known step rolls back to the last healthy
-checkpoint at half the learning rate and the run finishes; every event is in the result and in MLflow."""
+a run killed and resumed keeps its rule windows; two processes agree on a stop; a NaN at a known step rolls
+back to the last healthy checkpoint at half the learning rate and the run finishes; every event is in the
+result and in MLflow."""
 
 import json
+import os
+import subprocess
+import sys
+import time
 
 import mlflow
 import pytest
@@ -174,3 +179,73 @@ def test_a_reward_that_pays_for_length_trips_the_length_rule_and_stops(tmp_path,
     assert run_.data.tags["health_stopped"] == result.stopped_by
     [metric] = client.get_metric_history(result.mlflow_run_id, "health/length_drift")
     assert (metric.step, metric.value) == (event.step, pytest.approx(event.value))
+
+
+@pytest.mark.slow  # a trainer to its first checkpoint, killed, and a resume: about two minutes on 2 cores
+def test_a_resumed_run_keeps_its_rule_windows(tmp_path, tiny_model, tiny_splits, tiny_config):
+    """Killed after step 2's checkpoint (window 4: two values in it), the resumed run fires at step 4, where the
+    uninterrupted run fires; windows restarted on resume would fire at step 6."""
+    from grpo_pipeline.trainer.train import run
+    from tests.integration.health_rewards import HALT_ENV
+
+    cfg = tiny_config(
+        "train.grpo.max_steps=10",
+        "train.checkpoint_every=2",
+        f"train.rewards=[{REWARDS}:same_score_halting]",
+        "train.health.zero_variance.action=stop",
+        "train.health.zero_variance.window=4",
+    )
+    spec = _spec(tmp_path, tiny_model, tiny_splits, cfg)
+    halted = tmp_path / "halted"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "grpo_pipeline.trainer", "--spec", str(spec.write(tmp_path / "job.json"))],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, HALT_ENV: str(halted)},
+    )
+    deadline = time.monotonic() + 600  # a bound on a hung trainer, not a timing assumption
+    while not halted.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.kill()  # a preemption without notice, while step 3 is being scored
+    out, _ = proc.communicate(timeout=60)
+    assert halted.exists(), out[-3000:]
+    assert LocalStore(tmp_path / "ckpt").complete_steps() == [2]
+    saved = json.loads((tmp_path / "ckpt" / "checkpoint-2" / STATE_FILE).read_text())
+    assert saved["tracks"]["zero_variance"]["values"] == [1.0, 1.0] and saved["events"] == []
+
+    result = run(spec)  # the relaunch, without the halt
+
+    assert result.resumed_from_step == 2
+    event = next(e for e in result.health if e.rule == "zero_variance")
+    assert (event.step, event.action, event.taken) == (4, "stop", "stopped")
+    assert (result.global_step, result.stopped_early) == (4, True)
+
+
+@pytest.mark.slow  # two training processes (torchrun, gloo) on 2 cores: a minute or more
+@pytest.mark.timeout(900)
+def test_two_processes_agree_on_a_stop(tmp_path, tiny_model, tiny_splits, tiny_config, monkeypatch):
+    """Rank 0 decides, rank 1 acts on its decision: both end after step 2, neither scores step 3's completions,
+    and the job ends by itself (no rank left waiting on the other in a collective)."""
+    from grpo_pipeline.infra.launch.local import LocalLauncher
+    from tests.integration.health_rewards import CALLS_ENV
+
+    monkeypatch.setenv(CALLS_ENV, str(tmp_path / "calls"))
+    cfg = tiny_config(
+        "train.grpo.max_steps=10",
+        "train.checkpoint_every=2",
+        "train.grpo.per_device_train_batch_size=2",
+        "train.distributed.processes_per_node=2",
+        "train.distributed.timeout_s=120",
+        f"train.rewards=[{REWARDS}:same_score_recorded]",
+        "train.health.zero_variance.action=stop",
+        "train.health.zero_variance.window=2",
+    )
+    launcher = LocalLauncher(max_restarts=0)
+    result = launcher.wait(launcher.launch(_spec(tmp_path, tiny_model, tiny_splits, cfg)))
+
+    assert (result.world_size, result.global_step, result.stopped_early) == (2, 2, True)
+    assert result.stopped_by.startswith("health rule zero_variance at step 2")
+    for rank in (0, 1):  # each rank scored steps 1 and 2 (the state's step is 0 and 1 then), none after
+        steps = {int(line.split()[0]) for line in (tmp_path / f"calls.rank{rank}").read_text().splitlines()}
+        assert steps == {0, 1}, (rank, steps)
