@@ -163,6 +163,7 @@ def test_a_bad_health_setting_names_the_field(assignment, names):
     "assignment",
     [
         "train.health.zero_variance.threshold=lots",
+        "train.health.clipped_completions.threshold=2",
         "train.health.nope.action=stop",
         "train.health.non_finite.action=rollback",
     ],
