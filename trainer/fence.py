@@ -98,6 +98,7 @@ def refusal(current: dict | None, job: str | None, *, finished: bool, where: str
     owner = current.get("job") if isinstance(current, dict) else None
     if not isinstance(owner, str) or job is None or same_job(owner, job) or finished or current.get("release"):
         return None
+    owner = owner[:200]  # the store's text: shown, never trusted to be short
     return (
         f"{where} belongs to another job, {owner} (epoch {current.get('epoch')} on {current.get('host')} since "
         f"{current.get('since')}), which has not finished; this job, {job}, would supersede it and be "
@@ -200,7 +201,8 @@ def claim_store(store: Store, job: str | None = None) -> FencedStore:
     for _ in range(_CLAIM_TRIES):
         body, tag = store.read_record(ATTEMPT)
         current = _parse(body)
-        refused = refusal(current, job, finished=job is not None and store.has(FINAL), where=repr(store))
+        where = str(getattr(store, "uri", None) or getattr(store, "root", None) or store)  # as configured
+        refused = refusal(current, job, finished=job is not None and store.has(FINAL), where=where)
         if refused:
             raise StoreTaken(refused)
         claim = next_claim(

@@ -83,6 +83,7 @@ def test_a_second_job_on_the_same_store_is_refused_and_the_first_trains_on(tmp_p
     with pytest.raises(StoreTaken) as refused:
         claim_store(LocalStore(root), job=JOB_B)
     assert JOB_A in str(refused.value) and JOB_B in str(refused.value) and "train.checkpoint_uri" in str(refused.value)
+    assert str(refused.value).startswith(f"{root} belongs to another job")
     a.put(_checkpoint(tmp_path, 1), checkpoint_name(1), 1)  # not superseded: the refused job wrote nothing
     assert json.loads((root / ATTEMPT).read_text())["job"] == JOB_A
 
