@@ -63,6 +63,7 @@ SUITE = (
         "router vs vLLM alone (req/s, p50/p95); adapter hot-swap; LoRA stacked vs merged per arm (vLLM CPU)",
         20,
     ),
+    Bench("health_overhead", "the trainer with the health rules on vs off; the rules' own time per step", 10),
 )
 
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import yaml
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     PrivateAttr,
@@ -342,7 +343,12 @@ def _grpo_default(name: str) -> Any:
     return library_fields.default("GRPOConfig", name)
 
 
-HealthAction = Literal["off", "warn", "stop", "rollback"]
+def _yaml_off(value: Any) -> Any:
+    """YAML 1.1 (PyYAML, and so `--set`) reads a bare `off` as false: for an action, false is `off`."""
+    return "off" if value is False else value
+
+
+HealthAction = typing.Annotated[Literal["off", "warn", "stop", "rollback"], BeforeValidator(_yaml_off)]
 _ACTION = (
     "warn: a log line, an MLflow tag and metric; stop: end training after this step and evaluate what "
     "exists; rollback: restart from the last healthy checkpoint at a lower learning rate; off"

@@ -22,7 +22,7 @@ from pathlib import Path
 from grpo_pipeline.trainer import distributed
 from grpo_pipeline.trainer.checkpoints import FINAL, checkpoint_name, choose_resume, collect_final, open_store
 from grpo_pipeline.trainer.distributed import Ranks
-from grpo_pipeline.trainer.fence import EXIT_SUPERSEDED, Superseded, claim_store
+from grpo_pipeline.trainer.fence import EXIT_SUPERSEDED, StoreTaken, Superseded, claim_store
 from grpo_pipeline.trainer.spec import RESULT_FILE, HealthEvent, JobSpec, TrainResult, bad_input_line
 from grpo_pipeline.trainer.tracking import CommittedMetrics, numeric
 
@@ -498,6 +498,11 @@ def main(spec_path: str, started: float | None = None) -> int:
     except RewardError as exc:  # the reward or the data is at fault, not the node: launchers must not retry it
         log.error("bad input: %s", exc)
         print(bad_input_line(str(exc)), flush=True)  # the SkyPilot launcher cancels the job's recovery on it
+        distributed.record("exit", EXIT_BAD_INPUT)
+        return EXIT_BAD_INPUT
+    except StoreTaken as exc:  # another job's store: every recovery would fight it for the store, so bad input
+        log.error("bad input: %s", exc)
+        print(bad_input_line(str(exc)), flush=True)
         distributed.record("exit", EXIT_BAD_INPUT)
         return EXIT_BAD_INPUT
     except Superseded as exc:  # a relaunch runs elsewhere and owns the store: stop here, never relaunched

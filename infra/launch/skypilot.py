@@ -294,6 +294,42 @@ def build_task(
     return parse_task(request["config"], request["secrets"])
 
 
+def claim_checkpoints(
+    uri: str,
+    endpoint_url: str | None,
+    status_of: Callable[[int], str | None],
+    on_status: Callable[[str], None] = log.info,
+) -> None:
+    """Before launching: the checkpoint URI must not belong to another managed job still running (two jobs on
+    one URI supersede each other at every recovery: grpo_pipeline.trainer.fence). A store whose owner SkyPilot
+    reports ended (cancelled, failed, out of recoveries) is released for this job; one whose owner runs, or
+    whose owner SkyPilot does not know, refuses the launch (exit 2) naming both. `status_of`: a managed job's
+    status in SkyPilot's queue, None when unknown."""
+    from grpo_pipeline.infra.launch import LaunchRefused
+    from grpo_pipeline.trainer.checkpoints import FINAL
+    from grpo_pipeline.trainer.fence import ATTEMPT, managed_job_id, refusal, release
+
+    store = open_store(uri, endpoint_url)
+    body, _ = store.read_record(ATTEMPT)
+    try:
+        record = json.loads(body) if body else None
+    except ValueError:
+        return  # unreadable: the trainer claims over it
+    owner = record.get("job") if isinstance(record, dict) else None
+    reason = refusal(record, "the managed job to be launched", finished=store.has(FINAL), where=uri) if owner else None
+    if reason is None:
+        return
+    job_id = managed_job_id(owner)
+    status = status_of(job_id) if job_id is not None else None
+    if status in TERMINAL_OK | TERMINAL_BAD:
+        if release(store, owner, f"managed job {job_id} ended {status}; released by a new launch"):
+            on_status(f"{uri}: released from managed job {job_id}, which ended {status}")
+            return
+        raise LaunchRefused(f"{uri}: another attempt claimed it while it was being released: {reason}")
+    seen = f"SkyPilot reports managed job {job_id} {status}" if status else "SkyPilot's queue does not know that job"
+    raise LaunchRefused(f"{reason} ({seen})")
+
+
 def check_sky(train: TrainConfig, mlflow_uri: str) -> None:
     """Everything a managed job needs, checked before anything is launched, each failure naming its fix."""
     uri = train.checkpoint_uri or ""
@@ -360,6 +396,8 @@ class SkyLauncher:
         options = task_config(base, spec, Path(spec.work_dir), self.sky_cfg, self.max_restarts)["resources"]["ordered"]
         check_launch(spec, sorted({_count(o["accelerators"])[1] for o in options}))  # before the job folder is written
 
+        # before a cluster is paid for
+        claim_checkpoints(spec.checkpoint_uri, spec.train.s3_endpoint_url, self._status_or_none, self.on_status)
         job_dir = write_job_dir(spec, Path(spec.work_dir) / "sky-job")
         request = task_request(spec, job_dir, self.sky_cfg, self.max_restarts, dict(os.environ))
         # SkyPilot's launch progress (controller start, upload) goes to this process's standard error
@@ -369,6 +407,12 @@ class SkyLauncher:
 
     def _record(self, job_id: int) -> JobRecord:
         return JobRecord(**_drive("queue", {"job_id": job_id}))
+
+    def _status_or_none(self, job_id: int) -> str | None:
+        try:
+            return self._record(job_id).status
+        except SkyError:  # not in this API server's queue (or it did not answer): unknown, never "ended"
+            return None
 
     def watch(self, handle: SkyHandle) -> Callable[[str], None]:
         """The callback for each streamed line: passes it on, and keeps the trainer's bad-input reason."""

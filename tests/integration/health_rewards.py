@@ -54,3 +54,36 @@ def worse_with_steps(completions, trainer_state=None, **_) -> list[float]:
     each evaluation scores lower than the one before, so the best validation reward is the first one's."""
     step = trainer_state.global_step if trainer_state is not None else 0
     return [1.0 / (1 + step) + 0.01 * (len(str(c)) % 2) for c in completions]
+
+
+def longer_is_better(completions, **_) -> list[float]:
+    """Pays for length alone, in characters: the reward hacking the length rules are there to catch.
+
+    >>> longer_is_better(["ab", [{"role": "assistant", "content": "abcd"}]])
+    [2.0, 4.0]
+    """
+    return [float(len(c[0]["content"] if isinstance(c, list) else c)) for c in completions]
+
+
+HALT_ENV = "HEALTH_TEST_HALT"  # a marker file: created when step `at_step` starts scoring, then the reward waits
+
+
+def same_score_halting(completions, *, at_step: int = 3, trainer_state=None, **_) -> list[float]:
+    """`same_score`, which with HEALTH_TEST_HALT set stops for good while step `at_step` is being scored (after
+    step `at_step - 1`'s checkpoint is in the store), for the test to kill the process there: a preemption at a
+    known point, whatever the machine's speed."""
+    marker = os.environ.get(HALT_ENV)
+    if marker and trainer_state is not None and trainer_state.global_step == at_step - 1:
+        Path(marker).touch()
+        while True:
+            time.sleep(1)
+    return same_score(completions)
+
+
+def same_score_recorded(completions, trainer_state=None, **_) -> list[float]:
+    """`same_score`, and each call appends its step to this rank's file (HEALTH_TEST_CALLS), as `recorded`."""
+    prefix = os.environ.get(CALLS_ENV)
+    if prefix:
+        with open(f"{prefix}.rank{os.environ.get('RANK', '0')}", "a") as f:
+            f.write(f"{trainer_state.global_step if trainer_state else -1} {time.time()}\n")
+    return same_score(completions)

@@ -163,6 +163,7 @@ def test_a_bad_health_setting_names_the_field(assignment, names):
     "assignment",
     [
         "train.health.zero_variance.threshold=lots",
+        "train.health.clipped_completions.threshold=2",
         "train.health.nope.action=stop",
         "train.health.non_finite.action=rollback",
     ],
@@ -270,3 +271,12 @@ def test_the_report_says_the_candidate_came_from_a_rolled_back_run():
         registry,
         train=train.model_copy(update={"health": [], "rollbacks": 0}),
     )
+
+
+def test_off_turns_a_rule_off_from_yaml_and_set(tmp_path):
+    """YAML 1.1 reads a bare `off` as false (PyYAML, and `--set` with it): for an action it means off."""
+    (tmp_path / "c.yaml").write_text("train:\n  health:\n    kl_blowup:\n      action: off\n")
+    cfg = load_config(tmp_path / "c.yaml", ["train.health.zero_variance.action=off"])
+    assert (cfg.train.health.kl_blowup.action, cfg.train.health.zero_variance.action) == ("off", "off")
+    with pytest.raises(ConfigError, match="train.health.zero_variance.action: Input should be 'off'"):
+        load_config(None, ["train.health.zero_variance.action=on"])  # true is no action
