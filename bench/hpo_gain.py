@@ -190,10 +190,14 @@ def run_searched(start, model, splits, work: Path, seed: int, budget: int, fract
     started = time.monotonic()
     try:
         result = search(
-            cfg,
+            cfg.hpo,
+            cfg.train,
+            cfg.model,
+            cfg.evaluate,
             model,
             splits,
             work / "search",
+            data_dir=cfg.data_dir,
             rewards=cfg.train.reward_set(),
             run_one=partial(run_trial, launcher_for=make_launcher),
             tracking=tracking,

@@ -441,7 +441,9 @@ def data_cmd(
     failure = None
     try:
         check_local_sources(cfg.data)
-        tok = resolve_tokenizer(cfg, tokenizer)  # the token bounds apply, or the stage refuses
+        tok = resolve_tokenizer(
+            cfg.data, cfg.model, cfg.data_dir, tokenizer
+        )  # the token bounds apply, or the stage refuses
         version = build_dataset(
             cfg.data, out or cfg.data_dir / "datasets", tok, cfg.train.rewards, cfg.train.reward_args
         )

@@ -42,7 +42,7 @@ from prefect.cache_policies import CachePolicy
 from prefect.context import TaskRunContext
 from pydantic import BaseModel
 
-from grpo_pipeline.configs.schema import DEMO_MODEL, ConfigError, DataConfig, PipelineConfig
+from grpo_pipeline.configs.schema import DEMO_MODEL, ConfigError, DataConfig, ModelConfig, PipelineConfig
 from grpo_pipeline.tasks.data_io import (
     DataSourceError,
     RawBatch,
@@ -1058,24 +1058,24 @@ def _exit_on_signal(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
-def resolve_tokenizer(cfg: PipelineConfig, given: str | None = None) -> str | None:
+def resolve_tokenizer(data: DataConfig, model: ModelConfig, data_dir: Path, given: str | None = None) -> str | None:
     """The tokenizer the data stage counts tokens with when the stage runs alone (`grpo-pipeline data`): the
     one given, else model.base's, as the pipeline resolves it for the run (the demo model is fetched and
     converted once). None when no token bound applies. Raises ConfigError naming the fixes."""
-    if given or not token_bounds_apply(cfg.data):
+    if given or not token_bounds_apply(data):
         return given
-    base = cfg.model.base
-    on_disk = [cfg.data_dir / "models" / DEMO_MODEL] if base == DEMO_MODEL else [Path(base).expanduser()]
+    base = model.base
+    on_disk = [data_dir / "models" / DEMO_MODEL] if base == DEMO_MODEL else [Path(base).expanduser()]
     for path in on_disk:
         if path.is_dir() and any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
             return str(path)
     from grpo_pipeline.tasks.model import resolve_base_model
 
     try:
-        return resolve_base_model(cfg.model, cfg.data_dir / "models")
+        return resolve_base_model(model, data_dir / "models")
     except Exception as exc:  # a missing path, no network for the demo model's download, a bad GGUF file
         raise missing_tokenizer(
-            cfg.data, f"model.base {base!r} could not be resolved here ({type(exc).__name__}: {str(exc)[:300]})"
+            data, f"model.base {base!r} could not be resolved here ({type(exc).__name__}: {str(exc)[:300]})"
         ) from None
 
 
