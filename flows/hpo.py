@@ -22,7 +22,7 @@ from grpo_pipeline.flows import trigger
 from grpo_pipeline.flows.preflight import preflight
 from grpo_pipeline.flows.runs import parent_run, setup_tracking
 from grpo_pipeline.infra.launch import make_launcher
-from grpo_pipeline.tasks.data import data_task
+from grpo_pipeline.tasks.data.stage import data_task
 from grpo_pipeline.tasks.hpo import HPOResult, Tracking, TrialOutcome, run_trial, search
 from grpo_pipeline.tasks.model import resolve_model_task
 

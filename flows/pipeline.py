@@ -51,7 +51,18 @@ from grpo_pipeline.flows.runs import (
     system_metrics_of,
 )
 from grpo_pipeline.infra.launch import make_launcher, run_job
-from grpo_pipeline.tasks.data import (
+from grpo_pipeline.tasks.data.drift import (
+    Drift,
+    NewAndSeen,
+    assess,
+    drift_metrics,
+    judged_totals,
+    not_measured,
+    plot_drift,
+    reward_drop,
+    split_rows,
+)
+from grpo_pipeline.tasks.data.stage import (
     HOLDOUT_KEYS_FILE,
     SEEN_KEYS_FILE,
     DatasetVersion,
@@ -62,18 +73,6 @@ from grpo_pipeline.tasks.data import (
     log_lineage,
     split_keys,
     unchanged_reason,
-)
-from grpo_pipeline.tasks.decide import Decision, decide_promotion
-from grpo_pipeline.tasks.drift import (
-    Drift,
-    NewAndSeen,
-    assess,
-    drift_metrics,
-    judged_totals,
-    not_measured,
-    plot_drift,
-    reward_drop,
-    split_rows,
 )
 from grpo_pipeline.tasks.evaluate import EvalResult, evaluate_task, read_jsonl
 from grpo_pipeline.tasks.hpo import apply_best
@@ -86,15 +85,20 @@ from grpo_pipeline.tasks.job import (
     check_init_adapter,
     parse_init_adapter,
 )
-from grpo_pipeline.tasks.merge import merge_task
 from grpo_pipeline.tasks.model import resolve_model_task
 from grpo_pipeline.tasks.plan import Plan, actual_cost, apply_plan, check_budget
 from grpo_pipeline.tasks.plan.task import plan_task
-from grpo_pipeline.tasks.quantize import quantization_cost_task, require_accepted
-from grpo_pipeline.tasks.registry import CHAMPION, MERGED_VERSION_TAG, MISSING, ChampionMoved, Registry, RegistryError
-from grpo_pipeline.tasks.report import artifact_url, drift_lines, plot_comparison, render_markdown, render_skipped
-from grpo_pipeline.tasks.select import select_task
-from grpo_pipeline.tasks.serving import (
+from grpo_pipeline.tasks.promote.decide import Decision, decide_promotion
+from grpo_pipeline.tasks.promote.merge import merge_task
+from grpo_pipeline.tasks.promote.registry import (
+    CHAMPION,
+    MERGED_VERSION_TAG,
+    MISSING,
+    ChampionMoved,
+    Registry,
+    RegistryError,
+)
+from grpo_pipeline.tasks.promote.serving import (
     BASE_EXPERIMENT,
     ServingCheck,
     base_reference,
@@ -104,6 +108,9 @@ from grpo_pipeline.tasks.serving import (
     prompt_text,
     serving_check,
 )
+from grpo_pipeline.tasks.quantize import quantization_cost_task, require_accepted
+from grpo_pipeline.tasks.report import artifact_url, drift_lines, plot_comparison, render_markdown, render_skipped
+from grpo_pipeline.tasks.select import select_task
 from grpo_pipeline.tasks.summary import (
     AliasChange,
     BaseChoice,
@@ -421,7 +428,7 @@ def record_seen(seen: set[str] | None, splits: dict[str, Path]) -> dict[str, str
 
 
 def unchanged_stage(registry: Registry, dataset: DatasetVersion, cfg_hash: str) -> str | None:
-    """Why nothing needs training (`grpo_pipeline.tasks.data.unchanged_reason` against the champion), or None."""
+    """Why nothing needs training (`grpo_pipeline.tasks.data.stage.unchanged_reason` against the champion), or None."""
     champion = registry.version_of(CHAMPION)
     if champion is None:
         return None
@@ -555,7 +562,7 @@ def drift_stage(
     run_dir: Path,
     parent_run_id: str,
 ) -> Drift:
-    """How today's new train rows differ from the champion's (`grpo_pipeline.tasks.drift`: the rows whose keys its
+    """How today's new train rows differ from the champion's (`grpo_pipeline.tasks.data.drift`: the rows whose keys its
     version's `seen_keys` holds): prompt length, answer type, and its reward on a sample of the new rows against its
     holdout reward (the holdout in the `evaluate-champion` stage run, whose later call is then this one's cached
     result; the new rows in the `drift` stage run). Logged into the parent run (`log_drift`); not measured, with the

@@ -19,7 +19,11 @@ from grpo_pipeline.trainer.checkpoints import open_store
 from grpo_pipeline.trainer.loading import adapter_mismatch
 from grpo_pipeline.trainer.spec import JobSpec, ModelLoad, TrainSettings
 
-DATA_COLUMNS = ("prompt", "answer", "key")  # what every row of the data stage's splits holds (grpo_pipeline.tasks.data)
+DATA_COLUMNS = (
+    "prompt",
+    "answer",
+    "key",
+)  # what every row of the data stage's splits holds (grpo_pipeline.tasks.data.stage)
 SHOWN_METRICS = ("reward", "reward_std", "loss", "completions/mean_length", "step_time")
 
 

@@ -11,8 +11,8 @@ from datetime import UTC, datetime, timedelta
 import mlflow
 import pytest
 
-from grpo_pipeline.tasks.ab_log import LOG_URL_ENV, RequestLog, RequestRow
-from grpo_pipeline.tasks.registry import CHALLENGER, CHAMPION, PREVIOUS, Registry
+from grpo_pipeline.tasks.promote.registry import CHALLENGER, CHAMPION, PREVIOUS, Registry
+from grpo_pipeline.tasks.serve.ab_log import LOG_URL_ENV, RequestLog, RequestRow
 
 pytestmark = pytest.mark.integration
 

@@ -258,7 +258,7 @@ def test_sqlite_is_refused_for_parallel_trials():
 @pytest.fixture
 def val8(tmp_path):
     """A val split of 8 prompts: 4 to select on and 4 fresh ones to re-score on at a standard error of 0.5."""
-    from grpo_pipeline.tasks.demo_task import make_row
+    from grpo_pipeline.tasks.data.demo_task import make_row
 
     path = tmp_path / "val.jsonl"
     path.write_text("".join(__import__("json").dumps(make_row(a, 1)) + "\n" for a in range(8)))

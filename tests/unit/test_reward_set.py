@@ -22,7 +22,7 @@ from pydantic import ValidationError
 
 from grpo_pipeline.configs.rewards import RewardSet
 from grpo_pipeline.configs.schema import ConfigError, PipelineConfig, QuantizationBound, load_config
-from grpo_pipeline.tasks.demo_task import make_row
+from grpo_pipeline.tasks.data.demo_task import make_row
 
 WEIGHED = "train.reward_weights={number_only: 0.2}"
 ENGINE = "evaluate.engine=transformers"  # "auto" would import torch to look for a GPU
@@ -221,9 +221,9 @@ def test_preflight_checks_every_reward_name_the_config_holds(override, message):
 
 def test_every_shipped_recipe_names_rewards_and_columns_that_exist():
     from grpo_pipeline.configs.files import recipes
-    from grpo_pipeline.tasks.decide import check_policy
     from grpo_pipeline.tasks.evaluate import score_columns
     from grpo_pipeline.tasks.job import check_rewards
+    from grpo_pipeline.tasks.promote.decide import check_policy
 
     for path in recipes():
         cfg = load_config(path)

@@ -15,7 +15,7 @@ replicas behind any load balancer agree.
   `id` the log's id (what `/v1/feedback` takes).
 - **Logging before answering.** The row is committed before the response is sent, so an answered request is
   in the log even if the router is killed right after; the id is the primary key, so never twice. A store
-  that fails mid-run does not stop serving: the row goes to a local write-ahead file (`tasks/ab_spool.py`),
+  that fails mid-run does not stop serving: the row goes to a local write-ahead file (`tasks/serve/ab_spool.py`),
   counted by `ab status` and replayed into the store by the next successful write.
 - **Alias moves.** Every `ab.serve.poll_s` the registry is read; a moved alias gets its new adapter loaded,
   requests switched to it, and the old one unloaded once its requests in flight have finished. An adapter
@@ -47,13 +47,13 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 from starlette.types import Lifespan
 
-from grpo_pipeline.tasks import ab_spool
-from grpo_pipeline.tasks.ab_log import LogStoreError, RequestLog, RequestRow, UnknownRequest
-from grpo_pipeline.tasks.adapters import Adapter, refusal
+from grpo_pipeline.tasks.serve import ab_spool
+from grpo_pipeline.tasks.serve.ab_log import LogStoreError, RequestLog, RequestRow, UnknownRequest
+from grpo_pipeline.tasks.serve.adapters import Adapter, refusal
 
 if TYPE_CHECKING:
     from grpo_pipeline.configs.schema import PipelineConfig
-    from grpo_pipeline.tasks.engine import Engine
+    from grpo_pipeline.tasks.serve.engine import Engine
 
 CHAMPION, CHALLENGER = "champion", "challenger"
 KEY_HEADER = "x-assignment-key"
@@ -508,9 +508,9 @@ def serve(
 
     import uvicorn
 
-    from grpo_pipeline.tasks.adapters import local_base, resolve
-    from grpo_pipeline.tasks.engine import Engine, default_python
-    from grpo_pipeline.tasks.registry import Registry, RegistryServiceError, open_client
+    from grpo_pipeline.tasks.promote.registry import Registry, RegistryServiceError, open_client
+    from grpo_pipeline.tasks.serve.adapters import local_base, resolve
+    from grpo_pipeline.tasks.serve.engine import Engine, default_python
 
     serve_cfg = cfg.ab.serve
     registry = Registry(open_client(cfg.mlflow_uri), cfg.tracking.registered_model)

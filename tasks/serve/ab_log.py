@@ -8,7 +8,7 @@ SQLAlchemy speaks (SQLite by default; PostgreSQL when the stack runs, shared by 
 - `feedback(id, score)` joins a score to its request: an unknown id raises `UnknownRequest` (HTTP 404) and
   stores nothing, a NaN or infinite score raises `ValueError` (HTTP 400). A later score for the same request
   replaces the earlier one (a label that arrives after the thumbs): the test sees one outcome per request.
-- `samples(champion_version, challenger_version)` reads what `grpo_pipeline.tasks.ab.decide` takes, and `counts()` what
+- `samples(champion_version, challenger_version)` reads what `grpo_pipeline.tasks.serve.ab.decide` takes, and `counts()` what
   `grpo-pipeline ab status` shows.
 """
 
@@ -40,7 +40,7 @@ from sqlalchemy import (
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
-from grpo_pipeline.tasks.ab import ArmSample
+from grpo_pipeline.tasks.serve.ab import ArmSample
 
 metadata = MetaData()
 
