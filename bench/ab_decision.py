@@ -7,7 +7,7 @@ that would need its sample size planned in advance (and may not be peeked at).
 
 Each test: requests arrive one at a time, half to the challenger (`ab.challenger_fraction=0.5`), each scored
 thumbs up or down (champion 50 % up); the decision is looked at after every scored response
-(`grpo_pipeline.tasks.ab.sequential_path`, the formula `grpo_pipeline.tasks.ab.decide` uses), and the first look that crosses decides.
+(`grpo_pipeline.tasks.serve.ab.sequential_path`, the formula `grpo_pipeline.tasks.serve.ab.decide` uses), and the first look that crosses decides.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from scipy import stats
 from bench.harness import save, stamp
 from bench.table import Row
 from grpo_pipeline.configs.ab import ABConfig
-from grpo_pipeline.tasks.ab import sequential_path
+from grpo_pipeline.tasks.serve.ab import sequential_path
 
 NAME = "ab_decision"
 BASE = 0.5

@@ -4,7 +4,7 @@ guards and with today's, in one process, alternating, several rounds.
 
 Before: Arrow's JSON reader parsed each 4 MiB block whole, falling back to per-line orjson when a block failed
 (it crashed on deep nesting and let a row's neighbours decide its fate). After: every line judged alone by
-orjson with the length, BOM, depth and NUL rules (`grpo_pipeline.tasks.data_io.judge_line`). The before side is the code
+orjson with the length, BOM, depth and NUL rules (`grpo_pipeline.tasks.data.sources.judge_line`). The before side is the code
 of the commit named by --before, loaded from git into this process. Goal: after / before <= 1.05 in time.
 
     python -m bench.data_guards [--rows 100000] [--repeats 3] [--before 52691f2]
@@ -31,11 +31,15 @@ from bench.harness import ROOT, save, stamp
 from bench.table import Row
 
 NAME = "data_guards"
-BEFORE = "52691f2"  # the last commit before the guards (tasks/data_io.py, tasks/data.py)
+BEFORE = "52691f2"  # the last commit before the guards (tasks/data_io.py, tasks/data.py)  # move_imports: keep
+# that commit's reader and chain, where they were before tasks/data/ grouped them, and how the chain imported the reader
+BEFORE_FILES = (("_before_data_io", "tasks/data_io.py"), ("_before_data", "tasks/data.py"))  # move_imports: keep
+BEFORE_IMPORT = "from grpo_pipeline.tasks.data_io import"  # move_imports: keep
 
 
 def load_before(rev: str) -> types.ModuleType:
-    """grpo_pipeline.tasks.data as of `rev`, with the grpo_pipeline.tasks.data_io of `rev` beneath it, as modules of their own."""
+    """The data stage as of `rev`, with its reader module of `rev` beneath it, as modules of their own (at `rev`:
+    tasks/data.py and tasks/data_io.py, the paths before tasks/data/ grouped them)."""  # move_imports: keep
 
     def source(path: str) -> str:
         return subprocess.run(
@@ -43,10 +47,10 @@ def load_before(rev: str) -> types.ModuleType:
         ).stdout
 
     modules = {}
-    for name, path in (("_before_data_io", "tasks/data_io.py"), ("_before_data", "tasks/data.py")):
+    for name, path in BEFORE_FILES:
         module = types.ModuleType(name)
         module.__file__ = str(ROOT / path)  # the data key hashes code files next to it: the same on both sides
-        code = source(path).replace("from grpo_pipeline.tasks.data_io import", "from _before_data_io import")
+        code = source(path).replace(BEFORE_IMPORT, "from _before_data_io import")
         sys.modules[name] = module
         exec(compile(code, f"{rev}:{path}", "exec"), module.__dict__)
         modules[name] = module
@@ -79,7 +83,7 @@ def main() -> None:
 
     from bench.data_throughput import GSM8K, build_corpus, tokenizer_dir
     from grpo_pipeline.configs.schema import DataConfig
-    from grpo_pipeline.tasks.data import run_chain as after
+    from grpo_pipeline.tasks.data.stage import run_chain as after
 
     if not (GSM8K / "train.jsonl").is_file():
         sys.exit(f"GSM8K is not at {GSM8K}; this benchmark needs it")

@@ -81,8 +81,8 @@ def baseline_chain(source: Path, eval_source: Path, out: Path, cfg, tokenizer_pa
     from datasketch import MinHash, MinHashLSH
     from transformers import AutoTokenizer
 
-    from grpo_pipeline.tasks.data_text import LSH_WEIGHTS
-    from grpo_pipeline.tasks.splits import split_of
+    from grpo_pipeline.tasks.data.splits import split_of
+    from grpo_pipeline.tasks.data.text import LSH_WEIGHTS
     from grpo_pipeline.trainer.rewards import correct_answer
 
     tok = AutoTokenizer.from_pretrained(tokenizer_path)
@@ -190,7 +190,7 @@ def worker(side: str, source: Path, eval_source: Path, near: bool, tokenizer_pat
     from transformers import AutoTokenizer  # imported on both sides before the memory baseline
 
     from grpo_pipeline.configs.schema import DataConfig
-    from grpo_pipeline.tasks.data import run_chain
+    from grpo_pipeline.tasks.data.stage import run_chain
 
     AutoTokenizer.from_pretrained(tokenizer_path)
     cfg = DataConfig(

@@ -17,7 +17,7 @@ from pathlib import Path
 from bench.harness import RESULTS, ROOT
 from bench.table import Row, from_compare
 from grpo_pipeline.configs.schema import DemoTaskConfig, ModelConfig, load_config
-from grpo_pipeline.tasks.demo_task import generate as demo_rows
+from grpo_pipeline.tasks.data.demo_task import generate as demo_rows
 from grpo_pipeline.tasks.evaluate import generate
 from grpo_pipeline.tasks.job import model_load
 from grpo_pipeline.tasks.model import ensure_demo_model

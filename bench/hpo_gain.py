@@ -190,10 +190,14 @@ def run_searched(start, model, splits, work: Path, seed: int, budget: int, fract
     started = time.monotonic()
     try:
         result = search(
-            cfg,
+            cfg.hpo,
+            cfg.train,
+            cfg.model,
+            cfg.evaluate,
             model,
             splits,
             work / "search",
+            data_dir=cfg.data_dir,
             rewards=cfg.train.reward_set(),
             run_one=partial(run_trial, launcher_for=make_launcher),
             tracking=tracking,
@@ -266,11 +270,11 @@ def main(argv=None) -> dict:
     opts = _options(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from grpo_pipeline.configs.schema import load_config
-    from grpo_pipeline.tasks.demo_task import generate
+    from grpo_pipeline.tasks.data.demo_task import generate
+    from grpo_pipeline.tasks.data.splits import write_splits
     from grpo_pipeline.tasks.evaluate import EvalResult
     from grpo_pipeline.tasks.hpo import apply_best
     from grpo_pipeline.tasks.model import ensure_demo_model
-    from grpo_pipeline.tasks.splits import write_splits
     from tests.tiny_model import create_random_model
 
     work = (opts.work or Path(tempfile.mkdtemp(prefix="bench-hpo-"))).resolve()

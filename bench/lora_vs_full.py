@@ -581,9 +581,9 @@ def main(argv: list[str] | None = None) -> dict | None:
         return None
 
     from grpo_pipeline.configs.schema import load_config
-    from grpo_pipeline.tasks.demo_task import generate
+    from grpo_pipeline.tasks.data.demo_task import generate
+    from grpo_pipeline.tasks.data.splits import write_splits
     from grpo_pipeline.tasks.model import ensure_demo_model
-    from grpo_pipeline.tasks.splits import write_splits
     from tests.tiny_model import create_random_model
 
     arms = [a for a in opts.arms.split(",") if a]

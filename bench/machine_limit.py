@@ -192,11 +192,11 @@ def main(argv: list[str] | None = None) -> dict:
     from trl import GRPOConfig
 
     from grpo_pipeline.configs.schema import load_config
-    from grpo_pipeline.tasks.demo_task import generate
+    from grpo_pipeline.tasks.data.demo_task import generate
+    from grpo_pipeline.tasks.data.splits import write_splits
     from grpo_pipeline.tasks.job import model_load
     from grpo_pipeline.tasks.model import ensure_demo_model
     from grpo_pipeline.tasks.plan import architecture, load_model_config
-    from grpo_pipeline.tasks.splits import write_splits
     from grpo_pipeline.trainer.loading import load_model
     from grpo_pipeline.trainer.precision import cpu_has_native_bf16, node_default_bf16
     from grpo_pipeline.trainer.rewards import resolve_reward

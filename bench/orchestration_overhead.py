@@ -37,15 +37,15 @@ CONFIG = ROOT / "configs" / "demo-cpu.yaml"
 
 def plain(cfg) -> dict:
     """The flow's stages as plain function calls: same inputs, same order, no orchestration."""
-    from grpo_pipeline.tasks.decide import decide_promotion
-    from grpo_pipeline.tasks.demo_task import generate
+    from grpo_pipeline.tasks.data.demo_task import generate
+    from grpo_pipeline.tasks.data.splits import write_splits
     from grpo_pipeline.tasks.evaluate import evaluate_model
     from grpo_pipeline.tasks.job import build_job_spec
     from grpo_pipeline.tasks.model import resolve_base_model
     from grpo_pipeline.tasks.plan import apply_plan, check_budget, plan_run
+    from grpo_pipeline.tasks.promote.decide import decide_promotion
     from grpo_pipeline.tasks.quantize import measure_quantization_cost, require_accepted
     from grpo_pipeline.tasks.report import plot_comparison, render_markdown
-    from grpo_pipeline.tasks.splits import write_splits
     from grpo_pipeline.tasks.summary import Holdout, RegistryOutcome
 
     rewards = cfg.train.reward_set()

@@ -5,7 +5,7 @@ merged models, all through vLLM's CPU build (`.venv-serve`, `make serve-env`).
     python -m bench.serving --tiny     # a tiny random Llama, a few requests: does it run? (serving_tiny.json)
 
 1. **Router overhead.** One engine holding the base and two random LoRA adapters (champion-v1, challenger-v2);
-   the router (`grpo_pipeline.tasks.router.Router` in a process of its own, as `grpo-pipeline serve` runs it:
+   the router (`grpo_pipeline.tasks.serve.router.Router` in a process of its own, as `grpo-pipeline serve` runs it:
    assignment, validation, the request log written to SQLite before each answer) in front of it. The same
    requests (the same users, so the same adapter for each, `ab.challenger_fraction=0.5`, a fixed completion
    length: `min_tokens = max_tokens`) go to the engine alone and through the router, at concurrency 1, 4 and
@@ -41,9 +41,9 @@ import httpx
 from bench.harness import ROOT, save, spread, stamp
 from bench.table import Row
 from grpo_pipeline.configs.ab import ServeConfig
-from grpo_pipeline.tasks.adapters import Adapter
-from grpo_pipeline.tasks.engine import Engine, default_python, free_port
-from grpo_pipeline.tasks.router import CHALLENGER, CHAMPION, Router, arm_for, assignment_hash
+from grpo_pipeline.tasks.serve.adapters import Adapter
+from grpo_pipeline.tasks.serve.engine import Engine, default_python, free_port
+from grpo_pipeline.tasks.serve.router import CHALLENGER, CHAMPION, Router, arm_for, assignment_hash
 
 NAME = "serving"
 FRACTION = 0.5
@@ -102,7 +102,7 @@ def router_for(
     engine_url: str, engine_key: str, base: str, adapters: dict[str, Path], work: Path, engine: Engine | None = None
 ) -> Router:
     """A router as `serve` builds one (champion v1, challenger v2, a SQLite log), its engine client opened."""
-    from grpo_pipeline.tasks.ab_log import RequestLog
+    from grpo_pipeline.tasks.serve.ab_log import RequestLog
 
     router = Router(
         engine=engine,

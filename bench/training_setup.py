@@ -12,10 +12,10 @@ from pathlib import Path
 
 from bench.harness import ROOT
 from grpo_pipeline.configs.schema import PipelineConfig, load_config
-from grpo_pipeline.tasks.demo_task import generate
+from grpo_pipeline.tasks.data.demo_task import generate
+from grpo_pipeline.tasks.data.splits import write_splits
 from grpo_pipeline.tasks.job import build_job_spec
 from grpo_pipeline.tasks.model import ensure_demo_model
-from grpo_pipeline.tasks.splits import write_splits
 from grpo_pipeline.trainer.checkpoints import S3Store
 from tests.tiny_model import create_random_model
 

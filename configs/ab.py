@@ -1,6 +1,6 @@
 """`ab.*`: the live A/B between the registry's `champion` and `challenger` (pure pydantic, no I/O).
 
-What the online decision (`grpo_pipeline.tasks.ab.decide`) reads: the traffic share of the challenger, the error level of
+What the online decision (`grpo_pipeline.tasks.serve.ab.decide`) reads: the traffic share of the challenger, the error level of
 the always-valid sequential test, the guardrails that roll a challenger back whatever its scores, and the
 minimum sample and maximum duration. Set any of them with `--set ab.<field>=<value>`.
 """

@@ -1,7 +1,7 @@
 """The `ab-decide` flow: the live A/B's decision on a schedule (flows/prefect.yaml: `ab-decide/hourly`).
 
-Each run does what `grpo-pipeline ab decide` does, through the same functions (grpo_pipeline.tasks.ab_apply):
-read the aliases and the request log, decide with the pure `grpo_pipeline.tasks.ab.decide`, and for
+Each run does what `grpo-pipeline ab decide` does, through the same functions (grpo_pipeline.tasks.serve.ab_apply):
+read the aliases and the request log, decide with the pure `grpo_pipeline.tasks.serve.ab.decide`, and for
 `promote` or `rollback` move the aliases under the registry lock. Each decision is recorded before anything
 moves, as an MLflow run in the experiment `<tracking.experiment>-ab` (the statistics as metrics, the versions
 and `ab.*` settings as params, the action as the tag `ab_action`, the report and the score-over-time chart as
@@ -30,10 +30,12 @@ from prefect.tasks import exponential_backoff
 from grpo_pipeline.configs.schema import PipelineConfig, load_config
 from grpo_pipeline.flows import trigger
 from grpo_pipeline.flows.runs import setup_tracking
-from grpo_pipeline.tasks.ab import AliasesMoved
-from grpo_pipeline.tasks.ab_apply import Round, decide_round, settle_round
-from grpo_pipeline.tasks.ab_log import RequestLog, log_url
-from grpo_pipeline.tasks.ab_report import (
+from grpo_pipeline.tasks.promote.registry import Registry, RegistryError, open_client
+from grpo_pipeline.tasks.report import artifact_url
+from grpo_pipeline.tasks.serve.ab import AliasesMoved
+from grpo_pipeline.tasks.serve.ab_apply import Round, decide_round, settle_round
+from grpo_pipeline.tasks.serve.ab_log import RequestLog, log_url
+from grpo_pipeline.tasks.serve.ab_report import (
     Outcomes,
     decision_metrics,
     decision_params,
@@ -42,8 +44,6 @@ from grpo_pipeline.tasks.ab_report import (
     render_decision,
     series,
 )
-from grpo_pipeline.tasks.registry import Registry, RegistryError, open_client
-from grpo_pipeline.tasks.report import artifact_url
 
 if TYPE_CHECKING:
     from prefect import Task

@@ -17,12 +17,12 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
 from grpo_pipeline.configs.rewards import RewardSet
-from grpo_pipeline.configs.schema import PipelineConfig, load_config
+from grpo_pipeline.configs.schema import HPOConfig, ModelConfig, PipelineConfig, TrainConfig, load_config
 from grpo_pipeline.flows import trigger
 from grpo_pipeline.flows.preflight import preflight
 from grpo_pipeline.flows.runs import parent_run, setup_tracking
 from grpo_pipeline.infra.launch import make_launcher
-from grpo_pipeline.tasks.data import data_task
+from grpo_pipeline.tasks.data.stage import data_task
 from grpo_pipeline.tasks.hpo import HPOResult, Tracking, TrialOutcome, run_trial, search
 from grpo_pipeline.tasks.model import resolve_model_task
 
@@ -30,13 +30,15 @@ from grpo_pipeline.tasks.model import resolve_model_task
 @task(name="hpo-trial", task_run_name="trial-{trial.number}", cache_policy=NO_CACHE)
 def trial_task(
     trial: optuna.Trial,
-    cfg: PipelineConfig,
+    hpo: HPOConfig,
+    train: TrainConfig,
+    model: ModelConfig,
     model_path: str,
     splits: dict[str, Path],
     run_dir: Path,
     tracking: Tracking | None,
 ) -> TrialOutcome:
-    return run_trial(trial, cfg, model_path, splits, run_dir, tracking, launcher_for=make_launcher)
+    return run_trial(trial, hpo, train, model, model_path, splits, run_dir, tracking, launcher_for=make_launcher)
 
 
 def search_stage(
@@ -55,7 +57,18 @@ def search_stage(
     (`hpo.budget_fraction`)."""
     tracking = Tracking(tracking_uri=cfg.mlflow_uri, experiment_id=experiment_id, stage_run_id=stage_run_id)
     return search(
-        cfg, model_path, splits, run_dir, rewards=rewards, run_one=trial_task, tracking=tracking, train_usd=train_usd
+        cfg.hpo,
+        cfg.train,
+        cfg.model,
+        cfg.evaluate,
+        model_path,
+        splits,
+        run_dir,
+        data_dir=cfg.data_dir,
+        rewards=rewards,
+        run_one=trial_task,
+        tracking=tracking,
+        train_usd=train_usd,
     )
 
 

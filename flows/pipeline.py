@@ -27,10 +27,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 import mlflow
-from prefect import flow, task
+from prefect import Task, flow, task
 from prefect.artifacts import create_image_artifact, create_markdown_artifact
 from prefect.cache_policies import INPUTS, NO_CACHE, RUN_ID, TASK_SOURCE
+from prefect.client.schemas import TaskRun
 from prefect.runtime import flow_run
+from prefect.states import State
 from prefect.tasks import exponential_backoff
 
 from grpo_pipeline.configs.library_fields import default as library_default
@@ -49,7 +51,18 @@ from grpo_pipeline.flows.runs import (
     system_metrics_of,
 )
 from grpo_pipeline.infra.launch import make_launcher, run_job
-from grpo_pipeline.tasks.data import (
+from grpo_pipeline.tasks.data.drift import (
+    Drift,
+    NewAndSeen,
+    assess,
+    drift_metrics,
+    judged_totals,
+    not_measured,
+    plot_drift,
+    reward_drop,
+    split_rows,
+)
+from grpo_pipeline.tasks.data.stage import (
     HOLDOUT_KEYS_FILE,
     SEEN_KEYS_FILE,
     DatasetVersion,
@@ -61,21 +74,10 @@ from grpo_pipeline.tasks.data import (
     split_keys,
     unchanged_reason,
 )
-from grpo_pipeline.tasks.decide import Decision, decide_promotion
-from grpo_pipeline.tasks.drift import (
-    Drift,
-    NewAndSeen,
-    assess,
-    drift_metrics,
-    judged_totals,
-    not_measured,
-    plot_drift,
-    reward_drop,
-    split_rows,
-)
 from grpo_pipeline.tasks.evaluate import EvalResult, evaluate_task, read_jsonl
 from grpo_pipeline.tasks.hpo import apply_best
 from grpo_pipeline.tasks.job import (
+    RunAdapter,
     TrainProgress,
     WarmStart,
     base_names,
@@ -83,15 +85,20 @@ from grpo_pipeline.tasks.job import (
     check_init_adapter,
     parse_init_adapter,
 )
-from grpo_pipeline.tasks.merge import merge_task
 from grpo_pipeline.tasks.model import resolve_model_task
 from grpo_pipeline.tasks.plan import Plan, actual_cost, apply_plan, check_budget
 from grpo_pipeline.tasks.plan.task import plan_task
-from grpo_pipeline.tasks.quantize import quantization_cost_task, require_accepted
-from grpo_pipeline.tasks.registry import CHAMPION, MERGED_VERSION_TAG, MISSING, ChampionMoved, Registry, RegistryError
-from grpo_pipeline.tasks.report import artifact_url, drift_lines, plot_comparison, render_markdown, render_skipped
-from grpo_pipeline.tasks.select import select_task
-from grpo_pipeline.tasks.serving import (
+from grpo_pipeline.tasks.promote.decide import Decision, decide_promotion
+from grpo_pipeline.tasks.promote.merge import merge_task
+from grpo_pipeline.tasks.promote.registry import (
+    CHAMPION,
+    MERGED_VERSION_TAG,
+    MISSING,
+    ChampionMoved,
+    Registry,
+    RegistryError,
+)
+from grpo_pipeline.tasks.promote.serving import (
     BASE_EXPERIMENT,
     ServingCheck,
     base_reference,
@@ -101,6 +108,9 @@ from grpo_pipeline.tasks.serving import (
     prompt_text,
     serving_check,
 )
+from grpo_pipeline.tasks.quantize import quantization_cost_task, require_accepted
+from grpo_pipeline.tasks.report import artifact_url, drift_lines, plot_comparison, render_markdown, render_skipped
+from grpo_pipeline.tasks.select import select_task
 from grpo_pipeline.tasks.summary import (
     AliasChange,
     BaseChoice,
@@ -191,9 +201,12 @@ def run_pipeline(cfg: PipelineConfig, priced: Plan | None = None) -> RunSummary:
         base_choice = BaseChoice(base=cfg.model.base, path=base_path, quantization=cfg.model.quantization)
         if cfg.data.skip_unchanged and (reason := unchanged_stage(registry, dataset, cfg_hash)):
             return skipped(reason, cfg, pid, experiment_id, run_dir, dataset, base_choice, cfg_hash, warm_start)
-        parent = (warm_start.model, warm_start.version) if warm_start and warm_start.version else (None, None)
-        seen = seen_keys(registry, *parent)
-        splits, rows = train_rows_stage(cfg, dataset, seen, run_dir, seen_keys(registry, *parent, tag=HOLDOUT_TAG))
+        # the warm start's registered version: the keys its lineage trained on and was judged on
+        lineage_model, lineage_version = (warm_start.model, warm_start.version) if warm_start else (None, None)
+        seen = seen_keys(registry, lineage_model, lineage_version)
+        splits, rows = train_rows_stage(
+            cfg, dataset, seen, run_dir, seen_keys(registry, lineage_model, lineage_version, tag=HOLDOUT_TAG)
+        )
         drift = drift_stage(cfg, rewards, registry, dataset, run_dir, pid)
         with stage_run(pid, "model"):
             selected, model_path = model_stage(cfg, rewards, base_path, splits["val"])
@@ -284,6 +297,15 @@ def run_pipeline(cfg: PipelineConfig, priced: Plan | None = None) -> RunSummary:
 # ------------------------------------------------------------------------------------------------ stages
 # Each runs inside its stage's MLflow run, opened by `run_pipeline`.
 
+
+def _active_run_id() -> str:
+    """The MLflow run a stage logs into (`stage_run` opens it)."""
+    run = mlflow.active_run()
+    if run is None:
+        raise RuntimeError("no active MLflow run: the stage runs inside stage_run")
+    return run.info.run_id
+
+
 # Within one flow run, a stage whose inputs and code are unchanged returns its persisted result, so a
 # retry does no second data pass, training or evaluation. A new flow run computes everything afresh.
 RESUMABLE = INPUTS + TASK_SOURCE + RUN_ID
@@ -316,7 +338,7 @@ def warm_start_stage(cfg: PipelineConfig, registry: Registry, run_dir: Path) -> 
     field = f"model.init_adapter={cfg.model.init_adapter}"
     model = version = None
     tags: dict[str, str] = {}
-    if ref.kind == "run":
+    if isinstance(ref, RunAdapter):
         uri = source = ref.ref
     else:
         model = ref.model
@@ -335,6 +357,8 @@ def warm_start_stage(cfg: PipelineConfig, registry: Registry, run_dir: Path) -> 
                 f"{field}: registered model {model!r} has no version {version}; "
                 f"`grpo-pipeline registry` lists the versions, or use model.init_adapter=none"
             ) from None
+        if not mv.source:
+            raise ConfigError(f"{field}: version {version} of registered model {model!r} names no artifacts (source)")
         uri, source, tags = f"models:/{model}/{version}", mv.source, dict(mv.tags)
     adapter = fetch_adapter(source, run_dir / "init-adapter", field)
     try:
@@ -342,8 +366,9 @@ def warm_start_stage(cfg: PipelineConfig, registry: Registry, run_dir: Path) -> 
     except ValueError as exc:
         raise ConfigError(f"{field}: {exc}") from None
     bases = base_names(cfg.model, cfg.data_dir)
-    if tags.get("base_config") == cfg.model.base:  # registered on this base: its adapter names a portable copy
-        bases.add(adapter_config.get("base_model_name_or_path"))
+    # registered on this base: its adapter names a portable copy
+    if tags.get("base_config") == cfg.model.base and (portable := adapter_config.get("base_model_name_or_path")):
+        bases.add(portable)
     check_init_adapter(adapter_config, bases, cfg.train.lora, uri)
     return WarmStart(requested=cfg.model.init_adapter, uri=uri, model=model, version=version, adapter_dir=adapter)
 
@@ -395,14 +420,15 @@ def record_seen(seen: set[str] | None, splits: dict[str, Path]) -> dict[str, str
     """Into the active (register) run: the keys this candidate's lineage has trained on (the parent's and its own
     train rows) and the holdout keys it was judged on; returns the version's tags pointing at them, which the
     next run reads (what is new, what is new in the holdout)."""
-    run_id = mlflow.active_run().info.run_id
-    mlflow.log_dict(sorted((seen or set()) | set(split_keys(splits["train"]))), SEEN_KEYS_FILE)
-    mlflow.log_dict(split_keys(splits["holdout"]), HOLDOUT_KEYS_FILE)
+    run_id = _active_run_id()
+    # mlflow's log_dict writes any JSON value (json.dump); its annotation says dict
+    mlflow.log_dict(sorted((seen or set()) | set(split_keys(splits["train"]))), SEEN_KEYS_FILE)  # type: ignore[arg-type]
+    mlflow.log_dict(split_keys(splits["holdout"]), HOLDOUT_KEYS_FILE)  # type: ignore[arg-type]
     return {"seen_keys": f"runs:/{run_id}/{SEEN_KEYS_FILE}", HOLDOUT_TAG: f"runs:/{run_id}/{HOLDOUT_KEYS_FILE}"}
 
 
 def unchanged_stage(registry: Registry, dataset: DatasetVersion, cfg_hash: str) -> str | None:
-    """Why nothing needs training (`grpo_pipeline.tasks.data.unchanged_reason` against the champion), or None."""
+    """Why nothing needs training (`grpo_pipeline.tasks.data.stage.unchanged_reason` against the champion), or None."""
     champion = registry.version_of(CHAMPION)
     if champion is None:
         return None
@@ -536,7 +562,7 @@ def drift_stage(
     run_dir: Path,
     parent_run_id: str,
 ) -> Drift:
-    """How today's new train rows differ from the champion's (`grpo_pipeline.tasks.drift`: the rows whose keys its
+    """How today's new train rows differ from the champion's (`grpo_pipeline.tasks.data.drift`: the rows whose keys its
     version's `seen_keys` holds): prompt length, answer type, and its reward on a sample of the new rows against its
     holdout reward (the holdout in the `evaluate-champion` stage run, whose later call is then this one's cached
     result; the new rows in the `drift` stage run). Logged into the parent run (`log_drift`); not measured, with the
@@ -595,7 +621,7 @@ def log_drift(drift: Drift, rows: NewAndSeen | None, tracking_uri: str, run_dir:
     markdown, url = "\n".join(drift_lines(drift)), None
     if rows is not None and not drift.skipped_reason:
         mlflow.log_artifact(str(plot_drift(drift, rows, run_dir / "drift.png")))
-        url = artifact_url(tracking_uri, mlflow.active_run().info.run_id, "drift.png")
+        url = artifact_url(tracking_uri, _active_run_id(), "drift.png")
     if url:  # the Prefect UI loads images by URL; an MLflow server serves its artifacts by URL
         markdown += f"\n![drift since champion v{drift.champion}]({url})\n"
         create_image_artifact(url, key="grpo-drift-chart", description="today's new rows against the champion's")
@@ -683,8 +709,8 @@ def train_task(spec: JobSpec, train: TrainConfig) -> TrainResult:
         if summary := progress.update(line):
             logger.info(summary)
 
-    local = train.launcher == "local" and spec.mlflow_run_id and spec.mlflow_tracking_uri
-    with system_metrics_of(spec.mlflow_run_id) if local else nullcontext():
+    local_run = spec.mlflow_run_id if train.launcher == "local" and spec.mlflow_tracking_uri else None
+    with system_metrics_of(local_run) if local_run else nullcontext():
         return run_job(make_launcher(train, on_line=show, on_status=logger.info), spec)
 
 
@@ -695,7 +721,7 @@ def evaluate_stage(
     holdout: Path,
     name: str,
     adapter: str | None = None,
-    model=None,
+    model: ModelConfig | None = None,
     label: str | None = None,
 ) -> EvalResult:
     """`name` (base, candidate, champion) names its artifacts; `label` (else `name`) the model in progress lines."""
@@ -724,8 +750,8 @@ def champion_model(
 ) -> tuple[str, str, ModelConfig]:
     """The champion's base (resolved path), its adapter (downloaded into the run directory) and its model config."""
     local, tags = fetch_champion_task(registry, version, run_dir / "champion")
-    adapter = Path(local) / "artifacts" / "adapter"  # an MLflow model; a version registered before was the adapter
-    adapter = str(adapter) if adapter.is_dir() else local
+    logged = Path(local) / "artifacts" / "adapter"  # an MLflow model; a version registered before was the adapter
+    adapter = str(logged) if logged.is_dir() else local
     # base_config: the base as this project's config names it (the portable base_model names a copy of it)
     base_name = tags.get("base_config", tags.get("base_model", cfg.model.base))
     model = cfg.model.model_copy(update={"base": base_name, "quantization": tags.get("quantization", "none")})
@@ -812,12 +838,14 @@ def register_stage(
     client = mlflow.MlflowClient(cfg.mlflow_uri)
     base_experiment = experiment(cfg.mlflow_uri, BASE_EXPERIMENT, cfg.data_dir / "mlartifacts")
     base = base_reference(client, model_path, base_experiment, cfg.model.base)
-    run_id = mlflow.active_run().info.run_id
+    run_id = _active_run_id()
     found = find_logged_model(run_id, "adapter")  # a retry registers what its first attempt logged
-    uri, model_id = (
-        (found.model_uri, found.model_id)
-        if found
-        else log_adapter_model(
+    if found:
+        uri, model_id = found.model_uri, found.model_id
+    elif result.adapter_dir is None:  # an interrupted job's result; the training stage returns finished ones only
+        raise ValueError(f"training run {result.mlflow_run_id} was interrupted: it has no adapter to register")
+    else:
+        uri, model_id = log_adapter_model(
             result.adapter_dir,
             base,
             cfg.model,
@@ -825,7 +853,6 @@ def register_stage(
             _example(holdout),
             Path(result.adapter_dir).parent / "serving",
         )
-    )
     mlflow.log_params({"base_reference": base.reference, "base_uploaded": base.uploaded})
     tags = {
         "base_model": base.reference,
@@ -891,7 +918,7 @@ def blocked_unless_served(decision: Decision, check: ServingCheck) -> Decision:
     return decision.model_copy(update={"promote": False, "reasons": [*decision.reasons, check.reason()]})
 
 
-def _not_a_decision(task, task_run, state) -> bool:
+def _not_a_decision(task: Task[..., Any], task_run: TaskRun, state: State) -> bool:
     """Retry registry calls on service errors, never on a lost race or a held lock."""
     try:
         state.result()
@@ -954,22 +981,32 @@ def promote_stage(
     )
 
 
+def _completed(summary: RunSummary) -> tuple[Holdout, Decision, RegistryOutcome, TrainResult]:
+    """A completed run's holdout, decision, registry outcome and training result; a skipped run has none."""
+    holdout, decision, outcome, train = summary.holdout, summary.decision, summary.registry, summary.train
+    if holdout is None or decision is None or outcome is None or train is None:
+        raise ValueError(
+            f"run {summary.mlflow.run_id} ({summary.status}) has no holdout, decision or training to report"
+        )
+    return holdout, decision, outcome, train
+
+
 def report(summary: RunSummary, run_dir: Path) -> None:
     """The summary and the decision, as JSON, Markdown and a chart, in MLflow and in the Prefect UI."""
-    holdout = summary.holdout
+    holdout, decision, outcome, _ = _completed(summary)
     mlflow.log_metrics(headline_metrics(summary))
     mlflow.log_dict(summary.model_dump(mode="json"), "summary.json")
     markdown = render_markdown(
         holdout,
-        summary.decision,
-        summary.registry,
+        decision,
+        outcome,
         summary.warm_start,
         summary.rows,
         train=summary.train,
         drift=summary.drift,
     )
     mlflow.log_text(markdown, "report.md")
-    chart = plot_comparison(holdout.baseline, holdout.trained, summary.decision.stats, run_dir / "comparison.png")
+    chart = plot_comparison(holdout.baseline, holdout.trained, decision.stats, run_dir / "comparison.png")
     mlflow.log_artifact(str(chart))
     create_markdown_artifact(markdown, key="grpo-decision", description="A/B decision of this GRPO run")
     url = artifact_url(summary.mlflow.tracking_uri, summary.mlflow.run_id, "comparison.png")
@@ -979,20 +1016,21 @@ def report(summary: RunSummary, run_dir: Path) -> None:
 
 def headline_metrics(summary: RunSummary) -> dict[str, float]:
     """The parent run's metrics, for comparing runs in the MLflow UI's table."""
-    holdout, out = summary.holdout, {}
+    holdout, decision, outcome, train = _completed(summary)
+    out: dict[str, float] = {}
     for model, reward, values in (
         ("base", holdout.base_reward, holdout.base),
         ("candidate", holdout.trained_reward, holdout.trained),
         ("champion", holdout.champion_reward, holdout.champion),
     ):
-        if values is not None:
+        if reward is not None and values is not None:  # the champion's: both or neither
             out |= {f"holdout/{model}_reward": reward, **{f"holdout/{model}/{k}": v for k, v in values.items()}}
     out |= {
         "holdout/gain": holdout.gain,
-        "promoted": float(summary.decision.promote),
-        "serving_check_passed": float(summary.registry.serving_check.passed),
-        "train/global_step": summary.train.global_step,
-        "train/runtime_s": summary.train.train_runtime_s,
+        "promoted": float(decision.promote),
+        "serving_check_passed": float(outcome.serving_check.passed),
+        "train/global_step": train.global_step,
+        "train/runtime_s": train.train_runtime_s,
     }
     # the names earlier runs used, so they stay comparable
     out |= {"holdout/base_reward": holdout.base_reward, "holdout/trained_reward": holdout.trained_reward}

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from grpo_pipeline.configs.schema import PipelineConfig
 from grpo_pipeline.infra import launch
-from grpo_pipeline.tasks.data_io import check_local_sources
-from grpo_pipeline.tasks.decide import check_policy
+from grpo_pipeline.tasks.data.sources import check_local_sources
 from grpo_pipeline.tasks.evaluate import score_columns
 from grpo_pipeline.tasks.job import check_rewards, check_store
 from grpo_pipeline.tasks.model import check_model_paths
 from grpo_pipeline.tasks.plan import Plan, check_budget, plan_run
+from grpo_pipeline.tasks.promote.decide import check_policy
 
 
 def preflight(cfg: PipelineConfig) -> Plan | None:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import mlflow
 
 if TYPE_CHECKING:
-    from grpo_pipeline.tasks.data import DatasetVersion
+    from grpo_pipeline.tasks.data.stage import DatasetVersion
 
 # MLflow 3 opens an experiment in the view this tag names; without it, the GenAI view (traces, assistant).
 EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}

@@ -4,7 +4,7 @@
     grpo-pipeline ab decide [--json]     # the online decision; promote / rollback move the aliases
 
 The log is `$GRPO_AB_LOG_URL` (SQLAlchemy URL: PostgreSQL when the stack runs), else SQLite under data_dir.
-`decide` calls `grpo_pipeline.tasks.ab.decide` on the requests the current champion and challenger versions answered, and
+`decide` calls `grpo_pipeline.tasks.serve.ab.decide` on the requests the current champion and challenger versions answered, and
 for promote or rollback moves the aliases under the registry lock, after checking they did not move since.
 Exit codes: 0 decided or shown (whatever the action: `continue` is a normal answer); 1 an unexpected failure;
 2 bad configuration, the log store or the registry unreachable, or the aliases moved meanwhile.
@@ -22,8 +22,8 @@ from grpo_pipeline.failure import fail as _fail  # the CLI's one way to fail
 
 if TYPE_CHECKING:
     from grpo_pipeline.configs.schema import PipelineConfig
-    from grpo_pipeline.tasks.ab_log import RequestLog
-    from grpo_pipeline.tasks.registry import Registry
+    from grpo_pipeline.tasks.promote.registry import Registry
+    from grpo_pipeline.tasks.serve.ab_log import RequestLog
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
 JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON object on stdout")]
@@ -44,8 +44,8 @@ def _open(
     wrong: the config (exit 2), the log store (exit 2), the registry (exit 2)."""
     from grpo_pipeline.configs.files import packaged, recipe
     from grpo_pipeline.configs.schema import ConfigError, load_config
-    from grpo_pipeline.tasks.ab_log import LogStoreError, RequestLog, log_url
-    from grpo_pipeline.tasks.registry import CHALLENGER, CHAMPION, Registry, RegistryServiceError, open_client
+    from grpo_pipeline.tasks.promote.registry import CHALLENGER, CHAMPION, Registry, RegistryServiceError, open_client
+    from grpo_pipeline.tasks.serve.ab_log import LogStoreError, RequestLog, log_url
 
     try:
         cfg = load_config(packaged("demo-cpu.yaml") if config is None else recipe(config), list(overrides or []))
@@ -80,10 +80,10 @@ def _print(obj: dict, as_json: bool) -> None:
 def status(config: ConfigOpt = None, overrides: SetOpt = None, as_json: JsonOpt = False) -> None:
     """Per-arm counts of the whole log, and for the running test (the current champion and challenger
     versions) the estimate of the difference and its always-valid interval."""
-    from grpo_pipeline.tasks.ab import decide
+    from grpo_pipeline.tasks.serve.ab import decide
 
     cfg, log, _, champion, challenger = _open(config, overrides, as_json)
-    from grpo_pipeline.tasks.ab_spool import pending, spool_path
+    from grpo_pipeline.tasks.serve.ab_spool import pending, spool_path
 
     # "unlogged": requests a router answered while the store was unreachable, waiting in its local file
     out = {
@@ -114,10 +114,10 @@ def decide_cmd(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="decide, move no alias")] = False,
 ) -> None:
     """Decide the running test; promote or rollback move the aliases (under the registry lock). The same two
-    steps as the hourly `ab-decide` flow (grpo_pipeline.tasks.ab_apply)."""
-    from grpo_pipeline.tasks.ab import AliasesMoved
-    from grpo_pipeline.tasks.ab_apply import decide_round, settle_round
-    from grpo_pipeline.tasks.registry import RegistryError, RegistryServiceError
+    steps as the hourly `ab-decide` flow (grpo_pipeline.tasks.serve.ab_apply)."""
+    from grpo_pipeline.tasks.promote.registry import RegistryError, RegistryServiceError
+    from grpo_pipeline.tasks.serve.ab import AliasesMoved
+    from grpo_pipeline.tasks.serve.ab_apply import decide_round, settle_round
 
     cfg, log, registry, _, _ = _open(config, overrides, as_json)
     try:

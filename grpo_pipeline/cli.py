@@ -36,9 +36,9 @@ if TYPE_CHECKING:  # the stages' types, for annotations only: importing them her
 
     from grpo_pipeline.configs.schema import PipelineConfig
     from grpo_pipeline.infra.stack import ServeOptions, Stack
-    from grpo_pipeline.tasks.data import DataReport, DatasetVersion
+    from grpo_pipeline.tasks.data.stage import DataReport, DatasetVersion
     from grpo_pipeline.tasks.plan import Plan
-    from grpo_pipeline.tasks.registry import AliasMove, Registry
+    from grpo_pipeline.tasks.promote.registry import AliasMove, Registry
     from grpo_pipeline.tasks.summary import RunSummary
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_REJECTED, EXIT_CHAMPION_MOVED = 0, 1, 2, 3, 4
@@ -161,7 +161,7 @@ def run(
     priced = _preflight_or_exit(cfg, as_json)
     # heavy imports only once the config is known to be good
     from grpo_pipeline.flows.pipeline import checked_pipeline
-    from grpo_pipeline.tasks.registry import ChampionMoved
+    from grpo_pipeline.tasks.promote.registry import ChampionMoved
 
     try:
         summary = checked_pipeline(cfg, priced, str(path), list(overrides or []))  # loaded and checked once, here
@@ -235,7 +235,7 @@ def _print_summary(summary: RunSummary) -> None:
 def _registry(config: Path | None, overrides: list[str] | None) -> Registry:
     """The registry the configuration names; against an MLflow server, through plain REST calls (a lookup
     answers without importing MLflow or the training stack)."""
-    from grpo_pipeline.tasks.registry import Registry, open_client
+    from grpo_pipeline.tasks.promote.registry import Registry, open_client
 
     _, cfg = _load(config, overrides)
     return Registry(open_client(cfg.mlflow_uri), cfg.tracking.registered_model)
@@ -244,7 +244,7 @@ def _registry(config: Path | None, overrides: list[str] | None) -> Registry:
 def _registry_call(registry: Registry, action: Callable[[], list[AliasMove]]) -> None:
     """Run an alias-moving command; print every alias it moved (on both registered models), with what each
     pointed at before."""
-    from grpo_pipeline.tasks.registry import RegistryError, RegistryServiceError
+    from grpo_pipeline.tasks.promote.registry import RegistryError, RegistryServiceError
 
     refused: tuple[type[BaseException], ...] = (RegistryError, RegistryServiceError, *registry.errors)
     try:
@@ -435,13 +435,15 @@ def data_cmd(
 ) -> None:
     """Build the dataset version (load, validate, dedup, split, decontaminate) and print its report."""
     _, cfg = _load(config, overrides, as_json)
-    from grpo_pipeline.tasks.data import DataQualityError, build_dataset, resolve_tokenizer
-    from grpo_pipeline.tasks.data_io import check_local_sources
+    from grpo_pipeline.tasks.data.sources import check_local_sources
+    from grpo_pipeline.tasks.data.stage import DataQualityError, build_dataset, resolve_tokenizer
 
     failure = None
     try:
         check_local_sources(cfg.data)
-        tok = resolve_tokenizer(cfg, tokenizer)  # the token bounds apply, or the stage refuses
+        tok = resolve_tokenizer(
+            cfg.data, cfg.model, cfg.data_dir, tokenizer
+        )  # the token bounds apply, or the stage refuses
         version = build_dataset(
             cfg.data, out or cfg.data_dir / "datasets", tok, cfg.train.rewards, cfg.train.reward_args
         )
@@ -615,7 +617,7 @@ def stack_up(
 def _serve_options(config: Path | None) -> ServeOptions:
     """The router's options, checked before anything starts: the config loads, the engine's Python exists."""
     from grpo_pipeline.infra.stack import ServeOptions
-    from grpo_pipeline.tasks.engine import default_python
+    from grpo_pipeline.tasks.serve.engine import default_python
 
     _, cfg = _load(config, [])
     python = cfg.ab.serve.engine_python or str(default_python(Path.cwd()))
@@ -670,11 +672,11 @@ def serve(
     import logging
     import os
 
-    from grpo_pipeline.tasks.ab_log import LogStoreError, RequestLog, log_url
-    from grpo_pipeline.tasks.adapters import AdapterError
-    from grpo_pipeline.tasks.engine import EngineError
-    from grpo_pipeline.tasks.router import ServeSetupError, api_key_policy
-    from grpo_pipeline.tasks.router import serve as run_router
+    from grpo_pipeline.tasks.serve.ab_log import LogStoreError, RequestLog, log_url
+    from grpo_pipeline.tasks.serve.adapters import AdapterError
+    from grpo_pipeline.tasks.serve.engine import EngineError
+    from grpo_pipeline.tasks.serve.router import ServeSetupError, api_key_policy
+    from grpo_pipeline.tasks.serve.router import serve as run_router
 
     _, cfg = _load(config, overrides)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")

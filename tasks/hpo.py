@@ -63,7 +63,9 @@ from grpo_pipeline.configs.library_fields import grpo_value
 from grpo_pipeline.configs.rewards import RewardSet
 from grpo_pipeline.configs.schema import (
     ConfigError,
+    EvalConfig,
     HPOConfig,
+    ModelConfig,
     PipelineConfig,
     SearchDim,
     SearchSpace,
@@ -182,16 +184,18 @@ def suggest(trial: optuna.trial.BaseTrial, space: SearchSpace) -> dict[str, Any]
     return params
 
 
-def to_overrides(params: dict[str, Any], cfg: PipelineConfig) -> dict[str, Any]:
-    """Config paths and values for a trial's parameters.
+def to_overrides(params: dict[str, Any], lora: dict[str, Any]) -> dict[str, Any]:
+    """Config paths and values for a trial's parameters; `lora` (train.lora) gives the rank the alpha ratio
+    scales when the trial does not search it.
 
-    >>> from grpo_pipeline.configs.schema import load_config
-    >>> to_overrides({"lora_r": 16, "lora_alpha_ratio": 2.0, "learning_rate": 3e-4}, load_config(None))
+    >>> to_overrides({"lora_r": 16, "lora_alpha_ratio": 2.0, "learning_rate": 3e-4}, {})
     {'train.lora.r': 16, 'train.grpo.learning_rate': 0.0003, 'train.lora.lora_alpha': 32}
+    >>> to_overrides({"lora_alpha_ratio": 2.0}, {"r": 4})
+    {'train.lora.lora_alpha': 8}
     """
     overrides = {TARGETS[name]: value for name, value in params.items() if name in TARGETS}
     if "lora_alpha_ratio" in params:
-        rank = params.get("lora_r", cfg.train.lora.get("r", DEFAULT_LORA_R))
+        rank = params.get("lora_r", lora.get("r", DEFAULT_LORA_R))
         overrides[ALPHA] = max(1, round(params["lora_alpha_ratio"] * rank))
     return overrides
 
@@ -210,13 +214,20 @@ def apply_best(cfg: PipelineConfig, best: dict[str, Any]) -> PipelineConfig:
     return PipelineConfig.model_validate(tree)
 
 
-def trial_config(cfg: PipelineConfig, overrides: dict[str, Any]) -> PipelineConfig:
-    """The training config of one trial: the overrides, `hpo.steps` steps, a validation reward every
-    `hpo.eval_every` steps, no relaunch after a crash (a crashed trial is a result), no early stopping
-    (the pruner decides)."""
-    hpo = cfg.hpo
-    trial = apply_best(cfg, overrides)
-    grpo = dict(trial.train.grpo)
+def trial_train(train: TrainConfig, hpo: HPOConfig, overrides: dict[str, Any]) -> TrainConfig:
+    """The `train` section of one trial: the overrides (`train.*` paths, `to_overrides`) validated as the whole
+    config validates them (the section's own rules, then `hpo.check_against` it), `hpo.steps` steps, a
+    validation reward every `hpo.eval_every` steps, no relaunch after a crash (a crashed trial is a result), no
+    early stopping (the pruner decides)."""
+    tree = train.model_dump()
+    for path, value in overrides.items():
+        section, _, rest = path.partition(".")
+        if section != "train":
+            raise ConfigError(f"{path}: a trial sets train.* fields only")
+        set_path(tree, rest.split("."), value, f"{path}: ")
+    tuned = TrainConfig.model_validate(tree)
+    hpo.check_against(tuned)
+    grpo = dict(tuned.grpo)
     per_device = grpo_value(grpo, "per_device_train_batch_size")
     grpo |= {
         "max_steps": hpo.steps,
@@ -228,22 +239,22 @@ def trial_config(cfg: PipelineConfig, overrides: dict[str, Any]) -> PipelineConf
             hpo.eval_generations, per_device // hpo.eval_generations * hpo.eval_generations
         ),
     }
-    train = trial.train.model_copy(update={"grpo": grpo, "early_stopping_patience": None, "max_restarts": 0})
-    if train.launcher == "sky":  # the trial YAML's cheaper GPU list, not the one planned for training
-        train = train.model_copy(
-            update={"sky": train.sky.model_copy(update={"task_yaml": hpo.sky_task_yaml, "accelerators": None})}
+    trial = tuned.model_copy(update={"grpo": grpo, "early_stopping_patience": None, "max_restarts": 0})
+    if trial.launcher == "sky":  # the trial YAML's cheaper GPU list, not the one planned for training
+        trial = trial.model_copy(
+            update={"sky": trial.sky.model_copy(update={"task_yaml": hpo.sky_task_yaml, "accelerators": None})}
         )
-    return trial.model_copy(update={"train": train})
+    return trial
 
 
-def storage_url(cfg: PipelineConfig) -> str:
-    """Where the study lives: a database URL, or the journal file under `data_dir`."""
-    return cfg.hpo.storage or str((cfg.data_dir / "optuna-journal.log").resolve())
+def storage_url(hpo: HPOConfig, data_dir: Path) -> str:
+    """Where the study lives: a database URL (`hpo.storage`), or the journal file under `data_dir`."""
+    return hpo.storage or str((data_dir / "optuna-journal.log").resolve())
 
 
-def open_storage(cfg: PipelineConfig) -> optuna.storages.BaseStorage:
-    url = storage_url(cfg)
-    if cfg.hpo.storage:
+def open_storage(hpo: HPOConfig, data_dir: Path) -> optuna.storages.BaseStorage:
+    url = storage_url(hpo, data_dir)
+    if hpo.storage:
         return optuna.storages.RDBStorage(url)
     Path(url).parent.mkdir(parents=True, exist_ok=True)
     from optuna.storages.journal import JournalFileBackend
@@ -375,19 +386,19 @@ class NotEnoughPrompts(ConfigError):
     """The val split cannot give the target standard error (the CLI exits 2)."""
 
 
-def prepare_validation(cfg: PipelineConfig, rewards: RewardSet, val_file: Path | None, out_dir: Path) -> Validation:
+def prepare_validation(hpo: HPOConfig, rewards: RewardSet, val_file: Path | None, out_dir: Path) -> Validation:
     """Split the val split into the selection and re-scoring prompt sets (and the rung subset), after checking
     that it holds enough prompts for `hpo.target_standard_error` on `rewards`' weighted total."""
     from grpo_pipeline.tasks.evaluate import read_jsonl
 
-    needed, sd = prompts_needed(cfg.hpo, rewards)
+    needed, sd = prompts_needed(hpo, rewards)
     rows = read_jsonl(Path(val_file)) if val_file and Path(val_file).is_file() else []
-    if cfg.hpo.trial_score == "trainer":  # no greedy scoring: the trainer's rung checks use the first prompts
-        needed = min(len(rows), cfg.hpo.rung_prompts)
+    if hpo.trial_score == "trainer":  # no greedy scoring: the trainer's rung checks use the first prompts
+        needed = min(len(rows), hpo.rung_prompts)
     elif len(rows) < 2 * needed:
         raise NotEnoughPrompts(
-            f"hpo.target_standard_error={cfg.hpo.target_standard_error:g} needs {needed} validation prompts per "
-            f"scoring (per-prompt SD {sd:g}{'' if cfg.hpo.reward_sd else ', the worst case for the weighted total of rewards in [0, 1]'}), "
+            f"hpo.target_standard_error={hpo.target_standard_error:g} needs {needed} validation prompts per "
+            f"scoring (per-prompt SD {sd:g}{'' if hpo.reward_sd else ', the worst case for the weighted total of rewards in [0, 1]'}), "
             f"{2 * needed} in all (the top trials are re-scored on {needed} fresh ones); the val split has {len(rows)}. "
             "Give more validation rows (data.demo.n_val, or a larger source), set hpo.reward_sd to a measured "
             "value, or loosen hpo.target_standard_error"
@@ -396,14 +407,14 @@ def prepare_validation(cfg: PipelineConfig, rewards: RewardSet, val_file: Path |
     files = {
         "select": rows[:needed],
         "rescore": rows[needed : 2 * needed],
-        "rungs": rows[: min(cfg.hpo.rung_prompts, needed) or cfg.hpo.rung_prompts],
+        "rungs": rows[: min(hpo.rung_prompts, needed) or hpo.rung_prompts],
     }
     for name, part in files.items():
         (out_dir / f"val-{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
     log.info(
         "validation: %d prompts per scoring for a standard error of %g (per-prompt SD %g); %d available",
         needed,
-        cfg.hpo.target_standard_error,
+        hpo.target_standard_error,
         sd,
         len(rows),
     )
@@ -412,20 +423,21 @@ def prepare_validation(cfg: PipelineConfig, rewards: RewardSet, val_file: Path |
     )
 
 
-def budget(cfg: PipelineConfig, train_usd: float | None = None) -> tuple[int, float | None]:
+def budget(hpo: HPOConfig, train: TrainConfig, train_usd: float | None = None) -> tuple[int, float | None]:
     """Trial steps the search may spend, and in USD when the training run's planned cost is known.
 
     >>> from grpo_pipeline.configs.schema import load_config
-    >>> budget(load_config(None, ["train.grpo.max_steps=40", "hpo.budget_fraction=0.5"]), train_usd=10.0)
+    >>> c = load_config(None, ["train.grpo.max_steps=40", "hpo.budget_fraction=0.5"])
+    >>> budget(c.hpo, c.train, train_usd=10.0)
     (20, 5.0)
-    >>> budget(load_config(None, ["hpo.budget_steps=12"]))
+    >>> c = load_config(None, ["hpo.budget_steps=12"])
+    >>> budget(c.hpo, c.train)
     (12, None)
     """
-    hpo = cfg.hpo
     usd = hpo.budget_fraction * train_usd if train_usd is not None else None
     if hpo.budget_steps:
         return hpo.budget_steps, usd
-    train_steps = cfg.train.grpo.get("max_steps") or hpo.steps * hpo.trials
+    train_steps = train.grpo.get("max_steps") or hpo.steps * hpo.trials
     return max(1, round(hpo.budget_fraction * train_steps)), usd
 
 
@@ -466,7 +478,7 @@ def paired_decision(
     return False, f"{figures}: not better beyond the noise, the configured values are kept", diff, (low, high)
 
 
-def greedy_scorer(cfg: PipelineConfig, rewards: RewardSet, model_path: str) -> Scorer:
+def greedy_scorer(model: ModelConfig, evaluate: EvalConfig, rewards: RewardSet, model_path: str) -> Scorer:
     """Scores an adapter greedily on a prompt file by the training's weighted total (`RewardSet.total`, through
     `grpo_pipeline.tasks.evaluate.evaluate_model`): the search ranks trials by what training optimises and promotion compares."""
 
@@ -475,10 +487,10 @@ def greedy_scorer(cfg: PipelineConfig, rewards: RewardSet, model_path: str) -> S
 
         result = evaluate_model(
             model_path,
-            cfg.model,
+            model,
             prompts,
             rewards,
-            cfg.evaluate.model_copy(update={"samples_k": 0}),
+            evaluate.model_copy(update={"samples_k": 0}),
             adapter=adapter_dir,
         )
         return [float(r["total"]) for r in result.rows]
@@ -486,11 +498,11 @@ def greedy_scorer(cfg: PipelineConfig, rewards: RewardSet, model_path: str) -> S
     return score
 
 
-def open_study(cfg: PipelineConfig, name: str | None = None) -> optuna.Study:
-    """Create or load the study; a new one is warm-started from earlier studies' best trials, an old one
-    gets back the trials a dead search process left running."""
-    name = name or study_name(cfg.hpo)
-    storage = open_storage(cfg)
+def open_study(hpo: HPOConfig, base: str, data_dir: Path, name: str | None = None) -> optuna.Study:
+    """Create or load the study of base model `base` (model.base); a new one is warm-started from earlier
+    studies' best trials, an old one gets back the trials a dead search process left running."""
+    name = name or study_name(hpo)
+    storage = open_storage(hpo, data_dir)
     earlier = optuna.get_all_study_names(storage)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # multivariate TPE
@@ -498,22 +510,22 @@ def open_study(cfg: PipelineConfig, name: str | None = None) -> optuna.Study:
             storage=storage,
             study_name=name,
             direction="maximize",
-            sampler=make_sampler(cfg.hpo),
-            pruner=make_pruner(cfg.hpo),
+            sampler=make_sampler(hpo),
+            pruner=make_pruner(hpo),
             load_if_exists=True,
         )
     owner = study.user_attrs.get("base_model")
-    if owner is not None and owner != cfg.model.base:
+    if owner is not None and owner != base:
         raise ConfigError(
-            f"study {name!r} searched for base model {owner!r}, not {cfg.model.base!r}: its trials do not carry "
+            f"study {name!r} searched for base model {owner!r}, not {base!r}: its trials do not carry "
             "over; set hpo.study_name to a new name"
         )
     if name not in earlier:
-        study.set_user_attr("base_model", cfg.model.base)
-        if cfg.hpo.keep_configured:  # the control: the values training would use without the search
+        study.set_user_attr("base_model", base)
+        if hpo.keep_configured:  # the control: the values training would use without the search
             study.enqueue_trial({}, user_attrs={CONFIGURED: True})
-        if cfg.hpo.warm_start:
-            for params in earlier_best(storage, name, cfg.model.base, cfg.hpo.space):
+        if hpo.warm_start:
+            for params in earlier_best(storage, name, base, hpo.space):
                 study.enqueue_trial(params, skip_if_exists=True)
     requeue_orphans(study)
     return study
@@ -639,7 +651,9 @@ class Tracking(BaseModel):
 
 def run_trial(
     trial: optuna.Trial,
-    cfg: PipelineConfig,
+    hpo: HPOConfig,
+    train: TrainConfig,
+    model: ModelConfig,
     model_path: str,
     splits: dict[str, Path],
     run_dir: Path,
@@ -653,8 +667,8 @@ def run_trial(
     from mlflow.entities import Param
 
     configured = bool(trial.user_attrs.get(CONFIGURED))
-    overrides = {} if configured else to_overrides(suggest(trial, cfg.hpo.space), cfg)
-    tcfg = trial_config(cfg, overrides)
+    overrides = {} if configured else to_overrides(suggest(trial, hpo.space), train.lora)
+    trial_section = trial_train(train, hpo, overrides)
     client = tracking.client() if tracking else None
     run_id = None
     if client and tracking:
@@ -672,13 +686,12 @@ def run_trial(
     # Unique across runs: build_job_spec names the run's checkpoint prefix after this folder.
     trial_dir = run_dir / "hpo" / f"{run_dir.name}-trial-{trial.number:03d}"
     spec = build_job_spec(
-        tcfg.train,
-        tcfg.model,
+        trial_section,
+        model,
         model_path,
         splits,
         trial_dir,
-        mlflow_tracking_uri=cfg.mlflow_uri,
-        mlflow_experiment=cfg.tracking.experiment,
+        mlflow_tracking_uri=tracking.tracking_uri if tracking else None,  # the trainer logs into the trial's run
         mlflow_run_id=run_id,
     )
     spec = spec.model_copy(update={"val_file": str(Path(splits["val"]).resolve())})
@@ -689,11 +702,11 @@ def run_trial(
         if report := parse_progress(line):
             reports.put(report)
 
-    launcher = launcher_for(tcfg.train, on_line)
+    launcher = launcher_for(trial_section, on_line)
     state, reason, outcome = "FAILED", None, None
     try:
         handle = launcher.launch(spec)
-        outcome = _follow(trial, launcher, handle, reports, client, run_id, tcfg.hpo.steps, prunable=not configured)
+        outcome = _follow(trial, launcher, handle, reports, client, run_id, hpo.steps, prunable=not configured)
         state = "KILLED" if outcome.pruned_at is not None else "FINISHED"
         return outcome
     except TrainingFailed as exc:
@@ -774,11 +787,15 @@ def _follow(
 
 
 def search(
-    cfg: PipelineConfig,
+    hpo: HPOConfig,
+    train: TrainConfig,
+    model: ModelConfig,
+    evaluate: EvalConfig,
     model_path: str,
     splits: dict[str, Path],
     run_dir: Path,
     *,
+    data_dir: Path,
     rewards: RewardSet,
     run_one: Callable[..., TrialOutcome],
     tracking: Tracking | None = None,
@@ -786,27 +803,29 @@ def search(
     train_usd: float | None = None,
 ) -> HPOResult:
     """Run the study's remaining budget, re-score the top trials and decide whether the best replaces the
-    configured values. `rewards`: the run's (`TrainConfig.reward_set`), whose weighted total the trials are
-    scored and sized by. `run_one(trial, cfg, model_path, splits, run_dir, tracking)` runs one trial (the flow
+    configured values, for base `model` trained by `train`. `data_dir`: where the study's journal lies unless
+    `hpo.storage` names a database. `rewards`: the run's (`TrainConfig.reward_set`), whose weighted total the
+    trials are scored and sized by; `evaluate`: the greedy scorer's generation settings.
+    `run_one(trial, hpo, train, model, model_path, splits, run_dir, tracking)` runs one trial (the flow
     passes `run_trial` with its launcher, as a Prefect task, so each trial is a task run); `score(adapter_dir,
     prompts)` scores a finished trial greedily (default: `greedy_scorer`); `train_usd` is the training run's
     planned cost, for the budget in USD. Raises `NotEnoughPrompts` before any trial when the val split is too
     small, `HPOFailed` when no trial completes, and a trial's bad-input failure (`run_trial`) as it is: the
     study stops at once (no further trial starts) and the CLI exits 2, rather than launching every trial
     into the same broken reward."""
-    validation = prepare_validation(cfg, rewards, splits.get("val"), run_dir / "hpo")
-    if cfg.hpo.trial_score == "greedy":
-        score = score or greedy_scorer(cfg, rewards, model_path)
+    validation = prepare_validation(hpo, rewards, splits.get("val"), run_dir / "hpo")
+    if hpo.trial_score == "greedy":
+        score = score or greedy_scorer(model, evaluate, rewards, model_path)
     else:
         score = None
-    budget_steps, budget_usd = budget(cfg, train_usd)
-    study = open_study(cfg)
+    budget_steps, budget_usd = budget(hpo, train, train_usd)
+    study = open_study(hpo, model.base, data_dir)
     finished = [t for t in study.trials if t.state.is_finished()]
-    remaining = max(0, cfg.hpo.trials - len(finished))
+    remaining = max(0, hpo.trials - len(finished))
     log.info(
         "study %s in %s: %d trial(s) finished, %d at most to run; %d of %d trial steps spent",
         study.study_name,
-        redact(storage_url(cfg)),
+        redact(storage_url(hpo, data_dir)),
         len(finished),
         remaining,
         steps_spent(study),
@@ -818,7 +837,7 @@ def search(
     context = contextvars.copy_context()
 
     def objective(trial: optuna.Trial) -> float:
-        outcome = context.copy().run(run_one, trial, cfg, model_path, trial_splits, run_dir, tracking)
+        outcome = context.copy().run(run_one, trial, hpo, train, model, model_path, trial_splits, run_dir, tracking)
         trial.set_user_attr("steps", outcome.pruned_at or outcome.steps)
         if outcome.pruned_at is not None:
             raise optuna.TrialPruned(f"pruned at step {outcome.pruned_at}")
@@ -840,21 +859,21 @@ def search(
         return statistics.fmean(scores)
 
     def stop_when_spent(study: optuna.Study, _trial: optuna.trial.FrozenTrial) -> None:
-        if steps_spent(study) + cfg.hpo.eval_every > budget_steps:  # not even one more first rung fits
+        if steps_spent(study) + hpo.eval_every > budget_steps:  # not even one more first rung fits
             study.stop()
 
-    if remaining and steps_spent(study) + cfg.hpo.eval_every <= budget_steps:
+    if remaining and steps_spent(study) + hpo.eval_every <= budget_steps:
         # Only TrialFailed is caught: anything else (bad input, a cancel) ends optimize, which marks that
         # trial FAIL, starts no other and lets the running ones finish, and reaches the caller as raised.
         study.optimize(
-            objective, n_trials=remaining, n_jobs=cfg.hpo.concurrency, catch=(TrialFailed,), callbacks=[stop_when_spent]
+            objective, n_trials=remaining, n_jobs=hpo.concurrency, catch=(TrialFailed,), callbacks=[stop_when_spent]
         )
     trials = summarize(study)
     spent = steps_spent(study)
     complete = [t for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))]
     result = None
     if complete:
-        result = choose(study, complete, cfg, validation, score)
+        result = choose(study, complete, hpo, train.lora, storage_url(hpo, data_dir), validation, score)
         per_step = (budget_usd / budget_steps) if budget_usd is not None else None
         result = result.model_copy(
             update={
@@ -875,13 +894,19 @@ def search(
 
 
 def choose(
-    study: optuna.Study, complete: list, cfg: PipelineConfig, validation: Validation, score: Scorer | None
+    study: optuna.Study,
+    complete: list,
+    hpo: HPOConfig,
+    lora: dict[str, Any],
+    storage: str,
+    validation: Validation,
+    score: Scorer | None,
 ) -> HPOResult:
     """Re-score the top trials and the configured one on fresh prompts; the best of the re-scores replaces the
-    configured values only beyond the noise."""
+    configured values only beyond the noise. `lora`: train.lora (`to_overrides`); `storage`: the study's URL."""
     configured = next((t for t in complete if t.user_attrs.get(CONFIGURED)), None)
     searched = sorted((t for t in complete if not t.user_attrs.get(CONFIGURED)), key=lambda t: t.value, reverse=True)
-    contenders = searched[: cfg.hpo.rescore_top_k] + ([configured] if configured else [])
+    contenders = searched[: hpo.rescore_top_k] + ([configured] if configured else [])
     rescores: dict[int, list[float]] = {}
     for t in contenders if score is not None else []:
         key = f"rescores-{t.number}"  # on the study: a finished trial cannot be written to
@@ -899,7 +924,7 @@ def choose(
     pick = max(ranked, key=lambda t: statistics.fmean(rescores.get(t.number, [t.value])), default=None)
     base: dict[str, Any] = {
         "study_name": study.study_name,
-        "storage": redact(storage_url(cfg)),
+        "storage": redact(storage),
         "trials": [],
         "configured_trial": configured.number if configured else None,
         "rescored": {n: statistics.fmean(v) for n, v in rescores.items()},
@@ -913,7 +938,7 @@ def choose(
     }
     if pick is None:  # only the configured control completed: every point of the space failed
         raise HPOFailed(failure_report(summarize(study), searched_only=True))
-    best_overrides = to_overrides(pick.params, cfg)
+    best_overrides = to_overrides(pick.params, lora)
     common = dict(
         base, best_trial=pick.number, best_value=pick.value, best_params=pick.params, best_overrides=best_overrides
     )
@@ -937,7 +962,7 @@ def choose(
     if configured is None or configured.number not in rescores or pick.number not in rescores:
         why = (
             "the configured values were not run (hpo.keep_configured is off)"
-            if not cfg.hpo.keep_configured
+            if not hpo.keep_configured
             else "the configured values have no score to compare with (their trial did not complete or its "
             "adapter is gone)"
         )

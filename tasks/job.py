@@ -19,7 +19,11 @@ from grpo_pipeline.trainer.checkpoints import open_store
 from grpo_pipeline.trainer.loading import adapter_mismatch
 from grpo_pipeline.trainer.spec import JobSpec, ModelLoad, TrainSettings
 
-DATA_COLUMNS = ("prompt", "answer", "key")  # what every row of the data stage's splits holds (grpo_pipeline.tasks.data)
+DATA_COLUMNS = (
+    "prompt",
+    "answer",
+    "key",
+)  # what every row of the data stage's splits holds (grpo_pipeline.tasks.data.stage)
 SHOWN_METRICS = ("reward", "reward_std", "loss", "completions/mean_length", "step_time")
 
 
@@ -73,33 +77,43 @@ def build_job_spec(
 # ------------------------------------------------------------------------------------------------ warm start
 
 
-class AdapterRef(BaseModel):
-    """What `model.init_adapter` names: a registered model's version or alias, or a run's artifact."""
+class RegisteredAdapter(BaseModel):
+    """A registered model's version or alias, as `model.init_adapter` names it."""
 
-    kind: Literal["version", "alias", "run"]
-    model: str | None = None  # the registered model (version, alias)
-    ref: str  # the version number, the alias, or the runs:/ URI
+    kind: Literal["version", "alias"]
+    model: str  # the registered model
+    ref: str  # the version number or the alias
+
+
+class RunAdapter(BaseModel):
+    """A run's artifact, as `model.init_adapter` names it (runs:/<run id>/<path>)."""
+
+    kind: Literal["run"] = "run"
+    ref: str  # the runs:/ URI
+
+
+AdapterRef = RegisteredAdapter | RunAdapter  # what `model.init_adapter` names
 
 
 def parse_init_adapter(value: str, registered_model: str) -> AdapterRef | None:
     """`model.init_adapter` (validated by the schema) as a reference; None for 'none'.
 
     >>> parse_init_adapter("champion", "grpo-adapter")
-    AdapterRef(kind='alias', model='grpo-adapter', ref='champion')
+    RegisteredAdapter(kind='alias', model='grpo-adapter', ref='champion')
     >>> parse_init_adapter("models:/other/7", "grpo-adapter")
-    AdapterRef(kind='version', model='other', ref='7')
+    RegisteredAdapter(kind='version', model='other', ref='7')
     >>> parse_init_adapter("runs:/0a1b/adapter", "grpo-adapter").kind
     'run'
     """
     if value == "none":
         return None
     if value == "champion":
-        return AdapterRef(kind="alias", model=registered_model, ref="champion")
+        return RegisteredAdapter(kind="alias", model=registered_model, ref="champion")
     if match := re.fullmatch(r"models:/([^/@]+)/(\d+)", value):
-        return AdapterRef(kind="version", model=match[1], ref=match[2])
+        return RegisteredAdapter(kind="version", model=match[1], ref=match[2])
     if match := re.fullmatch(r"models:/([^/@]+)@([\w-]+)", value):
-        return AdapterRef(kind="alias", model=match[1], ref=match[2])
-    return AdapterRef(kind="run", ref=value)
+        return RegisteredAdapter(kind="alias", model=match[1], ref=match[2])
+    return RunAdapter(ref=value)
 
 
 class WarmStart(BaseModel):

@@ -7,9 +7,9 @@ import re
 from pathlib import Path
 from urllib.parse import urlencode
 
-from grpo_pipeline.tasks.decide import Decision
-from grpo_pipeline.tasks.drift import ANSWER_TYPES, Drift
+from grpo_pipeline.tasks.data.drift import ANSWER_TYPES, Drift
 from grpo_pipeline.tasks.job import WarmStart
+from grpo_pipeline.tasks.promote.decide import Decision
 from grpo_pipeline.tasks.summary import AliasChange, Example, Holdout, RegistryOutcome, TrainRows  # noqa: F401 - AliasChange: the doctests use it
 from grpo_pipeline.trainer.spec import TrainResult
 
@@ -102,10 +102,10 @@ def render_markdown(
 
 
 def drift_lines(drift: Drift) -> list[str]:
-    """How today's new rows differ from the champion's (`grpo_pipeline.tasks.drift`), as a Markdown section: the
+    """How today's new rows differ from the champion's (`grpo_pipeline.tasks.data.drift`), as a Markdown section: the
     two sides side by side, then a verdict per part; or why it was not measured.
 
-    >>> from grpo_pipeline.tasks.drift import not_measured
+    >>> from grpo_pipeline.tasks.data.drift import not_measured
     >>> drift_lines(not_measured("no champion yet: nothing to compare today's rows with"))
     ['## Drift', '', "Not measured: no champion yet: nothing to compare today's rows with.", '']
     """
@@ -305,7 +305,7 @@ def serving_lines(registry: RegistryOutcome) -> list[str]:
 def alias_table(registry: RegistryOutcome) -> list[str]:
     """The aliases after this run, and what this run moved, as a Markdown table.
 
-    >>> from grpo_pipeline.tasks.serving import ServingCheck
+    >>> from grpo_pipeline.tasks.promote.serving import ServingCheck
     >>> check = ServingCheck(model_uri="models:/m/4", prompts=2, matched=2, passed=True, seconds=1.0)
     >>> out = RegistryOutcome(model="m", candidate_version="4", decided_against="3", base_model="org/base",
     ...     moves=[AliasChange(model="m", alias="champion", version="4", before="3")], serving_check=check,

@@ -7,11 +7,11 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from grpo_pipeline.tasks.decide import Decision
-from grpo_pipeline.tasks.drift import Drift
+from grpo_pipeline.tasks.data.drift import Drift
 from grpo_pipeline.tasks.evaluate import EvalResult
 from grpo_pipeline.tasks.job import WarmStart
-from grpo_pipeline.tasks.serving import BaseRef, ServingCheck
+from grpo_pipeline.tasks.promote.decide import Decision
+from grpo_pipeline.tasks.promote.serving import BaseRef, ServingCheck
 from grpo_pipeline.trainer.spec import TrainResult
 
 if TYPE_CHECKING:  # the search's module loads optuna; the summary is read without it
@@ -201,7 +201,9 @@ class RunSummary(BaseModel):
     # today's new rows against the champion's (prompt length, answer type, its reward on them against its holdout),
     # .alert when that reward fell past data.drift_alert; .skipped_reason when nothing was measured (no champion)
     drift: Drift | None = None
-    config_hash: str | None = None  # the configuration as it decides what trains (grpo_pipeline.tasks.data.config_hash)
+    config_hash: str | None = (
+        None  # the configuration as it decides what trains (grpo_pipeline.tasks.data.stage.config_hash)
+    )
     holdout: Holdout | None = None
     train: TrainResult | None = None  # with .health (every rule that fired: rule, step, value, threshold, action,
     # taken), .stopped_by (the health stop, if one ended training) and .rollbacks

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import mlflow
 
-from grpo_pipeline.tasks.ab_log import RequestLog, RequestRow
-from grpo_pipeline.tasks.registry import CHALLENGER, CHAMPION
+from grpo_pipeline.tasks.promote.registry import CHALLENGER, CHAMPION
+from grpo_pipeline.tasks.serve.ab_log import RequestLog, RequestRow
 
 NAME = "ab-test"
 

@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 
 from grpo_pipeline.configs.schema import DemoTaskConfig, load_config
-from grpo_pipeline.tasks.demo_task import generate
-from grpo_pipeline.tasks.splits import write_splits
+from grpo_pipeline.tasks.data.demo_task import generate
+from grpo_pipeline.tasks.data.splits import write_splits
 
 # Tests never reach a hub; fail fast instead of waiting on the network.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

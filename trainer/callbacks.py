@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from transformers import PrinterCallback, ProgressCallback, TrainerCallback
 
-from grpo_pipeline.trainer.checkpoints import Store, checkpoint_name, prune
+from grpo_pipeline.trainer.checkpoints import CheckpointStore, checkpoint_name, prune
 from grpo_pipeline.trainer.distributed import Ranks
 from grpo_pipeline.trainer.spec import progress_line
 from grpo_pipeline.trainer.tracking import CommittedMetrics
@@ -66,7 +66,7 @@ class CheckpointSync(TrainerCallback):
 
     def __init__(
         self,
-        store: Store,
+        store: CheckpointStore,
         keep: int,
         staging: Path,
         metrics: CommittedMetrics | None = None,
@@ -116,7 +116,7 @@ class CheckpointSync(TrainerCallback):
         self._pending.clear()
 
 
-def prune_keeping_best(store: Store, keep: int, best: int | None) -> None:
+def prune_keeping_best(store: CheckpointStore, keep: int, best: int | None) -> None:
     """The newest `keep` complete checkpoints, and the one with the best validation reward (HF's
     best_global_step) even when it is older: the published adapter is that one's (`grpo_pipeline.trainer.train._publish`)."""
     if best is None:

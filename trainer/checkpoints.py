@@ -26,7 +26,7 @@ import shutil
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from grpo_pipeline.trainer.spec import RESULT_FILE, JobSpec, TrainResult
 
@@ -542,6 +542,25 @@ def _not_found(exc: Any) -> bool:
 Store = LocalStore | S3Store
 
 
+class CheckpointStore(Protocol):
+    """What a training job reads and writes its checkpoints through: a `Store`, or rank 0's
+    `grpo_pipeline.trainer.fence.FencedStore` wrapping one (each write first checks this attempt owns it)."""
+
+    def complete_steps(self) -> list[int]: ...
+
+    def entry_steps(self) -> list[int]: ...
+
+    def has(self, name: str) -> bool: ...
+
+    def put(self, local_dir: Path, name: str, step: int) -> None: ...
+
+    def fetch(self, name: str, scratch: Path) -> Path: ...
+
+    def delete(self, name: str) -> None: ...
+
+    def move_aside(self, name: str, reason: str) -> str | None: ...
+
+
 def open_store(uri: str, endpoint_url: str | None = None) -> Store:
     """A store for a local path or an s3:// URI.
 
@@ -573,7 +592,7 @@ class ResumePoint:
         return f"{target}; passed over {passed}"
 
 
-def choose_resume(store: Store, scratch: Path, *, move_aside: bool = True) -> ResumePoint:
+def choose_resume(store: CheckpointStore, scratch: Path, *, move_aside: bool = True) -> ResumePoint:
     """The newest complete checkpoint that verifies against its manifest, fetched into `scratch`.
 
     Newer ones that do not verify are passed over and, with `move_aside`, moved to `corrupt/` with their
@@ -607,7 +626,7 @@ def choose_resume(store: Store, scratch: Path, *, move_aside: bool = True) -> Re
     return point
 
 
-def prune(store: Store, keep: int) -> None:
+def prune(store: CheckpointStore, keep: int) -> None:
     """Delete all but the newest `keep` complete checkpoints, and the incomplete ones older than the newest
     complete one (`incomplete_to_prune`). Run by the one process that uploads, after an upload, so nothing
     it removes is being written."""
@@ -619,7 +638,7 @@ def prune(store: Store, keep: int) -> None:
         store.delete(checkpoint_name(step))
 
 
-def collect_final(spec: JobSpec, store: Store | None = None) -> tuple[TrainResult, Path]:
+def collect_final(spec: JobSpec, store: CheckpointStore | None = None) -> tuple[TrainResult, Path]:
     """The finished job's result, with its adapter copied from the store's `final` entry to `adapter_dir`."""
     store = store or open_store(spec.checkpoint_uri, spec.train.s3_endpoint_url)
     final = store.fetch(FINAL, Path(spec.work_dir) / "fetched")

@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from grpo_pipeline.configs.layout import batch_problem
 from grpo_pipeline.trainer.spec import JobSpec
@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 LAUNCH_DIR_ENV = "GRPO_LAUNCH_DIR"  # the node launcher's folder: each local rank's pid and exit code
 VLLM_HOST_ENV = "GRPO_VLLM_SERVER_HOST"  # set by the node launcher in vllm_mode=server
 SHARDING = ("fsdp", "zero3")  # strategies that split the base's weights between GPUs
+T = TypeVar("T")
 
 
 @dataclass
@@ -40,7 +41,7 @@ class Ranks:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def broadcast(self, value):
+    def broadcast(self, value: T) -> T:
         """Rank 0's value, on every rank."""
         if self.world == 1:
             return value
@@ -50,12 +51,12 @@ class Ranks:
         dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
 
-    def all_gather(self, value) -> list:
+    def all_gather(self, value: T) -> list[T]:
         if self.world == 1:
             return [value]
         import torch.distributed as dist
 
-        out: list = [None] * self.world
+        out: list[Any] = [None] * self.world  # filled in place, one value per rank
         dist.all_gather_object(out, value, group=self.group)
         return out
 
@@ -89,18 +90,17 @@ class Ranks:
 
         listing = _listing(directory)
         listings = self.all_gather(listing)  # also a barrier: every rank has finished writing its part
-        plan = None
+        plan: dict[int, list[str]] = {}  # rank -> the paths it sends; rank 0's is the one broadcast
         if self.is_main:
             have = set(_listing(directory))  # re-read: ranks sharing this folder have written into it meanwhile
-            plan = {}
             for rank, theirs in enumerate(listings[1:], start=1):
                 for path in sorted(set(theirs) - have):
                     plan.setdefault(rank, []).append(path)
                     have.add(path)
         plan = self.broadcast(plan)
         mine = [(p, (directory / p).read_bytes()) for p in plan.get(self.rank, [])]
-        received: list | None = [None] * self.world if self.is_main else None
-        dist.gather_object(mine, received, dst=0, group=self.group)
+        received: list[list[tuple[str, bytes]]] = [[] for _ in range(self.world)]
+        dist.gather_object(mine, received if self.is_main else None, dst=0, group=self.group)
         names = []
         if self.is_main:
             for files in received[1:]:
@@ -159,7 +159,7 @@ def init(timeout_s: int) -> Ranks:
     return _current
 
 
-def _cpu_with_index(storage, location: str):
+def _cpu_with_index(storage: T, location: str) -> T | None:
     return storage if location.startswith("cpu:") else None
 
 

@@ -18,13 +18,29 @@ import logging
 import shutil
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from grpo_pipeline.trainer import distributed
-from grpo_pipeline.trainer.checkpoints import FINAL, checkpoint_name, choose_resume, collect_final, open_store
+from grpo_pipeline.trainer.checkpoints import (
+    FINAL,
+    CheckpointStore,
+    ResumePoint,
+    checkpoint_name,
+    choose_resume,
+    collect_final,
+    open_store,
+)
 from grpo_pipeline.trainer.distributed import Ranks
-from grpo_pipeline.trainer.fence import EXIT_SUPERSEDED, StoreTaken, Superseded, claim_store
+from grpo_pipeline.trainer.fence import EXIT_SUPERSEDED, FencedStore, StoreTaken, Superseded, claim_store
 from grpo_pipeline.trainer.spec import RESULT_FILE, HealthEvent, JobSpec, TrainResult, bad_input_line
 from grpo_pipeline.trainer.tracking import CommittedMetrics, numeric
+
+if TYPE_CHECKING:  # torch, transformers and TRL load lazily, inside the functions that run them
+    from transformers.trainer_utils import TrainOutput
+    from trl import GRPOConfig, GRPOTrainer
+
+    from grpo_pipeline.trainer.callbacks import FirstStepTimer, HealthCallback, StopOnSigterm
+    from grpo_pipeline.trainer.health import Ledger
 
 log = logging.getLogger(__name__)
 EXIT_INTERRUPTED = 75  # EX_TEMPFAIL: try again
@@ -33,7 +49,7 @@ EXIT_FAILED = 1  # anything else, a reward's outage included: relaunched, resume
 # EXIT_SUPERSEDED (3, trainer/fence.py): a newer attempt owns the checkpoint store; never relaunched
 
 
-def grpo_args(spec: JobSpec, output_dir: Path):
+def grpo_args(spec: JobSpec, output_dir: Path) -> GRPOConfig:
     """GRPOConfig from the spec: the user's passthrough fields plus what resume and the store require."""
     import os
 
@@ -96,7 +112,9 @@ def _report(spec: JobSpec, result: TrainResult) -> TrainResult:
     return result
 
 
-def _already_finished(spec: JobSpec, store, metrics: CommittedMetrics | None, ranks: Ranks) -> TrainResult:
+def _already_finished(
+    spec: JobSpec, store: CheckpointStore, metrics: CommittedMetrics | None, ranks: Ranks
+) -> TrainResult:
     """A relaunch after the job finished (killed between its last upload and its exit): report, don't retrain."""
     if not ranks.is_main:  # rank 0 alone copies the adapter out and reports
         final = store.fetch(FINAL, distributed.rank_work_dir(spec.work_dir, ranks.rank) / "fetched")
@@ -120,12 +138,18 @@ def run(spec: JobSpec, started: float | None = None) -> TrainResult:
     stop = StopOnSigterm()  # first: a SIGTERM during model loading must not kill the job uncleanly
     ranks = stop.ranks = distributed.init(spec.train.distributed.timeout_s)
     work = distributed.rank_work_dir(spec.work_dir, ranks.rank)
-    store = open_store(spec.checkpoint_uri, spec.train.s3_endpoint_url)
-    if ranks.is_main:  # the others only read from the store
-        store.check()
-        store = claim_store(store)  # from here on, every write checks no newer attempt has claimed it
+    opened = open_store(spec.checkpoint_uri, spec.train.s3_endpoint_url)
+    store: CheckpointStore = opened  # the other ranks only read from it
+    if ranks.is_main:
+        opened.check()
+        store = claim_store(opened)  # from here on, every write checks no newer attempt has claimed it
     run_id = ranks.broadcast(_ensure_mlflow_run(spec) if ranks.is_main else None)
-    metrics = CommittedMetrics(spec.mlflow_tracking_uri, run_id) if run_id and ranks.is_main else None
+    # a run id only comes with a tracking URI (_ensure_mlflow_run); rank 0 alone commits metrics
+    metrics = (
+        CommittedMetrics(spec.mlflow_tracking_uri, run_id)
+        if run_id and spec.mlflow_tracking_uri and ranks.is_main
+        else None
+    )
     if ranks.broadcast(store.has(FINAL) if ranks.is_main else None):
         return _already_finished(spec, store, metrics, ranks)
     train_ds = load_dataset("json", data_files=spec.train_file, split="train")
@@ -141,7 +165,7 @@ def run(spec: JobSpec, started: float | None = None) -> TrainResult:
         )
         if attempt.health.rollback is None:
             break
-        _roll_back(spec, store, ranks, work, metrics, run_id, ledger, attempt.health.rollback)
+        _roll_back(spec, store, ranks, work, metrics, ledger, attempt.health.rollback)
         saved = ledger.to_json()
         del attempt  # the model and its optimizer: the next attempt loads both afresh
         _free_memory()
@@ -150,6 +174,7 @@ def run(spec: JobSpec, started: float | None = None) -> TrainResult:
     finished = state.global_step >= state.max_steps
     interrupted = stop.received and not finished
     stopped = attempt.health.stopped
+    stopped_by = f"health rule {stopped.rule} at step {stopped.step}: {stopped.message}" if stopped else None
     result = TrainResult(
         adapter_dir=None if interrupted else spec.adapter_dir,
         global_step=state.global_step,
@@ -164,14 +189,14 @@ def run(spec: JobSpec, started: float | None = None) -> TrainResult:
         metrics=numeric(attempt.output.metrics),
         world_size=ranks.world,
         health=ledger.events,
-        stopped_by=f"health rule {stopped.rule} at step {stopped.step}: {stopped.message}" if stopped else None,
+        stopped_by=stopped_by,
         rollbacks=ledger.rollbacks,
         best_step=state.best_global_step,
         best_val_reward=state.best_metric if state.best_global_step is not None else None,
         zero_signal=summarize(state.log_history, getattr(attempt.trainer, "curriculum", None)),
     )
-    if metrics and stopped:
-        metrics.client.set_tag(run_id, "health_stopped", result.stopped_by[:5000])
+    if metrics and stopped_by:
+        metrics.client.set_tag(metrics.run_id, "health_stopped", stopped_by[:5000])
     if not interrupted:
         _publish(spec, attempt.trainer, store, result, metrics, ranks)
     return _report(spec, result) if ranks.is_main else result
@@ -181,23 +206,23 @@ class _Attempt:
     """One training pass: its trainer (for the state and the adapter), where it resumed, HF's output, and
     the health callback (for a rollback or a stop)."""
 
-    def __init__(self, trainer, point, output, health):
+    def __init__(self, trainer: GRPOTrainer, point: ResumePoint, output: TrainOutput, health: HealthCallback) -> None:
         self.trainer, self.point, self.output, self.health = trainer, point, output, health
 
 
 def _attempt(
     spec: JobSpec,
-    store,
+    store: CheckpointStore,
     ranks: Ranks,
     work: Path,
     run_id: str | None,
-    metrics,
-    stop,
-    timer,
-    ledger,
+    metrics: CommittedMetrics | None,
+    stop: StopOnSigterm,
+    timer: FirstStepTimer,
+    ledger: Ledger,
     from_store: bool,
-    train_ds,
-    val_ds,
+    train_ds: Any,  # datasets.Dataset (the datasets library has no types)
+    val_ds: Any,
 ) -> _Attempt:
     """Resume from the newest verified checkpoint and train until the end, a stop or a rollback request."""
     from peft import LoraConfig
@@ -220,7 +245,7 @@ def _attempt(
     point = choose_resume(store, work / "resume")  # verified; newer ones that do not verify are moved aside
     resume = point.directory
     if point.reason and metrics:
-        metrics.client.set_tag(run_id, "resume_fallback", point.reason[:5000])
+        metrics.client.set_tag(metrics.run_id, "resume_fallback", point.reason[:5000])
     if resume:
         if metrics:  # in case the kill came between the checkpoint's manifest and its MLflow commit
             metrics.commit(CommittedMetrics.read(resume))
@@ -234,7 +259,7 @@ def _attempt(
 
     args = grpo_args(spec, work / "hf")
     if metrics:
-        metrics.client.log_param(run_id, "precision", "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32")
+        metrics.client.log_param(metrics.run_id, "precision", "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32")
     if args.disable_tqdm:  # nor the bars of loading the model and the data
         hide_library_bars()
     # a warm start continues the adapter's own weights (trainable); the optimizer, scheduler and step are fresh
@@ -283,7 +308,7 @@ def _attempt(
     return _Attempt(trainer, point, output, health)
 
 
-def _read_ledger(store, work: Path) -> str | None:
+def _read_ledger(store: CheckpointStore, work: Path) -> str | None:
     """The health ledger's JSON from the store, or None when no rollback has happened in this job."""
     from grpo_pipeline.trainer.health import LEDGER
 
@@ -292,7 +317,15 @@ def _read_ledger(store, work: Path) -> str | None:
     return (store.fetch(LEDGER, work / "fetched") / "ledger.json").read_text()
 
 
-def _roll_back(spec: JobSpec, store, ranks: Ranks, work: Path, metrics, run_id: str | None, ledger, event) -> None:
+def _roll_back(
+    spec: JobSpec,
+    store: CheckpointStore,
+    ranks: Ranks,
+    work: Path,
+    metrics: CommittedMetrics | None,
+    ledger: Ledger,
+    event: HealthEvent,
+) -> None:
     """Return to the newest checkpoint written before the steps the rule's window looked at: newer ones are
     moved aside (`corrupt/`, with the reason), so this attempt and any relaunch resume from it; the learning
     rate is scaled by train.health.rollback_lr_factor, and the ledger (rollbacks, scale, events) goes into the
@@ -331,11 +364,11 @@ def _roll_back(spec: JobSpec, store, ranks: Ranks, work: Path, metrics, run_id: 
         if metrics:
             metrics.take()  # the rolled-back steps not yet committed: the steps recomputed from here stand
             metrics.client.set_tag(
-                run_id,
+                metrics.run_id,
                 f"health/step-{event.step}/{event.rule}",
                 f"{event.action}: {event.message} -> {event.taken}"[:5000],
             )
-            metrics.client.log_metric(run_id, "health/rollbacks", ledger.rollbacks, step=event.step)
+            metrics.client.log_metric(metrics.run_id, "health/rollbacks", ledger.rollbacks, step=event.step)
     shutil.rmtree(work / "hf", ignore_errors=True)  # HF's local checkpoints of the abandoned steps
     ranks.barrier()
 
@@ -375,7 +408,12 @@ def _same_resume_point(ranks: Ranks, resume: Path | None) -> None:
 
 
 def _publish(
-    spec: JobSpec, trainer, store, result: TrainResult, metrics: CommittedMetrics | None, ranks: Ranks
+    spec: JobSpec,
+    trainer: GRPOTrainer,
+    store: CheckpointStore,
+    result: TrainResult,
+    metrics: CommittedMetrics | None,
+    ranks: Ranks,
 ) -> None:
     """Save the adapter, log it, and store it as the `final` entry (with the result and last metrics)."""
     from transformers.trainer import TRAINING_ARGS_NAME
@@ -383,17 +421,17 @@ def _publish(
     if ranks.is_main:
         shutil.rmtree(spec.adapter_dir, ignore_errors=True)
     ranks.barrier()
-    best = result.best_step
-    older_best = best is not None and best != result.global_step
-    if ranks.broadcast(older_best and not store.has(checkpoint_name(best)) if ranks.is_main else None):
+    # an older step than the last with the best validation reward: its adapter is published, not the last's
+    best = result.best_step if result.best_step != result.global_step else None
+    if ranks.broadcast(best is not None and not store.has(checkpoint_name(best)) if ranks.is_main else None):
         log.warning(
             "the best validation reward's checkpoint (step %d) is no longer in the store; publishing the "
             "last step's adapter",
             best,
         )
         result.best_step = result.best_val_reward = None
-        older_best = False
-    if older_best:
+        best = None
+    if best is not None:
         # the best validation reward's checkpoint, not the last step's model; every rank takes the same branch
         if not ranks.is_main:
             return
@@ -408,12 +446,13 @@ def _publish(
         trainer.save_model(spec.adapter_dir)  # every rank: under FSDP / ZeRO-3 it gathers the shards; rank 0 writes
     if not ranks.is_main:
         return
+    assert isinstance(store, FencedStore), "rank 0's store is fenced (run claims it)"
     store.check_owner()  # before the adapter reaches MLflow: a superseded attempt publishes nothing
     # HF also pickles its TrainingArguments beside the adapter; the published adapter holds safetensors and
     # JSON only (nothing a consumer could unpickle), and the arguments are the train run's MLflow params.
     (Path(spec.adapter_dir) / TRAINING_ARGS_NAME).unlink(missing_ok=True)
     if metrics:
-        metrics.client.log_artifacts(result.mlflow_run_id, spec.adapter_dir, "adapter")
+        metrics.client.log_artifacts(metrics.run_id, spec.adapter_dir, "adapter")
     final = Path(spec.work_dir) / "final"
     shutil.rmtree(final, ignore_errors=True)
     shutil.copytree(spec.adapter_dir, final)
@@ -423,14 +462,14 @@ def _publish(
     store.put(final, FINAL, result.global_step)
     if metrics:
         metrics.commit(tail)
-        metrics.client.set_terminated(result.mlflow_run_id)
+        metrics.client.set_terminated(metrics.run_id)
 
 
 # What a checkpoint holds beside the adapter and its tokenizer: training state, not part of a published adapter.
 _TRAINING_STATE = ("optimizer.pt", "scheduler.pt", "scaler.pt", "trainer_state.json", "training_args.bin")
 
 
-def _adapter_from_checkpoint(store, step: int, scratch: Path, dest: Path) -> None:
+def _adapter_from_checkpoint(store: CheckpointStore, step: int, scratch: Path, dest: Path) -> None:
     """The adapter files (and the tokenizer HF saved with them) of a stored checkpoint, copied to `dest`."""
     from grpo_pipeline.trainer.checkpoints import MANIFEST, METRICS_FILE
     from grpo_pipeline.trainer.health import STATE_FILE

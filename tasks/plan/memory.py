@@ -72,6 +72,21 @@ def kv_bytes_per_token(arch: Architecture, act_bytes: int) -> int:
     return 2 * arch.layers * arch.kv_dim * act_bytes
 
 
+# MemoryEstimate's components, in the order a breakdown lists them (`MemoryEstimate.gib`, the plan's table)
+COMPONENTS = (
+    "weights",
+    "adapter",
+    "optimizer",
+    "reference",
+    "vllm",
+    "gradients",
+    "activations",
+    "logits",
+    "buffers",
+    "kv_cache",
+)
+
+
 class MemoryEstimate(Frozen):
     """Peak GPU memory of GRPO training, by component, in bytes.
 
@@ -110,19 +125,8 @@ class MemoryEstimate(Frozen):
         return max(self.training_peak, self.generation_peak)
 
     def gib(self) -> dict[str, float]:
-        parts = (
-            "weights",
-            "adapter",
-            "optimizer",
-            "reference",
-            "vllm",
-            "gradients",
-            "activations",
-            "logits",
-            "buffers",
-            "kv_cache",
-        )
-        out = {k: getattr(self, k) / GIB for k in parts}
+        """Each component (`COMPONENTS`, in order), then the two phases' peaks and the total, in GiB."""
+        out = {k: getattr(self, k) / GIB for k in COMPONENTS}
         out.update(
             training_peak=self.training_peak / GIB, generation_peak=self.generation_peak / GIB, total=self.total / GIB
         )

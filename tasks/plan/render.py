@@ -4,6 +4,7 @@ every GPU option (what `grpo-pipeline plan` prints without --json)."""
 from __future__ import annotations
 
 from grpo_pipeline.tasks.plan.base import GIB
+from grpo_pipeline.tasks.plan.memory import COMPONENTS
 from grpo_pipeline.tasks.plan.search import Plan
 
 
@@ -17,18 +18,7 @@ def plan_tables(plan: Plan) -> list:
     )
     memory.add_column("memory per GPU")
     memory.add_column("GiB", justify="right")
-    for key in (
-        "weights",
-        "adapter",
-        "optimizer",
-        "reference",
-        "vllm",
-        "gradients",
-        "activations",
-        "logits",
-        "buffers",
-        "kv_cache",
-    ):
+    for key in COMPONENTS:
         if gib[key]:
             memory.add_row(key.replace("_", " "), f"{gib[key]:.2f}")
     memory.add_row("peak while training", f"{gib['training_peak']:.2f}")

@@ -144,7 +144,7 @@ class Settings(Frozen):
 
     def grpo_overrides(self) -> dict[str, Any]:
         """The `train.grpo` fields this plan sets (TRL GRPOConfig names)."""
-        out = {
+        out: dict[str, Any] = {
             "per_device_train_batch_size": self.per_device_train_batch_size,
             "gradient_accumulation_steps": self.gradient_accumulation_steps,
             "steps_per_generation": self.steps_per_generation,
@@ -178,6 +178,11 @@ class Reason(Frozen):
 
     kind: Literal["memory", "batch", "layout"]
     text: str
+
+
+# fit's answer: (the settings, their memory, the vLLM server's memory or None, None) when something fits, else
+# (None, the estimate at the smallest settings or None, None, why not)
+Fit = tuple[Settings | None, MemoryEstimate | None, ServerMemory | None, Reason | None]
 
 
 class Option(Frozen):
@@ -255,7 +260,14 @@ def _server_layouts(work: Workload, layout: Layout, count: int) -> list[tuple[in
     return [(k, False) for k in (1, 2, 4, 8, 16) if k < count]
 
 
-def fit(model_config, work: Workload, gpu: GPU, count: int, assumptions: Assumptions, layout: Layout | None = None):
+def fit(
+    model_config: dict[str, Any],
+    work: Workload,
+    gpu: GPU,
+    count: int,
+    assumptions: Assumptions,
+    layout: Layout | None = None,
+) -> Fit:
     """The largest per-device batch (and its split) that fits nodes of `count` GPUs of this type, or None.
 
     `layout` holds what the launch already fixes (nodes, processes, strategy, the vLLM server's GPUs, the batch
@@ -427,7 +439,7 @@ def fit(model_config, work: Workload, gpu: GPU, count: int, assumptions: Assumpt
 
 
 def step_seconds(
-    model_config, work: Workload, settings: Settings, gpu: GPU, assumptions: Assumptions
+    model_config: dict[str, Any], work: Workload, settings: Settings, gpu: GPU, assumptions: Assumptions
 ) -> tuple[float, float]:
     """(training, generation) seconds per optimizer step.
 
@@ -538,8 +550,8 @@ def make_plan(
     counts = [c for c in (1, 2, 4, 8, 16) if c <= assumptions.max_gpus]
     fallback: list[int] = []  # counts tried only when none of `counts` can run the job
     if fixed.processes_per_node:  # nodes too small for the processes (+ server GPUs) the launch fixes are no option
-        need = fixed.processes_per_node + fixed.vllm_server_gpus
-        counts = sorted({c for c in counts if c >= need} | {need})
+        per_node = fixed.processes_per_node + fixed.vllm_server_gpus
+        counts = sorted({c for c in counts if c >= per_node} | {per_node})
     elif fixed.vllm_server_gpus and layout.vllm_server and work.vllm:
         # the server's K GPUs come on top of the trainers': a per-device batch and accumulation the user fixed may
         # leave 1 + K (or 2 + K, ...) the only node that runs them. Clouds sell nodes of 1, 2, 4, 8 GPUs, so such a
@@ -564,7 +576,7 @@ def make_plan(
                 whys.append((count, why_not))
             if mem is not None and (smallest is None or mem.total < smallest.total):
                 smallest = mem
-            if settings is None:
+            if settings is None or mem is None:  # fit sizes (mem) whatever it settles (settings)
                 continue
             train, gen = step_seconds(model_config, work, settings, gpu, assumptions)
             hours = work.max_steps * (train + gen) / 3600 + assumptions.setup_minutes / 60

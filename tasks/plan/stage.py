@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import yaml
 from pydantic import ValidationError
@@ -77,7 +77,7 @@ def pinned_world(train: TrainConfig) -> int | None:
 def layout_for(train: TrainConfig) -> Layout:
     """What the launch fixes already, and the plan must keep: train.distributed's fields the user set, the
     train.grpo batch fields the user set (apply_plan never overrides them), train.sky.accelerators' counts."""
-    counts = {}
+    counts: dict[str, int] = {}
     for option in train.sky.accelerators or []:
         name, _, count = option.partition(":")
         counts.setdefault(name, int(count or 1))
@@ -116,10 +116,10 @@ def workload_for(
             else math.ceil(_grpo(train, "num_train_epochs") * train_rows / (effective / generations))
         )
     optimizer = plan.optimizer or _grpo(train, "optim")
-    if optimizer not in Optimizer.__args__:
+    if optimizer not in get_args(Optimizer):
         raise PlanError(
             f"optimizer {optimizer!r} (train.grpo.optim) is unknown to the planner; set plan.optimizer "
-            f"to one of {list(Optimizer.__args__)}"
+            f"to one of {list(get_args(Optimizer))}"
         )
     targets = lora.get("target_modules", default("LoraConfig", "target_modules"))
     try:
@@ -240,7 +240,7 @@ def apply_plan(cfg: PipelineConfig, plan: Plan) -> PipelineConfig:
                 and o.nodes == settings.nodes
                 and o.vllm_server_gpus == settings.vllm_server_gpus
             ),
-            key=lambda o: o.usd,
+            key=lambda o: o.usd if o.usd is not None else math.inf,  # never None: the filter above
         )
         sky = sky.model_copy(update={"accelerators": [f"{o.gpu}:{o.count}" for o in fitting]})
     distributed = cfg.train.distributed

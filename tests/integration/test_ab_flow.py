@@ -11,8 +11,8 @@ from datetime import timedelta
 import mlflow
 import pytest
 
-from grpo_pipeline.tasks.ab_log import LOG_URL_ENV, RequestLog
-from grpo_pipeline.tasks.registry import CHALLENGER, CHAMPION, PREVIOUS, Registry
+from grpo_pipeline.tasks.promote.registry import CHALLENGER, CHAMPION, PREVIOUS, Registry
+from grpo_pipeline.tasks.serve.ab_log import LOG_URL_ENV, RequestLog
 from tests import ab_world
 from tests.ab_world import NAME, make_registry, overrides
 

@@ -16,8 +16,8 @@ from grpo_pipeline.flows.pipeline import (
     unchanged_stage,
     warm_start_stage,
 )
-from grpo_pipeline.tasks.data import config_hash
-from grpo_pipeline.tasks.registry import CHAMPION, Registry
+from grpo_pipeline.tasks.data.stage import config_hash
+from grpo_pipeline.tasks.promote.registry import CHAMPION, Registry
 
 pytestmark = pytest.mark.integration
 

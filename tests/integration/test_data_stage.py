@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from grpo_pipeline.configs.schema import ConfigError, DataConfig
-from grpo_pipeline.tasks.data import build_dataset
+from grpo_pipeline.tasks.data.stage import build_dataset
 from tests.unit.test_data import question
 
 pytestmark = pytest.mark.integration
@@ -67,7 +67,7 @@ def test_the_prefect_task_reruns_nothing_on_unchanged_data(tmp_path):  # no toke
         import json
         from pathlib import Path
         from prefect import flow
-        import grpo_pipeline.tasks.data as data
+        import grpo_pipeline.tasks.data.stage as data
         from grpo_pipeline.configs.schema import DataConfig
 
         builds = []

@@ -10,7 +10,7 @@ import pytest
 
 from grpo_pipeline.configs.schema import load_config
 from grpo_pipeline.flows.pipeline import drift_stage, record_seen
-from grpo_pipeline.tasks.registry import CHAMPION, Registry
+from grpo_pipeline.tasks.promote.registry import CHAMPION, Registry
 
 pytestmark = pytest.mark.integration
 

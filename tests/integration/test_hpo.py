@@ -14,9 +14,9 @@ import pytest
 import yaml
 
 from grpo_pipeline.configs.schema import load_config
-from grpo_pipeline.tasks.hpo import apply_best, open_storage, open_study, search
+from grpo_pipeline.tasks.hpo import apply_best
 from grpo_pipeline.tasks.job import build_job_spec
-from tests.unit.test_hpo import _quick
+from tests.unit.test_hpo import _quick, run_search, storage_of, study_of
 
 pytestmark = pytest.mark.integration
 
@@ -77,7 +77,7 @@ def test_search_prunes_fails_one_trial_only_and_feeds_the_best_to_training(
     """Run with both cores held busy by other processes: trials are slow, and none may be taken twice or
     marked stale while it runs."""
     cfg = load_config(hpo_yaml)
-    study = open_study(cfg)  # the study the CLI will load: its first trials are fixed here
+    study = study_of(cfg)  # the study the CLI will load: its first trials are fixed here
     for params in ENQUEUED:
         study.enqueue_trial(params)
 
@@ -95,7 +95,7 @@ def test_search_prunes_fails_one_trial_only_and_feeds_the_best_to_training(
     assert result["applied"] and result["configured_trial"] == 0 and "applied" in result["decision"]
 
     # The study is stored: reloaded from its database, each trial has the state its run earned.
-    stored = optuna.load_study(study_name="test-study", storage=open_storage(cfg))
+    stored = optuna.load_study(study_name="test-study", storage=storage_of(cfg))
     states = {t.number: t.state for t in stored.trials}
     T = optuna.trial.TrialState
     assert states == {0: T.COMPLETE, 1: T.COMPLETE, 2: T.PRUNED, 3: T.FAIL, 4: T.COMPLETE}
@@ -145,7 +145,7 @@ def test_the_study_lives_in_postgresql_when_configured(tmp_path):
             None, [f"data_dir={tmp_path}", f"hpo.storage={url}", "hpo.study_name=pg", "hpo.trials=2", *PLAIN]
         )
         # no training: the storage is what is tested
-        result = search(c, "m", {}, tmp_path, rewards=c.train.reward_set(), run_one=_quick([0.4, 0.7]))
+        result = run_search(c, "m", {}, tmp_path, rewards=c.train.reward_set(), run_one=_quick([0.4, 0.7]))
         assert result.storage.startswith("postgresql") and result.best_value == 0.7
         assert len(optuna.load_study(study_name="pg", storage=url).trials) == 2
         assert not (tmp_path / "optuna.db").exists()
@@ -216,7 +216,7 @@ def test_a_retried_flow_run_resumes_the_study_inside_the_same_hpo_run(tmp_path):
             with parent_run("flow-run-1", "grpo-pipeline") as parent, stage_run(parent.info.run_id, "hpo") as stage:
                 stage_ids.append(stage.info.run_id)
                 tracking = Tracking(tracking_uri=uri, experiment_id=experiment, stage_run_id=stage.info.run_id)
-                result = search(
+                result = run_search(
                     cfg, "m", {}, tmp_path, rewards=cfg.train.reward_set(), run_one=run_one, tracking=tracking
                 )
         except KeyboardInterrupt:  # the first attempt dies inside its second trial

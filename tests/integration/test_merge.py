@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from grpo_pipeline.configs.schema import MergeConfig
-from grpo_pipeline.tasks.merge import MergeRefused, max_logit_difference, merge_adapter
+from grpo_pipeline.tasks.promote.merge import MergeRefused, max_logit_difference, merge_adapter
 
 pytestmark = pytest.mark.integration
 PROMPTS = ["What is 3 + 4?", "What is 12 + 9? Reply with just the number."]

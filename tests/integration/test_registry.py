@@ -10,7 +10,7 @@ import mlflow
 import pytest
 
 from grpo_pipeline.infra.services import basic_auth_header
-from grpo_pipeline.tasks.registry import (
+from grpo_pipeline.tasks.promote.registry import (
     CHALLENGER,
     CHAMPION,
     MERGED_VERSION_TAG,
@@ -250,7 +250,7 @@ def test_a_held_lock_is_waited_for_and_then_refused(registry):
 
 RACER = """
 import json, sys, time
-from grpo_pipeline.tasks.registry import Registry, RestClient
+from grpo_pipeline.tasks.promote.registry import Registry, RestClient
 
 registry = Registry(RestClient(sys.argv[1]), sys.argv[2], lock_timeout_s=120, stale_lock_s=60)
 print(json.dumps({"ready": time.time()}), flush=True)
@@ -269,7 +269,7 @@ def test_two_processes_racing_for_a_stale_lock_take_it_one_after_the_other(regis
     import sys
     from pathlib import Path
 
-    from grpo_pipeline.tasks.registry import LOCK_SOURCE, SEEN_TAG, TOKEN_TAG
+    from grpo_pipeline.tasks.promote.registry import LOCK_SOURCE, SEEN_TAG, TOKEN_TAG
 
     rest = Registry(RestClient(registry.client.tracking_uri), registry.name)
     with rest.lock():
@@ -304,7 +304,7 @@ def test_two_processes_racing_for_a_stale_lock_take_it_one_after_the_other(regis
 
 
 def test_release_by_a_non_owner_leaves_the_lock_and_a_broken_holder_moves_nothing(registry, tmp_path):
-    from grpo_pipeline.tasks.registry import LockLost, Ticket
+    from grpo_pipeline.tasks.promote.registry import LockLost, Ticket
 
     v1 = _candidate(registry, tmp_path, "held")
     other = Registry(mlflow.MlflowClient(registry.client.tracking_uri), registry.name)

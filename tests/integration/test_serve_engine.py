@@ -30,8 +30,8 @@ from scipy.stats import binom
 from sqlalchemy import create_engine, text
 
 from grpo_pipeline.configs.schema import load_config
-from grpo_pipeline.tasks import serving
-from grpo_pipeline.tasks.registry import CHALLENGER, CHAMPION, AliasMove, Registry
+from grpo_pipeline.tasks.promote import serving
+from grpo_pipeline.tasks.promote.registry import CHALLENGER, CHAMPION, AliasMove, Registry
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

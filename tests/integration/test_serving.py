@@ -16,8 +16,8 @@ import mlflow
 import pytest
 
 from grpo_pipeline.configs.schema import load_config
-from grpo_pipeline.tasks import serving
-from grpo_pipeline.tasks.registry import CHAMPION, AliasMove, Registry
+from grpo_pipeline.tasks.promote import serving
+from grpo_pipeline.tasks.promote.registry import CHAMPION, AliasMove, Registry
 
 pytestmark = pytest.mark.integration
 
@@ -128,7 +128,7 @@ def test_the_isolated_process_cannot_import_the_project(champion, tmp_path):
     env = serving.isolated_env(champion["uri"], tmp_path)
     assert str(Path(__file__).parents[2]) not in env["PYTHONPATH"]
     proc = subprocess.run(
-        [sys.executable, "-c", "import grpo_pipeline.tasks.registry"],
+        [sys.executable, "-c", "import grpo_pipeline.tasks.promote.registry"],
         cwd=tmp_path,
         env=env,
         capture_output=True,

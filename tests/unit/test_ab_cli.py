@@ -8,8 +8,8 @@ import pytest
 from typer.testing import CliRunner
 
 from grpo_pipeline.cli import app
-from grpo_pipeline.tasks.ab_log import LOG_URL_ENV, RequestLog, RequestRow
-from grpo_pipeline.tasks.registry import CHALLENGER, CHAMPION, PREVIOUS, Registry
+from grpo_pipeline.tasks.promote.registry import CHALLENGER, CHAMPION, PREVIOUS, Registry
+from grpo_pipeline.tasks.serve.ab_log import LOG_URL_ENV, RequestLog, RequestRow
 from tests.ab_world import NAME, fill, make_registry, overrides
 
 
@@ -48,7 +48,7 @@ def test_status_shows_the_counts_and_the_estimate(world):
 
 
 def test_status_counts_the_requests_a_router_answered_while_the_store_was_down(world, tmp_path):
-    from grpo_pipeline.tasks.ab_spool import append, spool_path
+    from grpo_pipeline.tasks.serve.ab_spool import append, spool_path
 
     _, _, args = world
     for i in range(3):

@@ -1,4 +1,4 @@
-"""The online decision (`grpo_pipeline.tasks.ab.decide`) on simulated outcome streams: seeded NumPy, no services, a few seconds.
+"""The online decision (`grpo_pipeline.tasks.serve.ab.decide`) on simulated outcome streams: seeded NumPy, no services, a few seconds.
 
 Each simulated stream is a live test as the log would hold it: requests arrive one at a time, each to the
 challenger with probability `challenger_fraction`, each scored by thumbs up (1) or down (0). "Continuous
@@ -16,7 +16,7 @@ from scipy import stats
 
 from grpo_pipeline.configs.ab import ABConfig, Guardrails
 from grpo_pipeline.configs.schema import ConfigError, load_config
-from grpo_pipeline.tasks.ab import ArmSample, decide, msprt, sequential_path
+from grpo_pipeline.tasks.serve.ab import ArmSample, decide, msprt, sequential_path
 
 POLICY = ABConfig(challenger_fraction=0.5, alpha=0.05, mixture_effect=0.2, min_samples=100)
 BASE_RATE = 0.5  # the champion's thumbs-up rate

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from grpo_pipeline.configs.ab import ABConfig
-from grpo_pipeline.tasks.ab import decide
-from grpo_pipeline.tasks.ab_log import LogStoreError, RequestLog, RequestRow, UnknownRequest, masked
+from grpo_pipeline.tasks.serve.ab import decide
+from grpo_pipeline.tasks.serve.ab_log import LogStoreError, RequestLog, RequestRow, UnknownRequest, masked
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -82,7 +82,7 @@ def test_the_decision_reads_each_arms_current_version_from_the_log(log):
 def test_what_one_process_committed_another_reads(tmp_path):
     url = f"sqlite:///{tmp_path / 'ab.sqlite'}"
     code = (
-        f"from grpo_pipeline.tasks.ab_log import RequestLog, RequestRow; log = RequestLog.open({url!r}); "
+        f"from grpo_pipeline.tasks.serve.ab_log import RequestLog, RequestRow; log = RequestLog.open({url!r}); "
         "log.record(RequestRow(id='cmpl-x', arm='challenger', version='7', latency_s=0.1, prompt_tokens=1, "
         "completion_tokens=2, error=False, assignment='ab12'))"
     )

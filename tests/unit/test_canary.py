@@ -14,11 +14,11 @@ from typer.testing import CliRunner
 from grpo_pipeline.cli import app
 from grpo_pipeline.configs.ab import ABConfig
 from grpo_pipeline.configs.schema import ConfigError, load_config
-from grpo_pipeline.tasks.ab import AliasesMoved
-from grpo_pipeline.tasks.ab_apply import decide_round, settle_round
-from grpo_pipeline.tasks.ab_log import RequestLog, RequestRow
-from grpo_pipeline.tasks.ab_report import decision_metrics, read_outcomes, render_decision, series
-from grpo_pipeline.tasks.registry import CHALLENGER, CHAMPION, PREVIOUS, Registry
+from grpo_pipeline.tasks.promote.registry import CHALLENGER, CHAMPION, PREVIOUS, Registry
+from grpo_pipeline.tasks.serve.ab import AliasesMoved
+from grpo_pipeline.tasks.serve.ab_apply import decide_round, settle_round
+from grpo_pipeline.tasks.serve.ab_log import RequestLog, RequestRow
+from grpo_pipeline.tasks.serve.ab_report import decision_metrics, read_outcomes, render_decision, series
 
 PASSED = {"decision": "promote", "decision_reasons": "passed the offline gate"}
 

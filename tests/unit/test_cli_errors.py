@@ -109,7 +109,7 @@ def test_commands_without_json_fail_the_same_way():
 def test_errors_from_inside_the_flow_end_json_with_the_failure_object(tmp_path, monkeypatch, raised, code):
     import grpo_pipeline.flows.pipeline
     from grpo_pipeline.configs.schema import ConfigError
-    from grpo_pipeline.tasks.registry import ChampionMoved
+    from grpo_pipeline.tasks.promote.registry import ChampionMoved
 
     error = {
         "config": ConfigError("data.source: too much was dropped; fix the source"),

@@ -9,9 +9,9 @@ import pytest
 
 from grpo_pipeline.configs.schema import ConfigError, load_config
 from grpo_pipeline.flows.pipeline import warm_start_stage
-from grpo_pipeline.tasks.data import config_hash, incremental_split, unchanged_reason
-from grpo_pipeline.tasks.registry import Registry
-from grpo_pipeline.tasks.splits import incremental_rows
+from grpo_pipeline.tasks.data.splits import incremental_rows
+from grpo_pipeline.tasks.data.stage import config_hash, incremental_split, unchanged_reason
+from grpo_pipeline.tasks.promote.registry import Registry
 from grpo_pipeline.trainer.loading import adapter_mismatch
 
 ADAPTER = {"base_model_name_or_path": "org/base", "r": 4, "target_modules": ["q_proj", "v_proj"]}

@@ -14,8 +14,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from grpo_pipeline.configs.schema import ConfigError, DataConfig, load_config
-from grpo_pipeline.tasks.data import DataQualityError, build_dataset, log_lineage
-from grpo_pipeline.tasks.splits import split_of
+from grpo_pipeline.tasks.data.splits import split_of
+from grpo_pipeline.tasks.data.stage import DataQualityError, build_dataset, log_lineage
 
 GSM8K = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k"
 VOCAB = [
@@ -286,9 +286,11 @@ def test_a_rerun_on_the_same_input_does_no_work_and_new_input_does(tmp_path, mon
     )
     cfg = DataConfig(source=str(path))
     first = build_dataset(cfg, tmp_path / "out", str(tiny_model), ["correct_answer"])
-    import grpo_pipeline.tasks.data
+    import grpo_pipeline.tasks.data.stage
 
-    monkeypatch.setattr(grpo_pipeline.tasks.data, "run_chain", lambda *a, **k: pytest.fail("rebuilt unchanged data"))
+    monkeypatch.setattr(
+        grpo_pipeline.tasks.data.stage, "run_chain", lambda *a, **k: pytest.fail("rebuilt unchanged data")
+    )
     assert build_dataset(cfg, tmp_path / "out", str(tiny_model), ["correct_answer"]) == first
     with path.open("a") as fh:
         fh.write(json.dumps({"prompt": question(rng, 99)[0], "answer": "1"}) + "\n")
@@ -398,7 +400,7 @@ def test_cli_prints_the_report_and_exits_2_when_too_much_is_dropped(tmp_path, ti
 
 def test_a_missing_local_source_fails_preflight_naming_the_field():
     """Where the data stage runs, not when the configuration is parsed (that machine need not hold the data)."""
-    from grpo_pipeline.tasks.data_io import check_local_sources
+    from grpo_pipeline.tasks.data.sources import check_local_sources
 
     cfg = load_config(None, ["data.source=./missing.jsonl"])
     with pytest.raises(ConfigError, match=r"data\.source: \./missing\.jsonl does not exist"):

@@ -19,10 +19,10 @@ import pyarrow as pa
 import pyarrow.csv as pcsv
 import pytest
 
-import grpo_pipeline.tasks.data_io as data_io
+import grpo_pipeline.tasks.data.sources as data_io
 from grpo_pipeline.configs.schema import ConfigError, DataConfig
-from grpo_pipeline.tasks.data import build_dataset
-from grpo_pipeline.tasks.data_io import DataSourceError, iter_jsonl
+from grpo_pipeline.tasks.data.sources import DataSourceError, iter_jsonl
+from grpo_pipeline.tasks.data.stage import build_dataset
 from tests.unit.test_data import VOCAB, question, read
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -302,7 +302,7 @@ def test_grpo_pipeline_data_resolves_the_models_tokenizer_or_exits_2(tmp_path, t
 _SLOW_BUILD = """
 import signal, sys, time
 from pathlib import Path
-import grpo_pipeline.tasks.data as data
+import grpo_pipeline.tasks.data.stage as data
 from grpo_pipeline.configs.schema import DataConfig
 
 # As in a terminal, whatever this test runs under (nohup, or a shell's background job ignoring SIGINT).

@@ -3,7 +3,7 @@ import random
 import pytest
 
 from grpo_pipeline.configs.schema import PromotionPolicy
-from grpo_pipeline.tasks.decide import decide_promotion, paired_difference
+from grpo_pipeline.tasks.promote.decide import decide_promotion, paired_difference
 
 
 def _rows(correct: list[int], length: int = 2) -> list[dict]:

@@ -1,8 +1,8 @@
 from grpo_pipeline.configs.rewards import RewardSet
 from grpo_pipeline.configs.schema import DemoTaskConfig
-from grpo_pipeline.tasks.demo_task import generate
+from grpo_pipeline.tasks.data.demo_task import generate
+from grpo_pipeline.tasks.data.splits import split_of
 from grpo_pipeline.tasks.evaluate import score
-from grpo_pipeline.tasks.splits import split_of
 
 
 def test_growing_the_task_never_moves_a_question_between_splits():

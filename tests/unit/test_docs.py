@@ -64,8 +64,8 @@ def test_every_relative_link_and_anchor_resolves(path):
 
 def test_the_data_page_states_the_readers_rules_as_the_code_has_them():
     """docs/data.md names every reason a JSON line is refused for, with the bounds the reader really uses."""
-    from grpo_pipeline.tasks import data_io
-    from grpo_pipeline.tasks.data import REASONS
+    from grpo_pipeline.tasks.data import sources as data_io
+    from grpo_pipeline.tasks.data.stage import REASONS
 
     text = " ".join((ROOT / "docs" / "data.md").read_text().split())
     for reason in ("line_too_long", "invalid_utf8", "bad_json", "too_deep", "nul_character"):

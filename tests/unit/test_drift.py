@@ -5,8 +5,7 @@ import numpy as np
 import pytest
 
 from grpo_pipeline.configs.schema import ConfigError, load_config
-from grpo_pipeline.tasks.data import config_hash, dataset_key
-from grpo_pipeline.tasks.drift import (
+from grpo_pipeline.tasks.data.drift import (
     assess,
     drift_metrics,
     length_shift,
@@ -14,6 +13,7 @@ from grpo_pipeline.tasks.drift import (
     reward_drop,
     split_rows,
 )
+from grpo_pipeline.tasks.data.stage import config_hash, dataset_key
 from grpo_pipeline.tasks.report import drift_lines
 
 
@@ -114,10 +114,10 @@ def test_the_decision_report_is_marked_and_shows_the_drift_section():
     from markdown_it import MarkdownIt
 
     from grpo_pipeline.configs.rewards import RewardSet
-    from grpo_pipeline.tasks.decide import Decision
     from grpo_pipeline.tasks.evaluate import score
+    from grpo_pipeline.tasks.promote.decide import Decision
+    from grpo_pipeline.tasks.promote.serving import ServingCheck
     from grpo_pipeline.tasks.report import render_markdown
-    from grpo_pipeline.tasks.serving import ServingCheck
     from grpo_pipeline.tasks.summary import Holdout, RegistryOutcome
 
     rows = [{"key": "q1", "prompt": "What is 2 + 2?", "answer": "4"}]

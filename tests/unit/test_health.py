@@ -213,9 +213,9 @@ def test_every_rank_acts_on_rank_0s_decision():
 
 
 def test_the_report_says_the_candidate_came_from_a_rolled_back_run():
-    from grpo_pipeline.tasks.decide import Decision
+    from grpo_pipeline.tasks.promote.decide import Decision
+    from grpo_pipeline.tasks.promote.serving import ServingCheck
     from grpo_pipeline.tasks.report import render_markdown
-    from grpo_pipeline.tasks.serving import ServingCheck
     from grpo_pipeline.tasks.summary import Holdout, RegistryOutcome, RunSummary
     from grpo_pipeline.trainer.spec import HealthEvent, TrainResult
 

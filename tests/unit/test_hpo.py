@@ -18,10 +18,24 @@ from grpo_pipeline.tasks.hpo import (
     search,
     suggest,
     to_overrides,
-    trial_config,
+    trial_train,
 )
 
 REWARDS = load_config(None).train.reward_set()  # the default rewards, which every config here keeps
+
+
+def run_search(c, model_path, splits, run_dir, **kwargs):
+    """`search` on a loaded config's sections, as the flow calls it."""
+    return search(c.hpo, c.train, c.model, c.evaluate, model_path, splits, run_dir, data_dir=c.data_dir, **kwargs)
+
+
+def study_of(c):
+    return open_study(c.hpo, c.model.base, c.data_dir)
+
+
+def storage_of(c):
+    return open_storage(c.hpo, c.data_dir)
+
 
 # The bookkeeping tests: trainer-reported values, no configured control (both have tests of their own below).
 PLAIN = ["hpo.trial_score=trainer", "hpo.keep_configured=false", "hpo.pruner=none"]
@@ -74,7 +88,7 @@ def test_parameters_become_training_overrides_and_a_trial_config(cfg):
         ),
         base.hpo.space,
     )
-    overrides = to_overrides(params, base)
+    overrides = to_overrides(params, base.train.lora)
     assert overrides == {
         "train.lora.r": 32,
         "train.lora.lora_alpha": 64,
@@ -87,12 +101,13 @@ def test_parameters_become_training_overrides_and_a_trial_config(cfg):
     assert best.train.lora["r"] == 32 and best.train.grpo["num_generations"] == 4
     assert base.train.lora.get("r") is None  # pure: the input is untouched
 
-    trial = trial_config(base, overrides).train
+    trial = trial_train(base.train, base.hpo, overrides)
     assert trial.grpo["max_steps"] == base.hpo.steps and trial.grpo["eval_steps"] == base.hpo.eval_every
     assert trial.grpo["per_device_eval_batch_size"] % base.hpo.eval_generations == 0
     assert (trial.max_restarts, trial.early_stopping_patience) == (0, None)  # a crash is a result; the pruner decides
 
-    sky = trial_config(cfg("train.launcher=sky", "train.sky.accelerators=[H100:1]"), {}).train.sky
+    sky_cfg = cfg("train.launcher=sky", "train.sky.accelerators=[H100:1]")
+    sky = trial_train(sky_cfg.train, sky_cfg.hpo, {}).sky
     assert (sky.task_yaml, sky.accelerators) == ("sky/hpo-trial.yaml", None)
 
 
@@ -105,9 +120,9 @@ def _quick(values):
     """A trial runner that returns the next value (a number, 'prune' or 'crash') without training."""
     values = iter(values)
 
-    def run_one(trial, cfg, model_path, splits, run_dir, tracking):
+    def run_one(trial, hpo, train, model, model_path, splits, run_dir, tracking):
         if not trial.user_attrs.get("configured"):
-            suggest(trial, cfg.hpo.space)
+            suggest(trial, hpo.space)
         value = next(values)
         if value == "crash":
             trial.set_user_attr("reason", "trainer exited with code 1 ... ValueError: boom")
@@ -116,7 +131,7 @@ def _quick(values):
             trial.report(0.0, 1)
             trial.set_user_attr("reason", "pruned at step 1")
             return TrialOutcome(value=None, pruned_at=1, steps=1)
-        return TrialOutcome(value=value, steps=cfg.hpo.steps)
+        return TrialOutcome(value=value, steps=hpo.steps)
 
     return run_one
 
@@ -124,10 +139,10 @@ def _quick(values):
 def test_the_study_resumes_with_the_rest_of_its_budget(cfg, tmp_path):
     c = cfg("hpo.trials=3")
     with pytest.raises(KeyboardInterrupt):  # the search process dies after one trial
-        search(c, "m", {}, tmp_path, rewards=c.train.reward_set(), run_one=_dies_after(1))
+        run_search(c, "m", {}, tmp_path, rewards=c.train.reward_set(), run_one=_dies_after(1))
     # the budget left: 3 - 2 finished
-    result = search(c, "m", {}, tmp_path, rewards=c.train.reward_set(), run_one=_quick([0.9]))
-    stored = optuna.load_study(study_name=result.study_name, storage=open_storage(c))
+    result = run_search(c, "m", {}, tmp_path, rewards=c.train.reward_set(), run_one=_quick([0.9]))
+    stored = optuna.load_study(study_name=result.study_name, storage=storage_of(c))
     assert [t.state.name for t in stored.trials] == ["COMPLETE", "FAIL", "COMPLETE"]
     assert (result.best_value, result.best_trial) == (0.9, 2)
 
@@ -135,30 +150,30 @@ def test_the_study_resumes_with_the_rest_of_its_budget(cfg, tmp_path):
 def _dies_after(n):
     count = {"n": 0}
 
-    def run_one(trial, cfg, model_path, splits, run_dir, tracking):
-        suggest(trial, cfg.hpo.space)
+    def run_one(trial, hpo, train, model, model_path, splits, run_dir, tracking):
+        suggest(trial, hpo.space)
         count["n"] += 1
         if count["n"] > n:
             raise KeyboardInterrupt
-        return TrialOutcome(value=0.1, steps=cfg.hpo.steps)
+        return TrialOutcome(value=0.1, steps=hpo.steps)
 
     return run_one
 
 
 def test_a_new_study_is_warm_started_from_earlier_studies_of_the_same_model(cfg):
     first = cfg("hpo.study_name=day-1", "hpo.trials=2")
-    search(first, "m", {}, first.data_dir, rewards=first.train.reward_set(), run_one=_quick([0.3, 0.8]))
-    best = optuna.load_study(study_name="day-1", storage=open_storage(first)).best_params
+    run_search(first, "m", {}, first.data_dir, rewards=first.train.reward_set(), run_one=_quick([0.3, 0.8]))
+    best = optuna.load_study(study_name="day-1", storage=storage_of(first)).best_params
 
     other_model = cfg("hpo.study_name=other", "model.base=org/other-model")
-    assert not [t for t in open_study(other_model).trials if t.state.name == "WAITING"]
+    assert not [t for t in study_of(other_model).trials if t.state.name == "WAITING"]
     narrower = cfg("hpo.study_name=narrow", "hpo.space.learning_rate={low: 2.0e-3, high: 3.0e-3, log: true}")
-    assert not [t for t in open_study(narrower).trials if t.state.name == "WAITING"]  # best lies outside
+    assert not [t for t in study_of(narrower).trials if t.state.name == "WAITING"]  # best lies outside
 
     with pytest.raises(ConfigError, match="searched for base model 'smollm2-135m-instruct'"):
-        open_study(cfg("hpo.study_name=day-1", "model.base=org/other-model"))  # a study is one model's
+        study_of(cfg("hpo.study_name=day-1", "model.base=org/other-model"))  # a study is one model's
 
-    second = open_study(cfg("hpo.study_name=day-2"))
+    second = study_of(cfg("hpo.study_name=day-2"))
     waiting = [t for t in second.trials if t.state.name == "WAITING"]
     assert len(waiting) == 1
     trial = second.ask()
@@ -167,7 +182,7 @@ def test_a_new_study_is_warm_started_from_earlier_studies_of_the_same_model(cfg)
 
 def test_when_no_trial_completes_the_stage_fails_with_each_reason(cfg, tmp_path):
     with pytest.raises(HPOFailed) as err:
-        search(cfg("hpo.trials=2"), "m", {}, tmp_path, rewards=REWARDS, run_one=_quick(["crash", "prune"]))
+        run_search(cfg("hpo.trials=2"), "m", {}, tmp_path, rewards=REWARDS, run_one=_quick(["crash", "prune"]))
     message = str(err.value)
     assert "trial 0: FAIL: trainer exited with code 1 ... ValueError: boom" in message
     assert "trial 1: PRUNED: pruned at step 1" in message
@@ -204,10 +219,10 @@ def test_bad_input_in_a_trial_stops_the_study_and_reaches_the_caller_as_a_config
     run_one = functools.partial(run_trial, launcher_for=lambda train, on_line: _TrainerExited2(launched))
     c = cfg("hpo.trials=4")
     with pytest.raises(BadTrainingInput, match=r"^reward 'x:nan' returned nan for row 1") as failed:
-        search(c, "m", {"train": tmp_path / "train.jsonl"}, tmp_path, rewards=c.train.reward_set(), run_one=run_one)
+        run_search(c, "m", {"train": tmp_path / "train.jsonl"}, tmp_path, rewards=c.train.reward_set(), run_one=run_one)
     assert isinstance(failed.value, ConfigError)  # the CLI's exit-2 path
     assert len(launched) == 1  # not hpo.trials launches into the same reward
-    (trial,) = optuna.load_study(study_name=open_study(c).study_name, storage=open_storage(c)).trials
+    (trial,) = optuna.load_study(study_name=study_of(c).study_name, storage=storage_of(c)).trials
     assert trial.state.name == "FAIL"
     assert trial.user_attrs["reason"].startswith("reward 'x:nan' returned nan for row 1")
 
@@ -217,14 +232,14 @@ def test_a_trial_left_running_by_a_dead_search_process_fails_and_is_queued_again
     import sys
 
     c = cfg("hpo.trials=2")
-    study = open_study(c)
+    study = study_of(c)
     orphan = study.ask({"learning_rate": optuna.distributions.FloatDistribution(1e-5, 1e-3, log=True)})
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     orphan.set_user_attr("worker", f"{__import__('socket').gethostname()}:{int(dead.stdout)}")
     alive = study.ask()
     alive.set_user_attr("worker", f"{__import__('socket').gethostname()}:{__import__('os').getppid()}")
 
-    reopened = open_study(c)  # what a relaunched search does first
+    reopened = study_of(c)  # what a relaunched search does first
     states = {t.number: t.state.name for t in reopened.trials}
     assert states == {0: "FAIL", 1: "RUNNING", 2: "WAITING"}  # the live process's trial is left alone
     assert "died while this trial ran" in reopened.trials[0].user_attrs["reason"]
@@ -243,7 +258,7 @@ def test_sqlite_is_refused_for_parallel_trials():
 @pytest.fixture
 def val8(tmp_path):
     """A val split of 8 prompts: 4 to select on and 4 fresh ones to re-score on at a standard error of 0.5."""
-    from grpo_pipeline.tasks.demo_task import make_row
+    from grpo_pipeline.tasks.data.demo_task import make_row
 
     path = tmp_path / "val.jsonl"
     path.write_text("".join(__import__("json").dumps(make_row(a, 1)) + "\n" for a in range(8)))
@@ -254,12 +269,12 @@ def _scored(tmp_path, plan):
     """`run_one` and `score` for the greedy path: trial number -> (per-prompt scores on the selection prompts,
     on the fresh ones). Trial 0 is the configured values' control."""
 
-    def run_one(trial, cfg, model_path, splits, run_dir, tracking):
+    def run_one(trial, hpo, train, model, model_path, splits, run_dir, tracking):
         if not trial.user_attrs.get("configured"):
-            suggest(trial, cfg.hpo.space)
+            suggest(trial, hpo.space)
         adapter = tmp_path / f"adapter-{trial.number}"
         adapter.mkdir(exist_ok=True)
-        return TrialOutcome(value=0.0, steps=cfg.hpo.steps, adapter_dir=str(adapter))
+        return TrialOutcome(value=0.0, steps=hpo.steps, adapter_dir=str(adapter))
 
     def score(adapter_dir, prompts):
         select, rescore = plan[int(adapter_dir.rsplit("-", 1)[1])]
@@ -279,7 +294,9 @@ def test_the_best_is_not_applied_when_it_does_not_beat_the_configured_values_bey
             1: ([1, 1, 1, 0], [1, 1, 0, 0]),  # the best on the selection prompts; a wash on fresh ones
         },
     )
-    result = search(cfg(*GREEDY, "hpo.trials=2"), "m", val8, tmp_path, rewards=REWARDS, run_one=run_one, score=score)
+    result = run_search(
+        cfg(*GREEDY, "hpo.trials=2"), "m", val8, tmp_path, rewards=REWARDS, run_one=run_one, score=score
+    )
     assert result.configured_trial == 0 and result.best_trial == 1 and result.best_value == 0.75
     assert not result.applied and result.overrides == {}  # training keeps what was configured ...
     assert "train.grpo.learning_rate" in result.best_overrides  # ... and the run still says what was found
@@ -298,7 +315,9 @@ def test_the_top_trials_are_rescored_on_fresh_prompts_and_the_best_there_is_appl
             3: ([0, 0, 0, 0], [2, 2, 2, 2]),  # not in the top 2: never re-scored
         },
     )
-    result = search(cfg(*GREEDY, "hpo.trials=4"), "m", val8, tmp_path, rewards=REWARDS, run_one=run_one, score=score)
+    result = run_search(
+        cfg(*GREEDY, "hpo.trials=4"), "m", val8, tmp_path, rewards=REWARDS, run_one=run_one, score=score
+    )
     assert set(result.rescored) == {0, 1, 2}
     assert result.best_trial == 2 and result.applied and result.overrides == result.best_overrides
     assert "better beyond the noise, applied" in result.decision and result.difference_ci[0] > 0
@@ -314,7 +333,7 @@ def test_a_target_standard_error_the_data_cannot_meet_fails_before_any_trial_nam
         raise AssertionError("no trial may run")
 
     with pytest.raises(NotEnoughPrompts) as err:
-        search(cfg(*GREEDY, "hpo.target_standard_error=0.05"), "m", val8, tmp_path, rewards=REWARDS, run_one=never)
+        run_search(cfg(*GREEDY, "hpo.target_standard_error=0.05"), "m", val8, tmp_path, rewards=REWARDS, run_one=never)
     assert isinstance(err.value, ConfigError)  # the CLI's exit 2
     assert "needs 400 validation prompts per scoring" in str(err.value) and "800 in all" in str(err.value)
     assert "the val split has 8" in str(err.value)
@@ -325,13 +344,13 @@ def test_a_search_budget_of_one_training_run_explores_at_least_eight_configurati
     stops launching trials once the training run's 40 steps are spent."""
     import math
 
-    def run_one(trial, cfg, model_path, splits, run_dir, tracking):
-        lr = suggest(trial, cfg.hpo.space)["learning_rate"] if not trial.user_attrs.get("configured") else 1e-4
-        for step in range(cfg.hpo.eval_every, cfg.hpo.steps + 1, cfg.hpo.eval_every):
+    def run_one(trial, hpo, train, model, model_path, splits, run_dir, tracking):
+        lr = suggest(trial, hpo.space)["learning_rate"] if not trial.user_attrs.get("configured") else 1e-4
+        for step in range(hpo.eval_every, hpo.steps + 1, hpo.eval_every):
             trial.report(-abs(math.log10(lr) + 3.5) + step / 100, step)
-            if not trial.user_attrs.get("configured") and step < cfg.hpo.steps and trial.should_prune():
+            if not trial.user_attrs.get("configured") and step < hpo.steps and trial.should_prune():
                 return TrialOutcome(value=None, pruned_at=step, steps=step)
-        return TrialOutcome(value=-abs(math.log10(lr) + 3.5), steps=cfg.hpo.steps)
+        return TrialOutcome(value=-abs(math.log10(lr) + 3.5), steps=hpo.steps)
 
     c = cfg(
         "hpo.pruner=successive_halving",
@@ -342,7 +361,7 @@ def test_a_search_budget_of_one_training_run_explores_at_least_eight_configurati
         "hpo.trials=50",
         "hpo.budget_fraction=1.0",
     )
-    result = search(c, "m", {}, tmp_path, rewards=c.train.reward_set(), run_one=run_one)
+    result = run_search(c, "m", {}, tmp_path, rewards=c.train.reward_set(), run_one=run_one)
     searched = [t.state for t in result.trials[1:]]
     assert len(searched) >= 8 and searched.count("PRUNED") >= 7  # the first 7 stop at the first rung
     assert result.budget_steps == 40 and 40 <= result.steps_spent <= 40 + c.hpo.steps
@@ -357,4 +376,4 @@ def test_rungs_and_budget_follow_the_config():
     pruner = make_pruner(HPOConfig(pruner="hyperband", steps=18, eval_every=2, reduction_factor=3)).inner
     assert (pruner._min_resource, pruner._max_resource, pruner._reduction_factor) == (2, 18, 3)
     c = load_config(None, ["train.grpo.max_steps=100", "hpo.budget_fraction=0.25"])
-    assert budget(c, train_usd=8.0) == (25, 2.0)
+    assert budget(c.hpo, c.train, train_usd=8.0) == (25, 2.0)

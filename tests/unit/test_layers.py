@@ -23,7 +23,7 @@ SHARED = {"trainer": {"grpo_pipeline.configs.layout"}}  # a leaf's allowed impor
 
 
 def layer_of(module: str) -> str:
-    """The layer a module name belongs to: grpo_pipeline.tasks.data -> tasks; grpo_pipeline.cli -> grpo_pipeline.
+    """The layer a module name belongs to: grpo_pipeline.tasks.data.stage -> tasks; grpo_pipeline.cli -> grpo_pipeline.
 
     >>> layer_of("grpo_pipeline.tasks.plan"), layer_of("grpo_pipeline.cli"), layer_of("torch.nn")
     ('tasks', 'grpo_pipeline', 'torch')

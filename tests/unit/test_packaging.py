@@ -65,7 +65,19 @@ def wheel(tmp_path_factory) -> Path:
 def test_the_wheel_installs_one_top_level_package(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     assert {n.split("/")[0] for n in names} == {"grpo_pipeline", wheel.name.split("-py3")[0] + ".dist-info"}
-    for layer in ("configs", "trainer", "trainer/rewards", "tasks", "tasks/plan", "infra", "infra/launch", "flows"):
+    for layer in (
+        "configs",
+        "trainer",
+        "trainer/rewards",
+        "tasks",
+        "tasks/plan",
+        "tasks/data",
+        "tasks/promote",
+        "tasks/serve",
+        "infra",
+        "infra/launch",
+        "flows",
+    ):
         assert f"grpo_pipeline/{layer}/__init__.py" in names, layer
 
 

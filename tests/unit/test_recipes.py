@@ -14,7 +14,7 @@ RECIPES = sorted(p for p in CONFIGS.glob("*.yaml") if p.name != "gpus.yaml")
 REASONING = [p for p in RECIPES if p.name.startswith("gsm8k-") and "cpu" not in p.name] + [
     CONFIGS / "qwen2.5-7b-qlora.yaml"
 ]
-# What the data stage writes for every row (tasks/data.py): the columns a reward may ask for.
+# What the data stage writes for every row (tasks/data/stage.py): the columns a reward may ask for.
 ROW_COLUMNS = ["prompt", "answer", "key"]
 
 

@@ -6,10 +6,10 @@ import re
 from markdown_it import MarkdownIt
 
 from grpo_pipeline.configs.rewards import RewardSet
-from grpo_pipeline.tasks.decide import Decision
 from grpo_pipeline.tasks.evaluate import EXAMPLE_CHARS, pick_examples, score
+from grpo_pipeline.tasks.promote.decide import Decision
+from grpo_pipeline.tasks.promote.serving import ServingCheck
 from grpo_pipeline.tasks.report import render_markdown
-from grpo_pipeline.tasks.serving import ServingCheck
 from grpo_pipeline.tasks.summary import Holdout, RegistryOutcome
 
 HOSTILE = (

@@ -84,7 +84,7 @@ def test_the_data_stage_checks_references_with_the_answer_rewards_alone(tmp_path
     import random
 
     from grpo_pipeline.configs.schema import DataConfig
-    from grpo_pipeline.tasks.data import build_dataset
+    from grpo_pipeline.tasks.data.stage import build_dataset
     from tests.unit.test_data import question, read
 
     rng = random.Random(15)
@@ -115,7 +115,7 @@ def test_the_data_stage_binds_the_answer_checkers_arguments(tmp_path, tiny_model
     import random
 
     from grpo_pipeline.configs.schema import DataConfig
-    from grpo_pipeline.tasks.data import build_dataset
+    from grpo_pipeline.tasks.data.stage import build_dataset
     from tests.unit.test_data import question, read
 
     checker = f"{__name__}:answer_below"

@@ -22,7 +22,7 @@ from pydantic import ValidationError
 
 from grpo_pipeline.configs.rewards import RewardSet
 from grpo_pipeline.configs.schema import ConfigError, PipelineConfig, QuantizationBound, load_config
-from grpo_pipeline.tasks.demo_task import make_row
+from grpo_pipeline.tasks.data.demo_task import make_row
 
 WEIGHED = "train.reward_weights={number_only: 0.2}"
 ENGINE = "evaluate.engine=transformers"  # "auto" would import torch to look for a GPU
@@ -136,13 +136,14 @@ def test_the_quantization_cost_is_the_weighted_totals_drop(fake_generation, val8
 
 
 def test_the_search_scores_and_picks_trials_by_the_weighted_total(fake_generation, val8, tmp_path):
-    from grpo_pipeline.tasks.hpo import TrialOutcome, search, suggest
+    from grpo_pipeline.tasks.hpo import TrialOutcome, suggest
+    from tests.unit.test_hpo import run_search
 
-    def run_one(trial, cfg, model_path, splits, run_dir, tracking):
-        suggest(trial, cfg.hpo.space)
+    def run_one(trial, hpo, train, model, model_path, splits, run_dir, tracking):
+        suggest(trial, hpo.space)
         adapter = tmp_path / f"{trial.number}-{('terse', 'wordy')[trial.number]}"
         adapter.mkdir(exist_ok=True)
-        return TrialOutcome(value=0.0, steps=cfg.hpo.steps, adapter_dir=str(adapter))
+        return TrialOutcome(value=0.0, steps=hpo.steps, adapter_dir=str(adapter))
 
     def searched(name: str, *overrides: str):
         cfg: PipelineConfig = load_config(
@@ -160,7 +161,7 @@ def test_the_search_scores_and_picks_trials_by_the_weighted_total(fake_generatio
                 *overrides,
             ],
         )
-        return search(cfg, "base", {"val": val8}, tmp_path / name, rewards=cfg.train.reward_set(), run_one=run_one)
+        return run_search(cfg, "base", {"val": val8}, tmp_path / name, rewards=cfg.train.reward_set(), run_one=run_one)
 
     unweighted = searched("unweighted")
     assert unweighted.best_trial == 0 and unweighted.rescored == {0: 1.5, 1: 1.0}
@@ -220,9 +221,9 @@ def test_preflight_checks_every_reward_name_the_config_holds(override, message):
 
 def test_every_shipped_recipe_names_rewards_and_columns_that_exist():
     from grpo_pipeline.configs.files import recipes
-    from grpo_pipeline.tasks.decide import check_policy
     from grpo_pipeline.tasks.evaluate import score_columns
     from grpo_pipeline.tasks.job import check_rewards
+    from grpo_pipeline.tasks.promote.decide import check_policy
 
     for path in recipes():
         cfg = load_config(path)

@@ -18,10 +18,10 @@ from starlette.testclient import TestClient
 
 from grpo_pipeline.configs.ab import ABConfig
 from grpo_pipeline.configs.rewards import RewardSet
-from grpo_pipeline.tasks import ab_spool
-from grpo_pipeline.tasks.ab_log import RequestLog, RequestRow, metadata
-from grpo_pipeline.tasks.adapters import Adapter, refusal
-from grpo_pipeline.tasks.router import (
+from grpo_pipeline.tasks.serve import ab_spool
+from grpo_pipeline.tasks.serve.ab_log import RequestLog, RequestRow, metadata
+from grpo_pipeline.tasks.serve.adapters import Adapter, refusal
+from grpo_pipeline.tasks.serve.router import (
     CHALLENGER,
     CHAMPION,
     BadRequest,

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from grpo_pipeline.tasks import serving
+from grpo_pipeline.tasks.promote import serving
 
 FAKE_MLFLOW = """
 import types

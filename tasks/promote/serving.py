@@ -4,7 +4,7 @@ models, and the serving check that proves a registered version loads and generat
 - `base_reference`: a hub id stays a hub id; a local base (the demo's converted GGUF, a directory) is copied
   into the artifact store once per content hash (a run in the experiment `BASE_EXPERIMENT` tagged
   `base_sha256`) and named by that run's URI, `runs:/<id>/model`, from then on.
-- `log_adapter_model` / `log_merged_model`: MLflow models from code (`tasks/serving_model.py`, which imports
+- `log_adapter_model` / `log_merged_model`: MLflow models from code (`tasks/promote/serving_model.py`, which imports
   only mlflow, transformers, peft and torch) with the adapter, whose `adapter_config.json` names the base
   reference, the tokenizer and chat template, an input example and a signature.
 - `serving_check`: a fresh Python process, its working directory outside the project, this project's
@@ -39,7 +39,7 @@ if TYPE_CHECKING:  # MLflow and the config loaded lazily: a lookup of the module
 from grpo_pipeline.tasks.chat_prompts import prompt_text  # the served model's input; re-exported for the flow
 
 MODEL_CODE = Path(__file__).with_name("serving_model.py")
-RENDERER_CODE = Path(__file__).with_name("chat_prompts.py")  # shipped with it: the evaluation's renderer
+RENDERER_CODE = Path(__file__).parents[1] / "chat_prompts.py"  # shipped with it: the evaluation's renderer
 BASE_EXPERIMENT = "grpo-base-models"
 BASE_TAG = "base_sha256"
 PROJECT_PACKAGES = ("configs", "trainer", "tasks", "infra", "flows", "grpo_pipeline", "bench", "tests")

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from grpo_pipeline.tasks.splits import replay_rank
+from grpo_pipeline.tasks.data.splits import replay_rank
 
 ANSWER_TYPES = ("integer", "decimal", "fraction", "text")
 NUMERIC = ("integer", "decimal", "fraction")
@@ -110,7 +110,7 @@ class NewAndSeen:
 
 
 def sample_rank(key: str, salt: str) -> int:
-    """A row's place in the scored sample: `grpo_pipeline.tasks.splits.replay_rank` (a hash of its key and `salt`,
+    """A row's place in the scored sample: `grpo_pipeline.tasks.data.splits.replay_rank` (a hash of its key and `salt`,
     the dataset's fingerprint), so the sample is the same on a rerun and does not depend on the rows' order."""
     return replay_rank(key, salt)
 

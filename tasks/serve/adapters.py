@@ -1,7 +1,7 @@
 """What the router serves: the registry's aliases resolved to adapter folders on this machine, and the check
 that an adapter fits the engine's base.
 
-A registered version is the MLflow model `grpo_pipeline.tasks.serving.log_adapter_model` logged: its `MLmodel`
+A registered version is the MLflow model `grpo_pipeline.tasks.promote.serving.log_adapter_model` logged: its `MLmodel`
 names the base (`config.base`, a hub id or `runs:/<id>/model`, and `config.base_sha256`) and its
 `artifacts/adapter` folder is the PEFT adapter. `resolve` downloads a version once into
 `<cache>/<name>/<version>` (a version's files never change) and reads both; `local_base` fetches the base once
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from grpo_pipeline.tasks.registry import Registry
+    from grpo_pipeline.tasks.promote.registry import Registry
 
 
 class AdapterError(RuntimeError):

@@ -2,7 +2,7 @@
 
 Every (a, b) pair is assigned to a split by a hash of the pair itself, so the holdout never shares a
 question with training, and growing `max_operand` keeps every old pair in the split it had. The data
-stage (`grpo_pipeline.tasks.data`) splits every source by the same `grpo_pipeline.tasks.splits.split_of`, so the demo rows go through
+stage (`grpo_pipeline.tasks.data.stage`) splits every source by the same `grpo_pipeline.tasks.data.splits.split_of`, so the demo rows go through
 its chain unchanged.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 
 from grpo_pipeline.configs.schema import DemoTaskConfig
-from grpo_pipeline.tasks.splits import HOLDOUT_SHARE, VAL_SHARE, split_of
+from grpo_pipeline.tasks.data.splits import HOLDOUT_SHARE, VAL_SHARE, split_of
 
 PROMPT = "What is {a} + {b}? Reply with just the number."
 

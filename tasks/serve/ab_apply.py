@@ -2,9 +2,9 @@
 
 1. `decide_round`: read the aliases, the requests the *current* champion and challenger versions answered (the
    log is per version: a challenger replaced by a newer candidate under `promote.mode=canary` no longer
-   counts, so its test restarts), and decide with the pure `grpo_pipeline.tasks.ab.decide`;
+   counts, so its test restarts), and decide with the pure `grpo_pipeline.tasks.serve.ab.decide`;
 2. `settle_round`: for `promote` or `rollback`, move the aliases under the registry lock
-   (`grpo_pipeline.tasks.ab.settle`), unless they moved since step 1 (`AliasesMoved`: nothing moves).
+   (`grpo_pipeline.tasks.serve.ab.settle`), unless they moved since step 1 (`AliasesMoved`: nothing moves).
 
 Two steps so a caller can report the decision when the move fails; one implementation of each.
 """
@@ -14,9 +14,9 @@ from __future__ import annotations
 from pydantic import BaseModel
 
 from grpo_pipeline.configs.ab import ABConfig
-from grpo_pipeline.tasks.ab import Decision, decide, settle
-from grpo_pipeline.tasks.ab_log import RequestLog
-from grpo_pipeline.tasks.registry import CHALLENGER, CHAMPION, Registry
+from grpo_pipeline.tasks.promote.registry import CHALLENGER, CHAMPION, Registry
+from grpo_pipeline.tasks.serve.ab import Decision, decide, settle
+from grpo_pipeline.tasks.serve.ab_log import RequestLog
 
 NO_TEST = "no challenger alias: no test is running"
 OFFLINE = (
@@ -89,7 +89,7 @@ def decide_round(ab: ABConfig, log: RequestLog, registry: Registry, canary: bool
 
 def settle_round(registry: Registry, found: Round) -> Round:
     """Move the aliases the round's decision calls for, under the registry lock; raises `AliasesMoved`
-    (`grpo_pipeline.tasks.ab`) when the champion or challenger changed since `decide_round` read them."""
+    (`grpo_pipeline.tasks.serve.ab`) when the champion or challenger changed since `decide_round` read them."""
     if found.decision is None:
         return found.model_copy(update={"applied": True})
     decision, challenger = found.decided()

@@ -16,9 +16,9 @@ from scipy import stats
 from sqlalchemy import Row, select
 
 from grpo_pipeline.configs.ab import ABConfig
-from grpo_pipeline.tasks.ab import ARMS, msprt
-from grpo_pipeline.tasks.ab_apply import REPLACEMENT_RULE, Round
-from grpo_pipeline.tasks.ab_log import RequestLog, feedback_table, requests_table
+from grpo_pipeline.tasks.serve.ab import ARMS, msprt
+from grpo_pipeline.tasks.serve.ab_apply import REPLACEMENT_RULE, Round
+from grpo_pipeline.tasks.serve.ab_log import RequestLog, feedback_table, requests_table
 
 
 class Outcomes(BaseModel):

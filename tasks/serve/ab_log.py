@@ -11,7 +11,7 @@ SQLAlchemy speaks (SQLite by default; PostgreSQL when the stack runs, shared by 
 - The completion's text is kept (`completion`, the first choice's; None for an error or when
   `ab.serve.log_completions` is off) so that feedback with a `reference` can be scored later by the
   pipeline's own rewards (`completion(id)`). The prompt is never stored, the user's key only as a hash.
-- `samples(champion_version, challenger_version)` reads what `grpo_pipeline.tasks.ab.decide` takes, and `counts()` what
+- `samples(champion_version, challenger_version)` reads what `grpo_pipeline.tasks.serve.ab.decide` takes, and `counts()` what
   `grpo-pipeline ab status` shows.
 """
 
@@ -45,7 +45,7 @@ from sqlalchemy import (
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
-from grpo_pipeline.tasks.ab import ArmSample
+from grpo_pipeline.tasks.serve.ab import ArmSample
 
 metadata = MetaData()
 

@@ -9,7 +9,7 @@ indexes (a hash per kept row, a MinHash signature per kept row when near-dedup i
 hashes of the holdout and evaluation prompts). Train rows wait in an Arrow IPC file until every holdout
 row is known, then are checked for contamination in a second pass.
 
-The split of a row is `grpo_pipeline.tasks.splits.split_of(key)`: a hash of its key alone, so a dataset that grows
+The split of a row is `grpo_pipeline.tasks.data.splits.split_of(key)`: a hash of its key alone, so a dataset that grows
 never moves an old row, and an old holdout row never reaches training. The output directory is named
 by a hash of the input content and the configuration, so a rerun on the same data finds its result and
 does nothing; `data_task` (Prefect) is cached on the same key.
@@ -42,8 +42,9 @@ from prefect.cache_policies import CachePolicy
 from prefect.context import TaskRunContext
 from pydantic import BaseModel
 
-from grpo_pipeline.configs.schema import DEMO_MODEL, ConfigError, DataConfig, PipelineConfig
-from grpo_pipeline.tasks.data_io import (
+from grpo_pipeline.configs.schema import DEMO_MODEL, ConfigError, DataConfig, ModelConfig, PipelineConfig
+from grpo_pipeline.tasks.data.demo_task import generate as demo_rows
+from grpo_pipeline.tasks.data.sources import (
     DataSourceError,
     RawBatch,
     Reject,
@@ -53,7 +54,9 @@ from grpo_pipeline.tasks.data_io import (
     json_kind,
     source_fingerprint,
 )
-from grpo_pipeline.tasks.data_text import (
+from grpo_pipeline.tasks.data.splits import fingerprint as splits_fingerprint
+from grpo_pipeline.tasks.data.splits import incremental_rows, split_of
+from grpo_pipeline.tasks.data.text import (
     NearDuplicateIndex,
     PromptTokens,
     ngram_hashes,
@@ -62,16 +65,13 @@ from grpo_pipeline.tasks.data_text import (
     sorted_unique,
     words,
 )
-from grpo_pipeline.tasks.demo_task import generate as demo_rows
-from grpo_pipeline.tasks.splits import fingerprint as splits_fingerprint
-from grpo_pipeline.tasks.splits import incremental_rows, split_of
 
 SPLITS = ("train", "val", "holdout")
 REASONS = {
     "bad_json": "the line is not one JSON object (RFC 8259: no NaN, comments, raw control characters or second value)",
     "invalid_utf8": "the bytes are not UTF-8 text",
-    "line_too_long": "a JSON line longer than grpo_pipeline.tasks.data_io.MAX_LINE_BYTES (16 MiB)",
-    "too_deep": "arrays and objects nested deeper than grpo_pipeline.tasks.data_io.MAX_DEPTH (64), in any field",
+    "line_too_long": "a JSON line longer than grpo_pipeline.tasks.data.sources.MAX_LINE_BYTES (16 MiB)",
+    "too_deep": "arrays and objects nested deeper than grpo_pipeline.tasks.data.sources.MAX_DEPTH (64), in any field",
     "nul_character": "a prompt or answer holding U+0000 (NUL): binary or mis-encoded data, whatever the format",
     "bad_csv": "a CSV row with the wrong number of fields",
     "missing_field": "no prompt or no answer",
@@ -98,7 +98,7 @@ CANONICAL = pa.schema(
     ]
 )
 _GSM8K = r"(?s)^.*####\s*(?P<answer>.*?)\s*$"
-_CODE_FILES = ("data.py", "data_io.py", "data_text.py", "demo_task.py", "splits.py")
+_CODE_FILES = ("stage.py", "sources.py", "text.py", "demo_task.py", "splits.py")
 
 
 class DataQualityError(ConfigError):
@@ -1058,24 +1058,24 @@ def _exit_on_signal(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
-def resolve_tokenizer(cfg: PipelineConfig, given: str | None = None) -> str | None:
+def resolve_tokenizer(data: DataConfig, model: ModelConfig, data_dir: Path, given: str | None = None) -> str | None:
     """The tokenizer the data stage counts tokens with when the stage runs alone (`grpo-pipeline data`): the
     one given, else model.base's, as the pipeline resolves it for the run (the demo model is fetched and
     converted once). None when no token bound applies. Raises ConfigError naming the fixes."""
-    if given or not token_bounds_apply(cfg.data):
+    if given or not token_bounds_apply(data):
         return given
-    base = cfg.model.base
-    on_disk = [cfg.data_dir / "models" / DEMO_MODEL] if base == DEMO_MODEL else [Path(base).expanduser()]
+    base = model.base
+    on_disk = [data_dir / "models" / DEMO_MODEL] if base == DEMO_MODEL else [Path(base).expanduser()]
     for path in on_disk:
         if path.is_dir() and any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
             return str(path)
     from grpo_pipeline.tasks.model import resolve_base_model
 
     try:
-        return resolve_base_model(cfg.model, cfg.data_dir / "models")
+        return resolve_base_model(model, data_dir / "models")
     except Exception as exc:  # a missing path, no network for the demo model's download, a bad GGUF file
         raise missing_tokenizer(
-            cfg.data, f"model.base {base!r} could not be resolved here ({type(exc).__name__}: {str(exc)[:300]})"
+            data, f"model.base {base!r} could not be resolved here ({type(exc).__name__}: {str(exc)[:300]})"
         ) from None
 
 
@@ -1153,7 +1153,7 @@ def incremental_split(
     train: Path, seen: set[str], replay_fraction: float, salt: str, out: Path
 ) -> tuple[Path, int, int]:
     """`data.incremental`: the train split's new rows plus `replay_fraction` of the seen ones
-    (`grpo_pipeline.tasks.splits.incremental_rows`, sampled by `salt`, the dataset's fingerprint), written to `out`; the version
+    (`grpo_pipeline.tasks.data.splits.incremental_rows`, sampled by `salt`, the dataset's fingerprint), written to `out`; the version
     itself stays whole. Returns (path, new, replayed)."""
     with Path(train).open("rb") as f:
         rows = [orjson.loads(line) for line in f if line.strip()]

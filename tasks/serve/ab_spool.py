@@ -20,7 +20,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import IO
 
-from grpo_pipeline.tasks.ab_log import RequestLog, RequestRow
+from grpo_pipeline.tasks.serve.ab_log import RequestLog, RequestRow
 
 
 def spool_path(data_dir: Path) -> Path:

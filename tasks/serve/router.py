@@ -17,7 +17,7 @@ replicas behind any load balancer agree.
   in the log even if the router is killed right after; the id is the primary key, so never twice. A streamed
   answer (`stream: true`) is relayed chunk by chunk and its row committed when the engine's stream ends,
   before the final `data: [DONE]`; a client that leaves mid-stream gets its row with the error flag, once. A store
-  that fails mid-run does not stop serving: the row goes to a local write-ahead file (`tasks/ab_spool.py`),
+  that fails mid-run does not stop serving: the row goes to a local write-ahead file (`tasks/serve/ab_spool.py`),
   counted by `ab status` and replayed into the store by the next successful write.
 - **Feedback** takes a `score`, or a `reference` that the pipeline's own rewards (the config's `RewardSet`,
   weighted total) score the logged completion against: one judge for training, holdout and production.
@@ -51,16 +51,16 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Lifespan, Receive, Scope, Send
 
-from grpo_pipeline.tasks import ab_spool
-from grpo_pipeline.tasks.ab_log import LogStoreError, RequestLog, RequestRow, UnknownRequest
-from grpo_pipeline.tasks.adapters import Adapter, refusal
+from grpo_pipeline.tasks.serve import ab_spool
+from grpo_pipeline.tasks.serve.ab_log import LogStoreError, RequestLog, RequestRow, UnknownRequest
+from grpo_pipeline.tasks.serve.adapters import Adapter, refusal
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Awaitable
 
     from grpo_pipeline.configs.rewards import RewardSet
     from grpo_pipeline.configs.schema import PipelineConfig
-    from grpo_pipeline.tasks.engine import Engine
+    from grpo_pipeline.tasks.serve.engine import Engine
 
 CHAMPION, CHALLENGER = "champion", "challenger"
 KEY_HEADER = "x-assignment-key"
@@ -781,9 +781,9 @@ def serve(
 
     import uvicorn
 
-    from grpo_pipeline.tasks.adapters import local_base, resolve
-    from grpo_pipeline.tasks.engine import Engine, default_python
-    from grpo_pipeline.tasks.registry import Registry, RegistryServiceError, open_client
+    from grpo_pipeline.tasks.promote.registry import Registry, RegistryServiceError, open_client
+    from grpo_pipeline.tasks.serve.adapters import local_base, resolve
+    from grpo_pipeline.tasks.serve.engine import Engine, default_python
 
     serve_cfg = cfg.ab.serve
     registry = Registry(open_client(cfg.mlflow_uri), cfg.tracking.registered_model)
