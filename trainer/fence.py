@@ -95,7 +95,9 @@ def refusal(current: dict | None, job: str | None, *, finished: bool, where: str
     >>> refusal(other, "sky-managed-x_b_9-0", finished=True, where="s3://b/r") is None
     True
     """
-    owner = current.get("job") if isinstance(current, dict) else None
+    if not isinstance(current, dict):
+        return None
+    owner = current.get("job")
     if not isinstance(owner, str) or job is None or same_job(owner, job) or finished or current.get("release"):
         return None
     owner = owner[:200]  # the store's text: shown, never trusted to be short

@@ -316,7 +316,9 @@ def claim_checkpoints(
     except ValueError:
         return  # unreadable: the trainer claims over it
     owner = record.get("job") if isinstance(record, dict) else None
-    reason = refusal(record, "the managed job to be launched", finished=store.has(FINAL), where=uri) if owner else None
+    if not isinstance(owner, str):
+        return  # no job recorded (a local attempt, or one from before jobs were recorded): the epoch fence decides
+    reason = refusal(record, "the managed job to be launched", finished=store.has(FINAL), where=uri)
     if reason is None:
         return
     job_id = managed_job_id(owner)
