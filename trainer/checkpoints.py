@@ -1,9 +1,9 @@
 """Checkpoint store: a local directory or an `s3://bucket/prefix`, where a checkpoint counts once its manifest is in.
 
 Layout: `<root>/<entry>/<files...>` and `<root>/<entry>/manifest.json`, the manifest written last; an
-entry is `checkpoint-<step>`, `final` (the finished adapter and the job's result) or `init-adapter` (the adapter a
-warm start continues, for a node that cannot read the pipeline's disk; checked against the job spec's hashes). An entry cut off by a
-preemption has no manifest and is never used. A resume (`choose_resume`) verifies the newest complete
+entry is `checkpoint-<step>`, `final` (the finished adapter and the job's result) or `init-adapter` (the adapter
+a warm start continues, for a node that cannot read the pipeline's disk; checked against the job spec's hashes,
+`fetch_init_adapter`). An entry cut off by a preemption has no manifest and is never used. A resume (`choose_resume`) verifies the newest complete
 checkpoint against its manifest (every file's size and sha256) and falls back to the newest one that
 verifies; one that does not is moved aside to `<root>/corrupt/<entry>-<UTC time>/`, with `REASON.txt`.
 
