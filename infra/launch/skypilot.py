@@ -201,7 +201,7 @@ def node_spec(spec: JobSpec) -> JobSpec:
     ('/grpo/job/data/train.jsonl', 'Qwen/Qwen2.5-7B-Instruct')
     """
     local_model = Path(spec.model_path).is_dir()
-    warm = {}
+    warm: dict[str, Any] = {}
     if spec.init_adapter and spec.init_adapter_files is None:
         # the node fetches it from the run's store and checks it against these hashes (`publish_init_adapter`)
         warm = {
