@@ -57,7 +57,7 @@ SUITE = (
     Bench("reward_throughput", "math_answer completions/s; remote_verifier at concurrency 16 vs 1 (fixed latency)", 1),
     Bench("gsm8k_calc", "real data: GRPO on GSM8K's calculator annotations, trained vs base on the holdout", 15),
     Bench("zero_signal", "curriculum sampler on vs off: zero-signal groups and holdout reward at equal steps", 80),
-    Bench("warm_start", "day 2 warm-started on new rows + replay vs from the base on all rows: reward, time", 35),
+    Bench("warm_start", "day 2 warm-started on new rows + replay vs from the base on all rows: reward, time", 40),
 )
 
 

@@ -24,7 +24,7 @@ half the train time) is not worse than `scratch` on the same holdout rows (the i
 0 or lies above it) and its train time is at most half of scratch's. With ~130 holdout rows the interval is a few
 points wide: a small loss cannot be excluded, and the note says so.
 
-    python -m bench.warm_start             # 4 runs, ~35 min on a quiet 2-core machine
+    python -m bench.warm_start             # 4 runs, ~40 min on a quiet 2-core machine
     python -m bench.warm_start --tiny      # 2 (and 1) steps per run, a small holdout: does the chain run?
 
 Resumable: each finished run is kept in .grpo/bench-warm_start/runs.json with its data folder (day 1's registry
