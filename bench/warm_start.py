@@ -209,7 +209,7 @@ def table_rows(load) -> list[Row]:
         if not cmp[arm]["same_holdout"]:
             note = "holdouts differ: not comparable"
         elif not goal:
-            note = f"{quality}; equal steps, equal time by design"
+            note = f"{quality}; equal steps: the times differ by the machine's load only"
         elif not held:
             note = f"quality not held: {quality}"
         else:
