@@ -1031,12 +1031,6 @@ class PipelineConfig(StrictModel):
                 "data.incremental trains on the rows the parent adapter has not seen, so it needs one: set "
                 "model.init_adapter=champion (or a models:/ version), or data.incremental=false"
             )
-        # The SkyPilot launcher uploads the job's data files, not yet a starting adapter (infra/launch/skypilot.py).
-        if self.model.init_adapter != "none" and self.train.launcher == "sky":
-            raise ValueError(
-                "model.init_adapter: the sky launcher does not ship a starting adapter to the node yet; "
-                "set train.launcher=local, or model.init_adapter=none"
-            )
         # The search tries ranks from scratch; a warm start keeps its adapter's rank, so the best one could not apply.
         if self.model.init_adapter != "none" and self.hpo.enabled and self.hpo.space.lora_r is not None:
             raise ValueError(

@@ -1,8 +1,9 @@
 """Checkpoint store: a local directory or an `s3://bucket/prefix`, where a checkpoint counts once its manifest is in.
 
 Layout: `<root>/<entry>/<files...>` and `<root>/<entry>/manifest.json`, the manifest written last; an
-entry is `checkpoint-<step>` or `final` (the finished adapter and the job's result). An entry cut off by a
-preemption has no manifest and is never used. A resume (`choose_resume`) verifies the newest complete
+entry is `checkpoint-<step>`, `final` (the finished adapter and the job's result) or `init-adapter` (the adapter
+a warm start continues, for a node that cannot read the pipeline's disk; checked against the job spec's hashes,
+`fetch_init_adapter`). An entry cut off by a preemption has no manifest and is never used. A resume (`choose_resume`) verifies the newest complete
 checkpoint against its manifest (every file's size and sha256) and falls back to the newest one that
 verifies; one that does not is moved aside to `<root>/corrupt/<entry>-<UTC time>/`, with `REASON.txt`.
 
@@ -32,6 +33,7 @@ from grpo_pipeline.trainer.spec import RESULT_FILE, JobSpec, TrainResult
 
 MANIFEST = "manifest.json"
 FINAL = "final"
+INIT_ADAPTER = "init-adapter"  # a warm start's adapter, uploaded by a launcher whose node cannot read it locally
 METRICS_FILE = "metrics.json"  # in `final` and each checkpoint: the steps' metrics, for MLflow
 CORRUPT = "corrupt"  # <root>/corrupt/<entry>-<UTC time>/: checkpoints that failed verification, kept for a look
 REASON_FILE = "REASON.txt"
@@ -646,3 +648,35 @@ def collect_final(spec: JobSpec, store: CheckpointStore | None = None) -> tuple[
     shutil.copytree(final, spec.adapter_dir, ignore=shutil.ignore_patterns(RESULT_FILE, METRICS_FILE, MANIFEST))
     result = TrainResult.model_validate_json((final / RESULT_FILE).read_text())
     return result.model_copy(update={"adapter_dir": spec.adapter_dir}), final
+
+
+def adapter_files(directory: Path) -> dict[str, tuple[int, str]]:
+    """`name -> (size, sha256)` of every file of an adapter directory: what the job spec pins for the node."""
+    return {name: (meta["size"], meta["sha256"]) for name, meta in build_manifest(directory, 0)["files"].items()}
+
+
+def fetch_init_adapter(store: Store, expected: dict[str, tuple[int, str]], scratch: Path) -> Path:
+    """The warm start's adapter from the store's `init-adapter` entry, verified against the files the job spec
+    pins (`JobSpec.init_adapter_files`), not only against the store's own manifest: a store that changed, added or
+    dropped a file, or pinned hashes of its own, gives `CheckpointCorrupt` naming the file, and nothing is loaded.
+    Names are checked as every name read from a store is (`safe_relative`, `inside`)."""
+    directory = store.fetch(INIT_ADAPTER, scratch)  # its own manifest's names confined, sizes and hashes checked
+    where = f"the warm start's adapter in {store!r}"
+    for name in expected:
+        safe_relative(name, "the job spec's init_adapter_files")
+    found = {
+        p.relative_to(directory).as_posix()
+        for p in directory.rglob("*")
+        if (p.is_file() or p.is_symlink()) and p.name != MANIFEST
+    }
+    if extra := sorted(found - set(expected)):
+        raise CheckpointCorrupt(f"{where} has files the job spec does not pin: {extra}; it is not the checked adapter")
+    for name, (size, sha) in expected.items():
+        path = inside(directory, name)
+        if not path.is_file():
+            raise CheckpointCorrupt(f"{where} lacks {name!r}, which the job spec pins")
+        if path.stat().st_size != size or _sha256(path) != sha:
+            raise CheckpointCorrupt(
+                f"{where}: {name!r} does not match the sha256 the job spec pins; it is not the checked adapter"
+            )
+    return directory

@@ -147,6 +147,11 @@ class JobSpec(_Strict):
     # a LoRA adapter directory to continue training (a warm start: model.init_adapter), already checked against
     # the base and train.lora by the pipeline; None: a fresh adapter from train.lora
     init_adapter: str | None = None
+    # set when the adapter reaches the node through the checkpoint store (the SkyPilot launcher uploads it as the
+    # store's `init-adapter` entry): every file it must have, `name -> (size, sha256)`, taken where the pipeline
+    # checked it. The trainer fetches the entry and refuses any file that differs, is missing or is extra
+    # (`grpo_pipeline.trainer.checkpoints.fetch_init_adapter`), so the store cannot swap the adapter.
+    init_adapter_files: dict[str, tuple[int, str]] | None = None
     mlflow_tracking_uri: str | None = None
     mlflow_experiment: str = "grpo-pipeline"
     mlflow_run_id: str | None = None  # set by the launcher, so a relaunched job continues the same run

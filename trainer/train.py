@@ -15,6 +15,7 @@ checkpoint (`grpo_pipeline.trainer.distributed`).
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import time
 from pathlib import Path
@@ -23,11 +24,13 @@ from typing import TYPE_CHECKING, Any
 from grpo_pipeline.trainer import distributed
 from grpo_pipeline.trainer.checkpoints import (
     FINAL,
+    CheckpointCorrupt,
     CheckpointStore,
     ResumePoint,
     checkpoint_name,
     choose_resume,
     collect_final,
+    fetch_init_adapter,
     open_store,
 )
 from grpo_pipeline.trainer.distributed import Ranks
@@ -493,6 +496,23 @@ def _slow_bf16(spec: JobSpec) -> str | None:
     return slow_bf16_reason(bool(spec.train.grpo.get("bf16")), cuda, cpu_has_native_bf16())
 
 
+def _staged_init_adapter(spec: JobSpec) -> JobSpec:
+    """The spec with its warm start's adapter on this node: fetched from the store's `init-adapter` entry into
+    this rank's work folder and checked against the hashes the spec pins, when the launcher shipped it that way
+    (`init_adapter_files`); the spec as it is otherwise (the adapter is a local directory)."""
+    if not spec.init_adapter or spec.init_adapter_files is None:
+        return spec
+    store = open_store(spec.checkpoint_uri, spec.train.s3_endpoint_url)
+    work = distributed.rank_work_dir(spec.work_dir, int(os.environ.get("RANK", "0")))  # each rank its own copy
+    directory = fetch_init_adapter(store, spec.init_adapter_files, work / "init")
+    log.info(
+        "warm start: the adapter from %r verified against the job spec's %d file hashes",
+        store,
+        len(spec.init_adapter_files),
+    )
+    return spec.model_copy(update={"init_adapter": str(directory)})
+
+
 def _unfit_adapter(spec: JobSpec) -> str | None:
     """Why the spec's init_adapter cannot be trained with its train.lora (a hand-made spec too; the pipeline
     checked the base where it resolved the adapter), or None: refused before the model loads."""
@@ -522,6 +542,16 @@ def main(spec_path: str, started: float | None = None) -> int:
         return EXIT_BAD_INPUT
     from grpo_pipeline.trainer.rewards import RewardError, RewardUnavailable
 
+    try:
+        spec = _staged_init_adapter(spec)
+    except CheckpointCorrupt as exc:  # the same store would give the same files to every recovery: not retried
+        log.error("bad input: %s", exc)
+        print(bad_input_line(str(exc)), flush=True)
+        distributed.record("exit", EXIT_BAD_INPUT)
+        return EXIT_BAD_INPUT
+    except BaseException:  # the store unreachable: a relaunch may fetch it
+        distributed.record("exit", EXIT_FAILED)
+        raise
     refused = _slow_bf16(spec) or _unfit_adapter(spec)
     if refused:
         log.error("bad input: %s", refused)

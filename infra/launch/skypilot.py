@@ -15,6 +15,10 @@ each accelerator option asks for processes_per_node (+ vllm_server_gpus) GPUs wh
 task's run command starts `python -m grpo_pipeline.trainer.launch` on every node with the rendezvous SkyPilot gives
 (SKYPILOT_NODE_RANK, SKYPILOT_NODE_IPS, SKYPILOT_NUM_NODES, SKYPILOT_NUM_GPUS_PER_NODE). A recovery restarts
 the whole cluster, and every node's ranks resume from the same checkpoint in S3.
+
+A warm start (`model.init_adapter`): the adapter is uploaded to the run's checkpoint store as its `init-adapter`
+entry (`publish_init_adapter`), and the node's job spec pins each of its files' sha256 (`node_spec`); the trainer
+fetches the entry and refuses (exit 2) an adapter that differs in any file.
 """
 
 from __future__ import annotations
@@ -39,7 +43,14 @@ import yaml
 from grpo_pipeline.configs.files import SOURCE_ROOT, project_file
 from grpo_pipeline.configs.schema import SkyConfig, TrainConfig
 from grpo_pipeline.infra.launch import BadTrainingInput, TrainingFailed
-from grpo_pipeline.trainer.checkpoints import CheckpointStoreError, collect_final, open_store
+from grpo_pipeline.trainer.checkpoints import (
+    INIT_ADAPTER,
+    CheckpointStoreError,
+    Store,
+    adapter_files,
+    collect_final,
+    open_store,
+)
 from grpo_pipeline.trainer.spec import JobSpec, TrainResult, parse_bad_input
 
 log = logging.getLogger(__name__)
@@ -190,8 +201,16 @@ def node_spec(spec: JobSpec) -> JobSpec:
     ('/grpo/job/data/train.jsonl', 'Qwen/Qwen2.5-7B-Instruct')
     """
     local_model = Path(spec.model_path).is_dir()
+    warm: dict[str, Any] = {}
+    if spec.init_adapter and spec.init_adapter_files is None:
+        # the node fetches it from the run's store and checks it against these hashes (`publish_init_adapter`)
+        warm = {
+            "init_adapter": f"{spec.checkpoint_uri.rstrip('/')}/{INIT_ADAPTER}",
+            "init_adapter_files": adapter_files(Path(spec.init_adapter)),
+        }
     return spec.model_copy(
         update={
+            **warm,
             "model_path": NODE_MODEL_DIR if local_model else spec.model_path,
             "train_file": f"{NODE_JOB_DIR}/data/train.jsonl",
             "val_file": f"{NODE_JOB_DIR}/data/val.jsonl" if spec.val_file else None,
@@ -199,6 +218,17 @@ def node_spec(spec: JobSpec) -> JobSpec:
             "adapter_dir": f"{NODE_WORK_DIR}/adapter",
         }
     )
+
+
+def publish_init_adapter(spec: JobSpec, store: Store | None = None) -> None:
+    """A warm start's adapter into the run's checkpoint store (entry `init-adapter`), where the node's trainer
+    fetches it: a spot node has no view of this machine's disk, and the store is what every recovery of the job
+    reaches anyway. The node checks every file against the hashes its job spec pins (`node_spec`), so what it
+    trains from is what the pipeline checked against the base and train.lora. Nothing without a warm start."""
+    if not spec.init_adapter:
+        return
+    store = store or open_store(spec.checkpoint_uri, spec.train.s3_endpoint_url)
+    store.put(Path(spec.init_adapter), INIT_ADAPTER, 0)
 
 
 def write_job_dir(spec: JobSpec, job_dir: Path) -> Path:
@@ -401,6 +431,7 @@ class SkyLauncher:
         # before a cluster is paid for
         claim_checkpoints(spec.checkpoint_uri, spec.train.s3_endpoint_url, self._status_or_none, self.on_status)
         job_dir = write_job_dir(spec, Path(spec.work_dir) / "sky-job")
+        publish_init_adapter(spec)  # before the job exists: its first rank fetches it
         request = task_request(spec, job_dir, self.sky_cfg, self.max_restarts, dict(os.environ))
         # SkyPilot's launch progress (controller start, upload) goes to this process's standard error
         job_id = _drive("launch", {**request, "name": f"grpo-{Path(spec.work_dir).parent.name}"})["job_id"]

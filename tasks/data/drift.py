@@ -313,7 +313,8 @@ def not_measured(reason: str, champion: str | None = None) -> Drift:
 
 def assess(champion: str, rows: NewAndSeen, reward: RewardDrop | None, threshold: float | None) -> Drift:
     """The drift of today's new rows from champion `champion`'s, from `split_rows`' result and the champion's
-    reward on both sides (None when it was not scored); alerted when its drop exceeds `threshold`.
+    reward on both sides (None when it was not scored); alerted when its drop exceeds `threshold` beyond noise
+    (`alert_reason`).
 
     >>> same = Profile(lengths=[5] * 20, types=Counter(integer=20))
     >>> rows = NewAndSeen(new=same, seen=same, sample=[], seen_missing=0)
@@ -336,6 +337,14 @@ def assess(champion: str, rows: NewAndSeen, reward: RewardDrop | None, threshold
     if reward is None:
         notes.append("the champion's reward was not measured")
     reason = alert_reason(champion, reward, threshold) if reward is not None else None
+    if reward is not None and threshold is not None and reward.drop > threshold and reason is None:
+        interval = (
+            f"its 95% CI {reward.ci_low:.3f} to {reward.ci_high:.3f}" if reward.ci_low is not None else "no interval"
+        )
+        notes.append(
+            f"no alert: the drop of {reward.drop:.3f} is past data.drift_alert={threshold:g} but within sampling "
+            f"noise ({interval}, from {reward.new_rows_scored} new rows and a {reward.holdout_rows}-row holdout)"
+        )
     return Drift(
         champion=champion,
         new_rows=len(rows.new),
@@ -351,9 +360,31 @@ def assess(champion: str, rows: NewAndSeen, reward: RewardDrop | None, threshold
     )
 
 
+def beyond_noise(reward: RewardDrop) -> bool:
+    """Whether the drop is more than sampling noise: its 95 % interval lies above 0, or, with no spread on either
+    side (every row the same total), the difference is exact. One row on a side tells nothing.
+
+    >>> beyond_noise(reward_drop([1.0, 1.0, 0.0, 1.0] * 10, [0.0, 1.0, 0.0, 0.0] * 10))
+    True
+    >>> beyond_noise(reward_drop([1.0, 0.0, 1.0], [0.0, 1.0, 0.0])), beyond_noise(reward_drop([1.0] * 5, [0.0] * 5))
+    (False, True)
+    >>> beyond_noise(reward_drop([1.0], [0.0]))
+    False
+    """
+    if reward.ci_low is not None:
+        return reward.ci_low > 0
+    return reward.holdout_rows > 1 and reward.new_rows_scored > 1 and reward.drop > 0
+
+
 def alert_reason(champion: str, reward: RewardDrop, threshold: float | None) -> str | None:
-    """Why the run is marked (the drop exceeds `threshold`), or None: not past it, or no threshold (alerts off)."""
-    if threshold is None or not reward.drop > threshold:
+    """Why the run is marked, or None: no threshold (alerts off), a drop not past it, or one within noise.
+
+    The mark needs both, as a shifted part does (`SHIFT_P`, `SHIFT_DISTANCE`): the point estimate of the drop
+    past `threshold` (large enough to matter) and its 95 % interval above 0 (`beyond_noise`). The point estimate
+    alone alerts on noise when few new rows were scored (20 rows of a 0/1 reward: a 0.1 drop by chance about one day
+    in five); the interval's lower bound past the threshold would miss half the real drops of twice the threshold at
+    the usual sample (256 new rows against a ~120-row holdout), for a mark meant to make a person look."""
+    if threshold is None or not reward.drop > threshold or not beyond_noise(reward):
         return None
     interval = f" (95% CI {reward.ci_low:.3f} to {reward.ci_high:.3f})" if reward.ci_low is not None else ""
     return (

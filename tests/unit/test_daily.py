@@ -107,7 +107,6 @@ def test_all_linear_matches_a_named_module_list():
         ("model.init_adapter=/tmp/adapter", "model.init_adapter: '/tmp/adapter' is not 'none', 'champion'"),
         ("data.replay_fraction=1.5", "data.replay_fraction: Input should be less than or equal to 1"),
         ("data.incremental=true", "data.incremental .* needs one: set model.init_adapter=champion"),
-        ("model.init_adapter=champion train.launcher=sky", "the sky launcher does not ship a starting adapter"),
     ],
 )
 def test_bad_input_names_the_field(override, message):

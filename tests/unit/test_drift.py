@@ -150,3 +150,22 @@ def test_the_decision_report_is_marked_and_shows_the_drift_section():
         drift=not_measured("no champion yet"),
     )
     assert "Drift alert" not in quiet and "Not measured: no champion yet." in quiet
+
+
+def test_a_drop_past_the_threshold_within_noise_is_noted_not_alerted():
+    same = split_rows(
+        _rows("s", [5] * 10, ["1"] * 10) + _rows("n", [5] * 10, ["1"] * 10), {f"s{i}" for i in range(10)}, "f"
+    )
+    # 0.6 -> 0.4 on 10 rows each: a drop of 0.2, past 0.1, but its interval reaches well below 0
+    noisy = reward_drop([1.0] * 6 + [0.0] * 4, [1.0] * 4 + [0.0] * 6)
+    assert noisy.drop == pytest.approx(0.2) and noisy.ci_low < 0
+    drift = assess("4", same, noisy, threshold=0.1)
+    assert not drift.alert and drift.alert_reason is None
+    assert any(
+        n.startswith("no alert: the drop of 0.200 is past data.drift_alert=0.1 but within sampling noise")
+        for n in drift.notes
+    )
+    # every row the same on each side: the difference is exact, so past the threshold it alerts
+    assert assess("4", same, reward_drop([1.0] * 5, [0.0] * 5), threshold=0.1).alert
+    # one row a side tells nothing
+    assert not assess("4", same, reward_drop([1.0], [0.0]), threshold=0.1).alert

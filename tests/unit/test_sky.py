@@ -176,3 +176,29 @@ def test_a_missing_skypilot_environment_names_the_fix(tmp_path, monkeypatch):
     monkeypatch.setenv("GRPO_SKY_PYTHON", str(tmp_path / "nowhere" / "python"))
     with pytest.raises(SkyPreflightError, match="make install"):
         parse_task({"name": "x", "run": "true"})
+
+
+def test_a_warm_start_reaches_the_node_through_the_store_with_its_hashes_pinned(tmp_path):
+    from grpo_pipeline.configs.schema import load_config
+    from grpo_pipeline.trainer.checkpoints import adapter_files
+
+    adapter = tmp_path / "champion-adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"r": 4}')
+    (adapter / "adapter_model.safetensors").write_bytes(b"weights" * 100)
+    spec = _spec(tmp_path, "Qwen/Qwen2.5-7B-Instruct").model_copy(update={"init_adapter": str(adapter)})
+    job_dir = write_job_dir(spec, tmp_path / "job")
+    task = build_task(spec, job_dir, SkyConfig(), 3, environ={})
+
+    # nothing of this machine's disk but the job folder is mounted: the adapter goes through the run's store
+    assert task.file_mounts == {"/grpo/job": str(job_dir.resolve())}
+    shipped = JobSpec.read(job_dir / "job.json")
+    assert shipped.init_adapter == "s3://bucket/run/init-adapter"
+    assert shipped.init_adapter_files == adapter_files(adapter)
+    assert set(shipped.init_adapter_files) == {"adapter_config.json", "adapter_model.safetensors"}
+    assert load_config(None, ["model.init_adapter=champion", "train.launcher=sky"]).train.launcher == "sky"
+
+
+def test_without_a_warm_start_the_node_spec_pins_no_adapter(tmp_path):
+    shipped = node_spec(_spec(tmp_path, "Qwen/Qwen2.5-7B-Instruct"))
+    assert shipped.init_adapter is None and shipped.init_adapter_files is None
