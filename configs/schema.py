@@ -451,6 +451,57 @@ class CurriculumConfig(StrictModel):
     )
 
 
+class DynamicSamplingConfig(StrictModel):
+    """DAPO-style dynamic sampling (docs/training.md#dynamic-sampling; Yu et al. 2025, arXiv:2503.14476, §3.2):
+    each generation makes `oversample` times the groups a step trains on, in one batched generate, and the step
+    trains on the groups whose rewards differ (flat groups only fill up when too few differ). It pays more
+    generation per step for fewer zero-signal groups, where the curriculum cannot help: prompts seen once."""
+
+    enabled: bool = Field(
+        False,
+        description="off by default: each step costs up to `oversample` times the generation, worth it only where "
+        "many groups are flat (bench.zero_signal measures it at equal wall time)",
+    )
+    oversample: float = Field(
+        2.0,
+        gt=1,
+        allow_inf_nan=False,
+        description="groups generated per group trained on (> 1; extra groups per process = ceil((oversample - 1) "
+        "x its groups)); 2: DAPO's budget finds a group with variance for most slots when half the groups are flat",
+    )
+
+
+def dynamic_sampling_problem(grpo: dict[str, Any], world: int, default: Any) -> str | None:
+    """Dynamic sampling keeps or drops whole groups on each process alone, so each process's generation batch
+    must hold whole groups of num_generations (TRL only asks it of the global batch).
+
+    >>> trl = {"gradient_accumulation_steps": 1}.get
+    >>> dynamic_sampling_problem({"num_generations": 4, "per_device_train_batch_size": 2}, 2, trl)
+    'train.dynamic_sampling needs whole groups on each process: per_device_train_batch_size x steps_per_generation = 2 x 1 = 2 completions is not a multiple of num_generations (4): set train.grpo.per_device_train_batch_size=4, or train.dynamic_sampling.enabled=false'
+    >>> dynamic_sampling_problem({"num_generations": 4, "per_device_train_batch_size": 4}, 2, trl) is None
+    True
+    """
+
+    def get(name: str) -> Any:
+        return grpo[name] if grpo.get(name) is not None else default(name)
+
+    pdb, gens = int(get("per_device_train_batch_size")), int(get("num_generations"))
+    gbs = grpo.get("generation_batch_size")
+    steps = (
+        int(gbs) // (pdb * world)
+        if gbs is not None
+        else int(grpo.get("steps_per_generation") or get("gradient_accumulation_steps") or 1)
+    )
+    if (pdb * steps) % gens == 0:
+        return None
+    return (
+        f"train.dynamic_sampling needs whole groups on each process: per_device_train_batch_size x "
+        f"steps_per_generation = {pdb} x {steps} = {pdb * steps} completions is not a multiple of num_generations "
+        f"({gens}): set train.grpo.per_device_train_batch_size={math.ceil(pdb / gens) * gens}, or "
+        "train.dynamic_sampling.enabled=false"
+    )
+
+
 # Fields of GRPOConfig that the trainer derives from the spec; letting YAML set them would break resume.
 GRPO_OWNED = {"output_dir", "save_strategy", "save_steps", "save_total_limit", "resume_from_checkpoint"}
 
@@ -502,6 +553,10 @@ class TrainConfig(StrictModel):
     )
     curriculum: CurriculumConfig = Field(
         CurriculumConfig(), description="prompts without reward variance sit out (docs/training.md#fewer-wasted-steps)"
+    )
+    dynamic_sampling: DynamicSamplingConfig = Field(
+        DynamicSamplingConfig(),
+        description="over-generate groups and train on those with reward variance (docs/training.md#dynamic-sampling)",
     )
 
     @field_validator("grpo")
@@ -611,6 +666,8 @@ class TrainConfig(StrictModel):
         for world in [d.world_size(c) for c in counts]:
             if problem := batch_problem(self.grpo, world, _grpo_default):
                 raise ValueError(f"train.distributed ({world} processes): {problem}")
+            if self.dynamic_sampling.enabled and (problem := dynamic_sampling_problem(self.grpo, world, _grpo_default)):
+                raise ValueError(f"{problem} ({world} process{'es' if world > 1 else ''})")
         return self
 
 

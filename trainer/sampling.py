@@ -191,25 +191,32 @@ def zero_variance_groups(rewards: Any, num_generations: int) -> list[bool]:  # A
 
 def summarize(log_history: list[dict], curriculum: Curriculum | None) -> ZeroSignal | None:
     """The run's zero-signal figures from HF's log history (in trainer_state.json, so a resumed run counts its
-    earlier steps too), and the curriculum's when it ran.
+    earlier steps too), the curriculum's when it ran, and with dynamic sampling the fraction of flat groups among
+    those trained on (`dynamic_sampling/trained_zero_std`; TRL's `frac_reward_zero_std` then counts every
+    generated group).
 
     >>> summarize([{"step": 1, "frac_reward_zero_std": 0.5}, {"step": 2, "frac_reward_zero_std": 1.0}], None)
-    ZeroSignal(mean_fraction=0.75, wasted_steps=1, logged_steps=2, skipped_draws=None, benched_prompts=None)
+    ZeroSignal(mean_fraction=0.75, wasted_steps=1, logged_steps=2, skipped_draws=None, benched_prompts=None, trained_fraction=None, trained_wasted_steps=None)
+    >>> summarize([{"step": 1, "frac_reward_zero_std": 0.5, "dynamic_sampling/trained_zero_std": 0.0}], None).trained_fraction
+    0.0
     """
-    by_step = {
-        e["step"]: e["frac_reward_zero_std"]
-        for e in log_history
-        if isinstance(e.get("frac_reward_zero_std"), int | float) and "step" in e
-    }
-    if not by_step:
+
+    def per_step(metric: str) -> list[float]:
+        by_step = {e["step"]: e[metric] for e in log_history if isinstance(e.get(metric), int | float) and "step" in e}
+        return list(by_step.values())
+
+    fractions = per_step("frac_reward_zero_std")
+    if not fractions:
         return None
-    fractions = list(by_step.values())
+    trained = per_step("dynamic_sampling/trained_zero_std")
     return ZeroSignal(
         mean_fraction=sum(fractions) / len(fractions),
         wasted_steps=sum(f >= 1.0 for f in fractions),
         logged_steps=len(fractions),
         skipped_draws=curriculum.skipped_total if curriculum else None,
         benched_prompts=curriculum.benched_now if curriculum else None,
+        trained_fraction=sum(trained) / len(trained) if trained else None,
+        trained_wasted_steps=sum(f >= 1.0 for f in trained) if trained else None,
     )
 
 

@@ -93,6 +93,19 @@ class CurriculumSettings(_Strict):
     max_skips: int = Field(CURRICULUM_DEFAULTS["max_skips"], ge=1)  # passes a benched prompt sits out, then it is drawn
 
 
+# What `grpo_pipeline.configs.schema.DynamicSamplingConfig` repeats (a unit test holds them equal); why:
+# docs/training.md#dynamic-sampling.
+DYNAMIC_SAMPLING_DEFAULTS: dict[str, Any] = {"enabled": False, "oversample": 2.0}
+
+
+class DynamicSamplingSettings(_Strict):
+    """DAPO-style dynamic sampling (`grpo_pipeline.trainer.dynamic_sampling`): generate `oversample` groups per
+    group trained and train on the ones whose rewards differ."""
+
+    enabled: bool = DYNAMIC_SAMPLING_DEFAULTS["enabled"]
+    oversample: float = Field(DYNAMIC_SAMPLING_DEFAULTS["oversample"], gt=1, allow_inf_nan=False)
+
+
 class ZeroSignal(BaseModel):
     """How much of the run had no learning signal: TRL's `frac_reward_zero_std` (the fraction of groups whose
     completions all got the same reward) over the logged steps; and what the curriculum did about it."""
@@ -102,6 +115,9 @@ class ZeroSignal(BaseModel):
     logged_steps: int
     skipped_draws: int | None = None  # curriculum on: times a benched prompt was passed over
     benched_prompts: int | None = None  # curriculum on: prompts sitting out at the end
+    # dynamic sampling on: mean_fraction is over every generated group; this over the groups trained on
+    trained_fraction: float | None = None
+    trained_wasted_steps: int | None = None  # dynamic sampling on: logged steps that trained on flat groups only
 
 
 class HealthEvent(BaseModel):
@@ -133,6 +149,7 @@ class TrainSettings(_Strict):
     distributed: DistributedConfig = DistributedConfig()  # train.distributed as configured
     health: HealthSettings = HealthSettings()
     curriculum: CurriculumSettings = CurriculumSettings()
+    dynamic_sampling: DynamicSamplingSettings = DynamicSamplingSettings()
 
 
 class JobSpec(_Strict):

@@ -282,9 +282,17 @@ def _attempt(
     if spec.train.early_stopping_patience:
         callbacks.append(EarlyStoppingCallback(spec.train.early_stopping_patience))
 
-    curriculum = spec.train.curriculum
-    extra = {"curriculum_settings": curriculum, "restored": read_curriculum(resume)} if curriculum.enabled else {}
-    trainer = (sampling.trainer_class() if curriculum.enabled else GRPOTrainer)(
+    curriculum, dynamic = spec.train.curriculum, spec.train.dynamic_sampling
+    extra: dict[str, Any] = (
+        {"curriculum_settings": curriculum, "restored": read_curriculum(resume)} if curriculum.enabled else {}
+    )
+    trainer_cls = sampling.trainer_class() if curriculum.enabled else GRPOTrainer
+    if dynamic.enabled:  # over the curriculum's class when both are on: extra groups feed its verdicts too
+        from grpo_pipeline.trainer.dynamic_sampling import trainer_class as dynamic_sampling_class
+
+        trainer_cls = dynamic_sampling_class(trainer_cls)
+        extra["dynamic_sampling"] = dynamic
+    trainer = trainer_cls(
         model=model,
         reward_funcs=resolve_rewards(
             spec.train.rewards, spec.train.reward_args, max_completion_length=args.max_completion_length

@@ -1,0 +1,164 @@
+"""DAPO-style dynamic sampling (Yu et al. 2025, "DAPO", arXiv:2503.14476, §3.2): a group whose completions all got
+the same reward has zero advantage and teaches nothing, so each generation makes more groups than the step
+trains on and keeps the ones whose rewards differ.
+
+TRL 1.16 has no such option, and the curriculum (`grpo_pipeline.trainer.sampling`) cannot help a run that draws
+each prompt about once (it learns from a prompt's earlier groups). So `trainer_class(base)` wraps TRL's
+`_generate_and_score_completions` in training mode: the local generation batch (whole groups of
+`num_generations` consecutive rows: `grpo_pipeline.configs.schema.dynamic_sampling_problem` requires it on every
+process) is extended with `extra_groups` whole groups drawn from the training data, TRL generates and scores
+them all in one batched call, and `choose_groups` keeps exactly the original number of groups: the ones with
+reward variance first, flat ones only to fill up. Every per-row tensor of TRL's output is cut to the kept rows
+and `num_items_in_batch` (the loss normalizer, a sum over every rank's kept tokens) is counted again, so the
+step trains on the batch size it was configured with and every rank keeps as many rows (DDP stays in step).
+
+The extra prompts come from a stream seeded by (seed, rank, global step): distinct per rank, the same again after
+a resume or a rollback to the same step, and nothing to save in a checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Any
+
+from grpo_pipeline.trainer.spec import DynamicSamplingSettings
+
+# TRL's output keys that hold one entry per row (completion); the image keys are per patch or per image, so a
+# vision batch is refused rather than cut wrongly
+_IMAGE_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes", "num_images")
+
+
+def extra_groups(groups: int, oversample: float) -> int:
+    """Groups generated beyond a process's `groups` so that about `oversample` groups are made per group trained.
+
+    >>> extra_groups(2, 2.0), extra_groups(1, 1.5), extra_groups(4, 1.25)
+    (2, 1, 1)
+    """
+    return max(1, math.ceil(groups * (oversample - 1) - 1e-9))
+
+
+def extra_prompts(n: int, count: int, seed: int | None, rank: int, step: int) -> list[int]:
+    """`count` row indices of an `n`-row training set for the extra groups of `rank` at global `step`: distinct
+    within the draw while the data allows (then drawn again), the same for the same (seed, rank, step).
+
+    >>> extra_prompts(10, 3, 42, 0, 5) == extra_prompts(10, 3, 42, 0, 5), extra_prompts(10, 3, 42, 0, 5) != extra_prompts(10, 3, 42, 1, 5)
+    (True, True)
+    >>> sorted(extra_prompts(2, 3, 0, 0, 0))[:2]
+    [0, 1]
+    """
+    rng = random.Random(f"dynamic-sampling/{seed}/{rank}/{step}")
+    picks: list[int] = []
+    while len(picks) < count:
+        picks += rng.sample(range(n), min(n, count - len(picks)))
+    return picks
+
+
+def choose_groups(informative: list[bool], keep: int) -> list[int]:
+    """Which of the generated groups to train on (their indices, ascending): those with reward variance first,
+    in generation order (the dataloader's own groups come before the extras), then flat ones to fill `keep`.
+
+    >>> choose_groups([False, True, False, True], 2)
+    [1, 3]
+    >>> choose_groups([False, True, False, False], 2)  # too few with variance: the first flat one fills up
+    [0, 1]
+    >>> choose_groups([True, True, True, True], 2)  # plenty: the dataloader's own groups
+    [0, 1]
+    """
+    if keep > len(informative):
+        raise ValueError(f"cannot keep {keep} groups of {len(informative)}")
+    order = [i for i, x in enumerate(informative) if x] + [i for i, x in enumerate(informative) if not x]
+    return sorted(order[:keep])
+
+
+def informative_groups(rewards: Any, num_generations: int) -> list[bool]:  # Any: a torch tensor
+    """Per group of `num_generations` consecutive rewards: whether they differ (TRL's zero-std test, negated). A
+    group whose rewards are all NaN (unscorable: TRL gives it zero advantage) has none to offer.
+
+    >>> import torch
+    >>> informative_groups(torch.tensor([1.0, 1.0, 0.0, 1.0, float("nan"), float("nan")]), 2)
+    [False, True, False]
+    """
+    import torch
+    from trl.trainer.utils import nanstd
+
+    std = nanstd(rewards.view(-1, num_generations), dim=1)
+    flat = torch.isclose(std, torch.zeros_like(std)) | ~torch.isfinite(std)
+    return (~flat).tolist()
+
+
+def trainer_class(base: type) -> type:
+    """`base` (TRL's GRPOTrainer or the curriculum's subclass) with dynamic sampling (pass
+    `dynamic_sampling=DynamicSamplingSettings`)."""
+    from datasets import IterableDataset
+
+    class DynamicSamplingTrainer(base):  # type: ignore[valid-type,misc]
+        def __init__(self, *args: Any, dynamic_sampling: DynamicSamplingSettings, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            if isinstance(self.train_dataset, IterableDataset):
+                raise ValueError(
+                    "train.dynamic_sampling needs a map-style training dataset (it draws extra prompts by index); "
+                    "set train.dynamic_sampling.enabled=false for a streamed one"
+                )
+            local = self.args.per_device_train_batch_size * self.args.steps_per_generation
+            if local % self.num_generations:
+                raise ValueError(
+                    f"train.dynamic_sampling needs whole groups on each process: {local} completions per process "
+                    f"is not a multiple of num_generations ({self.num_generations})"
+                )
+            self.dynamic_sampling = dynamic_sampling
+            self._rewards_seen: Any = None
+
+        def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+            rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+            self._rewards_seen = rewards_per_func  # every rank's rows, rank by rank (TRL gathers them)
+            return rewards_per_func
+
+        def _generate_and_score_completions(self, inputs):
+            if not self.model.training:
+                return super()._generate_and_score_completions(inputs)
+            g = self.num_generations
+            rows = len(inputs)
+            groups = rows // g
+            extra = extra_groups(groups, self.dynamic_sampling.oversample)
+            data = self.train_dataset
+            picks = extra_prompts(
+                len(data), extra, self.args.seed, self.accelerator.process_index, self.state.global_step
+            )
+            extended = list(inputs) + [dict(data[i]) for i in picks for _ in range(g)]
+            output = super()._generate_and_score_completions(extended)
+            if present := [k for k in _IMAGE_KEYS if k in output]:
+                raise ValueError(f"train.dynamic_sampling handles text batches only (TRL returned {present})")
+
+            import torch
+
+            weights = self.reward_weights.to(self._rewards_seen.device).unsqueeze(0)
+            rewards = (self._rewards_seen * weights).nansum(dim=1)
+            rewards[torch.isnan(self._rewards_seen).all(dim=1)] = torch.nan
+            per_rank = len(extended) // g  # every rank generated as many groups, so each rank's choice is known
+            informative = informative_groups(rewards, g)
+            kept_flat = 0
+            mine: list[int] = []
+            for rank in range(len(informative) // per_rank):
+                verdicts = informative[rank * per_rank : (rank + 1) * per_rank]
+                chosen = choose_groups(verdicts, groups)
+                kept_flat += sum(not verdicts[i] for i in chosen)
+                if rank == self.accelerator.process_index:
+                    mine = chosen
+            index = torch.tensor([i * g + j for i in mine for j in range(g)], device=output["prompt_ids"].device)
+            total = len(extended)
+            for key, value in list(output.items()):
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and value.size(0) == total:
+                    output[key] = value.index_select(0, index)
+            mask = output["completion_mask"]
+            if "tool_mask" in output:
+                mask = mask * output["tool_mask"]
+            output["num_items_in_batch"] = self.accelerator.gather(mask.sum()).sum()
+            metrics = self._metrics["train"]
+            metrics["dynamic_sampling/generated_groups"].append(float(len(informative)))
+            metrics["dynamic_sampling/informative_groups"].append(float(sum(informative)))
+            trained = groups * (len(informative) // per_rank)
+            metrics["dynamic_sampling/trained_zero_std"].append(kept_flat / trained)
+            return output
+
+    return DynamicSamplingTrainer
