@@ -51,8 +51,14 @@ def test_the_configs_defaults_are_the_trainers():
     "assignments, names",
     [
         (["train.dynamic_sampling.oversample=1"], "train.dynamic_sampling.oversample: Input should be greater than 1"),
-        (["train.dynamic_sampling.oversample=0.5"], "train.dynamic_sampling.oversample: Input should be greater than 1"),
-        (["train.dynamic_sampling.oversample=lots"], "train.dynamic_sampling.oversample: Input should be a valid number"),
+        (
+            ["train.dynamic_sampling.oversample=0.5"],
+            "train.dynamic_sampling.oversample: Input should be greater than 1",
+        ),
+        (
+            ["train.dynamic_sampling.oversample=lots"],
+            "train.dynamic_sampling.oversample: Input should be a valid number",
+        ),
         (["train.dynamic_sampling.enabled=perhaps"], "train.dynamic_sampling.enabled: Input should be a valid boolean"),
         (["train.dynamic_sampling.oversampling=2"], "train.dynamic_sampling.oversampling: unknown key"),
         (
@@ -81,6 +87,10 @@ def test_a_bad_dynamic_sampling_setting_names_the_field_and_exits_2(assignments,
 def test_the_same_batch_on_one_process_is_whole_groups():
     cfg = load_config(
         None,
-        ["train.dynamic_sampling.enabled=true", "train.grpo.num_generations=4", "train.grpo.per_device_train_batch_size=4"],
+        [
+            "train.dynamic_sampling.enabled=true",
+            "train.grpo.num_generations=4",
+            "train.grpo.per_device_train_batch_size=4",
+        ],
     )
     assert cfg.train.dynamic_sampling.enabled and cfg.train.dynamic_sampling.oversample == 2.0

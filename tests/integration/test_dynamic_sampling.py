@@ -1,0 +1,97 @@
+"""Dynamic sampling on real generation and training (tiny random Llama): a reward that gives variance only to
+half of the prompts, so a group drawn for a "same" prompt teaches nothing. The step trains on its configured
+batch (one group of four), chosen among four generated groups, and the trained groups have variance where the
+generated ones often do not."""
+
+import json
+
+import pytest
+
+from grpo_pipeline.tasks.job import model_load, train_settings
+from grpo_pipeline.trainer.spec import DynamicSamplingSettings, JobSpec
+from tests.integration.curriculum_rewards import same_for_some
+
+pytestmark = pytest.mark.integration
+REWARD = "tests.integration.curriculum_rewards:same_for_some"
+KINDS = ["same", "varied", "same", "varied"]  # 3 extra prompts of these 4 always include a "varied" one
+
+
+def _rows():
+    return [
+        {"prompt": [{"role": "user", "content": f"What is {i} + 1?"}], "answer": str(i + 1), "kind": kind}
+        for i, kind in enumerate(KINDS)
+    ]
+
+
+def test_one_generation_keeps_the_batch_size_and_trains_on_a_group_with_variance(tmp_path, tiny_model):
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from grpo_pipeline.trainer.dynamic_sampling import trainer_class
+
+    data = Dataset.from_list(_rows())
+    args = GRPOConfig(
+        output_dir=str(tmp_path),
+        num_generations=4,
+        per_device_train_batch_size=4,
+        max_completion_length=6,
+        max_steps=1,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+    )
+    trainer = trainer_class(GRPOTrainer)(
+        model=str(tiny_model),
+        reward_funcs=[same_for_some],
+        args=args,
+        train_dataset=data,
+        dynamic_sampling=DynamicSamplingSettings(enabled=True, oversample=4),
+    )
+    trainer.model.train()
+    batch = [dict(data[0]) for _ in range(4)]  # the dataloader's group: a "same" prompt, flat whatever is said
+    out = trainer._generate_and_score_completions(batch)
+
+    assert {
+        out[k].size(0) for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages")
+    } == {4}
+    assert out["advantages"].abs().sum() > 0  # an extra "varied" group replaced the flat one
+    assert out["num_items_in_batch"].item() == out["completion_mask"].sum().item()  # the kept rows' tokens only
+    metrics = trainer._metrics["train"]
+    assert metrics["dynamic_sampling/generated_groups"] == [4.0]
+    assert metrics["dynamic_sampling/trained_zero_std"] == [0.0]
+    assert metrics["frac_reward_zero_std"][-1] >= 0.25  # TRL's figure counts every generated group
+    trainer.model.eval()  # evaluation generates what it is given, nothing more
+    assert trainer._generate_and_score_completions(batch)["advantages"].size(0) == 4
+    assert metrics["dynamic_sampling/generated_groups"] == [4.0]
+
+
+def test_a_run_with_dynamic_sampling_reports_the_trained_and_the_generated_zero_signal(
+    tmp_path, tiny_model, tiny_config
+):
+    from grpo_pipeline.trainer.train import run
+
+    train_file = tmp_path / "train.jsonl"
+    train_file.write_text("".join(json.dumps(r) + "\n" for r in _rows()))
+    cfg = tiny_config(
+        "train.grpo.max_steps=4",
+        "train.checkpoint_every=4",
+        f"train.rewards=[{REWARD}]",
+        "train.dynamic_sampling.enabled=true",
+        "train.dynamic_sampling.oversample=4",  # with the curriculum (on by default) over the same prompts
+    )
+    result = run(
+        JobSpec(
+            model_path=str(tiny_model),
+            model=model_load(cfg.model),
+            train=train_settings(cfg.train),
+            train_file=str(train_file),
+            work_dir=str(tmp_path / "work"),
+            checkpoint_uri=str(tmp_path / "ckpt"),
+            adapter_dir=str(tmp_path / "adapter"),
+        )
+    )
+    zero = result.zero_signal
+    assert result.global_step == 4 and zero.logged_steps == 4
+    assert zero.trained_fraction == 0.0 and zero.trained_wasted_steps == 0  # every step found a group with variance
+    assert zero.mean_fraction >= 0.25 > zero.trained_fraction  # each step generated a flat group or more
+    assert zero.skipped_draws is not None  # the curriculum ran beside it
