@@ -1,21 +1,34 @@
-"""Fewer wasted steps: the curriculum sampler (`train.curriculum`) on vs off, at equal steps and so equal
-wall time (it adds no generation: a benched prompt's slot goes to another prompt, the step costs the same),
-on the demo and on `configs/gsm8k-calc-cpu.yaml`.
+"""Fewer wasted steps, two mechanisms against groups with no reward variance, on the demo and on
+`configs/gsm8k-calc-cpu.yaml`:
 
-For each recipe, two variants: `shipped` (the recipe as it is: each prompt is drawn about once, so both arms
-should draw the same prompts and agree: a check that the sampler changes nothing where it cannot help) and
+- the curriculum sampler (`train.curriculum`): arms `on` vs `off` at equal steps, and so equal wall time (it adds
+  no generation: a benched prompt's slot goes to another prompt, the step costs the same);
+- DAPO-style dynamic sampling (`train.dynamic_sampling`, oversample 2, curriculum off): arm `dynamic` at the
+  recipe's steps, and arm `off_equal_time`: no dynamic sampling, no curriculum, run for the steps that `off`'s
+  measured time per step buys in `dynamic`'s train time. Dynamic sampling makes each step dearer (it generates
+  twice the groups), so equal steps would flatter it; giving the plain trainer the same train time, spent on
+  more steps (more prompts, more updates) rather than cutting `dynamic` short, keeps the dynamic arm at the
+  recipe as shipped and asks the question a user has: for the same time, which adapter is better? Train time
+  (HF's train_runtime), not wall time, sets the budget: model load and evaluation cost both arms the same.
+
+For each recipe, two variants: `shipped` (the recipe as it is: each prompt is drawn about once, so the
+curriculum cannot act and both of its arms should agree; per-step resampling can still help there) and
 `recurring` (a small training set, so prompts come round 2-3 times in the same steps: where the curriculum
-acts). Reported side by side per arm: the fraction of zero-signal groups (TRL's `frac_reward_zero_std`, mean
-over steps), the steps where every group had zero variance, the holdout reward of the trained adapter
-(`math_answer` / the demo's summed reward, greedy, the pipeline's own evaluation), wall time and train time.
+acts). Reported per arm: the fraction of zero-signal groups (TRL's `frac_reward_zero_std`, mean over steps:
+with dynamic sampling, over every generated group) and, for `dynamic`, over the groups trained on
+(`dynamic_sampling/trained_zero_std`); the steps where every group had zero variance; the holdout reward of
+the trained adapter (`math_answer` / the demo's summed reward, greedy, the pipeline's own evaluation); wall
+time and train time.
 
-    python -m bench.zero_signal                          # all 8 runs, ~80 min on a quiet 2-core machine
+    python -m bench.zero_signal                          # all 16 runs, ~3 h on a quiet 2-core machine
+    python -m bench.zero_signal --arms off dynamic off_equal_time --variants shipped   # dynamic sampling alone
     python -m bench.zero_signal --recipes demo --variants recurring
     python -m bench.zero_signal --tiny                   # 2 steps per run: does the chain run?
 
 Resumable: each finished run is kept in .grpo/bench-zero_signal/runs.json (by recipe, variant and arm) and
 skipped when the script is run again (pass --fresh to measure all again); arms run alternately
-(on, off, on, off...) so a machine's changing load falls on both. GSM8K's rows come from `bench.gsm8k_calc`'s
+(on, off, dynamic, off_equal_time per pair) so a machine's changing load falls on all of them; `off_equal_time`
+needs `off` and `dynamic` of its pair finished (kept or run now). GSM8K's rows come from `bench.gsm8k_calc`'s
 prepared slice (../shared/data/gsm8k; skipped with a note when it is absent).
 """
 
@@ -36,7 +49,7 @@ NAME = "zero_signal"
 WORK = ROOT / ".grpo" / f"bench-{NAME}"
 RECIPES = ("demo", "gsm8k")
 VARIANTS = ("shipped", "recurring")
-ARMS = ("on", "off")
+ARMS = ("on", "off", "dynamic", "off_equal_time")
 RECURRING_ROWS = 32  # distinct training prompts in the `recurring` variant: 2 prompts a step -> a pass per 16 steps
 
 
@@ -61,19 +74,40 @@ def recurring_subset(source: Path, out: Path, rows: int, seed: int = 0) -> Path:
     return out
 
 
-def overrides(recipe: str, variant: str, arm: str, tiny: bool) -> list[str]:
-    """The `--set` overrides of one run (the gsm8k recipe's data paths are `bench.gsm8k_calc.run_pipeline`'s).
+def overrides(recipe: str, variant: str, arm: str, tiny: bool, steps: int | None = None) -> list[str]:
+    """The `--set` overrides of one run (the gsm8k recipe's data paths are `bench.gsm8k_calc.run_pipeline`'s);
+    `steps`: the `off_equal_time` arm's step count (`equal_time_steps`).
 
     >>> overrides("demo", "recurring", "off", False)
     ['train.curriculum.enabled=false', 'data.demo.n_train=32']
+    >>> overrides("demo", "shipped", "dynamic", False)
+    ['train.curriculum.enabled=false', 'train.dynamic_sampling.enabled=true']
+    >>> overrides("demo", "shipped", "off_equal_time", False, steps=61)
+    ['train.curriculum.enabled=false', 'train.grpo.max_steps=61']
     """
     sets = [f"train.curriculum.enabled={'true' if arm == 'on' else 'false'}"]
+    if arm == "dynamic":
+        sets.append("train.dynamic_sampling.enabled=true")
     if recipe == "demo" and variant == "recurring":
         sets.append(f"data.demo.n_train={RECURRING_ROWS}")
     if tiny:
         sets += ["train.grpo.max_steps=2", "promote.min_samples=1"]
         sets.append("data.demo.n_holdout=16" if recipe == "demo" else "data.holdout_share=0.01")
+    if arm == "off_equal_time":
+        if steps is None:
+            raise ValueError("the off_equal_time arm needs its step count")
+        sets.append(f"train.grpo.max_steps={steps}")  # after --tiny's: the last --set wins
     return sets
+
+
+def equal_time_steps(off: dict, dynamic: dict) -> int:
+    """Steps of the plain trainer that fill `dynamic`'s train time, at `off`'s measured time per step.
+
+    >>> equal_time_steps({"steps": 40, "train_runtime_s": 800.0}, {"steps": 40, "train_runtime_s": 1300.0})
+    65
+    """
+    per_step = off["train_runtime_s"] / off["steps"]
+    return max(1, round(dynamic["train_runtime_s"] / per_step))
 
 
 def measure(summary: dict, seconds: float) -> dict:
@@ -88,6 +122,8 @@ def measure(summary: dict, seconds: float) -> dict:
         "wasted_steps": zero.get("wasted_steps"),
         "logged_steps": zero.get("logged_steps"),
         "skipped_draws": zero.get("skipped_draws"),
+        "trained_zero_fraction": zero.get("trained_fraction"),  # dynamic sampling: flat groups among those trained
+        "trained_wasted_steps": zero.get("trained_wasted_steps"),
         "holdout_metric": metric,
         "holdout_reward": stats[metric]["mean_candidate"] if metric else None,
         "base_reward": stats[metric]["mean_baseline"] if metric else None,
@@ -141,6 +177,31 @@ def table_rows(load) -> list[Row]:
                 else "",
             )
         )
+    dynamic_bench = (
+        "fewer wasted steps: dynamic sampling (oversample 2) vs plain, equal train time (`bench.zero_signal`)"
+    )
+    for key, pair in sorted(r["pairs"].items()):
+        off, dyn, equal = pair.get("off"), pair.get("dynamic"), pair.get("off_equal_time")
+        if not (off and dyn) or off["zero_fraction"] is None or dyn["trained_zero_fraction"] is None:
+            continue
+        ratio = dyn["trained_zero_fraction"] / off["zero_fraction"] if off["zero_fraction"] else None
+        holdout = (
+            f"holdout at equal train time {equal['holdout_reward']:.3f} ({equal['steps']} steps) -> "
+            f"{dyn['holdout_reward']:.3f} ({dyn['steps']} steps); "
+            if equal and equal["holdout_reward"] is not None and dyn["holdout_reward"] is not None
+            else ""
+        )
+        rows.append(
+            Row(
+                f"{dynamic_bench}, {key}: zero-signal fraction of trained groups",
+                f"off: {off['zero_fraction']:.3f} ({off['wasted_steps']} wasted steps)",
+                f"dynamic: {dyn['trained_zero_fraction']:.3f} trained, {dyn['zero_fraction']:.3f} generated "
+                f"({dyn['trained_wasted_steps']} wasted steps)",
+                ratio,
+                "<= 1",
+                note=f"{holdout}train {off['train_runtime_s'] / 60:.1f} vs {dyn['train_runtime_s'] / 60:.1f} min",
+            )
+        )
     return rows or [Row(bench, "off", "on", None, "", note="no pair finished")]
 
 
@@ -150,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipes", nargs="+", choices=RECIPES, default=list(RECIPES))
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
     parser.add_argument("--tiny", action="store_true", help="2 steps per run: the chain, not the figures")
     parser.add_argument("--fresh", action="store_true", help="forget finished runs and measure all again")
     parser.add_argument("--gsm8k", type=Path, default=GSM8K)
@@ -176,12 +238,20 @@ def main(argv: list[str] | None = None) -> int:
     runs = _load_runs(opts.fresh)
     for recipe in recipes:
         for variant in opts.variants:
-            for arm in ARMS:  # alternating arms within each pair
-                key = f"{recipe}/{variant}/{arm}{'/tiny' if opts.tiny else ''}"
+            for arm in [a for a in ARMS if a in opts.arms]:  # alternating arms within each pair
+                tail = "/tiny" if opts.tiny else ""
+                key = f"{recipe}/{variant}/{arm}{tail}"
                 if key in runs:
                     print(f"[{NAME}] {key}: kept from an earlier run", flush=True)
                     continue
-                sets = overrides(recipe, variant, arm, opts.tiny)
+                steps = None
+                if arm == "off_equal_time":
+                    off, dyn = runs.get(f"{recipe}/{variant}/off{tail}"), runs.get(f"{recipe}/{variant}/dynamic{tail}")
+                    if not (off and dyn):
+                        print(f"[{NAME}] {key}: skipped, it needs the off and dynamic arms of its pair", flush=True)
+                        continue
+                    steps = equal_time_steps(off, dyn)
+                sets = overrides(recipe, variant, arm, opts.tiny, steps)
                 work = WORK / key.replace("/", "-")
                 started = time.monotonic()
                 if recipe == "gsm8k":  # configs/gsm8k-calc-cpu.yaml on the prepared rows (or their subset)
