@@ -3,6 +3,7 @@ half of the prompts, so a group drawn for a "same" prompt teaches nothing. The s
 batch (one group of four), chosen among four generated groups, and the trained groups have variance where the
 generated ones often do not."""
 
+import ast
 import json
 
 import pytest
@@ -95,3 +96,54 @@ def test_a_run_with_dynamic_sampling_reports_the_trained_and_the_generated_zero_
     assert zero.trained_fraction == 0.0 and zero.trained_wasted_steps == 0  # every step found a group with variance
     assert zero.mean_fraction >= 0.25 > zero.trained_fraction  # each step generated a flat group or more
     assert zero.skipped_draws is not None  # the curriculum ran beside it
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_two_processes_each_keep_their_batch_and_stay_in_step(tmp_path, tiny_model, tiny_config):
+    """Two ranks (torchrun, gloo), one group each per step: each chooses among its own four groups, keeps one,
+    and the loss normalizer sums both ranks' kept tokens; a rank that kept a different number of rows would
+    hang a collective or fail DDP's gradient reduction."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from grpo_pipeline.trainer.launch import free_port
+    from grpo_pipeline.trainer.spec import TrainResult
+
+    train_file = tmp_path / "train.jsonl"
+    train_file.write_text("".join(json.dumps(r) + "\n" for r in _rows()))
+    cfg = tiny_config(
+        "train.grpo.max_steps=3",
+        "train.checkpoint_every=100",
+        f"train.rewards=[{REWARD}]",
+        "train.distributed.processes_per_node=2",
+        "train.curriculum.enabled=false",
+        "train.dynamic_sampling.enabled=true",
+        "train.dynamic_sampling.oversample=4",
+    )
+    spec = JobSpec(
+        model_path=str(tiny_model),
+        model=model_load(cfg.model),
+        train=train_settings(cfg.train),
+        train_file=str(train_file),
+        work_dir=str(tmp_path / "work"),
+        checkpoint_uri=str(tmp_path / "ckpt"),
+        adapter_dir=str(tmp_path / "adapter"),
+    ).write(tmp_path / "job.json")
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run(
+        [sys.executable, "-m", "grpo_pipeline.trainer.launch", "--spec", str(spec), "--master-port", str(free_port())],
+        cwd=root,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=800,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    result = TrainResult.model_validate_json(proc.stdout.strip().splitlines()[-1])
+    assert result.world_size == 2 and result.global_step == 3
+    zero = result.zero_signal
+    assert zero.trained_fraction == 0.0 < zero.mean_fraction  # both ranks found a group with variance each step
+    logs = [ast.literal_eval(line) for line in proc.stdout.splitlines() if line.startswith("{'loss'")]  # HF's
+    assert [log["dynamic_sampling/generated_groups"] for log in logs] == [8.0] * 3  # 2 ranks x (1 + 3 extra)
