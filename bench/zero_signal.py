@@ -9,7 +9,10 @@
   twice the groups), so equal steps would flatter it; giving the plain trainer the same train time, spent on
   more steps (more prompts, more updates) rather than cutting `dynamic` short, keeps the dynamic arm at the
   recipe as shipped and asks the question a user has: for the same time, which adapter is better? Train time
-  (HF's train_runtime), not wall time, sets the budget: model load and evaluation cost both arms the same.
+  (the trainer's `train_runtime_s`), not wall time, sets the budget: evaluation and the flow's other stages cost
+  both arms the same. The trainer's figure includes its model load (seconds, the same in both arms), so at the
+  recipes' 32-40 steps the step count is a few percent generous to `off_equal_time`; with --tiny's 2 steps it
+  is mostly load, and the count only shows the chain runs.
 
 For each recipe, two variants: `shipped` (the recipe as it is: each prompt is drawn about once, so the
 curriculum cannot act and both of its arms should agree; per-step resampling can still help there) and
