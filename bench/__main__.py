@@ -56,7 +56,11 @@ SUITE = (
     ),
     Bench("reward_throughput", "math_answer completions/s; remote_verifier at concurrency 16 vs 1 (fixed latency)", 1),
     Bench("gsm8k_calc", "real data: GRPO on GSM8K's calculator annotations, trained vs base on the holdout", 15),
-    Bench("zero_signal", "curriculum sampler on vs off (equal steps), dynamic sampling vs off (equal train time): zero-signal groups and holdout reward", 180),
+    Bench(
+        "zero_signal",
+        "curriculum sampler on vs off (equal steps), dynamic sampling vs off (equal train time): zero-signal groups and holdout reward",
+        180,
+    ),
     Bench("ab_decision", "online A/B: A/A false decisions under peeking; responses to a decision vs fixed-sample", 1),
     Bench(
         "serving",
