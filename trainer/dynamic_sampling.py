@@ -92,7 +92,7 @@ def trainer_class(base: type) -> type:
     `dynamic_sampling=DynamicSamplingSettings`)."""
     from datasets import IterableDataset
 
-    class DynamicSamplingTrainer(base):  # type: ignore[valid-type,misc]
+    class DynamicSamplingTrainer(base):
         def __init__(self, *args: Any, dynamic_sampling: DynamicSamplingSettings, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             if isinstance(self.train_dataset, IterableDataset):
