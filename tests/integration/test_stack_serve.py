@@ -24,20 +24,14 @@ from grpo_pipeline.configs.schema import load_config
 from grpo_pipeline.infra import services
 from grpo_pipeline.tasks.promote import serving
 from grpo_pipeline.tasks.promote.registry import CHALLENGER, AliasMove, Registry
+from tests.engine_python import ENGINE_PYTHON, skip_without_engine
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-REPO = Path(__file__).resolve().parents[2]
-ENGINE_PYTHON = Path(os.environ.get("GRPO_SERVE_ENGINE_PYTHON", REPO / ".venv-serve" / "bin" / "python"))
 NAME = "stack-walk-adapter"
 PROMPT = [{"role": "user", "content": "What is 2 + 3?"}]
 
-if not ENGINE_PYTHON.is_file():
-    pytest.skip(
-        f"no vLLM engine Python at {ENGINE_PYTHON}: run `make serve-env` (vLLM's CPU build in "
-        ".venv-serve) or set GRPO_SERVE_ENGINE_PYTHON",
-        allow_module_level=True,
-    )
+skip_without_engine()
 
 
 def cli(*args: str, env: dict[str, str], timeout: float = 1200) -> subprocess.CompletedProcess:
