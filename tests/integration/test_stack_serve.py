@@ -128,7 +128,11 @@ def register(walk, n: int) -> str:
 
 
 def serve_up(walk) -> subprocess.CompletedProcess:
-    return cli("stack", "up", "--dir", walk["dir"], "--serve", "--serve-config", walk["config"], env=walk["env"])
+    # --serve-port 0: a free port, as the other services' 0 (not the default 8000, which may be taken)
+    return cli(
+        "stack", "up", "--dir", walk["dir"], "--serve", "--serve-config", walk["config"], "--serve-port", "0",
+        env=walk["env"],
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -163,6 +167,7 @@ def ask(client: httpx.Client, user: str) -> httpx.Response:
 
 def test_the_champion_answers_with_the_key_stack_env_prints(serving_stack, walk):
     (v1,) = walk["versions"]
+    assert not walk["env"]["GRPO_SERVE_URL"].startswith("http://127.0.0.1:8000/")  # --serve-port 0 took a free one
     assert httpx.get(f"{walk['env']['GRPO_SERVE_URL']}/models").status_code == 401  # no key, no answer
     models = serving_stack.get("/models").json()["data"]
     assert [(m["id"], m["version"]) for m in models] == [("champion", v1)]
