@@ -174,11 +174,15 @@ def exit_code(service: Service) -> int | None:
         return None
 
 
-def log_tail(path: str | Path, lines: int = 10) -> str:
+def log_tail(path: str | Path, lines: int = 10, since: int = 0) -> str:
+    """The last `lines` lines of a log, of what was written after byte `since` (a log kept across starts)."""
     try:
-        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+        with open(path, "rb") as f:
+            f.seek(since)
+            text = f.read().decode(errors="replace")
     except OSError:
         return ""
+    return "\n".join(text.splitlines()[-lines:])
 
 
 def _wait_until(ready: Callable[[], bool], service: Service, timeout_s: float) -> None:

@@ -83,7 +83,7 @@ def with_dependencies(names: Iterable[str]) -> list[str]:
 class Stack:
     """The four services under one root directory, with their state in `<root>/state.json`.
 
-    `ports` maps s3/mlflow/prefect to a port; 0 picks a free one (tests), None keeps the recorded or
+    `ports` maps s3/mlflow/prefect/serve to a port; 0 picks a free one (tests), None keeps the recorded or
     default port. `credentials` (access key, secret key) fix the S3 identity; by default one is
     generated at the first `up` and kept in the state file, as are MLflow's admin and Prefect's auth string.
     """
@@ -275,6 +275,8 @@ class Stack:
             "MLFLOW_TRACKING_URI": mlflow.url,
             **self.mlflow_auth.client_env(),
         }
+        log = work / "serve.log"
+        before = log.stat().st_size if log.is_file() else 0  # the log is kept across starts: report this one's
         service = services._spawn("serve", router_command(options, port, mlflow.url, work / "data"), work, env)
         service.url = f"http://127.0.0.1:{port}"
         service.stop_signal = int(signal.SIGINT)  # uvicorn's clean stop; the router then stops its engine
@@ -284,7 +286,7 @@ class Stack:
             if exc.code == ROUTER_REFUSED:
                 # what the user fixes (no champion yet, the registry unreachable...): the router's own words
                 raise ServeRefused(
-                    f"the router did not start: {services.log_tail(service.log, 3)}\nThe other services run; "
+                    f"the router did not start: {services.log_tail(service.log, 5, since=before)}\nThe other services run; "
                     "fix that and run `grpo-pipeline stack up --serve` again"
                 ) from None
             raise

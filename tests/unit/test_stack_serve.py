@@ -108,3 +108,15 @@ def test_the_routers_refusal_status_is_the_clis_input_error():
     from grpo_pipeline.tasks.serve import ab_log
 
     assert ROUTER_REFUSED == EXIT_CONFIG and LOG_URL_ENV == ab_log.LOG_URL_ENV
+
+
+def test_the_refusal_quotes_this_starts_output_not_an_earlier_ones(tmp_path):
+    from grpo_pipeline.infra.services import log_tail
+
+    log = tmp_path / "serve.log"
+    log.write_text("the engine exited with 1 during start-up (yesterday)\n")
+    before = log.stat().st_size
+    with log.open("a") as f:
+        f.write("no champion alias in the registry x\n")
+    assert log_tail(log, 5, since=before) == "no champion alias in the registry x"
+    assert log_tail(log, 5).startswith("the engine exited")
