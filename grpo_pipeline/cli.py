@@ -586,13 +586,13 @@ def stack_up(
     for `eval`). `--serve` also starts the router once the registry has a champion (its key: GRPO_SERVE_API_KEY
     in `stack env`)."""
     from grpo_pipeline.infra.services import PortInUse, ServiceError
-    from grpo_pipeline.infra.stack import DEFAULT_UP, exports
+    from grpo_pipeline.infra.stack import DEFAULT_UP, ServeRefused, exports
 
     stack = _stack(root, s3=s3_port, mlflow=mlflow_port, prefect=prefect_port, serve=serve_port)
     options = _serve_options(serve_config) if serve else None
     try:
         stack.up([*DEFAULT_UP, "serve"] if serve else DEFAULT_UP, serve=options)
-    except PortInUse as exc:  # the user's choice of port: exit 2, the message names the option
+    except (PortInUse, ServeRefused) as exc:  # the user's choice of port, no champion yet: exit 2, naming the fix
         _fail(False, f"stack up: {exc}", EXIT_CONFIG)
     except ServiceError as exc:  # a service did not start: the message names its log
         _fail(False, f"stack up failed: {exc}", EXIT_FAILED)
@@ -619,7 +619,7 @@ def _serve_options(config: Path | None) -> ServeOptions:
     from grpo_pipeline.infra.stack import ServeOptions
     from grpo_pipeline.tasks.serve.engine import default_python
 
-    _, cfg = _load(config, [])
+    path, cfg = _load(config, [])
     python = cfg.ab.serve.engine_python or str(default_python(Path.cwd()))
     if not Path(python).is_file():
         _fail(
@@ -628,8 +628,11 @@ def _serve_options(config: Path | None) -> ServeOptions:
             "or set ab.serve.engine_python",
             EXIT_CONFIG,
         )
+    # Absolute, as the router runs in the stack's folder; the config as `_load` found it (a shipped recipe's
+    # name too). The Python's symlinks are kept: a venv's python links to the base interpreter, and resolving
+    # it would run vLLM outside the venv that holds it.
     return ServeOptions(
-        str(config.resolve()) if config else None, str(Path(python).resolve()), cfg.ab.serve.startup_timeout_s
+        str(path.resolve()) if config else None, os.path.abspath(python), cfg.ab.serve.startup_timeout_s
     )
 
 

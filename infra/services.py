@@ -48,6 +48,14 @@ class PortInUse(ServiceError):
     """A port asked for is taken; the message names the option that chooses another."""
 
 
+class ServiceExited(ServiceError):
+    """A service's process exited during its start-up; `code` is its exit status (None: not ours to read)."""
+
+    def __init__(self, message: str, code: int | None):
+        super().__init__(message)
+        self.code = code
+
+
 @dataclass
 class Service:
     """A running service: enough to find, check and stop it from another process."""
@@ -95,7 +103,7 @@ def port_is_free(port: int) -> bool:
 
 def check_port(service: str, port: int) -> None:
     """PortInUse, naming the `grpo-pipeline stack up` option that picks another, when the port a service
-    (s3, mlflow, prefect) is to listen on is taken; SeaweedFS's S3 port needs its gRPC port (+10000) too."""
+    (s3, mlflow, prefect, serve) is to listen on is taken; SeaweedFS's S3 port needs its gRPC port (+10000) too."""
     if service == "s3":
         if not (port_is_free(port) and port_is_free(port + GRPC_OFFSET)):
             raise PortInUse(
@@ -103,7 +111,7 @@ def check_port(service: str, port: int) -> None:
                 "choose another with --s3-port (below 55536) or stop what listens there"
             )
     elif not port_is_free(port):
-        label = {"mlflow": "MLflow", "prefect": "Prefect"}[service]
+        label = {"mlflow": "MLflow", "prefect": "Prefect", "serve": "Router"}[service]
         raise PortInUse(
             f"{label} port {port} is in use; choose another with --{service}-port or stop what listens there"
         )
@@ -155,11 +163,40 @@ def _spawn(name: str, args: list[str], workdir: Path, env: dict[str, str] | None
     )
 
 
+def exit_code(service: Service) -> int | None:
+    """The exit status of a service that has stopped, reaping it when it is this process's child (None: still
+    running, or not our child, or reaped already)."""
+    import psutil
+
+    try:
+        return psutil.Process(service.pid).wait(0)
+    except psutil.Error:
+        return None
+
+
+def log_tail(path: str | Path, lines: int = 10, since: int = 0) -> str:
+    """The last `lines` lines of a log, of what was written after byte `since` (a log kept across starts)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(since)
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
 def _wait_until(ready: Callable[[], bool], service: Service, timeout_s: float) -> None:
+    """Until `ready()`; a process that exits meanwhile raises `ServiceExited` with its status and the end of its
+    log (what went wrong is usually its last line), one that is not ready in time is stopped."""
     deadline = time.monotonic() + timeout_s
     while not ready():
         if not alive(service.pid, service.created):
-            raise ServiceError(f"{service.name} exited during start-up; see {service.log}")
+            code = exit_code(service)
+            raise ServiceExited(
+                f"{service.name} exited{'' if code is None else f' with {code}'} during start-up; its log "
+                f"({service.log}) ends:\n{log_tail(service.log)}",
+                code,
+            )
         if time.monotonic() > deadline:
             stop(service)
             raise ServiceError(f"{service.name} not ready at {service.url} after {timeout_s:.0f} s; see {service.log}")

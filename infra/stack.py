@@ -51,6 +51,13 @@ DEPENDS_ON = {
 }
 DATABASES = ("mlflow", "prefect", "ab")  # ab: the router's request log
 STATE_FILE = "state.json"
+LOG_URL_ENV = "GRPO_AB_LOG_URL"  # grpo_pipeline.tasks.serve.ab_log.LOG_URL_ENV; not imported from there: SQLAlchemy
+ROUTER_REFUSED = 2  # `grpo-pipeline serve`'s exit status for what the user fixes (grpo_pipeline.cli.EXIT_CONFIG)
+
+
+class ServeRefused(ServiceError):
+    """The router refused to start for a reason the user fixes (no champion alias, the registry unreachable,
+    an adapter's rank above the engine's): `stack up --serve` exits 2 with the router's message."""
 
 
 def with_dependencies(names: Iterable[str]) -> list[str]:
@@ -76,7 +83,7 @@ def with_dependencies(names: Iterable[str]) -> list[str]:
 class Stack:
     """The four services under one root directory, with their state in `<root>/state.json`.
 
-    `ports` maps s3/mlflow/prefect to a port; 0 picks a free one (tests), None keeps the recorded or
+    `ports` maps s3/mlflow/prefect/serve to a port; 0 picks a free one (tests), None keeps the recorded or
     default port. `credentials` (access key, secret key) fix the S3 identity; by default one is
     generated at the first `up` and kept in the state file, as are MLflow's admin and Prefect's auth string.
     """
@@ -236,7 +243,7 @@ class Stack:
             return service
         pg = self._recorded("postgres")  # dependencies start first
         if name == "serve":
-            return self._start_router(work, port or DEFAULT_PORTS["serve"], pg)
+            return self._start_router(work, port or services.free_port(), pg)  # 0: a free one, as the others
         if name == "mlflow":
             access, secret = self.credentials
             env = {
@@ -263,15 +270,26 @@ class Stack:
         options = ServeOptions(**self.state["serve_options"])
         mlflow = self._recorded("mlflow")
         env = {
-            "GRPO_AB_LOG_URL": services.database_uri(pg, "ab"),
+            LOG_URL_ENV: services.database_uri(pg, "ab"),
             "GRPO_SERVE_API_KEY": self.serve_api_key,
             "MLFLOW_TRACKING_URI": mlflow.url,
             **self.mlflow_auth.client_env(),
         }
+        log = work / "serve.log"
+        before = log.stat().st_size if log.is_file() else 0  # the log is kept across starts: report this one's
         service = services._spawn("serve", router_command(options, port, mlflow.url, work / "data"), work, env)
         service.url = f"http://127.0.0.1:{port}"
         service.stop_signal = int(signal.SIGINT)  # uvicorn's clean stop; the router then stops its engine
-        services._wait_until(lambda: services.http_healthy(service), service, options.startup_timeout_s + 60)
+        try:
+            services._wait_until(lambda: services.http_healthy(service), service, options.startup_timeout_s + 60)
+        except services.ServiceExited as exc:
+            if exc.code == ROUTER_REFUSED:
+                # what the user fixes (no champion yet, the registry unreachable...): the router's own words
+                raise ServeRefused(
+                    f"the router did not start: {services.log_tail(service.log, 5, since=before)}\nThe other services run; "
+                    "fix that and run `grpo-pipeline stack up --serve` again"
+                ) from None
+            raise
         return service
 
     def down(self) -> list[str]:
@@ -291,6 +309,8 @@ class Stack:
     def env(self) -> dict[str, str]:
         """The environment a pipeline run, a worker or a shell needs to use this stack.
 
+        GRPO_AB_LOG_URL is the request log in PostgreSQL (database `ab`): where the router writes and `grpo-pipeline
+        ab status|decide` and the `ab-decide` flow read (without it they read an empty SQLite log under data_dir).
         MLFLOW_S3_ENDPOINT_URL and AWS_ENDPOINT_URL_S3 point MLflow's and boto3's S3 clients (checkpoints
         with `train.checkpoint_uri=s3://<bucket>/...`) at the local S3 API. MLFLOW_TRACKING_USERNAME/PASSWORD
         (MLflow's admin) and PREFECT_API_AUTH_STRING are what the servers ask of every client.
@@ -304,6 +324,8 @@ class Stack:
             out["PREFECT_API_URL"] = prefect.url
             if prefect.extra.get("auth") == "basic":
                 out["PREFECT_API_AUTH_STRING"] = self.prefect_auth_string
+        if (pg := self.service("postgres")) is not None:  # the router's request log: what `ab status|decide` read
+            out[LOG_URL_ENV] = services.database_uri(pg, "ab")
         if (serve := self.service("serve")) is not None:  # the application's side: where to send, with what key
             out["GRPO_SERVE_URL"] = f"{serve.url}/v1"
             out["GRPO_SERVE_API_KEY"] = self.serve_api_key

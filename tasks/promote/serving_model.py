@@ -18,6 +18,7 @@ once per content hash into `$GRPO_MODEL_CACHE`, default `~/.cache/grpo-models`).
 """
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -36,8 +37,11 @@ def _is_uri(reference: str) -> bool:
     return "://" in reference or reference.startswith(("runs:/", "models:/", "mlflow-artifacts:"))
 
 
-def _local_base(reference: str, digest: str | None) -> str:
-    """A directory or hub id `from_pretrained` loads: a URI is downloaded (once per content hash)."""
+def local_base(reference: str, digest: str | None, tracking_uri: str | None = None) -> str:
+    """A directory or hub id `from_pretrained` (or an engine) loads: a URI is downloaded once per content hash
+    into `$GRPO_MODEL_CACHE`. `tracking_uri`: the MLflow server a `runs:/` or `models:/` URI is read from (None:
+    MLflow's current one, as when this model is loaded). The one copy of this logic: the router
+    (`grpo_pipeline.tasks.serve.adapters`) calls it too, so both share the cache."""
     if not _is_uri(reference):
         return reference
     cache = Path(os.environ.get("GRPO_MODEL_CACHE", Path.home() / ".cache" / "grpo-models"))
@@ -45,7 +49,11 @@ def _local_base(reference: str, digest: str | None) -> str:
         return str(cache / digest)
     cache.mkdir(parents=True, exist_ok=True)
     staging = tempfile.mkdtemp(dir=cache, prefix=".download-")
-    local = mlflow.artifacts.download_artifacts(artifact_uri=reference, dst_path=staging)
+    try:
+        local = mlflow.artifacts.download_artifacts(artifact_uri=reference, dst_path=staging, tracking_uri=tracking_uri)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)  # no half-downloaded copy left in the cache
+        raise
     if not digest:
         return local
     target = cache / digest
@@ -53,7 +61,10 @@ def _local_base(reference: str, digest: str | None) -> str:
         Path(local).rename(target)  # whole or not at all; a concurrent download may have won
     except OSError:
         pass
-    return str(target) if (target / "config.json").is_file() else local
+    if (target / "config.json").is_file():
+        shutil.rmtree(staging, ignore_errors=True)  # empty now, or the copy a concurrent download beat
+        return str(target)
+    return local
 
 
 def _is_chat(value: object) -> bool:
@@ -119,7 +130,7 @@ class GRPOChatModel(PythonModel):
         self.batch_size = int(cfg.get("batch_size", 8))
         trust = bool(cfg.get("trust_remote_code", False))
         merged = context.artifacts.get("merged")
-        weights = merged or _local_base(cfg["base"], cfg.get("base_sha256"))
+        weights = merged or local_base(cfg["base"], cfg.get("base_sha256"))
         tokenizer_dir = merged or context.artifacts["adapter"]
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=trust)
         if self.tokenizer.pad_token is None:

@@ -11,7 +11,6 @@ per content hash into `$GRPO_MODEL_CACHE`, the folder the MLflow model itself us
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -115,21 +114,10 @@ def resolve(registry: Registry, alias: str, tracking_uri: str, cache: Path) -> A
 
 
 def local_base(reference: str, sha256: str | None, tracking_uri: str) -> str:
-    """A folder (or hub id) the engine loads: a `runs:/` or other URI is downloaded once per content hash."""
-    if "://" not in reference and not reference.startswith(("runs:/", "models:/")):
-        return reference
-    cache = Path(os.environ.get("GRPO_MODEL_CACHE", Path.home() / ".cache" / "grpo-models"))
-    if sha256 and (cache / sha256 / "config.json").is_file():
-        return str(cache / sha256)
-    import mlflow
+    """A folder (or hub id) the engine loads: a `runs:/` or other URI downloaded once per content hash, by the
+    portable champion's own function, into the cache a loaded MLflow model uses too (`$GRPO_MODEL_CACHE`)."""
+    # Imported here, in the router only: it is MLflow's models-from-code file, which registers its model with
+    # MLflow (`set_model`) as it is imported.
+    from grpo_pipeline.tasks.promote.serving_model import local_base as download_once
 
-    cache.mkdir(parents=True, exist_ok=True)
-    staging = tempfile.mkdtemp(dir=cache, prefix=".download-")
-    local = mlflow.artifacts.download_artifacts(artifact_uri=reference, dst_path=staging, tracking_uri=tracking_uri)
-    if not sha256:
-        return local
-    try:
-        Path(local).rename(cache / sha256)
-    except OSError:
-        pass  # a concurrent download won
-    return str(cache / sha256) if (cache / sha256 / "config.json").is_file() else local
+    return download_once(reference, sha256, tracking_uri)

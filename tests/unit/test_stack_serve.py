@@ -39,3 +39,84 @@ def test_stack_up_serve_without_an_engine_exits_2_before_starting_anything(tmp_p
     result = CliRunner().invoke(app, ["stack", "up", "--serve", "--dir", str(tmp_path / "stack")])
     assert result.exit_code == 2 and "make serve-env" in result.output
     assert not (tmp_path / "stack" / "state.json").exists()
+
+
+def test_stack_env_names_the_request_log_the_router_writes(tmp_path):
+    """`ab status|decide` in a shell that ran `eval "$(stack env)"` read the router's log, not an empty SQLite."""
+    from grpo_pipeline.infra.services import database_uri
+    from grpo_pipeline.tasks.serve.ab_log import LOG_URL_ENV, log_url
+
+    stack = Stack(tmp_path)
+    assert LOG_URL_ENV not in stack.env()
+    pg = Service("postgres", 1, "postgresql://postgres:@/postgres?host=/tmp/pg", str(tmp_path), "", 0.0)
+    stack.state["services"]["postgres"] = pg.to_dict()
+    env = stack.env()
+    assert env[LOG_URL_ENV] == database_uri(pg, "ab") == "postgresql+psycopg2://postgres:@/ab?host=/tmp/pg"
+    assert log_url(tmp_path, env) == env[LOG_URL_ENV]
+
+
+def test_serve_options_keep_the_venvs_python_and_find_a_shipped_recipe(tmp_path, monkeypatch):
+    """A venv's python is a symlink to the base interpreter: resolved, it would run vLLM outside the venv that
+    holds it (the router's engine then exits with `No module named 'vllm'`)."""
+    import sys
+    from pathlib import Path
+
+    from grpo_pipeline.cli import _serve_options
+
+    monkeypatch.chdir(tmp_path)
+    venv_python = tmp_path / ".venv-serve" / "bin" / "python"
+    venv_python.parent.mkdir(parents=True)
+    venv_python.symlink_to(sys.executable)
+    options = _serve_options(Path("demo-cpu.yaml"))  # a shipped recipe, by name
+    assert options.engine_python == str(venv_python)
+    assert Path(options.config).is_file() and Path(options.config).is_absolute()
+
+
+def test_a_taken_router_port_is_refused_naming_its_option_before_anything_starts(tmp_path):
+    import socket
+
+    from grpo_pipeline.infra.services import PortInUse
+    from grpo_pipeline.infra.stack import ServeOptions
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        stack = Stack(tmp_path / "stack", ports={"s3": 0, "mlflow": 0, "prefect": 0, "serve": port})
+        with pytest.raises(PortInUse, match=f"Router port {port} is in use; choose another with --serve-port"):
+            stack.up(["serve"], serve=ServeOptions(None, "/v/python"))
+    assert stack.state["services"] == {}
+
+
+def test_a_service_that_exits_at_start_is_reported_with_its_status_and_last_words(tmp_path):
+    """What `stack up --serve` shows when the router refuses (exit 2: no champion yet) instead of "see the log"."""
+    import sys
+
+    from grpo_pipeline.infra import services
+    from grpo_pipeline.infra.stack import ROUTER_REFUSED
+
+    script = "import sys; print('no champion alias in the registry x'); sys.exit(2)"
+    service = services._spawn("serve", [sys.executable, "-c", script], tmp_path)
+    with pytest.raises(services.ServiceExited, match="(?s)exited with 2 .*no champion alias") as caught:
+        services._wait_until(lambda: False, service, 60)
+    assert caught.value.code == ROUTER_REFUSED
+
+
+def test_the_routers_refusal_status_is_the_clis_input_error():
+    from grpo_pipeline.cli import EXIT_CONFIG
+    from grpo_pipeline.infra.stack import LOG_URL_ENV, ROUTER_REFUSED
+    from grpo_pipeline.tasks.serve import ab_log
+
+    assert ROUTER_REFUSED == EXIT_CONFIG and LOG_URL_ENV == ab_log.LOG_URL_ENV
+
+
+def test_the_refusal_quotes_this_starts_output_not_an_earlier_ones(tmp_path):
+    from grpo_pipeline.infra.services import log_tail
+
+    log = tmp_path / "serve.log"
+    log.write_text("the engine exited with 1 during start-up (yesterday)\n")
+    before = log.stat().st_size
+    with log.open("a") as f:
+        f.write("no champion alias in the registry x\n")
+    assert log_tail(log, 5, since=before) == "no champion alias in the registry x"
+    assert log_tail(log, 5).startswith("the engine exited")

@@ -1,0 +1,19 @@
+"""The Python that runs vLLM for the tests of `grpo-pipeline serve`: `.venv-serve` (built by `make serve-env`) or
+`$GRPO_SERVE_ENGINE_PYTHON`; a module of such tests calls `skip_without_engine()` first."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+ENGINE_PYTHON = Path(os.environ.get("GRPO_SERVE_ENGINE_PYTHON", REPO / ".venv-serve" / "bin" / "python"))
+
+
+def skip_without_engine() -> None:
+    if not ENGINE_PYTHON.is_file():
+        pytest.skip(
+            f"no vLLM engine Python at {ENGINE_PYTHON}: run `make serve-env` (vLLM's CPU build in "
+            ".venv-serve) or set GRPO_SERVE_ENGINE_PYTHON",
+            allow_module_level=True,
+        )
