@@ -208,12 +208,10 @@ def table_rows(load) -> list[Row]:
         held = d["low"] is not None and d["high"] >= 0  # not shown worse than scratch
         if not cmp[arm]["same_holdout"]:
             note = "holdouts differ: not comparable"
-        elif not goal:
-            note = f"{quality}; equal steps: the times differ by the machine's load only"
         elif not held:
             note = f"quality not held: {quality}"
-        else:
-            note = ""  # the verdict is the time ratio's against its goal; both rewards are in the row
+        else:  # the verdict is the time ratio's against its goal; the interval says how small a loss is excluded
+            note = f"{quality}: not shown worse, a loss up to {-d['low']:.3f} not excluded"
         rows.append(
             Row(
                 f"{bench}: train time, {'same steps' if arm == 'warm' else 'half the steps'}",
