@@ -24,6 +24,27 @@ def _rows():
     ]
 
 
+def _spec(tmp_path, tiny_model, tiny_config, *overrides: str) -> JobSpec:
+    """A job on `_rows()` scored by `REWARD` with dynamic sampling at oversample 4, plus `overrides`."""
+    train_file = tmp_path / "train.jsonl"
+    train_file.write_text("".join(json.dumps(r) + "\n" for r in _rows()))
+    cfg = tiny_config(
+        f"train.rewards=[{REWARD}]",
+        "train.dynamic_sampling.enabled=true",
+        "train.dynamic_sampling.oversample=4",
+        *overrides,
+    )
+    return JobSpec(
+        model_path=str(tiny_model),
+        model=model_load(cfg.model),
+        train=train_settings(cfg.train),
+        train_file=str(train_file),
+        work_dir=str(tmp_path / "work"),
+        checkpoint_uri=str(tmp_path / "ckpt"),
+        adapter_dir=str(tmp_path / "adapter"),
+    )
+
+
 def test_one_generation_keeps_the_batch_size_and_trains_on_a_group_with_variance(tmp_path, tiny_model):
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
@@ -71,26 +92,8 @@ def test_a_run_with_dynamic_sampling_reports_the_trained_and_the_generated_zero_
 ):
     from grpo_pipeline.trainer.train import run
 
-    train_file = tmp_path / "train.jsonl"
-    train_file.write_text("".join(json.dumps(r) + "\n" for r in _rows()))
-    cfg = tiny_config(
-        "train.grpo.max_steps=4",
-        "train.checkpoint_every=4",
-        f"train.rewards=[{REWARD}]",
-        "train.dynamic_sampling.enabled=true",
-        "train.dynamic_sampling.oversample=4",  # with the curriculum (on by default) over the same prompts
-    )
-    result = run(
-        JobSpec(
-            model_path=str(tiny_model),
-            model=model_load(cfg.model),
-            train=train_settings(cfg.train),
-            train_file=str(train_file),
-            work_dir=str(tmp_path / "work"),
-            checkpoint_uri=str(tmp_path / "ckpt"),
-            adapter_dir=str(tmp_path / "adapter"),
-        )
-    )
+    # the curriculum (on by default) runs over the same prompts
+    result = run(_spec(tmp_path, tiny_model, tiny_config, "train.grpo.max_steps=4", "train.checkpoint_every=4"))
     zero = result.zero_signal
     assert result.global_step == 4 and zero.logged_steps == 4
     assert zero.trained_fraction == 0.0 and zero.trained_wasted_steps == 0  # every step found a group with variance
@@ -111,25 +114,14 @@ def test_two_processes_each_keep_their_batch_and_stay_in_step(tmp_path, tiny_mod
     from grpo_pipeline.trainer.launch import free_port
     from grpo_pipeline.trainer.spec import TrainResult
 
-    train_file = tmp_path / "train.jsonl"
-    train_file.write_text("".join(json.dumps(r) + "\n" for r in _rows()))
-    cfg = tiny_config(
+    spec = _spec(
+        tmp_path,
+        tiny_model,
+        tiny_config,
         "train.grpo.max_steps=3",
         "train.checkpoint_every=100",
-        f"train.rewards=[{REWARD}]",
         "train.distributed.processes_per_node=2",
         "train.curriculum.enabled=false",
-        "train.dynamic_sampling.enabled=true",
-        "train.dynamic_sampling.oversample=4",
-    )
-    spec = JobSpec(
-        model_path=str(tiny_model),
-        model=model_load(cfg.model),
-        train=train_settings(cfg.train),
-        train_file=str(train_file),
-        work_dir=str(tmp_path / "work"),
-        checkpoint_uri=str(tmp_path / "ckpt"),
-        adapter_dir=str(tmp_path / "adapter"),
     ).write(tmp_path / "job.json")
     root = Path(__file__).resolve().parents[2]
     proc = subprocess.run(
