@@ -2,8 +2,10 @@
 `$GRPO_SERVE_ENGINE_PYTHON`; a module of such tests calls `skip_without_engine()` first."""
 
 import os
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -17,3 +19,16 @@ def skip_without_engine() -> None:
             ".venv-serve) or set GRPO_SERVE_ENGINE_PYTHON",
             allow_module_level=True,
         )
+
+
+def engine_gone(url: str, within_s: float) -> bool:
+    """Whether the engine at `url` stops answering within `within_s` seconds (it follows its router: the router's
+    own stop, or PR_SET_PDEATHSIG when the router is killed)."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            httpx.get(f"{url}/v1/models", timeout=2)
+        except httpx.HTTPError:
+            return True
+        time.sleep(1)
+    return False

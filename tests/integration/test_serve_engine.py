@@ -31,7 +31,7 @@ from sqlalchemy import create_engine, text
 from grpo_pipeline.configs.schema import load_config
 from grpo_pipeline.tasks.promote import serving
 from grpo_pipeline.tasks.promote.registry import CHALLENGER, CHAMPION, AliasMove, Registry
-from tests.engine_python import ENGINE_PYTHON, skip_without_engine
+from tests.engine_python import ENGINE_PYTHON, engine_gone, skip_without_engine
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -308,15 +308,9 @@ def test_kill_9_loses_no_answered_request_and_a_restart_serves(server, world):
         t.join()
     log = logged(world)
     assert all(log[i][2] == 1 for i in answered), "an answered request is missing from the log or there twice"
-    deadline = time.monotonic() + 120  # the engine follows its router (PR_SET_PDEATHSIG)
-    while time.monotonic() < deadline:
-        try:
-            httpx.get(f"http://127.0.0.1:{engine_port}/v1/models", timeout=2)
-        except httpx.HTTPError:
-            break
-        time.sleep(2)
-    else:
-        raise AssertionError(f"the engine on port {engine_port} outlived its killed router")
+    assert engine_gone(f"http://127.0.0.1:{engine_port}", 120), (
+        f"the engine on port {engine_port} outlived its killed router"
+    )
 
     again = Server(world, free_port())
     try:

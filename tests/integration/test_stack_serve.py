@@ -24,7 +24,7 @@ from grpo_pipeline.configs.schema import load_config
 from grpo_pipeline.infra import services
 from grpo_pipeline.tasks.promote import serving
 from grpo_pipeline.tasks.promote.registry import CHALLENGER, AliasMove, Registry
-from tests.engine_python import ENGINE_PYTHON, skip_without_engine
+from tests.engine_python import ENGINE_PYTHON, engine_gone, skip_without_engine
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -228,11 +228,4 @@ def test_stack_down_stops_the_router_and_its_engine(serving_stack, walk):
     assert down.returncode == 0 and "serve" in down.stderr
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"{walk['env']['GRPO_SERVE_URL']}/models", timeout=5)
-    deadline = time.monotonic() + 60  # the engine follows its router (its own stop, or PR_SET_PDEATHSIG)
-    while time.monotonic() < deadline:
-        try:
-            httpx.get(f"{engine_url}/v1/models", timeout=2)
-        except httpx.HTTPError:
-            return
-        time.sleep(1)
-    raise AssertionError(f"the engine at {engine_url} outlived `stack down`")
+    assert engine_gone(engine_url, 60), f"the engine at {engine_url} outlived `stack down`"
