@@ -26,7 +26,12 @@ time and train time.
     python -m bench.zero_signal                          # all 16 runs, ~3 h on a quiet 2-core machine
     python -m bench.zero_signal --arms off dynamic off_equal_time --variants shipped   # dynamic sampling alone
     python -m bench.zero_signal --recipes demo --variants recurring
+    python -m bench.zero_signal --recipes demo --variants shipped --arms off dynamic --seeds 1 2   # more seeds
     python -m bench.zero_signal --tiny                   # 2 steps per run: does the chain run?
+
+`--seeds` (default: the recipes' own seed, 0) sets `train.grpo.seed`: the LoRA init, the order prompts are drawn
+in and the sampling, not the data split, so every seed scores on the same holdout. One seed's holdout can move by
+more than an arm's effect; the table has a row per seed and, where two or more seeds finished, their mean.
 
 Resumable: each finished run is kept in .grpo/bench-zero_signal/runs.json (by recipe, variant and arm) and
 skipped when the script is run again (pass --fresh to measure all again); arms run alternately
@@ -38,9 +43,11 @@ prepared slice (../shared/data/gsm8k; skipped with a note when it is absent).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -53,6 +60,7 @@ WORK = ROOT / ".grpo" / f"bench-{NAME}"
 RECIPES = ("demo", "gsm8k")
 VARIANTS = ("shipped", "recurring")
 ARMS = ("on", "off", "dynamic", "off_equal_time")
+DEFAULT_SEED = 0  # train.grpo.seed in both recipes
 RECURRING_ROWS = 32  # distinct training prompts in the `recurring` variant: 2 prompts a step -> a pass per 16 steps
 
 
@@ -77,9 +85,11 @@ def recurring_subset(source: Path, out: Path, rows: int, seed: int = 0) -> Path:
     return out
 
 
-def overrides(recipe: str, variant: str, arm: str, tiny: bool, steps: int | None = None) -> list[str]:
+def overrides(
+    recipe: str, variant: str, arm: str, tiny: bool, steps: int | None = None, seed: int = DEFAULT_SEED
+) -> list[str]:
     """The `--set` overrides of one run (the gsm8k recipe's data paths are `bench.gsm8k_calc.run_pipeline`'s);
-    `steps`: the `off_equal_time` arm's step count (`equal_time_steps`).
+    `steps`: the `off_equal_time` arm's step count (`equal_time_steps`); a `seed` other than the recipes' own.
 
     >>> overrides("demo", "recurring", "off", False)
     ['train.curriculum.enabled=false', 'data.demo.n_train=32']
@@ -87,6 +97,8 @@ def overrides(recipe: str, variant: str, arm: str, tiny: bool, steps: int | None
     ['train.curriculum.enabled=false', 'train.dynamic_sampling.enabled=true']
     >>> overrides("demo", "shipped", "off_equal_time", False, steps=61)
     ['train.curriculum.enabled=false', 'train.grpo.max_steps=61']
+    >>> overrides("demo", "shipped", "off", False, seed=2)
+    ['train.curriculum.enabled=false', 'train.grpo.seed=2']
     """
     sets = [f"train.curriculum.enabled={'true' if arm == 'on' else 'false'}"]
     if arm == "dynamic":
@@ -100,7 +112,29 @@ def overrides(recipe: str, variant: str, arm: str, tiny: bool, steps: int | None
         if steps is None:
             raise ValueError("the off_equal_time arm needs its step count")
         sets.append(f"train.grpo.max_steps={steps}")  # after --tiny's: the last --set wins
+    if seed != DEFAULT_SEED:
+        sets.append(f"train.grpo.seed={seed}")
     return sets
+
+
+def run_key(recipe: str, variant: str, arm: str, seed: int, tiny: bool) -> str:
+    """A run's key in runs.json; the recipes' own seed keeps the key runs of earlier versions were kept under.
+
+    >>> run_key("demo", "shipped", "off", 0, False), run_key("demo", "shipped", "off", 2, True)
+    ('demo/shipped/off', 'demo/shipped/off@seed2/tiny')
+    """
+    return f"{recipe}/{variant}/{arm}{'' if seed == DEFAULT_SEED else f'@seed{seed}'}{'/tiny' if tiny else ''}"
+
+
+def pair_key(key: str) -> tuple[str, str]:
+    """(pair, arm) of a run key without its `/tiny` tail: runs of one seed make one pair.
+
+    >>> pair_key("demo/shipped/dynamic"), pair_key("demo/shipped/dynamic@seed2")
+    (('demo/shipped', 'dynamic'), ('demo/shipped seed 2', 'dynamic'))
+    """
+    recipe, variant, arm = key.split("/")[:3]
+    arm, _, seed = arm.partition("@seed")
+    return f"{recipe}/{variant}{f' seed {seed}' if seed else ''}", arm
 
 
 def equal_time_steps(off: dict, dynamic: dict) -> int:
@@ -131,6 +165,10 @@ def measure(summary: dict, seconds: float) -> dict:
         "holdout_reward": stats[metric]["mean_candidate"] if metric else None,
         "base_reward": stats[metric]["mean_baseline"] if metric else None,
         "steps": train["global_step"],
+        # with a validation split the published adapter is the best validation step's, maybe not the last one's
+        "best_step": train.get("best_step"),
+        "best_val_reward": train.get("best_val_reward"),
+        "health": [f"{e['rule']}@{e['step']}: {e.get('taken') or e['action']}" for e in train.get("health") or []],
         "train_runtime_s": round(train["train_runtime_s"], 1),
         "wall_s": round(seconds, 1),
         "load_1min": os.getloadavg()[0],
@@ -202,10 +240,53 @@ def table_rows(load) -> list[Row]:
                 f"({dyn['trained_wasted_steps']} wasted steps)",
                 ratio,
                 "<= 1",
-                note=f"{holdout}train {off['train_runtime_s'] / 60:.1f} vs {dyn['train_runtime_s'] / 60:.1f} min",
+                note=f"{holdout}{_published(off, dyn)}train {off['train_runtime_s'] / 60:.1f} vs "
+                f"{dyn['train_runtime_s'] / 60:.1f} min",
             )
         )
+    rows += _seed_means(r["pairs"], dynamic_bench)
     return rows or [Row(bench, "off", "on", None, "", note="no pair finished")]
+
+
+def _published(off: dict, dyn: dict) -> str:
+    """Which step's adapter each arm published (the best validation reward's), when the runs recorded it."""
+    if "best_step" not in off or "best_step" not in dyn:
+        return ""
+    return f"published steps {off['best_step'] or off['steps']} vs {dyn['best_step'] or dyn['steps']}; "
+
+
+def _seed_means(pairs: dict, bench: str) -> list[Row]:
+    """Per recipe and variant with two or more seeds where `off` and `dynamic` both finished: their mean holdout
+    rewards (the ratio dynamic / off) and the spread of the per-seed ratios.
+
+    >>> pairs = {"d/s": {"off": {"holdout_reward": 1.0}, "dynamic": {"holdout_reward": 0.5}},
+    ...          "d/s seed 1": {"off": {"holdout_reward": 1.0}, "dynamic": {"holdout_reward": 1.5}}}
+    >>> [(r.ratio, r.spread) for r in _seed_means(pairs, "b")]
+    [(1.0, (0.5, 1.5))]
+    """
+    by_base: dict[str, list[tuple[float, float]]] = {}
+    for key, pair in sorted(pairs.items()):
+        off, dyn = pair.get("off"), pair.get("dynamic")
+        if off and dyn and off["holdout_reward"] is not None and dyn["holdout_reward"] is not None:
+            by_base.setdefault(key.split(" seed ")[0], []).append((off["holdout_reward"], dyn["holdout_reward"]))
+    rows = []
+    for base, seeds in by_base.items():
+        if len(seeds) < 2:
+            continue
+        off_mean = statistics.fmean(o for o, _ in seeds)
+        dyn_mean = statistics.fmean(d for _, d in seeds)
+        per_seed = [d / o for o, d in seeds if o]
+        rows.append(
+            Row(
+                f"{bench}, {base}: holdout reward at the recipe's steps, mean of {len(seeds)} seeds",
+                f"off: {off_mean:.3f}",
+                f"dynamic: {dyn_mean:.3f}",
+                dyn_mean / off_mean if off_mean else None,
+                ">= 1",
+                spread=(min(per_seed), max(per_seed)) if per_seed else None,
+            )
+        )
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -215,6 +296,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--recipes", nargs="+", choices=RECIPES, default=list(RECIPES))
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
+    parser.add_argument(
+        "--seeds", nargs="+", type=int, default=[DEFAULT_SEED], help="train.grpo.seed of each pair (default: 0)"
+    )
     parser.add_argument("--tiny", action="store_true", help="2 steps per run: the chain, not the figures")
     parser.add_argument("--fresh", action="store_true", help="forget finished runs and measure all again")
     parser.add_argument("--gsm8k", type=Path, default=GSM8K)
@@ -239,40 +323,36 @@ def main(argv: list[str] | None = None) -> int:
     busy = os.getloadavg()[0]
     threads = (1 if busy >= 0.8 else None) if opts.threads == "auto" else int(opts.threads)
     runs = _load_runs(opts.fresh)
-    for recipe in recipes:
-        for variant in opts.variants:
-            for arm in [a for a in ARMS if a in opts.arms]:  # alternating arms within each pair
-                tail = "/tiny" if opts.tiny else ""
-                key = f"{recipe}/{variant}/{arm}{tail}"
-                if key in runs:
-                    print(f"[{NAME}] {key}: kept from an earlier run", flush=True)
+    for recipe, variant, seed in itertools.product(recipes, opts.variants, opts.seeds):
+        for arm in [a for a in ARMS if a in opts.arms]:  # alternating arms within each pair
+            key = run_key(recipe, variant, arm, seed, opts.tiny)
+            if key in runs:
+                print(f"[{NAME}] {key}: kept from an earlier run", flush=True)
+                continue
+            steps = None
+            if arm == "off_equal_time":
+                off = runs.get(run_key(recipe, variant, "off", seed, opts.tiny))
+                dyn = runs.get(run_key(recipe, variant, "dynamic", seed, opts.tiny))
+                if not (off and dyn):
+                    print(f"[{NAME}] {key}: skipped, it needs the off and dynamic arms of its pair", flush=True)
                     continue
-                steps = None
-                if arm == "off_equal_time":
-                    off, dyn = runs.get(f"{recipe}/{variant}/off{tail}"), runs.get(f"{recipe}/{variant}/dynamic{tail}")
-                    if not (off and dyn):
-                        print(f"[{NAME}] {key}: skipped, it needs the off and dynamic arms of its pair", flush=True)
-                        continue
-                    steps = equal_time_steps(off, dyn)
-                sets = overrides(recipe, variant, arm, opts.tiny, steps)
-                work = WORK / key.replace("/", "-")
-                started = time.monotonic()
-                if recipe == "gsm8k":  # configs/gsm8k-calc-cpu.yaml on the prepared rows (or their subset)
-                    data = {"train": gsm8k["recurring" if variant == "recurring" else "train"], "test": gsm8k["test"]}
-                    summary, seconds = run_pipeline(data, work, sets, threads)
-                else:
-                    summary, seconds = _run_demo(work, sets, threads)
-                runs[key] = measure(summary, seconds) | {"overrides": sets, "threads": threads}
-                _keep(runs)  # after each run: a killed bench resumes from the next one
-                print(
-                    f"[{NAME}] {key}: {json.dumps(runs[key])} ({(time.monotonic() - started) / 60:.1f} min)", flush=True
-                )
+                steps = equal_time_steps(off, dyn)
+            sets = overrides(recipe, variant, arm, opts.tiny, steps, seed)
+            work = WORK / key.replace("/", "-").replace("@", "-")
+            started = time.monotonic()
+            if recipe == "gsm8k":  # configs/gsm8k-calc-cpu.yaml on the prepared rows (or their subset)
+                data = {"train": gsm8k["recurring" if variant == "recurring" else "train"], "test": gsm8k["test"]}
+                summary, seconds = run_pipeline(data, work, sets, threads)
+            else:
+                summary, seconds = _run_demo(work, sets, threads)
+            runs[key] = measure(summary, seconds) | {"overrides": sets, "threads": threads}
+            _keep(runs)  # after each run: a killed bench resumes from the next one
+            print(f"[{NAME}] {key}: {json.dumps(runs[key])} ({(time.monotonic() - started) / 60:.1f} min)", flush=True)
     pairs: dict[str, dict] = {}
     for key, figures in runs.items():
-        parts = key.split("/")
-        if (len(parts) == 4) != opts.tiny:
-            continue
-        pairs.setdefault(f"{parts[0]}/{parts[1]}", {})[parts[2]] = figures
+        if key.endswith("/tiny") == opts.tiny:
+            pair, arm = pair_key(key)
+            pairs.setdefault(pair, {})[arm] = figures
     report = {
         "name": NAME,
         "tiny": opts.tiny,
