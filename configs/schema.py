@@ -1088,12 +1088,15 @@ class PipelineConfig(StrictModel):
                 "data.incremental trains on the rows the parent adapter has not seen, so it needs one: set "
                 "model.init_adapter=champion (or a models:/ version), or data.incremental=false"
             )
-        # The search tries ranks from scratch; a warm start keeps its adapter's rank, so the best one could not apply.
-        if self.model.init_adapter != "none" and self.hpo.enabled and self.hpo.space.lora_r is not None:
-            raise ValueError(
-                "hpo.space.lora_r: a warm start (model.init_adapter) keeps its adapter's rank; set "
-                "hpo.space.lora_r=null, or model.init_adapter=none"
-            )
+        # A warm start trains its adapter's own shape (rank and scale, in the trials too): a searched one would not
+        # be what trains.
+        if self.model.init_adapter != "none" and self.hpo.enabled:
+            for dim in ("lora_r", "lora_alpha_ratio"):
+                if getattr(self.hpo.space, dim) is not None:
+                    raise ValueError(
+                        f"hpo.space.{dim}: a warm start (model.init_adapter) keeps its adapter's LoRA rank and "
+                        f"alpha; set hpo.space.{dim}=null, or model.init_adapter=none"
+                    )
         return self
 
     @property

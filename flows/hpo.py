@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import optuna
+from mlflow import MlflowClient
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
@@ -21,10 +22,13 @@ from grpo_pipeline.configs.schema import HPOConfig, ModelConfig, PipelineConfig,
 from grpo_pipeline.flows import trigger
 from grpo_pipeline.flows.preflight import preflight
 from grpo_pipeline.flows.runs import parent_run, setup_tracking
+from grpo_pipeline.flows.warm_start import warm_start_stage
 from grpo_pipeline.infra.launch import make_launcher
 from grpo_pipeline.tasks.data.stage import data_task
 from grpo_pipeline.tasks.hpo import HPOResult, Tracking, TrialOutcome, run_trial, search
+from grpo_pipeline.tasks.job import WarmStart
 from grpo_pipeline.tasks.model import resolve_model_task
+from grpo_pipeline.tasks.promote.registry import Registry
 
 
 @task(name="hpo-trial", task_run_name="trial-{trial.number}", cache_policy=NO_CACHE)
@@ -37,8 +41,11 @@ def trial_task(
     splits: dict[str, Path],
     run_dir: Path,
     tracking: Tracking | None,
+    init_adapter: str | None,
 ) -> TrialOutcome:
-    return run_trial(trial, hpo, train, model, model_path, splits, run_dir, tracking, launcher_for=make_launcher)
+    return run_trial(
+        trial, hpo, train, model, model_path, splits, run_dir, tracking, make_launcher, init_adapter=init_adapter
+    )
 
 
 def search_stage(
@@ -49,10 +56,12 @@ def search_stage(
     run_dir: Path,
     experiment_id: str,
     stage_run_id: str,
+    warm_start: WarmStart | None,
     train_usd: float | None = None,
 ) -> HPOResult:
     """The study, its trials scored by `rewards`' weighted total; each trial a task run and an MLflow run nested
     under the stage's run (`grpo_pipeline.flows.runs.stage_run`, which a retried flow run reopens, as the study resumes).
+    `warm_start`: the adapter the training run continues, which every trial continues too (`warm_start_stage`);
     `train_usd`: the planned cost of the training run the search feeds, for its budget in USD
     (`hpo.budget_fraction`)."""
     tracking = Tracking(tracking_uri=cfg.mlflow_uri, experiment_id=experiment_id, stage_run_id=stage_run_id)
@@ -69,6 +78,7 @@ def search_stage(
         run_one=trial_task,
         tracking=tracking,
         train_usd=train_usd,
+        warm_start=warm_start,
     )
 
 
@@ -112,6 +122,10 @@ def run_search(cfg: PipelineConfig) -> dict:
         cfg.data, cfg.data_dir / "datasets", model_path, list(rewards.names), dict(rewards.args)
     )  # as the pipeline does
     experiment_id = setup_tracking(cfg.mlflow_uri, cfg.tracking.experiment, cfg.data_dir / "mlartifacts")
+    # the adapter a daily run would continue: searched from, as the pipeline's own search does
+    warm_start = warm_start_stage(cfg, Registry(MlflowClient(cfg.mlflow_uri), cfg.tracking.registered_model), run_dir)
     with parent_run(flow_run.id or "local", "hpo") as run:  # a retry of this flow run continues it
-        result = search_stage(cfg, rewards, model_path, dataset.splits, run_dir, experiment_id, run.info.run_id)
+        result = search_stage(
+            cfg, rewards, model_path, dataset.splits, run_dir, experiment_id, run.info.run_id, warm_start
+        )
     return result.model_dump(mode="json") | {"set": result.set_args(), "mlflow_tracking_uri": cfg.mlflow_uri}

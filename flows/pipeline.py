@@ -37,7 +37,7 @@ from prefect.tasks import exponential_backoff
 
 from grpo_pipeline.configs.library_fields import default as library_default
 from grpo_pipeline.configs.rewards import RewardSet
-from grpo_pipeline.configs.schema import ConfigError, ModelConfig, PipelineConfig, TrainConfig, load_config
+from grpo_pipeline.configs.schema import ModelConfig, PipelineConfig, TrainConfig, load_config
 from grpo_pipeline.flows import trigger
 from grpo_pipeline.flows.hpo import search_stage
 from grpo_pipeline.flows.preflight import preflight
@@ -50,6 +50,7 @@ from grpo_pipeline.flows.runs import (
     stage_run_for_another_process,
     system_metrics_of,
 )
+from grpo_pipeline.flows.warm_start import lineage_tags, warm_start_stage
 from grpo_pipeline.infra.launch import make_launcher, run_job
 from grpo_pipeline.tasks.data.drift import (
     Drift,
@@ -77,13 +78,9 @@ from grpo_pipeline.tasks.data.stage import (
 from grpo_pipeline.tasks.evaluate import EvalResult, evaluate_task, read_jsonl
 from grpo_pipeline.tasks.hpo import apply_best
 from grpo_pipeline.tasks.job import (
-    RunAdapter,
     TrainProgress,
     WarmStart,
-    base_names,
     build_job_spec,
-    check_init_adapter,
-    parse_init_adapter,
 )
 from grpo_pipeline.tasks.model import resolve_model_task
 from grpo_pipeline.tasks.plan import Plan, actual_cost, apply_plan, check_budget
@@ -93,7 +90,6 @@ from grpo_pipeline.tasks.promote.merge import merge_task
 from grpo_pipeline.tasks.promote.registry import (
     CHAMPION,
     MERGED_VERSION_TAG,
-    MISSING,
     ChampionMoved,
     Registry,
     RegistryError,
@@ -125,7 +121,6 @@ from grpo_pipeline.tasks.summary import (
     Search,
     TrainRows,
 )
-from grpo_pipeline.trainer.loading import read_adapter_config
 from grpo_pipeline.trainer.spec import JobSpec, TrainResult
 
 
@@ -224,6 +219,7 @@ def run_pipeline(cfg: PipelineConfig, priced: Plan | None = None) -> RunSummary:
                     run_dir,
                     experiment_id,
                     run.info.run_id,
+                    warm_start,
                     train_usd=plan.estimate.usd,
                 )
         tuned = apply_best(planned, search.overrides) if search else planned
@@ -326,80 +322,6 @@ def data_stage(cfg: PipelineConfig, rewards: RewardSet) -> tuple[DatasetVersion,
 
 
 # ------------------------------------------------------------------------------------------------ daily retraining
-
-
-def warm_start_stage(cfg: PipelineConfig, registry: Registry, run_dir: Path) -> WarmStart | None:
-    """The adapter `model.init_adapter` names, downloaded into the run directory and checked against the base
-    and train.lora; None for 'none'. Raises ConfigError (exit 2), before any work, for a champion that does not
-    exist yet, a version, alias or run the registry does not know, and an adapter of another base or shape."""
-    ref = parse_init_adapter(cfg.model.init_adapter, registry.name)
-    if ref is None:
-        return None
-    field = f"model.init_adapter={cfg.model.init_adapter}"
-    model = version = None
-    tags: dict[str, str] = {}
-    if isinstance(ref, RunAdapter):
-        uri = source = ref.ref
-    else:
-        model = ref.model
-        version = registry.version_of(ref.ref, model) if ref.kind == "alias" else ref.ref
-        if version is None:
-            raise ConfigError(
-                f"{field}: registered model {model!r} has no {ref.ref!r} alias yet (no run was promoted); train from the "
-                f"base (model.init_adapter=none) or name a version (model.init_adapter=models:/{model}/<version>)"
-            )
-        try:
-            mv = registry.client.get_model_version(model, version)
-        except registry.errors as exc:
-            if getattr(exc, "error_code", None) not in MISSING:
-                raise
-            raise ConfigError(
-                f"{field}: registered model {model!r} has no version {version}; "
-                f"`grpo-pipeline registry` lists the versions, or use model.init_adapter=none"
-            ) from None
-        if not mv.source:
-            raise ConfigError(f"{field}: version {version} of registered model {model!r} names no artifacts (source)")
-        uri, source, tags = f"models:/{model}/{version}", mv.source, dict(mv.tags)
-    adapter = fetch_adapter(source, run_dir / "init-adapter", field)
-    try:
-        adapter_config = read_adapter_config(adapter)
-    except ValueError as exc:
-        raise ConfigError(f"{field}: {exc}") from None
-    bases = base_names(cfg.model, cfg.data_dir)
-    # registered on this base: its adapter names a portable copy
-    if tags.get("base_config") == cfg.model.base and (portable := adapter_config.get("base_model_name_or_path")):
-        bases.add(portable)
-    check_init_adapter(adapter_config, bases, cfg.train.lora, uri)
-    return WarmStart(requested=cfg.model.init_adapter, uri=uri, model=model, version=version, adapter_dir=adapter)
-
-
-def fetch_adapter(source: str, dst: Path, field: str) -> str:
-    """The adapter at an MLflow URI on local disk: a registered adapter model's `artifacts/adapter`, or the
-    directory itself (a run's `adapter` artifact, a version registered before adapters were MLflow models)."""
-    from mlflow.exceptions import MlflowException
-
-    dst.mkdir(parents=True, exist_ok=True)
-    try:
-        local = Path(mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=str(dst)))
-    except (MlflowException, OSError) as exc:
-        if isinstance(exc, MlflowException) and exc.error_code not in MISSING:
-            raise  # the server, not the URI: a service fault
-        raise ConfigError(
-            f"{field}: nothing to download at {source} ({str(exc).splitlines()[0][:300]}); name an "
-            "existing models:/ version or runs:/<run_id>/adapter, or use model.init_adapter=none"
-        ) from None
-    inner = local / "artifacts" / "adapter"
-    return str(inner if inner.is_dir() else local)
-
-
-def lineage_tags(warm_start: WarmStart | None) -> dict[str, str]:
-    """Tags linking a run and its registered version to the adapter it continued (none for a run from the base)."""
-    if warm_start is None:
-        return {}
-    tags = {"init_adapter": warm_start.uri}
-    if warm_start.version:
-        tags |= {"parent_version": warm_start.version, "parent_model": warm_start.model or ""}
-    return tags
 
 
 HOLDOUT_TAG = "holdout_keys"

@@ -25,6 +25,9 @@ the noise.
   `SELECT ... FOR UPDATE` asks for), or in PostgreSQL when `hpo.storage` says so. It is opened with
   `load_if_exists`: a crashed search (or a retried flow run) resumes where it stopped, and only the rest of
   its budget runs. A new study is warm-started with the best trial of each earlier study of the same base model.
+- A daily run that continues yesterday's adapter (`model.init_adapter`) searches from that adapter too: every
+  trial, the configured control included, trains it further, so the values chosen are the ones that work for
+  the run they feed. A study records where its trials started, and refuses to mix starts.
 - No heartbeats: a trial runs on a thread of the search process, so a heartbeat only proves the process is
   alive, and under load a late one marked live trials stale. A trial whose trainer dies is FAIL with its
   reason; a trial left RUNNING by a search process that died (same host, its pid gone) is marked FAIL and
@@ -72,7 +75,7 @@ from grpo_pipeline.configs.schema import (
     TrainConfig,
     set_path,
 )
-from grpo_pipeline.tasks.job import build_job_spec
+from grpo_pipeline.tasks.job import WarmStart, build_job_spec
 from grpo_pipeline.trainer.spec import TrainingFailed, parse_progress
 
 if TYPE_CHECKING:
@@ -245,6 +248,9 @@ def trial_train(train: TrainConfig, hpo: HPOConfig, overrides: dict[str, Any]) -
             update={"sky": trial.sky.model_copy(update={"task_yaml": hpo.sky_task_yaml, "accelerators": None})}
         )
     return trial
+
+
+FROM_BASE = "the base model"  # a study's start when its trials train fresh adapters
 
 
 def storage_url(hpo: HPOConfig, data_dir: Path) -> str:
@@ -498,9 +504,13 @@ def greedy_scorer(model: ModelConfig, evaluate: EvalConfig, rewards: RewardSet, 
     return score
 
 
-def open_study(hpo: HPOConfig, base: str, data_dir: Path, name: str | None = None) -> optuna.Study:
-    """Create or load the study of base model `base` (model.base); a new one is warm-started from earlier
-    studies' best trials, an old one gets back the trials a dead search process left running."""
+def open_study(
+    hpo: HPOConfig, base: str, data_dir: Path, name: str | None = None, start: str = FROM_BASE
+) -> optuna.Study:
+    """Create or load the study of base model `base` (model.base) whose trials start at `start` (a warm start's
+    adapter URI, `WarmStart.uri`); a new one is warm-started from earlier studies' best trials (parameters
+    carry over between starts, values do not), an old one gets back the trials a dead search process left
+    running."""
     name = name or study_name(hpo)
     storage = open_storage(hpo, data_dir)
     earlier = optuna.get_all_study_names(storage)
@@ -520,8 +530,15 @@ def open_study(hpo: HPOConfig, base: str, data_dir: Path, name: str | None = Non
             f"study {name!r} searched for base model {owner!r}, not {base!r}: its trials do not carry "
             "over; set hpo.study_name to a new name"
         )
+    started = study.user_attrs.get(START, FROM_BASE if owner is not None else None)  # older studies: the base
+    if started is not None and started != start:
+        raise ConfigError(
+            f"study {name!r}'s trials started from {started}, this search's start from {start}: their values do "
+            "not compare; set hpo.study_name to a new name (e.g. 'grpo-hpo-{date}-2')"
+        )
     if name not in earlier:
         study.set_user_attr("base_model", base)
+        study.set_user_attr(START, start)
         if hpo.keep_configured:  # the control: the values training would use without the search
             study.enqueue_trial({}, user_attrs={CONFIGURED: True})
         if hpo.warm_start:
@@ -532,6 +549,7 @@ def open_study(hpo: HPOConfig, base: str, data_dir: Path, name: str | None = Non
 
 
 WORKER = "worker"  # trial user attribute: "host:pid" of the search process running it
+START = "start"  # study user attribute: where every trial's adapter started
 CONFIGURED = "configured"  # trial user attribute: this trial runs the configured values (no parameters)
 
 
@@ -659,9 +677,10 @@ def run_trial(
     run_dir: Path,
     tracking: Tracking | None,
     launcher_for: LauncherFactory,
+    init_adapter: str | None = None,
 ) -> TrialOutcome:
-    """One short GRPO run with the trial's parameters; reports each validation reward and cancels the job
-    when the pruner says so. Raises TrialFailed when the job crashes; the launcher's bad-input failure (a
+    """One short GRPO run with the trial's parameters (continuing `init_adapter`, a warm start's local adapter
+    directory, when given); reports each validation reward and cancels the job when the pruner says so. Raises TrialFailed when the job crashes; the launcher's bad-input failure (a
     `TrainingFailed` that is a `ConfigError`, `grpo_pipeline.infra.launch.BadTrainingInput`: the trainer exited 2, e.g. a
     reward that returns NaN) is raised as it is, since every other trial would fail the same way."""
     from mlflow.entities import Param
@@ -693,6 +712,7 @@ def run_trial(
         trial_dir,
         mlflow_tracking_uri=tracking.tracking_uri if tracking else None,  # the trainer logs into the trial's run
         mlflow_run_id=run_id,
+        init_adapter=init_adapter,
     )
     spec = spec.model_copy(update={"val_file": str(Path(splits["val"]).resolve())})
 
@@ -801,12 +821,13 @@ def search(
     tracking: Tracking | None = None,
     score: Scorer | None = None,
     train_usd: float | None = None,
+    warm_start: WarmStart | None = None,
 ) -> HPOResult:
     """Run the study's remaining budget, re-score the top trials and decide whether the best replaces the
-    configured values, for base `model` trained by `train`. `data_dir`: where the study's journal lies unless
+    configured values, for base `model` trained by `train` (continuing `warm_start`'s adapter, when given). `data_dir`: where the study's journal lies unless
     `hpo.storage` names a database. `rewards`: the run's (`TrainConfig.reward_set`), whose weighted total the
     trials are scored and sized by; `evaluate`: the greedy scorer's generation settings.
-    `run_one(trial, hpo, train, model, model_path, splits, run_dir, tracking)` runs one trial (the flow
+    `run_one(trial, hpo, train, model, model_path, splits, run_dir, tracking, init_adapter=...)` runs one trial (the flow
     passes `run_trial` with its launcher, as a Prefect task, so each trial is a task run); `score(adapter_dir,
     prompts)` scores a finished trial greedily (default: `greedy_scorer`); `train_usd` is the training run's
     planned cost, for the budget in USD. Raises `NotEnoughPrompts` before any trial when the val split is too
@@ -819,7 +840,8 @@ def search(
     else:
         score = None
     budget_steps, budget_usd = budget(hpo, train, train_usd)
-    study = open_study(hpo, model.base, data_dir)
+    study = open_study(hpo, model.base, data_dir, start=warm_start.uri if warm_start else FROM_BASE)
+    init_adapter = warm_start.adapter_dir if warm_start else None
     finished = [t for t in study.trials if t.state.is_finished()]
     remaining = max(0, hpo.trials - len(finished))
     log.info(
@@ -837,7 +859,9 @@ def search(
     context = contextvars.copy_context()
 
     def objective(trial: optuna.Trial) -> float:
-        outcome = context.copy().run(run_one, trial, hpo, train, model, model_path, trial_splits, run_dir, tracking)
+        outcome = context.copy().run(
+            run_one, trial, hpo, train, model, model_path, trial_splits, run_dir, tracking, init_adapter=init_adapter
+        )
         trial.set_user_attr("steps", outcome.pruned_at or outcome.steps)
         if outcome.pruned_at is not None:
             raise optuna.TrialPruned(f"pruned at step {outcome.pruned_at}")

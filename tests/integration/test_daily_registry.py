@@ -14,8 +14,8 @@ from grpo_pipeline.flows.pipeline import (
     seen_keys,
     train_rows_stage,
     unchanged_stage,
-    warm_start_stage,
 )
+from grpo_pipeline.flows.warm_start import warm_start_stage
 from grpo_pipeline.tasks.data.stage import config_hash
 from grpo_pipeline.tasks.promote.registry import CHAMPION, Registry
 

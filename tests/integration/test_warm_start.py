@@ -69,3 +69,53 @@ def test_another_rank_exits_2_before_the_model_loads(tmp_path, tiny_model, tiny_
     assert main(str(spec)) == EXIT_BAD_INPUT
     assert "LoRA rank r=16, train.lora.r is 4" in capsys.readouterr().out
     assert not (tmp_path / "work").exists()  # no work done
+
+
+def test_search_trials_continue_the_adapter_the_run_continues(tmp_path, tiny_model, tiny_splits, tiny_config):
+    """A daily run that continues an adapter searches from it too: a real trial (the local launcher) trains the
+    parent's weights further, and its study records where its trials started."""
+    import functools
+
+    from grpo_pipeline.infra.launch import make_launcher
+    from grpo_pipeline.tasks.hpo import START, open_study, run_trial, search
+    from grpo_pipeline.tasks.job import WarmStart
+
+    parent = _parent_adapter(tiny_model, tmp_path / "parent")
+    cfg = tiny_config(
+        f"data_dir={tmp_path / 'data'}",
+        "hpo.trials=1",
+        "hpo.keep_configured=false",
+        "hpo.steps=1",
+        "hpo.eval_every=1",
+        "hpo.budget_steps=1",
+        "hpo.pruner=none",
+        "hpo.trial_score=trainer",
+        "hpo.study_name=warm",
+        "hpo.space.lora_r=null",
+        "hpo.space.lora_alpha_ratio=null",
+    )
+    warm = WarmStart(requested="champion", uri="models:/grpo-adapter/1", adapter_dir=str(parent))
+    run_dir = tmp_path / "run"
+    result = search(
+        cfg.hpo,
+        cfg.train,
+        cfg.model,
+        cfg.evaluate,
+        str(tiny_model),
+        tiny_splits,
+        run_dir,
+        data_dir=cfg.data_dir,
+        rewards=cfg.train.reward_set(),
+        run_one=functools.partial(run_trial, launcher_for=make_launcher),
+        warm_start=warm,
+    )
+
+    assert [t.state for t in result.trials] == ["COMPLETE"]
+    trial_adapter = run_dir / "hpo" / "run-trial-000" / "adapter"
+    before, after = _weights(parent), _weights(trial_adapter)
+    assert before.keys() == after.keys()
+    b = next(k for k in before if "lora_B" in k)
+    # the trial started from the parent's weights and trained them: one Adam step at a learning rate <= 1e-3
+    # moves a weight by about that much, while a fresh adapter's lora_B (zero) would differ by the parent's size
+    assert 0 < (after[b] - before[b]).abs().max().item() < before[b].abs().max().item() / 10
+    assert open_study(cfg.hpo, cfg.model.base, cfg.data_dir, "warm", start=warm.uri).user_attrs[START] == warm.uri

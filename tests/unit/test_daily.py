@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from grpo_pipeline.configs.schema import ConfigError, load_config
-from grpo_pipeline.flows.pipeline import warm_start_stage
+from grpo_pipeline.flows.warm_start import warm_start_stage
 from grpo_pipeline.tasks.data.splits import incremental_rows
 from grpo_pipeline.tasks.data.stage import config_hash, incremental_split, unchanged_reason
 from grpo_pipeline.tasks.promote.registry import Registry
@@ -107,6 +107,12 @@ def test_all_linear_matches_a_named_module_list():
         ("model.init_adapter=/tmp/adapter", "model.init_adapter: '/tmp/adapter' is not 'none', 'champion'"),
         ("data.replay_fraction=1.5", "data.replay_fraction: Input should be less than or equal to 1"),
         ("data.incremental=true", "data.incremental .* needs one: set model.init_adapter=champion"),
+        (
+            "model.init_adapter=champion hpo.enabled=true hpo.space.lora_r=null",
+            "hpo.space.lora_alpha_ratio: a warm start .* keeps its adapter's LoRA rank and alpha; set "
+            "hpo.space.lora_alpha_ratio=null",
+        ),
+        ("model.init_adapter=champion hpo.enabled=true", "hpo.space.lora_r: a warm start"),
     ],
 )
 def test_bad_input_names_the_field(override, message):

@@ -120,7 +120,7 @@ def _quick(values):
     """A trial runner that returns the next value (a number, 'prune' or 'crash') without training."""
     values = iter(values)
 
-    def run_one(trial, hpo, train, model, model_path, splits, run_dir, tracking):
+    def run_one(trial, hpo, train, model, model_path, splits, run_dir, tracking, init_adapter=None):
         if not trial.user_attrs.get("configured"):
             suggest(trial, hpo.space)
         value = next(values)
@@ -150,7 +150,7 @@ def test_the_study_resumes_with_the_rest_of_its_budget(cfg, tmp_path):
 def _dies_after(n):
     count = {"n": 0}
 
-    def run_one(trial, hpo, train, model, model_path, splits, run_dir, tracking):
+    def run_one(trial, hpo, train, model, model_path, splits, run_dir, tracking, init_adapter=None):
         suggest(trial, hpo.space)
         count["n"] += 1
         if count["n"] > n:
@@ -269,7 +269,7 @@ def _scored(tmp_path, plan):
     """`run_one` and `score` for the greedy path: trial number -> (per-prompt scores on the selection prompts,
     on the fresh ones). Trial 0 is the configured values' control."""
 
-    def run_one(trial, hpo, train, model, model_path, splits, run_dir, tracking):
+    def run_one(trial, hpo, train, model, model_path, splits, run_dir, tracking, init_adapter=None):
         if not trial.user_attrs.get("configured"):
             suggest(trial, hpo.space)
         adapter = tmp_path / f"adapter-{trial.number}"
@@ -329,7 +329,7 @@ def test_a_target_standard_error_the_data_cannot_meet_fails_before_any_trial_nam
     from grpo_pipeline.configs.schema import ConfigError
     from grpo_pipeline.tasks.hpo import NotEnoughPrompts
 
-    def never(*_):
+    def never(*_, **__):
         raise AssertionError("no trial may run")
 
     with pytest.raises(NotEnoughPrompts) as err:
@@ -344,7 +344,7 @@ def test_a_search_budget_of_one_training_run_explores_at_least_eight_configurati
     stops launching trials once the training run's 40 steps are spent."""
     import math
 
-    def run_one(trial, hpo, train, model, model_path, splits, run_dir, tracking):
+    def run_one(trial, hpo, train, model, model_path, splits, run_dir, tracking, init_adapter=None):
         lr = suggest(trial, hpo.space)["learning_rate"] if not trial.user_attrs.get("configured") else 1e-4
         for step in range(hpo.eval_every, hpo.steps + 1, hpo.eval_every):
             trial.report(-abs(math.log10(lr) + 3.5) + step / 100, step)
@@ -377,3 +377,28 @@ def test_rungs_and_budget_follow_the_config():
     assert (pruner._min_resource, pruner._max_resource, pruner._reduction_factor) == (2, 18, 3)
     c = load_config(None, ["train.grpo.max_steps=100", "hpo.budget_fraction=0.25"])
     assert budget(c.hpo, c.train, train_usd=8.0) == (25, 2.0)
+
+
+def test_every_trial_continues_the_warm_start_and_a_study_keeps_one_start(cfg, tmp_path):
+    from grpo_pipeline.tasks.job import WarmStart
+
+    warm = WarmStart(requested="champion", uri="models:/grpo-adapter/3", adapter_dir=str(tmp_path / "v3"))
+    started = []
+
+    def run_one(trial, hpo, train, model, model_path, splits, run_dir, tracking, init_adapter=None):
+        suggest(trial, hpo.space)
+        started.append(init_adapter)
+        return TrialOutcome(value=0.5, steps=hpo.steps)
+
+    c = cfg("hpo.trials=2", "hpo.space.lora_r=null", "hpo.space.lora_alpha_ratio=null")
+    run_search(c, "m", {}, tmp_path, rewards=REWARDS, run_one=run_one, warm_start=warm)
+    assert started == [warm.adapter_dir] * 2
+
+    # the same study (same name, same day) asked for by a search from the base, or from another version
+    with pytest.raises(
+        ConfigError, match="trials started from models:/grpo-adapter/3, this search's start from the base"
+    ):
+        study_of(c)
+    with pytest.raises(ConfigError, match="set hpo.study_name to a new name"):
+        open_study(c.hpo, c.model.base, c.data_dir, start="models:/grpo-adapter/4")
+    assert len(open_study(c.hpo, c.model.base, c.data_dir, start=warm.uri).trials) == 2  # its own start: resumed
