@@ -29,7 +29,7 @@ import time
 from fractions import Fraction
 from pathlib import Path
 
-from bench.harness import ROOT, save
+from bench.harness import ROOT, add_threads_option, save, torch_threads
 from bench.table import Row
 
 GSM8K = ROOT.parent / "shared" / "data" / "gsm8k"
@@ -188,12 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-operand", type=int, default=20)
     parser.add_argument("--tiny", action="store_true", help="2 steps, 16 holdout prompts: the chain, not the gain")
     parser.add_argument("--set", dest="overrides", action="append", default=[], help="more pipeline overrides")
-    parser.add_argument(
-        "--threads",
-        default="auto",
-        help="torch threads per process; auto: 1 when other work "
-        "already keeps a core busy (two threads on one free core thrash: 10x slower steps), else torch's own",
-    )
+    add_threads_option(parser)
     opts = parser.parse_args(argv)
     paths = prepare(opts.gsm8k, opts.out, opts.max_operand)
     prepared = json.loads((opts.out / "prepared.json").read_text())
@@ -204,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     if opts.tiny:
         overrides += ["train.grpo.max_steps=2", "data.holdout_share=0.01", "promote.min_samples=1"]
     busy = os.getloadavg()[0]
-    threads = (1 if busy >= 0.8 else None) if opts.threads == "auto" else int(opts.threads)
+    threads = torch_threads(opts.threads, busy)
     print(f"[{NAME}] load {busy:.1f} before the run: torch threads {threads or 'default'}", flush=True)
     summary, seconds = run_pipeline(
         paths, ROOT / ".grpo" / f"bench-{NAME}{'-tiny' if opts.tiny else ''}", overrides, threads

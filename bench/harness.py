@@ -100,6 +100,48 @@ def save(name: str, report: dict) -> Path:
     return path
 
 
+def add_threads_option(parser: argparse.ArgumentParser) -> None:
+    """`--threads` of the benchmarks that run the pipeline (`torch_threads` reads it)."""
+    parser.add_argument(
+        "--threads",
+        default="auto",
+        help="torch threads per process; auto: 1 when other work already keeps a core busy (two threads on one "
+        "free core thrash: 10x slower steps), else torch's own",
+    )
+
+
+def torch_threads(option: str, busy: float | None = None) -> int | None:
+    """Torch threads per process for `--threads`: a number as given; `auto`: 1 when the load (`busy`, default
+    the 1-minute load average) says another job already keeps a core busy, else None (torch's own).
+
+    >>> torch_threads("2"), torch_threads("auto", busy=1.2), torch_threads("auto", busy=0.1)
+    (2, 1, None)
+    """
+    if option != "auto":
+        return int(option)
+    return 1 if (os.getloadavg()[0] if busy is None else busy) >= 0.8 else None
+
+
+def load_runs(path: Path, fresh: bool = False) -> dict:
+    """A resumable benchmark's finished runs (kept by `keep_runs`); none when there is no file yet or `fresh`."""
+    return {} if fresh or not path.is_file() else json.loads(path.read_text())
+
+
+def keep_runs(path: Path, runs: dict) -> None:
+    """Keep the finished runs after each one, so that a killed benchmark resumes from the next: written aside,
+    then renamed into place (never a half-written file).
+
+    >>> import tempfile
+    >>> path = Path(tempfile.mkdtemp()) / "bench" / "runs.json"
+    >>> keep_runs(path, {"off": {"steps": 40}}); load_runs(path), load_runs(path, fresh=True)
+    ({'off': {'steps': 40}}, {})
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(runs, indent=1))
+    tmp.replace(path)
+
+
 def run_once(cmd: list[str], metric: str) -> float:
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:

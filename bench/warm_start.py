@@ -45,7 +45,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.harness import ROOT, save
+from bench.harness import ROOT, add_threads_option, keep_runs, load_runs, save, torch_threads
 from bench.table import Row
 
 NAME = "warm_start"
@@ -229,20 +229,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="2 steps per run (1 for warm_half): the chain, not figures")
     parser.add_argument("--fresh", action="store_true", help="forget finished runs and measure all again")
-    parser.add_argument(
-        "--threads",
-        default="auto",
-        help="torch threads per process; auto: 1 when other work already keeps a core busy, else torch's own",
-    )
+    add_threads_option(parser)
     opts = parser.parse_args(argv)
     work = WORK / ("tiny" if opts.tiny else "full")
     if opts.fresh:
         shutil.rmtree(work, ignore_errors=True)
     sources = day_sources(9 if opts.tiny else 20, work / "sources")
-    busy = os.getloadavg()[0]
-    threads = (1 if busy >= 0.8 else None) if opts.threads == "auto" else int(opts.threads)
-    path = work / "runs.json"
-    runs = json.loads(path.read_text()) if path.is_file() else {}
+    threads = torch_threads(opts.threads)
+    runs = load_runs(work / "runs.json")
     for arm in ARMS:  # day1 first: the warm arms continue from its version, in its registry
         if arm in runs:
             print(f"[{NAME}] {arm}: kept from an earlier run", flush=True)
@@ -252,9 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         data_dir = work / ("scratch" if arm == "scratch" else "lineage")  # scratch: a registry of its own
         summary, seconds = run_pipeline(data_dir, sets, threads)
         runs[arm] = measure(summary, seconds, data_dir) | {"overrides": sets, "threads": threads}
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(runs, indent=1))
-        tmp.replace(path)  # after each run: a killed bench resumes from the next one
+        keep_runs(work / "runs.json", runs)
         shown = {k: v for k, v in runs[arm].items() if k != "totals"}
         print(f"[{NAME}] {arm}: {json.dumps(shown)} ({seconds / 60:.1f} min)", flush=True)
     report = {

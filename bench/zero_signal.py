@@ -52,7 +52,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.harness import ROOT, save
+from bench.harness import ROOT, add_threads_option, keep_runs, load_runs, save, torch_threads
 from bench.table import Row
 
 NAME = "zero_signal"
@@ -175,23 +175,6 @@ def measure(summary: dict, seconds: float) -> dict:
     }
 
 
-def _runs_file() -> Path:
-    return WORK / "runs.json"
-
-
-def _load_runs(fresh: bool) -> dict:
-    path = _runs_file()
-    return {} if fresh or not path.is_file() else json.loads(path.read_text())
-
-
-def _keep(runs: dict) -> None:
-    path = _runs_file()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(runs, indent=1))
-    tmp.replace(path)
-
-
 def table_rows(load) -> list[Row]:
     r = load(NAME)
     bench = "fewer wasted steps: curriculum sampler off vs on, equal steps (`bench.zero_signal`)"
@@ -302,12 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true", help="2 steps per run: the chain, not the figures")
     parser.add_argument("--fresh", action="store_true", help="forget finished runs and measure all again")
     parser.add_argument("--gsm8k", type=Path, default=GSM8K)
-    parser.add_argument(
-        "--threads",
-        default="auto",
-        help="torch threads per process; auto: 1 when other work "
-        "already keeps a core busy (two threads on one free core thrash), else torch's own",
-    )
+    add_threads_option(parser)
     opts = parser.parse_args(argv)
 
     gsm8k = None
@@ -320,9 +298,8 @@ def main(argv: list[str] | None = None) -> int:
         except FileNotFoundError as exc:
             print(f"[{NAME}] gsm8k skipped: {exc}", flush=True)
             recipes.remove("gsm8k")
-    busy = os.getloadavg()[0]
-    threads = (1 if busy >= 0.8 else None) if opts.threads == "auto" else int(opts.threads)
-    runs = _load_runs(opts.fresh)
+    threads = torch_threads(opts.threads)
+    runs = load_runs(WORK / "runs.json", opts.fresh)
     for recipe, variant, seed in itertools.product(recipes, opts.variants, opts.seeds):
         for arm in [a for a in ARMS if a in opts.arms]:  # alternating arms within each pair
             key = run_key(recipe, variant, arm, seed, opts.tiny)
@@ -346,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 summary, seconds = _run_demo(work, sets, threads)
             runs[key] = measure(summary, seconds) | {"overrides": sets, "threads": threads}
-            _keep(runs)  # after each run: a killed bench resumes from the next one
+            keep_runs(WORK / "runs.json", runs)
             print(f"[{NAME}] {key}: {json.dumps(runs[key])} ({(time.monotonic() - started) / 60:.1f} min)", flush=True)
     pairs: dict[str, dict] = {}
     for key, figures in runs.items():

@@ -117,7 +117,7 @@ def check_port(service: str, port: int) -> None:
         )
 
 
-def _free_port_pair() -> int:
+def free_port_pair() -> int:
     """A port p with p and p + 10000 both free (SeaweedFS's gRPC convention)."""
     for _ in range(200):
         port = free_port()
@@ -137,7 +137,7 @@ def alive(pid: int, created: float) -> bool:
         return False
 
 
-def _spawn(name: str, args: list[str], workdir: Path, env: dict[str, str] | None = None) -> Service:
+def spawn(name: str, args: list[str], workdir: Path, env: dict[str, str] | None = None) -> Service:
     """Start `args` detached (own session, output to `<workdir>/<name>.log`), recorded as a `Service`."""
     import psutil
 
@@ -185,7 +185,7 @@ def log_tail(path: str | Path, lines: int = 10, since: int = 0) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def _wait_until(ready: Callable[[], bool], service: Service, timeout_s: float) -> None:
+def wait_until(ready: Callable[[], bool], service: Service, timeout_s: float) -> None:
     """Until `ready()`; a process that exits meanwhile raises `ServiceExited` with its status and the end of its
     log (what went wrong is usually its last line), one that is not ready in time is stopped."""
     deadline = time.monotonic() + timeout_s
@@ -304,7 +304,7 @@ def start_seaweedfs(
         if name not in ports or not (port_is_free(ports[name]) and port_is_free(ports[name] + GRPC_OFFSET)):
             if name == "s3.port" and s3_port is not None:
                 check_port("s3", s3_port)
-            ports[name] = _free_port_pair()
+            ports[name] = free_port_pair()
     workdir.mkdir(parents=True, exist_ok=True)
     identities = {
         "identities": [
@@ -340,7 +340,7 @@ def start_seaweedfs(
     sockets = tempfile.mkdtemp(prefix="weed-")
     args += [f"-filer.localSocket={sockets}/filer.sock", f"-s3.localSocket={sockets}/s3.sock"]
     try:
-        service = _spawn("s3", args, workdir, env={"TMPDIR": sockets})
+        service = spawn("s3", args, workdir, env={"TMPDIR": sockets})
     except BaseException:
         shutil.rmtree(sockets, ignore_errors=True)
         raise
@@ -368,7 +368,7 @@ def start_seaweedfs(
         except BotoCoreError:
             return False
 
-    _wait_until(bucket_ready, service, ready_timeout_s)
+    wait_until(bucket_ready, service, ready_timeout_s)
     return service
 
 
@@ -570,11 +570,11 @@ def start_mlflow(
         "MLFLOW_AUTH_ADMIN_PASSWORD": auth.password,
         "MLFLOW_FLASK_SERVER_SECRET_KEY": auth.secret_key,
     }
-    service = _spawn("mlflow", args, workdir, env)
+    service = spawn("mlflow", args, workdir, env)
     service.url = f"http://127.0.0.1:{port}"
     service.extra = {"auth": "basic"}
     started = time.monotonic()
-    _wait_until(lambda: _http_ok(f"{service.url}/health"), service, ready_timeout_s)
+    wait_until(lambda: _http_ok(f"{service.url}/health"), service, ready_timeout_s)
     # The first authenticated request derives the password's hash: seconds on a loaded machine, so it is
     # waited for like readiness (no answer yet: ask again) and only a real answer is judged.
     whoami, login = f"{service.url}/api/2.0/mlflow/users/current", basic_auth_header(f"{auth.username}:{auth.password}")
@@ -584,7 +584,7 @@ def start_mlflow(
         answers.append(http_status(whoami, login, timeout_s=60))
         return answers[-1] is not None
 
-    _wait_until(admin_answered, service, max(ready_timeout_s - (time.monotonic() - started), 30))
+    wait_until(admin_answered, service, max(ready_timeout_s - (time.monotonic() - started), 30))
     if (code := answers[-1]) == 401:
         stop(service)
         raise ServiceError(
@@ -615,10 +615,10 @@ def start_prefect(
         "PREFECT_SERVER_API_AUTH_STRING": auth_string,
     }
     args = [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)]
-    service = _spawn("prefect", args, workdir, env)
+    service = spawn("prefect", args, workdir, env)
     service.url = f"http://127.0.0.1:{port}/api"
     service.extra = {"auth": "basic"}
-    _wait_until(lambda: _http_ok(f"{service.url}/health"), service, ready_timeout_s)
+    wait_until(lambda: _http_ok(f"{service.url}/health"), service, ready_timeout_s)
     return service
 
 

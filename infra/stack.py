@@ -277,11 +277,11 @@ class Stack:
         }
         log = work / "serve.log"
         before = log.stat().st_size if log.is_file() else 0  # the log is kept across starts: report this one's
-        service = services._spawn("serve", router_command(options, port, mlflow.url, work / "data"), work, env)
+        service = services.spawn("serve", router_command(options, port, mlflow.url, work / "data"), work, env)
         service.url = f"http://127.0.0.1:{port}"
         service.stop_signal = int(signal.SIGINT)  # uvicorn's clean stop; the router then stops its engine
         try:
-            services._wait_until(lambda: services.http_healthy(service), service, options.startup_timeout_s + 60)
+            services.wait_until(lambda: services.http_healthy(service), service, options.startup_timeout_s + 60)
         except services.ServiceExited as exc:
             if exc.code == ROUTER_REFUSED:
                 # what the user fixes (no champion yet, the registry unreachable...): the router's own words

@@ -62,7 +62,7 @@ def walk(tmp_path_factory):
     stack_dir = str(root / "stack")
     ports = [
         "--s3-port",
-        str(services._free_port_pair()),
+        str(services.free_port_pair()),
         "--mlflow-port",
         str(services.free_port()),
         "--prefect-port",

@@ -96,9 +96,9 @@ def test_a_service_that_exits_at_start_is_reported_with_its_status_and_last_word
     from grpo_pipeline.infra.stack import ROUTER_REFUSED
 
     script = "import sys; print('no champion alias in the registry x'); sys.exit(2)"
-    service = services._spawn("serve", [sys.executable, "-c", script], tmp_path)
+    service = services.spawn("serve", [sys.executable, "-c", script], tmp_path)
     with pytest.raises(services.ServiceExited, match="(?s)exited with 2 .*no champion alias") as caught:
-        services._wait_until(lambda: False, service, 60)
+        services.wait_until(lambda: False, service, 60)
     assert caught.value.code == ROUTER_REFUSED
 
 
