@@ -177,6 +177,15 @@ class Stack:
         service = self.service(name)
         return name in ("mlflow", "prefect") and service is not None and service.extra.get("auth") != "basic"
 
+    def _to_start(self, name: str, serve: ServeOptions | None = None) -> bool:
+        """Whether `up` (re)starts `name`: it is not running and answering, it runs without authentication
+        (`_without_auth`), or it is the router serving another config or engine than `serve` asks for (the
+        options `up --serve` was given are the ones the user expects to run, not an earlier start's)."""
+        if not self.healthy(name) or self._without_auth(name):
+            return True
+        running = self.state.get("serve_options")
+        return name == "serve" and serve is not None and running is not None and serve.differs_from(running)
+
     # --- health -----------------------------------------------------------------------------------------
 
     def healthy(self, name: str) -> bool:
@@ -213,11 +222,11 @@ class Stack:
         half-started stack behind. `serve`: how to start the router, when `names` holds it (recorded, so the
         state says what runs)."""
         names = list(names)
-        if "serve" in names:
-            if serve is None:
-                raise ServiceError("starting the router needs its options (a config and the engine's Python)")
+        if "serve" in names and serve is None:
+            raise ServiceError("starting the router needs its options (a config and the engine's Python)")
+        todo = [name for name in with_dependencies(names) if self._to_start(name, serve)]
+        if serve is not None and "serve" in names:
             self.state["serve_options"] = serve.as_dict()
-        todo = [name for name in with_dependencies(names) if not self.healthy(name) or self._without_auth(name)]
         for name in todo:
             port, stale = self.state["ports"].get(name), self.service(name)
             if stale is not None and services.alive(stale.pid, stale.created):
@@ -352,6 +361,16 @@ class ServeOptions:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+    def differs_from(self, recorded: dict) -> bool:
+        """Whether a router started with `recorded` options serves something else (the start-up timeout aside).
+
+        >>> ServeOptions("a.yaml", "/v/python").differs_from(ServeOptions("a.yaml", "/v/python", 60.0).as_dict())
+        False
+        >>> ServeOptions("b.yaml", "/v/python").differs_from({"config": "a.yaml", "engine_python": "/v/python"})
+        True
+        """
+        return (self.config, self.engine_python) != (recorded.get("config"), recorded.get("engine_python"))
 
 
 def router_command(options: ServeOptions, port: int, tracking_uri: str, data_dir: Path) -> list[str]:

@@ -120,3 +120,34 @@ def test_the_refusal_quotes_this_starts_output_not_an_earlier_ones(tmp_path):
         f.write("no champion alias in the registry x\n")
     assert log_tail(log, 5, since=before) == "no champion alias in the registry x"
     assert log_tail(log, 5).startswith("the engine exited")
+
+
+def test_up_serve_with_another_config_starts_the_router_again(tmp_path):
+    """A second `stack up --serve` with another config or engine must not leave the first start's router serving
+    while the state records the new options; the same options leave a healthy router alone."""
+    import sys
+
+    from grpo_pipeline.infra import services
+    from grpo_pipeline.infra.stack import ServeOptions
+
+    port = services.free_port()
+    answers_health = (  # a process that answers /health as the router does once its engine is up
+        "import http.server as h\n"
+        "class H(h.BaseHTTPRequestHandler):\n"
+        "    def do_GET(self): self.send_response(200); self.end_headers()\n"
+        f"h.HTTPServer(('127.0.0.1', {port}), H).serve_forever()\n"
+    )
+    router = services.spawn("serve", [sys.executable, "-c", answers_health], tmp_path / "serve")
+    router.url = f"http://127.0.0.1:{port}"
+    try:
+        services.wait_until(lambda: services.http_healthy(router), router, 60)
+        stack = Stack(tmp_path / "stack")
+        stack.state["services"]["serve"] = router.to_dict()
+        stack.state["serve_options"] = ServeOptions("a.yaml", "/v/python").as_dict()
+        assert not stack._to_start("serve", ServeOptions("a.yaml", "/v/python", startup_timeout_s=60))
+        assert stack._to_start("serve", ServeOptions("b.yaml", "/v/python"))
+        assert stack._to_start("serve", ServeOptions("a.yaml", "/other/python"))
+        services.stop(router)
+        assert stack._to_start("serve", ServeOptions("a.yaml", "/v/python"))  # gone: started again
+    finally:
+        services.stop(router)
