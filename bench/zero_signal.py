@@ -244,8 +244,8 @@ def _seed_means(pairs: dict, bench: str) -> list[Row]:
 
     >>> pairs = {"d/s": {"off": {"holdout_reward": 1.0}, "dynamic": {"holdout_reward": 0.5}},
     ...          "d/s seed 1": {"off": {"holdout_reward": 1.0}, "dynamic": {"holdout_reward": 1.5}}}
-    >>> [(r.ratio, r.spread) for r in _seed_means(pairs, "b")]
-    [(1.0, (0.5, 1.5))]
+    >>> [(r.ratio, r.spread, r.verdict) for r in _seed_means(pairs, "b")]
+    [(1.0, (0.5, 1.5), 'seeds disagree')]
     """
     by_base: dict[str, list[tuple[float, float]]] = {}
     for key, pair in sorted(pairs.items()):
@@ -267,6 +267,8 @@ def _seed_means(pairs: dict, bench: str) -> list[Row]:
                 dyn_mean / off_mean if off_mean else None,
                 ">= 1",
                 spread=(min(per_seed), max(per_seed)) if per_seed else None,
+                # a mean above 1 while some seed lost is not a gain the table may call met
+                note="seeds disagree" if per_seed and min(per_seed) < 1 < max(per_seed) else "",
             )
         )
     return rows
