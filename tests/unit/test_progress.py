@@ -125,6 +125,24 @@ def test_the_bar_has_a_total_and_knows_the_time_left_after_one_slow_batch():
     assert task.time_remaining == pytest.approx(120.0)
 
 
+def read_until(primary: int, wanted: str, quiet_s: float = 10.0) -> str:
+    """What the terminal was sent, read until `wanted` shows or nothing more comes for `quiet_s`.
+
+    The kernel hands a pty's output to its reader in chunks, on its own schedule: one read can return
+    the bar's first frame while the last is still on its way, so a single read flakes on a busy machine.
+    """
+    drawn = ""
+    while wanted not in drawn:
+        readable, _, _ = select.select([primary], [], [], quiet_s)
+        if not readable:
+            break
+        try:
+            drawn += os.read(primary, 65536).decode(errors="replace")
+        except OSError:  # EIO: the terminal side is closed and all it was sent is read
+            break
+    return drawn
+
+
 def test_evaluation_progress_is_lines_in_a_log_and_a_bar_at_a_terminal(monkeypatch):
     """The same test of "a person sees it" as the trainer's (grpo_pipeline.trainer.callbacks.interactive)."""
     from grpo_pipeline.tasks.evaluate import progress
@@ -140,7 +158,6 @@ def test_evaluation_progress_is_lines_in_a_log_and_a_bar_at_a_terminal(monkeypat
         with progress("evaluating base", total=4) as advance:
             assert advance(4) is None  # rich's bar, no line
     monkeypatch.undo()
-    readable, _, _ = select.select([primary], [], [], 5)  # no wait forever when nothing was drawn
-    drawn = os.read(primary, 65536).decode(errors="replace") if readable else ""
+    drawn = read_until(primary, "4/4")
     os.close(primary)
     assert "evaluating base" in drawn and "4/4" in drawn
