@@ -223,7 +223,27 @@ def test_compose_starts_both_servers_with_auth_and_refuses_to_start_without_it()
     # The hourly ab-decide flow runs on the worker: it reads the log the router writes (as `stack env` hands the
     # local stack's to its workers), not an empty SQLite file of its own.
     assert worker["environment"]["GRPO_AB_LOG_URL"] == serve["GRPO_AB_LOG_URL"]
-    assert worker["environment"]["PGPASSWORD"] == serve["PGPASSWORD"] == filled["POSTGRES_PASSWORD"]
+    assert worker["environment"]["PGPASSWORD"] == serve["PGPASSWORD"] == filled["AB_DB_PASSWORD"]
+    assert "//ab@" in serve["GRPO_AB_LOG_URL"]
+    # One role per database (infra/docker/postgres-init.sh, tested against a real server): the superuser's
+    # password stays with PostgreSQL, and each other service holds only its own database's.
+    holders = {name for name, service in services.items() if filled["POSTGRES_PASSWORD"] in str(service)}
+    assert holders == {"postgres"}
+    assert services["mlflow"]["environment"]["PGPASSWORD"] == filled["MLFLOW_DB_PASSWORD"]
+    assert "//mlflow@" in services["mlflow"]["environment"]["MLFLOW_BACKEND_STORE_URI"]
+    assert (
+        prefect["environment"]["PREFECT_SERVER_DATABASE_USER"],
+        prefect["environment"]["PREFECT_SERVER_DATABASE_PASSWORD"],
+    ) == (
+        "prefect",
+        filled["PREFECT_DB_PASSWORD"],
+    )
+    (init,) = [v for v in services["postgres"]["volumes"] if "docker-entrypoint-initdb.d" in v]
+    script = ROOT / init.split(":")[0]
+    assert os.access(script, os.X_OK) and init.endswith(".sh:ro")  # the image executes it (else it sources it)
+    assert {f"{role.upper()}_DB_PASSWORD" for role in ("mlflow", "prefect", "ab")} <= set(
+        services["postgres"]["environment"]
+    )
     for required in (
         "GRPO_SERVE_API_KEY",
         "PREFECT_AUTH_STRING",
@@ -231,6 +251,9 @@ def test_compose_starts_both_servers_with_auth_and_refuses_to_start_without_it()
         "MLFLOW_FLASK_SERVER_SECRET_KEY",
         "S3_SECRET_KEY",
         "POSTGRES_PASSWORD",
+        "MLFLOW_DB_PASSWORD",
+        "PREFECT_DB_PASSWORD",
+        "AB_DB_PASSWORD",
     ):
         with pytest.raises(ValueError, match=f"required variable {required} "):
             interpolate(text, {**filled, required: ""})
