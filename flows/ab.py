@@ -22,13 +22,13 @@ from typing import TYPE_CHECKING, Any
 
 import mlflow
 from prefect import flow, get_run_logger, task
-from prefect.artifacts import create_image_artifact, create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 from prefect.tasks import exponential_backoff
 
 from grpo_pipeline.configs.schema import PipelineConfig, load_config
 from grpo_pipeline.flows import trigger
+from grpo_pipeline.flows.artifacts import show_image, show_markdown
 from grpo_pipeline.flows.runs import setup_tracking
 from grpo_pipeline.tasks.promote.registry import Registry, RegistryError, open_client
 from grpo_pipeline.tasks.report import artifact_url
@@ -163,8 +163,8 @@ def ab_decide(config_path: str | None = None, overrides: list[str] | None = None
                 markdown += "\nNot applied: the aliases moved since the log was read; the next run decides again.\n"
             mlflow.log_text(markdown, "decision.md")
             mlflow.end_run(status="FINISHED" if applied != "failed" else "FAILED")
-    create_markdown_artifact(markdown, key="ab-decision", description="the live A/B's decision")
+    show_markdown(markdown, key="ab-decision", description="the live A/B's decision")
     if url := artifact_url(cfg.mlflow_uri, run_id, "ab_scores.png"):
-        create_image_artifact(url, key="ab-scores", description="the arms' mean score over time, with intervals")
+        show_image(url, key="ab-scores", description="the arms' mean score over time, with intervals")
     logger.info(f"A/B decision: {found.action}; moves: {found.moves or 'none'}; MLflow run {run_id}")
     return {**found.as_json(), "mlflow_run_id": run_id, "applied": applied}

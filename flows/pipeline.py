@@ -28,7 +28,6 @@ from typing import Any, Literal
 
 import mlflow
 from prefect import Task, flow, task
-from prefect.artifacts import create_image_artifact, create_markdown_artifact
 from prefect.cache_policies import INPUTS, NO_CACHE, RUN_ID, TASK_SOURCE
 from prefect.client.schemas import TaskRun
 from prefect.runtime import flow_run
@@ -39,6 +38,7 @@ from grpo_pipeline.configs.library_fields import default as library_default
 from grpo_pipeline.configs.rewards import RewardSet
 from grpo_pipeline.configs.schema import ModelConfig, PipelineConfig, TrainConfig, load_config
 from grpo_pipeline.flows import trigger
+from grpo_pipeline.flows.artifacts import show_image, show_markdown
 from grpo_pipeline.flows.hpo import search_stage
 from grpo_pipeline.flows.preflight import preflight
 from grpo_pipeline.flows.runs import (
@@ -439,7 +439,7 @@ def skipped(
     mlflow.log_dict(summary.model_dump(mode="json"), "summary.json")
     markdown = render_skipped(reason)
     mlflow.log_text(markdown, "report.md")
-    create_markdown_artifact(markdown, key="grpo-decision", description="this GRPO run was skipped: nothing new")
+    show_markdown(markdown, key="grpo-decision", description="this GRPO run was skipped: nothing new")
     return summary
 
 
@@ -546,9 +546,9 @@ def log_drift(drift: Drift, rows: NewAndSeen | None, tracking_uri: str, run_dir:
         url = artifact_url(tracking_uri, _active_run_id(), "drift.png")
     if url:  # the Prefect UI loads images by URL; an MLflow server serves its artifacts by URL
         markdown += f"\n![drift since champion v{drift.champion}]({url})\n"
-        create_image_artifact(url, key="grpo-drift-chart", description="today's new rows against the champion's")
+        show_image(url, key="grpo-drift-chart", description="today's new rows against the champion's")
     mlflow.log_text(markdown, "drift.md")
-    create_markdown_artifact(markdown, key="grpo-drift", description="today's new rows against the champion's")
+    show_markdown(markdown, key="grpo-drift", description="today's new rows against the champion's")
 
 
 def model_stage(cfg: PipelineConfig, rewards: RewardSet, base_path: str, val: Path) -> tuple[PipelineConfig, str]:
@@ -930,10 +930,10 @@ def report(summary: RunSummary, run_dir: Path) -> None:
     mlflow.log_text(markdown, "report.md")
     chart = plot_comparison(holdout.baseline, holdout.trained, decision.stats, run_dir / "comparison.png")
     mlflow.log_artifact(str(chart))
-    create_markdown_artifact(markdown, key="grpo-decision", description="A/B decision of this GRPO run")
+    show_markdown(markdown, key="grpo-decision", description="A/B decision of this GRPO run")
     url = artifact_url(summary.mlflow.tracking_uri, summary.mlflow.run_id, "comparison.png")
     if url:  # the Prefect UI loads images by URL; an MLflow server serves its artifacts by URL
-        create_image_artifact(url, key="grpo-comparison", description="candidate against baseline, with the 95% CI")
+        show_image(url, key="grpo-comparison", description="candidate against baseline, with the 95% CI")
 
 
 def headline_metrics(summary: RunSummary) -> dict[str, float]:

@@ -20,6 +20,25 @@ os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 SESSION_MLFLOW_ENV = {k: v for k, v in os.environ.items() if k.startswith("MLFLOW_")}
 
 
+@pytest.fixture(scope="session", autouse=True)
+def prefect_temporary_server_stopped_in_the_session():
+    """A test that runs a stage's Prefect tasks in this process (outside a flow: test_drift) makes Prefect start
+    a temporary server, which it stops at exit (atexit) with a log line through a handler bound to pytest's
+    captured stderr, closed by then: a "--- Logging error ---" traceback at the end of CI's log. Stopped here,
+    while the session's streams are open, after the logs and events still queued for it are sent (as Prefect's
+    own test harness does)."""
+    yield
+    server = sys.modules.get("prefect.server.api.server")
+    if server is None:
+        return
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    APILogWorker.drain_all(timeout=30)
+    EventsWorker.drain_all(timeout=30)
+    server.SubprocessASGIServer().stop()  # the one without a port: the temporary server (if it ran)
+
+
 @pytest.fixture(autouse=True)
 def mlflow_state_per_test():
     """MLflow keeps the tracking URI, the active experiment and the active run in process globals and in
