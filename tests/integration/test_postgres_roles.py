@@ -4,6 +4,7 @@ in with the password from its environment; idempotent, and a volume made before 
 
 import os
 import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -72,6 +73,54 @@ def test_each_service_reaches_its_own_database_with_its_own_password(server):
             with pytest.raises(psycopg2.OperationalError, match=f'permission denied for database "{other}"'):
                 with connect(host, service, other, password):
                     pass
+
+
+def test_each_server_builds_its_own_schema_as_its_role(server, tmp_path):
+    """What compose starts: MLflow's and Prefect's own schema set-up (Prefect's creates the pg_trgm extension),
+    each signed in as its role, on this server."""
+    host, env = server
+    assert run_script(env).returncode == 0
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "PG"))}
+    prefect = {
+        **base,
+        "PREFECT_HOME": str(tmp_path / "prefect"),
+        # compose gives the parts (host, user, password); Prefect joins them into a TCP address, and this server
+        # listens on a socket only, so here they are one URL
+        "PREFECT_SERVER_DATABASE_CONNECTION_URL": (
+            f"postgresql+asyncpg://prefect:{PASSWORDS['prefect']}@/prefect?host={host}"
+        ),
+    }
+    mlflow_store = (
+        "from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore;"
+        f"SqlAlchemyStore('postgresql+psycopg2://mlflow@/mlflow?host={host}', {str(tmp_path / 'artifacts')!r})"
+    )
+    servers = {
+        "prefect": subprocess.Popen(
+            [sys.executable, "-m", "prefect", "server", "database", "upgrade", "-y"],
+            env=prefect,
+            stderr=subprocess.PIPE,
+        ),
+        "mlflow": subprocess.Popen(  # libpq reads PGPASSWORD, as in compose
+            [sys.executable, "-c", mlflow_store],
+            env={**base, "PGPASSWORD": PASSWORDS["mlflow"]},
+            stderr=subprocess.PIPE,
+        ),
+    }
+    for name, proc in servers.items():
+        _, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, f"{name}: {err.decode()[-3000:]}"
+    for service, least in (("prefect", 20), ("mlflow", 10)):
+        with connect(host, "postgres", service) as conn, conn.cursor() as cur:
+            cur.execute(
+                "SELECT count(*) FILTER (WHERE relowner = %s::regrole), count(*) FILTER (WHERE relowner <> %s::regrole)"
+                " FROM pg_class WHERE relnamespace = 'public'::regnamespace AND relkind = 'r'",
+                (service, service),
+            )
+            owned, others = cur.fetchone()
+            assert owned >= least and others == 0, (service, owned, others)
+    with connect(host, "postgres", "prefect") as conn, conn.cursor() as cur:
+        cur.execute("SELECT 1 FROM pg_extension WHERE extname = 'pg_trgm'")
+        assert cur.fetchone() == (1,)
 
 
 def test_a_volume_made_before_the_roles_is_handed_over_and_a_rerun_changes_nothing_else(server):
