@@ -44,22 +44,16 @@ REVOKE ALL ON DATABASE :"service" FROM PUBLIC;
 -- What the superuser made here before (a volume older than these roles) becomes the service's: its server
 -- migrates its own schema at start-up, and only an owner may alter a table. A sequence of a serial or identity
 -- column follows its table; a composite type its table.
-SELECT format('ALTER TABLE %s OWNER TO %I', c.oid::regclass, :'service')
-  FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
- WHERE n.nspname = 'public' AND c.relkind IN ('r', 'p', 'v', 'm', 'f')
-   AND c.relowner <> (SELECT oid FROM pg_roles WHERE rolname = :'service') \gexec
-SELECT format('ALTER SEQUENCE %s OWNER TO %I', c.oid::regclass, :'service')
-  FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
- WHERE n.nspname = 'public' AND c.relkind = 'S'
-   AND NOT EXISTS (SELECT FROM pg_depend d WHERE d.objid = c.oid AND d.deptype IN ('a', 'i'))
-   AND c.relowner <> (SELECT oid FROM pg_roles WHERE rolname = :'service') \gexec
-SELECT format('ALTER %s %s OWNER TO %I', CASE t.typtype WHEN 'd' THEN 'DOMAIN' ELSE 'TYPE' END, t.oid::regtype, :'service')
-  FROM pg_type t JOIN pg_namespace n ON n.oid = t.typnamespace
- WHERE n.nspname = 'public' AND t.typtype IN ('e', 'r', 'd')
-   AND t.typowner <> (SELECT oid FROM pg_roles WHERE rolname = :'service') \gexec
-SELECT format('ALTER ROUTINE %s OWNER TO %I', p.oid::regprocedure, :'service')
-  FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
- WHERE n.nspname = 'public'
-   AND p.proowner <> (SELECT oid FROM pg_roles WHERE rolname = :'service') \gexec
+SELECT format('ALTER TABLE %s OWNER TO %I', oid::regclass, :'service') FROM pg_class
+ WHERE relnamespace = 'public'::regnamespace AND relkind IN ('r', 'p', 'v', 'm', 'f')
+   AND relowner <> :'service'::regrole \gexec
+SELECT format('ALTER SEQUENCE %s OWNER TO %I', oid::regclass, :'service') FROM pg_class
+ WHERE relnamespace = 'public'::regnamespace AND relkind = 'S' AND relowner <> :'service'::regrole
+   AND NOT EXISTS (SELECT FROM pg_depend d WHERE d.objid = pg_class.oid AND d.deptype IN ('a', 'i')) \gexec
+SELECT format('ALTER %s %s OWNER TO %I', CASE typtype WHEN 'd' THEN 'DOMAIN' ELSE 'TYPE' END, oid::regtype, :'service')
+  FROM pg_type
+ WHERE typnamespace = 'public'::regnamespace AND typtype IN ('e', 'r', 'd') AND typowner <> :'service'::regrole \gexec
+SELECT format('ALTER ROUTINE %s OWNER TO %I', oid::regprocedure, :'service') FROM pg_proc
+ WHERE pronamespace = 'public'::regnamespace AND proowner <> :'service'::regrole \gexec
 SQL
 done

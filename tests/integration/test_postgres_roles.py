@@ -140,18 +140,15 @@ def test_a_volume_made_before_the_roles_is_handed_over_and_a_rerun_changes_nothi
         done = run_script(env)
         assert done.returncode == 0, done.stderr
     with connect(host, "mlflow", "mlflow", PASSWORDS["mlflow"]) as conn, conn.cursor() as cur:
-        cur.execute(
-            "SELECT count(*) FROM pg_class WHERE relnamespace = 'public'::regnamespace AND relowner <> 'mlflow'::regrole"
-        )
-        assert cur.fetchone() == (0,)
-        cur.execute(
-            "SELECT count(*) FROM pg_type WHERE typnamespace = 'public'::regnamespace AND typowner <> 'mlflow'::regrole"
-        )
-        assert cur.fetchone() == (0,)
-        cur.execute(
-            "SELECT count(*) FROM pg_proc WHERE pronamespace = 'public'::regnamespace AND proowner <> 'mlflow'::regrole"
-        )
-        assert cur.fetchone() == (0,)
+        for catalog, namespace, owner in (
+            ("pg_class", "relnamespace", "relowner"),
+            ("pg_type", "typnamespace", "typowner"),
+            ("pg_proc", "pronamespace", "proowner"),
+        ):
+            cur.execute(
+                f"SELECT count(*) FROM {catalog} WHERE {namespace} = 'public'::regnamespace AND {owner} <> 'mlflow'::regrole"
+            )
+            assert cur.fetchone() == (0,), catalog
         cur.execute("ALTER TABLE runs ADD COLUMN note text; ALTER TYPE stage ADD VALUE 'archived'")  # a migration
         cur.execute("INSERT INTO runs (stage) VALUES ('none'); SELECT count(*), nextval('run_numbers') FROM runs")
         assert cur.fetchone() == (2, 1)  # the data kept, the sequences usable
