@@ -131,16 +131,16 @@ def read_until(primary: int, wanted: str, quiet_s: float = 10.0) -> str:
     The kernel hands a pty's output to its reader in chunks, on its own schedule: one read can return
     the bar's first frame while the last is still on its way, so a single read flakes on a busy machine.
     """
-    drawn = ""
-    while wanted not in drawn:
+    drawn = b""  # decoded once at the end: a chunk may end inside a character of the bar (3 bytes each)
+    while wanted.encode() not in drawn:
         readable, _, _ = select.select([primary], [], [], quiet_s)
         if not readable:
             break
         try:
-            drawn += os.read(primary, 65536).decode(errors="replace")
+            drawn += os.read(primary, 65536)
         except OSError:  # EIO: the terminal side is closed and all it was sent is read
             break
-    return drawn
+    return drawn.decode(errors="replace")
 
 
 def test_evaluation_progress_is_lines_in_a_log_and_a_bar_at_a_terminal(monkeypatch):
