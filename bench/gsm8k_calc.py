@@ -22,14 +22,12 @@ import argparse
 import json
 import os
 import re
-import shutil
-import subprocess
 import sys
 import time
 from fractions import Fraction
 from pathlib import Path
 
-from bench.harness import ROOT, add_threads_option, save, torch_threads
+from bench.harness import ROOT, add_threads_option, pipeline_run, save, torch_threads
 from bench.table import Row
 
 GSM8K = ROOT.parent / "shared" / "data" / "gsm8k"
@@ -104,38 +102,8 @@ def prepare(gsm8k: Path = GSM8K, out: Path = OUT, max_operand: int = 20) -> dict
 
 def run_pipeline(paths: dict[str, Path], work: Path, overrides: list[str], threads: int | None) -> tuple[dict, float]:
     """`grpo-pipeline run --json` on the prepared slice in a fresh data_dir (so the base is the baseline)."""
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    models = ROOT / ".grpo" / "models"
-    if models.is_dir():  # the converted demo model, so the run does not fetch and convert it again
-        (work / "models").symlink_to(models.resolve())
-    cmd = [
-        sys.executable,
-        "-m",
-        "grpo_pipeline.cli",
-        "run",
-        "--json",
-        "--config",
-        str(CONFIG),
-        "--set",
-        f"data_dir={work}",
-        "--set",
-        f"data.source={paths['train']}",
-        "--set",
-        f"data.eval_sources=[{paths['test']}]",
-    ]
-    for o in overrides:
-        cmd += ["--set", o]
-    # Its own MLflow (sqlite under data_dir) and Prefect home: no earlier champion, no shared database.
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"} | {"PREFECT_HOME": str(work / "prefect")}
-    if threads:  # torch's intra-op threads in every process of the run (the trainer inherits them)
-        env |= {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-    started = time.monotonic()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
-    seconds = time.monotonic() - started
-    if proc.returncode not in (0, 3):
-        raise SystemExit(f"grpo-pipeline run exited {proc.returncode}: {proc.stdout[-2000:]}")
-    return json.loads(proc.stdout[proc.stdout.index("{") :]), seconds
+    sets = [f"data.source={paths['train']}", f"data.eval_sources=[{paths['test']}]", *overrides]
+    return pipeline_run(work, sets, threads, config=CONFIG)
 
 
 def result(summary: dict, seconds: float, prepared: dict, tiny: bool) -> dict:

@@ -15,6 +15,7 @@ import platform
 import shlex
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -140,6 +141,33 @@ def keep_runs(path: Path, runs: dict) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(runs, indent=1))
     tmp.replace(path)
+
+
+def pipeline_run(work: Path, sets: list[str], threads: int | None, config: Path | None = None) -> tuple[dict, float]:
+    """`grpo-pipeline run --json` (the CLI's default config unless `config`) in a fresh `work` folder as its
+    data_dir, with its own MLflow (sqlite under it: the base is the baseline, no earlier champion) and Prefect
+    home; the converted demo model is linked in so the run does not fetch it again. Returns the run's summary
+    and its wall seconds; a run that fails (any exit but 0 and 3, "not promoted") stops the benchmark."""
+    import shutil
+
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    models = ROOT / ".grpo" / "models"
+    if models.is_dir():
+        (work / "models").symlink_to(models.resolve())
+    cmd = [sys.executable, "-m", "grpo_pipeline.cli", "run", "--json", "--set", f"data_dir={work}"]
+    cmd += ["--config", str(config)] if config else []
+    for s in sets:
+        cmd += ["--set", s]
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"} | {"PREFECT_HOME": str(work / "prefect")}
+    if threads:  # torch's intra-op threads in every process of the run (the trainer inherits them)
+        env |= {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    started = time.monotonic()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    seconds = time.monotonic() - started
+    if proc.returncode not in (0, 3):
+        raise SystemExit(f"grpo-pipeline run exited {proc.returncode}: {proc.stdout[-2000:]}")
+    return json.loads(proc.stdout[proc.stdout.index("{") :]), seconds
 
 
 def run_once(cmd: list[str], metric: str) -> float:

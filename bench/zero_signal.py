@@ -52,7 +52,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.harness import ROOT, add_threads_option, keep_runs, load_runs, save, torch_threads
+from bench.harness import ROOT, add_threads_option, keep_runs, load_runs, pipeline_run, save, torch_threads
 from bench.table import Row
 
 NAME = "zero_signal"
@@ -323,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
                 data = {"train": gsm8k["recurring" if variant == "recurring" else "train"], "test": gsm8k["test"]}
                 summary, seconds = run_pipeline(data, work, sets, threads)
             else:
-                summary, seconds = _run_demo(work, sets, threads)
+                summary, seconds = pipeline_run(work, sets, threads)
             runs[key] = measure(summary, seconds) | {"overrides": sets, "threads": threads}
             keep_runs(WORK / "runs.json", runs)
             print(f"[{NAME}] {key}: {json.dumps(runs[key])} ({(time.monotonic() - started) / 60:.1f} min)", flush=True)
@@ -343,30 +343,6 @@ def main(argv: list[str] | None = None) -> int:
     for row in table_rows(lambda _name: report):
         print(f"[{NAME}] {row.benchmark}: {row.baseline} | {row.candidate} | {row.note}", flush=True)
     return 0
-
-
-def _run_demo(work: Path, sets: list[str], threads: int | None) -> tuple[dict, float]:
-    """The demo recipe (the CLI's default config) through `grpo-pipeline run --json`, like `bench.gsm8k_calc`."""
-    import shutil
-    import subprocess
-
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    models = ROOT / ".grpo" / "models"
-    if models.is_dir():
-        (work / "models").symlink_to(models.resolve())
-    cmd = [sys.executable, "-m", "grpo_pipeline.cli", "run", "--json", "--set", f"data_dir={work}"]
-    for s in sets:
-        cmd += ["--set", s]
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"} | {"PREFECT_HOME": str(work / "prefect")}
-    if threads:
-        env |= {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-    started = time.monotonic()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
-    seconds = time.monotonic() - started
-    if proc.returncode not in (0, 3):
-        raise SystemExit(f"grpo-pipeline run exited {proc.returncode}: {proc.stdout[-2000:]}")
-    return json.loads(proc.stdout[proc.stdout.index("{") :]), seconds
 
 
 if __name__ == "__main__":

@@ -72,3 +72,15 @@ def test_gpu_check_dry_run_takes_the_gpu_code_path_on_the_cpu(tmp_path):
         # forced full-length completions: the shapes the planner's estimate assumes
         assert (m["prompt_len"], m["completion_len"]) == (12, 6)
         assert m["trainable_params"] == case["estimate"]["trainable_params"]  # the planner counts LoRA exactly
+
+
+def test_recipe_seeds_tiny_runs_the_shipped_recipe_through_the_pipeline_on_an_untuned_task(tmp_path, results):
+    from bench.recipe_seeds import main
+
+    work = tmp_path / "work"
+    assert main(["--tiny", "--tasks", "subtract", "--seeds", "3", "--work", str(work), "--threads", "1"]) == 0
+    subtract = json.loads((results / "recipe_seeds_tiny.json").read_text())["tasks"]["subtract"]
+    run = subtract["per_seed"]["3"]
+    assert run["steps"] == 2 and run["n"] > 0 and "train.grpo.seed=3" in run["overrides"]
+    assert subtract["gain_interval"].startswith("an interval over 1 seeds is not printed")
+    assert (work / "tiny" / "subtract.jsonl").read_text().count("\n") == 45  # every a - b with b <= a <= 8
