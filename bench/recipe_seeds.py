@@ -230,7 +230,7 @@ def summarize(by_seed: dict[int, dict]) -> dict:
         low, high = stats.t.interval(0.95, len(gains) - 1, loc=statistics.mean(gains), scale=stats.sem(gains))
         interval: list[float] | str = [float(low), float(high)]
     else:
-        interval = f"an interval over {len(seeds)} seeds is not printed ({MIN_SEEDS_FOR_INTERVAL} needed)"
+        interval = f"an interval over {len(seeds)} seed{'s' if len(seeds) > 1 else ''} is not printed ({MIN_SEEDS_FOR_INTERVAL} needed)"
     ratio = by_seed[worst]["gain"] / median if median > 0 else None
     return {
         "seeds": seeds,

@@ -82,5 +82,5 @@ def test_recipe_seeds_tiny_runs_the_shipped_recipe_through_the_pipeline_on_an_un
     subtract = json.loads((results / "recipe_seeds_tiny.json").read_text())["tasks"]["subtract"]
     run = subtract["per_seed"]["3"]
     assert run["steps"] == 2 and run["n"] > 0 and "train.grpo.seed=3" in run["overrides"]
-    assert subtract["gain_interval"].startswith("an interval over 1 seeds is not printed")
+    assert subtract["gain_interval"].startswith("an interval over 1 seed is not printed")
     assert (work / "tiny" / "subtract.jsonl").read_text().count("\n") == 45  # every a - b with b <= a <= 8
