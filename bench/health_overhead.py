@@ -26,8 +26,8 @@ from grpo_pipeline.tasks.data.demo_task import generate
 from grpo_pipeline.tasks.data.splits import write_splits
 from grpo_pipeline.tasks.job import build_job_spec
 from grpo_pipeline.tasks.model import ensure_demo_model
-from grpo_pipeline.trainer.health import RULE_NAMES, Monitor
-from grpo_pipeline.trainer.spec import HealthSettings, RuleSettings
+from grpo_pipeline.configs.health import RULES, HealthConfig
+from grpo_pipeline.trainer.health import Monitor
 from tests.tiny_model import create_random_model
 
 NAME = "health_overhead"
@@ -68,12 +68,7 @@ def step_log(step: int) -> dict:
 def rules_seconds_per_step(steps: int = 20000, rounds: int = 5) -> dict:
     """The rule engine's time per logged step, every rule on (warn, so no action ends the loop): the median
     and spread over `rounds` timings of `steps` steps each."""
-    settings = HealthSettings(
-        **{
-            name: RuleSettings(action="warn", window=5, threshold=3.0 if name == "length_drift" else 0.5)
-            for name in RULE_NAMES
-        }
-    )
+    settings = HealthConfig(**{name: {"action": "warn"} for name in RULES})
     logs = [step_log(s) for s in range(1, 101)]
     per_step = []
     for _ in range(rounds):
@@ -89,7 +84,7 @@ def main() -> None:
     args = training_bench_args(__doc__)
     name = NAME + ("_tiny" if args.tiny else "")
     common = [f"train.grpo.max_steps={args.steps}", f"train.checkpoint_every={max(1, args.steps // 2)}"]
-    off = [f"train.health.{rule}.action=off" for rule in RULE_NAMES]
+    off = [f"train.health.{rule}.action=off" for rule in RULES]
     work = Path(tempfile.mkdtemp(prefix="bench-health-"))
     on_cfg = load_config(ROOT / "configs" / "demo-cpu.yaml", common)
     off_cfg = load_config(ROOT / "configs" / "demo-cpu.yaml", [*common, *off])

@@ -64,7 +64,7 @@ def plain(cfg) -> dict:
         capture_output=True,
     )
     trained = evaluate_model(model_path, cfg.model, splits["holdout"], rewards, cfg.evaluate, adapter=spec.adapter_dir)
-    decision = decide_promotion(trained.rows, base.rows, cfg.promote, list(rewards.names))
+    decision = decide_promotion(trained.rows, base.rows, cfg.promote, rewards)
     holdout = Holdout.of(base, trained, None)
     registry = RegistryOutcome(model="-", candidate_version="-", decided_against=None, moves=[], aliases={})
     (run_dir / "report.md").write_text(render_markdown(holdout, decision, registry))

@@ -5,7 +5,8 @@ the two rules every reader of it applies (the world size, and TRL's rule that a 
 (`grpo_pipeline.trainer.spec.TrainSettings.distributed`) and the planner's fixed layout
 (`grpo_pipeline.tasks.plan.Layout`) are this one class, so a field, a bound or a default cannot differ between
 them. Pure pydantic and the standard library, importing nothing else of the project: the trainer, a leaf that
-a node runs alone, imports this module and no other of `configs` (tests/unit/test_layers.py holds it so).
+a node runs alone, may import this module and the config's other sections it runs as they are (health, sampling,
+rewards), and no other of `configs` (tests/unit/test_layers.py holds it so).
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """The run's rewards as one value: names, their arguments and their weights (`RewardSet`), and the one
 function that sums a completion's scores into the total every stage ranks by (`RewardSet.total`).
 
-It lives in the config layer, the lowest one every user imports: tasks (training's job spec, evaluation,
-the search's scorer, base selection, the quantization cost) take it as it is; the trainer, which imports
-nothing of the project, receives its parts as plain JSON in the job spec (`rewards`, `reward_args`, and the
-weights as TRL's own `grpo.reward_weights`). `TrainConfig.reward_set()` resolves it from the config.
+It lives in the config layer, the lowest one every user imports: tasks (evaluation, the search's scorer, base
+selection, the quantization cost, the promotion decision) take it as it is, and so does the trainer: the job spec
+carries it whole (`grpo_pipeline.trainer.spec.TrainSettings.rewards`), and the trainer gives its weights to TRL.
+Pure pydantic importing nothing else of the project, so a node runs it alone. `TrainConfig.reward_set()` resolves
+it from the config.
 
     >>> rs = RewardSet(names=("correct_answer", "number_only"), weights=(1.0, 0.5))
     >>> rs.total({"correct_answer": 1.0, "number_only": 1.0, "length": 7})

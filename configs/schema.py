@@ -21,10 +21,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import yaml
 from pydantic import (
     BaseModel,
-    BeforeValidator,
     ConfigDict,
     Field,
-    PrivateAttr,
     TypeAdapter,
     ValidationError,
     ValidationInfo,
@@ -34,9 +32,11 @@ from pydantic import (
 
 from grpo_pipeline.configs import library_fields
 from grpo_pipeline.configs.ab import ABConfig
+from grpo_pipeline.configs.health import NON_FINITE, HealthConfig
 from grpo_pipeline.configs.layout import DistributedConfig, batch_problem
 from grpo_pipeline.configs.policy import ENV_NAME, ENV_NAME_SUFFIXES, TriggerPolicy, credential_key, secret_shape
 from grpo_pipeline.configs.rewards import RewardSet
+from grpo_pipeline.configs.sampling import CurriculumConfig, DynamicSamplingConfig
 
 if TYPE_CHECKING:
     from pydantic_core import ErrorDetails
@@ -343,134 +343,6 @@ def _grpo_default(name: str) -> Any:
     return library_fields.default("GRPOConfig", name)
 
 
-def _yaml_off(value: Any) -> Any:
-    """YAML 1.1 (PyYAML, and so `--set`) reads a bare `off` as false: for an action, false is `off`."""
-    return "off" if value is False else value
-
-
-HealthAction = typing.Annotated[Literal["off", "warn", "stop", "rollback"], BeforeValidator(_yaml_off)]
-_ACTION = (
-    "warn: a log line, an MLflow tag and metric; stop: end training after this step and evaluate what "
-    "exists; rollback: restart from the last healthy checkpoint at a lower learning rate; off"
-)
-
-
-class _HealthRule(StrictModel):
-    window: int = Field(5, ge=1, description="logged steps the rule averages over")
-
-
-class ZeroVarianceRule(_HealthRule):
-    """Groups whose completions all got the same reward have zero advantage: the step learns nothing from them."""
-
-    action: HealthAction = Field("warn", description=_ACTION)
-    threshold: float = Field(0.9, ge=0, le=1, description="fires when the mean of frac_reward_zero_std reaches this")
-
-
-class EntropyCollapseRule(_HealthRule):
-    """The policy stops exploring: its entropy falls far below where the run started."""
-
-    action: HealthAction = Field("warn", description=_ACTION)
-    threshold: float = Field(
-        0.1, gt=0, lt=1, description="fires when mean entropy falls to this fraction of the run's first window"
-    )
-
-
-class LengthDriftRule(_HealthRule):
-    """Length hacking: mean completion length drifts far from where the run started, either way."""
-
-    action: HealthAction = Field("warn", description=_ACTION)
-    threshold: float = Field(
-        3.0, gt=1, description="fires when mean length is this multiple of the run's first window, or its inverse"
-    )
-
-
-class ClippedCompletionsRule(_HealthRule):
-    """Completions cut at max_completion_length: rewards then score text that never finished."""
-
-    action: HealthAction = Field("warn", description=_ACTION)
-    threshold: float = Field(0.5, ge=0, le=1, description="fires when the mean clipped fraction reaches this")
-
-
-class KlBlowupRule(_HealthRule):
-    """The policy runs away from the reference (only with train.grpo.beta > 0: TRL logs no kl otherwise)."""
-
-    action: HealthAction = Field("warn", description=_ACTION)
-    window: int = Field(3, ge=1, description="logged steps the rule averages over")
-    threshold: float = Field(1.0, gt=0, description="fires when mean per-token KL reaches this (nats)")
-
-
-class RewardCollapseRule(_HealthRule):
-    """The batch's rewards stop differing: all right (nothing left to learn) or all wrong (too hard)."""
-
-    action: HealthAction = Field("warn", description=_ACTION)
-    threshold: float = Field(0.01, ge=0, description="fires when mean reward_std falls to this")
-
-
-class NonFiniteRule(StrictModel):
-    """A NaN or inf loss or gradient norm: the optimizer step has already spread it into the weights."""
-
-    action: HealthAction = Field("rollback", description=_ACTION)
-    window: int = Field(1, ge=1, le=1, description="always 1: one non-finite step is enough")
-    threshold: float = Field(0.0, ge=0, le=0, description="unused (any non-finite value fires)")
-
-
-class HealthConfig(StrictModel):
-    """Guards for an unattended run, read from the metrics TRL logs each step (docs/training.md#health-rules:
-    each default and its source). Every rule that fires is in the log, in MLflow and in the run's summary."""
-
-    zero_variance: ZeroVarianceRule = ZeroVarianceRule()
-    entropy_collapse: EntropyCollapseRule = EntropyCollapseRule()
-    length_drift: LengthDriftRule = LengthDriftRule()
-    clipped_completions: ClippedCompletionsRule = ClippedCompletionsRule()
-    kl_blowup: KlBlowupRule = KlBlowupRule()
-    reward_collapse: RewardCollapseRule = RewardCollapseRule()
-    non_finite: NonFiniteRule = NonFiniteRule()
-    max_rollbacks: int = Field(2, ge=0, description="rollbacks in one job; a rule that asks for one more stops instead")
-    rollback_lr_factor: float = Field(0.5, gt=0, lt=1, description="each rollback multiplies the learning rate by this")
-
-    def rolls_back(self) -> list[str]:
-        return [
-            name
-            for name in type(self).model_fields
-            if isinstance(getattr(self, name), BaseModel) and getattr(self, name).action == "rollback"
-        ]
-
-
-class CurriculumConfig(StrictModel):
-    """Fewer wasted steps (docs/training.md#fewer-wasted-steps): a prompt whose last group of completions all got
-    the same reward (all right or all wrong: no advantage, no gradient) sits out its next passes over the data,
-    at most `max_skips` of them, then comes back. Until a prompt recurs, the order is TRL's own."""
-
-    enabled: bool = Field(True, description="bench prompts whose recent groups had zero reward variance")
-    patience: int = Field(1, ge=1, description="zero-variance groups in a row before a prompt is benched")
-    max_skips: int = Field(
-        2,
-        ge=1,
-        description="passes over the data a benched prompt sits out before it is drawn "
-        "again (the cap: a prompt too hard today may be learnable later)",
-    )
-
-
-class DynamicSamplingConfig(StrictModel):
-    """DAPO-style dynamic sampling (docs/training.md#dynamic-sampling; Yu et al. 2025, arXiv:2503.14476, §3.2):
-    each generation makes `oversample` times the groups a step trains on, in one batched generate, and the step
-    trains on the groups whose rewards differ (flat groups only fill up when too few differ). It pays more
-    generation per step for fewer zero-signal groups, where the curriculum cannot help: prompts seen once."""
-
-    enabled: bool = Field(
-        False,
-        description="off by default: each step costs up to `oversample` times the generation, worth it only where "
-        "many groups are flat (bench.zero_signal measures it at equal wall time)",
-    )
-    oversample: float = Field(
-        2.0,
-        gt=1,
-        allow_inf_nan=False,
-        description="groups generated per group trained on (> 1; extra groups per process = ceil((oversample - 1) "
-        "x its groups)); 2: DAPO's budget finds a group with variance for most slots when half the groups are flat",
-    )
-
-
 def dynamic_sampling_problem(grpo: dict[str, Any], world: int, default: Any) -> str | None:
     """Dynamic sampling keeps or drops whole groups on each process alone, so each process's generation batch
     must hold whole groups of num_generations (TRL only asks it of the global batch).
@@ -507,9 +379,6 @@ GRPO_OWNED = {"output_dir", "save_strategy", "save_steps", "save_total_limit", "
 
 
 class TrainConfig(StrictModel):
-    _weights_written: list[float] | None = PrivateAttr(
-        None
-    )  # what _reward_weights put into grpo, so a change can redo it
     grpo: dict[str, Any] = Field(default_factory=dict, description="passed to trl.GRPOConfig")
     lora: dict[str, Any] = Field(default_factory=dict, description="passed to peft.LoraConfig")
     rewards: list[str] = Field(
@@ -520,7 +389,7 @@ class TrainConfig(StrictModel):
     reward_weights: dict[str, float] | None = Field(
         None,
         description="reward name -> weight in that sum (unnamed rewards weigh 1.0), e.g. {think_format: 0.2}; "
-        "written into TRL's own train.grpo.reward_weights in reward order, which is how it reaches the trainer",
+        "the run's RewardSet carries them to the trainer, which gives them to TRL (its reward_weights) in reward order",
     )
     reward_args: dict[str, dict[str, Any]] = Field(
         default_factory=dict,
@@ -588,7 +457,8 @@ class TrainConfig(StrictModel):
 
     @model_validator(mode="after")
     def _reward_weights(self) -> TrainConfig:
-        """Weights by name become TRL's list in reward order; a list given in train.grpo must fit the rewards."""
+        """Weights by name must name the rewards; TRL's own list in train.grpo must give one per reward, and agree
+        with the names' when both are given."""
         given = self.grpo.get("reward_weights")
         if self.reward_weights is None:
             if given is not None and (not isinstance(given, list) or len(given) != len(self.rewards)):
@@ -603,21 +473,22 @@ class TrainConfig(StrictModel):
             )
         if bad := {k: w for k, w in self.reward_weights.items() if not math.isfinite(w)}:
             raise ValueError(f"train.reward_weights: {bad} are not finite numbers")
-        weights = [float(self.reward_weights.get(name, 1.0)) for name in self.rewards]
-        if given is not None and given != self._weights_written and [float(w) for w in given] != weights:
+        if given is not None and given != [self.reward_weights.get(name, 1.0) for name in self.rewards]:
             raise ValueError(
                 "train.grpo.reward_weights and train.reward_weights disagree: give the weights once, "
                 "by name, in train.reward_weights"
             )
-        self.grpo["reward_weights"] = self._weights_written = weights
         return self
 
     def reward_set(self) -> RewardSet:
-        """The rewards as one value: names, arguments and the weights TRL will use (train.grpo.reward_weights,
-        which `_reward_weights` wrote from train.reward_weights; 1.0 each when neither is set)."""
-        return RewardSet(
-            names=tuple(self.rewards), args=self.reward_args, weights=tuple(self.grpo.get("reward_weights") or ())
-        )
+        """The rewards as one value: names, arguments and weights, from train.reward_weights by name (unnamed
+        rewards weigh 1.0), else TRL's own list in train.grpo.reward_weights, else 1.0 each. The job spec carries
+        it whole to the trainer (`grpo_pipeline.tasks.job.train_settings`)."""
+        if self.reward_weights is not None:
+            weights = tuple(float(self.reward_weights.get(name, 1.0)) for name in self.rewards)
+        else:
+            weights = tuple(float(w) for w in self.grpo.get("reward_weights") or ())
+        return RewardSet(names=tuple(self.rewards), args=self.reward_args, weights=weights)
 
     @model_validator(mode="after")
     def _rollback_has_checkpoints(self) -> TrainConfig:
@@ -625,7 +496,7 @@ class TrainConfig(StrictModel):
         max_steps = self.grpo.get("max_steps")
         if not (isinstance(max_steps, int) and max_steps > 0 and self.checkpoint_every >= max_steps):
             return self
-        nf = self.health.non_finite
+        nf = self.health.rule(NON_FINITE)
         if nf.action == "rollback" and "action" not in nf.model_fields_set:
             nf.action = "stop"  # the default asks for a rollback only where there is a checkpoint to return to
         if rolling := self.health.rolls_back():

@@ -33,8 +33,17 @@ def model_load(model: ModelConfig) -> ModelLoad:
 
 
 def train_settings(train: TrainConfig) -> TrainSettings:
-    """What of the `train` section the trainer itself runs (not where or how often it is launched)."""
-    return TrainSettings.model_validate(train.model_dump(include=set(TrainSettings.model_fields)))
+    """What of the `train` section the trainer itself runs (not where or how often it is launched), the rewards
+    whole (`TrainConfig.reward_set`: names, arguments and weights as one value, so TRL's `grpo.reward_weights` is
+    not a second place for the weights).
+
+    >>> s = train_settings(TrainConfig(reward_weights={"number_only": 0.5}))
+    >>> s.rewards.weights, "reward_weights" in s.grpo
+    ((1.0, 0.5), False)
+    """
+    settings = train.model_dump(include=set(TrainSettings.model_fields) - {"rewards"})
+    settings["grpo"].pop("reward_weights", None)
+    return TrainSettings.model_validate({**settings, "rewards": train.reward_set()})
 
 
 def build_job_spec(

@@ -31,8 +31,9 @@ if TYPE_CHECKING:
     from mlflow import MlflowClient
     from transformers import Trainer, TrainerControl, TrainerState, TrainingArguments
 
+    from grpo_pipeline.configs.health import HealthConfig
     from grpo_pipeline.trainer.health import Ledger
-    from grpo_pipeline.trainer.spec import HealthEvent, HealthSettings
+    from grpo_pipeline.trainer.spec import HealthEvent
 
 log = logging.getLogger(__name__)
 
@@ -291,7 +292,7 @@ class HealthCallback(TrainerCallback):
 
     def __init__(
         self,
-        settings: HealthSettings,
+        settings: HealthConfig,
         ledger: Ledger,
         ranks: Ranks | None = None,
         client: MlflowClient | None = None,

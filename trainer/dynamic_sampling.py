@@ -22,7 +22,7 @@ import math
 import random
 from typing import Any
 
-from grpo_pipeline.trainer.spec import DynamicSamplingSettings
+from grpo_pipeline.configs.sampling import DynamicSamplingConfig
 
 # TRL's output keys that hold one entry per row (completion); the image keys are per patch or per image, so a
 # vision batch is refused rather than cut wrongly
@@ -89,11 +89,11 @@ def informative_groups(rewards: Any, num_generations: int) -> list[bool]:  # Any
 
 def trainer_class(base: type) -> type:
     """`base` (TRL's GRPOTrainer or the curriculum's subclass) with dynamic sampling (pass
-    `dynamic_sampling=DynamicSamplingSettings`)."""
+    `dynamic_sampling=DynamicSamplingConfig`)."""
     from datasets import IterableDataset
 
     class DynamicSamplingTrainer(base):
-        def __init__(self, *args: Any, dynamic_sampling: DynamicSamplingSettings, **kwargs: Any) -> None:
+        def __init__(self, *args: Any, dynamic_sampling: DynamicSamplingConfig, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             if isinstance(self.train_dataset, IterableDataset):
                 raise ValueError(

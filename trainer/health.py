@@ -1,9 +1,10 @@
 """Health rules for an unattended GRPO run: read from the metrics TRL already logs each step (no second
 forward pass), each rule a window, a threshold and an action (warn, stop, rollback).
 
-The rule engine (`Monitor`) is pure: it takes one HF log dict at a time and returns the events that fired;
-its state (each rule's window, baseline and whether it is armed) is a JSON-able dict, saved beside every
-checkpoint (`health.json`) and restored on resume, so a resumed run keeps its windows. `HealthCallback` is
+Each rule is one entry of `grpo_pipeline.configs.health.RULES` (its metric, comparison, defaults and bounds), from
+which the config's section is derived too. The rule engine (`Monitor`) is pure: it takes one HF log dict at a time
+and returns the events that fired; its state (each rule's window, baseline and whether it is armed) is a JSON-able
+dict, saved beside every checkpoint (`health.json`) and restored on resume, so a resumed run keeps its windows. `HealthCallback` is
 the thin part that reads TRL's logs, makes every rank act on rank 0's decision, records each event (log
 line, MLflow tag and metric) and ends or rolls back the training. The defaults and where they come from:
 docs/training.md#health-rules.
@@ -19,68 +20,18 @@ import json
 import logging
 import math
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeGuard
 
-from grpo_pipeline.trainer.spec import HealthEvent, HealthSettings, RuleSettings  # noqa: F401 - RuleSettings: the doctests use it
+from grpo_pipeline.configs.health import NON_FINITE, RULES, HealthConfig
+from grpo_pipeline.trainer.spec import HealthEvent
 
 log = logging.getLogger(__name__)
 STATE_FILE = "health.json"  # in each checkpoint: the monitor's windows, the events so far, the lr scale baked in
 LEDGER = "health"  # a store entry: the rollbacks so far and the lr scale they set, kept across relaunches
 SEVERITY = {"off": 0, "warn": 1, "stop": 2, "rollback": 3}
-
-
-@dataclass(frozen=True)
-class Rule:
-    """One rule: the metric it reads, how a window of it becomes one value, and when that value is bad.
-
-    `relative` rules compare the window's mean with the run's first full window (its baseline): entropy and
-    completion length have no model-independent scale, their change does."""
-
-    name: str
-    metric: str
-    bad: Callable[[float, float], bool]  # (value, threshold) -> fired
-    says: str  # what the value is, for the message
-    relative: bool = False
-
-
-RULES: dict[str, Rule] = {
-    r.name: r
-    for r in (
-        Rule(
-            "zero_variance",
-            "frac_reward_zero_std",
-            lambda v, t: v >= t,
-            "mean fraction of groups whose completions all got the same reward (no advantage, no gradient)",
-        ),
-        Rule(
-            "entropy_collapse",
-            "entropy",
-            lambda v, t: v <= t,
-            "mean policy entropy as a fraction of the run's first window",
-            relative=True,
-        ),
-        Rule(
-            "length_drift",
-            "completions/mean_length",
-            lambda v, t: v >= t or v <= 1 / t,
-            "mean completion length as a multiple of the run's first window",
-            relative=True,
-        ),
-        Rule(
-            "clipped_completions",
-            "completions/clipped_ratio",
-            lambda v, t: v >= t,
-            "mean fraction of completions cut at max_completion_length",
-        ),
-        Rule("kl_blowup", "kl", lambda v, t: v >= t, "mean per-token KL to the reference"),
-        Rule("reward_collapse", "reward_std", lambda v, t: v <= t, "mean spread (std) of the rewards in a batch"),
-    )
-}
-NON_FINITE = "non_finite"  # no window statistic: any non-finite loss or grad norm fires at once
-RULE_NAMES = (*RULES, NON_FINITE)
+WINDOWED = [name for name, rule in RULES.items() if rule.fires != "non-finite"]
 
 
 def _finite_number(value: object) -> TypeGuard[int | float]:
@@ -112,19 +63,19 @@ class Monitor:
     """Every enabled rule's window over the logged steps. `observe` takes one step's log and returns the
     events that fired; `state`/`load` carry the windows through a checkpoint.
 
-    >>> s = HealthSettings(zero_variance=RuleSettings(action="stop", window=2, threshold=0.9))
+    >>> s = HealthConfig(zero_variance={"action": "stop", "window": 2, "threshold": 0.9})
     >>> m = Monitor(s)
     >>> m.observe(1, {"frac_reward_zero_std": 1.0}), [e.rule for e in m.observe(2, {"frac_reward_zero_std": 1.0})]
     ([], ['zero_variance'])
     """
 
-    settings: HealthSettings
+    settings: HealthConfig
     check_grad_norm: bool = True  # False under fp16: the GradScaler skips inf steps itself, and logs them
     tracks: dict[str, _Track] = field(default_factory=dict)
     armed_non_finite: bool = True
 
     def __post_init__(self):
-        for name in RULES:
+        for name in WINDOWED:
             rule = self.settings.rule(name)
             if rule.action != "off" and name not in self.tracks:
                 self.tracks[name] = _Track(deque(maxlen=rule.window))
@@ -133,7 +84,8 @@ class Monitor:
         events = []
         for name, track in self.tracks.items():
             rule, cfg = RULES[name], self.settings.rule(name)
-            value = logs.get(rule.metric)
+            (metric,) = rule.metrics  # a windowed rule averages one key
+            value = logs.get(metric)
             if not _finite_number(value):  # absent (kl with beta 0), None (TRL: all NaN) or non-finite
                 continue
             track.values.append(float(value))
@@ -147,30 +99,30 @@ class Monitor:
                 if track.baseline <= 0:
                     continue  # nothing to be a fraction of
                 mean = mean / track.baseline
-            fired = rule.bad(mean, cfg.threshold)
+            fired = rule.fired(mean, cfg.threshold)
             if fired and track.armed:
                 events.append(
                     HealthEvent(
                         rule=name,
                         step=step,
-                        metric=rule.metric,
+                        metric=metric,
                         value=mean,
                         threshold=cfg.threshold,
                         action=cfg.action,
                         message=f"{rule.says}: {mean:.4g} over the last {cfg.window} logged step(s), threshold "
-                        f"{cfg.threshold:g}" + _detail(name, logs),
+                        f"{cfg.threshold:g}" + (_rewards_detail(logs) if rule.names_rewards else ""),
                     )
                 )
             track.armed = not fired
-        nf = self.settings.non_finite
+        nf, rule = self.settings.rule(NON_FINITE), RULES[NON_FINITE]
         if nf.action != "off":
             bad = {
                 k: logs[k]
-                for k in ("loss", "grad_norm")
+                for k in rule.metrics
                 if k in logs
                 and (k != "grad_norm" or self.check_grad_norm)
                 and isinstance(logs[k], int | float)
-                and not math.isfinite(logs[k])
+                and rule.fired(logs[k], nf.threshold)
             }
             if bad and self.armed_non_finite:
                 key, value = next(iter(bad.items()))
@@ -182,7 +134,7 @@ class Monitor:
                         value=float(value),
                         threshold=0.0,
                         action=nf.action,
-                        message=f"non-finite {', '.join(f'{k}={v}' for k, v in bad.items())}",
+                        message=f"{rule.says} {', '.join(f'{k}={v}' for k, v in bad.items())}",
                     )
                 )
             self.armed_non_finite = not bad
@@ -206,18 +158,17 @@ class Monitor:
         self.armed_non_finite = state.get("armed_non_finite", True)
 
 
-def _detail(rule: str, logs: dict) -> str:
-    """What the team needs beside the number: for a reward collapse, whether all right or all wrong."""
-    if rule in ("reward_collapse", "zero_variance"):
-        spreads = {
-            k.removeprefix("rewards/").removesuffix("/std"): v
-            for k, v in logs.items()
-            if k.startswith("rewards/") and k.endswith("/std") and _finite_number(v)
-        }
-        parts = [f"reward mean {logs['reward']:.4g}"] if _finite_number(logs.get("reward")) else []
-        parts += [f"{name} std {v:.3g}" for name, v in spreads.items()]
-        return f" ({', '.join(parts)})" if parts else ""
-    return ""
+def _rewards_detail(logs: dict) -> str:
+    """What the team needs beside the number of a rule about the rewards (`Rule.names_rewards`): whether all
+    right or all wrong, and which reward stopped differing."""
+    spreads = {
+        k.removeprefix("rewards/").removesuffix("/std"): v
+        for k, v in logs.items()
+        if k.startswith("rewards/") and k.endswith("/std") and _finite_number(v)
+    }
+    parts = [f"reward mean {logs['reward']:.4g}"] if _finite_number(logs.get("reward")) else []
+    parts += [f"{name} std {v:.3g}" for name, v in spreads.items()]
+    return f" ({', '.join(parts)})" if parts else ""
 
 
 def decide(events: list[HealthEvent]) -> HealthEvent | None:

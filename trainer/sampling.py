@@ -27,8 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from grpo_pipeline.configs.sampling import CurriculumConfig
 from grpo_pipeline.trainer.checkpoints import checkpoint_name
-from grpo_pipeline.trainer.spec import CurriculumSettings, ZeroSignal
+from grpo_pipeline.trainer.spec import ZeroSignal
 
 STATE_FILE = "curriculum.json"  # in each checkpoint, beside health.json
 
@@ -51,7 +52,7 @@ class Curriculum:
     `patience`. `skips[i]`: passes over a benched prompt since it was last drawn; at `max_skips` it is drawn
     again, and its next group decides (still no variance: benched anew; otherwise it is back for good).
 
-    >>> c = Curriculum(n=4, batch_size=2, seed=0, settings=CurriculumSettings(), shuffle=False)
+    >>> c = Curriculum(n=4, batch_size=2, seed=0, settings=CurriculumConfig(), shuffle=False)
     >>> list(c.epoch_chunks(0))
     [[0, 1], [2, 3]]
     >>> c.observe([(0, True), (1, False)])
@@ -62,7 +63,7 @@ class Curriculum:
     n: int
     batch_size: int  # distinct prompts per chunk (TRL: generation_batch_size // num_generations)
     seed: int | None
-    settings: CurriculumSettings
+    settings: CurriculumConfig
     shuffle: bool = True
     streak: dict[int, int] = field(default_factory=dict)
     skips: dict[int, int] = field(default_factory=dict)
@@ -259,7 +260,7 @@ def trainer_class():
 
     class CurriculumGRPOTrainer(GRPOTrainer):
         def __init__(
-            self, *args: Any, curriculum_settings: CurriculumSettings, restored: dict | None = None, **kwargs: Any
+            self, *args: Any, curriculum_settings: CurriculumConfig, restored: dict | None = None, **kwargs: Any
         ) -> None:
             super().__init__(*args, **kwargs)
             data = self.train_dataset

@@ -1,10 +1,11 @@
 """The job spec: everything one training job needs, as JSON, so a launcher can ship it to any node; and
 what the job reports back (its result file, its tagged progress lines).
 
-The trainer owns this contract and imports nothing else of the project but the distributed layout's one type
-(`grpo_pipeline.configs.layout`, pure pydantic), so a node runs `python -m grpo_pipeline.trainer --spec
-job.json` without the orchestrator's libraries; the pipeline's stages fill the spec in
-(`grpo_pipeline.tasks.job.build_job_spec`).
+The trainer owns this contract and imports nothing else of the project but the config's sections it runs as they
+are (the distributed layout, the health rules, the curriculum and dynamic sampling, the rewards: `configs/layout.py`,
+`health.py`, `sampling.py`, `rewards.py`, each pure pydantic importing nothing of the project), so a node runs
+`python -m grpo_pipeline.trainer --spec job.json` without the orchestrator's libraries; the pipeline's stages fill
+the spec in (`grpo_pipeline.tasks.job.build_job_spec`).
 """
 
 from __future__ import annotations
@@ -14,10 +15,13 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, model_validator
 
-# the one module of the project the trainer imports: the layout is the config's own type (configs/layout.py)
+# the config's own sections, one definition each (tests/unit/test_layers.py: the only modules the trainer imports)
+from grpo_pipeline.configs.health import Action, HealthConfig
 from grpo_pipeline.configs.layout import DistributedConfig
+from grpo_pipeline.configs.rewards import RewardSet
+from grpo_pipeline.configs.sampling import CurriculumConfig, DynamicSamplingConfig
 
 
 class _Strict(BaseModel):
@@ -31,79 +35,6 @@ class ModelLoad(_Strict):
     double_quant: bool
     compute_dtype: Literal["float32", "bfloat16", "float16"]
     trust_remote_code: bool
-
-
-Action = Literal["off", "warn", "stop", "rollback"]
-
-
-class RuleSettings(_Strict):
-    """One health rule (`grpo_pipeline.trainer.health`): what to do when it fires, over how many logged steps, at what value."""
-
-    action: Action
-    window: int = Field(ge=1)
-    threshold: float = Field(allow_inf_nan=False)
-
-
-# The defaults, and what `grpo_pipeline.configs.schema.HealthConfig` repeats field by field (a unit test holds them equal);
-# why each value: docs/training.md#health-rules.
-HEALTH_DEFAULTS: dict[str, dict[str, Any]] = {
-    "zero_variance": {"action": "warn", "window": 5, "threshold": 0.9},
-    "entropy_collapse": {"action": "warn", "window": 5, "threshold": 0.1},
-    "length_drift": {"action": "warn", "window": 5, "threshold": 3.0},
-    "clipped_completions": {"action": "warn", "window": 5, "threshold": 0.5},
-    "kl_blowup": {"action": "warn", "window": 3, "threshold": 1.0},
-    "reward_collapse": {"action": "warn", "window": 5, "threshold": 0.01},
-    "non_finite": {"action": "rollback", "window": 1, "threshold": 0.0},
-}
-
-
-def _rule(name: str) -> Any:  # a pydantic Field, typed as Any so it can default any field
-    return Field(default_factory=lambda: RuleSettings(**HEALTH_DEFAULTS[name]))
-
-
-class HealthSettings(_Strict):
-    """The health rules the trainer runs (`grpo_pipeline.trainer.health`), and how a rollback changes the run."""
-
-    zero_variance: RuleSettings = _rule("zero_variance")
-    entropy_collapse: RuleSettings = _rule("entropy_collapse")
-    length_drift: RuleSettings = _rule("length_drift")
-    clipped_completions: RuleSettings = _rule("clipped_completions")
-    kl_blowup: RuleSettings = _rule("kl_blowup")
-    reward_collapse: RuleSettings = _rule("reward_collapse")
-    non_finite: RuleSettings = _rule("non_finite")
-    max_rollbacks: int = Field(2, ge=0)
-    rollback_lr_factor: float = Field(0.5, gt=0, lt=1)
-
-    def rule(self, name: str) -> RuleSettings:
-        return getattr(self, name)
-
-    def rolls_back(self) -> list[str]:
-        return [name for name in HEALTH_DEFAULTS if self.rule(name).action == "rollback"]
-
-
-# What `grpo_pipeline.configs.schema.CurriculumConfig` repeats (a unit test holds them equal); why: docs/training.md#fewer-wasted-steps.
-CURRICULUM_DEFAULTS: dict[str, Any] = {"enabled": True, "patience": 1, "max_skips": 2}
-
-
-class CurriculumSettings(_Strict):
-    """Prompts whose groups had no reward variance sit out (`grpo_pipeline.trainer.sampling`)."""
-
-    enabled: bool = CURRICULUM_DEFAULTS["enabled"]
-    patience: int = Field(CURRICULUM_DEFAULTS["patience"], ge=1)  # zero-variance groups in a row before benching
-    max_skips: int = Field(CURRICULUM_DEFAULTS["max_skips"], ge=1)  # passes a benched prompt sits out, then it is drawn
-
-
-# What `grpo_pipeline.configs.schema.DynamicSamplingConfig` repeats (a unit test holds them equal); why:
-# docs/training.md#dynamic-sampling.
-DYNAMIC_SAMPLING_DEFAULTS: dict[str, Any] = {"enabled": False, "oversample": 2.0}
-
-
-class DynamicSamplingSettings(_Strict):
-    """DAPO-style dynamic sampling (`grpo_pipeline.trainer.dynamic_sampling`): generate `oversample` groups per
-    group trained and train on the ones whose rewards differ."""
-
-    enabled: bool = DYNAMIC_SAMPLING_DEFAULTS["enabled"]
-    oversample: float = Field(DYNAMIC_SAMPLING_DEFAULTS["oversample"], gt=1, allow_inf_nan=False)
 
 
 class ZeroSignal(BaseModel):
@@ -135,21 +66,40 @@ class HealthEvent(BaseModel):
 
 
 class TrainSettings(_Strict):
-    """What the trainer runs: TRL's GRPOConfig and PEFT's LoraConfig fields, rewards, checkpointing, and how
+    """What the trainer runs: TRL's GRPOConfig and PEFT's LoraConfig fields, the rewards, checkpointing, and how
     many processes run it."""
 
-    grpo: dict[str, Any]
+    grpo: dict[str, Any]  # without reward_weights: the rewards carry their weights
     lora: dict[str, Any]
-    rewards: list[str]  # names in grpo_pipeline.trainer.rewards.REWARDS, or 'package.module:function'
-    reward_args: dict[str, dict[str, Any]] = {}  # reward name -> keyword arguments (`resolve_rewards`)
+    rewards: RewardSet  # names in grpo_pipeline.trainer.rewards.REWARDS or 'package.module:function', args, weights
     checkpoint_every: int
     keep_checkpoints: int
     early_stopping_patience: int | None
     s3_endpoint_url: str | None
     distributed: DistributedConfig = DistributedConfig()  # train.distributed as configured
-    health: HealthSettings = HealthSettings()
-    curriculum: CurriculumSettings = CurriculumSettings()
-    dynamic_sampling: DynamicSamplingSettings = DynamicSamplingSettings()
+    health: HealthConfig = HealthConfig()
+    curriculum: CurriculumConfig = CurriculumConfig()
+    dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _loose_rewards(cls, data: Any) -> Any:
+        """A spec written before the rewards travelled whole held them as three loose fields: `rewards` (the
+        names), `reward_args` and the weights in `grpo.reward_weights`. Read it as the one value."""
+        if not isinstance(data, dict) or not isinstance(data.get("rewards"), list):
+            return data
+        data = dict(data)
+        grpo = dict(data.get("grpo") or {})
+        weights = grpo.pop("reward_weights", None) or ()
+        data["rewards"] = {"names": data["rewards"], "args": data.pop("reward_args", {}), "weights": weights}
+        data["grpo"] = grpo
+        return data
+
+    @model_validator(mode="after")
+    def _weights_once(self) -> TrainSettings:
+        if "reward_weights" in self.grpo:  # TRL would get two lists of weights
+            raise ValueError("grpo.reward_weights: the weights travel in rewards.weights, the RewardSet's own field")
+        return self
 
 
 class JobSpec(_Strict):

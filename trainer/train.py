@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from grpo_pipeline.configs.health import NON_FINITE
 from grpo_pipeline.trainer import distributed
 from grpo_pipeline.trainer.checkpoints import (
     FINAL,
@@ -75,7 +76,7 @@ def grpo_args(spec: JobSpec, output_dir: Path) -> GRPOConfig:
         user.setdefault("use_cpu", True)
     if os.environ.get(distributed.VLLM_HOST_ENV):  # vllm_mode=server: where the node launcher started it
         user.setdefault("vllm_server_host", os.environ[distributed.VLLM_HOST_ENV])
-    if spec.train.health.non_finite.action != "off":
+    if spec.train.health.rule(NON_FINITE).action != "off":
         # HF's default hides a NaN/inf loss in the logged average; the non_finite rule must see it
         user.setdefault("logging_nan_inf_filter", False)
     if spec.train.early_stopping_patience:
@@ -91,6 +92,7 @@ def grpo_args(spec: JobSpec, output_dir: Path) -> GRPOConfig:
         save_strategy="steps",
         save_steps=spec.train.checkpoint_every,
         save_total_limit=spec.train.keep_checkpoints,
+        reward_weights=list(spec.train.rewards.weights),  # in the order of the reward functions
         **user,
     )
 
@@ -295,7 +297,7 @@ def _attempt(
     trainer = trainer_cls(
         model=model,
         reward_funcs=resolve_rewards(
-            spec.train.rewards, spec.train.reward_args, max_completion_length=args.max_completion_length
+            spec.train.rewards.names, spec.train.rewards.args, max_completion_length=args.max_completion_length
         ),
         args=args,
         train_dataset=train_ds,

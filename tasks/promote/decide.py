@@ -16,6 +16,7 @@ import numpy as np
 from pydantic import BaseModel
 from scipy import stats
 
+from grpo_pipeline.configs.rewards import RewardSet
 from grpo_pipeline.configs.schema import ConfigError, PromotionPolicy
 
 Z_POWER_80 = 0.8416  # one-sided normal quantile for 80% power
@@ -99,14 +100,21 @@ def decide_promotion(
     candidate: list[dict],
     baseline: list[dict],
     policy: PromotionPolicy,
-    rewards: Sequence[str] = (),
+    rewards: RewardSet | Sequence[str] = (),
     evaluation_complete: bool = True,
 ) -> Decision:
     """Promote only when the interval's lower bound clears the minimum effect and no guardrail regresses.
 
     `candidate` and `baseline` are per-sample rows (`key`, the primary metric, each guarded column);
-    every reward in `rewards` is guarded with `policy.reward_tolerance` unless `policy.guardrails` names it.
+    every reward of `rewards` (the run's RewardSet, or its names alone) is guarded with `policy.reward_tolerance`
+    unless `policy.guardrails` names it.
     """
+    # reward -> its weight in the total; names alone weigh 1.0 each, as TRL's default
+    weights = (
+        dict(zip(rewards.names, rewards.weights, strict=True))
+        if isinstance(rewards, RewardSet)
+        else dict.fromkeys(rewards, 1.0)
+    )
     reasons: list[str] = []
     if not evaluation_complete or not candidate:
         return Decision(promote=False, reasons=["the evaluation did not complete"], stats={})
@@ -126,12 +134,18 @@ def decide_promotion(
             f"or more (80% power); use at least {policy.min_samples}"
         )
     guards_ok = True
-    guardrails = {name: policy.reward_tolerance for name in rewards} | policy.guardrails
+    guardrails = {name: policy.reward_tolerance for name in weights} | policy.guardrails
     for column, tolerance in guardrails.items():
         c_mean = statistics.fmean(r[column] for r in cand)
         b_mean = statistics.fmean(r[column] for r in base)
-        # Lengths regress upward (rambling); rewards and rates regress downward.
-        regression = (c_mean - b_mean) / max(b_mean, 1e-9) if column == "length" else b_mean - c_mean
+        # Lengths regress upward (rambling), and so do rewards the total counts against; other rewards and rates
+        # regress downward.
+        if column == "length":
+            regression, unit = (c_mean - b_mean) / max(b_mean, 1e-9), "relative increase"
+        elif weights.get(column, 1.0) < 0:
+            regression, unit = c_mean - b_mean, "rise (its weight is negative)"
+        else:
+            regression, unit = b_mean - c_mean, "drop"
         summary["guardrails"][column] = {
             "candidate": c_mean,
             "baseline": b_mean,
@@ -140,6 +154,5 @@ def decide_promotion(
         }
         if regression > tolerance:
             guards_ok = False
-            unit = "relative increase" if column == "length" else "drop"
             reasons.append(f"guardrail {column}: {unit} {regression:.3f} exceeds tolerance {tolerance:.3f}")
     return Decision(promote=win and guards_ok, reasons=reasons, stats=summary)

@@ -8,8 +8,9 @@ import json
 
 import pytest
 
+from grpo_pipeline.configs.sampling import DynamicSamplingConfig
 from grpo_pipeline.tasks.job import model_load, train_settings
-from grpo_pipeline.trainer.spec import DynamicSamplingSettings, JobSpec
+from grpo_pipeline.trainer.spec import JobSpec
 from tests.integration.curriculum_rewards import same_for_some
 
 pytestmark = pytest.mark.integration
@@ -67,7 +68,7 @@ def test_one_generation_keeps_the_batch_size_and_trains_on_a_group_with_variance
         reward_funcs=[same_for_some],
         args=args,
         train_dataset=data,
-        dynamic_sampling=DynamicSamplingSettings(enabled=True, oversample=4),
+        dynamic_sampling=DynamicSamplingConfig(enabled=True, oversample=4),
     )
     trainer.model.train()
     batch = [dict(data[0]) for _ in range(4)]  # the dataloader's group: a "same" prompt, flat whatever is said

@@ -2,6 +2,7 @@ import random
 
 import pytest
 
+from grpo_pipeline.configs.rewards import RewardSet
 from grpo_pipeline.configs.schema import PromotionPolicy
 from grpo_pipeline.tasks.promote.decide import decide_promotion, paired_difference
 
@@ -21,7 +22,9 @@ POLICY = PromotionPolicy(min_samples=100)
 
 
 def test_a_clear_win_promotes():
-    decision = decide_promotion(_rows(_coin(0.8, 200, 1)), _rows(_coin(0.3, 200, 2)), POLICY, ["correct_answer"])
+    decision = decide_promotion(
+        _rows(_coin(0.8, 200, 1)), _rows(_coin(0.3, 200, 2)), POLICY, RewardSet(names=("correct_answer",))
+    )
     assert decision.promote, decision.reasons
     stats = decision.stats["total"]
     assert stats["ci_low"] > 0 and stats["mcnemar"]["p_value"] < 0.001
@@ -50,9 +53,23 @@ def test_a_reward_guardrail_blocks_when_another_reward_carries_the_total():
         {"key": i, "total": 1.5, "fmt": 0.5 if i % 2 else 1.0, "ok": 1.0 if i % 2 else 0.5, "length": 1}
         for i in range(200)
     ]
-    decision = decide_promotion(cand, base, POLICY, rewards=["fmt", "ok"])
+    decision = decide_promotion(cand, base, POLICY, rewards=RewardSet(names=("fmt", "ok")))
     assert not decision.promote
     assert any(r.startswith("guardrail fmt") for r in decision.reasons)
+    assert decide_promotion(cand, base, POLICY, rewards=["fmt", "ok"]) == decision  # the names alone: weighed 1.0
+
+
+def test_a_reward_the_total_counts_against_regresses_when_it_rises():
+    """A negative weight: the total gains when the reward falls, so its guardrail reads a rise as the regression."""
+    base = [{"key": i, "total": 1.0, "ok": 1.0, "verbose": 0.5, "length": 1} for i in range(200)]
+    fell = [{**r, "total": 1.4, "verbose": 0.1} for r in base]
+    rose = [{**r, "total": 1.4, "ok": 1.8, "verbose": 0.9} for r in base]
+    rewards = RewardSet(names=("ok", "verbose"), weights=(1.0, -1.0))
+    assert decide_promotion(fell, base, POLICY, rewards).promote  # less of what the total counts against
+    blocked = decide_promotion(rose, base, POLICY, rewards)
+    assert not blocked.promote
+    assert "guardrail verbose: rise (its weight is negative) 0.400 exceeds tolerance 0.050" in blocked.reasons
+    assert not decide_promotion(fell, base, POLICY, ["ok", "verbose"]).promote  # names alone: the fall is a drop
 
 
 def test_a_failed_evaluation_blocks():

@@ -6,9 +6,8 @@ import pytest
 from typer.testing import CliRunner
 
 from grpo_pipeline.cli import app
-from grpo_pipeline.configs.schema import ConfigError, DynamicSamplingConfig, load_config
+from grpo_pipeline.configs.schema import ConfigError, load_config
 from grpo_pipeline.trainer.dynamic_sampling import choose_groups, extra_groups, extra_prompts
-from grpo_pipeline.trainer.spec import DYNAMIC_SAMPLING_DEFAULTS, DynamicSamplingSettings
 
 
 def test_groups_with_variance_are_trained_first_and_flat_ones_only_fill_up():
@@ -41,10 +40,6 @@ def test_extra_prompts_depend_on_seed_rank_and_step_only():
 
 def test_extra_groups_follow_the_oversample_factor():
     assert [extra_groups(4, f) for f in (2.0, 1.5, 3.0, 1.01)] == [4, 2, 8, 1]
-
-
-def test_the_configs_defaults_are_the_trainers():
-    assert DynamicSamplingConfig().model_dump() == DYNAMIC_SAMPLING_DEFAULTS == DynamicSamplingSettings().model_dump()
 
 
 @pytest.mark.parametrize(

@@ -1,23 +1,28 @@
 """The health rules as pure functions fed with metric sequences (`grpo_pipeline.trainer.health`), their state through a
 checkpoint, the rollback's choice of checkpoint and learning-rate change, and their configuration: a bad type,
-an out-of-range threshold, an unknown rule or a rollback with nothing to return to exits 2 naming the field."""
+an out-of-range threshold, an unknown rule or a rollback with nothing to return to exits 2 naming the field.
+Every entry of the rules' one table (`grpo_pipeline.configs.health.RULES`) is run through the config, its
+validation, the trainer's check and the docs' table: adding a rule is one entry, and this test covers it."""
 
 from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
-from grpo_pipeline.configs.schema import ConfigError, HealthConfig, load_config
-from grpo_pipeline.trainer.health import RULE_NAMES, Ledger, Monitor, decide, healthy_checkpoint
-from grpo_pipeline.trainer.spec import HEALTH_DEFAULTS, HealthSettings, RuleSettings
+from grpo_pipeline.configs.health import RULES, Bounds, HealthConfig
+from grpo_pipeline.configs.schema import ConfigError, load_config
+from grpo_pipeline.trainer.health import Ledger, Monitor, decide, healthy_checkpoint
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _monitor(**rules) -> Monitor:
-    off = {name: RuleSettings(action="off", window=1, threshold=0.0) for name in RULE_NAMES}
-    return Monitor(HealthSettings(**{**off, **{k: RuleSettings(**v) for k, v in rules.items()}}))
+    """A monitor with only `rules` (name -> settings, each key defaulting to its entry's) on."""
+    return Monitor(HealthConfig(**{name: {"action": "off"} for name in RULES} | rules))
 
 
 def _fired(monitor: Monitor, key: str, values, **extra) -> list[tuple[int, str]]:
@@ -120,10 +125,48 @@ def test_scaling_the_learning_rate_holds_for_a_resumed_scheduler():
     assert opt.param_groups[0]["lr"] == pytest.approx(0.5 * 1e-3 * 0.7)
 
 
-def test_the_configs_defaults_are_the_trainers():
-    cfg = HealthConfig()
-    assert {name: getattr(cfg, name).model_dump() for name in HEALTH_DEFAULTS} == HEALTH_DEFAULTS
-    assert cfg.model_dump() == HealthSettings().model_dump()
+def _past(bounds: Bounds) -> list[tuple[float, str]]:
+    """A threshold past each of the bounds, with the words pydantic refuses it with."""
+    return [
+        (value, f"Input should be {words} {bound:g}")
+        for bound, value, words in [
+            (bounds.ge, (bounds.ge or 0) - 1, "greater than or equal to"),
+            (bounds.gt, bounds.gt, "greater than"),
+            (bounds.le, (bounds.le or 0) + 1, "less than or equal to"),
+            (bounds.lt, bounds.lt, "less than"),
+        ]
+        if bound is not None
+    ]
+
+
+@pytest.mark.parametrize("name", list(RULES))
+def test_each_rule_of_the_table_reaches_the_config_its_validation_the_trainers_check_and_the_docs(name):
+    rule = RULES[name]
+    settings = load_config(None).train.health.rule(name)  # train.health.<name>, with the entry's defaults
+    assert (settings.action, settings.window, settings.threshold) == (rule.action, rule.window, rule.threshold)
+    assert _past(rule.bounds), "every threshold has a bound"
+    for value, refused in _past(rule.bounds):
+        with pytest.raises(ConfigError, match=f"train.health.{name}.threshold: {refused}"):
+            load_config(None, [f"train.health.{name}.threshold={value}"])
+    with pytest.raises(ConfigError, match=f"train.health.{name}.threshold: Input should be a finite number"):
+        load_config(None, [f"train.health.{name}.threshold=.inf"])
+
+    # the trainer's check, at the defaults: it fires on the entry's metric once its window is past the threshold
+    monitor, t = _monitor(**{name: {"action": "stop"}}), rule.threshold
+    if rule.fires == "non-finite":
+        logs = [{key: 0.5 for key in rule.metrics}, {key: float("nan") for key in rule.metrics}]
+        fired = [(e.step, e.rule, e.metric) for step, x in enumerate(logs, 1) for e in monitor.observe(step, x)]
+        assert fired == [(2, name, rule.metrics[0])]
+        return
+    (metric,) = rule.metrics
+    quiet = {"reaches": t / 2, "falls to": 2 * t + 1, "either way": 1.0}[rule.fires]  # bounds keep 1.0 inside
+    start = [1.0] * rule.window if rule.relative else []  # a relative rule's baseline: the first window, at 1
+    values = start + [quiet] * rule.window + [t] * rule.window
+    fired = [(step, e.rule, e.metric) for step, v in enumerate(values, 1) for e in monitor.observe(step, {metric: v})]
+    assert fired == [(len(values), name, metric)]
+
+    row = f"| `{name}` | `{rule.metrics[0]}`"  # docs/training.md#health-rules: each rule's row, and why its values
+    assert row in (ROOT / "docs" / "training.md").read_text()
 
 
 @pytest.mark.parametrize(
@@ -201,7 +244,7 @@ def test_every_rank_acts_on_rank_0s_decision():
                 2, {"frac_reward_zero_std": 1.0}
             )
 
-    settings = HealthSettings(zero_variance=RuleSettings(action="stop", window=1, threshold=0.9))
+    settings = HealthConfig(zero_variance={"action": "stop", "window": 1, "threshold": 0.9})
     callback = HealthCallback(settings, Ledger(), Rank1(rank=1, world=2))
     state, control = TrainerState(global_step=2), TrainerControl()
     # rank 1's own metrics would not fire: the decision is rank 0's

@@ -40,7 +40,7 @@ def test_reasoning_recipes(path):
     length = cfg.train.grpo["max_completion_length"]
     assert length >= 512 and cfg.evaluate.max_new_tokens == length  # room to reason; the penalty's limit is the same
     assert cfg.train.grpo["loss_type"] in ("dapo", "dr_grpo", "grpo")
-    assert len(cfg.train.grpo["reward_weights"]) == len(cfg.train.rewards)
+    assert len(cfg.train.reward_set().weights) == len(cfg.train.rewards)
     check_columns(cfg.train.rewards, ROW_COLUMNS)
     resolve_rewards(cfg.train.rewards, max_completion_length=length)
 
@@ -48,7 +48,7 @@ def test_reasoning_recipes(path):
 def test_the_demo_stays_the_default():
     cfg = load_config(None)  # no YAML: the demo's task and model, and its two rewards
     assert cfg.data.source is None and cfg.model.base == "smollm2-135m-instruct"
-    assert cfg.train.rewards == ["correct_answer", "number_only"] and "reward_weights" not in cfg.train.grpo
+    assert cfg.train.rewards == ["correct_answer", "number_only"] and cfg.train.reward_set().weights == (1.0, 1.0)
 
 
 def test_real_data_cpu_recipe_reads_the_prepared_slice():

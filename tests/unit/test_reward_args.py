@@ -31,7 +31,7 @@ train:
     spec = build_job_spec(
         cfg.train, cfg.model, "m", {"train": tmp_path / "t.jsonl", "val": tmp_path / "v.jsonl"}, tmp_path / "run"
     )
-    assert JobSpec.model_validate_json(spec.model_dump_json()).train.reward_args == cfg.train.reward_args
+    assert JobSpec.model_validate_json(spec.model_dump_json()).train.rewards.args == cfg.train.reward_args
 
 
 def test_arguments_for_a_reward_the_run_does_not_use_are_refused_by_the_config():

@@ -95,6 +95,65 @@ def test_the_config_resolves_one_frozen_value_with_trls_weights():
         RewardSet(names=("correct_answer",), args={"think_format": {}})
 
 
+# A job spec as the pipeline wrote it before the RewardSet travelled whole (printed by that commit's
+# `build_job_spec`): the rewards as three loose fields, their weights in TRL's own `grpo.reward_weights`.
+SPEC_BEFORE = """{"model_path": "/models/base", "model": {"quantization": "none", "double_quant": false,
+ "compute_dtype": "float32", "trust_remote_code": false}, "train": {"grpo": {"max_steps": 20,
+ "per_device_train_batch_size": 8, "reward_weights": [1.0, 0.25]}, "lora": {}, "rewards": ["math_answer",
+ "think_format"], "reward_args": {"math_answer": {"answer_tag": "final"}}, "checkpoint_every": 10,
+ "keep_checkpoints": 2, "early_stopping_patience": null, "s3_endpoint_url": null, "distributed": {"nodes": 1,
+ "processes_per_node": null, "strategy": "ddp", "timeout_s": 600, "accelerate": {}, "vllm_server_gpus": 0,
+ "vllm_server_node": false}, "health": {"zero_variance": {"action": "warn", "window": 5, "threshold": 0.9},
+ "entropy_collapse": {"action": "warn", "window": 5, "threshold": 0.1}, "length_drift": {"action": "warn",
+ "window": 5, "threshold": 3.0}, "clipped_completions": {"action": "warn", "window": 5, "threshold": 0.5},
+ "kl_blowup": {"action": "stop", "window": 3, "threshold": 1.0}, "reward_collapse": {"action": "warn", "window": 5,
+ "threshold": 0.01}, "non_finite": {"action": "rollback", "window": 1, "threshold": 0.0}, "max_rollbacks": 2,
+ "rollback_lr_factor": 0.5}, "curriculum": {"enabled": true, "patience": 2, "max_skips": 2}, "dynamic_sampling":
+ {"enabled": true, "oversample": 2.0}}, "train_file": "/data/train.jsonl", "val_file": null, "work_dir":
+ "/runs/20261201-0300-abcd/train", "checkpoint_uri": "/runs/20261201-0300-abcd/checkpoints", "adapter_dir":
+ "/runs/20261201-0300-abcd/adapter", "init_adapter": null, "init_adapter_files": null, "mlflow_tracking_uri": null,
+ "mlflow_experiment": "grpo-pipeline", "mlflow_run_id": null}"""
+SETS_BEFORE = [  # the configuration that spec was built from
+    "train.rewards=[math_answer, think_format]",
+    "train.reward_weights={think_format: 0.25}",
+    "train.reward_args={math_answer: {answer_tag: final}}",
+    "train.grpo.max_steps=20",
+    "train.grpo.per_device_train_batch_size=8",
+    "train.health.kl_blowup.action=stop",
+    "train.curriculum.patience=2",
+    "train.dynamic_sampling.enabled=true",
+]
+
+
+def test_the_job_spec_carries_the_rewards_whole_and_the_trainer_gives_trl_their_weights(tmp_path):
+    from grpo_pipeline.tasks.job import build_job_spec
+    from grpo_pipeline.trainer.spec import JobSpec
+    from grpo_pipeline.trainer.train import grpo_args
+
+    cfg = load_config(None, [*SETS_BEFORE, "train.grpo.bf16=false"])
+    spec = build_job_spec(cfg.train, cfg.model, "m", {"train": tmp_path / "t", "val": tmp_path / "v"}, tmp_path / "run")
+    read = JobSpec.read(spec.write(tmp_path / "job.json"))
+    assert read.train.rewards == cfg.train.reward_set()
+    assert read.train.rewards.args_for("math_answer") == {"answer_tag": "final"}
+    assert "reward_weights" not in read.train.grpo  # one place for the weights
+    assert grpo_args(read, tmp_path / "hf").reward_weights == [1.0, 0.25]
+
+
+def test_a_job_spec_written_before_reads_as_the_same_job():
+    from grpo_pipeline.tasks.job import train_settings
+    from grpo_pipeline.trainer.spec import JobSpec
+
+    before = JobSpec.model_validate_json(SPEC_BEFORE)
+    assert before.train == train_settings(load_config(None, SETS_BEFORE).train)
+    unweighted = json.loads(SPEC_BEFORE)
+    del unweighted["train"]["grpo"]["reward_weights"]
+    assert JobSpec.model_validate(unweighted).train.rewards.weights == (1.0, 1.0)
+    twice = before.model_dump(mode="json")
+    twice["train"]["grpo"]["reward_weights"] = [1.0, 0.25]
+    with pytest.raises(ValidationError, match="grpo.reward_weights: the weights travel in rewards.weights"):
+        JobSpec.model_validate(twice)
+
+
 def test_base_selection_picks_by_the_weighted_total(fake_generation, val8, tmp_path, monkeypatch):
     import grpo_pipeline.tasks.select
     from grpo_pipeline.tasks.select import CandidateRow, select_base_model

@@ -272,7 +272,8 @@ def test_reward_weights_by_name_reach_trl_in_reward_order():
         None,
         ["train.rewards=[math_answer, think_format, overlong_penalty]", "train.reward_weights={think_format: 0.25}"],
     )
-    assert cfg.train.grpo["reward_weights"] == [1.0, 0.25, 1.0]
+    assert cfg.train.reward_set().weights == (1.0, 0.25, 1.0)
+    assert load_config(None, ["train.grpo.reward_weights=[1, 0.5]"]).train.reward_set().weights == (1.0, 0.5)
     with pytest.raises(ConfigError, match=r"names \['think'\], which are not among train.rewards"):
         load_config(None, ["train.reward_weights={think: 1}"])
     with pytest.raises(ConfigError, match="one weight per reward"):

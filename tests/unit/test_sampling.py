@@ -6,13 +6,13 @@ import json
 
 import pytest
 
-from grpo_pipeline.configs.schema import ConfigError, CurriculumConfig, load_config
+from grpo_pipeline.configs.sampling import CurriculumConfig
+from grpo_pipeline.configs.schema import ConfigError, load_config
 from grpo_pipeline.trainer.sampling import Curriculum, curriculum_sampler, summarize
-from grpo_pipeline.trainer.spec import CURRICULUM_DEFAULTS, CurriculumSettings
 
 
 def _curriculum(n=10, batch_size=2, seed=3, shuffle=True, **settings) -> Curriculum:
-    return Curriculum(n=n, batch_size=batch_size, seed=seed, settings=CurriculumSettings(**settings), shuffle=shuffle)
+    return Curriculum(n=n, batch_size=batch_size, seed=seed, settings=CurriculumConfig(**settings), shuffle=shuffle)
 
 
 def _observe_all(c: Curriculum, chunk: list[int], zero: set[int]) -> None:
@@ -147,10 +147,6 @@ def test_summary_counts_wasted_steps_from_the_log_history():
     assert (summary.wasted_steps, summary.logged_steps, summary.benched_prompts) == (1, 3, 1)
     assert summary.mean_fraction == pytest.approx(0.5)
     assert summarize([{"step": 1, "loss": 0.1}], None) is None
-
-
-def test_the_configs_defaults_are_the_trainers():
-    assert CurriculumConfig().model_dump() == CURRICULUM_DEFAULTS == CurriculumSettings().model_dump()
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,53 @@
+"""`train.curriculum.*` and `train.dynamic_sampling.*`: which prompts a step trains on, to waste fewer steps on
+groups without reward variance (pure pydantic, no I/O).
+
+The trainer's job spec carries both sections as they are (`grpo_pipeline.trainer.spec.TrainSettings`): like
+`configs/layout.py`, this module imports nothing else of the project, so a node runs it alone.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Strict(BaseModel):
+    # The same rule as grpo_pipeline.configs.schema.StrictModel (a typo is an error, not a silently ignored key); not
+    # imported from there because the schema imports this module and the trainer imports no other.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class CurriculumConfig(_Strict):
+    """Fewer wasted steps (docs/training.md#fewer-wasted-steps): a prompt whose last group of completions all got
+    the same reward (all right or all wrong: no advantage, no gradient) sits out its next passes over the data,
+    at most `max_skips` of them, then comes back. Until a prompt recurs, the order is TRL's own
+    (`grpo_pipeline.trainer.sampling`)."""
+
+    enabled: bool = Field(True, description="bench prompts whose recent groups had zero reward variance")
+    patience: int = Field(1, ge=1, description="zero-variance groups in a row before a prompt is benched")
+    max_skips: int = Field(
+        2,
+        ge=1,
+        description="passes over the data a benched prompt sits out before it is drawn "
+        "again (the cap: a prompt too hard today may be learnable later)",
+    )
+
+
+class DynamicSamplingConfig(_Strict):
+    """DAPO-style dynamic sampling (docs/training.md#dynamic-sampling; Yu et al. 2025, arXiv:2503.14476, §3.2):
+    each generation makes `oversample` times the groups a step trains on, in one batched generate, and the step
+    trains on the groups whose rewards differ (flat groups only fill up when too few differ). It pays more
+    generation per step for fewer zero-signal groups, where the curriculum cannot help: prompts seen once
+    (`grpo_pipeline.trainer.dynamic_sampling`)."""
+
+    enabled: bool = Field(
+        False,
+        description="off by default: each step costs up to `oversample` times the generation, worth it only where "
+        "many groups are flat (bench.zero_signal measures it at equal wall time)",
+    )
+    oversample: float = Field(
+        2.0,
+        gt=1,
+        allow_inf_nan=False,
+        description="groups generated per group trained on (> 1; extra groups per process = ceil((oversample - 1) "
+        "x its groups)); 2: DAPO's budget finds a group with variance for most slots when half the groups are flat",
+    )
