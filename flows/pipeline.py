@@ -24,7 +24,7 @@ import json
 from contextlib import nullcontext
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import mlflow
 from prefect import Task, flow, task
@@ -34,6 +34,7 @@ from prefect.runtime import flow_run
 from prefect.states import State
 from prefect.tasks import exponential_backoff
 
+from grpo_pipeline.configs.launchers import LAUNCHERS, LauncherChoice
 from grpo_pipeline.configs.library_fields import default as library_default
 from grpo_pipeline.configs.rewards import RewardSet
 from grpo_pipeline.configs.schema import ModelConfig, PipelineConfig, TrainConfig, load_config
@@ -128,7 +129,7 @@ from grpo_pipeline.trainer.spec import JobSpec, TrainResult
 def grpo_pipeline(
     config_path: str | None = None,
     overrides: list[str] | None = None,
-    launcher: Literal["config", "local", "sky"] = "config",
+    launcher: LauncherChoice = "config",
     budget_usd: float | None = None,
 ) -> RunSummary:
     """Run the GRPO pipeline: data, base model, training, evaluation, A/B decision, registry.
@@ -631,7 +632,7 @@ def train_task(spec: JobSpec, train: TrainConfig) -> TrainResult:
         if summary := progress.update(line):
             logger.info(summary)
 
-    local_run = spec.mlflow_run_id if train.launcher == "local" and spec.mlflow_tracking_uri else None
+    local_run = spec.mlflow_run_id if LAUNCHERS[train.launcher].local and spec.mlflow_tracking_uri else None
     with system_metrics_of(local_run) if local_run else nullcontext():
         return run_job(make_launcher(train, on_line=show, on_status=logger.info), spec)
 

@@ -62,6 +62,7 @@ from typing import TYPE_CHECKING, Any
 import optuna
 from pydantic import BaseModel
 
+from grpo_pipeline.configs.launchers import LAUNCHERS
 from grpo_pipeline.configs.library_fields import grpo_value
 from grpo_pipeline.configs.rewards import RewardSet
 from grpo_pipeline.configs.schema import (
@@ -243,7 +244,7 @@ def trial_train(train: TrainConfig, hpo: HPOConfig, overrides: dict[str, Any]) -
         ),
     }
     trial = tuned.model_copy(update={"grpo": grpo, "early_stopping_patience": None, "max_restarts": 0})
-    if trial.launcher == "sky":  # the trial YAML's cheaper GPU list, not the one planned for training
+    if not LAUNCHERS[trial.launcher].local:  # the trial YAML's cheaper GPU list, not the one planned for training
         trial = trial.model_copy(
             update={"sky": trial.sky.model_copy(update={"task_yaml": hpo.sky_task_yaml, "accelerators": None})}
         )
