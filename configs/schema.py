@@ -33,6 +33,7 @@ from pydantic import (
 from grpo_pipeline.configs import library_fields
 from grpo_pipeline.configs.ab import ABConfig
 from grpo_pipeline.configs.health import NON_FINITE, HealthConfig
+from grpo_pipeline.configs.launchers import LAUNCHERS, LauncherName, launcher_help, rented
 from grpo_pipeline.configs.layout import DistributedConfig, batch_problem
 from grpo_pipeline.configs.policy import ENV_NAME, ENV_NAME_SUFFIXES, TriggerPolicy, credential_key, secret_shape
 from grpo_pipeline.configs.rewards import RewardSet
@@ -407,9 +408,7 @@ class TrainConfig(StrictModel):
         None, ge=1, description="stop after this many evaluations without a better validation reward"
     )
     max_restarts: int = Field(3, ge=0, description="relaunches after an abnormal trainer exit (not preemptions)")
-    launcher: Literal["local", "sky"] = Field(
-        "local", description="local: a subprocess here; sky: a SkyPilot managed job on spot GPUs"
-    )
+    launcher: LauncherName = Field("local", description=launcher_help())
     sky: SkyConfig = SkyConfig()
     s3_endpoint_url: str | None = Field(None, description="S3-compatible endpoint (MinIO, SeaweedFS); AWS when unset")
     distributed: DistributedConfig = Field(
@@ -511,18 +510,19 @@ class TrainConfig(StrictModel):
     def _launchable(self) -> TrainConfig:
         """What the launch needs that the train section alone can tell; the node checks the rest
         (grpo_pipeline.trainer.distributed.problems: GPUs present, strategy vs quantization), and preflight before that."""
-        d = self.distributed
-        if d.nodes > 1 and self.launcher != "sky":
+        d, launcher = self.distributed, LAUNCHERS[self.launcher]
+        if d.nodes > 1 and launcher.local:
             raise ValueError(
-                f"train.distributed.nodes={d.nodes} needs train.launcher=sky: the local launcher runs one machine"
+                f"train.distributed.nodes={d.nodes} needs train.launcher={rented()}: the {self.launcher} launcher "
+                "runs one machine"
             )
         if d.nodes > 1 and not (self.checkpoint_uri or "").startswith("s3://"):
             raise ValueError(
                 f"train.distributed.nodes={d.nodes}: nodes share no local checkpoint directory and each "
                 "resumes from the store: set train.checkpoint_uri=s3://bucket/prefix"
             )
-        gpu_counts = sorted({int(a.partition(":")[2] or 1) for a in self.sky.accelerators or []})
-        if self.launcher == "sky" and d.processes_per_node:
+        gpu_counts = launcher.gpu_counts(self)
+        if gpu_counts is not None and d.processes_per_node:
             need = d.processes_per_node + d.vllm_server_gpus
             if short := [c for c in gpu_counts if c < need]:
                 raise ValueError(
@@ -531,9 +531,9 @@ class TrainConfig(StrictModel):
                     f"GPUs per node, and train.sky.accelerators offers {short}: ask for GPU:{need}, or "
                     "set fewer processes (one per GPU)"
                 )
-        # each GPU count the sky task may get; locally, one process per GPU: the node knows how many (checked
-        # there), so the count here is the CPU machine's 0, one process per node
-        counts = gpu_counts if self.launcher == "sky" and not d.processes_per_node else [0]
+        # each GPU count the launch may get; where the machine says (a local run), one process per GPU: the node
+        # knows how many (checked there), so the count here is the CPU machine's 0, one process per node
+        counts = gpu_counts if gpu_counts is not None and not d.processes_per_node else [0]
         for world in [d.world_size(c) for c in counts]:
             if problem := batch_problem(self.grpo, world, _grpo_default):
                 raise ValueError(f"train.distributed ({world} processes): {problem}")

@@ -18,19 +18,17 @@ from __future__ import annotations
 import tempfile
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 import mlflow
-from prefect import flow, get_run_logger, task
-from prefect.cache_policies import NO_CACHE
+from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
-from prefect.tasks import exponential_backoff
 
 from grpo_pipeline.configs.schema import PipelineConfig, load_config
 from grpo_pipeline.flows import trigger
 from grpo_pipeline.flows.artifacts import show_image, show_markdown
+from grpo_pipeline.flows.retries import registry_task
 from grpo_pipeline.flows.runs import setup_tracking
-from grpo_pipeline.tasks.promote.registry import Registry, RegistryError, open_client
+from grpo_pipeline.tasks.promote.registry import Registry, open_client
 from grpo_pipeline.tasks.report import artifact_url
 from grpo_pipeline.tasks.serve.ab import AliasesMoved
 from grpo_pipeline.tasks.serve.ab_apply import Round, decide_round, settle_round
@@ -45,11 +43,6 @@ from grpo_pipeline.tasks.serve.ab_report import (
     series,
 )
 
-if TYPE_CHECKING:
-    from prefect import Task
-    from prefect.client.schemas import TaskRun
-    from prefect.states import State
-
 FLOW_NAME = "ab-decide"
 
 
@@ -58,28 +51,11 @@ def experiment_name(cfg: PipelineConfig) -> str:
     return f"{cfg.tracking.experiment}-ab"
 
 
-def _retry_service_errors(task: Task[..., Any], task_run: TaskRun, state: State) -> bool:
-    """Retry a store or registry that did not answer; never a decision (the aliases moved, a held lock)."""
-    try:
-        state.result()
-    except (AliasesMoved, RegistryError):
-        return False
-    except Exception:
-        return True
-    return False
-
-
 def _registry(cfg: PipelineConfig) -> Registry:
     return Registry(open_client(cfg.mlflow_uri), cfg.tracking.registered_model)
 
 
-@task(
-    name="ab-read-and-decide",
-    cache_policy=NO_CACHE,
-    retries=3,
-    retry_delay_seconds=exponential_backoff(backoff_factor=5),
-    retry_condition_fn=_retry_service_errors,
-)
+@registry_task("ab-read-and-decide")
 def decide_task(cfg: PipelineConfig) -> tuple[Round, Outcomes | None]:
     log = RequestLog.open(log_url(cfg.data_dir))
     try:
@@ -90,14 +66,9 @@ def decide_task(cfg: PipelineConfig) -> tuple[Round, Outcomes | None]:
     return found, outcomes
 
 
-@task(
-    name="ab-settle",
-    cache_policy=NO_CACHE,
-    retries=3,
-    retry_delay_seconds=exponential_backoff(backoff_factor=5),
-    retry_condition_fn=_retry_service_errors,
-)
-def settle_task(cfg: PipelineConfig, found: Round) -> Round:
+@registry_task("ab-settle")
+def settle_round_task(cfg: PipelineConfig, found: Round) -> Round:
+    """The aliases the round's decision calls for, moved under the registry lock."""
     return settle_round(_registry(cfg), found)
 
 
@@ -151,7 +122,7 @@ def ab_decide(config_path: str | None = None, overrides: list[str] | None = None
     with tempfile.TemporaryDirectory() as workdir:
         run_id = record(cfg, found, outcomes, Path(workdir))
         try:
-            found = settle_task(cfg, found)
+            found = settle_round_task(cfg, found)
             applied = "yes"
         except AliasesMoved as exc:
             logger.warning(f"{exc}: nothing moved; the next run decides on the new versions")

@@ -18,34 +18,22 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
 from grpo_pipeline.configs.rewards import RewardSet
-from grpo_pipeline.configs.schema import HPOConfig, ModelConfig, PipelineConfig, TrainConfig, load_config
+from grpo_pipeline.configs.schema import PipelineConfig, load_config
 from grpo_pipeline.flows import trigger
 from grpo_pipeline.flows.preflight import preflight
 from grpo_pipeline.flows.runs import parent_run, setup_tracking
 from grpo_pipeline.flows.warm_start import warm_start_stage
 from grpo_pipeline.infra.launch import make_launcher
 from grpo_pipeline.tasks.data.stage import data_task
-from grpo_pipeline.tasks.hpo import HPOResult, Tracking, TrialOutcome, run_trial, search
+from grpo_pipeline.tasks.hpo import HPOResult, Tracking, TrialJob, TrialOutcome, run_trial, search
 from grpo_pipeline.tasks.job import WarmStart
 from grpo_pipeline.tasks.model import resolve_model_task
 from grpo_pipeline.tasks.promote.registry import Registry
 
 
 @task(name="hpo-trial", task_run_name="trial-{trial.number}", cache_policy=NO_CACHE)
-def trial_task(
-    trial: optuna.Trial,
-    hpo: HPOConfig,
-    train: TrainConfig,
-    model: ModelConfig,
-    model_path: str,
-    splits: dict[str, Path],
-    run_dir: Path,
-    tracking: Tracking | None,
-    init_adapter: str | None,
-) -> TrialOutcome:
-    return run_trial(
-        trial, hpo, train, model, model_path, splits, run_dir, tracking, make_launcher, init_adapter=init_adapter
-    )
+def trial_task(trial: optuna.Trial, job: TrialJob) -> TrialOutcome:
+    return run_trial(trial, job, make_launcher)
 
 
 def search_stage(

@@ -24,16 +24,15 @@ import json
 from contextlib import nullcontext
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import mlflow
-from prefect import Task, flow, task
+from prefect import flow, task
 from prefect.cache_policies import INPUTS, NO_CACHE, RUN_ID, TASK_SOURCE
-from prefect.client.schemas import TaskRun
 from prefect.runtime import flow_run
-from prefect.states import State
 from prefect.tasks import exponential_backoff
 
+from grpo_pipeline.configs.launchers import LAUNCHERS, LauncherChoice
 from grpo_pipeline.configs.library_fields import default as library_default
 from grpo_pipeline.configs.rewards import RewardSet
 from grpo_pipeline.configs.schema import ModelConfig, PipelineConfig, TrainConfig, load_config
@@ -41,6 +40,7 @@ from grpo_pipeline.flows import trigger
 from grpo_pipeline.flows.artifacts import show_image, show_markdown
 from grpo_pipeline.flows.hpo import search_stage
 from grpo_pipeline.flows.preflight import preflight
+from grpo_pipeline.flows.retries import registry_task
 from grpo_pipeline.flows.runs import (
     experiment,
     log_dataset_inputs,
@@ -85,14 +85,12 @@ from grpo_pipeline.tasks.job import (
 from grpo_pipeline.tasks.model import resolve_model_task
 from grpo_pipeline.tasks.plan import Plan, actual_cost, apply_plan, check_budget
 from grpo_pipeline.tasks.plan.task import plan_task
-from grpo_pipeline.tasks.promote.decide import Decision, decide_promotion
+from grpo_pipeline.tasks.promote.decide import PromotionDecision, decide_promotion
 from grpo_pipeline.tasks.promote.merge import merge_task
 from grpo_pipeline.tasks.promote.registry import (
     CHAMPION,
     MERGED_VERSION_TAG,
-    ChampionMoved,
     Registry,
-    RegistryError,
 )
 from grpo_pipeline.tasks.promote.serving import (
     BASE_EXPERIMENT,
@@ -128,7 +126,7 @@ from grpo_pipeline.trainer.spec import JobSpec, TrainResult
 def grpo_pipeline(
     config_path: str | None = None,
     overrides: list[str] | None = None,
-    launcher: Literal["config", "local", "sky"] = "config",
+    launcher: LauncherChoice = "config",
     budget_usd: float | None = None,
 ) -> RunSummary:
     """Run the GRPO pipeline: data, base model, training, evaluation, A/B decision, registry.
@@ -631,7 +629,7 @@ def train_task(spec: JobSpec, train: TrainConfig) -> TrainResult:
         if summary := progress.update(line):
             logger.info(summary)
 
-    local_run = spec.mlflow_run_id if train.launcher == "local" and spec.mlflow_tracking_uri else None
+    local_run = spec.mlflow_run_id if LAUNCHERS[train.launcher].local and spec.mlflow_tracking_uri else None
     with system_metrics_of(local_run) if local_run else nullcontext():
         return run_job(make_launcher(train, on_line=show, on_status=logger.info), spec)
 
@@ -725,14 +723,16 @@ def _example(holdout: Path) -> str:
     return prompt_text(read_jsonl(holdout)[0]["prompt"])
 
 
-def decide_stage(cfg: PipelineConfig, rewards: RewardSet, trained: EvalResult, baseline: EvalResult) -> Decision:
+def decide_stage(
+    cfg: PipelineConfig, rewards: RewardSet, trained: EvalResult, baseline: EvalResult
+) -> PromotionDecision:
     decision = decide_promotion(trained.rows, baseline.rows, cfg.promote, list(rewards.names))
     mlflow.log_dict(decision.model_dump(), "decision.json")  # logged before any alias moves
     mlflow.set_tags({"decision": _verdict(decision)})
     return decision
 
 
-def _verdict(decision: Decision) -> str:
+def _verdict(decision: PromotionDecision) -> str:
     return "promote" if decision.promote else "reject"
 
 
@@ -833,32 +833,15 @@ def serving_stage(
     return check
 
 
-def blocked_unless_served(decision: Decision, check: ServingCheck) -> Decision:
+def blocked_unless_served(decision: PromotionDecision, check: ServingCheck) -> PromotionDecision:
     """A candidate that does not serve as it was evaluated is not promoted, whatever its scores."""
     if check.passed:
         return decision
     return decision.model_copy(update={"promote": False, "reasons": [*decision.reasons, check.reason()]})
 
 
-def _not_a_decision(task: Task[..., Any], task_run: TaskRun, state: State) -> bool:
-    """Retry registry calls on service errors, never on a lost race or a held lock."""
-    try:
-        state.result()
-    except (ChampionMoved, RegistryError):
-        return False
-    except Exception:
-        return True
-    return False
-
-
-@task(
-    name="settle",
-    cache_policy=NO_CACHE,
-    retries=3,
-    retry_delay_seconds=exponential_backoff(backoff_factor=5),
-    retry_condition_fn=_not_a_decision,
-)
-def settle_task(
+@registry_task("settle-promotion")
+def settle_promotion_task(
     registry: Registry,
     version: str,
     decided_against: str | None,
@@ -866,6 +849,7 @@ def settle_task(
     decision_tags: dict,
     mode: str = "offline",
 ) -> list:
+    """The aliases the promotion decision calls for, moved under the registry lock (`Registry.settle`)."""
     return registry.settle(version, decided_against, promote, decision_tags, mode)
 
 
@@ -873,7 +857,7 @@ def promote_stage(
     registry: Registry,
     registered: Registered,
     decided_against: str | None,
-    decision: Decision,
+    decision: PromotionDecision,
     check: ServingCheck,
     mode: str = "offline",
 ) -> RegistryOutcome:
@@ -884,7 +868,7 @@ def promote_stage(
     verdict = _verdict(decision)
     tags = {"decision": verdict, "decision_reasons": " | ".join(decision.reasons)[:5000], "promote_mode": mode}
     if check.passed:
-        moves = settle_task(registry, registered.version, decided_against, decision.promote, tags, mode)
+        moves = settle_promotion_task(registry, registered.version, decided_against, decision.promote, tags, mode)
     else:
         registry.tag(registered.version, tags)
         moves = []
@@ -903,7 +887,7 @@ def promote_stage(
     )
 
 
-def _completed(summary: RunSummary) -> tuple[Holdout, Decision, RegistryOutcome, TrainResult]:
+def _completed(summary: RunSummary) -> tuple[Holdout, PromotionDecision, RegistryOutcome, TrainResult]:
     """A completed run's holdout, decision, registry outcome and training result; a skipped run has none."""
     holdout, decision, outcome, train = summary.holdout, summary.decision, summary.registry, summary.train
     if holdout is None or decision is None or outcome is None or train is None:

@@ -12,7 +12,7 @@ from grpo_pipeline.configs.schema import PipelineConfig
 from grpo_pipeline.infra import launch
 from grpo_pipeline.tasks.data.sources import check_local_sources
 from grpo_pipeline.tasks.evaluate import score_columns
-from grpo_pipeline.tasks.job import check_rewards, check_store
+from grpo_pipeline.tasks.job import check_rewards
 from grpo_pipeline.tasks.model import check_model_paths
 from grpo_pipeline.tasks.plan import Plan, check_budget, plan_run
 from grpo_pipeline.tasks.promote.decide import check_policy
@@ -30,9 +30,6 @@ def preflight(cfg: PipelineConfig) -> Plan | None:
     if cfg.plan.budget_usd is not None:  # the configured base; the plan stage checks the chosen one again
         priced = plan_run(cfg.model, cfg.train, cfg.plan)
         check_budget(priced, cfg.plan.budget_usd)
-    launch.check_launcher(
-        cfg.train, cfg.mlflow_uri, cfg.model
-    )  # the distributed launch; SkyPilot: the store a node reaches
-    if cfg.train.launcher == "local":
-        check_store(cfg.train)
+    # the distributed launch, and what the launcher needs: the store it writes to (a SkyPilot node's, this machine's)
+    launch.check_launcher(cfg.train, cfg.mlflow_uri, cfg.model)
     return priced

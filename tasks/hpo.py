@@ -60,8 +60,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import optuna
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
+from grpo_pipeline.configs.launchers import LAUNCHERS
 from grpo_pipeline.configs.library_fields import grpo_value
 from grpo_pipeline.configs.rewards import RewardSet
 from grpo_pipeline.configs.schema import (
@@ -243,7 +244,7 @@ def trial_train(train: TrainConfig, hpo: HPOConfig, overrides: dict[str, Any]) -
         ),
     }
     trial = tuned.model_copy(update={"grpo": grpo, "early_stopping_patience": None, "max_restarts": 0})
-    if trial.launcher == "sky":  # the trial YAML's cheaper GPU list, not the one planned for training
+    if not LAUNCHERS[trial.launcher].local:  # the trial YAML's cheaper GPU list, not the one planned for training
         trial = trial.model_copy(
             update={"sky": trial.sky.model_copy(update={"task_yaml": hpo.sky_task_yaml, "accelerators": None})}
         )
@@ -667,27 +668,39 @@ class Tracking(BaseModel):
         return MlflowClient(self.tracking_uri)
 
 
-def run_trial(
-    trial: optuna.Trial,
-    hpo: HPOConfig,
-    train: TrainConfig,
-    model: ModelConfig,
-    model_path: str,
-    splits: dict[str, Path],
-    run_dir: Path,
-    tracking: Tracking | None,
-    launcher_for: LauncherFactory,
-    init_adapter: str | None = None,
-) -> TrialOutcome:
-    """One short GRPO run with the trial's parameters (continuing `init_adapter`, a warm start's local adapter
-    directory, when given); reports each validation reward and cancels the job when the pruner says so. Raises TrialFailed when the job crashes; the launcher's bad-input failure (a
+class TrialJob(BaseModel):
+    """What every trial of one search runs with, less its own parameters: the search's settings, the train section
+    each trial overrides, the base model (its config and resolved path), the splits (`val`: the rung prompts), the
+    run's folder, where trial runs go in MLflow (None: nowhere), and the warm start's local adapter directory every
+    trial continues (None: a fresh adapter)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    hpo: HPOConfig
+    train: TrainConfig
+    model: ModelConfig
+    model_path: str
+    splits: dict[str, Path]
+    run_dir: Path
+    tracking: Tracking | None = None
+    init_adapter: str | None = None
+
+
+# Runs one trial of a search (`run_trial` with a launcher, as a Prefect task in the flow; a stand-in in tests).
+RunOne = Callable[[optuna.Trial, TrialJob], TrialOutcome]
+
+
+def run_trial(trial: optuna.Trial, job: TrialJob, launcher_for: LauncherFactory) -> TrialOutcome:
+    """One short GRPO run of `job` with the trial's parameters; reports each validation reward and cancels the job
+    when the pruner says so. Raises TrialFailed when the job crashes; the launcher's bad-input failure (a
     `TrainingFailed` that is a `ConfigError`, `grpo_pipeline.infra.launch.BadTrainingInput`: the trainer exited 2, e.g. a
     reward that returns NaN) is raised as it is, since every other trial would fail the same way."""
     from mlflow.entities import Param
 
     configured = bool(trial.user_attrs.get(CONFIGURED))
-    overrides = {} if configured else to_overrides(suggest(trial, hpo.space), train.lora)
-    trial_section = trial_train(train, hpo, overrides)
+    overrides = {} if configured else to_overrides(suggest(trial, job.hpo.space), job.train.lora)
+    trial_section = trial_train(job.train, job.hpo, overrides)
+    tracking = job.tracking
     client = tracking.client() if tracking else None
     run_id = None
     if client and tracking:
@@ -703,18 +716,18 @@ def run_trial(
     trial.set_user_attr("overrides", overrides)
     trial.set_user_attr(WORKER, _this_worker())
     # Unique across runs: build_job_spec names the run's checkpoint prefix after this folder.
-    trial_dir = run_dir / "hpo" / f"{run_dir.name}-trial-{trial.number:03d}"
+    trial_dir = job.run_dir / "hpo" / f"{job.run_dir.name}-trial-{trial.number:03d}"
     spec = build_job_spec(
         trial_section,
-        model,
-        model_path,
-        splits,
+        job.model,
+        job.model_path,
+        job.splits,
         trial_dir,
         mlflow_tracking_uri=tracking.tracking_uri if tracking else None,  # the trainer logs into the trial's run
         mlflow_run_id=run_id,
-        init_adapter=init_adapter,
+        init_adapter=job.init_adapter,
     )
-    spec = spec.model_copy(update={"val_file": str(Path(splits["val"]).resolve())})
+    spec = spec.model_copy(update={"val_file": str(Path(job.splits["val"]).resolve())})
 
     reports: queue.Queue = queue.Queue()
 
@@ -726,7 +739,7 @@ def run_trial(
     state, reason, outcome = "FAILED", None, None
     try:
         handle = launcher.launch(spec)
-        outcome = _follow(trial, launcher, handle, reports, client, run_id, hpo.steps, prunable=not configured)
+        outcome = _follow(trial, launcher, handle, reports, client, run_id, job.hpo.steps, prunable=not configured)
         state = "KILLED" if outcome.pruned_at is not None else "FINISHED"
         return outcome
     except TrainingFailed as exc:
@@ -817,7 +830,7 @@ def search(
     *,
     data_dir: Path,
     rewards: RewardSet,
-    run_one: Callable[..., TrialOutcome],
+    run_one: RunOne,
     tracking: Tracking | None = None,
     score: Scorer | None = None,
     train_usd: float | None = None,
@@ -827,8 +840,8 @@ def search(
     configured values, for base `model` trained by `train` (continuing `warm_start`'s adapter, when given). `data_dir`: where the study's journal lies unless
     `hpo.storage` names a database. `rewards`: the run's (`TrainConfig.reward_set`), whose weighted total the
     trials are scored and sized by; `evaluate`: the greedy scorer's generation settings.
-    `run_one(trial, hpo, train, model, model_path, splits, run_dir, tracking, init_adapter=...)` runs one trial (the flow
-    passes `run_trial` with its launcher, as a Prefect task, so each trial is a task run); `score(adapter_dir,
+    `run_one(trial, job)` runs one trial of the `TrialJob` (the flow passes `run_trial` with its launcher, as a Prefect
+    task, so each trial is a task run); `score(adapter_dir,
     prompts)` scores a finished trial greedily (default: `greedy_scorer`); `train_usd` is the training run's
     planned cost, for the budget in USD. Raises `NotEnoughPrompts` before any trial when the val split is too
     small, `HPOFailed` when no trial completes, and a trial's bad-input failure (`run_trial`) as it is: the
@@ -841,7 +854,6 @@ def search(
         score = None
     budget_steps, budget_usd = budget(hpo, train, train_usd)
     study = open_study(hpo, model.base, data_dir, start=warm_start.uri if warm_start else FROM_BASE)
-    init_adapter = warm_start.adapter_dir if warm_start else None
     finished = [t for t in study.trials if t.state.is_finished()]
     remaining = max(0, hpo.trials - len(finished))
     log.info(
@@ -853,15 +865,23 @@ def search(
         steps_spent(study),
         budget_steps,
     )
-    trial_splits = {**splits, "val": validation.rungs}  # the trainer's rung checks: the same prompts for every trial
+    job = TrialJob(
+        hpo=hpo,
+        train=train,
+        model=model,
+        model_path=model_path,
+        # the trainer's rung checks: the same prompts for every trial
+        splits={**splits, "val": validation.rungs},
+        run_dir=run_dir,
+        tracking=tracking,
+        init_adapter=warm_start.adapter_dir if warm_start else None,
+    )
     # Optuna runs parallel trials on its own threads; each gets a copy of this thread's context, so a
     # Prefect task called there belongs to the calling flow run.
     context = contextvars.copy_context()
 
     def objective(trial: optuna.Trial) -> float:
-        outcome = context.copy().run(
-            run_one, trial, hpo, train, model, model_path, trial_splits, run_dir, tracking, init_adapter=init_adapter
-        )
+        outcome = context.copy().run(run_one, trial, job)
         trial.set_user_attr("steps", outcome.pruned_at or outcome.steps)
         if outcome.pruned_at is not None:
             raise optuna.TrialPruned(f"pruned at step {outcome.pruned_at}")

@@ -9,7 +9,7 @@ from urllib.parse import urlencode
 
 from grpo_pipeline.tasks.data.drift import ANSWER_TYPES, Drift
 from grpo_pipeline.tasks.job import WarmStart
-from grpo_pipeline.tasks.promote.decide import Decision
+from grpo_pipeline.tasks.promote.decide import PromotionDecision
 from grpo_pipeline.tasks.summary import AliasChange, Example, Holdout, RegistryOutcome, TrainRows  # noqa: F401 - AliasChange: the doctests use it
 from grpo_pipeline.trainer.spec import TrainResult
 
@@ -40,7 +40,7 @@ def render_skipped(reason: str) -> str:
     return "\n".join(["# GRPO run: skipped", "", f"Nothing trained: {reason}", ""])
 
 
-def verdict(decision: Decision, registry: RegistryOutcome) -> str:
+def verdict(decision: PromotionDecision, registry: RegistryOutcome) -> str:
     """What the run did with its candidate, in words: under `promote.mode=canary` a candidate that passed the
     offline gate is the live test's challenger, not yet the champion.
 
@@ -58,7 +58,7 @@ def verdict(decision: Decision, registry: RegistryOutcome) -> str:
 
 def render_markdown(
     holdout: Holdout,
-    decision: Decision,
+    decision: PromotionDecision,
     registry: RegistryOutcome,
     warm_start: WarmStart | None = None,
     rows: TrainRows | None = None,

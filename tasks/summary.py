@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict
 from grpo_pipeline.tasks.data.drift import Drift
 from grpo_pipeline.tasks.evaluate import EvalResult
 from grpo_pipeline.tasks.job import WarmStart
-from grpo_pipeline.tasks.promote.decide import Decision
+from grpo_pipeline.tasks.promote.decide import PromotionDecision
 from grpo_pipeline.tasks.promote.serving import BaseRef, ServingCheck
 from grpo_pipeline.trainer.spec import TrainResult
 
@@ -212,5 +212,5 @@ class RunSummary(BaseModel):
     cost: Cost | None = None
     month: MonthCost | None = None  # the month's actual cost so far, against the plan's projection
     merge: Merged | None = None
-    decision: Decision | None = None
+    decision: PromotionDecision | None = None
     registry: RegistryOutcome | None = None

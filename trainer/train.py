@@ -36,6 +36,7 @@ from grpo_pipeline.trainer.checkpoints import (
 )
 from grpo_pipeline.trainer.distributed import Ranks
 from grpo_pipeline.trainer.fence import EXIT_SUPERSEDED, FencedStore, StoreTaken, Superseded, claim_store
+from grpo_pipeline.trainer.rewards import RewardError, RewardUnavailable
 from grpo_pipeline.trainer.spec import RESULT_FILE, HealthEvent, JobSpec, TrainResult, bad_input_line
 from grpo_pipeline.trainer.tracking import CommittedMetrics, numeric
 
@@ -51,6 +52,25 @@ EXIT_INTERRUPTED = 75  # EX_TEMPFAIL: try again
 EXIT_BAD_INPUT = 2  # the same job fails the same way again: never relaunched
 EXIT_FAILED = 1  # anything else, a reward's outage included: relaunched, resumed from the last checkpoint
 # EXIT_SUPERSEDED (3, trainer/fence.py): a newer attempt owns the checkpoint store; never relaunched
+
+
+class Refused(Exception):
+    """Bad input the trainer finds before it trains (the spec's precision or adapter, a warm start's files that
+    differ from the spec's pins): every attempt would find it again."""
+
+
+# How an attempt that fails ends, by the first entry the exception is an instance of: its exit code (above; the
+# launchers relaunch on 1 only) and the lead of its log line. Anything else is exit 1 and raised, traceback and all.
+EXITS: tuple[tuple[type[BaseException], int, str], ...] = (
+    (Refused, EXIT_BAD_INPUT, "bad input"),
+    # before RewardError, which it is: the reward's service or the node's memory, not the input
+    (RewardUnavailable, EXIT_FAILED, "reward unavailable (exit 1: a relaunch resumes from the last checkpoint)"),
+    (RewardError, EXIT_BAD_INPUT, "bad input"),  # the reward or the data is at fault, not the node
+    # another job's store: every recovery would fight it for the store
+    (StoreTaken, EXIT_BAD_INPUT, "bad input"),
+    # a relaunch runs elsewhere and owns the store: stop here
+    (Superseded, EXIT_SUPERSEDED, f"superseded (exit {EXIT_SUPERSEDED})"),
+)
 
 
 def grpo_args(spec: JobSpec, output_dir: Path) -> GRPOConfig:
@@ -514,7 +534,10 @@ def _staged_init_adapter(spec: JobSpec) -> JobSpec:
         return spec
     store = open_store(spec.checkpoint_uri, spec.train.s3_endpoint_url)
     work = distributed.rank_work_dir(spec.work_dir, int(os.environ.get("RANK", "0")))  # each rank its own copy
-    directory = fetch_init_adapter(store, spec.init_adapter_files, work / "init")
+    try:
+        directory = fetch_init_adapter(store, spec.init_adapter_files, work / "init")
+    except CheckpointCorrupt as exc:  # the same store would give the same files to every recovery: not retried
+        raise Refused(str(exc)) from exc
     log.info(
         "warm start: the adapter from %r verified against the job spec's %d file hashes",
         store,
@@ -550,47 +573,20 @@ def main(spec_path: str, started: float | None = None) -> int:
         log.error("bad job spec %s: %s", spec_path, exc)
         distributed.record("exit", EXIT_BAD_INPUT)
         return EXIT_BAD_INPUT
-    from grpo_pipeline.trainer.rewards import RewardError, RewardUnavailable
-
     try:
         spec = _staged_init_adapter(spec)
-    except CheckpointCorrupt as exc:  # the same store would give the same files to every recovery: not retried
-        log.error("bad input: %s", exc)
-        print(bad_input_line(str(exc)), flush=True)
-        distributed.record("exit", EXIT_BAD_INPUT)
-        return EXIT_BAD_INPUT
-    except BaseException:  # the store unreachable: a relaunch may fetch it
-        distributed.record("exit", EXIT_FAILED)
-        raise
-    refused = _slow_bf16(spec) or _unfit_adapter(spec)
-    if refused:
-        log.error("bad input: %s", refused)
-        print(bad_input_line(refused), flush=True)
-        distributed.record("exit", EXIT_BAD_INPUT)
-        return EXIT_BAD_INPUT
-    try:
+        if refused := _slow_bf16(spec) or _unfit_adapter(spec):
+            raise Refused(refused)
         result = run(spec, started)
-    except RewardUnavailable as exc:  # the reward's service or the node's memory, not the input: relaunch
-        log.error("reward unavailable (exit 1: a relaunch resumes from the last checkpoint): %s", exc)
-        distributed.record("exit", EXIT_FAILED)
-        return EXIT_FAILED
-    except RewardError as exc:  # the reward or the data is at fault, not the node: launchers must not retry it
-        log.error("bad input: %s", exc)
-        print(bad_input_line(str(exc)), flush=True)  # the SkyPilot launcher cancels the job's recovery on it
-        distributed.record("exit", EXIT_BAD_INPUT)
-        return EXIT_BAD_INPUT
-    except StoreTaken as exc:  # another job's store: every recovery would fight it for the store, so bad input
-        log.error("bad input: %s", exc)
-        print(bad_input_line(str(exc)), flush=True)
-        distributed.record("exit", EXIT_BAD_INPUT)
-        return EXIT_BAD_INPUT
-    except Superseded as exc:  # a relaunch runs elsewhere and owns the store: stop here, never relaunched
-        log.error("superseded (exit %d): %s", EXIT_SUPERSEDED, exc)
-        distributed.record("exit", EXIT_SUPERSEDED)
-        return EXIT_SUPERSEDED
-    except BaseException:
-        distributed.record("exit", EXIT_FAILED)
-        raise
+    except BaseException as exc:
+        code, lead = next(((code, lead) for kind, code, lead in EXITS if isinstance(exc, kind)), (EXIT_FAILED, None))
+        distributed.record("exit", code)
+        if lead is None:  # the node, the store or the network: a relaunch resumes from the last checkpoint
+            raise
+        log.error("%s: %s", lead, exc)
+        if code == EXIT_BAD_INPUT:  # the SkyPilot launcher cancels the job's recovery on this line
+            print(bad_input_line(str(exc)), flush=True)
+        return code
     code = EXIT_INTERRUPTED if result.interrupted else 0
     distributed.record("exit", code)
     if distributed.current().is_main:

@@ -5,7 +5,11 @@
   checkpoints on SIGTERM).
 - `LocalLauncher` (`grpo_pipeline.infra.launch.local`) runs the trainer as a subprocess here, the embedded default;
   `SkyLauncher` (`grpo_pipeline.infra.launch.skypilot`) runs it as a SkyPilot managed job on spot GPUs.
-- `make_launcher` picks one from `train.launcher`; `check_launcher` checks what that launcher needs before any
+- `LAUNCHER_MODULES` names each launcher's module, whose `KIND` (a `LauncherKind`) says how it is built, the GPU
+  counts its nodes may have and what it needs before any work; the config's own table
+  (`grpo_pipeline.configs.launchers.LAUNCHERS`: is it local, the GPU counts the config fixes) names the same launchers.
+  A new launcher is one module here and an entry in each table.
+- `make_launcher` builds the one `train.launcher` names; `check_launcher` checks what that launcher needs before any
   work is done, including whether `train.distributed` can launch at all (`grpo_pipeline.trainer.distributed.problems`:
   processes against GPUs, batch against num_generations, strategy against quantization, store against nodes);
   `check_launch` repeats that for the very job spec a launcher is handed, before it starts anything.
@@ -13,7 +17,9 @@
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from grpo_pipeline.configs.schema import ConfigError, ModelConfig, TrainConfig
@@ -21,10 +27,13 @@ from grpo_pipeline.trainer.spec import JobSpec, TrainingFailed, TrainResult
 
 __all__ = [
     "BadTrainingInput",
+    "LAUNCHER_MODULES",
     "LaunchRefused",
     "Launcher",
+    "LauncherKind",
     "TrainingFailed",
     "check_launch",
+    "launcher_kind",
     "make_launcher",
     "check_launcher",
     "run_job",
@@ -48,29 +57,32 @@ class Launcher(Protocol):
     def cancel(self, handle: Any) -> None: ...
 
 
-def make_launcher(
-    train: TrainConfig, on_line: Callable[[str], None] | None = None, on_status: Callable[[str], None] | None = None
-) -> Launcher:
+Listener = Callable[[str], None] | None  # gets each line of output, or each state change
+
+
+@dataclass(frozen=True)
+class LauncherKind:
+    """How one launcher is built and checked; each launcher's module defines one, `KIND`."""
+
+    build: Callable[[TrainConfig, Listener, Listener], Launcher]  # (train, on_line, on_status)
+    gpus_per_node: Callable[[TrainConfig], list[int]]  # each GPU count a node of the job may have
+    check: Callable[[TrainConfig, str], None]  # (train, mlflow_uri): what it needs beyond a launchable job
+
+
+# train.launcher -> the module whose KIND builds it, imported on use: a run loads only the launcher it uses
+LAUNCHER_MODULES: dict[str, str] = {"local": f"{__name__}.local", "sky": f"{__name__}.skypilot"}
+
+
+def launcher_kind(name: str) -> LauncherKind:
+    """The launcher `name` (a `train.launcher` value, which the config has checked against its own table)."""
+    kind: LauncherKind = importlib.import_module(LAUNCHER_MODULES[name]).KIND
+    return kind
+
+
+def make_launcher(train: TrainConfig, on_line: Listener = None, on_status: Listener = None) -> Launcher:
     """The launcher `train.launcher` names; `on_line` gets each line of the trainer's output, `on_status`
-    the managed job's state changes."""
-    if train.launcher == "sky":
-        from grpo_pipeline.infra.launch.skypilot import SkyLauncher
-
-        return SkyLauncher(train.sky, train.max_restarts, on_status=on_status, on_line=on_line)
-    from grpo_pipeline.infra.launch.local import LocalLauncher
-
-    return LocalLauncher(train.max_restarts, on_line=on_line)
-
-
-def gpus_per_node(train: TrainConfig) -> list[int]:
-    """The GPU counts a node may have: each of the SkyPilot task's accelerator options, or this machine's."""
-    if train.launcher == "sky":
-        from grpo_pipeline.infra.launch.skypilot import accelerator_options
-
-        return sorted({count for _, count in accelerator_options(train)})
-    from grpo_pipeline.trainer.launch import detect_gpus
-
-    return [detect_gpus()]
+    the job's state changes."""
+    return launcher_kind(train.launcher).build(train, on_line, on_status)
 
 
 def check_launch(spec: JobSpec, gpu_counts: list[int]) -> None:
@@ -104,11 +116,9 @@ def check_launcher(train: TrainConfig, mlflow_uri: str, model: ModelConfig | Non
         adapter_dir="",
         checkpoint_uri=train.checkpoint_uri or "",
     )
-    check_launch(probe, gpus_per_node(train))
-    if train.launcher == "sky":
-        from grpo_pipeline.infra.launch.skypilot import check_sky
-
-        check_sky(train, mlflow_uri)
+    kind = launcher_kind(train.launcher)
+    check_launch(probe, kind.gpus_per_node(train))
+    kind.check(train, mlflow_uri)
 
 
 def run_job(launcher: Launcher, spec: JobSpec) -> TrainResult:

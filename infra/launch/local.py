@@ -19,7 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from grpo_pipeline.infra.launch import BadTrainingInput, TrainingFailed, check_launch
+from grpo_pipeline.infra.launch import BadTrainingInput, LauncherKind, TrainingFailed, check_launch
+from grpo_pipeline.tasks.job import check_store
 from grpo_pipeline.trainer.fence import EXIT_SUPERSEDED
 from grpo_pipeline.trainer.launch import PARENT_PID_ENV, detect_gpus, free_port
 from grpo_pipeline.trainer.spec import RESULT_FILE, JobSpec, TrainResult, parse_bad_input
@@ -114,3 +115,10 @@ class LocalLauncher:
             handle.process.wait(grace_s)
         except subprocess.TimeoutExpired:
             handle.process.kill()
+
+
+KIND = LauncherKind(
+    build=lambda train, on_line, on_status: LocalLauncher(train.max_restarts, on_line=on_line),
+    gpus_per_node=lambda train: [detect_gpus()],  # this machine's
+    check=lambda train, mlflow_uri: check_store(train),  # the trainer writes its checkpoints from here
+)

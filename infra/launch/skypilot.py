@@ -42,7 +42,7 @@ import yaml
 
 from grpo_pipeline.configs.files import SOURCE_ROOT, project_file
 from grpo_pipeline.configs.schema import SkyConfig, TrainConfig
-from grpo_pipeline.infra.launch import BadTrainingInput, TrainingFailed
+from grpo_pipeline.infra.launch import BadTrainingInput, LauncherKind, TrainingFailed
 from grpo_pipeline.trainer.checkpoints import (
     INIT_ADAPTER,
     CheckpointStoreError,
@@ -532,3 +532,12 @@ class SkyLauncher:
     def cancel(self, handle: SkyHandle) -> None:
         _drive("cancel", {"job_id": handle.job_id})
         self.on_status(f"managed job {handle.job_id} cancelled")
+
+
+KIND = LauncherKind(
+    build=lambda train, on_line, on_status: SkyLauncher(
+        train.sky, train.max_restarts, on_status=on_status, on_line=on_line
+    ),
+    gpus_per_node=lambda train: sorted({count for _, count in accelerator_options(train)}),
+    check=check_sky,
+)

@@ -13,6 +13,7 @@ import yaml
 from pydantic import ValidationError
 
 from grpo_pipeline.configs.files import project_file
+from grpo_pipeline.configs.launchers import LAUNCHERS
 from grpo_pipeline.configs.layout import DistributedConfig, batch_problem
 from grpo_pipeline.configs.library_fields import default
 from grpo_pipeline.configs.schema import ModelConfig, PipelineConfig, PlanConfig, TrainConfig
@@ -66,11 +67,11 @@ def pinned_world(train: TrainConfig) -> int | None:
     (4, None)
     """
     d = train.distributed
-    counts = {int(a.partition(":")[2] or 1) for a in train.sky.accelerators or []}
     if d.processes_per_node:
         return d.world_size(0)  # the processes set hold on any node
-    if train.launcher == "sky" and len(counts) == 1:
-        return d.world_size(counts.pop())
+    counts = LAUNCHERS[train.launcher].gpu_counts(train)
+    if counts is not None and len(counts) == 1:
+        return d.world_size(counts[0])
     return None
 
 
@@ -157,8 +158,8 @@ def plan_for_config(
     name: str,
     train_rows: int | None = None,
 ) -> Plan:
-    """The plan for the config's sections. train.launcher=local: this machine, memory against its RAM, 0 USD.
-    train.launcher=sky: the cheapest of plan.allowed_gpus (default: the SkyPilot task's GPU list).
+    """The plan for the config's sections. A local launcher (train.launcher=local): this machine, memory against its
+    RAM, 0 USD. One that rents GPUs (sky): the cheapest of plan.allowed_gpus (default: the SkyPilot task's GPU list).
 
     >>> from grpo_pipeline.configs.files import packaged
     >>> from grpo_pipeline.configs.schema import load_config
@@ -169,7 +170,7 @@ def plan_for_config(
     (True, 'spot')
     """
     work = workload_for(model, train, plan, name, train_rows)
-    if train.launcher == "local":
+    if LAUNCHERS[train.launcher].local:
         pdb = _grpo(train, "per_device_train_batch_size")
         return plan_local(
             model_config,
@@ -223,7 +224,7 @@ def apply_plan(cfg: PipelineConfig, plan: Plan) -> PipelineConfig:
     >>> planned.train.grpo["gradient_checkpointing"]  # set in the recipe: kept
     True
     """
-    if cfg.train.launcher != "sky":
+    if LAUNCHERS[cfg.train.launcher].local:
         return cfg
     grpo = {**plan.settings.grpo_overrides(), **cfg.train.grpo}
     sky, settings = cfg.train.sky, plan.settings

@@ -2,7 +2,7 @@
 
 Candidate and baseline are scored on the same holdout prompts, so the comparison is paired: the mean
 per-prompt difference with a 95% paired-bootstrap interval (scipy), plus McNemar's exact test when the
-metric is binary. `decide_promotion` is a pure function; its `Decision` is logged before anything moves.
+metric is binary. `decide_promotion` is a pure function; its `PromotionDecision` is logged before anything moves.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from grpo_pipeline.configs.schema import ConfigError, PromotionPolicy
 Z_POWER_80 = 0.8416  # one-sided normal quantile for 80% power
 
 
-class Decision(BaseModel):
+class PromotionDecision(BaseModel):
     promote: bool
     reasons: list[str]
     stats: dict
@@ -102,7 +102,7 @@ def decide_promotion(
     policy: PromotionPolicy,
     rewards: RewardSet | Sequence[str] = (),
     evaluation_complete: bool = True,
-) -> Decision:
+) -> PromotionDecision:
     """Promote only when the interval's lower bound clears the minimum effect and no guardrail regresses.
 
     `candidate` and `baseline` are per-sample rows (`key`, the primary metric, each guarded column);
@@ -117,7 +117,7 @@ def decide_promotion(
     )
     reasons: list[str] = []
     if not evaluation_complete or not candidate:
-        return Decision(promote=False, reasons=["the evaluation did not complete"], stats={})
+        return PromotionDecision(promote=False, reasons=["the evaluation did not complete"], stats={})
     cand, base = paired_rows(candidate, baseline)
     primary = paired_difference([r[policy.metric] for r in cand], [r[policy.metric] for r in base], policy.confidence)
     summary = {policy.metric: primary, "guardrails": {}}
@@ -155,4 +155,4 @@ def decide_promotion(
         if regression > tolerance:
             guards_ok = False
             reasons.append(f"guardrail {column}: {unit} {regression:.3f} exceeds tolerance {tolerance:.3f}")
-    return Decision(promote=win and guards_ok, reasons=reasons, stats=summary)
+    return PromotionDecision(promote=win and guards_ok, reasons=reasons, stats=summary)

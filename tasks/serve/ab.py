@@ -1,6 +1,6 @@
 """The online decision between `champion` and `challenger`, as a pure function of what the request log holds.
 
-`decide(champion, challenger, policy, elapsed_h) -> Decision` with `Decision.action` one of
+`decide(champion, challenger, policy, elapsed_h) -> ABDecision` with `ABDecision.action` one of
 
 - `rollback`: a guardrail is breached (latency, errors, completion length), or the test finds the challenger
   worse; the challenger alias goes off and all traffic returns to the champion;
@@ -98,7 +98,7 @@ class TestStatistics(BaseModel):
     threshold: float  # 1 / alpha: Lambda at or above it decides
 
 
-class Decision(BaseModel):
+class ABDecision(BaseModel):
     action: Action
     reasons: list[str]
     arms: dict[str, ArmSummary]
@@ -240,14 +240,14 @@ def guardrail_breaches(champion: ArmSummary, challenger: ArmSummary, policy: ABC
     return out
 
 
-def decide(champion: ArmSample, challenger: ArmSample, policy: ABConfig, elapsed_h: float) -> Decision:
+def decide(champion: ArmSample, challenger: ArmSample, policy: ABConfig, elapsed_h: float) -> ABDecision:
     """Guardrails first (a breach rolls back whatever the scores say), then the sequential test once both arms
     have `ab.min_samples` scores, then the clock (`ab.max_duration_h`)."""
     arms = {"champion": summarize(champion), "challenger": summarize(challenger)}
     test = msprt(champion.scores, challenger.scores, policy.alpha, policy.mixture_effect)
 
-    def made(action: Action, reasons: list[str], breaches: Sequence[str] = ()) -> Decision:
-        return Decision(
+    def made(action: Action, reasons: list[str], breaches: Sequence[str] = ()) -> ABDecision:
+        return ABDecision(
             action=action, reasons=reasons, arms=arms, test=test, breaches=list(breaches), elapsed_h=elapsed_h
         )
 
@@ -315,7 +315,7 @@ def plan_ab_moves(action: Action, champion: str | None, challenger: str) -> list
     return []
 
 
-def settle(registry: Registry, decision: Decision, champion: str | None, challenger: str) -> list[AliasMove]:
+def settle(registry: Registry, decision: ABDecision, champion: str | None, challenger: str) -> list[AliasMove]:
     """Move the aliases for `decision` under the registry's lock, unless they moved since the log was read
     (then the decision was about other versions: `AliasesMoved`, nothing moves)."""
     from grpo_pipeline.tasks.promote.registry import CHALLENGER, CHAMPION

@@ -15,7 +15,7 @@ from pydantic import BaseModel
 
 from grpo_pipeline.configs.ab import ABConfig
 from grpo_pipeline.tasks.promote.registry import CHALLENGER, CHAMPION, Registry
-from grpo_pipeline.tasks.serve.ab import Decision, decide, settle
+from grpo_pipeline.tasks.serve.ab import ABDecision, decide, settle
 from grpo_pipeline.tasks.serve.ab_log import RequestLog
 
 NO_TEST = "no challenger alias: no test is running"
@@ -35,12 +35,12 @@ class Round(BaseModel):
 
     champion: str | None
     challenger: str | None
-    decision: Decision | None = None
+    decision: ABDecision | None = None
     reasons: list[str] = []  # why there is no decision
     moves: list[str] = []  # the alias moves made, as `model@alias: before -> after`
     applied: bool = False  # settle_round ran (not a dry run)
 
-    def decided(self) -> tuple[Decision, str]:
+    def decided(self) -> tuple[ABDecision, str]:
         """The decision and the challenger version it is about; a round that decided nothing (no challenger,
         `promote.mode: offline`) raises ValueError, as there is nothing to settle or report."""
         if self.decision is None or self.challenger is None:

@@ -115,7 +115,7 @@ def test_the_decision_report_is_marked_and_shows_the_drift_section():
 
     from grpo_pipeline.configs.rewards import RewardSet
     from grpo_pipeline.tasks.evaluate import score
-    from grpo_pipeline.tasks.promote.decide import Decision
+    from grpo_pipeline.tasks.promote.decide import PromotionDecision
     from grpo_pipeline.tasks.promote.serving import ServingCheck
     from grpo_pipeline.tasks.report import render_markdown
     from grpo_pipeline.tasks.summary import Holdout, RegistryOutcome
@@ -137,7 +137,10 @@ def test_the_decision_report_is_marked_and_shows_the_drift_section():
     )
     drift = assess("4", rows, reward_drop([1.0] * 20 + [0.0] * 10, [1.0] * 5 + [0.0] * 25), threshold=0.1)
     markdown = render_markdown(
-        Holdout.of(result, result, result), Decision(promote=True, reasons=["gain"], stats={}), registry, drift=drift
+        Holdout.of(result, result, result),
+        PromotionDecision(promote=True, reasons=["gain"], stats={}),
+        registry,
+        drift=drift,
     )
     assert markdown.splitlines()[5].startswith("**Drift alert**: champion v4 scores 0.167 on 30 new rows")
     page = MarkdownIt("commonmark").enable("table").render(markdown)
@@ -145,7 +148,7 @@ def test_the_decision_report_is_marked_and_shows_the_drift_section():
     assert "<td>answers: text</td>\n<td>0.0%</td>\n<td>100.0%</td>" in page
     quiet = render_markdown(
         Holdout.of(result, result, result),
-        Decision(promote=True, reasons=["gain"], stats={}),
+        PromotionDecision(promote=True, reasons=["gain"], stats={}),
         registry,
         drift=not_measured("no champion yet"),
     )

@@ -256,7 +256,7 @@ def test_every_rank_acts_on_rank_0s_decision():
 
 
 def test_the_report_says_the_candidate_came_from_a_rolled_back_run():
-    from grpo_pipeline.tasks.promote.decide import Decision
+    from grpo_pipeline.tasks.promote.decide import PromotionDecision
     from grpo_pipeline.tasks.promote.serving import ServingCheck
     from grpo_pipeline.tasks.report import render_markdown
     from grpo_pipeline.tasks.summary import Holdout, RegistryOutcome, RunSummary
@@ -298,7 +298,9 @@ def test_the_report_says_the_candidate_came_from_a_rolled_back_run():
         base_model="org/base",
         serving_check=check,
     )
-    markdown = render_markdown(holdout, Decision(promote=True, reasons=["gain"], stats={}), registry, train=train)
+    markdown = render_markdown(
+        holdout, PromotionDecision(promote=True, reasons=["gain"], stats={}), registry, train=train
+    )
     assert (
         "rolled back 1 time(s)" in markdown
         and "| 3 | non\\_finite | nan | 0 | rollback | rolled back to step 2" in markdown
@@ -306,11 +308,11 @@ def test_the_report_says_the_candidate_came_from_a_rolled_back_run():
     assert markdown.index("## Training health") < markdown.index("## Reasons")
     best = train.model_copy(update={"best_step": 4, "best_val_reward": 0.5, "global_step": 8})
     assert "adapter of step 4, the best validation reward (0.5), not of the last step (8)" in render_markdown(
-        holdout, Decision(promote=True, reasons=[], stats={}), registry, train=best
+        holdout, PromotionDecision(promote=True, reasons=[], stats={}), registry, train=best
     )
     assert "## Training health" not in render_markdown(
         holdout,
-        Decision(promote=True, reasons=[], stats={}),
+        PromotionDecision(promote=True, reasons=[], stats={}),
         registry,
         train=train.model_copy(update={"health": [], "rollbacks": 0}),
     )

@@ -120,9 +120,9 @@ def _quick(values):
     """A trial runner that returns the next value (a number, 'prune' or 'crash') without training."""
     values = iter(values)
 
-    def run_one(trial, hpo, train, model, model_path, splits, run_dir, tracking, init_adapter=None):
+    def run_one(trial, job):
         if not trial.user_attrs.get("configured"):
-            suggest(trial, hpo.space)
+            suggest(trial, job.hpo.space)
         value = next(values)
         if value == "crash":
             trial.set_user_attr("reason", "trainer exited with code 1 ... ValueError: boom")
@@ -131,7 +131,7 @@ def _quick(values):
             trial.report(0.0, 1)
             trial.set_user_attr("reason", "pruned at step 1")
             return TrialOutcome(value=None, pruned_at=1, steps=1)
-        return TrialOutcome(value=value, steps=hpo.steps)
+        return TrialOutcome(value=value, steps=job.hpo.steps)
 
     return run_one
 
@@ -150,12 +150,12 @@ def test_the_study_resumes_with_the_rest_of_its_budget(cfg, tmp_path):
 def _dies_after(n):
     count = {"n": 0}
 
-    def run_one(trial, hpo, train, model, model_path, splits, run_dir, tracking, init_adapter=None):
-        suggest(trial, hpo.space)
+    def run_one(trial, job):
+        suggest(trial, job.hpo.space)
         count["n"] += 1
         if count["n"] > n:
             raise KeyboardInterrupt
-        return TrialOutcome(value=0.1, steps=hpo.steps)
+        return TrialOutcome(value=0.1, steps=job.hpo.steps)
 
     return run_one
 
@@ -269,12 +269,12 @@ def _scored(tmp_path, plan):
     """`run_one` and `score` for the greedy path: trial number -> (per-prompt scores on the selection prompts,
     on the fresh ones). Trial 0 is the configured values' control."""
 
-    def run_one(trial, hpo, train, model, model_path, splits, run_dir, tracking, init_adapter=None):
+    def run_one(trial, job):
         if not trial.user_attrs.get("configured"):
-            suggest(trial, hpo.space)
+            suggest(trial, job.hpo.space)
         adapter = tmp_path / f"adapter-{trial.number}"
         adapter.mkdir(exist_ok=True)
-        return TrialOutcome(value=0.0, steps=hpo.steps, adapter_dir=str(adapter))
+        return TrialOutcome(value=0.0, steps=job.hpo.steps, adapter_dir=str(adapter))
 
     def score(adapter_dir, prompts):
         select, rescore = plan[int(adapter_dir.rsplit("-", 1)[1])]
@@ -344,13 +344,13 @@ def test_a_search_budget_of_one_training_run_explores_at_least_eight_configurati
     stops launching trials once the training run's 40 steps are spent."""
     import math
 
-    def run_one(trial, hpo, train, model, model_path, splits, run_dir, tracking, init_adapter=None):
-        lr = suggest(trial, hpo.space)["learning_rate"] if not trial.user_attrs.get("configured") else 1e-4
-        for step in range(hpo.eval_every, hpo.steps + 1, hpo.eval_every):
+    def run_one(trial, job):
+        lr = suggest(trial, job.hpo.space)["learning_rate"] if not trial.user_attrs.get("configured") else 1e-4
+        for step in range(job.hpo.eval_every, job.hpo.steps + 1, job.hpo.eval_every):
             trial.report(-abs(math.log10(lr) + 3.5) + step / 100, step)
-            if not trial.user_attrs.get("configured") and step < hpo.steps and trial.should_prune():
+            if not trial.user_attrs.get("configured") and step < job.hpo.steps and trial.should_prune():
                 return TrialOutcome(value=None, pruned_at=step, steps=step)
-        return TrialOutcome(value=-abs(math.log10(lr) + 3.5), steps=hpo.steps)
+        return TrialOutcome(value=-abs(math.log10(lr) + 3.5), steps=job.hpo.steps)
 
     c = cfg(
         "hpo.pruner=successive_halving",
@@ -385,10 +385,10 @@ def test_every_trial_continues_the_warm_start_and_a_study_keeps_one_start(cfg, t
     warm = WarmStart(requested="champion", uri="models:/grpo-adapter/3", adapter_dir=str(tmp_path / "v3"))
     started = []
 
-    def run_one(trial, hpo, train, model, model_path, splits, run_dir, tracking, init_adapter=None):
-        suggest(trial, hpo.space)
-        started.append(init_adapter)
-        return TrialOutcome(value=0.5, steps=hpo.steps)
+    def run_one(trial, job):
+        suggest(trial, job.hpo.space)
+        started.append(job.init_adapter)
+        return TrialOutcome(value=0.5, steps=job.hpo.steps)
 
     c = cfg("hpo.trials=2", "hpo.space.lora_r=null", "hpo.space.lora_alpha_ratio=null")
     run_search(c, "m", {}, tmp_path, rewards=REWARDS, run_one=run_one, warm_start=warm)

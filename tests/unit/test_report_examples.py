@@ -7,7 +7,7 @@ from markdown_it import MarkdownIt
 
 from grpo_pipeline.configs.rewards import RewardSet
 from grpo_pipeline.tasks.evaluate import EXAMPLE_CHARS, pick_examples, score
-from grpo_pipeline.tasks.promote.decide import Decision
+from grpo_pipeline.tasks.promote.decide import PromotionDecision
 from grpo_pipeline.tasks.promote.serving import ServingCheck
 from grpo_pipeline.tasks.report import render_markdown
 from grpo_pipeline.tasks.summary import Holdout, RegistryOutcome
@@ -40,7 +40,7 @@ def _report(examples: int) -> tuple[str, Holdout]:
         base_model="org/base",
         serving_check=check,
     )
-    return render_markdown(holdout, Decision(promote=True, reasons=["gain"], stats={}), registry), holdout
+    return render_markdown(holdout, PromotionDecision(promote=True, reasons=["gain"], stats={}), registry), holdout
 
 
 def test_right_and_wrong_examples_with_prompt_reference_scores_and_completion():

@@ -198,11 +198,11 @@ def test_the_search_scores_and_picks_trials_by_the_weighted_total(fake_generatio
     from grpo_pipeline.tasks.hpo import TrialOutcome, suggest
     from tests.unit.test_hpo import run_search
 
-    def run_one(trial, hpo, train, model, model_path, splits, run_dir, tracking, init_adapter=None):
-        suggest(trial, hpo.space)
+    def run_one(trial, job):
+        suggest(trial, job.hpo.space)
         adapter = tmp_path / f"{trial.number}-{('terse', 'wordy')[trial.number]}"
         adapter.mkdir(exist_ok=True)
-        return TrialOutcome(value=0.0, steps=hpo.steps, adapter_dir=str(adapter))
+        return TrialOutcome(value=0.0, steps=job.hpo.steps, adapter_dir=str(adapter))
 
     def searched(name: str, *overrides: str):
         cfg: PipelineConfig = load_config(
