@@ -346,6 +346,16 @@ def _work(field: str, *flags: str) -> Any:  # typer.Option() is typed as returni
     return typer.Option(*flags, help=WORK[field].description)
 
 
+def _budget_usd(value: float | None) -> float | None:
+    """--budget, refused by the parser (exit 2, and with --json the failure object) before any planning: a
+    negative budget, or NaN, refuses every plan, and would reach the refusal's message with nothing to price."""
+    if value is not None and not value >= 0:
+        raise typer.BadParameter(
+            f"{value:g} USD is not a budget; give the most a run may cost, 0 or more, or leave --budget out for no limit"
+        )
+    return value
+
+
 @app.command("plan")
 def plan_cmd(
     model: Annotated[
@@ -375,7 +385,8 @@ def plan_cmd(
     ] = None,
     spot: Annotated[bool, typer.Option("--spot/--on-demand")] = True,
     budget: Annotated[
-        float | None, typer.Option(help="refuse (exit 2) when the estimate is above this many USD")
+        float | None,
+        typer.Option(help="refuse (exit 2) when the estimate is above this many USD", callback=_budget_usd),
     ] = None,
     catalog: Annotated[Path | None, typer.Option(help="YAML merged over configs/gpus.yaml")] = None,
     mfu: Annotated[float, typer.Option(help="assumed model FLOPs utilisation")] = planner.Assumptions.model_fields[

@@ -346,3 +346,14 @@ def test_json_as_an_option_value_asks_for_no_failure_object(args, says):
     result = CliRunner().invoke(app, args)
     assert result.exit_code == EXIT_CONFIG, result.output
     assert says in result.stderr and result.stdout == ""
+
+
+@pytest.mark.parametrize("model", [[], ["--model", "qwen2.5-7b"]])  # the config's plan (local), a named model's
+@pytest.mark.parametrize("budget", ["-5", "nan"])
+def test_a_budget_below_zero_is_refused_by_name_before_any_planning(model, budget):
+    result = CliRunner().invoke(app, ["plan", *model, "--budget", budget, "--json"])
+    assert result.exit_code == EXIT_CONFIG, result.output
+    (line,) = result.stdout.strip().splitlines()  # the failure object alone: no plan was made
+    failure = json.loads(line)
+    assert failure["exit_code"] == EXIT_CONFIG and "Traceback" not in result.stderr
+    assert "'--budget'" in failure["error"] and "0 or more, or leave --budget out" in failure["error"]
