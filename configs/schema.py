@@ -32,7 +32,7 @@ from pydantic import (
     model_validator,
 )
 
-from grpo_pipeline.configs import library_fields
+from grpo_pipeline.configs import library_fields, library_ranges
 from grpo_pipeline.configs.ab import ABConfig
 from grpo_pipeline.configs.layout import DistributedConfig, batch_problem
 from grpo_pipeline.configs.policy import ENV_NAME, ENV_NAME_SUFFIXES, TriggerPolicy, credential_key, secret_shape
@@ -324,6 +324,7 @@ def _check_passthrough(values: dict[str, Any], cls_name: str, owned: set[str]) -
             TypeAdapter(fields[key].type).validate_python(value)
         except ValidationError as exc:
             raise ValueError(f"'{key}'={value!r} does not fit {cls_name}: {exc.errors()[0]['msg']}") from None
+        library_ranges.check(cls_name, key, value)
     return values
 
 
@@ -1192,6 +1193,8 @@ def set_path(tree: dict[str, Any], path: list[str], value: Any, blame: str = "")
 
 def _describe(error: ErrorDetails, model: type[BaseModel]) -> str:
     loc = ".".join(str(p) for p in error["loc"])
+    if error["type"] == library_ranges.ERROR_TYPE:  # a passthrough field's range: named by its dotted key
+        loc = f"{loc}.{error['ctx']['field']}"
     if error["type"] == "extra_forbidden":
         section: Any = model
         for part in error["loc"][:-1]:

@@ -357,3 +357,10 @@ def test_a_budget_below_zero_is_refused_by_name_before_any_planning(model, budge
     failure = json.loads(line)
     assert failure["exit_code"] == EXIT_CONFIG and "Traceback" not in result.stderr
     assert "'--budget'" in failure["error"] and "0 or more, or leave --budget out" in failure["error"]
+
+
+@pytest.mark.parametrize("command", [["config"], ["plan", "--json"]])
+def test_an_out_of_range_library_field_is_refused_at_load_by_its_dotted_key(command):
+    result = CliRunner().invoke(app, [*command, "--set", "train.lora.r=-4"])
+    _one_paragraph_on_stderr(result, "--set train.lora.r=-4: train.lora.r: Input should be greater than or equal to 1")
+    assert "lora_rank" not in result.stderr  # not the planner's own name for it
