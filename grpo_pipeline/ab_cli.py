@@ -18,14 +18,15 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from grpo_pipeline.failure import EXIT_CONFIG
 from grpo_pipeline.failure import fail as _fail  # the CLI's one way to fail
+from grpo_pipeline.loading import load
 
 if TYPE_CHECKING:
     from grpo_pipeline.configs.schema import PipelineConfig
     from grpo_pipeline.tasks.promote.registry import Registry
     from grpo_pipeline.tasks.serve.ab_log import RequestLog
 
-EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
 JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON object on stdout")]
 ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="pipeline YAML; default: configs/demo-cpu.yaml")]
 SetOpt = Annotated[list[str] | None, typer.Option("--set", help="override, e.g. --set ab.alpha=0.01 (repeatable)")]
@@ -42,15 +43,10 @@ def _open(
 ) -> tuple[PipelineConfig, RequestLog, Registry, str | None, str | None]:
     """(config, request log, registry, champion version, challenger version), or the failure naming what is
     wrong: the config (exit 2), the log store (exit 2), the registry (exit 2)."""
-    from grpo_pipeline.configs.files import packaged, recipe
-    from grpo_pipeline.configs.schema import ConfigError, load_config
     from grpo_pipeline.tasks.promote.registry import CHALLENGER, CHAMPION, Registry, RegistryServiceError, open_client
     from grpo_pipeline.tasks.serve.ab_log import LogStoreError, RequestLog, log_url
 
-    try:
-        cfg = load_config(packaged("demo-cpu.yaml") if config is None else recipe(config), list(overrides or []))
-    except ConfigError as exc:
-        _fail(as_json, str(exc), EXIT_CONFIG)
+    _, cfg = load(config, overrides, as_json)  # a refusal names the file or the --set to blame
     try:
         log = RequestLog.open(log_url(cfg.data_dir))
     except LogStoreError as exc:

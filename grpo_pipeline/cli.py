@@ -26,10 +26,20 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
-from grpo_pipeline.configs.files import packaged, recipe
-from grpo_pipeline.configs.schema import ConfigError, load_config
-from grpo_pipeline.failure import Commands, err, options_error
+from grpo_pipeline.configs.files import recipe
+from grpo_pipeline.configs.schema import ConfigError
+from grpo_pipeline.failure import (
+    EXIT_CHAMPION_MOVED,
+    EXIT_CONFIG,
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_REJECTED,
+    Commands,
+    err,
+    options_error,
+)
 from grpo_pipeline.failure import fail as _fail
+from grpo_pipeline.loading import load, load_path
 
 if TYPE_CHECKING:  # the stages' types, for annotations only: importing them here would load the training stack
     from collections.abc import Callable
@@ -41,66 +51,12 @@ if TYPE_CHECKING:  # the stages' types, for annotations only: importing them her
     from grpo_pipeline.tasks.promote.registry import AliasMove, Registry
     from grpo_pipeline.tasks.summary import RunSummary
 
-EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_REJECTED, EXIT_CHAMPION_MOVED = 0, 1, 2, 3, 4
-DEFAULT_CONFIG = packaged("demo-cpu.yaml")  # the CPU demo, from the installed package
-
 app = typer.Typer(cls=Commands, add_completion=False, no_args_is_help=True, help="GRPO fine-tuning pipeline.")
 
 ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="pipeline YAML; default: configs/demo-cpu.yaml")]
 SetOpt = Annotated[
     list[str] | None, typer.Option("--set", help="override, e.g. --set train.grpo.max_steps=20 (repeatable)")
 ]
-
-
-def _config_path(config: Path | None) -> Path:
-    # a shipped recipe's path (configs/demo-cpu.yaml) is found in the installed package when it is not here
-    return DEFAULT_CONFIG if config is None else recipe(config)
-
-
-def _load(config: Path | None, overrides: list[str] | None, as_json: bool = False) -> tuple[Path, PipelineConfig]:
-    path = _config_path(config)
-    return path, _load_path(path, overrides, as_json)
-
-
-def _load_path(path: Path | None, overrides: list[str] | None, as_json: bool) -> PipelineConfig:
-    """The configuration at `path` (None: the defaults alone) with the --set overrides, or the failure naming
-    the file or the --set to blame."""
-    overrides = list(overrides or [])
-    try:
-        return load_config(path, overrides)
-    except ConfigError as exc:
-        _fail(as_json, _blame(path, overrides, exc), EXIT_CONFIG)
-
-
-def _blame(path: Path | None, overrides: list[str], exc: Exception) -> str:
-    """A configuration error told against its cause: the file, or the --set that made it (the loader reports
-    every field as being "in" the file). A --set is to blame when the file alone loads and the file with that
-    --set does not; when only several together fail (two shares adding up past 1), all are named."""
-    if not overrides:
-        return str(exc)
-    try:
-        load_config(path, [])
-    except ConfigError:
-        return str(exc)  # the file is wrong on its own: the message names it
-    culprits = []
-    for assignment in overrides:
-        try:
-            load_config(path, [assignment])
-        except ConfigError as alone:
-            culprits.append((assignment, alone))
-    if not culprits:
-        return f"--set {' --set '.join(_shown(o, exc) for o in overrides)} (together): {_what(exc)}"
-    return "\n".join(f"--set {_shown(assignment, alone)}: {_what(alone, assignment)}" for assignment, alone in culprits)
-
-
-def _shown(assignment: str, error: Exception) -> str:
-    """A --set as a failure names it: without its value when the loader found a credential there, so the refusal
-    does not print the secret into a terminal or a CI log.
-
-    >>> _shown("train.grpo.hub_token=hf_x", ConfigError("train.grpo.hub_token holds a credential (...)"))
-    'train.grpo.hub_token=...'
-    """
-    return f"{assignment.partition('=')[0]}=..." if "holds a credential" in str(error) else assignment
 
 
 def _ephemeral_prefect_defaults() -> None:
@@ -111,17 +67,6 @@ def _ephemeral_prefect_defaults() -> None:
     "Timed out while attempting to connect to ephemeral Prefect API server" before any work."""
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
-
-
-def _what(exc: Exception, assignment: str | None = None) -> str:
-    """The field lines of a configuration error, without the loader's "invalid configuration in <file>:" or
-    its own "--set '<assignment>':" (the caller names the --set)."""
-    text = str(exc)
-    head, sep, fields = text.partition(":\n")
-    if sep and head.startswith("invalid configuration"):
-        lines = [line.strip() for line in fields.splitlines() if line.strip()]
-        return lines[0] if len(lines) == 1 else "\n  " + "\n  ".join(lines)
-    return text.removeprefix(f"--set {assignment!r}: ") if assignment else text
 
 
 def _input_errors() -> tuple[type[BaseException], ...]:
@@ -156,7 +101,7 @@ def run(
     fail_on_reject: Annotated[bool, typer.Option(help="exit 3 when the candidate is not promoted")] = False,
 ) -> None:
     """Run the pipeline (the CPU demo by default), print base and trained holdout reward and the decision."""
-    path, cfg = _load(config, overrides, as_json)
+    path, cfg = load(config, overrides, as_json)
     _ephemeral_prefect_defaults()
     priced = _preflight_or_exit(cfg, as_json)
     # heavy imports only once the config is known to be good
@@ -237,7 +182,7 @@ def _registry(config: Path | None, overrides: list[str] | None) -> Registry:
     answers without importing MLflow or the training stack)."""
     from grpo_pipeline.tasks.promote.registry import Registry, open_client
 
-    _, cfg = _load(config, overrides)
+    _, cfg = load(config, overrides)
     return Registry(open_client(cfg.mlflow_uri), cfg.tracking.registered_model)
 
 
@@ -303,7 +248,7 @@ def hpo(
 ) -> None:
     """Search hyperparameters alone (no training): print the best as --set overrides for `run`."""
     extra = [*(overrides or []), "hpo.enabled=true", *([f"hpo.trials={trials}"] if trials else [])]
-    path, cfg = _load(config, extra, as_json)
+    path, cfg = load(config, extra, as_json)
     _ephemeral_prefect_defaults()
     _preflight_or_exit(cfg, as_json)
     from grpo_pipeline.flows.hpo import checked_hpo
@@ -400,7 +345,7 @@ def plan_cmd(
     work_options = {k: v for k, v in locals().items() if k in WORK and k != "model"}
     try:
         if model is None:
-            _, cfg = _load(config, overrides, as_json)
+            _, cfg = load(config, overrides, as_json)
             result = planner.plan_run(cfg.model, cfg.train, cfg.plan)
             budget = cfg.plan.budget_usd if budget is None else budget
         else:
@@ -445,7 +390,7 @@ def data_cmd(
     as_json: Annotated[bool, typer.Option("--json", help="print the report as JSON on stdout")] = False,
 ) -> None:
     """Build the dataset version (load, validate, dedup, split, decontaminate) and print its report."""
-    _, cfg = _load(config, overrides, as_json)
+    _, cfg = load(config, overrides, as_json)
     from grpo_pipeline.tasks.data.sources import check_local_sources
     from grpo_pipeline.tasks.data.stage import DataQualityError, build_dataset, resolve_tokenizer
 
@@ -499,7 +444,7 @@ def _print_data_report(report: DataReport, version: DatasetVersion | None) -> No
 @app.command("config")
 def show_config(config: ConfigOpt = None, overrides: SetOpt = None) -> None:
     """Print the resolved configuration (defaults + YAML + --set) as JSON."""
-    _, cfg = _load(config, overrides)
+    _, cfg = load(config, overrides)
     print(cfg.model_dump_json(indent=2))
 
 
@@ -530,7 +475,7 @@ def deploy_cmd(
     as_json = True  # stdout carries the JSON summary, so it carries the failure object too
     overrides = list(overrides or [])
     path = recipe(config) if config else None
-    cfg = _load_path(path, overrides, as_json)
+    cfg = load_path(path, overrides, as_json)
     try:
         settings = settings_for(
             cfg, schedule_hour=schedule_hour, timezone=timezone, work_pool=pool, image=image, notify_block=notify_block
@@ -630,7 +575,7 @@ def _serve_options(config: Path | None) -> ServeOptions:
     from grpo_pipeline.infra.stack import ServeOptions
     from grpo_pipeline.tasks.serve.engine import default_python
 
-    path, cfg = _load(config, [])
+    path, cfg = load(config, [])
     python = cfg.ab.serve.engine_python or str(default_python(Path.cwd()))
     if not Path(python).is_file():
         _fail(
@@ -692,7 +637,7 @@ def serve(
     from grpo_pipeline.tasks.serve.router import ServeSetupError, api_key_policy
     from grpo_pipeline.tasks.serve.router import serve as run_router
 
-    _, cfg = _load(config, overrides)
+    _, cfg = load(config, overrides)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # a server's log, not a terminal
     try:

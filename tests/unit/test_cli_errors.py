@@ -34,7 +34,10 @@ def no_flow_run(monkeypatch):
     monkeypatch.setattr(grpo_pipeline.flows.hpo, "checked_hpo", refuse)
 
 
-@pytest.mark.parametrize("command", [["run", "--json"], ["hpo", "--json"], ["data", "--json"]])
+@pytest.mark.parametrize(
+    "command",
+    [["run", "--json"], ["hpo", "--json"], ["data", "--json"], ["ab", "status", "--json"], ["ab", "decide", "--json"]],
+)
 @pytest.mark.parametrize(
     "assignment, says",
     [
