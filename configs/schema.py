@@ -1207,17 +1207,34 @@ def _describe(error: ErrorDetails, model: type[BaseModel]) -> str:
     return f"{loc}: {msg}{shown}" if loc else msg  # a check across fields names them itself
 
 
+def _tab_hint(text: str) -> str:
+    r"""The fix for YAML's refusal of a tab in indentation (its message says only that a tab "cannot start any
+    token"), naming the first such line; empty when no line is indented with one.
+
+    >>> _tab_hint("train:\n\tgrpo: {}\n")
+    '\nline 2 is indented with a tab: indent with spaces (YAML allows no tabs there)'
+    """
+    for number, line in enumerate(text.splitlines(), 1):
+        if "\t" in line[: len(line) - len(line.lstrip())]:
+            return f"\nline {number} is indented with a tab: indent with spaces (YAML allows no tabs there)"
+    return ""
+
+
 def load_config(path: str | Path | None, overrides: typing.Sequence[str] = ()) -> PipelineConfig:
     """Read YAML (or nothing: the demo defaults), apply `--set` overrides, validate."""
     tree: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
+        if path.is_dir():
+            example = min(path.glob("*.yaml"), default="configs/demo-cpu.yaml")
+            raise ConfigError(f"config {path} is a directory, not a YAML file; pass a file, e.g. {example}")
         if not path.is_file():
             raise ConfigError(f"config file {path} not found; pass an existing YAML, e.g. configs/demo-cpu.yaml")
+        text = path.read_text()
         try:
-            tree = yaml.safe_load(path.read_text()) or {}
+            tree = yaml.safe_load(text) or {}
         except yaml.YAMLError as exc:
-            raise ConfigError(f"{path} is not valid YAML: {exc}") from None
+            raise ConfigError(f"{path} is not valid YAML: {exc}{_tab_hint(text)}") from None
         if not isinstance(tree, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of stage sections")
     for assignment in overrides:

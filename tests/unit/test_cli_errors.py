@@ -168,6 +168,7 @@ def _inputs(tmp_path):
     (tmp_path / "state" / "state.json").write_text("{")  # a stack state file cut short
     (tmp_path / "notjson.jsonl").write_text("completion: 4\n")
     (tmp_path / "rows.jsonl").write_text('{"completion": "4", "answer": "4"}\n')
+    (tmp_path / "tabbed.yaml").write_text("train:\n\tgrpo: {}\n")
     return tmp_path
 
 
@@ -223,6 +224,11 @@ JSON_ALWAYS = {  # deploy prints its summary as JSON on stdout without being ask
 }
 PLAIN_CASES = {
     "config: missing file": (["config", "--config", "{tmp}/none.yaml"], "config file {tmp}/none.yaml not found"),
+    "config: a directory": (["config", "-c", "{tmp}"], "config {tmp} is a directory, not a YAML file"),
+    "config: tab-indented": (
+        ["config", "-c", "{tmp}/tabbed.yaml"],
+        "line 2 is indented with a tab: indent with spaces",
+    ),
     "registry: MLflow down": (["registry", "--set", MLFLOW_DOWN], "MLflow at http://127.0.0.1:9 does not answer"),
     "rollback: MLflow down": (
         ["rollback", "--reason", "x", "--set", MLFLOW_DOWN],

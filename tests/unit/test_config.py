@@ -70,6 +70,20 @@ def test_missing_file_and_malformed_set(tmp_path):
         load_config(bad)
 
 
+def test_a_tab_in_the_indentation_and_a_directory_are_told_with_their_fix(tmp_path):
+    tabbed = tmp_path / "tabbed.yaml"
+    tabbed.write_text("seed: 1\ntrain:\n\tgrpo:\n\t\tmax_steps: 3\n")
+    with pytest.raises(ConfigError, match="line 3 is indented with a tab: indent with spaces"):
+        load_config(tabbed)
+    (tmp_path / "mine.yaml").write_text("data_dir: mine\n")
+    with pytest.raises(ConfigError, match=f"config {tmp_path} is a directory, not a YAML file; pass a file, e.g. "):
+        load_config(tmp_path)
+    assert str(load_config(tmp_path / "mine.yaml").data_dir) == "mine"
+    spaced = tmp_path / "spaced.yaml"
+    spaced.write_text('data:\n  system_prompt: "a\\tb"\n')  # a tab in a value is no indentation: loads
+    assert load_config(spaced).data.system_prompt == "a\tb"
+
+
 def test_each_run_checkpoints_under_its_own_name(tmp_path):
     from grpo_pipeline.tasks.job import build_job_spec
 
