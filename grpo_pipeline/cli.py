@@ -14,6 +14,7 @@ failed flow run behind; `stack up` checks its ports before it starts anything.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import sys
@@ -51,7 +52,30 @@ if TYPE_CHECKING:  # the stages' types, for annotations only: importing them her
     from grpo_pipeline.tasks.promote.registry import AliasMove, Registry
     from grpo_pipeline.tasks.summary import RunSummary
 
-app = typer.Typer(cls=Commands, add_completion=False, no_args_is_help=True, help="GRPO fine-tuning pipeline.")
+app = typer.Typer(
+    cls=Commands,
+    add_completion=False,
+    no_args_is_help=True,
+    help="GRPO fine-tuning pipeline.",
+    context_settings={"help_option_names": ["-h", "--help"]},  # the sub-commands' contexts inherit it
+)
+
+
+def _print_version(asked: bool) -> None:
+    if asked:
+        print(f"grpo-pipeline {importlib.metadata.version('grpo-pipeline')}")  # the installed distribution's
+        raise typer.Exit(EXIT_OK)
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_print_version, is_eager=True, help="print the version and exit")
+    ] = False,
+) -> None:
+    # only the options above: every command is a sub-command
+    ...
+
 
 ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="pipeline YAML; default: configs/demo-cpu.yaml")]
 SetOpt = Annotated[

@@ -373,3 +373,15 @@ def test_an_out_of_range_library_field_is_refused_at_load_by_its_dotted_key(comm
     result = CliRunner().invoke(app, [*command, "--set", "train.lora.r=-4"])
     _one_paragraph_on_stderr(result, "--set train.lora.r=-4: train.lora.r: Input should be greater than or equal to 1")
     assert "lora_rank" not in result.stderr  # not the planner's own name for it
+
+
+def test_version_is_the_installed_distributions_and_h_is_help():
+    import tomllib
+    from pathlib import Path
+
+    declared = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]["version"]
+    result = CliRunner().invoke(app, ["--version"])
+    assert (result.exit_code, result.stdout) == (0, f"grpo-pipeline {declared}\n")
+    for args in ([], ["stack"], ["plan"], ["ab", "status"]):
+        short, long = (CliRunner().invoke(app, [*args, flag]) for flag in ("-h", "--help"))
+        assert short.exit_code == long.exit_code == 0 and short.stdout == long.stdout and "Usage:" in short.stdout
