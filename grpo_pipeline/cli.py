@@ -18,7 +18,9 @@ import importlib.metadata
 import json
 import os
 import sys
+import time
 import traceback
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -43,10 +45,10 @@ from grpo_pipeline.failure import fail as _fail
 from grpo_pipeline.loading import load, load_path
 
 if TYPE_CHECKING:  # the stages' types, for annotations only: importing them here would load the training stack
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterator
 
     from grpo_pipeline.configs.schema import PipelineConfig
-    from grpo_pipeline.infra.stack import ServeOptions, Stack
+    from grpo_pipeline.infra.stack import ServeOptions, Stack, Step
     from grpo_pipeline.tasks.data.stage import DataReport, DatasetVersion
     from grpo_pipeline.tasks.plan import Plan
     from grpo_pipeline.tasks.promote.registry import AliasMove, Registry
@@ -571,7 +573,8 @@ def stack_up(
     stack = _stack(root, s3=s3_port, mlflow=mlflow_port, prefect=prefect_port, serve=serve_port)
     options = _serve_options(serve_config) if serve else None
     try:
-        stack.up([*DEFAULT_UP, "serve"] if serve else DEFAULT_UP, serve=options)
+        with _progress("starting", "started") as step:
+            stack.up([*DEFAULT_UP, "serve"] if serve else DEFAULT_UP, serve=options, step=step)
     except (PortInUse, ServeRefused) as exc:  # the user's choice of port, no champion yet: exit 2, naming the fix
         _fail(False, f"stack up: {exc}", EXIT_CONFIG)
     except ServiceError as exc:  # a service did not start: the message names its log
@@ -616,12 +619,36 @@ def _serve_options(config: Path | None) -> ServeOptions:
     )
 
 
+@contextmanager
+def _progress(doing: str, done: str) -> Iterator[Step]:
+    """What `stack up|down` show while they work (a minute cold), on stderr only: stdout carries the exports that
+    `eval "$(grpo-pipeline stack up)"` reads. A spinner naming the service being started or stopped (on a
+    terminal), and a line for each one done with its time (a CI log too)."""
+    from grpo_pipeline.infra.stack import TITLES
+
+    with err.status("", spinner="dots") as status:
+
+        @contextmanager
+        def step(name: str) -> Iterator[None]:
+            status.update(f"{doing} {TITLES[name]} ...")
+            began = time.monotonic()
+            yield
+            err.print(f"{TITLES[name]} {done} ({time.monotonic() - began:.0f} s)", highlight=False)
+
+        yield step
+
+
 @stack_cli.command("env")
 def stack_env(root: RootOpt = DEFAULT_ROOT) -> None:
-    """Print the environment exports of the running stack: URLs and the credentials its servers ask for."""
+    """Print the environment exports of the running stack: URLs and the credentials its servers ask for.
+    Exit 2 when none of its services runs, so `eval "$(grpo-pipeline stack env)"` does not silently set nothing."""
     from grpo_pipeline.infra.stack import exports
 
-    print(exports(_stack(root).env()))
+    stack = _stack(root)
+    if not stack.running():
+        where = "" if root == DEFAULT_ROOT else f" --dir {root}"
+        _fail(False, f"no stack runs under {stack.root}: start one with `grpo-pipeline stack up{where}`", EXIT_CONFIG)
+    print(exports(stack.env()))
 
 
 @stack_cli.command("status")
@@ -635,8 +662,10 @@ def stack_status(root: RootOpt = DEFAULT_ROOT) -> None:
 @stack_cli.command("down")
 def stack_down(root: RootOpt = DEFAULT_ROOT) -> None:
     """Stop the services (Prefect and MLflow first, PostgreSQL last); the data stays."""
-    stopped = _stack(root).down()
-    err.print(f"stopped: {', '.join(stopped) or 'nothing was running'}", highlight=False)
+    with _progress("stopping", "stopped") as step:
+        stopped = _stack(root).down(step=step)
+    if not stopped:
+        err.print("nothing was running", highlight=False)
 
 
 @app.command()

@@ -5,6 +5,7 @@ or resource and the fix; with --json the last stdout line is the failure object;
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from typer.testing import CliRunner
@@ -169,6 +170,11 @@ def _inputs(tmp_path):
     (tmp_path / "notjson.jsonl").write_text("completion: 4\n")
     (tmp_path / "rows.jsonl").write_text('{"completion": "4", "answer": "4"}\n')
     (tmp_path / "tabbed.yaml").write_text("train:\n\tgrpo: {}\n")
+    (tmp_path / "rebooted").mkdir()
+    mlflow = {"name": "mlflow", "pid": os.getpid(), "url": "http://127.0.0.1:9", "workdir": "w", "log": "l"}
+    (tmp_path / "rebooted" / "state.json").write_text(  # this pid runs, but is not the process started at 0.0
+        json.dumps({"services": {"mlflow": {**mlflow, "created": 0.0, "extra": {"auth": "basic"}}}})
+    )
     return tmp_path
 
 
@@ -244,6 +250,14 @@ PLAIN_CASES = {
         "{tmp}/state/state.json is not valid JSON",
     ),
     "stack env: bad state": (["stack", "env", "--dir", "{tmp}/state"], "{tmp}/state/state.json is not valid JSON"),
+    "stack env: no stack": (
+        ["stack", "env", "--dir", "{tmp}/none"],
+        "no stack runs under {tmp}/none: start one with `grpo-pipeline stack up --dir {tmp}/none`",
+    ),
+    "stack env: every service stopped": (  # a state file left by a reboot: its processes are gone
+        ["stack", "env", "--dir", "{tmp}/rebooted"],
+        "no stack runs under {tmp}/rebooted: start one with `grpo-pipeline stack up --dir {tmp}/rebooted`",
+    ),
     "stack down: bad state": (["stack", "down", "--dir", "{tmp}/state"], "{tmp}/state/state.json is not valid JSON"),
 }
 
