@@ -43,6 +43,7 @@ from grpo_pipeline.failure import (
 )
 from grpo_pipeline.failure import fail as _fail
 from grpo_pipeline.loading import load, load_path
+from grpo_pipeline.registry_store import missing, quiet_mlflow
 
 if TYPE_CHECKING:  # the stages' types, for annotations only: importing them here would load the training stack
     from collections.abc import Callable, Iterator
@@ -203,13 +204,21 @@ def _print_summary(summary: RunSummary) -> None:
     )
 
 
-def _registry(config: Path | None, overrides: list[str] | None) -> Registry:
+def _registry(cfg: PipelineConfig) -> Registry:
     """The registry the configuration names; against an MLflow server, through plain REST calls (a lookup
     answers without importing MLflow or the training stack)."""
     from grpo_pipeline.tasks.promote.registry import Registry, open_client
 
-    _, cfg = load(config, overrides)
+    quiet_mlflow()
     return Registry(open_client(cfg.mlflow_uri), cfg.tracking.registered_model)
+
+
+def _existing_registry(config: Path | None, overrides: list[str] | None) -> Registry:
+    """The registry for a command that moves aliases: refused (exit 2) where none exists yet, not created."""
+    _, cfg = load(config, overrides)
+    if nothing := missing(cfg.mlflow_uri):
+        _fail(False, nothing, EXIT_CONFIG)
+    return _registry(cfg)
 
 
 def _registry_call(registry: Registry, action: Callable[[], list[AliasMove]]) -> None:
@@ -234,7 +243,7 @@ ReasonOpt = Annotated[str, typer.Option("--reason", help="why: recorded on the m
 @app.command()
 def rollback(reason: ReasonOpt, config: ConfigOpt = None, overrides: SetOpt = None) -> None:
     """Make the previous champion the champion again (a second rollback undoes the first)."""
-    registry = _registry(config, overrides)
+    registry = _existing_registry(config, overrides)
     _registry_call(registry, lambda: registry.rollback(reason))
 
 
@@ -251,14 +260,22 @@ def promote(
     own decision tag."""
     if not force:
         _fail(False, "promote skips the A/B decision; pass --force to confirm", EXIT_CONFIG)
-    registry = _registry(config, overrides)
+    registry = _existing_registry(config, overrides)
     _registry_call(registry, lambda: registry.force(version, reason))
 
 
 @app.command()
 def registry(config: ConfigOpt = None, overrides: SetOpt = None) -> None:
-    """Print which model versions the aliases point at, as JSON."""
-    registry = _registry(config, overrides)
+    """Print which model versions the aliases point at, as JSON. Where no registry exists yet (the embedded
+    default before the first run), every alias is null, stderr says so, and nothing is created: exit 0."""
+    _, cfg = load(config, overrides)
+    if nothing := missing(cfg.mlflow_uri):
+        from grpo_pipeline.tasks.promote.registry import ALIASES
+
+        err.print(nothing, markup=False, highlight=False)
+        print(json.dumps(dict.fromkeys(ALIASES)))
+        return
+    registry = _registry(cfg)
     try:
         print(json.dumps(registry.aliases()))
     except registry.errors as exc:  # e.g. the server does not answer
