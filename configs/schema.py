@@ -30,7 +30,7 @@ from pydantic import (
     model_validator,
 )
 
-from grpo_pipeline.configs import library_fields
+from grpo_pipeline.configs import library_fields, library_ranges
 from grpo_pipeline.configs.ab import ABConfig
 from grpo_pipeline.configs.health import NON_FINITE, HealthConfig
 from grpo_pipeline.configs.launchers import LAUNCHERS, LauncherName, launcher_help, rented
@@ -325,6 +325,7 @@ def _check_passthrough(values: dict[str, Any], cls_name: str, owned: set[str]) -
             TypeAdapter(fields[key].type).validate_python(value)
         except ValidationError as exc:
             raise ValueError(f"'{key}'={value!r} does not fit {cls_name}: {exc.errors()[0]['msg']}") from None
+        library_ranges.check(cls_name, key, value)
     return values
 
 
@@ -1063,6 +1064,8 @@ def set_path(tree: dict[str, Any], path: list[str], value: Any, blame: str = "")
 
 def _describe(error: ErrorDetails, model: type[BaseModel]) -> str:
     loc = ".".join(str(p) for p in error["loc"])
+    if error["type"] == library_ranges.ERROR_TYPE:  # a passthrough field's range: named by its dotted key
+        loc = f"{loc}.{error['ctx']['field']}"
     if error["type"] == "extra_forbidden":
         section: Any = model
         for part in error["loc"][:-1]:
@@ -1075,17 +1078,34 @@ def _describe(error: ErrorDetails, model: type[BaseModel]) -> str:
     return f"{loc}: {msg}{shown}" if loc else msg  # a check across fields names them itself
 
 
+def _tab_hint(text: str) -> str:
+    r"""The fix for YAML's refusal of a tab in indentation (its message says only that a tab "cannot start any
+    token"), naming the first such line; empty when no line is indented with one.
+
+    >>> _tab_hint("train:\n\tgrpo: {}\n")
+    '\nline 2 is indented with a tab: indent with spaces (YAML allows no tabs there)'
+    """
+    for number, line in enumerate(text.splitlines(), 1):
+        if "\t" in line[: len(line) - len(line.lstrip())]:
+            return f"\nline {number} is indented with a tab: indent with spaces (YAML allows no tabs there)"
+    return ""
+
+
 def load_config(path: str | Path | None, overrides: typing.Sequence[str] = ()) -> PipelineConfig:
     """Read YAML (or nothing: the demo defaults), apply `--set` overrides, validate."""
     tree: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
+        if path.is_dir():
+            example = min(path.glob("*.yaml"), default="configs/demo-cpu.yaml")
+            raise ConfigError(f"config {path} is a directory, not a YAML file; pass a file, e.g. {example}")
         if not path.is_file():
             raise ConfigError(f"config file {path} not found; pass an existing YAML, e.g. configs/demo-cpu.yaml")
+        text = path.read_text()
         try:
-            tree = yaml.safe_load(path.read_text()) or {}
+            tree = yaml.safe_load(text) or {}
         except yaml.YAMLError as exc:
-            raise ConfigError(f"{path} is not valid YAML: {exc}") from None
+            raise ConfigError(f"{path} is not valid YAML: {exc}{_tab_hint(text)}") from None
         if not isinstance(tree, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of stage sections")
     for assignment in overrides:

@@ -7,7 +7,8 @@ The log is `$GRPO_AB_LOG_URL` (SQLAlchemy URL: PostgreSQL when the stack runs), 
 `decide` calls `grpo_pipeline.tasks.serve.ab.decide` on the requests the current champion and challenger versions answered, and
 for promote or rollback moves the aliases under the registry lock, after checking they did not move since.
 Exit codes: 0 decided or shown (whatever the action: `continue` is a normal answer); 1 an unexpected failure;
-2 bad configuration, the log store or the registry unreachable, or the aliases moved meanwhile.
+2 bad configuration, the log store or the registry unreachable, the aliases moved meanwhile, or (`decide`) no
+registry yet. Before the first run neither creates the registry: `status` shows no champion and says why.
 """
 
 from __future__ import annotations
@@ -18,14 +19,16 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from grpo_pipeline.failure import EXIT_CONFIG, err
 from grpo_pipeline.failure import fail as _fail  # the CLI's one way to fail
+from grpo_pipeline.loading import load
+from grpo_pipeline.registry_store import missing, quiet_mlflow
 
 if TYPE_CHECKING:
     from grpo_pipeline.configs.schema import PipelineConfig
     from grpo_pipeline.tasks.promote.registry import Registry
     from grpo_pipeline.tasks.serve.ab_log import RequestLog
 
-EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
 JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON object on stdout")]
 ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="pipeline YAML; default: configs/demo-cpu.yaml")]
 SetOpt = Annotated[list[str] | None, typer.Option("--set", help="override, e.g. --set ab.alpha=0.01 (repeatable)")]
@@ -37,24 +40,27 @@ app = typer.Typer(
 )
 
 
-def _open(
-    config: Path | None, overrides: list[str] | None, as_json: bool
-) -> tuple[PipelineConfig, RequestLog, Registry, str | None, str | None]:
-    """(config, request log, registry, champion version, challenger version), or the failure naming what is
-    wrong: the config (exit 2), the log store (exit 2), the registry (exit 2)."""
-    from grpo_pipeline.configs.files import packaged, recipe
-    from grpo_pipeline.configs.schema import ConfigError, load_config
-    from grpo_pipeline.tasks.promote.registry import CHALLENGER, CHAMPION, Registry, RegistryServiceError, open_client
+def _config(config: Path | None, overrides: list[str] | None, as_json: bool) -> PipelineConfig:
+    """The configuration, or the failure naming the file or the --set to blame (exit 2)."""
+    _, cfg = load(config, overrides, as_json)
+    quiet_mlflow()
+    return cfg
+
+
+def _log(cfg: PipelineConfig, as_json: bool) -> RequestLog:
+    """The request log, or the failure naming its store (exit 2)."""
     from grpo_pipeline.tasks.serve.ab_log import LogStoreError, RequestLog, log_url
 
     try:
-        cfg = load_config(packaged("demo-cpu.yaml") if config is None else recipe(config), list(overrides or []))
-    except ConfigError as exc:
-        _fail(as_json, str(exc), EXIT_CONFIG)
-    try:
-        log = RequestLog.open(log_url(cfg.data_dir))
+        return RequestLog.open(log_url(cfg.data_dir))
     except LogStoreError as exc:
         _fail(as_json, str(exc), EXIT_CONFIG)
+
+
+def _registry(cfg: PipelineConfig, as_json: bool) -> tuple[Registry, str | None, str | None]:
+    """(registry, champion version, challenger version), or the failure naming the registry (exit 2)."""
+    from grpo_pipeline.tasks.promote.registry import CHALLENGER, CHAMPION, Registry, RegistryServiceError, open_client
+
     registry = Registry(open_client(cfg.mlflow_uri), cfg.tracking.registered_model)
     unreachable: tuple[type[BaseException], ...] = (RegistryServiceError, *registry.errors)
     try:
@@ -65,7 +71,7 @@ def _open(
             f"the registry {cfg.tracking.registered_model} at {cfg.mlflow_uri} did not answer: {exc}",
             EXIT_CONFIG,
         )
-    return cfg, log, registry, aliases[CHAMPION], aliases[CHALLENGER]
+    return registry, aliases[CHAMPION], aliases[CHALLENGER]
 
 
 def _print(obj: dict, as_json: bool) -> None:
@@ -82,7 +88,13 @@ def status(config: ConfigOpt = None, overrides: SetOpt = None, as_json: JsonOpt 
     versions) the estimate of the difference and its always-valid interval."""
     from grpo_pipeline.tasks.serve.ab import decide
 
-    cfg, log, _, champion, challenger = _open(config, overrides, as_json)
+    cfg = _config(config, overrides, as_json)
+    log = _log(cfg, as_json)
+    if nothing := missing(cfg.mlflow_uri):  # a read creates no registry: it finds no champion and says why
+        err.print(nothing, markup=False, highlight=False)
+        champion = challenger = None
+    else:
+        _, champion, challenger = _registry(cfg, as_json)
     from grpo_pipeline.tasks.serve.ab_spool import pending, spool_path
 
     # "unlogged": requests a router answered while the store was unreachable, waiting in its local file
@@ -119,7 +131,11 @@ def decide_cmd(
     from grpo_pipeline.tasks.serve.ab import AliasesMoved
     from grpo_pipeline.tasks.serve.ab_apply import decide_round, settle_round
 
-    cfg, log, registry, _, _ = _open(config, overrides, as_json)
+    cfg = _config(config, overrides, as_json)
+    if nothing := missing(cfg.mlflow_uri):  # no champion or challenger to decide between, and none to create
+        _fail(as_json, nothing, EXIT_CONFIG)
+    log = _log(cfg, as_json)
+    registry, _, _ = _registry(cfg, as_json)
     try:
         found = decide_round(cfg.ab, log, registry, cfg.promote.mode == "canary")
     finally:

@@ -14,10 +14,13 @@ failed flow run behind; `stack up` checks its ports before it starts anything.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import sys
+import time
 import traceback
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -26,81 +29,61 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
-from grpo_pipeline.configs.files import packaged, recipe
-from grpo_pipeline.configs.schema import ConfigError, load_config
-from grpo_pipeline.failure import Commands, err, options_error
+from grpo_pipeline.configs.files import recipe
+from grpo_pipeline.configs.schema import ConfigError
+from grpo_pipeline.failure import (
+    EXIT_CHAMPION_MOVED,
+    EXIT_CONFIG,
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_REJECTED,
+    Commands,
+    err,
+    options_error,
+)
 from grpo_pipeline.failure import fail as _fail
+from grpo_pipeline.loading import load, load_path
+from grpo_pipeline.registry_store import missing, quiet_mlflow
 
 if TYPE_CHECKING:  # the stages' types, for annotations only: importing them here would load the training stack
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterator
 
     from grpo_pipeline.configs.schema import PipelineConfig
-    from grpo_pipeline.infra.stack import ServeOptions, Stack
+    from grpo_pipeline.infra.stack import ServeOptions, Stack, Step
     from grpo_pipeline.tasks.data.stage import DataReport, DatasetVersion
     from grpo_pipeline.tasks.plan import Plan
     from grpo_pipeline.tasks.promote.registry import AliasMove, Registry
     from grpo_pipeline.tasks.summary import RunSummary
 
-EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_REJECTED, EXIT_CHAMPION_MOVED = 0, 1, 2, 3, 4
-DEFAULT_CONFIG = packaged("demo-cpu.yaml")  # the CPU demo, from the installed package
+app = typer.Typer(
+    cls=Commands,
+    add_completion=False,
+    no_args_is_help=True,
+    help="GRPO fine-tuning pipeline.",
+    context_settings={"help_option_names": ["-h", "--help"]},  # the sub-commands' contexts inherit it
+)
 
-app = typer.Typer(cls=Commands, add_completion=False, no_args_is_help=True, help="GRPO fine-tuning pipeline.")
+
+def _print_version(asked: bool) -> None:
+    if asked:
+        print(f"grpo-pipeline {importlib.metadata.version('grpo-pipeline')}")  # the installed distribution's
+        raise typer.Exit(EXIT_OK)
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_print_version, is_eager=True, help="print the version and exit")
+    ] = False,
+) -> None:
+    # only the options above: every command is a sub-command
+    ...
+
 
 ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="pipeline YAML; default: configs/demo-cpu.yaml")]
 SetOpt = Annotated[
     list[str] | None, typer.Option("--set", help="override, e.g. --set train.grpo.max_steps=20 (repeatable)")
 ]
-
-
-def _config_path(config: Path | None) -> Path:
-    # a shipped recipe's path (configs/demo-cpu.yaml) is found in the installed package when it is not here
-    return DEFAULT_CONFIG if config is None else recipe(config)
-
-
-def _load(config: Path | None, overrides: list[str] | None, as_json: bool = False) -> tuple[Path, PipelineConfig]:
-    path = _config_path(config)
-    return path, _load_path(path, overrides, as_json)
-
-
-def _load_path(path: Path | None, overrides: list[str] | None, as_json: bool) -> PipelineConfig:
-    """The configuration at `path` (None: the defaults alone) with the --set overrides, or the failure naming
-    the file or the --set to blame."""
-    overrides = list(overrides or [])
-    try:
-        return load_config(path, overrides)
-    except ConfigError as exc:
-        _fail(as_json, _blame(path, overrides, exc), EXIT_CONFIG)
-
-
-def _blame(path: Path | None, overrides: list[str], exc: Exception) -> str:
-    """A configuration error told against its cause: the file, or the --set that made it (the loader reports
-    every field as being "in" the file). A --set is to blame when the file alone loads and the file with that
-    --set does not; when only several together fail (two shares adding up past 1), all are named."""
-    if not overrides:
-        return str(exc)
-    try:
-        load_config(path, [])
-    except ConfigError:
-        return str(exc)  # the file is wrong on its own: the message names it
-    culprits = []
-    for assignment in overrides:
-        try:
-            load_config(path, [assignment])
-        except ConfigError as alone:
-            culprits.append((assignment, alone))
-    if not culprits:
-        return f"--set {' --set '.join(_shown(o, exc) for o in overrides)} (together): {_what(exc)}"
-    return "\n".join(f"--set {_shown(assignment, alone)}: {_what(alone, assignment)}" for assignment, alone in culprits)
-
-
-def _shown(assignment: str, error: Exception) -> str:
-    """A --set as a failure names it: without its value when the loader found a credential there, so the refusal
-    does not print the secret into a terminal or a CI log.
-
-    >>> _shown("train.grpo.hub_token=hf_x", ConfigError("train.grpo.hub_token holds a credential (...)"))
-    'train.grpo.hub_token=...'
-    """
-    return f"{assignment.partition('=')[0]}=..." if "holds a credential" in str(error) else assignment
 
 
 def _ephemeral_prefect_defaults() -> None:
@@ -111,17 +94,6 @@ def _ephemeral_prefect_defaults() -> None:
     "Timed out while attempting to connect to ephemeral Prefect API server" before any work."""
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
-
-
-def _what(exc: Exception, assignment: str | None = None) -> str:
-    """The field lines of a configuration error, without the loader's "invalid configuration in <file>:" or
-    its own "--set '<assignment>':" (the caller names the --set)."""
-    text = str(exc)
-    head, sep, fields = text.partition(":\n")
-    if sep and head.startswith("invalid configuration"):
-        lines = [line.strip() for line in fields.splitlines() if line.strip()]
-        return lines[0] if len(lines) == 1 else "\n  " + "\n  ".join(lines)
-    return text.removeprefix(f"--set {assignment!r}: ") if assignment else text
 
 
 def _input_errors() -> tuple[type[BaseException], ...]:
@@ -156,7 +128,7 @@ def run(
     fail_on_reject: Annotated[bool, typer.Option(help="exit 3 when the candidate is not promoted")] = False,
 ) -> None:
     """Run the pipeline (the CPU demo by default), print base and trained holdout reward and the decision."""
-    path, cfg = _load(config, overrides, as_json)
+    path, cfg = load(config, overrides, as_json)
     _ephemeral_prefect_defaults()
     priced = _preflight_or_exit(cfg, as_json)
     # heavy imports only once the config is known to be good
@@ -232,13 +204,21 @@ def _print_summary(summary: RunSummary) -> None:
     )
 
 
-def _registry(config: Path | None, overrides: list[str] | None) -> Registry:
+def _registry(cfg: PipelineConfig) -> Registry:
     """The registry the configuration names; against an MLflow server, through plain REST calls (a lookup
     answers without importing MLflow or the training stack)."""
     from grpo_pipeline.tasks.promote.registry import Registry, open_client
 
-    _, cfg = _load(config, overrides)
+    quiet_mlflow()
     return Registry(open_client(cfg.mlflow_uri), cfg.tracking.registered_model)
+
+
+def _existing_registry(config: Path | None, overrides: list[str] | None) -> Registry:
+    """The registry for a command that moves aliases: refused (exit 2) where none exists yet, not created."""
+    _, cfg = load(config, overrides)
+    if nothing := missing(cfg.mlflow_uri):
+        _fail(False, nothing, EXIT_CONFIG)
+    return _registry(cfg)
 
 
 def _registry_call(registry: Registry, action: Callable[[], list[AliasMove]]) -> None:
@@ -263,7 +243,7 @@ ReasonOpt = Annotated[str, typer.Option("--reason", help="why: recorded on the m
 @app.command()
 def rollback(reason: ReasonOpt, config: ConfigOpt = None, overrides: SetOpt = None) -> None:
     """Make the previous champion the champion again (a second rollback undoes the first)."""
-    registry = _registry(config, overrides)
+    registry = _existing_registry(config, overrides)
     _registry_call(registry, lambda: registry.rollback(reason))
 
 
@@ -280,14 +260,22 @@ def promote(
     own decision tag."""
     if not force:
         _fail(False, "promote skips the A/B decision; pass --force to confirm", EXIT_CONFIG)
-    registry = _registry(config, overrides)
+    registry = _existing_registry(config, overrides)
     _registry_call(registry, lambda: registry.force(version, reason))
 
 
 @app.command()
 def registry(config: ConfigOpt = None, overrides: SetOpt = None) -> None:
-    """Print which model versions the aliases point at, as JSON."""
-    registry = _registry(config, overrides)
+    """Print which model versions the aliases point at, as JSON. Where no registry exists yet (the embedded
+    default before the first run), every alias is null, stderr says so, and nothing is created: exit 0."""
+    _, cfg = load(config, overrides)
+    if nothing := missing(cfg.mlflow_uri):
+        from grpo_pipeline.tasks.promote.registry import ALIASES
+
+        err.print(nothing, markup=False, highlight=False)
+        print(json.dumps(dict.fromkeys(ALIASES)))
+        return
+    registry = _registry(cfg)
     try:
         print(json.dumps(registry.aliases()))
     except registry.errors as exc:  # e.g. the server does not answer
@@ -303,7 +291,7 @@ def hpo(
 ) -> None:
     """Search hyperparameters alone (no training): print the best as --set overrides for `run`."""
     extra = [*(overrides or []), "hpo.enabled=true", *([f"hpo.trials={trials}"] if trials else [])]
-    path, cfg = _load(config, extra, as_json)
+    path, cfg = load(config, extra, as_json)
     _ephemeral_prefect_defaults()
     _preflight_or_exit(cfg, as_json)
     from grpo_pipeline.flows.hpo import checked_hpo
@@ -346,6 +334,16 @@ def _work(field: str, *flags: str) -> Any:  # typer.Option() is typed as returni
     return typer.Option(*flags, help=WORK[field].description)
 
 
+def _budget_usd(value: float | None) -> float | None:
+    """--budget, refused by the parser (exit 2, and with --json the failure object) before any planning: a
+    negative budget, or NaN, refuses every plan, and would reach the refusal's message with nothing to price."""
+    if value is not None and not value >= 0:
+        raise typer.BadParameter(
+            f"{value:g} USD is not a budget; give the most a run may cost, 0 or more, or leave --budget out for no limit"
+        )
+    return value
+
+
 @app.command("plan")
 def plan_cmd(
     model: Annotated[
@@ -375,7 +373,8 @@ def plan_cmd(
     ] = None,
     spot: Annotated[bool, typer.Option("--spot/--on-demand")] = True,
     budget: Annotated[
-        float | None, typer.Option(help="refuse (exit 2) when the estimate is above this many USD")
+        float | None,
+        typer.Option(help="refuse (exit 2) when the estimate is above this many USD", callback=_budget_usd),
     ] = None,
     catalog: Annotated[Path | None, typer.Option(help="YAML merged over configs/gpus.yaml")] = None,
     mfu: Annotated[float, typer.Option(help="assumed model FLOPs utilisation")] = planner.Assumptions.model_fields[
@@ -389,7 +388,7 @@ def plan_cmd(
     work_options = {k: v for k, v in locals().items() if k in WORK and k != "model"}
     try:
         if model is None:
-            _, cfg = _load(config, overrides, as_json)
+            _, cfg = load(config, overrides, as_json)
             result = planner.plan_run(cfg.model, cfg.train, cfg.plan)
             budget = cfg.plan.budget_usd if budget is None else budget
         else:
@@ -434,7 +433,7 @@ def data_cmd(
     as_json: Annotated[bool, typer.Option("--json", help="print the report as JSON on stdout")] = False,
 ) -> None:
     """Build the dataset version (load, validate, dedup, split, decontaminate) and print its report."""
-    _, cfg = _load(config, overrides, as_json)
+    _, cfg = load(config, overrides, as_json)
     from grpo_pipeline.tasks.data.sources import check_local_sources
     from grpo_pipeline.tasks.data.stage import DataQualityError, build_dataset, resolve_tokenizer
 
@@ -488,7 +487,7 @@ def _print_data_report(report: DataReport, version: DatasetVersion | None) -> No
 @app.command("config")
 def show_config(config: ConfigOpt = None, overrides: SetOpt = None) -> None:
     """Print the resolved configuration (defaults + YAML + --set) as JSON."""
-    _, cfg = _load(config, overrides)
+    _, cfg = load(config, overrides)
     print(cfg.model_dump_json(indent=2))
 
 
@@ -519,7 +518,7 @@ def deploy_cmd(
     as_json = True  # stdout carries the JSON summary, so it carries the failure object too
     overrides = list(overrides or [])
     path = recipe(config) if config else None
-    cfg = _load_path(path, overrides, as_json)
+    cfg = load_path(path, overrides, as_json)
     try:
         settings = settings_for(
             cfg, schedule_hour=schedule_hour, timezone=timezone, work_pool=pool, image=image, notify_block=notify_block
@@ -591,7 +590,8 @@ def stack_up(
     stack = _stack(root, s3=s3_port, mlflow=mlflow_port, prefect=prefect_port, serve=serve_port)
     options = _serve_options(serve_config) if serve else None
     try:
-        stack.up([*DEFAULT_UP, "serve"] if serve else DEFAULT_UP, serve=options)
+        with _progress("starting", "started") as step:
+            stack.up([*DEFAULT_UP, "serve"] if serve else DEFAULT_UP, serve=options, step=step)
     except (PortInUse, ServeRefused) as exc:  # the user's choice of port, no champion yet: exit 2, naming the fix
         _fail(False, f"stack up: {exc}", EXIT_CONFIG)
     except ServiceError as exc:  # a service did not start: the message names its log
@@ -619,7 +619,7 @@ def _serve_options(config: Path | None) -> ServeOptions:
     from grpo_pipeline.infra.stack import ServeOptions
     from grpo_pipeline.tasks.serve.engine import default_python
 
-    path, cfg = _load(config, [])
+    path, cfg = load(config, [])
     python = cfg.ab.serve.engine_python or str(default_python(Path.cwd()))
     if not Path(python).is_file():
         _fail(
@@ -636,12 +636,36 @@ def _serve_options(config: Path | None) -> ServeOptions:
     )
 
 
+@contextmanager
+def _progress(doing: str, done: str) -> Iterator[Step]:
+    """What `stack up|down` show while they work (a minute cold), on stderr only: stdout carries the exports that
+    `eval "$(grpo-pipeline stack up)"` reads. A spinner naming the service being started or stopped (on a
+    terminal), and a line for each one done with its time (a CI log too)."""
+    from grpo_pipeline.infra.stack import TITLES
+
+    with err.status("", spinner="dots") as status:
+
+        @contextmanager
+        def step(name: str) -> Iterator[None]:
+            status.update(f"{doing} {TITLES[name]} ...")
+            began = time.monotonic()
+            yield
+            err.print(f"{TITLES[name]} {done} ({time.monotonic() - began:.0f} s)", highlight=False)
+
+        yield step
+
+
 @stack_cli.command("env")
 def stack_env(root: RootOpt = DEFAULT_ROOT) -> None:
-    """Print the environment exports of the running stack: URLs and the credentials its servers ask for."""
+    """Print the environment exports of the running stack: URLs and the credentials its servers ask for.
+    Exit 2 when none of its services runs, so `eval "$(grpo-pipeline stack env)"` does not silently set nothing."""
     from grpo_pipeline.infra.stack import exports
 
-    print(exports(_stack(root).env()))
+    stack = _stack(root)
+    if not stack.running():
+        where = "" if root == DEFAULT_ROOT else f" --dir {root}"
+        _fail(False, f"no stack runs under {stack.root}: start one with `grpo-pipeline stack up{where}`", EXIT_CONFIG)
+    print(exports(stack.env()))
 
 
 @stack_cli.command("status")
@@ -655,8 +679,10 @@ def stack_status(root: RootOpt = DEFAULT_ROOT) -> None:
 @stack_cli.command("down")
 def stack_down(root: RootOpt = DEFAULT_ROOT) -> None:
     """Stop the services (Prefect and MLflow first, PostgreSQL last); the data stays."""
-    stopped = _stack(root).down()
-    err.print(f"stopped: {', '.join(stopped) or 'nothing was running'}", highlight=False)
+    with _progress("stopping", "stopped") as step:
+        stopped = _stack(root).down(step=step)
+    if not stopped:
+        err.print("nothing was running", highlight=False)
 
 
 @app.command()
@@ -681,7 +707,7 @@ def serve(
     from grpo_pipeline.tasks.serve.router import ServeSetupError, api_key_policy
     from grpo_pipeline.tasks.serve.router import serve as run_router
 
-    _, cfg = _load(config, overrides)
+    _, cfg = load(config, overrides)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # a server's log, not a terminal
     try:

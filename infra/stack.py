@@ -30,7 +30,8 @@ import secrets
 import shlex
 import signal
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -41,6 +42,13 @@ DEFAULT_ROOT = Path(".grpo/stack")
 DEFAULT_PORTS = {"s3": 9000, "mlflow": 5000, "prefect": 4200, "serve": 8000}  # docker-compose.yml publishes the same
 DEFAULT_BUCKET = "grpo"
 SERVICES = ("postgres", "s3", "mlflow", "prefect", "serve")  # start order; `down` stops in reverse
+TITLES = {
+    "postgres": "PostgreSQL",
+    "s3": "S3 (SeaweedFS)",
+    "mlflow": "MLflow",
+    "prefect": "Prefect",
+    "serve": "the router",
+}
 DEFAULT_UP = ("postgres", "s3", "mlflow", "prefect")  # what `up` starts; the router only with --serve
 DEPENDS_ON = {
     "postgres": (),
@@ -53,6 +61,14 @@ DATABASES = ("mlflow", "prefect", "ab")  # ab: the router's request log
 STATE_FILE = "state.json"
 LOG_URL_ENV = "GRPO_AB_LOG_URL"  # grpo_pipeline.tasks.serve.ab_log.LOG_URL_ENV; not imported from there: SQLAlchemy
 ROUTER_REFUSED = 2  # `grpo-pipeline serve`'s exit status for what the user fixes (grpo_pipeline.cli.EXIT_CONFIG)
+
+
+# Wraps each service's start or stop, given its name: how `grpo-pipeline stack up|down` shows progress
+Step = Callable[[str], AbstractContextManager[object]]
+
+
+def _unshown(name: str) -> AbstractContextManager[object]:
+    return nullcontext()
 
 
 class ServeRefused(ServiceError):
@@ -216,11 +232,13 @@ class Stack:
 
     # --- up / down --------------------------------------------------------------------------------------
 
-    def up(self, names: Iterable[str] = DEFAULT_UP, serve: ServeOptions | None = None) -> dict[str, Service]:
+    def up(
+        self, names: Iterable[str] = DEFAULT_UP, serve: ServeOptions | None = None, step: Step = _unshown
+    ) -> dict[str, Service]:
         """Start what is not already running and healthy (dependencies first); returns the services asked for.
         A fixed port that is taken is refused (PortInUse) before anything starts, so a refused `up` leaves no
         half-started stack behind. `serve`: how to start the router, when `names` holds it (recorded, so the
-        state says what runs)."""
+        state says what runs). `step` wraps each service's start (the CLI's progress line)."""
         names = list(names)
         if "serve" in names and serve is None:
             raise ServiceError("starting the router needs its options (a config and the engine's Python)")
@@ -235,9 +253,10 @@ class Stack:
                 services.check_port(name, port)
         for name in todo:
             stale = self.service(name)
-            if stale is not None:  # running but not answering, or gone: start afresh
-                services.stop(stale)
-            self.state["services"][name] = self._start(name).to_dict()
+            with step(name):
+                if stale is not None:  # running but not answering, or gone: start afresh
+                    services.stop(stale)
+                self.state["services"][name] = self._start(name).to_dict()
             self._save()
         return {name: self._recorded(name) for name in names}
 
@@ -301,19 +320,26 @@ class Stack:
             raise
         return service
 
-    def down(self) -> list[str]:
-        """Stop every recorded service, dependents first; data, ports and credentials stay for the next `up`."""
+    def down(self, step: Step = _unshown) -> list[str]:
+        """Stop every recorded service, dependents first; data, ports and credentials stay for the next `up`.
+        `step` wraps each service's stop (the CLI's progress line)."""
         stopped = []
         for name in reversed(SERVICES):
             service = self.service(name)
             if service is not None:
-                services.stop(service)
+                with step(name):
+                    services.stop(service)
                 stopped.append(name)
                 del self.state["services"][name]
                 self._save()
         return stopped
 
     # --- what clients need ------------------------------------------------------------------------------
+
+    def running(self) -> list[str]:
+        """The recorded services whose process runs, answering or not: none before the first `up`, after
+        `down`, or after a reboot left the state file behind."""
+        return [name for name in SERVICES if (s := self.service(name)) is not None and services.alive(s.pid, s.created)]
 
     def env(self) -> dict[str, str]:
         """The environment a pipeline run, a worker or a shell needs to use this stack.

@@ -5,6 +5,7 @@ or resource and the fix; with --json the last stdout line is the failure object;
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from typer.testing import CliRunner
@@ -34,7 +35,10 @@ def no_flow_run(monkeypatch):
     monkeypatch.setattr(grpo_pipeline.flows.hpo, "checked_hpo", refuse)
 
 
-@pytest.mark.parametrize("command", [["run", "--json"], ["hpo", "--json"], ["data", "--json"]])
+@pytest.mark.parametrize(
+    "command",
+    [["run", "--json"], ["hpo", "--json"], ["data", "--json"], ["ab", "status", "--json"], ["ab", "decide", "--json"]],
+)
 @pytest.mark.parametrize(
     "assignment, says",
     [
@@ -165,6 +169,12 @@ def _inputs(tmp_path):
     (tmp_path / "state" / "state.json").write_text("{")  # a stack state file cut short
     (tmp_path / "notjson.jsonl").write_text("completion: 4\n")
     (tmp_path / "rows.jsonl").write_text('{"completion": "4", "answer": "4"}\n')
+    (tmp_path / "tabbed.yaml").write_text("train:\n\tgrpo: {}\n")
+    (tmp_path / "rebooted").mkdir()
+    mlflow = {"name": "mlflow", "pid": os.getpid(), "url": "http://127.0.0.1:9", "workdir": "w", "log": "l"}
+    (tmp_path / "rebooted" / "state.json").write_text(  # this pid runs, but is not the process started at 0.0
+        json.dumps({"services": {"mlflow": {**mlflow, "created": 0.0, "extra": {"auth": "basic"}}}})
+    )
     return tmp_path
 
 
@@ -220,6 +230,11 @@ JSON_ALWAYS = {  # deploy prints its summary as JSON on stdout without being ask
 }
 PLAIN_CASES = {
     "config: missing file": (["config", "--config", "{tmp}/none.yaml"], "config file {tmp}/none.yaml not found"),
+    "config: a directory": (["config", "-c", "{tmp}"], "config {tmp} is a directory, not a YAML file"),
+    "config: tab-indented": (
+        ["config", "-c", "{tmp}/tabbed.yaml"],
+        "line 2 is indented with a tab: indent with spaces",
+    ),
     "registry: MLflow down": (["registry", "--set", MLFLOW_DOWN], "MLflow at http://127.0.0.1:9 does not answer"),
     "rollback: MLflow down": (
         ["rollback", "--reason", "x", "--set", MLFLOW_DOWN],
@@ -235,6 +250,14 @@ PLAIN_CASES = {
         "{tmp}/state/state.json is not valid JSON",
     ),
     "stack env: bad state": (["stack", "env", "--dir", "{tmp}/state"], "{tmp}/state/state.json is not valid JSON"),
+    "stack env: no stack": (
+        ["stack", "env", "--dir", "{tmp}/none"],
+        "no stack runs under {tmp}/none: start one with `grpo-pipeline stack up --dir {tmp}/none`",
+    ),
+    "stack env: every service stopped": (  # a state file left by a reboot: its processes are gone
+        ["stack", "env", "--dir", "{tmp}/rebooted"],
+        "no stack runs under {tmp}/rebooted: start one with `grpo-pipeline stack up --dir {tmp}/rebooted`",
+    ),
     "stack down: bad state": (["stack", "down", "--dir", "{tmp}/state"], "{tmp}/state/state.json is not valid JSON"),
 }
 
@@ -346,3 +369,74 @@ def test_json_as_an_option_value_asks_for_no_failure_object(args, says):
     result = CliRunner().invoke(app, args)
     assert result.exit_code == EXIT_CONFIG, result.output
     assert says in result.stderr and result.stdout == ""
+
+
+@pytest.mark.parametrize("model", [[], ["--model", "qwen2.5-7b"]])  # the config's plan (local), a named model's
+@pytest.mark.parametrize("budget", ["-5", "nan"])
+def test_a_budget_below_zero_is_refused_by_name_before_any_planning(model, budget):
+    result = CliRunner().invoke(app, ["plan", *model, "--budget", budget, "--json"])
+    assert result.exit_code == EXIT_CONFIG, result.output
+    (line,) = result.stdout.strip().splitlines()  # the failure object alone: no plan was made
+    failure = json.loads(line)
+    assert failure["exit_code"] == EXIT_CONFIG and "Traceback" not in result.stderr
+    assert "'--budget'" in failure["error"] and "0 or more, or leave --budget out" in failure["error"]
+
+
+@pytest.mark.parametrize("command", [["config"], ["plan", "--json"]])
+def test_an_out_of_range_library_field_is_refused_at_load_by_its_dotted_key(command):
+    result = CliRunner().invoke(app, [*command, "--set", "train.lora.r=-4"])
+    _one_paragraph_on_stderr(result, "--set train.lora.r=-4: train.lora.r: Input should be greater than or equal to 1")
+    assert "lora_rank" not in result.stderr  # not the planner's own name for it
+
+
+def test_version_is_the_installed_distributions_and_h_is_help():
+    import tomllib
+    from pathlib import Path
+
+    declared = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]["version"]
+    result = CliRunner().invoke(app, ["--version"])
+    assert (result.exit_code, result.stdout) == (0, f"grpo-pipeline {declared}\n")
+    for args in ([], ["stack"], ["plan"], ["ab", "status"]):
+        short, long = (CliRunner().invoke(app, [*args, flag]) for flag in ("-h", "--help"))
+        assert short.exit_code == long.exit_code == 0 and short.stdout == long.stdout and "Usage:" in short.stdout
+
+
+def test_the_registry_commands_in_a_folder_where_nothing_ran_create_no_store(tmp_path, monkeypatch):
+    """`registry` reads: every alias null, exit 0, and why on stderr; `rollback`, `promote` and `ab decide` would
+    move aliases that do not exist: exit 2. None of them leaves an MLflow database behind."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    says = f"no registry yet at sqlite:///{tmp_path / '.grpo' / 'mlflow.db'}: run `grpo-pipeline run` first"
+    read = CliRunner().invoke(app, ["registry"])
+    assert read.exit_code == 0 and json.loads(read.stdout) == dict.fromkeys(
+        ["champion", "challenger", "previous-champion"]
+    )
+    assert read.stderr.replace("\n", " ").strip() == says
+    status = CliRunner().invoke(app, ["ab", "status", "--json"])
+    assert status.exit_code == 0 and json.loads(status.stdout)["champion"] is None and says in status.stderr
+    for args in (["rollback", "--reason", "x"], ["promote", "--version", "1", "--reason", "x", "--force"]):
+        _one_paragraph_on_stderr(CliRunner().invoke(app, args), says)
+    assert _failure(CliRunner().invoke(app, ["ab", "decide", "--json"]))["error"] == says
+    assert not (tmp_path / ".grpo" / "mlflow.db").exists()
+
+
+def test_a_registry_read_migrating_an_older_store_prints_no_mlflow_info_lines(tmp_path):
+    """A store from an older MLflow is brought up to date when opened; MLflow says so at INFO on stderr, which a
+    read command keeps to its own output (a fresh interpreter: MLflow reads its log level when imported)."""
+    import subprocess
+    import sys
+
+    import mlflow
+    from alembic import command
+    from mlflow.store.db.utils import _get_alembic_config
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    mlflow.MlflowClient(uri).search_registered_models()  # the tables, at the current schema
+    command.downgrade(_get_alembic_config(uri), "-1")  # as an older MLflow left them
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    result = subprocess.run(
+        [sys.executable, "-m", "grpo_pipeline.cli", "registry", "--set", f"data_dir={tmp_path}"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0 and json.loads(result.stdout)["champion"] is None
+    assert result.stderr == ""

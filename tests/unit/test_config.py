@@ -37,6 +37,15 @@ def test_every_shipped_config_parses():
         ("train.lora.r=big", "'r'='big' does not fit LoraConfig"),
         ("train.grpo.output_dir=/x", "'output_dir' is set by the pipeline itself"),
         ("train.checkpoint_every=0", "train.checkpoint_every: Input should be greater than or equal to 1"),
+        # the TRL/PEFT fields users set most: out of range is refused at load time, by the dotted key, with the fix
+        ("train.lora.r=-4", "train.lora.r: Input should be greater than or equal to 1 (got -4); the LoRA rank"),
+        ("train.lora.lora_alpha=0", "train.lora.lora_alpha: Input should be greater than 0 (got 0)"),
+        ("train.lora.lora_dropout=2", "train.lora.lora_dropout: Input should be less than 1 (got 2); a probability"),
+        ("train.grpo.learning_rate=-1", "train.grpo.learning_rate: Input should be greater than 0 (got -1)"),
+        ("train.grpo.max_steps=-5", "train.grpo.max_steps: Input should be greater than or equal to 1, or -1 (got -5)"),
+        ("train.grpo.per_device_train_batch_size=0", "train.grpo.per_device_train_batch_size: Input should be"),
+        ("train.grpo.num_generations=1", "train.grpo.num_generations: Input should be greater than or equal to 2"),
+        ("train.grpo.max_completion_length=0", "train.grpo.max_completion_length: Input should be greater than"),
     ],
 )
 def test_bad_values_name_the_field(override, expected):
@@ -59,6 +68,20 @@ def test_missing_file_and_malformed_set(tmp_path):
     bad.write_text("- a list\n")
     with pytest.raises(ConfigError, match="must be a mapping"):
         load_config(bad)
+
+
+def test_a_tab_in_the_indentation_and_a_directory_are_told_with_their_fix(tmp_path):
+    tabbed = tmp_path / "tabbed.yaml"
+    tabbed.write_text("seed: 1\ntrain:\n\tgrpo:\n\t\tmax_steps: 3\n")
+    with pytest.raises(ConfigError, match="line 3 is indented with a tab: indent with spaces"):
+        load_config(tabbed)
+    (tmp_path / "mine.yaml").write_text("data_dir: mine\n")
+    with pytest.raises(ConfigError, match=f"config {tmp_path} is a directory, not a YAML file; pass a file, e.g. "):
+        load_config(tmp_path)
+    assert str(load_config(tmp_path / "mine.yaml").data_dir) == "mine"
+    spaced = tmp_path / "spaced.yaml"
+    spaced.write_text('data:\n  system_prompt: "a\\tb"\n')  # a tab in a value is no indentation: loads
+    assert load_config(spaced).data.system_prompt == "a\tb"
 
 
 def test_each_run_checkpoints_under_its_own_name(tmp_path):
@@ -106,3 +129,28 @@ def test_the_library_fields_snapshot_is_the_installed_trl_and_peft():
     from grpo_pipeline.configs.library_fields import SNAPSHOT, take_snapshot
 
     assert take_snapshot() == json.loads(SNAPSHOT.read_text())
+
+
+def test_a_range_is_one_entry_of_a_real_numeric_library_field():
+    """Each bound in configs/library_ranges.py names a field its class declares (a TRL or PEFT release that
+    drops one fails here), of a numeric type; the values TRL's and PEFT's own defaults hold pass."""
+    import typing
+
+    from grpo_pipeline.configs.library_fields import fields
+    from grpo_pipeline.configs.library_ranges import RANGES, problem
+
+    for cls_name, bounds in RANGES.items():
+        declared = fields(cls_name)
+        for name in bounds:
+            assert name in declared, f"{cls_name}.{name} is not a field of the installed library"
+            assert {int, float} & {declared[name].type, *typing.get_args(declared[name].type)}, (cls_name, name)
+            assert problem(cls_name, name, declared[name].default) is None, (cls_name, name)
+
+
+@pytest.mark.parametrize("value, fits", [("-1", True), ("1", True), ("0", False), ("-2", False)])
+def test_max_steps_minus_one_is_trls_train_by_epochs(value, fits):
+    if fits:
+        assert load_config(None, [f"train.grpo.max_steps={value}"]).train.grpo["max_steps"] == int(value)
+    else:
+        with pytest.raises(ConfigError, match="train.grpo.max_steps: .* or -1"):
+            load_config(None, [f"train.grpo.max_steps={value}"])
