@@ -101,7 +101,7 @@ PHASES: dict[str, str] = {
     CHECKPOINT: OTHER,
     EVALUATION: OTHER,
 }
-COMPUTE = (PREFILL, DECODE, NO_GRAD_LOGP, LOSS_FORWARD, BACKWARD, STEP)  # the model's arithmetic
+COMPUTE = (PREFILL, DECODE, NO_GRAD_LOGP, LOSS_FORWARD, BACKWARD, STEP)  # the model's own passes and update
 
 
 def group_of(phase: str) -> str:
@@ -112,15 +112,18 @@ def group_of(phase: str) -> str:
     return PHASES.get(phase, OTHER)
 
 
-def logp_passes(grad_accum: int, steps_per_generation: int, num_iterations: int, beta: float, vllm_is: bool) -> dict:
+def logp_passes(
+    grad_accum: int, steps_per_generation: int, num_iterations: int, beta: float, vllm_is: bool, checkpointing: bool
+) -> dict:
     """The log-probability forwards TRL 1.16's GRPOTrainer runs per generation batch, and why: the policy's, with
     grad, in the loss (always); the old policy's, without grad, when generation and optimizer steps are misaligned
     (`gradient_accumulation_steps % (steps_per_generation * num_iterations)`) or vLLM's importance sampling asks for
-    it; the reference's when `beta != 0`.
+    it; the reference's when `beta != 0`. With `gradient_checkpointing` (GRPOConfig's default: True) the backward
+    reruns each decoder layer's forward: one more forward, inside the backward phase.
 
-    >>> logp_passes(1, 1, 1, 0.0, False)["no_grad"]
-    []
-    >>> [p.split(":")[0] for p in logp_passes(1, 1, 2, 0.04, False)["no_grad"]]
+    >>> logp_passes(1, 1, 1, 0.0, False, False)["no_grad"], logp_passes(1, 1, 1, 0.0, False, False)["in_backward"]
+    ([], [])
+    >>> [p.split(":")[0] for p in logp_passes(1, 1, 2, 0.04, False, True)["no_grad"]]
     ['old policy', 'reference']
     """
     no_grad = []
@@ -133,7 +136,37 @@ def logp_passes(grad_accum: int, steps_per_generation: int, num_iterations: int,
         )
     if beta != 0.0:
         no_grad.append(f"reference: KL penalty beta={beta}")
-    return {"with_grad": ["policy: the loss's own forward, whose backward trains"], "no_grad": no_grad}
+    return {
+        "with_grad": ["policy: the loss's own forward, whose backward trains"],
+        "no_grad": no_grad,
+        "in_backward": ["recompute: gradient_checkpointing reruns every decoder layer's forward"]
+        if checkpointing
+        else [],
+    }
+
+
+MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addbmm")
+
+
+def top_ops(averages: Any, wall_s: float, n: int = 12) -> dict:
+    """The profiled step's torch ops by self time (the largest `n`, and the matrix multiplications' total), in
+    seconds and as shares of the step."""
+    ops = [e for e in averages if not e.key.startswith(RANGE)]
+    matmul = sum(e.self_cpu_time_total for e in ops if e.key in MATMULS) / 1e6
+    ranked = sorted(ops, key=lambda e: -e.self_cpu_time_total)[:n]
+    return {
+        "matmul_s": matmul,
+        "matmul_share": matmul / wall_s,
+        "top": [
+            {
+                "op": e.key,
+                "self_s": e.self_cpu_time_total / 1e6,
+                "share": e.self_cpu_time_total / 1e6 / wall_s,
+                "calls": e.count,
+            }
+            for e in ranked
+        ],
+    }
 
 
 class Clock:
@@ -299,7 +332,7 @@ def summarize(steps: list[dict]) -> dict:
     >>> s = summarize([{"wall_s": 2.0, "phases": {"a": 1.5, "b": 0.5}, "calls": {"a": 2}},
     ...                {"wall_s": 4.0, "phases": {"a": 3.0, "b": 1.0}, "calls": {"a": 2}}])
     >>> s["step_s"]["median"], s["phases"]["a"]["median_s"], s["phases"]["a"]["share"], s["phases"]["b"]["calls"]
-    (3.0, 2.25, 0.75, 0)
+    (3.0, 2.25, 0.75, 0.0)
     """
     names = sorted(
         {p for s in steps for p in s["phases"]}, key=lambda p: (list(PHASES).index(p) if p in PHASES else 99, p)
@@ -381,6 +414,7 @@ def run_profile(cfg: Any, model_dir: Path, work: Path, steps: int, trace: Path |
             "wall_s": profiled["wall_s"],
             "phases": {p: {"s": s, **ops.get(p, {"op_s": 0.0, "ops": 0})} for p, s in profiled["phases"].items()},
             "calls": profiled["calls"],
+            "ops": top_ops(profiler.key_averages(), profiled["wall_s"]),
         },
         "checkpoint": {
             "s": checkpoint_s,
@@ -393,7 +427,9 @@ def run_profile(cfg: Any, model_dir: Path, work: Path, steps: int, trace: Path |
             a.num_iterations,
             a.beta,
             bool(a.use_vllm and getattr(a, "vllm_importance_sampling_correction", False)),
+            bool(a.gradient_checkpointing),
         ),
+        "gradient_checkpointing": bool(a.gradient_checkpointing),
         "shape": {
             "sequences": a.per_device_train_batch_size,
             "max_completion_length": a.max_completion_length,
@@ -501,8 +537,8 @@ def markdown(report: dict) -> str:
         s, prof = r["summary"], r["profiled_step"]["phases"]
         lines = [
             f"**{precision}**, {r['threads']} torch threads: median step **{s['step_s']['median']:.2f} s** "
-            f"({s['step_s']['min']:.2f}–{s['step_s']['max']:.2f}, {s['step_s']['n']} steps); model arithmetic "
-            f"(prefill, decode and log-prob forwards, backward, AdamW) {100 * s['compute_share']:.0f} % of it.",
+            f"({s['step_s']['min']:.2f}–{s['step_s']['max']:.2f}, {s['step_s']['n']} steps); the model's "
+            f"passes (prefill, decode and log-prob forwards, backward, AdamW) {100 * s['compute_share']:.0f} % of it.",
             "",
             "| phase | median s | share | calls / step | torch ops in it (profiled step) |",
             "|---|---|---|---|---|",
@@ -523,20 +559,27 @@ def markdown(report: dict) -> str:
                 lines.append(f"| {m} | {p['median_s']:.3f} | {100 * p['share']:.1f} % | {p['calls']:g} | {ops} |")
         c = r["checkpoint"]
         passes = r["logp_passes"]
+        forwards = passes["with_grad"] + passes["no_grad"] + passes.get("in_backward", [])
         lines += [
             "",
-            f"Log-prob forwards per step: {len(passes['with_grad']) + len(passes['no_grad'])} "
-            f"({'; '.join(passes['with_grad'] + passes['no_grad'])}). Checkpoint write (HF save and the upload "
-            f"hand-off, at the profiled step): {c['s']:.2f} s, every {c['every']} steps: {c['amortized_s']:.3f} s "
-            "per step, not in the median step.",
+            f"Forward passes over the batch per step, beside generation: {len(forwards)} ({'; '.join(forwards)}). "
+            f"Checkpoint write (HF save and the upload hand-off, at the profiled step): {c['s']:.2f} s, every "
+            f"{c['every']} steps: {c['amortized_s']:.3f} s per step, not in the median step.",
         ]
+        ops = r["profiled_step"].get("ops")
+        if ops:
+            top = ", ".join(f"{o['op']} {100 * o['share']:.0f} %" for o in ops["top"][:6])
+            lines.append(
+                f"Profiled step ({r['profiled_step']['wall_s']:.1f} s): matrix multiplications "
+                f"{100 * ops['matmul_share']:.0f} % of it; largest ops by self time: {top}."
+            )
         out.append("\n".join(lines))
     return "\n\n".join(out)
 
 
 def table_rows(load) -> list[Row]:
     result = load(NAME)
-    bench = "GRPO demo step by phase: the model's arithmetic as a share of the step"
+    bench = "GRPO demo step by phase: the model's passes (prefill, decode, forward, backward, AdamW) as a share"
     if result is None:
         return [Row(f"{bench} (`bench.step_profile`)", "step", "arithmetic", None, "", note="not run yet", unit="%")]
     rows = []
@@ -547,7 +590,7 @@ def table_rows(load) -> list[Row]:
             Row(
                 f"{bench}, {precision} (`bench.step_profile`)",
                 f"step: {s['step_s']['median']:.2f} s (generation {gen:.2f} s)",
-                "prefill, decode and log-prob forwards, backward, AdamW",
+                "the model's passes",
                 100 * s["compute_share"],
                 "",
                 note="reported (share)",
