@@ -46,6 +46,7 @@ SUITE = (
     Bench("data_guards", "the data stage with its input guards vs the reader before them", 3, tiny=None),
     Bench("hpo_gain", "searched vs default hyperparameters at equal steps", 15),
     Bench("machine_limit", "GRPO step FLOP/s and tokens/s vs measured matmul peak and bandwidth", 2),
+    Bench("step_profile", "one GRPO demo step by phase: generation, rewards, log-prob passes, backward, the rest", 3),
     Bench("lora_vs_full", "LoRA and QLoRA vs full-parameter GRPO: quality, time to quality, memory", 17),
     Bench(
         "gpu_check",

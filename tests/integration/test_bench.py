@@ -84,3 +84,26 @@ def test_recipe_seeds_tiny_runs_the_shipped_recipe_through_the_pipeline_on_an_un
     assert run["steps"] == 2 and run["n"] > 0 and "train.grpo.seed=3" in run["overrides"]
     assert subtract["gain_interval"].startswith("an interval over 1 seed is not printed")
     assert (work / "tiny" / "subtract.jsonl").read_text().count("\n") == 45  # every a - b with b <= a <= 8
+
+
+def test_step_profile_phases_add_up_to_the_real_trainers_step(results):
+    """The profile wraps the real trainer's methods: each step's phases sum to its wall clock, the wrapped calls
+    cover all but a sliver of it, and the counted passes are the ones TRL runs for the demo's settings."""
+    from bench.step_profile import BACKWARD, DECODE, LOSS_FORWARD, NO_GRAD_LOGP, PREFILL, UNACCOUNTED, main
+
+    main(["--tiny", "--steps", "1", "--threads", "1"])
+    run = json.loads((results / "step_profile_tiny.json").read_text())["runs"]["fp32"]
+    steps = [run["warmup"], *run["steps"]]
+    assert len(run["steps"]) == 1
+    for step in steps:  # by construction, to float rounding: the clock never loses or double-counts time
+        assert sum(step["phases"].values()) == pytest.approx(step["wall_s"], abs=1e-6)
+    # the loop's own lines between wrapped calls (and the LR schedule): 5 % at most of the steps' time
+    assert sum(s["phases"].get(UNACCOUNTED, 0.0) for s in steps) <= 0.05 * sum(s["wall_s"] for s in steps)
+    calls = run["steps"][0]["calls"]
+    assert calls[PREFILL] == calls[LOSS_FORWARD] == calls[BACKWARD] == 1
+    assert 1 <= calls.get(DECODE, 0) <= run["shape"]["max_completion_length"] - 1
+    assert calls.get(NO_GRAD_LOGP, 0) == len(run["logp_passes"]["no_grad"]) == 0  # beta 0, steps aligned
+    profiled = run["profiled_step"]
+    assert sum(p["s"] for p in profiled["phases"].values()) == pytest.approx(profiled["wall_s"], abs=1e-6)
+    assert profiled["phases"][BACKWARD]["ops"] > 0  # the torch profiler saw the ops inside the phase ranges
+    assert run["checkpoint"]["s"] > 0  # the last step writes the run's checkpoint

@@ -151,3 +151,52 @@ def test_serving_rows_read_the_saturation_throughput_swap_and_merged_ratios():
     assert p95.ratio == pytest.approx((2.1 / 2.0 + 1.0) / 2)
     assert swap.ratio == pytest.approx(1.5 / 0.5) and swap.verdict == "reported"
     assert merged.ratio == pytest.approx(3.0) and "merged model: 150.0 tok/s" in merged.candidate
+
+
+def _profile_run(step_s, phases):
+    return {
+        "threads": 2,
+        "summary": {
+            "step_s": {"median": step_s, "min": step_s, "max": step_s, "n": 1},
+            "phases": {
+                name: {"group": group, "median_s": s, "share": s / step_s, "calls": 1}
+                for name, (group, s) in phases.items()
+            },
+            "compute_share": 0.5,
+        },
+        "profiled_step": {"wall_s": step_s, "phases": {"decode": {"s": 4.0, "op_s": 2.0, "ops": 300}}, "calls": {}},
+        "checkpoint": {"s": 1.0, "every": 10, "amortized_s": 0.1},
+        "logp_passes": {"with_grad": ["policy"], "no_grad": []},
+    }
+
+
+def test_step_profile_table_groups_phases_and_reads_each_precision():
+    from bench.step_profile import GEN, OTHER, markdown
+    from bench.step_profile import table_rows as profile_rows
+
+    run = _profile_run(10.0, {"decode": (GEN, 4.0), "prefill": (GEN, 1.0), "callback: X": (OTHER, 0.5)})
+    result = {"runs": {"fp32": run, "bf16": _profile_run(5.0, {"decode": (GEN, 2.0)})}}
+    text = markdown(result)
+    assert "| **generation** | **5.000** | **50.0 %** | | |" in text
+    assert "| decode | 4.000 | 40.0 % | 1 | 50 % (300 ops) |" in text  # half the profiled decode was torch ops
+    assert text.index("decode |") < text.index("prefill |")  # largest first within a group
+    assert "**bf16**" in text and "every 10 steps: 0.100 s per step" in text
+    rows = profile_rows(lambda name: result if name == "step_profile" else None)
+    assert [r.ratio for r in rows] == [50.0, 50.0] and "fp32" in rows[0].benchmark and "bf16" in rows[1].benchmark
+    assert "generation 5.00 s" in rows[0].baseline
+
+
+def test_step_profile_refuses_bad_input_before_loading_a_model(capsys):
+    from bench.step_profile import main
+    from grpo_pipeline.trainer.precision import cpu_has_native_bf16
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--set", "train.grpo.no_such_field=1"])
+    assert exc.value.code == 2 and "no_such_field" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["--steps", "0"])
+    assert exc.value.code == 2
+    if not cpu_has_native_bf16():
+        with pytest.raises(SystemExit) as exc:
+            main(["--precision", "bf16"])
+        assert exc.value.code == 2 and "avx512_bf16" in capsys.readouterr().err
