@@ -87,6 +87,11 @@ def grpo_args(spec: JobSpec, output_dir: Path) -> GRPOConfig:
     user.setdefault(
         "bf16", node_default_bf16()
     )  # unset: bf16 where this node computes it fast (grpo_pipeline.trainer.precision)
+    if not torch.cuda.is_available():
+        # TRL turns gradient checkpointing on by default: each decoder layer's forward runs again inside the
+        # backward, about a fifth of a CPU step (bench.step_profile), to save activation memory that a CPU
+        # node's RAM does not miss. A GPU node keeps TRL's default or the planner's choice; set it to keep it.
+        user.setdefault("gradient_checkpointing", False)
     user.setdefault("report_to", [])  # MLflow is logged by CommittedMetrics, once per step across restarts
     user.setdefault("disable_tqdm", not interactive())  # no bar redraws in a launcher's or a worker's log
     user.setdefault("ddp_timeout", spec.train.distributed.timeout_s)  # no collective waits longer for a lost rank
