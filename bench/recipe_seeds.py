@@ -245,7 +245,9 @@ def summarize(by_seed: dict[int, dict]) -> dict:
         "goals": {
             "every_seed_promoted": all(by_seed[s]["promoted"] and by_seed[s]["ci_low"] > 0 for s in seeds),
             # a median gain of zero or less has no share to reach: the goal is not met
-            "worst_to_median": ratio is not None and ratio >= WORST_TO_MEDIAN,
+            "worst_to_median": ratio is not None and ratio >= WORST_TO_MEDIAN
+            if len(seeds) >= MIN_SEEDS_FOR_INTERVAL
+            else None,  # one or two seeds say nothing of the spread: not judged
         },
     }
 
@@ -256,22 +258,25 @@ def table_rows(load) -> list[Row]:
     if r is None:
         return [Row(bench, "base", "trained", None, "", note="not run yet")]
     rows = []
-    for task, s in r["tasks"].items():
+    for task, saved in r["tasks"].items():
+        s = summarize({int(seed): run for seed, run in saved["per_seed"].items()})  # the goals as this code reads them
         per = s["per_seed"]
-        trained = ", ".join(f"{per[k]['trained']:.3f}" for k in sorted(per, key=int))
+        trained = ", ".join(f"{per[k]['trained']:.3f}" for k in sorted(per))
         interval = s["gain_interval"]
         spread = f"95% CI {interval[0]:+.3f} to {interval[1]:+.3f}" if isinstance(interval, list) else interval
         met = [goal for goal, ok in s["goals"].items() if ok]
+        unjudged = [goal for goal, ok in s["goals"].items() if ok is None]
         rows.append(
             Row(
-                f"{bench}, {task}: {TASKS[task].what}, {len(per)} seeds",
+                f"{bench}, {task}: {TASKS[task].what}, {len(per)} seed{'s' if len(per) > 1 else ''}",
                 f"base: {s['worst']['base']:.3f}",
                 f"trained: {trained}",
                 s["mean_gain"],
                 "> 0 on every seed",
                 note=f"mean gain {s['mean_gain']:+.3f} ({spread}); worst seed {s['worst']['seed']} "
                 f"{s['worst']['gain']:+.3f}, best {s['best']['seed']} {s['best']['gain']:+.3f}; goals met: "
-                f"{', '.join(met) or 'none'}",
+                f"{', '.join(met) or 'none'}"
+                + (f"; not judged on so few seeds: {', '.join(unjudged)}" if unjudged else ""),
                 unit="",
             )
         )
