@@ -53,38 +53,34 @@ def counts_to_try(work: Workload, assumptions: Assumptions, layout: Layout) -> t
     return counts, fallback
 
 
-def price(
-    model_config: dict[str, Any],
-    work: Workload,
-    steps: int,
-    settings: Settings,
-    gpu: GPU,
-    assumptions: Assumptions,
-    spot: bool,
-    daily: bool,
-) -> tuple[float, Estimate]:
-    """(hours, estimate) of `steps` optimizer steps with these settings, set-up included; no monthly figures
-    unless the run is daily."""
-    train, gen = step_seconds(model_config, work, settings, gpu, assumptions)
-    hours = steps * (train + gen) / 3600 + assumptions.setup_minutes / 60
-    est = costs(hours, settings.gpus, gpu, spot, assumptions).model_copy(
+class Query(NamedTuple):
+    """What one search sizes and prices every option for: the model, the workload and its step count, the
+    assumptions, what the launch fixes, spot or on-demand pricing, whether the run is daily."""
+
+    model_config: dict[str, Any]
+    work: Workload
+    steps: int
+    assumptions: Assumptions
+    layout: Layout
+    spot: bool
+    daily: bool
+
+
+def price(q: Query, settings: Settings, gpu: GPU) -> tuple[float, Estimate]:
+    """(hours, estimate) of the query's steps with these settings, set-up included; no monthly figures unless
+    the run is daily."""
+    train, gen = step_seconds(q.model_config, q.work, settings, gpu, q.assumptions)
+    hours = q.steps * (train + gen) / 3600 + q.assumptions.setup_minutes / 60
+    est = costs(hours, settings.gpus, gpu, q.spot, q.assumptions).model_copy(
         update={"train_s_per_step": train, "generation_s_per_step": gen}
     )
-    if not daily:
+    if not q.daily:
         est = est.model_copy(update={"monthly_usd": None, "monthly_on_demand_usd": None, "monthly_spot_usd": None})
     return hours, est
 
 
 def best_on(
-    model_config: dict[str, Any],
-    work: Workload,
-    steps: int,
-    gpu: GPU,
-    counts: tuple[list[int], list[int]],
-    assumptions: Assumptions,
-    layout: Layout,
-    spot: bool,
-    daily: bool,
+    q: Query, gpu: GPU, counts: tuple[list[int], list[int]]
 ) -> tuple[Priced | None, MemoryEstimate | None, list[tuple[int, Reason]]]:
     """The cheapest settings on this GPU type (None: none fit), the smallest memory estimate made, and each GPU
     count's reason for not fitting. The counts are train.sky.accelerators' for this type when it pins one, else
@@ -93,18 +89,18 @@ def best_on(
     option: Priced | None = None
     smallest: MemoryEstimate | None = None
     whys: list[tuple[int, Reason]] = []
-    pinned = (layout.gpus_per_node or {}).get(gpu.name)
+    pinned = (q.layout.gpus_per_node or {}).get(gpu.name)
     for count in [pinned] if pinned else tried + fallback:
         if option is not None and count in fallback:
             break
-        settings, mem, server, why_not = fit(model_config, work, gpu, count, assumptions, layout)
+        settings, mem, server, why_not = fit(q.model_config, q.work, gpu, count, q.assumptions, q.layout)
         if why_not:
             whys.append((count, why_not))
         if mem is not None and (smallest is None or mem.total < smallest.total):
             smallest = mem
         if settings is None or mem is None:  # fit sizes (mem) whatever it settles (settings)
             continue
-        hours, est = price(model_config, work, steps, settings, gpu, assumptions, spot, daily)
+        hours, est = price(q, settings, gpu)
         candidate = Priced(est.usd, hours, settings, mem, est, server)
         if option is None or (candidate.usd, candidate.hours) < (option.usd, option.hours):
             option = candidate
@@ -226,13 +222,12 @@ def make_plan(
     arch = architecture(model_config)
     layout = layout or Layout()
     counts = counts_to_try(work, assumptions, layout)
+    query = Query(model_config, work, work.max_steps, assumptions, layout, spot, daily)
     best: Priced | None = None
     options: list[Option] = []
     reasons: list[tuple[str, Reason]] = []
     for gpu in gpus:
-        option, smallest, whys = best_on(
-            model_config, work, work.max_steps, gpu, counts, assumptions, layout, spot, daily
-        )
+        option, smallest, whys = best_on(query, gpu, counts)
         capacity_gib = capacity_bytes(gpu, assumptions) / GIB
         if option is None:
             why = deciding_reason(whys)
