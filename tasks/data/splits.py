@@ -1,5 +1,6 @@
 """The deterministic split every data source shares, and the split files: a row's split is a stable hash of
-its key alone, so the holdout never shares a question with training and a growing dataset never moves a row."""
+its key alone, so the holdout never shares a question with training and a growing dataset never moves a row. A
+split file is JSONL, one row a line (`jsonl_line`)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,11 @@ import hashlib
 import json
 import math
 from pathlib import Path
+from typing import Any
 
+import orjson
+
+SPLITS = ("train", "val", "holdout")
 HOLDOUT_SHARE = 0.3
 VAL_SHARE = 0.1
 
@@ -27,6 +32,22 @@ def split_of(key: str, holdout_share: float = HOLDOUT_SHARE, val_share: float = 
     if bucket < holdout_share:
         return "holdout"
     return "val" if bucket < holdout_share + val_share else "train"
+
+
+# Characters that str.splitlines() breaks lines at but JSON leaves unescaped (orjson escapes the ASCII ones).
+_LINE_BREAKS = ((b"\xc2\x85", b"\\u0085"), (b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"))
+
+
+def jsonl_line(obj: Any) -> bytes:
+    r"""One JSON line that every line splitter reads as one line (GSM8K has U+2028 inside questions).
+
+    >>> jsonl_line({"q": "a\u2028b"})
+    b'{"q":"a\\u2028b"}\n'
+    """
+    line = orjson.dumps(obj, default=str)
+    for raw, escaped in _LINE_BREAKS:
+        line = line.replace(raw, escaped)
+    return line + b"\n"
 
 
 def write_splits(splits: dict[str, list[dict]], directory: Path) -> dict[str, Path]:

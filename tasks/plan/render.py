@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from grpo_pipeline.tasks.plan.base import GIB
 from grpo_pipeline.tasks.plan.memory import COMPONENTS
-from grpo_pipeline.tasks.plan.search import Plan
+from grpo_pipeline.tasks.plan.values import Plan
 
 
 def plan_tables(plan: Plan) -> list:

@@ -20,7 +20,8 @@ from grpo_pipeline.configs.schema import ModelConfig, PipelineConfig, PlanConfig
 from grpo_pipeline.tasks.plan.architecture import architecture, model_config_for
 from grpo_pipeline.tasks.plan.base import PlanError
 from grpo_pipeline.tasks.plan.catalogue import load_catalog
-from grpo_pipeline.tasks.plan.search import Assumptions, Layout, Plan, make_plan, plan_local
+from grpo_pipeline.tasks.plan.search import make_plan, plan_local
+from grpo_pipeline.tasks.plan.values import Assumptions, Layout, Plan
 from grpo_pipeline.tasks.plan.workload import Optimizer, Workload
 
 

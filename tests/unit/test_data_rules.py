@@ -302,6 +302,7 @@ def test_grpo_pipeline_data_resolves_the_models_tokenizer_or_exits_2(tmp_path, t
 _SLOW_BUILD = """
 import signal, sys, time
 from pathlib import Path
+import grpo_pipeline.tasks.data.chain as chain
 import grpo_pipeline.tasks.data.stage as data
 from grpo_pipeline.configs.schema import DataConfig
 
@@ -310,12 +311,12 @@ signal.signal(signal.SIGTERM, signal.SIG_DFL)
 signal.signal(signal.SIGHUP, signal.SIG_DFL)
 signal.signal(signal.SIGINT, signal.default_int_handler)
 
-real = data._Chain.feed
+real = chain.Chain.feed
 def feed(self, raw):
     real(self, raw)
     Path(sys.argv[2]).write_text("working")
     time.sleep(600)  # until the signal
-data._Chain.feed = feed
+chain.Chain.feed = feed
 data.build_dataset(DataConfig(source=sys.argv[1], max_prompt_tokens=None), Path(sys.argv[3]), None)
 """
 

@@ -691,7 +691,7 @@ def test_fixed_server_gpus_add_their_count_to_the_trainers_counts_tried():
 def test_reasons_are_typed_by_kind():
     from grpo_pipeline.configs.layout import DistributedConfig
     from grpo_pipeline.tasks.plan import Layout
-    from grpo_pipeline.tasks.plan.search import fit
+    from grpo_pipeline.tasks.plan.fit import fit
 
     h100, model = load_catalog().get("H100"), cfg("qwen2.5-0.5b")
     served = Workload(model="q", vllm=True, effective_batch=16)

@@ -21,11 +21,10 @@ from grpo_pipeline.configs.rewards import RewardSet
 from grpo_pipeline.tasks.serve import ab_spool
 from grpo_pipeline.tasks.serve.ab_log import RequestLog, RequestRow, metadata
 from grpo_pipeline.tasks.serve.adapters import Adapter, refusal
-from grpo_pipeline.tasks.serve.router import (
+from grpo_pipeline.tasks.serve.api import (
     CHALLENGER,
     CHAMPION,
     BadRequest,
-    Router,
     api_key_policy,
     arm_for,
     assignment_hash,
@@ -35,6 +34,7 @@ from grpo_pipeline.tasks.serve.router import (
     validate_feedback,
     validate_generation,
 )
+from grpo_pipeline.tasks.serve.router import Router
 
 
 def share_in_interval(hits: int, n: int, p: float, level: float = 0.99) -> bool:
