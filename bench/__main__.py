@@ -69,7 +69,11 @@ SUITE = (
         20,
     ),
     Bench("health_overhead", "the trainer with the health rules on vs off; the rules' own time per step", 10),
-    Bench("recipe_seeds", "the shipped recipe at 5 seeds on the demo and two untuned tasks: gain per seed, worst vs median", 210),
+    Bench(
+        "recipe_seeds",
+        "the shipped recipe at 5 seeds on the demo and two untuned tasks: gain per seed, worst vs median",
+        210,
+    ),
     Bench("warm_start", "day 2 warm-started on new rows + replay vs from the base on all rows: reward, time", 40),
 )
 
