@@ -6,10 +6,10 @@ from prefect.utilities.callables import parameter_schema
 
 from grpo_pipeline.configs.schema import DeployConfig
 from grpo_pipeline.flows.ab import ab_decide
-from grpo_pipeline.flows.deploy import DAILY, PREFECT_YAML, render
+from grpo_pipeline.flows.deploy import AB_ENTRYPOINT, DAILY, PIPELINE_ENTRYPOINT, PREFECT_YAML, render
 from grpo_pipeline.flows.pipeline import grpo_pipeline
 
-FLOWS = {"flows/pipeline.py:grpo_pipeline": grpo_pipeline, "flows/ab.py:ab_decide": ab_decide}
+FLOWS = {PIPELINE_ENTRYPOINT: grpo_pipeline, AB_ENTRYPOINT: ab_decide}
 
 
 def test_every_form_field_opens_with_a_value():
