@@ -86,6 +86,7 @@ from grpo_pipeline.tasks.model import resolve_model_task
 from grpo_pipeline.tasks.plan import Plan, actual_cost, apply_plan, check_budget
 from grpo_pipeline.tasks.plan.task import plan_task
 from grpo_pipeline.tasks.promote.decide import Decision, decide_promotion
+from grpo_pipeline.tasks.promote.download import download
 from grpo_pipeline.tasks.promote.merge import merge_task
 from grpo_pipeline.tasks.promote.registry import (
     CHAMPION,
@@ -665,16 +666,16 @@ def evaluate_stage(
 @task(
     name="fetch-champion", cache_policy=NO_CACHE, retries=3, retry_delay_seconds=exponential_backoff(backoff_factor=5)
 )
-def fetch_champion_task(registry: Registry, version: str, dst: Path) -> tuple[str, dict]:
+def fetch_champion_task(registry: Registry, version: str, dst: Path, tracking_uri: str) -> tuple[str, dict]:
     mv = registry.client.get_model_version(registry.name, version)
-    return mlflow.artifacts.download_artifacts(artifact_uri=mv.source, dst_path=str(dst)), mv.tags
+    return download(mv.source, dst, tracking_uri), mv.tags  # its models:/m-<id> looked up at tracking_uri
 
 
 def champion_model(
     cfg: PipelineConfig, registry: Registry, version: str, run_dir: Path
 ) -> tuple[str, str, ModelConfig]:
     """The champion's base (resolved path), its adapter (downloaded into the run directory) and its model config."""
-    local, tags = fetch_champion_task(registry, version, run_dir / "champion")
+    local, tags = fetch_champion_task(registry, version, run_dir / "champion", cfg.mlflow_uri)
     logged = Path(local) / "artifacts" / "adapter"  # an MLflow model; a version registered before was the adapter
     adapter = str(logged) if logged.is_dir() else local
     # base_config: the base as this project's config names it (the portable base_model names a copy of it)
