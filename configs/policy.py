@@ -244,7 +244,8 @@ class TriggerPolicy(BaseModel):
     recipes: list[str] = Field(
         default_factory=list,
         description="config files a trigger may pick as `config_path` besides the deployment's own, as the worker "
-        "resolves them (relative to the project root, e.g. configs/gsm8k-calc-cpu.yaml)",
+        "resolves them (relative to the folder its runs work in, where `grpo-pipeline deploy` ran, e.g. "
+        "configs/gsm8k-calc-cpu.yaml; or absolute)",
     )
 
     @field_validator("allow")

@@ -106,12 +106,14 @@ def ab_decide(config_path: str | None = None, overrides: list[str] | None = None
     Args:
         config_path: pipeline YAML (its `ab.*`, `tracking.*` and `data_dir` are read); empty: the built-in
             defaults. A run of a deployment may pick only the deployment's own config or its recipes.
-        overrides: `section.key=value` assignments on top, e.g. `ab.alpha=0.01`; a run of a deployment may set
-            only the fields the deployment allows (docs/security.md).
+        overrides: `section.key=value` assignments on top. A run of a deployment may set only the fields the
+            deployment allows (`deploy.trigger.allow`, which by default lists no `ab.*` field: add e.g. ab.alpha
+            there and deploy again, then a run may set `ab.alpha=0.01`; docs/security.md).
     """
     logger = get_run_logger()
-    items = trigger.enforce(config_path, list(overrides or []), lambda params: list(params.get("overrides") or []))
-    cfg = load_config(config_path, items)
+    with trigger.refusals_logged_plainly():
+        items = trigger.enforce(config_path, list(overrides or []), lambda params: list(params.get("overrides") or []))
+        cfg = load_config(config_path, items)
     found, outcomes = decide_task(cfg)
     if found.decision is None:
         logger.info("; ".join(found.reasons))

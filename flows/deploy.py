@@ -4,11 +4,18 @@
     grpo-pipeline deploy --config my.yaml --schedule-hour 2 --timezone Europe/Berlin \
         --notify-block slack-webhook/grpo-alerts
 
-Steps: check the configuration and the server; create the work pool when missing (a process pool);
-apply the schedule, configuration and pool to prefect.yaml (`render`, a pure function) and hand the result
-to Prefect's own `prefect deploy --all`; then point a failure automation at the notification block. The
-schedule, pool and block come from the config's `deploy` section, and the options override it. The command
-itself (its options, its one way of failing) is in grpo_pipeline/cli.py.
+Steps: check the configuration, the server and the notification block (every refusal before any work); create
+the work pool when missing (a process pool); apply the schedule, configuration and pool to prefect.yaml (`render`, a
+pure function) and hand the result to Prefect's own `prefect deploy --all`, run in the folder `deploy` is started
+from; then point a failure automation at the notification block. The schedule, pool and block come from the
+config's `deploy` section, and the options override it. The command itself (its options, its one way of failing)
+is in grpo_pipeline/cli.py.
+
+Where the runs find things: the flows by module path (prefect.yaml's entrypoints), from the installed package; a
+process worker works in the folder deployed from (prefect.yaml's pull step), where the config's relative paths
+resolve as they do for `grpo-pipeline run` started there; each deployment's `config_path` is written so that it
+resolves from that folder (relative inside it, absolute outside it: a shipped recipe of a `pip install` lies in
+site-packages).
 """
 
 from __future__ import annotations
@@ -17,21 +24,23 @@ import copy
 import os
 import subprocess
 import sys
+import tempfile
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+from uuid import UUID
 
 import yaml
 
-from grpo_pipeline.configs.files import packaged
+from grpo_pipeline.configs.files import packaged, recipe
 from grpo_pipeline.configs.schema import ConfigError, DeployConfig, PipelineConfig
 
 PREFECT_YAML = packaged("prefect.yaml", "flows")
-# The folder holding the project's packages (the checkout; site-packages when installed without -e):
-# prefect.yaml's entrypoint (flows/pipeline.py) and config paths (configs/...) resolve there, so
-# `prefect deploy` runs there and a process worker runs the flow there.
-PROJECT_ROOT = packaged("", "flows").parent
 FLOW_NAME = "grpo-pipeline"
+# prefect.yaml's entrypoints: module paths, which Prefect imports from the installed package whatever folder it runs
+# in (a file path, flows/pipeline.py, exists only in a checkout, and only relative to its root)
+PIPELINE_ENTRYPOINT = "grpo_pipeline.flows.pipeline.grpo_pipeline"
+AB_ENTRYPOINT = "grpo_pipeline.flows.ab.ab_decide"
 DAILY, MANUAL, CI = "daily-retrain", "manual", "ci"
 AB_FLOW, AB_HOURLY = "ab-decide", "hourly"  # flows/ab.py: the live A/B's decision, on its own schedule
 IMAGE_WORKDIR = "/opt/grpo"  # where infra/docker/Dockerfile puts the project
@@ -43,17 +52,17 @@ class DeployError(RuntimeError):
     """Registration failed; the message says where and what to fix."""
 
 
-def project_path(path: Path | str, root: Path = PROJECT_ROOT) -> str:
-    """The path a worker in the project root resolves: relative inside the project, absolute outside it.
+def project_path(path: Path | str, root: Path) -> str:
+    """The path a worker working in `root` resolves: relative inside `root`, absolute outside it.
 
-    >>> project_path(PROJECT_ROOT / "configs" / "demo-cpu.yaml")
-    'configs/demo-cpu.yaml'
-    >>> project_path("/etc/grpo/daily.yaml")
+    >>> project_path("/srv/team/configs/daily.yaml", Path("/srv/team"))
+    'configs/daily.yaml'
+    >>> project_path("/etc/grpo/daily.yaml", Path("/srv/team"))
     '/etc/grpo/daily.yaml'
     """
     resolved = Path(path).resolve()
     try:
-        return resolved.relative_to(root).as_posix()
+        return resolved.relative_to(root.resolve()).as_posix()
     except ValueError:
         return str(resolved)
 
@@ -65,11 +74,15 @@ def render(
     overrides: list[str] | None = None,
     pool_type: str = "process",
     budget_usd: float | None = None,
+    workdir: Path | None = None,
 ) -> dict[str, Any]:
     """prefect.yaml with the daily schedule, the configuration and the work pool applied.
 
     Every field of the UI's run form gets a value (an empty `overrides` list; the config's budget, when it
     sets one), so none opens as "Property is type None"; the daily description says its hour and time zone.
+    `workdir`: the folder a process worker runs the flows in (`deploy` passes the current one); prefect.yaml's own
+    config paths (`configs/NAME`, found as `recipe` finds it: in the current folder, else the shipped recipe) are
+    rewritten to resolve from there. An image's runs work in its copy of the project, where they resolve as written.
 
     >>> spec = yaml.safe_load(PREFECT_YAML.read_text())
     >>> out = render(spec, DeployConfig(schedule_hour=2, timezone="Europe/Berlin"), "my.yaml", ["train.lora.r=8"], budget_usd=40.0)
@@ -77,6 +90,9 @@ def render(
     >>> daily["schedules"][0]["cron"], daily["schedules"][0]["timezone"], daily["parameters"]
     ('0 2 * * *', 'Europe/Berlin', {'config_path': 'my.yaml', 'overrides': ['train.lora.r=8'], 'budget_usd': 40.0})
     >>> daily["description"].startswith("Daily at 02:00 Europe/Berlin.")
+    True
+    >>> shipped = render(spec, DeployConfig(), workdir=Path("/srv/team"))["deployments"][0]["parameters"]["config_path"]
+    >>> shipped == str(packaged("demo-cpu.yaml"))  # outside the folder the runs work in: absolute
     True
     """
     spec = copy.deepcopy(spec)
@@ -86,8 +102,10 @@ def render(
         params = dict(deployment.get("parameters") or {})
         if config_path is not None:
             params["config_path"] = config_path
+        elif workdir is not None and pool_type == "process" and params.get("config_path"):
+            params["config_path"] = project_path(recipe(Path(params["config_path"])), workdir)
         params["overrides"] = [*params.get("overrides", []), *(overrides or [])]
-        if budget_usd is not None and deployment["entrypoint"].endswith(":grpo_pipeline"):  # ab_decide trains nothing
+        if budget_usd is not None and deployment["entrypoint"] == PIPELINE_ENTRYPOINT:  # ab_decide trains nothing
             params.setdefault("budget_usd", budget_usd)
         deployment["parameters"] = params
         if deployment["name"] == DAILY:
@@ -198,21 +216,20 @@ def ensure_work_pool(name: str) -> tuple[str, list[str]]:
 
 
 def register(spec: dict[str, Any], workdir: Path) -> str:
-    """Run `prefect deploy --all` on the rendered file from the project root; returns its output."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    rendered = workdir / "prefect.yaml"
-    tmp = rendered.with_suffix(".tmp")
-    tmp.write_text(yaml.safe_dump(spec, sort_keys=False))
-    tmp.replace(rendered)
-    prefect = Path(sys.executable).parent / "prefect"
-    proc = subprocess.run(
-        [str(prefect), "--no-prompt", "deploy", "--all", "--prefect-file", str(rendered)],
-        cwd=PROJECT_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"},
-    )
+    """Run Prefect's `prefect deploy --all` on the rendered file, in `workdir` (prefect.yaml's build step records it
+    as the folder a process worker runs the flows in); returns its output."""
+    with tempfile.TemporaryDirectory(prefix="grpo-deploy-") as folder:
+        rendered = Path(folder) / "prefect.yaml"
+        rendered.write_text(yaml.safe_dump(spec, sort_keys=False))
+        proc = subprocess.run(
+            # this interpreter's Prefect, by module: an environment's console scripts may lie elsewhere
+            [sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--all", "--prefect-file", str(rendered)],
+            cwd=workdir,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env={**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"},
+        )
     if proc.returncode != 0:
         raise DeployError(f"`prefect deploy` failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
     return proc.stdout
@@ -245,16 +262,10 @@ def deployments_summary() -> dict[str, dict]:
     return out
 
 
-def ensure_failure_automation(block: str) -> str:
-    """An automation that sends the notification block a message when a pipeline run fails or crashes.
-
-    `block` is 'block-type-slug/name' (e.g. 'slack-webhook/grpo-alerts'), created beforehand in the UI or
-    with `prefect block create`: its URL or token is a secret and stays in the block. Re-running replaces
-    the automation, so `deploy` can be repeated.
-    """
-    from prefect.automations import Automation, EventTrigger, Posture
+def notification_block(block: str) -> UUID:
+    """The id of the notification block `block` ('block-type-slug/name', e.g. 'slack-webhook/grpo-alerts') on the
+    server; ConfigError when it is malformed or missing. Read before anything is registered."""
     from prefect.client.orchestration import get_client
-    from prefect.events.actions import SendNotification
     from prefect.exceptions import ObjectNotFound
 
     slug, sep, name = block.partition("/")
@@ -262,12 +273,24 @@ def ensure_failure_automation(block: str) -> str:
         raise ConfigError(f"notify block {block!r}: expected 'block-type-slug/name', e.g. 'slack-webhook/grpo-alerts'")
     with get_client(sync_client=True) as client:
         try:
-            document = client.read_block_document_by_name(name=name, block_type_slug=slug)
+            return client.read_block_document_by_name(name=name, block_type_slug=slug).id
         except ObjectNotFound:
             raise ConfigError(
                 f"no notification block {block!r} on the Prefect server: create it in the UI "
-                f"(Blocks) or with `prefect block create {slug}`, then deploy again"
+                f"(Blocks) or with `prefect block create {slug}`, then deploy again (nothing was registered)"
             ) from None
+
+
+def ensure_failure_automation(block: str, block_id: UUID) -> str:
+    """An automation that sends the notification block a message when a pipeline run fails or crashes.
+
+    `block` is 'block-type-slug/name' (e.g. 'slack-webhook/grpo-alerts'), created beforehand in the UI or
+    with `prefect block create`: its URL or token is a secret and stays in the block; `block_id` is what
+    `notification_block` found for it. Re-running replaces the automation, so `deploy` can be repeated.
+    """
+    from prefect.automations import Automation, EventTrigger, Posture
+    from prefect.events.actions import SendNotification
+
     try:
         Automation.read(name=AUTOMATION).delete()  # type: ignore[attr-defined]  # sync_compatible: a coroutine only in async code
     except ValueError:  # none yet
@@ -284,7 +307,7 @@ def ensure_failure_automation(block: str) -> str:
         ),
         actions=[
             SendNotification(
-                block_document_id=document.id,
+                block_document_id=block_id,
                 subject="GRPO pipeline: {{ flow_run.name }} {{ flow_run.state.name }}",
                 body=(
                     "Flow run {{ flow_run.name }} ({{ deployment.name }}) ended {{ flow_run.state.name }}: "
@@ -309,19 +332,23 @@ def deploy(
     """Register the daily-retrain, manual, ci and ab-decide/hourly deployments on the Prefect server PREFECT_API_URL names, and
     the failure automation when `settings.notify_block` is set; returns what the server now holds.
 
-    Raises ConfigError for what the user fixes (no server, no such notification block) and DeployError when
-    Prefect's own `prefect deploy` fails."""
+    Raises ConfigError for what the user fixes (no server, no such notification block, an image pool without an
+    image), before anything is created or registered, and DeployError when Prefect's own `prefect deploy` fails.
+    The runs of a process pool work in the current folder (`render`)."""
+    workdir = Path.cwd()
     check_server()
+    block_id = notification_block(settings.notify_block) if settings.notify_block else None
     pool_type, open_to_runs = ensure_work_pool(settings.work_pool)
     spec = render(
         yaml.safe_load(PREFECT_YAML.read_text()),
         settings,
-        project_path(config_path) if config_path else None,
+        project_path(config_path, workdir) if config_path else None,
         overrides,
         pool_type,
         budget_usd=cfg.plan.budget_usd,
+        workdir=workdir,
     )
-    register(spec, cfg.data_dir / "deploy")
+    register(spec, workdir)
     summary: dict[str, Any] = {
         "deployments": deployments_summary(),
         "work_pool": {
@@ -333,9 +360,9 @@ def deploy(
         # what a run started through them may set (docs/security.md)
         "trigger_policy": cfg.deploy.trigger.model_dump(),
     }
-    if settings.notify_block:
+    if settings.notify_block and block_id is not None:
         summary["failure_automation"] = {
-            "id": ensure_failure_automation(settings.notify_block),
+            "id": ensure_failure_automation(settings.notify_block, block_id),
             "block": settings.notify_block,
         }
     return summary

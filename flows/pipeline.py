@@ -86,6 +86,7 @@ from grpo_pipeline.tasks.model import resolve_model_task
 from grpo_pipeline.tasks.plan import Plan, actual_cost, apply_plan, check_budget
 from grpo_pipeline.tasks.plan.task import plan_task
 from grpo_pipeline.tasks.promote.decide import PromotionDecision, decide_promotion
+from grpo_pipeline.tasks.promote.download import download
 from grpo_pipeline.tasks.promote.merge import merge_task
 from grpo_pipeline.tasks.promote.registry import (
     CHAMPION,
@@ -135,23 +136,26 @@ def grpo_pipeline(
         config_path: pipeline YAML, relative to the project (e.g. configs/demo-cpu.yaml); empty runs the
             built-in defaults. A run of a deployment may pick only the deployment's own config or one of
             its `deploy.trigger.recipes`.
-        overrides: `section.key=value` assignments applied on top, one per item. A run of a deployment
-            may set only the fields the deployment allows (`deploy.trigger.allow`; by default
-            `train.grpo.max_steps=20`, `train.grpo.learning_rate=3e-4`, `train.grpo.seed`, `train.lora.r=16`,
-            `train.lora.lora_alpha`); a refused field fails the run before any work (docs/security.md).
-            On the worker's shell, `grpo-pipeline run --set` takes any key: sections data, model, plan, hpo,
-            train, evaluate, merge, promote, tracking, deploy; e.g. `model.base=org/name`,
-            `model.quantization=nf4`, `evaluate.max_new_tokens=32`. `grpo-pipeline config` prints every key.
+        overrides: `section.key=value` assignments applied on top, one per item, e.g. `train.grpo.max_steps=20`,
+            `train.grpo.learning_rate=3e-4`, `train.lora.r=16`. A run of a deployment may set only the fields the
+            deployment allows (`deploy.trigger.allow`; by default train.grpo.max_steps, train.grpo.learning_rate,
+            train.grpo.seed, train.lora.r, train.lora.lora_alpha, train.launcher, plan.budget_usd); any other
+            field fails the run before any work (docs/security.md). The rest (model, data, paths, code) comes from
+            the deployment's config, or from `grpo-pipeline run --set` on the worker's shell, which takes any key
+            of the sections data, model, plan, hpo, train, evaluate, merge, promote, tracking, deploy
+            (`grpo-pipeline config` prints every key).
         launcher: where training runs: `local` (a subprocess on the worker) or `sky` (a SkyPilot managed
             spot job); `config` keeps the config's `train.launcher`.
         budget_usd: refuse to train when the planner's cost estimate passes this many dollars; empty keeps
             the config's `plan.budget_usd`.
     """
     # A run triggered through a deployment may set only what the deployment allows: checked on the raw fields,
-    # before the config file is read or anything runs (docs/security.md).
-    items = trigger.enforce(config_path, flow_overrides(overrides, launcher, budget_usd), deployment_overrides)
-    cfg = load_config(config_path, items)
-    return run_pipeline(cfg, preflight(cfg))
+    # before the config file is read or anything runs (docs/security.md). A refusal is logged as its message.
+    with trigger.refusals_logged_plainly():
+        items = trigger.enforce(config_path, flow_overrides(overrides, launcher, budget_usd), deployment_overrides)
+        cfg = load_config(config_path, items)
+        priced = preflight(cfg)
+    return run_pipeline(cfg, priced)
 
 
 def checked_pipeline(
@@ -660,16 +664,16 @@ def evaluate_stage(
 @task(
     name="fetch-champion", cache_policy=NO_CACHE, retries=3, retry_delay_seconds=exponential_backoff(backoff_factor=5)
 )
-def fetch_champion_task(registry: Registry, version: str, dst: Path) -> tuple[str, dict]:
+def fetch_champion_task(registry: Registry, version: str, dst: Path, tracking_uri: str) -> tuple[str, dict]:
     mv = registry.client.get_model_version(registry.name, version)
-    return mlflow.artifacts.download_artifacts(artifact_uri=mv.source, dst_path=str(dst)), mv.tags
+    return download(mv.source, dst, tracking_uri), mv.tags  # its models:/m-<id> looked up at tracking_uri
 
 
 def champion_model(
     cfg: PipelineConfig, registry: Registry, version: str, run_dir: Path
 ) -> tuple[str, str, ModelConfig]:
     """The champion's base (resolved path), its adapter (downloaded into the run directory) and its model config."""
-    local, tags = fetch_champion_task(registry, version, run_dir / "champion")
+    local, tags = fetch_champion_task(registry, version, run_dir / "champion", cfg.mlflow_uri)
     logged = Path(local) / "artifacts" / "adapter"  # an MLflow model; a version registered before was the adapter
     adapter = str(logged) if logged.is_dir() else local
     # base_config: the base as this project's config names it (the portable base_model names a copy of it)

@@ -6,11 +6,17 @@ operator's and keeps full power. Which one this is comes from the flow run's own
 set by the server when the run was created from a deployment), never from `prefect.runtime.deployment`, which
 an environment variable can mock. The policy comes from what the server holds for the deployment (its own
 `config_path` and deploy-time parameters), never from the run's parameters, which the trigger chose.
+
+A refusal (this policy's, or an invalid config or input the flow finds before any work) is logged once, plainly,
+by `refusals_logged_plainly`: it is the user's to fix, not a crash.
 """
 
 from __future__ import annotations
 
+import logging
 import typing
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 from uuid import UUID
@@ -83,3 +89,37 @@ def enforce(
     if refusals:
         raise ConfigError(refusal_message(refusals, deployment.name))
     return [*own_overrides, *(item for item in overrides if item not in own_overrides)]
+
+
+LOGGED = "grpo_logged_plainly"  # set on a ConfigError whose message the flow run's log holds already
+
+
+class _LoggedRefusals(logging.Filter):
+    """Drops the records of an exception the flow logged already: Prefect's engine logs the exception that ends a
+    flow run twice, each with its traceback ("Encountered exception during execution", and "Engine execution
+    exited with unexpected exception" on a worker)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not getattr(exc, LOGGED, False)
+
+
+@contextmanager
+def refusals_logged_plainly() -> Iterator[None]:
+    """Inside a flow run: a ConfigError raised here is logged once, as its message alone, and raised on, so the run
+    still fails with it as its state message (what a failure notification sends) and its process still exits 1;
+    Prefect's own records of it, with their tracebacks, are dropped. Outside a flow run (the flow's function called
+    directly, as tests do) it is raised untouched."""
+    from prefect.context import FlowRunContext
+    from prefect.logging import get_run_logger
+
+    try:
+        yield
+    except ConfigError as exc:
+        if FlowRunContext.get() is not None:
+            get_run_logger().error(str(exc))
+            setattr(exc, LOGGED, True)
+            runs = logging.getLogger("prefect.flow_runs")  # the engine's logger of flow runs
+            if not any(isinstance(f, _LoggedRefusals) for f in runs.filters):
+                runs.addFilter(_LoggedRefusals())
+        raise

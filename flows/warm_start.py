@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import mlflow
-
 from grpo_pipeline.configs.schema import ConfigError, PipelineConfig
 from grpo_pipeline.tasks.job import RunAdapter, WarmStart, base_names, check_init_adapter, parse_init_adapter
+from grpo_pipeline.tasks.promote.download import download
 from grpo_pipeline.tasks.promote.registry import MISSING, Registry
 from grpo_pipeline.trainer.loading import read_adapter_config
 
@@ -45,7 +44,7 @@ def warm_start_stage(cfg: PipelineConfig, registry: Registry, run_dir: Path) -> 
         if not mv.source:
             raise ConfigError(f"{field}: version {version} of registered model {model!r} names no artifacts (source)")
         uri, source, tags = f"models:/{model}/{version}", mv.source, dict(mv.tags)
-    adapter = fetch_adapter(source, run_dir / "init-adapter", field)
+    adapter = fetch_adapter(source, run_dir / "init-adapter", field, cfg.mlflow_uri)
     try:
         adapter_config = read_adapter_config(adapter)
     except ValueError as exc:
@@ -58,14 +57,15 @@ def warm_start_stage(cfg: PipelineConfig, registry: Registry, run_dir: Path) -> 
     return WarmStart(requested=cfg.model.init_adapter, uri=uri, model=model, version=version, adapter_dir=adapter)
 
 
-def fetch_adapter(source: str, dst: Path, field: str) -> str:
+def fetch_adapter(source: str, dst: Path, field: str, tracking_uri: str) -> str:
     """The adapter at an MLflow URI on local disk: a registered adapter model's `artifacts/adapter`, or the
-    directory itself (a run's `adapter` artifact, a version registered before adapters were MLflow models)."""
+    directory itself (a run's `adapter` artifact, a version registered before adapters were MLflow models). The
+    URI (a logged model's models:/m-<id>, a runs:/) is resolved in the store at `tracking_uri`."""
     from mlflow.exceptions import MlflowException
 
     dst.mkdir(parents=True, exist_ok=True)
     try:
-        local = Path(mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=str(dst)))
+        local = Path(download(source, dst, tracking_uri))
     except (MlflowException, OSError) as exc:
         if isinstance(exc, MlflowException) and exc.error_code not in MISSING:
             raise  # the server, not the URI: a service fault

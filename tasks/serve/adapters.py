@@ -90,20 +90,20 @@ def read_version(alias: str, version: str, model_dir: Path) -> Adapter:
 
 
 def resolve(registry: Registry, alias: str, tracking_uri: str, cache: Path) -> Adapter | None:
-    """The adapter `models:/<name>@<alias>` names now, downloaded once per version (None: no such alias)."""
+    """The adapter `models:/<name>@<alias>` names now in the registry at `tracking_uri`, downloaded once per
+    version (None: no such alias)."""
     version = registry.version_of(alias)
     if version is None:
         return None
     target = Path(cache) / registry.name / str(version)
     if not (target / "MLmodel").is_file():
-        import mlflow
+        from grpo_pipeline.tasks.promote.download import download
 
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".download-"))
         try:
-            local = mlflow.artifacts.download_artifacts(
-                artifact_uri=f"models:/{registry.name}/{version}", dst_path=str(staging), tracking_uri=tracking_uri
-            )
+            # through the registry at tracking_uri: MLflow's own models:/ lookup would ask its default one
+            local = download(f"models:/{registry.name}/{version}", staging, tracking_uri)
             Path(local).rename(target)  # whole or not at all
         except OSError:
             if not (target / "MLmodel").is_file():

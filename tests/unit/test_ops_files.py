@@ -6,7 +6,6 @@ check-jsonschema project vendors (Compose specification, GitHub workflows), read
 once with `pip download --no-deps --only-binary :all: --require-hashes` into .grpo/cache.
 """
 
-import ast
 import configparser
 import json
 import os
@@ -23,9 +22,11 @@ from pathlib import Path
 import jsonschema
 import pytest
 import yaml
+from prefect import Flow
+from prefect.flows import load_flow_from_entrypoint
 
 from grpo_pipeline.configs.schema import ConfigError, DeployConfig, load_config
-from grpo_pipeline.flows.deploy import DAILY, IMAGE_WORKDIR, PREFECT_YAML, render
+from grpo_pipeline.flows.deploy import AB_ENTRYPOINT, DAILY, IMAGE_WORKDIR, PIPELINE_ENTRYPOINT, PREFECT_YAML, render
 from grpo_pipeline.infra.stack import DEFAULT_PORTS, DEPENDS_ON
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -389,14 +390,14 @@ def test_prefect_yaml_declares_the_pipeline_and_ab_deployments():
     by_name = {d["name"]: d for d in spec["deployments"]}
     assert set(by_name) == {"daily-retrain", "manual", "ci", "hourly"}
     for d in by_name.values():
-        path, _, func = d["entrypoint"].partition(":")
-        tree = ast.parse((ROOT / path).read_text())
-        assert func in {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+        # as Prefect resolves an entrypoint, at deploy time and on the worker: a module path, a Flow
+        assert isinstance(load_flow_from_entrypoint(d["entrypoint"]), Flow), d["entrypoint"]
         load_config(ROOT / d["parameters"]["config_path"], d["parameters"].get("overrides", []))
+    assert {d["entrypoint"] for d in by_name.values()} == {PIPELINE_ENTRYPOINT, AB_ENTRYPOINT}
     assert by_name["daily-retrain"]["concurrency_limit"] == {"limit": 1, "collision_strategy": "CANCEL_NEW"}
     assert by_name["manual"]["concurrency_limit"] == {"limit": 1, "collision_strategy": "ENQUEUE"}
     hourly = by_name["hourly"]  # the live A/B's decision: every hour, one at a time
-    assert hourly["entrypoint"] == "flows/ab.py:ab_decide"
+    assert hourly["entrypoint"] == AB_ENTRYPOINT
     assert hourly["schedules"] == [{"cron": "0 * * * *", "timezone": "UTC", "active": True}]
     assert hourly["concurrency_limit"] == {"limit": 1, "collision_strategy": "CANCEL_NEW"}
     rendered = render(spec, DeployConfig(schedule_hour=2), "configs/demo-cpu.yaml", ["ab.alpha=0.01"], budget_usd=25.0)

@@ -5,7 +5,6 @@ beside another project's own `tasks` and `configs` packages, loading neither tor
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import sysconfig
@@ -14,9 +13,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-# What setuptools builds the wheel from (pyproject.toml's packages and readme).
-SOURCES = ("pyproject.toml", "README.md", "configs", "grpo_pipeline", "flows", "tasks", "trainer", "infra")
+from tests.wheel import ROOT, build_wheel
 
 
 def data_files() -> set[str]:
@@ -28,38 +25,7 @@ def data_files() -> set[str]:
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
-    """`pip wheel --no-deps` of a copy of the sources: setuptools writes build/ and *.egg-info into the tree it
-    builds, and the checkout is shared. No build isolation: the venv's setuptools, no index needed."""
-    work = tmp_path_factory.mktemp("wheel")
-    src = work / "src"
-    src.mkdir()
-    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info", "*.pyc")
-    for name in SOURCES:
-        path = ROOT / name
-        if path.is_dir():
-            shutil.copytree(path, src / name, ignore=ignore)
-        else:
-            shutil.copy2(path, src / name)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "--no-deps",
-            "--no-build-isolation",
-            "-q",
-            str(src),
-            "-w",
-            str(work / "dist"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    (built,) = (work / "dist").glob("grpo_pipeline-*.whl")
-    return built
+    return build_wheel(tmp_path_factory.mktemp("wheel"))
 
 
 def test_the_wheel_installs_one_top_level_package(wheel):
