@@ -21,12 +21,12 @@ from pathlib import Path
 
 from bench.harness import ROOT, compare, save, spread, training_bench_args
 from bench.table import Row, from_compare
+from grpo_pipeline.configs.health import RULES, HealthConfig
 from grpo_pipeline.configs.schema import load_config
 from grpo_pipeline.tasks.data.demo_task import generate
 from grpo_pipeline.tasks.data.splits import write_splits
 from grpo_pipeline.tasks.job import build_job_spec
 from grpo_pipeline.tasks.model import ensure_demo_model
-from grpo_pipeline.configs.health import RULES, HealthConfig
 from grpo_pipeline.trainer.health import Monitor
 from tests.tiny_model import create_random_model
 
