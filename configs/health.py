@@ -204,7 +204,7 @@ H = TypeVar("H", bound=BaseModel)
 
 def _one_field_per_rule(cls: type[H]) -> type[H]:
     """`cls` with a field per entry of RULES, of that rule's own class: how an entry becomes a config key."""
-    fields: dict[str, Any] = {name: (config, config()) for name, config in RULE_CONFIGS.items()}
+    fields: dict[str, Any] = {name: (config, config.model_validate({})) for name, config in RULE_CONFIGS.items()}
     return create_model(cls.__name__, __base__=cls, __module__=cls.__module__, __doc__=cls.__doc__, **fields)
 
 
