@@ -666,6 +666,8 @@ def evaluate_stage(
 )
 def fetch_champion_task(registry: Registry, version: str, dst: Path, tracking_uri: str) -> tuple[str, dict]:
     mv = registry.client.get_model_version(registry.name, version)
+    if not mv.source:
+        raise ValueError(f"version {version} of {registry.name} names no source to download: register it again")
     return download(mv.source, dst, tracking_uri), mv.tags  # its models:/m-<id> looked up at tracking_uri
 
 
