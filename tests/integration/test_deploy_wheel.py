@@ -107,6 +107,7 @@ def test_the_wheel_deploys_from_another_folder(deployed, team, installed):
     site = Path(
         subprocess.run(
             [str(installed), "-c", "import grpo_pipeline, os; print(os.path.dirname(grpo_pipeline.__file__))"],
+            cwd=team["folder"],  # as the team runs it: from the checkout, `-c` would import the checkout's folder
             capture_output=True,
             text=True,
             check=True,
