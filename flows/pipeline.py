@@ -668,6 +668,8 @@ def evaluate_stage(
 )
 def fetch_champion_task(registry: Registry, version: str, dst: Path, tracking_uri: str) -> tuple[str, dict]:
     mv = registry.client.get_model_version(registry.name, version)
+    if not mv.source:
+        raise RegistryError(f"version {version} of registered model {registry.name!r} names no artifacts (source)")
     return download(mv.source, dst, tracking_uri), mv.tags  # its models:/m-<id> looked up at tracking_uri
 
 
