@@ -92,6 +92,7 @@ from grpo_pipeline.tasks.promote.registry import (
     CHAMPION,
     MERGED_VERSION_TAG,
     Registry,
+    RegistryError,
 )
 from grpo_pipeline.tasks.promote.serving import (
     BASE_EXPERIMENT,
@@ -667,7 +668,7 @@ def evaluate_stage(
 def fetch_champion_task(registry: Registry, version: str, dst: Path, tracking_uri: str) -> tuple[str, dict]:
     mv = registry.client.get_model_version(registry.name, version)
     if not mv.source:
-        raise ValueError(f"version {version} of {registry.name} names no source to download: register it again")
+        raise RegistryError(f"version {version} of registered model {registry.name!r} names no artifacts (source)")
     return download(mv.source, dst, tracking_uri), mv.tags  # its models:/m-<id> looked up at tracking_uri
 
 

@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -17,7 +18,9 @@ import pytest
 from grpo_pipeline.flows.deploy import AB_ENTRYPOINT, DAILY, PIPELINE_ENTRYPOINT
 from tests.wheel import build_wheel, clean_venv
 
-pytestmark = pytest.mark.integration
+# slow: 1.5 minutes on a quiet-ish 2-core machine (the stack's PostgreSQL and Prefect, the wheel, two deploys), and
+# 2 more for the worker's run; up to 14 in all under heavy load
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 POOL = "grpo-wheel"  # a pool of this module's own: another module's deployments of the same server use theirs
 
@@ -107,7 +110,8 @@ def test_the_wheel_deploys_from_another_folder(deployed, team, installed):
     site = Path(
         subprocess.run(
             [str(installed), "-c", "import grpo_pipeline, os; print(os.path.dirname(grpo_pipeline.__file__))"],
-            cwd=team["folder"],  # as the team runs it: from the checkout, `-c` would import the checkout's folder
+            cwd=team["folder"],  # `-c` puts the working folder first on sys.path: the checkout's would shadow it
+            env=team["env"],
             capture_output=True,
             text=True,
             check=True,
@@ -163,7 +167,6 @@ def worker(deployed, team, tmp_path_factory):
         proc.wait()
 
 
-@pytest.mark.slow
 def test_a_refused_run_logs_its_message_once_without_a_traceback(worker, team):
     """The worker loads the flow from the wheel and the trigger policy refuses the form's override: the run fails
     with the refusal as its state message (what the notification sends) and the log says it once, plainly."""
@@ -175,11 +178,15 @@ def test_a_refused_run_logs_its_message_once_without_a_traceback(worker, team):
         run = run_deployment(
             "grpo-pipeline/manual", parameters={"overrides": ["data_dir=/tmp/elsewhere"]}, timeout=600, poll_interval=2
         )
-        with get_client(sync_client=True) as client:
-            logs = [
-                log.message
-                for log in client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])), limit=200)
-            ]
+        # the engine sends its log in batches, after the state: read until its last line, "Finished in state ..."
+        deadline, logs = time.monotonic() + 180, []
+        while time.monotonic() < deadline and not any(m.startswith("Finished in state") for m in logs):
+            time.sleep(1)
+            with get_client(sync_client=True) as client:
+                logs = [
+                    log.message
+                    for log in client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])), limit=200)
+                ]
     assert run.state.is_failed(), f"{run.state}\n{worker.read_text()[-4000:]}"
     assert "data_dir: reads or writes a path" in run.state.message
     text = "\n".join(logs)

@@ -130,6 +130,7 @@ def deployed(stack, env, ops_yaml, webhook):
             "custom-webhook/grpo-ops",
         ],
         env=env,
+        cwd=Path(__file__).resolve().parents[2],  # the checkout: the worker runs the flows there (its pull step)
         capture_output=True,
         text=True,
         timeout=600,

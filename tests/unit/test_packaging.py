@@ -7,13 +7,12 @@ import json
 import os
 import subprocess
 import sys
-import sysconfig
 import zipfile
 from pathlib import Path
 
 import pytest
 
-from tests.wheel import ROOT, build_wheel
+from tests.wheel import ROOT, build_wheel, third_party_paths
 
 
 def data_files() -> set[str]:
@@ -87,8 +86,8 @@ def test_plan_answers_from_the_wheel_alone(wheel, tmp_path):
     for other in ("tasks", "configs"):  # another project's packages of the same names, first on sys.path
         (elsewhere / other).mkdir(parents=True)
         (elsewhere / other / "__init__.py").write_text("raise ImportError('the other project was imported')\n")
-    libs = dict.fromkeys([sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), *libs])}
+    # the venv's own packages and those its .pth files add (-S reads no .pth file)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), *third_party_paths()])}
     proc = subprocess.run(
         [sys.executable, "-S", "-c", FROM_WHEEL], cwd=elsewhere, env=env, capture_output=True, text=True, timeout=300
     )
