@@ -93,6 +93,30 @@ def tiny_config():
     return make
 
 
+@pytest.fixture
+def trainer_args(tmp_path, tiny_config):
+    """The trainer's GRPOConfig for the tiny config with `overrides`, built as the trainer builds it."""
+
+    def make(*overrides: str):
+        from grpo_pipeline.tasks.job import model_load, train_settings
+        from grpo_pipeline.trainer.spec import JobSpec
+        from grpo_pipeline.trainer.train import grpo_args
+
+        cfg = tiny_config(*overrides)
+        spec = JobSpec(
+            model_path="unused",
+            model=model_load(cfg.model),
+            train=train_settings(cfg.train),
+            train_file="unused",
+            work_dir=str(tmp_path),
+            checkpoint_uri=str(tmp_path),
+            adapter_dir=str(tmp_path),
+        )
+        return grpo_args(spec, tmp_path)
+
+    return make
+
+
 @pytest.fixture(scope="session")
 def local_stack(tmp_path_factory):
     """The local service stack (`grpo-pipeline stack`), one per session, on free ports with the test identity;

@@ -39,23 +39,8 @@ def test_the_step_without_checkpointing_computes_what_the_default_does(tiny_mode
     assert any(g.abs().sum() > 0 for g in grads_off.values())
 
 
-def test_a_cpu_node_trains_without_checkpointing_unless_the_recipe_asks(tmp_path, tiny_config):
-    from grpo_pipeline.tasks.job import model_load, train_settings
-    from grpo_pipeline.trainer.spec import JobSpec
-    from grpo_pipeline.trainer.train import grpo_args
-
-    def args(*overrides):
-        cfg = tiny_config(*overrides)
-        spec = JobSpec(
-            model_path="unused",
-            model=model_load(cfg.model),
-            train=train_settings(cfg.train),
-            train_file="unused",
-            work_dir=str(tmp_path),
-            checkpoint_uri=str(tmp_path),
-            adapter_dir=str(tmp_path),
-        )
-        return grpo_args(spec, tmp_path)
+def test_a_cpu_node_trains_without_checkpointing_unless_the_recipe_asks(trainer_args):
+    args = trainer_args
 
     assert not torch.cuda.is_available()
     assert args().gradient_checkpointing is False

@@ -70,23 +70,8 @@ def test_each_log_is_printed_once_with_its_step(tmp_path, capsys, disable_tqdm):
     ]
 
 
-def test_tqdm_is_off_in_a_log_and_on_at_a_terminal_unless_the_user_says(tmp_path, monkeypatch, tiny_config):
-    from grpo_pipeline.tasks.job import model_load, train_settings
-    from grpo_pipeline.trainer.spec import JobSpec
-    from grpo_pipeline.trainer.train import grpo_args
-
-    def args(*overrides):
-        cfg = tiny_config(*overrides)
-        spec = JobSpec(
-            model_path="unused",
-            model=model_load(cfg.model),
-            train=train_settings(cfg.train),
-            train_file="unused",
-            work_dir=str(tmp_path),
-            checkpoint_uri=str(tmp_path),
-            adapter_dir=str(tmp_path),
-        )
-        return grpo_args(spec, tmp_path)
+def test_tqdm_is_off_in_a_log_and_on_at_a_terminal_unless_the_user_says(monkeypatch, trainer_args):
+    args = trainer_args
 
     monkeypatch.setattr("sys.stderr", io.StringIO())  # a pipe or a file
     assert args().disable_tqdm is True
