@@ -7,7 +7,9 @@ in `configs/models/`, saved once with a word-level tokenizer made here, and load
 Each case runs `--steps` GRPO steps (the first is a warm-up and not counted) with completions forced to full
 length (`min_new_tokens`), so the token shapes are the ones the estimate assumes. Memory: the peak of
 `torch.cuda.max_memory_allocated` after loading (weights included) over generation, training and optimizer
-phases; the estimate's `total`, `generation_peak` and `training_peak` are saved beside it.
+phases; the estimate's `total`, `generation_peak` and `training_peak` are saved beside it. Each case also records
+the adapter's dtypes and the smallest share of entries that moved in any adapter tensor (`adapter_moved_min`): QLoRA
+must keep a float32 adapter that moves everywhere over CUDA's 4-bit kernels too (docs/training.md#qlora).
 
     bash bench/gpu_check.sh                 # on the GPU machine, < 8 minutes on one H200
     python -m bench.gpu_check --dry-run     # here: the same code path on a tiny Qwen2 architecture, on the CPU
@@ -138,7 +140,7 @@ def run_case(name: str, quant: str, model_dir: Path, model_cfg: dict, opts, gpu)
     from grpo_pipeline.configs.schema import ModelConfig
     from grpo_pipeline.tasks.job import model_load
     from grpo_pipeline.tasks.plan import Assumptions, Settings, Workload, estimate_memory, step_seconds
-    from grpo_pipeline.trainer.loading import load_model
+    from grpo_pipeline.trainer.loading import keep_adapter_fp32, load_model
 
     cuda = torch.cuda.is_available()
     _free()
@@ -184,8 +186,11 @@ def run_case(name: str, quant: str, model_dir: Path, model_cfg: dict, opts, gpu)
         processing_class=tokenizer,
         peft_config=lora,
         train_dataset=Dataset.from_list(prompts(opts.batch * opts.steps, opts.prompt_tokens)),
+        callbacks=[keep_adapter_fp32(model)],  # as the trainer runs QLoRA (docs/training.md#qlora)
     )
     trainer.remove_callback(PrinterCallback)  # one summary line per case instead of HF's per-step dicts
+    adapter = {n: p for n, p in trainer.model.named_parameters() if p.requires_grad}
+    before = {n: p.detach().clone() for n, p in adapter.items()}
     trainer.train()
     steps = trainer.probe[1:] or trainer.probe
     # the probe resets the peak at each phase boundary: the run's peak is the largest phase's
@@ -201,6 +206,11 @@ def run_case(name: str, quant: str, model_dir: Path, model_cfg: dict, opts, gpu)
         "completion_len": steps[0]["completion_len"],
         "trainable_params": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
         "load_s": load_s,
+        # QLoRA learns over CUDA's 4-bit kernels as over the CPU's: the adapter stays float32 and every one of its
+        # tensors moves (a share of its entries well below 1 means updates rounded away or gradients not arriving)
+        "adapter_dtypes": sorted({str(p.dtype) for p in adapter.values()}),
+        "adapter_moved_min": min(float((p.detach() != before[n]).float().mean()) for n, p in adapter.items()),
+        "adapter_finite": all(bool(torch.isfinite(p).all()) for p in adapter.values()),
     }
     measured["tokens_per_s"] = opts.batch * (measured["prompt_len"] + measured["completion_len"]) / measured["step_s"]
     # the run above as the planner describes it (TRL's defaults where the GRPOConfig above leaves them)
@@ -351,6 +361,9 @@ def _summary(case: dict) -> dict:
         "step_s": round(m["step_s"], 3),
         "tokens_per_s": round(m["tokens_per_s"], 1),
         "estimate_gib": round(case["estimate"]["gib"]["total"], 2),
+        "adapter": m["adapter_dtypes"],
+        "adapter_moved_min": round(m["adapter_moved_min"], 3),
+        "adapter_finite": m["adapter_finite"],
     }
     if m["peak_bytes"]:
         out |= {"peak_gib": round(m["peak_bytes"] / 2**30, 2), "measured/estimate": round(case["memory_ratio"], 3)}

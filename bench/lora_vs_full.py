@@ -8,7 +8,8 @@ most 16 tokens per step); they differ only in what trains:
 - full: every weight (AdamW), learning rate `--full-lr` (default 3e-5: ~10x below LoRA's, the usual rule;
   the demo config's 3e-4 is a LoRA rate);
 - lora: a rank-16 adapter on every linear layer over a frozen fp32 base (the demo config's adapter and rate);
-- qlora: the same adapter over an NF4 (bitsandbytes 4-bit) base.
+- qlora: the same adapter over an NF4 (bitsandbytes 4-bit) base, kept in float32 as the trainer keeps it
+  (`keep_adapter_fp32`; before, TRL's bfloat16 cast rounded its updates away: docs/training.md#qlora).
 
 Full fine-tuning runs through TRL directly rather than `python -m grpo_pipeline.trainer`: the pipeline's trainer, evaluation,
 merge and registry all deal in adapters, so the baseline is GRPOTrainer without a `peft_config`, and the two
@@ -158,7 +159,7 @@ def run_arm(arm: str, model_path: str, train_file: str, holdout_file: str, opts:
     from grpo_pipeline.configs.schema import ModelConfig, load_config
     from grpo_pipeline.tasks.evaluate import read_jsonl
     from grpo_pipeline.tasks.job import model_load
-    from grpo_pipeline.trainer.loading import load_model
+    from grpo_pipeline.trainer.loading import keep_adapter_fp32, load_model
     from grpo_pipeline.trainer.rewards import resolve_reward
 
     cfg = load_config(ROOT / "configs" / "demo-cpu.yaml")
@@ -187,7 +188,7 @@ def run_arm(arm: str, model_path: str, train_file: str, holdout_file: str, opts:
         train_dataset=load_dataset("json", data_files=train_file, split="train"),
         processing_class=tokenizer,
         peft_config=None if arm == "full" else LoraConfig(task_type="CAUSAL_LM", **cfg.train.lora),
-        callbacks=[curve],
+        callbacks=[curve, keep_adapter_fp32(model)],  # as the trainer runs QLoRA (docs/training.md#qlora)
     )
     trainer.remove_callback(PrinterCallback)  # the holdout curve prints one line per evaluation instead
     curve.t0, curve.t0_cpu = time.perf_counter(), time.process_time()
@@ -199,6 +200,7 @@ def run_arm(arm: str, model_path: str, train_file: str, holdout_file: str, opts:
         "learning_rate": grpo["learning_rate"],
         "seed": opts.seed,
         "trainable_params": sum(p.numel() for p in params if p.requires_grad),
+        "adapter_dtypes": sorted({str(p.dtype) for p in params if p.requires_grad}),
         "curve": curve.curve,
         "final_totals": curve.last_totals,
         "step_s": curve.step_s,

@@ -1,5 +1,6 @@
 """Load a base model at the configured precision (optionally 4-/8-bit through bitsandbytes), plus an adapter;
-and the check that an adapter to train from fits the configured base and LoRA shape (`adapter_mismatch`)."""
+the check that an adapter to train from fits the configured base and LoRA shape (`adapter_mismatch`); and
+`keep_adapter_fp32`, which keeps a QLoRA adapter's weights in float32 for training."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from typing import TYPE_CHECKING, Any
 from grpo_pipeline.trainer.spec import ModelLoad
 
 if TYPE_CHECKING:
+    import torch
     from peft import PeftModel
-    from transformers import BitsAndBytesConfig, PreTrainedModel, PreTrainedTokenizerBase
+    from transformers import BitsAndBytesConfig, PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback
 
 
 def quantization_config(cfg: ModelLoad) -> BitsAndBytesConfig | None:
@@ -121,3 +123,56 @@ def load_model(
 
         model = PeftModel.from_pretrained(model, adapter, is_trainable=trainable)
     return model, tokenizer
+
+
+def upcast_trainable(model: torch.nn.Module, originals: Mapping[torch.nn.Parameter, torch.Tensor]) -> list[str]:
+    """Put every trainable parameter held in half precision back to float32: the tensor it had in `originals`
+    (keyed by the parameter itself) where there is one, else its own values upcast. The names changed.
+
+    >>> import torch
+    >>> layer = torch.nn.Linear(2, 2)
+    >>> kept, exact = {layer.weight: layer.weight.data}, layer.weight.data.clone()
+    >>> layer.weight.data, layer.bias.data = layer.weight.data.bfloat16(), layer.bias.data.bfloat16()
+    >>> upcast_trainable(layer, kept), torch.equal(layer.weight.data, exact), layer.bias.dtype
+    (['weight', 'bias'], True, torch.float32)
+    """
+    import torch
+
+    changed = []
+    for name, param in model.named_parameters():
+        if param.requires_grad and param.dtype in (torch.bfloat16, torch.float16):
+            original = originals.get(param)
+            param.data = original if original is not None and original.dtype == torch.float32 else param.data.float()
+            changed.append(name)
+    return changed
+
+
+def keep_adapter_fp32(model: PreTrainedModel | PeftModel) -> TrainerCallback:
+    """A trainer callback that keeps the trainable (adapter) weights of a quantized base in float32.
+
+    TRL's trainers cast every trainable parameter of a PEFT model on a 4-/8-bit base to bfloat16 in their
+    constructor (GRPOTrainer.__init__, after the QLoRA paper's recipe). An AdamW step changes a bfloat16
+    weight only when it is more than half a unit in its last place (8 significant bits): LoRA's A matrices
+    start at up to 1/sqrt(fan_in) (0.04 on SmolLM2-135M, where one unit is 2.4e-4), so the small steps, late
+    in a decaying schedule or where noisy gradients make Adam's ratio small, are rounded away: three GRPO
+    steps at 3e-4 on a tiny model moved as few as 43 % of a LoRA A tensor's entries (docs/training.md#qlora).
+    PEFT itself keeps adapters in float32 (`autocast_adapter_dtype`), and so does this: they are a small
+    fraction of the model, and under bf16 mixed precision the matmuls still run in bf16.
+
+    Made before the trainer (it records a warm start's float32 adapter, so the cast loses none of its
+    bits) and passed in its callbacks: at the end of the trainer's construction, after TRL's cast and
+    before the optimizer exists, it puts them back. A model on a full-precision base is left alone.
+    """
+    from peft import PeftModel
+    from transformers import TrainerCallback
+
+    # a warm start's adapter (a fresh one is made inside the trainer, from its peft_config)
+    originals = {p: p.data for p in model.parameters() if p.requires_grad} if isinstance(model, PeftModel) else {}
+
+    class KeepAdapterFP32(TrainerCallback):
+        def on_init_end(self, args, state, control, model=None, **kwargs):
+            quantized = getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False)
+            if model is not None and quantized:
+                upcast_trainable(model, originals)
+
+    return KeepAdapterFP32()

@@ -268,7 +268,7 @@ def _attempt(
         print_logs_once,
     )
     from grpo_pipeline.trainer.health import read_state
-    from grpo_pipeline.trainer.loading import load_model
+    from grpo_pipeline.trainer.loading import keep_adapter_fp32, load_model
     from grpo_pipeline.trainer.rewards import RewardError, RewardUnavailable, resolve_rewards
     from grpo_pipeline.trainer.sampling import read_state as read_curriculum
 
@@ -305,7 +305,9 @@ def _attempt(
         lr_factor=ledger.lr_scale / baked,
     )
     # health before sync: its on_save writes health.json into the checkpoint that sync then uploads
-    callbacks = [health, sync, stop, timer, ReportValidation()] + ([metrics] if metrics else [])
+    callbacks = [health, sync, stop, timer, ReportValidation(), keep_adapter_fp32(model)] + (
+        [metrics] if metrics else []
+    )
     if spec.train.early_stopping_patience:
         callbacks.append(EarlyStoppingCallback(spec.train.early_stopping_patience))
 

@@ -40,6 +40,7 @@ def test_lora_vs_full_runs_each_arm_in_its_own_process_and_analyses_them(results
     full, qlora = report["arms"]["full"], report["arms"]["qlora"]
     assert [p["step"] for p in full["curve"]] == [0, 1, 2] and len(full["final_totals"]) == 4
     assert qlora["trainable_params"] < full["trainable_params"]  # only the adapter trains over the NF4 base
+    assert qlora["adapter_dtypes"] == ["torch.float32"]  # as the trainer keeps it (keep_adapter_fp32)
     assert full["peak_rss_train_mb"] > 0 and len(qlora["step_s"]) == 2
     assert set(report["analysis"]) == {"qlora"}
     assert report["analysis"]["qlora"]["memory"]["ratio"] > 0
@@ -72,6 +73,9 @@ def test_gpu_check_dry_run_takes_the_gpu_code_path_on_the_cpu(tmp_path):
         # forced full-length completions: the shapes the planner's estimate assumes
         assert (m["prompt_len"], m["completion_len"]) == (12, 6)
         assert m["trainable_params"] == case["estimate"]["trainable_params"]  # the planner counts LoRA exactly
+        # the adapter stays float32 and every tensor of it moves, over the 4-bit base too
+        assert m["adapter_dtypes"] == ["torch.float32"] and m["adapter_finite"], case["quantization"]
+        assert m["adapter_moved_min"] > 0.99, case["quantization"]  # bf16 rounding left as little as 0.43
 
 
 def test_recipe_seeds_tiny_runs_the_shipped_recipe_through_the_pipeline_on_an_untuned_task(tmp_path, results):
