@@ -185,8 +185,9 @@ def estimate_memory(
     reference: float
     if lora_rank:
         trainable = lora_params(arch, lora_rank, targets)
-        # PEFT upcasts adapters to fp32; TRL casts them to bf16 on a quantized base (QLoRA paper's recipe).
-        p_bytes = 2 if quantized else 4
+        # fp32 on every base: PEFT upcasts adapters, and on a quantized base, where TRL casts them to bf16,
+        # the trainer puts them back (trainer/loading.keep_adapter_fp32: bf16 rounded Adam's updates away).
+        p_bytes = 4
         adapter = trainable * p_bytes
         reference = 0  # the reference policy is the base with the adapter disabled
     else:
