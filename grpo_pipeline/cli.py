@@ -584,17 +584,17 @@ def stack_up(
     password, Prefect auth string) never land on screen or in a terminal log (`stack env` prints the exports
     for `eval`). `--serve` also starts the router once the registry has a champion (its key: GRPO_SERVE_API_KEY
     in `stack env`)."""
-    from grpo_pipeline.infra.services import PortInUse, ServiceError
-    from grpo_pipeline.infra.stack import DEFAULT_UP, ServeRefused, exports
+    from grpo_pipeline.infra.services import Refused, ServiceError
+    from grpo_pipeline.infra.stack import DEFAULT_UP, exports
 
     stack = _stack(root, s3=s3_port, mlflow=mlflow_port, prefect=prefect_port, serve=serve_port)
     options = _serve_options(serve_config) if serve else None
     try:
         with _progress("starting", "started") as step:
             stack.up([*DEFAULT_UP, "serve"] if serve else DEFAULT_UP, serve=options, step=step)
-    except (PortInUse, ServeRefused) as exc:  # the user's choice of port, no champion yet: exit 2, naming the fix
+    except Refused as exc:  # a taken port, a missing tool, no champion yet: exit 2, naming the fix
         _fail(False, f"stack up: {exc}", EXIT_CONFIG)
-    except ServiceError as exc:  # a service did not start: the message names its log
+    except ServiceError as exc:  # a service did not start (what this `up` started is stopped): its log named
         _fail(False, f"stack up failed: {exc}", EXIT_FAILED)
     env = stack.env()
     # stdout carries only the exports, so `eval "$(...)"` works; where things are goes to stderr
