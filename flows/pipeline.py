@@ -35,7 +35,7 @@ from prefect.tasks import exponential_backoff
 from grpo_pipeline.configs.launchers import LAUNCHERS, LauncherChoice
 from grpo_pipeline.configs.library_fields import default as library_default
 from grpo_pipeline.configs.rewards import RewardSet
-from grpo_pipeline.configs.schema import ModelConfig, PipelineConfig, TrainConfig, load_config
+from grpo_pipeline.configs.schema import ModelConfig, PipelineConfig, TrainConfig
 from grpo_pipeline.flows import trigger
 from grpo_pipeline.flows.artifacts import show_image, show_markdown
 from grpo_pipeline.flows.hpo import search_stage
@@ -153,8 +153,7 @@ def grpo_pipeline(
     # A run triggered through a deployment may set only what the deployment allows: checked on the raw fields,
     # before the config file is read or anything runs (docs/security.md). A refusal is logged as its message.
     with trigger.refusals_logged_plainly():
-        items = trigger.enforce(config_path, flow_overrides(overrides, launcher, budget_usd), deployment_overrides)
-        cfg = load_config(config_path, items)
+        cfg = trigger.checked_config(config_path, flow_overrides(overrides, launcher, budget_usd), deployment_overrides)
         priced = preflight(cfg)
     return run_pipeline(cfg, priced)
 
