@@ -22,7 +22,7 @@ import typer
 
 from grpo_pipeline.failure import EXIT_CONFIG, err
 from grpo_pipeline.failure import fail as _fail  # the CLI's one way to fail
-from grpo_pipeline.loading import load
+from grpo_pipeline.loading import ConfigOpt, load
 from grpo_pipeline.registry_store import absent_file, missing, quiet_mlflow
 
 if TYPE_CHECKING:
@@ -31,7 +31,6 @@ if TYPE_CHECKING:
     from grpo_pipeline.tasks.serve.ab_log import RequestLog
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON object on stdout")]
-ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="pipeline YAML; default: configs/demo-cpu.yaml")]
 SetOpt = Annotated[list[str] | None, typer.Option("--set", help="override, e.g. --set ab.alpha=0.01 (repeatable)")]
 
 app = typer.Typer(

@@ -37,9 +37,7 @@ def failing_mlflow(monkeypatch):
         services.stop(service, grace_s=1)
 
 
-def test_a_service_that_fails_to_start_stops_what_up_started_and_says_so_without_a_traceback(
-    tmp_path, failing_mlflow
-):
+def test_a_service_that_fails_to_start_stops_what_up_started_and_says_so_without_a_traceback(tmp_path, failing_mlflow):
     spawned, _ = failing_mlflow
     result = CliRunner().invoke(app, ["stack", "up", "--dir", str(tmp_path / "stack"), *NO_PORTS])
     assert result.exit_code == 1, result.output
