@@ -91,16 +91,8 @@ def train_rows_stage(
     )
     keys = split_keys(splits["train"])
     before = sum(k in seen for k in keys) if seen else 0
-    if not cfg.data.incremental:
-        rows = TrainRows(
-            incremental=False,
-            new=len(keys) - before,
-            replayed=before,
-            seen_before=before,
-            lineage_known=seen is not None,
-            new_holdout=new_holdout,
-        )
-    else:
+    new, replayed = len(keys) - before, before  # a full train split: every row seen before is replayed
+    if cfg.data.incremental:
         splits["train"], new, replayed = incremental_split(
             splits["train"],
             seen or set(),
@@ -108,14 +100,14 @@ def train_rows_stage(
             dataset.fingerprint,
             run_dir / "data" / "train.jsonl",
         )
-        rows = TrainRows(
-            incremental=True,
-            new=new,
-            replayed=replayed,
-            seen_before=before,
-            lineage_known=seen is not None,
-            new_holdout=new_holdout,
-        )
+    rows = TrainRows(
+        incremental=cfg.data.incremental,
+        new=new,
+        replayed=replayed,
+        seen_before=before,
+        lineage_known=seen is not None,
+        new_holdout=new_holdout,
+    )
     mlflow.log_metrics(
         {
             "rows/new": rows.new,

@@ -98,7 +98,8 @@ def test_the_pipelines_decide_stage_judges_by_the_runs_reward_set_whole(monkeypa
     from grpo_pipeline.tasks.evaluate import EvalResult
 
     logged: dict = {}
-    monkeypatch.setattr(promote, "mlflow", SimpleNamespace(log_dict=logged.setdefault, set_tags=logged.update))
+    fake = SimpleNamespace(log_dict=lambda obj, name: logged.__setitem__(name, obj), set_tags=logged.update)
+    monkeypatch.setattr(promote, "mlflow", fake)
     base = [{"key": i, "total": 1.0, "ok": 1.0, "verbose": 0.5, "length": 1} for i in range(200)]
     fell = [{**r, "total": 1.4, "verbose": 0.1} for r in base]
     rewards = RewardSet(names=("ok", "verbose"), weights=(1.0, -1.0))
