@@ -5,8 +5,8 @@ model) -> serving check (a clean process loads the version by its registry URI) 
 
 `run_pipeline` reads as that outline: each stage a call that takes typed values and returns a typed result,
 each in its own nested MLflow run under one parent run (`grpo_pipeline.flows.runs`); what a stage does inside its
-run (call its task, log what it found) is in `grpo_pipeline.flows.stages`, one module per part of the outline. The `RunSummary` it returns is what
-`grpo-pipeline run --json` prints and what the report renders.
+run (call its task, log what it found) is in `grpo_pipeline.flows.stages`, one module per part of the outline.
+The `RunSummary` it returns is what `grpo-pipeline run --json` prints and what the report renders.
 
 Daily retraining (docs/operations.md): `model.init_adapter` continues an existing adapter (`warm_start_stage`,
 resolved and checked before any work); `data.skip_unchanged` ends a run after the data stage when the champion

@@ -1,7 +1,8 @@
 """The stores as the operator commands open them (`registry`, `rollback`, `promote`, `ab status|decide`): a
-command that reads never creates a store, the registry's or the A/B request log's. On the embedded default (`sqlite:///<data_dir>/mlflow.db`) MLflow
-makes the file and its tables on first use, and says so on stderr: in a folder where nothing ran yet, a read
-found nothing and left an empty store behind, so that a later `run` with another data_dir looked right there.
+command that reads never creates a store, the registry's or the A/B request log's. On the embedded default
+(`sqlite:///<data_dir>/mlflow.db`) MLflow makes the file and its tables on first use, and says so on stderr: in a
+folder where nothing ran yet, a read found nothing and left an empty store behind, so that a later `run` with
+another data_dir looked right there.
 
     >>> missing("sqlite:////no/such/dir/mlflow.db")
     'no registry yet at sqlite:////no/such/dir/mlflow.db: run `grpo-pipeline run` first'
