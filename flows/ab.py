@@ -23,7 +23,7 @@ import mlflow
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
-from grpo_pipeline.configs.schema import PipelineConfig, load_config
+from grpo_pipeline.configs.schema import PipelineConfig
 from grpo_pipeline.flows import trigger
 from grpo_pipeline.flows.artifacts import show_image, show_markdown
 from grpo_pipeline.flows.retries import registry_task
@@ -112,8 +112,9 @@ def ab_decide(config_path: str | None = None, overrides: list[str] | None = None
     """
     logger = get_run_logger()
     with trigger.refusals_logged_plainly():
-        items = trigger.enforce(config_path, list(overrides or []), lambda params: list(params.get("overrides") or []))
-        cfg = load_config(config_path, items)
+        cfg = trigger.checked_config(
+            config_path, list(overrides or []), lambda params: list(params.get("overrides") or [])
+        )
     found, outcomes = decide_task(cfg)
     if found.decision is None:
         logger.info("; ".join(found.reasons))

@@ -9,7 +9,7 @@ the work pool when missing (a process pool); apply the schedule, configuration a
 pure function) and hand the result to Prefect's own `prefect deploy --all`, run in the folder `deploy` is started
 from; then point a failure automation at the notification block. The schedule, pool and block come from the
 config's `deploy` section, and the options override it. The command itself (its options, its one way of failing)
-is in grpo_pipeline/cli.py.
+is in grpo_pipeline/deploy_cli.py.
 
 Where the runs find things: the flows by module path (prefect.yaml's entrypoints), from the installed package; a
 process worker works in the folder deployed from (prefect.yaml's pull step), where the config's relative paths
@@ -32,7 +32,7 @@ from uuid import UUID
 
 import yaml
 
-from grpo_pipeline.configs.files import packaged, recipe
+from grpo_pipeline.configs.files import packaged, recipe, recipes
 from grpo_pipeline.configs.schema import ConfigError, DeployConfig, PipelineConfig
 
 PREFECT_YAML = packaged("prefect.yaml", "flows")
@@ -128,6 +128,27 @@ def render(
     if pool_type != "process":  # the image holds the code; the deploying machine's path means nothing there
         spec["pull"] = [{"prefect.deployments.steps.set_working_directory": {"directory": IMAGE_WORKDIR}}]
     return spec
+
+
+def check_recipes(names: list[str]) -> None:
+    """ConfigError, before anything is registered, when a recipe a trigger may pick (`deploy.trigger.recipes`) is
+    no file where the runs work (this folder) nor a shipped recipe (`configs/NAME`, found in the installed package
+    as a run finds it: `grpo_pipeline.flows.trigger.run_config`): a run that picked it could never start.
+
+    >>> check_recipes(["configs/demo-cpu.yaml"])
+    >>> check_recipes(["configs/nope.yaml"])
+    Traceback (most recent call last):
+    ...
+    grpo_pipeline.configs.schema.ConfigError: deploy.trigger.recipes: configs/nope.yaml is no file in ...
+    """
+    lost = [name for name in names if not recipe(Path(name)).is_file()]
+    if lost:
+        shipped = ", ".join(f"configs/{p.name}" for p in recipes())
+        raise ConfigError(
+            f"deploy.trigger.recipes: {', '.join(lost)} is no file in {Path.cwd()} (where the runs work) nor a "
+            f"shipped recipe ({shipped}); fix: give a path that exists there (or an absolute one), or a shipped "
+            "recipe's name, and deploy again (nothing was registered)"
+        )
 
 
 def check_server() -> str:
@@ -336,6 +357,7 @@ def deploy(
     image), before anything is created or registered, and DeployError when Prefect's own `prefect deploy` fails.
     The runs of a process pool work in the current folder (`render`)."""
     workdir = Path.cwd()
+    check_recipes(cfg.deploy.trigger.recipes)
     check_server()
     block_id = notification_block(settings.notify_block) if settings.notify_block else None
     pool_type, open_to_runs = ensure_work_pool(settings.work_pool)

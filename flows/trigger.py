@@ -23,8 +23,9 @@ from uuid import UUID
 
 from pydantic import BaseModel, ConfigDict
 
+from grpo_pipeline.configs.files import recipe
 from grpo_pipeline.configs.policy import check_trigger, refusal_message
-from grpo_pipeline.configs.schema import ConfigError, load_config
+from grpo_pipeline.configs.schema import ConfigError, PipelineConfig, load_config
 
 
 class Deployment(BaseModel):
@@ -56,6 +57,25 @@ def started_by() -> Deployment | None:
     return _read_deployment(run.deployment_id)
 
 
+def run_config(config_path: str | None) -> str | None:
+    """The config file a run names, found as the CLI finds `--config` (`grpo_pipeline.configs.files.recipe`): a path
+    that exists in the folder the run works in, else a shipped recipe's `configs/NAME` in the installed package, so a
+    deployment's `deploy.trigger.recipes` may name shipped recipes on a worker that has no checkout.
+
+    >>> run_config("configs/demo-cpu.yaml").endswith("demo-cpu.yaml"), run_config("mine.yaml"), run_config(None)
+    (True, 'mine.yaml', None)
+    """
+    return None if config_path is None else str(recipe(Path(config_path)))
+
+
+def checked_config(
+    config_path: str | None, overrides: list[str], as_overrides: typing.Callable[[dict[str, Any]], list[str]]
+) -> PipelineConfig:
+    """The configuration a flow run uses: its trigger checked against its deployment's policy (`enforce`), then the
+    file it names (`run_config`) loaded with the overrides; ConfigError, before any work, for either."""
+    return load_config(run_config(config_path), enforce(config_path, overrides, as_overrides))
+
+
 def enforce(
     config_path: str | None,
     overrides: list[str],
@@ -75,13 +95,15 @@ def enforce(
         return overrides
     own_config = deployment.parameters.get("config_path")
     own_overrides = as_overrides(deployment.parameters)
-    # The deployment's own configuration holds the policy; it passed the same checks when it was deployed.
+    # The deployment's own configuration holds the policy; it passed the same checks when it was deployed. Its
+    # recipes and the run's pick compare as the files the run would load (a shipped recipe's name included).
     policy = load_config(own_config, own_overrides).deploy.trigger
+    policy = policy.model_copy(update={"recipes": [run_config(r) for r in policy.recipes]})
     refusals = check_trigger(
         policy,
         own_config,
         own_overrides,
-        config_path,
+        run_config(config_path),
         overrides,
         root or Path.cwd(),
         config_file=own_config or "the deployment's config",

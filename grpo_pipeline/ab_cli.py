@@ -8,7 +8,8 @@ The log is `$GRPO_AB_LOG_URL` (SQLAlchemy URL: PostgreSQL when the stack runs), 
 for promote or rollback moves the aliases under the registry lock, after checking they did not move since.
 Exit codes: 0 decided or shown (whatever the action: `continue` is a normal answer); 1 an unexpected failure;
 2 bad configuration, the log store or the registry unreachable, the aliases moved meanwhile, or (`decide`) no
-registry yet. Before the first run neither creates the registry: `status` shows no champion and says why.
+registry yet. Before the first run neither creates the registry, and `status` creates no request log either: it
+shows no champion and no requests, and says why on stderr (exit 0, as `registry` does where nothing ran).
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ import typer
 
 from grpo_pipeline.failure import EXIT_CONFIG, err
 from grpo_pipeline.failure import fail as _fail  # the CLI's one way to fail
-from grpo_pipeline.loading import load
-from grpo_pipeline.registry_store import missing, quiet_mlflow
+from grpo_pipeline.loading import ConfigOpt, load
+from grpo_pipeline.registry_store import absent_file, missing, quiet_mlflow
 
 if TYPE_CHECKING:
     from grpo_pipeline.configs.schema import PipelineConfig
@@ -30,7 +31,6 @@ if TYPE_CHECKING:
     from grpo_pipeline.tasks.serve.ab_log import RequestLog
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON object on stdout")]
-ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="pipeline YAML; default: configs/demo-cpu.yaml")]
 SetOpt = Annotated[list[str] | None, typer.Option("--set", help="override, e.g. --set ab.alpha=0.01 (repeatable)")]
 
 app = typer.Typer(
@@ -87,26 +87,33 @@ def status(config: ConfigOpt = None, overrides: SetOpt = None, as_json: JsonOpt 
     """Per-arm counts of the whole log, and for the running test (the current champion and challenger
     versions) the estimate of the difference and its always-valid interval."""
     from grpo_pipeline.tasks.serve.ab import decide
+    from grpo_pipeline.tasks.serve.ab_log import log_url
+    from grpo_pipeline.tasks.serve.ab_spool import pending, spool_path
 
     cfg = _config(config, overrides, as_json)
-    log = _log(cfg, as_json)
-    if nothing := missing(cfg.mlflow_uri):  # a read creates no registry: it finds no champion and says why
+    # A read creates no store: where the request log's SQLite file does not exist yet, nothing was served
+    if (never := absent_file(log_url(cfg.data_dir))) is not None:
+        err.print(
+            f"no A/B yet: no request log at {never} (`grpo-pipeline serve` writes it as it answers)",
+            markup=False,
+            highlight=False,
+        )
+    log = None if never is not None else _log(cfg, as_json)
+    if nothing := missing(cfg.mlflow_uri):  # nor a registry: it finds no champion and says why
         err.print(nothing, markup=False, highlight=False)
         champion = challenger = None
     else:
         _, champion, challenger = _registry(cfg, as_json)
-    from grpo_pipeline.tasks.serve.ab_spool import pending, spool_path
-
     # "unlogged": requests a router answered while the store was unreachable, waiting in its local file
     out = {
         "status": "ok",
         "champion": champion,
         "challenger": challenger,
         "challenger_fraction": cfg.ab.challenger_fraction,
-        "log": log.counts(),
+        "log": log.counts() if log is not None else {},
         "unlogged": pending(spool_path(cfg.data_dir)),
     }
-    if champion and challenger:
+    if log is not None and champion and challenger:
         a, b, hours = log.samples(champion, challenger)
         decision = decide(a, b, cfg.ab, hours)
         out |= {
@@ -114,7 +121,8 @@ def status(config: ConfigOpt = None, overrides: SetOpt = None, as_json: JsonOpt 
             "test": decision.test.model_dump(),
             "elapsed_h": hours,
         }
-    log.close()
+    if log is not None:
+        log.close()
     _print(out, as_json)
 
 

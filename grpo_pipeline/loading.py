@@ -6,7 +6,9 @@ imports blame the same way without an import cycle."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated
+
+import typer
 
 from grpo_pipeline.configs.files import packaged, recipe
 from grpo_pipeline.configs.schema import ConfigError, load_config
@@ -16,6 +18,11 @@ if TYPE_CHECKING:
     from grpo_pipeline.configs.schema import PipelineConfig
 
 DEFAULT_CONFIG = packaged("demo-cpu.yaml")  # the CPU demo, from the installed package
+# The options every command that loads a configuration takes
+ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="pipeline YAML; default: configs/demo-cpu.yaml")]
+SetOpt = Annotated[
+    list[str] | None, typer.Option("--set", help="override, e.g. --set train.grpo.max_steps=20 (repeatable)")
+]
 
 
 def config_path(config: Path | None) -> Path:

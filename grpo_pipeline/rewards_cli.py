@@ -7,9 +7,9 @@ any training is paid for.
 
 `samples.jsonl` holds one `{"completion": ..., <columns>}` object a line: the completion as text or as TRL's
 message list, and the columns the reward needs (`answer` for math_answer); an optional `prompt` is passed as
-TRL passes prompts, an optional `completion_length` (tokens) to length rewards. Exit codes: 0 scored; 1 the
-reward failed on the file (it raised, or gave the wrong count, NaN or inf: the message names the row);
-2 an unknown reward, a bad argument, a missing column or an unreadable file.
+TRL passes prompts, an optional `completion_length` (tokens) to length rewards. Exit codes, the CLI's own
+(grpo_pipeline/failure.py): 0 scored; 1 the reward failed on the file (it raised, or gave the wrong count, NaN
+or inf: the message names the row); 2 an unknown reward, a bad argument, a missing column or an unreadable file.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
+from grpo_pipeline.failure import EXIT_CONFIG, EXIT_FAILED
 from grpo_pipeline.failure import fail as _fail  # the CLI's one way to fail
 from grpo_pipeline.trainer.rewards import REWARDS, RewardError, check_columns, completion_text, describe, resolve_reward
 
-EXIT_OK, EXIT_FAILED, EXIT_INPUT = 0, 1, 2
 JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON on stdout")]
 
 app = typer.Typer(
@@ -109,7 +109,7 @@ def check(
             )
         check_columns([name], columns)
     except (ValueError, OSError) as exc:  # RewardError included
-        _fail(as_json, str(exc), EXIT_INPUT)
+        _fail(as_json, str(exc), EXIT_CONFIG)
     completions = [row["completion"] for row in rows]
     inputs: dict[str, Any] = {c: [row[c] for row in rows] for c in columns}
     if all("prompt" in row for row in rows):

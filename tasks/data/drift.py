@@ -17,7 +17,7 @@ What is compared, exactly:
   (`judged_totals`: today's holdout less the new rows that landed in it), the same evaluation code and settings
   for both; with the 95 % interval of the difference (Welch's t, `scipy.stats.ttest_ind`).
 
-Pure functions on rows and scores; `grpo_pipeline.flows.pipeline.drift_stage` reads the files, evaluates the
+Pure functions on rows and scores; `grpo_pipeline.flows.stages.daily.drift_stage` reads the files, evaluates the
 champion and logs what these return.
 """
 

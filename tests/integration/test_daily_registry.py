@@ -8,7 +8,7 @@ import mlflow
 import pytest
 
 from grpo_pipeline.configs.schema import ConfigError, load_config
-from grpo_pipeline.flows.pipeline import (
+from grpo_pipeline.flows.stages.daily import (
     HOLDOUT_TAG,
     record_seen,
     seen_keys,

@@ -9,7 +9,7 @@ import mlflow
 import pytest
 
 from grpo_pipeline.configs.schema import load_config
-from grpo_pipeline.flows.pipeline import drift_stage, record_seen
+from grpo_pipeline.flows.stages.daily import drift_stage, record_seen
 from grpo_pipeline.tasks.promote.registry import CHAMPION, Registry
 
 pytestmark = pytest.mark.integration

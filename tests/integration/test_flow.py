@@ -326,6 +326,7 @@ def test_sky_launcher_without_a_cloud_stops_at_preflight(tmp_path, tiny_yaml, s3
 RETRY_SCRIPT = """
 import json, sys
 import grpo_pipeline.flows.pipeline as pipeline
+import grpo_pipeline.flows.stages.promote as promote
 from grpo_pipeline.infra.launch.local import LocalLauncher
 from prefect import get_client
 from prefect.runtime import flow_run
@@ -333,7 +334,7 @@ from prefect.runtime import flow_run
 launches, decisions = [], []
 launch = LocalLauncher.launch
 LocalLauncher.launch = lambda self, spec: launches.append(spec) or launch(self, spec)
-decide = pipeline.decide_promotion
+decide = promote.decide_promotion
 
 def fail_once_after_training(*args, **kwargs):
     decisions.append(1)
@@ -341,7 +342,7 @@ def fail_once_after_training(*args, **kwargs):
         raise RuntimeError("injected failure after training")
     return decide(*args, **kwargs)
 
-pipeline.decide_promotion = fail_once_after_training
+promote.decide_promotion = fail_once_after_training
 state = pipeline.grpo_pipeline.with_options(retries=1, retry_delay_seconds=0)(
     config_path=sys.argv[1], return_state=True)
 with get_client(sync_client=True) as client:

@@ -403,9 +403,10 @@ def test_version_is_the_installed_distributions_and_h_is_help():
 
 def test_the_registry_commands_in_a_folder_where_nothing_ran_create_no_store(tmp_path, monkeypatch):
     """`registry` reads: every alias null, exit 0, and why on stderr; `rollback`, `promote` and `ab decide` would
-    move aliases that do not exist: exit 2. None of them leaves an MLflow database behind."""
+    move aliases that do not exist: exit 2. None of them leaves an MLflow database or an A/B request log behind."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("GRPO_AB_LOG_URL", raising=False)
     says = f"no registry yet at sqlite:///{tmp_path / '.grpo' / 'mlflow.db'}: run `grpo-pipeline run` first"
     read = CliRunner().invoke(app, ["registry"])
     assert read.exit_code == 0 and json.loads(read.stdout) == dict.fromkeys(
@@ -414,10 +415,11 @@ def test_the_registry_commands_in_a_folder_where_nothing_ran_create_no_store(tmp
     assert read.stderr.replace("\n", " ").strip() == says
     status = CliRunner().invoke(app, ["ab", "status", "--json"])
     assert status.exit_code == 0 and json.loads(status.stdout)["champion"] is None and says in status.stderr
+    assert json.loads(status.stdout)["log"] == {} and "no A/B yet: no request log at" in status.stderr
     for args in (["rollback", "--reason", "x"], ["promote", "--version", "1", "--reason", "x", "--force"]):
         _one_paragraph_on_stderr(CliRunner().invoke(app, args), says)
     assert _failure(CliRunner().invoke(app, ["ab", "decide", "--json"]))["error"] == says
-    assert not (tmp_path / ".grpo" / "mlflow.db").exists()
+    assert not (tmp_path / ".grpo").exists()  # no MLflow database, no A/B request log, not even their folder
 
 
 def test_a_registry_read_migrating_an_older_store_prints_no_mlflow_info_lines(tmp_path):
@@ -440,3 +442,23 @@ def test_a_registry_read_migrating_an_older_store_prints_no_mlflow_info_lines(tm
     )  # fmt: skip
     assert result.returncode == 0 and json.loads(result.stdout)["champion"] is None
     assert result.stderr == ""
+
+
+def test_every_command_module_takes_its_exit_codes_from_the_one_contract():
+    """failure.py holds the exit codes (cli.py's docstring says what each means); no command module (`rewards`,
+    `ab`, ...) assigns an exit-code name of its own, whose value could drift from the contract."""
+    import ast
+    from pathlib import Path
+
+    package = Path(__file__).parents[2] / "grpo_pipeline"
+    own = {
+        f"{path.name}: {target.id}"
+        for path in package.glob("*.py")
+        if path.name != "failure.py"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Assign)
+        for assigned in node.targets
+        for target in (assigned.elts if isinstance(assigned, ast.Tuple) else [assigned])
+        if isinstance(target, ast.Name) and target.id.startswith("EXIT_")
+    }
+    assert own == set()

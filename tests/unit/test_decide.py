@@ -86,3 +86,28 @@ def test_interval_covers_the_true_difference():
     stats = paired_difference([1.0] * 60 + [0.0] * 40, [1.0] * 40 + [0.0] * 60, confidence=0.95)
     assert stats["ci_low"] < 0.2 < stats["ci_high"]
     assert stats["mcnemar"] == {"candidate_only": 20, "baseline_only": 0, "p_value": pytest.approx(2 * 0.5**20)}
+
+
+def test_the_pipelines_decide_stage_judges_by_the_runs_reward_set_whole(monkeypatch):
+    """The flow's decide stage hands the decision the run's RewardSet, weights included, not its names alone: a
+    reward the total counts against (negative weight) that fell is no regression (names alone would read a drop)."""
+    from types import SimpleNamespace
+
+    from grpo_pipeline.configs.schema import PipelineConfig
+    from grpo_pipeline.flows.stages import promote
+    from grpo_pipeline.tasks.evaluate import EvalResult
+
+    logged: dict = {}
+    fake = SimpleNamespace(log_dict=lambda obj, name: logged.__setitem__(name, obj), set_tags=logged.update)
+    monkeypatch.setattr(promote, "mlflow", fake)
+    base = [{"key": i, "total": 1.0, "ok": 1.0, "verbose": 0.5, "length": 1} for i in range(200)]
+    fell = [{**r, "total": 1.4, "verbose": 0.1} for r in base]
+    rewards = RewardSet(names=("ok", "verbose"), weights=(1.0, -1.0))
+    cfg = PipelineConfig.model_validate({"promote": {"min_samples": 100}})
+
+    def result(rows: list[dict]) -> EvalResult:
+        return EvalResult(reward=rows[0]["total"], per_reward={}, n=len(rows), rows=rows)
+
+    decision = promote.decide_stage(cfg, rewards, result(fell), result(base))
+    assert decision.promote, decision.reasons
+    assert logged["decision"] == "promote" and logged["decision.json"] == decision.model_dump()

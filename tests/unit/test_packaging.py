@@ -42,6 +42,7 @@ def test_the_wheel_installs_one_top_level_package(wheel):
         "infra",
         "infra/launch",
         "flows",
+        "flows/stages",
     ):
         assert f"grpo_pipeline/{layer}/__init__.py" in names, layer
 

@@ -154,6 +154,33 @@ def test_allowed_fields_and_recipes_pass(worker):
     assert alt.train.lora == {"r": 4} and same.data.demo.n_train == 64
 
 
+def test_a_shipped_recipe_named_in_the_policy_runs_on_a_worker_without_a_checkout(worker):
+    """The worker's folder has no configs/ (a `pip install`ed project): `configs/NAME` in deploy.trigger.recipes and
+    in the run's form is the shipped recipe, found in the installed package as `--config configs/NAME` is."""
+    from grpo_pipeline.configs.files import packaged
+
+    assert not (worker.root / "configs").exists()
+    own = yaml.safe_load((worker.root / "deploy.yaml").read_text())
+    own["deploy"]["trigger"]["recipes"] = ["configs/gsm8k-calc-cpu.yaml"]
+    (worker.root / "deploy.yaml").write_text(yaml.safe_dump(own))
+    _run("configs/gsm8k-calc-cpu.yaml")
+    _run(str(packaged("gsm8k-calc-cpu.yaml")))  # the same file, however it is written
+    (by_name, by_path) = worker.started
+    assert by_name == by_path == load_config(packaged("gsm8k-calc-cpu.yaml"), [*OWN, "plan.budget_usd=25.0"])
+
+
+def test_deploy_refuses_a_recipe_no_run_could_load_before_registering_anything(worker, monkeypatch):
+    from grpo_pipeline.flows import deploy
+
+    monkeypatch.setattr(deploy, "check_server", lambda: pytest.fail("the server was asked"))
+    cfg = load_config(None, ["deploy.trigger.recipes=[configs/gsm8k-calc-cpu.yaml, configs/no-such.yaml]"])
+    with pytest.raises(ConfigError) as refused:
+        deploy.deploy(cfg, cfg.deploy, None, [])
+    message = str(refused.value)
+    assert message.startswith("deploy.trigger.recipes: configs/no-such.yaml is no file in")
+    assert "configs/demo-cpu.yaml" in message and "nothing was registered" in message  # the shipped ones, the fix
+
+
 def test_a_trigger_adds_to_what_the_deployment_pins_and_cannot_drop_it(worker):
     pipeline.grpo_pipeline.fn(config_path="deploy.yaml", overrides=["train.lora.r=8"], budget_usd=None)
     (cfg,) = worker.started

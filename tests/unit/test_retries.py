@@ -6,8 +6,8 @@ from prefect.cache_policies import NO_CACHE
 from prefect.states import Completed, Failed
 
 from grpo_pipeline.flows.ab import decide_task, settle_round_task
-from grpo_pipeline.flows.pipeline import settle_promotion_task
 from grpo_pipeline.flows.retries import retry_service_errors
+from grpo_pipeline.flows.stages.promote import settle_promotion_task
 from grpo_pipeline.tasks.promote.registry import ChampionMoved, LockLost, RegistryError
 from grpo_pipeline.tasks.serve.ab import AliasesMoved
 

@@ -1,0 +1,51 @@
+"""`grpo-pipeline serve`: the registry's champion and challenger behind one OpenAI-compatible endpoint
+(grpo_pipeline.tasks.serve.router), with the command's checks and exit codes."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from grpo_pipeline.failure import EXIT_CONFIG, EXIT_FAILED
+from grpo_pipeline.failure import fail as _fail
+from grpo_pipeline.loading import ConfigOpt, SetOpt, load
+
+
+def serve(
+    config: ConfigOpt = None,
+    overrides: SetOpt = None,
+    host: Annotated[
+        str, typer.Option("--host", help="address to listen on; not loopback: GRPO_SERVE_API_KEY is required")
+    ] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="port to listen on")] = 8000,
+) -> None:
+    """Serve the registry's champion and challenger behind one OpenAI-compatible endpoint (/v1/chat/completions,
+    /v1/completions, /v1/models, /v1/feedback): one vLLM engine, the live A/B split, every request logged.
+    Exit 2: no API key off loopback, the log store or the registry unreachable, no champion; 1: the engine
+    did not start (its log's tail is shown)."""
+    import logging
+    import os
+
+    from grpo_pipeline.tasks.serve.ab_log import LogStoreError, RequestLog, log_url
+    from grpo_pipeline.tasks.serve.adapters import AdapterError
+    from grpo_pipeline.tasks.serve.engine import EngineError
+    from grpo_pipeline.tasks.serve.router import ServeSetupError, api_key_policy
+    from grpo_pipeline.tasks.serve.router import serve as run_router
+
+    _, cfg = load(config, overrides)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # a server's log, not a terminal
+    try:
+        api_key = api_key_policy(dict(os.environ), host)
+        request_log = RequestLog.open(log_url(cfg.data_dir))
+    except (ValueError, LogStoreError) as exc:
+        _fail(False, str(exc), EXIT_CONFIG)
+    try:
+        run_router(cfg, host, port, api_key, request_log)
+    except (ServeSetupError, AdapterError) as exc:
+        _fail(False, str(exc), EXIT_CONFIG)
+    except EngineError as exc:
+        _fail(False, str(exc), EXIT_FAILED)
+    finally:
+        request_log.close()

@@ -1,0 +1,159 @@
+"""`grpo-pipeline stack up|env|status|down`: the local service stack (grpo_pipeline.infra.stack) from the shell. `up`
+and `down` show each service as they start or stop it, on stderr only: stdout carries the exports that
+`eval "$(grpo-pipeline stack up)"` reads."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from grpo_pipeline.failure import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, err
+from grpo_pipeline.failure import fail as _fail
+from grpo_pipeline.infra.stack import DEFAULT_PORTS, DEFAULT_ROOT  # light: the service helpers, no clients
+from grpo_pipeline.loading import load
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    from grpo_pipeline.infra.stack import ServeOptions, Stack, Step
+
+app = typer.Typer(no_args_is_help=True, help="Local PostgreSQL, S3, MLflow and Prefect servers (no Docker needed).")
+
+
+RootOpt = Annotated[Path, typer.Option("--dir", help="where the stack keeps its data and state")]
+
+
+def _stack(root: Path, **ports: int | None) -> Stack:
+    """The stack recorded under `root`; an unreadable state file is an input error, named with its fix."""
+    from grpo_pipeline.infra.services import ServiceError
+    from grpo_pipeline.infra.stack import Stack
+
+    try:
+        return Stack(root, ports=ports)
+    except ServiceError as exc:
+        _fail(False, str(exc), EXIT_CONFIG)
+
+
+@app.command("up")
+def stack_up(
+    root: RootOpt = DEFAULT_ROOT,
+    s3_port: Annotated[int | None, typer.Option(help=f"S3 API port (default {DEFAULT_PORTS['s3']})")] = None,
+    mlflow_port: Annotated[int | None, typer.Option(help=f"MLflow port (default {DEFAULT_PORTS['mlflow']})")] = None,
+    prefect_port: Annotated[int | None, typer.Option(help=f"Prefect port (default {DEFAULT_PORTS['prefect']})")] = None,
+    serve: Annotated[
+        bool, typer.Option("--serve", help="also start `grpo-pipeline serve` (the router and its vLLM engine)")
+    ] = False,
+    serve_config: Annotated[Path | None, typer.Option(help="the pipeline config the router serves")] = None,
+    serve_port: Annotated[int | None, typer.Option(help=f"router port (default {DEFAULT_PORTS['serve']})")] = None,
+) -> None:
+    """Start the services that are not running. Into a pipe (`eval "$(grpo-pipeline stack up)"`) it prints the
+    environment exports; to a terminal only where things are, so the stack's credentials (S3 key, MLflow
+    password, Prefect auth string) never land on screen or in a terminal log (`stack env` prints the exports
+    for `eval`). `--serve` also starts the router once the registry has a champion (its key: GRPO_SERVE_API_KEY
+    in `stack env`)."""
+    from grpo_pipeline.infra.services import Refused, ServiceError
+    from grpo_pipeline.infra.stack import DEFAULT_UP, exports
+
+    stack = _stack(root, s3=s3_port, mlflow=mlflow_port, prefect=prefect_port, serve=serve_port)
+    options = _serve_options(serve_config) if serve else None
+    try:
+        with _progress("starting", "started") as step:
+            stack.up([*DEFAULT_UP, "serve"] if serve else DEFAULT_UP, serve=options, step=step)
+    except Refused as exc:  # a taken port, a missing tool, no champion yet: exit 2, naming the fix
+        _fail(False, f"stack up: {exc}", EXIT_CONFIG)
+    except ServiceError as exc:  # a service did not start (what this `up` started is stopped): its log named
+        _fail(False, f"stack up failed: {exc}", EXIT_FAILED)
+    env = stack.env()
+    # stdout carries only the exports, so `eval "$(...)"` works; where things are goes to stderr
+    # Both UIs ask for a login: say where it is, not what it is.
+    err.print(
+        f"MLflow UI:  {env['MLFLOW_TRACKING_URI']} (user {env['MLFLOW_TRACKING_USERNAME']}, password: "
+        "MLFLOW_TRACKING_PASSWORD in `stack env`)\n"
+        f"Prefect UI: {env['PREFECT_API_URL'].removesuffix('/api')} (asks for PREFECT_API_AUTH_STRING from "
+        "`stack env`)\n"
+        f"S3 API:     {env['AWS_ENDPOINT_URL_S3']} (bucket '{stack.bucket}')\n"
+        + (f"Router:     {env['GRPO_SERVE_URL']} (key: GRPO_SERVE_API_KEY in `stack env`)\n" if serve else "")
+        + f'Use it from a shell with:  eval "$(grpo-pipeline stack env --dir {root})"',
+        markup=False,
+        highlight=False,
+    )
+    if not sys.stdout.isatty():
+        print(exports(env))
+
+
+def _serve_options(config: Path | None) -> ServeOptions:
+    """The router's options, checked before anything starts: the config loads, the engine's Python exists."""
+    from grpo_pipeline.infra.stack import ServeOptions
+    from grpo_pipeline.tasks.serve.engine import default_python
+
+    path, cfg = load(config, [])
+    python = cfg.ab.serve.engine_python or str(default_python(Path.cwd()))
+    if not Path(python).is_file():
+        _fail(
+            False,
+            f"stack up --serve: no engine Python at {python}: run `make serve-env` (vLLM's CPU build in .venv-serve) "
+            "or set ab.serve.engine_python",
+            EXIT_CONFIG,
+        )
+    # Absolute, as the router runs in the stack's folder; the config as `_load` found it (a shipped recipe's
+    # name too). The Python's symlinks are kept: a venv's python links to the base interpreter, and resolving
+    # it would run vLLM outside the venv that holds it.
+    return ServeOptions(
+        str(path.resolve()) if config else None, os.path.abspath(python), cfg.ab.serve.startup_timeout_s
+    )
+
+
+@contextmanager
+def _progress(doing: str, done: str) -> Iterator[Step]:
+    """What `stack up|down` show while they work (a minute cold), on stderr only: stdout carries the exports that
+    `eval "$(grpo-pipeline stack up)"` reads. A spinner naming the service being started or stopped (on a
+    terminal), and a line for each one done with its time (a CI log too)."""
+    from grpo_pipeline.infra.stack import TITLES
+
+    with err.status("", spinner="dots") as status:
+
+        @contextmanager
+        def step(name: str) -> Iterator[None]:
+            status.update(f"{doing} {TITLES[name]} ...")
+            began = time.monotonic()
+            yield
+            err.print(f"{TITLES[name]} {done} ({time.monotonic() - began:.0f} s)", highlight=False)
+
+        yield step
+
+
+@app.command("env")
+def stack_env(root: RootOpt = DEFAULT_ROOT) -> None:
+    """Print the environment exports of the running stack: URLs and the credentials its servers ask for.
+    Exit 2 when none of its services runs, so `eval "$(grpo-pipeline stack env)"` does not silently set nothing."""
+    from grpo_pipeline.infra.stack import exports
+
+    stack = _stack(root)
+    if not stack.running():
+        where = "" if root == DEFAULT_ROOT else f" --dir {root}"
+        _fail(False, f"no stack runs under {stack.root}: start one with `grpo-pipeline stack up{where}`", EXIT_CONFIG)
+    print(exports(stack.env()))
+
+
+@app.command("status")
+def stack_status(root: RootOpt = DEFAULT_ROOT) -> None:
+    """Each service's health as JSON; exit 1 when any is not healthy."""
+    report = _stack(root).status()
+    print(json.dumps(report, indent=2))
+    raise typer.Exit(EXIT_OK if all(s["healthy"] for s in report.values()) else EXIT_FAILED)
+
+
+@app.command("down")
+def stack_down(root: RootOpt = DEFAULT_ROOT) -> None:
+    """Stop the services (Prefect and MLflow first, PostgreSQL last); the data stays."""
+    with _progress("stopping", "stopped") as step:
+        stopped = _stack(root).down(step=step)
+    if not stopped:
+        err.print("nothing was running", highlight=False)
