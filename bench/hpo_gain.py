@@ -594,8 +594,8 @@ def table_rows(load) -> list[Row]:
                     "searched",
                     None,
                     "",
-                    note="only a partial run of the earlier design (16 steps, 2-step trials, 4 of 9 arms; "
-                    "docs/benchmarks.md); not yet run as it is now",
+                    note="only a partial run of the earlier design (16 steps, 2-step trials, 4 of 9 arms; described "
+                    "below): not yet run as it is now",
                 )
             )
             continue
