@@ -150,7 +150,9 @@ def interval(matrix: list[list[float]]) -> dict:
     out: dict[str, Any] = {"mean": float(np.mean(matrix)), "seeds": seeds, "prompts": len(matrix[0]) if matrix else 0}
     if seeds >= MIN_SEEDS_FOR_INTERVAL:
         out["low"], out["high"] = bootstrap_mean(matrix)
-        out["interval"] = f"95 % CI {out['low']:+.3f} to {out['high']:+.3f} over {seeds} seeds x {out['prompts']} prompts"
+        out["interval"] = (
+            f"95 % CI {out['low']:+.3f} to {out['high']:+.3f} over {seeds} seeds x {out['prompts']} prompts"
+        )
     else:
         out["low"] = out["high"] = None
         out["interval"] = f"not printed: {seeds} seed{'s' if seeds != 1 else ''} ({MIN_SEEDS_FOR_INTERVAL} needed)"
@@ -254,7 +256,9 @@ def holdout(setup: Setup, adapter: str | None):
     from grpo_pipeline.tasks.evaluate import evaluate_model
 
     cfg = setup.cfg
-    return evaluate_model(setup.model, cfg.model, setup.splits["holdout"], cfg.train.reward_set(), cfg.evaluate, adapter=adapter)
+    return evaluate_model(
+        setup.model, cfg.model, setup.splits["holdout"], cfg.train.reward_set(), cfg.evaluate, adapter=adapter
+    )
 
 
 def run_fixed(cfg, setup: Setup, folder: Path) -> dict:
@@ -448,7 +452,9 @@ SEARCH_OPTIONS = (
 def _options(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--task", choices=list(TASKS), default="demo")
-    parser.add_argument("--steps", type=int, default=None, help=f"GRPO steps of every arm's training ({FINAL_STEPS}; --tiny: 2)")
+    parser.add_argument(
+        "--steps", type=int, default=None, help=f"GRPO steps of every arm's training ({FINAL_STEPS}; --tiny: 2)"
+    )
     parser.add_argument("--seeds", nargs="+", type=int, default=list(SEEDS), help="train.grpo.seed (and the TPE seed)")
     parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
     for option, default, tiny, what in SEARCH_OPTIONS:
@@ -485,7 +491,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         search = search_settings(opts, task)
         identity = json.dumps(
-            {"task": task.name, "config": task.config.read_text(), "steps": opts.steps, "search": search, "tiny": opts.tiny},
+            {
+                "task": task.name,
+                "config": task.config.read_text(),
+                "steps": opts.steps,
+                "search": search,
+                "tiny": opts.tiny,
+            },
             sort_keys=True,
         )
         state = open_work(work, fingerprint(identity, CODE), opts.fresh)
@@ -634,7 +646,9 @@ def table_rows(load) -> list[Row]:
                 )
             )
         if not rows:
-            rows.append(Row(bench, "defaults / hand-tuned", "searched", None, "", note=f"no arm finished{partial_note}"))
+            rows.append(
+                Row(bench, "defaults / hand-tuned", "searched", None, "", note=f"no arm finished{partial_note}")
+            )
     return rows
 
 

@@ -44,7 +44,6 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 from bench.harness import (
     ROOT,
@@ -189,8 +188,13 @@ def choose_schedule(
     if chosen is None:
         ranked = [c for c in usable if c.low is not None]
         if not ranked:
-            return Schedule(None, None, None, (), "no trial length has an interval: too few configurations, or "
-                            "every score was the same (no ranking)")
+            return Schedule(
+                None,
+                None,
+                None,
+                (),
+                "no trial length has an interval: too few configurations, or every score was the same (no ranking)",
+            )
         best = max(ranked, key=lambda c: c.low or -1.0)
         return Schedule(
             None,
@@ -213,7 +217,9 @@ def choose_schedule(
         None,
     )
     if first is None:
-        return Schedule(steps, steps, reduction_factor, (steps,), f"{why}; no shorter rung ranks above chance: no pruning")
+        return Schedule(
+            steps, steps, reduction_factor, (steps,), f"{why}; no shorter rung ranks above chance: no pruning"
+        )
     factor = _ladder(first.k, steps, reduction_factor)
     rungs, at = [], first.k
     while at <= steps:
@@ -275,7 +281,9 @@ def run_configuration(params: dict[str, float], setup: Setup, validation, ks: li
         found = sorted(Path(spec.checkpoint_uri).glob(f"checkpoint-{k}/**/adapter_config.json"))
         if not found:
             continue
-        scored = evaluate_model(setup.model, cfg.model, validation.select, rewards, scoring, adapter=str(found[0].parent))
+        scored = evaluate_model(
+            setup.model, cfg.model, validation.select, rewards, scoring, adapter=str(found[0].parent)
+        )
         totals = [float(r["total"]) for r in scored.rows]
         greedy[str(k)], sd[str(k)] = statistics.fmean(totals), statistics.pstdev(totals)
     final = holdout(setup, result.adapter_dir)
@@ -310,8 +318,16 @@ def noise(runs: dict[str, dict], prompts: int, rung_prompts: int, generations: i
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--task", choices=list(TASKS), default="demo")
-    parser.add_argument("--steps", type=int, default=None, help=f"the final training's steps ({FINAL_STEPS}; --tiny: 4)")
-    parser.add_argument("--ks", nargs="+", type=int, default=None, help=f"trial lengths to score ({' '.join(map(str, KS))}; --tiny: 1 2 4)")
+    parser.add_argument(
+        "--steps", type=int, default=None, help=f"the final training's steps ({FINAL_STEPS}; --tiny: 4)"
+    )
+    parser.add_argument(
+        "--ks",
+        nargs="+",
+        type=int,
+        default=None,
+        help=f"trial lengths to score ({' '.join(map(str, KS))}; --tiny: 1 2 4)",
+    )
     parser.add_argument("--configurations", nargs="+", choices=list(CONFIGURATIONS), default=None)
     parser.add_argument("--threshold", type=float, default=THRESHOLD, help="a trial length's lower bound on rho")
     parser.add_argument("--rung-threshold", type=float, default=RUNG_THRESHOLD, help="a rung's lower bound on rho")
@@ -332,7 +348,14 @@ def main(argv: list[str] | None = None) -> int:
     task = TASKS[opts.task]
     work = (opts.work / task.name / ("tiny" if opts.tiny else "")).resolve()
     identity = json.dumps(
-        {"task": task.name, "config": task.config.read_text(), "steps": steps, "ks": ks, "seed": opts.seed, "tiny": opts.tiny},
+        {
+            "task": task.name,
+            "config": task.config.read_text(),
+            "steps": steps,
+            "ks": ks,
+            "seed": opts.seed,
+            "tiny": opts.tiny,
+        },
         sort_keys=True,
     )
     try:
@@ -345,20 +368,32 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(threads)
     todo = [n for n in names if n not in state["runs"]]
     if todo and not opts.report_only:
+        from bench.hpo_gain import overrides
         from grpo_pipeline.configs.schema import load_config
         from grpo_pipeline.tasks.hpo import prepare_validation
 
-        from bench.hpo_gain import overrides
-
         work.mkdir(parents=True, exist_ok=True)
         model = base_model(work, opts.tiny)
-        search = {"trial_steps": 1, "eval_every": 1, "reduction_factor": 2, "trials": 1, "min_configurations": 1,
-                  "budget_runs": 1, "target_se": task.target_se}
-        cfg = load_config(task.config, [*overrides(task, work, steps, search, opts.tiny, model), f"train.grpo.seed={opts.seed}"])
+        search = {
+            "trial_steps": 1,
+            "eval_every": 1,
+            "reduction_factor": 2,
+            "trials": 1,
+            "min_configurations": 1,
+            "budget_runs": 1,
+            "target_se": task.target_se,
+        }
+        cfg = load_config(
+            task.config, [*overrides(task, work, steps, search, opts.tiny, model), f"train.grpo.seed={opts.seed}"]
+        )
         setup = Setup(cfg, model, prepare(task, cfg, work, opts.tiny))
         validation = prepare_validation(cfg.hpo, cfg.train.reward_set(), setup.splits["val"], work / "validation")
-        state["validation"] = {"prompts": validation.needed, "rung_prompts": cfg.hpo.rung_prompts,
-                               "generations": cfg.hpo.eval_generations, "span": cfg.train.reward_set().span}
+        state["validation"] = {
+            "prompts": validation.needed,
+            "rung_prompts": cfg.hpo.rung_prompts,
+            "generations": cfg.hpo.eval_generations,
+            "span": cfg.train.reward_set().span,
+        }
         for name in todo:
             print(f"[{NAME}] {task.name}: {name} {CONFIGURATIONS[name]}", file=sys.stderr, flush=True)
             state["runs"][name] = run_configuration(CONFIGURATIONS[name], setup, validation, ks, work / name)
@@ -404,7 +439,8 @@ def lines(report: dict) -> list[str]:
     for score, rows in report["correlations"].items():
         for c in rows:
             figures = (
-                f"rho {c['rho']:+.2f}" + (f" (95 % CI {c['low']:+.2f} to {c['high']:+.2f})" if c["low"] is not None else "")
+                f"rho {c['rho']:+.2f}"
+                + (f" (95 % CI {c['low']:+.2f} to {c['high']:+.2f})" if c["low"] is not None else "")
                 if c["rho"] is not None
                 else "no rho"
             )

@@ -113,7 +113,9 @@ def test_two_seeds_print_no_interval_and_judge_no_goal():
     assert summary["arms"]["hand"]["interval"] == "not printed: 2 seeds (3 needed)"
     assert summary["goals"]["searched >= hand within noise or above"] == "not judged: 2 seeds (3 needed)"
     assert summary["goals"]["search cost <= 3 training runs"] == "not run"
-    rows = hpo_gain.table_rows(lambda name: {"status": "complete", "steps": 40, "summary": summary} if name == "hpo_gain" else None)
+    rows = hpo_gain.table_rows(
+        lambda name: {"status": "complete", "steps": 40, "summary": summary} if name == "hpo_gain" else None
+    )
     assert all("–" not in row.baseline and "not judged" in row.note for row in rows)
 
 

@@ -52,7 +52,13 @@ def test_the_table_correlates_each_score_at_each_k_with_the_final_reward():
     runs = {
         f"c{i}": {"greedy": {"4": g4, "8": g8}, "rung": {"4": r4}, "holdout_reward": final}
         for i, (g4, g8, r4, final) in enumerate(
-            [(0.1, 0.1, 0.3, 0.1), (0.3, 0.2, 0.1, 0.2), (0.2, 0.4, 0.2, 0.5), (0.5, 0.6, 0.4, 0.7), (0.4, 0.9, 0.6, 0.9)]
+            [
+                (0.1, 0.1, 0.3, 0.1),
+                (0.3, 0.2, 0.1, 0.2),
+                (0.2, 0.4, 0.2, 0.5),
+                (0.5, 0.6, 0.4, 0.7),
+                (0.4, 0.9, 0.6, 0.9),
+            ]
         )
     }
     runs["c9"] = {"greedy": {"4": 0.0}, "rung": {}}  # unfinished: left out
@@ -71,7 +77,10 @@ def test_a_work_folder_resumes_its_configurations_and_refuses_another_ones(tmp_p
     monkeypatch.setattr(trial_length, "run_configuration", lambda *a: pytest.fail("ran a kept configuration"))
     assert trial_length.main([*args, "--report-only"]) == 0
     current = json.loads((results / "trial_length_tiny.json").read_text())["tasks"]["demo"]["fingerprint"]
-    kept = {"c1": {"greedy": {"1": 0.1}, "rung": {}, "holdout_reward": 0.2}, "c6": {"greedy": {"1": 0.3}, "rung": {}, "holdout_reward": 0.4}}
+    kept = {
+        "c1": {"greedy": {"1": 0.1}, "rung": {}, "holdout_reward": 0.2},
+        "c6": {"greedy": {"1": 0.3}, "rung": {}, "holdout_reward": 0.4},
+    }
     (work / "demo" / "tiny").mkdir(parents=True)
     (work / "demo" / "tiny" / "runs.json").write_text(json.dumps({"fingerprint": current, "runs": kept}))
     assert trial_length.main(args) == 0
