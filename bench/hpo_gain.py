@@ -213,6 +213,8 @@ def summarize(runs: dict[str, dict], base_reward: float | None = None) -> dict:
             "runs_by_wall_time": runs_,
             "median_runs": float(np.median(runs_)),
             "trial_steps_over_training": sorted(r["search_steps_over_training"] for r in searched),
+            # seeds whose search was resumed after a kill: their wall time misses the part before it
+            "resumed_seeds": sorted(s for s, r in by_arm["searched"].items() if r.get("search_resumed")),
         }
     goals = {
         "searched > defaults beyond noise": verdict(comparisons["searched-defaults"], "beyond")
@@ -288,6 +290,9 @@ def run_searched(start, setup: Setup, folder: Path, seed: int) -> dict:
     exp_id = setup_tracking(cfg.mlflow_uri, cfg.tracking.experiment, folder.parent / "mlartifacts")
     stage = MlflowClient(cfg.mlflow_uri).create_run(exp_id, run_name=f"hpo-s{seed}")
     tracking = Tracking(tracking_uri=cfg.mlflow_uri, experiment_id=exp_id, stage_run_id=stage.info.run_id)
+    # a search killed part-way reopens its study (the journal below) and runs only what is left: its wall time
+    # then covers only this invocation's part, so the result says so
+    resumed = (folder / "study" / "optuna-journal.log").is_file()
     started = time.monotonic()
     try:
         result = search(
@@ -310,6 +315,7 @@ def run_searched(start, setup: Setup, folder: Path, seed: int) -> dict:
     steps = cfg.train.grpo["max_steps"]
     return trained | {
         "search_s": search_s,
+        "search_resumed": resumed,
         "search_over_training": search_s / trained["train_s"],
         "search_steps": result.steps_spent,
         "search_steps_over_training": result.steps_spent / steps,
@@ -574,6 +580,11 @@ def lines(report: dict) -> list[str]:
         out.append(
             f"search cost: {s['cost']['median_runs']:.2f} training runs of wall time (median over seeds; "
             f"{s['cost']['runs_by_wall_time']}), trial steps {s['cost']['trial_steps_over_training']} runs"
+            + (
+                f"; seeds {s['cost']['resumed_seeds']} resumed after a kill: their time is too short"
+                if s["cost"]["resumed_seeds"]
+                else ""
+            )
         )
     if s["searches_failed"]:
         out.append(f"searches that failed (nothing trained): seeds {s['searches_failed']}")
