@@ -334,6 +334,10 @@ def run_searched(start, setup: Setup, folder: Path, seed: int) -> dict:
 # ---------------------------------------------------------------------------------------------- the driver
 
 
+class NoSchedule(ValueError):
+    """`--from-trial-length` without a chosen trial length to take (exit 2)."""
+
+
 def search_settings(opts: argparse.Namespace, task: Task) -> dict[str, Any]:
     """The search's settings: the options, or `bench.trial_length`'s chosen schedule for this task
     (`--from-trial-length`), which must exist and have chosen one."""
@@ -352,11 +356,11 @@ def search_settings(opts: argparse.Namespace, task: Task) -> dict[str, Any]:
 
         path = RESULTS / f"trial_length{'_tiny' if opts.tiny else ''}.json"
         if not path.is_file():
-            raise MixedWorkFolder(f"--from-trial-length: {path} not found; run `python -m bench.trial_length` first")
+            raise NoSchedule(f"--from-trial-length: {path} not found; run `python -m bench.trial_length` first")
         saved = json.loads(path.read_text())
         choice = (saved.get("tasks", {}).get(task.name) or {}).get("choice") or {}
         if not choice.get("steps"):
-            raise MixedWorkFolder(
+            raise NoSchedule(
                 f"--from-trial-length: {path} chose no trial length for {task.name}: "
                 f"{choice.get('reason', 'the task was not measured')}"
             )
@@ -508,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
             sort_keys=True,
         )
         state = open_work(work, fingerprint(identity, CODE), opts.fresh)
-    except MixedWorkFolder as exc:
+    except (MixedWorkFolder, NoSchedule) as exc:
         print(f"[{NAME}] {exc}", file=sys.stderr)
         return 2
     threads = torch_threads(opts.threads)
