@@ -9,6 +9,7 @@ Alternating A, B, A, B... spreads the noise of a shared machine over both sides.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -141,6 +142,52 @@ def keep_runs(path: Path, runs: dict) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(runs, indent=1))
     tmp.replace(path)
+
+
+def fingerprint(identity: str, code: tuple[str, ...], root: Path = ROOT) -> str:
+    """What a resumable benchmark's runs were made with: `identity` (its configuration, as text) and every source
+    file of `code` (folders and files under `root`; a changed file is another code version).
+
+    >>> a = fingerprint("train: {}", ("bench/harness.py",))
+    >>> a == fingerprint("train: {}", ("bench/harness.py",)), a == fingerprint("train: {lr: 1}", ("bench/harness.py",))
+    (True, False)
+    """
+    digest = hashlib.sha256(identity.encode())
+    for entry in code:
+        path = root / entry
+        files = sorted(p for p in path.rglob("*") if p.suffix in (".py", ".yaml", ".json")) if path.is_dir() else [path]
+        for file in files:
+            if "__pycache__" not in file.parts:
+                digest.update(str(file.relative_to(root)).encode() + b"\0" + file.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+class MixedWorkFolder(SystemExit):
+    """A work folder of another configuration or code version: its runs are not comparable with new ones."""
+
+
+def open_work(work: Path, current: str, fresh: bool) -> dict:
+    """A resumable benchmark's work folder: its finished runs (`runs.json`, kept by `keep_runs`), refused when
+    they were made with another fingerprint (`fingerprint`).
+
+    >>> import tempfile
+    >>> work = Path(tempfile.mkdtemp())
+    >>> keep_runs(work / "runs.json", {"fingerprint": "aaa", "runs": {"demo/0": {}}})
+    >>> open_work(work, "aaa", fresh=False)["runs"], open_work(work, "bbb", fresh=True)["runs"]
+    ({'demo/0': {}}, {})
+    >>> open_work(work, "bbb", fresh=False)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    bench.harness.MixedWorkFolder: ...
+    """
+    kept = load_runs(work / "runs.json", fresh)
+    if kept and kept.get("fingerprint") != current:
+        raise MixedWorkFolder(
+            f"{work} holds runs of another configuration or code version (fingerprint {kept.get('fingerprint')}, "
+            f"this checkout {current}); mixing them would compare different things. Pass --fresh to start that "
+            "folder over, or --work to use another one."
+        )
+    return {**(kept or {}), "fingerprint": current, "runs": kept.get("runs", {}) if kept else {}}
 
 
 def pipeline_run(work: Path, sets: list[str], threads: int | None, config: Path | None = None) -> tuple[dict, float]:

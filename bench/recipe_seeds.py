@@ -28,7 +28,6 @@ holding runs of another recipe or code version is refused (exit 2), never mixed:
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import statistics
 import sys
@@ -38,7 +37,17 @@ from pathlib import Path
 
 import yaml
 
-from bench.harness import ROOT, add_threads_option, keep_runs, load_runs, pipeline_run, save, torch_threads
+from bench.harness import (
+    ROOT,
+    MixedWorkFolder,
+    add_threads_option,
+    keep_runs,
+    open_work,
+    pipeline_run,
+    save,
+    torch_threads,
+)
+from bench.harness import fingerprint as harness_fingerprint
 from bench.table import Row
 
 NAME = "recipe_seeds"
@@ -139,41 +148,7 @@ def fingerprint(recipe_text: str, tiny: bool, root: Path = ROOT) -> str:
     >>> a == fingerprint("train: {}", False), a == b, a == fingerprint("train: {}", True)
     (True, False, False)
     """
-    digest = hashlib.sha256(f"{recipe_text}\n{tiny}".encode())
-    for entry in CODE:
-        path = root / entry
-        files = sorted(p for p in path.rglob("*") if p.suffix in (".py", ".yaml", ".json")) if path.is_dir() else [path]
-        for file in files:
-            if "__pycache__" not in file.parts:
-                digest.update(str(file.relative_to(root)).encode() + b"\0" + file.read_bytes())
-    return digest.hexdigest()[:16]
-
-
-class MixedWorkFolder(SystemExit):
-    """A work folder of another recipe or code version: its runs are not comparable with new ones."""
-
-
-def open_work(work: Path, current: str, fresh: bool) -> dict:
-    """The work folder's finished runs, refused when they were made with another fingerprint.
-
-    >>> import tempfile
-    >>> work = Path(tempfile.mkdtemp())
-    >>> keep_runs(work / "runs.json", {"fingerprint": "aaa", "runs": {"demo/0": {}}})
-    >>> open_work(work, "aaa", fresh=False)["runs"], open_work(work, "bbb", fresh=True)["runs"]
-    ({'demo/0': {}}, {})
-    >>> open_work(work, "bbb", fresh=False)  # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    ...
-    bench.recipe_seeds.MixedWorkFolder: ...
-    """
-    kept = load_runs(work / "runs.json", fresh)
-    if kept and kept.get("fingerprint") != current:
-        raise MixedWorkFolder(
-            f"{work} holds runs of another recipe or code version (fingerprint {kept.get('fingerprint')}, this "
-            f"checkout {current}); mixing them would compare different things. Pass --fresh to start that folder "
-            "over, or --work to use another one."
-        )
-    return {"fingerprint": current, "runs": kept.get("runs", {}) if kept else {}}
+    return harness_fingerprint(f"{recipe_text}\n{tiny}", CODE, root)
 
 
 def measure(summary: dict, seconds: float) -> dict:

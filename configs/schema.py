@@ -629,6 +629,9 @@ class SearchDim(StrictModel):
                 raise ValueError("give either choices or low/high, not both")
             if not self.choices:
                 raise ValueError("choices must not be empty")
+            repeated = sorted({c for c in self.choices if [float(d) for d in self.choices].count(float(c)) > 1})
+            if repeated:  # TPE would sample a repeated choice more often: a weight nobody meant to give it
+                raise ValueError(f"choices repeat {repeated}; list each value once")
             return self
         if self.low is None or self.high is None:
             raise ValueError("give low and high (a range) or choices (a list)")
@@ -824,7 +827,15 @@ class HPOConfig(StrictModel):
         return self
 
     def check_against(self, train: TrainConfig) -> None:
-        """Cross-stage checks: every num_generations choice must divide the generation batch."""
+        """Cross-stage checks: a trial no longer than the training it tunes (when the search is on); every
+        num_generations choice must divide the generation batch."""
+        max_steps = train.grpo.get("max_steps")
+        if self.enabled and isinstance(max_steps, int) and 0 < max_steps < self.steps:
+            raise ValueError(
+                f"hpo.steps ({self.steps}) is longer than the training it tunes (train.grpo.max_steps={max_steps}): "
+                "a trial would rank configurations at a length the final run never reaches; lower hpo.steps (and "
+                "hpo.eval_every with it) or raise train.grpo.max_steps"
+            )
         dim = self.space.num_generations
         if dim is None:
             return

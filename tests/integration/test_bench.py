@@ -90,6 +90,27 @@ def test_recipe_seeds_tiny_runs_the_shipped_recipe_through_the_pipeline_on_an_un
     assert (work / "tiny" / "subtract.jsonl").read_text().count("\n") == 45  # every a - b with b <= a <= 8
 
 
+def test_hpo_gain_tiny_searches_trains_and_scores_then_resumes_from_its_work_folder(tmp_path, results, monkeypatch):
+    """One seed, the hand-tuned and searched arms on a tiny random model (2 steps each, a search of 1-step trials):
+    the chain runs and is kept; a rerun trains nothing."""
+    from bench.hpo_gain import main
+
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # --threads sets them for the trainers; restored after
+        monkeypatch.setenv(name, "1")
+
+    args = ["--tiny", "--seeds", "0", "--arms", "hand", "searched", "--work", str(tmp_path / "work"), "--threads", "1"]
+    assert main(args) == 0
+    report = json.loads((results / "hpo_gain_tiny.json").read_text())
+    searched = report["runs"]["searched/0"]
+    assert report["status"] == "complete" and "holdout_totals" in searched, searched.get("failed")
+    assert searched["steps"] == 2 and 0 < searched["search_steps"] <= 3 + 1 and searched["search_over_training"] > 0
+    assert report["summary"]["arms"]["searched"]["interval"] == "not printed: 1 seed (3 needed)"
+    assert report["summary"]["goals"]["searched >= hand within noise or above"].startswith("not judged")
+    kept = (tmp_path / "work" / "demo" / "tiny" / "runs.json").read_text()
+    assert main(args) == 0  # everything kept: nothing trains again
+    assert (tmp_path / "work" / "demo" / "tiny" / "runs.json").read_text() == kept
+
+
 def test_step_profile_phases_add_up_to_the_real_trainers_step(results):
     """The profile wraps the real trainer's methods: each step's phases sum to its wall clock, the wrapped calls
     cover all but a sliver of it, and the counted passes are the ones TRL runs for the demo's settings."""

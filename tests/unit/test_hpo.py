@@ -66,6 +66,11 @@ def cfg(tmp_path):
         ("hpo.storage=optuna.db", "is not a database URL"),
         ("hpo.study_name=x-{day}", "the only placeholder is {date}"),
         ("hpo.space={lora_r: null, lora_alpha_ratio: null, learning_rate: null}", "nothing to search"),
+        ("hpo.space.lora_r={choices: []}", "hpo.space.lora_r: choices must not be empty"),
+        ("hpo.space.lora_r={choices: [8, 16, 8]}", "hpo.space.lora_r: choices repeat [8]"),
+        ("hpo.space.temperature={choices: [0.7, 0.70]}", "hpo.space.temperature: choices repeat [0.7]"),
+        ("hpo.space.beta={low: 0.0, high: 0.1, log: true}", "hpo.space.beta: a log-scale range needs low > 0"),
+        ("hpo.space.learning_rate={low: 1.0e-4, high: 1.0e-4}", "low (0.0001) must be below high (0.0001)"),
     ],
 )
 def test_invalid_search_settings_fail_validation_with_the_field_and_the_fix(override, message):
@@ -402,3 +407,47 @@ def test_every_trial_continues_the_warm_start_and_a_study_keeps_one_start(cfg, t
     with pytest.raises(ConfigError, match="set hpo.study_name to a new name"):
         open_study(c.hpo, c.model.base, c.data_dir, start="models:/grpo-adapter/4")
     assert len(open_study(c.hpo, c.model.base, c.data_dir, start=warm.uri).trials) == 2  # its own start: resumed
+
+
+# Bad input through the CLI: exit 2 before any trial (no flow run, nothing written), the message naming the field.
+BAD_SEARCH = {
+    "low >= high": ("hpo.space.learning_rate={low: 1.0e-3, high: 1.0e-4, log: true}", "hpo.space.learning_rate"),
+    "a log range at zero": ("hpo.space.beta={low: 0.0, high: 0.1, log: true}", "hpo.space.beta"),
+    "a log range through zero": ("hpo.space.beta={low: -0.1, high: 0.1, log: true}", "hpo.space.beta"),
+    "an empty choice list": ("hpo.space.lora_r={choices: []}", "hpo.space.lora_r: choices must not be empty"),
+    "repeated choices": ("hpo.space.lora_r={choices: [8, 8]}", "hpo.space.lora_r: choices repeat [8]"),
+    "a trial longer than the training": ("hpo.steps=60", "hpo.steps (60) is longer than the training it tunes"),
+}
+
+
+@pytest.mark.parametrize("command", ["hpo", "run"])
+@pytest.mark.parametrize("case", list(BAD_SEARCH))
+def test_a_search_that_cannot_run_exits_2_before_any_trial_naming_the_field(command, case, tmp_path, monkeypatch):
+    import json
+
+    from typer.testing import CliRunner
+
+    import grpo_pipeline.flows.hpo
+    import grpo_pipeline.flows.pipeline
+    from grpo_pipeline.cli import EXIT_CONFIG, app
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a flow run was started")
+
+    monkeypatch.setattr(grpo_pipeline.flows.pipeline, "checked_pipeline", refuse)
+    monkeypatch.setattr(grpo_pipeline.flows.hpo, "checked_hpo", refuse)
+    assignment, says = BAD_SEARCH[case]
+    # the demo config: 40 training steps, trials of 6 steps with a rung every 3
+    args = [command, "--json", "--set", f"data_dir={tmp_path}", "--set", "hpo.enabled=true", "--set", assignment]
+    if assignment == "hpo.steps=60":
+        args += ["--set", "hpo.eval_every=6"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == EXIT_CONFIG, result.output
+    failure = json.loads(result.stdout.strip().splitlines()[-1])
+    assert says in failure["error"] and failure["exit_code"] == EXIT_CONFIG
+    assert list(tmp_path.iterdir()) == []  # no study, no dataset, no MLflow database
+
+
+def test_a_trial_as_long_as_the_training_is_allowed_and_a_longer_one_only_when_the_search_is_off():
+    assert load_config(None, ["hpo.enabled=true", "train.grpo.max_steps=20", "hpo.steps=20"]).hpo.steps == 20
+    assert load_config(None, ["train.grpo.max_steps=10", "hpo.steps=20"]).hpo.steps == 20  # not searched: not judged

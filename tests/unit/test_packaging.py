@@ -36,6 +36,7 @@ def test_the_wheel_installs_one_top_level_package(wheel):
         "trainer/rewards",
         "tasks",
         "tasks/plan",
+        "tasks/hpo",
         "tasks/data",
         "tasks/promote",
         "tasks/serve",

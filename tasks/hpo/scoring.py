@@ -1,0 +1,146 @@
+"""Trial scores with a known noise: how many validation prompts a target standard error needs, the prompt sets,
+the greedy scorer, and the paired decision against the configured values."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from grpo_pipeline.configs.rewards import RewardSet
+from grpo_pipeline.configs.schema import (
+    ConfigError,
+    EvalConfig,
+    HPOConfig,
+    ModelConfig,
+)
+
+log = logging.getLogger(__name__)
+
+
+# Scores an adapter on a JSONL prompt file: one weighted total per prompt, greedy (`greedy_scorer`).
+Scorer = Callable[[str, Path], list[float]]
+
+
+class Validation(BaseModel):
+    """The validation prompts every trial is scored on, and how many the target standard error needs."""
+
+    needed: int  # prompts per scoring: (sd / target_standard_error)^2
+    available: int  # rows in the val split
+    reward_sd: float  # what the sizing assumed
+    select: Path  # n prompts: every finished trial's value
+    rescore: Path  # n other prompts: the top trials and the configured one, again
+    rungs: Path  # the first rung_prompts of `select`: the trainer's sampled rung checks
+
+
+def prompts_needed(hpo: HPOConfig, rewards: RewardSet) -> tuple[int, float]:
+    """Validation prompts per scoring for the target standard error, and the per-prompt SD assumed: by
+    default the worst case for the weighted total of rewards in [0, 1], half its span (the sum of |weight|).
+
+    >>> two = RewardSet(names=("correct_answer", "number_only"))
+    >>> prompts_needed(HPOConfig(target_standard_error=0.05), two)  # two rewards in [0, 1]: SD at most 1
+    (400, 1.0)
+    >>> prompts_needed(HPOConfig(target_standard_error=0.05), two.model_copy(update={"weights": (1.0, 0.2)}))
+    (144, 0.6)
+    >>> prompts_needed(HPOConfig(target_standard_error=0.05, reward_sd=0.5), two)
+    (100, 0.5)
+    """
+    sd = hpo.reward_sd if hpo.reward_sd is not None else rewards.span / 2
+    return math.ceil((sd / hpo.target_standard_error) ** 2 - 1e-9), sd
+
+
+class NotEnoughPrompts(ConfigError):
+    """The val split cannot give the target standard error (the CLI exits 2)."""
+
+
+def prepare_validation(hpo: HPOConfig, rewards: RewardSet, val_file: Path | None, out_dir: Path) -> Validation:
+    """Split the val split into the selection and re-scoring prompt sets (and the rung subset), after checking
+    that it holds enough prompts for `hpo.target_standard_error` on `rewards`' weighted total."""
+    from grpo_pipeline.tasks.evaluate import read_jsonl
+
+    needed, sd = prompts_needed(hpo, rewards)
+    rows = read_jsonl(Path(val_file)) if val_file and Path(val_file).is_file() else []
+    if hpo.trial_score == "trainer":  # no greedy scoring: the trainer's rung checks use the first prompts
+        needed = min(len(rows), hpo.rung_prompts)
+    elif len(rows) < 2 * needed:
+        raise NotEnoughPrompts(
+            f"hpo.target_standard_error={hpo.target_standard_error:g} needs {needed} validation prompts per "
+            f"scoring (per-prompt SD {sd:g}{'' if hpo.reward_sd else ', the worst case for the weighted total of rewards in [0, 1]'}), "
+            f"{2 * needed} in all (the top trials are re-scored on {needed} fresh ones); the val split has {len(rows)}. "
+            "Give more validation rows (data.demo.n_val, or a larger source), set hpo.reward_sd to a measured "
+            "value, or loosen hpo.target_standard_error"
+        )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = {
+        "select": rows[:needed],
+        "rescore": rows[needed : 2 * needed],
+        "rungs": rows[: min(hpo.rung_prompts, needed) or hpo.rung_prompts],
+    }
+    for name, part in files.items():
+        (out_dir / f"val-{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
+    log.info(
+        "validation: %d prompts per scoring for a standard error of %g (per-prompt SD %g); %d available",
+        needed,
+        hpo.target_standard_error,
+        sd,
+        len(rows),
+    )
+    return Validation(
+        needed=needed, available=len(rows), reward_sd=sd, **{name: out_dir / f"val-{name}.jsonl" for name in files}
+    )
+
+
+def paired_decision(
+    best: list[float], configured: list[float], trial: int, conf_trial: int
+) -> tuple[bool, str, float, tuple[float, float]]:
+    """Whether the best trial beats the configured one beyond the noise: a paired t interval (95 %) of the
+    per-prompt differences lying above zero.
+
+    >>> paired_decision([1, 1, 2, 2], [0, 1, 1, 1], 3, 0)[0]
+    False
+    >>> applied, why, diff, ci = paired_decision([2, 2, 2, 1, 2, 2], [0, 1, 0, 0, 1, 0], 3, 0)
+    >>> applied, round(diff, 2)
+    (True, 1.5)
+    """
+    import numpy as np
+    from scipy import stats
+
+    b, c = np.asarray(best, float), np.asarray(configured, float)
+    d = b - c
+    if np.ptp(d) == 0:  # every difference the same: the interval has no width
+        low = high = float(d[0])
+    else:
+        ci = stats.ttest_rel(b, c).confidence_interval(0.95)
+        low, high = float(ci.low), float(ci.high)
+    diff = float(d.mean())
+    figures = (
+        f"trial {trial} {b.mean():.3f} vs the configured values (trial {conf_trial}) {c.mean():.3f} on "
+        f"{len(d)} fresh prompts: difference {diff:+.3f} (95 % CI {low:+.3f} to {high:+.3f})"
+    )
+    if low > 0:
+        return True, f"{figures}: better beyond the noise, applied", diff, (low, high)
+    return False, f"{figures}: not better beyond the noise, the configured values are kept", diff, (low, high)
+
+
+def greedy_scorer(model: ModelConfig, evaluate: EvalConfig, rewards: RewardSet, model_path: str) -> Scorer:
+    """Scores an adapter greedily on a prompt file by the training's weighted total (`RewardSet.total`, through
+    `grpo_pipeline.tasks.evaluate.evaluate_model`): the search ranks trials by what training optimises and promotion compares."""
+
+    def score(adapter_dir: str, prompts: Path) -> list[float]:
+        from grpo_pipeline.tasks.evaluate import evaluate_model
+
+        result = evaluate_model(
+            model_path,
+            model,
+            prompts,
+            rewards,
+            evaluate.model_copy(update={"samples_k": 0}),
+            adapter=adapter_dir,
+        )
+        return [float(r["total"]) for r in result.rows]
+
+    return score

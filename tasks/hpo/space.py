@@ -1,0 +1,138 @@
+"""The search space as configuration: a trial's parameters, the config paths they set, and a trial's `train` section."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optuna
+
+from grpo_pipeline.configs.launchers import LAUNCHERS
+from grpo_pipeline.configs.library_fields import grpo_value
+from grpo_pipeline.configs.schema import (
+    ConfigError,
+    HPOConfig,
+    PipelineConfig,
+    SearchDim,
+    SearchSpace,
+    TrainConfig,
+    set_path,
+)
+
+# Searched name -> the config path it sets (lora_alpha_ratio sets train.lora.lora_alpha = ratio x rank).
+TARGETS = {
+    "lora_r": "train.lora.r",
+    "learning_rate": "train.grpo.learning_rate",
+    "beta": "train.grpo.beta",
+    "num_generations": "train.grpo.num_generations",
+    "temperature": "train.grpo.temperature",
+}
+
+
+ALPHA = "train.lora.lora_alpha"
+
+
+DEFAULT_LORA_R = 8  # peft.LoraConfig's default rank, when neither the space nor train.lora sets one
+
+
+def suggest(trial: optuna.trial.BaseTrial, space: SearchSpace) -> dict[str, Any]:
+    """Ask the trial for a value of every searched dimension.
+
+    >>> space = SearchSpace(lora_alpha_ratio=None)
+    >>> suggest(optuna.trial.FixedTrial({"lora_r": 16, "learning_rate": 2e-4}), space)
+    {'lora_r': 16, 'learning_rate': 0.0002}
+    """
+    params: dict[str, Any] = {}
+    for name, dim in space.active().items():
+        integer = name in ("lora_r", "num_generations")
+        if dim.choices is not None:
+            choices = [int(c) for c in dim.choices] if integer else [float(c) for c in dim.choices]
+            params[name] = trial.suggest_categorical(name, choices)
+        elif integer:
+            assert dim.low is not None and dim.high is not None  # SearchDim: a range without choices
+            params[name] = trial.suggest_int(name, int(dim.low), int(dim.high), log=dim.log)
+        else:
+            assert dim.low is not None and dim.high is not None
+            params[name] = trial.suggest_float(name, dim.low, dim.high, log=dim.log)
+    return params
+
+
+def to_overrides(params: dict[str, Any], lora: dict[str, Any]) -> dict[str, Any]:
+    """Config paths and values for a trial's parameters; `lora` (train.lora) gives the rank the alpha ratio
+    scales when the trial does not search it.
+
+    >>> to_overrides({"lora_r": 16, "lora_alpha_ratio": 2.0, "learning_rate": 3e-4}, {})
+    {'train.lora.r': 16, 'train.grpo.learning_rate': 0.0003, 'train.lora.lora_alpha': 32}
+    >>> to_overrides({"lora_alpha_ratio": 2.0}, {"r": 4})
+    {'train.lora.lora_alpha': 8}
+    """
+    overrides = {TARGETS[name]: value for name, value in params.items() if name in TARGETS}
+    if "lora_alpha_ratio" in params:
+        rank = params.get("lora_r", lora.get("r", DEFAULT_LORA_R))
+        overrides[ALPHA] = max(1, round(params["lora_alpha_ratio"] * rank))
+    return overrides
+
+
+def apply_best(cfg: PipelineConfig, best: dict[str, Any]) -> PipelineConfig:
+    """A new config with `best` (config path -> value, e.g. `HPOResult.overrides`) applied and validated.
+
+    >>> from grpo_pipeline.configs.schema import load_config
+    >>> cfg = apply_best(load_config(None), {"train.lora.r": 32, "train.grpo.learning_rate": 1e-4})
+    >>> cfg.train.lora["r"], cfg.train.grpo["learning_rate"]
+    (32, 0.0001)
+    """
+    tree = cfg.model_dump()
+    for path, value in best.items():
+        set_path(tree, path.split("."), value, f"{path}: ")
+    return PipelineConfig.model_validate(tree)
+
+
+def trial_train(train: TrainConfig, hpo: HPOConfig, overrides: dict[str, Any]) -> TrainConfig:
+    """The `train` section of one trial: the overrides (`train.*` paths, `to_overrides`) validated as the whole
+    config validates them (the section's own rules, then `hpo.check_against` it), `hpo.steps` steps, a
+    validation reward every `hpo.eval_every` steps, no relaunch after a crash (a crashed trial is a result), no
+    early stopping (the pruner decides)."""
+    tree = train.model_dump()
+    for path, value in overrides.items():
+        section, _, rest = path.partition(".")
+        if section != "train":
+            raise ConfigError(f"{path}: a trial sets train.* fields only")
+        set_path(tree, rest.split("."), value, f"{path}: ")
+    tuned = TrainConfig.model_validate(tree)
+    hpo.check_against(tuned)
+    grpo = dict(tuned.grpo)
+    per_device = grpo_value(grpo, "per_device_train_batch_size")
+    grpo |= {
+        "max_steps": hpo.steps,
+        "eval_strategy": "steps",
+        "eval_steps": hpo.eval_every,
+        "num_generations_eval": hpo.eval_generations,
+        # as many completions per evaluation batch as per training batch, in whole prompt groups
+        "per_device_eval_batch_size": max(
+            hpo.eval_generations, per_device // hpo.eval_generations * hpo.eval_generations
+        ),
+    }
+    trial = tuned.model_copy(update={"grpo": grpo, "early_stopping_patience": None, "max_restarts": 0})
+    if not LAUNCHERS[trial.launcher].local:  # the trial YAML's cheaper GPU list, not the one planned for training
+        trial = trial.model_copy(
+            update={"sky": trial.sky.model_copy(update={"task_yaml": hpo.sky_task_yaml, "accelerators": None})}
+        )
+    return trial
+
+
+def fits(params: dict[str, Any], space: SearchSpace) -> bool:
+    """Whether earlier parameters lie in this search space (same dimensions, values inside).
+
+    >>> space = SearchSpace(lora_alpha_ratio=None)
+    >>> fits({"lora_r": 16, "learning_rate": 2e-4}, space), fits({"lora_r": 12, "learning_rate": 2e-4}, space)
+    (True, False)
+    """
+    active = space.active()
+    if set(params) != set(active):
+        return False
+    return all(_inside(params[name], dim) for name, dim in active.items())
+
+
+def _inside(value: Any, dim: SearchDim) -> bool:
+    if dim.choices is not None:
+        return value in dim.choices
+    return dim.low <= value <= dim.high
