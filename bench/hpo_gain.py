@@ -5,7 +5,7 @@ GSM8K's calculator annotations read from ../shared/data/gsm8k), at every seed of
 
 - **defaults**: every hyperparameter the search may set at TRL's `GRPOConfig` / PEFT's `LoraConfig` default
   (learning rate, KL beta, temperature, completions per prompt, LoRA rank and alpha), read from the libraries;
-- **hand**: the task's config as hand-tuned (the demo: learning rate 3e-4, temperature 0.8, rank 16, alpha 32;
+- **hand**: the task's config as hand-tuned (the demo: learning rate 3e-4, temperature 1.0, rank 16, alpha 32;
   GSM8K: its own config's values);
 - **searched**: the search (`grpo_pipeline.tasks.hpo.search`: successive halving over short trials, the defaults
   as the never-pruned control, finished trials scored greedily on fixed validation prompts, the top ones
