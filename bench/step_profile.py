@@ -610,6 +610,7 @@ def run_ab(opts: argparse.Namespace, arms: dict, model_dir: Path, work: Path, lo
     import torch
 
     runs: dict[str, list[dict]] = {"baseline": [], "candidate": []}
+    report: dict = {}
     for i in range(opts.rounds):
         for arm, cfg in arms.items():
             print(f"[{NAME}] round {i + 1}/{opts.rounds} {arm}: {opts.steps} measured steps", flush=True)
@@ -620,22 +621,22 @@ def run_ab(opts: argparse.Namespace, arms: dict, model_dir: Path, work: Path, lo
                 f"[{NAME}] {arm}: median step {s['step_s']['median']:.2f} s wall, {s['cpu_s']['median']:.2f} s CPU",
                 flush=True,
             )
-    report = {
-        "name": opts.save_as + ("_tiny" if opts.tiny else ""),
-        "model": str(model_dir),
-        "native_bf16": native,
-        "overrides": opts.set,
-        "arms": {"baseline": opts.baseline, "candidate": opts.candidate},
-        "steps": opts.steps,
-        "rounds": opts.rounds,
-        "threads": torch.get_num_threads(),
-        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-        "load_average": {"start": load, "end": os.getloadavg()[0]},
-        "runs": runs,
-        **ab_ratios(runs),
-        **stamp(),
-    }
-    save(report["name"], report)
+        report = {  # saved after every round: a long comparison stopped early keeps its finished rounds
+            "name": opts.save_as + ("_tiny" if opts.tiny else ""),
+            "model": str(model_dir),
+            "native_bf16": native,
+            "overrides": opts.set,
+            "arms": {"baseline": opts.baseline, "candidate": opts.candidate},
+            "steps": opts.steps,
+            "rounds": i + 1,
+            "threads": torch.get_num_threads(),
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+            "load_average": {"start": load, "end": os.getloadavg()[0]},
+            "runs": runs,
+            **ab_ratios(runs),
+            **stamp(),
+        }
+        save(report["name"], report)
     print(ab_markdown(report), flush=True)
     print(f"[{NAME}] saved to {RESULTS / report['name']}.json", flush=True)
     return report

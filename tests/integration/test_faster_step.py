@@ -71,7 +71,7 @@ def test_generation_from_merged_weights_computes_the_adapters_log_probs(tiny_mod
     assert merge_blocker(model) is None
     ids = torch.randint(3, model.config.vocab_size, (4, 24), generator=torch.Generator().manual_seed(1))
     bases = {n: p for n, p in model.named_parameters() if "base_layer.weight" in n}
-    before = {n: p.data for n, p in bases.items()}
+    storage = {n: p.data_ptr() for n, p in bases.items()}
     copies = {n: p.detach().clone() for n, p in bases.items()}
     with torch.no_grad():
         reference = torch.log_softmax(model(input_ids=ids).logits, -1)
@@ -79,7 +79,8 @@ def test_generation_from_merged_weights_computes_the_adapters_log_probs(tiny_mod
             base_only = torch.log_softmax(model(input_ids=ids).logits, -1)
         greedy = model.generate(input_ids=ids[:, :8], max_new_tokens=6, do_sample=False, pad_token_id=0)
         with merged_adapter(model):
-            assert all(not p.data.equal(copies[n]) for n, p in bases.items())  # merged copies in place
+            # merged copies in place of the base weights, which stay untouched
+            assert all(p.data_ptr() != storage[n] and not p.data.equal(copies[n]) for n, p in bases.items())
             merged = torch.log_softmax(model(input_ids=ids).logits, -1)
             merged_greedy = model.generate(input_ids=ids[:, :8], max_new_tokens=6, do_sample=False, pad_token_id=0)
         after = torch.log_softmax(model(input_ids=ids).logits, -1)
@@ -87,7 +88,7 @@ def test_generation_from_merged_weights_computes_the_adapters_log_probs(tiny_mod
     # fp32, (W + s·BA)x against Wx + s·B(Ax): equal to rounding, 1e-5 absolute on log-probs of order 1-10
     torch.testing.assert_close(merged, reference, rtol=1e-5, atol=1e-5)
     assert torch.equal(merged_greedy, greedy)
-    assert all(p.data is before[n] and torch.equal(p.data, copies[n]) for n, p in bases.items())
+    assert all(p.data_ptr() == storage[n] and torch.equal(p.data, copies[n]) for n, p in bases.items())
     assert torch.equal(after, reference)  # the unmerged path again, bit for bit
     assert all(p.requires_grad for n, p in model.named_parameters() if "lora_" in n)
 
@@ -123,7 +124,7 @@ def _two_steps(model_dir, trainer_args, merged: bool, use_dora: bool = False) ->
     trainer = cls(
         model=model,
         reward_funcs=[length_reward],
-        args=trainer_args("train.grpo.max_steps=2"),
+        args=trainer_args("train.grpo.max_steps=2", "train.rewards=[number_only]"),  # one reward weight
         train_dataset=Dataset.from_list([{"prompt": f"What is {a} + {b}?"} for a in range(6) for b in range(6)]),
         processing_class=tokenizer,
         peft_config=LoraConfig(
