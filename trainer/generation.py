@@ -98,7 +98,7 @@ def trainer_class(base: type) -> type:
     """`base` (TRL's GRPOTrainer or one of the project's subclasses) generating from merged LoRA weights where
     `merge_blocker` allows; elsewhere it generates as `base` does, after one warning naming `SETTING`."""
 
-    class MergedGenerationTrainer(base):  # type: ignore[misc, valid-type]
+    class MergedGenerationTrainer(base):
         _merge_checked = False
         _merge_ok = False
 

@@ -19,6 +19,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 SETTING = "train.compact_lm_head"
@@ -36,11 +40,11 @@ def compact_lm_head() -> Iterator[None]:
         yield
         return
 
-    def compact_on_cpu(device):  # type: ignore[no-untyped-def]
-        return device.type == "cpu" or chooser(device)
+    def compact_on_cpu(device: torch.device) -> bool:
+        return device.type == "cpu" or bool(chooser(device))
 
-    trl_utils._use_triton = compact_on_cpu
+    setattr(trl_utils, "_use_triton", compact_on_cpu)  # noqa: B010 (a private name of TRL's: mypy need not know it)
     try:
         yield
     finally:
-        trl_utils._use_triton = chooser
+        setattr(trl_utils, "_use_triton", chooser)  # noqa: B010
