@@ -8,12 +8,13 @@ and backward keep the unmerged adapter: its gradients flow through A and B.
 
 How: for the generation call only, each LoRA linear's base weight is swapped for a fresh `W + delta` tensor and
 the adapter layers are disabled (PEFT's `disable_adapter`); afterwards the original weight tensor is put back
-(the same object: bit for bit, no `W + d - d` rounding that PEFT's merge/unmerge would add every step). The
+(the same storage: bit for bit, no `W + d - d` rounding that PEFT's merge/unmerge would add every step). The
 merged copy costs one more set of the adapted weights in memory while generating.
 
 Only where it can run exactly: vanilla LoRA on full-precision `torch.nn.Linear` layers. A quantized base (merging
 into NF4/int8 weights would requantize them), DoRA or another variant, a LoRA bias, or a model without an adapter
-falls back to the unmerged generation with one warning naming the setting.
+falls back to the unmerged generation with one warning naming the setting; so do weights FSDP or DeepSpeed shard.
+With vLLM generating, there is nothing to merge here.
 """
 
 from __future__ import annotations
@@ -105,7 +106,12 @@ def trainer_class(base: type) -> type:
         def _generate_single_turn(self, *args: Any, **kwargs: Any) -> Any:
             if not self._merge_checked:
                 self._merge_checked = True
-                reason = None if self.use_vllm else merge_blocker(self.model)
+                if self.use_vllm:  # vLLM holds its own copy of the weights: nothing to merge here
+                    reason = None
+                elif getattr(self, "is_fsdp_enabled", False) or getattr(self, "is_deepspeed_enabled", False):
+                    reason = "FSDP / DeepSpeed shard the weights"
+                else:
+                    reason = merge_blocker(self.model)
                 self._merge_ok = not self.use_vllm and reason is None
                 if reason:
                     log.warning("%s: generating from the unmerged adapter: %s", SETTING, reason)
