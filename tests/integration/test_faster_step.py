@@ -188,7 +188,7 @@ def _fused_head_pass(model_dir, compact: bool):
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    add_fused_lm_head(model, temperature=0.8)
+    add_fused_lm_head(model, temperature=0.8, outputs=("log_probs", "entropy"))  # as GRPOTrainer adds it
     config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
     model = get_peft_model(model, config).train()
     ids = torch.randint(3, model.config.vocab_size, (4, 24), generator=torch.Generator().manual_seed(1))
