@@ -764,17 +764,18 @@ def table_rows(load) -> list[Row]:
         )
     ab = load(NAME + "_ab")
     if ab is not None:
-        w = ab["wall"]
+        # CPU time per step: what a niced benchmark on a shared machine can still measure; the wall ratio is in the name
+        c, w = ab["cpu"], ab["wall"]
         rows.append(
             Row(
-                f"GRPO demo step, side by side (`bench.step_profile --candidate`, {ab['rounds']} rounds x "
-                f"{ab['steps']} steps, {ab['threads']} thread{'s' if ab['threads'] > 1 else ''}; CPU time "
-                f"{ab['cpu']['ratio']:.3f}x)",
-                f"{' '.join(ab['arms']['baseline']) or 'the demo config'}: {w['baseline']:.2f} s",
-                f"{' '.join(ab['arms']['candidate'])}: {w['candidate']:.2f} s",
-                w["ratio"],
+                f"GRPO demo step, process CPU time, side by side (`bench.step_profile --candidate`, {ab['rounds']} "
+                f"round(s) x {ab['steps']} step(s), {ab['threads']} thread(s); wall {w['ratio']:.2f}x at load "
+                f"{ab['load_average']['start']:.0f}-{ab['load_average']['end']:.0f})",
+                f"{' '.join(ab['arms']['baseline']) or 'the demo config'}: {c['baseline']:.2f} CPU s",
+                f"{' '.join(ab['arms']['candidate'])}: {c['candidate']:.2f} CPU s",
+                c["ratio"],
                 "<= 0.5",  # issue #34's goal for the demo's median step
-                spread=(min(w["rounds"]), max(w["rounds"])),
+                spread=(min(c["rounds"]), max(c["rounds"])) if len(c["rounds"]) > 1 else None,
             )
         )
     return rows
