@@ -408,6 +408,20 @@ class TrainConfig(StrictModel):
     early_stopping_patience: int | None = Field(
         None, ge=1, description="stop after this many evaluations without a better validation reward"
     )
+    merged_generation: bool | None = Field(
+        None,
+        description="sample completions from the LoRA adapter merged into a copy of the base weights (exact: the "
+        "base is put back bit for bit; the loss's forward and backward stay unmerged); unset: on where the node "
+        "has no GPU (a cheaper decode step there, bench.step_profile), off on GPU nodes (the merged copy costs "
+        "the adapted weights' memory again while generating). Falls back with a warning on a quantized base "
+        "or a LoRA variant (trainer/generation.py)",
+    )
+    compact_lm_head: bool = Field(
+        True,
+        description="on a CPU node, TRL's fused LM head projects only the completion's positions onto the vocabulary, "
+        "as it does on GPUs (same log-probs and loss; TRL's CPU path projects the prompt's positions too and drops "
+        "them; trainer/lm_head.py)",
+    )
     max_restarts: int = Field(3, ge=0, description="relaunches after an abnormal trainer exit (not preemptions)")
     launcher: LauncherName = Field("local", description=launcher_help())
     sky: SkyConfig = SkyConfig()

@@ -76,6 +76,8 @@ class TrainSettings(_Strict):
     keep_checkpoints: int
     early_stopping_patience: int | None
     s3_endpoint_url: str | None
+    merged_generation: bool | None = None  # None: on where the node has no GPU (trainer.generation)
+    compact_lm_head: bool = True  # the loss's LM head projects only the completion's positions (trainer.lm_head)
     distributed: DistributedConfig = DistributedConfig()  # train.distributed as configured
     health: HealthConfig = HealthConfig()
     curriculum: CurriculumConfig = CurriculumConfig()

@@ -14,6 +14,7 @@ checkpoint (`grpo_pipeline.trainer.distributed`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -255,11 +256,12 @@ def _attempt(
     val_ds: Any,
 ) -> _Attempt:
     """Resume from the newest verified checkpoint and train until the end, a stop or a rollback request."""
+    import torch
     from peft import LoraConfig
     from transformers import EarlyStoppingCallback
     from trl import GRPOTrainer
 
-    from grpo_pipeline.trainer import sampling
+    from grpo_pipeline.trainer import generation, sampling
     from grpo_pipeline.trainer.callbacks import (
         CheckpointSync,
         HealthCallback,
@@ -268,6 +270,7 @@ def _attempt(
         print_logs_once,
     )
     from grpo_pipeline.trainer.health import read_state
+    from grpo_pipeline.trainer.lm_head import compact_lm_head
     from grpo_pipeline.trainer.loading import keep_adapter_fp32, load_model
     from grpo_pipeline.trainer.rewards import RewardError, RewardUnavailable, resolve_rewards
     from grpo_pipeline.trainer.sampling import read_state as read_curriculum
@@ -321,6 +324,8 @@ def _attempt(
 
         trainer_cls = dynamic_sampling_class(trainer_cls)
         extra["dynamic_sampling"] = dynamic
+    if generation.wanted(spec.train.merged_generation, torch.cuda.is_available()):
+        trainer_cls = generation.trainer_class(trainer_cls)
     trainer = trainer_cls(
         model=model,
         reward_funcs=resolve_rewards(
@@ -337,7 +342,8 @@ def _attempt(
     )
     print_logs_once(trainer)  # one line per log, with its step, for the parent's progress
     try:
-        output = trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+        with compact_lm_head() if spec.train.compact_lm_head else contextlib.nullcontext():
+            output = trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     except RewardError as exc:
         if run_id and not isinstance(exc, RewardUnavailable):  # an outage is retried: the run goes on
             _ended_by_bad_input(spec, run_id, metrics, str(exc))

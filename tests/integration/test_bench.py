@@ -132,3 +132,38 @@ def test_step_profile_phases_add_up_to_the_real_trainers_step(results):
     assert sum(p["s"] for p in profiled["phases"].values()) == pytest.approx(profiled["wall_s"], abs=1e-6)
     assert profiled["phases"][BACKWARD]["ops"] > 0  # the torch profiler saw the ops inside the phase ranges
     assert run["checkpoint"]["s"] > 0  # the last step writes the run's checkpoint
+
+
+def test_step_profile_compares_two_arms_side_by_side(results):
+    """The A/B mode: baseline and candidate alternate in one process from the same seed, each step's wall and CPU
+    time kept (the last step's final checkpoint write left out), and the ratio with its per-round spread saved."""
+    from bench.step_profile import main
+
+    main(
+        [
+            "--tiny",
+            "--steps",
+            "1",
+            "--rounds",
+            "1",
+            "--threads",
+            "1",
+            "--precision",
+            "fp32",
+            "--baseline",
+            "train.merged_generation=false",
+            "--candidate",
+            "train.merged_generation=true",
+        ]
+    )
+    report = json.loads((results / "step_profile_ab_tiny.json").read_text())
+    assert report["arms"] == {
+        "baseline": ["train.merged_generation=false"],
+        "candidate": ["train.merged_generation=true"],
+    }
+    for arm in ("baseline", "candidate"):
+        (run,) = report["runs"][arm]
+        (step,) = run["steps"]
+        assert step["wall_s"] > 0 and step["cpu_s"] > 0
+        assert sum(step["phases"].values()) == pytest.approx(step["wall_s"], abs=1e-6)
+    assert report["wall"]["ratio"] > 0 and len(report["wall"]["rounds"]) == len(report["cpu"]["rounds"]) == 1

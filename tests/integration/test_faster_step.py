@@ -1,5 +1,8 @@
-"""The CPU step's cut (bench.step_profile): no gradient checkpointing on a CPU node computes the same log-probs,
-loss and adapter gradients as TRL's default, which recomputes each layer's forward inside the backward."""
+"""The CPU step's cuts (bench.step_profile), each computing what the path it replaces computes: no gradient
+checkpointing (TRL's default recomputes each layer's forward inside the backward); generation from the merged LoRA
+weights (trainer/generation.py); the fused LM head scoring only the completion's positions (trainer/lm_head.py)."""
+
+import contextlib
 
 import pytest
 import torch
@@ -45,3 +48,186 @@ def test_a_cpu_node_trains_without_checkpointing_unless_the_recipe_asks(trainer_
     assert not torch.cuda.is_available()
     assert args().gradient_checkpointing is False
     assert args("train.grpo.gradient_checkpointing=true").gradient_checkpointing is True
+
+
+def _peft_model(model_dir, **lora):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    # init_lora_weights=False: a non-zero B, so the merged weights differ from the base's
+    config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False, **lora)
+    return get_peft_model(model, config).eval()
+
+
+def test_generation_from_merged_weights_computes_the_adapters_log_probs(tiny_model):
+    """Inside `merged_adapter` the model computes with W + s·BA: the same per-token log-probs as the unmerged adapter
+    to float32 rounding (one matmul instead of two summed), the same greedy tokens; afterwards the base weights are
+    the very tensors they were (bit for bit) and the adapter is live and trainable again."""
+    from grpo_pipeline.trainer.generation import merge_blocker, merged_adapter
+
+    model = _peft_model(tiny_model)
+    assert merge_blocker(model) is None
+    ids = torch.randint(3, model.config.vocab_size, (4, 24), generator=torch.Generator().manual_seed(1))
+    bases = {n: p for n, p in model.named_parameters() if "base_layer.weight" in n}
+    storage = {n: p.data_ptr() for n, p in bases.items()}
+    copies = {n: p.detach().clone() for n, p in bases.items()}
+    with torch.no_grad():
+        reference = torch.log_softmax(model(input_ids=ids).logits, -1)
+        with model.disable_adapter():
+            base_only = torch.log_softmax(model(input_ids=ids).logits, -1)
+        greedy = model.generate(input_ids=ids[:, :8], max_new_tokens=6, do_sample=False, pad_token_id=0)
+        with merged_adapter(model):
+            # merged copies in place of the base weights, which stay untouched
+            assert all(p.data_ptr() != storage[n] and not p.data.equal(copies[n]) for n, p in bases.items())
+            merged = torch.log_softmax(model(input_ids=ids).logits, -1)
+            merged_greedy = model.generate(input_ids=ids[:, :8], max_new_tokens=6, do_sample=False, pad_token_id=0)
+        after = torch.log_softmax(model(input_ids=ids).logits, -1)
+    assert (merged - base_only).abs().max() > 1e-3  # the adapter changes the model: the check below means something
+    # fp32, (W + s·BA)x against Wx + s·B(Ax): equal to rounding, 1e-5 absolute on log-probs of order 1-10
+    torch.testing.assert_close(merged, reference, rtol=1e-5, atol=1e-5)
+    assert torch.equal(merged_greedy, greedy)
+    assert all(p.data_ptr() == storage[n] and torch.equal(p.data, copies[n]) for n, p in bases.items())
+    assert torch.equal(after, reference)  # the unmerged path again, bit for bit
+    assert all(p.requires_grad for n, p in model.named_parameters() if "lora_" in n)
+
+
+def test_merged_generation_falls_back_where_it_cannot_be_exact(tiny_model):
+    from grpo_pipeline.trainer.generation import merge_blocker
+
+    assert "variant" in merge_blocker(_peft_model(tiny_model, use_dora=True))
+    assert "lora_bias" in merge_blocker(_peft_model(tiny_model, lora_bias=True))
+    assert merge_blocker(torch.nn.Linear(2, 2)) == "the model has no PEFT adapter"
+
+
+def _two_steps(model_dir, trainer_args, merged: bool, use_dora: bool = False) -> dict:
+    """Two GRPO steps of the trainer's settings on the tiny model: the completions each step sampled, the per-token
+    log-probs of the loss's forward (policy, with grad) and the logged losses; the adapter's weights at the end."""
+    from datasets import Dataset
+    from peft import LoraConfig
+    from trl import GRPOTrainer
+
+    from grpo_pipeline.trainer import generation
+    from grpo_pipeline.trainer.loading import load_model
+    from grpo_pipeline.trainer.spec import ModelLoad
+
+    seen: dict = {"completions": [], "logps": []}
+
+    def length_reward(completions, **_):  # varies within a group: non-zero advantages, a loss that trains
+        seen["completions"].append(list(completions))
+        return [len(c) / 10 for c in completions]
+
+    load = ModelLoad(quantization="none", double_quant=False, compute_dtype="float32", trust_remote_code=False)
+    model, tokenizer = load_model(str(model_dir), load)
+    cls = generation.trainer_class(GRPOTrainer) if merged else GRPOTrainer
+    trainer = cls(
+        model=model,
+        reward_funcs=[length_reward],
+        args=trainer_args("train.grpo.max_steps=2", "train.rewards=[number_only]"),  # one reward weight
+        train_dataset=Dataset.from_list([{"prompt": f"What is {a} + {b}?"} for a in range(6) for b in range(6)]),
+        processing_class=tokenizer,
+        peft_config=LoraConfig(
+            task_type="CAUSAL_LM", r=4, lora_alpha=8, target_modules="all-linear", use_dora=use_dora
+        ),
+    )
+    logps = trainer._get_per_token_logps_and_entropies
+
+    def recorded(*args, **kwargs):
+        out = logps(*args, **kwargs)
+        seen["logps"].append(out[0].detach().clone())
+        return out
+
+    trainer._get_per_token_logps_and_entropies = recorded
+    trainer.train()
+    seen["loss"] = torch.tensor([h["loss"] for h in trainer.state.log_history if "loss" in h and "reward" in h])
+    seen["adapter"] = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    return seen
+
+
+def test_the_trainer_with_merged_generation_trains_as_the_default(tiny_model, trainer_args):
+    """The real GRPOTrainer, two steps from the same seed: generating from the merged adapter samples the same
+    completions (step 2's adapter is non-zero after step 1's update), so the loss's forward sees the same tokens and
+    computes the same per-token log-probs and loss, to float32 rounding (1e-6), and the adapter ends the same."""
+    plain = _two_steps(tiny_model, trainer_args, merged=False)
+    merged = _two_steps(tiny_model, trainer_args, merged=True)
+    assert merged["completions"] == plain["completions"] and len(plain["completions"]) == 2
+    assert len(merged["logps"]) == len(plain["logps"]) == 2
+    for got, want in zip(merged["logps"], plain["logps"], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(merged["loss"], plain["loss"], rtol=1e-6, atol=1e-6)
+    for name, want in plain["adapter"].items():
+        torch.testing.assert_close(merged["adapter"][name], want, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_merged_generation_warns_once_and_trains_unmerged_with_a_lora_variant(tiny_model, trainer_args, caplog):
+    with caplog.at_level("WARNING", logger="grpo_pipeline.trainer.generation"):
+        run = _two_steps(tiny_model, trainer_args, merged=True, use_dora=True)
+    warnings = [r.getMessage() for r in caplog.records if r.name == "grpo_pipeline.trainer.generation"]
+    assert len(warnings) == 1 and warnings[0].startswith("train.merged_generation: generating from the unmerged")
+    assert len(run["completions"]) == 2 and torch.isfinite(run["loss"]).all()
+
+
+def test_a_cpu_node_generates_from_merged_weights_unless_the_recipe_says_not(tiny_config):
+    from grpo_pipeline.tasks.job import train_settings
+    from grpo_pipeline.trainer.generation import wanted
+
+    assert train_settings(tiny_config().train).merged_generation is None
+    assert wanted(train_settings(tiny_config().train).merged_generation, cuda=torch.cuda.is_available())
+    assert train_settings(tiny_config("train.merged_generation=false").train).merged_generation is False
+
+
+def _fused_head_pass(model_dir, compact: bool):
+    """The loss's pass as TRL runs it: its fused LM head on the policy, labels only on the completion (the last 6 of
+    24 positions, one row's completion cut short by padding), log-probs and entropies, the backward's adapter grads."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    from trl.trainer.utils import add_fused_lm_head
+
+    from grpo_pipeline.trainer.lm_head import compact_lm_head
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    add_fused_lm_head(model, temperature=0.8, outputs=("log_probs", "entropy"))  # as GRPOTrainer adds it
+    config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+    model = get_peft_model(model, config).train()
+    ids = torch.randint(3, model.config.vocab_size, (4, 24), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, -2:] = 0  # a completion that ended early: padded
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, :-6] = -100  # the prompt's positions carry no label
+    with compact_lm_head() if compact else contextlib.nullcontext():
+        out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+        loss = -(out.log_probs[:, -6:] * torch.linspace(-1, 1, 4)[:, None]).sum() / (labels != -100).sum()
+        loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    return out.log_probs.detach(), out.entropy.detach(), loss.detach(), grads
+
+
+def test_the_compact_lm_head_scores_the_completion_as_the_full_one_does(tiny_model):
+    """TRL's fused head on the CPU projects every position and zeroes the unlabelled ones; `compact_lm_head` projects
+    only the labelled ones (TRL's GPU branch). Same per-token log-probs, entropies, loss and adapter gradients, to
+    float32 rounding (1e-6 relative; 1e-7 absolute on gradients)."""
+    full = _fused_head_pass(tiny_model, compact=False)
+    compact = _fused_head_pass(tiny_model, compact=True)
+    for got, want in zip(compact[:3], full[:3], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert (full[0][:, :-6] == 0).all() and (full[0][:, -6:] != 0).sum() == 4 * 6 - 2
+    assert full[3].keys() == compact[3].keys() and len(full[3]) > 0
+    for name, want in full[3].items():
+        torch.testing.assert_close(compact[3][name], want, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_the_compact_lm_head_is_scoped_and_warns_where_trl_has_no_compact_branch(monkeypatch, caplog):
+    import trl.trainer.utils as trl_utils
+
+    from grpo_pipeline.trainer.lm_head import compact_lm_head
+
+    shipped = trl_utils._use_triton
+    with compact_lm_head():
+        assert trl_utils._use_triton(torch.device("cpu"))
+    assert trl_utils._use_triton is shipped and not shipped(torch.device("cpu"))
+    monkeypatch.delattr(trl_utils, "_use_triton")
+    with caplog.at_level("WARNING", logger="grpo_pipeline.trainer.lm_head"), compact_lm_head():
+        pass
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == ["train.compact_lm_head"]
