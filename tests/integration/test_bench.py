@@ -90,6 +90,7 @@ def test_recipe_seeds_tiny_runs_the_shipped_recipe_through_the_pipeline_on_an_un
     assert (work / "tiny" / "subtract.jsonl").read_text().count("\n") == 45  # every a - b with b <= a <= 8
 
 
+@pytest.mark.slow  # 2.4 min on 2 idle cores, 39 min on a loaded one: `make test-slow` runs it
 def test_hpo_gain_tiny_searches_trains_and_scores_then_resumes_from_its_work_folder(tmp_path, results, monkeypatch):
     """One seed, the hand-tuned and searched arms on a tiny random model (2 steps each, a search of 1-step trials):
     the chain runs and is kept; a rerun trains nothing."""
