@@ -112,6 +112,12 @@ def add_threads_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_work_options(parser: argparse.ArgumentParser, default: Path) -> None:
+    """`--work` and `--fresh` of the benchmarks whose runs `open_work` keeps between invocations."""
+    parser.add_argument("--fresh", action="store_true", help="forget the work folder's runs and measure all again")
+    parser.add_argument("--work", type=Path, default=default, help="where runs are kept between invocations")
+
+
 def torch_threads(option: str, busy: float | None = None) -> int | None:
     """Torch threads per process for `--threads`: a number as given; `auto`: 1 when the load (`busy`, default
     the 1-minute load average) says another job already keeps a core busy, else None (torch's own).

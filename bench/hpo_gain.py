@@ -49,6 +49,7 @@ from bench.harness import (
     ROOT,
     MixedWorkFolder,
     add_threads_option,
+    add_work_options,
     fingerprint,
     keep_runs,
     open_work,
@@ -480,9 +481,8 @@ def _options(argv: list[str] | None) -> argparse.Namespace:
         help="the trial length and rungs bench.trial_length chose for the task (its saved result)",
     )
     parser.add_argument("--tiny", action="store_true", help="a tiny random model and tiny sizes: the chain runs")
-    parser.add_argument("--fresh", action="store_true", help="forget the work folder's runs and measure all again")
     parser.add_argument("--report-only", action="store_true", help="run nothing: report what the work folder holds")
-    parser.add_argument("--work", type=Path, default=WORK, help="where runs are kept between invocations")
+    add_work_options(parser, WORK)
     add_threads_option(parser)
     opts = parser.parse_args(argv)
     if opts.steps is None:

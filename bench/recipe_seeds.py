@@ -41,6 +41,7 @@ from bench.harness import (
     ROOT,
     MixedWorkFolder,
     add_threads_option,
+    add_work_options,
     keep_runs,
     open_work,
     pipeline_run,
@@ -263,8 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tasks", nargs="+", choices=list(TASKS), default=list(TASKS))
     parser.add_argument("--seeds", nargs="+", type=int, default=list(SEEDS), help="train.grpo.seed of each run")
     parser.add_argument("--tiny", action="store_true", help="a tiny random model, 2 steps: the chain, not the gain")
-    parser.add_argument("--fresh", action="store_true", help="forget the work folder's runs and measure all again")
-    parser.add_argument("--work", type=Path, default=WORK, help="where runs are kept between invocations")
+    add_work_options(parser, WORK)
     add_threads_option(parser)
     opts = parser.parse_args(argv)
     recipe_text = RECIPE.read_text()

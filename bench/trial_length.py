@@ -49,6 +49,7 @@ from bench.harness import (
     ROOT,
     MixedWorkFolder,
     add_threads_option,
+    add_work_options,
     fingerprint,
     keep_runs,
     load_runs,
@@ -333,9 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rung-threshold", type=float, default=RUNG_THRESHOLD, help="a rung's lower bound on rho")
     parser.add_argument("--seed", type=int, default=0, help="train.grpo.seed of every configuration")
     parser.add_argument("--tiny", action="store_true", help="a tiny random model, 4 steps: the chain, not the figures")
-    parser.add_argument("--fresh", action="store_true", help="forget the work folder's runs and measure all again")
     parser.add_argument("--report-only", action="store_true", help="run nothing: report what the work folder holds")
-    parser.add_argument("--work", type=Path, default=WORK, help="where runs are kept between invocations")
+    add_work_options(parser, WORK)
     add_threads_option(parser)
     opts = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

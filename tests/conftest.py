@@ -157,6 +157,15 @@ def mlflow_server_uri(local_stack, s3_endpoint):
 
 
 @pytest.fixture
+def results(tmp_path, monkeypatch):
+    """Where a benchmark run in a test saves its results: a folder of the test's own, not bench/results/."""
+    folder = tmp_path / "results"
+    monkeypatch.setenv("BENCH_RESULTS", str(folder))
+    monkeypatch.setattr("bench.harness.RESULTS", folder)
+    return folder
+
+
+@pytest.fixture
 def busy_machine():
     """Two CPU-bound processes for the length of a test: what a shared CI machine does to its timing."""
     import subprocess

@@ -10,14 +10,6 @@ import pytest
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture
-def results(tmp_path, monkeypatch):
-    folder = tmp_path / "results"
-    monkeypatch.setenv("BENCH_RESULTS", str(folder))
-    monkeypatch.setattr("bench.harness.RESULTS", folder)
-    return folder
-
-
 @pytest.mark.slow
 def test_lora_vs_full_runs_each_arm_in_its_own_process_and_analyses_them(results):
     cmd = [

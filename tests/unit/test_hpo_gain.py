@@ -9,14 +9,6 @@ import pytest
 from bench import hpo_gain
 
 
-@pytest.fixture
-def results(tmp_path, monkeypatch):
-    folder = tmp_path / "results"
-    monkeypatch.setenv("BENCH_RESULTS", str(folder))
-    monkeypatch.setattr("bench.harness.RESULTS", folder)
-    return folder
-
-
 def _totals(level: float, seed: int, n: int = 20) -> list[float]:
     rng = random.Random(seed * 100 + int(level * 10))
     return [min(2.0, max(0.0, level + rng.choice((-0.5, 0.0, 0.5)))) for _ in range(n)]

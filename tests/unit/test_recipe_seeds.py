@@ -8,14 +8,6 @@ from bench import recipe_seeds
 from bench.harness import keep_runs
 
 
-@pytest.fixture
-def results(tmp_path, monkeypatch):
-    folder = tmp_path / "results"
-    monkeypatch.setenv("BENCH_RESULTS", str(folder))
-    monkeypatch.setattr("bench.harness.RESULTS", folder)
-    return folder
-
-
 def finished(seed: int, trained: float) -> dict:
     return {"trained": trained, "base": 0.075, "gain": trained - 0.075, "ci_low": trained - 0.3, "promoted": True}
 
