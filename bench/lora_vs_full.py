@@ -589,8 +589,12 @@ def main(argv: list[str] | None = None) -> dict | None:
     from tests.tiny_model import create_random_model
 
     arms = [a for a in opts.arms.split(",") if a]
-    if "full" not in arms or not set(arms) <= set(ARMS):
-        raise SystemExit(f"--arms {opts.arms!r}: give 'full' (the baseline) and any of lora, qlora")
+    # full fine-tuning is the baseline of the gap; LoRA alone is QLoRA's (the gain over each arm's own base)
+    if not set(arms) <= set(ARMS) or not ("full" in arms or {"lora", "qlora"} <= set(arms)):
+        raise SystemExit(
+            f"--arms {opts.arms!r}: give 'full' (the baseline) and any of lora, qlora; or lora,qlora (QLoRA's gain "
+            "against LoRA's)"
+        )
     demo = load_config(ROOT / "configs" / "demo-cpu.yaml")
     work = (opts.keep or Path(tempfile.mkdtemp(prefix="bench-lora-full-"))).resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -611,7 +615,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     seeds = [int(x) for x in opts.seeds.split(",") if x.strip()]
     runs: list[dict] = []
     started = time.monotonic()
-    name = "lora_vs_full" + ("_tiny" if opts.tiny else "")
+    # without the full arm, a result of its own: the full-vs-adapter result stays as it was
+    name = ("lora_vs_full" if "full" in arms else "qlora_vs_lora") + ("_tiny" if opts.tiny else "")
 
     def one(arm: str, lr: float, seed: int) -> dict:
         """One arm at one rate and seed, in its own process; reused when the work folder has it."""
