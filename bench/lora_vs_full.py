@@ -426,6 +426,87 @@ def sweep_analysis(runs: list[dict], seeds: list[int], wanted_threshold: float) 
     return out
 
 
+def adapter_gains(runs: list[dict], seeds: list[int]) -> dict | None:
+    """QLoRA's gain over its own NF4 base against LoRA's over its base, seed by seed (same data order, same
+    holdout): each run's final holdout reward minus its step-0 one (the base it started from, scored in the same
+    process). The difference QLoRA - LoRA gets a t interval over the seeds, from 3 seeds up (fewer: none).
+
+    >>> run = lambda arm, seed, base, end: {"arm": arm, "seed": seed, "curve": [{"reward": base}, {"reward": end}]}
+    >>> g = adapter_gains([run("lora", 0, .1, .5), run("qlora", 0, .1, .4), run("lora", 1, .1, .7),
+    ...                    run("qlora", 1, .0, .7), run("lora", 2, .2, .6), run("qlora", 2, .1, .4)], [0, 1, 2])
+    >>> [round(x, 2) for x in g["lora"]], [round(x, 2) for x in g["qlora"]], round(g["difference"], 3)
+    ([0.4, 0.6, 0.4], [0.3, 0.7, 0.3], -0.033)
+    >>> g["low"] < g["difference"] < g["high"], round(g["ratio"], 3)
+    (True, 0.929)
+    >>> adapter_gains([run("lora", 0, .1, .5), run("qlora", 0, .1, .4)], [0])["low"] is None
+    True
+    >>> adapter_gains([run("lora", 0, .1, .5)], [0]) is None
+    True
+    """
+    import numpy as np
+    from scipy import stats
+
+    by = {(r["arm"], r["seed"]): r for r in runs if r["arm"] in ("lora", "qlora")}
+    common = [s for s in seeds if ("lora", s) in by and ("qlora", s) in by]
+    if not common:
+        return None
+
+    def gain(run: dict) -> float:
+        return run["curve"][-1]["reward"] - run["curve"][0]["reward"]
+
+    lora = np.array([gain(by["lora", s]) for s in common])
+    qlora = np.array([gain(by["qlora", s]) for s in common])
+    diff = qlora - lora
+    low = high = None
+    if len(common) >= 3:
+        if np.ptp(diff) == 0:  # identical differences: no spread for a t interval
+            low = high = float(diff[0])
+        else:
+            ci = stats.ttest_1samp(diff, 0.0).confidence_interval(0.95)
+            low, high = float(ci.low), float(ci.high)
+    return {
+        "seeds": common,
+        "lora_base": [by["lora", s]["curve"][0]["reward"] for s in common],
+        "qlora_base": [by["qlora", s]["curve"][0]["reward"] for s in common],
+        "lora": lora.tolist(),
+        "qlora": qlora.tolist(),
+        "difference": float(diff.mean()),
+        "low": low,
+        "high": high,
+        "ratio": float(qlora.mean() / lora.mean()) if lora.mean() > 0 else None,
+    }
+
+
+def gain_rows(result: dict) -> list[Row]:
+    """QLoRA's gain against LoRA's (`--arms lora,qlora`): the ratio of the mean gains, goal >= 1; the spread is
+    the difference's t interval over the seeds divided by LoRA's mean gain (1 inside it: within noise)."""
+    g = adapter_gains(result["runs"], result["seeds"])  # from the saved runs: the table follows this code
+    if not g:
+        return []
+    n, lora_mean = len(g["seeds"]), sum(g["lora"]) / len(g["lora"])
+    spread = (1 + g["low"] / lora_mean, 1 + g["high"] / lora_mean) if g["low"] is not None and lora_mean > 0 else None
+    status = "" if result.get("status") == "complete" else f" ({result['status']})"
+
+    def side(label: str, bases: list[float], gains: list[float]) -> str:
+        runs = ", ".join(f"{b:.3f} → {b + x:.3f}" for b, x in zip(bases, gains))
+        return f"{label}: {runs} (mean gain {sum(gains) / len(gains):+.3f})"
+
+    interval = "" if g["low"] is None else f" (95 % CI {g['low']:+.3f} to {g['high']:+.3f})"
+    return [
+        Row(
+            f"QLoRA (NF4) vs LoRA: gain over each one's own base after {result['steps']} steps, {n} seed"
+            f"{'s' if n != 1 else ''}, difference {g['difference']:+.3f}{interval} (`bench.lora_vs_full --arms "
+            f"lora,qlora`){status}",
+            side("LoRA", g["lora_base"], g["lora"]),
+            side("QLoRA", g["qlora_base"], g["qlora"]),
+            g["ratio"],
+            ">= 1",
+            spread=spread,
+            note="" if g["ratio"] is not None else "not measurable: LoRA gained nothing",
+        )
+    ]
+
+
 # ---------------------------------------------------------------- table rows
 
 
@@ -484,8 +565,10 @@ def sweep_rows(result: dict) -> list[Row]:
 
 def table_rows(load) -> list[Row]:
     result = load("lora_vs_full")
+    gains = load("qlora_vs_lora")  # QLoRA against LoRA alone, over seeds (no full arm)
+    gain = gain_rows(gains) if gains is not None else []
     if result is None:
-        return [
+        return gain or [
             Row(
                 "LoRA/QLoRA vs full fine-tuning (`bench.lora_vs_full`)",
                 "full",
@@ -495,7 +578,7 @@ def table_rows(load) -> list[Row]:
                 note="not run yet",
             )
         ]
-    rows = sweep_rows(result) if result.get("sweep") and result["sweep"].get("arms") else []
+    rows = (sweep_rows(result) if result.get("sweep") and result["sweep"].get("arms") else []) + gain
     earlier = load("lora_vs_full_qlora_1seed")  # the earlier one-seed run: its QLoRA rows (not rerun)
     if earlier is not None:
         rows += [r for r in _single_rows(earlier) if r.benchmark.startswith("QLoRA")]
@@ -668,6 +751,7 @@ def main(argv: list[str] | None = None) -> dict | None:
             "analysis": analyse(chosen, opts.threshold) if "full" in chosen else {},
             "arms": chosen,
             "sweep": sweep_analysis(runs, seeds, opts.threshold) if len(runs) > len(arms) else None,
+            "gains": adapter_gains(runs, seeds),
             "runs": runs,
             "seconds": time.monotonic() - started,
             "date": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -715,6 +799,13 @@ def main(argv: list[str] | None = None) -> dict | None:
             f"[lora_vs_full] over seeds {a['seeds']} at the best rates {final['sweep']['best_learning_rate']}: "
             f"{LABEL[label]} {a['arm']} vs full {a['full']}, gap {gap} "
             f"({a.get('gap_low_pct', float('nan')):+.1f} to {a.get('gap_high_pct', float('nan')):+.1f})"
+        )
+    g = final["gains"]
+    if g:
+        interval = "no interval under 3 seeds" if g["low"] is None else f"95 % CI {g['low']:+.3f} to {g['high']:+.3f}"
+        print(
+            f"[lora_vs_full] gains over each arm's own base, seeds {g['seeds']}: LoRA {g['lora']}, QLoRA {g['qlora']}; "
+            f"QLoRA - LoRA {g['difference']:+.3f} ({interval})"
         )
     return final
 

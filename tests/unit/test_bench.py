@@ -93,7 +93,7 @@ def test_full_never_reaching_the_threshold_gives_a_lower_bound_not_a_ratio():
     }
     ttq = result["analysis"]["lora"]["time_to_quality"]
     assert "ratio" not in ttq and ttq["ratio_at_least"] == pytest.approx(80 / 20)
-    table = {r.benchmark: r for r in lora_rows(lambda name: result)}
+    table = {r.benchmark: r for r in lora_rows({"lora_vs_full": result}.get)}
     speed = next(r for name, r in table.items() if "speedup" in name)
     assert speed.verdict == "meets (≥ 4.00)" and "not in 8 steps" in speed.baseline
     gap = next(r for name, r in table.items() if "gap" in name)
@@ -111,7 +111,7 @@ def test_an_adapter_that_never_gets_there_bounds_the_speedup_from_above():
         "analysis": analyse({"full": full, "lora": lora}, threshold=1.0),
     }
     assert result["analysis"]["lora"]["time_to_quality"]["ratio_at_most"] == pytest.approx(80 / 100)
-    speed = next(r for r in lora_rows(lambda name: result) if "speedup" in r.benchmark)
+    speed = next(r for r in lora_rows({"lora_vs_full": result}.get) if "speedup" in r.benchmark)
     assert speed.verdict == "misses (≤ 0.80)" and "LoRA: not in 8 steps (200 CPU s)" == speed.candidate
 
 
@@ -200,3 +200,24 @@ def test_step_profile_refuses_bad_input_before_loading_a_model(capsys):
         with pytest.raises(SystemExit) as exc:
             main(["--precision", "bf16"])
         assert exc.value.code == 2 and "avx512_bf16" in capsys.readouterr().err
+
+
+def _gain_run(arm, seed, base, end):
+    return {"arm": arm, "seed": seed, "learning_rate": 3e-4, "curve": _curve([(0, 0.0, base), (24, 9.0, end)])}
+
+
+@pytest.mark.parametrize(
+    "qlora_ends, verdict",
+    [
+        ([0.30, 0.42, 0.28], "within noise"),  # QLoRA gains less on average, but the seeds' interval covers LoRA's
+        ([0.15, 0.14, 0.16], "misses"),  # less on every seed, beyond the interval
+        ([0.50, 0.47, 0.55], "meets"),
+    ],
+)
+def test_qlora_against_lora_is_judged_on_each_arms_gain_over_its_own_base(qlora_ends, verdict):
+    runs = [_gain_run("lora", s, 0.15, end) for s, end in enumerate([0.45, 0.40, 0.50])]
+    runs += [_gain_run("qlora", s, 0.08, end) for s, end in enumerate(qlora_ends)]
+    result = {"name": "qlora_vs_lora", "status": "complete", "steps": 24, "seeds": [0, 1, 2], "runs": runs}
+    (row,) = lora_rows({"qlora_vs_lora": result}.get)
+    assert row.benchmark.startswith("QLoRA (NF4) vs LoRA: gain over each one's own base")
+    assert row.verdict == verdict, (row.ratio, row.spread)
