@@ -488,7 +488,7 @@ def gain_rows(result: dict) -> list[Row]:
     status = "" if result.get("status") == "complete" else f" ({result['status']})"
 
     def side(label: str, bases: list[float], gains: list[float]) -> str:
-        runs = ", ".join(f"{b:.3f} → {b + x:.3f}" for b, x in zip(bases, gains))
+        runs = ", ".join(f"{b:.3f} → {b + x:.3f}" for b, x in zip(bases, gains, strict=True))
         return f"{label}: {runs} (mean gain {sum(gains) / len(gains):+.3f})"
 
     interval = "" if g["low"] is None else f" (95 % CI {g['low']:+.3f} to {g['high']:+.3f})"
