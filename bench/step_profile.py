@@ -318,8 +318,14 @@ def instrument(trainer: Any, clock: Clock, on_last_step: Callable[[], None], on_
     wrap(clock, model, "_prefill", PREFILL)
     wrap(clock, model, "prepare_inputs_for_generation", GEN_BOOKKEEPING)
     wrap(clock, model, "_update_model_kwargs_for_generation", GEN_BOOKKEEPING)
-    # a forward is a decode step where generate's loop calls it; elsewhere it is part of its caller's phase
-    wrap(clock, model, "forward", lambda: DECODE if clock.top() == GEN_LOOP else None)
+    # a forward is a decode step where generate's loop calls it; under `_generate_single_turn` but outside generate
+    # it is train.prefill_once's prefill of the distinct prompts; elsewhere it is part of its caller's phase
+    wrap(
+        clock,
+        model,
+        "forward",
+        lambda: DECODE if clock.top() == GEN_LOOP else PREFILL if clock.top() == GEN_POST else None,
+    )
 
     class Optimizer(TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):  # the optimizer exists from here on

@@ -416,6 +416,14 @@ class TrainConfig(StrictModel):
         "the adapted weights' memory again while generating). Falls back with a warning on a quantized base "
         "or a LoRA variant (trainer/generation.py)",
     )
+    prefill_once: bool = Field(
+        True,
+        description="prefill each distinct prompt once and share its KV cache with the rows that repeat it (TRL "
+        "repeats each prompt num_generations times before generate, which prefills every copy); the same decode "
+        "batch and sampling draws, so the same completions, log-probs equal to float rounding: on by default for "
+        "that reason. Falls back with a warning where it cannot be exact: a static or quantized cache, beam "
+        "search, assisted or vLLM generation, dropout while sampling (trainer/generation.py)",
+    )
     compact_lm_head: bool = Field(
         True,
         description="on a CPU node, TRL's fused LM head projects only the completion's positions onto the vocabulary, "

@@ -1,5 +1,8 @@
-"""Generation from merged LoRA weights: the sampling pass runs `W + s·BA` in one matmul per layer instead of the
-base layer plus the adapter's three extra ops (dropout, A, B, scaled add) in each of the LoRA-wrapped linears.
+"""Two cuts in a GRPO step's sampling pass, each computing what the path it replaces computes.
+
+**Generation from merged LoRA weights** (`train.merged_generation`): the sampling pass runs `W + s·BA` in one matmul
+per layer instead of the base layer plus the adapter's three extra ops (dropout, A, B, scaled add) in each of the
+LoRA-wrapped linears.
 
 Why: a GRPO step samples its completions token by token. At a CPU batch of 16 sequences x 1 new token, each
 decode forward is ~2,700 tiny torch ops, and an all-linear adapter adds three to each of the base's linears (210
@@ -15,17 +18,36 @@ Only where it can run exactly: vanilla LoRA on full-precision `torch.nn.Linear` 
 into NF4/int8 weights would requantize them), DoRA or another variant, a LoRA bias, or a model without an adapter
 falls back to the unmerged generation with one warning naming the setting; so do weights FSDP or DeepSpeed shard.
 With vLLM generating, there is nothing to merge here.
+
+**Prefill once** (`train.prefill_once`): TRL repeats each prompt `num_generations` times before it calls HF
+`generate`, whose prefill then runs the same prompt through the model once per row (16 rows for 2 distinct prompts
+in the demo). Here `generate` is wrapped for the sampling call: each distinct (left-padded) prompt row runs once,
+all but its last token, into a `DynamicCache`; the cache's rows are then repeated to every row that shares the
+prompt (an index map, so the batch need not be grouped), and HF `generate` continues from that cache with the full
+repeated batch, feeding only each row's last prompt token. The decode batch, its positions (from the same
+attention mask) and its sampling draws are those of the plain call, so the completions are the same and the
+log-probs equal to float rounding (the prompt's keys and values come from a smaller batch, the first new token's
+logits from a one-token step).
+
+It falls back to the plain `generate` (one warning naming the setting) where it cannot be exact or is not
+understood: an encoder-decoder, a model whose cache is not plain full-attention `DynamicCache` layers (sliding
+window, linear attention), `cache_implementation` set (static, offloaded, quantized), beam search, assisted
+generation, several sequences per prompt, inputs other than `input_ids`/`attention_mask` (multimodal), prompts not
+left-padded, dropout active while sampling (it would draw different masks), prompt learning adapters, vLLM or
+transformers' continuous batching, FSDP / DeepSpeed sharding. A batch without a repeated prompt runs the plain call
+silently: there is nothing to share.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 log = logging.getLogger(__name__)
 SETTING = "train.merged_generation"
+PREFILL_SETTING = "train.prefill_once"
 
 
 def wanted(setting: bool | None, cuda: bool) -> bool:
@@ -121,3 +143,236 @@ def trainer_class(base: type) -> type:
                 return super()._generate_single_turn(*args, **kwargs)
 
     return MergedGenerationTrainer
+
+
+# what `prefilled_generate` passes on to `generate` untouched; anything else it does not claim to understand
+_UNDERSTOOD = {"input_ids", "attention_mask", "generation_config"}
+
+
+def _forward_params(model: Any) -> set[str]:
+    import inspect
+
+    return set(inspect.signature(model.forward).parameters)
+
+
+def _cache_kwarg(model: Any) -> str | None:
+    """The name `model.forward` takes its KV cache under (`cache` in transformers 5.x, `past_key_values` before)."""
+    params = _forward_params(model)
+    return next((name for name in ("cache", "past_key_values") if name in params), None)
+
+
+def _dropout_while_sampling(model: Any) -> str | None:
+    """A dropout that would draw random masks in `model`'s forward now (TRL samples in train mode), or None."""
+    import torch
+
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout) and module.training and module.p > 0:
+            return f"{type(module).__name__}(p={module.p})"
+    if any(m.training for m in model.modules()):
+        config = model.config.get_text_config(decoder=True).to_dict()
+        for key, value in config.items():
+            if (
+                ("dropout" in key or "pdrop" in key)
+                and isinstance(value, int | float)
+                and not isinstance(value, bool)
+                and value > 0
+            ):
+                return f"{key}={value}"
+    return None
+
+
+def prefill_blocker(model: Any, kwargs: dict[str, Any]) -> str | None:
+    """Why `model.generate(**kwargs)` (a transformers model, no PEFT wrapper) cannot continue exactly from a cache
+    that `prefilled_generate` filled, or None.
+
+    >>> import torch
+    >>> prefill_blocker(torch.nn.Linear(2, 2), {})
+    'Linear is not a transformers generative model'
+    """
+    from transformers import GenerationMixin
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+    from transformers.generation.configuration_utils import GenerationMode
+
+    if not isinstance(model, GenerationMixin) or not hasattr(model, "config"):
+        return f"{type(model).__name__} is not a transformers generative model"
+    if model.config.is_encoder_decoder:
+        return "the model is an encoder-decoder"
+    if not model._supports_default_dynamic_cache() or _cache_kwarg(model) is None:
+        return f"{type(model).__name__} does not take a DynamicCache"
+    layers = DynamicCache(config=model.config.get_text_config(decoder=True)).layers
+    if any(type(layer) is not DynamicLayer for layer in layers):
+        odd = next(type(layer).__name__ for layer in layers if type(layer) is not DynamicLayer)
+        return f"the model's cache has {odd} layers (only full-attention DynamicLayer is prefilled)"
+    if "assistant_model" in kwargs:
+        return "assisted generation"
+    rest = {k: v for k, v in kwargs.items() if k not in _UNDERSTOOD}
+    try:  # the config generate will run with: the call's, over the model's, over transformers' defaults
+        config, model_kwargs = model._prepare_generation_config(kwargs.get("generation_config"), **rest)
+    except Exception as exc:  # whatever it is, the plain call raises it or copes
+        return f"the generation config could not be read ({type(exc).__name__})"
+    if model_kwargs:
+        return f"generate got {', '.join(sorted(model_kwargs))} (only input_ids and attention_mask are understood)"
+    mode = config.get_generation_mode()
+    if mode == GenerationMode.ASSISTED_GENERATION:
+        return "assisted generation"
+    if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
+        return f"{mode.value} decoding"
+    if (config.num_return_sequences or 1) != 1:
+        return f"num_return_sequences={config.num_return_sequences}"
+    if config.cache_implementation is not None:
+        return f"cache_implementation={config.cache_implementation!r}"
+    if config.use_cache is False:
+        return "use_cache=False"
+    if config.prefill_chunk_size is not None or config.token_healing:
+        return "chunked prefill or token healing"
+    ids: Any = kwargs.get("input_ids")
+    mask: Any = kwargs.get("attention_mask")
+    if not _token_batch(ids, mask):
+        return "generate needs input_ids and an attention_mask of the same 2-D shape here"
+    if not bool(((mask == 0) | (mask == 1)).all()) or not bool((mask[:, 1:] >= mask[:, :-1]).all()):
+        return "the prompts are not left-padded"
+    if ids.shape[1] > 1 and not bool(mask[:, -1].all()):
+        return "the prompts are not left-padded"
+    if reason := _dropout_while_sampling(model):
+        return f"dropout is active while sampling ({reason}): the rows would draw different masks"
+    return None
+
+
+def _token_batch(ids: Any, mask: Any) -> bool:
+    """Whether `ids` and `mask` are token ids and an attention mask of one 2-D shape."""
+    import torch
+
+    return (
+        isinstance(ids, torch.Tensor)
+        and isinstance(mask, torch.Tensor)
+        and ids.ndim == 2
+        and mask.shape == ids.shape
+        and not ids.dtype.is_floating_point
+    )
+
+
+def distinct_rows(input_ids: Any, attention_mask: Any) -> tuple[list[int], list[int]]:
+    """The first row of each distinct (input_ids, attention_mask) pair, in order of first appearance, and for each
+    row the index of its pair among them.
+
+    >>> import torch
+    >>> ids = torch.tensor([[0, 5, 6], [7, 8, 9], [0, 5, 6], [7, 8, 9]])
+    >>> distinct_rows(ids, (ids != 0).long())
+    ([0, 1], [0, 1, 0, 1])
+    """
+    import torch
+
+    firsts: list[int] = []
+    index: dict[tuple[int, ...], int] = {}
+    inverse = []
+    for row, key in enumerate(torch.cat([input_ids, attention_mask.to(input_ids.dtype)], dim=1).tolist()):
+        if tuple(key) not in index:
+            index[tuple(key)] = len(firsts)
+            firsts.append(row)
+        inverse.append(index[tuple(key)])
+    return firsts, inverse
+
+
+def prefilled_generate(model: Any, generate: Callable[..., Any], warn: Callable[[str], None], **kwargs: Any) -> Any:
+    """`generate(**kwargs)` (`model`'s own, bound), with each distinct prompt prefilled once where
+    `prefill_blocker` allows; elsewhere the plain call, after `warn(reason)`. A batch without repeats, or prompts
+    of one token, run the plain call silently."""
+    import torch
+    from transformers.cache_utils import DynamicCache
+
+    ids: Any = kwargs.get("input_ids")
+    mask: Any = kwargs.get("attention_mask")
+    shared = distinct_rows(ids, mask) if _token_batch(ids, mask) else None
+    if shared and (len(shared[0]) == ids.shape[0] or ids.shape[1] < 2):  # nothing shared or before the last token
+        return generate(**kwargs)
+    if reason := prefill_blocker(model, kwargs):
+        warn(reason)
+        return generate(**kwargs)
+    cache_name = _cache_kwarg(model)
+    assert shared is not None and cache_name is not None  # prefill_blocker checked both
+    firsts, inverse = shared
+    rows = torch.tensor(firsts, device=ids.device)
+    cache = DynamicCache(config=model.config.get_text_config(decoder=True))
+    # what generate's own prefill passes, on the distinct rows and all but their last token: positions from the
+    # attention mask (left padding counts none), the 2-D mask unless it is all ones (generate drops it then), one
+    # position's logits
+    inputs: dict[str, Any] = {"input_ids": ids[rows, :-1], cache_name: cache, "use_cache": True, "return_dict": True}
+    if "position_ids" in _forward_params(model):
+        positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+        inputs["position_ids"] = positions[rows, :-1]
+    if not bool((mask == 1).all()):
+        inputs["attention_mask"] = mask[rows, :-1]
+    if model._supports_logits_to_keep():
+        inputs["logits_to_keep"] = 1
+    with torch.no_grad():
+        model(**inputs)
+    cache.batch_select_indices(torch.tensor(inverse, device=ids.device))  # each row gets its prompt's keys/values
+    # generate sees a cache of length-1 tokens beside the full ids and mask: it feeds each row's last token only
+    return generate(**kwargs, **{cache_name: cache})
+
+
+def _generating_model(model: Any) -> Any:
+    """The transformers model whose `generate` runs the decode loop: a PeftModel's base model, else `model`."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+@contextmanager
+def prefill_once(model: Any, warn: Callable[[str], None]) -> Iterator[None]:
+    """Inside: `model.generate` (a transformers model, or a PeftModel over one) prefills each distinct prompt once
+    (`prefilled_generate`), calling `warn(reason)` where it cannot; after: `generate` is the model's own again."""
+    config = getattr(model, "active_peft_config", None)
+    if config is not None and config.is_prompt_learning:  # its virtual tokens go in front of the prompt's
+        warn(f"the adapter is prompt learning ({config.peft_type})")
+        yield
+        return
+    target = _generating_model(model)
+    had = "generate" in vars(target)
+    shadowed = vars(target).get("generate")
+    plain = target.generate
+
+    def generate(*args: Any, **kwargs: Any) -> Any:
+        if args:  # TRL passes everything by name; positional inputs are not read here
+            warn("generate got positional arguments")
+            return plain(*args, **kwargs)
+        return prefilled_generate(target, plain, warn, **kwargs)
+
+    target.generate = generate
+    try:
+        yield
+    finally:
+        if had:
+            target.generate = shadowed
+        else:
+            del target.generate
+
+
+def prefill_trainer_class(base: type) -> type:
+    """`base` (TRL's GRPOTrainer or one of the project's subclasses) prefilling each distinct prompt once in its
+    transformers generation (`prefill_once`); where it cannot, it generates as `base` does, after one warning naming
+    `PREFILL_SETTING`."""
+
+    class PrefillOnceTrainer(base):
+        _prefill_warned = False
+
+        def _warn_prefill(self, reason: str) -> None:
+            if not self._prefill_warned:
+                self._prefill_warned = True
+                log.warning("%s: prefilling every row as generate does: %s", PREFILL_SETTING, reason)
+
+        def _generate_single_turn(self, *args: Any, **kwargs: Any) -> Any:
+            if self.use_vllm:
+                reason = "vLLM generates (use_vllm; it shares prompt prefixes itself)"
+            elif getattr(self, "use_transformers_continuous_batching", False):
+                reason = "transformers' continuous batching generates"
+            elif getattr(self, "is_fsdp_enabled", False) or getattr(self, "is_deepspeed_enabled", False):
+                reason = "FSDP / DeepSpeed shard the weights (the ranks' forward counts must agree)"
+            else:
+                reason = None
+            if reason:
+                self._warn_prefill(reason)
+                return super()._generate_single_turn(*args, **kwargs)
+            with prefill_once(self.accelerator.unwrap_model(self.model_wrapped), self._warn_prefill):
+                return super()._generate_single_turn(*args, **kwargs)
+
+    return PrefillOnceTrainer

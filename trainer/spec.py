@@ -77,6 +77,7 @@ class TrainSettings(_Strict):
     early_stopping_patience: int | None
     s3_endpoint_url: str | None
     merged_generation: bool | None = None  # None: on where the node has no GPU (trainer.generation)
+    prefill_once: bool = True  # each distinct prompt prefilled once, its cache shared (trainer.generation)
     compact_lm_head: bool = True  # the loss's LM head projects only the completion's positions (trainer.lm_head)
     distributed: DistributedConfig = DistributedConfig()  # train.distributed as configured
     health: HealthConfig = HealthConfig()

@@ -324,7 +324,9 @@ def _attempt(
 
         trainer_cls = dynamic_sampling_class(trainer_cls)
         extra["dynamic_sampling"] = dynamic
-    if generation.wanted(spec.train.merged_generation, torch.cuda.is_available()):
+    if spec.train.prefill_once:
+        trainer_cls = generation.prefill_trainer_class(trainer_cls)
+    if generation.wanted(spec.train.merged_generation, torch.cuda.is_available()):  # composes: both wrap generation
         trainer_cls = generation.trainer_class(trainer_cls)
     trainer = trainer_cls(
         model=model,

@@ -1,6 +1,7 @@
 """The CPU step's cuts (bench.step_profile), each computing what the path it replaces computes: no gradient
 checkpointing (TRL's default recomputes each layer's forward inside the backward); generation from the merged LoRA
-weights (trainer/generation.py); the fused LM head scoring only the completion's positions (trainer/lm_head.py)."""
+weights and each distinct prompt prefilled once (trainer/generation.py); the fused LM head scoring only the
+completion's positions (trainer/lm_head.py)."""
 
 import contextlib
 
@@ -101,9 +102,10 @@ def test_merged_generation_falls_back_where_it_cannot_be_exact(tiny_model):
     assert merge_blocker(torch.nn.Linear(2, 2)) == "the model has no PEFT adapter"
 
 
-def _two_steps(model_dir, trainer_args, merged: bool, use_dora: bool = False) -> dict:
-    """Two GRPO steps of the trainer's settings on the tiny model: the completions each step sampled, the per-token
-    log-probs of the loss's forward (policy, with grad) and the logged losses; the adapter's weights at the end."""
+def _two_steps(model_dir, trainer_args, merged: bool, prefill: bool = False, *overrides: str, **lora) -> dict:
+    """Two GRPO steps of the trainer's settings (and `overrides`) on the tiny model: the completions each step
+    sampled, the per-token log-probs of the loss's forward (policy, with grad) and the logged losses; the adapter's
+    weights at the end. `merged`, `prefill`: the trainer classes train.py wraps for those settings."""
     from datasets import Dataset
     from peft import LoraConfig
     from trl import GRPOTrainer
@@ -120,16 +122,23 @@ def _two_steps(model_dir, trainer_args, merged: bool, use_dora: bool = False) ->
 
     load = ModelLoad(quantization="none", double_quant=False, compute_dtype="float32", trust_remote_code=False)
     model, tokenizer = load_model(str(model_dir), load)
-    cls = generation.trainer_class(GRPOTrainer) if merged else GRPOTrainer
+    cls = generation.prefill_trainer_class(GRPOTrainer) if prefill else GRPOTrainer
+    cls = generation.trainer_class(cls) if merged else cls  # as train.py stacks them
     trainer = cls(
         model=model,
         reward_funcs=[length_reward],
-        args=trainer_args("train.grpo.max_steps=2", "train.rewards=[number_only]"),  # one reward weight
-        train_dataset=Dataset.from_list([{"prompt": f"What is {a} + {b}?"} for a in range(6) for b in range(6)]),
-        processing_class=tokenizer,
-        peft_config=LoraConfig(
-            task_type="CAUSAL_LM", r=4, lora_alpha=8, target_modules="all-linear", use_dora=use_dora
+        # one reward weight
+        args=trainer_args("train.grpo.max_steps=2", "train.rewards=[number_only]", *overrides),
+        # the odd sums' prompts longer: two prompts in a batch are left-padded to the longer one
+        train_dataset=Dataset.from_list(
+            [
+                {"prompt": f"What is {a} + {b}?" + " Reply with just the number." * ((a + b) % 2)}
+                for a in range(6)
+                for b in range(6)
+            ]
         ),
+        processing_class=tokenizer,
+        peft_config=LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=8, target_modules="all-linear", **lora),
     )
     logps = trainer._get_per_token_logps_and_entropies
 
@@ -162,7 +171,7 @@ def test_the_trainer_with_merged_generation_trains_as_the_default(tiny_model, tr
 
 def test_merged_generation_warns_once_and_trains_unmerged_with_a_lora_variant(tiny_model, trainer_args, caplog):
     with caplog.at_level("WARNING", logger="grpo_pipeline.trainer.generation"):
-        run = _two_steps(tiny_model, trainer_args, merged=True, use_dora=True)
+        run = _two_steps(tiny_model, trainer_args, True, False, use_dora=True)
     warnings = [r.getMessage() for r in caplog.records if r.name == "grpo_pipeline.trainer.generation"]
     assert len(warnings) == 1 and warnings[0].startswith("train.merged_generation: generating from the unmerged")
     assert len(run["completions"]) == 2 and torch.isfinite(run["loss"]).all()
@@ -175,6 +184,127 @@ def test_a_cpu_node_generates_from_merged_weights_unless_the_recipe_says_not(tin
     assert train_settings(tiny_config().train).merged_generation is None
     assert wanted(train_settings(tiny_config().train).merged_generation, cuda=torch.cuda.is_available())
     assert train_settings(tiny_config("train.merged_generation=false").train).merged_generation is False
+
+
+def _prompt_batch(tokenizer, order):
+    """Two prompts of different lengths, repeated in `order` (not grouped), left-padded as TRL pads them."""
+    prompts = [tokenizer("What is 3 + 4? Reply with just the number.").input_ids, tokenizer("What is 2 + 5?").input_ids]
+    width = max(len(p) for p in prompts)
+    assert len(prompts[1]) < width  # the shorter one is padded: the positions and mask must carry over
+    ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(prompts[i])) + prompts[i] for i in order])
+    mask = torch.tensor([[0] * (width - len(prompts[i])) + [1] * len(prompts[i]) for i in order])
+    return ids, mask
+
+
+def _generate(model, ids, mask, prefill: bool, warnings: list, **config):
+    from grpo_pipeline.trainer.generation import prefill_once
+
+    torch.manual_seed(0)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=10, pad_token_id=model.config.pad_token_id)
+    with prefill_once(model, warnings.append) if prefill else contextlib.nullcontext():
+        return model.generate(**kwargs, return_dict_in_generate=True, output_logits=True, **config)
+
+
+def _token_logps(out, width: int):
+    """The log-probs of each generated token under the logits generate sampled it from."""
+    logps = torch.log_softmax(torch.stack(out.logits, 1), -1)
+    return logps.gather(-1, out.sequences[:, width:, None]).squeeze(-1)
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_prefill_once_generates_what_generate_does(tiny_model, monkeypatch, sampled):
+    """Each distinct prompt prefilled once, its cache repeated to its rows (interleaved, left-padded), then HF
+    generate continues from it: the same tokens, greedy or sampled from one seed (the decode batch draws the same
+    numbers), and the per-token log-probs to float32 rounding (1e-5): the prompt's keys and values come from a
+    batch of 2 instead of 8, the first new token's logits from a one-token step."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    model = _peft_model(tiny_model)  # as TRL generates: through the PeftModel, its adapter live
+    ids, mask = _prompt_batch(tokenizer, [0, 1, 1, 0, 1, 0, 0, 1])
+    selected = _count_prefills(monkeypatch)
+    config = dict(do_sample=True, temperature=0.8) if sampled else dict(do_sample=False)
+    warnings: list = []
+    plain = _generate(model, ids, mask, False, warnings, **config)
+    assert not selected  # the plain call shares nothing
+    once = _generate(model, ids, mask, True, warnings, **config)
+    assert selected == [[0, 1, 1, 0, 1, 0, 0, 1]] and warnings == []  # prefilled: 2 rows, mapped back in order
+    assert "generate" not in vars(model.get_base_model())  # the model's own generate again
+    assert torch.equal(once.sequences, plain.sequences)
+    width = ids.shape[1]
+    torch.testing.assert_close(_token_logps(once, width), _token_logps(plain, width), rtol=0, atol=1e-5)
+    if sampled:  # not one greedy path: the rows of one prompt sampled different completions
+        assert len({tuple(r) for r in plain.sequences[mask[:, 0] == 0].tolist()}) > 1
+
+
+def test_prefill_once_falls_back_to_the_plain_call(tiny_model):
+    """Where it cannot be exact (beam search here) or has nothing to share (no repeated prompt), the plain generate
+    runs: the same output, the reason passed to `warn` only in the first case."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    model = _peft_model(tiny_model)
+    ids, mask = _prompt_batch(tokenizer, [0, 1, 0, 1])
+    warnings: list = []
+    beams = _generate(model, ids, mask, True, warnings, do_sample=False, num_beams=2)
+    assert torch.equal(beams.sequences, _generate(model, ids, mask, False, [], do_sample=False, num_beams=2).sequences)
+    assert warnings == ["beam_search decoding"]
+    warnings.clear()
+    distinct = _generate(model, ids[:2], mask[:2], True, warnings, do_sample=False)
+    assert torch.equal(distinct.sequences, _generate(model, ids[:2], mask[:2], False, [], do_sample=False).sequences)
+    assert warnings == []
+
+
+def _count_prefills(monkeypatch) -> list:
+    from transformers.cache_utils import DynamicCache
+
+    selected: list = []
+    select = DynamicCache.batch_select_indices
+    monkeypatch.setattr(
+        DynamicCache, "batch_select_indices", lambda self, i: (selected.append(i.tolist()), select(self, i))[1]
+    )
+    return selected
+
+
+def test_the_trainer_with_prefill_once_trains_as_the_default(tiny_model, trainer_args, monkeypatch):
+    """The real GRPOTrainer, two steps from one seed, 2 prompts x 2 generations a step: prefilling each distinct
+    prompt once samples the same completions, so the loss's forward computes the same log-probs and loss (1e-6) and
+    the adapter ends the same (1e-5); so does it together with generation from merged weights."""
+    two = ("train.grpo.num_generations=2",)
+    plain = _two_steps(tiny_model, trainer_args, False, False, *two)
+    selected = _count_prefills(monkeypatch)
+    runs = {"prefill": _two_steps(tiny_model, trainer_args, False, True, *two)}
+    assert len(selected) == 2 and all(len(set(s)) == 2 and len(s) == 4 for s in selected)  # both steps prefilled
+    runs["merged + prefill"] = _two_steps(tiny_model, trainer_args, True, True, *two)
+    assert len(selected) == 4
+    for name, run in runs.items():
+        assert run["completions"] == plain["completions"] and len(plain["completions"]) == 2, name
+        for got, want in zip(run["logps"], plain["logps"], strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=name)
+        torch.testing.assert_close(run["loss"], plain["loss"], rtol=1e-6, atol=1e-6, msg=name)
+        for key, want in plain["adapter"].items():
+            torch.testing.assert_close(run["adapter"][key], want, rtol=1e-5, atol=1e-7, msg=f"{name}: {key}")
+
+
+def test_prefill_once_warns_once_and_generates_plainly_where_dropout_samples(
+    tiny_model, trainer_args, caplog, monkeypatch
+):
+    """TRL samples in train mode: a LoRA dropout draws a mask per row, which a shared prefill would not. Two steps,
+    one warning that names the setting, no prefill."""
+    selected = _count_prefills(monkeypatch)
+    with caplog.at_level("WARNING", logger="grpo_pipeline.trainer.generation"):
+        run = _two_steps(tiny_model, trainer_args, False, True, lora_dropout=0.1)
+    warnings = [r.getMessage() for r in caplog.records if r.name == "grpo_pipeline.trainer.generation"]
+    assert len(warnings) == 1 and warnings[0].startswith("train.prefill_once: prefilling every row"), warnings
+    assert "dropout" in warnings[0] and selected == []
+    assert len(run["completions"]) == 2 and torch.isfinite(run["loss"]).all()
+
+
+def test_prefill_once_is_on_unless_the_recipe_says_not(tiny_config):
+    from grpo_pipeline.tasks.job import train_settings
+
+    assert train_settings(tiny_config().train).prefill_once is True
+    assert train_settings(tiny_config("train.prefill_once=false").train).prefill_once is False
 
 
 def _fused_head_pass(model_dir, compact: bool):
