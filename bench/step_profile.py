@@ -768,8 +768,8 @@ def table_rows(load) -> list[Row]:
                 unit="%",
             )
         )
-    ab = load(NAME + "_ab")
-    if ab is not None:
+    # the cuts' A/B runs: `_ab` (merged generation and the compact LM head), `_ab_all` (every cut against none)
+    for ab in filter(None, (load(NAME + "_ab"), load(NAME + "_ab_all"))):
         # CPU time per step: what a niced benchmark on a shared machine can still measure; the wall ratio is in the name
         c, w = ab["cpu"], ab["wall"]
         rows.append(
