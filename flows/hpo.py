@@ -106,9 +106,7 @@ def run_search(cfg: PipelineConfig) -> dict:
     rewards = cfg.train.reward_set()  # resolved once, as the pipeline does
     run_dir = cfg.data_dir / "runs" / f"{datetime.now():%Y%m%d-%H%M%S}-{(flow_run.id or 'local')[:8]}-hpo"
     model_path = resolve_model_task(cfg.model, cfg.data_dir / "models")
-    dataset = data_task(
-        cfg.data, cfg.data_dir / "datasets", model_path, list(rewards.names), dict(rewards.args)
-    )  # as the pipeline does
+    dataset = data_task(cfg.data, cfg.data_dir / "datasets", model_path, rewards)  # as the pipeline does
     experiment_id = setup_tracking(cfg.mlflow_uri, cfg.tracking.experiment, cfg.data_dir / "mlartifacts")
     # the adapter a daily run would continue: searched from, as the pipeline's own search does
     warm_start = warm_start_stage(cfg, Registry(MlflowClient(cfg.mlflow_uri), cfg.tracking.registered_model), run_dir)

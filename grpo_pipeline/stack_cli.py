@@ -16,6 +16,7 @@ import typer
 
 from grpo_pipeline.failure import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, err
 from grpo_pipeline.failure import fail as _fail
+from grpo_pipeline.infra.services import STALL_S, START_CEILING_S
 from grpo_pipeline.infra.stack import DEFAULT_PORTS, DEFAULT_ROOT  # light: the service helpers, no clients
 from grpo_pipeline.loading import load
 
@@ -30,13 +31,13 @@ app = typer.Typer(no_args_is_help=True, help="Local PostgreSQL, S3, MLflow and P
 RootOpt = Annotated[Path, typer.Option("--dir", help="where the stack keeps its data and state")]
 
 
-def _stack(root: Path, **ports: int | None) -> Stack:
+def _stack(root: Path, start_timeout_s: float = START_CEILING_S, **ports: int | None) -> Stack:
     """The stack recorded under `root`; an unreadable state file is an input error, named with its fix."""
     from grpo_pipeline.infra.services import ServiceError
     from grpo_pipeline.infra.stack import Stack
 
     try:
-        return Stack(root, ports=ports)
+        return Stack(root, ports=ports, start_timeout_s=start_timeout_s)
     except ServiceError as exc:
         _fail(False, str(exc), EXIT_CONFIG)
 
@@ -52,6 +53,14 @@ def stack_up(
     ] = False,
     serve_config: Annotated[Path | None, typer.Option(help="the pipeline config the router serves")] = None,
     serve_port: Annotated[int | None, typer.Option(help=f"router port (default {DEFAULT_PORTS['serve']})")] = None,
+    start_timeout: Annotated[
+        float,
+        typer.Option(
+            min=1,
+            help=f"seconds each server may take to start while it makes progress; one whose log and CPU time stand "
+            f"still for {STALL_S:.0f} s is given up sooner",
+        ),
+    ] = START_CEILING_S,
 ) -> None:
     """Start the services that are not running. Into a pipe (`eval "$(grpo-pipeline stack up)"`) it prints the
     environment exports; to a terminal only where things are, so the stack's credentials (S3 key, MLflow
@@ -61,7 +70,7 @@ def stack_up(
     from grpo_pipeline.infra.services import Refused, ServiceError
     from grpo_pipeline.infra.stack import DEFAULT_UP, exports
 
-    stack = _stack(root, s3=s3_port, mlflow=mlflow_port, prefect=prefect_port, serve=serve_port)
+    stack = _stack(root, start_timeout, s3=s3_port, mlflow=mlflow_port, prefect=prefect_port, serve=serve_port)
     options = _serve_options(serve_config) if serve else None
     try:
         with _progress("starting", "started") as step:

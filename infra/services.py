@@ -28,7 +28,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,11 @@ ACCESS_KEY, SECRET_KEY = "grpo-test", "grpo-test-secret"
 REGION = "us-east-1"
 WEED_PORTS = ["master.port", "volume.port", "filer.port", "s3.port", "s3.port.iceberg", "s3.port.lance", "metricsPort"]
 GRPC_OFFSET = 10000  # SeaweedFS listens on port + 10000 for gRPC unless told otherwise
+# How long a server may take to start: it is waited for while it makes progress (`wait_until`), so the ceiling only
+# ends a start that keeps working without ever answering (a fixed 120 s failed MLflow's start under a load average of
+# 10 on two cores); `grpo-pipeline stack up --start-timeout` sets another.
+START_CEILING_S = 900.0
+STALL_S = 120.0  # no log line and no CPU second for this long: hung (a loaded machine still gives it CPU)
 
 
 class ServiceError(RuntimeError):
@@ -69,10 +74,11 @@ class Service:
     url: str  # what a client connects to (for PostgreSQL: the server URI over its Unix socket)
     workdir: str
     log: str
-    created: float  # the process's start time: a recycled pid is never taken for ours
+    created: float  # the process's start time (epoch seconds), for people and for records without `identity`
     stop_signal: int = int(signal.SIGTERM)
     group: bool = True  # signal the whole process group (the server and any workers it forked)
     extra: dict = field(default_factory=dict)
+    identity: str | None = None  # `process_identity` at the start: what tells ours from a recycled pid
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -154,13 +160,45 @@ def free_port_pair() -> int:
     raise ServiceError("no free port pair on 127.0.0.1")
 
 
-def alive(pid: int, created: float) -> bool:
-    """The process `pid` runs and is the one started at `created` (not a later process with a recycled pid)."""
+# A record without an identity (a state file from before identities, a system without /proc) is judged by its
+# epoch start time, which psutil computes as the start tick plus the kernel's boot time in whole seconds
+# (/proc/stat btime): that moves by a whole second whenever an adjustment of the wall clock carries the true boot
+# time across a second boundary, so one second (and a tick of rounding) is no evidence of another process.
+CLOCK_SLACK_S = 1.02
+
+
+def process_identity(pid: int) -> str | None:
+    """`<boot id>:<start tick>` of process `pid`: the tick since boot at which the kernel started it (field 22 of
+    /proc/<pid>/stat) and the boot it counts from. Exact, and unlike an epoch start time (psutil's create_time,
+    which adds the boot time in whole seconds as the wall clock has it now) never moved by the clock: the same
+    process always gives the same string, a later process with the same pid another. None without /proc (macOS)
+    or when `pid` does not run.
+
+    >>> process_identity(os.getpid()) == process_identity(os.getpid()) != process_identity(os.getppid())
+    True
+    """
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rpartition(")")[2].split()  # after the command name, which may hold spaces and parentheses
+    return f"{boot}:{fields[19]}"  # fields[0] is field 3 (the state); field 22 is the start time in ticks
+
+
+def alive(service: Service) -> bool:
+    """The process `service.pid` runs and is the one `spawn` (or `start_postgres`) started, not a later process
+    with a recycled pid: the same `process_identity`, or for a record without one, the same epoch start time
+    within `CLOCK_SLACK_S`."""
     import psutil
 
     try:
-        proc = psutil.Process(pid)
-        return abs(proc.create_time() - created) < 1 and proc.status() != psutil.STATUS_ZOMBIE
+        proc = psutil.Process(service.pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return False
+        if service.identity is not None:
+            return process_identity(service.pid) == service.identity
+        return abs(proc.create_time() - service.created) <= CLOCK_SLACK_S
     except psutil.Error:
         return False
 
@@ -188,6 +226,7 @@ def spawn(name: str, args: list[str], workdir: Path, env: dict[str, str] | None 
         workdir=str(workdir),
         log=str(log_path),
         created=psutil.Process(proc.pid).create_time(),
+        identity=process_identity(proc.pid),
     )
 
 
@@ -213,23 +252,59 @@ def log_tail(path: str | Path, lines: int = 10, since: int = 0) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def wait_until(ready: Callable[[], bool], service: Service, timeout_s: float) -> None:
-    """Until `ready()`; a process that exits meanwhile raises `ServiceExited` with its status and the end of its
-    log (what went wrong is usually its last line). One that is not ready in time is stopped, and so is one whose
-    wait ends any other way (Ctrl-C, a failing check): it runs in its own session, so nothing else would stop it."""
-    deadline = time.monotonic() + timeout_s
+def _progress(service: Service) -> tuple[int, float]:
+    """What grows while a service works its way up: its log's size and the CPU time of its process and its
+    children (imports, migrations: a loaded machine slows them, it does not stop them)."""
+    import psutil
+
+    try:
+        size = os.stat(service.log).st_size
+    except OSError:
+        size = -1
+    cpu = 0.0
+    try:
+        proc = psutil.Process(service.pid)
+        for p in (proc, *proc.children(recursive=True)):
+            with suppress(psutil.Error):  # a child that ended between the listing and the reading
+                times = p.cpu_times()
+                cpu += times.user + times.system
+    except psutil.Error:
+        pass
+    return size, cpu
+
+
+def wait_until(
+    ready: Callable[[], bool], service: Service, timeout_s: float, *, stall_s: float | None = STALL_S
+) -> None:
+    """Until `ready()`, for as long as the service makes progress (`_progress`: its log grows or it uses CPU), up
+    to `timeout_s` in all: a slow start on a loaded machine is waited for, a hung one (`stall_s` without progress;
+    None: never judged so) is not. A process that exits meanwhile raises `ServiceExited` with its status and the
+    end of its log (what went wrong is usually its last line). One that is not ready in time is stopped, and so is
+    one whose wait ends any other way (Ctrl-C, a failing check): it runs in its own session, so nothing else would
+    stop it."""
+    started = moved = time.monotonic()
+    last = _progress(service)
     try:
         while not ready():
-            if not alive(service.pid, service.created):
+            if not alive(service):
                 code = exit_code(service)
                 raise ServiceExited(
                     f"{service.name} exited{'' if code is None else f' with {code}'} during start-up; its log "
                     f"({service.log}) ends:\n{log_tail(service.log)}",
                     code,
                 )
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if (seen := _progress(service)) != last:
+                last, moved = seen, now
+            if now - started > timeout_s:
                 raise ServiceError(
-                    f"{service.name} not ready at {service.url} after {timeout_s:.0f} s; see {service.log}"
+                    f"{service.name} not ready at {service.url} after {timeout_s:.0f} s, its ceiling (it was still "
+                    f"working {now - moved:.0f} s ago); see {service.log}"
+                )
+            if stall_s is not None and now - moved > stall_s:
+                raise ServiceError(
+                    f"{service.name} not ready at {service.url}: no progress (its log unchanged, no CPU used) for "
+                    f"{stall_s:.0f} s, {now - started:.0f} s after its start; see {service.log}"
                 )
             time.sleep(0.5)
     except BaseException:
@@ -253,7 +328,7 @@ def stop(service: Service, grace_s: float = 10) -> None:
 def _stop_process(service: Service, grace_s: float) -> None:
     import psutil
 
-    if not alive(service.pid, service.created):
+    if not alive(service):
         return
 
     def send(sig: int) -> None:
@@ -321,7 +396,7 @@ def start_seaweedfs(
     *,
     s3_port: int | None = None,
     ports: dict[str, int] | None = None,
-    ready_timeout_s: float = 90,
+    ready_timeout_s: float = START_CEILING_S,
 ) -> Service:
     """`weed server -s3` on loopback with one identity (wrong credentials are refused, as on AWS); returns once
     `bucket` exists. `ports` (from an earlier start) are reused so the volume and filer keep their addresses."""
@@ -417,7 +492,7 @@ def s3_healthy(service: Service, access_key: str, secret_key: str) -> bool:
 
 
 @contextmanager
-def seaweedfs_s3(workdir: Path, bucket: str, ready_timeout_s: float = 90) -> Iterator[str]:
+def seaweedfs_s3(workdir: Path, bucket: str, ready_timeout_s: float = START_CEILING_S) -> Iterator[str]:
     """SeaweedFS with the test identity; yields the endpoint URL and exports its credentials to this process."""
     service = start_seaweedfs(workdir, bucket, ACCESS_KEY, SECRET_KEY, ready_timeout_s=ready_timeout_s)
     os.environ.update(AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY, AWS_DEFAULT_REGION=REGION)
@@ -470,6 +545,7 @@ def start_postgres(workdir: Path, databases: tuple[str, ...] = ()) -> Service:
         workdir=str(workdir),
         log=str(workdir / "pgdata" / "log"),
         created=psutil.Process(pid).create_time(),
+        identity=process_identity(pid),
         stop_signal=int(signal.SIGINT),
         group=False,
     )
@@ -564,7 +640,7 @@ def start_mlflow(
     *,
     auth: MlflowAuth,
     port: int | None = None,
-    ready_timeout_s: float = 120,
+    ready_timeout_s: float = START_CEILING_S,
 ) -> Service:
     """`mlflow server --app-name basic-auth` on loopback, serving artifacts (clients need no S3 credentials);
     ready when /health answers and the admin's credentials are accepted.
@@ -633,7 +709,12 @@ def start_mlflow(
 
 
 def start_prefect(
-    workdir: Path, database_url: str, *, auth_string: str, port: int | None = None, ready_timeout_s: float = 120
+    workdir: Path,
+    database_url: str,
+    *,
+    auth_string: str,
+    port: int | None = None,
+    ready_timeout_s: float = START_CEILING_S,
 ) -> Service:
     """`prefect server start` on loopback with its database in PostgreSQL and its API behind `auth_string`
     ("user:password", HTTP Basic); `url` is the API (PREFECT_API_URL)."""

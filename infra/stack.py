@@ -102,6 +102,8 @@ class Stack:
     `ports` maps s3/mlflow/prefect/serve to a port; 0 picks a free one (tests), None keeps the recorded or
     default port. `credentials` (access key, secret key) fix the S3 identity; by default one is
     generated at the first `up` and kept in the state file, as are MLflow's admin and Prefect's auth string.
+    `start_timeout_s` caps each server's start (`services.wait_until`: a start that stops making progress ends
+    sooner).
     """
 
     def __init__(
@@ -111,8 +113,10 @@ class Stack:
         ports: dict[str, int | None] | None = None,
         bucket: str | None = None,
         credentials: tuple[str, str] | None = None,
+        start_timeout_s: float = services.START_CEILING_S,
     ):
         self.root = Path(root).resolve()
+        self.start_timeout_s = start_timeout_s  # each server's ceiling; it is waited for while it makes progress
         self.state = self._load()
         recorded = self.state.setdefault("ports", {})
         for name, default in DEFAULT_PORTS.items():
@@ -208,7 +212,7 @@ class Stack:
 
     def healthy(self, name: str) -> bool:
         service = self.service(name)
-        if service is None or not services.alive(service.pid, service.created):
+        if service is None or not services.alive(service):
             return False
         if name == "postgres":
             return services.postgres_healthy(service)
@@ -225,7 +229,7 @@ class Stack:
                 continue
             out[name] = {
                 "healthy": self.healthy(name),
-                "running": service is not None and services.alive(service.pid, service.created),
+                "running": service is not None and services.alive(service),
                 "url": service.url if service else None,
                 "pid": service.pid if service else None,
                 "log": service.log if service else None,
@@ -253,7 +257,7 @@ class Stack:
             self.state["serve_options"] = serve.as_dict()
         for name in todo:
             port, stale = self.state["ports"].get(name), self.service(name)
-            if stale is not None and services.alive(stale.pid, stale.created):
+            if stale is not None and services.alive(stale):
                 continue  # its own unanswering process holds the port; it is stopped before the restart
             if port:  # 0 or absent (postgres): a free one is chosen at start
                 services.check_port(name, port)
@@ -314,7 +318,9 @@ class Stack:
             return services.start_postgres(work, DATABASES)
         if name == "s3":
             previous = self.state.setdefault("weed_ports", {})
-            service = services.start_seaweedfs(work, self.bucket, *self.credentials, s3_port=port, ports=previous)
+            service = services.start_seaweedfs(
+                work, self.bucket, *self.credentials, s3_port=port, ports=previous, ready_timeout_s=self.start_timeout_s
+            )
             self.state["weed_ports"] = service.extra["ports"]
             return service
         pg = self._recorded("postgres")  # dependencies start first
@@ -335,9 +341,14 @@ class Stack:
                 env,
                 auth=self.mlflow_auth,
                 port=port,
+                ready_timeout_s=self.start_timeout_s,
             )
         return services.start_prefect(
-            work, services.database_uri(pg, "prefect", "asyncpg"), auth_string=self.prefect_auth_string, port=port
+            work,
+            services.database_uri(pg, "prefect", "asyncpg"),
+            auth_string=self.prefect_auth_string,
+            port=port,
+            ready_timeout_s=self.start_timeout_s,
         )
 
     def _start_router(self, work: Path, port: int, pg: Service) -> Service:
@@ -357,7 +368,10 @@ class Stack:
         service.url = f"http://127.0.0.1:{port}"
         service.stop_signal = int(signal.SIGINT)  # uvicorn's clean stop; the router then stops its engine
         try:
-            services.wait_until(lambda: services.http_healthy(service), service, options.startup_timeout_s + 60)
+            # no stall limit: the router idles while its engine loads, and the engine has its own limit
+            services.wait_until(
+                lambda: services.http_healthy(service), service, options.startup_timeout_s + 60, stall_s=None
+            )
         except services.ServiceExited as exc:
             if exc.code == ROUTER_REFUSED:
                 # what the user fixes (no champion yet, the registry unreachable...): the router's own words
@@ -387,7 +401,7 @@ class Stack:
     def running(self) -> list[str]:
         """The recorded services whose process runs, answering or not: none before the first `up`, after
         `down`, or after a reboot left the state file behind."""
-        return [name for name in SERVICES if (s := self.service(name)) is not None and services.alive(s.pid, s.created)]
+        return [name for name in SERVICES if (s := self.service(name)) is not None and services.alive(s)]
 
     def env(self) -> dict[str, str]:
         """The environment a pipeline run, a worker or a shell needs to use this stack.

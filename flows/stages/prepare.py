@@ -24,7 +24,7 @@ def data_stage(cfg: PipelineConfig, rewards: RewardSet) -> tuple[DatasetVersion,
     the configured base resolved (its tokenizer counts the token budget)."""
     base_path = resolve_model_task(cfg.model, cfg.data_dir / "models")
     # Versions are content-keyed under one directory, so a run on unchanged data reuses the last one.
-    dataset = data_task(cfg.data, cfg.data_dir / "datasets", base_path, list(rewards.names), dict(rewards.args))
+    dataset = data_task(cfg.data, cfg.data_dir / "datasets", base_path, rewards)
     log_lineage(dataset)
     return dataset, base_path
 

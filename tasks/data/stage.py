@@ -38,6 +38,7 @@ from prefect import task
 from prefect.cache_policies import CachePolicy
 from prefect.context import TaskRunContext
 
+from grpo_pipeline.configs.rewards import RewardSet
 from grpo_pipeline.configs.schema import DEMO_MODEL, ConfigError, DataConfig, ModelConfig
 from grpo_pipeline.tasks.data.chain import Chain
 from grpo_pipeline.tasks.data.checks import missing_tokenizer, prompt_tokens, token_bounds_apply
@@ -289,15 +290,15 @@ def resolve_tokenizer(data: DataConfig, model: ModelConfig, data_dir: Path, give
 
 class _InputsCache(CachePolicy):
     """Prefect cache key = the version key, offered only while that version is on disk (a cached result
-    that points at deleted files would be worse than rebuilding)."""
+    that points at deleted files would be worse than rebuilding). The key holds what of `rewards` changes a row
+    (`dataset_key`: the names, the answer checkers' arguments), not the weights, which change none."""
 
     def compute_key(
         self, task_ctx: TaskRunContext, inputs: dict[str, Any], flow_parameters: dict[str, Any], **kwargs: Any
     ) -> str | None:
+        rewards: RewardSet = inputs["rewards"]
         try:
-            key = dataset_key(
-                inputs["cfg"], inputs.get("tokenizer_path"), inputs.get("rewards") or (), inputs.get("reward_args")
-            )
+            key = dataset_key(inputs["cfg"], inputs.get("tokenizer_path"), rewards.names, rewards.args)
         except (DataSourceError, OSError, ValueError):
             return None  # the task itself reports the problem
         out_dir = Path(inputs["out_dir"])
@@ -305,14 +306,9 @@ class _InputsCache(CachePolicy):
 
 
 @task(name="data", cache_policy=_InputsCache(), persist_result=True)
-def data_task(
-    cfg: DataConfig,
-    out_dir: Path,
-    tokenizer_path: str | None,
-    rewards: list[str],
-    reward_args: RewardArgs | None = None,
-) -> DatasetVersion:
-    return build_dataset(cfg, out_dir, tokenizer_path, rewards, reward_args)
+def data_task(cfg: DataConfig, out_dir: Path, tokenizer_path: str | None, rewards: RewardSet) -> DatasetVersion:
+    """The version `build_dataset` builds or finds; its answer checks run `rewards`' checkers with their arguments."""
+    return build_dataset(cfg, out_dir, tokenizer_path, rewards.names, rewards.args)
 
 
 def log_lineage(version: DatasetVersion) -> None:

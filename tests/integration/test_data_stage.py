@@ -68,6 +68,7 @@ def test_the_prefect_task_reruns_nothing_on_unchanged_data(tmp_path):  # no toke
         from pathlib import Path
         from prefect import flow
         import grpo_pipeline.tasks.data.stage as data
+        from grpo_pipeline.configs.rewards import RewardSet
         from grpo_pipeline.configs.schema import DataConfig
 
         builds = []
@@ -77,7 +78,8 @@ def test_the_prefect_task_reruns_nothing_on_unchanged_data(tmp_path):  # no toke
         @flow
         def twice():
             cfg = DataConfig(source={str(data)!r}, max_prompt_tokens=None)
-            states = [data.data_task(cfg, Path({str(tmp_path / "out")!r}), None, ["correct_answer"], return_state=True)
+            rewards = RewardSet(names=("correct_answer",))
+            states = [data.data_task(cfg, Path({str(tmp_path / "out")!r}), None, rewards, return_state=True)
                       for _ in range(3)]
             return [s.name for s in states], [s.result().fingerprint for s in states]
 

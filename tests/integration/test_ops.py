@@ -517,7 +517,7 @@ def test_a_dead_service_is_restarted_on_its_port_and_down_stops_it(tmp_path):
         assert second.pid != first.pid and second.url == first.url  # same port: clients keep working
     finally:
         Stack(tmp_path / "stack").down()
-    assert not services.alive(second.pid, second.created)
+    assert not services.alive(second)
     assert Stack(tmp_path / "stack").status()["s3"] == {
         "healthy": False,
         "running": False,

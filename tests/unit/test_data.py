@@ -405,3 +405,28 @@ def test_a_missing_local_source_fails_preflight_naming_the_field():
     cfg = load_config(None, ["data.source=./missing.jsonl"])
     with pytest.raises(ConfigError, match=r"data\.source: \./missing\.jsonl does not exist"):
         check_local_sources(cfg.data)
+
+
+def test_the_data_tasks_cache_key_follows_what_of_the_reward_set_changes_a_row(tmp_path):
+    """`data_task` takes the RewardSet whole; its Prefect cache key (the version key) changes with the rewards and
+    an answer checker's arguments, and stays put for an equal set or other weights, which change no row."""
+    from grpo_pipeline.configs.rewards import RewardSet
+    from grpo_pipeline.tasks.data.stage import _InputsCache
+    from grpo_pipeline.tasks.data.versions import dataset_key
+
+    cfg = DataConfig(max_prompt_tokens=None)  # the demo rows: no source to read, no tokenizer
+
+    def cache_key(rewards: RewardSet) -> str | None:
+        built = tmp_path / dataset_key(cfg, None, rewards.names, rewards.args)[:16]  # as if built: keys are offered
+        built.mkdir(exist_ok=True)  # only for a version on disk
+        (built / "version.json").write_text("{}")
+        inputs = {"cfg": cfg, "out_dir": tmp_path, "tokenizer_path": None, "rewards": rewards}
+        return _InputsCache().compute_key(None, inputs, {})
+
+    names = ("math_answer", "number_only")
+    base = cache_key(RewardSet(names=names))
+    assert base is not None and base.startswith("data-")
+    assert cache_key(RewardSet(names=names, weights=(1.0, 1.0))) == base  # the same set, written out
+    assert cache_key(RewardSet(names=names, weights=(1.0, 0.2))) == base  # a weight changes no row
+    assert cache_key(RewardSet(names=names, args={"math_answer": {"answer_tag": "final"}})) != base
+    assert cache_key(RewardSet(names=("math_answer",))) != base

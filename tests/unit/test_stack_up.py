@@ -49,7 +49,7 @@ def test_a_service_that_fails_to_start_stops_what_up_started_and_says_so_without
     assert "stopped again what this `up` started (PostgreSQL, S3 (SeaweedFS))" in line
     assert "run `grpo-pipeline stack up` again" in line  # the fix
     assert [s.name for s in spawned] == ["postgres", "s3"]
-    assert not any(services.alive(s.pid, s.created) for s in spawned)  # nothing half-started left running
+    assert not any(services.alive(s) for s in spawned)  # nothing half-started left running
     assert json.loads((tmp_path / "stack" / "state.json").read_text())["services"] == {}
 
 
@@ -58,7 +58,7 @@ def test_ctrl_c_during_a_start_stops_what_up_started(tmp_path, failing_mlflow):
     raised[0] = KeyboardInterrupt()
     with pytest.raises(KeyboardInterrupt):
         Stack(tmp_path / "stack", ports={"s3": 0, "mlflow": 0, "prefect": 0}).up()
-    assert len(spawned) == 2 and not any(services.alive(s.pid, s.created) for s in spawned)
+    assert len(spawned) == 2 and not any(services.alive(s) for s in spawned)
 
 
 def test_a_wait_that_ends_any_other_way_stops_the_process_it_waited_for(tmp_path):
@@ -69,7 +69,7 @@ def test_a_wait_that_ends_any_other_way_stops_the_process_it_waited_for(tmp_path
 
     with pytest.raises(KeyboardInterrupt):
         services.wait_until(interrupted, service, 60)
-    assert not services.alive(service.pid, service.created)
+    assert not services.alive(service)
 
 
 def test_a_folder_that_cannot_hold_the_stack_is_refused_with_exit_2_before_anything_starts(tmp_path, failing_mlflow):
