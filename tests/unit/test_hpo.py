@@ -416,7 +416,8 @@ BAD_SEARCH = {
     "a log range through zero": ("hpo.space.beta={low: -0.1, high: 0.1, log: true}", "hpo.space.beta"),
     "an empty choice list": ("hpo.space.lora_r={choices: []}", "hpo.space.lora_r: choices must not be empty"),
     "repeated choices": ("hpo.space.lora_r={choices: [8, 8]}", "hpo.space.lora_r: choices repeat [8]"),
-    "a trial longer than the training": ("hpo.steps=60", "hpo.steps (60) is longer than the training it tunes"),
+    # a multiple of the demo's eval_every (16), so that the length is what is refused
+    "a trial longer than the training": ("hpo.steps=64", "hpo.steps (64) is longer than the training it tunes"),
 }
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import time
 from contextlib import suppress
 
 import psutil
@@ -45,7 +46,10 @@ def test_a_live_service_is_ours_after_the_kernels_boot_time_moved_a_second(spawn
 
 
 def test_a_recycled_pid_is_not_ours(spawn):
-    ours, other = spawn(), spawn()
+    ours = spawn()
+    time.sleep(0.05)  # past the next clock tick (10 ms): a pid is only recycled by a process started after ours
+    other = spawn()
+    assert other.identity != ours.identity
     recycled = dataclasses.replace(ours, pid=other.pid)  # our record; another live process now holds the pid
     assert services.alive(ours) and services.alive(other)
     assert not services.alive(recycled)
