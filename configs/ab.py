@@ -11,8 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class _Strict(BaseModel):
-    # The same rule as grpo_pipeline.configs.schema.StrictModel (a typo is an error, not a silently ignored key); not imported
-    # from there because grpo_pipeline.configs.schema imports this module.
+    # The same rule as grpo_pipeline.configs.base.StrictModel (a typo is an error, not a silently ignored key), which
+    # the other sections build on.
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 

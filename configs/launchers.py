@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
-    from grpo_pipeline.configs.schema import TrainConfig
+    from grpo_pipeline.configs.train import TrainConfig
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ def sky_gpu_counts(train: TrainConfig) -> list[int]:
     """The GPUs per node each of `train.sky.accelerators`' options asks for; [] when unset (the task YAML's list,
     which only the launcher reads).
 
-    >>> from grpo_pipeline.configs.schema import TrainConfig
+    >>> from grpo_pipeline.configs.train import TrainConfig
     >>> sky_gpu_counts(TrainConfig(launcher="sky", sky={"accelerators": ["H100:8", "A100", "L4:8"]}))
     [1, 8]
     """

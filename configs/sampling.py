@@ -11,8 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class _Strict(BaseModel):
-    # The same rule as grpo_pipeline.configs.schema.StrictModel (a typo is an error, not a silently ignored key); not
-    # imported from there because the schema imports this module and the trainer imports no other.
+    # The same rule as grpo_pipeline.configs.base.StrictModel (a typo is an error, not a silently ignored key); not
+    # imported from there because the trainer imports this module and no other of the config but its own sections.
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 

@@ -5,7 +5,7 @@ trains on and keeps the ones whose rewards differ.
 TRL 1.16 has no such option, and the curriculum (`grpo_pipeline.trainer.sampling`) cannot help a run that draws
 each prompt about once (it learns from a prompt's earlier groups). So `trainer_class(base)` wraps TRL's
 `_generate_and_score_completions` in training mode: the local generation batch (whole groups of
-`num_generations` consecutive rows: `grpo_pipeline.configs.schema.dynamic_sampling_problem` requires it on every
+`num_generations` consecutive rows: `grpo_pipeline.configs.train.dynamic_sampling_problem` requires it on every
 process) is extended with `extra_groups` whole groups drawn from the training data, TRL generates and scores
 them all in one batched call, and `choose_groups` keeps exactly the original number of groups: the ones with
 reward variance first, flat ones only to fill up. Every per-row tensor of TRL's output is cut to the kept rows

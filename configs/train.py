@@ -1,0 +1,272 @@
+"""`train.*`: what trains and how. TRL's `GRPOConfig` and PEFT's `LoraConfig` fields pass
+through `train.grpo` and `train.lora`, checked against those classes' own fields, types and ranges (the snapshot in
+`library_fields.json`, `library_ranges`), so nothing here re-declares them. The rewards (`reward_set()` resolves the
+run's `RewardSet`), the launcher and SkyPilot, checkpoints, and the sections the trainer's job spec carries as they
+are (`distributed`, `health`, `curriculum`, `dynamic_sampling`), with the checks across them a launch needs."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from pydantic import Field, TypeAdapter, ValidationError, field_validator, model_validator
+
+from grpo_pipeline.configs import library_fields, library_ranges
+from grpo_pipeline.configs.base import StrictModel, close_match
+from grpo_pipeline.configs.health import NON_FINITE, HealthConfig
+from grpo_pipeline.configs.launchers import LAUNCHERS, LauncherName, launcher_help, rented
+from grpo_pipeline.configs.layout import DistributedConfig, batch_problem
+from grpo_pipeline.configs.rewards import RewardSet
+from grpo_pipeline.configs.sampling import CurriculumConfig, DynamicSamplingConfig
+
+
+def _check_passthrough(values: dict[str, Any], cls_name: str, owned: set[str]) -> dict[str, Any]:
+    """Check keys and value types against a library dataclass (GRPOConfig, LoraConfig), from its snapshot."""
+    fields = library_fields.fields(cls_name)
+    for key, value in values.items():
+        if key in owned:
+            raise ValueError(f"'{key}' is set by the pipeline itself and cannot be overridden here")
+        if key not in fields:
+            raise ValueError(f"'{key}' is not a {cls_name} field{close_match(key, fields)}")
+        try:
+            TypeAdapter(fields[key].type).validate_python(value)
+        except ValidationError as exc:
+            raise ValueError(f"'{key}'={value!r} does not fit {cls_name}: {exc.errors()[0]['msg']}") from None
+        library_ranges.check(cls_name, key, value)
+    return values
+
+
+class SkyConfig(StrictModel):
+    """How `train.launcher=sky` launches the trainer as a SkyPilot managed job."""
+
+    task_yaml: str = Field("sky/train.yaml", description="SkyPilot task YAML, relative to the project root")
+    accelerators: list[str] | None = Field(
+        None, description="ordered GPU candidates, e.g. ['H100:1', 'A100-80GB:1']; default: the YAML's list"
+    )
+    use_spot: bool = Field(True, description="spot instances: 60-80% cheaper, preemptions resumed from checkpoints")
+    poll_seconds: float = Field(30, gt=0, description="how often the job's state is read")
+
+
+def _grpo_default(name: str) -> Any:
+    """GRPOConfig's default for a field (from the snapshot: no TRL import), for the batch rule."""
+    return library_fields.default("GRPOConfig", name)
+
+
+def dynamic_sampling_problem(grpo: dict[str, Any], world: int, default: Any) -> str | None:
+    """Dynamic sampling keeps or drops whole groups on each process alone, so each process's generation batch
+    must hold whole groups of num_generations (TRL only asks it of the global batch).
+
+    >>> trl = {"gradient_accumulation_steps": 1}.get
+    >>> dynamic_sampling_problem({"num_generations": 4, "per_device_train_batch_size": 2}, 2, trl)
+    'train.dynamic_sampling needs whole groups on each process: per_device_train_batch_size x steps_per_generation = 2 x 1 = 2 completions is not a multiple of num_generations (4): set train.grpo.per_device_train_batch_size=4, or train.dynamic_sampling.enabled=false'
+    >>> dynamic_sampling_problem({"num_generations": 4, "per_device_train_batch_size": 4}, 2, trl) is None
+    True
+    """
+
+    def get(name: str) -> Any:
+        return grpo[name] if grpo.get(name) is not None else default(name)
+
+    pdb, gens = int(get("per_device_train_batch_size")), int(get("num_generations"))
+    gbs = grpo.get("generation_batch_size")
+    steps = (
+        int(gbs) // (pdb * world)
+        if gbs is not None
+        else int(grpo.get("steps_per_generation") or get("gradient_accumulation_steps") or 1)
+    )
+    if (pdb * steps) % gens == 0:
+        return None
+    return (
+        f"train.dynamic_sampling needs whole groups on each process: per_device_train_batch_size x "
+        f"steps_per_generation = {pdb} x {steps} = {pdb * steps} completions is not a multiple of num_generations "
+        f"({gens}): set train.grpo.per_device_train_batch_size={math.ceil(pdb / gens) * gens}, or "
+        "train.dynamic_sampling.enabled=false"
+    )
+
+
+# Fields of GRPOConfig that the trainer derives from the spec; letting YAML set them would break resume.
+GRPO_OWNED = {"output_dir", "save_strategy", "save_steps", "save_total_limit", "resume_from_checkpoint"}
+
+
+class TrainConfig(StrictModel):
+    grpo: dict[str, Any] = Field(default_factory=dict, description="passed to trl.GRPOConfig")
+    lora: dict[str, Any] = Field(default_factory=dict, description="passed to peft.LoraConfig")
+    rewards: list[str] = Field(
+        default_factory=lambda: ["correct_answer", "number_only"],
+        description="names from grpo_pipeline.trainer.rewards.REWARDS (`grpo-pipeline rewards` lists them), or dotted paths "
+        "'package.module:function'; their sum (weighted) is what GRPO normalizes per group",
+    )
+    reward_weights: dict[str, float] | None = Field(
+        None,
+        description="reward name -> weight in that sum (unnamed rewards weigh 1.0), e.g. {think_format: 0.2}; "
+        "the run's RewardSet carries them to the trainer, which gives them to TRL (its reward_weights) in reward order",
+    )
+    reward_args: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="reward name -> its keyword arguments, e.g. {remote_verifier: {url: "
+        "'http://grader:8000/score', concurrency: 16}}; the trainer and every evaluation bind them, and preflight "
+        "checks them against each reward's own parameters (`grpo-pipeline rewards` lists them)",
+    )
+    checkpoint_uri: str | None = Field(
+        None,
+        description="root for checkpoints, a local directory or s3://bucket/prefix; each run writes under <root>/<run>; default: data_dir/runs/<run>/checkpoints",
+    )
+    checkpoint_every: int = Field(10, ge=1, description="steps between checkpoints: the most a preemption loses")
+    keep_checkpoints: int = Field(2, ge=1, description="complete checkpoints kept in the store")
+    early_stopping_patience: int | None = Field(
+        None, ge=1, description="stop after this many evaluations without a better validation reward"
+    )
+    merged_generation: bool | None = Field(
+        None,
+        description="sample completions from the LoRA adapter merged into a copy of the base weights (exact: the "
+        "base is put back bit for bit; the loss's forward and backward stay unmerged); unset: on where the node "
+        "has no GPU (a cheaper decode step there, bench.step_profile), off on GPU nodes (the merged copy costs "
+        "the adapted weights' memory again while generating). Falls back with a warning on a quantized base "
+        "or a LoRA variant (trainer/generation.py)",
+    )
+    prefill_once: bool = Field(
+        True,
+        description="prefill each distinct prompt once and share its KV cache with the rows that repeat it (TRL "
+        "repeats each prompt num_generations times before generate, which prefills every copy); the same decode "
+        "batch and sampling draws, so the same completions, log-probs equal to float rounding: on by default for "
+        "that reason. Falls back with a warning where it cannot be exact: a static or quantized cache, beam "
+        "search, assisted or vLLM generation, dropout while sampling (trainer/generation.py)",
+    )
+    compact_lm_head: bool = Field(
+        True,
+        description="on a CPU node, TRL's fused LM head projects only the completion's positions onto the vocabulary, "
+        "as it does on GPUs (same log-probs and loss; TRL's CPU path projects the prompt's positions too and drops "
+        "them; trainer/lm_head.py)",
+    )
+    max_restarts: int = Field(3, ge=0, description="relaunches after an abnormal trainer exit (not preemptions)")
+    launcher: LauncherName = Field("local", description=launcher_help())
+    sky: SkyConfig = SkyConfig()
+    s3_endpoint_url: str | None = Field(None, description="S3-compatible endpoint (MinIO, SeaweedFS); AWS when unset")
+    distributed: DistributedConfig = Field(
+        DistributedConfig(),
+        description="several training processes (GPUs) and nodes: see docs/training.md#training-on-many-gpus",
+    )
+    health: HealthConfig = Field(
+        HealthConfig(),
+        description="collapse and reward-hacking guards: warn, stop or roll back (docs/training.md#health-rules)",
+    )
+    curriculum: CurriculumConfig = Field(
+        CurriculumConfig(), description="prompts without reward variance sit out (docs/training.md#fewer-wasted-steps)"
+    )
+    dynamic_sampling: DynamicSamplingConfig = Field(
+        DynamicSamplingConfig(),
+        description="over-generate groups and train on those with reward variance (docs/training.md#dynamic-sampling)",
+    )
+
+    @field_validator("grpo")
+    @classmethod
+    def _grpo_fields(cls, v: dict[str, Any]) -> dict[str, Any]:
+        return _check_passthrough(v, "GRPOConfig", GRPO_OWNED)
+
+    @field_validator("lora")
+    @classmethod
+    def _lora_fields(cls, v: dict[str, Any]) -> dict[str, Any]:
+        return _check_passthrough(v, "LoraConfig", set())
+
+    @field_validator("rewards")
+    @classmethod
+    def _some_reward(cls, v: list[str]) -> list[str]:
+        if not v:  # the names themselves are resolved at preflight (`grpo_pipeline.tasks.job.check_rewards`)
+            raise ValueError("at least one reward is needed")
+        return v
+
+    @model_validator(mode="after")
+    def _reward_args_named(self) -> TrainConfig:
+        """Arguments for a reward the run does not use are a typo; what each reward accepts is checked where the
+        rewards are importable (`grpo_pipeline.tasks.job.check_rewards`), since this layer imports no trainer code."""
+        if unknown := sorted(set(self.reward_args) - set(self.rewards)):
+            raise ValueError(
+                f"train.reward_args names {unknown}, which are not among train.rewards ({', '.join(self.rewards)})"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _reward_weights(self) -> TrainConfig:
+        """Weights by name must name the rewards; TRL's own list in train.grpo must give one per reward, and agree
+        with the names' when both are given."""
+        given = self.grpo.get("reward_weights")
+        if self.reward_weights is None:
+            if given is not None and (not isinstance(given, list) or len(given) != len(self.rewards)):
+                raise ValueError(
+                    f"train.grpo.reward_weights: {given!r} does not give one weight per reward "
+                    f"({len(self.rewards)}: {', '.join(self.rewards)}); name them in train.reward_weights"
+                )
+            return self
+        if unknown := sorted(set(self.reward_weights) - set(self.rewards)):
+            raise ValueError(
+                f"train.reward_weights names {unknown}, which are not among train.rewards ({', '.join(self.rewards)})"
+            )
+        if bad := {k: w for k, w in self.reward_weights.items() if not math.isfinite(w)}:
+            raise ValueError(f"train.reward_weights: {bad} are not finite numbers")
+        if given is not None and given != [self.reward_weights.get(name, 1.0) for name in self.rewards]:
+            raise ValueError(
+                "train.grpo.reward_weights and train.reward_weights disagree: give the weights once, "
+                "by name, in train.reward_weights"
+            )
+        return self
+
+    def reward_set(self) -> RewardSet:
+        """The rewards as one value: names, arguments and weights, from train.reward_weights by name (unnamed
+        rewards weigh 1.0), else TRL's own list in train.grpo.reward_weights, else 1.0 each. The job spec carries
+        it whole to the trainer (`grpo_pipeline.tasks.job.train_settings`)."""
+        if self.reward_weights is not None:
+            weights = tuple(float(self.reward_weights.get(name, 1.0)) for name in self.rewards)
+        else:
+            weights = tuple(float(w) for w in self.grpo.get("reward_weights") or ())
+        return RewardSet(names=tuple(self.rewards), args=self.reward_args, weights=weights)
+
+    @model_validator(mode="after")
+    def _rollback_has_checkpoints(self) -> TrainConfig:
+        """A rollback returns to a checkpoint; with none written before the last step there is none to return to."""
+        max_steps = self.grpo.get("max_steps")
+        if not (isinstance(max_steps, int) and max_steps > 0 and self.checkpoint_every >= max_steps):
+            return self
+        nf = self.health.rule(NON_FINITE)
+        if nf.action == "rollback" and "action" not in nf.model_fields_set:
+            nf.action = "stop"  # the default asks for a rollback only where there is a checkpoint to return to
+        if rolling := self.health.rolls_back():
+            raise ValueError(
+                f"train.health.{rolling[0]}.action=rollback needs checkpoints to return to, and train.checkpoint_every "
+                f"({self.checkpoint_every}) >= train.grpo.max_steps ({max_steps}) writes none before the end: lower "
+                f"train.checkpoint_every, or set train.health.{rolling[0]}.action=stop"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _launchable(self) -> TrainConfig:
+        """What the launch needs that the train section alone can tell; the node checks the rest
+        (grpo_pipeline.trainer.distributed.problems: GPUs present, strategy vs quantization), and preflight before that."""
+        d, launcher = self.distributed, LAUNCHERS[self.launcher]
+        if d.nodes > 1 and launcher.local:
+            raise ValueError(
+                f"train.distributed.nodes={d.nodes} needs train.launcher={rented()}: the {self.launcher} launcher "
+                "runs one machine"
+            )
+        if d.nodes > 1 and not (self.checkpoint_uri or "").startswith("s3://"):
+            raise ValueError(
+                f"train.distributed.nodes={d.nodes}: nodes share no local checkpoint directory and each "
+                "resumes from the store: set train.checkpoint_uri=s3://bucket/prefix"
+            )
+        gpu_counts = launcher.gpu_counts(self)
+        if gpu_counts is not None and d.processes_per_node:
+            need = d.processes_per_node + d.vllm_server_gpus
+            if short := [c for c in gpu_counts if c < need]:
+                raise ValueError(
+                    f"train.distributed.processes_per_node={d.processes_per_node}"
+                    f"{f' + vllm_server_gpus={d.vllm_server_gpus}' if d.vllm_server_gpus else ''} needs {need} "
+                    f"GPUs per node, and train.sky.accelerators offers {short}: ask for GPU:{need}, or "
+                    "set fewer processes (one per GPU)"
+                )
+        # each GPU count the launch may get; where the machine says (a local run), one process per GPU: the node
+        # knows how many (checked there), so the count here is the CPU machine's 0, one process per node
+        counts = gpu_counts if gpu_counts is not None and not d.processes_per_node else [0]
+        for world in [d.world_size(c) for c in counts]:
+            if problem := batch_problem(self.grpo, world, _grpo_default):
+                raise ValueError(f"train.distributed ({world} processes): {problem}")
+            if self.dynamic_sampling.enabled and (problem := dynamic_sampling_problem(self.grpo, world, _grpo_default)):
+                raise ValueError(f"{problem} ({world} process{'es' if world > 1 else ''})")
+        return self
