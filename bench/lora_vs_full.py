@@ -307,6 +307,23 @@ def analyse(arms: dict[str, dict], threshold: float) -> dict:
     return out
 
 
+def paired_interval(diff) -> tuple[float, float]:
+    """The 95 % t interval of the mean of paired differences; where every difference is the same (no spread, so
+    no t interval) that difference as both ends.
+
+    >>> paired_interval([0.2, 0.2]), [round(x, 3) for x in paired_interval([0.1, 0.3, 0.2])]
+    ((0.2, 0.2), [-0.048, 0.448])
+    """
+    import numpy as np
+    from scipy import stats
+
+    diff = np.asarray(diff, float)
+    if np.ptp(diff) == 0:
+        return float(diff[0]), float(diff[0])
+    ci = stats.ttest_1samp(diff, 0.0).confidence_interval(0.95)
+    return float(ci.low), float(ci.high)
+
+
 def final_reward(run: dict) -> float:
     return run["curve"][-1]["reward"]
 
@@ -342,7 +359,6 @@ def sweep_analysis(runs: list[dict], seeds: list[int], wanted_threshold: float) 
     gap to full fine-tuning, (full - arm) / full in %, with a t interval over the seeds (the per-seed means are
     paired: same prompts, same data order), and training CPU time to a holdout reward every run reaches."""
     import numpy as np
-    from scipy import stats
 
     best = best_rates(runs, seeds[0])
     # the compared rate: the one run at the most seeds (the best at the first seed, when they tie)
@@ -386,12 +402,7 @@ def sweep_analysis(runs: list[dict], seeds: list[int], wanted_threshold: float) 
             "gap_pct": float((f.mean() - a.mean()) / f.mean() * 100) if f.mean() > 0 else None,
         }
         if len(common) >= 2 and f.mean() > 0:
-            diff = f - a
-            if np.ptp(diff) == 0:  # identical differences: a t interval is undefined (zero spread)
-                low = high = float(diff[0])
-            else:
-                ci = stats.ttest_rel(f, a).confidence_interval(0.95)
-                low, high = float(ci.low), float(ci.high)
+            low, high = paired_interval(f - a)
             entry |= {"gap_low_pct": low / f.mean() * 100, "gap_high_pct": high / f.mean() * 100}
         # the same over prompts (every seed's prompts pooled, paired): the data's part of the noise alone
         entry["pooled_prompts"] = quality_gap(
@@ -444,7 +455,6 @@ def adapter_gains(runs: list[dict], seeds: list[int]) -> dict | None:
     True
     """
     import numpy as np
-    from scipy import stats
 
     by = {(r["arm"], r["seed"]): r for r in runs if r["arm"] in ("lora", "qlora")}
     common = [s for s in seeds if ("lora", s) in by and ("qlora", s) in by]
@@ -457,13 +467,7 @@ def adapter_gains(runs: list[dict], seeds: list[int]) -> dict | None:
     lora = np.array([gain(by["lora", s]) for s in common])
     qlora = np.array([gain(by["qlora", s]) for s in common])
     diff = qlora - lora
-    low = high = None
-    if len(common) >= 3:
-        if np.ptp(diff) == 0:  # identical differences: no spread for a t interval
-            low = high = float(diff[0])
-        else:
-            ci = stats.ttest_1samp(diff, 0.0).confidence_interval(0.95)
-            low, high = float(ci.low), float(ci.high)
+    low, high = paired_interval(diff) if len(common) >= 3 else (None, None)
     return {
         "seeds": common,
         "lora_base": [by["lora", s]["curve"][0]["reward"] for s in common],
