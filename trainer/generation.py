@@ -16,7 +16,8 @@ merged copy costs one more set of the adapted weights in memory while generating
 
 Only where it can run exactly: vanilla LoRA on full-precision `torch.nn.Linear` layers. A quantized base (merging
 into NF4/int8 weights would requantize them), DoRA or another variant, a LoRA bias, or a model without an adapter
-falls back to the unmerged generation with one warning naming the setting; so do weights FSDP or DeepSpeed shard.
+falls back to the unmerged generation with one warning naming the setting; so do LoRA dropout active while
+sampling (TRL samples in train mode) and weights FSDP or DeepSpeed shard.
 With vLLM generating, there is nothing to merge here.
 
 **Prefill once** (`train.prefill_once`): TRL repeats each prompt `num_generations` times before it calls HF
@@ -86,6 +87,11 @@ def merge_blocker(model: Any) -> str | None:
                 return f"the adapter uses a LoRA variant ({type(layer.lora_variant[name]).__name__})"
             if layer.lora_bias.get(name):
                 return "the adapter has a LoRA bias (lora_bias=True)"
+            dropout = layer.lora_dropout[name]
+            if isinstance(dropout, torch.nn.Dropout) and dropout.training and dropout.p > 0:
+                # the unmerged adapter drops a random part of its input while TRL samples (train mode); W + s·BA
+                # cannot, so the merged pass would sample from another distribution than the policy
+                return f"LoRA dropout is active while sampling (lora_dropout={dropout.p})"
         if layer.merged:
             return "the adapter is already merged into the base"
         if not layer.get_base_layer().weight.dtype.is_floating_point:

@@ -100,6 +100,10 @@ def test_merged_generation_falls_back_where_it_cannot_be_exact(tiny_model):
     assert "variant" in merge_blocker(_peft_model(tiny_model, use_dora=True))
     assert "lora_bias" in merge_blocker(_peft_model(tiny_model, lora_bias=True))
     assert merge_blocker(torch.nn.Linear(2, 2)) == "the model has no PEFT adapter"
+    # TRL samples in train mode: a live LoRA dropout masks the adapter's input, which merged weights cannot
+    dropping = _peft_model(tiny_model, lora_dropout=0.1)
+    assert merge_blocker(dropping) is None  # eval mode: the dropout is the identity
+    assert merge_blocker(dropping.train()) == "LoRA dropout is active while sampling (lora_dropout=0.1)"
 
 
 def _two_steps(model_dir, trainer_args, merged: bool, prefill: bool = False, *overrides: str, **lora) -> dict:
