@@ -181,6 +181,8 @@ def choose_schedule(
     >>> s = choose_schedule(table((4, 0.5, 0.1), (8, 0.8, 0.65), (16, 0.9, 0.8)), table((4, 0.4, 0.05), (8, 0.7, 0.3)), 40)
     >>> s.steps, s.eval_every, s.reduction_factor, s.rungs
     (8, 4, 2, (4, 8))
+    >>> choose_schedule(table((8, 0.8, 0.65)), table((4, 0.4, 0.3)), 40, rung_threshold=0.5).reason
+    "k=8: trial-score rho 0.80, 95 % lower bound 0.65 >= 0.6; no shorter rung's score has its 95 % lower bound above 0.5: no pruning"
     >>> choose_schedule(table((4, 0.3, -0.2), (8, 0.5, 0.1)), [], 40).reason
     'no trial length clears the threshold: the best is k=8 (rho 0.50, 95 % lower bound 0.10 < 0.6); a search on trials this short ranks configurations by noise: keep the configured values, or measure longer trials, a less noisy score (more validation prompts) or a narrower space'
     """
@@ -219,7 +221,11 @@ def choose_schedule(
     )
     if first is None:
         return Schedule(
-            steps, steps, reduction_factor, (steps,), f"{why}; no shorter rung ranks above chance: no pruning"
+            steps,
+            steps,
+            reduction_factor,
+            (steps,),
+            f"{why}; no shorter rung's score has its 95 % lower bound above {rung_threshold:g}: no pruning",
         )
     factor = _ladder(first.k, steps, reduction_factor)
     rungs, at = [], first.k
