@@ -10,6 +10,10 @@ Under torchrun (`python -m grpo_pipeline.trainer.launch`) each rank runs this sa
 (with every rank's files in them), commits MLflow metrics, publishes `final` and writes the result file;
 every rank resumes from the same checkpoint, and a SIGTERM to any rank stops all of them after one more
 checkpoint (`grpo_pipeline.trainer.distributed`).
+
+One module, just past the ~600 lines a module is cut at: one job's life in the order it runs (arguments, the
+attempt, a rollback, publishing `final`, `main` and its exit table); its parts with a life of their own are the
+modules beside it (checkpoints, fence, health, callbacks, generation, loading).
 """
 
 from __future__ import annotations
