@@ -57,11 +57,12 @@ def load_before(rev: str) -> types.ModuleType:
     return modules["_before_data"]
 
 
-def one_run(run_chain, cfg, tokenizer: str) -> dict:
+def one_run(run_chain, cfg, tokenizer: str, rewards) -> dict:
+    """One whole chain; `rewards` as that side's `run_chain` takes them (the before side: the names alone)."""
     with tempfile.TemporaryDirectory() as out:
         gc.collect()
         started, cpu = time.perf_counter(), time.process_time()
-        report = run_chain(cfg, Path(out), tokenizer, ["correct_answer"])
+        report = run_chain(cfg, Path(out), tokenizer, rewards)
         seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu
         kept = {s: sum(1 for _ in open(Path(out) / f"{s}.jsonl")) for s in ("train", "val", "holdout")}
     return {
@@ -83,6 +84,7 @@ def main() -> None:
 
     from bench.data_throughput import GSM8K, build_corpus, tokenizer_dir
     from grpo_pipeline.configs.schema import DataConfig
+    from grpo_pipeline.tasks.data.stage import CORRECT_ANSWER
     from grpo_pipeline.tasks.data.stage import run_chain as after
 
     if not (GSM8K / "train.jsonl").is_file():
@@ -100,13 +102,14 @@ def main() -> None:
         near_dup_threshold=None,
         max_dropped_fraction=1.0,
     )
-    one_run(after, cfg, tokenizer)  # warm: imports, the tokenizer, the page cache
+    rewards = {"before": ["correct_answer"], "after": CORRECT_ANSWER}
+    one_run(after, cfg, tokenizer, rewards["after"])  # warm: imports, the tokenizer, the page cache
     runs = []
     for i in range(args.repeats):
         for side, chain in (
             (("before", before), ("after", after)) if i % 2 == 0 else (("after", after), ("before", before))
         ):
-            r = {"side": side, **one_run(chain, cfg, tokenizer)}
+            r = {"side": side, **one_run(chain, cfg, tokenizer, rewards[side])}
             runs.append(r)
             print(
                 f"[{NAME}] round {i + 1}/{args.repeats} {side:6s}: {r['seconds']:.2f} s "

@@ -190,7 +190,7 @@ def worker(side: str, source: Path, eval_source: Path, near: bool, tokenizer_pat
     from transformers import AutoTokenizer  # imported on both sides before the memory baseline
 
     from grpo_pipeline.configs.schema import DataConfig
-    from grpo_pipeline.tasks.data.stage import run_chain
+    from grpo_pipeline.tasks.data.stage import CORRECT_ANSWER, run_chain
 
     AutoTokenizer.from_pretrained(tokenizer_path)
     cfg = DataConfig(
@@ -205,7 +205,7 @@ def worker(side: str, source: Path, eval_source: Path, near: bool, tokenizer_pat
     with tempfile.TemporaryDirectory() as out:
         started, cpu = time.perf_counter(), time.process_time()
         if side == "arrow":
-            report = run_chain(cfg, Path(out), tokenizer_path, ["correct_answer"]).model_dump()
+            report = run_chain(cfg, Path(out), tokenizer_path, CORRECT_ANSWER).model_dump()
         else:
             report = baseline_chain(source, eval_source, Path(out), cfg, tokenizer_path)
         seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu

@@ -29,6 +29,9 @@ Resumable: each finished (arm, seed) is kept in the work folder (`--work`, defau
 with the fingerprint of the benchmark's configuration (task config, steps, search settings) and of the code that
 ran it; a rerun runs only what is missing, and a folder of another configuration or code version is refused
 (exit 2): pass --fresh to start it over. `--report-only` runs nothing and rewrites the result from the folder.
+
+One module, past the ~600 lines a module is cut at, as every benchmark here: a benchmark is read whole, its arms,
+its runner, its statistics and its report in one file, what it shares with the others in `bench/harness.py`.
 """
 
 from __future__ import annotations
@@ -427,7 +430,7 @@ def prepare(task: Task, cfg, work: Path, tiny: bool) -> dict[str, Path]:
 
         prepare_gsm8k(GSM8K, OUT)  # FileNotFoundError when the data is absent
         rewards = cfg.train.reward_set()
-        version = build_dataset(cfg.data, work / "datasets", cfg.model.base, list(rewards.names), dict(rewards.args))
+        version = build_dataset(cfg.data, work / "datasets", cfg.model.base, rewards)
         return {k: Path(v) for k, v in version.splits.items()}
     from grpo_pipeline.tasks.data.demo_task import generate
     from grpo_pipeline.tasks.data.splits import write_splits

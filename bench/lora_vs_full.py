@@ -26,6 +26,9 @@ Measured per arm, each in its own process (so each peak RSS is its own):
 - peak RSS while training (model loading excluded; the whole-process peak is saved too).
 
     python -m bench.lora_vs_full [--steps 16] [--eval-every 4] [--holdout 48] [--threshold 0.8] [--tiny]
+
+One module, past the ~600 lines a module is cut at, as every benchmark here: a benchmark is read whole, its arms,
+its runner, its statistics and its report in one file, what it shares with the others in `bench/harness.py`.
 """
 
 from __future__ import annotations

@@ -29,6 +29,9 @@ times baseline then candidate, each a fresh trainer from the same seed, 1 warm-u
 (no profiled step; the last step's final checkpoint write is left out of its time). Each step's wall clock and
 this process's CPU time (`time.process_time`: the work done, which a shared machine's waits do not inflate) are
 kept; the ratio is the candidate's median step over the baseline's, with the per-round ratios as its spread.
+
+One module, past the ~600 lines a module is cut at, as every benchmark here: a benchmark is read whole, its clock,
+its phases, its A/B mode and its report in one file, what it shares with the others in `bench/harness.py`.
 """
 
 from __future__ import annotations

@@ -28,7 +28,8 @@ from grpo_pipeline.flows import trigger
 from grpo_pipeline.flows.artifacts import show_image, show_markdown
 from grpo_pipeline.flows.retries import registry_task
 from grpo_pipeline.flows.runs import setup_tracking
-from grpo_pipeline.tasks.promote.registry import Registry, open_client
+from grpo_pipeline.tasks.promote.registry import Registry
+from grpo_pipeline.tasks.promote.registry_client import open_client
 from grpo_pipeline.tasks.report import artifact_url
 from grpo_pipeline.tasks.serve.ab import AliasesMoved
 from grpo_pipeline.tasks.serve.ab_apply import Round, decide_round, settle_round

@@ -25,6 +25,8 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -347,20 +349,31 @@ def settings_for(cfg: PipelineConfig, **options: Any) -> DeployConfig:
     return DeployConfig.model_validate(cfg.deploy.model_dump() | given)
 
 
+def _unshown(doing: str, done: str) -> AbstractContextManager[None]:
+    return nullcontext()
+
+
 def deploy(
-    cfg: PipelineConfig, settings: DeployConfig, config_path: Path | None, overrides: list[str]
+    cfg: PipelineConfig,
+    settings: DeployConfig,
+    config_path: Path | None,
+    overrides: list[str],
+    step: Callable[[str, str], AbstractContextManager[None]] = _unshown,
 ) -> dict[str, Any]:
     """Register the daily-retrain, manual, ci and ab-decide/hourly deployments on the Prefect server PREFECT_API_URL names, and
     the failure automation when `settings.notify_block` is set; returns what the server now holds.
 
     Raises ConfigError for what the user fixes (no server, no such notification block, an image pool without an
     image), before anything is created or registered, and DeployError when Prefect's own `prefect deploy` fails.
-    The runs of a process pool work in the current folder (`render`)."""
+    The runs of a process pool work in the current folder (`render`). `step(doing, done)` wraps each step (the
+    command's progress lines: `grpo_pipeline.progress`)."""
     workdir = Path.cwd()
     check_recipes(cfg.deploy.trigger.recipes)
-    check_server()
-    block_id = notification_block(settings.notify_block) if settings.notify_block else None
-    pool_type, open_to_runs = ensure_work_pool(settings.work_pool)
+    with step("asking the Prefect server", "Prefect server answered"):
+        server = check_server()
+        block_id = notification_block(settings.notify_block) if settings.notify_block else None
+    with step(f"work pool {settings.work_pool}", f"work pool {settings.work_pool} ready"):
+        pool_type, open_to_runs = ensure_work_pool(settings.work_pool)
     spec = render(
         yaml.safe_load(PREFECT_YAML.read_text()),
         settings,
@@ -370,7 +383,8 @@ def deploy(
         budget_usd=cfg.plan.budget_usd,
         workdir=workdir,
     )
-    register(spec, workdir)
+    with step(f"registering the deployments on {server} (prefect deploy)", "deployments registered"):
+        register(spec, workdir)
     summary: dict[str, Any] = {
         "deployments": deployments_summary(),
         "work_pool": {
@@ -383,8 +397,7 @@ def deploy(
         "trigger_policy": cfg.deploy.trigger.model_dump(),
     }
     if settings.notify_block and block_id is not None:
-        summary["failure_automation"] = {
-            "id": ensure_failure_automation(settings.notify_block, block_id),
-            "block": settings.notify_block,
-        }
+        with step(f"failure automation to {settings.notify_block}", "failure automation set"):
+            automation = ensure_failure_automation(settings.notify_block, block_id)
+        summary["failure_automation"] = {"id": automation, "block": settings.notify_block}
     return summary

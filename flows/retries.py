@@ -1,8 +1,9 @@
-"""One retry policy for the flow tasks that read or move the registry's aliases (the pipeline's promotion, the live
-A/B's decision and its aliases): a service that did not answer (the registry's server, the request log's store)
-is retried with backoff; a decision never is. The aliases moved since the decision (`ChampionMoved`,
-`AliasesMoved`) or the registry refused (`RegistryError`: its lock held, or lost): another attempt would
-repeat the same refusal or act on versions nobody decided on, so the caller gets it at once."""
+"""One retry policy for the flow tasks that call the registry (the pipeline's registration, its champion's download
+and its promotion; the live A/B's decision and its aliases): a service that did not answer (the registry's server,
+the request log's store) is retried with backoff; a decision never is. The aliases moved since the decision
+(`ChampionMoved`, `AliasesMoved`) or the registry refused (`RegistryError`: its lock held, or lost; a version that
+names no artifacts): another attempt would repeat the same refusal or act on versions nobody decided on, so the
+caller gets it at once."""
 
 from __future__ import annotations
 

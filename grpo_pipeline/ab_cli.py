@@ -59,7 +59,8 @@ def _log(cfg: PipelineConfig, as_json: bool) -> RequestLog:
 
 def _registry(cfg: PipelineConfig, as_json: bool) -> tuple[Registry, str | None, str | None]:
     """(registry, champion version, challenger version), or the failure naming the registry (exit 2)."""
-    from grpo_pipeline.tasks.promote.registry import CHALLENGER, CHAMPION, Registry, RegistryServiceError, open_client
+    from grpo_pipeline.tasks.promote.registry import CHALLENGER, CHAMPION, Registry, RegistryServiceError
+    from grpo_pipeline.tasks.promote.registry_client import open_client
 
     registry = Registry(open_client(cfg.mlflow_uri), cfg.tracking.registered_model)
     unreachable: tuple[type[BaseException], ...] = (RegistryServiceError, *registry.errors)

@@ -42,9 +42,7 @@ def data_cmd(
         tok = resolve_tokenizer(
             cfg.data, cfg.model, cfg.data_dir, tokenizer
         )  # the token bounds apply, or the stage refuses
-        version = build_dataset(
-            cfg.data, out or cfg.data_dir / "datasets", tok, cfg.train.rewards, cfg.train.reward_args
-        )
+        version = build_dataset(cfg.data, out or cfg.data_dir / "datasets", tok, cfg.train.reward_set())
     except DataQualityError as exc:  # bad input: the report still says why
         failure = (str(exc), EXIT_CONFIG, {"report": exc.report.model_dump(mode="json")})
         if not as_json:

@@ -16,6 +16,7 @@ from grpo_pipeline.configs.schema import ConfigError
 from grpo_pipeline.failure import EXIT_CONFIG, EXIT_FAILED, err, options_error
 from grpo_pipeline.failure import fail as _fail
 from grpo_pipeline.loading import load_path
+from grpo_pipeline.progress import progress
 
 
 def deploy_cmd(
@@ -52,7 +53,8 @@ def deploy_cmd(
     except ValidationError as exc:
         _fail(as_json, options_error(exc, DEPLOY_FLAGS), EXIT_CONFIG)
     try:
-        summary = deploy(cfg, settings, path, overrides)
+        with progress() as step:  # on stderr: stdout carries the JSON
+            summary = deploy(cfg, settings, path, overrides, step)
     except ConfigError as exc:  # no server, no such notification block
         _fail(as_json, str(exc), EXIT_CONFIG)
     except DeployError as exc:

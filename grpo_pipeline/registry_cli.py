@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 def _registry(cfg: PipelineConfig) -> Registry:
     """The registry the configuration names; against an MLflow server, through plain REST calls (a lookup
     answers without importing MLflow or the training stack)."""
-    from grpo_pipeline.tasks.promote.registry import Registry, open_client
+    from grpo_pipeline.tasks.promote.registry import Registry
+    from grpo_pipeline.tasks.promote.registry_client import open_client
 
     quiet_mlflow()
     return Registry(open_client(cfg.mlflow_uri), cfg.tracking.registered_model)

@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
-from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -19,10 +17,9 @@ from grpo_pipeline.failure import fail as _fail
 from grpo_pipeline.infra.services import STALL_S, START_CEILING_S
 from grpo_pipeline.infra.stack import DEFAULT_PORTS, DEFAULT_ROOT  # light: the service helpers, no clients
 from grpo_pipeline.loading import load
+from grpo_pipeline.progress import Steps, progress
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
-
     from grpo_pipeline.infra.stack import ServeOptions, Stack, Step
 
 app = typer.Typer(no_args_is_help=True, help="Local PostgreSQL, S3, MLflow and Prefect servers (no Docker needed).")
@@ -73,8 +70,10 @@ def stack_up(
     stack = _stack(root, start_timeout, s3=s3_port, mlflow=mlflow_port, prefect=prefect_port, serve=serve_port)
     options = _serve_options(serve_config) if serve else None
     try:
-        with _progress("starting", "started") as step:
-            stack.up([*DEFAULT_UP, "serve"] if serve else DEFAULT_UP, serve=options, step=step)
+        with progress() as step:
+            stack.up(
+                [*DEFAULT_UP, "serve"] if serve else DEFAULT_UP, serve=options, step=_shown(step, "starting", "started")
+            )
     except Refused as exc:  # a taken port, a missing tool, no champion yet: exit 2, naming the fix
         _fail(False, f"stack up: {exc}", EXIT_CONFIG)
     except ServiceError as exc:  # a service did not start (what this `up` started is stopped): its log named
@@ -119,23 +118,11 @@ def _serve_options(config: Path | None) -> ServeOptions:
     )
 
 
-@contextmanager
-def _progress(doing: str, done: str) -> Iterator[Step]:
-    """What `stack up|down` show while they work (a minute cold), on stderr only: stdout carries the exports that
-    `eval "$(grpo-pipeline stack up)"` reads. A spinner naming the service being started or stopped (on a
-    terminal), and a line for each one done with its time (a CI log too)."""
+def _shown(step: Steps, doing: str, done: str) -> Step:
+    """The stack's step for each service, by the service's title: "starting PostgreSQL ...", "PostgreSQL started"."""
     from grpo_pipeline.infra.stack import TITLES
 
-    with err.status("", spinner="dots") as status:
-
-        @contextmanager
-        def step(name: str) -> Iterator[None]:
-            status.update(f"{doing} {TITLES[name]} ...")
-            began = time.monotonic()
-            yield
-            err.print(f"{TITLES[name]} {done} ({time.monotonic() - began:.0f} s)", highlight=False)
-
-        yield step
+    return lambda name: step(f"{doing} {TITLES[name]}", f"{TITLES[name]} {done}")
 
 
 @app.command("env")
@@ -162,7 +149,7 @@ def stack_status(root: RootOpt = DEFAULT_ROOT) -> None:
 @app.command("down")
 def stack_down(root: RootOpt = DEFAULT_ROOT) -> None:
     """Stop the services (Prefect and MLflow first, PostgreSQL last); the data stays."""
-    with _progress("stopping", "stopped") as step:
-        stopped = _stack(root).down(step=step)
+    with progress() as step:
+        stopped = _stack(root).down(step=_shown(step, "stopping", "stopped"))
     if not stopped:
         err.print("nothing was running", highlight=False)

@@ -14,6 +14,11 @@ nothing is written for it, it is moved aside with its reason and the resume goes
 
 An upload that fails removes what it wrote (its objects, its directory); `prune` also removes entries cut off
 by a kill (no manifest) once a newer checkpoint is complete.
+
+One module, past the ~600 lines a module is cut at, on purpose: the manifest rules, the two stores and the resume are
+one contract. Each store enforces the name rules (`safe_relative`, `inside`) and the entry patterns on its own
+listing, `choose_resume` and `prune` are written against both, and a reader checks a rule against every store it
+binds in one place.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ it found and a token of its own, by a compare-and-swap (S3's conditional PUT; a 
 so of two attempts starting at once one claims first and the other claims on top of it. Before every write
 (a checkpoint, the rollback ledger, a deletion, `final`) an attempt reads the record back; if another
 attempt's token is there, it raises `Superseded` and writes nothing more: the trainer exits with
-EXIT_SUPERSEDED, which no launcher relaunches. What is left open is the moment between that read and the
+EXIT_SUPERSEDED (trainer/spec.py), which no launcher relaunches. What is left open is the moment between that read and the
 write it guards (one checkpoint at the most, complete and verifiable, of the same job): a record read per
 write keeps the cost at one small GET per checkpoint.
 
@@ -41,7 +41,6 @@ from grpo_pipeline.trainer.checkpoints import FINAL, CheckpointStoreError, Store
 
 ATTEMPT = "attempt.json"
 JOB_ENV = "SKYPILOT_TASK_ID"  # a managed job's identity, the same for all its recoveries (see `same_job`)
-EXIT_SUPERSEDED = 3  # a newer attempt owns the store: no launcher relaunches this one
 _CLAIM_TRIES = 20  # each lost race means another attempt claimed meanwhile: claim on top of it
 
 

@@ -37,11 +37,9 @@ import urllib.request
 from pathlib import Path
 
 from grpo_pipeline.trainer.distributed import LAUNCH_DIR_ENV, VLLM_HOST_ENV, problems
-from grpo_pipeline.trainer.fence import EXIT_SUPERSEDED
-from grpo_pipeline.trainer.spec import RESULT_FILE, JobSpec
+from grpo_pipeline.trainer.spec import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_SUPERSEDED, RESULT_FILE, JobSpec
 
 log = logging.getLogger("grpo_pipeline.trainer.launch")
-EXIT_INTERRUPTED, EXIT_BAD_INPUT = 75, 2
 DEFAULT_PORT = 29500
 VLLM_PORT = 8000
 LOOPBACK = "127.0.0.1"  # the vLLM server's address when its trainers share its node

@@ -144,6 +144,14 @@ class TrainingFailed(RuntimeError):
 
 RESULT_FILE = "result.json"
 
+# How a trainer process ends, the launchers' contract with it (defined here alone; docs/reliability.md). Which
+# failure ends with which code is one table, `EXITS` in trainer/train.py.
+EXIT_FAILED = 1  # anything else, a reward's outage included: relaunched, resumed from the last checkpoint
+EXIT_BAD_INPUT = 2  # the same job fails the same way again: never relaunched
+EXIT_SUPERSEDED = 3  # a newer attempt owns the checkpoint store (trainer/fence.py): never relaunched
+EXIT_INTERRUPTED = 75  # EX_TEMPFAIL: stopped by SIGTERM after a checkpoint; relaunch to resume
+NOT_RELAUNCHED = frozenset({EXIT_BAD_INPUT, EXIT_SUPERSEDED})
+
 
 class TrainResult(BaseModel):
     """What the trainer leaves in `<work_dir>/result.json` (and in the store's `final` entry)."""

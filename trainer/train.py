@@ -10,6 +10,10 @@ Under torchrun (`python -m grpo_pipeline.trainer.launch`) each rank runs this sa
 (with every rank's files in them), commits MLflow metrics, publishes `final` and writes the result file;
 every rank resumes from the same checkpoint, and a SIGTERM to any rank stops all of them after one more
 checkpoint (`grpo_pipeline.trainer.distributed`).
+
+One module, just past the ~600 lines a module is cut at: one job's life in the order it runs (arguments, the
+attempt, a rollback, publishing `final`, `main` and its exit table); its parts with a life of their own are the
+modules beside it (checkpoints, fence, health, callbacks, generation, loading).
 """
 
 from __future__ import annotations
@@ -36,9 +40,19 @@ from grpo_pipeline.trainer.checkpoints import (
     open_store,
 )
 from grpo_pipeline.trainer.distributed import Ranks
-from grpo_pipeline.trainer.fence import EXIT_SUPERSEDED, FencedStore, StoreTaken, Superseded, claim_store
+from grpo_pipeline.trainer.fence import FencedStore, StoreTaken, Superseded, claim_store
 from grpo_pipeline.trainer.rewards import RewardError, RewardUnavailable
-from grpo_pipeline.trainer.spec import RESULT_FILE, HealthEvent, JobSpec, TrainResult, bad_input_line
+from grpo_pipeline.trainer.spec import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_SUPERSEDED,
+    RESULT_FILE,
+    HealthEvent,
+    JobSpec,
+    TrainResult,
+    bad_input_line,
+)
 from grpo_pipeline.trainer.tracking import CommittedMetrics, numeric
 
 if TYPE_CHECKING:  # torch, transformers and TRL load lazily, inside the functions that run them
@@ -49,10 +63,6 @@ if TYPE_CHECKING:  # torch, transformers and TRL load lazily, inside the functio
     from grpo_pipeline.trainer.health import Ledger
 
 log = logging.getLogger(__name__)
-EXIT_INTERRUPTED = 75  # EX_TEMPFAIL: try again
-EXIT_BAD_INPUT = 2  # the same job fails the same way again: never relaunched
-EXIT_FAILED = 1  # anything else, a reward's outage included: relaunched, resumed from the last checkpoint
-# EXIT_SUPERSEDED (3, trainer/fence.py): a newer attempt owns the checkpoint store; never relaunched
 
 
 class Refused(Exception):
@@ -60,8 +70,8 @@ class Refused(Exception):
     differ from the spec's pins): every attempt would find it again."""
 
 
-# How an attempt that fails ends, by the first entry the exception is an instance of: its exit code (above; the
-# launchers relaunch on 1 only) and the lead of its log line. Anything else is exit 1 and raised, traceback and all.
+# How an attempt that fails ends, by the first entry the exception is an instance of: its exit code (trainer/spec.py;
+# the launchers relaunch on 1 only) and the lead of its log line. Anything else is exit 1 and raised, traceback and all.
 EXITS: tuple[tuple[type[BaseException], int, str], ...] = (
     (Refused, EXIT_BAD_INPUT, "bad input"),
     # before RewardError, which it is: the reward's service or the node's memory, not the input

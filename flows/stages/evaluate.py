@@ -7,12 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import mlflow
-from prefect import task
-from prefect.cache_policies import NO_CACHE
-from prefect.tasks import exponential_backoff
 
 from grpo_pipeline.configs.rewards import RewardSet
 from grpo_pipeline.configs.schema import ModelConfig, PipelineConfig
+from grpo_pipeline.flows.retries import registry_task
 from grpo_pipeline.flows.stages import resumable
 from grpo_pipeline.tasks.evaluate import EvalResult, evaluate_task
 from grpo_pipeline.tasks.model import resolve_model_task
@@ -43,9 +41,7 @@ def evaluate_stage(
     return result
 
 
-@task(
-    name="fetch-champion", cache_policy=NO_CACHE, retries=3, retry_delay_seconds=exponential_backoff(backoff_factor=5)
-)
+@registry_task("fetch-champion")  # a version that names no artifacts (RegistryError) is not retried
 def fetch_champion_task(registry: Registry, version: str, dst: Path, tracking_uri: str) -> tuple[str, dict]:
     mv = registry.client.get_model_version(registry.name, version)
     if not mv.source:

@@ -8,9 +8,6 @@ import json
 from pathlib import Path
 
 import mlflow
-from prefect import task
-from prefect.cache_policies import NO_CACHE
-from prefect.tasks import exponential_backoff
 
 from grpo_pipeline.configs.rewards import RewardSet
 from grpo_pipeline.configs.schema import PipelineConfig
@@ -79,7 +76,7 @@ def _verdict(decision: PromotionDecision) -> str:
     return "promote" if decision.promote else "reject"
 
 
-@task(name="register", cache_policy=NO_CACHE, retries=3, retry_delay_seconds=exponential_backoff(backoff_factor=5))
+@registry_task("register")
 def register_task(
     registry: Registry, source: str, run_id: str, tags: dict, model_id: str, name: str | None = None
 ) -> str:

@@ -21,14 +21,18 @@ from pathlib import Path
 
 from grpo_pipeline.infra.launch import BadTrainingInput, LauncherKind, TrainingFailed, check_launch
 from grpo_pipeline.tasks.job import check_store
-from grpo_pipeline.trainer.fence import EXIT_SUPERSEDED
 from grpo_pipeline.trainer.launch import PARENT_PID_ENV, detect_gpus, free_port
-from grpo_pipeline.trainer.spec import RESULT_FILE, JobSpec, TrainResult, parse_bad_input
+from grpo_pipeline.trainer.spec import (
+    EXIT_BAD_INPUT,
+    EXIT_SUPERSEDED,
+    NOT_RELAUNCHED,
+    RESULT_FILE,
+    JobSpec,
+    TrainResult,
+    parse_bad_input,
+)
 
 log = logging.getLogger(__name__)
-# Bad input (a bad spec, a reward that gives unusable scores) fails the same way every time; a superseded
-# attempt (a newer one owns the checkpoint store: trainer/fence.py) must not come back to take it over again.
-NOT_RETRYABLE = {2, EXIT_SUPERSEDED}
 
 
 @dataclass
@@ -91,13 +95,15 @@ class LocalLauncher:
                 return result.model_copy(update={"restarts": handle.restarts})
             if handle.cancelled:
                 raise TrainingFailed("training was cancelled")
-            if code in NOT_RETRYABLE or handle.restarts >= self.max_restarts:
+            # Bad input (a bad spec, a reward that gives unusable scores) fails the same way every time; a superseded
+            # attempt (a newer one owns the checkpoint store: trainer/fence.py) must not come back to take it over.
+            if code in NOT_RELAUNCHED or handle.restarts >= self.max_restarts:
                 why = {
-                    2: " (bad input: not relaunched)",
+                    EXIT_BAD_INPUT: " (bad input: not relaunched)",
                     EXIT_SUPERSEDED: " (superseded by a newer attempt on the same checkpoint store: not relaunched)",
                 }.get(code, "")
-                reason = handle.bad_input if code == 2 else None
-                raise (BadTrainingInput if code == 2 else TrainingFailed)(
+                reason = handle.bad_input if code == EXIT_BAD_INPUT else None
+                raise (BadTrainingInput if code == EXIT_BAD_INPUT else TrainingFailed)(
                     (f"{reason}\n" if reason else "")
                     + f"trainer exited with code {code}{why} after {handle.restarts} restart(s); log: {log_path}\n"
                     + "\n".join(handle.tail)

@@ -7,7 +7,7 @@ stage reads besides its source: the demo task's rows (`demo_batches`) and the pr
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from grpo_pipeline.configs.rewards import RewardSet
 from grpo_pipeline.configs.schema import DataConfig
 from grpo_pipeline.tasks.data.demo_task import generate as demo_rows
 from grpo_pipeline.tasks.data.sources import RawBatch, Reject, iter_source, json_kind
@@ -35,23 +36,21 @@ CANONICAL = pa.schema(
 )
 
 
-RewardArgs = Mapping[str, Mapping[str, Any]]  # train.reward_args: reward name -> its keyword arguments
-
-
-def verifier_args(rewards: Sequence[str], reward_args: RewardArgs | None) -> dict[str, dict[str, Any]]:
-    """The answer-checking rewards (those that take the `answer` column) and their configured arguments. The
-    others are not resolved here: they do not judge a reference answer, and some need what only training
-    offers (remote_verifier's service)."""
+def verifier_args(rewards: RewardSet | None) -> dict[str, dict[str, Any]]:
+    """The answer-checking rewards of `rewards` (those that take the `answer` column) and their configured
+    arguments; none for None. The others are not resolved here: they do not judge a reference answer, and some
+    need what only training offers (remote_verifier's service)."""
     from grpo_pipeline.trainer.rewards import describe
 
-    args = reward_args or {}
-    return {name: dict(args.get(name) or {}) for name in rewards if "answer" in describe(name)["columns"]}
+    if rewards is None:
+        return {}
+    return {name: rewards.args_for(name) or {} for name in rewards.names if "answer" in describe(name)["columns"]}
 
 
 class RowContext:
     """What the chain needs that comes from the configuration, resolved once."""
 
-    def __init__(self, cfg: DataConfig, rewards: Sequence[str], reward_args: RewardArgs | None = None):
+    def __init__(self, cfg: DataConfig, rewards: RewardSet | None):
         from grpo_pipeline.trainer.rewards import resolve_reward
 
         self.cfg = cfg
@@ -59,9 +58,7 @@ class RowContext:
         self.prefix, self.suffix = prefix, suffix
         # bound with train.reward_args, as the trainer binds them: a checker's required argument is given,
         # and a row is kept or quarantined by the reward as configured
-        self.verifiers = {
-            name: resolve_reward(name, args) for name, args in verifier_args(rewards, reward_args).items()
-        }
+        self.verifiers = {name: resolve_reward(name, args) for name, args in verifier_args(rewards).items()}
 
 
 def reject_rows(table: pa.Table, mask: np.ndarray, reason: str, details: Sequence[str] | str) -> list[Reject]:
@@ -341,7 +338,7 @@ def _jsonable(rec: Any) -> Any:
 
 def eval_texts(source: str, cfg: DataConfig, scratch: Path) -> Iterator[pa.Array]:
     """Prompt texts of an evaluation set, for decontamination only: rows without a usable prompt are skipped."""
-    ctx = RowContext(cfg.model_copy(update={"answer_extraction": "none", "answer_regex": None}), [])
+    ctx = RowContext(cfg.model_copy(update={"answer_extraction": "none", "answer_regex": None}), None)
     loose = cfg.model_copy(
         update={"answer_column": cfg.prompt_column, "system_column": None, "key_column": None, "source_format": "auto"}
     )

@@ -5,6 +5,10 @@ written by `datasets.save_to_disk`, or a hub dataset id. Every reader yields `Ra
 `batch_rows` rows, so memory stays bounded however large the source is. A line or row that cannot be
 read (not JSON, not UTF-8, too long, too deep: the rules are above `judge_line`) comes back as a `Reject`
 with its position instead of stopping the read; a whole file that cannot be read raises `DataSourceError`.
+
+One module, past the ~600 lines a module is cut at, on purpose: the readers and the line rules are one contract,
+every reader yielding the `Reject`s the rules define, and `judge_line` is the JSON reader's inner loop. A module's
+file is also part of every dataset version's key (`versions._CODE_FILES`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The data stage: load -> validate -> extract answers -> exact and near dedup -> token bounds -> split ->
 decontaminate -> write, with every dropped row in quarantine.jsonl and its reason counted in the report.
 
-    version = build_dataset(cfg.data, Path(".grpo/datasets"), tokenizer_path, rewards=["correct_answer"])
+    version = build_dataset(cfg.data, Path(".grpo/datasets"), tokenizer_path, cfg.train.reward_set())
     version.splits["train"]  # JSONL rows {"prompt": [{"role": ..., "content": ...}], "answer": "42", "key": "..."}
 
 Rows stream through in Arrow batches of `data.batch_rows`, so memory holds one batch plus the dedup
@@ -29,7 +29,6 @@ import socket
 import time
 import warnings
 from collections import Counter
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +50,7 @@ from grpo_pipeline.tasks.data.daily import (
     split_keys,
     unchanged_reason,
 )
-from grpo_pipeline.tasks.data.rows import RewardArgs, RowContext, demo_batches, effective, eval_texts
+from grpo_pipeline.tasks.data.rows import RowContext, demo_batches, effective, eval_texts
 from grpo_pipeline.tasks.data.sources import DataSourceError, check_readable, iter_source
 from grpo_pipeline.tasks.data.splits import SPLITS, jsonl_line
 from grpo_pipeline.tasks.data.text import PromptTokens
@@ -68,6 +67,7 @@ from grpo_pipeline.tasks.data.versions import (
 
 # The stage's surface, where the flows, the CLI and the tests import it from; its parts live in the modules beside it.
 __all__ = [
+    "CORRECT_ANSWER",
     "HOLDOUT_KEYS_FILE",
     "IDENTITY_FIELDS",
     "REASONS",
@@ -120,17 +120,12 @@ class DataQualityError(ConfigError):
         self.report = report
 
 
-def run_chain(
-    cfg: DataConfig,
-    work: Path,
-    tokenizer_path: str | None,
-    rewards: Sequence[str],
-    reward_args: RewardArgs | None = None,
-) -> DataReport:
-    """The whole chain into `work`: train/val/holdout.jsonl, quarantine.jsonl. Returns the report."""
+def run_chain(cfg: DataConfig, work: Path, tokenizer_path: str | None, rewards: RewardSet) -> DataReport:
+    """The whole chain into `work`: train/val/holdout.jsonl, quarantine.jsonl. Returns the report. `rewards`' answer
+    checkers, bound with their arguments, judge each reference answer."""
     started = time.perf_counter()
     cfg = effective(cfg)
-    ctx = RowContext(cfg, rewards, reward_args)
+    ctx = RowContext(cfg, rewards)
     tokens = prompt_tokens(cfg, tokenizer_path)
     chain = Chain(cfg, ctx, tokens, work)
     eval_rows = 0
@@ -210,14 +205,16 @@ def _checks(
     }
 
 
+# The rewards of a build that names none (a test's, a benchmark's): the default config's answer checker.
+CORRECT_ANSWER = RewardSet(names=("correct_answer",))
+
+
 def build_dataset(
-    cfg: DataConfig,
-    out_dir: Path,
-    tokenizer_path: str | None = None,
-    rewards: Sequence[str] = ("correct_answer",),
-    reward_args: RewardArgs | None = None,
+    cfg: DataConfig, out_dir: Path, tokenizer_path: str | None = None, rewards: RewardSet = CORRECT_ANSWER
 ) -> DatasetVersion:
-    """Build (or find, when the same inputs were built before) a dataset version under out_dir/<key>.
+    """Build (or find, when the same inputs were built before) a dataset version under out_dir/<key>. The run's
+    `rewards` travel whole (`TrainConfig.reward_set()`): their answer checkers, with their arguments, judge each
+    reference answer, and the key follows their names and those arguments, not the weights, which change no row.
 
     Raises ConfigError for a source that cannot be read or token bounds without a tokenizer,
     DataQualityError when more than `max_dropped_fraction` of the rows were dropped (the quarantine is then
@@ -230,7 +227,7 @@ def build_dataset(
         raise missing_tokenizer(cfg, "no tokenizer was given")
     for source in ([cfg.source] if cfg.source else []) + cfg.eval_sources:
         check_readable(source, cfg.s3_endpoint_url)
-    key = dataset_key(cfg, tokenizer_path, rewards, reward_args)
+    key = dataset_key(cfg, tokenizer_path, rewards)
     target = out_dir / key[:16]
     found = load_version(target)
     if found is not None:
@@ -241,7 +238,7 @@ def build_dataset(
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir()
     with removed_on_exit(work):
-        report = run_chain(cfg, work, tokenizer_path, rewards, reward_args)
+        report = run_chain(cfg, work, tokenizer_path, rewards)
         (work / "report.json").write_bytes(orjson.dumps(report.model_dump(mode="json"), option=orjson.OPT_INDENT_2))
         if report.rows_read == 0:
             raise DataQualityError(f"data.source {cfg.source} holds no rows", report)
@@ -298,7 +295,7 @@ class _InputsCache(CachePolicy):
     ) -> str | None:
         rewards: RewardSet = inputs["rewards"]
         try:
-            key = dataset_key(inputs["cfg"], inputs.get("tokenizer_path"), rewards.names, rewards.args)
+            key = dataset_key(inputs["cfg"], inputs.get("tokenizer_path"), rewards)
         except (DataSourceError, OSError, ValueError):
             return None  # the task itself reports the problem
         out_dir = Path(inputs["out_dir"])
@@ -308,7 +305,7 @@ class _InputsCache(CachePolicy):
 @task(name="data", cache_policy=_InputsCache(), persist_result=True)
 def data_task(cfg: DataConfig, out_dir: Path, tokenizer_path: str | None, rewards: RewardSet) -> DatasetVersion:
     """The version `build_dataset` builds or finds; its answer checks run `rewards`' checkers with their arguments."""
-    return build_dataset(cfg, out_dir, tokenizer_path, rewards.names, rewards.args)
+    return build_dataset(cfg, out_dir, tokenizer_path, rewards)
 
 
 def log_lineage(version: DatasetVersion) -> None:

@@ -11,7 +11,7 @@ import shutil
 import signal
 import socket
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -19,8 +19,9 @@ from typing import Any
 import orjson
 from pydantic import BaseModel
 
+from grpo_pipeline.configs.rewards import RewardSet
 from grpo_pipeline.configs.schema import DataConfig
-from grpo_pipeline.tasks.data.rows import RewardArgs, verifier_args
+from grpo_pipeline.tasks.data.rows import verifier_args
 from grpo_pipeline.tasks.data.sources import file_digest, source_fingerprint
 from grpo_pipeline.tasks.data.splits import SPLITS
 from grpo_pipeline.tasks.data.splits import fingerprint as splits_fingerprint
@@ -90,18 +91,16 @@ def _tokenizer_digest(tokenizer_path: str | None) -> str:
     ).hexdigest()
 
 
-def dataset_key(
-    cfg: DataConfig, tokenizer_path: str | None, rewards: Sequence[str], reward_args: RewardArgs | None = None
-) -> str:
-    """A hash of everything the output depends on: input content, configuration, tokenizer, rewards and the
-    answer checkers' arguments (the others' do not change a row), code."""
+def dataset_key(cfg: DataConfig, tokenizer_path: str | None, rewards: RewardSet) -> str:
+    """A hash of everything the output depends on: input content, configuration, tokenizer, the rewards' names and
+    the answer checkers' arguments (the others' arguments and every weight change no row), code."""
     # what the run does with a built version (skip it, train on its new rows) does not change the version
     built = cfg.model_dump(mode="json", exclude=set(RUN_FIELDS))
     digest = hashlib.sha256(orjson.dumps(built, option=orjson.OPT_SORT_KEYS))
     here = Path(__file__).parent
     digest.update("".join(file_digest(here / f) for f in _CODE_FILES).encode())
-    digest.update(f"\0{_tokenizer_digest(tokenizer_path)}\0{list(rewards)}".encode())
-    checker_args = {name: args for name, args in verifier_args(rewards, reward_args).items() if args}
+    digest.update(f"\0{_tokenizer_digest(tokenizer_path)}\0{list(rewards.names)}".encode())
+    checker_args = {name: args for name, args in verifier_args(rewards).items() if args}
     if checker_args:  # only what changes a row: another url for remote_verifier rebuilds nothing
         digest.update(b"\0" + orjson.dumps(checker_args, option=orjson.OPT_SORT_KEYS, default=str))
     if cfg.source is not None:

@@ -415,7 +415,8 @@ def serve(
 
     import uvicorn
 
-    from grpo_pipeline.tasks.promote.registry import Registry, RegistryServiceError, open_client
+    from grpo_pipeline.tasks.promote.registry import Registry, RegistryServiceError
+    from grpo_pipeline.tasks.promote.registry_client import open_client
     from grpo_pipeline.tasks.serve.adapters import local_base, resolve
     from grpo_pipeline.tasks.serve.engine import Engine, default_python
 

@@ -43,11 +43,8 @@ def test_an_s3_prefix_reads_like_the_same_local_files(tmp_path, s3_endpoint, tin
         DataConfig(source="s3://ckpt/data-stage/", s3_endpoint_url=s3_endpoint),
         tmp_path / "out-s3",
         str(tiny_model),
-        ["correct_answer"],
     )
-    from_disk = build_dataset(
-        DataConfig(source=str(local)), tmp_path / "out-local", str(tiny_model), ["correct_answer"]
-    )
+    from_disk = build_dataset(DataConfig(source=str(local)), tmp_path / "out-local", str(tiny_model))
     assert from_s3.report.rows_kept == 80
     assert from_s3.fingerprint == from_disk.fingerprint
 
@@ -56,7 +53,6 @@ def test_an_s3_prefix_reads_like_the_same_local_files(tmp_path, s3_endpoint, tin
             DataConfig(source="s3://no-such-bucket/x.jsonl", s3_endpoint_url=s3_endpoint),
             tmp_path / "out-missing",
             str(tiny_model),
-            ["correct_answer"],
         )
 
 

@@ -11,8 +11,8 @@ import time
 import pytest
 
 from grpo_pipeline.trainer.checkpoints import FINAL, LocalStore, S3Store
-from grpo_pipeline.trainer.fence import ATTEMPT, EXIT_SUPERSEDED, JOB_ENV, StoreTaken, Superseded, claim_store
-from grpo_pipeline.trainer.spec import parse_bad_input
+from grpo_pipeline.trainer.fence import ATTEMPT, JOB_ENV, StoreTaken, Superseded, claim_store
+from grpo_pipeline.trainer.spec import EXIT_SUPERSEDED, parse_bad_input
 from tests.integration.test_trainer import _spec
 from tests.unit.test_fence import JOB_A, JOB_B
 

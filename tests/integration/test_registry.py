@@ -20,8 +20,8 @@ from grpo_pipeline.tasks.promote.registry import (
     Registry,
     RegistryError,
     RegistryServiceError,
-    RestClient,
 )
+from grpo_pipeline.tasks.promote.registry_client import RestClient
 
 pytestmark = pytest.mark.integration
 
@@ -250,7 +250,8 @@ def test_a_held_lock_is_waited_for_and_then_refused(registry):
 
 RACER = """
 import json, sys, time
-from grpo_pipeline.tasks.promote.registry import Registry, RestClient
+from grpo_pipeline.tasks.promote.registry import Registry
+from grpo_pipeline.tasks.promote.registry_client import RestClient
 
 registry = Registry(RestClient(sys.argv[1]), sys.argv[2], lock_timeout_s=120, stale_lock_s=60)
 print(json.dumps({"ready": time.time()}), flush=True)

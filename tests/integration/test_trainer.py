@@ -105,7 +105,7 @@ def test_resume_skips_a_checkpoint_whose_manifest_is_missing(tmp_path, tiny_mode
 
 
 def test_sigterm_checkpoints_and_exits_with_the_retry_code(tmp_path, tiny_model, tiny_splits, tiny_config):
-    from grpo_pipeline.trainer.train import EXIT_INTERRUPTED
+    from grpo_pipeline.trainer.spec import EXIT_INTERRUPTED
 
     cfg = tiny_config("train.grpo.max_steps=400", "train.checkpoint_every=1000")
     spec = _spec(tmp_path, tiny_model, tiny_splits, cfg)

@@ -60,7 +60,8 @@ def test_continues_the_adapter_with_a_fresh_step_count(tmp_path, tiny_model, tin
 
 
 def test_another_rank_exits_2_before_the_model_loads(tmp_path, tiny_model, tiny_splits, tiny_config, capsys):
-    from grpo_pipeline.trainer.train import EXIT_BAD_INPUT, main
+    from grpo_pipeline.trainer.spec import EXIT_BAD_INPUT
+    from grpo_pipeline.trainer.train import main
 
     parent = tmp_path / "parent"
     parent.mkdir()

@@ -55,7 +55,8 @@ def test_the_node_trains_from_the_published_adapter(tmp_path, s3_endpoint, tiny_
 def test_a_swapped_file_in_the_store_is_refused_with_exit_2(
     tmp_path, s3_endpoint, tiny_model, tiny_splits, tiny_config, capsys
 ):
-    from grpo_pipeline.trainer.train import EXIT_BAD_INPUT, main
+    from grpo_pipeline.trainer.spec import EXIT_BAD_INPUT
+    from grpo_pipeline.trainer.train import main
 
     cfg = tiny_config(f"train.s3_endpoint_url={s3_endpoint}")
     _, shipped = _node_job(tmp_path, tiny_model, tiny_splits, cfg, "warm-swapped", s3_endpoint)

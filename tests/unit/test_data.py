@@ -13,6 +13,7 @@ import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 import pytest
 
+from grpo_pipeline.configs.rewards import RewardSet
 from grpo_pipeline.configs.schema import ConfigError, DataConfig, load_config
 from grpo_pipeline.tasks.data.splits import split_of
 from grpo_pipeline.tasks.data.stage import DataQualityError, build_dataset, log_lineage
@@ -109,7 +110,10 @@ def corpus_config(corpus: Path, eval_set: Path, **kw) -> DataConfig:
 def test_every_bad_row_is_quarantined_with_its_reason_and_every_valid_row_kept(tmp_path, tiny_model):
     corpus, eval_set, valid_ids, expected = malformed_corpus(tmp_path)
     version = build_dataset(
-        corpus_config(corpus, eval_set), tmp_path / "out", str(tiny_model), ["correct_answer", "number_only"]
+        corpus_config(corpus, eval_set),
+        tmp_path / "out",
+        str(tiny_model),
+        RewardSet(names=("correct_answer", "number_only")),
     )
 
     kept = {s: read(p) for s, p in version.splits.items()}
@@ -159,7 +163,7 @@ def test_a_one_word_edit_of_a_long_question_is_a_near_duplicate_not_a_contaminat
     corpus = tmp_path / "pairs.jsonl"
     corpus.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = DataConfig(source=str(corpus), key_column="id", max_prompt_tokens=None, max_dropped_fraction=0.6)
-    version = build_dataset(cfg, tmp_path / "out", str(tiny_model), ["correct_answer"])
+    version = build_dataset(cfg, tmp_path / "out", str(tiny_model))
 
     assert version.report.dropped == {"near_duplicate": 60}
     assert sorted(r["key"] for r in read(version.splits["train"])) == sorted(r["id"] for r in rows[::2])
@@ -172,7 +176,6 @@ def test_too_many_drops_fail_the_stage_and_keep_the_quarantine(tmp_path, tiny_mo
             corpus_config(corpus, eval_set).model_copy(update={"max_dropped_fraction": 0.1}),
             tmp_path / "out",
             str(tiny_model),
-            ["correct_answer"],
         )
     assert info.value.report.dropped_fraction > 0.1
     rejected = next((tmp_path / "out").glob("*.rejected"))
@@ -199,7 +202,7 @@ def test_every_format_gives_the_same_rows(tmp_path, tiny_model):
             batch_rows=64,
             system_prompt="Think, then answer.",
         )
-        version = build_dataset(cfg, tmp_path / "out" / name, str(tiny_model), ["correct_answer"])
+        version = build_dataset(cfg, tmp_path / "out" / name, str(tiny_model))
         assert version.report.rows_kept == 60, (name, version.report.dropped)
         fingerprints[name] = version.fingerprint
     assert len(set(fingerprints.values())) == 1, fingerprints
@@ -213,9 +216,7 @@ def test_csv_rows_with_bad_bytes_or_fields_are_rejected_alone(tmp_path, tiny_mod
     path.write_bytes(
         b'prompt,answer\n"What is 1 + 2?",3\n"caf\xe9 1 + 1",2\n"What is 2 + 2?",4,extra\n"What is 5 + 5?",10\n'
     )
-    version = build_dataset(
-        DataConfig(source=str(path), max_dropped_fraction=0.6), tmp_path / "out", str(tiny_model), ["correct_answer"]
-    )
+    version = build_dataset(DataConfig(source=str(path), max_dropped_fraction=0.6), tmp_path / "out", str(tiny_model))
     assert version.report.rows_kept == 2
     assert version.report.dropped == {"bad_csv": 1, "invalid_utf8": 1}
 
@@ -228,9 +229,7 @@ def test_adding_rows_never_moves_a_row_between_splits(tmp_path, tiny_model):
 
     def splits_of(data: list[dict], name: str) -> dict[str, str]:
         (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in data))
-        version = build_dataset(
-            DataConfig(source=str(tmp_path / name)), tmp_path / "out", str(tiny_model), ["correct_answer"]
-        )
+        version = build_dataset(DataConfig(source=str(tmp_path / name)), tmp_path / "out", str(tiny_model))
         return {r["prompt"][-1]["content"]: s for s, p in version.splits.items() for r in read(p)}
 
     before, after = splits_of(old, "old.jsonl"), splits_of(grown, "grown.jsonl")
@@ -268,7 +267,7 @@ def test_token_budget_counts_the_chat_template_with_the_models_tokenizer(tmp_pat
         max_dropped_fraction=1.0,
         near_dup_threshold=None,
     )
-    version = build_dataset(cfg, tmp_path / "out", str(tiny_model), ["correct_answer"])
+    version = build_dataset(cfg, tmp_path / "out", str(tiny_model))
     kept = {r["answer"] for p in version.splits.values() for r in read(p)}
     assert kept == {a for a, n in lengths.items() if low <= n <= budget}
     reasons = {q["row"]["answer"]: q["reason"] for q in read(version.quarantine)}
@@ -285,23 +284,23 @@ def test_a_rerun_on_the_same_input_does_no_work_and_new_input_does(tmp_path, mon
         "".join(json.dumps({"prompt": p, "answer": a}) + "\n" for p, a in (question(rng, i) for i in range(30)))
     )
     cfg = DataConfig(source=str(path))
-    first = build_dataset(cfg, tmp_path / "out", str(tiny_model), ["correct_answer"])
+    first = build_dataset(cfg, tmp_path / "out", str(tiny_model))
     import grpo_pipeline.tasks.data.stage
 
     monkeypatch.setattr(
         grpo_pipeline.tasks.data.stage, "run_chain", lambda *a, **k: pytest.fail("rebuilt unchanged data")
     )
-    assert build_dataset(cfg, tmp_path / "out", str(tiny_model), ["correct_answer"]) == first
+    assert build_dataset(cfg, tmp_path / "out", str(tiny_model)) == first
     with path.open("a") as fh:
         fh.write(json.dumps({"prompt": question(rng, 99)[0], "answer": "1"}) + "\n")
     monkeypatch.undo()
-    grown = build_dataset(cfg, tmp_path / "out", str(tiny_model), ["correct_answer"])
+    grown = build_dataset(cfg, tmp_path / "out", str(tiny_model))
     assert grown.key != first.key and grown.report.rows_read == 31
 
 
 def test_the_demo_goes_through_the_chain_with_its_holdout(tmp_path, tiny_model):
     cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "demo-cpu.yaml")
-    version = build_dataset(cfg.data, tmp_path, str(tiny_model), cfg.train.rewards)
+    version = build_dataset(cfg.data, tmp_path, str(tiny_model), cfg.train.reward_set())
     rows = {s: read(p) for s, p in version.splits.items()}
     assert len(rows["holdout"]) == 120 and len(rows["val"]) == 16
     keys = {s: {r["key"] for r in rs} for s, rs in rows.items()}
@@ -328,14 +327,14 @@ def test_invalid_data_config_names_the_field(override, field):
 
 def test_an_unreachable_hub_dataset_is_a_config_error(tmp_path, tiny_model):
     with pytest.raises(ConfigError, match="save_to_disk"):
-        build_dataset(DataConfig(source="no-such-org/no-such-dataset"), tmp_path, str(tiny_model), ["correct_answer"])
+        build_dataset(DataConfig(source="no-such-org/no-such-dataset"), tmp_path, str(tiny_model))
 
 
 def test_lineage_logs_splits_report_and_quarantine(tmp_path, tiny_model):
     import mlflow
 
     cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "demo-cpu.yaml")
-    version = build_dataset(cfg.data, tmp_path / "out", str(tiny_model), ["correct_answer"])
+    version = build_dataset(cfg.data, tmp_path / "out", str(tiny_model))
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
     with mlflow.start_run() as run:
         log_lineage(version)
@@ -355,7 +354,7 @@ def test_gsm8k_decontaminated_against_its_test_set(tmp_path, tiny_model):
         answer_extraction="gsm8k",
         eval_sources=[str(GSM8K / "test.jsonl")],
     )
-    version = build_dataset(cfg, tmp_path, str(tiny_model), ["correct_answer"])
+    version = build_dataset(cfg, tmp_path, str(tiny_model))
     report = version.report
     assert report.rows_read == 7473 and report.rows_kept > 7400 and report.eval_rows == 1319
     rows = [r for p in version.splits.values() for r in read(p)]
@@ -410,14 +409,13 @@ def test_a_missing_local_source_fails_preflight_naming_the_field():
 def test_the_data_tasks_cache_key_follows_what_of_the_reward_set_changes_a_row(tmp_path):
     """`data_task` takes the RewardSet whole; its Prefect cache key (the version key) changes with the rewards and
     an answer checker's arguments, and stays put for an equal set or other weights, which change no row."""
-    from grpo_pipeline.configs.rewards import RewardSet
     from grpo_pipeline.tasks.data.stage import _InputsCache
     from grpo_pipeline.tasks.data.versions import dataset_key
 
     cfg = DataConfig(max_prompt_tokens=None)  # the demo rows: no source to read, no tokenizer
 
     def cache_key(rewards: RewardSet) -> str | None:
-        built = tmp_path / dataset_key(cfg, None, rewards.names, rewards.args)[:16]  # as if built: keys are offered
+        built = tmp_path / dataset_key(cfg, None, rewards)[:16]  # as if built: keys are offered
         built.mkdir(exist_ok=True)  # only for a version on disk
         (built / "version.json").write_text("{}")
         inputs = {"cfg": cfg, "out_dir": tmp_path, "tokenizer_path": None, "rewards": rewards}
@@ -430,3 +428,20 @@ def test_the_data_tasks_cache_key_follows_what_of_the_reward_set_changes_a_row(t
     assert cache_key(RewardSet(names=names, weights=(1.0, 0.2))) == base  # a weight changes no row
     assert cache_key(RewardSet(names=names, args={"math_answer": {"answer_tag": "final"}})) != base
     assert cache_key(RewardSet(names=("math_answer",))) != base
+
+
+def test_a_build_takes_the_reward_set_whole_and_another_weight_rebuilds_nothing(tmp_path, monkeypatch):
+    """`build_dataset` takes the run's RewardSet as the data task does: a build with other weights finds the version
+    built before (a weight changes no row), and its key is the one `dataset_key` gives the set."""
+    import grpo_pipeline.tasks.data.stage
+    from grpo_pipeline.tasks.data.versions import dataset_key
+
+    cfg = DataConfig(max_prompt_tokens=None)  # the demo rows: no source to read, no tokenizer
+    rewards = load_config(None).train.reward_set()
+    first = build_dataset(cfg, tmp_path, None, rewards)
+    assert first.key == dataset_key(cfg, None, rewards)
+    monkeypatch.setattr(
+        grpo_pipeline.tasks.data.stage, "run_chain", lambda *a, **k: pytest.fail("rebuilt for another weight")
+    )
+    reweighted = RewardSet(names=rewards.names, args=rewards.args, weights=(0.5,) * len(rewards.names))
+    assert build_dataset(cfg, tmp_path, None, reweighted) == first

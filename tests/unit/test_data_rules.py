@@ -107,7 +107,7 @@ def _outcomes(
         near_dup_threshold=None,
         contamination_threshold=None,
     )
-    version = build_dataset(cfg, out, str(tiny_model), ["correct_answer"])
+    version = build_dataset(cfg, out, str(tiny_model))
     by_position = {q["position"]: q["reason"] for q in read(version.quarantine)}
     kept = {r["key"]: r for p in version.splits.values() for r in read(p)}
     outcome = {}

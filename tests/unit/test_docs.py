@@ -1,5 +1,6 @@
 """The README and docs/: the README stays a front page (at most 200 lines, the two set-up commands, the three
-kinds of user, a link to every page), and every relative link and anchor in them resolves."""
+kinds of user, a link to every page), every relative link and anchor in them resolves, every path of the checkout
+they name exists, and the architecture page's layer table names every module."""
 
 import re
 from pathlib import Path
@@ -85,3 +86,45 @@ def test_the_reliability_page_states_the_checkpoint_fallback_as_the_code_has_it(
     assert "`resume_fallback`" in text and "`choose_resume`" in text
     fresh = ResumePoint(skipped=[{"step": 4, "reason": "r", "moved_to": None}]).reason
     assert f"`{fresh.split(';')[0]}" in text  # the words the job says when nothing verifies
+
+
+# the repository's top folders: a backticked name that starts with one is a path in the checkout
+TOP = ("configs/", "trainer/", "tasks/", "infra/", "flows/", "grpo_pipeline/", "bench/", "sky/", "docs/", "tests/")
+
+
+def _exists(name: str) -> bool:
+    """A path the docs name, with what may follow it: `#anchor`, `:function`, `::test`, or a `.attribute` after a
+    module's path (`trainer/loading.keep_adapter_fp32`); a `<placeholder>` matches any name; `grpo_pipeline/x` is the package's x when the CLI has none."""
+    path = re.sub(r"<[^>]+>", "*", re.split(r"#|::|:(?=\w)", name)[0])  # configs/accelerate/<strategy>.yaml
+    tries = [path, path.removeprefix("grpo_pipeline/")]
+    tries += [f"{t.split('.')[0]}.py" for t in tries if "." in t.rpartition("/")[2]]
+    return any(list(ROOT.glob(t)) if "*" in t else (ROOT / t).exists() for t in tries)
+
+
+@pytest.mark.parametrize("path", [README, *(ROOT / "docs" / f"{p}.md" for p in PAGES)], ids=lambda p: p.name)
+def test_every_path_in_the_checkout_the_docs_name_exists(path):
+    names = {n for n in re.findall(r"`([^`\s]+)`", path.read_text()) if n.startswith(TOP)}
+    assert names  # the check reads the page's paths
+    missing = sorted(n for n in names if not _exists(n))
+    assert missing == [], f"{path.name} names paths that are not in the checkout: {missing}"
+
+
+def test_the_architecture_table_names_every_module_of_its_layer():
+    """Each layer's row names each module and package in its folder, and each module of those packages."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    rows = re.findall(r"^\| \d\. [\w ]+ \| `(\w+)/` \| (.*) \|[^|]*\|$", text, re.M)
+    assert len(rows) == 6
+    unnamed = []
+    for folder, cell in rows:
+        named = set(re.findall(r"`([^`(]+)`", cell))
+        for entry in sorted((ROOT / folder).iterdir()):
+            if entry.name.startswith("_") or not (entry.suffix == ".py" or (entry / "__init__.py").is_file()):
+                continue
+            ways = {entry.name, entry.stem, f"{entry.name}/", f"{folder}/{entry.name}", f"{folder}/{entry.name}/"}
+            if not ways & named and not any(n.startswith(f"{folder}/{entry.name}/") for n in named):
+                unnamed.append(f"{folder}/{entry.name}")
+            if entry.is_dir():
+                for module in sorted(entry.glob("[!_]*.py")):
+                    if not {module.stem, module.name, f"{folder}/{entry.name}/{module.name}"} & named:
+                        unnamed.append(f"{folder}/{entry.name}/{module.name}")
+    assert unnamed == [], f"docs/architecture.md's layer table does not name: {unnamed}"

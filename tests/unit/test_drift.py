@@ -13,7 +13,7 @@ from grpo_pipeline.tasks.data.drift import (
     reward_drop,
     split_rows,
 )
-from grpo_pipeline.tasks.data.stage import config_hash, dataset_key
+from grpo_pipeline.tasks.data.stage import CORRECT_ANSWER, config_hash, dataset_key
 from grpo_pipeline.tasks.report import drift_lines
 
 
@@ -105,9 +105,7 @@ def test_a_drift_alert_out_of_range_is_refused_at_load(value, message):
 def test_the_alert_threshold_neither_retrains_nor_rebuilds_the_data():
     on = load_config(None, ["data.drift_alert=0.1"])
     assert config_hash(on) == config_hash(load_config(None))  # so data.skip_unchanged still skips
-    assert dataset_key(on.data, None, ["correct_answer"]) == dataset_key(
-        load_config(None).data, None, ["correct_answer"]
-    )
+    assert dataset_key(on.data, None, CORRECT_ANSWER) == dataset_key(load_config(None).data, None, CORRECT_ANSWER)
 
 
 def test_the_decision_report_is_marked_and_shows_the_drift_section():

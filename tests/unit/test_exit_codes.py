@@ -7,9 +7,9 @@ reach the same codes through real stores and trainers."""
 import pytest
 
 from grpo_pipeline.trainer import train
-from grpo_pipeline.trainer.fence import EXIT_SUPERSEDED, StoreTaken, Superseded
+from grpo_pipeline.trainer.fence import StoreTaken, Superseded
 from grpo_pipeline.trainer.rewards import RewardError, RewardUnavailable
-from grpo_pipeline.trainer.spec import BAD_INPUT_TAG, JobSpec
+from grpo_pipeline.trainer.spec import BAD_INPUT_TAG, EXIT_SUPERSEDED, NOT_RELAUNCHED, JobSpec
 
 
 @pytest.fixture
@@ -66,3 +66,30 @@ def test_the_table_names_an_outage_before_the_reward_error_it_subclasses():
     """First match wins: a RewardUnavailable is a RewardError, and must not be taken for bad input."""
     kinds = [kind for kind, _, _ in train.EXITS]
     assert kinds.index(RewardUnavailable) < kinds.index(RewardError)
+
+
+def test_the_codes_are_defined_once_in_the_job_contract_and_the_launchers_read_them_there():
+    """trainer/spec.py alone assigns an EXIT_ name in trainer/ and infra/ (the trainer, its torchrun launcher and
+    the local launcher once each defined or typed them), and a code is compared by name, never as a literal."""
+    import ast
+    from pathlib import Path
+
+    from grpo_pipeline.infra.launch import local
+
+    root = Path(__file__).resolve().parents[2]
+    assigned, literal = [], []
+    for path in sorted([*(root / "trainer").rglob("*.py"), *(root / "infra").rglob("*.py")]):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Assign | ast.AnnAssign):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                names = [n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)]
+                if any(n.startswith("EXIT_") for n in names) and path.name != "spec.py":
+                    assigned.append(f"{path.relative_to(root)}:{node.lineno}")
+            if isinstance(node, ast.Compare) and any(
+                isinstance(n, ast.Name) and n.id == "code" for n in [node.left, *node.comparators]
+            ):
+                if any(isinstance(n, ast.Constant) and n.value in (1, 2, 3, 75) for n in node.comparators):
+                    literal.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert assigned == [] and literal == [], (assigned, literal)
+    assert NOT_RELAUNCHED == {2, EXIT_SUPERSEDED} and local.NOT_RELAUNCHED is NOT_RELAUNCHED

@@ -149,3 +149,17 @@ def test_config_and_plan_load_no_torch(args):
     proc = subprocess.run([sys.executable, "-c", PROBE, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines()[-1] == "[]"
+
+
+MAX_LINES = 600  # about where a module is cut along its seams (issue #36)
+
+
+def test_a_module_past_the_line_limit_says_at_its_top_why_it_is_one():
+    """A module over MAX_LINES lines is cut along a seam, or its docstring says why it is one ("One module, ...")."""
+    unexplained = []
+    for folder in [*LAYERS, "bench"]:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            text = path.read_text()
+            if len(text.splitlines()) > MAX_LINES and "One module" not in (ast.get_docstring(ast.parse(text)) or ""):
+                unexplained.append(f"{path.relative_to(ROOT)} ({len(text.splitlines())} lines)")
+    assert unexplained == [], unexplained

@@ -12,7 +12,8 @@ import pytest
 from grpo_pipeline.configs.schema import load_config
 from grpo_pipeline.flows.warm_start import fetch_adapter
 from grpo_pipeline.tasks.promote.download import download
-from grpo_pipeline.tasks.promote.registry import CHAMPION, Registry, open_client
+from grpo_pipeline.tasks.promote.registry import CHAMPION, Registry
+from grpo_pipeline.tasks.promote.registry_client import open_client
 from grpo_pipeline.tasks.serve.adapters import resolve
 
 NAME = "grpo-adapter"

@@ -49,8 +49,8 @@ def test_asking_bf16_on_a_cpu_without_it_names_the_flag_and_the_fallback():
 
 def test_the_job_refuses_slow_bf16_before_any_work(tmp_path, monkeypatch, capsys, tiny_config):
     from grpo_pipeline.tasks.job import model_load, train_settings
-    from grpo_pipeline.trainer.spec import BAD_INPUT_TAG, JobSpec
-    from grpo_pipeline.trainer.train import EXIT_BAD_INPUT, main
+    from grpo_pipeline.trainer.spec import BAD_INPUT_TAG, EXIT_BAD_INPUT, JobSpec
+    from grpo_pipeline.trainer.train import main
 
     monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
     monkeypatch.setattr(precision.platform, "machine", lambda: "x86_64")

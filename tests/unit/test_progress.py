@@ -1,6 +1,6 @@
 """What users see while a run works: the trainer's one line per log, the parent's step x/N with the time
 left, and evaluation progress with a total and an ETA. Clocks are injected; HF's own callback machinery is
-real (no model needed)."""
+real (no model needed). And what `deploy` shows while it registers."""
 
 import io
 import os
@@ -146,3 +146,25 @@ def test_evaluation_progress_is_lines_in_a_log_and_a_bar_at_a_terminal(monkeypat
     drawn = read_until(primary, "4/4")
     os.close(primary)
     assert "evaluating base" in drawn and "4/4" in drawn
+
+
+def test_deploy_names_each_step_on_stderr_and_keeps_stdout_for_its_json(tmp_path, monkeypatch):
+    """`grpo-pipeline deploy` works for a minute (`prefect deploy` alone takes tens of seconds): never silent, and
+    its stdout stays the JSON summary. The server's side is stubbed; the steps and the command are real."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from grpo_pipeline.cli import app
+    from grpo_pipeline.flows import deploy
+
+    monkeypatch.setattr(deploy, "check_server", lambda: "http://127.0.0.1:4200/api")
+    monkeypatch.setattr(deploy, "ensure_work_pool", lambda name: ("process", []))
+    monkeypatch.setattr(deploy, "register", lambda spec, workdir: "")
+    monkeypatch.setattr(deploy, "deployments_summary", lambda: {"manual": {}})
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, ["deploy", "--set", f"data_dir={tmp_path}"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["deployments"] == {"manual": {}}
+    done = [line.rpartition(" (")[0] for line in result.stderr.splitlines() if line.endswith(" s)")]
+    assert done == ["Prefect server answered", "work pool grpo-process ready", "deployments registered"]

@@ -7,7 +7,8 @@ from prefect.states import Completed, Failed
 
 from grpo_pipeline.flows.ab import decide_task, settle_round_task
 from grpo_pipeline.flows.retries import retry_service_errors
-from grpo_pipeline.flows.stages.promote import settle_promotion_task
+from grpo_pipeline.flows.stages.evaluate import fetch_champion_task
+from grpo_pipeline.flows.stages.promote import register_task, settle_promotion_task
 from grpo_pipeline.tasks.promote.registry import ChampionMoved, LockLost, RegistryError
 from grpo_pipeline.tasks.serve.ab import AliasesMoved
 
@@ -30,7 +31,11 @@ def test_a_run_that_did_not_fail_is_not_retried():
     assert retry_service_errors(None, None, Completed(data=1)) is False
 
 
-@pytest.mark.parametrize("registry_task", [decide_task, settle_round_task, settle_promotion_task], ids=lambda t: t.name)
+@pytest.mark.parametrize(
+    "registry_task",
+    [decide_task, settle_round_task, settle_promotion_task, register_task, fetch_champion_task],
+    ids=lambda t: t.name,
+)
 def test_every_registry_task_of_both_flows_is_under_the_policy(registry_task):
     assert registry_task.retry_condition_fn is retry_service_errors
     assert (registry_task.retries, registry_task.retry_delay_seconds) == (3, [5, 10, 20])

@@ -93,7 +93,10 @@ def test_the_data_stage_checks_references_with_the_answer_rewards_alone(tmp_path
     path = tmp_path / "d.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     version = build_dataset(
-        DataConfig(source=str(path)), tmp_path / "out", str(tiny_model), ["math_answer", "remote_verifier"]
+        DataConfig(source=str(path)),
+        tmp_path / "out",
+        str(tiny_model),
+        RewardSet(names=("math_answer", "remote_verifier")),
     )
     assert [(q["row"]["answer"], q["reason"]) for q in read(version.quarantine)] == [
         ("forty-two", "answer_unverifiable")
@@ -130,7 +133,9 @@ def test_the_data_stage_binds_the_answer_checkers_arguments(tmp_path, tiny_model
     data = DataConfig(source=str(path), max_dropped_fraction=1.0)
 
     def quarantined(args):
-        version = build_dataset(data, tmp_path / "out", str(tiny_model), cfg.train.rewards, args)
+        version = build_dataset(
+            data, tmp_path / "out", str(tiny_model), RewardSet(names=tuple(cfg.train.rewards), args=args)
+        )
         assert {q["reason"] for q in read(version.quarantine)} <= {"answer_unverifiable"}
         return sorted(q["row"]["answer"] for q in read(version.quarantine))
 
