@@ -100,27 +100,53 @@ def merge_blocker(model: Any) -> str | None:
 
 
 @contextmanager
-def merged_adapter(model: Any) -> Iterator[None]:
+def merged_adapter(model: Any, cast_to: Any = None) -> Iterator[None]:
     """Inside: `model` (a PeftModel whose `merge_blocker` is None) computes with `W + s·BA` in its base linears and
-    its adapter layers disabled; after: its base weights are the same tensors as before, its adapter enabled."""
+    its adapter layers disabled; after: its base weights are the same tensors as before, its adapter enabled.
+
+    `cast_to`: the dtype the model's forward autocasts its matmuls to (bf16 mixed precision), or None. Autocast
+    casts a frozen float32 weight again at every forward (it caches only the casts of weights that train), so a
+    generation call cast all of them once per new token; with `cast_to` the merged weights, and the other frozen
+    linears' (the LM head), are made in that dtype once for the call: the values autocast would have made."""
     import torch
     from peft.tuners.lora import LoraLayer
 
     swapped: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+    rebound: list[tuple[torch.nn.Module, torch.nn.Parameter]] = []
     try:
         with torch.no_grad():
+            adapted = set()
             for layer in (m for m in model.modules() if isinstance(m, LoraLayer)):
-                weight = layer.get_base_layer().weight
-                merged = weight.data
+                base = layer.get_base_layer()
+                adapted.add(id(base))
+                merged = base.weight.data
                 for name in layer.active_adapters:
                     merged = merged + layer.get_delta_weight(name).to(merged.dtype)
-                swapped.append((weight, weight.data))
-                weight.data = merged
+                swapped.append((base.weight, base.weight.data))
+                base.weight.data = merged if cast_to is None else merged.to(cast_to)
+            for module in model.modules() if cast_to is not None else ():
+                weight = getattr(module, "weight", None)
+                if (
+                    isinstance(module, torch.nn.Linear)
+                    and id(module) not in adapted
+                    and weight is not None
+                    and not weight.requires_grad
+                    and weight.dtype == torch.float32
+                ):
+                    # rebound, not cast in place: a tied LM head shares its tensor with the embedding, whose
+                    # lookup autocast leaves in float32
+                    rebound.append((module, weight))
+                    module.weight = torch.nn.Parameter(weight.to(cast_to), requires_grad=False)
         with model.disable_adapter():
             yield
     finally:
         for weight, original in swapped:
             weight.data = original
+        for module, weight in rebound:
+            module.weight = weight
+
+
+AUTOCAST_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}  # accelerate's mixed_precision -> the autocast dtype
 
 
 def trainer_class(base: type) -> type:
@@ -145,7 +171,17 @@ def trainer_class(base: type) -> type:
                     log.warning("%s: generating from the unmerged adapter: %s", SETTING, reason)
             if not self._merge_ok:
                 return super()._generate_single_turn(*args, **kwargs)
-            with merged_adapter(self.model):
+            import torch
+
+            dtype = AUTOCAST_DTYPES.get(str(self.accelerator.mixed_precision))
+            cast_to = getattr(torch, dtype) if dtype else None
+            # Under mixed precision the loss's forward autocasts (accelerate wraps the model's forward), but PEFT's
+            # generate calls the base model's own forward, outside that wrapper: the sampling pass ran in float32,
+            # from a policy a rounding away from the one the loss scores. It autocasts as the loss does here.
+            with (
+                merged_adapter(self.model, cast_to),
+                torch.autocast(self.accelerator.device.type, dtype=cast_to, enabled=cast_to is not None),
+            ):
                 return super()._generate_single_turn(*args, **kwargs)
 
     return MergedGenerationTrainer

@@ -94,6 +94,27 @@ def test_generation_from_merged_weights_computes_the_adapters_log_probs(tiny_mod
     assert all(p.requires_grad for n, p in model.named_parameters() if "lora_" in n)
 
 
+def test_merged_weights_made_in_the_autocast_dtype_compute_what_autocast_computes(tiny_model):
+    """bf16 mixed precision: autocast casts every frozen float32 weight again at each forward; `cast_to` makes the
+    merged weights (and the tied LM head's) in bf16 once. The forward under autocast gives the same logits, bit for
+    bit, and afterwards the weights are float32 again, the head tied to the embedding as before."""
+    from grpo_pipeline.trainer.generation import merged_adapter
+
+    model = _peft_model(tiny_model)
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    assert head.weight is embedding.weight  # tied: the case a cast in place would get wrong
+    ids = torch.randint(3, model.config.vocab_size, (4, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        with merged_adapter(model):
+            cast_by_autocast = model(input_ids=ids).logits
+        with merged_adapter(model, cast_to=torch.bfloat16):
+            assert head.weight.dtype == torch.bfloat16 and embedding.weight.dtype == torch.float32
+            cast_once = model(input_ids=ids).logits
+    assert torch.equal(cast_once, cast_by_autocast)
+    assert head.weight is embedding.weight and head.weight.dtype == torch.float32
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
 def test_merged_generation_falls_back_where_it_cannot_be_exact(tiny_model):
     from grpo_pipeline.trainer.generation import merge_blocker
 
@@ -106,10 +127,13 @@ def test_merged_generation_falls_back_where_it_cannot_be_exact(tiny_model):
     assert merge_blocker(dropping.train()) == "LoRA dropout is active while sampling (lora_dropout=0.1)"
 
 
-def _two_steps(model_dir, trainer_args, merged: bool, prefill: bool = False, *overrides: str, **lora) -> dict:
+def _two_steps(
+    model_dir, trainer_args, merged: bool, prefill: bool = False, *overrides: str, watch=None, **lora
+) -> dict:
     """Two GRPO steps of the trainer's settings (and `overrides`) on the tiny model: the completions each step
     sampled, the per-token log-probs of the loss's forward (policy, with grad) and the logged losses; the adapter's
-    weights at the end. `merged`, `prefill`: the trainer classes train.py wraps for those settings."""
+    weights at the end. `merged`, `prefill`: the trainer classes train.py wraps for those settings; `watch(model)`
+    sees the loaded model before training."""
     from datasets import Dataset
     from peft import LoraConfig
     from trl import GRPOTrainer
@@ -126,6 +150,8 @@ def _two_steps(model_dir, trainer_args, merged: bool, prefill: bool = False, *ov
 
     load = ModelLoad(quantization="none", double_quant=False, compute_dtype="float32", trust_remote_code=False)
     model, tokenizer = load_model(str(model_dir), load)
+    if watch is not None:
+        watch(model)
     cls = generation.prefill_trainer_class(GRPOTrainer) if prefill else GRPOTrainer
     cls = generation.trainer_class(cls) if merged else cls  # as train.py stacks them
     trainer = cls(
@@ -159,11 +185,12 @@ def _two_steps(model_dir, trainer_args, merged: bool, prefill: bool = False, *ov
 
 
 def test_the_trainer_with_merged_generation_trains_as_the_default(tiny_model, trainer_args):
-    """The real GRPOTrainer, two steps from the same seed: generating from the merged adapter samples the same
-    completions (step 2's adapter is non-zero after step 1's update), so the loss's forward sees the same tokens and
-    computes the same per-token log-probs and loss, to float32 rounding (1e-6), and the adapter ends the same."""
-    plain = _two_steps(tiny_model, trainer_args, merged=False)
-    merged = _two_steps(tiny_model, trainer_args, merged=True)
+    """The real GRPOTrainer, two steps from the same seed, in float32 (bf16 mixed precision samples in bf16 from
+    merged weights, below): generating from the merged adapter samples the same completions (step 2's adapter is
+    non-zero after step 1's update), so the loss's forward sees the same tokens and computes the same per-token
+    log-probs and loss, to float32 rounding (1e-6), and the adapter ends the same."""
+    plain = _two_steps(tiny_model, trainer_args, False, False, "train.grpo.bf16=false")
+    merged = _two_steps(tiny_model, trainer_args, True, False, "train.grpo.bf16=false")
     assert merged["completions"] == plain["completions"] and len(plain["completions"]) == 2
     assert len(merged["logps"]) == len(plain["logps"]) == 2
     for got, want in zip(merged["logps"], plain["logps"], strict=True):
@@ -171,6 +198,29 @@ def test_the_trainer_with_merged_generation_trains_as_the_default(tiny_model, tr
     torch.testing.assert_close(merged["loss"], plain["loss"], rtol=1e-6, atol=1e-6)
     for name, want in plain["adapter"].items():
         torch.testing.assert_close(merged["adapter"][name], want, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_bf16_mixed_precision_samples_in_bf16_from_weights_merged_once(tiny_model, trainer_args):
+    """bf16 mixed precision: the loss's forward autocasts, and now so does the sampling pass (PEFT's generate calls
+    the base model's forward, outside accelerate's autocast wrapper, so it sampled in float32). While sampling the
+    linears compute in bf16 from weights merged in bf16 once per call; the loss's forward autocasts the float32
+    weights as before, and the trained model ends all float32."""
+    seen: list[tuple[bool, torch.dtype, torch.dtype]] = []  # (with grad, weight dtype, output dtype) per matmul
+
+    def watch(model):  # before the trainer adds the adapter: every linear here is the base's or the LM head
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.register_forward_hook(
+                    lambda m, _, out: seen.append((torch.is_grad_enabled(), m.weight.dtype, out.dtype))
+                )
+
+    run = _two_steps(tiny_model, trainer_args, True, False, "train.grpo.bf16=true", watch=watch)
+    sampling = {(w, o) for grad, w, o in seen if not grad}
+    scoring = {(w, o) for grad, w, o in seen if grad}
+    assert sampling == {(torch.bfloat16, torch.bfloat16)}
+    assert scoring == {(torch.float32, torch.bfloat16)}
+    assert len(run["completions"]) == 2 and torch.isfinite(run["loss"]).all()
+    assert all(p.dtype == torch.float32 for p in run["adapter"].values())
 
 
 def test_merged_generation_warns_once_and_trains_unmerged_with_a_lora_variant(tiny_model, trainer_args, caplog):
@@ -274,7 +324,7 @@ def test_the_trainer_with_prefill_once_trains_as_the_default(tiny_model, trainer
     """The real GRPOTrainer, two steps from one seed, 2 prompts x 2 generations a step: prefilling each distinct
     prompt once samples the same completions, so the loss's forward computes the same log-probs and loss (1e-6) and
     the adapter ends the same (1e-5); so does it together with generation from merged weights."""
-    two = ("train.grpo.num_generations=2",)
+    two = ("train.grpo.num_generations=2", "train.grpo.bf16=false")
     plain = _two_steps(tiny_model, trainer_args, False, False, *two)
     selected = _count_prefills(monkeypatch)
     runs = {"prefill": _two_steps(tiny_model, trainer_args, False, True, *two)}
