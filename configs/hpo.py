@@ -195,6 +195,13 @@ class HPOConfig(StrictModel):
         description="{date} = today (UTC): a rerun the same day resumes the study; a new day's study is warm-started",
     )
     warm_start: bool = Field(True, description="enqueue the best trial of each earlier study of the same base model")
+    start_trials: int = Field(
+        10,
+        ge=0,
+        description="a new study's first trials (the control and the warm start included) spread over the space "
+        "(a scrambled Sobol sequence), not TPE's random start: 4 of them put one learning rate in each quarter of "
+        "its range; TPE models the trials after them; 0: TPE from the first",
+    )
     seed: int = Field(0, description="seeds the TPE sampler")
     sky_task_yaml: str = Field("sky/hpo-trial.yaml", description="task YAML for trials when train.launcher=sky")
     space: SearchSpace = SearchSpace()

@@ -19,7 +19,7 @@ from grpo_pipeline.configs.schema import (
     SearchSpace,
     TrainConfig,
 )
-from grpo_pipeline.tasks.hpo.space import fits
+from grpo_pipeline.tasks.hpo.space import fits, space_filling
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +65,13 @@ def study_name(hpo: HPOConfig, today: datetime | None = None) -> str:
     return hpo.study_name.format(date=(today or datetime.now(UTC)).strftime("%Y-%m-%d"))
 
 
+SPACE_FILLING = "space_filling"  # trial user attribute: queued by the study's space-filling start (hpo.start_trials)
+
+
 def make_sampler(hpo: HPOConfig) -> optuna.samplers.BaseSampler:
-    """Seeded TPE; a third of the budget samples at random first (TPE's default of 10 exceeds small budgets).
-    Multivariate, because LoRA's best learning rate moves with its rank and alpha."""
+    """Seeded TPE, after the study's space-filling start (`open_study`); its own random start, a third of the
+    budget, only serves studies created before that start existed. Multivariate, because LoRA's best learning
+    rate moves with its rank and alpha."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         return optuna.samplers.TPESampler(
@@ -154,9 +158,10 @@ def open_study(
     hpo: HPOConfig, base: str, data_dir: Path, name: str | None = None, start: str = FROM_BASE
 ) -> optuna.Study:
     """Create or load the study of base model `base` (model.base) whose trials start at `start` (a warm start's
-    adapter URI, `WarmStart.uri`); a new one is warm-started from earlier studies' best trials (parameters
-    carry over between starts, values do not), an old one gets back the trials a dead search process left
-    running."""
+    adapter URI, `WarmStart.uri`); a new one queues the control (the configured values), earlier studies' best
+    trials (parameters carry over between starts, values do not) and then configurations spread over the space
+    (`space_filling`), up to `hpo.start_trials` trials; an old one gets back the trials a dead search process
+    left running."""
     name = name or study_name(hpo)
     storage = open_storage(hpo, data_dir)
     earlier = optuna.get_all_study_names(storage)
@@ -190,6 +195,9 @@ def open_study(
         if hpo.warm_start:
             for params in earlier_best(storage, name, base, hpo.space):
                 study.enqueue_trial(params, skip_if_exists=True)
+        # the rest of the start spread over the space (TPE's own start draws at random)
+        for params in space_filling(hpo.space, min(hpo.trials, hpo.start_trials) - len(study.trials), hpo.seed):
+            study.enqueue_trial(params, user_attrs={SPACE_FILLING: True}, skip_if_exists=True)
     requeue_orphans(study)
     return study
 

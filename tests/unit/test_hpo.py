@@ -171,18 +171,41 @@ def test_a_new_study_is_warm_started_from_earlier_studies_of_the_same_model(cfg)
     best = optuna.load_study(study_name="day-1", storage=storage_of(first)).best_params
 
     other_model = cfg("hpo.study_name=other", "model.base=org/other-model")
-    assert not [t for t in study_of(other_model).trials if t.state.name == "WAITING"]
+    assert not warm_started(study_of(other_model))
     narrower = cfg("hpo.study_name=narrow", "hpo.space.learning_rate={low: 2.0e-3, high: 3.0e-3, log: true}")
-    assert not [t for t in study_of(narrower).trials if t.state.name == "WAITING"]  # best lies outside
+    assert not warm_started(study_of(narrower))  # best lies outside
 
     with pytest.raises(ConfigError, match="searched for base model 'smollm2-135m-instruct'"):
         study_of(cfg("hpo.study_name=day-1", "model.base=org/other-model"))  # a study is one model's
 
     second = study_of(cfg("hpo.study_name=day-2"))
-    waiting = [t for t in second.trials if t.state.name == "WAITING"]
-    assert len(waiting) == 1
-    trial = second.ask()
+    assert len(warm_started(second)) == 1
+    trial = second.ask()  # the warm start runs first, before the space-filling start
     assert suggest(trial, first.hpo.space) == best
+
+
+def warm_started(study):
+    return [t for t in study.trials if t.state.name == "WAITING" and not t.user_attrs.get("space_filling")]
+
+
+def test_a_new_study_starts_spread_over_the_space_after_its_control(cfg):
+    """After the control, a new study's first trials are a space-filling design (scrambled Sobol), not TPE's
+    random start: its first four learning rates lie one in each quarter of the (log) range; a study reopened
+    queues nothing more."""
+    import math
+
+    c = cfg("hpo.study_name=spread", "hpo.trials=8", "hpo.keep_configured=true")
+    study = study_of(c)
+    queued = [t for t in study.trials if t.state.name == "WAITING"]
+    assert queued[0].user_attrs.get("configured") and not queued[0].params  # the control first
+    spread = [t for t in queued if t.user_attrs.get("space_filling")]
+    assert len(spread) == 7 == len(queued) - 1
+    low, high = (math.log(c.hpo.space.learning_rate.low), math.log(c.hpo.space.learning_rate.high))
+    quarters = sorted(
+        int(4 * (math.log(t.system_attrs["fixed_params"]["learning_rate"]) - low) / (high - low)) for t in spread[:4]
+    )
+    assert quarters == [0, 1, 2, 3]
+    assert len(study_of(c).trials) == 8  # reopened: nothing queued twice
 
 
 def test_when_no_trial_completes_the_stage_fails_with_each_reason(cfg, tmp_path):
@@ -227,7 +250,8 @@ def test_bad_input_in_a_trial_stops_the_study_and_reaches_the_caller_as_a_config
         run_search(c, "m", {"train": tmp_path / "train.jsonl"}, tmp_path, rewards=c.train.reward_set(), run_one=run_one)
     assert isinstance(failed.value, ConfigError)  # the CLI's exit-2 path
     assert len(launched) == 1  # not hpo.trials launches into the same reward
-    (trial,) = optuna.load_study(study_name=study_of(c).study_name, storage=storage_of(c)).trials
+    stored = optuna.load_study(study_name=study_of(c).study_name, storage=storage_of(c))
+    (trial,) = [t for t in stored.trials if t.state.name != "WAITING"]  # the rest of the queue never ran
     assert trial.state.name == "FAIL"
     assert trial.user_attrs["reason"].startswith("reward 'x:nan' returned nan for row 1")
 
