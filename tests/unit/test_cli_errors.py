@@ -401,6 +401,19 @@ def test_version_is_the_installed_distributions_and_h_is_help():
         assert short.exit_code == long.exit_code == 0 and short.stdout == long.stdout and "Usage:" in short.stdout
 
 
+@pytest.mark.parametrize("group", [[], ["stack"], ["ab"], ["rewards"]], ids=lambda g: " ".join(g) or "root")
+def test_a_help_listing_gives_each_command_one_line(group):
+    """On a terminal wide enough, each command of a listing is one row: its docstring's first sentence (it was the
+    whole first paragraph, broken where the docstring's lines break); the command's own -h keeps its whole text."""
+    listing = CliRunner().invoke(app, [*group, "-h"], env={"COLUMNS": "400"}).stdout
+    panel = listing[listing.index("Commands") :].splitlines()[1:-1]
+    assert panel and all(not row.startswith("│  ") for row in panel), "\n".join(panel)
+    if not group:
+        assert "│ promote   An operator's promotion without an A/B decision: the version becomes champion" in listing
+        assert "Records who and why" not in listing
+        assert "Records who and why" in CliRunner().invoke(app, ["promote", "-h"], env={"COLUMNS": "400"}).stdout
+
+
 def test_the_registry_commands_in_a_folder_where_nothing_ran_create_no_store(tmp_path, monkeypatch):
     """`registry` reads: every alias null, exit 0, and why on stderr; `rollback`, `promote` and `ab decide` would
     move aliases that do not exist, and `serve` would serve a champion that does not exist: exit 2. None of them
