@@ -441,20 +441,19 @@ def test_the_registry_commands_in_a_folder_where_nothing_ran_create_no_store(tmp
 
 def test_serve_without_the_engines_python_is_refused_before_the_registry_or_the_request_log(tmp_path, monkeypatch):
     """After `make demo` without `make serve-env`: exit 2 naming the Python it looked for and both fixes, before
-    any alias is resolved or adapter downloaded (it said "no champion" here, or after the downloads exited 1)."""
-    import mlflow
+    any alias is resolved or adapter downloaded (it asked the registry first, and after the downloads exited 1)."""
+    import socket
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("GRPO_AB_LOG_URL", raising=False)
-    uri = f"sqlite:///{tmp_path / '.grpo' / 'mlflow.db'}"
-    (tmp_path / ".grpo").mkdir()
-    mlflow.MlflowClient(uri).search_registered_models()  # a registry exists (no champion in it: not asked)
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    serve = CliRunner().invoke(app, ["serve"])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        uri = f"http://127.0.0.1:{s.getsockname()[1]}"  # nothing listens: asked first, it would say so
+    serve = CliRunner().invoke(app, ["serve", "--set", f"tracking.mlflow_tracking_uri={uri}"])
     python = tmp_path / ".venv-serve" / "bin" / "python"
     _one_paragraph_on_stderr(serve, f"no engine Python at {python}: run `make serve-env`")
-    assert "or set ab.serve.engine_python" in serve.stderr and "champion" not in serve.stderr
-    assert not (tmp_path / ".grpo" / "ab").exists()  # the request log is opened only for a serve that can start
+    assert "or set ab.serve.engine_python" in serve.stderr and uri not in serve.stderr
+    assert not (tmp_path / ".grpo").exists()  # the request log is opened only for a serve that can start
 
 
 def test_a_registry_read_migrating_an_older_store_prints_no_mlflow_info_lines(tmp_path):
