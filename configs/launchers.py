@@ -1,10 +1,11 @@
-"""The launchers `train.launcher` may name, and what the config and the planner know of each: whether it runs on
-this machine, and the GPU counts per node the config itself fixes.
+"""The launcher registry: the launchers `train.launcher` may name, one entry each, and what the config and the
+planner know of each (whether it runs on this machine, the GPU counts per node the config itself fixes).
 
-How each launcher is built and checked lives a layer up, in `grpo_pipeline.infra.launch.LAUNCHER_MODULES` (one
-module per launcher); both tables name the same launchers (tests/unit/test_launchers.py). A new launcher is its
-module under infra/launch/, an entry there and one here: the config's allowed values, the flow form's choices and
-every check that asks "is it local?" or "how many GPUs?" follow from the entries.
+How each is built and checked lives a layer up, in the module its entry names (`module`, a dotted path: named,
+not imported, so the config stays below the launch interface; `grpo_pipeline.infra.launch.launcher_kind` imports
+it on use and reads its `KIND`). A new launcher is its module and one entry here: the config's allowed values, the
+flow form's choices, how the job is built and checked, and every check that asks "is it local?" or "how many
+GPUs?" follow from the entry (tests/unit/test_launchers.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ class LauncherFacts:
     # Each GPU count per node the config asks for (one per accelerator option); None: the machine's own, known only
     # where the job runs. The launch interface's `gpus_per_node` answers for the job itself.
     gpu_counts: Callable[[TrainConfig], list[int] | None]
+    # The module whose `KIND` (`grpo_pipeline.infra.launch.LauncherKind`) builds the launcher, the GPU counts its
+    # nodes may have and its checks before any work.
+    module: str
 
 
 def sky_gpu_counts(train: TrainConfig) -> list[int]:
@@ -45,9 +49,12 @@ def _machine_gpus(train: TrainConfig) -> None:
     return None
 
 
+_LAUNCH = "grpo_pipeline.infra.launch"
 LAUNCHERS: dict[str, LauncherFacts] = {
-    "local": LauncherFacts("a subprocess here", local=True, gpu_counts=_machine_gpus),
-    "sky": LauncherFacts("a SkyPilot managed job on spot GPUs", local=False, gpu_counts=sky_gpu_counts),
+    "local": LauncherFacts("a subprocess here", local=True, gpu_counts=_machine_gpus, module=f"{_LAUNCH}.local"),
+    "sky": LauncherFacts(
+        "a SkyPilot managed job on spot GPUs", local=False, gpu_counts=sky_gpu_counts, module=f"{_LAUNCH}.skypilot"
+    ),
 }
 
 # The names as types: pydantic, the JSON schema and the Prefect form read the Literal built from the table, so a new

@@ -3,11 +3,10 @@ candidates the base is chosen among, the bound on what quantization may cost, an
 
 from __future__ import annotations
 
-from typing import Literal
-
 from pydantic import Field, field_validator
 
 from grpo_pipeline.configs.base import StrictModel
+from grpo_pipeline.configs.dtypes import DType, Quantization
 
 DEMO_MODEL = "smollm2-135m-instruct"
 
@@ -27,11 +26,9 @@ class ModelConfig(StrictModel):
         DEMO_MODEL,
         description=f"'{DEMO_MODEL}' (the demo model), a local model directory, a .gguf file, or a hub id",
     )
-    quantization: Literal["none", "nf4", "fp4", "int8"] = Field(
-        "none", description="bitsandbytes quantization of the frozen base (nf4 = QLoRA)"
-    )
+    quantization: Quantization = Field("none", description="bitsandbytes quantization of the frozen base (nf4 = QLoRA)")
     double_quant: bool = Field(False, description="nested 4-bit quantization: ~0.4 bit/param less memory")
-    compute_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    compute_dtype: DType = "float32"
     trust_remote_code: bool = Field(
         False,
         description="run Python code shipped inside a model repository (a few architectures need it); "

@@ -17,6 +17,7 @@ failed flow run behind; `stack up` checks its ports before it starts anything.
 from __future__ import annotations
 
 import importlib.metadata
+import re
 import sys
 from typing import Annotated
 
@@ -84,6 +85,29 @@ app.command()(serve_cli.serve)
 app.add_typer(stack_cli.app, name="stack")
 app.add_typer(rewards_cli.app, name="rewards")
 app.add_typer(ab_cli.app, name="ab")
+
+
+def summary(doc: str) -> str:
+    """A command's line in a `-h` listing: its docstring's first sentence, on one line. Typer lists a command's
+    whole first paragraph with the docstring's own line breaks, so the listing came out ragged and long.
+
+    >>> summary("Serve the champion (see /v1/models). Exit 2: no champion;\\n    e.g. after a fresh clone.\\n\\nMore.")
+    'Serve the champion (see /v1/models).'
+    """
+    return re.split(r"(?<=[.!?])\s+(?=[A-Z`])", " ".join(doc.split("\n\n")[0].split()))[0]
+
+
+def _summarized(group: typer.Typer) -> None:
+    for command in group.registered_commands:
+        doc = command.help or (command.callback.__doc__ if command.callback else None)
+        if command.short_help is None and doc:
+            command.short_help = summary(doc)
+    for sub in group.registered_groups:
+        if sub.typer_instance is not None:
+            _summarized(sub.typer_instance)
+
+
+_summarized(app)  # once every command is registered
 
 
 def main() -> None:  # pragma: no cover - `python -m grpo_pipeline.cli`

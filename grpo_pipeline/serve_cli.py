@@ -22,27 +22,35 @@ def serve(
 ) -> None:
     """Serve the registry's champion and challenger behind one OpenAI-compatible endpoint (/v1/chat/completions,
     /v1/completions, /v1/models, /v1/feedback): one vLLM engine, the live A/B split, every request logged.
-    Exit 2: no API key off loopback, the log store or the registry unreachable, no champion; 1: the engine
-    did not start (its log's tail is shown)."""
+    Exit 2: no registry yet, no engine Python (`make serve-env`), no API key off loopback, the log store or the
+    registry unreachable, no champion; 1: the engine did not start (its log's tail is shown)."""
     import logging
     import os
+    from pathlib import Path
 
+    from grpo_pipeline.registry_store import missing, quiet_mlflow
     from grpo_pipeline.tasks.serve.ab_log import LogStoreError, RequestLog, log_url
     from grpo_pipeline.tasks.serve.adapters import AdapterError
-    from grpo_pipeline.tasks.serve.engine import EngineError
+    from grpo_pipeline.tasks.serve.engine import EngineError, NoEnginePython, engine_python
     from grpo_pipeline.tasks.serve.router import ServeSetupError, api_key_policy
     from grpo_pipeline.tasks.serve.router import serve as run_router
 
     _, cfg = load(config, overrides)
+    # What needs no download, before anything is opened: in a folder where nothing ran, MLflow would create an
+    # empty store there (and say so at INFO) and the request log its file, for a serve that cannot start.
+    if nothing := missing(cfg.mlflow_uri):
+        _fail(False, nothing, EXIT_CONFIG)
+    quiet_mlflow()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # a server's log, not a terminal
     try:
+        python = engine_python(cfg.ab.serve.engine_python, Path.cwd())
         api_key = api_key_policy(dict(os.environ), host)
         request_log = RequestLog.open(log_url(cfg.data_dir))
-    except (ValueError, LogStoreError) as exc:
+    except (NoEnginePython, ValueError, LogStoreError) as exc:
         _fail(False, str(exc), EXIT_CONFIG)
     try:
-        run_router(cfg, host, port, api_key, request_log)
+        run_router(cfg, host, port, api_key, request_log, python)
     except (ServeSetupError, AdapterError) as exc:
         _fail(False, str(exc), EXIT_CONFIG)
     except EngineError as exc:

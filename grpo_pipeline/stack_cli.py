@@ -99,17 +99,13 @@ def stack_up(
 def _serve_options(config: Path | None) -> ServeOptions:
     """The router's options, checked before anything starts: the config loads, the engine's Python exists."""
     from grpo_pipeline.infra.stack import ServeOptions
-    from grpo_pipeline.tasks.serve.engine import default_python
+    from grpo_pipeline.tasks.serve.engine import NoEnginePython, engine_python
 
     path, cfg = load(config, [])
-    python = cfg.ab.serve.engine_python or str(default_python(Path.cwd()))
-    if not Path(python).is_file():
-        _fail(
-            False,
-            f"stack up --serve: no engine Python at {python}: run `make serve-env` (vLLM's CPU build in .venv-serve) "
-            "or set ab.serve.engine_python",
-            EXIT_CONFIG,
-        )
+    try:
+        python = engine_python(cfg.ab.serve.engine_python, Path.cwd())
+    except NoEnginePython as exc:
+        _fail(False, f"stack up --serve: {exc}", EXIT_CONFIG)
     # Absolute, as the router runs in the stack's folder; the config as `_load` found it (a shipped recipe's
     # name too). The Python's symlinks are kept: a venv's python links to the base interpreter, and resolving
     # it would run vLLM outside the venv that holds it.

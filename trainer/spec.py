@@ -2,8 +2,9 @@
 what the job reports back (its result file, its tagged progress lines).
 
 The trainer owns this contract and imports nothing else of the project but the config's sections it runs as they
-are (the distributed layout, the health rules, the curriculum and dynamic sampling, the rewards: `configs/layout.py`,
-`health.py`, `sampling.py`, `rewards.py`, each pure pydantic importing nothing of the project), so a node runs
+are (the distributed layout, the health rules, the curriculum and dynamic sampling, the rewards, the base's number
+formats: `configs/layout.py`, `health.py`, `sampling.py`, `rewards.py`, `dtypes.py`, each pure pydantic or typing
+importing nothing of the project), so a node runs
 `python -m grpo_pipeline.trainer --spec job.json` without the orchestrator's libraries; the pipeline's stages fill
 the spec in (`grpo_pipeline.tasks.job.build_job_spec`).
 """
@@ -18,6 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, model_validator
 
 # the config's own sections, one definition each (tests/unit/test_layers.py: the only modules the trainer imports)
+from grpo_pipeline.configs.dtypes import DType, Quantization
 from grpo_pipeline.configs.health import Action, HealthConfig
 from grpo_pipeline.configs.layout import DistributedConfig
 from grpo_pipeline.configs.rewards import RewardSet
@@ -31,9 +33,9 @@ class _Strict(BaseModel):
 class ModelLoad(_Strict):
     """How the base model is loaded: precision and bitsandbytes quantization."""
 
-    quantization: Literal["none", "nf4", "fp4", "int8"]
+    quantization: Quantization
     double_quant: bool
-    compute_dtype: Literal["float32", "bfloat16", "float16"]
+    compute_dtype: DType
     trust_remote_code: bool
 
 

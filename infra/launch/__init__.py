@@ -5,10 +5,10 @@
   checkpoints on SIGTERM).
 - `LocalLauncher` (`grpo_pipeline.infra.launch.local`) runs the trainer as a subprocess here, the embedded default;
   `SkyLauncher` (`grpo_pipeline.infra.launch.skypilot`) runs it as a SkyPilot managed job on spot GPUs.
-- `LAUNCHER_MODULES` names each launcher's module, whose `KIND` (a `LauncherKind`) says how it is built, the GPU
-  counts its nodes may have and what it needs before any work; the config's own table
-  (`grpo_pipeline.configs.launchers.LAUNCHERS`: is it local, the GPU counts the config fixes) names the same launchers.
-  A new launcher is one module here and an entry in each table.
+- Each launcher's module defines `KIND` (a `LauncherKind`): how it is built, the GPU counts its nodes may have and
+  what it needs before any work. The launcher registry (`grpo_pipeline.configs.launchers.LAUNCHERS`) names each
+  launcher's module in its entry, beside what the config knows of it; `launcher_kind` imports it on use, so a run
+  loads only the launcher it uses. A new launcher is one module and one entry there.
 - `make_launcher` builds the one `train.launcher` names; `check_launcher` checks what that launcher needs before any
   work is done, including whether `train.distributed` can launch at all (`grpo_pipeline.trainer.distributed.problems`:
   processes against GPUs, batch against num_generations, strategy against quantization, store against nodes);
@@ -22,12 +22,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from grpo_pipeline.configs.launchers import LAUNCHERS
 from grpo_pipeline.configs.schema import ConfigError, ModelConfig, TrainConfig
 from grpo_pipeline.trainer.spec import JobSpec, TrainingFailed, TrainResult
 
 __all__ = [
     "BadTrainingInput",
-    "LAUNCHER_MODULES",
     "LaunchRefused",
     "Launcher",
     "LauncherKind",
@@ -69,13 +69,10 @@ class LauncherKind:
     check: Callable[[TrainConfig, str], None]  # (train, mlflow_uri): what it needs beyond a launchable job
 
 
-# train.launcher -> the module whose KIND builds it, imported on use: a run loads only the launcher it uses
-LAUNCHER_MODULES: dict[str, str] = {"local": f"{__name__}.local", "sky": f"{__name__}.skypilot"}
-
-
 def launcher_kind(name: str) -> LauncherKind:
-    """The launcher `name` (a `train.launcher` value, which the config has checked against its own table)."""
-    kind: LauncherKind = importlib.import_module(LAUNCHER_MODULES[name]).KIND
+    """The launcher `name` (a `train.launcher` value, which the config has checked against the registry): its
+    entry's module, imported now, and that module's `KIND`."""
+    kind: LauncherKind = importlib.import_module(LAUNCHERS[name].module).KIND
     return kind
 
 

@@ -15,11 +15,10 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from grpo_pipeline.configs.dtypes import DType, Quantization
 from grpo_pipeline.configs.library_fields import default
 from grpo_pipeline.tasks.plan.base import Frozen
 
-Quantization = Literal["none", "nf4", "fp4", "int8"]
-DType = Literal["float32", "bfloat16", "float16"]
 Optimizer = Literal[
     "adamw_torch", "adamw_torch_fused", "adamw_8bit", "adamw_bnb_8bit", "paged_adamw_8bit", "paged_adamw_32bit"
 ]

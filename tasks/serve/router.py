@@ -406,11 +406,10 @@ class ServeSetupError(RuntimeError):
     """What keeps the router from starting that the user fixes (exit 2): no champion, an unreachable registry."""
 
 
-def serve(
-    cfg: PipelineConfig, host: str, port: int, api_key: str | None, request_log: RequestLog, cwd: Path | None = None
-) -> None:
+def serve(cfg: PipelineConfig, host: str, port: int, api_key: str | None, request_log: RequestLog, python: str) -> None:
     """Resolve the aliases, start the engine with their adapters, serve until stopped (SIGINT/SIGTERM).
-    The log store is opened (and proven reachable) by the caller; `api_key` comes from `api_key_policy`."""
+    The caller checks what needs no download first: the log store opened (and proven reachable), `api_key` from
+    `api_key_policy`, the engine's `python` from `engine.engine_python`."""
     import contextlib
 
     import uvicorn
@@ -418,7 +417,7 @@ def serve(
     from grpo_pipeline.tasks.promote.registry import Registry, RegistryServiceError
     from grpo_pipeline.tasks.promote.registry_client import open_client
     from grpo_pipeline.tasks.serve.adapters import local_base, resolve
-    from grpo_pipeline.tasks.serve.engine import Engine, default_python
+    from grpo_pipeline.tasks.serve.engine import Engine
 
     serve_cfg = cfg.ab.serve
     registry = Registry(open_client(cfg.mlflow_uri), cfg.tracking.registered_model)
@@ -445,7 +444,6 @@ def serve(
         log.warning("replayed the requests an earlier run answered while the log store was unreachable")
 
     base = local_base(champion.base, champion.base_sha256, cfg.mlflow_uri)
-    python = serve_cfg.engine_python or str(default_python(cwd or Path.cwd()))
     engine = Engine(python, base, serve_cfg, Path(cfg.data_dir) / "serve" / "engine.log")
     initial, refused = {champion.alias: champion}, {}
     if challenger is not None:

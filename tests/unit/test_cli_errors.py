@@ -401,9 +401,23 @@ def test_version_is_the_installed_distributions_and_h_is_help():
         assert short.exit_code == long.exit_code == 0 and short.stdout == long.stdout and "Usage:" in short.stdout
 
 
+@pytest.mark.parametrize("group", [[], ["stack"], ["ab"], ["rewards"]], ids=lambda g: " ".join(g) or "root")
+def test_a_help_listing_gives_each_command_one_line(group):
+    """On a terminal wide enough, each command of a listing is one row: its docstring's first sentence (it was the
+    whole first paragraph, broken where the docstring's lines break); the command's own -h keeps its whole text."""
+    listing = CliRunner().invoke(app, [*group, "-h"], env={"COLUMNS": "400"}).stdout
+    panel = listing[listing.index("Commands") :].splitlines()[1:-1]
+    assert panel and all(not row.startswith("│  ") for row in panel), "\n".join(panel)
+    if not group:
+        assert "│ promote   An operator's promotion without an A/B decision: the version becomes champion" in listing
+        assert "Records who and why" not in listing
+        assert "Records who and why" in CliRunner().invoke(app, ["promote", "-h"], env={"COLUMNS": "400"}).stdout
+
+
 def test_the_registry_commands_in_a_folder_where_nothing_ran_create_no_store(tmp_path, monkeypatch):
     """`registry` reads: every alias null, exit 0, and why on stderr; `rollback`, `promote` and `ab decide` would
-    move aliases that do not exist: exit 2. None of them leaves an MLflow database or an A/B request log behind."""
+    move aliases that do not exist, and `serve` would serve a champion that does not exist: exit 2. None of them
+    leaves an MLflow database or an A/B request log behind."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.delenv("GRPO_AB_LOG_URL", raising=False)
@@ -419,7 +433,27 @@ def test_the_registry_commands_in_a_folder_where_nothing_ran_create_no_store(tmp
     for args in (["rollback", "--reason", "x"], ["promote", "--version", "1", "--reason", "x", "--force"]):
         _one_paragraph_on_stderr(CliRunner().invoke(app, args), says)
     assert _failure(CliRunner().invoke(app, ["ab", "decide", "--json"]))["error"] == says
+    serve = CliRunner().invoke(app, ["serve"])
+    _one_paragraph_on_stderr(serve, says)
+    assert "INFO" not in serve.stderr  # MLflow's "Creating initial MLflow database tables..."
     assert not (tmp_path / ".grpo").exists()  # no MLflow database, no A/B request log, not even their folder
+
+
+def test_serve_without_the_engines_python_is_refused_before_the_registry_or_the_request_log(tmp_path, monkeypatch):
+    """After `make demo` without `make serve-env`: exit 2 naming the Python it looked for and both fixes, before
+    any alias is resolved or adapter downloaded (it asked the registry first, and after the downloads exited 1)."""
+    import socket
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("GRPO_AB_LOG_URL", raising=False)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        uri = f"http://127.0.0.1:{s.getsockname()[1]}"  # nothing listens: asked first, it would say so
+    serve = CliRunner().invoke(app, ["serve", "--set", f"tracking.mlflow_tracking_uri={uri}"])
+    python = tmp_path / ".venv-serve" / "bin" / "python"
+    _one_paragraph_on_stderr(serve, f"no engine Python at {python}: run `make serve-env`")
+    assert "or set ab.serve.engine_python" in serve.stderr and uri not in serve.stderr
+    assert not (tmp_path / ".grpo").exists()  # the request log is opened only for a serve that can start
 
 
 def test_a_registry_read_migrating_an_older_store_prints_no_mlflow_info_lines(tmp_path):

@@ -154,3 +154,51 @@ def test_max_steps_minus_one_is_trls_train_by_epochs(value, fits):
     else:
         with pytest.raises(ConfigError, match="train.grpo.max_steps: .* or -1"):
             load_config(None, [f"train.grpo.max_steps={value}"])
+
+
+def _literals_of(path, values: set) -> list[int]:
+    """Lines of a file that spell `Literal[...]` with exactly `values`: a second definition of a typed-once set."""
+    import ast
+
+    return [
+        node.lineno
+        for node in ast.walk(ast.parse(path.read_text(), str(path)))
+        if isinstance(node, ast.Subscript)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "Literal"
+        and isinstance(node.slice, ast.Tuple)
+        and {e.value for e in node.slice.elts if isinstance(e, ast.Constant)} == values
+    ]
+
+
+def test_the_bases_quantization_modes_and_dtypes_are_typed_once():
+    """`configs/dtypes.py` holds them; the config, the job spec the trainer reads and the planner's workload use
+    those types (each once spelled its own Literal, and a new mode had to be added in each)."""
+    from pathlib import Path
+    from typing import get_args
+
+    from grpo_pipeline.configs import dtypes
+    from grpo_pipeline.configs.merge import MergeConfig
+    from grpo_pipeline.configs.model import ModelConfig
+    from grpo_pipeline.tasks.plan.workload import Workload
+    from grpo_pipeline.trainer.spec import ModelLoad
+
+    for cls in (ModelConfig, ModelLoad, Workload):
+        assert cls.model_fields["quantization"].annotation == dtypes.Quantization, cls
+    for cls, field in ((ModelConfig, "compute_dtype"), (ModelLoad, "compute_dtype"), (MergeConfig, "dtype")):
+        assert cls.model_fields[field].annotation == dtypes.DType, cls
+    assert Workload.model_fields["dtype"].annotation == dtypes.DType
+    root = Path(__file__).parents[2]
+    own = root / "configs" / "dtypes.py"
+    sources = [
+        p for d in ("configs", "trainer", "tasks", "infra", "flows", "grpo_pipeline") for p in (root / d).rglob("*.py")
+    ]
+    spelled = {
+        f"{p.relative_to(root)}:{line}"
+        for values in (set(get_args(dtypes.Quantization)), set(get_args(dtypes.DType)))
+        for p in sources
+        if p != own
+        for line in _literals_of(p, values)
+    }
+    assert spelled == set()
+    assert _literals_of(own, set(get_args(dtypes.Quantization))), "the scan finds a spelled Literal"

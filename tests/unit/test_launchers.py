@@ -1,6 +1,6 @@
-"""The launcher registry: the config's table (configs/launchers.py: is it local, the GPU counts the config fixes) and
-the launch interface's (infra/launch: how each is built and checked) name the same launchers, a new launcher is its
-module and an entry in each, and nothing else asks which launcher it is by name."""
+"""The launcher registry: one table (configs/launchers.py), an entry per launcher with what the config and the planner
+know of it (is it local, the GPU counts the config fixes) and the module a layer up whose `KIND` builds and checks
+it; a new launcher is its module and one entry, and nothing else asks which launcher it is by name."""
 
 import ast
 import subprocess
@@ -10,16 +10,17 @@ from pathlib import Path
 
 from grpo_pipeline.configs.launchers import LAUNCHERS
 from grpo_pipeline.configs.schema import load_config
-from grpo_pipeline.infra.launch import LAUNCHER_MODULES, launcher_kind
+from grpo_pipeline.infra import launch
+from grpo_pipeline.infra.launch import launcher_kind
 from grpo_pipeline.tasks.plan.stage import pinned_world
 
 ROOT = Path(__file__).resolve().parents[2]
-REGISTRY = {ROOT / "configs" / "launchers.py", ROOT / "infra" / "launch" / "__init__.py"}
+REGISTRY = {ROOT / "configs" / "launchers.py"}
 
 
-def test_both_tables_name_the_same_launchers_and_each_module_defines_its_kind():
-    assert list(LAUNCHER_MODULES) == list(LAUNCHERS)
-    for name in LAUNCHERS:
+def test_each_entry_names_a_module_of_the_launch_interface_that_defines_its_kind():
+    for name, facts in LAUNCHERS.items():
+        assert facts.module.startswith(f"{launch.__name__}."), name  # the built-in launchers live beside it
         kind = launcher_kind(name)
         assert callable(kind.build) and callable(kind.gpus_per_node) and callable(kind.check), name
 
@@ -58,13 +59,26 @@ def _launcher_comparisons(path: Path, root: Path = ROOT) -> list[str]:
     return found
 
 
+def _launcher_tables(path: Path, root: Path = ROOT) -> list[str]:
+    """Dicts keyed by every launcher's name in a file: a second table of launchers, to be kept equal to the one."""
+    return [
+        f"{path.relative_to(root)}:{node.lineno}"
+        for node in ast.walk(ast.parse(path.read_text(), str(path)))
+        if isinstance(node, ast.Dict) and set(LAUNCHERS) <= {k.value for k in node.keys if isinstance(k, ast.Constant)}
+    ]
+
+
 def test_no_module_outside_the_registry_tests_a_launcher_by_name(tmp_path):
     layers = ["configs", "trainer", "tasks", "infra", "flows", "grpo_pipeline"]
     sources = [p for layer in layers for p in sorted((ROOT / layer).rglob("*.py")) if p not in REGISTRY]
     assert [hit for path in sources for hit in _launcher_comparisons(path)] == []
-    bad = tmp_path / "bad.py"  # the walk is not vacuous
-    bad.write_text('def f(train, launcher):\n    return "sky" != train.launcher or launcher in ("local",)\n')
-    assert _launcher_comparisons(bad, tmp_path) == ["bad.py:2"]
+    assert [hit for path in sources for hit in _launcher_tables(path)] == []
+    bad = tmp_path / "bad.py"  # the walks are not vacuous
+    bad.write_text(
+        'def f(train, launcher):\n    return "sky" != train.launcher or launcher in ("local",)\n\n\n'
+        'MODULES = {"local": "launch.local", "sky": "launch.skypilot"}\n'
+    )
+    assert _launcher_comparisons(bad, tmp_path) == ["bad.py:2"] and _launcher_tables(bad, tmp_path) == ["bad.py:5"]
 
 
 NEW_LAUNCHER = """
@@ -97,14 +111,11 @@ path = Path(grpo_pipeline.configs.__path__[0]) / "launchers.py"
 table = "LAUNCHERS: dict[str, LauncherFacts] = {\\n"
 source = path.read_text()
 assert table in source
-entry = '    "rack": LauncherFacts("our own rack", local=False, gpu_counts=lambda train: [8]),\\n'
+entry = '    "rack": LauncherFacts("our own rack", local=False, gpu_counts=lambda train: [8], module="rack_launcher"),\\n'
 module = sys.modules["grpo_pipeline.configs.launchers"] = types.ModuleType("grpo_pipeline.configs.launchers")
 exec(compile(source.replace(table, table + entry), str(path), "exec"), module.__dict__)
 
 from grpo_pipeline.infra import launch
-
-launch.LAUNCHER_MODULES["rack"] = "rack_launcher"  # infra's table is read on use: its entry, added here
-
 from typing import get_args
 
 import rack_launcher
@@ -123,11 +134,11 @@ print("ok")
 """
 
 
-def test_a_new_launcher_is_its_module_and_one_entry_in_each_table(tmp_path):
-    """An entry in the config's table (in its source: the names become types when it is imported) and one in the
-    launch interface's: the config accepts the name (and, for a launcher that rents machines, several nodes), the
-    flow form offers it (`LauncherChoice`, its type: test_the_flow_form_offers_every_launcher), the planner reads its
-    GPU counts, the launch interface builds and checks it."""
+def test_a_new_launcher_is_its_module_and_one_entry(tmp_path):
+    """One entry in the registry (in its source: the names become types when it is imported), naming its module:
+    the config accepts the name (and, for a launcher that rents machines, several nodes), the flow form offers it
+    (`LauncherChoice`, its type: test_the_flow_form_offers_every_launcher), the planner reads its GPU counts, the
+    launch interface builds and checks it from its module."""
     (tmp_path / "rack_launcher.py").write_text(NEW_LAUNCHER)
     done = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(WITH_IT)],

@@ -6,7 +6,8 @@
 what a GPU node runs alone. The exceptions, named in SHARED: the trainer imports the config's sections that its
 job spec carries as they are, each defined once: `grpo_pipeline.configs.layout` (the distributed layout and its
 two rules: world size, TRL's batch rule), `.health` (the health rules' table and section), `.sampling` (the
-curriculum and dynamic sampling) and `.rewards` (the RewardSet); each imports nothing of the project itself.
+curriculum and dynamic sampling), `.rewards` (the RewardSet) and `.dtypes` (the base's quantization modes and
+dtypes); each imports nothing of the project itself.
 Every import is read with `ast`, those inside functions included.
 """
 
@@ -27,6 +28,7 @@ SHARED = {
         "grpo_pipeline.configs.health",
         "grpo_pipeline.configs.sampling",
         "grpo_pipeline.configs.rewards",
+        "grpo_pipeline.configs.dtypes",
     }
 }
 

@@ -5,6 +5,7 @@ is logged as an error. The engine itself (vLLM) is exercised in tests/integratio
 import contextlib
 import json
 import socket
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -612,32 +613,40 @@ def serve_cli(*args: str, env: dict | None = None):
     return CliRunner().invoke(app, ["serve", *args], env=env)
 
 
+# What the checks before these need: a registry named (a server: naming one creates nothing) and an engine Python
+# that exists (this one: none of these tests gets as far as starting it).
+ENGINE = ("--set", f"ab.serve.engine_python={sys.executable}")
+
+
+def _server(uri: str | None = None) -> tuple[str, ...]:
+    return ("--set", f"tracking.mlflow_tracking_uri={uri or f'http://127.0.0.1:{closed_port()}'}", *ENGINE)
+
+
 def test_serve_off_loopback_without_a_key_exits_2(monkeypatch):
     monkeypatch.delenv("GRPO_SERVE_API_KEY", raising=False)
-    result = serve_cli("--host", "0.0.0.0")
+    result = serve_cli("--host", "0.0.0.0", *_server())
     assert result.exit_code == 2 and "needs an API key" in result.output
 
 
 def test_serve_with_the_log_store_unreachable_exits_2_naming_it(monkeypatch):
     monkeypatch.setenv("GRPO_AB_LOG_URL", "sqlite:////proc/no-such-dir/ab.sqlite")
-    result = serve_cli()
+    result = serve_cli(*_server())
     assert result.exit_code == 2 and "/proc/no-such-dir/ab.sqlite is unreachable" in result.output
 
 
 def test_serve_with_the_registry_unreachable_exits_2_naming_it(tmp_path, monkeypatch):
     monkeypatch.setenv("GRPO_AB_LOG_URL", f"sqlite:///{tmp_path / 'ab.sqlite'}")
     uri = f"http://127.0.0.1:{closed_port()}"
-    result = serve_cli("--set", f"tracking.mlflow_tracking_uri={uri}", "--set", "tracking.registered_model=m")
+    result = serve_cli(*_server(uri), "--set", "tracking.registered_model=m")
     assert result.exit_code == 2 and f"the registry m at {uri} did not answer" in result.output
 
 
 @pytest.mark.slow  # an MLflow SQLite registry: its migrations take a minute on a busy machine
 def test_serve_without_a_champion_exits_2(tmp_path, monkeypatch):
+    import mlflow
+
     monkeypatch.setenv("GRPO_AB_LOG_URL", f"sqlite:///{tmp_path / 'ab.sqlite'}")
-    result = serve_cli(
-        "--set",
-        f"tracking.mlflow_tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
-        "--set",
-        "tracking.registered_model=nothing-here",
-    )
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    mlflow.MlflowClient(uri).search_registered_models()  # a registry, with no model in it
+    result = serve_cli(*_server(uri), "--set", "tracking.registered_model=nothing-here")
     assert result.exit_code == 2 and "no champion alias in the registry nothing-here" in result.output
