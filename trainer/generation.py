@@ -12,7 +12,8 @@ and backward keep the unmerged adapter: its gradients flow through A and B.
 How: for the generation call only, each LoRA linear's base weight is swapped for a fresh `W + delta` tensor and
 the adapter layers are disabled (PEFT's `disable_adapter`); afterwards the original weight tensor is put back
 (the same storage: bit for bit, no `W + d - d` rounding that PEFT's merge/unmerge would add every step). The
-merged copy costs one more set of the adapted weights in memory while generating.
+merged copy costs one more set of the adapted weights in memory while generating. Under bf16 (fp16) mixed
+precision the sampling pass autocasts as the loss's forward does, from a merged copy made in bf16 once per call.
 
 Only where it can run exactly: vanilla LoRA on full-precision `torch.nn.Linear` layers. A quantized base (merging
 into NF4/int8 weights would requantize them), DoRA or another variant, a LoRA bias, or a model without an adapter
@@ -104,7 +105,7 @@ def merged_adapter(model: Any, cast_to: Any = None) -> Iterator[None]:
     """Inside: `model` (a PeftModel whose `merge_blocker` is None) computes with `W + s·BA` in its base linears and
     its adapter layers disabled; after: its base weights are the same tensors as before, its adapter enabled.
 
-    `cast_to`: the dtype the model's forward autocasts its matmuls to (bf16 mixed precision), or None. Autocast
+    `cast_to`: the dtype the calls inside autocast their matmuls to (bf16 mixed precision), or None. Autocast
     casts a frozen float32 weight again at every forward (it caches only the casts of weights that train), so a
     generation call cast all of them once per new token; with `cast_to` the merged weights, and the other frozen
     linears' (the LM head), are made in that dtype once for the call: the values autocast would have made."""
