@@ -112,9 +112,9 @@ def run_trial(trial: optuna.Trial, job: TrialJob, launcher_for: LauncherFactory)
         trial_section = trial_train(job.train, job.hpo, overrides)
     except ValueError as exc:  # parameters the training config refuses (enqueued by hand, or an older study's
         # warm start): this trial's, so this trial fails; the space itself is checked before any trial
-        reason = " ".join(str(exc).split())  # pydantic's lines: the field, the value, the fix
-        trial.set_user_attr("reason", reason)
-        raise TrialFailed(f"trial {trial.number}: {reason}") from exc
+        refused = " ".join(str(exc).split())  # pydantic's lines: the field, the value, the fix
+        trial.set_user_attr("reason", refused)
+        raise TrialFailed(f"trial {trial.number}: {refused}") from exc
     tracking = job.tracking
     client = tracking.client() if tracking else None
     run_id = None
