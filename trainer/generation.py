@@ -126,18 +126,16 @@ def merged_adapter(model: Any, cast_to: Any = None) -> Iterator[None]:
                 swapped.append((base.weight, base.weight.data))
                 base.weight.data = merged if cast_to is None else merged.to(cast_to)
             for module in model.modules() if cast_to is not None else ():
-                weight = getattr(module, "weight", None)
                 if (
                     isinstance(module, torch.nn.Linear)
                     and id(module) not in adapted
-                    and weight is not None
-                    and not weight.requires_grad
-                    and weight.dtype == torch.float32
+                    and not module.weight.requires_grad
+                    and module.weight.dtype == torch.float32
                 ):
                     # rebound, not cast in place: a tied LM head shares its tensor with the embedding, whose
                     # lookup autocast leaves in float32
-                    rebound.append((module, weight))
-                    module.weight = torch.nn.Parameter(weight.to(cast_to), requires_grad=False)
+                    rebound.append((module, module.weight))
+                    module.weight = torch.nn.Parameter(module.weight.to(cast_to), requires_grad=False)
         with model.disable_adapter():
             yield
     finally:

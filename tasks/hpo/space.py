@@ -35,6 +35,13 @@ ALPHA = "train.lora.lora_alpha"
 DEFAULT_LORA_R = 8  # peft.LoraConfig's default rank, when neither the space nor train.lora sets one
 
 
+INTEGER = ("lora_r", "num_generations")  # searched as integers
+
+
+def _typed(value: Any, integer: bool) -> int | float:
+    return int(value) if integer else float(value)
+
+
 def suggest(trial: optuna.trial.BaseTrial, space: SearchSpace) -> dict[str, Any]:
     """Ask the trial for a value of every searched dimension.
 
@@ -46,7 +53,7 @@ def suggest(trial: optuna.trial.BaseTrial, space: SearchSpace) -> dict[str, Any]
     for name, dim in space.active().items():
         integer = name in INTEGER
         if dim.choices is not None:
-            choices = [int(c) for c in dim.choices] if integer else [float(c) for c in dim.choices]
+            choices = [_typed(c, integer) for c in dim.choices]
             params[name] = trial.suggest_categorical(name, choices)
         elif integer:
             assert dim.low is not None and dim.high is not None  # SearchDim: a range without choices
@@ -55,9 +62,6 @@ def suggest(trial: optuna.trial.BaseTrial, space: SearchSpace) -> dict[str, Any]
             assert dim.low is not None and dim.high is not None
             params[name] = trial.suggest_float(name, dim.low, dim.high, log=dim.log)
     return params
-
-
-INTEGER = ("lora_r", "num_generations")  # searched as integers
 
 
 def space_filling(space: SearchSpace, n: int, seed: int) -> list[dict[str, Any]]:
@@ -94,14 +98,13 @@ def _at(u: float, name: str, dim: SearchDim) -> Any:
     """The value at `u` in [0, 1) of one dimension, of the type `suggest` asks the trial for."""
     integer = name in INTEGER
     if dim.choices is not None:
-        choice = dim.choices[min(int(u * len(dim.choices)), len(dim.choices) - 1)]
-        return int(choice) if integer else float(choice)
+        return _typed(dim.choices[min(int(u * len(dim.choices)), len(dim.choices) - 1)], integer)
     assert dim.low is not None and dim.high is not None  # SearchDim: a range without choices
     low, high = (math.log(dim.low), math.log(dim.high)) if dim.log else (dim.low, dim.high)
     value = low + u * (high - low)
     value = math.exp(value) if dim.log else value
     value = min(max(value, dim.low), dim.high)  # exp(log(x)) may round past a bound
-    return min(int(dim.high), max(int(dim.low), round(value))) if integer else value
+    return round(value) if integer else value  # integer bounds (SearchSpace): the rounded value stays inside
 
 
 def to_overrides(params: dict[str, Any], lora: dict[str, Any]) -> dict[str, Any]:

@@ -69,9 +69,9 @@ SPACE_FILLING = "space_filling"  # trial user attribute: queued by the study's s
 
 
 def make_sampler(hpo: HPOConfig) -> optuna.samplers.BaseSampler:
-    """Seeded TPE, after the study's space-filling start (`open_study`); its own random start, a third of the
-    budget, only serves studies created before that start existed. Multivariate, because LoRA's best learning
-    rate moves with its rank and alpha."""
+    """Seeded TPE, after the study's space-filling start (`open_study`, `hpo.start_trials`); its own random start,
+    a third of the budget, is what a study without that start (`hpo.start_trials: 0`, or created before it existed)
+    begins with. Multivariate, because LoRA's best learning rate moves with its rank and alpha."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         return optuna.samplers.TPESampler(
