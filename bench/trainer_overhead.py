@@ -20,6 +20,7 @@ from grpo_pipeline.tasks.data.demo_task import generate
 from grpo_pipeline.tasks.data.splits import write_splits
 from grpo_pipeline.tasks.job import build_job_spec
 from grpo_pipeline.tasks.model import ensure_demo_model
+from grpo_pipeline.trainer.precision import node_default_bf16
 from tests.tiny_model import create_random_model
 
 
@@ -45,16 +46,18 @@ def main() -> None:
         before_each=lambda: shutil.rmtree(work / "run", ignore_errors=True),
         model=str(model),
         steps=args.steps,
+        precision="bf16" if node_default_bf16() else "fp32",  # both sides: the node's choice (plain_trl.py)
     )
 
 
 def table_rows(load) -> list[Row]:
     result = load("trainer_overhead")
     steps = result["steps"] if result else 6
+    precision = f", {result['precision']}" if result and "precision" in result else ""
     return [
         from_compare(
             result,
-            f"trainer overhead (`bench.trainer_overhead`, {steps} steps, 2 checkpoints)",
+            f"trainer overhead (`bench.trainer_overhead`, {steps} steps, 2 checkpoints{precision})",
             "plain TRL script",
             "`python -m grpo_pipeline.trainer`",
             "<= 1.0",

@@ -22,7 +22,9 @@ class EvalConfig(StrictModel):
     )
     batch_size: int = Field(32, ge=1, description="prompts per generate() call; more = faster, more memory")
     samples_k: int = Field(0, ge=0, description="sampled completions per prompt for pass@k; 0 = greedy only")
-    temperature: float = Field(0.8, gt=0, description="sampling temperature for pass@k")
+    temperature: float = Field(
+        0.8, gt=0, description="sampling temperature for pass@k and the search's sampled trial score"
+    )
     seed: int = Field(0, description="sampling seed: the candidate and the champion draw alike")
     accuracy_reward: str | None = Field(
         "correct_answer",

@@ -152,11 +152,16 @@ class HPOConfig(StrictModel):
         description="the search's budget as a share of the training run it "
         "feeds: its steps, and for SkyPilot trials its planned cost in USD",
     )
-    trial_score: Literal["greedy", "trainer"] = Field(
+    trial_score: Literal["greedy", "sampled", "trainer"] = Field(
         "greedy",
         description="greedy: each finished trial's adapter scored greedily on fixed validation prompts "
-        "(a known noise, paired; the adapter must be readable where the search runs); trainer: the trainer's sampled "
-        "validation reward at the last rung (no extra pass, noisier, no re-scoring)",
+        "(a known noise, paired; the adapter must be readable where the search runs); sampled: the same prompts "
+        "and decision, each prompt scored by the mean of trial_samples seeded samples at evaluate.temperature "
+        "(it sees a policy improve before its greedy answers change: short trials); trainer: the trainer's "
+        "sampled validation reward at the last rung (no extra pass, noisier, no re-scoring)",
+    )
+    trial_samples: int = Field(
+        4, ge=1, description="trial_score=sampled: completions per validation prompt (more = less sampling noise)"
     )
     target_standard_error: float = Field(
         0.05,

@@ -356,12 +356,15 @@ def summary_metrics(result: EvalResult, cfg: EvalConfig) -> dict[str, float]:
 
 def sample(
     model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, rows: list[dict], cfg: EvalConfig
-) -> list[list[str]]:
-    """k sampled completions per prompt (transformers), seeded so every model draws alike."""
+) -> tuple[list[list[str]], list[list[int]]]:
+    """k sampled completions per prompt (transformers) and their lengths in tokens, seeded so every model draws
+    alike."""
     import torch
 
     torch.manual_seed(cfg.seed)
+    tokenizer.padding_side = "left"  # decoder-only models continue from the right edge
     samples: list[list[str]] = []
+    lengths: list[list[int]] = []
     k = cfg.samples_k
     for start in range(0, len(rows), cfg.batch_size):
         texts = render(tokenizer, [r["prompt"] for r in rows[start : start + cfg.batch_size]])
@@ -375,9 +378,12 @@ def sample(
                 num_return_sequences=k,
                 pad_token_id=tokenizer.pad_token_id,
             )
-        completions = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
+        new_tokens = out[:, batch["input_ids"].shape[1] :]
+        completions = tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
+        counts = (new_tokens != tokenizer.pad_token_id).sum(dim=1).tolist()
         samples += [completions[i * k : (i + 1) * k] for i in range(len(texts))]
-    return samples
+        lengths += [counts[i * k : (i + 1) * k] for i in range(len(texts))]
+    return samples, lengths
 
 
 def pass_at_k(rows: list[dict], samples: list[list[str]], reward_name: str, args: dict | None = None) -> list[float]:
@@ -490,7 +496,7 @@ def evaluate_model(
     metrics = result.metrics | summary_metrics(result, cfg)
     if cfg.samples_k and cfg.accuracy_reward:
         if not use_vllm:
-            samples = sample(model, tokenizer, rows, cfg)
+            samples, _ = sample(model, tokenizer, rows, cfg)
         passed = pass_at_k(rows, samples, cfg.accuracy_reward, rewards.args_for(cfg.accuracy_reward))
         for row, value in zip(result.rows, passed, strict=True):
             row[f"pass_at_{cfg.samples_k}"] = value
@@ -498,6 +504,34 @@ def evaluate_model(
     return result.model_copy(
         update={"metrics": metrics, "examples": pick_examples(result, cfg.accuracy_reward, cfg.examples)}
     )
+
+
+def sampled_means(
+    model_path: str,
+    model_cfg: ModelConfig,
+    prompts: Path,
+    rewards: RewardSet,
+    cfg: EvalConfig,
+    adapter: str | None = None,
+) -> list[float]:
+    """Per prompt of a JSONL file, the mean weighted total (`RewardSet.total`) of `cfg.samples_k` completions
+    sampled at `cfg.temperature` (seeded: every adapter draws alike), from the base plus `adapter`: an estimate
+    of what the policy scores on that prompt, which moves as soon as the policy does (a greedy answer changes
+    only once the right reply becomes the likeliest)."""
+    rows = read_jsonl(prompts)
+    model, tokenizer = load_model(model_path, model_load(model_cfg), adapter=adapter)
+    model.eval()
+    samples, lengths = sample(model, tokenizer, rows, cfg)
+    k = cfg.samples_k
+    result = score(
+        [row for row in rows for _ in range(k)],
+        [completion_text(c) for group in samples for c in group],
+        rewards,
+        [n for group in lengths for n in group],
+        max_completion_length=cfg.max_new_tokens,
+    )
+    totals = [float(r["total"]) for r in result.rows]
+    return [statistics.fmean(totals[i * k : (i + 1) * k]) for i in range(len(rows))]
 
 
 evaluate_task = task(name="evaluate")(evaluate_model)

@@ -58,6 +58,7 @@ from grpo_pipeline.tasks.hpo.scoring import (
     paired_decision,
     prepare_validation,
     prompts_needed,
+    sampled_scorer,
 )
 from grpo_pipeline.tasks.hpo.space import (
     ALPHA,
@@ -135,6 +136,7 @@ __all__ = [
     "paired_decision",
     "prepare_validation",
     "prompts_needed",
+    "sampled_scorer",
     "redact",
     "requeue_orphans",
     "run_trial",

@@ -1,5 +1,5 @@
 """Trial scores with a known noise: how many validation prompts a target standard error needs, the prompt sets,
-the greedy scorer, and the paired decision against the configured values."""
+the greedy and sampled scorers, and the paired decision against the configured values."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from grpo_pipeline.configs.schema import (
 log = logging.getLogger(__name__)
 
 
-# Scores an adapter on a JSONL prompt file: one weighted total per prompt, greedy (`greedy_scorer`).
+# Scores an adapter on a JSONL prompt file: one weighted total per prompt (`greedy_scorer`, `sampled_scorer`).
 Scorer = Callable[[str, Path], list[float]]
 
 
@@ -64,7 +64,7 @@ def prepare_validation(hpo: HPOConfig, rewards: RewardSet, val_file: Path | None
 
     needed, sd = prompts_needed(hpo, rewards)
     rows = read_jsonl(Path(val_file)) if val_file and Path(val_file).is_file() else []
-    if hpo.trial_score == "trainer":  # no greedy scoring: the trainer's rung checks use the first prompts
+    if hpo.trial_score == "trainer":  # no scoring pass: the trainer's rung checks use the first prompts
         needed = min(len(rows), hpo.rung_prompts)
     elif len(rows) < 2 * needed:
         raise NotEnoughPrompts(
@@ -142,5 +142,22 @@ def greedy_scorer(model: ModelConfig, evaluate: EvalConfig, rewards: RewardSet, 
             adapter=adapter_dir,
         )
         return [float(r["total"]) for r in result.rows]
+
+    return score
+
+
+def sampled_scorer(
+    model: ModelConfig, evaluate: EvalConfig, rewards: RewardSet, model_path: str, samples: int
+) -> Scorer:
+    """Scores an adapter on a prompt file by the mean weighted total of `samples` completions per prompt, sampled
+    at `evaluate.temperature` with `evaluate.seed` (`grpo_pipeline.tasks.evaluate.sampled_means`): the same
+    draws for every trial, so paired differences between trials are differences between their policies."""
+
+    def score(adapter_dir: str, prompts: Path) -> list[float]:
+        from grpo_pipeline.tasks.evaluate import sampled_means
+
+        return sampled_means(
+            model_path, model, prompts, rewards, evaluate.model_copy(update={"samples_k": samples}), adapter_dir
+        )
 
     return score

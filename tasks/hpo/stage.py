@@ -19,7 +19,14 @@ from grpo_pipeline.configs.schema import (
     TrainConfig,
 )
 from grpo_pipeline.tasks.hpo.result import HPOFailed, HPOResult, failure_report, summarize
-from grpo_pipeline.tasks.hpo.scoring import Scorer, Validation, greedy_scorer, paired_decision, prepare_validation
+from grpo_pipeline.tasks.hpo.scoring import (
+    Scorer,
+    Validation,
+    greedy_scorer,
+    paired_decision,
+    prepare_validation,
+    sampled_scorer,
+)
 from grpo_pipeline.tasks.hpo.space import to_overrides
 from grpo_pipeline.tasks.hpo.study import (
     CONFIGURED,
@@ -67,6 +74,8 @@ def search(
     validation = prepare_validation(hpo, rewards, splits.get("val"), run_dir / "hpo")
     if hpo.trial_score == "greedy":
         score = score or greedy_scorer(model, evaluate, rewards, model_path)
+    elif hpo.trial_score == "sampled":
+        score = score or sampled_scorer(model, evaluate, rewards, model_path, hpo.trial_samples)
     else:
         score = None
     budget_steps, budget_usd = budget(hpo, train, train_usd)

@@ -1,0 +1,35 @@
+"""The search's sampled trial score (`hpo.trial_score: sampled`) on a tiny random model: one mean per prompt over
+its own k samples, drawn alike on every call."""
+
+import pytest
+
+from grpo_pipeline.configs.rewards import RewardSet
+from grpo_pipeline.configs.schema import EvalConfig, ModelConfig
+from grpo_pipeline.tasks.evaluate import read_jsonl, sampled_means
+
+ROW_ONLY = RewardSet(names=("tests.integration.sampled_rewards:answer_tenth",))
+DRAW_ONLY = RewardSet(names=("tests.integration.sampled_rewards:odd_characters",))
+
+
+@pytest.fixture(scope="module")
+def evaluate():
+    # a batch that splits the 8 prompts unevenly: samples must stay with their prompt across batches
+    return EvalConfig(samples_k=3, temperature=1.0, max_new_tokens=6, batch_size=3, seed=5)
+
+
+def test_each_prompts_mean_is_over_its_own_samples(tiny_model, tiny_splits, evaluate):
+    rows = read_jsonl(tiny_splits["holdout"])
+    assert len({r["answer"] for r in rows}) > 1  # else a misplaced sample could not show
+    means = sampled_means(str(tiny_model), ModelConfig(), tiny_splits["holdout"], ROW_ONLY, evaluate)
+    assert means == pytest.approx([int(r["answer"]) / 10 for r in rows])
+
+
+def test_the_draws_are_seeded_and_averaged_over_k(tiny_model, tiny_splits, evaluate):
+    first = sampled_means(str(tiny_model), ModelConfig(), tiny_splits["holdout"], DRAW_ONLY, evaluate)
+    again = sampled_means(str(tiny_model), ModelConfig(), tiny_splits["holdout"], DRAW_ONLY, evaluate)
+    assert first == again  # every adapter scored on the same draws: paired differences are the policies'
+    assert all(round(m * 3, 9) in (0, 1, 2, 3) for m in first)  # a mean of three 0/1 scores
+    other = evaluate.model_copy(update={"seed": 6})
+    draws = [sampled_means(str(tiny_model), ModelConfig(), tiny_splits["holdout"], DRAW_ONLY, other)]
+    draws.append(sampled_means(str(tiny_model), ModelConfig(), tiny_splits["holdout"], DRAW_ONLY, evaluate))
+    assert draws[0] != first and draws[1] == first  # the seed, not the call, decides the draws
