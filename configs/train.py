@@ -131,6 +131,13 @@ class TrainConfig(StrictModel):
         "that reason. Falls back with a warning where it cannot be exact: a static or quantized cache, beam "
         "search, assisted or vLLM generation, dropout while sampling (trainer/generation.py)",
     )
+    share_prompt_forward: bool = Field(
+        True,
+        description="the loss's forward and backward run each distinct prompt once and share its keys and values "
+        "with the rows that repeat it (TRL runs every copy: num_generations per prompt); the same log-probs, loss "
+        "and gradients to float rounding. Falls back with a warning where it cannot be exact: gradient "
+        "checkpointing, dropout in train mode, DDP/FSDP wrappers, multimodal inputs (trainer/shared_prompt.py)",
+    )
     compact_lm_head: bool = Field(
         True,
         description="on a CPU node, TRL's fused LM head projects only the completion's positions onto the vocabulary, "

@@ -196,13 +196,13 @@ def _forward_params(model: Any) -> set[str]:
     return set(inspect.signature(model.forward).parameters)
 
 
-def _cache_kwarg(model: Any) -> str | None:
+def cache_kwarg(model: Any) -> str | None:
     """The name `model.forward` takes its KV cache under (`cache` in transformers 5.x, `past_key_values` before)."""
     params = _forward_params(model)
     return next((name for name in ("cache", "past_key_values") if name in params), None)
 
 
-def _dropout_while_sampling(model: Any) -> str | None:
+def active_dropout(model: Any) -> str | None:
     """A dropout that would draw random masks in `model`'s forward now (TRL samples in train mode), or None."""
     import torch
 
@@ -222,6 +222,30 @@ def _dropout_while_sampling(model: Any) -> str | None:
     return None
 
 
+def cache_blocker(model: Any) -> str | None:
+    """Why `model` (a transformers model, no PEFT wrapper) cannot continue exactly from a plain full-attention
+    `DynamicCache` that an earlier call filled, or None.
+
+    >>> import torch
+    >>> cache_blocker(torch.nn.Linear(2, 2))
+    'Linear is not a transformers generative model'
+    """
+    from transformers import GenerationMixin
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    if not isinstance(model, GenerationMixin) or not hasattr(model, "config"):
+        return f"{type(model).__name__} is not a transformers generative model"
+    if model.config.is_encoder_decoder:
+        return "the model is an encoder-decoder"
+    if not model._supports_default_dynamic_cache() or cache_kwarg(model) is None:
+        return f"{type(model).__name__} does not take a DynamicCache"
+    layers = DynamicCache(config=model.config.get_text_config(decoder=True)).layers
+    if any(type(layer) is not DynamicLayer for layer in layers):
+        odd = next(type(layer).__name__ for layer in layers if type(layer) is not DynamicLayer)
+        return f"the model's cache has {odd} layers (only full-attention DynamicLayer is shared)"
+    return None
+
+
 def prefill_blocker(model: Any, kwargs: dict[str, Any]) -> str | None:
     """Why `model.generate(**kwargs)` (a transformers model, no PEFT wrapper) cannot continue exactly from a cache
     that `prefilled_generate` filled, or None.
@@ -230,20 +254,10 @@ def prefill_blocker(model: Any, kwargs: dict[str, Any]) -> str | None:
     >>> prefill_blocker(torch.nn.Linear(2, 2), {})
     'Linear is not a transformers generative model'
     """
-    from transformers import GenerationMixin
-    from transformers.cache_utils import DynamicCache, DynamicLayer
     from transformers.generation.configuration_utils import GenerationMode
 
-    if not isinstance(model, GenerationMixin) or not hasattr(model, "config"):
-        return f"{type(model).__name__} is not a transformers generative model"
-    if model.config.is_encoder_decoder:
-        return "the model is an encoder-decoder"
-    if not model._supports_default_dynamic_cache() or _cache_kwarg(model) is None:
-        return f"{type(model).__name__} does not take a DynamicCache"
-    layers = DynamicCache(config=model.config.get_text_config(decoder=True)).layers
-    if any(type(layer) is not DynamicLayer for layer in layers):
-        odd = next(type(layer).__name__ for layer in layers if type(layer) is not DynamicLayer)
-        return f"the model's cache has {odd} layers (only full-attention DynamicLayer is prefilled)"
+    if reason := cache_blocker(model):
+        return reason
     if "assistant_model" in kwargs:
         return "assisted generation"
     rest = {k: v for k, v in kwargs.items() if k not in _UNDERSTOOD}
@@ -274,7 +288,7 @@ def prefill_blocker(model: Any, kwargs: dict[str, Any]) -> str | None:
         return "the prompts are not left-padded"
     if ids.shape[1] > 1 and not bool(mask[:, -1].all()):
         return "the prompts are not left-padded"
-    if reason := _dropout_while_sampling(model):
+    if reason := active_dropout(model):
         return f"dropout is active while sampling ({reason}): the rows would draw different masks"
     return None
 
@@ -329,7 +343,7 @@ def prefilled_generate(model: Any, generate: Callable[..., Any], warn: Callable[
     if reason := prefill_blocker(model, kwargs):
         warn(reason)
         return generate(**kwargs)
-    cache_name = _cache_kwarg(model)
+    cache_name = cache_kwarg(model)
     assert shared is not None and cache_name is not None  # prefill_blocker checked both
     firsts, inverse = shared
     rows = torch.tensor(firsts, device=ids.device)
@@ -352,7 +366,7 @@ def prefilled_generate(model: Any, generate: Callable[..., Any], warn: Callable[
     return generate(**kwargs, **{cache_name: cache})
 
 
-def _generating_model(model: Any) -> Any:
+def transformers_model(model: Any) -> Any:
     """The transformers model whose `generate` runs the decode loop: a PeftModel's base model, else `model`."""
     get_base = getattr(model, "get_base_model", None)
     return get_base() if callable(get_base) else model
@@ -367,7 +381,7 @@ def prefill_once(model: Any, warn: Callable[[str], None]) -> Iterator[None]:
         warn(f"the adapter is prompt learning ({config.peft_type})")
         yield
         return
-    target = _generating_model(model)
+    target = transformers_model(model)
     had = "generate" in vars(target)
     shadowed = vars(target).get("generate")
     plain = target.generate

@@ -80,6 +80,7 @@ class TrainSettings(_Strict):
     s3_endpoint_url: str | None
     merged_generation: bool | None = None  # None: on where the node has no GPU (trainer.generation)
     prefill_once: bool = True  # each distinct prompt prefilled once, its cache shared (trainer.generation)
+    share_prompt_forward: bool = True  # the loss's forward runs each distinct prompt once (trainer.shared_prompt)
     compact_lm_head: bool = True  # the loss's LM head projects only the completion's positions (trainer.lm_head)
     distributed: DistributedConfig = DistributedConfig()  # train.distributed as configured
     health: HealthConfig = HealthConfig()

@@ -334,6 +334,10 @@ def _attempt(
 
         trainer_cls = dynamic_sampling_class(trainer_cls)
         extra["dynamic_sampling"] = dynamic
+    if spec.train.share_prompt_forward:
+        from grpo_pipeline.trainer import shared_prompt
+
+        trainer_cls = shared_prompt.trainer_class(trainer_cls)
     if spec.train.prefill_once:
         trainer_cls = generation.prefill_trainer_class(trainer_cls)
     if generation.wanted(spec.train.merged_generation, torch.cuda.is_available()):  # composes: both wrap generation

@@ -1,7 +1,8 @@
 """The CPU step's cuts (bench.step_profile), each computing what the path it replaces computes: no gradient
 checkpointing (TRL's default recomputes each layer's forward inside the backward); generation from the merged LoRA
-weights and each distinct prompt prefilled once (trainer/generation.py); the fused LM head scoring only the
-completion's positions (trainer/lm_head.py)."""
+weights and each distinct prompt prefilled once (trainer/generation.py); the loss's forward over each distinct
+prompt once (trainer/shared_prompt.py); the fused LM head scoring only the completion's positions
+(trainer/lm_head.py)."""
 
 import contextlib
 
@@ -128,17 +129,17 @@ def test_merged_generation_falls_back_where_it_cannot_be_exact(tiny_model):
 
 
 def _two_steps(
-    model_dir, trainer_args, merged: bool, prefill: bool = False, *overrides: str, watch=None, **lora
+    model_dir, trainer_args, merged: bool, prefill: bool = False, *overrides: str, watch=None, shared=False, **lora
 ) -> dict:
     """Two GRPO steps of the trainer's settings (and `overrides`) on the tiny model: the completions each step
     sampled, the per-token log-probs of the loss's forward (policy, with grad) and the logged losses; the adapter's
     weights at the end. `merged`, `prefill`: the trainer classes train.py wraps for those settings; `watch(model)`
-    sees the loaded model before training."""
+    sees the loaded model before training; `shared`: the loss's forward over each distinct prompt once."""
     from datasets import Dataset
     from peft import LoraConfig
     from trl import GRPOTrainer
 
-    from grpo_pipeline.trainer import generation
+    from grpo_pipeline.trainer import generation, shared_prompt
     from grpo_pipeline.trainer.loading import load_model
     from grpo_pipeline.trainer.spec import ModelLoad
 
@@ -152,7 +153,8 @@ def _two_steps(
     model, tokenizer = load_model(str(model_dir), load)
     if watch is not None:
         watch(model)
-    cls = generation.prefill_trainer_class(GRPOTrainer) if prefill else GRPOTrainer
+    cls = shared_prompt.trainer_class(GRPOTrainer) if shared else GRPOTrainer
+    cls = generation.prefill_trainer_class(cls) if prefill else cls
     cls = generation.trainer_class(cls) if merged else cls  # as train.py stacks them
     trainer = cls(
         model=model,
@@ -415,3 +417,119 @@ def test_the_compact_lm_head_is_scoped_and_warns_where_trl_has_no_compact_branch
     with caplog.at_level("WARNING", logger="grpo_pipeline.trainer.lm_head"), compact_lm_head():
         pass
     assert [r.getMessage().split(":")[0] for r in caplog.records] == ["train.compact_lm_head"]
+
+
+def _shared_prompt_batch(model):
+    """A loss batch as TRL builds it: 2 distinct prompts of different lengths (left-padded) x 3 rows each, in mixed
+    order, then 5 completion tokens per row, one completion cut short by right padding."""
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, model.config.vocab_size, (n,), generator=gen) for n in (9, 6)]
+    order = [0, 1, 1, 0, 0, 1]
+    width = 9
+    ids = torch.zeros(len(order), width + 5, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, which in enumerate(order):
+        prompt = prompts[which]
+        ids[row, width - len(prompt) : width] = prompt
+        mask[row, width - len(prompt) :] = 1
+    ids[:, width:] = torch.randint(3, model.config.vocab_size, (len(order), 5), generator=gen)
+    mask[4, -2:] = 0  # this completion ended early
+    ids[4, -2:] = 0
+    return ids, mask
+
+
+def _loss_pass(model_dir, shared: bool):
+    """The loss's pass on `_shared_prompt_batch`: TRL's fused-head call, or `shared_prompt_logps`; log-probs,
+    entropies and the adapter's gradients of an advantage-weighted loss."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    from trl.trainer.utils import add_fused_lm_head
+
+    from grpo_pipeline.trainer.shared_prompt import shared_prompt_logps
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    add_fused_lm_head(model, temperature=0.8, outputs=("log_probs", "entropy"))
+    config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+    model = get_peft_model(model, config).train()
+    ids, mask = _shared_prompt_batch(model)
+    if shared:
+        logps, entropies = shared_prompt_logps(model, ids, mask, 5, True, contextlib.nullcontext())
+    else:  # as TRL's _get_per_token_logps_and_entropies calls it
+        labels = ids.masked_fill(mask == 0, -100)
+        labels[:, :-5] = -100
+        out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+        logps, entropies = out.log_probs[:, -5:], out.entropy[:, -5:]
+    loss = -(logps * torch.linspace(-1, 1, len(ids))[:, None] * mask[:, -5:]).sum() / mask[:, -5:].sum()
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    return logps.detach(), entropies.detach(), loss.detach(), grads
+
+
+def test_the_loss_forward_over_each_distinct_prompt_once_computes_what_trls_does(tiny_model):
+    """Each prompt's pass run once and its keys and values shared: the same per-token log-probs and entropies of the
+    completions, the same loss, and the same adapter gradients (the prompt's copies' gradients summed into it), to
+    float32 rounding (1e-5 relative, 1e-6 absolute): a prompt's keys come from a smaller batch."""
+    plain = _loss_pass(tiny_model, shared=False)
+    shared = _loss_pass(tiny_model, shared=True)
+    assert (plain[0][4, -2:] == 0).all() and (plain[0] != 0).sum() == 6 * 5 - 2
+    for got, want in zip(shared[:3], plain[:3], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert plain[3].keys() == shared[3].keys() and len(plain[3]) > 0
+    assert any(g.abs().sum() > 0 for g in plain[3].values())
+    for name, want in plain[3].items():
+        torch.testing.assert_close(shared[3][name], want, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_the_trainer_sharing_the_prompts_forward_trains_as_the_default(tiny_model, trainer_args, monkeypatch):
+    """The real GRPOTrainer, two steps from one seed, 2 prompts x 2 generations a step: with the loss's forward over
+    each distinct prompt once, the same completions, log-probs and loss (1e-5) and the same adapter at the end; so
+    with every other cut on as train.py stacks them."""
+    from grpo_pipeline.trainer import shared_prompt
+
+    shared_calls: list = []
+    real = shared_prompt.shared_prompt_logps
+    monkeypatch.setattr(
+        shared_prompt,
+        "shared_prompt_logps",
+        lambda *a, **k: (out := real(*a, **k), shared_calls.append(out is not None))[0],
+    )
+    two = ("train.grpo.num_generations=2", "train.grpo.bf16=false")
+    plain = _two_steps(tiny_model, trainer_args, False, False, *two)
+    assert shared_calls == []
+    runs = {"shared": _two_steps(tiny_model, trainer_args, False, False, *two, shared=True)}
+    assert shared_calls == [True, True]  # both steps' loss forwards shared their prompts
+    runs["all cuts"] = _two_steps(tiny_model, trainer_args, True, True, *two, shared=True)
+    for name, run in runs.items():
+        assert run["completions"] == plain["completions"] and len(plain["completions"]) == 2, name
+        for got, want in zip(run["logps"], plain["logps"], strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(run["loss"], plain["loss"], rtol=1e-5, atol=1e-6, msg=name)
+        for key, want in plain["adapter"].items():
+            torch.testing.assert_close(run["adapter"][key], want, rtol=1e-4, atol=1e-6, msg=f"{name}: {key}")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "lora", "names"),
+    [
+        ((), {"lora_dropout": 0.1}, "dropout"),
+        (("train.grpo.gradient_checkpointing=true",), {}, "gradient checkpointing"),
+    ],
+    ids=["dropout", "checkpointing"],
+)
+def test_sharing_the_prompts_forward_warns_once_and_runs_every_row_where_it_cannot_be_exact(
+    tiny_model, trainer_args, caplog, overrides, lora, names
+):
+    with caplog.at_level("WARNING", logger="grpo_pipeline.trainer.shared_prompt"):
+        run = _two_steps(tiny_model, trainer_args, False, False, *overrides, shared=True, **lora)
+    warnings = [r.getMessage() for r in caplog.records if r.name == "grpo_pipeline.trainer.shared_prompt"]
+    assert len(warnings) == 1 and warnings[0].startswith("train.share_prompt_forward: "), warnings
+    assert names in warnings[0]
+    assert len(run["completions"]) == 2 and torch.isfinite(run["loss"]).all()
+
+
+def test_sharing_the_prompts_forward_is_on_unless_the_recipe_says_not(tiny_config):
+    from grpo_pipeline.tasks.job import train_settings
+
+    assert train_settings(tiny_config().train).share_prompt_forward is True
+    assert train_settings(tiny_config("train.share_prompt_forward=false").train).share_prompt_forward is False
