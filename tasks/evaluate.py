@@ -10,6 +10,7 @@ of `evaluate.accuracy_reward` and `evaluate.format_reward`, scored even when tra
 from __future__ import annotations
 
 import json
+import logging
 import statistics
 import sys
 import time
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
     from rich.progress import Progress, TaskID
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+log = logging.getLogger(__name__)
 EXAMPLE_CHARS = 600  # of a completion kept in an example: enough for a reasoning answer's ending
 
 
@@ -358,8 +360,14 @@ def sample(
     model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, rows: list[dict], cfg: EvalConfig
 ) -> tuple[list[list[str]], list[list[int]]]:
     """k sampled completions per prompt (transformers) and their lengths in tokens, seeded so every model draws
-    alike."""
+    alike. Each prompt's k rows are laid out as `num_return_sequences` lays them out, so the draws are the same, and
+    its prompt is prefilled once for them (`grpo_pipeline.trainer.generation.prefill_once`), not k times."""
     import torch
+
+    from grpo_pipeline.trainer.generation import prefill_once
+
+    def plain(reason: str) -> None:  # the prompts are prefilled per row then; the same samples either way
+        log.info("sampling prefills every row: %s", reason)
 
     torch.manual_seed(cfg.seed)
     tokenizer.padding_side = "left"  # decoder-only models continue from the right edge
@@ -369,13 +377,13 @@ def sample(
     for start in range(0, len(rows), cfg.batch_size):
         texts = render(tokenizer, [r["prompt"] for r in rows[start : start + cfg.batch_size]])
         batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-        with torch.inference_mode():
+        repeated = {name: batch[name].repeat_interleave(k, dim=0) for name in ("input_ids", "attention_mask")}
+        with torch.inference_mode(), prefill_once(model, plain):
             out = model.generate(
-                **batch,
+                **repeated,
                 max_new_tokens=cfg.max_new_tokens,
                 do_sample=True,
                 temperature=cfg.temperature,
-                num_return_sequences=k,
                 pad_token_id=tokenizer.pad_token_id,
             )
         new_tokens = out[:, batch["input_ids"].shape[1] :]

@@ -33,3 +33,48 @@ def test_the_draws_are_seeded_and_averaged_over_k(tiny_model, tiny_splits, evalu
     draws = [sampled_means(str(tiny_model), ModelConfig(), tiny_splits["holdout"], DRAW_ONLY, other)]
     draws.append(sampled_means(str(tiny_model), ModelConfig(), tiny_splits["holdout"], DRAW_ONLY, evaluate))
     assert draws[0] != first and draws[1] == first  # the seed, not the call, decides the draws
+
+
+def test_sampling_prefills_each_prompt_once_and_draws_what_num_return_sequences_draws(
+    tiny_model, tiny_splits, evaluate, monkeypatch
+):
+    import torch
+    from transformers.cache_utils import DynamicCache
+
+    from grpo_pipeline.tasks.chat_prompts import render
+    from grpo_pipeline.tasks.evaluate import sample
+    from grpo_pipeline.tasks.job import model_load
+    from grpo_pipeline.trainer.loading import load_model
+
+    rows = read_jsonl(tiny_splits["holdout"])
+    model, tokenizer = load_model(str(tiny_model), model_load(ModelConfig()))
+    model.eval()
+    selected: list = []
+    select = DynamicCache.batch_select_indices
+    monkeypatch.setattr(
+        DynamicCache, "batch_select_indices", lambda self, i: (selected.append(i.tolist()), select(self, i))[1]
+    )
+    texts, _ = sample(model, tokenizer, rows, evaluate)
+    assert selected[0] == [0, 0, 0, 1, 1, 1, 2, 2, 2]  # 3 distinct prompts prefilled once, for 3 rows each
+    monkeypatch.setattr(DynamicCache, "batch_select_indices", select)
+    torch.manual_seed(evaluate.seed)
+    want = []
+    for start in range(0, len(rows), evaluate.batch_size):  # what sampling ran before: every copy prefilled
+        batch = tokenizer(
+            render(tokenizer, [r["prompt"] for r in rows[start : start + evaluate.batch_size]]),
+            return_tensors="pt",
+            padding=True,
+            add_special_tokens=False,
+        )
+        with torch.inference_mode():
+            out = model.generate(
+                **batch,
+                max_new_tokens=evaluate.max_new_tokens,
+                do_sample=True,
+                temperature=evaluate.temperature,
+                num_return_sequences=evaluate.samples_k,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        done = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
+        want += [done[i : i + evaluate.samples_k] for i in range(0, len(done), evaluate.samples_k)]
+    assert texts == want
