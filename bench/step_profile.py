@@ -771,15 +771,17 @@ def table_rows(load) -> list[Row]:
                 unit="%",
             )
         )
-    # the cuts' A/B runs: `_ab` (merged generation and the compact LM head), `_ab_all` (every cut against none),
-    # `_ab_all_bf16` (the same in bf16, on a CPU that has it)
-    for ab in filter(None, (load(NAME + "_ab"), load(NAME + "_ab_all"), load(NAME + "_ab_all_bf16"))):
+    # the cuts' A/B runs: `_ab` (merged generation and the compact LM head), `_ab_all` (every cut against none, on
+    # the AVX2 kind), `_ab_all_bf16` and `_ab_all_fp32_avx512` (the same on the AVX512-BF16 kind, in each precision)
+    saved = ("_ab", "_ab_all", "_ab_all_bf16", "_ab_all_fp32_avx512")
+    for ab in filter(None, (load(NAME + suffix) for suffix in saved)):
         # CPU time per step: what a niced benchmark on a shared machine can still measure; the wall ratio is in the name
         c, w = ab["cpu"], ab["wall"]
         precision = ab["runs"]["baseline"][0].get("precision", "fp32")
         rows.append(
             Row(
-                f"GRPO demo step, {precision}, process CPU time, side by side (`bench.step_profile --candidate`, {ab['rounds']} "
+                f"GRPO demo step, {precision} on {'an AVX512-BF16' if ab.get('native_bf16') else 'an AVX2-only'} "
+                f"CPU, process CPU time, side by side (`bench.step_profile --candidate`, {ab['rounds']} "
                 f"round(s) x {ab['steps']} step(s), {ab['threads']} thread(s); wall {w['ratio']:.2f}x at load "
                 f"{ab['load_average']['start']:.0f}-{ab['load_average']['end']:.0f})",
                 f"{' '.join(ab['arms']['baseline']) or 'the demo config'}: {c['baseline']:.2f} CPU s",

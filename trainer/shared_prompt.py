@@ -82,6 +82,7 @@ def shared_prompt_logps(
         return None
     base = transformers_model(model)
     cache_name = cache_kwarg(base)
+    assert cache_name is not None  # share_blocker's cache_blocker checked it before the trainer came here
     cache = DynamicCache(config=base.config.get_text_config(decoder=True))
     rows = torch.tensor(firsts, device=input_ids.device)
     tail = input_ids[:, prompt - 1 :]
