@@ -218,6 +218,14 @@ def summarize(runs: dict[str, dict], base_reward: float | None = None) -> dict:
             "runs_by_wall_time": runs_,
             "median_runs": float(np.median(runs_)),
             "trial_steps_over_training": sorted(r["search_steps_over_training"] for r in searched),
+            # the median over seeds of each part of the search's wall time, in training runs (runs from before the
+            # parts were timed have none)
+            "median_parts": {
+                part: float(np.median([r["search_parts_over_training"][part] for r in timed]))
+                for timed in [[r for r in searched if "search_parts_over_training" in r]]
+                if timed
+                for part in timed[0]["search_parts_over_training"]
+            },
             # seeds whose search was resumed after a kill: their wall time misses the part before it
             "resumed_seeds": sorted(s for s, r in by_arm["searched"].items() if r.get("search_resumed")),
         }
@@ -323,6 +331,11 @@ def run_searched(start, setup: Setup, folder: Path, seed: int) -> dict:
         "search_resumed": resumed,
         "search_over_training": search_s / trained["train_s"],
         "search_steps": result.steps_spent,
+        # where the search's wall time went, in the same unit as its total (the rest: the study, MLflow, plots)
+        "search_parts_over_training": {
+            part: seconds / trained["train_s"]
+            for part, seconds in (result.seconds | {"other": search_s - sum(result.seconds.values())}).items()
+        },
         "search_steps_over_training": result.steps_spent / steps,
         "applied": result.applied,
         "decision": result.decision,
@@ -355,6 +368,7 @@ def search_settings(opts: argparse.Namespace, task: Task) -> dict[str, Any]:
         "target_se": opts.target_se if opts.target_se is not None else task.target_se,
         "trial_score": opts.trial_score,
         "trial_samples": opts.trial_samples,
+        "concurrency": opts.concurrency,
         "from": "options",
     }
     if opts.from_trial_length:
@@ -393,7 +407,7 @@ def overrides(task: Task, work: Path, steps: int, search: dict[str, Any], tiny: 
         f"hpo.trial_score={search['trial_score']}",
         f"hpo.trial_samples={search['trial_samples']}",
         "hpo.keep_configured=true",
-        "hpo.concurrency=1",
+        f"hpo.concurrency={search.get('concurrency', 1)}",
         "hpo.rescore_top_k=2",
         f"hpo.steps={search['trial_steps']}",
         f"hpo.eval_every={search['eval_every']}",
@@ -495,6 +509,14 @@ def _options(argv: list[str] | None) -> argparse.Namespace:
         help="hpo.trial_score: what ranks a finished trial (default sampled)",
     )
     parser.add_argument("--trial-samples", type=int, default=4, help="hpo.trial_samples (default 4)")
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        default=2,
+        # two trials of one thread each on 2 cores: 0.67-0.71x the wall time of one after the other at two threads
+        # (docs/training.md#hyperparameter-search); TPE then proposes a trial before the one beside it has finished
+        help="hpo.concurrency: trials at once, each on its share of the cores (default 2)",
+    )
     parser.add_argument(
         "--from-trial-length",
         action="store_true",
@@ -605,6 +627,7 @@ def lines(report: dict) -> list[str]:
         out.append(
             f"search cost: {s['cost']['median_runs']:.2f} training runs of wall time (median over seeds; "
             f"{s['cost']['runs_by_wall_time']}), trial steps {s['cost']['trial_steps_over_training']} runs"
+            + "".join(f"; {part} {runs:.2f}" for part, runs in s["cost"].get("median_parts", {}).items())
             + (
                 f"; seeds {s['cost']['resumed_seeds']} resumed after a kill: their time is too short"
                 if s["cost"]["resumed_seeds"]
@@ -678,7 +701,9 @@ def table_rows(load) -> list[Row]:
                     spread=(min(runs), max(runs)) if len(runs) > 1 else None,
                     note=f"goal: {s['goals'][f'search cost <= {COST_GOAL_RUNS:g} training runs']} (median over "
                     f"{len(runs)} seed{'s' if len(runs) != 1 else ''}); trial steps: "
-                    f"{s['cost']['trial_steps_over_training']} runs{partial_note}",
+                    f"{s['cost']['trial_steps_over_training']} runs"
+                    + "".join(f"; {part} {runs:.2f}" for part, runs in s["cost"].get("median_parts", {}).items())
+                    + partial_note,
                 )
             )
         if not rows:

@@ -144,6 +144,14 @@ class TrainConfig(StrictModel):
         "as it does on GPUs (same log-probs and loss; TRL's CPU path projects the prompt's positions too and drops "
         "them; trainer/lm_head.py)",
     )
+    cpu_threads: int | None = Field(
+        None,
+        ge=1,
+        description="torch's intra-op threads in the trainer (torch.set_num_threads); unset: torch's own choice (the "
+        "node's cores), except in a search running hpo.concurrency local trials at once, which gives each trial its "
+        "share of the cores (two trials of one thread each on 2 cores: 0.67-0.71x the wall time of one after the "
+        "other at two threads, docs/training.md#hyperparameter-search)",
+    )
     max_restarts: int = Field(3, ge=0, description="relaunches after an abnormal trainer exit (not preemptions)")
     launcher: LauncherName = Field("local", description=launcher_help())
     sky: SkyConfig = SkyConfig()

@@ -602,6 +602,10 @@ def main(spec_path: str, started: float | None = None) -> int:
         log.error("bad job spec %s: %s", spec_path, exc)
         distributed.record("exit", EXIT_BAD_INPUT)
         return EXIT_BAD_INPUT
+    if spec.train.cpu_threads:  # before any torch work: the intra-op pool is sized on first use
+        import torch
+
+        torch.set_num_threads(spec.train.cpu_threads)
     try:
         spec = _staged_init_adapter(spec)
         if refused := _slow_bf16(spec) or _unfit_adapter(spec):

@@ -67,10 +67,11 @@ from grpo_pipeline.tasks.hpo.space import (
     apply_best,
     fits,
     suggest,
+    threads_per_trial,
     to_overrides,
     trial_train,
 )
-from grpo_pipeline.tasks.hpo.stage import PLOTS, choose, log_study, search
+from grpo_pipeline.tasks.hpo.stage import PLOTS, choose, log_study, search, seconds_spent
 from grpo_pipeline.tasks.hpo.study import (
     CONFIGURED,
     FROM_BASE,
@@ -85,6 +86,7 @@ from grpo_pipeline.tasks.hpo.study import (
     open_study,
     redact,
     requeue_orphans,
+    steps_committed,
     steps_spent,
     storage_url,
     study_name,
@@ -141,11 +143,14 @@ __all__ = [
     "requeue_orphans",
     "run_trial",
     "search",
+    "seconds_spent",
+    "steps_committed",
     "steps_spent",
     "storage_url",
     "study_name",
     "suggest",
     "summarize",
+    "threads_per_trial",
     "to_overrides",
     "trial_train",
 ]

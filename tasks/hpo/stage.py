@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import logging
 import statistics
+import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,13 +30,14 @@ from grpo_pipeline.tasks.hpo.scoring import (
     prepare_validation,
     sampled_scorer,
 )
-from grpo_pipeline.tasks.hpo.space import to_overrides
+from grpo_pipeline.tasks.hpo.space import threads_per_trial, to_overrides
 from grpo_pipeline.tasks.hpo.study import (
     CONFIGURED,
     FROM_BASE,
     budget,
     open_study,
     redact,
+    steps_committed,
     steps_spent,
     storage_url,
 )
@@ -41,6 +45,37 @@ from grpo_pipeline.tasks.hpo.trials import RunOne, Tracking, TrialFailed, TrialJ
 from grpo_pipeline.tasks.job import WarmStart
 
 log = logging.getLogger(__name__)
+
+# Where a search's wall time went, kept on the study so that a resumed search still accounts for the part it did
+# not run again: each trial's training job and its scoring (trial attributes), each re-scoring (study attributes).
+TRAIN_S, SCORE_S, RESCORE_S = "train_s", "score_s", "rescore_s"
+
+
+def seconds_spent(study: optuna.Study) -> dict[str, float]:
+    """The seconds a study's trials spent training and being scored, and its re-scorings, summed."""
+    trials = study.get_trials(deepcopy=False)
+    return {
+        "trial_runs": sum(t.user_attrs.get(TRAIN_S, 0.0) for t in trials),
+        "scoring": sum(t.user_attrs.get(SCORE_S, 0.0) for t in trials),
+        "rescoring": sum(v for k, v in study.user_attrs.items() if k.startswith(f"{RESCORE_S}-")),
+    }
+
+
+@contextlib.contextmanager
+def intra_op_threads(threads: int | None) -> Iterator[None]:
+    """torch's intra-op threads set to `threads` inside, put back after; None leaves them alone. Threads that
+    start inside (Optuna's workers) size their pool from this setting on their first parallel op."""
+    if threads is None:
+        yield
+        return
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def search(
@@ -107,7 +142,9 @@ def search(
     context = contextvars.copy_context()
 
     def objective(trial: optuna.Trial) -> float:
+        started = time.monotonic()
         outcome = context.copy().run(run_one, trial, job)
+        trial.set_user_attr(TRAIN_S, time.monotonic() - started)
         trial.set_user_attr("steps", outcome.pruned_at or outcome.steps)
         if outcome.pruned_at is not None:
             raise optuna.TrialPruned(f"pruned at step {outcome.pruned_at}")
@@ -119,25 +156,33 @@ def search(
         if not outcome.adapter_dir:
             trial.set_user_attr("reason", "the trainer left no adapter to score")
             raise TrialFailed(f"trial {trial.number}: no adapter")
+        started = time.monotonic()
         try:
             scores = score(outcome.adapter_dir, validation.select)
         except Exception as exc:  # this trial's adapter only: a broken save, an unloadable rank
             trial.set_user_attr("reason", f"scoring failed: {type(exc).__name__}: {_reason(exc)}")
             raise TrialFailed(f"trial {trial.number}: scoring failed") from exc
+        trial.set_user_attr(SCORE_S, time.monotonic() - started)
         trial.set_user_attr("adapter_dir", str(outcome.adapter_dir))
         trial.set_user_attr("scores", scores)
         return statistics.fmean(scores)
 
     def stop_when_spent(study: optuna.Study, _trial: optuna.trial.FrozenTrial) -> None:
-        if steps_spent(study) + hpo.eval_every > budget_steps:  # not even one more first rung fits
+        # parallel trials: the one still running will spend its steps too
+        if steps_committed(study, hpo) + hpo.eval_every > budget_steps:  # not even one more first rung fits
             study.stop()
 
     if remaining and steps_spent(study) + hpo.eval_every <= budget_steps:
         # Only TrialFailed is caught: anything else (bad input, a cancel) ends optimize, which marks that
         # trial FAIL, starts no other and lets the running ones finish, and reaches the caller as raised.
-        study.optimize(
-            objective, n_trials=remaining, n_jobs=hpo.concurrency, catch=(TrialFailed,), callbacks=[stop_when_spent]
-        )
+        with intra_op_threads(threads_per_trial(hpo, train)):  # the in-process scoring of parallel trials too
+            study.optimize(
+                objective,
+                n_trials=remaining,
+                n_jobs=hpo.concurrency,
+                catch=(TrialFailed,),
+                callbacks=[stop_when_spent],
+            )
     trials = summarize(study)
     spent = steps_spent(study)
     complete = [t for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))]
@@ -148,6 +193,7 @@ def search(
         result = result.model_copy(
             update={
                 "trials": summarize(study),
+                "seconds": seconds_spent(study),
                 "steps_spent": spent,
                 "budget_steps": budget_steps,
                 "budget_usd": budget_usd,
@@ -187,7 +233,9 @@ def choose(
                 log.warning("trial %d: its adapter %s is gone; not re-scored", t.number, adapter)
                 continue
             assert score is not None  # the loop runs only with a scorer
+            started = time.monotonic()
             cached = score(adapter, validation.rescore)
+            study.set_user_attr(f"{RESCORE_S}-{t.number}", time.monotonic() - started)
             study.set_user_attr(key, cached)
         rescores[t.number] = cached
     ranked = [t for t in searched if t.number in rescores] or searched[:1]

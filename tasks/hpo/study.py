@@ -154,6 +154,13 @@ def steps_spent(study: optuna.Study) -> int:
     return sum(int(t.user_attrs.get("steps", 0)) for t in study.get_trials(deepcopy=False) if t.state.is_finished())
 
 
+def steps_committed(study: optuna.Study, hpo: HPOConfig) -> int:
+    """`steps_spent`, and the trials still running counted at the top rung (`hpo.steps`): what the budget has
+    already paid for once parallel trials finish."""
+    running = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
+    return steps_spent(study) + len(running) * hpo.steps
+
+
 def open_study(
     hpo: HPOConfig, base: str, data_dir: Path, name: str | None = None, start: str = FROM_BASE
 ) -> optuna.Study:

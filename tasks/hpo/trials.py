@@ -19,7 +19,7 @@ from grpo_pipeline.configs.schema import (
     ModelConfig,
     TrainConfig,
 )
-from grpo_pipeline.tasks.hpo.space import suggest, to_overrides, trial_train
+from grpo_pipeline.tasks.hpo.space import rung_checks, suggest, to_overrides, trial_train
 from grpo_pipeline.tasks.hpo.study import CONFIGURED, WORKER, _this_worker
 from grpo_pipeline.tasks.job import build_job_spec
 from grpo_pipeline.trainer.spec import TrainingFailed, parse_progress
@@ -42,7 +42,7 @@ class TrialFailed(RuntimeError):
 class TrialOutcome(BaseModel):
     value: float | None  # sampled validation reward at the last rung; None when pruned
     pruned_at: int | None = None
-    steps: int  # the last step that reported a validation reward
+    steps: int  # the last step that reported a validation reward (without rung checks: the last step trained)
     adapter_dir: str | None = None  # what the trainer left, for greedy scoring
 
 
@@ -154,7 +154,17 @@ def run_trial(trial: optuna.Trial, job: TrialJob, launcher_for: LauncherFactory)
     state, reason, outcome = "FAILED", None, None
     try:
         handle = launcher.launch(spec)
-        outcome = _follow(trial, launcher, handle, reports, client, run_id, job.hpo.steps, prunable=not configured)
+        outcome = _follow(
+            trial,
+            launcher,
+            handle,
+            reports,
+            client,
+            run_id,
+            job.hpo.steps,
+            prunable=not configured,
+            rungs=rung_checks(job.hpo),
+        )
         state = "KILLED" if outcome.pruned_at is not None else "FINISHED"
         return outcome
     except TrainingFailed as exc:
@@ -189,9 +199,11 @@ def _follow(
     run_id: str | None,
     max_steps: int,
     prunable: bool = True,
+    rungs: bool = True,
 ) -> TrialOutcome:
     """Wait for the job on a helper thread; here, report each rung's validation reward and prune (unless the
-    trial is the configured values' control)."""
+    trial is the configured values' control). Without `rungs` (`rung_checks`) the trainer evaluates nothing and
+    the trial's value is its scorer's."""
     seen: dict[int, float] = {}
     pruned_at = None
     with ThreadPoolExecutor(1, thread_name_prefix=f"trial-{trial.number}-wait") as pool:
@@ -225,7 +237,10 @@ def _follow(
     if pruned_at is not None:
         trial.set_user_attr("reason", f"pruned at step {pruned_at} (validation reward {seen[pruned_at]:.4g})")
         return TrialOutcome(value=None, pruned_at=pruned_at, steps=pruned_at)
+    adapter_dir = getattr(result, "adapter_dir", None)
+    if not rungs:
+        return TrialOutcome(value=None, steps=getattr(result, "global_step", max_steps), adapter_dir=adapter_dir)
     if not seen:
         raise TrainingFailed("the trainer finished without reporting a validation reward (is the val split empty?)")
     last = max(seen)
-    return TrialOutcome(value=seen[last], steps=last, adapter_dir=getattr(result, "adapter_dir", None))
+    return TrialOutcome(value=seen[last], steps=last, adapter_dir=adapter_dir)

@@ -16,7 +16,11 @@ from grpo_pipeline.tasks.hpo import (
     requeue_orphans,
     run_trial,
     search,
+    seconds_spent,
+    steps_committed,
+    steps_spent,
     suggest,
+    threads_per_trial,
     to_overrides,
     trial_train,
 )
@@ -110,6 +114,10 @@ def test_parameters_become_training_overrides_and_a_trial_config(cfg):
     assert trial.grpo["max_steps"] == base.hpo.steps and trial.grpo["eval_steps"] == base.hpo.eval_every
     assert trial.grpo["per_device_eval_batch_size"] % base.hpo.eval_generations == 0
     assert (trial.max_restarts, trial.early_stopping_patience) == (0, None)  # a crash is a result; the pruner decides
+    assert trial.grpo["eval_strategy"] == "steps"  # the trainer's rung rewards are the trials' values here
+    one_rung = cfg("hpo.trial_score=sampled", f"hpo.steps={base.hpo.steps}", f"hpo.eval_every={base.hpo.steps}")
+    # a single rung at the last step, and a scorer that ranks the trial: no evaluation in the trainer
+    assert trial_train(one_rung.train, one_rung.hpo, overrides).grpo["eval_strategy"] == "no"
 
     sky_cfg = cfg("train.launcher=sky", "train.sky.accelerators=[H100:1]")
     sky = trial_train(sky_cfg.train, sky_cfg.hpo, {}).sky
@@ -395,6 +403,43 @@ def test_a_search_budget_of_one_training_run_explores_at_least_eight_configurati
     assert len(searched) >= 8 and searched.count("PRUNED") >= 7  # the first 7 stop at the first rung
     assert result.budget_steps == 40 and 40 <= result.steps_spent <= 40 + c.hpo.steps
     assert result.trials[0].state == "COMPLETE"  # the configured control is never stopped on a rung
+
+
+def test_a_running_trial_counts_against_the_budget_at_its_top_rung(cfg):
+    """What stops a parallel search from starting a trial the budget cannot pay for: when one trial finishes,
+    the one beside it will still spend its steps."""
+    hpo = cfg("hpo.steps=4", "hpo.eval_every=2").hpo
+    study = optuna.create_study()
+    study.add_trial(optuna.trial.create_trial(value=0.1, user_attrs={"steps": 4}))
+    study.add_trial(
+        optuna.trial.create_trial(value=None, user_attrs={"steps": 2}, state=optuna.trial.TrialState.PRUNED)
+    )
+    assert steps_committed(study, hpo) == steps_spent(study) == 6
+    study.ask()  # a trial in flight
+    assert steps_committed(study, hpo) == 6 + 4 and steps_spent(study) == 6
+
+
+def test_parallel_local_trials_share_the_cores_and_trials_elsewhere_keep_theirs(cfg):
+    import os
+
+    cores = len(os.sched_getaffinity(0))
+    parallel = cfg("hpo.concurrency=2")
+    assert trial_train(parallel.train, parallel.hpo, {}).cpu_threads == threads_per_trial(parallel.hpo, parallel.train)
+    assert threads_per_trial(parallel.hpo, parallel.train) == max(1, cores // 2)
+    assert trial_train(cfg("hpo.concurrency=2", "train.cpu_threads=3").train, parallel.hpo, {}).cpu_threads == 3
+    assert trial_train(cfg().train, cfg().hpo, {}).cpu_threads is None  # one at a time: torch's own choice
+    sky = cfg("hpo.concurrency=2", "train.launcher=sky")
+    assert threads_per_trial(sky.hpo, sky.train) is None  # each trial has a node of its own
+
+
+def test_a_searchs_seconds_are_summed_from_its_trials_and_rescorings():
+    study = optuna.create_study()
+    for attrs in ({"train_s": 10.0, "score_s": 2.0}, {"train_s": 5.0}, {}):
+        study.add_trial(optuna.trial.create_trial(value=0.0, user_attrs=attrs))
+    study.set_user_attr("rescore_s-0", 1.5)
+    study.set_user_attr("rescore_s-1", 0.5)
+    study.set_user_attr("rescores-0", [1.0, 2.0])  # the re-scores themselves: not seconds
+    assert seconds_spent(study) == {"trial_runs": 15.0, "scoring": 2.0, "rescoring": 2.0}
 
 
 def test_rungs_and_budget_follow_the_config():
