@@ -36,7 +36,7 @@ class HPOResult(BaseModel):
     difference_ci: tuple[float, float] | None = None  # 95 % paired t interval
     prompts: dict[str, Any] = {}  # needed, available, select, rescore, reward_sd
     steps_spent: int = 0  # trial GRPO steps, every trial of the study
-    seconds: dict[str, float] = {}  # wall seconds of the study: trial_runs, scoring, rescoring (`seconds_spent`)
+    seconds: dict[str, float] = {}  # study, rescoring (wall); trial_runs_summed, scoring_summed (`seconds_spent`)
     budget_steps: int | None = None
     budget_usd: float | None = None
     spent_usd: float | None = None

@@ -47,17 +47,25 @@ from grpo_pipeline.tasks.job import WarmStart
 log = logging.getLogger(__name__)
 
 # Where a search's wall time went, kept on the study so that a resumed search still accounts for the part it did
-# not run again: each trial's training job and its scoring (trial attributes), each re-scoring (study attributes).
-TRAIN_S, SCORE_S, RESCORE_S = "train_s", "score_s", "rescore_s"
+# not run again: the wall time of each `optimize` (the trials and their scoring, in parallel with
+# hpo.concurrency > 1) and of each re-scoring (study attributes); each trial's training job and its scoring
+# (trial attributes: summed over trials, more than the study's wall time when trials run in parallel).
+TRAIN_S, SCORE_S, RESCORE_S, STUDY_S = "train_s", "score_s", "rescore_s", "study_s"
 
 
 def seconds_spent(study: optuna.Study) -> dict[str, float]:
-    """The seconds a study's trials spent training and being scored, and its re-scorings, summed."""
+    """Wall seconds of the study's trials (`study`) and re-scorings; and the seconds its trials spent training
+    and being scored, each summed over the trials."""
     trials = study.get_trials(deepcopy=False)
+
+    def attrs(prefix: str) -> float:
+        return sum(v for k, v in study.user_attrs.items() if k.startswith(f"{prefix}-"))
+
     return {
-        "trial_runs": sum(t.user_attrs.get(TRAIN_S, 0.0) for t in trials),
-        "scoring": sum(t.user_attrs.get(SCORE_S, 0.0) for t in trials),
-        "rescoring": sum(v for k, v in study.user_attrs.items() if k.startswith(f"{RESCORE_S}-")),
+        "study": attrs(STUDY_S),
+        "rescoring": attrs(RESCORE_S),
+        "trial_runs_summed": sum(t.user_attrs.get(TRAIN_S, 0.0) for t in trials),
+        "scoring_summed": sum(t.user_attrs.get(SCORE_S, 0.0) for t in trials),
     }
 
 
@@ -175,6 +183,7 @@ def search(
     if remaining and steps_spent(study) + hpo.eval_every <= budget_steps:
         # Only TrialFailed is caught: anything else (bad input, a cancel) ends optimize, which marks that
         # trial FAIL, starts no other and lets the running ones finish, and reaches the caller as raised.
+        started = time.monotonic()
         with intra_op_threads(threads_per_trial(hpo, train)):  # the in-process scoring of parallel trials too
             study.optimize(
                 objective,
@@ -183,6 +192,8 @@ def search(
                 catch=(TrialFailed,),
                 callbacks=[stop_when_spent],
             )
+        runs = sum(k.startswith(f"{STUDY_S}-") for k in study.user_attrs)  # a resumed search adds its own
+        study.set_user_attr(f"{STUDY_S}-{runs}", time.monotonic() - started)
     trials = summarize(study)
     spent = steps_spent(study)
     complete = [t for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))]

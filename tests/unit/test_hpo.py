@@ -432,14 +432,16 @@ def test_parallel_local_trials_share_the_cores_and_trials_elsewhere_keep_theirs(
     assert threads_per_trial(sky.hpo, sky.train) is None  # each trial has a node of its own
 
 
-def test_a_searchs_seconds_are_summed_from_its_trials_and_rescorings():
+def test_a_searchs_seconds_are_summed_from_its_studies_trials_and_rescorings():
     study = optuna.create_study()
     for attrs in ({"train_s": 10.0, "score_s": 2.0}, {"train_s": 5.0}, {}):
         study.add_trial(optuna.trial.create_trial(value=0.0, user_attrs=attrs))
     study.set_user_attr("rescore_s-0", 1.5)
     study.set_user_attr("rescore_s-1", 0.5)
     study.set_user_attr("rescores-0", [1.0, 2.0])  # the re-scores themselves: not seconds
-    assert seconds_spent(study) == {"trial_runs": 15.0, "scoring": 2.0, "rescoring": 2.0}
+    study.set_user_attr("study_s-0", 9.0)  # two optimize calls: a search resumed once
+    study.set_user_attr("study_s-1", 3.0)
+    assert seconds_spent(study) == {"study": 12.0, "rescoring": 2.0, "trial_runs_summed": 15.0, "scoring_summed": 2.0}
 
 
 def test_rungs_and_budget_follow_the_config():
