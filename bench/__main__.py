@@ -54,6 +54,7 @@ SUITE = (
         "searched vs TRL/PEFT defaults vs hand-tuned, 40 final steps, 3 seeds; the search's cost in training runs",
         150,
     ),
+    Bench("scoring_precision", "the search's sampled trial score in bf16 vs fp32: seconds per scoring, scores", 3),
     Bench("machine_limit", "GRPO step FLOP/s and tokens/s vs measured matmul peak and bandwidth", 2),
     Bench("step_profile", "one GRPO demo step by phase: generation, rewards, log-prob passes, backward, the rest", 3),
     Bench("lora_vs_full", "LoRA and QLoRA vs full-parameter GRPO: quality, time to quality, memory", 17),

@@ -104,6 +104,16 @@ def test_hpo_gain_tiny_searches_trains_and_scores_then_resumes_from_its_work_fol
     assert (tmp_path / "work" / "demo" / "tiny" / "runs.json").read_text() == kept
 
 
+def test_scoring_precision_tiny_scores_one_adapter_in_both_precisions(results):
+    from bench.scoring_precision import main
+
+    assert main(["--tiny", "--rounds", "2"]) == 0
+    run = json.loads((results / "scoring_precision_tiny.json").read_text())
+    assert run["seconds"]["float32"]["n"] == run["seconds"]["bfloat16"]["n"] == 2 and run["ratio"]["median"] > 0
+    (means,) = run["means"].values()
+    assert set(means) == {"float32", "bfloat16"} and all(0 <= m <= 2 for m in means.values())
+
+
 def test_step_profile_phases_add_up_to_the_real_trainers_step(results):
     """The profile wraps the real trainer's methods: each step's phases sum to its wall clock, the wrapped calls
     cover all but a sliver of it, and the counted passes are the ones TRL runs for the demo's settings."""
