@@ -1,10 +1,12 @@
 """Benchmark: the search's sampled trial score in float32 against bfloat16, the same adapters and draws' seed.
 
 The search scores every finished trial (and re-scores the best two and the control) by sampling k completions per
-validation prompt (`tasks.evaluate.sampled_means`). On a CPU with native bf16 the trials train in bf16, and
-`tasks.hpo.scoring.scoring_model` loads the base in bf16 for scoring too. This measures what that saves and
-what it changes: each adapter scored in both precisions, alternating, at the thread count a parallel trial gets;
-wall seconds per scoring (ratio bf16 / fp32, goal <= 0.7) and each adapter's mean score in both.
+validation prompt (`tasks.evaluate.sampled_means`), in the base's configured dtype (float32). On a CPU with native
+bf16 the trials train in bf16; would scoring them in bf16 too (the base loaded in bfloat16) make the search
+cheaper? Each adapter is scored in both precisions, alternating, at the thread count a parallel trial gets:
+wall seconds per scoring (ratio bf16 / fp32, goal <= 0.7 for it to be worth the changed draws) and each
+adapter's mean score in both. Measured on the demo (docs/benchmarks.md): 1.10x, bf16 slower, so the scorer
+stays in float32.
 
     python -m bench.scoring_precision --adapter DIR [--adapter DIR ...] --prompts val-select.jsonl [--rounds 2]
     python -m bench.scoring_precision --tiny

@@ -17,7 +17,6 @@ from grpo_pipeline.configs.schema import (
     EvalConfig,
     HPOConfig,
     ModelConfig,
-    TrainConfig,
 )
 
 log = logging.getLogger(__name__)
@@ -125,28 +124,6 @@ def paired_decision(
     if low > 0:
         return True, f"{figures}: better beyond the noise, applied", diff, (low, high)
     return False, f"{figures}: not better beyond the noise, the configured values are kept", diff, (low, high)
-
-
-def scoring_model(model: ModelConfig, train: TrainConfig) -> ModelConfig:
-    """The base as the search's scorers load it: in bfloat16 where the trials train in bf16 (`train.grpo.bf16`, or
-    unset on a node where bf16 is the default: a bf16 GPU, or a CPU with native bf16 and no GPU), so that scoring a
-    trial costs what sampling in it cost, not a float32 pass at up to 5x the time; else as configured. Every
-    trial is scored alike, so their paired differences still compare policies. A quantized base keeps its own
-    compute dtype.
-
-    >>> scoring_model(ModelConfig(), TrainConfig(grpo={"bf16": True})).compute_dtype
-    'bfloat16'
-    >>> scoring_model(ModelConfig(), TrainConfig(grpo={"bf16": False})).compute_dtype
-    'float32'
-    """
-    bf16 = train.grpo.get("bf16")
-    if bf16 is None:
-        from grpo_pipeline.trainer.precision import node_default_bf16
-
-        bf16 = node_default_bf16()
-    if not bf16 or model.quantization != "none":
-        return model
-    return model.model_copy(update={"compute_dtype": "bfloat16"})
 
 
 def greedy_scorer(model: ModelConfig, evaluate: EvalConfig, rewards: RewardSet, model_path: str) -> Scorer:

@@ -29,7 +29,6 @@ from grpo_pipeline.tasks.hpo.scoring import (
     paired_decision,
     prepare_validation,
     sampled_scorer,
-    scoring_model,
 )
 from grpo_pipeline.tasks.hpo.space import threads_per_trial, to_overrides
 from grpo_pipeline.tasks.hpo.study import (
@@ -117,9 +116,9 @@ def search(
     into the same broken reward."""
     validation = prepare_validation(hpo, rewards, splits.get("val"), run_dir / "hpo")
     if hpo.trial_score == "greedy":
-        score = score or greedy_scorer(scoring_model(model, train), evaluate, rewards, model_path)
+        score = score or greedy_scorer(model, evaluate, rewards, model_path)
     elif hpo.trial_score == "sampled":
-        score = score or sampled_scorer(scoring_model(model, train), evaluate, rewards, model_path, hpo.trial_samples)
+        score = score or sampled_scorer(model, evaluate, rewards, model_path, hpo.trial_samples)
     else:
         score = None
     budget_steps, budget_usd = budget(hpo, train, train_usd)
