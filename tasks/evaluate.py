@@ -13,6 +13,7 @@ import json
 import logging
 import statistics
 import sys
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
@@ -356,6 +357,13 @@ def summary_metrics(result: EvalResult, cfg: EvalConfig) -> dict[str, float]:
     return out
 
 
+# transformers samples from torch's process-wide generator, and loading a model may draw from it too (weights its
+# checkpoint lacks): two threads loading and sampling at once (the search's parallel trials, each scored on an
+# Optuna thread) would interleave their draws, and neither would get the seeded ones. Re-entrant: `sampled_means`
+# holds it over the load and `sample` over the draws.
+_SEEDED_DRAWS = threading.RLock()
+
+
 def sample(
     model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, rows: list[dict], cfg: EvalConfig
 ) -> tuple[list[list[str]], list[list[int]]]:
@@ -369,28 +377,29 @@ def sample(
     def plain(reason: str) -> None:  # the prompts are prefilled per row then; the same samples either way
         log.info("sampling prefills every row: %s", reason)
 
-    torch.manual_seed(cfg.seed)
-    tokenizer.padding_side = "left"  # decoder-only models continue from the right edge
-    samples: list[list[str]] = []
-    lengths: list[list[int]] = []
-    k = cfg.samples_k
-    for start in range(0, len(rows), cfg.batch_size):
-        texts = render(tokenizer, [r["prompt"] for r in rows[start : start + cfg.batch_size]])
-        batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-        repeated = {name: batch[name].repeat_interleave(k, dim=0) for name in ("input_ids", "attention_mask")}
-        with torch.inference_mode(), prefill_once(model, plain):
-            out = model.generate(
-                **repeated,
-                max_new_tokens=cfg.max_new_tokens,
-                do_sample=True,
-                temperature=cfg.temperature,
-                pad_token_id=tokenizer.pad_token_id,
-            )
-        new_tokens = out[:, batch["input_ids"].shape[1] :]
-        completions = tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
-        counts = (new_tokens != tokenizer.pad_token_id).sum(dim=1).tolist()
-        samples += [completions[i * k : (i + 1) * k] for i in range(len(texts))]
-        lengths += [counts[i * k : (i + 1) * k] for i in range(len(texts))]
+    with _SEEDED_DRAWS:  # the seed's draws, not another thread's
+        torch.manual_seed(cfg.seed)
+        tokenizer.padding_side = "left"  # decoder-only models continue from the right edge
+        samples: list[list[str]] = []
+        lengths: list[list[int]] = []
+        k = cfg.samples_k
+        for start in range(0, len(rows), cfg.batch_size):
+            texts = render(tokenizer, [r["prompt"] for r in rows[start : start + cfg.batch_size]])
+            batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+            repeated = {name: batch[name].repeat_interleave(k, dim=0) for name in ("input_ids", "attention_mask")}
+            with torch.inference_mode(), prefill_once(model, plain):
+                out = model.generate(
+                    **repeated,
+                    max_new_tokens=cfg.max_new_tokens,
+                    do_sample=True,
+                    temperature=cfg.temperature,
+                    pad_token_id=tokenizer.pad_token_id,
+                )
+            new_tokens = out[:, batch["input_ids"].shape[1] :]
+            completions = tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
+            counts = (new_tokens != tokenizer.pad_token_id).sum(dim=1).tolist()
+            samples += [completions[i * k : (i + 1) * k] for i in range(len(texts))]
+            lengths += [counts[i * k : (i + 1) * k] for i in range(len(texts))]
     return samples, lengths
 
 
@@ -527,9 +536,10 @@ def sampled_means(
     of what the policy scores on that prompt, which moves as soon as the policy does (a greedy answer changes
     only once the right reply becomes the likeliest)."""
     rows = read_jsonl(prompts)
-    model, tokenizer = load_model(model_path, model_load(model_cfg), adapter=adapter)
-    model.eval()
-    samples, lengths = sample(model, tokenizer, rows, cfg)
+    with _SEEDED_DRAWS:
+        model, tokenizer = load_model(model_path, model_load(model_cfg), adapter=adapter)
+        model.eval()
+        samples, lengths = sample(model, tokenizer, rows, cfg)
     k = cfg.samples_k
     result = score(
         [row for row in rows for _ in range(k)],

@@ -78,3 +78,17 @@ def test_sampling_prefills_each_prompt_once_and_draws_what_num_return_sequences_
         done = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
         want += [done[i : i + evaluate.samples_k] for i in range(0, len(done), evaluate.samples_k)]
     assert texts == want
+
+
+def test_two_threads_sampling_at_once_each_get_the_seeded_draws(tiny_model, tiny_splits, evaluate):
+    """The search scores parallel trials on Optuna's threads; transformers draws from torch's process-wide
+    generator, so unguarded the two scorings would interleave their draws."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def score(_):
+        return sampled_means(str(tiny_model), ModelConfig(), tiny_splits["holdout"], DRAW_ONLY, evaluate)
+
+    alone = score(None)
+    with ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(score, range(4)))
+    assert together == [alone] * 4
