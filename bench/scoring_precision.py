@@ -142,7 +142,7 @@ def table_rows(load) -> list[Row]:
             note="" if r["native_bf16"] else "not judged: this CPU has no native bf16 (the scorer stays fp32 there)",
         ),
         Row(
-            f"the same, each adapter's mean sampled score: |bf16 - fp32| over {len(shifts)} adapters",
+            f"the same, the largest shift of an adapter's mean sampled score, bf16 against fp32 ({len(shifts)} adapters)",
             "fp32",
             "bf16",
             max(shifts),
