@@ -66,14 +66,10 @@ def _demo_cfg():
 
 def main(argv: list[str] | None = None) -> int:
     opts = _options(argv)
-    import torch
+    from grpo_pipeline.tasks.hpo.stage import intra_op_threads
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(opts.threads)
-    try:
+    with intra_op_threads(opts.threads):  # put back after: a caller in this process (a test) keeps its own setting
         return _measure(opts)
-    finally:
-        torch.set_num_threads(before)  # a caller in this process (a test) keeps its own setting
 
 
 def _measure(opts: argparse.Namespace) -> int:
