@@ -166,8 +166,16 @@ class HPOConfig(StrictModel):
     target_standard_error: float = Field(
         0.05,
         gt=0,
-        description="standard error of a trial's greedy validation "
-        "reward; sets how many validation prompts each scoring uses",
+        description="standard error of a trial's validation reward: sizes the prompt sets for the worst-case "
+        "per-prompt SD (reward_sd); trial_score=sampled stops a scoring sooner, once the SE measured on the "
+        "prompts scored so far (at least min_prompts) reaches it",
+    )
+    min_prompts: int = Field(
+        16,
+        ge=2,
+        description="trial_score=sampled: the fewest prompts a scoring uses before its measured standard error "
+        "may stop it, and the chunk it grows by (a standard deviation from fewer prompts is itself too noisy to "
+        "trust)",
     )
     reward_sd: float | None = Field(
         None,

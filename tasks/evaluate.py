@@ -17,7 +17,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -530,26 +530,45 @@ def sampled_means(
     rewards: RewardSet,
     cfg: EvalConfig,
     adapter: str | None = None,
+    enough: Callable[[list[float]], bool] | None = None,
+    chunk: int | None = None,
 ) -> list[float]:
     """Per prompt of a JSONL file, the mean weighted total (`RewardSet.total`) of `cfg.samples_k` completions
     sampled at `cfg.temperature` (seeded: every adapter draws alike), from the base plus `adapter`: an estimate
     of what the policy scores on that prompt, which moves as soon as the policy does (a greedy answer changes
-    only once the right reply becomes the likeliest)."""
+    only once the right reply becomes the likeliest).
+
+    With `enough`, the prompts are sampled `chunk` at a time (the i-th chunk seeded `cfg.seed + i`, so every
+    adapter draws alike whatever the chunking stops at) and the scoring stops after the first chunk whose
+    running list of means `enough` accepts: the list returned is then a prefix of the file's prompts. A plain
+    LoRA adapter samples from its merged weights (`merge_blocker`): the same policy, fewer matmuls."""
+    from grpo_pipeline.trainer.generation import merge_blocker, merged_adapter
+
     rows = read_jsonl(prompts)
+    k = cfg.samples_k
+    size = (chunk or cfg.batch_size) if enough else max(len(rows), 1)
+    means: list[float] = []
     with _SEEDED_DRAWS:
         model, tokenizer = load_model(model_path, model_load(model_cfg), adapter=adapter)
         model.eval()
-        samples, lengths = sample(model, tokenizer, rows, cfg)
-    k = cfg.samples_k
-    result = score(
-        [row for row in rows for _ in range(k)],
-        [completion_text(c) for group in samples for c in group],
-        rewards,
-        [n for group in lengths for n in group],
-        max_completion_length=cfg.max_new_tokens,
-    )
-    totals = [float(r["total"]) for r in result.rows]
-    return [statistics.fmean(totals[i * k : (i + 1) * k]) for i in range(len(rows))]
+        merged = merged_adapter(model) if merge_blocker(model) is None else nullcontext()
+        with merged:
+            for i, start in enumerate(range(0, len(rows), size)):
+                part = rows[start : start + size]
+                seed = cfg.seed + i if enough else cfg.seed
+                samples, lengths = sample(model, tokenizer, part, cfg.model_copy(update={"seed": seed}))
+                result = score(
+                    [row for row in part for _ in range(k)],
+                    [completion_text(c) for group in samples for c in group],
+                    rewards,
+                    [n for group in lengths for n in group],
+                    max_completion_length=cfg.max_new_tokens,
+                )
+                totals = [float(r["total"]) for r in result.rows]
+                means += [statistics.fmean(totals[j * k : (j + 1) * k]) for j in range(len(part))]
+                if enough and enough(means):
+                    break
+    return means
 
 
 evaluate_task = task(name="evaluate")(evaluate_model)

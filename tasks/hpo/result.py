@@ -18,6 +18,7 @@ class TrialSummary(BaseModel):
     value: float | None
     params: dict[str, Any]
     reason: str | None = None
+    prompts: int | None = None  # the validation prompts its score is the mean of
 
 
 class HPOResult(BaseModel):
@@ -34,7 +35,7 @@ class HPOResult(BaseModel):
     rescored: dict[int, float] = {}  # trial -> mean greedy reward on the fresh prompts
     difference: float | None = None  # best - configured on the fresh prompts
     difference_ci: tuple[float, float] | None = None  # 95 % paired t interval
-    prompts: dict[str, Any] = {}  # needed, available, select, rescore, reward_sd
+    prompts: dict[str, Any] = {}  # needed, available, select, rescore (at most), rescored (used), reward_sd
     steps_spent: int = 0  # trial GRPO steps, every trial of the study
     seconds: dict[str, float] = {}  # study, rescoring (wall); trial_runs_summed, scoring_summed (`seconds_spent`)
     budget_steps: int | None = None
@@ -51,7 +52,12 @@ class HPOResult(BaseModel):
 def summarize(study: optuna.Study) -> list[TrialSummary]:
     return [
         TrialSummary(
-            number=t.number, state=t.state.name, value=t.value, params=t.params, reason=t.user_attrs.get("reason")
+            number=t.number,
+            state=t.state.name,
+            value=t.value,
+            params=t.params,
+            reason=t.user_attrs.get("reason"),
+            prompts=len(t.user_attrs["scores"]) if "scores" in t.user_attrs else None,
         )
         for t in study.trials
     ]

@@ -3,9 +3,11 @@ the greedy and sampled scorers, and the paired decision against the configured v
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
+import statistics
 from collections.abc import Callable
 from pathlib import Path
 
@@ -146,18 +148,47 @@ def greedy_scorer(model: ModelConfig, evaluate: EvalConfig, rewards: RewardSet, 
     return score
 
 
+def precise_enough(means: list[float], target_standard_error: float, min_prompts: int) -> bool:
+    """Whether a scoring may stop: at least `min_prompts` prompts scored, and the standard error of their mean,
+    measured from them, at most the target.
+
+    >>> precise_enough([0.0, 1.0] * 8, 0.15, 16)  # SD 0.52 over 16 prompts: SE 0.13
+    True
+    >>> precise_enough([0.0, 2.0] * 8, 0.15, 16)  # SD 1.03: SE 0.26, more prompts needed
+    False
+    >>> precise_enough([0.0] * 8, 0.15, 16)  # no spread yet, but too few prompts to trust that
+    False
+    """
+    n = len(means)
+    return n >= min_prompts and statistics.stdev(means) / math.sqrt(n) <= target_standard_error
+
+
 def sampled_scorer(
-    model: ModelConfig, evaluate: EvalConfig, rewards: RewardSet, model_path: str, samples: int
+    model: ModelConfig, evaluate: EvalConfig, rewards: RewardSet, model_path: str, hpo: HPOConfig
 ) -> Scorer:
-    """Scores an adapter on a prompt file by the mean weighted total of `samples` completions per prompt, sampled
-    at `evaluate.temperature` with `evaluate.seed` (`grpo_pipeline.tasks.evaluate.sampled_means`): the same
-    draws for every trial, so paired differences between trials are differences between their policies."""
+    """Scores an adapter on a prompt file by the mean weighted total of `hpo.trial_samples` completions per prompt,
+    sampled at `evaluate.temperature` with `evaluate.seed` (`grpo_pipeline.tasks.evaluate.sampled_means`): the
+    same draws for every trial, so paired differences between trials are differences between their policies.
+
+    The file holds the prompts sized for the worst-case SD; the scoring stops, `hpo.min_prompts` at a time, as soon
+    as the SE measured on what it has scored reaches `hpo.target_standard_error` (`precise_enough`): a policy
+    whose per-prompt SD is half the worst case needs a quarter of the prompts. Every scoring reads the same
+    prompts in the same order, so two scores share the shorter one's prompts."""
 
     def score(adapter_dir: str, prompts: Path) -> list[float]:
         from grpo_pipeline.tasks.evaluate import sampled_means
 
         return sampled_means(
-            model_path, model, prompts, rewards, evaluate.model_copy(update={"samples_k": samples}), adapter_dir
+            model_path,
+            model,
+            prompts,
+            rewards,
+            evaluate.model_copy(update={"samples_k": hpo.trial_samples}),
+            adapter_dir,
+            enough=functools.partial(
+                precise_enough, target_standard_error=hpo.target_standard_error, min_prompts=hpo.min_prompts
+            ),
+            chunk=hpo.min_prompts,
         )
 
     return score

@@ -118,7 +118,7 @@ def search(
     if hpo.trial_score == "greedy":
         score = score or greedy_scorer(model, evaluate, rewards, model_path)
     elif hpo.trial_score == "sampled":
-        score = score or sampled_scorer(model, evaluate, rewards, model_path, hpo.trial_samples)
+        score = score or sampled_scorer(model, evaluate, rewards, model_path, hpo)
     else:
         score = None
     budget_steps, budget_usd = budget(hpo, train, train_usd)
@@ -260,8 +260,9 @@ def choose(
         "prompts": {
             "needed": validation.needed,
             "available": validation.available,
-            "select": validation.needed,
+            "select": validation.needed,  # at most: a sampled scoring stops at its target SE
             "rescore": validation.needed,
+            "rescored": {n: len(v) for n, v in rescores.items()},  # the prompts each re-scoring used
             "reward_sd": validation.reward_sd,
         },
     }
@@ -302,8 +303,10 @@ def choose(
             decision=f"trial {pick.number} applied ({statistics.fmean(rescores.get(pick.number, [pick.value])):.3f}"
             f" on fresh prompts): {why}",
         )
+    # a sampled scoring stops at its own precision: the pair is compared on the prompts both were scored on
+    shared = min(len(rescores[pick.number]), len(rescores[configured.number]))
     applied, decision, diff, ci = paired_decision(
-        rescores[pick.number], rescores[configured.number], pick.number, configured.number
+        rescores[pick.number][:shared], rescores[configured.number][:shared], pick.number, configured.number
     )
     return HPOResult(
         **common,

@@ -35,6 +35,65 @@ def test_the_draws_are_seeded_and_averaged_over_k(tiny_model, tiny_splits, evalu
     assert draws[0] != first and draws[1] == first  # the seed, not the call, decides the draws
 
 
+def test_a_scoring_stops_after_the_first_chunk_its_rule_accepts(tiny_model, tiny_splits, evaluate):
+    rows = read_jsonl(tiny_splits["holdout"])
+    seen: list[int] = []
+
+    def enough(means):
+        seen.append(len(means))
+        return len(means) >= 3
+
+    means = sampled_means(
+        str(tiny_model), ModelConfig(), tiny_splits["holdout"], ROW_ONLY, evaluate, enough=enough, chunk=2
+    )
+    assert seen == [2, 4]  # asked after each chunk, and no chunk sampled once it said yes
+    assert means == pytest.approx([int(r["answer"]) / 10 for r in rows[:4]])  # the file's first prompts
+
+
+def test_a_stopped_scoring_draws_what_the_full_one_drew_on_its_prompts(tiny_model, tiny_splits, evaluate):
+    def scored(stop_at):
+        return sampled_means(
+            str(tiny_model),
+            ModelConfig(),
+            tiny_splits["holdout"],
+            DRAW_ONLY,
+            evaluate,
+            enough=lambda means: len(means) >= stop_at,
+            chunk=2,
+        )
+
+    full, short = scored(99), scored(4)
+    assert len(full) == len(read_jsonl(tiny_splits["holdout"])) and short == full[:4]
+    assert scored(99) == full  # seeded per chunk: where a scoring stops does not move the draws before it
+
+
+def test_an_adapter_samples_from_its_merged_weights_what_it_samples_unmerged(
+    tiny_model, tiny_splits, evaluate, tmp_path, monkeypatch
+):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    import grpo_pipeline.trainer.generation as generation
+
+    torch_model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    # init_lora_weights=False: B random too, so the adapter moves the policy
+    adapter = get_peft_model(torch_model, LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+    adapter.save_pretrained(tmp_path / "adapter")
+
+    def scored(adapter_dir=str(tmp_path / "adapter")):
+        return sampled_means(str(tiny_model), ModelConfig(), tiny_splits["holdout"], DRAW_ONLY, evaluate, adapter_dir)
+
+    from grpo_pipeline.tasks.job import model_load
+    from grpo_pipeline.trainer.loading import load_model
+
+    loaded, _ = load_model(str(tiny_model), model_load(ModelConfig()), adapter=str(tmp_path / "adapter"))
+    assert generation.merge_blocker(loaded.eval()) is None  # so the first scoring samples merged
+    merged = scored()
+    monkeypatch.setattr(generation, "merge_blocker", lambda model: "unmerged, for the comparison")
+    assert scored() == merged  # W + s·BA in float32: the same draws pick the same tokens
+    assert scored(None) != merged  # and the adapter was applied at all
+
+
 def test_sampling_prefills_each_prompt_once_and_draws_what_num_return_sequences_draws(
     tiny_model, tiny_splits, evaluate, monkeypatch
 ):

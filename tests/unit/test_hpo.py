@@ -342,6 +342,22 @@ def test_the_best_is_not_applied_when_it_does_not_beat_the_configured_values_bey
     assert result.rescored == {0: 0.5, 1: 0.5} and result.prompts["needed"] == 4
 
 
+def test_scorings_that_stopped_at_different_lengths_are_compared_on_the_prompts_both_scored(cfg, tmp_path, val8):
+    run_one, score = _scored(
+        tmp_path,
+        {
+            0: ([0, 0, 0, 0], [0, 0]),  # a scoring that reached its target SE after two prompts
+            1: ([1, 1, 1, 1], [1, 1, 0, 0]),  # ahead on the two prompts both scored, a wash on the other two
+        },
+    )
+    result = run_search(
+        cfg(*GREEDY, "hpo.trials=2"), "m", val8, tmp_path, rewards=REWARDS, run_one=run_one, score=score
+    )
+    assert result.difference == 1.0 and result.applied  # [1, 1] - [0, 0], not the four prompts' mean of 0.5
+    assert result.rescored == {0: 0.0, 1: 0.5} and result.prompts["rescored"] == {0: 2, 1: 4}
+    assert [t.prompts for t in result.trials] == [4, 4]
+
+
 def test_the_top_trials_are_rescored_on_fresh_prompts_and_the_best_there_is_applied(cfg, tmp_path, val8):
     run_one, score = _scored(
         tmp_path,
