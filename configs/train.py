@@ -144,6 +144,15 @@ class TrainConfig(StrictModel):
         "as it does on GPUs (same log-probs and loss; TRL's CPU path projects the prompt's positions too and drops "
         "them; trainer/lm_head.py)",
     )
+    skip_zero_advantage: bool = Field(
+        True,
+        description="a training batch whose advantages are all zero (every group's completions scored alike) runs "
+        "no loss forward or backward: its gradient is zero, given to every trainable weight as TRL's backward would "
+        "give it, so the optimizer steps as before (exact; the demo's zero-variance batches are a third to a half "
+        "of its steps). Falls back with a warning where a zero advantage still has a gradient or skipping cannot "
+        "be exact: beta > 0 (KL), an entropy bonus, a MoE auxiliary loss, Liger's loss, several processes "
+        "(trainer/zero_advantage.py)",
+    )
     cpu_threads: int | None = Field(
         None,
         ge=1,

@@ -82,6 +82,7 @@ class TrainSettings(_Strict):
     prefill_once: bool = True  # each distinct prompt prefilled once, its cache shared (trainer.generation)
     share_prompt_forward: bool = True  # the loss's forward runs each distinct prompt once (trainer.shared_prompt)
     compact_lm_head: bool = True  # the loss's LM head projects only the completion's positions (trainer.lm_head)
+    skip_zero_advantage: bool = True  # no loss pass for an all-zero-advantage batch (trainer.zero_advantage)
     cpu_threads: int | None = None  # torch.set_num_threads before training; None: torch's own choice
     distributed: DistributedConfig = DistributedConfig()  # train.distributed as configured
     health: HealthConfig = HealthConfig()

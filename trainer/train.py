@@ -338,6 +338,10 @@ def _attempt(
         from grpo_pipeline.trainer import shared_prompt
 
         trainer_cls = shared_prompt.trainer_class(trainer_cls)
+    if spec.train.skip_zero_advantage:
+        from grpo_pipeline.trainer import zero_advantage
+
+        trainer_cls = zero_advantage.trainer_class(trainer_cls)
     if spec.train.prefill_once:
         trainer_cls = generation.prefill_trainer_class(trainer_cls)
     if generation.wanted(spec.train.merged_generation, torch.cuda.is_available()):  # composes: both wrap generation

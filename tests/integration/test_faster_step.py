@@ -129,17 +129,27 @@ def test_merged_generation_falls_back_where_it_cannot_be_exact(tiny_model):
 
 
 def _two_steps(
-    model_dir, trainer_args, merged: bool, prefill: bool = False, *overrides: str, watch=None, shared=False, **lora
+    model_dir,
+    trainer_args,
+    merged: bool,
+    prefill: bool = False,
+    *overrides: str,
+    watch=None,
+    shared=False,
+    zero=False,
+    flat_after: int | None = None,
+    **lora,
 ) -> dict:
     """Two GRPO steps of the trainer's settings (and `overrides`) on the tiny model: the completions each step
     sampled, the per-token log-probs of the loss's forward (policy, with grad) and the logged losses; the adapter's
     weights at the end. `merged`, `prefill`: the trainer classes train.py wraps for those settings; `watch(model)`
-    sees the loaded model before training; `shared`: the loss's forward over each distinct prompt once."""
+    sees the loaded model before training; `shared`: the loss's forward over each distinct prompt once; `zero`: no
+    loss pass for a batch without advantages; `flat_after`: every completion scores 0 after that many steps."""
     from datasets import Dataset
     from peft import LoraConfig
     from trl import GRPOTrainer
 
-    from grpo_pipeline.trainer import generation, shared_prompt
+    from grpo_pipeline.trainer import generation, shared_prompt, zero_advantage
     from grpo_pipeline.trainer.loading import load_model
     from grpo_pipeline.trainer.spec import ModelLoad
 
@@ -147,6 +157,8 @@ def _two_steps(
 
     def length_reward(completions, **_):  # varies within a group: non-zero advantages, a loss that trains
         seen["completions"].append(list(completions))
+        if flat_after is not None and len(seen["completions"]) > flat_after:
+            return [0.0] * len(completions)
         return [len(c) / 10 for c in completions]
 
     load = ModelLoad(quantization="none", double_quant=False, compute_dtype="float32", trust_remote_code=False)
@@ -154,6 +166,7 @@ def _two_steps(
     if watch is not None:
         watch(model)
     cls = shared_prompt.trainer_class(GRPOTrainer) if shared else GRPOTrainer
+    cls = zero_advantage.trainer_class(cls) if zero else cls
     cls = generation.prefill_trainer_class(cls) if prefill else cls
     cls = generation.trainer_class(cls) if merged else cls  # as train.py stacks them
     trainer = cls(
@@ -183,6 +196,7 @@ def _two_steps(
     trainer.train()
     seen["loss"] = torch.tensor([h["loss"] for h in trainer.state.log_history if "loss" in h and "reward" in h])
     seen["adapter"] = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    seen["skipped"] = [h[zero_advantage.METRIC] for h in trainer.state.log_history if zero_advantage.METRIC in h]
     return seen
 
 
@@ -533,3 +547,46 @@ def test_sharing_the_prompts_forward_is_on_unless_the_recipe_says_not(tiny_confi
 
     assert train_settings(tiny_config().train).share_prompt_forward is True
     assert train_settings(tiny_config("train.share_prompt_forward=false").train).share_prompt_forward is False
+
+
+def test_a_batch_without_advantages_runs_no_loss_pass_and_trains_as_the_default(tiny_model, trainer_args):
+    """The real GRPOTrainer, two steps from one seed: the first batch's rewards vary, the second's are flat. With
+    the skip, the second step runs no loss forward, yet the adapter ends the same: AdamW still moved it by the
+    first step's momentum, as it does with TRL's zero gradient (a weight left without a gradient would not move)."""
+    two = ("train.grpo.num_generations=2", "train.grpo.bf16=false")
+    plain = _two_steps(tiny_model, trainer_args, False, False, *two, flat_after=1)
+    skipping = _two_steps(tiny_model, trainer_args, False, False, *two, zero=True, flat_after=1)
+    assert skipping["completions"] == plain["completions"] and len(plain["completions"]) == 2
+    assert len(plain["logps"]) == 2 and len(skipping["logps"]) == 1  # no loss forward at the flat step
+    assert skipping["skipped"] == [0.0, 1.0] and plain["skipped"] == []
+    torch.testing.assert_close(skipping["loss"], plain["loss"], rtol=0, atol=0)
+    moved = False
+    for name, want in plain["adapter"].items():
+        torch.testing.assert_close(skipping["adapter"][name], want, rtol=0, atol=0, msg=name)
+        moved |= bool(want.abs().sum() > 0)
+    assert moved
+
+
+def test_a_kl_term_keeps_the_loss_pass_of_a_batch_without_advantages_with_one_warning(tiny_model, trainer_args, caplog):
+    with caplog.at_level("WARNING", logger="grpo_pipeline.trainer.zero_advantage"):
+        run = _two_steps(
+            tiny_model,
+            trainer_args,
+            False,
+            False,
+            "train.grpo.beta=0.1",
+            "train.grpo.num_generations=2",
+            zero=True,
+            flat_after=0,
+        )
+    warnings = [r.getMessage() for r in caplog.records if r.name == "grpo_pipeline.trainer.zero_advantage"]
+    assert len(warnings) == 1 and warnings[0].startswith("train.skip_zero_advantage: ") and "beta=0.1" in warnings[0]
+    # both flat batches ran TRL's loss: each step, the reference's log-probs and the loss's forward
+    assert len(run["logps"]) == 4 and run["skipped"] == [0.0, 0.0]
+
+
+def test_skipping_a_batch_without_advantages_is_on_unless_the_recipe_says_not(tiny_config):
+    from grpo_pipeline.tasks.job import train_settings
+
+    assert train_settings(tiny_config().train).skip_zero_advantage is True
+    assert train_settings(tiny_config("train.skip_zero_advantage=false").train).skip_zero_advantage is False
