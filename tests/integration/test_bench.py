@@ -116,10 +116,11 @@ def test_scoring_precision_tiny_scores_one_adapter_in_both_precisions(results):
 
 def test_step_profile_phases_add_up_to_the_real_trainers_step(results):
     """The profile wraps the real trainer's methods: each step's phases sum to its wall clock, the wrapped calls
-    cover all but a sliver of it, and the counted passes are the ones TRL runs for the demo's settings."""
+    cover all but a sliver of it, and the counted passes are the ones TRL runs for the demo's settings. The tiny
+    random model earns no reward, so its batches are flat: the loss pass runs only with the zero-advantage skip off."""
     from bench.step_profile import BACKWARD, DECODE, LOSS_FORWARD, NO_GRAD_LOGP, PREFILL, UNACCOUNTED, main
 
-    main(["--tiny", "--steps", "1", "--threads", "1"])
+    main(["--tiny", "--steps", "1", "--threads", "1", "--set", "train.skip_zero_advantage=false"])
     run = json.loads((results / "step_profile_tiny.json").read_text())["runs"]["fp32"]
     steps = [run["warmup"], *run["steps"]]
     assert len(run["steps"]) == 1
@@ -141,8 +142,9 @@ def test_step_profile_phases_add_up_to_the_real_trainers_step(results):
 
 def test_step_profile_compares_two_arms_side_by_side(results):
     """The A/B mode: baseline and candidate alternate in one process from the same seed, each step's wall and CPU
-    time kept (the last step's final checkpoint write left out), and the ratio with its per-round spread saved."""
-    from bench.step_profile import main
+    time kept (the last step's final checkpoint write left out), and the ratio with its per-round spread saved.
+    The arms differ in the zero-advantage skip: on the tiny model's flat batches only the baseline runs a loss pass."""
+    from bench.step_profile import LOSS_FORWARD, main
 
     main(
         [
@@ -156,19 +158,22 @@ def test_step_profile_compares_two_arms_side_by_side(results):
             "--precision",
             "fp32",
             "--baseline",
-            "train.merged_generation=false",
+            "train.skip_zero_advantage=false",
             "--candidate",
-            "train.merged_generation=true",
+            "train.skip_zero_advantage=true",
         ]
     )
     report = json.loads((results / "step_profile_ab_tiny.json").read_text())
     assert report["arms"] == {
-        "baseline": ["train.merged_generation=false"],
-        "candidate": ["train.merged_generation=true"],
+        "baseline": ["train.skip_zero_advantage=false"],
+        "candidate": ["train.skip_zero_advantage=true"],
     }
+    loss_passes = {}
     for arm in ("baseline", "candidate"):
         (run,) = report["runs"][arm]
         (step,) = run["steps"]
         assert step["wall_s"] > 0 and step["cpu_s"] > 0
         assert sum(step["phases"].values()) == pytest.approx(step["wall_s"], abs=1e-6)
+        loss_passes[arm] = step["calls"].get(LOSS_FORWARD, 0)
+    assert loss_passes == {"baseline": 1, "candidate": 0}
     assert report["wall"]["ratio"] > 0 and len(report["wall"]["rounds"]) == len(report["cpu"]["rounds"]) == 1
