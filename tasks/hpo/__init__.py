@@ -10,9 +10,11 @@ the noise.
   rewards in [0, 1], half the weights' span) give n = (sd / se)^2; the stage logs n and fails (a `ConfigError`, exit 2)
   naming it when the val split holds fewer than 2n (n to select, n fresh ones to re-score).
 - **No winner's curse.** The top `hpo.rescore_top_k` trials and the configured values' trial are scored again
-  on n prompts no selection saw; the best of those re-scores is compared with the configured trial, paired
-  per prompt (a t interval, `scipy.stats.ttest_rel`). Only when the interval lies above zero are its values
-  applied; otherwise the configured values stay and the result says so (`applied`, `decision`).
+  on up to n prompts no selection saw, `hpo.min_prompts` at a time and all on the same prompts; the best of
+  those re-scores is compared with the configured trial, paired per prompt (a t interval,
+  `scipy.stats.ttest_rel`, at a Bonferroni share of the 5 % per look), and the re-scoring stops as soon as the
+  interval excludes zero. Only when it lies above zero are the best trial's values applied; otherwise the
+  configured values stay and the result says so (`applied`, `decision`).
 - **Multi-fidelity.** Trials run up to `hpo.steps`, with a rung check every `hpo.eval_every` steps (the
   trainer's sampled validation reward on the first `hpo.rung_prompts` scoring prompts, as a tagged line
   `grpo_pipeline.trainer.callbacks.ReportValidation` prints); Optuna's successive halving / Hyperband promote a third of

@@ -97,10 +97,10 @@ def prepare_validation(hpo: HPOConfig, rewards: RewardSet, val_file: Path | None
 
 
 def paired_decision(
-    best: list[float], configured: list[float], trial: int, conf_trial: int
+    best: list[float], configured: list[float], trial: int, conf_trial: int, confidence: float = 0.95
 ) -> tuple[bool, str, float, tuple[float, float]]:
-    """Whether the best trial beats the configured one beyond the noise: a paired t interval (95 %) of the
-    per-prompt differences lying above zero.
+    """Whether the best trial beats the configured one beyond the noise: a paired t interval (at `confidence`)
+    of the per-prompt differences lying above zero.
 
     >>> paired_decision([1, 1, 2, 2], [0, 1, 1, 1], 3, 0)[0]
     False
@@ -116,12 +116,12 @@ def paired_decision(
     if np.ptp(d) == 0:  # every difference the same: the interval has no width
         low = high = float(d[0])
     else:
-        ci = stats.ttest_rel(b, c).confidence_interval(0.95)
+        ci = stats.ttest_rel(b, c).confidence_interval(confidence)
         low, high = float(ci.low), float(ci.high)
     diff = float(d.mean())
     figures = (
         f"trial {trial} {b.mean():.3f} vs the configured values (trial {conf_trial}) {c.mean():.3f} on "
-        f"{len(d)} fresh prompts: difference {diff:+.3f} (95 % CI {low:+.3f} to {high:+.3f})"
+        f"{len(d)} fresh prompts: difference {diff:+.3f} ({100 * confidence:.3g} % CI {low:+.3f} to {high:+.3f})"
     )
     if low > 0:
         return True, f"{figures}: better beyond the noise, applied", diff, (low, high)

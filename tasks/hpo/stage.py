@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import json
 import logging
+import math
 import statistics
 import time
 import warnings
@@ -220,6 +222,72 @@ def search(
     return result
 
 
+def rescore(
+    study: optuna.Study, contenders: list, configured: Any, hpo: HPOConfig, validation: Validation, score: Scorer
+) -> tuple[dict[int, list[float]], float]:
+    """Score the contenders again on the fresh prompts, `hpo.min_prompts` at a time and all of them on the same
+    prompts, until the best of them and the configured trial differ beyond the noise or the prompts run out;
+    returns each trial's per-prompt re-scores and the confidence the decision is taken at.
+
+    Each trial's own SE stops a selection scoring, but this decision rests on a difference, which can be much
+    smaller than either SE: on GSM8K, 16 prompts left a 95 % interval of +-0.25 around a 0.1 gap. Several
+    looks at one decision: each is taken at a Bonferroni share of the 5 %, so deciding early is as sure as
+    deciding at the end. Each chunk's re-scores are kept on the study: a resumed search scores no chunk twice."""
+    from grpo_pipeline.tasks.evaluate import read_jsonl
+
+    rows = read_jsonl(validation.rescore)
+    chunk = hpo.min_prompts
+    confidence = 1 - 0.05 / max(1, math.ceil(len(rows) / chunk))
+    adapters = {t.number: t.user_attrs.get("adapter_dir") for t in contenders}
+    rescores: dict[int, list[float]] = {}
+    for number, adapter in adapters.items():
+        cached = study.user_attrs.get(f"rescores-{number}")
+        if cached is None and not (adapter and Path(adapter).exists()):
+            log.warning("trial %d: its adapter %s is gone; not re-scored", number, adapter)
+            continue
+        rescores[number] = list(cached or [])
+    while rescores and (done := min(map(len, rescores.values()))) < len(rows):
+        if done and configured is not None and decided(rescores, configured.number, confidence):
+            break
+        part = rows[done : done + chunk]
+        path = validation.rescore.with_name(f"{validation.rescore.stem}-from-{done}.jsonl")
+        path.write_text("".join(json.dumps(r) + "\n" for r in part))
+        for number, scores in rescores.items():
+            if len(scores) > done:  # scored further by an earlier, resumed search
+                continue
+            started = time.monotonic()
+            new = score(adapters[number], path)
+            if len(new) != len(part):  # the chunks line up only if each is scored whole
+                raise RuntimeError(f"trial {number}: re-scoring returned {len(new)} scores for {len(part)} prompts")
+            scores += new
+            key = f"{RESCORE_S}-{number}"
+            study.set_user_attr(key, study.user_attrs.get(key, 0.0) + time.monotonic() - started)
+            study.set_user_attr(f"rescores-{number}", scores)  # on the study: a finished trial cannot be written to
+    return rescores, confidence
+
+
+def best_rescored(rescores: dict[int, list[float]], configured: int | None) -> int | None:
+    """The searched trial with the best mean re-score (None: only the configured one was re-scored)."""
+    return max((n for n in rescores if n != configured), key=lambda n: statistics.fmean(rescores[n]), default=None)
+
+
+def compare(
+    rescores: dict[int, list[float]], pick: int, configured: int, confidence: float
+) -> tuple[bool, str, float, tuple[float, float]]:
+    """`paired_decision` on the prompts both trials were re-scored on."""
+    shared = min(len(rescores[pick]), len(rescores[configured]))
+    return paired_decision(rescores[pick][:shared], rescores[configured][:shared], pick, configured, confidence)
+
+
+def decided(rescores: dict[int, list[float]], configured: int, confidence: float) -> bool:
+    """Whether the best re-scored trial's difference from the configured one excludes zero, either way."""
+    pick = best_rescored(rescores, configured)
+    if pick is None or configured not in rescores:
+        return False
+    _, _, _, (low, high) = compare(rescores, pick, configured, confidence)
+    return low > 0 or high < 0
+
+
 def choose(
     study: optuna.Study,
     complete: list,
@@ -229,28 +297,15 @@ def choose(
     validation: Validation,
     score: Scorer | None,
 ) -> HPOResult:
-    """Re-score the top trials and the configured one on fresh prompts; the best of the re-scores replaces the
-    configured values only beyond the noise. `lora`: train.lora (`to_overrides`); `storage`: the study's URL."""
+    """Re-score the top trials and the configured one on fresh prompts (`rescore`); the best of the re-scores
+    replaces the configured values only beyond the noise. `lora`: train.lora (`to_overrides`); `storage`: the
+    study's URL."""
     configured = next((t for t in complete if t.user_attrs.get(CONFIGURED)), None)
     searched = sorted((t for t in complete if not t.user_attrs.get(CONFIGURED)), key=lambda t: t.value, reverse=True)
     contenders = searched[: hpo.rescore_top_k] + ([configured] if configured else [])
-    rescores: dict[int, list[float]] = {}
-    for t in contenders if score is not None else []:
-        key = f"rescores-{t.number}"  # on the study: a finished trial cannot be written to
-        cached = study.user_attrs.get(key)  # a resumed search does not score twice
-        if cached is None:
-            adapter = t.user_attrs.get("adapter_dir")
-            if not adapter or not Path(adapter).exists():
-                log.warning("trial %d: its adapter %s is gone; not re-scored", t.number, adapter)
-                continue
-            assert score is not None  # the loop runs only with a scorer
-            started = time.monotonic()
-            cached = score(adapter, validation.rescore)
-            study.set_user_attr(f"{RESCORE_S}-{t.number}", time.monotonic() - started)
-            study.set_user_attr(key, cached)
-        rescores[t.number] = cached
-    ranked = [t for t in searched if t.number in rescores] or searched[:1]
-    pick = max(ranked, key=lambda t: statistics.fmean(rescores.get(t.number, [t.value])), default=None)
+    rescores, confidence = rescore(study, contenders, configured, hpo, validation, score) if score else ({}, 0.95)
+    rescored = best_rescored(rescores, configured.number if configured else None)
+    pick = next((t for t in searched if t.number == rescored), searched[0] if searched else None)
     base: dict[str, Any] = {
         "study_name": study.study_name,
         "storage": redact(storage),
@@ -261,7 +316,7 @@ def choose(
             "needed": validation.needed,
             "available": validation.available,
             "select": validation.needed,  # at most: a sampled scoring stops at its target SE
-            "rescore": validation.needed,
+            "rescore": validation.needed,  # at most: the re-scoring stops once its decision is clear
             "rescored": {n: len(v) for n, v in rescores.items()},  # the prompts each re-scoring used
             "reward_sd": validation.reward_sd,
         },
@@ -303,11 +358,7 @@ def choose(
             decision=f"trial {pick.number} applied ({statistics.fmean(rescores.get(pick.number, [pick.value])):.3f}"
             f" on fresh prompts): {why}",
         )
-    # a sampled scoring stops at its own precision: the pair is compared on the prompts both were scored on
-    shared = min(len(rescores[pick.number]), len(rescores[configured.number]))
-    applied, decision, diff, ci = paired_decision(
-        rescores[pick.number][:shared], rescores[configured.number][:shared], pick.number, configured.number
-    )
+    applied, decision, diff, ci = compare(rescores, pick.number, configured.number, confidence)
     return HPOResult(
         **common,
         overrides=best_overrides if applied else {},

@@ -315,8 +315,14 @@ def _scored(tmp_path, plan):
 
     def score(adapter_dir, prompts):
         select, rescore = plan[int(adapter_dir.rsplit("-", 1)[1])]
-        return select if "select" in prompts.name else rescore
+        if "select" in prompts.name:
+            return select
+        start = int(prompts.stem.rsplit("-", 1)[1])  # a re-scoring chunk: val-rescore-from-<first prompt>
+        scored.append((int(adapter_dir.rsplit("-", 1)[1]), start))
+        return rescore[start : start + len(prompts.read_text().splitlines())]
 
+    scored: list[tuple[int, int]] = []  # (trial, first prompt) of each re-scoring call
+    score.calls = scored
     return run_one, score
 
 
@@ -342,20 +348,48 @@ def test_the_best_is_not_applied_when_it_does_not_beat_the_configured_values_bey
     assert result.rescored == {0: 0.5, 1: 0.5} and result.prompts["needed"] == 4
 
 
-def test_scorings_that_stopped_at_different_lengths_are_compared_on_the_prompts_both_scored(cfg, tmp_path, val8):
+def test_the_rescoring_stops_at_the_first_chunk_whose_decision_is_clear(cfg, tmp_path, val8):
     run_one, score = _scored(
         tmp_path,
         {
-            0: ([0, 0, 0, 0], [0, 0]),  # a scoring that reached its target SE after two prompts
-            1: ([1, 1, 1, 1], [1, 1, 0, 0]),  # ahead on the two prompts both scored, a wash on the other two
+            0: ([0, 0, 0, 0], [0, 0, 2, 2]),
+            1: ([1, 1, 1, 1], [2, 2, 0, 0]),  # ahead by 2 on both prompts of the first chunk: decided there
         },
     )
     result = run_search(
-        cfg(*GREEDY, "hpo.trials=2"), "m", val8, tmp_path, rewards=REWARDS, run_one=run_one, score=score
+        cfg(*GREEDY, "hpo.trials=2", "hpo.min_prompts=2"),
+        "m",
+        val8,
+        tmp_path,
+        rewards=REWARDS,
+        run_one=run_one,
+        score=score,
     )
-    assert result.difference == 1.0 and result.applied  # [1, 1] - [0, 0], not the four prompts' mean of 0.5
-    assert result.rescored == {0: 0.0, 1: 0.5} and result.prompts["rescored"] == {0: 2, 1: 4}
-    assert [t.prompts for t in result.trials] == [4, 4]
+    assert sorted(score.calls) == [(0, 0), (1, 0)]  # the second chunk, which would undo the lead, never scored
+    assert result.applied and result.difference == 2.0 and result.prompts["rescored"] == {0: 2, 1: 2}
+    assert "97.5 % CI" in result.decision  # two looks at the decision: each at half the 5 %
+
+
+def test_an_undecided_rescoring_goes_on_to_every_fresh_prompt_in_lockstep(cfg, tmp_path, val8):
+    run_one, score = _scored(
+        tmp_path,
+        {
+            0: ([0, 0, 0, 0], [0, 1, 0, 0]),
+            1: ([1, 1, 1, 1], [1, 0, 1, 1]),  # +1 then -1 on the first chunk: open, then ahead on average
+        },
+    )
+    result = run_search(
+        cfg(*GREEDY, "hpo.trials=2", "hpo.min_prompts=2"),
+        "m",
+        val8,
+        tmp_path,
+        rewards=REWARDS,
+        run_one=run_one,
+        score=score,
+    )
+    assert sorted(score.calls) == [(0, 0), (0, 2), (1, 0), (1, 2)]
+    assert result.prompts["rescored"] == {0: 4, 1: 4} and result.difference == 0.5
+    assert not result.applied  # +0.5 over four prompts, one of them against: within the noise
 
 
 def test_the_top_trials_are_rescored_on_fresh_prompts_and_the_best_there_is_applied(cfg, tmp_path, val8):
