@@ -84,10 +84,30 @@ def reset_peak_rss() -> bool:
         return False
 
 
+def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The CPU's model name (Linux), else what `platform` knows: two machines of one kind can differ in speed."""
+    try:
+        for line in cpuinfo.read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def stamp() -> dict:
-    """Where and when a result was measured, for the end of its JSON."""
+    """Where and when a result was measured, for the end of its JSON: the CPU's model and whether it computes
+    bf16 natively (AVX2-only machines emulate it ~50x slower), as the benchmarks page says for each figure."""
+    from grpo_pipeline.trainer.precision import cpu_has_native_bf16
+
     return {
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "cpu": cpu_model(),
+            "native_bf16": cpu_has_native_bf16(),
+            "python": platform.python_version(),
+        },
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
     }
 

@@ -221,3 +221,18 @@ def test_qlora_against_lora_is_judged_on_each_arms_gain_over_its_own_base(qlora_
     (row,) = lora_rows({"qlora_vs_lora": result}.get)
     assert row.benchmark.startswith("QLoRA (NF4) vs LoRA: gain over each one's own base")
     assert row.verdict == verdict, (row.ratio, row.spread)
+
+
+def test_a_results_machine_stamp_names_the_cpu_model_and_falls_back_where_cpuinfo_has_none(tmp_path):
+    import platform
+
+    from bench.harness import cpu_model, stamp
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 9R14 96-Core Processor\n")
+    assert cpu_model(info) == "AMD EPYC 9R14 96-Core Processor"
+    info.write_text("processor\t: 0\nFeatures\t: fp asimd\n")  # arm64 Linux: no model name line
+    fallback = platform.processor() or platform.machine()
+    assert cpu_model(info) == cpu_model(tmp_path / "absent") == fallback != ""
+    machine = stamp()["machine"]
+    assert isinstance(machine["native_bf16"], bool) and machine["cpu"] and machine["cpus"] >= 1
