@@ -348,46 +348,47 @@ def test_the_best_is_not_applied_when_it_does_not_beat_the_configured_values_bey
     assert result.rescored == {0: 0.5, 1: 0.5} and result.prompts["needed"] == 4
 
 
-def test_the_rescoring_stops_at_the_first_chunk_whose_decision_is_clear(cfg, tmp_path, val8):
-    run_one, score = _scored(
+def _rescored_two_at_a_time(cfg, tmp_path, val8, plan):
+    """A search of the control and one trial whose four fresh prompts are re-scored two at a time (two looks)."""
+    run_one, score = _scored(tmp_path, plan)
+    result = run_search(
+        cfg(*GREEDY, "hpo.trials=2", "hpo.min_prompts=2"),
+        "m",
+        val8,
         tmp_path,
+        rewards=REWARDS,
+        run_one=run_one,
+        score=score,
+    )
+    return result, sorted(score.calls)
+
+
+def test_the_rescoring_stops_at_the_first_chunk_whose_decision_is_clear(cfg, tmp_path, val8):
+    result, calls = _rescored_two_at_a_time(
+        cfg,
+        tmp_path,
+        val8,
         {
             0: ([0, 0, 0, 0], [0, 0, 2, 2]),
             1: ([1, 1, 1, 1], [2, 2, 0, 0]),  # ahead by 2 on both prompts of the first chunk: decided there
         },
     )
-    result = run_search(
-        cfg(*GREEDY, "hpo.trials=2", "hpo.min_prompts=2"),
-        "m",
-        val8,
-        tmp_path,
-        rewards=REWARDS,
-        run_one=run_one,
-        score=score,
-    )
-    assert sorted(score.calls) == [(0, 0), (1, 0)]  # the second chunk, which would undo the lead, never scored
+    assert calls == [(0, 0), (1, 0)]  # the second chunk, which would undo the lead, never scored
     assert result.applied and result.difference == 2.0 and result.prompts["rescored"] == {0: 2, 1: 2}
     assert "97.5 % CI" in result.decision  # two looks at the decision: each at half the 5 %
 
 
 def test_an_undecided_rescoring_goes_on_to_every_fresh_prompt_in_lockstep(cfg, tmp_path, val8):
-    run_one, score = _scored(
+    result, calls = _rescored_two_at_a_time(
+        cfg,
         tmp_path,
+        val8,
         {
             0: ([0, 0, 0, 0], [0, 1, 0, 0]),
             1: ([1, 1, 1, 1], [1, 0, 1, 1]),  # +1 then -1 on the first chunk: open, then ahead on average
         },
     )
-    result = run_search(
-        cfg(*GREEDY, "hpo.trials=2", "hpo.min_prompts=2"),
-        "m",
-        val8,
-        tmp_path,
-        rewards=REWARDS,
-        run_one=run_one,
-        score=score,
-    )
-    assert sorted(score.calls) == [(0, 0), (0, 2), (1, 0), (1, 2)]
+    assert calls == [(0, 0), (0, 2), (1, 0), (1, 2)]
     assert result.prompts["rescored"] == {0: 4, 1: 4} and result.difference == 0.5
     assert not result.applied  # +0.5 over four prompts, one of them against: within the noise
 
