@@ -175,7 +175,8 @@ class HPOConfig(StrictModel):
         ge=2,
         description="trial_score=sampled: the fewest prompts a scoring uses before its measured standard error "
         "may stop it, and the chunk it grows by (a standard deviation from fewer prompts is itself too noisy to "
-        "trust); every scorer: the chunk the re-scoring of the top trials grows by until its decision is clear",
+        "trust); every scorer: the fresh prompts after which the re-scoring of the top trials first looks at its "
+        "decision (then each time they double, until it is clear)",
     )
     reward_sd: float | None = Field(
         None,

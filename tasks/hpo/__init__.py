@@ -10,10 +10,10 @@ the noise.
   rewards in [0, 1], half the weights' span) give n = (sd / se)^2; the stage logs n and fails (a `ConfigError`, exit 2)
   naming it when the val split holds fewer than 2n (n to select, n fresh ones to re-score).
 - **No winner's curse.** The top `hpo.rescore_top_k` trials and the configured values' trial are scored again
-  on up to n prompts no selection saw, `hpo.min_prompts` at a time and all on the same prompts; the best of
-  those re-scores is compared with the configured trial, paired per prompt (a t interval,
-  `scipy.stats.ttest_rel`, at a Bonferroni share of the 5 % per look), and the re-scoring stops as soon as the
-  interval excludes zero. Only when it lies above zero are the best trial's values applied; otherwise the
+  on up to n prompts no selection saw, all on the same prompts, looking after `hpo.min_prompts` and each
+  time they double; the best of those re-scores is compared with the configured trial, paired per prompt (a t
+  interval, `scipy.stats.ttest_rel`, at a Bonferroni share of the 5 % per look), and the re-scoring stops as
+  soon as the interval excludes zero. Only when it lies above zero are the best trial's values applied; otherwise the
   configured values stay and the result says so (`applied`, `decision`).
 - **Multi-fidelity.** Trials run up to `hpo.steps`, with a rung check every `hpo.eval_every` steps (the
   trainer's sampled validation reward on the first `hpo.rung_prompts` scoring prompts, as a tagged line

@@ -8,8 +8,8 @@ import json
 import logging
 import math
 import statistics
-from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 from pydantic import BaseModel
 
@@ -24,8 +24,12 @@ from grpo_pipeline.configs.schema import (
 log = logging.getLogger(__name__)
 
 
-# Scores an adapter on a JSONL prompt file: one weighted total per prompt (`greedy_scorer`, `sampled_scorer`).
-Scorer = Callable[[str, Path], list[float]]
+class Scorer(Protocol):
+    """Scores an adapter on a JSONL prompt file: one weighted total per prompt (`greedy_scorer`, `sampled_scorer`).
+    `whole`: every prompt of the file (the re-scoring's looks line up only so); otherwise a sampled scoring may
+    stop once it is precise enough."""
+
+    def __call__(self, adapter_dir: str, prompts: Path, whole: bool = False) -> list[float]: ...
 
 
 class Validation(BaseModel):
@@ -132,7 +136,7 @@ def greedy_scorer(model: ModelConfig, evaluate: EvalConfig, rewards: RewardSet, 
     """Scores an adapter greedily on a prompt file by the training's weighted total (`RewardSet.total`, through
     `grpo_pipeline.tasks.evaluate.evaluate_model`): the search ranks trials by what training optimises and promotion compares."""
 
-    def score(adapter_dir: str, prompts: Path) -> list[float]:
+    def score(adapter_dir: str, prompts: Path, whole: bool = False) -> list[float]:  # always whole
         from grpo_pipeline.tasks.evaluate import evaluate_model
 
         result = evaluate_model(
@@ -175,7 +179,7 @@ def sampled_scorer(
     whose per-prompt SD is half the worst case needs a quarter of the prompts. Every scoring reads the same
     prompts in the same order, so two scores share the shorter one's prompts."""
 
-    def score(adapter_dir: str, prompts: Path) -> list[float]:
+    def score(adapter_dir: str, prompts: Path, whole: bool = False) -> list[float]:
         from grpo_pipeline.tasks.evaluate import sampled_means
 
         return sampled_means(
@@ -185,7 +189,9 @@ def sampled_scorer(
             rewards,
             evaluate.model_copy(update={"samples_k": hpo.trial_samples}),
             adapter_dir,
-            enough=functools.partial(
+            enough=None
+            if whole
+            else functools.partial(
                 precise_enough, target_standard_error=hpo.target_standard_error, min_prompts=hpo.min_prompts
             ),
             chunk=hpo.min_prompts,

@@ -6,7 +6,6 @@ import contextlib
 import contextvars
 import json
 import logging
-import math
 import statistics
 import time
 import warnings
@@ -222,11 +221,27 @@ def search(
     return result
 
 
+def look_ends(prompts: int, first: int) -> list[int]:
+    """After how many fresh prompts the re-scoring looks at its decision: `first`, then each time the count has
+    doubled, and at the end. Doubling keeps the looks (and each contender's model loads) to a logarithm of the
+    prompts: 400 prompts are 6 looks, where 16 at a time would be 25, each at a 25th of the 5 %.
+
+    >>> look_ends(45, 16), look_ends(400, 16), look_ends(10, 16)
+    ([16, 32, 45], [16, 32, 64, 128, 256, 400], [10])
+    """
+    ends = []
+    while first < prompts:
+        ends.append(first)
+        first *= 2
+    return [*ends, prompts]
+
+
 def rescore(
     study: optuna.Study, contenders: list, configured: Any, hpo: HPOConfig, validation: Validation, score: Scorer
 ) -> tuple[dict[int, list[float]], float]:
-    """Score the contenders again on the fresh prompts, `hpo.min_prompts` at a time and all of them on the same
-    prompts, until the best of them and the configured trial differ beyond the noise or the prompts run out;
+    """Score the contenders again on the fresh prompts, all of them on the same prompts, looking at the decision
+    after `hpo.min_prompts`, then each time the count doubles (`look_ends`), until the best of them and the
+    configured trial differ beyond the noise or the prompts run out;
     returns each trial's per-prompt re-scores and the confidence the decision is taken at.
 
     Each trial's own SE stops a selection scoring, but this decision rests on a difference, which can be much
@@ -236,8 +251,8 @@ def rescore(
     from grpo_pipeline.tasks.evaluate import read_jsonl
 
     rows = read_jsonl(validation.rescore)
-    chunk = hpo.min_prompts
-    confidence = 1 - 0.05 / max(1, math.ceil(len(rows) / chunk))
+    ends = look_ends(len(rows), hpo.min_prompts)
+    confidence = 1 - 0.05 / len(ends)
     adapters = {t.number: t.user_attrs.get("adapter_dir") for t in contenders}
     rescores: dict[int, list[float]] = {}
     for number, adapter in adapters.items():
@@ -249,14 +264,14 @@ def rescore(
     while rescores and (done := min(map(len, rescores.values()))) < len(rows):
         if done and configured is not None and decided(rescores, configured.number, confidence):
             break
-        part = rows[done : done + chunk]
+        part = rows[done : next(end for end in ends if end > done)]
         path = validation.rescore.with_name(f"{validation.rescore.stem}-from-{done}.jsonl")
         path.write_text("".join(json.dumps(r) + "\n" for r in part))
         for number, scores in rescores.items():
             if len(scores) > done:  # scored further by an earlier, resumed search
                 continue
             started = time.monotonic()
-            new = score(adapters[number], path)
+            new = score(adapters[number], path, whole=True)
             if len(new) != len(part):  # the chunks line up only if each is scored whole
                 raise RuntimeError(f"trial {number}: re-scoring returned {len(new)} scores for {len(part)} prompts")
             scores += new

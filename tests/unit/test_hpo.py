@@ -313,11 +313,12 @@ def _scored(tmp_path, plan):
         adapter.mkdir(exist_ok=True)
         return TrialOutcome(value=0.0, steps=job.hpo.steps, adapter_dir=str(adapter))
 
-    def score(adapter_dir, prompts):
+    def score(adapter_dir, prompts, whole=False):
         select, rescore = plan[int(adapter_dir.rsplit("-", 1)[1])]
         if "select" in prompts.name:
             return select
-        start = int(prompts.stem.rsplit("-", 1)[1])  # a re-scoring chunk: val-rescore-from-<first prompt>
+        assert whole  # a re-scoring that stopped inside a look would leave the contenders' prompts unaligned
+        start = int(prompts.stem.rsplit("-", 1)[1])  # a re-scoring look: val-rescore-from-<first prompt>
         scored.append((int(adapter_dir.rsplit("-", 1)[1]), start))
         return rescore[start : start + len(prompts.read_text().splitlines())]
 
