@@ -247,7 +247,7 @@ def rescore(
     Each trial's own SE stops a selection scoring, but this decision rests on a difference, which can be much
     smaller than either SE: on GSM8K, 16 prompts left a 95 % interval of +-0.25 around a 0.1 gap. Several
     looks at one decision: each is taken at a Bonferroni share of the 5 %, so deciding early is as sure as
-    deciding at the end. Each chunk's re-scores are kept on the study: a resumed search scores no chunk twice."""
+    deciding at the end. Each look's re-scores are kept on the study: a resumed search scores no look twice."""
     from grpo_pipeline.tasks.evaluate import read_jsonl
 
     rows = read_jsonl(validation.rescore)
@@ -256,11 +256,11 @@ def rescore(
     adapters = {t.number: t.user_attrs.get("adapter_dir") for t in contenders}
     rescores: dict[int, list[float]] = {}
     for number, adapter in adapters.items():
-        cached = study.user_attrs.get(f"rescores-{number}")
-        if cached is None and not (adapter and Path(adapter).exists()):
+        cached = list(study.user_attrs.get(f"rescores-{number}", []))
+        if len(cached) < len(rows) and not (adapter and Path(adapter).exists()):  # it cannot be scored further
             log.warning("trial %d: its adapter %s is gone; not re-scored", number, adapter)
             continue
-        rescores[number] = list(cached or [])
+        rescores[number] = cached
     while rescores and (done := min(map(len, rescores.values()))) < len(rows):
         if done and configured is not None and decided(rescores, configured.number, confidence):
             break

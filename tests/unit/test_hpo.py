@@ -394,6 +394,25 @@ def test_an_undecided_rescoring_goes_on_to_every_fresh_prompt_in_lockstep(cfg, t
     assert not result.applied  # +0.5 over four prompts, one of them against: within the noise
 
 
+def test_a_rescoring_killed_between_looks_resumes_at_the_look_it_lost(cfg, tmp_path, val8):
+    """The re-scores are kept on the study look by look: the rerun scores only what the kill lost."""
+    plan = {0: ([0, 0, 0, 0], [0, 1, 0, 0]), 1: ([1, 1, 1, 1], [1, 0, 1, 1])}  # undecided after the first look
+    run_one, score = _scored(tmp_path, plan)
+
+    def killed_at_the_controls_second_look(adapter_dir, prompts, whole=False):
+        if adapter_dir.endswith("-0") and prompts.name.endswith("-from-2.jsonl"):
+            raise KeyboardInterrupt
+        return score(adapter_dir, prompts, whole)
+
+    c = cfg(*GREEDY, "hpo.trials=2", "hpo.min_prompts=2")
+    with pytest.raises(KeyboardInterrupt):
+        run_search(c, "m", val8, tmp_path, rewards=REWARDS, run_one=run_one, score=killed_at_the_controls_second_look)
+    score.calls.clear()
+    result = run_search(c, "m", val8, tmp_path, rewards=REWARDS, run_one=run_one, score=score)
+    assert score.calls == [(0, 2)]  # trial 1's second look and both first looks were kept
+    assert result.prompts["rescored"] == {0: 4, 1: 4} and result.difference == 0.5
+
+
 def test_the_top_trials_are_rescored_on_fresh_prompts_and_the_best_there_is_applied(cfg, tmp_path, val8):
     run_one, score = _scored(
         tmp_path,
