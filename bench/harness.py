@@ -86,14 +86,9 @@ def reset_peak_rss() -> bool:
 
 def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
     """The CPU's model name (Linux), else what `platform` knows: two machines of one kind can differ in speed."""
-    try:
-        for line in cpuinfo.read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                return value.strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    from grpo_pipeline.trainer.precision import cpuinfo_value
+
+    return cpuinfo_value(("model name",), cpuinfo) or platform.processor() or platform.machine()
 
 
 def stamp() -> dict:

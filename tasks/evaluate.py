@@ -56,6 +56,12 @@ def read_jsonl(path: Path) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    """One dict per line, as `read_jsonl` reads them back (JSON's ASCII escapes: no line ends inside a row)."""
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
 def last_user_message(prompt: str | list[dict]) -> str:
     """The last user message of a chat prompt (what the row asks, as the report shows it), or the prompt itself.
     Not what a model is given: `render` writes that (`grpo_pipeline.tasks.chat_prompts`, the served model's renderer too).

@@ -19,17 +19,24 @@ from pathlib import Path
 BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 
 
-def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
-    """The instruction-set flags of this machine's CPU (Linux); empty where they cannot be read."""
+def cpuinfo_value(keys: Iterable[str], cpuinfo: Path = Path("/proc/cpuinfo")) -> str | None:
+    """The value of the first line of the CPU's description (Linux) whose key is one of `keys`; None where there
+    is none or it cannot be read."""
     try:
         text = cpuinfo.read_text()
     except OSError:
-        return frozenset()
+        return None
+    wanted = set(keys)
     for line in text.splitlines():
         key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):  # x86 / arm64
-            return frozenset(value.split())
-    return frozenset()
+        if key.strip() in wanted:
+            return value.strip()
+    return None
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+    """The instruction-set flags of this machine's CPU (Linux); empty where they cannot be read."""
+    return frozenset((cpuinfo_value(("flags", "Features"), cpuinfo) or "").split())  # x86 / arm64
 
 
 def cpu_has_native_bf16(flags: Iterable[str] | None = None) -> bool:

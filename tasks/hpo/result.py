@@ -34,7 +34,7 @@ class HPOResult(BaseModel):
     configured_trial: int | None = None
     rescored: dict[int, float] = {}  # trial -> mean greedy reward on the fresh prompts
     difference: float | None = None  # best - configured on the fresh prompts
-    difference_ci: tuple[float, float] | None = None  # 95 % paired t interval
+    difference_ci: tuple[float, float] | None = None  # paired t interval, 95 % shared among the re-scoring's looks
     prompts: dict[str, Any] = {}  # needed, available, select, rescore (at most), rescored (used), reward_sd
     steps_spent: int = 0  # trial GRPO steps, every trial of the study
     seconds: dict[str, float] = {}  # study, rescoring (wall); trial_runs_summed, scoring_summed (`seconds_spent`)

@@ -4,7 +4,6 @@ the greedy and sampled scorers, and the paired decision against the configured v
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import math
 import statistics
@@ -66,7 +65,7 @@ class NotEnoughPrompts(ConfigError):
 def prepare_validation(hpo: HPOConfig, rewards: RewardSet, val_file: Path | None, out_dir: Path) -> Validation:
     """Split the val split into the selection and re-scoring prompt sets (and the rung subset), after checking
     that it holds enough prompts for `hpo.target_standard_error` on `rewards`' weighted total."""
-    from grpo_pipeline.tasks.evaluate import read_jsonl
+    from grpo_pipeline.tasks.evaluate import read_jsonl, write_jsonl
 
     needed, sd = prompts_needed(hpo, rewards)
     rows = read_jsonl(Path(val_file)) if val_file and Path(val_file).is_file() else []
@@ -87,7 +86,7 @@ def prepare_validation(hpo: HPOConfig, rewards: RewardSet, val_file: Path | None
         "rungs": rows[: min(hpo.rung_prompts, needed) or hpo.rung_prompts],
     }
     for name, part in files.items():
-        (out_dir / f"val-{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
+        write_jsonl(out_dir / f"val-{name}.jsonl", part)
     log.info(
         "validation: %d prompts per scoring for a standard error of %g (per-prompt SD %g); %d available",
         needed,

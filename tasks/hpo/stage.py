@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import json
 import logging
 import statistics
 import time
@@ -248,7 +247,7 @@ def rescore(
     smaller than either SE: on GSM8K, 16 prompts left a 95 % interval of +-0.25 around a 0.1 gap. Several
     looks at one decision: each is taken at a Bonferroni share of the 5 %, so deciding early is as sure as
     deciding at the end. Each look's re-scores are kept on the study: a resumed search scores no look twice."""
-    from grpo_pipeline.tasks.evaluate import read_jsonl
+    from grpo_pipeline.tasks.evaluate import read_jsonl, write_jsonl
 
     rows = read_jsonl(validation.rescore)
     ends = look_ends(len(rows), hpo.min_prompts)
@@ -265,8 +264,7 @@ def rescore(
         if done and configured is not None and decided(rescores, configured.number, confidence):
             break
         part = rows[done : next(end for end in ends if end > done)]
-        path = validation.rescore.with_name(f"{validation.rescore.stem}-from-{done}.jsonl")
-        path.write_text("".join(json.dumps(r) + "\n" for r in part))
+        path = write_jsonl(validation.rescore.with_name(f"{validation.rescore.stem}-from-{done}.jsonl"), part)
         for number, scores in rescores.items():
             if len(scores) > done:  # scored further by an earlier, resumed search
                 continue
