@@ -115,43 +115,49 @@ class TrainConfig(StrictModel):
     early_stopping_patience: int | None = Field(
         None, ge=1, description="stop after this many evaluations without a better validation reward"
     )
+    # The step's cuts (trainer/step.py): each computes what TRL's path computes. Unset (auto): on where it can apply,
+    # TRL's path silently where it cannot; true: on, with one warning naming the setting and why where it cannot;
+    # false: TRL's path.
     merged_generation: bool | None = Field(
         None,
         description="sample completions from the LoRA adapter merged into a copy of the base weights (exact: the "
         "base is put back bit for bit; the loss's forward and backward stay unmerged); unset: on where the node "
         "has no GPU (a cheaper decode step there, bench.step_profile), off on GPU nodes (the merged copy costs "
-        "the adapted weights' memory again while generating). Falls back with a warning on a quantized base "
-        "or a LoRA variant (trainer/generation.py)",
+        "the adapted weights' memory again while generating). Cannot apply to a quantized base, a LoRA variant or "
+        "bias, a LoRA dropout above 0 (TRL samples in train mode), vLLM or sharded weights: there it samples from "
+        "the unmerged adapter, with a warning if set to true (trainer/generation.py)",
     )
-    prefill_once: bool = Field(
-        True,
+    prefill_once: bool | None = Field(
+        None,
         description="prefill each distinct prompt once and share its KV cache with the rows that repeat it (TRL "
         "repeats each prompt num_generations times before generate, which prefills every copy); the same decode "
-        "batch and sampling draws, so the same completions, log-probs equal to float rounding: on by default for "
-        "that reason. Falls back with a warning where it cannot be exact: a static or quantized cache, beam "
-        "search, assisted or vLLM generation, dropout while sampling (trainer/generation.py)",
+        "batch and sampling draws, so the same completions, log-probs equal to float rounding. Unset: on where it "
+        "can apply; it cannot with a static or quantized cache, beam search, assisted or vLLM generation, dropout "
+        "while sampling: there generate prefills every row, with a warning if set to true (trainer/generation.py)",
     )
-    share_prompt_forward: bool = Field(
-        True,
+    share_prompt_forward: bool | None = Field(
+        None,
         description="the loss's forward and backward run each distinct prompt once and share its keys and values "
         "with the rows that repeat it (TRL runs every copy: num_generations per prompt); the same log-probs, loss "
-        "and gradients to float rounding. Falls back with a warning where it cannot be exact: gradient "
-        "checkpointing, dropout in train mode, DDP/FSDP wrappers, multimodal inputs (trainer/shared_prompt.py)",
+        "and gradients to float rounding. Unset: on where it can apply; it cannot with gradient checkpointing, "
+        "dropout in train mode, DDP/FSDP wrappers, multimodal inputs: there every row runs, with a warning if set "
+        "to true (trainer/shared_prompt.py)",
     )
-    compact_lm_head: bool = Field(
-        True,
+    compact_lm_head: bool | None = Field(
+        None,
         description="on a CPU node, TRL's fused LM head projects only the completion's positions onto the vocabulary, "
         "as it does on GPUs (same log-probs and loss; TRL's CPU path projects the prompt's positions too and drops "
-        "them; trainer/lm_head.py)",
+        "them). Unset: on where this TRL has the compact branch, with a warning if set to true and it has not "
+        "(trainer/lm_head.py)",
     )
-    skip_zero_advantage: bool = Field(
-        True,
+    skip_zero_advantage: bool | None = Field(
+        None,
         description="a training batch whose advantages are all zero (every group's completions scored alike) runs "
         "no loss forward or backward: its gradient is zero, given to every trainable weight as TRL's backward would "
         "give it, so the optimizer steps as before (exact; the demo's zero-variance batches are a third to a half "
-        "of its steps). Falls back with a warning where a zero advantage still has a gradient or skipping cannot "
-        "be exact: beta > 0 (KL), an entropy bonus, a MoE auxiliary loss, Liger's loss, several processes "
-        "(trainer/zero_advantage.py)",
+        "of its steps). Unset: on where it can apply; it cannot where a zero advantage still has a gradient or "
+        "skipping cannot be exact (beta > 0, an entropy bonus, a MoE auxiliary loss, Liger's loss, several "
+        "processes): there every batch runs the loss, with a warning if set to true (trainer/zero_advantage.py)",
     )
     cpu_threads: int | None = Field(
         None,

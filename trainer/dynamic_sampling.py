@@ -3,8 +3,8 @@ the same reward has zero advantage and teaches nothing, so each generation makes
 trains on and keeps the ones whose rewards differ.
 
 TRL 1.16 has no such option, and the curriculum (`grpo_pipeline.trainer.sampling`) cannot help a run that draws
-each prompt about once (it learns from a prompt's earlier groups). So `trainer_class(base)` wraps TRL's
-`_generate_and_score_completions` in training mode: the local generation batch (whole groups of
+each prompt about once (it learns from a prompt's earlier groups). So `DynamicSampling` stands in for TRL's
+`_generate_and_score_completions` in training mode (`grpo_pipeline.trainer.step` calls it): the local generation batch (whole groups of
 `num_generations` consecutive rows: `grpo_pipeline.configs.train.dynamic_sampling_problem` requires it on every
 process) is extended with `extra_groups` whole groups drawn from the training data, TRL generates and scores
 them all in one batched call, and `choose_groups` keeps exactly the original number of groups: the ones with
@@ -20,7 +20,12 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 from typing import Any
+
+import torch
+from datasets import IterableDataset
+from trl.trainer.utils import nanstd
 
 from grpo_pipeline.configs.sampling import DynamicSamplingConfig
 
@@ -79,86 +84,77 @@ def informative_groups(rewards: Any, num_generations: int) -> list[bool]:  # Any
     >>> informative_groups(torch.tensor([1.0, 1.0, 0.0, 1.0, float("nan"), float("nan")]), 2)
     [False, True, False]
     """
-    import torch
-    from trl.trainer.utils import nanstd
-
     std = nanstd(rewards.view(-1, num_generations), dim=1)
     flat = torch.isclose(std, torch.zeros_like(std)) | ~torch.isfinite(std)
     return (~flat).tolist()
 
 
-def trainer_class(base: type) -> type:
-    """`base` (TRL's GRPOTrainer or the curriculum's subclass) with dynamic sampling (pass
-    `dynamic_sampling=DynamicSamplingConfig`)."""
-    from datasets import IterableDataset
+class DynamicSampling:
+    """The cut `train.dynamic_sampling` of a trainer (TRL's GRPOTrainer): in place of `_generate_and_score_completions`
+    in training, more groups generated and the informative kept (`generate_and_score`); it reads the rewards TRL
+    computed for them (`record`, from `_calculate_rewards`). Refuses (ValueError) what it cannot cut: a streamed
+    dataset, a process's batch that is not whole groups."""
 
-    class DynamicSamplingTrainer(base):
-        def __init__(self, *args: Any, dynamic_sampling: DynamicSamplingConfig, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            if isinstance(self.train_dataset, IterableDataset):
-                raise ValueError(
-                    "train.dynamic_sampling needs a map-style training dataset (it draws extra prompts by index); "
-                    "set train.dynamic_sampling.enabled=false for a streamed one"
-                )
-            local = self.args.per_device_train_batch_size * self.args.steps_per_generation
-            if local % self.num_generations:
-                raise ValueError(
-                    f"train.dynamic_sampling needs whole groups on each process: {local} completions per process "
-                    f"is not a multiple of num_generations ({self.num_generations})"
-                )
-            self.dynamic_sampling = dynamic_sampling
-            self._rewards_seen: Any = None
-
-        def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-            rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-            self._rewards_seen = rewards_per_func  # every rank's rows, rank by rank (TRL gathers them)
-            return rewards_per_func
-
-        def _generate_and_score_completions(self, inputs):
-            if not self.model.training:
-                return super()._generate_and_score_completions(inputs)
-            g = self.num_generations
-            rows = len(inputs)
-            groups = rows // g
-            extra = extra_groups(groups, self.dynamic_sampling.oversample)
-            data = self.train_dataset
-            picks = extra_prompts(
-                len(data), extra, self.args.seed, self.accelerator.process_index, self.state.global_step
+    def __init__(self, trainer: Any, settings: DynamicSamplingConfig) -> None:
+        if isinstance(trainer.train_dataset, IterableDataset):
+            raise ValueError(
+                "train.dynamic_sampling needs a map-style training dataset (it draws extra prompts by index); "
+                "set train.dynamic_sampling.enabled=false for a streamed one"
             )
-            extended = list(inputs) + [dict(data[i]) for i in picks for _ in range(g)]
-            output = super()._generate_and_score_completions(extended)
-            if present := [k for k in _IMAGE_KEYS if k in output]:
-                raise ValueError(f"train.dynamic_sampling handles text batches only (TRL returned {present})")
+        local = trainer.args.per_device_train_batch_size * trainer.args.steps_per_generation
+        if local % trainer.num_generations:
+            raise ValueError(
+                f"train.dynamic_sampling needs whole groups on each process: {local} completions per process "
+                f"is not a multiple of num_generations ({trainer.num_generations})"
+            )
+        self.settings = settings
+        self._rewards_seen: Any = None
 
-            import torch
+    def record(self, rewards_per_func: Any) -> None:
+        """The rewards TRL just computed: every rank's rows, rank by rank (TRL gathers them)."""
+        self._rewards_seen = rewards_per_func
 
-            weights = self.reward_weights.to(self._rewards_seen.device).unsqueeze(0)
-            rewards = (self._rewards_seen * weights).nansum(dim=1)
-            rewards[torch.isnan(self._rewards_seen).all(dim=1)] = torch.nan
-            per_rank = len(extended) // g  # every rank generated as many groups, so each rank's choice is known
-            informative = informative_groups(rewards, g)
-            kept_flat = 0
-            mine: list[int] = []
-            for rank in range(len(informative) // per_rank):
-                verdicts = informative[rank * per_rank : (rank + 1) * per_rank]
-                chosen = choose_groups(verdicts, groups)
-                kept_flat += sum(not verdicts[i] for i in chosen)
-                if rank == self.accelerator.process_index:
-                    mine = chosen
-            index = torch.tensor([i * g + j for i in mine for j in range(g)], device=output["prompt_ids"].device)
-            total = len(extended)
-            for key, value in list(output.items()):
-                if isinstance(value, torch.Tensor) and value.dim() > 0 and value.size(0) == total:
-                    output[key] = value.index_select(0, index)
-            mask = output["completion_mask"]
-            if "tool_mask" in output:
-                mask = mask * output["tool_mask"]
-            output["num_items_in_batch"] = self.accelerator.gather(mask.sum()).sum()
-            metrics = self._metrics["train"]
-            metrics["dynamic_sampling/generated_groups"].append(float(len(informative)))
-            metrics["dynamic_sampling/informative_groups"].append(float(sum(informative)))
-            trained = groups * (len(informative) // per_rank)
-            metrics["dynamic_sampling/trained_zero_std"].append(kept_flat / trained)
-            return output
+    def generate_and_score(self, trainer: Any, plain: Callable[[list], dict], inputs: list) -> dict:
+        """What TRL's `_generate_and_score_completions` (bound: `plain`) returns for `inputs` in training, cut to the
+        chosen groups; evaluation generates what it is given."""
+        if not trainer.model.training:
+            return plain(inputs)
+        g = trainer.num_generations
+        groups = len(inputs) // g
+        extra = extra_groups(groups, self.settings.oversample)
+        data = trainer.train_dataset
+        rank = trainer.accelerator.process_index
+        picks = extra_prompts(len(data), extra, trainer.args.seed, rank, trainer.state.global_step)
+        extended = list(inputs) + [dict(data[i]) for i in picks for _ in range(g)]
+        output = plain(extended)
+        if present := [k for k in _IMAGE_KEYS if k in output]:
+            raise ValueError(f"train.dynamic_sampling handles text batches only (TRL returned {present})")
 
-    return DynamicSamplingTrainer
+        weights = trainer.reward_weights.to(self._rewards_seen.device).unsqueeze(0)
+        rewards = (self._rewards_seen * weights).nansum(dim=1)
+        rewards[torch.isnan(self._rewards_seen).all(dim=1)] = torch.nan
+        per_rank = len(extended) // g  # every rank generated as many groups, so each rank's choice is known
+        informative = informative_groups(rewards, g)
+        kept_flat = 0
+        mine: list[int] = []
+        for other in range(len(informative) // per_rank):
+            verdicts = informative[other * per_rank : (other + 1) * per_rank]
+            chosen = choose_groups(verdicts, groups)
+            kept_flat += sum(not verdicts[i] for i in chosen)
+            if other == rank:
+                mine = chosen
+        index = torch.tensor([i * g + j for i in mine for j in range(g)], device=output["prompt_ids"].device)
+        total = len(extended)
+        for key, value in list(output.items()):
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.size(0) == total:
+                output[key] = value.index_select(0, index)
+        mask = output["completion_mask"]
+        if "tool_mask" in output:
+            mask = mask * output["tool_mask"]
+        output["num_items_in_batch"] = trainer.accelerator.gather(mask.sum()).sum()
+        metrics = trainer._metrics["train"]
+        metrics["dynamic_sampling/generated_groups"].append(float(len(informative)))
+        metrics["dynamic_sampling/informative_groups"].append(float(sum(informative)))
+        trained = groups * (len(informative) // per_rank)
+        metrics["dynamic_sampling/trained_zero_std"].append(kept_flat / trained)
+        return output

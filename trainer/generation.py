@@ -17,9 +17,10 @@ precision the sampling pass autocasts as the loss's forward does, from a merged 
 
 Only where it can run exactly: vanilla LoRA on full-precision `torch.nn.Linear` layers. A quantized base (merging
 into NF4/int8 weights would requantize them), DoRA or another variant, a LoRA bias, or a model without an adapter
-falls back to the unmerged generation with one warning naming the setting; so do LoRA dropout active while
-sampling (TRL samples in train mode) and weights FSDP or DeepSpeed shard.
-With vLLM generating, there is nothing to merge here.
+falls back to the unmerged generation; so do a LoRA dropout above 0 (TRL samples in train mode, where the
+unmerged adapter drops part of its input) and weights FSDP or DeepSpeed shard. With vLLM generating, there is
+nothing to merge here. The fallback warns once, naming the setting and why, where the setting asked for the cut
+(`true`); unset, it is silent (`grpo_pipeline.trainer.cuts.Switch`).
 
 **Prefill once** (`train.prefill_once`): TRL repeats each prompt `num_generations` times before it calls HF
 `generate`, whose prefill then runs the same prompt through the model once per row (16 rows for 2 distinct prompts
@@ -31,9 +32,9 @@ attention mask) and its sampling draws are those of the plain call, so the compl
 log-probs equal to float rounding (the prompt's keys and values come from a smaller batch, the first new token's
 logits from a one-token step).
 
-It falls back to the plain `generate` (one warning naming the setting) where it cannot be exact or is not
-understood: an encoder-decoder, a model whose cache is not plain full-attention `DynamicCache` layers (sliding
-window, linear attention), `cache_implementation` set (static, offloaded, quantized), beam search, assisted
+It falls back to the plain `generate` (one warning naming the setting where it was asked for, as above) where it
+cannot be exact or is not understood: an encoder-decoder, a model whose cache is not plain full-attention
+`DynamicCache` layers (sliding window, linear attention), `cache_implementation` set (static, offloaded, quantized), beam search, assisted
 generation, several sequences per prompt, inputs other than `input_ids`/`attention_mask` (multimodal), prompts not
 left-padded, dropout active while sampling (it would draw different masks), prompt learning adapters, vLLM or
 transformers' continuous batching, FSDP / DeepSpeed sharding. A batch without a repeated prompt runs the plain call
@@ -42,10 +43,21 @@ silently: there is nothing to share.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
+
+import torch
+from peft import PeftModel
+from peft.tuners.lora import LoraLayer
+from peft.tuners.lora.layer import Linear as LoraLinear
+from transformers import GenerationMixin
+from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.generation.configuration_utils import GenerationMode
+
+from grpo_pipeline.trainer.cuts import Switch
 
 log = logging.getLogger(__name__)
 SETTING = "train.merged_generation"
@@ -68,11 +80,6 @@ def merge_blocker(model: Any) -> str | None:
     >>> merge_blocker(torch.nn.Linear(2, 2))
     'the model has no PEFT adapter'
     """
-    import torch
-    from peft import PeftModel
-    from peft.tuners.lora import LoraLayer
-    from peft.tuners.lora.layer import Linear as LoraLinear
-
     if not isinstance(model, PeftModel):
         return "the model has no PEFT adapter"
     if getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False):
@@ -100,6 +107,24 @@ def merge_blocker(model: Any) -> str | None:
     return None
 
 
+def lora_dropout(model: Any) -> float:
+    """The largest LoRA dropout probability among `model`'s active adapters, train mode or not (0.0: none).
+
+    >>> lora_dropout(torch.nn.Linear(2, 2))
+    0.0
+    """
+    return max(
+        (
+            layer.lora_dropout[name].p
+            for layer in model.modules()
+            if isinstance(layer, LoraLayer)
+            for name in layer.active_adapters
+            if isinstance(layer.lora_dropout[name], torch.nn.Dropout)
+        ),
+        default=0.0,
+    )
+
+
 @contextmanager
 def merged_adapter(model: Any, cast_to: Any = None) -> Iterator[None]:
     """Inside: `model` (a PeftModel whose `merge_blocker` is None) computes with `W + s·BA` in its base linears and
@@ -109,9 +134,6 @@ def merged_adapter(model: Any, cast_to: Any = None) -> Iterator[None]:
     casts a frozen float32 weight again at every forward (it caches only the casts of weights that train), so a
     generation call cast all of them once per new token; with `cast_to` the merged weights, and the other frozen
     linears' (the LM head), are made in that dtype once for the call: the values autocast would have made."""
-    import torch
-    from peft.tuners.lora import LoraLayer
-
     swapped: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
     rebound: list[tuple[torch.nn.Module, torch.nn.Parameter]] = []
     try:
@@ -148,42 +170,51 @@ def merged_adapter(model: Any, cast_to: Any = None) -> Iterator[None]:
 AUTOCAST_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}  # accelerate's mixed_precision -> the autocast dtype
 
 
-def trainer_class(base: type) -> type:
-    """`base` (TRL's GRPOTrainer or one of the project's subclasses) generating from merged LoRA weights where
-    `merge_blocker` allows; elsewhere it generates as `base` does, after one warning naming `SETTING`."""
+class MergedGeneration:
+    """The cut `train.merged_generation` (`Switch`), around each sampling call of a trainer (TRL's GRPOTrainer): it
+    decides once, at the first call, whether `merge_blocker` and the trainer allow it; where they do not, TRL's
+    generation runs from the unmerged adapter. Unset, it is on where the node has no GPU (`wanted`)."""
 
-    class MergedGenerationTrainer(base):
-        _merge_checked = False
-        _merge_ok = False
+    def __init__(self, value: bool | None, cuda: bool) -> None:
+        self.switch = Switch(SETTING, value, log)
+        self.on = wanted(value, cuda)
+        self._ok: bool | None = None
 
-        def _generate_single_turn(self, *args: Any, **kwargs: Any) -> Any:
-            if not self._merge_checked:
-                self._merge_checked = True
-                if self.use_vllm:  # vLLM holds its own copy of the weights: nothing to merge here
-                    reason = None
-                elif getattr(self, "is_fsdp_enabled", False) or getattr(self, "is_deepspeed_enabled", False):
-                    reason = "FSDP / DeepSpeed shard the weights"
-                else:
-                    reason = merge_blocker(self.model)
-                self._merge_ok = not self.use_vllm and reason is None
-                if reason:
-                    log.warning("%s: generating from the unmerged adapter: %s", SETTING, reason)
-            if not self._merge_ok:
-                return super()._generate_single_turn(*args, **kwargs)
-            import torch
+    def _blocker(self, trainer: Any) -> str | None:
+        if trainer.use_vllm:
+            return "vLLM generates from its own copy of the weights"
+        if getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_deepspeed_enabled", False):
+            return "FSDP / DeepSpeed shard the weights"
+        if p := lora_dropout(trainer.model):
+            # decided once for the run, whatever mode the model is in at the first call (an evaluation on start
+            # samples in eval mode): every training call samples in train mode, where the dropout draws masks
+            return f"LoRA dropout samples in train mode (lora_dropout={p:g}): merged weights cannot drop the adapter's input"
+        return merge_blocker(trainer.model)
 
-            dtype = AUTOCAST_DTYPES.get(str(self.accelerator.mixed_precision))
-            cast_to = getattr(torch, dtype) if dtype else None
-            # Under mixed precision the loss's forward autocasts (accelerate wraps the model's forward), but PEFT's
-            # generate calls the base model's own forward, outside that wrapper: the sampling pass ran in float32,
-            # from a policy a rounding away from the one the loss scores. It autocasts as the loss does here.
-            with (
-                merged_adapter(self.model, cast_to),
-                torch.autocast(self.accelerator.device.type, dtype=cast_to, enabled=cast_to is not None),
-            ):
-                return super()._generate_single_turn(*args, **kwargs)
+    def around(self, trainer: Any) -> AbstractContextManager[None]:
+        """The context TRL's `_generate_single_turn` runs in: merged weights (autocast as the loss's forward under
+        mixed precision), or nothing."""
+        if not self.on:
+            return nullcontext()
+        if self._ok is None:
+            reason = self._blocker(trainer)
+            self._ok = reason is None
+            if reason and not trainer.use_vllm:  # with vLLM there is nothing to merge here: no fallback to tell
+                self.switch.fall_back("generating from the unmerged adapter", reason)
+        return self._merged(trainer) if self._ok else nullcontext()
 
-    return MergedGenerationTrainer
+    @contextmanager
+    def _merged(self, trainer: Any) -> Iterator[None]:
+        dtype = AUTOCAST_DTYPES.get(str(trainer.accelerator.mixed_precision))
+        cast_to = getattr(torch, dtype) if dtype else None
+        # Under mixed precision the loss's forward autocasts (accelerate wraps the model's forward), but PEFT's
+        # generate calls the base model's own forward, outside that wrapper: the sampling pass ran in float32, from
+        # a policy a rounding away from the one the loss scores. It autocasts as the loss does here.
+        with (
+            merged_adapter(trainer.model, cast_to),
+            torch.autocast(trainer.accelerator.device.type, dtype=cast_to, enabled=cast_to is not None),
+        ):
+            yield
 
 
 # what `prefilled_generate` passes on to `generate` untouched; anything else it does not claim to understand
@@ -191,8 +222,6 @@ _UNDERSTOOD = {"input_ids", "attention_mask", "generation_config"}
 
 
 def _forward_params(model: Any) -> set[str]:
-    import inspect
-
     return set(inspect.signature(model.forward).parameters)
 
 
@@ -204,8 +233,6 @@ def cache_kwarg(model: Any) -> str | None:
 
 def active_dropout(model: Any) -> str | None:
     """A dropout that would draw random masks in `model`'s forward now (TRL samples in train mode), or None."""
-    import torch
-
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout) and module.training and module.p > 0:
             return f"{type(module).__name__}(p={module.p})"
@@ -230,9 +257,6 @@ def cache_blocker(model: Any) -> str | None:
     >>> cache_blocker(torch.nn.Linear(2, 2))
     'Linear is not a transformers generative model'
     """
-    from transformers import GenerationMixin
-    from transformers.cache_utils import DynamicCache, DynamicLayer
-
     if not isinstance(model, GenerationMixin) or not hasattr(model, "config"):
         return f"{type(model).__name__} is not a transformers generative model"
     if model.config.is_encoder_decoder:
@@ -254,8 +278,6 @@ def prefill_blocker(model: Any, kwargs: dict[str, Any]) -> str | None:
     >>> prefill_blocker(torch.nn.Linear(2, 2), {})
     'Linear is not a transformers generative model'
     """
-    from transformers.generation.configuration_utils import GenerationMode
-
     if reason := cache_blocker(model):
         return reason
     if "assistant_model" in kwargs:
@@ -295,8 +317,6 @@ def prefill_blocker(model: Any, kwargs: dict[str, Any]) -> str | None:
 
 def _token_batch(ids: Any, mask: Any) -> bool:
     """Whether `ids` and `mask` are token ids and an attention mask of one 2-D shape."""
-    import torch
-
     return (
         isinstance(ids, torch.Tensor)
         and isinstance(mask, torch.Tensor)
@@ -315,8 +335,6 @@ def distinct_rows(input_ids: Any, attention_mask: Any) -> tuple[list[int], list[
     >>> distinct_rows(ids, (ids != 0).long())
     ([0, 1], [0, 1, 0, 1])
     """
-    import torch
-
     firsts: list[int] = []
     index: dict[tuple[int, ...], int] = {}
     inverse = []
@@ -332,9 +350,6 @@ def prefilled_generate(model: Any, generate: Callable[..., Any], warn: Callable[
     """`generate(**kwargs)` (`model`'s own, bound), with each distinct prompt prefilled once where
     `prefill_blocker` allows; elsewhere the plain call, after `warn(reason)`. A batch without repeats, or prompts
     of one token, run the plain call silently."""
-    import torch
-    from transformers.cache_utils import DynamicCache
-
     ids: Any = kwargs.get("input_ids")
     mask: Any = kwargs.get("attention_mask")
     shared = distinct_rows(ids, mask) if _token_batch(ids, mask) else None
@@ -402,32 +417,27 @@ def prefill_once(model: Any, warn: Callable[[str], None]) -> Iterator[None]:
             del target.generate
 
 
-def prefill_trainer_class(base: type) -> type:
-    """`base` (TRL's GRPOTrainer or one of the project's subclasses) prefilling each distinct prompt once in its
-    transformers generation (`prefill_once`); where it cannot, it generates as `base` does, after one warning naming
-    `PREFILL_SETTING`."""
+class PrefillOnce:
+    """The cut `train.prefill_once` (`Switch`), around each sampling call of a trainer (TRL's GRPOTrainer): its
+    transformers generation prefills each distinct prompt once (`prefill_once`); where it cannot, TRL's generation
+    runs as it ships."""
 
-    class PrefillOnceTrainer(base):
-        _prefill_warned = False
+    def __init__(self, value: bool | None) -> None:
+        self.switch = Switch(PREFILL_SETTING, value, log)
 
-        def _warn_prefill(self, reason: str) -> None:
-            if not self._prefill_warned:
-                self._prefill_warned = True
-                log.warning("%s: prefilling every row as generate does: %s", PREFILL_SETTING, reason)
+    def fall_back(self, reason: str) -> None:
+        self.switch.fall_back("prefilling every row as generate does", reason)
 
-        def _generate_single_turn(self, *args: Any, **kwargs: Any) -> Any:
-            if self.use_vllm:
-                reason = "vLLM generates (use_vllm; it shares prompt prefixes itself)"
-            elif getattr(self, "use_transformers_continuous_batching", False):
-                reason = "transformers' continuous batching generates"
-            elif getattr(self, "is_fsdp_enabled", False) or getattr(self, "is_deepspeed_enabled", False):
-                reason = "FSDP / DeepSpeed shard the weights (the ranks' forward counts must agree)"
-            else:
-                reason = None
-            if reason:
-                self._warn_prefill(reason)
-                return super()._generate_single_turn(*args, **kwargs)
-            with prefill_once(self.accelerator.unwrap_model(self.model_wrapped), self._warn_prefill):
-                return super()._generate_single_turn(*args, **kwargs)
-
-    return PrefillOnceTrainer
+    def around(self, trainer: Any) -> AbstractContextManager[None]:
+        if self.switch.off:
+            return nullcontext()
+        if trainer.use_vllm:
+            reason = "vLLM generates (use_vllm; it shares prompt prefixes itself)"
+        elif getattr(trainer, "use_transformers_continuous_batching", False):
+            reason = "transformers' continuous batching generates"
+        elif getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_deepspeed_enabled", False):
+            reason = "FSDP / DeepSpeed shard the weights (the ranks' forward counts must agree)"
+        else:
+            return prefill_once(trainer.accelerator.unwrap_model(trainer.model_wrapped), self.fall_back)
+        self.fall_back(reason)
+        return nullcontext()

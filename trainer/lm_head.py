@@ -10,33 +10,37 @@ sequences of ~47 prompt and at most 16 completion tokens) the head projects 1,00
 
 `compact_lm_head()` makes the CPU take TRL's own compact branch: the same per-row computation on the rows that count
 (`hidden_states[mask]`, then `masked_scatter` back), so the log-probabilities, the entropies and the loss are the
-same to float rounding (tests/integration/test_faster_step.py). Where this TRL has no such branch, it warns once,
-naming `train.compact_lm_head`, and the head runs as TRL ships it.
+same to float rounding (tests/integration/test_faster_step.py). Where this TRL has no such branch, the head runs as
+TRL ships it, after one warning naming `train.compact_lm_head` where the setting asked for the cut.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
-if TYPE_CHECKING:
-    import torch
+import torch
+import trl.trainer.utils as trl_utils
+
+from grpo_pipeline.trainer.cuts import Switch
 
 log = logging.getLogger(__name__)
 SETTING = "train.compact_lm_head"
 
 
 @contextmanager
-def compact_lm_head() -> Iterator[None]:
+def compact_lm_head(fall_back: Callable[[str], None] | None = None) -> Iterator[None]:
     """Inside: TRL's fused LM head scores only the positions with a label on CPU tensors too (its `compact` branch,
-    chosen by `trl.trainer.utils._use_triton`, which the head consults for nothing else)."""
-    import trl.trainer.utils as trl_utils
-
+    chosen by `trl.trainer.utils._use_triton`, which the head consults for nothing else). Where this TRL has no such
+    branch, `fall_back(reason)` (by default a warning naming the setting) and the head as TRL ships it."""
     chooser = getattr(trl_utils, "_use_triton", None)
     if chooser is None or not hasattr(trl_utils, "add_fused_lm_head"):
-        log.warning("%s: this TRL's fused LM head has no compact branch to choose; it scores every position", SETTING)
+        reason = "this TRL's fused LM head has no compact branch to choose; it scores every position"
+        if fall_back is None:
+            log.warning("%s: %s", SETTING, reason)
+        else:
+            fall_back(reason)
         yield
         return
 
@@ -48,3 +52,15 @@ def compact_lm_head() -> Iterator[None]:
         yield
     finally:
         setattr(trl_utils, "_use_triton", chooser)  # noqa: B010
+
+
+class CompactLMHead:
+    """The cut `train.compact_lm_head` (`Switch`), around a whole training run (`compact_lm_head`)."""
+
+    def __init__(self, value: bool | None) -> None:
+        self.switch = Switch(SETTING, value, log)
+
+    def around(self) -> AbstractContextManager[None]:
+        if self.switch.off:
+            return nullcontext()
+        return compact_lm_head(lambda reason: self.switch.fall_back("the head runs as TRL ships it", reason))

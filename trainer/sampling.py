@@ -251,62 +251,59 @@ def curriculum_sampler(curriculum: Curriculum, mini_repeat_count: int, repeat_co
     return CurriculumSampler()
 
 
-def trainer_class():
-    """GRPOTrainer drawing its prompts through a `Curriculum` (pass `curriculum=`), which it feeds with each
-    training generation's per-group zero-variance verdicts."""
-    from accelerate.utils import gather_object
-    from datasets import IterableDataset
-    from trl import GRPOTrainer
+class CurriculumCut:
+    """The cut `train.curriculum` of a trainer (TRL's GRPOTrainer): its prompts drawn through a `Curriculum`
+    (`sampler`, in place of `_get_train_sampler`), which each training generation's per-group zero-variance verdicts
+    feed (`observe`, after `_calculate_rewards`), and whose state goes into each checkpoint (`save`, after
+    `_save_checkpoint`). Refuses (ValueError) a streamed dataset: it indexes prompts."""
 
-    class CurriculumGRPOTrainer(GRPOTrainer):
-        def __init__(
-            self, *args: Any, curriculum_settings: CurriculumConfig, restored: dict | None = None, **kwargs: Any
-        ) -> None:
-            super().__init__(*args, **kwargs)
-            data = self.train_dataset
-            if isinstance(data, IterableDataset):
-                raise ValueError(
-                    "train.curriculum needs a map-style training dataset (it indexes prompts); "
-                    "set train.curriculum.enabled=false for a streamed one"
-                )
-            self.curriculum = Curriculum(
-                n=len(data),
-                batch_size=self.args.generation_batch_size // self.num_generations,
-                seed=self.args.seed,
-                settings=curriculum_settings,
-                shuffle=self.shuffle_dataset,
+    def __init__(self, trainer: Any, settings: CurriculumConfig, restored: dict | None = None) -> None:
+        from datasets import IterableDataset  # here: train.py reads this module's state before the libraries load
+
+        data = trainer.train_dataset
+        if isinstance(data, IterableDataset):
+            raise ValueError(
+                "train.curriculum needs a map-style training dataset (it indexes prompts); "
+                "set train.curriculum.enabled=false for a streamed one"
             )
-            if restored:
-                self.curriculum.load(restored)
-            self._indices_of: dict[str, list[int]] = {}
-            for index, prompt in enumerate(data["prompt"]):  # a prompt repeated in the data shares its record
-                self._indices_of.setdefault(prompt_key(prompt), []).append(index)
+        self.curriculum = Curriculum(
+            n=len(data),
+            batch_size=trainer.args.generation_batch_size // trainer.num_generations,
+            seed=trainer.args.seed,
+            settings=settings,
+            shuffle=trainer.shuffle_dataset,
+        )
+        if restored:
+            self.curriculum.load(restored)
+        self._indices_of: dict[str, list[int]] = {}
+        for index, prompt in enumerate(data["prompt"]):  # a prompt repeated in the data shares its record
+            self._indices_of.setdefault(prompt_key(prompt), []).append(index)
 
-        def _get_train_sampler(self, dataset=None):
-            return curriculum_sampler(
-                self.curriculum, self.num_generations, self.num_iterations * self.args.steps_per_generation
-            )
+    def sampler(self, trainer: Any) -> Any:  # a torch Sampler
+        return curriculum_sampler(
+            self.curriculum, trainer.num_generations, trainer.num_iterations * trainer.args.steps_per_generation
+        )
 
-        def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-            rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-            if self.model.training:  # rewards_per_func holds every rank's rows, rank by rank: so do the keys
-                keys = gather_object([prompt_key(x["prompt"]) for x in inputs])
-                weights = self.reward_weights.to(rewards_per_func.device).unsqueeze(0)
-                rewards = (rewards_per_func * weights).nansum(dim=1)
-                zero = zero_variance_groups(rewards, self.num_generations)
-                g = self.num_generations
-                self.curriculum.observe(
-                    [(i, z) for k, z in zip(keys[::g], zero, strict=True) for i in self._indices_of.get(k, [])]
-                )
-                self._metrics["train"]["curriculum/benched_prompts"].append(float(self.curriculum.benched_now))
-                self._metrics["train"]["curriculum/skipped_draws"].append(float(self.curriculum.skipped_total))
-            return rewards_per_func
+    def observe(self, trainer: Any, inputs: list[dict], rewards_per_func: Any) -> None:
+        """A training generation's rewards (TRL's `_calculate_rewards`: every rank's rows, rank by rank)."""
+        from accelerate.utils import gather_object
 
-        def _save_checkpoint(self, model, trial):
-            """The curriculum's state beside the checkpoint, before the callbacks (`CheckpointSync`) upload it."""
-            super()._save_checkpoint(model, trial)
-            folder = Path(self.args.output_dir) / checkpoint_name(self.state.global_step)
-            if self.is_world_process_zero() and folder.is_dir():
-                (folder / STATE_FILE).write_text(json.dumps(self.curriculum.state()))
+        if not trainer.model.training:
+            return
+        keys = gather_object([prompt_key(x["prompt"]) for x in inputs])  # so are the keys: every rank's
+        weights = trainer.reward_weights.to(rewards_per_func.device).unsqueeze(0)
+        rewards = (rewards_per_func * weights).nansum(dim=1)
+        zero = zero_variance_groups(rewards, trainer.num_generations)
+        g = trainer.num_generations
+        self.curriculum.observe(
+            [(i, z) for k, z in zip(keys[::g], zero, strict=True) for i in self._indices_of.get(k, [])]
+        )
+        trainer._metrics["train"]["curriculum/benched_prompts"].append(float(self.curriculum.benched_now))
+        trainer._metrics["train"]["curriculum/skipped_draws"].append(float(self.curriculum.skipped_total))
 
-    return CurriculumGRPOTrainer
+    def save(self, trainer: Any) -> None:
+        """The curriculum's state beside the checkpoint TRL just saved, before the callbacks (`CheckpointSync`) upload
+        it."""
+        folder = Path(trainer.args.output_dir) / checkpoint_name(trainer.state.global_step)
+        if trainer.is_world_process_zero() and folder.is_dir():
+            (folder / STATE_FILE).write_text(json.dumps(self.curriculum.state()))

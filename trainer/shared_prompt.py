@@ -14,7 +14,8 @@ what the full forward gives (the cache's length plus the column: TRL passes no p
 the full one, so each completion token attends to what it attended to before: the same log-probabilities,
 entropies, loss and gradients to float rounding (a prompt's keys come from a smaller batch).
 
-It runs the plain forward, after one warning naming the setting, where it cannot be exact or is not understood:
+It runs the plain forward, after one warning naming the setting where it was asked for (silently where it was left
+unset: `grpo_pipeline.trainer.cuts.Switch`), where it cannot be exact or is not understood:
 gradient checkpointing (its recompute does not keep a cache), dropout in train mode (the rows would share one
 mask), a model wrapped for distributed training (DDP must see the forward), a cache other than full-attention
 `DynamicCache` layers, multimodal inputs, a MoE's auxiliary loss, prompts not left-padded. A batch without a
@@ -24,8 +25,13 @@ repeated prompt runs the plain forward silently: there is nothing to share.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
+import torch
+from transformers.cache_utils import DynamicCache
+
+from grpo_pipeline.trainer.cuts import Switch
 from grpo_pipeline.trainer.generation import (
     active_dropout,
     cache_blocker,
@@ -71,9 +77,6 @@ def shared_prompt_logps(
     """TRL's per-token log-probabilities (and entropies) of the last `logits_to_keep` columns, with each distinct
     prompt run once; None where no prompt repeats or the prompts are not left-padded (the caller runs the plain
     forward). `model`: the policy as TRL calls it (its fused LM head); `autocast`: the accelerator's context."""
-    import torch
-    from transformers.cache_utils import DynamicCache
-
     prompt = input_ids.shape[1] - logits_to_keep
     if prompt < 2:
         return None
@@ -103,56 +106,47 @@ def shared_prompt_logps(
     return out.log_probs[:, -logits_to_keep:], entropies
 
 
-def trainer_class(base: type) -> type:
-    """`base` (TRL's GRPOTrainer or one of the project's subclasses) running the loss's forward over each distinct
-    prompt once (`shared_prompt_logps`); where `share_blocker` says it cannot, as `base` does, after one warning
-    naming `SETTING`."""
+class SharedPromptForward:
+    """The cut `train.share_prompt_forward` (`Switch`), in place of TRL's `_get_per_token_logps_and_entropies`:
+    the loss's forward over each distinct prompt once (`shared_prompt_logps`), chunk by chunk as TRL's runs; where
+    `share_blocker` says it cannot, TRL's forward (`plain`)."""
 
-    class SharedPromptTrainer(base):
-        _share_warned = False
+    def __init__(self, value: bool | None) -> None:
+        self.switch = Switch(SETTING, value, log)
 
-        def _get_per_token_logps_and_entropies(
-            self,
-            model: Any,
-            input_ids: Any,
-            attention_mask: Any,
-            logits_to_keep: int,
-            batch_size: int | None = None,
-            compute_entropy: bool = False,
-            **extra: Any,
-        ) -> Any:
-            def plain() -> Any:
-                return super(SharedPromptTrainer, self)._get_per_token_logps_and_entropies(
-                    model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, **extra
-                )
-
-            reason = share_blocker(model, self.accelerator.unwrap_model(model), extra)
-            if reason:
-                if not self._share_warned:
-                    self._share_warned = True
-                    log.warning("%s: the loss's forward runs every row's prompt: %s", SETTING, reason)
-                return plain()
-            import torch
-
-            size = batch_size or input_ids.size(0)  # TRL's chunks, each sharing its own prompts
-            parts = []
-            for start in range(0, input_ids.size(0), size):
-                chunk = slice(start, start + size)
-                part = shared_prompt_logps(
-                    model,
-                    input_ids[chunk],
-                    attention_mask[chunk],
-                    logits_to_keep,
-                    compute_entropy,
-                    self.accelerator.autocast(),
-                )
-                if part is None:  # nothing repeats in this chunk
-                    part = super()._get_per_token_logps_and_entropies(
-                        model, input_ids[chunk], attention_mask[chunk], logits_to_keep, None, compute_entropy
-                    )[:2]
-                parts.append(part)
-            logps = torch.cat([p[0] for p in parts])
-            entropies = torch.cat([p[1] for p in parts]) if compute_entropy else None
-            return logps, entropies, None
-
-    return SharedPromptTrainer
+    def per_token_logps(
+        self,
+        trainer: Any,
+        plain: Callable[..., Any],
+        model: Any,
+        input_ids: Any,
+        attention_mask: Any,
+        logits_to_keep: int,
+        batch_size: int | None = None,
+        compute_entropy: bool = False,
+        **extra: Any,
+    ) -> Any:
+        """What TRL's `_get_per_token_logps_and_entropies` (bound: `plain`) returns for these arguments."""
+        reason = None if self.switch.off else share_blocker(model, trainer.accelerator.unwrap_model(model), extra)
+        if reason:
+            self.switch.fall_back("the loss's forward runs every row's prompt", reason)
+        if self.switch.off or reason:
+            return plain(model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, **extra)
+        size = batch_size or input_ids.size(0)  # TRL's chunks, each sharing its own prompts
+        parts = []
+        for start in range(0, input_ids.size(0), size):
+            chunk = slice(start, start + size)
+            part = shared_prompt_logps(
+                model,
+                input_ids[chunk],
+                attention_mask[chunk],
+                logits_to_keep,
+                compute_entropy,
+                trainer.accelerator.autocast(),
+            )
+            if part is None:  # nothing repeats in this chunk
+                part = plain(model, input_ids[chunk], attention_mask[chunk], logits_to_keep, None, compute_entropy)[:2]
+            parts.append(part)
+        logps = torch.cat([p[0] for p in parts])
+        entropies = torch.cat([p[1] for p in parts]) if compute_entropy else None
+        return logps, entropies, None

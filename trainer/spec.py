@@ -78,11 +78,14 @@ class TrainSettings(_Strict):
     keep_checkpoints: int
     early_stopping_patience: int | None
     s3_endpoint_url: str | None
-    merged_generation: bool | None = None  # None: on where the node has no GPU (trainer.generation)
-    prefill_once: bool = True  # each distinct prompt prefilled once, its cache shared (trainer.generation)
-    share_prompt_forward: bool = True  # the loss's forward runs each distinct prompt once (trainer.shared_prompt)
-    compact_lm_head: bool = True  # the loss's LM head projects only the completion's positions (trainer.lm_head)
-    skip_zero_advantage: bool = True  # no loss pass for an all-zero-advantage batch (trainer.zero_advantage)
+    # the step's cuts: None (auto) where they apply, silently; True asked for, warned where not (trainer.cuts)
+    merged_generation: bool | None = None  # from merged LoRA weights; auto: where the node has no GPU
+    prefill_once: bool | None = None  # each distinct prompt prefilled once, its cache shared (trainer.generation)
+    share_prompt_forward: bool | None = (
+        None  # the loss's forward over each distinct prompt once (trainer.shared_prompt)
+    )
+    compact_lm_head: bool | None = None  # the LM head projects only the completion's positions (trainer.lm_head)
+    skip_zero_advantage: bool | None = None  # no loss pass for an all-zero-advantage batch (trainer.zero_advantage)
     cpu_threads: int | None = None  # torch.set_num_threads before training; None: torch's own choice
     distributed: DistributedConfig = DistributedConfig()  # train.distributed as configured
     health: HealthConfig = HealthConfig()

@@ -18,7 +18,8 @@ modules beside it (checkpoints, fence, health, callbacks, generation, loading).
 
 from __future__ import annotations
 
-import contextlib
+import gc
+import json
 import logging
 import os
 import shutil
@@ -27,9 +28,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from grpo_pipeline.configs.health import NON_FINITE
-from grpo_pipeline.trainer import distributed
+from grpo_pipeline.trainer import distributed, sampling
+from grpo_pipeline.trainer import health as health_state
 from grpo_pipeline.trainer.checkpoints import (
     FINAL,
+    MANIFEST,
+    METRICS_FILE,
     CheckpointCorrupt,
     CheckpointStore,
     ResumePoint,
@@ -39,9 +43,14 @@ from grpo_pipeline.trainer.checkpoints import (
     fetch_init_adapter,
     open_store,
 )
+from grpo_pipeline.trainer.cuts import Cuts
 from grpo_pipeline.trainer.distributed import Ranks
 from grpo_pipeline.trainer.fence import FencedStore, StoreTaken, Superseded, claim_store
-from grpo_pipeline.trainer.rewards import RewardError, RewardUnavailable
+from grpo_pipeline.trainer.health import LEDGER, Ledger, healthy_checkpoint
+from grpo_pipeline.trainer.launch import rank_lifeline
+from grpo_pipeline.trainer.loading import adapter_mismatch, keep_adapter_fp32, load_model, read_adapter_config
+from grpo_pipeline.trainer.precision import cpu_has_native_bf16, node_default_bf16, slow_bf16_reason
+from grpo_pipeline.trainer.rewards import RewardError, RewardUnavailable, resolve_rewards
 from grpo_pipeline.trainer.spec import (
     EXIT_BAD_INPUT,
     EXIT_FAILED,
@@ -55,12 +64,14 @@ from grpo_pipeline.trainer.spec import (
 )
 from grpo_pipeline.trainer.tracking import CommittedMetrics, numeric
 
-if TYPE_CHECKING:  # torch, transformers and TRL load lazily, inside the functions that run them
+# torch, transformers, TRL, datasets, MLflow, and the modules that import them at their top (callbacks, step),
+# load inside the functions that run them: `main` answers a bad spec (exit 2) and a lost torchrun before they load.
+if TYPE_CHECKING:
     from transformers.trainer_utils import TrainOutput
     from trl import GRPOConfig, GRPOTrainer
 
     from grpo_pipeline.trainer.callbacks import FirstStepTimer, HealthCallback, StopOnSigterm
-    from grpo_pipeline.trainer.health import Ledger
+    from grpo_pipeline.trainer.step import StepTrainer
 
 log = logging.getLogger(__name__)
 
@@ -86,13 +97,10 @@ EXITS: tuple[tuple[type[BaseException], int, str], ...] = (
 
 def grpo_args(spec: JobSpec, output_dir: Path) -> GRPOConfig:
     """GRPOConfig from the spec: the user's passthrough fields plus what resume and the store require."""
-    import os
-
     import torch
     from trl import GRPOConfig
 
     from grpo_pipeline.trainer.callbacks import interactive
-    from grpo_pipeline.trainer.precision import node_default_bf16
 
     user = dict(spec.train.grpo)
     user.setdefault(
@@ -172,8 +180,6 @@ def run(spec: JobSpec, started: float | None = None) -> TrainResult:
     from datasets import load_dataset
 
     from grpo_pipeline.trainer.callbacks import FirstStepTimer, StopOnSigterm
-    from grpo_pipeline.trainer.health import Ledger
-    from grpo_pipeline.trainer.sampling import summarize
 
     started = started or time.monotonic()
     stop = StopOnSigterm()  # first: a SIGTERM during model loading must not kill the job uncleanly
@@ -234,7 +240,7 @@ def run(spec: JobSpec, started: float | None = None) -> TrainResult:
         rollbacks=ledger.rollbacks,
         best_step=state.best_global_step,
         best_val_reward=state.best_metric if state.best_global_step is not None else None,
-        zero_signal=summarize(state.log_history, getattr(attempt.trainer, "curriculum", None)),
+        zero_signal=sampling.summarize(state.log_history, attempt.trainer.curriculum),
     )
     if metrics and stopped_by:
         metrics.client.set_tag(metrics.run_id, "health_stopped", stopped_by[:5000])
@@ -247,7 +253,7 @@ class _Attempt:
     """One training pass: its trainer (for the state and the adapter), where it resumed, HF's output, and
     the health callback (for a rollback or a stop)."""
 
-    def __init__(self, trainer: GRPOTrainer, point: ResumePoint, output: TrainOutput, health: HealthCallback) -> None:
+    def __init__(self, trainer: StepTrainer, point: ResumePoint, output: TrainOutput, health: HealthCallback) -> None:
         self.trainer, self.point, self.output, self.health = trainer, point, output, health
 
 
@@ -266,12 +272,9 @@ def _attempt(
     val_ds: Any,
 ) -> _Attempt:
     """Resume from the newest verified checkpoint and train until the end, a stop or a rollback request."""
-    import torch
     from peft import LoraConfig
     from transformers import EarlyStoppingCallback
-    from trl import GRPOTrainer
 
-    from grpo_pipeline.trainer import generation, sampling
     from grpo_pipeline.trainer.callbacks import (
         CheckpointSync,
         HealthCallback,
@@ -279,11 +282,7 @@ def _attempt(
         hide_library_bars,
         print_logs_once,
     )
-    from grpo_pipeline.trainer.health import read_state
-    from grpo_pipeline.trainer.lm_head import compact_lm_head
-    from grpo_pipeline.trainer.loading import keep_adapter_fp32, load_model
-    from grpo_pipeline.trainer.rewards import RewardError, RewardUnavailable, resolve_rewards
-    from grpo_pipeline.trainer.sampling import read_state as read_curriculum
+    from grpo_pipeline.trainer.step import StepTrainer
 
     point = choose_resume(store, work / "resume")  # verified; newer ones that do not verify are moved aside
     resume = point.directory
@@ -293,7 +292,7 @@ def _attempt(
         if metrics:  # in case the kill came between the checkpoint's manifest and its MLflow commit
             metrics.commit(CommittedMetrics.read(resume))
     _same_resume_point(ranks, resume)
-    restored = read_state(resume)
+    restored = health_state.read_state(resume)
     baked = float(restored.get("lr_scale", 1.0))  # the scale the checkpoint's optimizer and scheduler hold
     if not from_store:  # no rollback recorded in the store: the checkpoint's own record is the whole story
         ledger.lr_scale = baked
@@ -324,29 +323,7 @@ def _attempt(
     if spec.train.early_stopping_patience:
         callbacks.append(EarlyStoppingCallback(spec.train.early_stopping_patience))
 
-    curriculum, dynamic = spec.train.curriculum, spec.train.dynamic_sampling
-    extra: dict[str, Any] = (
-        {"curriculum_settings": curriculum, "restored": read_curriculum(resume)} if curriculum.enabled else {}
-    )
-    trainer_cls = sampling.trainer_class() if curriculum.enabled else GRPOTrainer
-    if dynamic.enabled:  # over the curriculum's class when both are on: extra groups feed its verdicts too
-        from grpo_pipeline.trainer.dynamic_sampling import trainer_class as dynamic_sampling_class
-
-        trainer_cls = dynamic_sampling_class(trainer_cls)
-        extra["dynamic_sampling"] = dynamic
-    if spec.train.share_prompt_forward:
-        from grpo_pipeline.trainer import shared_prompt
-
-        trainer_cls = shared_prompt.trainer_class(trainer_cls)
-    if spec.train.skip_zero_advantage:
-        from grpo_pipeline.trainer import zero_advantage
-
-        trainer_cls = zero_advantage.trainer_class(trainer_cls)
-    if spec.train.prefill_once:
-        trainer_cls = generation.prefill_trainer_class(trainer_cls)
-    if generation.wanted(spec.train.merged_generation, torch.cuda.is_available()):  # composes: both wrap generation
-        trainer_cls = generation.trainer_class(trainer_cls)
-    trainer = trainer_cls(
+    trainer = StepTrainer(
         model=model,
         reward_funcs=resolve_rewards(
             spec.train.rewards.names, spec.train.rewards.args, max_completion_length=args.max_completion_length
@@ -358,12 +335,12 @@ def _attempt(
         # a warm start passes a PeftModel holding its adapter, and TRL takes no peft_config with one
         peft_config=None if spec.init_adapter else LoraConfig(task_type="CAUSAL_LM", **spec.train.lora),
         callbacks=callbacks,
-        **extra,
+        cuts=Cuts.of(spec.train),
+        curriculum_state=sampling.read_state(resume),
     )
     print_logs_once(trainer)  # one line per log, with its step, for the parent's progress
     try:
-        with compact_lm_head() if spec.train.compact_lm_head else contextlib.nullcontext():
-            output = trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+        output = trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     except RewardError as exc:
         if run_id and not isinstance(exc, RewardUnavailable):  # an outage is retried: the run goes on
             _ended_by_bad_input(spec, run_id, metrics, str(exc))
@@ -376,8 +353,6 @@ def _attempt(
 
 def _read_ledger(store: CheckpointStore, work: Path) -> str | None:
     """The health ledger's JSON from the store, or None when no rollback has happened in this job."""
-    from grpo_pipeline.trainer.health import LEDGER
-
     if not store.has(LEDGER):
         return None
     return (store.fetch(LEDGER, work / "fetched") / "ledger.json").read_text()
@@ -396,8 +371,6 @@ def _roll_back(
     moved aside (`corrupt/`, with the reason), so this attempt and any relaunch resume from it; the learning
     rate is scaled by train.health.rollback_lr_factor, and the ledger (rollbacks, scale, events) goes into the
     store first, so a preemption from here on keeps both."""
-    from grpo_pipeline.trainer.health import LEDGER, healthy_checkpoint
-
     health = spec.train.health
     window = health.rule(event.rule).window
     target = None
@@ -440,8 +413,6 @@ def _roll_back(
 
 
 def _free_memory() -> None:
-    import gc
-
     import torch
 
     gc.collect()
@@ -465,8 +436,6 @@ def _same_resume_point(ranks: Ranks, resume: Path | None) -> None:
     between their reads) fail the job, and the relaunch chooses again, rather than train apart."""
     step = None
     if resume is not None:
-        import json
-
         step = json.loads((Path(resume) / "trainer_state.json").read_text())["global_step"]
     chosen = ranks.all_gather(step)
     if len(set(chosen)) > 1:
@@ -537,12 +506,8 @@ _TRAINING_STATE = ("optimizer.pt", "scheduler.pt", "scaler.pt", "trainer_state.j
 
 def _adapter_from_checkpoint(store: CheckpointStore, step: int, scratch: Path, dest: Path) -> None:
     """The adapter files (and the tokenizer HF saved with them) of a stored checkpoint, copied to `dest`."""
-    from grpo_pipeline.trainer.checkpoints import MANIFEST, METRICS_FILE
-    from grpo_pipeline.trainer.health import STATE_FILE
-    from grpo_pipeline.trainer.sampling import STATE_FILE as CURRICULUM_FILE
-
     source = store.fetch(checkpoint_name(step), scratch)
-    skip = {*_TRAINING_STATE, MANIFEST, METRICS_FILE, STATE_FILE, CURRICULUM_FILE}
+    skip = {*_TRAINING_STATE, MANIFEST, METRICS_FILE, health_state.STATE_FILE, sampling.STATE_FILE}
     dest.mkdir(parents=True, exist_ok=True)
     for path in source.iterdir():
         if path.is_file() and path.name not in skip and not path.name.startswith("rng_state"):
@@ -552,8 +517,6 @@ def _adapter_from_checkpoint(store: CheckpointStore, step: int, scratch: Path, d
 def _slow_bf16(spec: JobSpec) -> str | None:
     """A bf16 request this node would run far slower than float32 (a CPU without native bf16), or None."""
     import torch
-
-    from grpo_pipeline.trainer.precision import cpu_has_native_bf16, slow_bf16_reason
 
     cuda = torch.cuda.is_available()
     return slow_bf16_reason(bool(spec.train.grpo.get("bf16")), cuda, cpu_has_native_bf16())
@@ -584,8 +547,6 @@ def _unfit_adapter(spec: JobSpec) -> str | None:
     checked the base where it resolved the adapter), or None: refused before the model loads."""
     if not spec.init_adapter:
         return None
-    from grpo_pipeline.trainer.loading import adapter_mismatch, read_adapter_config
-
     try:
         problem = adapter_mismatch(read_adapter_config(spec.init_adapter), None, spec.train.lora)
     except ValueError as exc:
@@ -595,8 +556,6 @@ def _unfit_adapter(spec: JobSpec) -> str | None:
 
 def main(spec_path: str, started: float | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from grpo_pipeline.trainer.launch import rank_lifeline
-
     if not rank_lifeline():  # first: a rank whose torchrun is gone must not start training alone
         log.error("torchrun, this rank's parent, is gone; exiting")
         return EXIT_FAILED

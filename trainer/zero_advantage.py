@@ -13,7 +13,8 @@ a gradient would be skipped). The completions were sampled and scored as before;
 forward computes (entropy, clip ratios) are absent from that step's log, and `zero_advantage/skipped` logs the
 share of micro-batches that ran no loss pass.
 
-It runs TRL's loss, after one warning naming the setting, where a zero advantage does not make the gradient zero
+It runs TRL's loss, after one warning naming the setting where it was asked for (silently where it was left unset:
+`grpo_pipeline.trainer.cuts.Switch`), where a zero advantage does not make the gradient zero
 or where skipping cannot be exact: a KL term (`beta` > 0), an entropy bonus, a MoE's auxiliary loss, a loss type not
 known here, Liger's fused loss, or several processes (DDP must see every process's forward and backward).
 """
@@ -21,7 +22,12 @@ known here, Liger's fused loss, or several processes (DDP must see every process
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
+
+import torch
+
+from grpo_pipeline.trainer.cuts import Switch
 
 log = logging.getLogger(__name__)
 SETTING = "train.skip_zero_advantage"
@@ -48,36 +54,39 @@ def skip_blocker(trainer: Any) -> str | None:
     return None
 
 
-def trainer_class(base: type) -> type:
-    """`base` (TRL's GRPOTrainer or one of the project's subclasses) running no loss pass for a training
-    micro-batch whose advantages are all zero; where `skip_blocker` says it cannot, as `base` does, after one
-    warning naming `SETTING`."""
+class ZeroAdvantageSkip:
+    """The cut `train.skip_zero_advantage` (`Switch`), in place of TRL's `compute_loss`: a training micro-batch whose
+    advantages are all zero runs no loss pass; where `skip_blocker` says a zero advantage may still have a gradient,
+    TRL's loss (`plain`) runs for every batch. Decided once, at the first training batch."""
 
-    class ZeroAdvantageTrainer(base):
-        _skip_reason: str | None = None
-        _skip_checked = False
+    def __init__(self, value: bool | None) -> None:
+        self.switch = Switch(SETTING, value, log)
+        self._reason: str | None = None
+        self._checked = False
 
-        def compute_loss(
-            self, model: Any, inputs: dict, return_outputs: bool = False, num_items_in_batch: Any = None
-        ) -> Any:
-            def plain() -> Any:
-                return super(ZeroAdvantageTrainer, self).compute_loss(
-                    model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
-                )
+    def compute_loss(
+        self,
+        trainer: Any,
+        plain: Callable[..., Any],
+        model: Any,
+        inputs: dict,
+        return_outputs: bool = False,
+        num_items_in_batch: Any = None,
+    ) -> Any:
+        """What TRL's `compute_loss` (bound: `plain`) returns, or for a skipped batch a zero with a zero gradient."""
 
-            if return_outputs or not model.training:  # evaluation computes its metrics from the forward
-                return plain()
-            if not self._skip_checked:
-                self._skip_checked, self._skip_reason = True, skip_blocker(self)
-                if self._skip_reason:
-                    log.warning("%s: every batch runs the loss's pass: %s", SETTING, self._skip_reason)
-            skip = self._skip_reason is None and not bool(inputs["advantages"].any())
-            self._metrics["train"][METRIC].append(float(skip))
-            if not skip:
-                return plain()
-            import torch
+        def loss() -> Any:
+            return plain(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
 
-            # zero, and a zero gradient for every trainable weight, as TRL's backward of this batch gives
-            return torch.stack([p.float().sum() for p in model.parameters() if p.requires_grad]).sum() * 0.0
-
-    return ZeroAdvantageTrainer
+        if self.switch.off or return_outputs or not model.training:  # evaluation computes its metrics from the forward
+            return loss()
+        if not self._checked:
+            self._checked, self._reason = True, skip_blocker(trainer)
+            if self._reason:
+                self.switch.fall_back("every batch runs the loss's pass", self._reason)
+        skip = self._reason is None and not bool(inputs["advantages"].any())
+        trainer._metrics["train"][METRIC].append(float(skip))
+        if not skip:
+            return loss()
+        # zero, and a zero gradient for every trainable weight, as TRL's backward of this batch gives
+        return torch.stack([p.float().sum() for p in model.parameters() if p.requires_grad]).sum() * 0.0

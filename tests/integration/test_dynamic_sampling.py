@@ -48,9 +48,10 @@ def _spec(tmp_path, tiny_model, tiny_config, *overrides: str) -> JobSpec:
 
 def test_one_generation_keeps_the_batch_size_and_trains_on_a_group_with_variance(tmp_path, tiny_model):
     from datasets import Dataset
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOConfig
 
-    from grpo_pipeline.trainer.dynamic_sampling import trainer_class
+    from grpo_pipeline.trainer.cuts import Cuts
+    from grpo_pipeline.trainer.step import StepTrainer
 
     data = Dataset.from_list(_rows())
     args = GRPOConfig(
@@ -63,12 +64,12 @@ def test_one_generation_keeps_the_batch_size_and_trains_on_a_group_with_variance
         use_cpu=True,
         seed=0,
     )
-    trainer = trainer_class(GRPOTrainer)(
+    trainer = StepTrainer(
         model=str(tiny_model),
         reward_funcs=[same_for_some],
         args=args,
         train_dataset=data,
-        dynamic_sampling=DynamicSamplingConfig(enabled=True, oversample=4),
+        cuts=Cuts(dynamic_sampling=DynamicSamplingConfig(enabled=True, oversample=4)),
     )
     trainer.model.train()
     batch = [dict(data[0]) for _ in range(4)]  # the dataloader's group: a "same" prompt, flat whatever is said

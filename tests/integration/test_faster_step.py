@@ -5,6 +5,7 @@ prompt once (trainer/shared_prompt.py); the fused LM head scoring only the compl
 (trainer/lm_head.py)."""
 
 import contextlib
+import functools
 
 import pytest
 import torch
@@ -117,7 +118,7 @@ def test_merged_weights_made_in_the_autocast_dtype_compute_what_autocast_compute
 
 
 def test_merged_generation_falls_back_where_it_cannot_be_exact(tiny_model):
-    from grpo_pipeline.trainer.generation import merge_blocker
+    from grpo_pipeline.trainer.generation import lora_dropout, merge_blocker
 
     assert "variant" in merge_blocker(_peft_model(tiny_model, use_dora=True))
     assert "lora_bias" in merge_blocker(_peft_model(tiny_model, lora_bias=True))
@@ -126,32 +127,39 @@ def test_merged_generation_falls_back_where_it_cannot_be_exact(tiny_model):
     dropping = _peft_model(tiny_model, lora_dropout=0.1)
     assert merge_blocker(dropping) is None  # eval mode: the dropout is the identity
     assert merge_blocker(dropping.train()) == "LoRA dropout is active while sampling (lora_dropout=0.1)"
+    # the trainer decides once for the run, in whatever mode the model is at its first sampling call: a dropout
+    # configured at all blocks it (an evaluation first would sample in eval mode, every training call in train mode)
+    assert lora_dropout(dropping.eval()) == 0.1 and lora_dropout(_peft_model(tiny_model)) == 0.0
 
 
 def _two_steps(
     model_dir,
     trainer_args,
-    merged: bool,
-    prefill: bool = False,
+    merged: bool | None,
+    prefill: bool | None = False,
     *overrides: str,
     watch=None,
-    shared=False,
-    zero=False,
+    shared: bool | None = False,
+    zero: bool | None = False,
     flat_after: int | None = None,
     **lora,
 ) -> dict:
     """Two GRPO steps of the trainer's settings (and `overrides`) on the tiny model: the completions each step
     sampled, the per-token log-probs of the loss's forward (policy, with grad) and the logged losses; the adapter's
-    weights at the end. `merged`, `prefill`: the trainer classes train.py wraps for those settings; `watch(model)`
-    sees the loaded model before training; `shared`: the loss's forward over each distinct prompt once; `zero`: no
-    loss pass for a batch without advantages; `flat_after`: every completion scores 0 after that many steps."""
+    weights at the end. `merged`, `prefill`: the switches of generation from merged weights and prefill once;
+    `watch(model)` sees the loaded model before training; `shared`: the loss's forward over each distinct prompt
+    once; `zero`: no loss pass for a batch without advantages (each switch: True asked for, None auto, False off);
+    `flat_after`: every completion scores 0 after that many steps. With every cut off, TRL's own GRPOTrainer runs:
+    the cuts are compared with TRL as it ships."""
     from datasets import Dataset
     from peft import LoraConfig
     from trl import GRPOTrainer
 
-    from grpo_pipeline.trainer import generation, shared_prompt, zero_advantage
+    from grpo_pipeline.trainer import zero_advantage
+    from grpo_pipeline.trainer.cuts import Cuts
     from grpo_pipeline.trainer.loading import load_model
     from grpo_pipeline.trainer.spec import ModelLoad
+    from grpo_pipeline.trainer.step import StepTrainer
 
     seen: dict = {"completions": [], "logps": []}
 
@@ -165,11 +173,8 @@ def _two_steps(
     model, tokenizer = load_model(str(model_dir), load)
     if watch is not None:
         watch(model)
-    cls = shared_prompt.trainer_class(GRPOTrainer) if shared else GRPOTrainer
-    cls = zero_advantage.trainer_class(cls) if zero else cls
-    cls = generation.prefill_trainer_class(cls) if prefill else cls
-    cls = generation.trainer_class(cls) if merged else cls  # as train.py stacks them
-    trainer = cls(
+    cuts = Cuts(merged_generation=merged, prefill_once=prefill, share_prompt_forward=shared, skip_zero_advantage=zero)
+    trainer = (GRPOTrainer if cuts == Cuts() else functools.partial(StepTrainer, cuts=cuts))(
         model=model,
         reward_funcs=[length_reward],
         # one reward weight
@@ -245,6 +250,45 @@ def test_merged_generation_warns_once_and_trains_unmerged_with_a_lora_variant(ti
     warnings = [r.getMessage() for r in caplog.records if r.name == "grpo_pipeline.trainer.generation"]
     assert len(warnings) == 1 and warnings[0].startswith("train.merged_generation: generating from the unmerged")
     assert len(run["completions"]) == 2 and torch.isfinite(run["loss"]).all()
+
+
+def test_merged_generation_asked_for_with_a_lora_dropout_warns_once_and_samples_from_the_unmerged_adapter(
+    tiny_model, trainer_args, caplog
+):
+    """A LoRA dropout above 0 (a GPU recipe may set it): TRL samples in train mode, where the unmerged adapter drops
+    part of its input and merged weights cannot. One warning naming the setting and the dropout, then the two steps
+    sample as TRL does: the same completions and losses as TRL's own trainer from the same seed."""
+    with caplog.at_level("WARNING", logger="grpo_pipeline.trainer.generation"):
+        run = _two_steps(tiny_model, trainer_args, True, False, "train.grpo.bf16=false", lora_dropout=0.1)
+    warnings = [r.getMessage() for r in caplog.records if r.name == "grpo_pipeline.trainer.generation"]
+    assert len(warnings) == 1 and warnings[0].startswith("train.merged_generation: generating from the unmerged")
+    assert "lora_dropout=0.1" in warnings[0]
+    plain = _two_steps(tiny_model, trainer_args, False, False, "train.grpo.bf16=false", lora_dropout=0.1)
+    assert run["completions"] == plain["completions"]
+    assert torch.equal(run["loss"], plain["loss"])
+
+
+def test_cuts_left_unset_fall_back_silently_and_train_as_trl_does(tiny_model, trainer_args, caplog):
+    """Every cut left unset (auto) where none can apply (a LoRA dropout: merged generation, prefill once and the
+    shared prompt forward cannot; a KL term: the zero-advantage skip cannot): no warning, and TRL's own trainer's
+    completions, log-probs, losses and adapter, bit for bit."""
+    two = ("train.grpo.num_generations=2", "train.grpo.bf16=false", "train.grpo.beta=0.1")
+    with caplog.at_level("DEBUG", logger="grpo_pipeline.trainer"):
+        auto = _two_steps(tiny_model, trainer_args, None, None, *two, shared=None, zero=None, lora_dropout=0.1)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= 30 and r.name.startswith("grpo_pipeline")] == []
+    told = {r.getMessage().split(":")[0] for r in caplog.records if r.name.startswith("grpo_pipeline.trainer.")}
+    assert {
+        "train.merged_generation",
+        "train.prefill_once",
+        "train.share_prompt_forward",
+        "train.skip_zero_advantage",
+    } <= told  # each fallback said why, at debug level
+    plain = _two_steps(tiny_model, trainer_args, False, False, *two, lora_dropout=0.1)
+    assert auto["completions"] == plain["completions"] and len(plain["completions"]) == 2
+    for got, want in zip(auto["logps"], plain["logps"], strict=True):
+        assert torch.equal(got, want)
+    assert torch.equal(auto["loss"], plain["loss"])
+    assert all(torch.equal(auto["adapter"][n], w) for n, w in plain["adapter"].items())
 
 
 def test_a_cpu_node_generates_from_merged_weights_unless_the_recipe_says_not(tiny_config):
@@ -373,7 +417,7 @@ def test_prefill_once_warns_once_and_generates_plainly_where_dropout_samples(
 def test_prefill_once_is_on_unless_the_recipe_says_not(tiny_config):
     from grpo_pipeline.tasks.job import train_settings
 
-    assert train_settings(tiny_config().train).prefill_once is True
+    assert train_settings(tiny_config().train).prefill_once is None  # auto: on where it can apply
     assert train_settings(tiny_config("train.prefill_once=false").train).prefill_once is False
 
 
@@ -545,7 +589,7 @@ def test_sharing_the_prompts_forward_warns_once_and_runs_every_row_where_it_cann
 def test_sharing_the_prompts_forward_is_on_unless_the_recipe_says_not(tiny_config):
     from grpo_pipeline.tasks.job import train_settings
 
-    assert train_settings(tiny_config().train).share_prompt_forward is True
+    assert train_settings(tiny_config().train).share_prompt_forward is None  # auto: on where it can apply
     assert train_settings(tiny_config("train.share_prompt_forward=false").train).share_prompt_forward is False
 
 
@@ -588,5 +632,5 @@ def test_a_kl_term_keeps_the_loss_pass_of_a_batch_without_advantages_with_one_wa
 def test_skipping_a_batch_without_advantages_is_on_unless_the_recipe_says_not(tiny_config):
     from grpo_pipeline.tasks.job import train_settings
 
-    assert train_settings(tiny_config().train).skip_zero_advantage is True
+    assert train_settings(tiny_config().train).skip_zero_advantage is None  # auto: on where it can apply
     assert train_settings(tiny_config("train.skip_zero_advantage=false").train).skip_zero_advantage is False
