@@ -31,6 +31,8 @@ from grpo_pipeline.configs.sampling import CurriculumConfig
 from grpo_pipeline.trainer.checkpoints import checkpoint_name
 from grpo_pipeline.trainer.spec import ZeroSignal
 
+# torch, TRL, datasets and accelerate load inside the functions that use them: the trainer's entry (train.py) imports
+# this module before they load, so a bad job spec is refused without them.
 STATE_FILE = "curriculum.json"  # in each checkpoint, beside health.json
 
 
@@ -258,7 +260,7 @@ class CurriculumCut:
     `_save_checkpoint`). Refuses (ValueError) a streamed dataset: it indexes prompts."""
 
     def __init__(self, trainer: Any, settings: CurriculumConfig, restored: dict | None = None) -> None:
-        from datasets import IterableDataset  # here: train.py reads this module's state before the libraries load
+        from datasets import IterableDataset
 
         data = trainer.train_dataset
         if isinstance(data, IterableDataset):

@@ -284,21 +284,8 @@ def _attempt(
     )
     from grpo_pipeline.trainer.step import StepTrainer
 
-    point = choose_resume(store, work / "resume")  # verified; newer ones that do not verify are moved aside
+    point, restored, baked = _resume(store, ranks, work, metrics, ledger, from_store)
     resume = point.directory
-    if point.reason and metrics:
-        metrics.client.set_tag(metrics.run_id, "resume_fallback", point.reason[:5000])
-    if resume:
-        if metrics:  # in case the kill came between the checkpoint's manifest and its MLflow commit
-            metrics.commit(CommittedMetrics.read(resume))
-    _same_resume_point(ranks, resume)
-    restored = health_state.read_state(resume)
-    baked = float(restored.get("lr_scale", 1.0))  # the scale the checkpoint's optimizer and scheduler hold
-    if not from_store:  # no rollback recorded in the store: the checkpoint's own record is the whole story
-        ledger.lr_scale = baked
-        ledger.rollbacks = int(restored.get("rollbacks", 0))
-    ledger.merge([HealthEvent.model_validate(e) for e in restored.get("events", [])])
-
     args = grpo_args(spec, work / "hf")
     if metrics:
         metrics.client.log_param(metrics.run_id, "precision", "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32")
@@ -349,6 +336,28 @@ def _attempt(
     if ranks.is_main and health.seconds:
         log.info("health rules: %.3f ms per logged step", 1000 * health.seconds / max(trainer.state.global_step, 1))
     return _Attempt(trainer, point, output, health)
+
+
+def _resume(
+    store: CheckpointStore, ranks: Ranks, work: Path, metrics: CommittedMetrics | None, ledger: Ledger, from_store: bool
+) -> tuple[ResumePoint, dict, float]:
+    """The newest verified checkpoint (the same on every rank), its health state, and the learning-rate scale its
+    optimizer and scheduler hold; `ledger` takes the checkpoint's record where the store holds none."""
+    point = choose_resume(store, work / "resume")  # verified; newer ones that do not verify are moved aside
+    resume = point.directory
+    if point.reason and metrics:
+        metrics.client.set_tag(metrics.run_id, "resume_fallback", point.reason[:5000])
+    if resume:
+        if metrics:  # in case the kill came between the checkpoint's manifest and its MLflow commit
+            metrics.commit(CommittedMetrics.read(resume))
+    _same_resume_point(ranks, resume)
+    restored = health_state.read_state(resume)
+    baked = float(restored.get("lr_scale", 1.0))  # the scale the checkpoint's optimizer and scheduler hold
+    if not from_store:  # no rollback recorded in the store: the checkpoint's own record is the whole story
+        ledger.lr_scale = baked
+        ledger.rollbacks = int(restored.get("rollbacks", 0))
+    ledger.merge([HealthEvent.model_validate(e) for e in restored.get("events", [])])
+    return point, restored, baked
 
 
 def _read_ledger(store: CheckpointStore, work: Path) -> str | None:
