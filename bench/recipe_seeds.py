@@ -131,7 +131,7 @@ def sequence_rows(n: int, seed: int = DATA_SEED) -> list[dict]:
 
     >>> rows = sequence_rows(1200)
     >>> rows[0], len({r["question"] for r in rows}) == len(rows) == 1200
-    ({'question': '57, 63, 69, 75', 'answer': '81'}, True)
+    ({'question': '13, 28, 43, 58', 'answer': '73'}, True)
     >>> all(int(r["answer"]) - int(r["question"].split(", ")[-1]) == int(r["question"].split(", ")[1]) - int(r["question"].split(", ")[0]) for r in rows)
     True
     >>> sequence_rows(2000)
@@ -142,8 +142,8 @@ def sequence_rows(n: int, seed: int = DATA_SEED) -> list[dict]:
     pairs = [(start, step) for start in range(1, 100) for step in range(2, 16)]
     if n > len(pairs):
         raise ValueError(f"{n} sequences asked; there are {len(pairs)} distinct ones")
-    picked = random.Random(seed).sample(pairs, n)
-    return [{"question": ", ".join(str(a + i * d) for i in range(4)), "answer": str(a + 4 * d)} for a, d in picked]
+    random.Random(seed).shuffle(pairs)  # one order: the tiny mode's rows are the full task's first
+    return [{"question": ", ".join(str(a + i * d) for i in range(4)), "answer": str(a + 4 * d)} for a, d in pairs[:n]]
 
 
 @dataclass(frozen=True)
@@ -152,7 +152,7 @@ class Generated:
 
     rows: Callable[[bool], list[dict]]  # tiny -> the rows (a handful in the tiny mode)
     template: str  # data.prompt_template around each row's question
-    holdout_share: float  # of the distinct rows: about 200-250 holdout prompts in the full mode
+    holdout_share: float  # of the distinct rows (split by the question): 250-280 holdout prompts in the full mode
 
 
 @dataclass(frozen=True)
@@ -186,7 +186,7 @@ TASKS = {
         generated=Generated(
             lambda tiny: subtraction_rows(8 if tiny else SUBTRACT_MAX),
             "What is {prompt}?" + REPLY,
-            0.28,  # ~240 of the 861 questions
+            0.28,  # 255 of the 861 questions in the holdout
         ),
     ),
     "compare": Task(
@@ -196,7 +196,9 @@ TASKS = {
         "correct_answer",
         "number_only",
         generated=Generated(
-            lambda tiny: largest_rows(40 if tiny else 1600), "Which is the largest of {prompt}?" + REPLY, 0.15
+            lambda tiny: largest_rows(40 if tiny else 1600),
+            "Which is the largest of {prompt}?" + REPLY,
+            0.15,  # 279 of the 1600 lists
         ),
     ),
     "sequence": Task(
@@ -208,7 +210,7 @@ TASKS = {
         generated=Generated(
             lambda tiny: sequence_rows(40 if tiny else 1386),
             "What number comes next in the sequence {prompt}?" + REPLY,
-            0.18,  # ~250 of the 1386 sequences
+            0.18,  # 254 of the 1386 sequences
         ),
     ),
 }
@@ -250,6 +252,7 @@ def task_sets(task: Task, recipe: dict, work: Path, tiny: bool) -> list[str]:
         f"data.source={source}",
         "data.prompt_column=question",
         "data.answer_column=answer",
+        "data.key_column=question",  # the split by the question itself: its holdout is known before a run
         f"data.prompt_template={task.generated.template}",
         f"data.holdout_share={task.generated.holdout_share}",
         "data.val_share=0.05",
