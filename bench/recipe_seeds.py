@@ -506,8 +506,43 @@ def summarize(by_seed: dict[int, dict], task: str = "") -> dict:
     }
 
 
+def verdicts(tasks: dict[str, dict]) -> dict:
+    """The goals over every task: the skill's gain beyond noise on every seed of every task (None until every task has
+    run on its seeds: a task skipped or short of seeds leaves it unjudged), the demo's accuracy, and the time spent.
+
+    >>> done = {"goals": {"skill_gain_every_seed": True}, "seeds": [0, 1, 2], "minutes": {"total": 30.0, "max": 11.0}}
+    >>> tasks = {n: done for n in ("gsm8k", "subtract", "compare", "sequence")}
+    >>> demo = {"goals": {"skill_gain_every_seed": True, "demo_accuracy_50": False}, "seeds": [0, 1, 2, 3, 4],
+    ...         "minutes": {"total": 45.0, "max": 9.5}}
+    >>> v = verdicts(tasks | {"demo": demo})
+    >>> v["skill_gain_every_seed_of_every_task"], v["demo_accuracy_50"], v["minutes"], v["longest_run_minutes"]
+    (True, False, 165.0, 11.0)
+    >>> v = verdicts(tasks | {"demo": demo | {"seeds": [0, 1]}}); v["skill_gain_every_seed_of_every_task"], v["short"]
+    (None, {'demo': 'ran 2 of 5 seeds'})
+    >>> verdicts({"demo": demo})["missing"]
+    ['gsm8k', 'subtract', 'compare', 'sequence']
+    """
+    missing = [name for name in TASKS if name not in tasks]
+    short = {
+        name: f"ran {len(t['seeds'])} of {len(TASKS[name].seeds)} seeds"
+        for name, t in tasks.items()
+        if len(t["seeds"]) < len(TASKS[name].seeds)
+    }
+    judged = [t["goals"]["skill_gain_every_seed"] for t in tasks.values()]
+    every = False if False in judged else None if missing or short or None in judged else True
+    minutes = [t["minutes"] for t in tasks.values() if t.get("minutes")]
+    return {
+        "skill_gain_every_seed_of_every_task": every,
+        "demo_accuracy_50": tasks["demo"]["goals"].get("demo_accuracy_50") if "demo" in tasks else None,
+        "missing": missing,
+        "short": short,
+        "minutes": sum(m["total"] for m in minutes) if minutes else None,
+        "longest_run_minutes": max(m["max"] for m in minutes) if minutes else None,
+    }
+
+
 def _judged(ok: bool | None) -> str:
-    return "met" if ok else "not judged (runs kept without per-prompt scores)" if ok is None else "missed"
+    return "met" if ok else "not judged" if ok is None else "missed"
 
 
 def _reward_row(bench: str, task: str, s: dict, role: str) -> Row:
@@ -672,10 +707,24 @@ def main(argv: list[str] | None = None) -> int:
         "sets": opts.sets,
         "fingerprint": state["fingerprint"],
         "tasks": tasks,
+        "goals": verdicts(tasks),
     }
     save(f"{NAME}_tiny" if opts.tiny else NAME, report | {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
     for row in table_rows(lambda _name: report):
         print(f"[{NAME}] {row.benchmark}: {row.baseline} | {row.candidate} | {row.note}", flush=True)
+    goals = report["goals"]
+    print(
+        f"[{NAME}] skill gain above zero on every seed of every task: {_judged(goals['skill_gain_every_seed_of_every_task'])}"
+        + (f" (not run: {', '.join(goals['missing'])})" if goals["missing"] else "")
+        + (f" ({'; '.join(f'{k} {v}' for k, v in goals['short'].items())})" if goals["short"] else "")
+        + f"; demo accuracy >= {DEMO_ACCURACY:.0%} on every seed: {_judged(goals['demo_accuracy_50'])}"
+        + (
+            f"; {goals['minutes']:.0f} min of runs, the longest {goals['longest_run_minutes']:.1f}"
+            if goals["minutes"]
+            else ""
+        ),
+        flush=True,
+    )
     return 0
 
 
