@@ -118,6 +118,39 @@ def test_a_skill_reward_the_evaluation_does_not_score_is_refused():
             recipe_seeds.check_sets(task, recipe_seeds.RECIPE, [])
 
 
+def test_the_skill_and_the_format_are_read_from_the_runs_per_prompt_tables(tmp_path):
+    """The evaluate stages' tables in a real MLflow store (sqlite), as the pipeline logs them: the skill and the format
+    paired per prompt; a summary whose means are not these tables' is refused, never mixed with another run's."""
+    import mlflow
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = mlflow.MlflowClient(uri)
+    experiment = client.create_experiment("bench", artifact_location=(tmp_path / "artifacts").as_uri())
+    parent = client.create_run(experiment).info.run_id
+    keys = [f"k{i}" for i in range(40)]
+    scores = {  # base: 3 of 40 right, no bare numbers; trained: 20 right, all bare numbers
+        "base_samples.json": ("evaluate-base", [float(i < 3) for i in range(40)], [0.0] * 40),
+        "candidate_samples.json": ("evaluate-candidate", [float(i < 20) for i in range(40)], [1.0] * 40),
+    }
+    for table, (stage, accuracy, fmt) in scores.items():
+        run = client.create_run(experiment, run_name=stage, tags={"mlflow.parentRunId": parent}).info.run_id
+        client.log_table(run, {"key": keys, "correct_answer": accuracy, "number_only": fmt, "length": [2] * 40}, table)
+    summary = {
+        "mlflow": {"tracking_uri": uri, "run_id": parent, "experiment_id": experiment},
+        "holdout": {"trained": {"correct_answer": 0.5, "number_only": 1.0}},
+    }
+    out = recipe_seeds.skill_and_format(summary, recipe_seeds.TASKS["compare"])
+    skill, fmt = out["skill"], out["format"]
+    assert (skill["reward"], skill["base"], skill["trained"], skill["n"]) == ("correct_answer", 0.075, 0.5, 40)
+    assert 0 < skill["ci_low"] < skill["gain"] < skill["ci_high"]
+    assert (fmt["reward"], fmt["gain"], fmt["ci_low"], fmt["ci_high"]) == ("number_only", 1.0, 1.0, 1.0)
+    with pytest.raises(KeyError, match="no 'math_answer' column"):  # a task judged on a reward the run did not score
+        recipe_seeds.skill_and_format(summary, recipe_seeds.TASKS["gsm8k"])
+    summary["holdout"]["trained"]["correct_answer"] = 0.9  # another run's summary
+    with pytest.raises(RuntimeError, match="per-prompt table"):
+        recipe_seeds.skill_and_format(summary, recipe_seeds.TASKS["compare"])
+
+
 @pytest.mark.parametrize("name", ["subtract", "compare", "sequence"])
 def test_each_generated_task_is_large_enough_to_judge_and_has_no_duplicates(name):
     from grpo_pipeline.tasks.data.splits import split_of
