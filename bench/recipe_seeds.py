@@ -366,7 +366,8 @@ def reward_figures(base: list[dict], trained: list[dict], reward: str) -> dict:
 def skill_and_format(summary: dict, task: Task) -> dict:
     """The task's skill and format rewards on the holdout (`reward_figures` of each; None for a task without a
     format reward), from the run's per-prompt tables: the summary's `holdout` holds each reward's means, not the
-    gain's interval. Its means are checked against the tables', so the tables are this run's."""
+    gain's interval. Its means are checked against the tables', so the tables are this run's. The one place that
+    reads a run's skill: a summary that carries the skill's base, trained, gain and interval itself is read here."""
     with tempfile.TemporaryDirectory() as dst:
         base, trained = evaluation_rows(summary, Path(dst))
     out: dict[str, dict | None] = {}
