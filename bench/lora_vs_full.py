@@ -219,12 +219,8 @@ def gap_interval(full, arm, resamples: int = 4000, seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
     n_seeds, n_prompts = f.shape
     # a resample's mean is (how often each seed is drawn) @ scores @ (how often each prompt is drawn)
-    seed_counts = np.stack(
-        [np.bincount(rng.integers(0, n_seeds, n_seeds), minlength=n_seeds) for _ in range(resamples)]
-    )
-    prompt_counts = np.stack(
-        [np.bincount(rng.integers(0, n_prompts, n_prompts), minlength=n_prompts) for _ in range(resamples)]
-    )
+    seed_counts = rng.multinomial(n_seeds, np.full(n_seeds, 1 / n_seeds), size=resamples)
+    prompt_counts = rng.multinomial(n_prompts, np.full(n_prompts, 1 / n_prompts), size=resamples)
     f_means = ((seed_counts @ f) * prompt_counts).sum(1)
     a_means = ((seed_counts @ a) * prompt_counts).sum(1)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -1255,7 +1251,10 @@ def _single_rows(result: dict) -> list[Row]:
 def table_rows(load) -> list[Row]:
     """The fair comparison's rows when it has run; the earlier fixed-budget results' rows after them."""
     fair = load(NAME)
-    return (fair_rows(fair) if fair is not None else []) + earlier_rows(load)
+    if fair is None:
+        return earlier_rows(load)
+    earlier = any(load(name) is not None for name in ("lora_vs_full", "qlora_vs_lora"))
+    return fair_rows(fair) + (earlier_rows(load) if earlier else [])
 
 
 # ---------------------------------------------------------------- driver
