@@ -649,6 +649,10 @@ def summarise_task(runs: Sequence[Mapping], arms: Sequence[str], seeds: Sequence
                     "seed": r["seed"],
                     "steps": r["steps"],
                     "stopped": r["stopped"],
+                    # a plateau at the level it started from: a rate that did not learn (the sweep's others may)
+                    "gained_over_base": gained(
+                        r["validation"]["scores"][0]["total"], r["validation"]["scores"][-1]["total"]
+                    ),
                     "holdout_total": float(np.mean(r["holdout"]["total"])),
                     "holdout_skill": float(np.mean(r["holdout"]["skill"])),
                     "cpu_s": r["cpu_s"],

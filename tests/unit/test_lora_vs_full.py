@@ -96,7 +96,11 @@ def _run(arm, lr, seed, val_skill, holdout_skill, curve_skill, base=None, prompt
             {"step": 8 * i, "train_s": 10.0 * i, "train_cpu_s": 20.0 * i, "skill": s, "total": 1 + s}
             for i, s in enumerate(curve_skill)
         ],
-        "validation": {"skill": val_skill, "total": 1 + val_skill},
+        "validation": {
+            "skill": val_skill,
+            "total": 1 + val_skill,
+            "scores": [{"total": [1.0] * 5 + [0.0] * 5}, {"total": [1.0] * 10}],
+        },
         "holdout": {"skill": skill, "total": [1 + x for x in skill]},
         "base_holdout": base,
     }
@@ -125,6 +129,7 @@ def test_the_summary_compares_each_arm_at_its_validation_rate_and_withholds_the_
     fair = summarise_task(_fake_runs(), ["full", "lora", "qlora"], [0, 1, 2], [])
     full, lora, qlora = (fair["arms"][a] for a in ("full", "lora", "qlora"))
     assert (full["learning_rate"], lora["learning_rate"]) == (3e-5, 3e-4)  # validation's picks, not the holdout's
+    assert all(p["gained_over_base"] for p in lora["per_seed"])
     assert full["holdout_skill"] == pytest.approx(0.5) and lora["holdout_skill"] == pytest.approx(0.45)
     assert lora["gap_skill"]["gap_pct"] == pytest.approx(10.0) and lora["verdict"] == "missed"
     assert qlora["gap_skill"]["gap_pct"] == pytest.approx(20.0)
