@@ -11,6 +11,8 @@
 #   bash bench/gpu_check.sh --dry-run               # anywhere: the same code path on a tiny model, on the CPU
 #   bash bench/gpu_check.sh --distributed           # there: several processes (bench/gpu_dist_check.py: NCCL,
 #                                                   #   FSDP2, ZeRO, vLLM server mode), < 4 minutes, a run of its own
+#   bash bench/gpu_check.sh --time-to-quality       # there: LoRA vs full fine-tuning at the batch each fits in the
+#                                                   #   same memory, wall time to a reward (bench/gpu_ttq.py), < 8 min
 # With the device tool: run(command="bash bench/gpu_check.sh", carry=[".whl"], timeout_s=600), and the same with
 # --distributed (each under the 10-minute limit of one device command).
 set -euo pipefail
@@ -37,5 +39,9 @@ command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,dri
 if [[ "${1:-}" == "--distributed" ]]; then
   shift
   exec timeout 240 "$PY" -m bench.gpu_dist_check --out "${OUT:-bench/results}" "$@"
+fi
+if [[ "${1:-}" == "--time-to-quality" ]]; then
+  shift
+  exec timeout 480 "$PY" -m bench.gpu_ttq --out "${OUT:-bench/results}" "$@"
 fi
 exec timeout 480 "$PY" -m bench.gpu_check --out "${OUT:-bench/results}" "$@"

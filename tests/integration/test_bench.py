@@ -1,41 +1,10 @@
 """The headline benchmarks' code paths on tiny models: real GRPO steps, real NF4, results written and read back."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.mark.slow
-def test_lora_vs_full_runs_each_arm_in_its_own_process_and_analyses_them(results):
-    cmd = [
-        sys.executable,
-        "-m",
-        "bench.lora_vs_full",
-        "--tiny",
-        "--arms",
-        "full,qlora",
-        "--steps",
-        "2",
-        "--eval-every",
-        "1",
-        "--holdout",
-        "4",
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads((results / "lora_vs_full_tiny.json").read_text())
-    full, qlora = report["arms"]["full"], report["arms"]["qlora"]
-    assert [p["step"] for p in full["curve"]] == [0, 1, 2] and len(full["final_totals"]) == 4
-    assert qlora["trainable_params"] < full["trainable_params"]  # only the adapter trains over the NF4 base
-    assert qlora["adapter_dtypes"] == ["torch.float32"]  # as the trainer keeps it (keep_adapter_fp32)
-    assert full["peak_rss_train_mb"] > 0 and len(qlora["step_s"]) == 2
-    assert set(report["analysis"]) == {"qlora"}
-    assert report["analysis"]["qlora"]["memory"]["ratio"] > 0
 
 
 def test_machine_limit_counts_flops_and_bounds(results):
