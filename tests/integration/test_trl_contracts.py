@@ -196,6 +196,7 @@ def test_compute_loss_of_a_batch_without_advantages_is_zero_with_a_zero_gradient
     inputs = dict(grpo.batch)
     inputs["advantages"] = torch.zeros_like(inputs["advantages"])
     grpo.loss_type = loss_type
+    grpo.current_gradient_accumulation_steps = 1  # what TRL's training loop sets before its first compute_loss
     grpo.model.zero_grad()
     try:
         loss = grpo.compute_loss(grpo.model, inputs, num_items_in_batch=inputs["num_items_in_batch"])
@@ -242,7 +243,8 @@ def test_the_fused_lm_head_chooses_its_compact_branch_by_use_triton_at_call_time
     with torch.no_grad():
         out = grpo.model(input_ids=ids, labels=labels, fused_lm_head=True)
     assert devices and set(devices) == {"cpu"}
-    assert (out.log_probs[:, : grpo.batch["prompt_ids"].size(1)] == 0).all()  # the unlabelled rows: not projected
+    # position i predicts token i + 1: the rows before the last prompt token predict unlabelled tokens, not projected
+    assert (out.log_probs[:, : grpo.batch["prompt_ids"].size(1) - 1] == 0).all()
 
 
 def test_nanstd_groups_rewards_as_trl_normalises_them():
