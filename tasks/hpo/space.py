@@ -171,10 +171,9 @@ def trial_train(train: TrainConfig, hpo: HPOConfig, overrides: dict[str, Any]) -
             "cpu_threads": tuned.cpu_threads or threads_per_trial(hpo, tuned),
         }
     )
-    if not LAUNCHERS[trial.launcher].local:  # the trial YAML's cheaper GPU list, not the one planned for training
-        trial = trial.model_copy(
-            update={"sky": trial.sky.model_copy(update={"task_yaml": hpo.sky_task_yaml, "accelerators": None})}
-        )
+    facts = LAUNCHERS[trial.launcher]
+    if not facts.local:  # the trial task's cheaper GPU list, not the one planned for training
+        trial = facts.rents().trial(trial, hpo.trial_task_file)
     return trial
 
 
