@@ -36,6 +36,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+import yaml
+
 from grpo_pipeline.trainer.distributed import LAUNCH_DIR_ENV, VLLM_HOST_ENV, problems
 from grpo_pipeline.trainer.spec import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_SUPERSEDED, RESULT_FILE, JobSpec
 
