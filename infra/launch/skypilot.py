@@ -43,8 +43,9 @@ import yaml
 from grpo_pipeline.configs.files import SOURCE_ROOT, project_file
 from grpo_pipeline.configs.launchers import gpu_option
 from grpo_pipeline.configs.schema import SkyConfig, TrainConfig
-from grpo_pipeline.infra.launch import BadTrainingInput, LauncherKind, TrainingFailed
+from grpo_pipeline.infra.launch import BadTrainingInput, LauncherKind, LaunchRefused, TrainingFailed, check_launch
 from grpo_pipeline.trainer.checkpoints import (
+    FINAL,
     INIT_ADAPTER,
     CheckpointStoreError,
     Store,
@@ -52,6 +53,7 @@ from grpo_pipeline.trainer.checkpoints import (
     collect_final,
     open_store,
 )
+from grpo_pipeline.trainer.fence import ATTEMPT, managed_job_id, refusal, release
 from grpo_pipeline.trainer.spec import JobSpec, TrainResult, parse_bad_input
 
 log = logging.getLogger(__name__)
@@ -330,10 +332,6 @@ def claim_checkpoints(
     reports ended (cancelled, failed, out of recoveries) is released for this job; one whose owner runs, or
     whose owner SkyPilot does not know, refuses the launch (exit 2) naming both. `status_of`: a managed job's
     status in SkyPilot's queue, None when unknown."""
-    from grpo_pipeline.infra.launch import LaunchRefused
-    from grpo_pipeline.trainer.checkpoints import FINAL
-    from grpo_pipeline.trainer.fence import ATTEMPT, managed_job_id, refusal, release
-
     store = open_store(uri, endpoint_url)
     body, _ = store.read_record(ATTEMPT)
     try:
@@ -417,7 +415,6 @@ class SkyLauncher:
         self.on_line = on_line or (lambda line: log.debug("trainer: %s", line))
 
     def launch(self, spec: JobSpec) -> SkyHandle:
-        from grpo_pipeline.infra.launch import check_launch
 
         base = _task_yaml(self.sky_cfg.task_yaml)
         options = task_config(base, spec, Path(spec.work_dir), self.sky_cfg, self.max_restarts)["resources"]["ordered"]

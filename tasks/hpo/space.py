@@ -84,7 +84,7 @@ def space_filling(space: SearchSpace, n: int, seed: int) -> list[dict[str, Any]]
     """
     if n <= 0:
         return []
-    from scipy.stats import qmc
+    from scipy.stats import qmc  # seconds to import: only a new study's first trials need it
 
     active = space.active()
     sobol = qmc.Sobol(d=len(active), scramble=True, seed=seed)
