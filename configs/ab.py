@@ -7,16 +7,12 @@ minimum sample and maximum duration. Set any of them with `--set ab.<field>=<val
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
+
+from grpo_pipeline.configs.base import StrictModel
 
 
-class _Strict(BaseModel):
-    # The same rule as grpo_pipeline.configs.base.StrictModel (a typo is an error, not a silently ignored key), which
-    # the other sections build on.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-class Guardrails(_Strict):
+class Guardrails(StrictModel):
     """Bounds on the challenger relative to the champion, checked before any score is compared; a breach rolls
     the challenger back at the next decision. Checked once both arms have `min_requests` requests."""
 
@@ -53,7 +49,7 @@ class Guardrails(_Strict):
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the values vLLM's --max-lora-rank takes
 
 
-class ServeConfig(_Strict):
+class ServeConfig(StrictModel):
     """`grpo-pipeline serve`: the router in front of one vLLM engine holding the base and the aliases' adapters.
 
     The engine runs from its own Python (`make serve-env` builds `.venv-serve` with vLLM's CPU build; on a GPU
@@ -94,7 +90,7 @@ class ServeConfig(_Strict):
         return self
 
 
-class ABConfig(_Strict):
+class ABConfig(StrictModel):
     """The live test. Outcomes are the feedback scores (`POST /v1/feedback`), compared as means per arm."""
 
     challenger_fraction: float = Field(

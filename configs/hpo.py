@@ -3,7 +3,7 @@ how trials are scored, and the space searched (`SearchSpace`, one `SearchDim` pe
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
@@ -217,8 +217,22 @@ class HPOConfig(StrictModel):
         "its range; TPE models the trials after them; 0: TPE from the first",
     )
     seed: int = Field(0, description="seeds the TPE sampler")
-    sky_task_yaml: str = Field("sky/hpo-trial.yaml", description="task YAML for trials when train.launcher=sky")
+    trial_task_file: str | None = Field(
+        None,
+        description="the task file trials launch with on rented GPUs; None: the launcher's own "
+        "(sky: sky/hpo-trial.yaml, cheaper GPUs, no retry after a crash)",
+    )
     space: SearchSpace = SearchSpace()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "sky_task_yaml" in data:
+            raise ValueError(
+                "sky_task_yaml is now trial_task_file (the task file trials launch with on rented GPUs, for any "
+                "launcher): rename it"
+            )
+        return data
 
     @model_validator(mode="after")
     def _consistent(self) -> HPOConfig:

@@ -22,7 +22,9 @@ class PlanConfig(StrictModel):
         ge=1,
         description="completions per optimizer step; None: per_device_train_batch_size x gradient_accumulation_steps",
     )
-    spot: bool | None = Field(None, description="price spot GPUs; None: train.sky.use_spot")
+    spot: bool | None = Field(
+        None, description="price spot GPUs; None: as the launcher rents them (sky: train.sky.use_spot)"
+    )
     optimizer: (
         Literal[
             "adamw_torch", "adamw_torch_fused", "adamw_8bit", "adamw_bnb_8bit", "paged_adamw_8bit", "paged_adamw_32bit"
@@ -40,5 +42,6 @@ class PlanConfig(StrictModel):
     daily_projection: bool = Field(True, description="also project the monthly cost of retraining daily")
     allowed_gpus: list[str] | None = Field(
         None,
-        description="GPU types to choose from; None: train.sky.accelerators (or sky/train.yaml's list) when launcher=sky",
+        description="GPU types to choose from; None: the launcher's GPU options "
+        "(sky: train.sky.accelerators, else its task YAML's list)",
     )

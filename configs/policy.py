@@ -59,7 +59,7 @@ RISKS: dict[str, str] = {
     "train.sky.task_yaml": CODE,  # its setup and run commands run on the node
     "train.distributed.accelerate": PATH,  # names DeepSpeed / FSDP config files
     "hpo.storage": HOST,
-    "hpo.sky_task_yaml": CODE,
+    "hpo.trial_task_file": CODE,
     "tracking.mlflow_tracking_uri": HOST,
     "deploy": POLICY,
 }

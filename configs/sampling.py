@@ -2,21 +2,18 @@
 groups without reward variance (pure pydantic, no I/O).
 
 The trainer's job spec carries both sections as they are (`grpo_pipeline.trainer.spec.TrainSettings`): like
-`configs/layout.py`, this module imports nothing else of the project, so a node runs it alone.
+`configs/layout.py`, this module imports nothing else of the project but `configs/base.py` (itself importing nothing
+of it), so a node runs it alone.
 """
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from grpo_pipeline.configs.base import StrictModel
 
 
-class _Strict(BaseModel):
-    # The same rule as grpo_pipeline.configs.base.StrictModel (a typo is an error, not a silently ignored key); not
-    # imported from there because the trainer imports this module and no other of the config but its own sections.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-class CurriculumConfig(_Strict):
+class CurriculumConfig(StrictModel):
     """Fewer wasted steps (docs/training.md#fewer-wasted-steps): a prompt whose last group of completions all got
     the same reward (all right or all wrong: no advantage, no gradient) sits out its next passes over the data,
     at most `max_skips` of them, then comes back. Until a prompt recurs, the order is TRL's own
@@ -32,7 +29,7 @@ class CurriculumConfig(_Strict):
     )
 
 
-class DynamicSamplingConfig(_Strict):
+class DynamicSamplingConfig(StrictModel):
     """DAPO-style dynamic sampling (docs/training.md#dynamic-sampling; Yu et al. 2025, arXiv:2503.14476, §3.2):
     each generation makes `oversample` times the groups a step trains on, in one batched generate, and the step
     trains on the groups whose rewards differ (flat groups only fill up when too few differ). It pays more

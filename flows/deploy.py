@@ -9,7 +9,7 @@ the work pool when missing (a process pool); apply the schedule, configuration a
 pure function) and hand the result to Prefect's own `prefect deploy --all`, run in the folder `deploy` is started
 from; then point a failure automation at the notification block. The schedule, pool and block come from the
 config's `deploy` section, and the options override it. The command itself (its options, its one way of failing)
-is in grpo_pipeline/deploy_cli.py.
+is in grpo_pipeline/cli/deploy.py.
 
 Where the runs find things: the flows by module path (prefect.yaml's entrypoints), from the installed package; a
 process worker works in the folder deployed from (prefect.yaml's pull step), where the config's relative paths

@@ -20,7 +20,7 @@ try:  # recent typer releases carry their own copy of click, and raise its excep
 except ImportError:
     from click import UsageError  # type: ignore[assignment]  # older typer: click's own class, the same role
 
-# The exit codes of every command (grpo_pipeline/cli.py's docstring says what each means)
+# The exit codes of every command (grpo_pipeline/cli/__init__.py's docstring says what each means)
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_REJECTED, EXIT_CHAMPION_MOVED = 0, 1, 2, 3, 4
 err = Console(stderr=True, soft_wrap=True)
 

@@ -35,7 +35,7 @@ def missing(tracking_uri: str) -> str | None:
     return f"no registry yet at {tracking_uri}: run `grpo-pipeline run` first"
 
 
-def quiet_mlflow() -> None:
+def mlflow_warnings_only() -> None:
     """MLflow's own INFO lines (a store's schema check and migrations) off a command's stderr, where the user has
     not chosen a level: read before MLflow is imported, which these commands do only when they open the store."""
     os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")

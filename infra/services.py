@@ -36,7 +36,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+
+from grpo_pipeline.trainer.launch import free_port
+from grpo_pipeline.trainer.s3 import s3_client
 
 ACCESS_KEY, SECRET_KEY = "grpo-test", "grpo-test-secret"
 REGION = "us-east-1"
@@ -115,12 +117,6 @@ def python_tool(module: str, package: str | None = None) -> list[str]:
             f"{sys.executable} -m pip install {package or module}"
         )
     return [sys.executable, "-m", module]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def port_is_free(port: int) -> bool:
@@ -379,20 +375,6 @@ def _http_ok(url: str) -> bool:
 # --- S3 (SeaweedFS) -------------------------------------------------------------------------------------
 
 
-def s3_client(endpoint: str, access_key: str, secret_key: str) -> Any:  # boto3's S3 client (untyped)
-    import boto3
-    from botocore.config import Config
-
-    return boto3.client(
-        "s3",
-        endpoint_url=endpoint,
-        aws_access_key_id=access_key,
-        aws_secret_access_key=secret_key,
-        region_name=REGION,
-        config=Config(retries={"max_attempts": 1}, connect_timeout=3),
-    )
-
-
 def start_seaweedfs(
     workdir: Path,
     bucket: str,
@@ -464,7 +446,7 @@ def start_seaweedfs(
         for server in ("master", "volume", "filer", "s3")
     ]
     service.extra = {"ports": ports, "bucket": bucket, "tmpdir": sockets, "sockets": grpc_sockets}
-    client = s3_client(service.url, access_key, secret_key)
+    client = s3_client(service.url, access_key, secret_key, region=REGION, attempts=1)  # wait_until polls
 
     def bucket_ready() -> bool:  # the S3 gateway answers InternalError for its first seconds
         try:
@@ -490,7 +472,9 @@ def s3_healthy(service: Service, access_key: str, secret_key: str) -> bool:
     from botocore.exceptions import BotoCoreError, ClientError
 
     try:
-        s3_client(service.url, access_key, secret_key).head_bucket(Bucket=service.extra["bucket"])
+        s3_client(service.url, access_key, secret_key, region=REGION, attempts=1).head_bucket(
+            Bucket=service.extra["bucket"]
+        )
         return True
     except (BotoCoreError, ClientError):
         return False

@@ -15,7 +15,7 @@ the credentials generated at the first `up`: the S3 key, MLflow's admin and Pref
 servers refuse requests without them (any local user can reach a loopback port); `stack env` hands them
 to clients, workers and shells. PostgreSQL listens on a Unix socket only; the others listen on fixed ports
 (`DEFAULT_PORTS`, the ports docker-compose.yml publishes), so URLs stay the same from one `up` to the next. The
-`grpo-pipeline stack` commands themselves are in grpo_pipeline/stack_cli.py.
+`grpo-pipeline stack` commands themselves are in grpo_pipeline/cli/stack.py.
 
 The router (`serve`, only with `up --serve`) reads the MLflow registry as the stack's admin, writes its request
 log to the `ab` database, and asks clients for the key generated at the first `up` (`GRPO_SERVE_API_KEY` in

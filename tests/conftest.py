@@ -13,7 +13,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 # Prefect's ephemeral server gets 20 s to answer by default; on a busy 2-core machine (the other worker's
 # training beside it) it was missed (test_data_stage's flow, CI's fresh clone). The CLI gives users 180 s
-# (grpo_pipeline/run_cli.py); every flow a test starts, in this process or a subprocess, gets the same.
+# (grpo_pipeline/cli/run.py); every flow a test starts, in this process or a subprocess, gets the same.
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 
 

@@ -34,6 +34,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
+from grpo_pipeline.trainer.s3 import s3_client
 from grpo_pipeline.trainer.spec import RESULT_FILE, JobSpec, TrainResult
 
 MANIFEST = "manifest.json"
@@ -327,17 +328,7 @@ class S3Store:
             raise CheckpointStoreError(f"{uri!r} names no bucket; use s3://bucket/prefix")
         self.uri, self.bucket, self.prefix = uri, bucket, prefix.strip("/")
         self.endpoint_url = endpoint_url
-        if client is None:
-            import boto3
-            from botocore.config import Config
-
-            # A session of its own: boto3's default session caches credentials for the process's lifetime.
-            client = boto3.session.Session().client(
-                "s3",
-                endpoint_url=endpoint_url,
-                config=Config(connect_timeout=5, read_timeout=60, retries={"max_attempts": 3, "mode": "standard"}),
-            )
-        self.s3 = client
+        self.s3 = client if client is not None else s3_client(endpoint_url)
 
     def __repr__(self) -> str:
         return f"S3Store({self.uri})"

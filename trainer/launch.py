@@ -24,6 +24,7 @@ them 30 s later, and a GRPO step with its checkpoint can take longer than that.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import functools
 import logging
 import os
@@ -35,6 +36,8 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+
+import yaml
 
 from grpo_pipeline.trainer.distributed import LAUNCH_DIR_ENV, VLLM_HOST_ENV, problems
 from grpo_pipeline.trainer.spec import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_SUPERSEDED, RESULT_FILE, JobSpec
@@ -72,8 +75,6 @@ def _deep_merge(base: dict, over: dict) -> dict:
 
 def accelerate_config(spec: JobSpec) -> dict:
     """configs/accelerate/<strategy>.yaml with train.distributed.accelerate's keys merged over it."""
-    import yaml
-
     d = spec.train.distributed
     base = yaml.safe_load((ACCELERATE_CONFIGS / f"{d.strategy}.yaml").read_text())
     return _deep_merge(base, d.accelerate)
@@ -86,7 +87,7 @@ def strategy_env(spec: JobSpec, nproc: int, nnodes: int) -> dict[str, str]:
     the trainer (train.grpo.bf16), which sets accelerate's variable itself."""
     if spec.train.distributed.strategy == "ddp":
         return {}
-    import yaml
+    # accelerate imports torch (seconds): only an FSDP or DeepSpeed launch, and its check before one, pays for it
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
 
@@ -130,7 +131,7 @@ def strategy_env(spec: JobSpec, nproc: int, nnodes: int) -> dict[str, str]:
 
 
 def detect_gpus() -> int:
-    try:
+    try:  # torch takes seconds to import: only a launch asks how many GPUs this machine has
         import torch
 
         return torch.cuda.device_count()
@@ -200,6 +201,9 @@ def vllm_command(spec: JobSpec, gpus: int, host: str) -> list[str]:
 
 
 def free_port() -> int:
+    """A TCP port nothing listens on at 127.0.0.1 now, the kernel's pick: for the rendezvous here, and (one
+    definition for every layer, the trainer being the lowest that all may import) for the servers the pipeline
+    starts. Another process may take it before the caller binds it: a start that fails on it fails loudly."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -377,8 +381,6 @@ def _libc():
     """libc through ctypes, loaded once: in the parent before a fork, so a child between fork and exec imports
     nothing (an import there can deadlock on a lock another thread held at the fork)."""
     try:
-        import ctypes
-
         return ctypes.CDLL("libc.so.6", use_errno=True)
     except (OSError, AttributeError):
         return None
@@ -397,8 +399,6 @@ def rank_lifeline() -> bool:
     the launcher and torchrun and nothing else; without this the ranks trained on, unsupervised. SIGKILL, not
     SIGTERM: torchrun dead means no one collects an exit code or forwards a stop, and the relaunch must not
     meet this rank still writing. False: torchrun is gone already. True where there is no node launcher."""
-    from grpo_pipeline.trainer.distributed import LAUNCH_DIR_ENV
-
     folder = os.environ.get(LAUNCH_DIR_ENV)
     if not folder or "RANK" not in os.environ:
         return True

@@ -19,15 +19,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, model_validator
 
 # the config's own sections, one definition each (tests/unit/test_layers.py: the only modules the trainer imports)
+from grpo_pipeline.configs.base import StrictModel as _Strict
 from grpo_pipeline.configs.dtypes import DType, Quantization
 from grpo_pipeline.configs.health import Action, HealthConfig
 from grpo_pipeline.configs.layout import DistributedConfig
 from grpo_pipeline.configs.rewards import RewardSet
 from grpo_pipeline.configs.sampling import CurriculumConfig, DynamicSamplingConfig
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
 
 
 class ModelLoad(_Strict):

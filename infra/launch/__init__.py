@@ -22,8 +22,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from grpo_pipeline.configs import library_fields
 from grpo_pipeline.configs.launchers import LAUNCHERS
 from grpo_pipeline.configs.schema import ConfigError, ModelConfig, TrainConfig
+from grpo_pipeline.tasks.job import model_load, train_settings
+from grpo_pipeline.trainer.distributed import problems
+from grpo_pipeline.trainer.launch import strategy_env
 from grpo_pipeline.trainer.spec import JobSpec, TrainingFailed, TrainResult
 
 __all__ = [
@@ -84,14 +88,9 @@ def make_launcher(train: TrainConfig, on_line: Listener = None, on_status: Liste
 
 def check_launch(spec: JobSpec, gpu_counts: list[int]) -> None:
     """Refuse (LaunchRefused, exit 2) a job whose processes could not start or would fail once started."""
-    from grpo_pipeline.configs import library_fields
-    from grpo_pipeline.trainer.distributed import problems
-
     defaults = {name: f.default for name, f in library_fields.fields("GRPOConfig").items()}  # TRL not imported
     found = list(dict.fromkeys(p for gpus in gpu_counts for p in problems(spec, gpus, defaults)))
     if spec.train.distributed.strategy != "ddp" and not found:
-        from grpo_pipeline.trainer.launch import strategy_env
-
         try:  # accelerate's own parser reads the strategy's config file with the overrides
             strategy_env(spec, max(gpu_counts) or 1, spec.train.distributed.nodes)
         except ValueError as exc:
@@ -102,8 +101,6 @@ def check_launch(spec: JobSpec, gpu_counts: list[int]) -> None:
 
 def check_launcher(train: TrainConfig, mlflow_uri: str, model: ModelConfig | None = None) -> None:
     """What the configured launcher needs, checked before anything runs; each failure names its fix."""
-    from grpo_pipeline.tasks.job import model_load, train_settings
-
     probe = JobSpec(
         model_path="",
         model=model_load(model or ModelConfig()),

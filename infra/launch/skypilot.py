@@ -41,9 +41,11 @@ from typing import Any
 import yaml
 
 from grpo_pipeline.configs.files import SOURCE_ROOT, project_file
+from grpo_pipeline.configs.launchers import gpu_option
 from grpo_pipeline.configs.schema import SkyConfig, TrainConfig
-from grpo_pipeline.infra.launch import BadTrainingInput, LauncherKind, TrainingFailed
+from grpo_pipeline.infra.launch import BadTrainingInput, LauncherKind, LaunchRefused, TrainingFailed, check_launch
 from grpo_pipeline.trainer.checkpoints import (
+    FINAL,
     INIT_ADAPTER,
     CheckpointStoreError,
     Store,
@@ -51,6 +53,7 @@ from grpo_pipeline.trainer.checkpoints import (
     collect_final,
     open_store,
 )
+from grpo_pipeline.trainer.fence import ATTEMPT, managed_job_id, refusal, release
 from grpo_pipeline.trainer.spec import JobSpec, TrainResult, parse_bad_input
 
 log = logging.getLogger(__name__)
@@ -250,12 +253,6 @@ def _options(resources: dict) -> list[str]:
     ] or ([resources["accelerators"]] if "accelerators" in resources else [])
 
 
-def _count(option: str) -> tuple[str, int]:
-    """'H100:8' -> ('H100', 8); a bare name is one GPU."""
-    name, _, count = str(option).partition(":")
-    return name, int(count or 1)
-
-
 def _task_yaml(task_yaml: str) -> dict:
     return yaml.safe_load(project_file(task_yaml).read_text())
 
@@ -281,7 +278,7 @@ def accelerator_options(train: TrainConfig) -> list[tuple[str, int]]:
     d = train.distributed
     listed = train.sky.accelerators or _options(_task_yaml(train.sky.task_yaml)["resources"])
     need = d.processes_per_node + d.vllm_server_gpus if d.processes_per_node else None
-    return [(name, max(count, need or count)) for name, count in map(_count, listed)]
+    return [(name, max(count, need or count)) for name, count in map(gpu_option, listed)]
 
 
 def task_config(base: dict[str, Any], spec: JobSpec, job_dir: Path, sky_cfg: SkyConfig, max_restarts: int) -> dict:
@@ -300,7 +297,7 @@ def task_config(base: dict[str, Any], spec: JobSpec, job_dir: Path, sky_cfg: Sky
         for key in ("any_of", "accelerators"):
             resources.pop(key, None)
         resources["ordered"] = [
-            {"accelerators": f"{name}:{max(count, need or count)}"} for name, count in map(_count, options)
+            {"accelerators": f"{name}:{max(count, need or count)}"} for name, count in map(gpu_option, options)
         ]
     config["num_nodes"] = d.nodes + d.vllm_server_node
     resources["use_spot"] = sky_cfg.use_spot
@@ -335,10 +332,6 @@ def claim_checkpoints(
     reports ended (cancelled, failed, out of recoveries) is released for this job; one whose owner runs, or
     whose owner SkyPilot does not know, refuses the launch (exit 2) naming both. `status_of`: a managed job's
     status in SkyPilot's queue, None when unknown."""
-    from grpo_pipeline.infra.launch import LaunchRefused
-    from grpo_pipeline.trainer.checkpoints import FINAL
-    from grpo_pipeline.trainer.fence import ATTEMPT, managed_job_id, refusal, release
-
     store = open_store(uri, endpoint_url)
     body, _ = store.read_record(ATTEMPT)
     try:
@@ -422,11 +415,12 @@ class SkyLauncher:
         self.on_line = on_line or (lambda line: log.debug("trainer: %s", line))
 
     def launch(self, spec: JobSpec) -> SkyHandle:
-        from grpo_pipeline.infra.launch import check_launch
 
         base = _task_yaml(self.sky_cfg.task_yaml)
         options = task_config(base, spec, Path(spec.work_dir), self.sky_cfg, self.max_restarts)["resources"]["ordered"]
-        check_launch(spec, sorted({_count(o["accelerators"])[1] for o in options}))  # before the job folder is written
+        check_launch(
+            spec, sorted({gpu_option(o["accelerators"])[1] for o in options})
+        )  # before the job folder is written
 
         # before a cluster is paid for
         claim_checkpoints(spec.checkpoint_uri, spec.train.s3_endpoint_url, self._status_or_none, self.on_status)

@@ -30,6 +30,7 @@ import orjson
 import pyarrow as pa
 
 from grpo_pipeline.configs.schema import ConfigError, DataConfig
+from grpo_pipeline.trainer.s3 import s3_client
 
 _FORMATS = {
     ".jsonl": "jsonl",
@@ -133,12 +134,6 @@ def format_of(name: str, declared: str = "auto") -> str:
             "or set data.source_format"
         )
     return _FORMATS[suffix]
-
-
-def s3_client(endpoint_url: str | None) -> Any:  # boto3's S3 client (untyped)
-    import boto3
-
-    return boto3.client("s3", endpoint_url=endpoint_url or None)
 
 
 def _split_s3(uri: str) -> tuple[str, str]:

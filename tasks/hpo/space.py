@@ -84,7 +84,7 @@ def space_filling(space: SearchSpace, n: int, seed: int) -> list[dict[str, Any]]
     """
     if n <= 0:
         return []
-    from scipy.stats import qmc
+    from scipy.stats import qmc  # seconds to import: only a new study's first trials need it
 
     active = space.active()
     sobol = qmc.Sobol(d=len(active), scramble=True, seed=seed)
@@ -171,10 +171,9 @@ def trial_train(train: TrainConfig, hpo: HPOConfig, overrides: dict[str, Any]) -
             "cpu_threads": tuned.cpu_threads or threads_per_trial(hpo, tuned),
         }
     )
-    if not LAUNCHERS[trial.launcher].local:  # the trial YAML's cheaper GPU list, not the one planned for training
-        trial = trial.model_copy(
-            update={"sky": trial.sky.model_copy(update={"task_yaml": hpo.sky_task_yaml, "accelerators": None})}
-        )
+    facts = LAUNCHERS[trial.launcher]
+    if not facts.local:  # the trial task's cheaper GPU list, not the one planned for training
+        trial = facts.rents().trial(trial, hpo.trial_task_file)
     return trial
 
 

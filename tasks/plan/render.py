@@ -3,6 +3,8 @@ every GPU option (what `grpo-pipeline plan` prints without --json)."""
 
 from __future__ import annotations
 
+from rich.table import Table
+
 from grpo_pipeline.tasks.plan.base import GIB
 from grpo_pipeline.tasks.plan.memory import COMPONENTS
 from grpo_pipeline.tasks.plan.values import Plan
@@ -10,8 +12,6 @@ from grpo_pipeline.tasks.plan.values import Plan
 
 def plan_tables(plan: Plan) -> list:
     """Rich tables for a terminal: memory breakdown, chosen settings with time and cost, every GPU option."""
-    from rich.table import Table
-
     gib = plan.memory.gib()
     memory = Table(
         title=f"{plan.model}: {plan.params / 1e9:.2f} B parameters, {plan.memory.trainable_params / 1e6:,.1f} M trainable"

@@ -1,18 +1,17 @@
 """The pipeline's plan stage: the config's model, train and plan sections in, their workload, their plan, and
-the config the plan sets (batch split, checkpointing, bf16, SkyPilot's GPU list) out. Where a `train.grpo` or `train.lora` field is
+the config the plan sets (batch split, checkpointing, bf16, the launcher's GPU options) out. What a launcher that
+rents GPUs offers (its GPU options, those the config pins, spot or on-demand prices) and how the plan's choice is
+written back are its registry entry's (`grpo_pipeline.configs.launchers.Rental`). Where a `train.grpo` or `train.lora` field is
 unset, TRL's or PEFT's own default stands in (read from `grpo_pipeline.configs.library_fields`), since that is what trains.
 """
 
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Any, get_args
 
-import yaml
 from pydantic import ValidationError
 
-from grpo_pipeline.configs.files import project_file
 from grpo_pipeline.configs.launchers import LAUNCHERS
 from grpo_pipeline.configs.layout import DistributedConfig, batch_problem
 from grpo_pipeline.configs.library_fields import default
@@ -30,37 +29,14 @@ def _grpo(train: TrainConfig, name: str) -> Any:
     return train.grpo.get(name, default("GRPOConfig", name))
 
 
-def sky_accelerators(task_yaml: str | Path) -> list[str]:
-    """GPU names a SkyPilot task YAML asks for (resources.accelerators or resources.ordered/any_of); a relative
-    path is the project root's (`grpo_pipeline.configs.files.project_file`), where SkyPilot takes its workdir from.
-
-    >>> sky_accelerators("sky/train.yaml")
-    ['H100', 'A100-80GB', 'L40S']
-    """
-    try:
-        resources = (yaml.safe_load(project_file(task_yaml).read_text()) or {}).get("resources") or {}
-    except (OSError, yaml.YAMLError) as exc:
-        raise PlanError(
-            f"cannot read {task_yaml} for its GPU list ({exc}); run from the project root, or set "
-            "plan.allowed_gpus or train.sky.accelerators"
-        ) from None
-    entries = resources.get("ordered") or resources.get("any_of") or [resources]
-    names: list[str] = []
-    for entry in entries:
-        acc = entry.get("accelerators")
-        for item in acc if isinstance(acc, (list, dict)) else [acc] if acc else []:
-            names.append(str(item).split(":")[0])
-    return list(dict.fromkeys(names))
-
-
 def _vllm_server(train: TrainConfig) -> bool:
     return bool(_grpo(train, "use_vllm")) and _grpo(train, "vllm_mode") == "server"
 
 
 def pinned_world(train: TrainConfig) -> int | None:
-    """Training processes the config itself fixes: nodes x processes_per_node, else nodes x (the GPUs that
-    train.sky.accelerators asks per node, less the vLLM server's) when every option asks the same count, as
-    the node launcher would start them; None: the planner chooses.
+    """Training processes the config itself fixes: nodes x processes_per_node, else nodes x (the GPUs per node
+    that the launcher's entry says the config asks for, less the vLLM server's) when every option asks the same
+    count, as the node launcher would start them; None: the planner chooses.
 
     >>> from grpo_pipeline.configs.schema import load_config
     >>> sky = load_config(None, ["train.launcher=sky", "train.sky.accelerators=[H100:4]"])
@@ -78,14 +54,13 @@ def pinned_world(train: TrainConfig) -> int | None:
 
 def layout_for(train: TrainConfig) -> Layout:
     """What the launch fixes already, and the plan must keep: train.distributed's fields the user set, the
-    train.grpo batch fields the user set (apply_plan never overrides them), train.sky.accelerators' counts."""
-    counts: dict[str, int] = {}
-    for option in train.sky.accelerators or []:
-        name, _, count = option.partition(":")
-        counts.setdefault(name, int(count or 1))
+    train.grpo batch fields the user set (apply_plan never overrides them), the GPU counts the config pins
+    (its launcher's `Rental.pinned_gpus`; none for a local run)."""
+    facts = LAUNCHERS[train.launcher]
+    pinned = {} if facts.local else facts.rents().pinned_gpus(train)
     return Layout(
         distributed=train.distributed,
-        gpus_per_node=counts or None,
+        gpus_per_node=pinned or None,
         vllm_server=_vllm_server(train),
         **{
             k: train.grpo.get(k)
@@ -160,7 +135,9 @@ def plan_for_config(
     train_rows: int | None = None,
 ) -> Plan:
     """The plan for the config's sections. A local launcher (train.launcher=local): this machine, memory against its
-    RAM, 0 USD. One that rents GPUs (sky): the cheapest of plan.allowed_gpus (default: the SkyPilot task's GPU list).
+    RAM, 0 USD. One that rents GPUs (sky): the cheapest of plan.allowed_gpus (default: the launcher's GPU options,
+    for sky train.sky.accelerators or its task YAML's list), priced as the launcher rents them (plan.spot, when set,
+    overrides it).
 
     >>> from grpo_pipeline.configs.files import packaged
     >>> from grpo_pipeline.configs.schema import load_config
@@ -171,7 +148,8 @@ def plan_for_config(
     (True, 'spot')
     """
     work = workload_for(model, train, plan, name, train_rows)
-    if LAUNCHERS[train.launcher].local:
+    facts = LAUNCHERS[train.launcher]
+    if facts.local:
         pdb = _grpo(train, "per_device_train_batch_size")
         return plan_local(
             model_config,
@@ -182,12 +160,12 @@ def plan_for_config(
             gradient_checkpointing=_grpo(train, "gradient_checkpointing"),
             daily=plan.daily_projection,
         )
-    allowed = plan.allowed_gpus or (
-        [a.split(":")[0] for a in train.sky.accelerators]
-        if train.sky.accelerators
-        else sky_accelerators(train.sky.task_yaml)
-    )
-    spot = train.sky.use_spot if plan.spot is None else plan.spot
+    rental = facts.rents()
+    try:
+        allowed = plan.allowed_gpus or rental.gpu_options(train)
+    except ValueError as exc:  # its task file, unreadable
+        raise PlanError(str(exc)) from None
+    spot = rental.spot(train) if plan.spot is None else plan.spot
     assumptions = Assumptions(mfu=plan.mfu, preemption_overhead=plan.preemption_overhead)
     made = make_plan(
         model_config,
@@ -206,9 +184,10 @@ def plan_for_config(
 
 
 def apply_plan(cfg: PipelineConfig, plan: Plan) -> PipelineConfig:
-    """The config a SkyPilot run trains with: the plan's batch split, checkpointing and bf16 for every
-    `train.grpo` field the user left unset, and, unless `train.sky.accelerators` is set, the GPU options
-    that fit with the plan's GPU count and strategy, cheapest first (SkyPilot takes the first one it can get);
+    """The config a run on rented GPUs trains with: the plan's batch split, checkpointing and bf16 for every
+    `train.grpo` field the user left unset, and the GPU options that fit with the plan's GPU count and strategy,
+    cheapest first, as its launcher writes them (`Rental.launch_on`: for sky, `train.sky.accelerators` unless set;
+    SkyPilot takes the first one it can get);
     with several GPUs, each `train.distributed` layout field the user left unset (strategy, processes_per_node,
     vllm_server_gpus, vllm_server_node) from the plan. A local run is left as it is.
 
@@ -225,27 +204,27 @@ def apply_plan(cfg: PipelineConfig, plan: Plan) -> PipelineConfig:
     >>> planned.train.grpo["gradient_checkpointing"]  # set in the recipe: kept
     True
     """
-    if LAUNCHERS[cfg.train.launcher].local:
+    facts = LAUNCHERS[cfg.train.launcher]
+    if facts.local:
         return cfg
     grpo = {**plan.settings.grpo_overrides(), **cfg.train.grpo}
-    sky, settings = cfg.train.sky, plan.settings
-    if sky.accelerators is None:
-        # the same GPU count and strategy as the plan: its batch split holds for those and no other
-        fitting = sorted(
-            (
-                o
-                for o in plan.options
-                if o.fits
-                and o.usd is not None
-                and o.count == settings.count
-                and o.note == settings.strategy
-                and o.nodes == settings.nodes
-                and o.vllm_server_gpus == settings.vllm_server_gpus
-            ),
-            key=lambda o: o.usd if o.usd is not None else math.inf,  # never None: the filter above
-        )
-        sky = sky.model_copy(update={"accelerators": [f"{o.gpu}:{o.count}" for o in fitting]})
-    distributed = cfg.train.distributed
+    settings = plan.settings
+    # the same GPU count and strategy as the plan: its batch split holds for those and no other
+    fitting = sorted(
+        (
+            o
+            for o in plan.options
+            if o.fits
+            and o.usd is not None
+            and o.count == settings.count
+            and o.note == settings.strategy
+            and o.nodes == settings.nodes
+            and o.vllm_server_gpus == settings.vllm_server_gpus
+        ),
+        key=lambda o: o.usd if o.usd is not None else math.inf,  # never None: the filter above
+    )
+    train = facts.rents().launch_on(cfg.train, [f"{o.gpu}:{o.count}" for o in fitting])
+    distributed = train.distributed
     if settings.gpus > 1 or settings.strategy not in ("single", "ddp"):
         # the planned layout, as the node launcher reads it (trainers on the first GPUs, the server on the rest),
         # field by field: what the user set stays (the plan was sized with it), the plan fills in the rest. Server
@@ -257,9 +236,7 @@ def apply_plan(cfg: PipelineConfig, plan: Plan) -> PipelineConfig:
     # TRL's check at start, made before any GPU is rented
     if problem := batch_problem(grpo, world, lambda name: default("GRPOConfig", name)):
         raise PlanError(f"the planned launch ({world} training processes) would fail at start: {problem}")
-    return cfg.model_copy(
-        update={"train": cfg.train.model_copy(update={"grpo": grpo, "sky": sky, "distributed": distributed})}
-    )
+    return cfg.model_copy(update={"train": train.model_copy(update={"grpo": grpo, "distributed": distributed})})
 
 
 def plan_run(

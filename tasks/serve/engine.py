@@ -16,7 +16,6 @@ import ctypes
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ from pathlib import Path
 import httpx
 
 from grpo_pipeline.configs.ab import ServeConfig
+from grpo_pipeline.trainer.launch import free_port
 
 HOST = "127.0.0.1"
 
@@ -95,12 +95,6 @@ def engine_env(environ: dict[str, str], api_key: str) -> dict[str, str]:
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     return env
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec

@@ -15,7 +15,6 @@ the artifact store). One engine start-up per router start (minutes on two cores)
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -31,6 +30,7 @@ from sqlalchemy import create_engine, text
 from grpo_pipeline.configs.schema import load_config
 from grpo_pipeline.tasks.promote import serving
 from grpo_pipeline.tasks.promote.registry import CHALLENGER, CHAMPION, AliasMove, Registry
+from grpo_pipeline.trainer.launch import free_port
 from tests.engine_python import ENGINE_PYTHON, engine_gone, skip_without_engine
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -40,12 +40,6 @@ FRACTION = 0.3
 PROMPT = [{"role": "user", "content": "What is 3 + 4? Reply with just the number."}]
 
 skip_without_engine()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

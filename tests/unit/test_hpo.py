@@ -122,6 +122,10 @@ def test_parameters_become_training_overrides_and_a_trial_config(cfg):
     sky_cfg = cfg("train.launcher=sky", "train.sky.accelerators=[H100:1]")
     sky = trial_train(sky_cfg.train, sky_cfg.hpo, {}).sky
     assert (sky.task_yaml, sky.accelerators) == ("sky/hpo-trial.yaml", None)
+    own = cfg("train.launcher=sky", "hpo.trial_task_file=sky/my-trial.yaml")
+    assert trial_train(own.train, own.hpo, {}).sky.task_yaml == "sky/my-trial.yaml"
+    with pytest.raises(Exception, match="sky_task_yaml is now trial_task_file"):  # the old name, refused with the fix
+        cfg("hpo.sky_task_yaml=sky/my-trial.yaml")
 
 
 def test_apply_best_validates_what_it_applies(cfg):

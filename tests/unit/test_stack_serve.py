@@ -61,7 +61,7 @@ def test_serve_options_keep_the_venvs_python_and_find_a_shipped_recipe(tmp_path,
     import sys
     from pathlib import Path
 
-    from grpo_pipeline.stack_cli import _serve_options
+    from grpo_pipeline.cli.stack import _serve_options
 
     monkeypatch.chdir(tmp_path)
     venv_python = tmp_path / ".venv-serve" / "bin" / "python"

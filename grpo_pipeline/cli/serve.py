@@ -28,7 +28,7 @@ def serve(
     import os
     from pathlib import Path
 
-    from grpo_pipeline.registry_store import missing, quiet_mlflow
+    from grpo_pipeline.registry_store import missing, mlflow_warnings_only
     from grpo_pipeline.tasks.serve.ab_log import LogStoreError, RequestLog, log_url
     from grpo_pipeline.tasks.serve.adapters import AdapterError
     from grpo_pipeline.tasks.serve.engine import EngineError, NoEnginePython, engine_python
@@ -40,7 +40,7 @@ def serve(
     # empty store there (and say so at INFO) and the request log its file, for a serve that cannot start.
     if nothing := missing(cfg.mlflow_uri):
         _fail(False, nothing, EXIT_CONFIG)
-    quiet_mlflow()
+    mlflow_warnings_only()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # a server's log, not a terminal
     try:

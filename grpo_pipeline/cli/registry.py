@@ -12,7 +12,7 @@ import typer
 from grpo_pipeline.failure import EXIT_CONFIG, err
 from grpo_pipeline.failure import fail as _fail
 from grpo_pipeline.loading import ConfigOpt, SetOpt, load
-from grpo_pipeline.registry_store import missing, quiet_mlflow
+from grpo_pipeline.registry_store import missing, mlflow_warnings_only
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -27,7 +27,7 @@ def _registry(cfg: PipelineConfig) -> Registry:
     from grpo_pipeline.tasks.promote.registry import Registry
     from grpo_pipeline.tasks.promote.registry_client import open_client
 
-    quiet_mlflow()
+    mlflow_warnings_only()
     return Registry(open_client(cfg.mlflow_uri), cfg.tracking.registered_model)
 
 

@@ -23,7 +23,7 @@ import typer
 from grpo_pipeline.failure import EXIT_CONFIG, err
 from grpo_pipeline.failure import fail as _fail  # the CLI's one way to fail
 from grpo_pipeline.loading import ConfigOpt, load
-from grpo_pipeline.registry_store import absent_file, missing, quiet_mlflow
+from grpo_pipeline.registry_store import absent_file, missing, mlflow_warnings_only
 
 if TYPE_CHECKING:
     from grpo_pipeline.configs.schema import PipelineConfig
@@ -43,7 +43,7 @@ app = typer.Typer(
 def _config(config: Path | None, overrides: list[str] | None, as_json: bool) -> PipelineConfig:
     """The configuration, or the failure naming the file or the --set to blame (exit 2)."""
     _, cfg = load(config, overrides, as_json)
-    quiet_mlflow()
+    mlflow_warnings_only()
     return cfg
 
 

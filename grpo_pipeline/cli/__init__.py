@@ -1,6 +1,7 @@
 """`grpo-pipeline`: the console script. This module makes the command tree and holds the contract every command
-keeps; each command group lives in a module of its own: `run_cli` (run, hpo), `plan_cli`, `data_cli`, `registry_cli`
-(registry, rollback, promote), `deploy_cli`, `serve_cli`, and the sub-apps `stack_cli`, `rewards_cli`, `ab_cli`.
+keeps; each command group lives in a module of its own in this package: `run` (run, hpo), `plan`, `data`, `registry`
+(registry, rollback, promote), `deploy`, `serve`, and the sub-apps `stack`, `rewards`, `ab`. `python -m grpo_pipeline.cli`
+runs it too (`__main__.py`).
 
 Exit codes (for CI): 0 completed; 1 the pipeline failed; 2 the configuration or an input is invalid
 (unknown key, wrong type, missing model, unreachable or unwritable checkpoint store, no SkyPilot cloud);
@@ -23,17 +24,7 @@ from typing import Annotated
 
 import typer
 
-from grpo_pipeline import (
-    ab_cli,
-    data_cli,
-    deploy_cli,
-    plan_cli,
-    registry_cli,
-    rewards_cli,
-    run_cli,
-    serve_cli,
-    stack_cli,
-)
+from grpo_pipeline.cli import ab, data, deploy, plan, registry, rewards, run, serve, stack
 from grpo_pipeline.failure import EXIT_CHAMPION_MOVED, EXIT_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_REJECTED, Commands
 from grpo_pipeline.loading import ConfigOpt, SetOpt, load
 
@@ -72,19 +63,19 @@ def show_config(config: ConfigOpt = None, overrides: SetOpt = None) -> None:
 
 
 # The commands, in the order `--help` lists them
-app.command()(run_cli.run)
-app.command()(registry_cli.rollback)
-app.command()(registry_cli.promote)
-app.command()(registry_cli.registry)
-app.command()(run_cli.hpo)
-app.command("plan")(plan_cli.plan_cmd)
-app.command("data")(data_cli.data_cmd)
+app.command()(run.run)
+app.command()(registry.rollback)
+app.command()(registry.promote)
+app.command()(registry.registry)
+app.command()(run.hpo)
+app.command("plan")(plan.plan_cmd)
+app.command("data")(data.data_cmd)
 app.command("config")(show_config)
-app.command("deploy")(deploy_cli.deploy_cmd)
-app.command()(serve_cli.serve)
-app.add_typer(stack_cli.app, name="stack")
-app.add_typer(rewards_cli.app, name="rewards")
-app.add_typer(ab_cli.app, name="ab")
+app.command("deploy")(deploy.deploy_cmd)
+app.command()(serve.serve)
+app.add_typer(stack.app, name="stack")
+app.add_typer(rewards.app, name="rewards")
+app.add_typer(ab.app, name="ab")
 
 
 def summary(doc: str) -> str:
@@ -110,9 +101,5 @@ def _summarized(group: typer.Typer) -> None:
 _summarized(app)  # once every command is registered
 
 
-def main() -> None:  # pragma: no cover - `python -m grpo_pipeline.cli`
+def main() -> None:  # pragma: no cover - `python -m grpo_pipeline.cli` (__main__.py)
     sys.exit(app())
-
-
-if __name__ == "__main__":
-    main()
