@@ -187,3 +187,24 @@ def test_the_readmes_recipe_figures_are_the_saved_benchmarks():
     took = re.search(r"the seeds above, before the step cuts, took ([\d.]+)-([\d.]+) min", text)
     assert took, "the README says how long the seeds' runs took"
     assert [float(x) for x in took.groups()] == pytest.approx([min(walls), max(walls)], abs=0.05 + 1e-9)  # 1 decimal
+
+
+def test_the_benchmarks_page_quotes_the_demo_recipes_accuracy_and_format_from_the_saved_search_benchmark():
+    """docs/benchmarks.md gives the demo recipe at three seeds on the AVX512-BF16 kind, total, accuracy
+    (`correct_answer`) and format (`number_only`) apart, as `bench.hpo_gain`'s hand-tuned arm saved them."""
+    import json
+
+    runs = json.loads((ROOT / "bench" / "results" / "hpo_gain.json").read_text())["runs"]
+    hand = [runs[f"hand/{seed}"] for seed in (0, 1, 2)]
+    text = " ".join((ROOT / "docs" / "benchmarks.md").read_text().split())
+
+    def listed(values: list[str]) -> str:
+        return ", ".join(values[:-1]) + f" and {values[-1]}"
+
+    def percent(x: float) -> str:
+        return f"{100 * x:.1f}".removesuffix(".0") + " %"
+
+    total = listed([f"{r['holdout_reward']:.3f}" for r in hand])
+    accuracy = listed([f"{100 * r['per_reward']['correct_answer']:.1f} %" for r in hand])
+    fmt = listed([percent(r["per_reward"]["number_only"]) for r in hand])
+    assert f"total {total}; accuracy {accuracy}; format {fmt}" in text
