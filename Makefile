@@ -53,7 +53,7 @@ lint: $(STAMP)
 e2e: $(STAMP)
 	$(PY) -m pytest -m e2e
 
-bench: $(STAMP)  # every benchmark (~1 hour on 2 cores), then the README's results table
+bench: $(STAMP)  # every benchmark (~13.5 hours on 2 cores: `python -m bench list`), then the table in docs/benchmarks.md
 	$(PY) -m bench all
 
 # The engine of `grpo-pipeline serve` on the CPU: vLLM's CPU build in a venv of its own (it pins transformers

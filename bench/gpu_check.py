@@ -387,7 +387,7 @@ def table_rows(load) -> list[Row]:
                 "`torch.cuda.max_memory_allocated`",
                 None,
                 "",
-                note="not run: no GPU was lent to this session; `--dry-run` passes on the CPU",
+                note="not run on a GPU yet; `--dry-run` passes on the CPU",
             )
         ]
     rows = []

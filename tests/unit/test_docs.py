@@ -1,5 +1,5 @@
 """The README and docs/: the README stays a front page (at most 200 lines, the two set-up commands, the three
-kinds of user, a link to every page), every relative link and anchor in them resolves, every path of the checkout
+kinds of user, a link to every page), every relative link and anchor in them resolves (by GitHub's anchor rules), every path of the checkout
 they name exists, the architecture page's layer table names every module, and the README's recipe figures are the
 saved benchmark's."""
 
@@ -29,10 +29,35 @@ def _prose(path: Path) -> str:
     return re.sub(r"^```.*?^```", "", path.read_text(), flags=re.S | re.M)
 
 
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: its rendered text (a link's label, not its target; no emphasis or code
+    marks), lower case, every character but letters, digits, spaces, hyphens and underscores dropped, each space
+    a hyphen.
+
+    >>> _slug("The demo's step"), _slug("`grpo-pipeline serve`: the router"), _slug("A [link](x.md) & more")
+    ('the-demos-step', 'grpo-pipeline-serve-the-router', 'a-link--more')
+    """
+    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", heading.strip())
+    text = re.sub(r"[*`]|(?<!\w)_|_(?!\w)", "", text)
+    return re.sub(r"[^\w\- ]", "", text.lower()).replace(" ", "-")
+
+
 def _anchors(path: Path) -> set[str]:
-    """GitHub's heading anchors: lower case, punctuation dropped, spaces to hyphens."""
-    heads = re.findall(r"^#+ (.+)$", _prose(path), flags=re.M)
-    return {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in heads}
+    """Every anchor GitHub makes on the page: one per heading, a repeated one numbered (`x`, `x-1`, `x-2`, ...),
+    and each explicit `<a id="...">` / `<a name="...">`."""
+    seen: dict[str, int] = {}
+    anchors = set(re.findall(r"<a (?:id|name)=\"([^\"]+)\"", _prose(path)))
+    for heading in re.findall(r"^#{1,6} (.+?)#*$", _prose(path), flags=re.M):
+        slug = _slug(heading)
+        anchors.add(f"{slug}-{seen[slug]}" if slug in seen else slug)
+        seen[slug] = seen.get(slug, 0) + 1
+    return anchors
+
+
+def test_repeated_headings_get_numbered_anchors(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("# Title\n## Usage\ntext\n```\n# not a heading\n```\n## Usage\n### `run` -h, --help\n")
+    assert _anchors(page) == {"title", "usage", "usage-1", "run--h---help"}
 
 
 def test_the_readme_is_a_front_page():
@@ -51,7 +76,10 @@ def test_make_test_is_what_ci_runs():
     assert re.search(r"^test:", (ROOT / "Makefile").read_text(), flags=re.M)
 
 
-@pytest.mark.parametrize("path", [README, *(ROOT / "docs" / f"{p}.md" for p in PAGES)], ids=lambda p: p.name)
+EVERY_PAGE = sorted({README, *(ROOT / "docs").glob("*.md"), *(ROOT / "docs" / f"{p}.md" for p in PAGES)})
+
+
+@pytest.mark.parametrize("path", EVERY_PAGE, ids=lambda p: p.name)
 def test_every_relative_link_and_anchor_resolves(path):
     assert path.is_file(), f"{path.relative_to(ROOT)} is missing"
     for target in LINK.findall(_prose(path)):
@@ -159,3 +187,24 @@ def test_the_readmes_recipe_figures_are_the_saved_benchmarks():
     took = re.search(r"the seeds above, before the step cuts, took ([\d.]+)-([\d.]+) min", text)
     assert took, "the README says how long the seeds' runs took"
     assert [float(x) for x in took.groups()] == pytest.approx([min(walls), max(walls)], abs=0.05 + 1e-9)  # 1 decimal
+
+
+def test_the_benchmarks_page_quotes_the_demo_recipes_accuracy_and_format_from_the_saved_search_benchmark():
+    """docs/benchmarks.md gives the demo recipe at three seeds on the AVX512-BF16 kind, total, accuracy
+    (`correct_answer`) and format (`number_only`) apart, as `bench.hpo_gain`'s hand-tuned arm saved them."""
+    import json
+
+    runs = json.loads((ROOT / "bench" / "results" / "hpo_gain.json").read_text())["runs"]
+    hand = [runs[f"hand/{seed}"] for seed in (0, 1, 2)]
+    text = " ".join((ROOT / "docs" / "benchmarks.md").read_text().split())
+
+    def listed(values: list[str]) -> str:
+        return ", ".join(values[:-1]) + f" and {values[-1]}"
+
+    def percent(x: float) -> str:
+        return f"{100 * x:.1f}".removesuffix(".0") + " %"
+
+    total = listed([f"{r['holdout_reward']:.3f}" for r in hand])
+    accuracy = listed([f"{100 * r['per_reward']['correct_answer']:.1f} %" for r in hand])
+    fmt = listed([percent(r["per_reward"]["number_only"]) for r in hand])
+    assert f"total {total}; accuracy {accuracy}; format {fmt}" in text
