@@ -24,7 +24,7 @@ from grpo_pipeline.configs.rewards import RewardSet
 from grpo_pipeline.configs.schema import ConfigError, PipelineConfig, QuantizationBound, load_config
 from grpo_pipeline.tasks.data.demo_task import make_row
 
-WEIGHED = "train.reward_weights={number_only: 0.2}"
+WEIGHED = "train.rewards=[correct_answer, {name: number_only, weight: 0.2}]"
 ENGINE = "evaluate.engine=transformers"  # "auto" would import torch to look for a GPU
 
 
@@ -88,7 +88,7 @@ def test_the_config_resolves_one_frozen_value_with_trls_weights():
     assert load_config(None).train.reward_set().weights == (1.0, 1.0)  # unweighted: TRL's default
     assert rewards.total({"correct_answer": 0.0, "number_only": 1.0}) == 0.2
     with pytest.raises(ValidationError, match="frozen"):
-        rewards.weights = (1.0, 1.0)
+        rewards.entries = ()
     with pytest.raises(ValidationError, match="every reward weight is 0"):
         RewardSet(names=("correct_answer",), weights=(0.0,))
     with pytest.raises(ValidationError, match="arguments for think_format, which are not among the rewards"):
@@ -113,10 +113,8 @@ SPEC_BEFORE = """{"model_path": "/models/base", "model": {"quantization": "none"
  "/runs/20261201-0300-abcd/train", "checkpoint_uri": "/runs/20261201-0300-abcd/checkpoints", "adapter_dir":
  "/runs/20261201-0300-abcd/adapter", "init_adapter": null, "init_adapter_files": null, "mlflow_tracking_uri": null,
  "mlflow_experiment": "grpo-pipeline", "mlflow_run_id": null}"""
-SETS_BEFORE = [  # the configuration that spec was built from
-    "train.rewards=[math_answer, think_format]",
-    "train.reward_weights={think_format: 0.25}",
-    "train.reward_args={math_answer: {answer_tag: final}}",
+SETS_BEFORE = [  # the configuration that spec was built from, in today's entry form
+    "train.rewards=[{name: math_answer, args: {answer_tag: final}}, {name: think_format, weight: 0.25}]",
     "train.grpo.max_steps=20",
     "train.grpo.per_device_train_batch_size=8",
     "train.health.kl_blowup.action=stop",
@@ -150,8 +148,38 @@ def test_a_job_spec_written_before_reads_as_the_same_job():
     assert JobSpec.model_validate(unweighted).train.rewards.weights == (1.0, 1.0)
     twice = before.model_dump(mode="json")
     twice["train"]["grpo"]["reward_weights"] = [1.0, 0.25]
-    with pytest.raises(ValidationError, match="grpo.reward_weights: the weights travel in rewards.weights"):
+    with pytest.raises(ValidationError, match="grpo.reward_weights: the weights travel in rewards' entries"):
         JobSpec.model_validate(twice)
+
+
+def test_a_version_1_spec_reads_as_entries_and_one_whose_skill_cannot_be_told_is_refused_whole():
+    """Version 1 carried the RewardSet as parallel lists (names, args, weights): read, each role the reward's
+    default. A set with no skill reward by those defaults is refused with the version and the fix, never read in
+    part."""
+    from grpo_pipeline.tasks.job import train_settings
+    from grpo_pipeline.trainer.spec import SPEC_VERSION, JobSpec
+
+    v1 = json.loads(SPEC_BEFORE)
+    train = v1["train"]
+    train["rewards"] = {"names": train["rewards"], "args": train.pop("reward_args"), "weights": [1.0, 0.25]}
+    del train["grpo"]["reward_weights"]
+    read = JobSpec.model_validate(v1)
+    assert read.train == train_settings(load_config(None, SETS_BEFORE).train) and read.version == SPEC_VERSION
+    assert read.train.rewards.skill == "math_answer"
+    train["rewards"] = {"names": ["think_format"], "args": {}, "weights": [1.0]}
+    with pytest.raises(ValidationError) as err:
+        JobSpec.model_validate(v1)
+    message = str(err.value)
+    assert "a job spec of version 1" in message and f"version {SPEC_VERSION}" in message
+    assert "train.rewards has no skill reward" in message and "role: skill" in message
+    v0 = json.loads(SPEC_BEFORE)
+    v0["train"]["rewards"] = ["math_answer", "remote_verifier"]
+    v0["train"]["grpo"]["reward_weights"] = [1.0, 1.0]
+    with pytest.raises(ValidationError, match="a job spec of version 0 .* 2 skill rewards"):
+        JobSpec.model_validate(v0)
+    newer = {**json.loads(read.model_dump_json()), "version": SPEC_VERSION + 1}
+    with pytest.raises(ValidationError, match=f"job spec version {SPEC_VERSION + 1} is newer than this trainer"):
+        JobSpec.model_validate(newer)
 
 
 def test_base_selection_picks_by_the_weighted_total(fake_generation, val8, tmp_path, monkeypatch):
@@ -255,8 +283,8 @@ def test_the_search_sizes_its_prompts_by_the_weighted_totals_spread():
         ),
         (
             "evaluate.accuracy_reward=remote_verifier",
-            "evaluate.accuracy_reward (not in train.rewards, so no "
-            "train.reward_args): reward 'remote_verifier' needs the argument url",
+            "evaluate.accuracy_reward (not in train.rewards, so bound with no "
+            "arguments): reward 'remote_verifier' needs the argument url",
         ),
         (
             "train.rewards=[correct_answr]",
