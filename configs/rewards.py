@@ -190,6 +190,16 @@ class RewardSet(BaseModel):
         """The rewards that shape how a completion looks (format, length): guarded, never the verdict."""
         return tuple(e.name for e in self.entries if e.role == "shaping")
 
+    def skill_only(self) -> RewardSet:
+        """The skill reward alone, weight 1 and its arguments kept: a set whose total is the skill's score, for a
+        judge that reads the total (the live A/B's `reference` feedback).
+
+        >>> RewardSet(entries=[{"name": "correct_answer", "weight": 2.0}, "number_only"]).skill_only().names
+        ('correct_answer',)
+        """
+        entry = next(e for e in self.entries if e.role == "skill")
+        return RewardSet(entries=(entry.model_copy(update={"weight": 1.0}),))
+
     def weight(self, name: str) -> float:
         return next(e.weight for e in self.entries if e.name == name)
 

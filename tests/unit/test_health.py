@@ -307,7 +307,7 @@ def test_the_report_says_the_candidate_came_from_a_rolled_back_run():
     )
     assert markdown.index("## Training health") < markdown.index("## Reasons")
     best = train.model_copy(update={"best_step": 4, "best_val_reward": 0.5, "global_step": 8})
-    assert "adapter of step 4, the best validation reward (0.5), not of the last step (8)" in render_markdown(
+    assert "adapter of step 4, the best validation skill reward (0.5), not of the last step (8)" in render_markdown(
         holdout, PromotionDecision(promote=True, reasons=[], stats={}), registry, train=best
     )
     assert "## Training health" not in render_markdown(

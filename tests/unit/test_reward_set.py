@@ -222,7 +222,9 @@ def test_the_quantization_cost_is_the_weighted_totals_drop(fake_generation, val8
     assert weighted.reasons[0].startswith("reward drops by 0.300 (1.000 -> 0.700)")
 
 
-def test_the_search_scores_and_picks_trials_by_the_weighted_total(fake_generation, val8, tmp_path):
+def test_the_search_scores_and_picks_trials_by_the_skill_whatever_the_formats_weight(fake_generation, val8, tmp_path):
+    """The terse trial wins on the total unweighted (1.5 against 1.0) by its format alone; the search scores the
+    skill (correct_answer), where the wordy trial is right twice as often, with the format weighed or not."""
     from grpo_pipeline.tasks.hpo import TrialOutcome, suggest
     from tests.unit.test_hpo import run_search
 
@@ -251,19 +253,20 @@ def test_the_search_scores_and_picks_trials_by_the_weighted_total(fake_generatio
         return run_search(cfg, "base", {"val": val8}, tmp_path / name, rewards=cfg.train.reward_set(), run_one=run_one)
 
     unweighted = searched("unweighted")
-    assert unweighted.best_trial == 0 and unweighted.rescored == {0: 1.5, 1: 1.0}
+    assert unweighted.best_trial == 1 and unweighted.rescored == {0: 0.5, 1: 1.0}
     weighted = searched("weighted", WEIGHED)
-    assert weighted.best_trial == 1 and weighted.rescored == {0: pytest.approx(0.7), 1: 1.0}
-    assert {t.number: t.value for t in weighted.trials} == {0: pytest.approx(0.7), 1: 1.0}
+    assert weighted.best_trial == 1 and weighted.rescored == {0: 0.5, 1: 1.0}
+    assert {t.number: t.value for t in weighted.trials} == {0: 0.5, 1: 1.0}
 
 
-def test_the_search_sizes_its_prompts_by_the_weighted_totals_spread():
+def test_the_search_sizes_its_prompts_by_the_skills_spread():
     from grpo_pipeline.configs.schema import HPOConfig
     from grpo_pipeline.tasks.hpo import prompts_needed
 
     hpo = HPOConfig(target_standard_error=0.05)
-    assert prompts_needed(hpo, load_config(None).train.reward_set()) == (400, 1.0)
-    assert prompts_needed(hpo, load_config(None, [WEIGHED]).train.reward_set()) == (144, 0.6)
+    # the skill, a score in [0, 1]: SD at most 0.5, whatever the shaping rewards and their weights
+    assert prompts_needed(hpo, load_config(None).train.reward_set()) == (100, 0.5)
+    assert prompts_needed(hpo, load_config(None, [WEIGHED]).train.reward_set()) == (100, 0.5)
 
 
 @pytest.mark.parametrize(
