@@ -40,8 +40,26 @@ def train_settings(train: TrainConfig) -> TrainSettings:
     >>> s.rewards.weights, s.rewards.skill
     ((1.0, 0.5), 'correct_answer')
     """
-    settings = train.model_dump(include=set(TrainSettings.model_fields) - {"rewards"})
+    fields = projected_fields()
+    settings = train.model_dump(include=fields)
     return TrainSettings.model_validate({**settings, "rewards": train.reward_set()})
+
+
+def projected_fields() -> set[str]:
+    """The `train` fields the trainer reads: `TrainSettings` is their projection, each of the same name and value
+    (the trainer cannot import `TrainConfig`: it runs alone on a node). A settings field `TrainConfig` lacks (one
+    renamed on either side) would ship its default to every node unseen: refused, naming it.
+
+    >>> sorted(projected_fields())[:3]
+    ['checkpoint_every', 'compact_lm_head', 'cpu_threads']
+    """
+    fields = set(TrainSettings.model_fields) - {"rewards"}  # the rewards travel resolved: `TrainConfig.reward_set`
+    if stray := sorted(fields - set(TrainConfig.model_fields)):
+        raise TypeError(
+            f"the trainer's settings declare {', '.join(stray)}, which train.* does not: rename them in "
+            "grpo_pipeline.trainer.spec.TrainSettings to the TrainConfig fields they carry"
+        )
+    return fields
 
 
 def build_job_spec(

@@ -314,12 +314,13 @@ class HealthCallback(TrainerCallback):
         run_id: str | None = None,
         restored: dict | None = None,
         lr_factor: float = 1.0,
+        rewards: RewardSet | None = None,
     ):
         from grpo_pipeline.trainer.health import Monitor
 
         self.settings, self.ledger, self.ranks = settings, ledger, ranks or Ranks()
         self.client, self.run_id = client, run_id
-        self.monitor = Monitor(settings)
+        self.monitor = Monitor(settings, rewards=rewards)  # the rewards' roles: for format_hacking
         self.restored = restored or {}
         self.lr_factor = lr_factor  # applied to the optimizer and scheduler once they are built (and resumed)
         self.rollback: HealthEvent | None = None  # the event that asks for a rollback, when one does

@@ -69,7 +69,10 @@ class HealthEvent(BaseModel):
 
 class TrainSettings(_Strict):
     """What the trainer runs: TRL's GRPOConfig and PEFT's LoraConfig fields, the rewards, checkpointing, and how
-    many processes run it."""
+    many processes run it. A projection of the config's `TrainConfig`: each field is the `train.*` field of the
+    same name, copied by `grpo_pipeline.tasks.job.train_settings`, which refuses a name `TrainConfig` lacks
+    (tests/unit/test_config.py sets every one to a value other than its default and reads it back from the
+    spec). The defaults here are for specs written before a field existed."""
 
     grpo: dict[str, Any]  # without reward_weights: the rewards' entries carry their weights
     lora: dict[str, Any]

@@ -317,6 +317,7 @@ def _attempt(
         run_id,
         restored,
         lr_factor=ledger.lr_scale / baked,
+        rewards=spec.train.rewards,
     )
     # health before sync: its on_save writes health.json into the checkpoint that sync then uploads
     report = ReportValidation(skill_metric(spec.train.rewards))  # validation judged by the skill reward
