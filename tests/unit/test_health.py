@@ -44,8 +44,9 @@ def test_format_hacking_fires_when_the_format_saturates_and_the_skill_stays_flat
     """The subtraction run's shape: number_only 0.01 -> 1.0 in a few steps, correct_answer 0.04 throughout."""
     logs = _steps([0.04] * 15, [0.01] * 5 + [0.6] * 3 + [1.0] * 7, [9.0] * 15)
     fired = _format_events(_monitor(format_hacking={"action": "warn"}), logs)
-    assert fired == [(14, "format_hacking", "rewards/number_only/mean")]  # once: the window is saturated at 14
-    (event,) = [e for step, x in enumerate(logs, 1) for e in _monitor(format_hacking={}).observe(step, x)]
+    assert fired == [(13, "format_hacking", "rewards/number_only/mean")]  # once: its window is all 1.0 at 13
+    monitor = _monitor(format_hacking={})
+    (event,) = [e for step, x in enumerate(logs, 1) for e in monitor.observe(step, x)]
     assert event.action == "warn"  # the default
     assert "format hacking: number_only at 1 over the last 5 logged steps" in event.message
     assert "the skill correct_answer stayed at 0.04 (0.04 in the run's first window)" in event.message

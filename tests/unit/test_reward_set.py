@@ -318,7 +318,7 @@ def test_every_shipped_recipe_names_rewards_and_columns_that_exist():
     for path in recipes():
         cfg = load_config(path)
         check_rewards(cfg.train.reward_set(), cfg.evaluate)
-        check_policy(cfg.promote, score_columns(cfg.train.reward_set(), cfg.evaluate))
+        check_policy(cfg.promote, score_columns(cfg.train.reward_set(), cfg.evaluate), cfg.train.reward_set())
 
 
 def test_a_typo_in_an_evaluation_reward_exits_2_before_any_flow_runs():
@@ -332,4 +332,65 @@ def test_a_typo_in_an_evaluation_reward_exits_2_before_any_flow_runs():
     assert failure["exit_code"] == 2
     assert failure["error"].startswith(
         "evaluate.accuracy_reward: unknown reward 'corect_answer'; did you mean 'correct_answer'?"
+    )
+
+
+def test_early_stopping_and_the_published_checkpoint_follow_the_skill_not_the_total(tmp_path, capsys):
+    """Validation every 10 steps: the total peaks at step 20 on the format alone, the skill at step 30. HF's own
+    best-metric choice (what the published adapter and the kept checkpoint follow) and its early stopping, with
+    the trainer's arguments, pick step 30; the rung report a search prunes on carries the skill."""
+    from types import SimpleNamespace
+
+    from transformers import EarlyStoppingCallback, Trainer, TrainerControl, TrainerState
+
+    from grpo_pipeline.tasks.job import build_job_spec
+    from grpo_pipeline.trainer.callbacks import ReportValidation, skill_metric
+    from grpo_pipeline.trainer.spec import parse_progress
+    from grpo_pipeline.trainer.train import grpo_args
+
+    sets = ["train.early_stopping_patience=2", "train.checkpoint_every=10", "train.grpo.max_steps=60"]
+    cfg = load_config(None, [*sets, "train.grpo.bf16=false"])
+    spec = build_job_spec(cfg.train, cfg.model, "m", {"train": tmp_path / "t", "val": tmp_path / "v"}, tmp_path / "run")
+    args = grpo_args(spec, tmp_path / "hf")
+    assert args.metric_for_best_model == skill_metric(spec.train.rewards) == "rewards/correct_answer/mean"
+    state, control = TrainerState(), TrainerControl()
+    trainer, stopper = SimpleNamespace(args=args, state=state), EarlyStoppingCallback(2)
+    report = ReportValidation(skill_metric(spec.train.rewards))
+    evaluations = {10: (0.2, 0.1), 20: (1.3, 0.1), 30: (1.2, 0.4), 40: (1.1, 0.3), 50: (1.0, 0.2)}  # total, skill
+    stopped_at = None
+    for step, (total, skill) in evaluations.items():
+        state.global_step = step
+        metrics = {"eval_reward": total, "eval_rewards/correct_answer/mean": skill}
+        # HF's order: the evaluation's callbacks, then the best metric (Trainer._maybe_log_save_evaluate)
+        stopper.on_evaluate(args, state, control, metrics=metrics)
+        report.on_evaluate(args, state, control, metrics=metrics)
+        Trainer._determine_best_metric(trainer, metrics, None)
+        if control.should_training_stop:
+            stopped_at = step
+            break
+    # on the total, the same patience would have kept step 20 and stopped at 40
+    assert (state.best_global_step, state.best_metric, stopped_at) == (30, 0.4, 50)
+    printed = [parse_progress(line) for line in capsys.readouterr().out.splitlines()]
+    assert [p["val_reward"] for p in printed if p] == [0.1, 0.1, 0.4, 0.3, 0.2]
+
+
+def test_every_registered_reward_has_a_role_and_each_shipped_task_names_its_skill():
+    """The roles' table (configs/rewards.py) covers the registry (trainer/rewards), and every shipped recipe, the
+    demo and a data.source task with the shipped rewards resolve the skill they are judged by."""
+    from grpo_pipeline.configs.files import recipes
+    from grpo_pipeline.configs.rewards import default_role
+    from grpo_pipeline.trainer.rewards import REWARDS
+
+    assert {name: default_role(name) is not None for name in REWARDS} == dict.fromkeys(REWARDS, True)
+    skills = {path.name: load_config(path).train.reward_set().skill for path in recipes()}
+    assert set(skills.values()) <= {"correct_answer", "math_answer"} and skills
+    assert load_config(None).train.reward_set().skill == "correct_answer"  # the demo and the arithmetic tasks
+    source = load_config(None, ["data.source=rows.jsonl", "train.rewards=[math_answer, think_format]"])
+    assert (source.train.reward_set().skill, source.train.reward_set().shaping) == ("math_answer", ("think_format",))
+    custom = load_config(None, ["train.rewards=['pkg.mod:grade', number_only]"]).train.reward_set()
+    assert (custom.skill, custom.shaping) == ("pkg.mod:grade", ("number_only",))
+    declared = load_config(None, ["train.rewards=[correct_answer, {name: remote_verifier, role: skill}]"])
+    assert (declared.train.reward_set().skill, declared.train.reward_set().shaping) == (
+        "remote_verifier",
+        ("correct_answer",),
     )
