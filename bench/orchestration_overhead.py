@@ -65,7 +65,7 @@ def plain(cfg) -> dict:
     )
     trained = evaluate_model(model_path, cfg.model, splits["holdout"], rewards, cfg.evaluate, adapter=spec.adapter_dir)
     decision = decide_promotion(trained.rows, base.rows, cfg.promote, rewards)
-    holdout = Holdout.of(base, trained, None)
+    holdout = Holdout.of(base, trained, None, rewards.skill)
     registry = RegistryOutcome(model="-", candidate_version="-", decided_against=None, moves=[], aliases={})
     (run_dir / "report.md").write_text(render_markdown(holdout, decision, registry))
     plot_comparison(holdout.baseline, holdout.trained, decision.stats, run_dir / "comparison.png")

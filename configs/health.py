@@ -40,7 +40,9 @@ _ACTION = (
 
 # How a rule's value compares with its threshold: `reaches` (>=), `falls to` (<=), `either way` (>= t or <= 1/t,
 # for a ratio that may drift up or down). `non-finite` reads no window: any NaN or inf in its metrics fires.
-Comparison = Literal["reaches", "falls to", "either way", "non-finite"]
+# `format hacking` reads the run's rewards by role (`grpo_pipeline.trainer.health.Monitor`): a shaping reward's
+# window mean reaches the threshold, or the mean length falls to SHORT_TOKENS, while the skill stays flat.
+Comparison = Literal["reaches", "falls to", "either way", "non-finite", "format hacking"]
 _FIRES: dict[str, Callable[[float, float], bool]] = {
     "reaches": lambda v, t: v >= t,
     "falls to": lambda v, t: v <= t,
@@ -89,6 +91,9 @@ class Rule:
 
 
 NON_FINITE = "non_finite"
+FORMAT_HACKING = "format_hacking"
+SKILL_FLAT = 0.05  # format_hacking: the skill's window mean rose less than this since the run's first window
+SHORT_TOKENS = 2.0  # format_hacking: completions this short (mean tokens) say the answer has become a format
 
 # Why each default: docs/training.md#health-rules (each rule's row, with its source).
 RULES: dict[str, Rule] = {
@@ -150,6 +155,18 @@ RULES: dict[str, Rule] = {
         threshold_doc="fires when mean reward_std falls to this",
         says="mean spread (std) of the rewards in a batch",
         names_rewards=True,
+    ),
+    FORMAT_HACKING: Rule(
+        about="Format hacking: a shaping reward (a format) saturates, or completions shrink to a token or two, while "
+        "the skill reward (the answer checker) stays where the run started: the total rises, the task does not.",
+        metrics=("rewards/<shaping>/mean", "completions/mean_length", "rewards/<skill>/mean"),
+        fires="format hacking",
+        threshold=0.95,
+        bounds=Bounds(gt=0, le=1),
+        threshold_doc=f"fires when a shaping reward's window mean reaches this, or mean length falls to "
+        f"{SHORT_TOKENS:g} tokens, while the skill's rose less than {SKILL_FLAT:g} since the run's first window (and "
+        "is itself below this)",
+        says="format hacking",
     ),
     NON_FINITE: Rule(
         about="A NaN or inf loss or gradient norm: the optimizer step has already spread it into the weights.",

@@ -166,7 +166,7 @@ class HPOConfig(StrictModel):
     target_standard_error: float = Field(
         0.05,
         gt=0,
-        description="standard error of a trial's validation reward: sizes the prompt sets for the worst-case "
+        description="standard error of a trial's validation score (its skill reward): sizes the prompt sets for the worst-case "
         "per-prompt SD (reward_sd); trial_score=sampled stops a scoring sooner, once the SE measured on the "
         "prompts scored so far (at least min_prompts) reaches it",
     )
@@ -181,9 +181,8 @@ class HPOConfig(StrictModel):
     reward_sd: float | None = Field(
         None,
         gt=0,
-        description="per-prompt standard deviation of the weighted total "
-        "reward that sizing assumes; default: the worst case for rewards in [0, 1], half "
-        "the sum of |weight| (half their count when unweighted)",
+        description="per-prompt standard deviation of the skill reward (what a trial is scored by) that sizing "
+        "assumes; default: the worst case for a score in [0, 1], 0.5",
     )
     rescore_top_k: int = Field(
         3,

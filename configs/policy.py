@@ -52,8 +52,9 @@ RISKS: dict[str, str] = {
     "model.candidates": PATH,
     "model.trust_remote_code": CODE,
     "plan.gpu_catalog": PATH,
-    "train.rewards": CODE,  # a dotted path 'package.module:function' is imported
-    "train.reward_args": HOST,  # a verifier's URL and headers, a reward model's id and its trust_remote_code
+    # a dotted path 'package.module:function' is imported; an entry's args name a verifier's URL and headers, a
+    # reward model's id and its trust_remote_code
+    "train.rewards": CODE,
     "train.checkpoint_uri": PATH,
     "train.s3_endpoint_url": HOST,
     "train.sky.task_yaml": CODE,  # its setup and run commands run on the node

@@ -117,7 +117,7 @@ def credential_refusal(path: str, found: str) -> str:
         f"{path} holds a credential ({found}), and the pipeline logs its configuration (MLflow, model-version "
         "tags, Prefect parameters, the job spec a node receives); put the secret in an environment variable on "
         "the worker and name the variable instead: for the verifier's header "
-        "train.reward_args.remote_verifier.headers_from_env: {Authorization: VERIFIER_TOKEN}; HF_TOKEN for the "
+        "{name: remote_verifier, args: {headers_from_env: {Authorization: VERIFIER_TOKEN}}} in train.rewards; HF_TOKEN for the "
         "hub, MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD for MLflow, AWS_* for S3"
     )
 

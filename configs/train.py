@@ -16,7 +16,7 @@ from grpo_pipeline.configs.base import StrictModel, close_match
 from grpo_pipeline.configs.health import NON_FINITE, HealthConfig
 from grpo_pipeline.configs.launchers import LAUNCHERS, LauncherName, launcher_help, rented
 from grpo_pipeline.configs.layout import DistributedConfig, batch_problem
-from grpo_pipeline.configs.rewards import RewardSet
+from grpo_pipeline.configs.rewards import ENTRY_FORM, RewardEntry, RewardSet
 from grpo_pipeline.configs.sampling import CurriculumConfig, DynamicSamplingConfig
 
 
@@ -90,21 +90,12 @@ GRPO_OWNED = {"output_dir", "save_strategy", "save_steps", "save_total_limit", "
 class TrainConfig(StrictModel):
     grpo: dict[str, Any] = Field(default_factory=dict, description="passed to trl.GRPOConfig")
     lora: dict[str, Any] = Field(default_factory=dict, description="passed to peft.LoraConfig")
-    rewards: list[str] = Field(
-        default_factory=lambda: ["correct_answer", "number_only"],
-        description="names from grpo_pipeline.trainer.rewards.REWARDS (`grpo-pipeline rewards` lists them), or dotted paths "
-        "'package.module:function'; their sum (weighted) is what GRPO normalizes per group",
-    )
-    reward_weights: dict[str, float] | None = Field(
-        None,
-        description="reward name -> weight in that sum (unnamed rewards weigh 1.0), e.g. {think_format: 0.2}; "
-        "the run's RewardSet carries them to the trainer, which gives them to TRL (its reward_weights) in reward order",
-    )
-    reward_args: dict[str, dict[str, Any]] = Field(
-        default_factory=dict,
-        description="reward name -> its keyword arguments, e.g. {remote_verifier: {url: "
-        "'http://grader:8000/score', concurrency: 16}}; the trainer and every evaluation bind them, and preflight "
-        "checks them against each reward's own parameters (`grpo-pipeline rewards` lists them)",
+    rewards: list[RewardEntry] = Field(
+        default_factory=lambda: [RewardEntry(name="correct_answer"), RewardEntry(name="number_only")],
+        description="the rewards, one entry each: {name, weight (1.0), args ({}), role (skill|shaping)}, or a bare "
+        "name; names from grpo_pipeline.trainer.rewards.REWARDS (`grpo-pipeline rewards` lists them) or dotted paths "
+        "'package.module:function'. Their weighted sum is what GRPO normalizes per group; the skill reward (the "
+        "answer checker) is what every stage judges a model by (docs/training.md#rewards)",
     )
     checkpoint_uri: str | None = Field(
         None,
@@ -197,57 +188,44 @@ class TrainConfig(StrictModel):
     def _lora_fields(cls, v: dict[str, Any]) -> dict[str, Any]:
         return _check_passthrough(v, "LoraConfig", set())
 
+    @model_validator(mode="before")
+    @classmethod
+    def _rewards_entered_once(cls, data: Any) -> Any:
+        """The weights and arguments live in each reward's entry; the loose fields they were once entered in (and
+        TRL's own list) are refused with the entry form, never merged."""
+        if not isinstance(data, dict):
+            return data
+        grpo = data.get("grpo")
+        loose = [f"train.{key}" for key in ("reward_weights", "reward_args") if key in data]
+        if isinstance(grpo, dict) and "reward_weights" in grpo:
+            loose.append("train.grpo.reward_weights")
+        if loose:
+            raise ValueError(
+                f"{' and '.join(loose)}: a reward's weight and arguments are set in its own entry of train.rewards, "
+                f"e.g. {ENTRY_FORM}, or {{name: remote_verifier, args: {{url: 'http://grader:8000/score'}}}}"
+            )
+        return data
+
     @field_validator("rewards")
     @classmethod
-    def _some_reward(cls, v: list[str]) -> list[str]:
+    def _some_reward(cls, v: list[RewardEntry]) -> list[RewardEntry]:
         if not v:  # the names themselves are resolved at preflight (`grpo_pipeline.tasks.job.check_rewards`)
             raise ValueError("at least one reward is needed")
         return v
 
     @model_validator(mode="after")
-    def _reward_args_named(self) -> TrainConfig:
-        """Arguments for a reward the run does not use are a typo; what each reward accepts is checked where the
-        rewards are importable (`grpo_pipeline.tasks.job.check_rewards`), since this layer imports no trainer code."""
-        if unknown := sorted(set(self.reward_args) - set(self.rewards)):
-            raise ValueError(
-                f"train.reward_args names {unknown}, which are not among train.rewards ({', '.join(self.rewards)})"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _reward_weights(self) -> TrainConfig:
-        """Weights by name must name the rewards; TRL's own list in train.grpo must give one per reward, and agree
-        with the names' when both are given."""
-        given = self.grpo.get("reward_weights")
-        if self.reward_weights is None:
-            if given is not None and (not isinstance(given, list) or len(given) != len(self.rewards)):
-                raise ValueError(
-                    f"train.grpo.reward_weights: {given!r} does not give one weight per reward "
-                    f"({len(self.rewards)}: {', '.join(self.rewards)}); name them in train.reward_weights"
-                )
-            return self
-        if unknown := sorted(set(self.reward_weights) - set(self.rewards)):
-            raise ValueError(
-                f"train.reward_weights names {unknown}, which are not among train.rewards ({', '.join(self.rewards)})"
-            )
-        if bad := {k: w for k, w in self.reward_weights.items() if not math.isfinite(w)}:
-            raise ValueError(f"train.reward_weights: {bad} are not finite numbers")
-        if given is not None and given != [self.reward_weights.get(name, 1.0) for name in self.rewards]:
-            raise ValueError(
-                "train.grpo.reward_weights and train.reward_weights disagree: give the weights once, "
-                "by name, in train.reward_weights"
-            )
+    def _one_skill(self) -> TrainConfig:
+        """The set must hold exactly one skill reward, named or by default, before any work (`RewardSet`)."""
+        try:
+            self.reward_set()
+        except ValidationError as exc:  # the set's own message names train.rewards and the fix
+            raise ValueError(exc.errors()[0]["msg"].removeprefix("Value error, ")) from None
         return self
 
     def reward_set(self) -> RewardSet:
-        """The rewards as one value: names, arguments and weights, from train.reward_weights by name (unnamed
-        rewards weigh 1.0), else TRL's own list in train.grpo.reward_weights, else 1.0 each. The job spec carries
+        """The rewards as one value: each entry's name, weight, arguments and resolved role. The job spec carries
         it whole to the trainer (`grpo_pipeline.tasks.job.train_settings`)."""
-        if self.reward_weights is not None:
-            weights = tuple(float(self.reward_weights.get(name, 1.0)) for name in self.rewards)
-        else:
-            weights = tuple(float(w) for w in self.grpo.get("reward_weights") or ())
-        return RewardSet(names=tuple(self.rewards), args=self.reward_args, weights=weights)
+        return RewardSet(entries=tuple(self.rewards))
 
     @model_validator(mode="after")
     def _rollback_has_checkpoints(self) -> TrainConfig:

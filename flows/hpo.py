@@ -17,7 +17,6 @@ from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
-from grpo_pipeline.configs.rewards import RewardSet
 from grpo_pipeline.configs.schema import PipelineConfig, load_config
 from grpo_pipeline.flows import trigger
 from grpo_pipeline.flows.preflight import preflight
@@ -38,7 +37,6 @@ def trial_task(trial: optuna.Trial, job: TrialJob) -> TrialOutcome:
 
 def search_stage(
     cfg: PipelineConfig,
-    rewards: RewardSet,
     model_path: str,
     splits: dict[str, Path],
     run_dir: Path,
@@ -47,7 +45,7 @@ def search_stage(
     warm_start: WarmStart | None,
     train_usd: float | None = None,
 ) -> HPOResult:
-    """The study, its trials scored by `rewards`' weighted total; each trial a task run and an MLflow run nested
+    """The study, its trials scored by the run's skill reward; each trial a task run and an MLflow run nested
     under the stage's run (`grpo_pipeline.flows.runs.stage_run`, which a retried flow run reopens, as the study resumes).
     `warm_start`: the adapter the training run continues, which every trial continues too (`warm_start_stage`);
     `train_usd`: the planned cost of the training run the search feeds, for its budget in USD
@@ -62,7 +60,7 @@ def search_stage(
         splits,
         run_dir,
         data_dir=cfg.data_dir,
-        rewards=rewards,
+        rewards=cfg.train.reward_set(),
         run_one=trial_task,
         tracking=tracking,
         train_usd=train_usd,
@@ -111,7 +109,5 @@ def run_search(cfg: PipelineConfig) -> dict:
     # the adapter a daily run would continue: searched from, as the pipeline's own search does
     warm_start = warm_start_stage(cfg, Registry(MlflowClient(cfg.mlflow_uri), cfg.tracking.registered_model), run_dir)
     with parent_run(flow_run.id or "local", "hpo") as run:  # a retry of this flow run continues it
-        result = search_stage(
-            cfg, rewards, model_path, dataset.splits, run_dir, experiment_id, run.info.run_id, warm_start
-        )
+        result = search_stage(cfg, model_path, dataset.splits, run_dir, experiment_id, run.info.run_id, warm_start)
     return result.model_dump(mode="json") | {"set": result.set_args(), "mlflow_tracking_uri": cfg.mlflow_uri}

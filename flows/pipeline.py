@@ -120,9 +120,6 @@ def run_pipeline(cfg: PipelineConfig, priced: Plan | None = None) -> RunSummary:
     called inside the Prefect flow so each task is tracked. `cfg` is the config as given; each stage that
     changes it returns a new value under its own name: `selected` (the base model chosen), `planned` (the
     plan's batch split and GPUs), `tuned` (the search's best values), which is what trains."""
-    # Resolved once: training, every evaluation, the search, base selection and the quantization cost all
-    # score by this value's weighted total, so no stage ranks models by a sum the training did not optimise.
-    rewards = cfg.train.reward_set()
     run_dir = _run_dir(cfg)
     experiment_id = setup_tracking(cfg.mlflow_uri, cfg.tracking.experiment, cfg.data_dir / "mlartifacts")
     registry = Registry(mlflow.MlflowClient(cfg.mlflow_uri), cfg.tracking.registered_model)
@@ -133,7 +130,7 @@ def run_pipeline(cfg: PipelineConfig, priced: Plan | None = None) -> RunSummary:
         pid = parent.info.run_id
         mlflow.set_tags({"config_hash": cfg_hash, **lineage_tags(warm_start)})
         with stage_run(pid, "data"):
-            dataset, base_path = data_stage(cfg, rewards)
+            dataset, base_path = data_stage(cfg)
         base_choice = BaseChoice(base=cfg.model.base, path=base_path, quantization=cfg.model.quantization)
         if cfg.data.skip_unchanged and (reason := unchanged_stage(registry, dataset, cfg_hash)):
             return skipped(reason, cfg, pid, experiment_id, run_dir, dataset, base_choice, cfg_hash, warm_start)
@@ -143,9 +140,9 @@ def run_pipeline(cfg: PipelineConfig, priced: Plan | None = None) -> RunSummary:
         splits, rows = train_rows_stage(
             cfg, dataset, seen, run_dir, seen_keys(registry, lineage_model, lineage_version, tag=HOLDOUT_TAG)
         )
-        drift = drift_stage(cfg, rewards, registry, dataset, run_dir, pid)
+        drift = drift_stage(cfg, registry, dataset, run_dir, pid)
         with stage_run(pid, "model"):
-            selected, model_path = model_stage(cfg, rewards, base_path, splits["val"])
+            selected, model_path = model_stage(cfg, base_path, splits["val"])
         with stage_run(pid, "plan"):  # preflight's plan holds while the base is the configured one
             plan = plan_stage(selected, model_path, priced if selected.model == cfg.model else None)
         planned = apply_plan(selected, plan)
@@ -154,7 +151,6 @@ def run_pipeline(cfg: PipelineConfig, priced: Plan | None = None) -> RunSummary:
             with stage_run(pid, "hpo") as run:
                 search = search_stage(
                     planned,
-                    rewards,
                     model_path,
                     splits,
                     run_dir,
@@ -166,24 +162,22 @@ def run_pipeline(cfg: PipelineConfig, priced: Plan | None = None) -> RunSummary:
         tuned = apply_best(planned, search.overrides) if search else planned
         log_resolved_config(tuned, dataset, model_path)  # what trains is what the run shows
         with stage_run(pid, "evaluate-base"):
-            base = evaluate_stage(tuned, rewards, model_path, splits["holdout"], "base")
+            base = evaluate_stage(tuned, model_path, splits["holdout"], "base")
         result, cost = train_stage(tuned, model_path, splits, run_dir, dataset, plan, warm_start, experiment_id, pid)
         month = month_stage(tuned, experiment_id, plan)
         with stage_run(pid, "evaluate-candidate"):
-            trained = evaluate_stage(
-                tuned, rewards, model_path, splits["holdout"], "candidate", adapter=result.adapter_dir
-            )
+            trained = evaluate_stage(tuned, model_path, splits["holdout"], "candidate", adapter=result.adapter_dir)
         champion_version = registry.version_of(CHAMPION)  # the baseline: the champion, or the base model
         champion = None
         if champion_version:
             with stage_run(pid, "evaluate-champion"):
-                champion = champion_stage(tuned, rewards, registry, champion_version, splits["holdout"], run_dir)
+                champion = champion_stage(tuned, registry, champion_version, splits["holdout"], run_dir)
         merged = None
         if tuned.merge.enabled:
             with stage_run(pid, "merge") as run:
                 merged = merge_stage(tuned, model_path, result, splits["holdout"], run_dir, run.info.run_id)
         with stage_run(pid, "decide"):
-            decision = decide_stage(tuned, rewards, trained, champion or base)
+            decision = decide_stage(tuned, trained, champion or base)
         with stage_run(pid, "register"):
             lineage = {"config_hash": cfg_hash, **lineage_tags(warm_start), **record_seen(seen, splits)}
             registered = register_stage(
@@ -202,7 +196,7 @@ def run_pipeline(cfg: PipelineConfig, priced: Plan | None = None) -> RunSummary:
             rows=rows,
             drift=drift,
             config_hash=cfg_hash,
-            holdout=Holdout.of(base, trained, champion),
+            holdout=Holdout.of(base, trained, champion, tuned.train.reward_set().skill),
             train=result,
             plan=plan.summary(),
             cost=cost,

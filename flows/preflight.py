@@ -25,7 +25,9 @@ def preflight(cfg: PipelineConfig) -> Plan | None:
     check_model_paths(cfg.model)
     rewards = cfg.train.reward_set()
     check_rewards(rewards, cfg.evaluate)  # evaluate.* too: a typo there fails after training
-    check_policy(cfg.promote, score_columns(rewards, cfg.evaluate))  # promote.metric and guardrails name columns
+    check_policy(
+        cfg.promote, score_columns(rewards, cfg.evaluate), rewards
+    )  # promote.metric and guardrails name columns
     priced = None
     if cfg.plan.budget_usd is not None:  # the configured base; the plan stage checks the chosen one again
         priced = plan_run(cfg.model, cfg.train, cfg.plan)

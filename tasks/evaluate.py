@@ -539,7 +539,7 @@ def sampled_means(
     enough: Callable[[list[float]], bool] | None = None,
     chunk: int | None = None,
 ) -> list[float]:
-    """Per prompt of a JSONL file, the mean weighted total (`RewardSet.total`) of `cfg.samples_k` completions
+    """Per prompt of a JSONL file, the mean skill score (`RewardSet.skill`) of `cfg.samples_k` completions
     sampled at `cfg.temperature` (seeded: every adapter draws alike), from the base plus `adapter`: an estimate
     of what the policy scores on that prompt, which moves as soon as the policy does (a greedy answer changes
     only once the right reply becomes the likeliest).
@@ -570,8 +570,8 @@ def sampled_means(
                     [n for group in lengths for n in group],
                     max_completion_length=cfg.max_new_tokens,
                 )
-                totals = [float(r["total"]) for r in result.rows]
-                means += [statistics.fmean(totals[j * k : (j + 1) * k]) for j in range(len(part))]
+                skill = [float(r[rewards.skill]) for r in result.rows]
+                means += [statistics.fmean(skill[j * k : (j + 1) * k]) for j in range(len(part))]
                 if enough and enough(means):
                     break
     return means

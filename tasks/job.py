@@ -34,16 +34,32 @@ def model_load(model: ModelConfig) -> ModelLoad:
 
 def train_settings(train: TrainConfig) -> TrainSettings:
     """What of the `train` section the trainer itself runs (not where or how often it is launched), the rewards
-    whole (`TrainConfig.reward_set`: names, arguments and weights as one value, so TRL's `grpo.reward_weights` is
-    not a second place for the weights).
+    whole (`TrainConfig.reward_set`: each reward's name, weight, arguments and role as one value).
 
-    >>> s = train_settings(TrainConfig(reward_weights={"number_only": 0.5}))
-    >>> s.rewards.weights, "reward_weights" in s.grpo
-    ((1.0, 0.5), False)
+    >>> s = train_settings(TrainConfig(rewards=["correct_answer", {"name": "number_only", "weight": 0.5}]))
+    >>> s.rewards.weights, s.rewards.skill
+    ((1.0, 0.5), 'correct_answer')
     """
-    settings = train.model_dump(include=set(TrainSettings.model_fields) - {"rewards"})
-    settings["grpo"].pop("reward_weights", None)
+    fields = projected_fields()
+    settings = train.model_dump(include=fields)
     return TrainSettings.model_validate({**settings, "rewards": train.reward_set()})
+
+
+def projected_fields() -> set[str]:
+    """The `train` fields the trainer reads: `TrainSettings` is their projection, each of the same name and value
+    (the trainer cannot import `TrainConfig`: it runs alone on a node). A settings field `TrainConfig` lacks (one
+    renamed on either side) would ship its default to every node unseen: refused, naming it.
+
+    >>> sorted(projected_fields())[:3]
+    ['checkpoint_every', 'compact_lm_head', 'cpu_threads']
+    """
+    fields = set(TrainSettings.model_fields) - {"rewards"}  # the rewards travel resolved: `TrainConfig.reward_set`
+    if stray := sorted(fields - set(TrainConfig.model_fields)):
+        raise TypeError(
+            f"the trainer's settings declare {', '.join(stray)}, which train.* does not: rename them in "
+            "grpo_pipeline.trainer.spec.TrainSettings to the TrainConfig fields they carry"
+        )
+    return fields
 
 
 def build_job_spec(
@@ -172,7 +188,7 @@ def reward_fields(rewards: RewardSet, evaluate: EvalConfig) -> list[tuple[str, s
 
 def check_rewards(rewards: RewardSet, evaluate: EvalConfig) -> None:
     """Every reward name the config holds (`reward_fields`) resolves (a registered name, with the closest one
-    suggested, or an importable 'package.module:function'), takes the arguments `train.reward_args` gives it
+    suggested, or an importable 'package.module:function'), takes the arguments its `train.rewards` entry gives it
     and has those it requires, and finds the columns it needs among those the data stage writes. Each failure
     names the field to fix and, for arguments, the valid ones: a typo fails here, before any stage runs,
     not in each search trial after it trained.
@@ -196,11 +212,11 @@ def check_rewards(rewards: RewardSet, evaluate: EvalConfig) -> None:
         try:
             resolve_reward(name, rewards.args_for(name))
         except ValueError as exc:
-            # only the training's rewards take train.reward_args; an evaluation-only one is bound with none
+            # only the training's rewards take arguments (their entries'); an evaluation-only one is bound with none
             where = (
-                f"train.reward_args.{name}"
+                f"train.rewards[{rewards.names.index(name)}].args ({name})"
                 if name in rewards.names
-                else f"{field} (not in train.rewards, so no train.reward_args)"
+                else f"{field} (not in train.rewards, so bound with no arguments)"
             )
             raise ConfigError(f"{where}: {exc}") from None
         try:

@@ -56,6 +56,24 @@ def verdict(decision: PromotionDecision, registry: RegistryOutcome) -> str:
     return "challenger (passed the offline gate; the live A/B decides)" if canary else "promoted"
 
 
+def skill_lines(holdout: Holdout) -> list[str]:
+    """The task's skill against the base, apart from the total (a format alone can carry the total).
+
+    >>> from types import SimpleNamespace as Fake
+    >>> skill_lines(Fake(skill="correct_answer", skill_base=0.039, skill_trained=0.044, skill_gain=0.005,
+    ...                  skill_ci=(-0.022, 0.031), base_reward=0.05, trained_reward=1.044))
+    ['Skill (correct_answer): 0.039 -> 0.044 (+0.005, 95% CI -0.022 to +0.031); total 0.050 -> 1.044.', '']
+    """
+    if holdout.skill is None:
+        return []
+    interval = f", 95% CI {holdout.skill_ci[0]:+.3f} to {holdout.skill_ci[1]:+.3f}" if holdout.skill_ci else ""
+    return [
+        f"Skill ({holdout.skill}): {holdout.skill_base:.3f} -> {holdout.skill_trained:.3f} ({holdout.skill_gain:+.3f}"
+        f"{interval}); total {holdout.base_reward:.3f} -> {holdout.trained_reward:.3f}.",
+        "",
+    ]
+
+
 def render_markdown(
     holdout: Holdout,
     decision: PromotionDecision,
@@ -77,6 +95,8 @@ def render_markdown(
         lineage_line(warm_start, rows),
         "",
         *([f"**Drift alert**: {drift.alert_reason}", ""] if drift is not None and drift.alert else []),
+        *([f"**{decision.stats['format_only'].capitalize()}.**", ""] if decision.stats.get("format_only") else []),
+        *skill_lines(holdout),
         *(best_step_lines(train) + health_lines(train) if train is not None else []),
         "## Reasons",
         *[f"- {reason}" for reason in decision.reasons],
@@ -131,7 +151,7 @@ def drift_lines(drift: Drift) -> list[str]:
         lines += [f"| answers: {t} | {a.seen[t]:.1%} | {a.new[t]:.1%} |" for t in ANSWER_TYPES]
     if (r := drift.reward) is not None:
         lines.append(
-            f"| champion's reward | {r.holdout_reward:.3f} (holdout, {r.holdout_rows} rows) | "
+            f"| champion's {r.reward or 'reward'} | {r.holdout_reward:.3f} (holdout, {r.holdout_rows} rows) | "
             f"{r.new_reward:.3f} ({r.new_rows_scored} of the new rows) |"
         )
     lines.append("")
@@ -154,7 +174,7 @@ def drift_lines(drift: Drift) -> list[str]:
             if drift.alert
             else f"within data.drift_alert={drift.alert_threshold:g}"
         )
-        lines.append(f"- champion's reward: drop {r.drop:.3f}{interval}, {against}")
+        lines.append(f"- champion's {r.reward or 'reward'}: drop {r.drop:.3f}{interval}, {against}")
     lines += [f"- {note}" for note in drift.notes]
     return lines + [""]
 
@@ -164,7 +184,7 @@ def best_step_lines(train: TrainResult) -> list[str]:
     if train.best_step is None or train.best_step == train.global_step:
         return []
     return [
-        f"The candidate is the adapter of step {train.best_step}, the best validation reward "
+        f"The candidate is the adapter of step {train.best_step}, the best validation skill reward "
         f"({train.best_val_reward:.4g}), not of the last step ({train.global_step}).",
         "",
     ]
@@ -346,7 +366,7 @@ def plot_comparison(baseline: dict[str, float], candidate: dict[str, float], sta
     bars.set_xticks(list(xs), names)
     bars.set_ylabel("holdout mean")
     bars.legend()
-    metric = next((k for k in stats if k != "guardrails"), None)
+    metric = stats.get("metric")  # the compared column (`decide_promotion`)
     if metric:
         s = stats[metric]
         delta.errorbar(

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict
 from grpo_pipeline.tasks.data.drift import Drift
 from grpo_pipeline.tasks.evaluate import EvalResult
 from grpo_pipeline.tasks.job import WarmStart
-from grpo_pipeline.tasks.promote.decide import PromotionDecision
+from grpo_pipeline.tasks.promote.decide import PromotionDecision, paired_difference, paired_rows
 from grpo_pipeline.tasks.promote.serving import BaseRef, ServingCheck
 from grpo_pipeline.trainer.spec import TrainResult
 
@@ -42,11 +42,17 @@ class Example(BaseModel):
 
 
 class Holdout(BaseModel):
-    """Every model scored on the same holdout prompts, greedy: summed reward and each reward's mean, and a few
-    of the candidate's right and wrong samples."""
+    """Every model scored on the same holdout prompts, greedy: the task's skill reward (base, trained, gain and
+    its paired 95 % interval), the weighted total, each reward's mean, and a few of the candidate's right and
+    wrong samples."""
 
     n: int
-    base_reward: float
+    skill: str | None = None  # the skill reward's name (`RewardSet.skill`); None in summaries written before it
+    skill_base: float | None = None
+    skill_trained: float | None = None
+    skill_gain: float | None = None  # trained - base
+    skill_ci: tuple[float, float] | None = None  # the gain's paired-bootstrap 95 % interval
+    base_reward: float  # the weighted total
     trained_reward: float
     gain: float
     base: dict[str, float]
@@ -56,9 +62,16 @@ class Holdout(BaseModel):
     examples: list[Example] = []
 
     @classmethod
-    def of(cls, base: EvalResult, trained: EvalResult, champion: EvalResult | None) -> Holdout:
+    def of(cls, base: EvalResult, trained: EvalResult, champion: EvalResult | None, skill: str) -> Holdout:
+        cand, paired_base = paired_rows(trained.rows, base.rows)
+        gain = paired_difference([r[skill] for r in cand], [r[skill] for r in paired_base], confidence=0.95)
         return cls(
             n=base.n,
+            skill=skill,
+            skill_base=gain["mean_baseline"],
+            skill_trained=gain["mean_candidate"],
+            skill_gain=gain["mean_diff"],
+            skill_ci=(gain["ci_low"], gain["ci_high"]),
             base_reward=base.reward,
             trained_reward=trained.reward,
             gain=trained.reward - base.reward,

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from transformers import PrinterCallback, ProgressCallback, TrainerCallback
 
+from grpo_pipeline.configs.rewards import RewardSet
 from grpo_pipeline.trainer.checkpoints import CheckpointStore, checkpoint_name, prune
 from grpo_pipeline.trainer.distributed import Ranks
 from grpo_pipeline.trainer.spec import progress_line
@@ -175,13 +176,27 @@ class FirstStepTimer(TrainerCallback):
             self.seconds = time.monotonic() - self.started
 
 
+def skill_metric(rewards: RewardSet) -> str:
+    """TRL's logged mean of the skill reward (`rewards/<name>/mean`; `eval_` before it on validation): what
+    validation judges a step by: early stopping, the published checkpoint (HF's `metric_for_best_model`) and the
+    search's rung checks; a total a format alone can raise would pick the step that printed the best format.
+
+    >>> skill_metric(RewardSet(names=("correct_answer", "number_only")))
+    'rewards/correct_answer/mean'
+    """
+    return f"rewards/{rewards.skill}/mean"
+
+
 class ReportValidation(TrainerCallback):
-    """Print each validation reward as one tagged JSON line on stdout.
+    """Print each validation score, the skill reward's mean (`skill_metric`), as one tagged JSON line on stdout.
 
     Stdout is what every launcher already carries back to the parent: the local launcher's pipe, and
     SkyPilot's log tail of a managed job (a file in the node's work dir would not reach a parent that
     watches a spot node). The hyperparameter search reads these lines to report to Optuna and prune.
     """
+
+    def __init__(self, metric: str):
+        self.key = f"eval_{metric}"
 
     def on_evaluate(
         self,
@@ -191,9 +206,9 @@ class ReportValidation(TrainerCallback):
         metrics: dict[str, float] | None = None,
         **kwargs: Any,
     ) -> None:
-        if state.is_world_process_zero and metrics and "eval_reward" in metrics:
+        if state.is_world_process_zero and metrics and self.key in metrics:
             # flushed: stdout is a pipe
-            print(progress_line(state.global_step, float(metrics["eval_reward"])), flush=True)
+            print(progress_line(state.global_step, float(metrics[self.key])), flush=True)
 
 
 def step_log_line(logs: dict, step: int, max_steps: int) -> str:
@@ -299,12 +314,13 @@ class HealthCallback(TrainerCallback):
         run_id: str | None = None,
         restored: dict | None = None,
         lr_factor: float = 1.0,
+        rewards: RewardSet | None = None,
     ):
         from grpo_pipeline.trainer.health import Monitor
 
         self.settings, self.ledger, self.ranks = settings, ledger, ranks or Ranks()
         self.client, self.run_id = client, run_id
-        self.monitor = Monitor(settings)
+        self.monitor = Monitor(settings, rewards=rewards)  # the rewards' roles: for format_hacking
         self.restored = restored or {}
         self.lr_factor = lr_factor  # applied to the optimizer and scheduler once they are built (and resumed)
         self.rollback: HealthEvent | None = None  # the event that asks for a rollback, when one does

@@ -24,14 +24,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeGuard
 
-from grpo_pipeline.configs.health import NON_FINITE, RULES, HealthConfig
+from grpo_pipeline.configs.health import FORMAT_HACKING, NON_FINITE, RULES, SHORT_TOKENS, SKILL_FLAT, HealthConfig
+from grpo_pipeline.configs.rewards import RewardSet
 from grpo_pipeline.trainer.spec import HealthEvent
 
 log = logging.getLogger(__name__)
 STATE_FILE = "health.json"  # in each checkpoint: the monitor's windows, the events so far, the lr scale baked in
 LEDGER = "health"  # a store entry: the rollbacks so far and the lr scale they set, kept across relaunches
 SEVERITY = {"off": 0, "warn": 1, "stop": 2, "rollback": 3}
-WINDOWED = [name for name, rule in RULES.items() if rule.fires != "non-finite"]
+WINDOWED = [name for name, rule in RULES.items() if rule.fires not in ("non-finite", "format hacking")]
+LENGTH = "completions/mean_length"
 
 
 def _finite_number(value: object) -> TypeGuard[int | float]:
@@ -73,12 +75,25 @@ class Monitor:
     check_grad_norm: bool = True  # False under fp16: the GradScaler skips inf steps itself, and logs them
     tracks: dict[str, _Track] = field(default_factory=dict)
     armed_non_finite: bool = True
+    rewards: RewardSet | None = None  # the skill and shaping rewards format_hacking reads; None: that rule is off
+    formats: dict[str, _Track] = field(default_factory=dict)  # format_hacking: TRL's log key -> its window
 
     def __post_init__(self):
         for name in WINDOWED:
             rule = self.settings.rule(name)
             if rule.action != "off" and name not in self.tracks:
                 self.tracks[name] = _Track(deque(maxlen=rule.window))
+        fh = self.settings.rule(FORMAT_HACKING)
+        if self.rewards is not None and fh.action != "off":
+            # the skill's track keeps its first window as the baseline; its `armed` is the rule's
+            keys = [_mean_key(self.rewards.skill), *(_mean_key(n) for n in self._saturating()), LENGTH]
+            for key in keys:
+                self.formats.setdefault(key, _Track(deque(maxlen=fh.window)))
+
+    def _saturating(self) -> list[str]:
+        """The shaping rewards whose top is a saturation: those the total counts for (a positive weight)."""
+        assert self.rewards is not None
+        return [n for n in self.rewards.shaping if self.rewards.weight(n) > 0]
 
     def observe(self, step: int, logs: dict) -> list[HealthEvent]:
         events = []
@@ -114,6 +129,7 @@ class Monitor:
                     )
                 )
             track.armed = not fired
+        events += self._format_hacking(step, logs)
         nf, rule = self.settings.rule(NON_FINITE), RULES[NON_FINITE]
         if nf.action != "off":
             bad = {
@@ -140,22 +156,79 @@ class Monitor:
             self.armed_non_finite = not bad
         return events
 
+    def _format_hacking(self, step: int, logs: dict) -> list[HealthEvent]:
+        """A shaping reward saturated (or completions shrank to SHORT_TOKENS) over the window while the skill rose
+        less than SKILL_FLAT from the run's first window and is not saturated itself: the format was learned,
+        the task was not. Fires once, then again only after it has cleared."""
+        if not self.formats:
+            return []
+        assert self.rewards is not None
+        cfg, skill_key = self.settings.rule(FORMAT_HACKING), _mean_key(self.rewards.skill)
+        for key, track in self.formats.items():
+            if _finite_number(value := logs.get(key)):
+                track.values.append(float(value))
+        skill = self.formats[skill_key]
+        if len(skill.values) < cfg.window:
+            return []
+        skill_mean = sum(skill.values) / len(skill.values)
+        if skill.baseline is None:
+            skill.baseline = skill_mean  # the run's first full window: where the skill started
+            return []
+        full = {k: sum(t.values) / len(t.values) for k, t in self.formats.items() if len(t.values) == cfg.window}
+        signs = [(k, full[k]) for k in map(_mean_key, self._saturating()) if k in full and full[k] >= cfg.threshold]
+        if LENGTH in full and full[LENGTH] <= SHORT_TOKENS:
+            signs.append((LENGTH, full[LENGTH]))
+        flat = skill_mean - skill.baseline < SKILL_FLAT and skill_mean < cfg.threshold
+        fired, events = bool(signs) and flat, []
+        if fired and skill.armed:
+            key, value = signs[0]
+            shown = ", ".join(
+                f"completions {v:.3g} tokens long" if k == LENGTH else f"{_reward_of(k)} at {v:.3g}" for k, v in signs
+            )
+            events.append(
+                HealthEvent(
+                    rule=FORMAT_HACKING,
+                    step=step,
+                    metric=key,
+                    value=value,
+                    threshold=SHORT_TOKENS if key == LENGTH else cfg.threshold,
+                    action=cfg.action,
+                    message=f"format hacking: {shown} over the last {cfg.window} logged steps, while the skill "
+                    f"{self.rewards.skill} stayed at {skill_mean:.3g} ({skill.baseline:.3g} in the run's first window)",
+                )
+            )
+        skill.armed = not fired
+        return events
+
     def state(self) -> dict:
         return {
             "tracks": {
                 n: {"values": list(t.values), "baseline": t.baseline, "armed": t.armed} for n, t in self.tracks.items()
+            },
+            "formats": {
+                n: {"values": list(t.values), "baseline": t.baseline, "armed": t.armed} for n, t in self.formats.items()
             },
             "armed_non_finite": self.armed_non_finite,
         }
 
     def load(self, state: dict) -> None:
         """Windows from a checkpoint; a rule whose window size changed keeps the newest values that fit."""
-        for name, saved in (state.get("tracks") or {}).items():
-            if name in self.tracks:
-                track = self.tracks[name]
-                track.values.extend(saved.get("values", []))
-                track.baseline, track.armed = saved.get("baseline"), saved.get("armed", True)
+        for kept, tracks in ((state.get("tracks"), self.tracks), (state.get("formats"), self.formats)):
+            for name, saved in (kept or {}).items():
+                if name in tracks:
+                    track = tracks[name]
+                    track.values.extend(saved.get("values", []))
+                    track.baseline, track.armed = saved.get("baseline"), saved.get("armed", True)
         self.armed_non_finite = state.get("armed_non_finite", True)
+
+
+def _mean_key(reward: str) -> str:
+    """TRL's log key of a reward's batch mean."""
+    return f"rewards/{reward}/mean"
+
+
+def _reward_of(key: str) -> str:
+    return key.removeprefix("rewards/").removesuffix("/mean")
 
 
 def _rewards_detail(logs: dict) -> str:

@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
 # the config's own sections, one definition each (tests/unit/test_layers.py: the only modules the trainer imports)
 from grpo_pipeline.configs.base import StrictModel as _Strict
@@ -66,11 +66,14 @@ class HealthEvent(BaseModel):
 
 class TrainSettings(_Strict):
     """What the trainer runs: TRL's GRPOConfig and PEFT's LoraConfig fields, the rewards, checkpointing, and how
-    many processes run it."""
+    many processes run it. A projection of the config's `TrainConfig`: each field is the `train.*` field of the
+    same name, copied by `grpo_pipeline.tasks.job.train_settings`, which refuses a name `TrainConfig` lacks
+    (tests/unit/test_config.py sets every one to a value other than its default and reads it back from the
+    spec). The defaults here are for specs written before a field existed."""
 
-    grpo: dict[str, Any]  # without reward_weights: the rewards carry their weights
+    grpo: dict[str, Any]  # without reward_weights: the rewards' entries carry their weights
     lora: dict[str, Any]
-    rewards: RewardSet  # names in grpo_pipeline.trainer.rewards.REWARDS or 'package.module:function', args, weights
+    rewards: RewardSet  # each reward's name, weight, arguments and role; the skill judges validation
     checkpoint_every: int
     keep_checkpoints: int
     early_stopping_patience: int | None
@@ -91,26 +94,47 @@ class TrainSettings(_Strict):
 
     @model_validator(mode="before")
     @classmethod
-    def _loose_rewards(cls, data: Any) -> Any:
-        """A spec written before the rewards travelled whole held them as three loose fields: `rewards` (the
-        names), `reward_args` and the weights in `grpo.reward_weights`. Read it as the one value."""
-        if not isinstance(data, dict) or not isinstance(data.get("rewards"), list):
+    def _older_rewards(cls, data: Any) -> Any:
+        """Specs written before version 2 held the rewards without their roles: version 0 as three loose fields
+        (`rewards` the names, `reward_args`, the weights in `grpo.reward_weights`), version 1 as a RewardSet of
+        parallel lists (`names`, `args`, `weights`). Read either as entries whose roles are the rewards' defaults;
+        a set whose skill those cannot tell is refused whole, with the fix."""
+        if not isinstance(data, dict):
             return data
-        data = dict(data)
-        grpo = dict(data.get("grpo") or {})
-        weights = grpo.pop("reward_weights", None) or ()
-        data["rewards"] = {"names": data["rewards"], "args": data.pop("reward_args", {}), "weights": weights}
-        data["grpo"] = grpo
+        rewards = data.get("rewards")
+        if isinstance(rewards, list):
+            data = dict(data)
+            grpo = dict(data.get("grpo") or {})
+            weights = grpo.pop("reward_weights", None) or ()
+            rewards = {"names": rewards, "args": data.pop("reward_args", {}), "weights": weights}
+            data["rewards"], data["grpo"], version = rewards, grpo, 0
+        elif isinstance(rewards, dict) and "names" in rewards:
+            version = 1
+        else:
+            return data
+        try:
+            RewardSet.model_validate(rewards)
+        except ValidationError as exc:
+            raise ValueError(
+                f"a job spec of version {version} (written before the rewards carried their roles, version "
+                f"{SPEC_VERSION}) cannot be read: {exc.errors()[0]['msg'].removeprefix('Value error, ')}. Build "
+                "the spec again from the run's configuration with that fix (`grpo-pipeline run` writes a new one)"
+            ) from None
         return data
 
     @model_validator(mode="after")
     def _weights_once(self) -> TrainSettings:
         if "reward_weights" in self.grpo:  # TRL would get two lists of weights
-            raise ValueError("grpo.reward_weights: the weights travel in rewards.weights, the RewardSet's own field")
+            raise ValueError("grpo.reward_weights: the weights travel in rewards' entries, the RewardSet's own field")
         return self
 
 
+# 2: the rewards as entries with their roles (RewardSet.entries); 1: as parallel lists; 0: as loose fields
+SPEC_VERSION = 2
+
+
 class JobSpec(_Strict):
+    version: int = SPEC_VERSION  # absent from older specs; their rewards' shape tells theirs (TrainSettings)
     model_path: str  # resolved: a local directory or a hub id
     model: ModelLoad
     train: TrainSettings
@@ -130,6 +154,16 @@ class JobSpec(_Strict):
     mlflow_tracking_uri: str | None = None
     mlflow_experiment: str = "grpo-pipeline"
     mlflow_run_id: str | None = None  # set by the launcher, so a relaunched job continues the same run
+
+    @field_validator("version")
+    @classmethod
+    def _known_version(cls, v: int) -> int:
+        if v > SPEC_VERSION:
+            raise ValueError(
+                f"job spec version {v} is newer than this trainer reads ({SPEC_VERSION}): run the trainer of the "
+                "pipeline release that wrote it"
+            )
+        return v
 
     def write(self, path: Path) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)

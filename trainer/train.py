@@ -100,7 +100,7 @@ def grpo_args(spec: JobSpec, output_dir: Path) -> GRPOConfig:
     import torch
     from trl import GRPOConfig
 
-    from grpo_pipeline.trainer.callbacks import interactive
+    from grpo_pipeline.trainer.callbacks import interactive, skill_metric
 
     user = dict(spec.train.grpo)
     user.setdefault(
@@ -126,7 +126,7 @@ def grpo_args(spec: JobSpec, output_dir: Path) -> GRPOConfig:
     if spec.train.early_stopping_patience:
         user.setdefault("eval_strategy", "steps")
         user.setdefault("eval_steps", spec.train.checkpoint_every)
-        user.setdefault("metric_for_best_model", "reward")
+        user.setdefault("metric_for_best_model", skill_metric(spec.train.rewards))  # the skill, not the total
         user.setdefault("greater_is_better", True)
         user.setdefault("per_device_eval_batch_size", user.get("num_generations", 8))
         # The patience counter lives in the checkpoint; a resumed job must not start it afresh.
@@ -281,6 +281,7 @@ def _attempt(
         ReportValidation,
         hide_library_bars,
         print_logs_once,
+        skill_metric,
     )
     from grpo_pipeline.trainer.step import StepTrainer
 
@@ -302,11 +303,11 @@ def _attempt(
         run_id,
         restored,
         lr_factor=ledger.lr_scale / baked,
+        rewards=spec.train.rewards,
     )
     # health before sync: its on_save writes health.json into the checkpoint that sync then uploads
-    callbacks = [health, sync, stop, timer, ReportValidation(), keep_adapter_fp32(model)] + (
-        [metrics] if metrics else []
-    )
+    report = ReportValidation(skill_metric(spec.train.rewards))  # validation judged by the skill reward
+    callbacks = [health, sync, stop, timer, report, keep_adapter_fp32(model)] + ([metrics] if metrics else [])
     if spec.train.early_stopping_patience:
         callbacks.append(EarlyStoppingCallback(spec.train.early_stopping_patience))
 

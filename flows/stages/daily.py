@@ -9,7 +9,6 @@ from pathlib import Path
 
 import mlflow
 
-from grpo_pipeline.configs.rewards import RewardSet
 from grpo_pipeline.configs.schema import PipelineConfig
 from grpo_pipeline.flows.artifacts import show_image, show_markdown
 from grpo_pipeline.flows.runs import stage_run
@@ -20,7 +19,7 @@ from grpo_pipeline.tasks.data.drift import (
     NewAndSeen,
     assess,
     drift_metrics,
-    judged_totals,
+    judged_scores,
     not_measured,
     plot_drift,
     reward_drop,
@@ -121,7 +120,6 @@ def train_rows_stage(
 
 def drift_stage(
     cfg: PipelineConfig,
-    rewards: RewardSet,
     registry: Registry,
     dataset: DatasetVersion,
     run_dir: Path,
@@ -151,17 +149,18 @@ def drift_stage(
             fetched = champion_model(cfg, registry, champion, run_dir)
             with stage_run(parent_run_id, "evaluate-champion"):
                 on_holdout = champion_stage(
-                    cfg, rewards, registry, champion, dataset.splits["holdout"], run_dir, fetched=fetched
+                    cfg, registry, champion, dataset.splits["holdout"], run_dir, fetched=fetched
                 )
             sample = run_dir / "drift" / "new_rows.jsonl"
             sample.parent.mkdir(parents=True, exist_ok=True)
             sample.write_bytes(b"".join(jsonl_line(r) for r in rows.sample))
             with stage_run(parent_run_id, "drift"):
                 on_new = champion_stage(
-                    cfg, rewards, registry, champion, sample, run_dir, name="champion_new_rows", fetched=fetched
+                    cfg, registry, champion, sample, run_dir, name="champion_new_rows", fetched=fetched
                 )
             judged = seen_keys(registry, registry.name, champion, tag=HOLDOUT_TAG)
-            reward = reward_drop(judged_totals(on_holdout.rows, judged), [r["total"] for r in on_new.rows])
+            skill = cfg.train.reward_set().skill  # a format holds on any row: the skill says what drifted
+            reward = reward_drop(judged_scores(on_holdout.rows, judged, skill), [r[skill] for r in on_new.rows], skill)
             drift = assess(champion, rows, reward, cfg.data.drift_alert)
     log_drift(drift, rows, cfg.mlflow_uri, run_dir)
     return drift

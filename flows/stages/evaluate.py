@@ -8,7 +8,6 @@ from pathlib import Path
 
 import mlflow
 
-from grpo_pipeline.configs.rewards import RewardSet
 from grpo_pipeline.configs.schema import ModelConfig, PipelineConfig
 from grpo_pipeline.flows.retries import registry_task
 from grpo_pipeline.flows.stages import resumable
@@ -20,7 +19,6 @@ from grpo_pipeline.tasks.promote.registry import Registry, RegistryError
 
 def evaluate_stage(
     cfg: PipelineConfig,
-    rewards: RewardSet,
     model_path: str,
     holdout: Path,
     name: str,
@@ -29,9 +27,15 @@ def evaluate_stage(
     label: str | None = None,
 ) -> EvalResult:
     """`name` (base, candidate, champion) names its artifacts; `label` (else `name`) the model in progress lines."""
-    # scored by the same weighted total GRPO optimised (`RewardSet.total`)
+    # scored by the run's rewards: the skill, each reward and the weighted total GRPO optimised (`RewardSet.total`)
     result = resumable(evaluate_task)(
-        model_path, model or cfg.model, holdout, rewards, cfg.evaluate, adapter=adapter, label=label or name
+        model_path,
+        model or cfg.model,
+        holdout,
+        cfg.train.reward_set(),
+        cfg.evaluate,
+        adapter=adapter,
+        label=label or name,
     )
     mlflow.log_metrics(
         {"reward": result.reward, **{f"reward/{k}": v for k, v in result.per_reward.items()}, **result.metrics}
@@ -64,7 +68,6 @@ def champion_model(
 
 def champion_stage(
     cfg: PipelineConfig,
-    rewards: RewardSet,
     registry: Registry,
     version: str,
     holdout: Path,
@@ -76,4 +79,4 @@ def champion_stage(
     trained on; `fetched`: `champion_model`'s answer, when already at hand."""
     path, adapter, model = fetched or champion_model(cfg, registry, version, run_dir)
     label = f"champion v{version}" + ("" if name == "champion" else f" ({name})")
-    return evaluate_stage(cfg, rewards, path, holdout, name, adapter=adapter, model=model, label=label)
+    return evaluate_stage(cfg, path, holdout, name, adapter=adapter, model=model, label=label)

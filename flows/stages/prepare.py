@@ -8,7 +8,6 @@ from pathlib import Path
 import mlflow
 
 from grpo_pipeline.configs.library_fields import default as library_default
-from grpo_pipeline.configs.rewards import RewardSet
 from grpo_pipeline.configs.schema import PipelineConfig
 from grpo_pipeline.flows.stages import resumable
 from grpo_pipeline.tasks.data.stage import DatasetVersion, data_task, log_lineage
@@ -19,20 +18,21 @@ from grpo_pipeline.tasks.quantize import quantization_cost_task, require_accepte
 from grpo_pipeline.tasks.select import select_task
 
 
-def data_stage(cfg: PipelineConfig, rewards: RewardSet) -> tuple[DatasetVersion, str]:
-    """The dataset version (its verifiability check runs `rewards`' answer checkers with their arguments), and
+def data_stage(cfg: PipelineConfig) -> tuple[DatasetVersion, str]:
+    """The dataset version (its verifiability check runs the run's answer checkers with their arguments), and
     the configured base resolved (its tokenizer counts the token budget)."""
     base_path = resolve_model_task(cfg.model, cfg.data_dir / "models")
     # Versions are content-keyed under one directory, so a run on unchanged data reuses the last one.
-    dataset = data_task(cfg.data, cfg.data_dir / "datasets", base_path, rewards)
+    dataset = data_task(cfg.data, cfg.data_dir / "datasets", base_path, cfg.train.reward_set())
     log_lineage(dataset)
     return dataset, base_path
 
 
-def model_stage(cfg: PipelineConfig, rewards: RewardSet, base_path: str, val: Path) -> tuple[PipelineConfig, str]:
+def model_stage(cfg: PipelineConfig, base_path: str, val: Path) -> tuple[PipelineConfig, str]:
     """The base model: the best of `model.candidates` on the val split within memory and budget, or
     `model.base` (already resolved at `base_path`); then what its quantization costs, refused past its bound.
-    Both rank by `rewards`' weighted total, as training and promotion do."""
+    Both rank by the rewards' weighted total, as training does."""
+    rewards = cfg.train.reward_set()
     selected, model_path = cfg, base_path
     if cfg.model.candidates:
         selection = resumable(select_task)(

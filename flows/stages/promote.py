@@ -9,7 +9,6 @@ from pathlib import Path
 
 import mlflow
 
-from grpo_pipeline.configs.rewards import RewardSet
 from grpo_pipeline.configs.schema import PipelineConfig
 from grpo_pipeline.flows.retries import registry_task
 from grpo_pipeline.flows.runs import experiment
@@ -61,12 +60,11 @@ def _example(holdout: Path) -> str:
     return prompt_text(read_jsonl(holdout)[0]["prompt"])
 
 
-def decide_stage(
-    cfg: PipelineConfig, rewards: RewardSet, trained: EvalResult, baseline: EvalResult
-) -> PromotionDecision:
-    """The offline gate on the paired holdout rows; every reward guarded by its weight in `rewards` (a reward the
-    total counts against regresses when it rises)."""
-    decision = decide_promotion(trained.rows, baseline.rows, cfg.promote, rewards)
+def decide_stage(cfg: PipelineConfig, trained: EvalResult, baseline: EvalResult) -> PromotionDecision:
+    """The offline gate on the paired holdout rows: the skill reward compared (unless `promote.metric` names
+    another column), the total and every reward guarded by its weight in the run's rewards (a reward the total
+    counts against regresses when it rises)."""
+    decision = decide_promotion(trained.rows, baseline.rows, cfg.promote, cfg.train.reward_set())
     mlflow.log_dict(decision.model_dump(), "decision.json")  # logged before any alias moves
     mlflow.set_tags({"decision": _verdict(decision)})
     return decision

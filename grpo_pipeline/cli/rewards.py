@@ -25,6 +25,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
+from grpo_pipeline.configs.rewards import default_role
 from grpo_pipeline.failure import EXIT_CONFIG, EXIT_FAILED
 from grpo_pipeline.failure import fail as _fail  # the CLI's one way to fail
 from grpo_pipeline.trainer.rewards import REWARDS, RewardError, check_columns, completion_text, describe, resolve_reward
@@ -43,19 +44,21 @@ def rewards(ctx: typer.Context, as_json: JsonOpt = False) -> None:
     """List the registered rewards: what each checks, the data columns it needs, its arguments."""
     if ctx.invoked_subcommand is not None:
         return
-    entries = [describe(name) for name in REWARDS]
+    entries = [describe(name) | {"role": default_role(name)} for name in REWARDS]
     if as_json:
         print(json.dumps(entries, indent=2, default=str))
         return
     table = Table(title="rewards (train.rewards)")
-    for column in ("name", "what it checks", "columns", "arguments"):
+    for column in ("name", "role", "what it checks", "columns", "arguments"):
         table.add_column(column, overflow="fold")
     for e in entries:
         args = ", ".join(f"{k}={v!r}" if v != "required" else f"{k} (required)" for k, v in e["arguments"].items())
-        table.add_row(e["name"], e["statement"], ", ".join(e["columns"]) or "–", args or "–")
+        table.add_row(e["name"], e["role"], e["statement"], ", ".join(e["columns"]) or "–", args or "–")
     Console().print(table)
     Console().print(
-        "Any importable function works too: 'package.module:function' (TRL's signature); arguments: `rewards check NAME --arg k=v`, or functools.partial(reward, k=v) in your module."
+        "Any importable function works too: 'package.module:function' (TRL's signature); arguments: `rewards check NAME --arg k=v`, or functools.partial(reward, k=v) in your module. "
+        "role: skill (does the task: what the gate judges) or shaping (format, length); `role: skill` in a "
+        "train.rewards entry overrides it."
     )
 
 

@@ -12,9 +12,10 @@ What is compared, exactly:
   by their means and a two-sample Kolmogorov-Smirnov test (`scipy.stats.ks_2samp`).
 - **answer type**: each reference answer as integer, decimal, fraction or text (`answer_type`), compared by their
   shares and a chi-square test of homogeneity (`scipy.stats.chi2_contingency`).
-- **the champion's reward**: its mean weighted total (`RewardSet.total`, what GRPO optimises) on a bounded,
+- **the champion's skill**: its mean skill reward (`RewardSet.skill`, the answer checker: a format holds on
+  any row, so a total would hide a task the champion no longer does) on a bounded,
   reproducible sample of the new rows (`sample_rank`) against its mean on the holdout rows it was judged on
-  (`judged_totals`: today's holdout less the new rows that landed in it), the same evaluation code and settings
+  (`judged_scores`: today's holdout less the new rows that landed in it), the same evaluation code and settings
   for both; with the 95 % interval of the difference (Welch's t, `scipy.stats.ttest_ind`).
 
 Pure functions on rows and scores; `grpo_pipeline.flows.stages.daily.drift_stage` reads the files, evaluates the
@@ -225,8 +226,9 @@ def answer_type_shift(new: Profile, seen: Profile) -> AnswerTypes:
 
 
 class RewardDrop(BaseModel):
-    """The champion's mean reward (weighted total) on today's holdout and on a sample of the new rows."""
+    """The champion's mean skill reward on today's holdout and on a sample of the new rows."""
 
+    reward: str | None = None  # the reward compared: the skill's name (None in drift records written before it)
     holdout_reward: float
     new_reward: float
     drop: float  # holdout_reward - new_reward: above 0, the champion does worse on what is new
@@ -236,21 +238,22 @@ class RewardDrop(BaseModel):
     new_rows_scored: int
 
 
-def judged_totals(rows: Sequence[dict], judged: set[str] | None) -> list[float]:
-    """The per-row totals of the champion's holdout evaluation on the rows it was judged on when it was promoted
+def judged_scores(rows: Sequence[dict], judged: set[str] | None, column: str) -> list[float]:
+    """The per-row `column` (the skill reward) of the champion's holdout evaluation on the rows it was judged on
+    when it was promoted
     (`judged`: its version's holdout keys): new rows whose key lands them in today's holdout are new to it too, and
     would blur the comparison. All rows when it recorded none, or none of them is left.
 
-    >>> rows = [{"key": "h1", "total": 1.0}, {"key": "h2", "total": 1.0}, {"key": "new", "total": 0.0}]
-    >>> judged_totals(rows, {"h1", "h2"}), judged_totals(rows, None), judged_totals(rows, {"gone"})
+    >>> rows = [{"key": "h1", "ok": 1.0}, {"key": "h2", "ok": 1.0}, {"key": "new", "ok": 0.0}]
+    >>> judged_scores(rows, {"h1", "h2"}, "ok"), judged_scores(rows, None, "ok"), judged_scores(rows, {"gone"}, "ok")
     ([1.0, 1.0], [1.0, 1.0, 0.0], [1.0, 1.0, 0.0])
     """
-    kept = [r["total"] for r in rows if judged is not None and str(r["key"]) in judged]
-    return kept or [r["total"] for r in rows]
+    kept = [r[column] for r in rows if judged is not None and str(r["key"]) in judged]
+    return kept or [r[column] for r in rows]
 
 
-def reward_drop(holdout: Sequence[float], new: Sequence[float]) -> RewardDrop:
-    """The drop from the holdout's per-row totals to the new rows', with its 95 % interval.
+def reward_drop(holdout: Sequence[float], new: Sequence[float], reward: str | None = None) -> RewardDrop:
+    """The drop from the holdout's per-row scores of `reward` to the new rows', with its 95 % interval.
 
     >>> d = reward_drop([1.0, 1.0, 0.0, 1.0] * 10, [0.0, 1.0, 0.0, 0.0] * 10)
     >>> d.drop, d.ci_low > 0, (d.holdout_rows, d.new_rows_scored)
@@ -268,6 +271,7 @@ def reward_drop(holdout: Sequence[float], new: Sequence[float]) -> RewardDrop:
             low, high = float(interval.low), float(interval.high)
     h, n = float(np.mean(holdout)), float(np.mean(new))
     return RewardDrop(
+        reward=reward,
         holdout_reward=h,
         new_reward=n,
         drop=h - n,

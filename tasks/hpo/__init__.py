@@ -3,11 +3,11 @@ beta, num_generations, temperature), many short GRPO trials promoted on rungs, e
 greedily on fixed validation prompts, and the best applied only when it beats the configured values beyond
 the noise.
 
-- **Scores with a known noise.** A finished trial's value is its adapter's mean greedy weighted total
-  (`RewardSet.total`, what training optimises and promotion compares) on the same validation prompts for every
+- **Scores with a known noise.** A finished trial's value is its adapter's mean greedy skill reward
+  (`RewardSet.skill`, what promotion compares; a total can rise on the format alone) on the same validation prompts for every
   trial (`grpo_pipeline.tasks.evaluate.evaluate_model`), so trials compare as pairs. How many prompts:
   `hpo.target_standard_error` and the per-prompt standard deviation (`hpo.reward_sd`, or the worst case for
-  rewards in [0, 1], half the weights' span) give n = (sd / se)^2; the stage logs n and fails (a `ConfigError`, exit 2)
+  a score in [0, 1], 0.5) give n = (sd / se)^2; the stage logs n and fails (a `ConfigError`, exit 2)
   naming it when the val split holds fewer than 2n (n to select, n fresh ones to re-score).
 - **No winner's curse.** The top `hpo.rescore_top_k` trials and the configured values' trial are scored again
   on up to n prompts no selection saw, all on the same prompts, looking after `hpo.min_prompts` and each

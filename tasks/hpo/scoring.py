@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 
 class Scorer(Protocol):
-    """Scores an adapter on a JSONL prompt file: one weighted total per prompt (`greedy_scorer`, `sampled_scorer`).
+    """Scores an adapter on a JSONL prompt file: one skill score per prompt (`greedy_scorer`, `sampled_scorer`).
     `whole`: every prompt of the file (the re-scoring's looks line up only so); otherwise a sampled scoring may
     stop once it is precise enough."""
 
@@ -44,18 +44,20 @@ class Validation(BaseModel):
 
 def prompts_needed(hpo: HPOConfig, rewards: RewardSet) -> tuple[int, float]:
     """Validation prompts per scoring for the target standard error, and the per-prompt SD assumed: by
-    default the worst case for the weighted total of rewards in [0, 1], half its span (the sum of |weight|).
+    default the worst case for the skill reward, a score in [0, 1]: 0.5 (trials are scored on the skill alone,
+    so the shaping rewards and their weights do not widen it).
 
     >>> two = RewardSet(names=("correct_answer", "number_only"))
-    >>> prompts_needed(HPOConfig(target_standard_error=0.05), two)  # two rewards in [0, 1]: SD at most 1
-    (400, 1.0)
-    >>> prompts_needed(HPOConfig(target_standard_error=0.05), two.model_copy(update={"weights": (1.0, 0.2)}))
-    (144, 0.6)
-    >>> prompts_needed(HPOConfig(target_standard_error=0.05, reward_sd=0.5), two)
+    >>> prompts_needed(HPOConfig(target_standard_error=0.05), two)  # the skill in [0, 1]: SD at most 0.5
     (100, 0.5)
+    >>> prompts_needed(HPOConfig(target_standard_error=0.05, reward_sd=0.3), two)
+    (36, 0.3)
     """
-    sd = hpo.reward_sd if hpo.reward_sd is not None else rewards.span / 2
+    sd = hpo.reward_sd if hpo.reward_sd is not None else SKILL_SD
     return math.ceil((sd / hpo.target_standard_error) ** 2 - 1e-9), sd
+
+
+SKILL_SD = 0.5  # the largest standard deviation of a score in [0, 1]
 
 
 class NotEnoughPrompts(ConfigError):
@@ -64,7 +66,7 @@ class NotEnoughPrompts(ConfigError):
 
 def prepare_validation(hpo: HPOConfig, rewards: RewardSet, val_file: Path | None, out_dir: Path) -> Validation:
     """Split the val split into the selection and re-scoring prompt sets (and the rung subset), after checking
-    that it holds enough prompts for `hpo.target_standard_error` on `rewards`' weighted total."""
+    that it holds enough prompts for `hpo.target_standard_error` on `rewards`' skill reward."""
     from grpo_pipeline.tasks.evaluate import read_jsonl, write_jsonl
 
     needed, sd = prompts_needed(hpo, rewards)
@@ -74,7 +76,7 @@ def prepare_validation(hpo: HPOConfig, rewards: RewardSet, val_file: Path | None
     elif len(rows) < 2 * needed:
         raise NotEnoughPrompts(
             f"hpo.target_standard_error={hpo.target_standard_error:g} needs {needed} validation prompts per "
-            f"scoring (per-prompt SD {sd:g}{'' if hpo.reward_sd else ', the worst case for the weighted total of rewards in [0, 1]'}), "
+            f"scoring (per-prompt SD {sd:g}{'' if hpo.reward_sd else f', the worst case for the skill reward {rewards.skill} in [0, 1]'}), "
             f"{2 * needed} in all (the top trials are re-scored on {needed} fresh ones); the val split has {len(rows)}. "
             "Give more validation rows (data.demo.n_val, or a larger source), set hpo.reward_sd to a measured "
             "value, or loosen hpo.target_standard_error"
@@ -132,8 +134,9 @@ def paired_decision(
 
 
 def greedy_scorer(model: ModelConfig, evaluate: EvalConfig, rewards: RewardSet, model_path: str) -> Scorer:
-    """Scores an adapter greedily on a prompt file by the training's weighted total (`RewardSet.total`, through
-    `grpo_pipeline.tasks.evaluate.evaluate_model`): the search ranks trials by what training optimises and promotion compares."""
+    """Scores an adapter greedily on a prompt file by the skill reward (`RewardSet.skill`, through
+    `grpo_pipeline.tasks.evaluate.evaluate_model`): the search ranks trials by what promotion compares, not by a
+    total a format alone can raise."""
 
     def score(adapter_dir: str, prompts: Path, whole: bool = False) -> list[float]:  # always whole
         from grpo_pipeline.tasks.evaluate import evaluate_model
@@ -146,7 +149,7 @@ def greedy_scorer(model: ModelConfig, evaluate: EvalConfig, rewards: RewardSet, 
             evaluate.model_copy(update={"samples_k": 0}),
             adapter=adapter_dir,
         )
-        return [float(r["total"]) for r in result.rows]
+        return [float(r[rewards.skill]) for r in result.rows]
 
     return score
 
@@ -169,7 +172,7 @@ def precise_enough(means: list[float], target_standard_error: float, min_prompts
 def sampled_scorer(
     model: ModelConfig, evaluate: EvalConfig, rewards: RewardSet, model_path: str, hpo: HPOConfig
 ) -> Scorer:
-    """Scores an adapter on a prompt file by the mean weighted total of `hpo.trial_samples` completions per prompt,
+    """Scores an adapter on a prompt file by the mean skill score of `hpo.trial_samples` completions per prompt,
     sampled at `evaluate.temperature` with `evaluate.seed` (`grpo_pipeline.tasks.evaluate.sampled_means`): the
     same draws for every trial, so paired differences between trials are differences between their policies.
 

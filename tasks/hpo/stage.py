@@ -105,7 +105,7 @@ def search(
 ) -> HPOResult:
     """Run the study's remaining budget, re-score the top trials and decide whether the best replaces the
     configured values, for base `model` trained by `train` (continuing `warm_start`'s adapter, when given). `data_dir`: where the study's journal lies unless
-    `hpo.storage` names a database. `rewards`: the run's (`TrainConfig.reward_set`), whose weighted total the
+    `hpo.storage` names a database. `rewards`: the run's (`TrainConfig.reward_set`), whose skill reward the
     trials are scored and sized by; `evaluate`: the greedy scorer's generation settings.
     `run_one(trial, job)` runs one trial of the `TrialJob` (the flow passes `run_trial` with its launcher, as a Prefect
     task, so each trial is a task run); `score(adapter_dir,

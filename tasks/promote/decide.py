@@ -10,7 +10,6 @@ from __future__ import annotations
 import difflib
 import math
 import statistics
-from collections.abc import Sequence
 
 import numpy as np
 from pydantic import BaseModel
@@ -77,16 +76,30 @@ def paired_difference(cand: list[float], base: list[float], confidence: float, s
     return out
 
 
-def check_policy(policy: PromotionPolicy, columns: list[str]) -> None:
+def compared(policy: PromotionPolicy, rewards: RewardSet) -> str:
+    """The column the gate compares: `promote.metric`, or the skill reward when it is unset.
+
+    >>> rs = RewardSet(names=("correct_answer", "number_only"))
+    >>> compared(PromotionPolicy(), rs), compared(PromotionPolicy(metric="total"), rs)
+    ('correct_answer', 'total')
+    """
+    return policy.metric or rewards.skill
+
+
+def check_policy(policy: PromotionPolicy, columns: list[str], rewards: RewardSet) -> None:
     """The policy compares and guards only columns the evaluation writes (`grpo_pipeline.tasks.evaluate.score_columns`): a
     typo would otherwise end the run at the decision, after training, with a KeyError.
 
-    >>> check_policy(PromotionPolicy(metric="math_answr"), ["math_answer", "total", "length"])
+    >>> rs = RewardSet(names=("math_answer",))
+    >>> check_policy(PromotionPolicy(metric="math_answr"), ["math_answer", "total", "length"], rs)
     Traceback (most recent call last):
     ...
     grpo_pipeline.configs.schema.ConfigError: promote.metric: 'math_answr' is not a column of the evaluation (math_answer, total, length); did you mean 'math_answer'?
     """
-    named = [("promote.metric", policy.metric), *((f"promote.guardrails.{k}", k) for k in policy.guardrails)]
+    named = [
+        ("promote.metric", compared(policy, rewards)),
+        *((f"promote.guardrails.{k}", k) for k in policy.guardrails),
+    ]
     for field, column in named:
         if column not in columns:
             close = difflib.get_close_matches(column, columns, n=1)
@@ -96,63 +109,108 @@ def check_policy(policy: PromotionPolicy, columns: list[str]) -> None:
             )
 
 
+def shaping_metric_warning(policy: PromotionPolicy, rewards: RewardSet) -> str | None:
+    """A gate that compares a shaping reward passes a candidate that learned the format alone: said in the report,
+    never a silent pass.
+
+    >>> rs = RewardSet(names=("correct_answer", "number_only"))
+    >>> print(shaping_metric_warning(PromotionPolicy(metric="number_only"), rs))
+    warning: promote.metric=number_only is a shaping reward (format or length, learned in a few steps whatever the skill does); the task's skill is correct_answer: unset promote.metric to judge it
+    """
+    if policy.metric not in rewards.shaping:
+        return None
+    return (
+        f"warning: promote.metric={policy.metric} is a shaping reward (format or length, learned in a few steps "
+        f"whatever the skill does); the task's skill is {rewards.skill}: unset promote.metric to judge it"
+    )
+
+
+def _guard(column: str, cand: list[dict], base: list[dict], weight: float, tolerance: float, confidence: float) -> dict:
+    """One guarded column's regression: lengths regress upward as a relative increase (rambling); a reward the
+    total counts against (negative weight) regresses when it rises; other rewards, rates and the total when they
+    drop. A reward or the total blocks when its drop exceeds the tolerance and its paired interval lies wholly on
+    the side of the drop (beyond noise); the length by its relative increase alone."""
+    c = [float(r[column]) for r in cand]
+    b = [float(r[column]) for r in base]
+    c_mean, b_mean = statistics.fmean(c), statistics.fmean(b)
+    out = {"candidate": c_mean, "baseline": b_mean, "tolerance": tolerance}
+    if column == "length":
+        regression = (c_mean - b_mean) / max(b_mean, 1e-9)
+        return out | {"regression": regression, "unit": "relative increase", "blocks": regression > tolerance}
+    diff = paired_difference(c, b, confidence)
+    if weight < 0:
+        regression, unit, beyond_noise = c_mean - b_mean, "rise (its weight is negative)", diff["ci_low"] > 0
+    else:
+        regression, unit, beyond_noise = b_mean - c_mean, "drop", diff["ci_high"] < 0
+    interval = (diff["ci_low"], diff["ci_high"])
+    return out | {
+        "regression": regression,
+        "unit": unit,
+        "interval": interval,
+        "blocks": regression > tolerance and beyond_noise,
+    }
+
+
 def decide_promotion(
     candidate: list[dict],
     baseline: list[dict],
     policy: PromotionPolicy,
-    rewards: RewardSet | Sequence[str] = (),
+    rewards: RewardSet,
     evaluation_complete: bool = True,
 ) -> PromotionDecision:
-    """Promote only when the interval's lower bound clears the minimum effect and no guardrail regresses.
+    """Promote only when the compared column's interval (the skill reward's by default) clears the minimum effect
+    and no guardrail regresses.
 
-    `candidate` and `baseline` are per-sample rows (`key`, the primary metric, each guarded column);
-    every reward of `rewards` (the run's RewardSet, or its names alone) is guarded with `policy.reward_tolerance`
-    unless `policy.guardrails` names it.
+    `candidate` and `baseline` are per-sample rows (`key`, each reward, `total`, each guarded column). The total
+    and every reward of `rewards` are guarded with `policy.reward_tolerance` unless `policy.guardrails` names them:
+    a format that fell beyond noise blocks a skill gain, and a skill that did not move blocks whatever the format
+    gained (said in one reason, the report's line).
     """
-    # reward -> its weight in the total; names alone weigh 1.0 each, as TRL's default
-    weights = (
-        dict(zip(rewards.names, rewards.weights, strict=True))
-        if isinstance(rewards, RewardSet)
-        else dict.fromkeys(rewards, 1.0)
-    )
-    reasons: list[str] = []
     if not evaluation_complete or not candidate:
         return PromotionDecision(promote=False, reasons=["the evaluation did not complete"], stats={})
+    metric = compared(policy, rewards)
+    reasons: list[str] = []
     cand, base = paired_rows(candidate, baseline)
-    primary = paired_difference([r[policy.metric] for r in cand], [r[policy.metric] for r in base], policy.confidence)
-    summary = {policy.metric: primary, "guardrails": {}}
+    primary = paired_difference([r[metric] for r in cand], [r[metric] for r in base], policy.confidence)
+    summary: dict = {metric: primary, "metric": metric, "skill": rewards.skill, "guardrails": {}}
     win = primary["ci_low"] > policy.min_effect
+    role = " (the skill)" if metric == rewards.skill else ""
     reasons.append(
-        f"{policy.metric}: {primary['mean_candidate']:.3f} vs {primary['mean_baseline']:.3f}, difference "
+        f"{metric}{role}: {primary['mean_candidate']:.3f} vs {primary['mean_baseline']:.3f}, difference "
         f"{primary['mean_diff']:+.3f} ({policy.confidence:.0%} CI {primary['ci_low']:+.3f} to {primary['ci_high']:+.3f}); "
         + ("lower bound clears" if win else "lower bound does not clear")
         + f" the minimum effect {policy.min_effect:+.3f}"
     )
+    if warning := shaping_metric_warning(policy, rewards):
+        reasons.append(warning)
     if primary["n"] < policy.min_samples:
         reasons.append(
             f"warning: {primary['n']} paired prompts detect only effects of {primary['min_detectable_effect']:.3f} "
             f"or more (80% power); use at least {policy.min_samples}"
         )
     guards_ok = True
-    guardrails = {name: policy.reward_tolerance for name in weights} | policy.guardrails
+    weights = dict(zip(rewards.names, rewards.weights, strict=True))
+    guarded = [name for name in ("total", *rewards.names) if name != metric]
+    guardrails = dict.fromkeys(guarded, policy.reward_tolerance) | policy.guardrails
     for column, tolerance in guardrails.items():
-        c_mean = statistics.fmean(r[column] for r in cand)
-        b_mean = statistics.fmean(r[column] for r in base)
-        # Lengths regress upward (rambling), and so do rewards the total counts against; other rewards and rates
-        # regress downward.
-        if column == "length":
-            regression, unit = (c_mean - b_mean) / max(b_mean, 1e-9), "relative increase"
-        elif weights.get(column, 1.0) < 0:
-            regression, unit = c_mean - b_mean, "rise (its weight is negative)"
-        else:
-            regression, unit = b_mean - c_mean, "drop"
-        summary["guardrails"][column] = {
-            "candidate": c_mean,
-            "baseline": b_mean,
-            "regression": regression,
-            "tolerance": tolerance,
-        }
-        if regression > tolerance:
+        guard = _guard(column, cand, base, weights.get(column, 1.0), tolerance, policy.confidence)
+        unit, blocks = guard.pop("unit"), guard.pop("blocks")
+        summary["guardrails"][column] = guard
+        if blocks:
             guards_ok = False
-            reasons.append(f"guardrail {column}: {unit} {regression:.3f} exceeds tolerance {tolerance:.3f}")
+            reasons.append(f"guardrail {column}: {unit} {guard['regression']:.3f} exceeds tolerance {tolerance:.3f}")
+    if not win and metric == rewards.skill and "total" in guardrails:
+        total = summary["guardrails"]["total"]
+        if total["candidate"] > total["baseline"]:
+            gained = [
+                f"{name} {g['baseline']:.3f} -> {g['candidate']:.3f}"
+                for name in rewards.shaping
+                if (g := summary["guardrails"].get(name)) and g["candidate"] > g["baseline"]
+            ]
+            summary["format_only"] = (
+                f"not promoted: the skill ({metric}) did not improve beyond noise, although the total rose "
+                f"{total['baseline']:.3f} -> {total['candidate']:.3f}"
+                + (f" (the format: {', '.join(gained)})" if gained else "")
+            )
+            reasons.append(summary["format_only"])
     return PromotionDecision(promote=win and guards_ok, reasons=reasons, stats=summary)

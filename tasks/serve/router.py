@@ -476,7 +476,7 @@ def serve(cfg: PipelineConfig, host: str, port: int, api_key: str | None, reques
             base_sha256=champion.base_sha256,
             max_rank=serve_cfg.max_lora_rank,
             request_timeout_s=serve_cfg.request_timeout_s,
-            rewards=cfg.train.reward_set(),  # the same judge as training and the holdout, for `reference` feedback
+            rewards=cfg.train.reward_set().skill_only(),  # `reference` feedback scored by the skill, as the gate
             log_completions=serve_cfg.log_completions,
         )
         router.arms, router.refused = initial, refused

@@ -1,5 +1,5 @@
 """A test reward that gives the trainer garbage: NaN for one completion of every batch (`row`, an argument that
-`train.reward_args` sets)."""
+its `train.rewards` entry sets)."""
 
 
 def nan_on_row(completions, *, row: int = 1, **_) -> list[float]:

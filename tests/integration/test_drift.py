@@ -81,7 +81,7 @@ def test_new_rows_against_the_champion_s_lineage(tmp_path, tiny_model):
     today = _Dataset({"train": _write(tmp_path / "today.jsonl", seen + new), "holdout": holdout}, "fp2")
 
     with mlflow.start_run() as parent:  # no champion yet
-        drift = drift_stage(cfg, cfg.train.reward_set(), registry, today, tmp_path / "run0", parent.info.run_id)
+        drift = drift_stage(cfg, registry, today, tmp_path / "run0", parent.info.run_id)
     assert drift.skipped_reason.startswith("no champion yet") and drift.reward is None
     assert mlflow.get_run(parent.info.run_id).data.tags["drift_skipped_reason"] == drift.skipped_reason
 
@@ -97,7 +97,7 @@ def test_new_rows_against_the_champion_s_lineage(tmp_path, tiny_model):
     registry.client.set_registered_model_alias("drift", CHAMPION, version)
 
     with mlflow.start_run() as parent:
-        drift = drift_stage(cfg, cfg.train.reward_set(), registry, today, tmp_path / "run1", parent.info.run_id)
+        drift = drift_stage(cfg, registry, today, tmp_path / "run1", parent.info.run_id)
     assert (drift.champion, drift.new_rows, drift.seen_rows, drift.seen_missing) == (version, 12, 24, 2)
     assert drift.lengths.shifted and drift.lengths.new_mean > 3 * drift.lengths.seen_mean
     assert drift.answer_types.shifted and (drift.answer_types.new["text"], drift.answer_types.seen["integer"]) == (1, 1)

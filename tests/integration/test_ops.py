@@ -380,8 +380,13 @@ def test_secrets_in_a_config_or_a_forms_overrides_are_refused_and_leave_no_trace
             "train.grpo.learning_rate holds a credential",
         ),
         "a header": (
-            {"overrides": [f"train.reward_args.remote_verifier.headers.Authorization=Bearer {FORM_SECRET}"]},
-            "train.reward_args.remote_verifier.headers.Authorization: carries a credential",
+            {
+                "overrides": [
+                    "train.rewards=[correct_answer, {name: remote_verifier, role: shaping, args: "
+                    f"{{headers: {{Authorization: Bearer {FORM_SECRET}}}}}}}]"
+                ]
+            },
+            "train.rewards: loads code on the worker",
         ),
         "a config file": ({"config_path": str(leaky)}, "config_path: this deployment runs"),
     }

@@ -1,6 +1,6 @@
 """A reward that fails on the node is bad input: exit 2 at the first step, the reward and the row named,
 and no relaunch (a relaunch would fail the same way and spend the restart budget). The reward's argument comes
-from `train.reward_args`, so this also shows the trainer binding them. A reward whose service is down (a real
+from its `train.rewards` entry, so this also shows the trainer binding them. A reward whose service is down (a real
 HTTP server on 127.0.0.1 answering 500) is not: exit 1, relaunched, as a preemption would be."""
 
 import threading
@@ -38,8 +38,7 @@ def test_a_reward_that_returns_nan_fails_once_with_exit_2_naming_the_reward_and_
     tmp_path, tiny_model, tiny_splits, tiny_config
 ):
     cfg = tiny_config(
-        f"train.rewards=['{BROKEN}']",
-        f"train.reward_args={{'{BROKEN}': {{row: 2}}}}",
+        f"train.rewards=[{{name: '{BROKEN}', args: {{row: 2}}}}]",
         "train.grpo.max_steps=3",
         "train.max_restarts=3",
     )
@@ -133,8 +132,7 @@ def test_the_trainer_exits_1_on_a_grader_outage_and_is_relaunched(
 ):
     args = f"{{url: '{grader_down}', retries: 1, backoff_s: 0.0, batch_size: 64}}"
     cfg = tiny_config(
-        "train.rewards=[remote_verifier]",
-        f"train.reward_args={{remote_verifier: {args}}}",
+        f"train.rewards=[{{name: remote_verifier, args: {args}}}]",
         "train.grpo.max_steps=3",
         "train.max_restarts=1",
     )

@@ -496,3 +496,24 @@ def test_every_command_module_takes_its_exit_codes_from_the_one_contract():
         if isinstance(target, ast.Name) and target.id.startswith("EXIT_")
     }
     assert own == set()
+
+
+@pytest.mark.parametrize(
+    ("assignment", "says"),
+    [
+        ("train.rewards=[number_only]", "train.rewards has no skill reward"),
+        (
+            "train.rewards=[correct_answer, math_answer]",
+            "train.rewards has 2 skill rewards (correct_answer, math_answer)",
+        ),
+        ("train.reward_weights={number_only: 0.2}", "train.reward_weights: a reward's weight and arguments are set"),
+        ("train.reward_args={correct_answer: {}}", "train.reward_args: a reward's weight and arguments are set"),
+        ("train.grpo.reward_weights=[1.0, 0.2]", "train.grpo.reward_weights: a reward's weight and arguments are set"),
+    ],
+)
+def test_a_reward_set_without_one_skill_or_in_the_old_keys_exits_2_with_the_fix(assignment, says, no_flow_run):
+    """Before any work: the message names train.rewards and its rewards, and shows the entry form."""
+    failure = _failure(CliRunner().invoke(app, ["run", "--json", "--set", assignment]))
+    assert says in failure["error"] and "{name: number_only, weight: 0.2}" in failure["error"]
+    if "skill reward" in says:
+        assert "its rewards are" in failure["error"] and "role: skill" in failure["error"]

@@ -202,3 +202,44 @@ def test_the_bases_quantization_modes_and_dtypes_are_typed_once():
     }
     assert spelled == set()
     assert _literals_of(own, set(get_args(dtypes.Quantization))), "the scan finds a spelled Literal"
+
+
+# One value other than its default for every train.* field the trainer reads (its TrainSettings projection)
+NOT_DEFAULT = {
+    "grpo": {"max_steps": 7, "learning_rate": 1.0e-4},
+    "lora": {"r": 4},
+    "checkpoint_every": 3,
+    "keep_checkpoints": 5,
+    "early_stopping_patience": 2,
+    "s3_endpoint_url": "http://127.0.0.1:9000",
+    "merged_generation": False,
+    "prefill_once": False,
+    "share_prompt_forward": False,
+    "compact_lm_head": False,
+    "skip_zero_advantage": False,
+    "cpu_threads": 3,
+    "distributed": {"timeout_s": 900},
+    "health": {"kl_blowup": {"window": 4}, "format_hacking": {"action": "stop"}},
+    "curriculum": {"enabled": False},
+    "dynamic_sampling": {"oversample": 3.0},
+}
+
+
+def test_every_train_field_the_trainer_reads_reaches_its_job_spec_with_the_users_value(tmp_path):
+    """TrainSettings is TrainConfig's projection: each field the trainer reads, set to a value other than its
+    default, comes back from the written spec as set (a field renamed on one side would ship its default)."""
+    from grpo_pipeline.configs.schema import TrainConfig
+    from grpo_pipeline.tasks.job import build_job_spec, projected_fields
+    from grpo_pipeline.trainer.spec import JobSpec
+
+    assert set(NOT_DEFAULT) == projected_fields()  # a new field the trainer reads must be added above
+    default = TrainConfig()
+    cfg = load_config(None, [f"train={NOT_DEFAULT}"])
+    for name in NOT_DEFAULT:
+        assert getattr(cfg.train, name) != getattr(default, name), name
+    splits = {"train": tmp_path / "t.jsonl", "val": tmp_path / "v.jsonl"}
+    spec = build_job_spec(cfg.train, cfg.model, "m", splits, tmp_path / "run")
+    read = JobSpec.read(spec.write(tmp_path / "job.json")).train
+    for name in NOT_DEFAULT:
+        assert getattr(read, name) == getattr(cfg.train, name), name
+    assert read.rewards == cfg.train.reward_set()

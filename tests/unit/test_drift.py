@@ -135,7 +135,7 @@ def test_the_decision_report_is_marked_and_shows_the_drift_section():
     )
     drift = assess("4", rows, reward_drop([1.0] * 20 + [0.0] * 10, [1.0] * 5 + [0.0] * 25), threshold=0.1)
     markdown = render_markdown(
-        Holdout.of(result, result, result),
+        Holdout.of(result, result, result, "correct_answer"),
         PromotionDecision(promote=True, reasons=["gain"], stats={}),
         registry,
         drift=drift,
@@ -145,7 +145,7 @@ def test_the_decision_report_is_marked_and_shows_the_drift_section():
     assert "<td>prompt characters, mean (median)</td>\n<td>10.0 (10)</td>\n<td>40.0 (40)</td>" in page
     assert "<td>answers: text</td>\n<td>0.0%</td>\n<td>100.0%</td>" in page
     quiet = render_markdown(
-        Holdout.of(result, result, result),
+        Holdout.of(result, result, result, "correct_answer"),
         PromotionDecision(promote=True, reasons=["gain"], stats={}),
         registry,
         drift=not_measured("no champion yet"),

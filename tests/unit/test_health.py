@@ -13,16 +13,73 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from grpo_pipeline.configs.health import RULES, Bounds, HealthConfig
+from grpo_pipeline.configs.health import RULES, SHORT_TOKENS, Bounds, HealthConfig
+from grpo_pipeline.configs.rewards import RewardSet
 from grpo_pipeline.configs.schema import ConfigError, load_config
 from grpo_pipeline.trainer.health import Ledger, Monitor, decide, healthy_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _monitor(**rules) -> Monitor:
+DEMO = RewardSet(names=("correct_answer", "number_only"))  # the demo's skill and format
+
+
+def _monitor(rewards: RewardSet | None = DEMO, **rules) -> Monitor:
     """A monitor with only `rules` (name -> settings, each key defaulting to its entry's) on."""
-    return Monitor(HealthConfig(**{name: {"action": "off"} for name in RULES} | rules))
+    return Monitor(HealthConfig(**{name: {"action": "off"} for name in RULES} | rules), rewards=rewards)
+
+
+def _steps(skill: list[float], fmt: list[float], length: list[float]) -> list[dict]:
+    return [
+        {"rewards/correct_answer/mean": s, "rewards/number_only/mean": f, "completions/mean_length": n}
+        for s, f, n in zip(skill, fmt, length, strict=True)
+    ]
+
+
+def _format_events(monitor: Monitor, logs: list[dict]) -> list[tuple[int, str, str]]:
+    return [(e.step, e.rule, e.metric) for step, x in enumerate(logs, 1) for e in monitor.observe(step, x)]
+
+
+def test_format_hacking_fires_when_the_format_saturates_and_the_skill_stays_flat():
+    """The subtraction run's shape: number_only 0.01 -> 1.0 in a few steps, correct_answer 0.04 throughout."""
+    logs = _steps([0.04] * 15, [0.01] * 5 + [0.6] * 3 + [1.0] * 7, [9.0] * 15)
+    fired = _format_events(_monitor(format_hacking={"action": "warn"}), logs)
+    assert fired == [(13, "format_hacking", "rewards/number_only/mean")]  # once: its window is all 1.0 at 13
+    monitor = _monitor(format_hacking={})
+    (event,) = [e for step, x in enumerate(logs, 1) for e in monitor.observe(step, x)]
+    assert event.action == "warn"  # the default
+    assert "format hacking: number_only at 1 over the last 5 logged steps" in event.message
+    assert "the skill correct_answer stayed at 0.04 (0.04 in the run's first window)" in event.message
+
+
+def test_format_hacking_fires_when_completions_shrink_to_a_token_or_two_without_a_shaping_reward():
+    only_skill = RewardSet(names=("math_answer",))
+    logs = [
+        {"rewards/math_answer/mean": 0.1, "completions/mean_length": n} for n in [40.0] * 5 + [20.0] * 3 + [1.2] * 5
+    ]
+    fired = _format_events(_monitor(only_skill, format_hacking={}), logs)
+    assert fired == [(13, "format_hacking", "completions/mean_length")]
+
+
+def test_format_hacking_stays_quiet_when_the_skill_rises_with_the_format_or_is_off():
+    rising = _steps([0.05] * 5 + [0.3] * 3 + [0.7] * 7, [0.01] * 5 + [1.0] * 10, [1.0] * 15)  # the demo: short is right
+    assert _format_events(_monitor(format_hacking={}), rising) == []
+    flat_no_format = _steps([0.04] * 15, [0.3] * 15, [9.0] * 15)  # nothing learned, nothing hacked either
+    assert _format_events(_monitor(format_hacking={}), flat_no_format) == []
+    hacked = _steps([0.04] * 15, [0.01] * 5 + [1.0] * 10, [9.0] * 15)
+    assert _format_events(_monitor(format_hacking={"action": "off"}), hacked) == []
+    assert _format_events(_monitor(None, format_hacking={}), hacked) == []  # no rewards' roles: nothing to read
+
+
+def test_format_hackings_windows_survive_a_checkpoint():
+    logs = _steps([0.04] * 15, [0.01] * 5 + [1.0] * 10, [9.0] * 15)
+    whole = _format_events(_monitor(format_hacking={}), logs)
+    first = _monitor(format_hacking={})
+    _format_events(first, logs[:7])
+    resumed = _monitor(format_hacking={})
+    resumed.load(json.loads(json.dumps(first.state())))
+    again = [(e.step, e.rule, e.metric) for step, x in enumerate(logs[7:], 8) for e in resumed.observe(step, x)]
+    assert again == whole == [(10, "format_hacking", "rewards/number_only/mean")]
 
 
 def _fired(monitor: Monitor, key: str, values, **extra) -> list[tuple[int, str]]:
@@ -157,6 +214,11 @@ def test_each_rule_of_the_table_reaches_the_config_its_validation_the_trainers_c
         logs = [{key: 0.5 for key in rule.metrics}, {key: float("nan") for key in rule.metrics}]
         fired = [(e.step, e.rule, e.metric) for step, x in enumerate(logs, 1) for e in monitor.observe(step, x)]
         assert fired == [(2, name, rule.metrics[0])]
+        return
+    if rule.fires == "format hacking":  # the demo's rewards: number_only at the threshold, the skill flat
+        assert SHORT_TOKENS < 3
+        logs = _steps([0.0] * 3 * rule.window, [t / 2] * 2 * rule.window + [t] * rule.window, [9.0] * 3 * rule.window)
+        assert _format_events(monitor, logs) == [(3 * rule.window, name, "rewards/number_only/mean")]
         return
     (metric,) = rule.metrics
     quiet = {"reaches": t / 2, "falls to": 2 * t + 1, "either way": 1.0}[rule.fires]  # bounds keep 1.0 inside
@@ -307,7 +369,7 @@ def test_the_report_says_the_candidate_came_from_a_rolled_back_run():
     )
     assert markdown.index("## Training health") < markdown.index("## Reasons")
     best = train.model_copy(update={"best_step": 4, "best_val_reward": 0.5, "global_step": 8})
-    assert "adapter of step 4, the best validation reward (0.5), not of the last step (8)" in render_markdown(
+    assert "adapter of step 4, the best validation skill reward (0.5), not of the last step (8)" in render_markdown(
         holdout, PromotionDecision(promote=True, reasons=[], stats={}), registry, train=best
     )
     assert "## Training health" not in render_markdown(

@@ -523,7 +523,7 @@ def test_rungs_and_budget_follow_the_config():
     from grpo_pipeline.configs.schema import HPOConfig
     from grpo_pipeline.tasks.hpo import budget, make_pruner, prompts_needed
 
-    assert prompts_needed(HPOConfig(target_standard_error=0.1), REWARDS) == (100, 1.0)
+    assert prompts_needed(HPOConfig(target_standard_error=0.1), REWARDS) == (25, 0.5)
     pruner = make_pruner(HPOConfig(pruner="hyperband", steps=18, eval_every=2, reduction_factor=3)).inner
     assert (pruner._min_resource, pruner._max_resource, pruner._reduction_factor) == (2, 18, 3)
     c = load_config(None, ["train.grpo.max_steps=100", "hpo.budget_fraction=0.25"])

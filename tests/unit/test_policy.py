@@ -77,7 +77,7 @@ REFUSED = {
     "tracking.mlflow_tracking_uri=http://collector.example:5000": HOST,
     "train.grpo.push_to_hub=true": HOST,
     "train.grpo.hub_model_id=someone/else": HOST,
-    "train.reward_args.remote_verifier.url=http://collector.example/score": HOST,
+    "train.rewards=[correct_answer, {name: remote_verifier, role: shaping, args: {url: 'http://collector.example/score'}}]": CODE,
     "data.s3_endpoint_url=http://collector.example:9000": HOST,
     "data.source=/proc/self/environ": PATH,
     "data_dir=/etc": PATH,
@@ -85,7 +85,7 @@ REFUSED = {
     "model.base=/home/someone/model": PATH,
     "plan.gpu_catalog=/etc/passwd": PATH,
     f"train.grpo.hub_token={SECRET}": CREDENTIAL,
-    f"train.reward_args.remote_verifier.headers.Authorization=Bearer {SECRET}": CREDENTIAL,
+    f"train.rewards=[correct_answer, {{name: remote_verifier, role: shaping, args: {{headers: {{Authorization: Bearer {SECRET}}}}}}}]": CODE,
     "deploy.trigger.allow=[model.base]": POLICY,
     "train={rewards: [evil_reward:reward]}": CODE,  # a whole section holds what it holds
 }
@@ -215,7 +215,7 @@ def test_an_operator_on_the_workers_shell_keeps_full_power(worker, monkeypatch):
     )
     (cfg,) = started
     assert cfg.model.trust_remote_code and cfg.tracking.mlflow_tracking_uri == "http://mlflow.internal:5000"
-    assert cfg.data.source == "/srv/data/train.jsonl" and cfg.train.rewards == ["pkg.mod:fn"]
+    assert cfg.data.source == "/srv/data/train.jsonl" and cfg.train.reward_set().names == ("pkg.mod:fn",)
 
 
 def test_who_started_the_run_comes_from_the_flow_runs_record(monkeypatch):
@@ -308,8 +308,8 @@ def test_the_default_policy_is_the_documented_one():
 LEAKS = {
     f"train.grpo.hub_token={SECRET}": "train.grpo.hub_token",
     f"train.grpo.push_to_hub_token={SECRET}": "train.grpo.push_to_hub_token",
-    f"train.reward_args.remote_verifier.headers.Authorization=Bearer {SECRET}": "train.reward_args.remote_verifier.headers.Authorization",
-    f"train.reward_args.remote_verifier.headers.X-Api-Key={SECRET[3:]}": "train.reward_args.remote_verifier.headers.X-Api-Key",
+    f"train.rewards=[correct_answer, {{name: remote_verifier, role: shaping, args: {{headers: {{Authorization: Bearer {SECRET}}}}}}}]": "train.rewards[1].args.headers.Authorization",
+    f"train.rewards=[correct_answer, {{name: remote_verifier, role: shaping, args: {{headers: {{X-Api-Key: {SECRET[3:]}}}}}}}]": "train.rewards[1].args.headers.X-Api-Key",
     f"train.grpo.learning_rate={SECRET}": "train.grpo.learning_rate",  # a token typed into a number field
     f"hpo.storage=grpo:{SECRET[3:]}@db.internal:5432/optuna": "hpo.storage",  # user:password@ without a scheme
     f"tracking.mlflow_tracking_uri=https://bob:{SECRET[3:]}@mlflow.internal": "tracking.mlflow_tracking_uri",
@@ -331,7 +331,7 @@ def test_a_secret_in_the_config_or_an_override_is_refused_with_the_fix(assignmen
 def _as_file(assignment: str, tmp_path: Path) -> Path:
     from grpo_pipeline.configs.schema import apply_override
 
-    tree: dict = {"train": {"rewards": ["correct_answer", "remote_verifier"]}}
+    tree: dict = {"train": {"rewards": ["correct_answer", {"name": "remote_verifier", "role": "shaping"}]}}
     apply_override(tree, assignment)
     path = tmp_path / "leaky.yaml"
     path.write_text(yaml.safe_dump(tree))
@@ -350,9 +350,8 @@ def test_names_of_environment_variables_and_ordinary_values_pass():
     cfg = load_config(
         None,
         [
-            "train.reward_args.remote_verifier.headers_from_env={Authorization: VERIFIER_TOKEN}",
-            "train.rewards=[correct_answer, remote_verifier]",
-            "train.reward_args.remote_verifier.headers.X-Request-Source=grpo-pipeline",
+            "train.rewards=[correct_answer, {name: remote_verifier, role: shaping, args: {headers_from_env: {Authorization: VERIFIER_TOKEN}, "
+            "headers: {X-Request-Source: grpo-pipeline}}}]",
             "data.min_prompt_tokens=2",
             "train.grpo.hub_token=",
             "data.source=s3://bucket/key.jsonl",
@@ -361,13 +360,18 @@ def test_names_of_environment_variables_and_ordinary_values_pass():
             "train.lora.trainable_token_indices=[1, 2]",
         ],
     )
-    assert cfg.train.reward_args["remote_verifier"]["headers_from_env"] == {"Authorization": "VERIFIER_TOKEN"}
+    assert cfg.train.reward_set().args["remote_verifier"]["headers_from_env"] == {"Authorization": "VERIFIER_TOKEN"}
     assert risk("train.lora.trainable_token_indices") is None
 
 
 def test_only_a_variables_name_goes_where_a_name_belongs():
     with pytest.raises(ConfigError) as refused:
-        load_config(None, [f"train.reward_args.remote_verifier.headers_from_env={{Authorization: {SECRET[3:]}-x}}"])
+        load_config(
+            None,
+            [
+                f"train.rewards=[correct_answer, {{name: remote_verifier, role: shaping, args: {{headers_from_env: {{Authorization: {SECRET[3:]}-x}}}}}}]"
+            ],
+        )
     message = str(refused.value)
     assert (
         "headers_from_env.Authorization holds a credential (a value where the name of an environment variable"

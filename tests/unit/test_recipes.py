@@ -35,24 +35,28 @@ def test_reasoning_recipes(path):
     cfg = load_config(path)
     assert cfg.data.source == "openai/gsm8k" and cfg.data.answer_extraction == "gsm8k"
     assert "<think>" in cfg.data.system_prompt and "<answer>" in cfg.data.system_prompt
-    assert cfg.train.rewards[:2] == ["math_answer", "think_format"]
+    assert cfg.train.reward_set().names[:2] == ("math_answer", "think_format")
     assert (cfg.evaluate.accuracy_reward, cfg.evaluate.format_reward) == ("math_answer", "think_format")
     length = cfg.train.grpo["max_completion_length"]
     assert length >= 512 and cfg.evaluate.max_new_tokens == length  # room to reason; the penalty's limit is the same
     assert cfg.train.grpo["loss_type"] in ("dapo", "dr_grpo", "grpo")
-    assert len(cfg.train.reward_set().weights) == len(cfg.train.rewards)
-    check_columns(cfg.train.rewards, ROW_COLUMNS)
-    resolve_rewards(cfg.train.rewards, max_completion_length=length)
+    assert cfg.train.reward_set().skill == "math_answer" and cfg.train.reward_set().weights[1] == 0.2
+    check_columns(cfg.train.reward_set().names, ROW_COLUMNS)
+    resolve_rewards(cfg.train.reward_set().names, max_completion_length=length)
 
 
 def test_the_demo_stays_the_default():
     cfg = load_config(None)  # no YAML: the demo's task and model, and its two rewards
     assert cfg.data.source is None and cfg.model.base == "smollm2-135m-instruct"
-    assert cfg.train.rewards == ["correct_answer", "number_only"] and cfg.train.reward_set().weights == (1.0, 1.0)
+    assert cfg.train.reward_set().names == ("correct_answer", "number_only") and cfg.train.reward_set().weights == (
+        1.0,
+        1.0,
+    )
+    assert cfg.train.reward_set().skill == "correct_answer" and cfg.train.reward_set().shaping == ("number_only",)
 
 
 def test_real_data_cpu_recipe_reads_the_prepared_slice():
     cfg = load_config(CONFIGS / "gsm8k-calc-cpu.yaml")
     assert cfg.data.source.endswith("gsm8k-calc/train.jsonl") and cfg.data.eval_sources[0].endswith("test.jsonl")
-    assert cfg.train.rewards == ["math_answer"] and cfg.promote.metric == "math_answer"
-    check_columns(cfg.train.rewards, ROW_COLUMNS)
+    assert cfg.train.reward_set().names == ("math_answer",) and cfg.train.reward_set().skill == "math_answer"
+    check_columns(cfg.train.reward_set().names, ROW_COLUMNS)

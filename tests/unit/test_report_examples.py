@@ -29,7 +29,7 @@ def _report(examples: int) -> tuple[str, Holdout]:
     base = score(ROWS, ["0"] * 4, math_answer, [1] * 4)
     trained = score(ROWS, COMPLETIONS, math_answer, [len(c) for c in COMPLETIONS])
     trained = trained.model_copy(update={"examples": pick_examples(trained, "math_answer", examples)})
-    holdout = Holdout.of(base, trained, None)
+    holdout = Holdout.of(base, trained, None, "math_answer")
     check = ServingCheck(model_uri="models:/m/2", prompts=2, matched=2, passed=True, seconds=1.0)
     registry = RegistryOutcome(
         model="m",

@@ -1,4 +1,4 @@
-"""Reward arguments from the pipeline YAML (`train.reward_args`): typed in the config, checked against each
+"""Reward arguments from the pipeline YAML (each `train.rewards` entry's `args`): typed in the config, checked against each
 reward's own parameters before any work, carried in the job spec, bound by the evaluation as by the trainer."""
 
 import pytest
@@ -16,37 +16,44 @@ def test_a_yaml_file_sets_them_and_the_job_spec_carries_them(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("""
 train:
-  rewards: [math_answer, think_format, overlong_penalty]
-  reward_args:
-    think_format: {think_tag: reasoning, answer_tag: final}
-    overlong_penalty: {buffer: 64}
+  rewards:
+    - {name: math_answer, args: {answer_tag: final}}
+    - {name: think_format, weight: 0.2, args: {think_tag: reasoning, answer_tag: final}}
+    - {name: overlong_penalty, args: {buffer: 64}}
 """)
-    cfg = load_config(path, ["train.reward_args.math_answer={answer_tag: final}"])
-    assert cfg.train.reward_args == {
+    cfg = load_config(path)
+    assert cfg.train.reward_set().args == {
+        "math_answer": {"answer_tag": "final"},
         "think_format": {"think_tag": "reasoning", "answer_tag": "final"},
         "overlong_penalty": {"buffer": 64},
-        "math_answer": {"answer_tag": "final"},
     }
     check_rewards(cfg.train.reward_set(), cfg.evaluate)
     spec = build_job_spec(
         cfg.train, cfg.model, "m", {"train": tmp_path / "t.jsonl", "val": tmp_path / "v.jsonl"}, tmp_path / "run"
     )
-    assert JobSpec.model_validate_json(spec.model_dump_json()).train.rewards.args == cfg.train.reward_args
+    assert JobSpec.model_validate_json(spec.model_dump_json()).train.rewards == cfg.train.reward_set()
 
 
-def test_arguments_for_a_reward_the_run_does_not_use_are_refused_by_the_config():
-    with pytest.raises(
-        ConfigError,
-        match=r"train.reward_args names \['think_format'\], which are not among "
-        r"train.rewards \(correct_answer, number_only\)",
-    ):
-        load_config(None, ["train.reward_args={think_format: {think_tag: r}}"])
+@pytest.mark.parametrize(
+    ("override", "loose"),
+    [
+        ("train.reward_args={think_format: {think_tag: r}}", "train.reward_args"),
+        ("train.reward_weights={number_only: 0.2}", "train.reward_weights"),
+        ("train.grpo.reward_weights=[1.0, 0.2]", "train.grpo.reward_weights"),
+    ],
+)
+def test_the_loose_reward_fields_are_refused_with_the_entry_form(override, loose):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    message = str(err.value)
+    assert f"{loose}: a reward's weight and arguments are set in its own entry of train.rewards" in message
+    assert "{name: number_only, weight: 0.2}" in message
 
 
 def test_preflight_names_the_field_and_lists_the_valid_arguments():
     with pytest.raises(
         ConfigError,
-        match=r"^train.reward_args.think_format: reward 'think_format' takes no argument "
+        match=r"^train.rewards\[1\].args \(think_format\): reward 'think_format' takes no argument "
         r"'tag'; its arguments: think_tag='think', answer_tag='answer'$",
     ):
         check_rewards(
@@ -54,7 +61,7 @@ def test_preflight_names_the_field_and_lists_the_valid_arguments():
         )
     with pytest.raises(
         ConfigError,
-        match=r"^train.reward_args.remote_verifier: reward 'remote_verifier' needs the "
+        match=r"^train.rewards\[0\].args \(remote_verifier\): reward 'remote_verifier' needs the "
         r"argument url$",
     ):
         check_rewards(RewardSet(names=("remote_verifier",)), EvalConfig())
@@ -96,7 +103,7 @@ def test_the_data_stage_checks_references_with_the_answer_rewards_alone(tmp_path
         DataConfig(source=str(path)),
         tmp_path / "out",
         str(tiny_model),
-        RewardSet(names=("math_answer", "remote_verifier")),
+        RewardSet(entries=["math_answer", {"name": "remote_verifier", "role": "shaping"}]),
     )
     assert [(q["row"]["answer"], q["reason"]) for q in read(version.quarantine)] == [
         ("forty-two", "answer_unverifiable")
@@ -112,7 +119,7 @@ def answer_below(completions, answer, *, limit: int) -> list[float]:
 
 
 def test_the_data_stage_binds_the_answer_checkers_arguments(tmp_path, tiny_model):
-    """A checker's required argument comes from train.reward_args there too (without it the stage could not
+    """A checker's required argument comes from its train.rewards entry there too (without it the stage could not
     resolve the reward at all), and the configured value decides which references are quarantined."""
     import json
     import random
@@ -122,9 +129,7 @@ def test_the_data_stage_binds_the_answer_checkers_arguments(tmp_path, tiny_model
     from tests.unit.test_data import question, read
 
     checker = f"{__name__}:answer_below"
-    cfg = load_config(
-        None, [f"train.rewards=['{checker}', number_only]", f"train.reward_args={{'{checker}': {{limit: 1000}}}}"]
-    )
+    cfg = load_config(None, [f"train.rewards=[{{name: '{checker}', args: {{limit: 1000}}}}, number_only]"])
     check_rewards(cfg.train.reward_set(), cfg.evaluate)  # preflight passes it
     rng = random.Random(3)
     rows = [{"prompt": p, "answer": a} for p, a in (question(rng, i) for i in range(30))]
@@ -134,12 +139,12 @@ def test_the_data_stage_binds_the_answer_checkers_arguments(tmp_path, tiny_model
 
     def quarantined(args):
         version = build_dataset(
-            data, tmp_path / "out", str(tiny_model), RewardSet(names=tuple(cfg.train.rewards), args=args)
+            data, tmp_path / "out", str(tiny_model), RewardSet(names=cfg.train.reward_set().names, args=args)
         )
         assert {q["reason"] for q in read(version.quarantine)} <= {"answer_unverifiable"}
         return sorted(q["row"]["answer"] for q in read(version.quarantine))
 
-    at_1000 = quarantined(cfg.train.reward_args)
+    at_1000 = quarantined(cfg.train.reward_set().args)
     assert at_1000 == sorted(r["answer"] for r in rows if int(r["answer"]) >= 1000) and at_1000
     # the same out_dir: another value is another version, not the one built before
     assert quarantined({checker: {"limit": 1500}}) == sorted(r["answer"] for r in rows if int(r["answer"]) >= 1500)

@@ -24,7 +24,7 @@ from grpo_pipeline.configs.rewards import RewardSet
 from grpo_pipeline.configs.schema import ConfigError, PipelineConfig, QuantizationBound, load_config
 from grpo_pipeline.tasks.data.demo_task import make_row
 
-WEIGHED = "train.reward_weights={number_only: 0.2}"
+WEIGHED = "train.rewards=[correct_answer, {name: number_only, weight: 0.2}]"
 ENGINE = "evaluate.engine=transformers"  # "auto" would import torch to look for a GPU
 
 
@@ -88,7 +88,7 @@ def test_the_config_resolves_one_frozen_value_with_trls_weights():
     assert load_config(None).train.reward_set().weights == (1.0, 1.0)  # unweighted: TRL's default
     assert rewards.total({"correct_answer": 0.0, "number_only": 1.0}) == 0.2
     with pytest.raises(ValidationError, match="frozen"):
-        rewards.weights = (1.0, 1.0)
+        rewards.entries = ()
     with pytest.raises(ValidationError, match="every reward weight is 0"):
         RewardSet(names=("correct_answer",), weights=(0.0,))
     with pytest.raises(ValidationError, match="arguments for think_format, which are not among the rewards"):
@@ -113,10 +113,8 @@ SPEC_BEFORE = """{"model_path": "/models/base", "model": {"quantization": "none"
  "/runs/20261201-0300-abcd/train", "checkpoint_uri": "/runs/20261201-0300-abcd/checkpoints", "adapter_dir":
  "/runs/20261201-0300-abcd/adapter", "init_adapter": null, "init_adapter_files": null, "mlflow_tracking_uri": null,
  "mlflow_experiment": "grpo-pipeline", "mlflow_run_id": null}"""
-SETS_BEFORE = [  # the configuration that spec was built from
-    "train.rewards=[math_answer, think_format]",
-    "train.reward_weights={think_format: 0.25}",
-    "train.reward_args={math_answer: {answer_tag: final}}",
+SETS_BEFORE = [  # the configuration that spec was built from, in today's entry form
+    "train.rewards=[{name: math_answer, args: {answer_tag: final}}, {name: think_format, weight: 0.25}]",
     "train.grpo.max_steps=20",
     "train.grpo.per_device_train_batch_size=8",
     "train.health.kl_blowup.action=stop",
@@ -150,8 +148,38 @@ def test_a_job_spec_written_before_reads_as_the_same_job():
     assert JobSpec.model_validate(unweighted).train.rewards.weights == (1.0, 1.0)
     twice = before.model_dump(mode="json")
     twice["train"]["grpo"]["reward_weights"] = [1.0, 0.25]
-    with pytest.raises(ValidationError, match="grpo.reward_weights: the weights travel in rewards.weights"):
+    with pytest.raises(ValidationError, match="grpo.reward_weights: the weights travel in rewards' entries"):
         JobSpec.model_validate(twice)
+
+
+def test_a_version_1_spec_reads_as_entries_and_one_whose_skill_cannot_be_told_is_refused_whole():
+    """Version 1 carried the RewardSet as parallel lists (names, args, weights): read, each role the reward's
+    default. A set with no skill reward by those defaults is refused with the version and the fix, never read in
+    part."""
+    from grpo_pipeline.tasks.job import train_settings
+    from grpo_pipeline.trainer.spec import SPEC_VERSION, JobSpec
+
+    v1 = json.loads(SPEC_BEFORE)
+    train = v1["train"]
+    train["rewards"] = {"names": train["rewards"], "args": train.pop("reward_args"), "weights": [1.0, 0.25]}
+    del train["grpo"]["reward_weights"]
+    read = JobSpec.model_validate(v1)
+    assert read.train == train_settings(load_config(None, SETS_BEFORE).train) and read.version == SPEC_VERSION
+    assert read.train.rewards.skill == "math_answer"
+    train["rewards"] = {"names": ["think_format"], "args": {}, "weights": [1.0]}
+    with pytest.raises(ValidationError) as err:
+        JobSpec.model_validate(v1)
+    message = str(err.value)
+    assert "a job spec of version 1" in message and f"version {SPEC_VERSION}" in message
+    assert "train.rewards has no skill reward" in message and "role: skill" in message
+    v0 = json.loads(SPEC_BEFORE)
+    v0["train"]["rewards"] = ["math_answer", "remote_verifier"]
+    v0["train"]["grpo"]["reward_weights"] = [1.0, 1.0]
+    with pytest.raises(ValidationError, match="a job spec of version 0 .* 2 skill rewards"):
+        JobSpec.model_validate(v0)
+    newer = {**json.loads(read.model_dump_json()), "version": SPEC_VERSION + 1}
+    with pytest.raises(ValidationError, match=f"job spec version {SPEC_VERSION + 1} is newer than this trainer"):
+        JobSpec.model_validate(newer)
 
 
 def test_base_selection_picks_by_the_weighted_total(fake_generation, val8, tmp_path, monkeypatch):
@@ -194,7 +222,9 @@ def test_the_quantization_cost_is_the_weighted_totals_drop(fake_generation, val8
     assert weighted.reasons[0].startswith("reward drops by 0.300 (1.000 -> 0.700)")
 
 
-def test_the_search_scores_and_picks_trials_by_the_weighted_total(fake_generation, val8, tmp_path):
+def test_the_search_scores_and_picks_trials_by_the_skill_whatever_the_formats_weight(fake_generation, val8, tmp_path):
+    """The terse trial wins on the total unweighted (1.5 against 1.0) by its format alone; the search scores the
+    skill (correct_answer), where the wordy trial is right twice as often, with the format weighed or not."""
     from grpo_pipeline.tasks.hpo import TrialOutcome, suggest
     from tests.unit.test_hpo import run_search
 
@@ -223,19 +253,20 @@ def test_the_search_scores_and_picks_trials_by_the_weighted_total(fake_generatio
         return run_search(cfg, "base", {"val": val8}, tmp_path / name, rewards=cfg.train.reward_set(), run_one=run_one)
 
     unweighted = searched("unweighted")
-    assert unweighted.best_trial == 0 and unweighted.rescored == {0: 1.5, 1: 1.0}
+    assert unweighted.best_trial == 1 and unweighted.rescored == {0: 0.5, 1: 1.0}
     weighted = searched("weighted", WEIGHED)
-    assert weighted.best_trial == 1 and weighted.rescored == {0: pytest.approx(0.7), 1: 1.0}
-    assert {t.number: t.value for t in weighted.trials} == {0: pytest.approx(0.7), 1: 1.0}
+    assert weighted.best_trial == 1 and weighted.rescored == {0: 0.5, 1: 1.0}
+    assert {t.number: t.value for t in weighted.trials} == {0: 0.5, 1: 1.0}
 
 
-def test_the_search_sizes_its_prompts_by_the_weighted_totals_spread():
+def test_the_search_sizes_its_prompts_by_the_skills_spread():
     from grpo_pipeline.configs.schema import HPOConfig
     from grpo_pipeline.tasks.hpo import prompts_needed
 
     hpo = HPOConfig(target_standard_error=0.05)
-    assert prompts_needed(hpo, load_config(None).train.reward_set()) == (400, 1.0)
-    assert prompts_needed(hpo, load_config(None, [WEIGHED]).train.reward_set()) == (144, 0.6)
+    # the skill, a score in [0, 1]: SD at most 0.5, whatever the shaping rewards and their weights
+    assert prompts_needed(hpo, load_config(None).train.reward_set()) == (100, 0.5)
+    assert prompts_needed(hpo, load_config(None, [WEIGHED]).train.reward_set()) == (100, 0.5)
 
 
 @pytest.mark.parametrize(
@@ -255,8 +286,8 @@ def test_the_search_sizes_its_prompts_by_the_weighted_totals_spread():
         ),
         (
             "evaluate.accuracy_reward=remote_verifier",
-            "evaluate.accuracy_reward (not in train.rewards, so no "
-            "train.reward_args): reward 'remote_verifier' needs the argument url",
+            "evaluate.accuracy_reward (not in train.rewards, so bound with no "
+            "arguments): reward 'remote_verifier' needs the argument url",
         ),
         (
             "train.rewards=[correct_answr]",
@@ -287,7 +318,7 @@ def test_every_shipped_recipe_names_rewards_and_columns_that_exist():
     for path in recipes():
         cfg = load_config(path)
         check_rewards(cfg.train.reward_set(), cfg.evaluate)
-        check_policy(cfg.promote, score_columns(cfg.train.reward_set(), cfg.evaluate))
+        check_policy(cfg.promote, score_columns(cfg.train.reward_set(), cfg.evaluate), cfg.train.reward_set())
 
 
 def test_a_typo_in_an_evaluation_reward_exits_2_before_any_flow_runs():
@@ -301,4 +332,65 @@ def test_a_typo_in_an_evaluation_reward_exits_2_before_any_flow_runs():
     assert failure["exit_code"] == 2
     assert failure["error"].startswith(
         "evaluate.accuracy_reward: unknown reward 'corect_answer'; did you mean 'correct_answer'?"
+    )
+
+
+def test_early_stopping_and_the_published_checkpoint_follow_the_skill_not_the_total(tmp_path, capsys):
+    """Validation every 10 steps: the total peaks at step 20 on the format alone, the skill at step 30. HF's own
+    best-metric choice (what the published adapter and the kept checkpoint follow) and its early stopping, with
+    the trainer's arguments, pick step 30; the rung report a search prunes on carries the skill."""
+    from types import SimpleNamespace
+
+    from transformers import EarlyStoppingCallback, Trainer, TrainerControl, TrainerState
+
+    from grpo_pipeline.tasks.job import build_job_spec
+    from grpo_pipeline.trainer.callbacks import ReportValidation, skill_metric
+    from grpo_pipeline.trainer.spec import parse_progress
+    from grpo_pipeline.trainer.train import grpo_args
+
+    sets = ["train.early_stopping_patience=2", "train.checkpoint_every=10", "train.grpo.max_steps=60"]
+    cfg = load_config(None, [*sets, "train.grpo.bf16=false"])
+    spec = build_job_spec(cfg.train, cfg.model, "m", {"train": tmp_path / "t", "val": tmp_path / "v"}, tmp_path / "run")
+    args = grpo_args(spec, tmp_path / "hf")
+    assert args.metric_for_best_model == skill_metric(spec.train.rewards) == "rewards/correct_answer/mean"
+    state, control = TrainerState(), TrainerControl()
+    trainer, stopper = SimpleNamespace(args=args, state=state), EarlyStoppingCallback(2)
+    report = ReportValidation(skill_metric(spec.train.rewards))
+    evaluations = {10: (0.2, 0.1), 20: (1.3, 0.1), 30: (1.2, 0.4), 40: (1.1, 0.3), 50: (1.0, 0.2)}  # total, skill
+    stopped_at = None
+    for step, (total, skill) in evaluations.items():
+        state.global_step = step
+        metrics = {"eval_reward": total, "eval_rewards/correct_answer/mean": skill}
+        # HF's order: the evaluation's callbacks, then the best metric (Trainer._maybe_log_save_evaluate)
+        stopper.on_evaluate(args, state, control, metrics=metrics)
+        report.on_evaluate(args, state, control, metrics=metrics)
+        Trainer._determine_best_metric(trainer, metrics, None)
+        if control.should_training_stop:
+            stopped_at = step
+            break
+    # on the total, the same patience would have kept step 20 and stopped at 40
+    assert (state.best_global_step, state.best_metric, stopped_at) == (30, 0.4, 50)
+    printed = [parse_progress(line) for line in capsys.readouterr().out.splitlines()]
+    assert [p["val_reward"] for p in printed if p] == [0.1, 0.1, 0.4, 0.3, 0.2]
+
+
+def test_every_registered_reward_has_a_role_and_each_shipped_task_names_its_skill():
+    """The roles' table (configs/rewards.py) covers the registry (trainer/rewards), and every shipped recipe, the
+    demo and a data.source task with the shipped rewards resolve the skill they are judged by."""
+    from grpo_pipeline.configs.files import recipes
+    from grpo_pipeline.configs.rewards import default_role
+    from grpo_pipeline.trainer.rewards import REWARDS
+
+    assert {name: default_role(name) is not None for name in REWARDS} == dict.fromkeys(REWARDS, True)
+    skills = {path.name: load_config(path).train.reward_set().skill for path in recipes()}
+    assert set(skills.values()) <= {"correct_answer", "math_answer"} and skills
+    assert load_config(None).train.reward_set().skill == "correct_answer"  # the demo and the arithmetic tasks
+    source = load_config(None, ["data.source=rows.jsonl", "train.rewards=[math_answer, think_format]"])
+    assert (source.train.reward_set().skill, source.train.reward_set().shaping) == ("math_answer", ("think_format",))
+    custom = load_config(None, ["train.rewards=['pkg.mod:grade', number_only]"]).train.reward_set()
+    assert (custom.skill, custom.shaping) == ("pkg.mod:grade", ("number_only",))
+    declared = load_config(None, ["train.rewards=[correct_answer, {name: remote_verifier, role: skill}]"])
+    assert (declared.train.reward_set().skill, declared.train.reward_set().shaping) == (
+        "remote_verifier",
+        ("correct_answer",),
     )

@@ -267,19 +267,15 @@ def test_every_registered_reward_is_described():
     assert describe("remote_verifier")["arguments"]["url"] == "required"
 
 
-def test_reward_weights_by_name_reach_trl_in_reward_order():
-    cfg = load_config(
-        None,
-        ["train.rewards=[math_answer, think_format, overlong_penalty]", "train.reward_weights={think_format: 0.25}"],
-    )
+def test_reward_weights_in_their_entries_reach_trl_in_reward_order():
+    cfg = load_config(None, ["train.rewards=[math_answer, {name: think_format, weight: 0.25}, overlong_penalty]"])
     assert cfg.train.reward_set().weights == (1.0, 0.25, 1.0)
-    assert load_config(None, ["train.grpo.reward_weights=[1, 0.5]"]).train.reward_set().weights == (1.0, 0.5)
-    with pytest.raises(ConfigError, match=r"names \['think'\], which are not among train.rewards"):
-        load_config(None, ["train.reward_weights={think: 1}"])
-    with pytest.raises(ConfigError, match="one weight per reward"):
-        load_config(None, ["train.grpo.reward_weights=[1.0]"])
-    with pytest.raises(ConfigError, match="disagree"):
-        load_config(None, ["train.reward_weights={number_only: 2}", "train.grpo.reward_weights=[1, 1]"])
+    with pytest.raises(ConfigError, match="train.grpo.reward_weights: a reward's weight and arguments are set"):
+        load_config(None, ["train.grpo.reward_weights=[1, 0.5]"])
+    with pytest.raises(ConfigError, match="is not a finite number"):
+        load_config(None, ["train.rewards=[correct_answer, {name: number_only, weight: .nan}]"])
+    with pytest.raises(ConfigError, match="names number_only more than once"):
+        load_config(None, ["train.rewards=[correct_answer, number_only, number_only]"])
 
 
 def test_evaluation_scores_with_the_training_rewards():
@@ -298,7 +294,8 @@ def test_evaluation_scores_with_the_training_rewards():
     assert [r["total"] for r in result.rows] == [1.5, -0.5]  # 1 + 0.5; 0 + 0.5 - 1 (cut at the limit)
     assert result.per_reward == {"math_answer": 0.5, "think_format": 1.0, "overlong_penalty": -0.5}
     assert result.rows[0]["prompt"] == "48 + 24?" and result.rows[1]["answer"] == "-4"
-    extra = score(rows, completions, RewardSet(names=("think_format",)), [3, 3], extra=["math_answer"])
+    think_only = RewardSet(entries=[{"name": "think_format", "role": "skill"}])
+    extra = score(rows, completions, think_only, [3, 3], extra=["math_answer"])
     assert extra.rows[0]["math_answer"] == 1.0 and extra.per_reward == {"think_format": 1.0}
     assert [e["verdict"] for e in pick_examples(result, "math_answer", 3)] == ["right", "wrong"]
     fixed = contrast(result, score(rows, ["no", "no"], RewardSet(names=("math_answer",)), [1, 1]), "math_answer")
