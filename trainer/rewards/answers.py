@@ -14,7 +14,6 @@ from fractions import Fraction
 
 from grpo_pipeline.trainer.rewards.base import ascii_digits, check_tag, completion_text
 
-_INT = re.compile(r"-?\d+")
 # A number as people write it: sign, thousands separators, decimals, a fraction a/b.
 _NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:\s*/\s*\d+(?:\.\d+)?)?|-?\.\d+")
 _HASHES = re.compile(r"####\s*(.+?)\s*$", re.M)
@@ -26,15 +25,21 @@ _NOISE = re.compile(r"[$€£¥₹%]|\\[$%]|\\(?:text|mathrm|mbox)\{[^{}]*\}|\\[
 
 
 def correct_answer(completions: list, answer: list[str], **_: object) -> list[float]:
-    """1.0 when the first integer in the completion equals the reference: the demo's "just the number" task.
+    """1.0 when the completion's final answer is the reference number: accuracy apart from format.
 
-    >>> correct_answer(["42", "It is 41.", "no idea"], answer=["42", "41", "3"])
-    [1.0, 1.0, 0.0]
+    The answer is the completion's last number (or its `<answer>` block, `\\boxed{}` or `#### n` line, as
+    `math_answer` finds it), so "3 + 14 = 17" and "17" are both right: whether the reply is just the number is
+    the format reward's business (`number_only`), not the skill's. The first number would score the base's
+    "3 + 14 = 17" as wrong and make a format-only gain look like a skill gain.
+
+    >>> correct_answer(["42", "It is 41.", "3 + 14 = 17", "17 - 3", "no idea"], answer=["42", "41", "17", "17", "3"])
+    [1.0, 1.0, 1.0, 0.0, 0.0]
     """
     scores = []
     for completion, ref in zip(completions, answer, strict=True):
-        found = _INT.search(completion_text(completion))
-        scores.append(float(found is not None and found.group() == str(ref).strip()))
+        span = final_answer(completion_text(completion))
+        value = _number(span) if span is not None else None
+        scores.append(float(value is not None and value == _number(str(ref))))
     return scores
 
 
