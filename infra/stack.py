@@ -218,6 +218,8 @@ class Stack:
             return services.postgres_healthy(service)
         if name == "s3":
             return services.s3_healthy(service, *self.credentials)
+        if name == "serve":
+            return router_ready(service)
         return services.http_healthy(service)
 
     def status(self) -> dict[str, dict]:
@@ -352,8 +354,8 @@ class Stack:
         )
 
     def _start_router(self, work: Path, port: int, pg: Service) -> Service:
-        """`grpo-pipeline serve` on loopback, detached; ready once /health says the champion is loaded (the
-        engine's start-up: minutes on a CPU)."""
+        """`grpo-pipeline serve` on loopback, detached; ready once /ready says its engine answers with the
+        champion loaded (the engine's start-up: minutes on a CPU)."""
         options = ServeOptions(**self.state["serve_options"])
         mlflow = self._recorded("mlflow")
         env = {
@@ -369,9 +371,7 @@ class Stack:
         service.stop_signal = int(signal.SIGINT)  # uvicorn's clean stop; the router then stops its engine
         try:
             # no stall limit: the router idles while its engine loads, and the engine has its own limit
-            services.wait_until(
-                lambda: services.http_healthy(service), service, options.startup_timeout_s + 60, stall_s=None
-            )
+            services.wait_until(lambda: router_ready(service), service, options.startup_timeout_s + 60, stall_s=None)
         except services.ServiceExited as exc:
             if exc.code == ROUTER_REFUSED:
                 # what the user fixes (no champion yet, the registry unreachable...): the router's own words
@@ -459,6 +459,12 @@ class ServeOptions:
         True
         """
         return (self.config, self.engine_python) != (recorded.get("config"), recorded.get("engine_python"))
+
+
+def router_ready(service: Service) -> bool:
+    """The router's readiness (`/ready`: its engine answers and the champion is loaded), not its liveness: a
+    router whose engine is restarting is up but serves nothing."""
+    return services.http_status(f"{service.url}/ready") == 200
 
 
 def router_command(options: ServeOptions, port: int, tracking_uri: str, data_dir: Path) -> list[str]:
