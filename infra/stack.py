@@ -28,7 +28,6 @@ import json
 import os
 import secrets
 import shlex
-import signal
 import sys
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, nullcontext
@@ -366,20 +365,26 @@ class Stack:
         }
         log = work / "serve.log"
         before = log.stat().st_size if log.is_file() else 0  # the log is kept across starts: report this one's
-        service = services.spawn("serve", router_command(options, port, mlflow.url, work / "data"), work, env)
+        # Under supervisord: a router that exits (its engine would not come back: status 1) or is killed is started
+        # again; a refusal (status 2: what the user fixes) is not.
+        service = services.start_supervised(
+            "serve", router_command(options, port, mlflow.url, work / "data"), work, env, settled=(ROUTER_REFUSED,)
+        )
         service.url = f"http://127.0.0.1:{port}"
-        service.stop_signal = int(signal.SIGINT)  # uvicorn's clean stop; the router then stops its engine
-        try:
-            # no stall limit: the router idles while its engine loads, and the engine has its own limit
-            services.wait_until(lambda: router_ready(service), service, options.startup_timeout_s + 60, stall_s=None)
-        except services.ServiceExited as exc:
-            if exc.code == ROUTER_REFUSED:
+
+        def ready() -> bool:
+            state = services.supervised_state(service)
+            if state is not None and state["exitstatus"] == ROUTER_REFUSED and state["statename"] != "RUNNING":
+                services.stop(service)
                 # what the user fixes (no champion yet, the registry unreachable...): the router's own words
                 raise ServeRefused(
                     f"the router did not start: {services.log_tail(service.log, 5, since=before)}\nThe other services run; "
                     "fix that and run `grpo-pipeline stack up --serve` again"
-                ) from None
-            raise
+                )
+            return router_ready(service)
+
+        # no stall limit: the router idles while its engine loads, and the engine has its own limit
+        services.wait_until(ready, service, options.startup_timeout_s + 60, stall_s=None)
         return service
 
     def down(self, step: Step = _unshown) -> list[str]:
