@@ -11,8 +11,11 @@
 
 import json
 import os
+import shutil
 import signal
+import tempfile
 from collections import defaultdict
+from pathlib import Path
 
 import httpx
 import pytest
@@ -65,7 +68,10 @@ class RoundRobin:
 def world(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(STAND_IN_VLLM))
     monkeypatch.setenv("STAND_IN_ENGINE_START_S", "1")
-    stack = Stack(tmp_path / "stack")
+    # PostgreSQL's folder outside pytest's temporary root: a concurrent test session resets that root to 0700,
+    # which shuts the server's unprivileged user out of its data mid-run (when the tests run as root)
+    home = Path(tempfile.mkdtemp(prefix="grpo-replicas-"))
+    stack = Stack(home / "stack")
     pg = stack.up(["postgres"])["postgres"]
     aliases = tmp_path / "aliases.json"
     aliases.write_text(json.dumps({CHAMPION: "1", CHALLENGER: "2"}))
@@ -77,6 +83,7 @@ def world(tmp_path, monkeypatch):
 
     yield stack, services.database_uri(pg, "ab"), aliases, resolve
     stack.down()
+    shutil.rmtree(home, ignore_errors=True)
 
 
 def test_two_replicas_on_one_log_sticky_logged_once_moved_together_and_each_covering_the_other(tmp_path, world):

@@ -5,16 +5,28 @@ resumes (nothing left to run)."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]  # a PostgreSQL initdb and 40 s of traffic
 
 
-def test_the_tiny_soak_loses_no_row_and_every_fault_recovers(tmp_path, results):
-    cmd = [sys.executable, "-m", "bench.serving_soak", "--tiny", "--work", str(tmp_path / "work")]
+@pytest.fixture
+def work():
+    # outside pytest's temporary root: a concurrent test session resets that root to 0700, which shuts PostgreSQL's
+    # unprivileged user out of its data mid-run (when the tests run as root)
+    folder = Path(tempfile.mkdtemp(prefix="grpo-soak-"))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_the_tiny_soak_loses_no_row_and_every_fault_recovers(work, results):
+    cmd = [sys.executable, "-m", "bench.serving_soak", "--tiny", "--work", str(work)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy(), timeout=1800)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((results / "serving_soak_tiny.json").read_text())
