@@ -97,24 +97,24 @@ def test_two_replicas_on_one_log_sticky_logged_once_moved_together_and_each_cove
     ):
         balancer = RoundRobin([a.url, b.url])
         users = [f"user-{i}" for i in range(40)]
-        for i in range(200):
+        for i in range(80):  # each user twice, once on each replica
             balancer.ask(users[i % 40])
 
         aliases.write_text(json.dumps({CHAMPION: "1", CHALLENGER: "3"}))  # the challenger alias moves
         wait_for(lambda: all(r.router.arms[CHALLENGER].version == "3" for r in (a, b)), 40 * POLL_S, "the move on both")
-        for i in range(80):
+        for i in range(40):
             balancer.ask(users[i % 40])
 
         os.kill(a.engine_pid, signal.SIGKILL)  # replica a's engine dies: b answers, a comes back
-        for i in range(120):
+        for i in range(60):
             balancer.ask(users[i % 40])
         wait_for(lambda: a.router.restarts == 1 and not a.router.restarting, 60, "replica a's engine restart")
-        for i in range(40):
+        for i in range(20):
             balancer.ask(users[i % 40])
 
         pg = stack.service("postgres")
         os.kill(pg.pid, signal.SIGKILL)  # the log store dies while requests flow
-        for i in range(40):
+        for i in range(20):
             balancer.ask(users[i % 40])
         assert a.router.unlogged + b.router.unlogged > 0  # answered, kept in the spools
         stack.up(["postgres"])  # what `stack up` does: start it again, cleanly
@@ -134,6 +134,6 @@ def test_two_replicas_on_one_log_sticky_logged_once_moved_together_and_each_cove
         arm_of_user[user].add(arm)
     assert all(len(arms) == 1 for arms in arm_of_user.values())  # sticky across both replicas
     assert {arm for arms in arm_of_user.values() for arm in arms} == {CHAMPION, CHALLENGER}
-    moved = list(balancer.answered.values())[200:]
+    moved = list(balancer.answered.values())[80:]
     assert {v for _, arm, v in moved if arm == CHALLENGER} == {"3"}
     assert balancer.refused > 0  # replica a refused while its engine restarted, and b answered those
