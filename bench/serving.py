@@ -155,12 +155,12 @@ def router_process(engine: Engine, base: Path, adapters: dict[str, Path], work: 
             if process.poll() is not None:
                 raise RuntimeError(f"the router process exited with {process.returncode}")
             try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                if httpx.get(f"{url}/ready", timeout=5).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
-                raise RuntimeError("the router process did not answer /health within 120 s")
+                raise RuntimeError("the router process was not ready (/ready) within 120 s")
             time.sleep(0.5)
         yield url
     finally:

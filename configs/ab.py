@@ -74,6 +74,14 @@ class ServeConfig(StrictModel):
     )
     startup_timeout_s: float = Field(900.0, gt=0, description="seconds the engine may take to answer /v1/models")
     request_timeout_s: float = Field(300.0, gt=0, description="seconds a request may wait on the engine")
+    probe_s: float = Field(5.0, gt=0, description="seconds between the router's checks that its engine lives")
+    probe_timeout_s: float = Field(
+        30.0, gt=0, description="seconds the engine may take to answer a check (/v1/models) before it counts as hung"
+    )
+    restart_limit: int = Field(
+        5, ge=1, description="engine starts in a row that may fail before the router gives up and exits (status 1)"
+    )
+    retry_after_s: int = Field(5, ge=1, description="Retry-After of the 503 a request gets while the engine restarts")
     log_completions: bool = Field(
         True,
         description="keep each answer's text in the request log, so feedback with a `reference` can be scored by "

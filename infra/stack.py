@@ -28,7 +28,6 @@ import json
 import os
 import secrets
 import shlex
-import signal
 import sys
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, nullcontext
@@ -218,6 +217,8 @@ class Stack:
             return services.postgres_healthy(service)
         if name == "s3":
             return services.s3_healthy(service, *self.credentials)
+        if name == "serve":
+            return router_ready(service)
         return services.http_healthy(service)
 
     def status(self) -> dict[str, dict]:
@@ -352,8 +353,8 @@ class Stack:
         )
 
     def _start_router(self, work: Path, port: int, pg: Service) -> Service:
-        """`grpo-pipeline serve` on loopback, detached; ready once /health says the champion is loaded (the
-        engine's start-up: minutes on a CPU)."""
+        """`grpo-pipeline serve` on loopback, detached; ready once /ready says its engine answers with the
+        champion loaded (the engine's start-up: minutes on a CPU)."""
         options = ServeOptions(**self.state["serve_options"])
         mlflow = self._recorded("mlflow")
         env = {
@@ -364,22 +365,26 @@ class Stack:
         }
         log = work / "serve.log"
         before = log.stat().st_size if log.is_file() else 0  # the log is kept across starts: report this one's
-        service = services.spawn("serve", router_command(options, port, mlflow.url, work / "data"), work, env)
+        # Under supervisord: a router that exits (its engine would not come back: status 1) or is killed is started
+        # again; a refusal (status 2: what the user fixes) is not.
+        service = services.start_supervised(
+            "serve", router_command(options, port, mlflow.url, work / "data"), work, env, settled=(ROUTER_REFUSED,)
+        )
         service.url = f"http://127.0.0.1:{port}"
-        service.stop_signal = int(signal.SIGINT)  # uvicorn's clean stop; the router then stops its engine
-        try:
-            # no stall limit: the router idles while its engine loads, and the engine has its own limit
-            services.wait_until(
-                lambda: services.http_healthy(service), service, options.startup_timeout_s + 60, stall_s=None
-            )
-        except services.ServiceExited as exc:
-            if exc.code == ROUTER_REFUSED:
+
+        def ready() -> bool:
+            state = services.supervised_state(service)
+            if state is not None and state["exitstatus"] == ROUTER_REFUSED and state["statename"] != "RUNNING":
+                services.stop(service)
                 # what the user fixes (no champion yet, the registry unreachable...): the router's own words
                 raise ServeRefused(
                     f"the router did not start: {services.log_tail(service.log, 5, since=before)}\nThe other services run; "
                     "fix that and run `grpo-pipeline stack up --serve` again"
-                ) from None
-            raise
+                )
+            return router_ready(service)
+
+        # no stall limit: the router idles while its engine loads, and the engine has its own limit
+        services.wait_until(ready, service, options.startup_timeout_s + 60, stall_s=None)
         return service
 
     def down(self, step: Step = _unshown) -> list[str]:
@@ -459,6 +464,12 @@ class ServeOptions:
         True
         """
         return (self.config, self.engine_python) != (recorded.get("config"), recorded.get("engine_python"))
+
+
+def router_ready(service: Service) -> bool:
+    """The router's readiness (`/ready`: its engine answers and the champion is loaded), not its liveness: a
+    router whose engine is restarting is up but serves nothing."""
+    return services.http_status(f"{service.url}/ready") == 200
 
 
 def router_command(options: ServeOptions, port: int, tracking_uri: str, data_dir: Path) -> list[str]:

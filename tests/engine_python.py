@@ -32,3 +32,8 @@ def engine_gone(url: str, within_s: float) -> bool:
             return True
         time.sleep(1)
     return False
+
+
+# A stand-in for vLLM's server (tests/stand_in_vllm): on the engine's PYTHONPATH, the router's own `Engine` starts it
+# with vLLM's command line. What the supervision, replica and soak checks run where vLLM's CPU build is not built.
+STAND_IN_VLLM = REPO / "tests" / "stand_in_vllm"

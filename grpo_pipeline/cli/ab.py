@@ -105,7 +105,8 @@ def status(config: ConfigOpt = None, overrides: SetOpt = None, as_json: JsonOpt 
         champion = challenger = None
     else:
         _, champion, challenger = _registry(cfg, as_json)
-    # "unlogged": requests a router answered while the store was unreachable, waiting in its local file
+    # "unlogged": requests a router answered while the store was unreachable, waiting in its local file;
+    # "engine_restarts": the routers' restarts of a dead or hung engine (their 503s are in no arm's counts)
     out = {
         "status": "ok",
         "champion": champion,
@@ -113,6 +114,7 @@ def status(config: ConfigOpt = None, overrides: SetOpt = None, as_json: JsonOpt 
         "challenger_fraction": cfg.ab.challenger_fraction,
         "log": log.counts() if log is not None else {},
         "unlogged": pending(spool_path(cfg.data_dir)),
+        "engine_restarts": log.restarts() if log is not None else {"count": 0, "last": None},
     }
     if log is not None and champion and challenger:
         a, b, hours = log.samples(champion, challenger)

@@ -11,6 +11,9 @@ SQLAlchemy speaks (SQLite by default; PostgreSQL when the stack runs, shared by 
 - The completion's text is kept (`completion`, the first choice's; None for an error or when
   `ab.serve.log_completions` is off) so that feedback with a `reference` can be scored later by the
   pipeline's own rewards (`completion(id)`). The prompt is never stored, the user's key only as a hash.
+- `engine_restarted(reason)` records a router's restart of its engine; `restarts()` counts them for `ab status`.
+- A database whose tables of these names lack the log's columns is refused at `open`, naming it, before anything
+  is written there.
 - `samples(champion_version, challenger_version)` reads what `grpo_pipeline.tasks.serve.ab.decide` takes, and `counts()` what
   `grpo-pipeline ab status` shows.
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import math
 import os
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -70,6 +74,16 @@ feedback_table = Table(
     Column("request_id", String(64), ForeignKey("ab_requests.id"), primary_key=True),
     Column("score", Float, nullable=False),
     Column("created_at", DateTime(timezone=True), nullable=False),
+)
+
+
+restarts_table = Table(
+    "ab_engine_restarts",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("created_at", DateTime(timezone=True), nullable=False),
+    Column("replica", String(128), nullable=False),  # host:pid of the router that restarted its engine
+    Column("reason", Text, nullable=False),
 )
 
 
@@ -127,6 +141,7 @@ class RequestLog:
             engine = create_engine(url, pool_pre_ping=True)
             if engine.dialect.name == "sqlite":
                 event.listen(engine, "connect", _sqlite_pragmas)
+            _check_schema(engine, url)  # before anything is created: a foreign database is left as it was
             metadata.create_all(engine)
             _add_completion_column(engine)
             with engine.connect() as connection:
@@ -242,8 +257,49 @@ class RequestLog:
             out[arm][version]["feedback"] = int(n)
         return out
 
+    def engine_restarted(self, reason: str) -> None:
+        """Record that this router restarted its engine, and why (`ab status` counts them over all replicas)."""
+        try:
+            with self.engine.begin() as connection:
+                connection.execute(
+                    restarts_table.insert().values(
+                        created_at=datetime.now(UTC), replica=f"{socket.gethostname()}:{os.getpid()}", reason=reason
+                    )
+                )
+        except SQLAlchemyError as e:
+            raise LogStoreError(f"recording an engine restart in {masked(self.url)} failed: {type(e).__name__}") from e
+
+    def restarts(self) -> dict[str, object]:
+        """{"count": engine restarts over all replicas, "last": the latest's time, replica and reason, or None}."""
+        with self.engine.connect() as connection:
+            count = connection.execute(select(func.count()).select_from(restarts_table)).scalar_one()
+            last = connection.execute(
+                select(restarts_table.c.created_at, restarts_table.c.replica, restarts_table.c.reason)
+                .order_by(restarts_table.c.id.desc())
+                .limit(1)
+            ).first()
+        latest = None if last is None else {"at": _utc(last[0]).isoformat(), "replica": last[1], "reason": last[2]}
+        return {"count": int(count), "last": latest}
+
     def close(self) -> None:
         self.engine.dispose()
+
+
+def _check_schema(engine: Engine, url: str) -> None:
+    """Refuse a database whose tables of the same names are not the A/B log's (another application's, or a
+    mistyped URL): `LogStoreError` naming it and the columns it lacks. A log from before completions were kept
+    passes (the column is added)."""
+    inspector = inspect(engine)
+    for table in metadata.sorted_tables:
+        if not inspector.has_table(table.name):
+            continue
+        have = {c["name"] for c in inspector.get_columns(table.name)}
+        missing = [c.name for c in table.columns if c.name not in have and c.name != "completion"]
+        if missing:
+            raise LogStoreError(
+                f"the database at {masked(url)} has a table {table.name} that is not the A/B log's (no column "
+                f"{', '.join(missing)}); fix: set ab.log_url (or GRPO_AB_LOG_URL) to the A/B log's own database"
+            )
 
 
 def _add_completion_column(engine: Engine) -> None:

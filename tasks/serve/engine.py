@@ -12,6 +12,8 @@ The engine dies with the router (`PR_SET_PDEATHSIG`), so a killed router leaves 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import ctypes
 import os
 import secrets
@@ -180,6 +182,54 @@ class Engine:
             f"(ab.serve.startup_timeout_s); its log ({self.log_path}) ends:\n{self._tail()}"
         )
 
+    def exit_status(self) -> int | None:
+        """The process's exit status once it has exited (negative: the signal that ended it), else None."""
+        return None if self.process is None else self.process.poll()
+
+    async def probe(self, client: httpx.AsyncClient, timeout_s: float) -> str | None:
+        """Why the engine is not serving (it exited, or `/v1/models` did not answer within `timeout_s`), else None.
+        `/v1/models` is the cheapest call the server answers, and it answers it only while its engine core lives."""
+        if (status := self.exit_status()) is not None:
+            return f"the engine exited with {_status(status)}"
+        try:
+            answer = await client.get("/v1/models", timeout=timeout_s)
+        except httpx.HTTPError as e:
+            return f"the engine did not answer /v1/models within {timeout_s:g} s ({type(e).__name__})"
+        if answer.status_code != 200:
+            return f"the engine answered /v1/models with HTTP {answer.status_code}"
+        return None
+
+    async def restart(self, client: httpx.AsyncClient, adapters: dict[str, Path]) -> None:
+        """Kill what is left of the process and start it again with `adapters`, on the same port and key (the
+        router's client stays valid); `EngineError` with the log's tail when the new one does not come up.
+        Call from the event loop of the main thread: the death signal follows the thread that forks."""
+        self.kill()
+        with open(self.log_path, "ab") as log:
+            log.write(b"\n--- restarted by the router ---\n")
+        self.start(adapters)
+        deadline = time.monotonic() + self.cfg.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.exit_status() is not None:
+                raise EngineError(
+                    f"the engine exited with {_status(self.process.returncode)} during start-up; its log "
+                    f"({self.log_path}) ends:\n{self._tail()}"
+                )
+            if await self.probe(client, 5) is None:
+                return
+            await asyncio.sleep(0.5)
+        raise EngineError(
+            f"the engine did not answer within {self.cfg.startup_timeout_s:.0f} s (ab.serve.startup_timeout_s); "
+            f"its log ({self.log_path}) ends:\n{self._tail()}"
+        )
+
+    def kill(self) -> None:
+        """SIGKILL to the process group: an engine that is hung (or stopped) would not act on SIGTERM."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+
     async def load(self, client: httpx.AsyncClient, name: str, path: Path) -> None:
         r = await client.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)})
         if r.status_code != 200:
@@ -199,3 +249,12 @@ class Engine:
         except subprocess.TimeoutExpired:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
+
+
+def _status(status: int) -> str:
+    """An exit status in words.
+
+    >>> _status(-9), _status(1)
+    ('signal SIGKILL', 'status 1')
+    """
+    return f"signal {signal.Signals(-status).name}" if status < 0 else f"status {status}"

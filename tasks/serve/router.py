@@ -30,12 +30,13 @@ replicas behind any load balancer agree.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -75,9 +76,10 @@ from grpo_pipeline.tasks.serve.request_rows import RequestRows, StreamRow
 from grpo_pipeline.tasks.serve.streaming import LoggedStream, Relay, ask_for_usage, relay_events
 
 if TYPE_CHECKING:
+    from grpo_pipeline.configs.ab import ServeConfig
     from grpo_pipeline.configs.rewards import RewardSet
     from grpo_pipeline.configs.schema import PipelineConfig
-    from grpo_pipeline.tasks.serve.engine import Engine
+    from grpo_pipeline.tasks.serve.engine import Engine, EngineError
 
 # What callers import from here: the router, its process, and the names they use with it.
 __all__ = [
@@ -88,6 +90,7 @@ __all__ = [
     "api_key_policy",
     "arm_for",
     "assignment_hash",
+    "run",
     "serve",
 ]
 
@@ -115,6 +118,7 @@ class Router:
         request_timeout_s: float,
         rewards: RewardSet | None = None,
         log_completions: bool = True,
+        retry_after_s: int = 5,
     ):
         self.engine, self._client, self.log, self.spool = engine, client, request_log, spool
         self.rows = RequestRows(request_log, spool, log_completions)
@@ -126,6 +130,15 @@ class Router:
         self.inflight: Counter[str] = Counter()
         self.refused: dict[str, str] = {}  # engine name -> reason, so a refusal is logged once per version
         self._swap = asyncio.Lock()
+        # The engine's supervision (`supervise`): what a restart starts it with (every adapter it holds, by engine
+        # name: the arms and any old version still draining), whether one is under way, how many were done, and
+        # the error that ended the router when the engine would not come back.
+        self.loaded: dict[str, Path] = {}
+        self.restarting = False
+        self.restarts = 0
+        self.gave_up: EngineError | None = None
+        self.retry_after_s = retry_after_s
+        self.stop: Callable[[], None] = lambda: None  # stops the server: set by `run`, called on giving up
 
     @property
     def unlogged(self) -> int:
@@ -142,6 +155,20 @@ class Router:
             arm = CHAMPION
         return self.arms[arm], hashed
 
+    def engine_down(self) -> bool:
+        """Whether the engine is known not to serve: restarting, or its process gone (before the next check)."""
+        return self.restarting or (self.engine is not None and self.engine.exit_status() is not None)
+
+    def unavailable(self) -> JSONResponse:
+        """The fast answer while the engine restarts: not the arm's failure, so not logged (the A/B counts it
+        against neither arm); `Retry-After` tells a client when to come back."""
+        return error_response(
+            503,
+            f"the engine is restarting; retry in {self.retry_after_s} s",
+            "service_unavailable",
+            headers={"Retry-After": str(self.retry_after_s)},
+        )
+
     def _denied(self, request: Request) -> JSONResponse | None:
         if authorized(request.headers.get("authorization"), self.api_key):
             return None
@@ -152,6 +179,8 @@ class Router:
     async def generate(self, request: Request, kind: str) -> Response:
         if (denied := self._denied(request)) is not None:
             return denied
+        if self.engine_down():
+            return self.unavailable()
         try:
             body = validate_generation(kind, parse_object(await request.body()))
         except BadRequest as e:
@@ -175,6 +204,8 @@ class Router:
         finally:
             self.inflight[adapter.engine_name] -= 1
         latency = time.perf_counter() - started
+        if answer is None and self.engine_down():  # the engine died under it: the engine's fault, not the arm's
+            return self.unavailable()
         if answer is not None and answer.status_code in (400, 422):  # the client's input, not the arm's failure
             return passed_on(answer.status_code, answer.content, arm_headers)
         payload: dict[str, Any] | None = None
@@ -230,6 +261,9 @@ class Router:
                 self.client.build_request("POST", path, json=body, timeout=self.timeout_s), stream=True
             )
         except httpx.HTTPError as e:
+            if self.engine_down():
+                commit.skip()
+                return self.unavailable()
             await commit(error=True)
             return error_response(
                 502,
@@ -311,9 +345,76 @@ class Router:
         return JSONResponse({"object": "list", "data": data})
 
     async def health(self, request: Request) -> JSONResponse:
-        # For load balancers: no key, nothing about the models; 503 until the champion is loaded.
-        ready = CHAMPION in self.arms
-        return JSONResponse({"status": "ok" if ready else "starting", "unlogged": self.unlogged}, 200 if ready else 503)
+        """Liveness: the router process answers (a load balancer or Kubernetes restarts it when not). No key,
+        nothing about the models."""
+        return JSONResponse({"status": "ok", "restarts": self.restarts, "unlogged": self.unlogged})
+
+    async def ready(self, request: Request) -> JSONResponse:
+        """Readiness: the champion is loaded and the engine answers now (a load balancer sends traffic only
+        here); 503 while the engine starts or restarts, with the reason."""
+        reason = None
+        if CHAMPION not in self.arms:
+            reason = "no champion adapter is loaded"
+        elif self.restarting:
+            reason = "the engine is restarting"
+        elif self.engine is not None:
+            reason = await self.engine.probe(self.client, min(self.probe_timeout_s, 5.0))
+        body = {"status": "ready" if reason is None else "not ready", "restarts": self.restarts}
+        return JSONResponse(body | ({"reason": reason} if reason else {}), 200 if reason is None else 503)
+
+    # --- the engine's supervision
+
+    probe_timeout_s = 30.0  # set by `supervise` from ab.serve.probe_timeout_s
+
+    async def supervise(self, probe_s: float, probe_timeout_s: float, restart_limit: int) -> None:
+        """Check the engine every `probe_s` (its process, then `/v1/models` within `probe_timeout_s`); restart a
+        dead or hung one (`restart_engine`). Returns when it gave up (`gave_up`)."""
+        self.probe_timeout_s = probe_timeout_s
+        while self.gave_up is None:
+            await asyncio.sleep(probe_s)
+            if (reason := await self.engine.probe(self.client, probe_timeout_s)) is not None:
+                await self.restart_engine(reason, restart_limit)
+
+    async def restart_engine(self, reason: str, restart_limit: int) -> None:
+        """Start the engine again with every adapter it held, `restart_limit` tries with exponential backoff
+        (1, 2, 4, ... s, at most 30: a start that failed for want of memory may succeed once it is freed).
+        Meanwhile requests get a fast 503. After the last try, `gave_up` holds the error with the engine log's
+        tail and `stop` stops the server, which exits non-zero so that its own supervisor restarts it."""
+        from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
+
+        from grpo_pipeline.tasks.serve.engine import EngineError
+
+        self.restarting = True
+        adapters = dict(self.loaded)
+        log.error("%s; restarting it with %s", reason, ", ".join(adapters) or "no adapter")
+        try:
+            async for attempt in AsyncRetrying(
+                stop=stop_after_attempt(restart_limit),
+                wait=wait_exponential(min=1, max=30),
+                retry=retry_if_exception_type(EngineError),
+                before_sleep=lambda state: log.error(
+                    "engine start %d of %d failed: %s", state.attempt_number, restart_limit, state.outcome.exception()
+                ),
+                reraise=True,
+            ):
+                with attempt:
+                    await self.engine.restart(self.client, adapters)
+        except EngineError as e:
+            self.engine.kill()
+            self.gave_up = EngineError(
+                f"the engine did not come back after {restart_limit} starts (ab.serve.restart_limit); the first "
+                f"fault: {reason}; the last start: {e}"
+            )
+            log.error("%s", self.gave_up)
+            self.stop()
+            return
+        self.restarts += 1
+        self.restarting = False
+        log.warning("the engine is back (restart %d) with %s", self.restarts, ", ".join(adapters) or "no adapter")
+        try:
+            await anyio.to_thread.run_sync(self.log.engine_restarted, reason)
+        except LogStoreError as e:
+            log.error("the restart was not recorded in the A/B log (%s); `ab status` will not count it", e)
 
     # --- alias moves
 
@@ -327,10 +428,16 @@ class Router:
             if new is not None:
                 reason = refusal(new, self.base, self.base_sha256, self.max_rank)
                 if reason is None:
+                    if self.engine_down():
+                        return "the engine is restarting"  # the next poll moves it, onto the restarted engine
                     try:
                         await self.engine.load(self.client, new.engine_name, new.path)
                     except (RuntimeError, httpx.HTTPError) as e:
+                        if self.engine_down():
+                            return "the engine is restarting"
                         reason = f"{alias} v{new.version} not loaded: {e}"
+                    else:
+                        self.loaded[new.engine_name] = new.path
                 if reason is not None:
                     if self.refused.get(new.engine_name) != reason:
                         log.error("%s; %s keeps serving", reason, old.engine_name if old else "nothing")
@@ -346,6 +453,8 @@ class Router:
                     await self.engine.unload(self.client, old.engine_name)
                 except (RuntimeError, httpx.HTTPError) as e:
                     log.error("%s", e)  # it stays loaded, unused: memory, not correctness
+                else:
+                    self.loaded.pop(old.engine_name, None)
             return None
 
     async def _drain(self, name: str) -> None:
@@ -386,6 +495,28 @@ class Router:
     def client(self, client: httpx.AsyncClient) -> None:
         self._client = client
 
+    def lifespan(self, resolve: Callable[[str], Adapter | None] | None, cfg: ServeConfig) -> Lifespan[Starlette]:
+        """What `serve` runs beside the app: the engine's HTTP client, the alias follower (with `resolve`) and
+        the engine's supervisor."""
+
+        @contextlib.asynccontextmanager
+        async def lifespan(_app: Starlette) -> AsyncIterator[None]:
+            limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
+            async with httpx.AsyncClient(
+                base_url=self.engine.url, headers=self.engine.headers, limits=limits, timeout=cfg.request_timeout_s
+            ) as client:
+                self.client = client
+                tasks = [asyncio.create_task(self.supervise(cfg.probe_s, cfg.probe_timeout_s, cfg.restart_limit))]
+                if resolve is not None:
+                    tasks.append(asyncio.create_task(self.follow(resolve, cfg.poll_s)))
+                try:
+                    yield
+                finally:
+                    for task in tasks:
+                        task.cancel()
+
+        return lifespan
+
     def app(self, lifespan: Lifespan[Starlette] | None = None) -> Starlette:
         return Starlette(
             routes=[
@@ -394,6 +525,7 @@ class Router:
                 Route("/v1/feedback", self.feedback, methods=["POST"]),
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
+                Route("/ready", self.ready, methods=["GET"]),
             ],
             lifespan=lifespan,
         )
@@ -410,10 +542,6 @@ def serve(cfg: PipelineConfig, host: str, port: int, api_key: str | None, reques
     """Resolve the aliases, start the engine with their adapters, serve until stopped (SIGINT/SIGTERM).
     The caller checks what needs no download first: the log store opened (and proven reachable), `api_key` from
     `api_key_policy`, the engine's `python` from `engine.engine_python`."""
-    import contextlib
-
-    import uvicorn
-
     from grpo_pipeline.tasks.promote.registry import Registry, RegistryServiceError
     from grpo_pipeline.tasks.promote.registry_client import open_client
     from grpo_pipeline.tasks.serve.adapters import local_base, resolve
@@ -478,29 +606,35 @@ def serve(cfg: PipelineConfig, host: str, port: int, api_key: str | None, reques
             request_timeout_s=serve_cfg.request_timeout_s,
             rewards=cfg.train.reward_set().skill_only(),  # `reference` feedback scored by the skill, as the gate
             log_completions=serve_cfg.log_completions,
+            retry_after_s=serve_cfg.retry_after_s,
         )
         router.arms, router.refused = initial, refused
-
-        @contextlib.asynccontextmanager
-        async def lifespan(_app):
-            limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
-            async with httpx.AsyncClient(
-                base_url=engine.url, headers=engine.headers, limits=limits, timeout=serve_cfg.request_timeout_s
-            ) as client:
-                router.client = client
-                follower = asyncio.create_task(router.follow(resolve_alias, serve_cfg.poll_s))
-                try:
-                    yield
-                finally:
-                    follower.cancel()
-
-        log.warning(
-            "serving %s on http://%s:%d (API key %s)",
-            ", ".join(router.arms),
-            host,
-            port,
-            "required" if api_key else f"off: loopback only, {API_KEY_ENV} unset",
-        )
-        uvicorn.run(router.app(lifespan), host=host, port=port, log_level="warning", access_log=False)
+        router.loaded = {a.engine_name: a.path for a in initial.values()}
+        run(router, host, port, resolve_alias, serve_cfg)
     finally:
         engine.stop()
+
+
+def run(router: Router, host: str, port: int, resolve: Callable[[str], Adapter | None], cfg: ServeConfig) -> None:
+    """Serve `router` (its engine started and answering) under uvicorn until stopped (SIGINT/SIGTERM), following
+    the aliases with `resolve` and supervising the engine; raise the engine's `EngineError` when it would not
+    come back (`ab.serve.restart_limit`), so that the process exits non-zero and its own supervisor (the stack,
+    the container) restarts it."""
+    import uvicorn
+
+    log.warning(
+        "serving %s on http://%s:%d (API key %s)",
+        ", ".join(router.arms),
+        host,
+        port,
+        "required" if router.api_key else f"off: loopback only, {API_KEY_ENV} unset",
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(
+            router.app(router.lifespan(resolve, cfg)), host=host, port=port, log_level="warning", access_log=False
+        )
+    )
+    router.stop = lambda: setattr(server, "should_exit", True)
+    server.run()
+    if router.gave_up is not None:
+        raise router.gave_up

@@ -68,6 +68,16 @@ def test_status_counts_the_requests_a_router_answered_while_the_store_was_down(w
     assert code == 0 and out["unlogged"] == 3, out
 
 
+def test_status_counts_the_engine_restarts_of_every_router(world):
+    log, _, args = world
+    code, out = run("status", *args)
+    assert code == 0 and out["engine_restarts"] == {"count": 0, "last": None}, out
+    log.engine_restarted("the engine exited with signal SIGKILL")
+    log.engine_restarted("the engine did not answer /v1/models within 30 s (ReadTimeout)")
+    code, out = run("status", *args)
+    assert out["engine_restarts"]["count"] == 2 and "within 30 s" in out["engine_restarts"]["last"]["reason"]
+
+
 def test_a_better_challenger_is_promoted_and_the_aliases_move(world):
     log, registry, args = world
     fill(log, challenger_score=1.0)

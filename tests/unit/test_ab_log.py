@@ -109,3 +109,18 @@ def test_an_unreachable_store_is_named_with_its_password_hidden(tmp_path):
     assert fresh.counts() == {}
     fresh.close()
     assert masked("sqlite:///x.db") == "sqlite:///x.db"
+
+
+def test_a_database_whose_tables_are_not_the_logs_is_refused_naming_it_and_left_as_it_was(tmp_path):
+    from sqlalchemy import create_engine, inspect, text
+
+    url = f"sqlite:///{tmp_path / 'other.sqlite'}"
+    other = create_engine(url)
+    with other.begin() as c:
+        c.execute(text("CREATE TABLE ab_requests (id TEXT PRIMARY KEY, payload TEXT)"))  # another application's
+    with pytest.raises(LogStoreError, match="has a table ab_requests that is not the A/B log's") as caught:
+        RequestLog.open(url)
+    assert str(tmp_path / "other.sqlite") in str(caught.value) and "created_at" in str(caught.value)
+    assert set(inspect(other).get_table_names()) == {"ab_requests"}  # nothing created or added there
+    assert {c["name"] for c in inspect(other).get_columns("ab_requests")} == {"id", "payload"}
+    other.dispose()

@@ -650,3 +650,15 @@ def test_serve_without_a_champion_exits_2(tmp_path, monkeypatch):
     mlflow.MlflowClient(uri).search_registered_models()  # a registry, with no model in it
     result = serve_cli(*_server(uri), "--set", "tracking.registered_model=nothing-here")
     assert result.exit_code == 2 and "no champion alias in the registry nothing-here" in result.output
+
+
+def test_serve_with_a_log_store_of_another_schema_exits_2_naming_it(tmp_path, monkeypatch):
+    from sqlalchemy import create_engine
+
+    url = f"sqlite:///{tmp_path / 'other.sqlite'}"
+    with create_engine(url).begin() as c:
+        c.execute(text("CREATE TABLE ab_feedback (request_id TEXT, verdict TEXT)"))
+    monkeypatch.setenv("GRPO_AB_LOG_URL", url)
+    result = serve_cli(*_server())
+    assert result.exit_code == 2, result.output
+    assert "has a table ab_feedback that is not the A/B log's" in result.output and "other.sqlite" in result.output

@@ -103,3 +103,53 @@ def test_the_servers_run_with_this_interpreter_wherever_its_scripts_are(tmp_path
         )
     assert [c[:3] for c in commands] == [[str(interpreter), "-m", "prefect"], [str(interpreter), "-m", "mlflow"]]
     assert not any(Path(c[0]).parent.joinpath(c[2]).exists() for c in commands)
+
+
+def _pid_file(pgdata, pid: int) -> None:
+    """A postmaster.pid as PostgreSQL writes it: pid, data dir, start time, port, socket dir, listen, shm key and
+    id, status."""
+    pgdata.mkdir(parents=True, exist_ok=True)
+    lines = [str(pid), str(pgdata), "1796620293", "5432", str(pgdata), "", "  2146615    987654321", "ready   "]
+    (pgdata / "postmaster.pid").write_text("\n".join(lines) + "\n")
+    (pgdata / ".s.PGSQL.5432.lock").write_text(f"{pid}\n")
+
+
+def test_a_killed_postgres_leaves_no_pid_file_or_socket_lock_that_blocks_its_start(tmp_path):
+    import subprocess
+    import sys
+
+    from grpo_pipeline.infra.services import clear_stale_postmaster
+
+    pgdata = tmp_path / "pgdata"
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    _pid_file(pgdata, gone.pid)  # its server is gone (no segment 987654321 is attached: none exists)
+    clear_stale_postmaster(pgdata)
+    assert not (pgdata / "postmaster.pid").exists() and not (pgdata / ".s.PGSQL.5432.lock").exists()
+
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # the pid, recycled
+    try:
+        _pid_file(pgdata, other.pid)
+        clear_stale_postmaster(pgdata)
+        assert not (pgdata / "postmaster.pid").exists()
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_a_running_postgres_is_left_alone(tmp_path):
+    import subprocess
+    import sys
+
+    from grpo_pipeline.infra.services import clear_stale_postmaster
+
+    pgdata = tmp_path / "pgdata"
+    pgdata.mkdir()
+    server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "-D", str(pgdata)])
+    try:
+        _pid_file(pgdata, server.pid)  # a live process whose command line names this data dir
+        clear_stale_postmaster(pgdata)
+        assert (pgdata / "postmaster.pid").exists() and (pgdata / ".s.PGSQL.5432.lock").exists()
+    finally:
+        server.kill()
+        server.wait()
