@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from grpo_pipeline.trainer.launch import free_port
 from grpo_pipeline.trainer.s3 import s3_client

@@ -160,31 +160,36 @@ def test_the_architecture_table_names_every_module_of_its_layer():
 
 
 def test_the_readmes_recipe_figures_are_the_saved_benchmarks():
-    """The README's "what it gives" paragraph and its JSON example quote bench.recipe_seeds' saved result
-    (bench/results/recipe_seeds.json), not figures from memory: rerun the benchmark and this names each figure the
-    README still has to follow (it once said 1.217 beside a JSON example of 1.25)."""
+    """The README's "what it gives" paragraph quotes bench.recipe_seeds' saved result (bench/results/
+    recipe_seeds.json), the skill (accuracy) apart from the format, not figures from memory: rerun the benchmark
+    and this names each figure the README still has to follow (it once said 1.217 beside a JSON example of 1.25)."""
     import json
 
     saved = json.loads((ROOT / "bench" / "results" / "recipe_seeds.json").read_text())["tasks"]
     text = " ".join(README.read_text().split())  # the paragraph's line breaks fall anywhere
+
+    def pct(x: float) -> str:
+        return f"{100 * x:.1f}"
+
+    def skill(task: str, seed: int) -> dict:
+        return saved[task]["per_seed"][str(seed)]["skill"]
+
     demo = saved["demo"]
     seeds = [demo["per_seed"][str(seed)] for seed in demo["seeds"]]
-    (base,) = {f"{s['base']:.3f}" for s in seeds}  # one holdout, one base model: one base reward
-    trained = ", ".join(f"{s['trained']:.3f}" for s in seeds[:-1]) + f" and {seeds[-1]['trained']:.3f}"
-    low, high = demo["gain_interval"]
-    walls = [s["wall_s"] / 60 for s in seeds]
+    (base,) = {pct(s["skill"]["base"]) for s in seeds}  # one holdout, one base model: one base accuracy
+    trained = [pct(s["skill"]["trained"]) for s in seeds]
     figures = [
-        f"**{base} to {trained}** at seeds {demo['seeds'][0]}-{demo['seeds'][-1]}",
-        f"mean gain +{demo['mean_gain']:.3f} (95 % interval over seeds +{low:.2f} to +{high:.2f})",
-        f"the worst seed's gain {demo['worst_to_median']:.2f}x the median's",
-        f'"base_reward": {seeds[0]["base"]}, "trained_reward": {seeds[0]["trained"]}, "gain": {seeds[0]["gain"]}',
+        f"accuracy {base} % -> {', '.join(trained[:-1])} and {trained[-1]} %",
+        f"(+{min(s['skill']['ci_low'] for s in seeds):.3f} at worst)",
+        f"correct_answer {seeds[0]['skill']['base']:.3f} {seeds[0]['skill']['trained']:.3f}",
+        f"{pct(skill('compare', 0)['base'])} % -> {pct(skill('compare', 0)['trained'])} %",
+        f"{pct(skill('subtract', 0)['base'])} % -> {pct(skill('subtract', 0)['trained'])} % at one seed of three",
+        f"({pct(skill('subtract', 1)['base'])} % -> {pct(skill('subtract', 1)['trained'])} %)",
     ]
-    figures += [
-        f"{saved[task]['worst']['base']:.3f} -> {saved[task]['mean_trained']:.3f}" for task in ("subtract", "gsm8k")
-    ]
-    assert demo["goals"]["every_seed_promoted"] and "every seed promoted" in text
-    assert [figure for figure in figures if figure not in text] == []
-    took = re.search(r"the seeds above, before the step cuts, took ([\d.]+)-([\d.]+) min", text)
+    assert all(s["skill"]["ci_low"] > 0 for s in seeds) and "each seed's gain with its 95 % interval above zero" in text
+    assert [figure for figure in figures if figure not in " ".join(text.split())] == []
+    walls = [s["wall_s"] / 60 for s in seeds]
+    took = re.search(r"the seeds above took ([\d.]+)-([\d.]+) min", text)
     assert took, "the README says how long the seeds' runs took"
     assert [float(x) for x in took.groups()] == pytest.approx([min(walls), max(walls)], abs=0.05 + 1e-9)  # 1 decimal
 
