@@ -582,13 +582,14 @@ def supervised_state(service: Service) -> dict[str, Any] | None:
     `exitstatus`, `start` (epoch seconds); None while supervisord does not answer."""
     import xmlrpc.client
 
-    from supervisor.xmlrpc import SupervisorTransport
+    from supervisor.xmlrpc import SupervisorTransport  # type: ignore[import-untyped]
 
     transport = SupervisorTransport(None, None, f"unix://{service.extra['socket']}")
     try:
-        return xmlrpc.client.ServerProxy("http://127.0.0.1", transport=transport).supervisor.getProcessInfo(
+        info = xmlrpc.client.ServerProxy("http://127.0.0.1", transport=transport).supervisor.getProcessInfo(
             service.extra["program"]
         )
+        return info if isinstance(info, dict) else None
     except (OSError, xmlrpc.client.Error):
         return None
 

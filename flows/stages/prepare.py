@@ -72,7 +72,7 @@ def log_resolved_config(cfg: PipelineConfig, dataset: DatasetVersion, model_path
             "model_path": model_path,
             "quantization": cfg.model.quantization,
             "dataset_fingerprint": dataset.fingerprint,
-            "rewards": ",".join(cfg.train.rewards),
+            "rewards": ",".join(entry.name for entry in cfg.train.rewards),
             "launcher": cfg.train.launcher,
             "hpo": cfg.hpo.enabled,
             # the value that trains: the configured one, else TRL's or PEFT's default

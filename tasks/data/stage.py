@@ -206,7 +206,7 @@ def _checks(
 
 
 # The rewards of a build that names none (a test's, a benchmark's): the default config's answer checker.
-CORRECT_ANSWER = RewardSet(names=("correct_answer",))
+CORRECT_ANSWER = RewardSet.model_validate({"names": ("correct_answer",)})
 
 
 def build_dataset(

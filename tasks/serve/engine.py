@@ -209,9 +209,9 @@ class Engine:
         self.start(adapters)
         deadline = time.monotonic() + self.cfg.startup_timeout_s
         while time.monotonic() < deadline:
-            if self.exit_status() is not None:
+            if (status := self.exit_status()) is not None:
                 raise EngineError(
-                    f"the engine exited with {_status(self.process.returncode)} during start-up; its log "
+                    f"the engine exited with {_status(status)} during start-up; its log "
                     f"({self.log_path}) ends:\n{self._tail()}"
                 )
             if await self.probe(client, 5) is None:

@@ -393,7 +393,10 @@ class Router:
                 wait=wait_exponential(min=1, max=30),
                 retry=retry_if_exception_type(EngineError),
                 before_sleep=lambda state: log.error(
-                    "engine start %d of %d failed: %s", state.attempt_number, restart_limit, state.outcome.exception()
+                    "engine start %d of %d failed: %s",
+                    state.attempt_number,
+                    restart_limit,
+                    state.outcome.exception() if state.outcome else None,
                 ),
                 reraise=True,
             ):
