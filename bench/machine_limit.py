@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
     trainer = _probed_trainer()(
         model=model,
-        reward_funcs=[resolve_reward(n) for n in cfg.train.rewards],
+        reward_funcs=[resolve_reward(e.name, e.args) for e in cfg.train.rewards],
         args=GRPOConfig(output_dir=str(work / "out"), save_strategy="no", **grpo),
         train_dataset=load_dataset("json", data_files=str(splits["train"]), split="train"),
         processing_class=tokenizer,

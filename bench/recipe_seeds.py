@@ -1,5 +1,8 @@
 """Does a recipe improve the skill, not only the format, on every seed and on tasks nobody tuned it for?
 
+One module: the tasks, the per-prompt reading of each run and the goals' verdicts are one benchmark's parts, and
+`bench.table` reads its rows from here.
+
 The recipe (`--recipe`, default `configs/demo-cpu.yaml`: its GRPO and LoRA settings, publishing, health rules) runs
 unchanged through the whole pipeline (`grpo-pipeline run --json`) at several seeds (`train.grpo.seed`: the LoRA
 init, the prompt order, the sampling; not the data split, so every seed scores on the same holdout) on:

@@ -2,6 +2,9 @@
 (champion or challenger) by a hash of the user's key, sends it to that arm's adapter in the engine, writes the
 request to the A/B log before answering, takes feedback, and follows the registry's aliases.
 
+One module, since the request path, the alias follower and the engine's supervisor share the `Router`'s state and
+one event loop: cut apart, each would reach into the others' locks.
+
 `Router` is the state one process holds: which adapter serves each alias, and how many requests each adapter has
 in flight; the rules it applies are pure functions in `api` (the assignment, the validation of bodies and keys), a
 streamed answer passes through `streaming`, and each request's row is written by `request_rows`. It holds nothing

@@ -178,7 +178,7 @@ def _two_steps(
         model=model,
         reward_funcs=[length_reward],
         # one reward weight
-        args=trainer_args("train.grpo.max_steps=2", "train.rewards=[number_only]", *overrides),
+        args=trainer_args("train.grpo.max_steps=2", "train.rewards=[{name: number_only, role: skill}]", *overrides),
         # the odd sums' prompts longer: two prompts in a batch are left-padded to the longer one
         train_dataset=Dataset.from_list(
             [

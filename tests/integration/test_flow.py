@@ -115,7 +115,7 @@ def test_run_json_summary_and_mlflow_lineage(tmp_path, tiny_yaml):
     assert client.get_run(parent).data.metrics["holdout/trained_reward"] == pytest.approx(holdout["trained_reward"])
     assert {"summary.json", "report.md", "comparison.png"} <= {f.path for f in client.list_artifacts(parent)}
     decision = summary["decision"]
-    assert decision["reasons"] and "total" in decision["stats"]
+    assert decision["reasons"] and decision["stats"]["metric"] == "correct_answer"  # the skill, not the total
     assert summary["registry"]["decided_against"] is None  # no champion yet: the base model is the baseline
     alias = "champion" if decision["promote"] else "challenger"
     assert summary["registry"]["aliases"][alias] == summary["registry"]["candidate_version"]

@@ -23,5 +23,5 @@ def test_generation_is_deterministic_and_disjoint():
 def test_score_sums_rewards_per_sample():
     rows = [{"answer": "7", "key": "3+4"}, {"answer": "9", "key": "4+5"}]
     result = score(rows, ["7", "4 + 5 = 9"], RewardSet(names=("correct_answer", "number_only")), [1, 5])
-    assert [(r["total"], r["length"]) for r in result.rows] == [(2.0, 1), (0.0, 5)]
-    assert result.reward == 1.0 and result.per_reward == {"correct_answer": 0.5, "number_only": 0.5}
+    assert [(r["total"], r["length"]) for r in result.rows] == [(2.0, 1), (1.0, 5)]  # "4 + 5 = 9": right, not bare
+    assert result.reward == 1.5 and result.per_reward == {"correct_answer": 1.0, "number_only": 0.5}

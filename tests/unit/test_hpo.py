@@ -331,7 +331,13 @@ def _scored(tmp_path, plan):
     return run_one, score
 
 
-GREEDY = ["hpo.trial_score=greedy", "hpo.keep_configured=true", "hpo.target_standard_error=0.5", "hpo.rescore_top_k=2"]
+GREEDY = [
+    "hpo.trial_score=greedy",
+    "hpo.keep_configured=true",
+    "hpo.target_standard_error=0.5",
+    "hpo.reward_sd=1.0",  # the fake per-prompt scores span 0..2 (two rewards): sized as they were written
+    "hpo.rescore_top_k=2",
+]
 
 
 def test_the_best_is_not_applied_when_it_does_not_beat_the_configured_values_beyond_the_noise(cfg, tmp_path, val8):

@@ -33,7 +33,7 @@ COT = (
 
 def test_conversational_completions():
     completions = [[{"role": "assistant", "content": "12"}], [{"role": "assistant", "content": "3 + 9 = 12"}]]
-    assert correct_answer(completions, answer=["12", "12"]) == [1.0, 0.0]
+    assert correct_answer(completions, answer=["12", "12"]) == [1.0, 1.0]  # the final answer, whatever the format
     assert number_only(completions) == [1.0, 0.0]
 
 

@@ -225,7 +225,7 @@ class StandInEngine(BaseHTTPRequestHandler):
             self.end_headers()
             self.wfile.write(b"engine crashed")
             return
-        words = f"the answer is 42 from {body['model']}".split(" ")
+        words = f"{body['model']} says the answer is 42".split(" ")  # the final number is the answer
         usage = {"prompt_tokens": 3, "completion_tokens": len(words), "total_tokens": 3 + len(words)}
         if not body.get("stream"):
             text = " ".join(words)
@@ -467,7 +467,7 @@ def test_a_whole_answer_is_logged_with_its_text_and_the_engines_token_counts(tmp
     body = answer.json()
     assert body["model"] == "champion-v1" and body["id"].startswith("grpo-")
     [row] = rows(request_log)
-    assert row["id"] == body["id"] and row["completion"] == "the answer is 42 from champion-v1"
+    assert row["id"] == body["id"] and row["completion"] == "champion-v1 says the answer is 42"
     assert (row["prompt_tokens"], row["completion_tokens"], row["error"]) == (3, 6, False)
 
 
@@ -496,11 +496,11 @@ def test_a_stream_is_relayed_with_the_arm_and_logged_before_its_done(tmp_path, r
     assert {c["id"] for c in chunks[:-1]} == {logged[0]["id"]} and {c["model"] for c in chunks[:-1]} == {model}
     assert all("usage" not in c for c in chunks[:-1])
     text_of = (lambda c: c["choices"][0]["delta"]["content"]) if kind == "chat" else (lambda c: c["choices"][0]["text"])
-    assert "".join(map(text_of, chunks[:-1])) == f"the answer is 42 from {model} "
+    assert "".join(map(text_of, chunks[:-1])) == f"{model} says the answer is 42 "
     [row] = logged
     assert (row["arm"], row["version"], row["error"]) == (arm, version, False)
     assert (row["prompt_tokens"], row["completion_tokens"]) == (3, 6)  # from the usage the router asked for
-    assert row["completion"] == f"the answer is 42 from {model} "
+    assert row["completion"] == f"{model} says the answer is 42 "
     assert StandInEngine.received[-1]["stream_options"] == {"include_usage": True}
 
 
@@ -550,7 +550,7 @@ def test_feedback_with_a_reference_is_scored_by_the_pipelines_rewards(tmp_path, 
     rewards = RewardSet(names=("correct_answer", "number_only"), weights=(1.0, 0.5))
     router = make_router(tmp_path, request_log, fraction=0.0, rewards=rewards)
     with TestClient(app_of(router, engine_url)) as client:
-        request_id = client.post("/v1/completions", json={"prompt": "hi"}).json()["id"]  # "the answer is 42 ..."
+        request_id = client.post("/v1/completions", json={"prompt": "hi"}).json()["id"]  # "... the answer is 42"
         right = client.post("/v1/feedback", json={"id": request_id, "reference": "42"})
         assert right.status_code == 200
         assert right.json()["rewards"] == {"correct_answer": 1.0, "number_only": 0.0, "total": 1.0}

@@ -16,6 +16,7 @@ from grpo_pipeline.trainer.rewards.base import ascii_digits, check_tag, completi
 
 # A number as people write it: sign, thousands separators, decimals, a fraction a/b.
 _NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:\s*/\s*\d+(?:\.\d+)?)?|-?\.\d+")
+_WHOLE = re.compile(r"-?\d+")
 _HASHES = re.compile(r"####\s*(.+?)\s*$", re.M)
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _PLAIN = re.compile(r"^[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:/[-+]?(?:\d+(?:\.\d*)?|\.\d+))?$")
@@ -39,7 +40,8 @@ def correct_answer(completions: list, answer: list[str], **_: object) -> list[fl
     for completion, ref in zip(completions, answer, strict=True):
         span = final_answer(completion_text(completion))
         value = _number(span) if span is not None else None
-        scores.append(float(value is not None and value == _number(str(ref))))
+        reference = str(ref).strip()  # an integer task's answer: a decimal or a date can never score (unverifiable)
+        scores.append(float(value is not None and _WHOLE.fullmatch(reference) is not None and value == int(reference)))
     return scores
 
 
