@@ -94,6 +94,7 @@ def test_search_trials_continue_the_adapter_the_run_continues(tmp_path, tiny_mod
         "hpo.study_name=warm",
         "hpo.space.lora_r=null",
         "hpo.space.lora_alpha_ratio=null",
+        "train.rewards=[{name: 'tests.integration.varied_reward:text_checksum', role: skill}]",  # varies: weights move
     )
     warm = WarmStart(requested="champion", uri="models:/grpo-adapter/1", adapter_dir=str(parent))
     run_dir = tmp_path / "run"

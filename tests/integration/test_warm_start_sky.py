@@ -43,7 +43,12 @@ def _rewrite(s3_endpoint, prefix, name, body):
 def test_the_node_trains_from_the_published_adapter(tmp_path, s3_endpoint, tiny_model, tiny_splits, tiny_config):
     from grpo_pipeline.trainer.train import main
 
-    cfg = tiny_config("train.grpo.max_steps=1", "train.checkpoint_every=1", f"train.s3_endpoint_url={s3_endpoint}")
+    cfg = tiny_config(
+        "train.grpo.max_steps=1",
+        "train.checkpoint_every=1",
+        f"train.s3_endpoint_url={s3_endpoint}",
+        "train.rewards=[{name: 'tests.integration.varied_reward:text_checksum', role: skill}]",  # varies: weights move
+    )
     parent, shipped = _node_job(tmp_path, tiny_model, tiny_splits, cfg, "warm-ok", s3_endpoint)
     assert main(str(shipped.write(tmp_path / "job.json"))) == 0
 
