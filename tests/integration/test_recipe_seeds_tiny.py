@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # `make test-slow`; test_bench runs the chain by default
 
 
 def test_a_generated_task_runs_through_the_pipeline_and_its_skill_and_format_are_measured_apart(
