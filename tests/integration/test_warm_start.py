@@ -46,7 +46,11 @@ def test_continues_the_adapter_with_a_fresh_step_count(tmp_path, tiny_model, tin
     from grpo_pipeline.trainer.train import run
 
     parent = _parent_adapter(tiny_model, tmp_path / "parent")
-    cfg = tiny_config("train.grpo.max_steps=1", "train.checkpoint_every=1")
+    cfg = tiny_config(
+        "train.grpo.max_steps=1",
+        "train.checkpoint_every=1",
+        "train.rewards=[{name: 'tests.integration.varied_reward:text_checksum', role: skill}]",  # varies: weights move
+    )
     result = run(_spec(tmp_path, tiny_model, tiny_splits, cfg, parent))
 
     assert (result.global_step, result.max_steps, result.resumed_from_step) == (1, 1, None)  # steps from 0
