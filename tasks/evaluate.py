@@ -17,9 +17,9 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prefect import task
 from pydantic import BaseModel
@@ -500,14 +500,15 @@ def evaluate_model(
     else:
         model, tokenizer = load_model(model_path, model_load(model_cfg), adapter=adapter)
         model.eval()
-        completions, lengths = generate(
-            model,
-            tokenizer,
-            [r["prompt"] for r in rows],
-            cfg.max_new_tokens,
-            cfg.batch_size,
-            label=label,
-        )
+        with _merged(model):  # an unmerged adapter doubled the holdout's time on a CPU (1.8 vs 3.5 prompts/s)
+            completions, lengths = generate(
+                model,
+                tokenizer,
+                [r["prompt"] for r in rows],
+                cfg.max_new_tokens,
+                cfg.batch_size,
+                label=label,
+            )
     result = score(
         rows,
         [completion_text(c) for c in completions],
@@ -529,6 +530,14 @@ def evaluate_model(
     )
 
 
+def _merged(model: Any) -> AbstractContextManager[None]:
+    """A plain LoRA adapter computes from its merged weights inside (`merge_blocker`): the same policy, fewer
+    matmuls; any other model as it is."""
+    from grpo_pipeline.trainer.generation import merge_blocker, merged_adapter
+
+    return merged_adapter(model) if merge_blocker(model) is None else nullcontext()
+
+
 def sampled_means(
     model_path: str,
     model_cfg: ModelConfig,
@@ -548,8 +557,6 @@ def sampled_means(
     adapter draws alike whatever the chunking stops at) and the scoring stops after the first chunk whose
     running list of means `enough` accepts: the list returned is then a prefix of the file's prompts. A plain
     LoRA adapter samples from its merged weights (`merge_blocker`): the same policy, fewer matmuls."""
-    from grpo_pipeline.trainer.generation import merge_blocker, merged_adapter
-
     rows = read_jsonl(prompts)
     k = cfg.samples_k
     size = (chunk or cfg.batch_size) if enough else max(len(rows), 1)
@@ -557,8 +564,7 @@ def sampled_means(
     with _SEEDED_DRAWS:
         model, tokenizer = load_model(model_path, model_load(model_cfg), adapter=adapter)
         model.eval()
-        merged = merged_adapter(model) if merge_blocker(model) is None else nullcontext()
-        with merged:
+        with _merged(model):
             for i, start in enumerate(range(0, len(rows), size)):
                 part = rows[start : start + size]
                 seed = cfg.seed + i if enough else cfg.seed
