@@ -768,6 +768,22 @@ def report_lines(summary: Mapping) -> list[str]:
     return lines
 
 
+def gap_row(benchmark: str, full: str, arm: str, gap: Mapping, note: str) -> Row:
+    """A table row of an adapter's holdout gap to full fine-tuning in % against the claim's 3 %: `gap` holds
+    `gap_pct` (None: not measurable) and its interval `low_pct`..`high_pct` (`gap_interval`, `quality_gap`)."""
+    measurable = gap["gap_pct"] is not None
+    return Row(
+        benchmark,
+        full,
+        arm,
+        gap["gap_pct"],
+        "<= 3",
+        unit="%",
+        spread=(gap["low_pct"], gap["high_pct"]) if measurable else None,
+        note=note,
+    )
+
+
 def fair_rows(result: Mapping) -> list[Row]:
     """The table's rows of the fair comparison: per task and adapter arm, the skill gap (the verdict's figure), and
     the CPU time to 95 % of full's plateau skill against full's own."""
@@ -780,17 +796,13 @@ def fair_rows(result: Mapping) -> list[Row]:
         for arm, a in t["arms"].items():
             if arm == "full" or "gap_skill" not in a:
                 continue
-            g = a["gap_skill"]
             rows.append(
-                Row(
+                gap_row(
                     f"{LABEL[arm]} vs full, {task}: holdout {skill} at the plateau, {len(a['seeds'])} seeds, each at its "
                     f"best rate on validation, gap % (`bench.lora_vs_full`){fair}",
                     f"full (lr {full['learning_rate']:g}): {full['holdout_skill']:.3f}",
                     f"{LABEL[arm]} (lr {a['learning_rate']:g}): {a['holdout_skill']:.3f}",
-                    g["gap_pct"],
-                    "<= 3",
-                    unit="%",
-                    spread=(g["low_pct"], g["high_pct"]) if g["gap_pct"] is not None else None,
+                    a["gap_skill"],
                     note=a["verdict"] if t["fair"] else "not fair",
                 )
             )
@@ -1199,14 +1211,11 @@ def _single_rows(result: dict) -> list[Row]:
     for name, a in analysis.items():
         q = a["quality"]
         rows.append(
-            Row(
+            gap_row(
                 f"{LABEL[name]} vs full: holdout reward after {steps} steps, one seed, gap % (`bench.lora_vs_full`)",
                 f"full: {q['full']:.3f}",
                 f"{LABEL[name]}: {q['arm']:.3f}",
-                q["gap_pct"],
-                "<= 3",
-                unit="%",
-                spread=(q["low_pct"], q["high_pct"]) if q["gap_pct"] is not None else None,
+                q,
                 note="" if q["gap_pct"] is not None else "not measurable: full fine-tuning scored 0",
             )
         )
