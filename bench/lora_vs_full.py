@@ -1437,16 +1437,15 @@ def main(argv: list[str] | None = None) -> dict | None:
 
         # the rate sweep at the first seed, arms interleaved (a partial result stays balanced); the first rate's
         # run also scores its base on the holdout (the fp32 base for full and LoRA, the NF4 one for QLoRA)
+        swept: dict[tuple[str, float], dict] = {}
         for i in range(max(len(r) for r in rates.values())):
             for arm in arms:
                 if i < len(rates[arm]):
-                    run(arm, rates[arm][i], seeds[0], base=i == 0)
-        chosen = {arm: choose_rate([run(arm, lr, seeds[0]) for lr in rates[arm]]) for arm in arms}
-        for seed in seeds[1:]:
-            for arm in arms:
-                run(arm, chosen[arm], seed)
+                    swept[arm, rates[arm][i]] = run(arm, rates[arm][i], seeds[0], base=i == 0)
+        sweep = {arm: [swept[arm, lr] for lr in rates[arm]] for arm in arms}
+        chosen = {arm: choose_rate(sweep[arm]) for arm in arms}
         # this invocation's runs only: a kept run at a rate or seed not asked for now does not count
-        runs = [run(arm, lr, seeds[0]) for arm in arms for lr in rates[arm]]
+        runs = [r for arm in arms for r in sweep[arm]]
         runs += [run(arm, chosen[arm], seed) for seed in seeds[1:] for arm in arms]
         return summarise_task(runs, arms, seeds, problems) | {"validation": sizes["val"], "holdout": sizes["holdout"]}
 
