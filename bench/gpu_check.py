@@ -129,30 +129,16 @@ def _free() -> None:
         torch.cuda.empty_cache()
 
 
-def grpo_args(
-    out: Path,
-    *,
-    cuda: bool,
-    steps: int,
-    batch: int,
-    generations: int,
-    completion_tokens: int,
-    learning_rate: float,
-    **extra: Any,
-) -> Any:  # trl.GRPOConfig
+def grpo_args(out: Path, cuda: bool, **fields: Any) -> Any:  # trl.GRPOConfig
     """TRL's GRPOConfig as the GPU checks train (this one and `bench.gpu_ttq`): bf16, no checkpoints, no reporting,
-    no KL term (beta 0), every step logged, sampled at temperature 1, seed 0; `extra`: more GRPOConfig fields."""
+    no KL term (beta 0), every step logged, sampled at temperature 1, seed 0; `fields`: the run's own GRPOConfig
+    fields (steps, batch, group size, lengths, rate)."""
     from trl import GRPOConfig
 
     return GRPOConfig(
         output_dir=str(out),
         save_strategy="no",
         report_to=[],
-        max_steps=steps,
-        per_device_train_batch_size=batch,
-        num_generations=generations,
-        max_completion_length=completion_tokens,
-        learning_rate=learning_rate,
         beta=0.0,
         bf16=True,
         gradient_checkpointing=False,
@@ -161,7 +147,7 @@ def grpo_args(
         temperature=1.0,
         seed=0,
         use_cpu=not cuda,  # transformers allows bf16 autocast on a CPU only when told
-        **extra,
+        **fields,
     )
 
 
@@ -191,13 +177,13 @@ def run_case(name: str, quant: str, model_dir: Path, model_cfg: dict, opts, gpu)
     generations = min(4, opts.batch)
     args = grpo_args(
         model_dir.parent / f"out-{name}-{quant}",
-        cuda=cuda,
-        steps=opts.steps,
-        batch=opts.batch,
-        generations=generations,
-        completion_tokens=opts.completion_tokens,
-        learning_rate=1e-5,
+        cuda,
+        max_steps=opts.steps,
+        per_device_train_batch_size=opts.batch,
+        num_generations=generations,
+        max_completion_length=opts.completion_tokens,
         generation_kwargs={"min_new_tokens": opts.completion_tokens},
+        learning_rate=1e-5,
     )
     lora = LoraConfig(
         task_type="CAUSAL_LM",
