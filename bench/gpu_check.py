@@ -29,6 +29,7 @@ import traceback
 import zlib
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from bench.harness import ROOT, peak_rss_mb, reset_peak_rss
 from bench.table import Row
@@ -128,13 +129,34 @@ def _free() -> None:
         torch.cuda.empty_cache()
 
 
+def grpo_args(out: Path, cuda: bool, **fields: Any) -> Any:  # trl.GRPOConfig
+    """TRL's GRPOConfig as the GPU checks train (this one and `bench.gpu_ttq`): bf16, no checkpoints, no reporting,
+    no KL term (beta 0), every step logged, sampled at temperature 1, seed 0; `fields`: the run's own GRPOConfig
+    fields (steps, batch, group size, lengths, rate)."""
+    from trl import GRPOConfig
+
+    return GRPOConfig(
+        output_dir=str(out),
+        save_strategy="no",
+        report_to=[],
+        beta=0.0,
+        bf16=True,
+        gradient_checkpointing=False,
+        logging_steps=1,
+        disable_tqdm=True,
+        temperature=1.0,
+        seed=0,
+        use_cpu=not cuda,  # transformers allows bf16 autocast on a CPU only when told
+        **fields,
+    )
+
+
 def run_case(name: str, quant: str, model_dir: Path, model_cfg: dict, opts, gpu) -> dict:
     """Load, run GRPO steps, measure memory and time; the planner's estimates beside them."""
     import torch
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import PrinterCallback
-    from trl import GRPOConfig
 
     from bench.machine_limit import _probed_trainer
     from grpo_pipeline.configs.schema import ModelConfig
@@ -153,24 +175,15 @@ def run_case(name: str, quant: str, model_dir: Path, model_cfg: dict, opts, gpu)
     else:
         reset_peak_rss()
     generations = min(4, opts.batch)
-    args = GRPOConfig(
-        output_dir=str(model_dir.parent / f"out-{name}-{quant}"),
-        save_strategy="no",
-        report_to=[],
+    args = grpo_args(
+        model_dir.parent / f"out-{name}-{quant}",
+        cuda,
         max_steps=opts.steps,
         per_device_train_batch_size=opts.batch,
         num_generations=generations,
         max_completion_length=opts.completion_tokens,
         generation_kwargs={"min_new_tokens": opts.completion_tokens},
         learning_rate=1e-5,
-        beta=0.0,
-        bf16=True,
-        gradient_checkpointing=False,
-        logging_steps=1,
-        disable_tqdm=True,
-        temperature=1.0,
-        seed=0,
-        use_cpu=not cuda,  # transformers allows bf16 autocast on a CPU only when told
     )
     lora = LoraConfig(
         task_type="CAUSAL_LM",

@@ -31,7 +31,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from bench.gpu_check import TINY, _free, prompts, random_checkpoint
+from bench.gpu_check import TINY, _free, grpo_args, prompts, random_checkpoint
 from bench.harness import ROOT
 
 NAME = "gpu_time_to_quality"
@@ -84,7 +84,7 @@ def train(model_dir: Path, arm: str, batch: int, steps: int, lr: float, opts) ->
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import PrinterCallback, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     from grpo_pipeline.configs.schema import ModelConfig
     from grpo_pipeline.tasks.job import model_load
@@ -114,22 +114,14 @@ def train(model_dir: Path, arm: str, batch: int, steps: int, lr: float, opts) ->
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=[sevens],
-        args=GRPOConfig(
-            output_dir=str(model_dir.parent / f"out-{arm}-{batch}"),
-            save_strategy="no",
-            report_to=[],
+        args=grpo_args(
+            model_dir.parent / f"out-{arm}-{batch}",
+            cuda,
             max_steps=steps,
             per_device_train_batch_size=batch,
             num_generations=4,
             max_completion_length=opts.completion_tokens,
             learning_rate=lr,
-            beta=0.0,
-            bf16=True,
-            gradient_checkpointing=False,
-            logging_steps=1,
-            disable_tqdm=True,
-            seed=0,
-            use_cpu=not cuda,
         ),
         processing_class=tokenizer,
         peft_config=None

@@ -69,6 +69,7 @@ from bench.harness import (
     stamp,
 )
 from bench.table import Row
+from grpo_pipeline.trainer.cuts import Cuts
 
 ARMS = ("full", "lora", "qlora")
 LABEL = {"full": "full", "lora": "LoRA", "qlora": "QLoRA (NF4)"}
@@ -371,30 +372,24 @@ def _task_config(task: str, overrides: Sequence[str]):
 
 # ---------------------------------------------------------------- one run (in its own process)
 
+# the step's cuts, each a train.* switch (grpo_pipeline.trainer.cuts.Cuts)
+STEP_CUTS = ("prefill_once", "share_prompt_forward", "compact_lm_head", "skip_zero_advantage", "merged_generation")
 
-def step_cuts(train_cfg, arm: str) -> tuple[type, list[str]]:
-    """The trainer class with the pipeline trainer's step cuts (`trainer/train.py`), as the task config switches
-    them, for one arm, and the cuts' names. Each cut checks what it can do exactly and falls back with a warning
-    elsewhere; generation from merged weights needs an adapter, so full fine-tuning goes without it."""
+
+def step_cuts(train_cfg, arm: str) -> tuple[Cuts, list[str]]:
+    """The pipeline trainer's step cuts (`grpo_pipeline.trainer.step.StepTrainer` runs them) as the task config
+    switches them, for one arm, and the names of those not switched off. Unset, a cut runs where it can apply, as in
+    the trainer; generation from merged weights needs an adapter, so full fine-tuning goes without it. The curriculum
+    and dynamic sampling change which prompts train, so they stay off: every arm sees the same prompts in order."""
     import torch
-    from trl import GRPOTrainer
 
-    from grpo_pipeline.trainer import generation, shared_prompt, zero_advantage
-
-    cls, cuts = GRPOTrainer, []
-    if train_cfg.share_prompt_forward:
-        cls, cuts = shared_prompt.trainer_class(cls), [*cuts, "share_prompt_forward"]
-    if train_cfg.skip_zero_advantage:
-        cls, cuts = zero_advantage.trainer_class(cls), [*cuts, "skip_zero_advantage"]
-    if train_cfg.prefill_once:
-        cls, cuts = generation.prefill_trainer_class(cls), [*cuts, "prefill_once"]
-    if arm != "full" and generation.wanted(train_cfg.merged_generation, torch.cuda.is_available()):
-        cls, cuts = generation.trainer_class(cls), [*cuts, "merged_generation"]
-    if train_cfg.compact_lm_head:
-        cuts.append("compact_lm_head")
+    switches = {name: getattr(train_cfg, name) for name in STEP_CUTS}
+    if arm == "full":
+        switches["merged_generation"] = False
+    names = [name for name, value in switches.items() if value is not False]
     if not torch.cuda.is_available():
-        cuts.append("no_gradient_checkpointing")
-    return cls, cuts
+        names.append("no_gradient_checkpointing")
+    return Cuts(**switches), names
 
 
 def _evaluator(rows: list[dict], tokenizer, rewards, skill: str, max_new_tokens: int, batch: int):
@@ -470,8 +465,6 @@ def _curve_callback(evaluate, every: int):
 def train_run(settings: Mapping, task: str, arm: str, lr: float, seed: int, base_holdout: bool) -> dict:
     """One arm at one rate and seed: trained to its plateau or the cap; its validation curve, its holdout scores at
     the end (and of its base before training when `base_holdout`), step times and memory."""
-    import contextlib
-
     import torch
     from datasets import Dataset
     from peft import LoraConfig
@@ -480,9 +473,9 @@ def train_run(settings: Mapping, task: str, arm: str, lr: float, seed: int, base
 
     from grpo_pipeline.tasks.evaluate import read_jsonl
     from grpo_pipeline.tasks.job import model_load
-    from grpo_pipeline.trainer.lm_head import compact_lm_head
     from grpo_pipeline.trainer.loading import keep_adapter_fp32, load_model
     from grpo_pipeline.trainer.rewards import resolve_rewards
+    from grpo_pipeline.trainer.step import StepTrainer
 
     cfg = _task_config(task, settings["overrides"])
     if cfg.train.cpu_threads:  # before any torch work, as the trainer does
@@ -503,7 +496,7 @@ def train_run(settings: Mapping, task: str, arm: str, lr: float, seed: int, base
     evaluate_holdout = _evaluator(data["holdout"], tokenizer, rewards, skill, max_new, batch)
     base = evaluate_holdout(model) if base_holdout else None
     curve = _curve_callback(evaluate_val, settings["eval_every"])
-    trainer_cls, cuts = step_cuts(cfg.train, arm)
+    cuts, cut_names = step_cuts(cfg.train, arm)
     grpo = dict(cfg.train.grpo) | {
         "max_steps": settings["max_steps"],
         "learning_rate": lr,
@@ -515,8 +508,9 @@ def train_run(settings: Mapping, task: str, arm: str, lr: float, seed: int, base
     }
     if not torch.cuda.is_available():
         grpo["gradient_checkpointing"] = False  # as the trainer runs on a CPU node (trainer/train.py grpo_args)
-    trainer = trainer_cls(
+    trainer = StepTrainer(
         model=model,
+        cuts=cuts,
         reward_funcs=resolve_rewards(
             rewards.names, rewards.args, max_completion_length=grpo.get("max_completion_length")
         ),
@@ -533,8 +527,7 @@ def train_run(settings: Mapping, task: str, arm: str, lr: float, seed: int, base
     )
     trainer.remove_callback(PrinterCallback)  # the curve prints one line per evaluation instead
     cpu_started = time.process_time()
-    with compact_lm_head() if cfg.train.compact_lm_head else contextlib.nullcontext():
-        trainer.train()
+    trainer.train()
     train_peak = peak_rss_mb()
     holdout = evaluate_holdout(trainer.model)
     params = list(trainer.model.parameters())
@@ -545,7 +538,7 @@ def train_run(settings: Mapping, task: str, arm: str, lr: float, seed: int, base
         "learning_rate": lr,
         "seed": seed,
         "quantization": quantization,
-        "cuts": cuts,
+        "cuts": cut_names,
         "steps": trainer.state.global_step,
         "stopped": "plateau" if curve.plateau_step is not None else "cap",
         "trainable_params": sum(p.numel() for p in params if p.requires_grad),
@@ -768,6 +761,22 @@ def report_lines(summary: Mapping) -> list[str]:
     return lines
 
 
+def gap_row(benchmark: str, full: str, arm: str, gap: Mapping, note: str) -> Row:
+    """A table row of an adapter's holdout gap to full fine-tuning in % against the claim's 3 %: `gap` holds
+    `gap_pct` (None: not measurable) and its interval `low_pct`..`high_pct` (`gap_interval`, `quality_gap`)."""
+    measurable = gap["gap_pct"] is not None
+    return Row(
+        benchmark,
+        full,
+        arm,
+        gap["gap_pct"],
+        "<= 3",
+        unit="%",
+        spread=(gap["low_pct"], gap["high_pct"]) if measurable else None,
+        note=note,
+    )
+
+
 def fair_rows(result: Mapping) -> list[Row]:
     """The table's rows of the fair comparison: per task and adapter arm, the skill gap (the verdict's figure), and
     the CPU time to 95 % of full's plateau skill against full's own."""
@@ -780,17 +789,13 @@ def fair_rows(result: Mapping) -> list[Row]:
         for arm, a in t["arms"].items():
             if arm == "full" or "gap_skill" not in a:
                 continue
-            g = a["gap_skill"]
             rows.append(
-                Row(
+                gap_row(
                     f"{LABEL[arm]} vs full, {task}: holdout {skill} at the plateau, {len(a['seeds'])} seeds, each at its "
                     f"best rate on validation, gap % (`bench.lora_vs_full`){fair}",
                     f"full (lr {full['learning_rate']:g}): {full['holdout_skill']:.3f}",
                     f"{LABEL[arm]} (lr {a['learning_rate']:g}): {a['holdout_skill']:.3f}",
-                    g["gap_pct"],
-                    "<= 3",
-                    unit="%",
-                    spread=(g["low_pct"], g["high_pct"]) if g["gap_pct"] is not None else None,
+                    a["gap_skill"],
                     note=a["verdict"] if t["fair"] else "not fair",
                 )
             )
@@ -1199,14 +1204,11 @@ def _single_rows(result: dict) -> list[Row]:
     for name, a in analysis.items():
         q = a["quality"]
         rows.append(
-            Row(
+            gap_row(
                 f"{LABEL[name]} vs full: holdout reward after {steps} steps, one seed, gap % (`bench.lora_vs_full`)",
                 f"full: {q['full']:.3f}",
                 f"{LABEL[name]}: {q['arm']:.3f}",
-                q["gap_pct"],
-                "<= 3",
-                unit="%",
-                spread=(q["low_pct"], q["high_pct"]) if q["gap_pct"] is not None else None,
+                q,
                 note="" if q["gap_pct"] is not None else "not measurable: full fine-tuning scored 0",
             )
         )
@@ -1435,16 +1437,15 @@ def main(argv: list[str] | None = None) -> dict | None:
 
         # the rate sweep at the first seed, arms interleaved (a partial result stays balanced); the first rate's
         # run also scores its base on the holdout (the fp32 base for full and LoRA, the NF4 one for QLoRA)
+        swept: dict[tuple[str, float], dict] = {}
         for i in range(max(len(r) for r in rates.values())):
             for arm in arms:
                 if i < len(rates[arm]):
-                    run(arm, rates[arm][i], seeds[0], base=i == 0)
-        chosen = {arm: choose_rate([run(arm, lr, seeds[0]) for lr in rates[arm]]) for arm in arms}
-        for seed in seeds[1:]:
-            for arm in arms:
-                run(arm, chosen[arm], seed)
+                    swept[arm, rates[arm][i]] = run(arm, rates[arm][i], seeds[0], base=i == 0)
+        sweep = {arm: [swept[arm, lr] for lr in rates[arm]] for arm in arms}
+        chosen = {arm: choose_rate(sweep[arm]) for arm in arms}
         # this invocation's runs only: a kept run at a rate or seed not asked for now does not count
-        runs = [run(arm, lr, seeds[0]) for arm in arms for lr in rates[arm]]
+        runs = [r for arm in arms for r in sweep[arm]]
         runs += [run(arm, chosen[arm], seed) for seed in seeds[1:] for arm in arms]
         return summarise_task(runs, arms, seeds, problems) | {"validation": sizes["val"], "holdout": sizes["holdout"]}
 

@@ -4,8 +4,8 @@ ignored key, and `close_match`, the "did you mean" of the messages that name a f
 `grpo_pipeline.configs.schema` composes the sections (`configs/data.py`, `model.py`, `plan.py`, `train.py`, `hpo.py`,
 `evaluate.py`, `merge.py`, `promote.py`, `tracking.py`, `deploy.py`, `ab.py`) into `PipelineConfig`; a section never
 imports the schema. This module imports nothing of the project, so the trainer may import it (its job spec's
-models are `StrictModel`s) and so may the sections its job spec carries (`layout.py`, `health.py`, `sampling.py`,
-`rewards.py`), which import nothing else of the project, so a node runs them alone.
+models are `StrictModel`s) and so may the sections its job spec carries (`trainer_fields.py`, `layout.py`,
+`health.py`, `sampling.py`, `rewards.py`), which import nothing else of the project, so a node runs them alone.
 """
 
 from __future__ import annotations

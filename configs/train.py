@@ -2,7 +2,8 @@
 through `train.grpo` and `train.lora`, checked against those classes' own fields, types and ranges (the snapshot in
 `library_fields.json`, `library_ranges`), so nothing here re-declares them. The rewards (`reward_set()` resolves the
 run's `RewardSet`), the launcher and SkyPilot, checkpoints, and the sections the trainer's job spec carries as they
-are (`distributed`, `health`, `curriculum`, `dynamic_sampling`), with the checks across them a launch needs."""
+are (`distributed`, `health`, `curriculum`, `dynamic_sampling`), with the checks across them a launch needs. The
+fields the trainer reads are declared once, in `configs/trainer_fields.py`, which the job spec builds on too."""
 
 from __future__ import annotations
 
@@ -13,11 +14,11 @@ from pydantic import Field, TypeAdapter, ValidationError, field_validator, model
 
 from grpo_pipeline.configs import library_fields, library_ranges
 from grpo_pipeline.configs.base import StrictModel, close_match
-from grpo_pipeline.configs.health import NON_FINITE, HealthConfig
+from grpo_pipeline.configs.health import NON_FINITE
 from grpo_pipeline.configs.launchers import LAUNCHERS, LauncherName, launcher_help, rented
-from grpo_pipeline.configs.layout import DistributedConfig, batch_problem
+from grpo_pipeline.configs.layout import batch_problem
 from grpo_pipeline.configs.rewards import ENTRY_FORM, RewardEntry, RewardSet
-from grpo_pipeline.configs.sampling import CurriculumConfig, DynamicSamplingConfig
+from grpo_pipeline.configs.trainer_fields import TrainerFields
 
 
 def _check_passthrough(values: dict[str, Any], cls_name: str, owned: set[str]) -> dict[str, Any]:
@@ -87,9 +88,10 @@ def dynamic_sampling_problem(grpo: dict[str, Any], world: int, default: Any) -> 
 GRPO_OWNED = {"output_dir", "save_strategy", "save_steps", "save_total_limit", "resume_from_checkpoint"}
 
 
-class TrainConfig(StrictModel):
-    grpo: dict[str, Any] = Field(default_factory=dict, description="passed to trl.GRPOConfig")
-    lora: dict[str, Any] = Field(default_factory=dict, description="passed to peft.LoraConfig")
+class TrainConfig(TrainerFields):
+    """`train.*`: the fields the trainer reads (`TrainerFields`, declared there once), and where, how and with
+    which rewards it is launched."""
+
     rewards: list[RewardEntry] = Field(
         default_factory=lambda: [RewardEntry(name="correct_answer"), RewardEntry(name="number_only")],
         description="the rewards, one entry each: {name, weight (1.0), args ({}), role (skill|shaping)}, or a bare "
@@ -101,82 +103,9 @@ class TrainConfig(StrictModel):
         None,
         description="root for checkpoints, a local directory or s3://bucket/prefix; each run writes under <root>/<run>; default: data_dir/runs/<run>/checkpoints",
     )
-    checkpoint_every: int = Field(10, ge=1, description="steps between checkpoints: the most a preemption loses")
-    keep_checkpoints: int = Field(2, ge=1, description="complete checkpoints kept in the store")
-    early_stopping_patience: int | None = Field(
-        None, ge=1, description="stop after this many evaluations without a better validation reward"
-    )
-    # The step's cuts (trainer/step.py): each computes what TRL's path computes. Unset (auto): on where it can apply,
-    # TRL's path silently where it cannot; true: on, with one warning naming the setting and why where it cannot;
-    # false: TRL's path.
-    merged_generation: bool | None = Field(
-        None,
-        description="sample completions from the LoRA adapter merged into a copy of the base weights (exact: the "
-        "base is put back bit for bit; the loss's forward and backward stay unmerged); unset: on where the node "
-        "has no GPU (a cheaper decode step there, bench.step_profile), off on GPU nodes (the merged copy costs "
-        "the adapted weights' memory again while generating). Cannot apply to a quantized base, a LoRA variant or "
-        "bias, a LoRA dropout above 0 (TRL samples in train mode), vLLM or sharded weights: there it samples from "
-        "the unmerged adapter, with a warning if set to true (trainer/generation.py)",
-    )
-    prefill_once: bool | None = Field(
-        None,
-        description="prefill each distinct prompt once and share its KV cache with the rows that repeat it (TRL "
-        "repeats each prompt num_generations times before generate, which prefills every copy); the same decode "
-        "batch and sampling draws, so the same completions, log-probs equal to float rounding. Unset: on where it "
-        "can apply; it cannot with a static or quantized cache, beam search, assisted or vLLM generation, dropout "
-        "while sampling: there generate prefills every row, with a warning if set to true (trainer/generation.py)",
-    )
-    share_prompt_forward: bool | None = Field(
-        None,
-        description="the loss's forward and backward run each distinct prompt once and share its keys and values "
-        "with the rows that repeat it (TRL runs every copy: num_generations per prompt); the same log-probs, loss "
-        "and gradients to float rounding. Unset: on where it can apply; it cannot with gradient checkpointing, "
-        "dropout in train mode, DDP/FSDP wrappers, multimodal inputs: there every row runs, with a warning if set "
-        "to true (trainer/shared_prompt.py)",
-    )
-    compact_lm_head: bool | None = Field(
-        None,
-        description="on a CPU node, TRL's fused LM head projects only the completion's positions onto the vocabulary, "
-        "as it does on GPUs (same log-probs and loss; TRL's CPU path projects the prompt's positions too and drops "
-        "them). Unset: on where this TRL has the compact branch, with a warning if set to true and it has not "
-        "(trainer/lm_head.py)",
-    )
-    skip_zero_advantage: bool | None = Field(
-        None,
-        description="a training batch whose advantages are all zero (every group's completions scored alike) runs "
-        "no loss forward or backward: its gradient is zero, given to every trainable weight as TRL's backward would "
-        "give it, so the optimizer steps as before (exact; the demo's zero-variance batches are a third to a half "
-        "of its steps). Unset: on where it can apply; it cannot where a zero advantage still has a gradient or "
-        "skipping cannot be exact (beta > 0, an entropy bonus, a MoE auxiliary loss, Liger's loss, several "
-        "processes): there every batch runs the loss, with a warning if set to true (trainer/zero_advantage.py)",
-    )
-    cpu_threads: int | None = Field(
-        None,
-        ge=1,
-        description="torch's intra-op threads in the trainer (torch.set_num_threads); unset: torch's own choice (the "
-        "node's cores), except in a search running hpo.concurrency local trials at once, which gives each trial its "
-        "share of the cores (two trials of one thread each on 2 cores: 0.67-0.71x the wall time of one after the "
-        "other at two threads, docs/training.md#hyperparameter-search)",
-    )
     max_restarts: int = Field(3, ge=0, description="relaunches after an abnormal trainer exit (not preemptions)")
     launcher: LauncherName = Field("local", description=launcher_help())
     sky: SkyConfig = SkyConfig()
-    s3_endpoint_url: str | None = Field(None, description="S3-compatible endpoint (MinIO, SeaweedFS); AWS when unset")
-    distributed: DistributedConfig = Field(
-        DistributedConfig(),
-        description="several training processes (GPUs) and nodes: see docs/training.md#training-on-many-gpus",
-    )
-    health: HealthConfig = Field(
-        HealthConfig(),
-        description="collapse and reward-hacking guards: warn, stop or roll back (docs/training.md#health-rules)",
-    )
-    curriculum: CurriculumConfig = Field(
-        CurriculumConfig(), description="prompts without reward variance sit out (docs/training.md#fewer-wasted-steps)"
-    )
-    dynamic_sampling: DynamicSamplingConfig = Field(
-        DynamicSamplingConfig(),
-        description="over-generate groups and train on those with reward variance (docs/training.md#dynamic-sampling)",
-    )
 
     @field_validator("grpo")
     @classmethod

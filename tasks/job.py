@@ -15,6 +15,7 @@ from pydantic import BaseModel
 
 from grpo_pipeline.configs.rewards import RewardSet
 from grpo_pipeline.configs.schema import DEMO_MODEL, ConfigError, EvalConfig, ModelConfig, TrainConfig
+from grpo_pipeline.configs.trainer_fields import TrainerFields
 from grpo_pipeline.trainer.checkpoints import open_store
 from grpo_pipeline.trainer.loading import adapter_mismatch
 from grpo_pipeline.trainer.spec import JobSpec, ModelLoad, TrainSettings
@@ -33,33 +34,16 @@ def model_load(model: ModelConfig) -> ModelLoad:
 
 
 def train_settings(train: TrainConfig) -> TrainSettings:
-    """What of the `train` section the trainer itself runs (not where or how often it is launched), the rewards
-    whole (`TrainConfig.reward_set`: each reward's name, weight, arguments and role as one value).
+    """What of the `train` section the trainer itself runs (not where or how often it is launched): the fields
+    the config and the job spec both build on (`TrainerFields`), and the rewards whole (`TrainConfig.reward_set`:
+    each reward's name, weight, arguments and role as one value).
 
     >>> s = train_settings(TrainConfig(rewards=["correct_answer", {"name": "number_only", "weight": 0.5}]))
     >>> s.rewards.weights, s.rewards.skill
     ((1.0, 0.5), 'correct_answer')
     """
-    fields = projected_fields()
-    settings = train.model_dump(include=fields)
+    settings = train.model_dump(include=set(TrainerFields.model_fields))
     return TrainSettings.model_validate({**settings, "rewards": train.reward_set()})
-
-
-def projected_fields() -> set[str]:
-    """The `train` fields the trainer reads: `TrainSettings` is their projection, each of the same name and value
-    (the trainer cannot import `TrainConfig`: it runs alone on a node). A settings field `TrainConfig` lacks (one
-    renamed on either side) would ship its default to every node unseen: refused, naming it.
-
-    >>> sorted(projected_fields())[:3]
-    ['checkpoint_every', 'compact_lm_head', 'cpu_threads']
-    """
-    fields = set(TrainSettings.model_fields) - {"rewards"}  # the rewards travel resolved: `TrainConfig.reward_set`
-    if stray := sorted(fields - set(TrainConfig.model_fields)):
-        raise TypeError(
-            f"the trainer's settings declare {', '.join(stray)}, which train.* does not: rename them in "
-            "grpo_pipeline.trainer.spec.TrainSettings to the TrainConfig fields they carry"
-        )
-    return fields
 
 
 def build_job_spec(

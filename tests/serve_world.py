@@ -1,7 +1,8 @@
 """Routers with a real engine process behind them, for the checks of the engine's supervision and of replicas:
 the router's own `Engine` starting the stand-in vLLM server (tests/stand_in_vllm, put on PYTHONPATH by the
 caller), served by `router.run` (uvicorn, the supervisor, the alias follower) on a free loopback port in a
-thread. The adapters are folders the stand-in checks for, as vLLM does."""
+thread. The adapters are folders the stand-in checks for, as vLLM does. `base_a_router` is the router every serving
+test builds, with or without that engine (tests/unit/test_router.py puts an in-process server in its place)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -27,6 +29,33 @@ def adapter_at(root: Path, alias: str, version: str) -> Adapter:
     path = root / f"{alias}-v{version}"
     path.mkdir(parents=True, exist_ok=True)
     return Adapter(alias, version, path, "base-a", "aaa", 8)
+
+
+def base_a_router(
+    request_log: RequestLog | None,
+    spool: Path,
+    *,
+    engine: Engine | None = None,
+    fraction: float = 0.5,
+    api_key: str | None = None,
+    request_timeout_s: float = 30,
+    **kw: Any,
+) -> Router:
+    """A router serving base-a (sha256 "aaa", ranks up to 16) over `request_log`, its arms not yet set: the base
+    every adapter of these tests is trained on. `engine` None: the caller puts a server of its own in its place."""
+    return Router(
+        engine=engine,  # None: no process to supervise
+        client=None,
+        request_log=request_log,  # None: a router that never gets to log
+        spool=spool,
+        challenger_fraction=fraction,
+        api_key=api_key,
+        base="base-a",
+        base_sha256="aaa",
+        max_rank=16,
+        request_timeout_s=request_timeout_s,
+        **kw,
+    )
 
 
 @dataclass
@@ -54,16 +83,11 @@ def replica(
     """A router and its engine serving `arms`, until the block ends (or the router gives up: `thread` ends)."""
     root.mkdir(parents=True, exist_ok=True)
     engine = Engine(sys.executable, "base-a", cfg, root / "engine.log")
-    router = Router(
+    router = base_a_router(
+        request_log,
+        root / "unlogged.jsonl",
         engine=engine,
-        client=None,
-        request_log=request_log,
-        spool=root / "unlogged.jsonl",
-        challenger_fraction=fraction,
-        api_key=None,
-        base="base-a",
-        base_sha256="aaa",
-        max_rank=16,
+        fraction=fraction,
         request_timeout_s=cfg.request_timeout_s,
         retry_after_s=cfg.retry_after_s,
     )

@@ -322,6 +322,8 @@ def scale_learning_rate(optimizer: Any, scheduler: Any, factor: float) -> None: 
         inner._last_lr = [group["lr"] for group in optimizer.param_groups]
 
 
-def read_state(checkpoint: Path | None) -> dict:
+def read_health_state(checkpoint: Path | None) -> dict:
+    """The health monitor's state a checkpoint holds (its `health.json`: the rules' windows, the events so far, the
+    learning-rate scale and rollbacks baked in); empty for no checkpoint, or one written without it."""
     path = Path(checkpoint) / STATE_FILE if checkpoint else None
     return json.loads(path.read_text()) if path and path.is_file() else {}

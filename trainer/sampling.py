@@ -223,7 +223,9 @@ def summarize(log_history: list[dict], curriculum: Curriculum | None) -> ZeroSig
     )
 
 
-def read_state(checkpoint: Path | None) -> dict:
+def read_curriculum_state(checkpoint: Path | None) -> dict:
+    """The curriculum's state a checkpoint holds (its `curriculum.json`, `Curriculum.state()`); empty for no
+    checkpoint, or one written without it (the curriculum off)."""
     path = Path(checkpoint) / STATE_FILE if checkpoint else None
     return json.loads(path.read_text()) if path and path.is_file() else {}
 

@@ -2,9 +2,9 @@
 what the job reports back (its result file, its tagged progress lines).
 
 The trainer owns this contract and imports nothing else of the project but the config's sections it runs as they
-are (the distributed layout, the health rules, the curriculum and dynamic sampling, the rewards, the base's number
-formats: `configs/layout.py`, `health.py`, `sampling.py`, `rewards.py`, `dtypes.py`, each pure pydantic or typing
-importing nothing of the project), so a node runs
+are (the `train.*` fields it reads, the distributed layout, the health rules, the curriculum and dynamic sampling,
+the rewards, the base's number formats: `configs/trainer_fields.py`, `layout.py`, `health.py`, `sampling.py`,
+`rewards.py`, `dtypes.py`, each pure pydantic or typing importing nothing of the project but these), so a node runs
 `python -m grpo_pipeline.trainer --spec job.json` without the orchestrator's libraries; the pipeline's stages fill
 the spec in (`grpo_pipeline.tasks.job.build_job_spec`).
 """
@@ -21,10 +21,9 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, mo
 # the config's own sections, one definition each (tests/unit/test_layers.py: the only modules the trainer imports)
 from grpo_pipeline.configs.base import StrictModel as _Strict
 from grpo_pipeline.configs.dtypes import DType, Quantization
-from grpo_pipeline.configs.health import Action, HealthConfig
-from grpo_pipeline.configs.layout import DistributedConfig
+from grpo_pipeline.configs.health import Action
 from grpo_pipeline.configs.rewards import RewardSet
-from grpo_pipeline.configs.sampling import CurriculumConfig, DynamicSamplingConfig
+from grpo_pipeline.configs.trainer_fields import TrainerFields
 
 
 class ModelLoad(_Strict):
@@ -64,33 +63,14 @@ class HealthEvent(BaseModel):
     taken: str | None = None  # "warned", "stopped", "rolled back to step N (learning rate x0.5)"
 
 
-class TrainSettings(_Strict):
-    """What the trainer runs: TRL's GRPOConfig and PEFT's LoraConfig fields, the rewards, checkpointing, and how
-    many processes run it. A projection of the config's `TrainConfig`: each field is the `train.*` field of the
-    same name, copied by `grpo_pipeline.tasks.job.train_settings`, which refuses a name `TrainConfig` lacks
-    (tests/unit/test_config.py sets every one to a value other than its default and reads it back from the
-    spec). The defaults here are for specs written before a field existed."""
+class TrainSettings(TrainerFields):
+    """What the trainer runs: the `train.*` fields it reads (`TrainerFields`, the one declaration that the config's
+    `TrainConfig` builds on too, so each has the same name, type, default and bounds on both sides), and the rewards
+    resolved. Copied by `grpo_pipeline.tasks.job.train_settings`; tests/unit/test_config.py sets every one to a
+    value other than its default and reads it back from the spec. A field's default is also what a spec written
+    before that field existed reads."""
 
-    grpo: dict[str, Any]  # without reward_weights: the rewards' entries carry their weights
-    lora: dict[str, Any]
     rewards: RewardSet  # each reward's name, weight, arguments and role; the skill judges validation
-    checkpoint_every: int
-    keep_checkpoints: int
-    early_stopping_patience: int | None
-    s3_endpoint_url: str | None
-    # the step's cuts: None (auto) where they apply, silently; True asked for, warned where not (trainer.cuts)
-    merged_generation: bool | None = None  # from merged LoRA weights; auto: where the node has no GPU
-    prefill_once: bool | None = None  # each distinct prompt prefilled once, its cache shared (trainer.generation)
-    share_prompt_forward: bool | None = (
-        None  # the loss's forward over each distinct prompt once (trainer.shared_prompt)
-    )
-    compact_lm_head: bool | None = None  # the LM head projects only the completion's positions (trainer.lm_head)
-    skip_zero_advantage: bool | None = None  # no loss pass for an all-zero-advantage batch (trainer.zero_advantage)
-    cpu_threads: int | None = None  # torch.set_num_threads before training; None: torch's own choice
-    distributed: DistributedConfig = DistributedConfig()  # train.distributed as configured
-    health: HealthConfig = HealthConfig()
-    curriculum: CurriculumConfig = CurriculumConfig()
-    dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig()
 
     @model_validator(mode="before")
     @classmethod

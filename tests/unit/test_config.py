@@ -204,7 +204,7 @@ def test_the_bases_quantization_modes_and_dtypes_are_typed_once():
     assert _literals_of(own, set(get_args(dtypes.Quantization))), "the scan finds a spelled Literal"
 
 
-# One value other than its default for every train.* field the trainer reads (its TrainSettings projection)
+# One value other than its default for every train.* field the trainer reads (TrainerFields, which both build on)
 NOT_DEFAULT = {
     "grpo": {"max_steps": 7, "learning_rate": 1.0e-4},
     "lora": {"r": 4},
@@ -226,13 +226,19 @@ NOT_DEFAULT = {
 
 
 def test_every_train_field_the_trainer_reads_reaches_its_job_spec_with_the_users_value(tmp_path):
-    """TrainSettings is TrainConfig's projection: each field the trainer reads, set to a value other than its
-    default, comes back from the written spec as set (a field renamed on one side would ship its default)."""
+    """TrainSettings is TrainConfig's projection: each field the trainer reads is declared once (TrainerFields) and
+    neither side declares it again; set to a value other than its default, it comes back from the written spec as
+    set (a field the copy missed would ship its default)."""
     from grpo_pipeline.configs.schema import TrainConfig
-    from grpo_pipeline.tasks.job import build_job_spec, projected_fields
-    from grpo_pipeline.trainer.spec import JobSpec
+    from grpo_pipeline.configs.trainer_fields import TrainerFields
+    from grpo_pipeline.tasks.job import build_job_spec
+    from grpo_pipeline.trainer.spec import JobSpec, TrainSettings
 
-    assert set(NOT_DEFAULT) == projected_fields()  # a new field the trainer reads must be added above
+    assert set(NOT_DEFAULT) == set(TrainerFields.model_fields)  # a new field the trainer reads must be added above
+    assert set(TrainSettings.model_fields) == {*TrainerFields.model_fields, "rewards"}
+    for name, declared in TrainerFields.model_fields.items():
+        for side in (TrainConfig, TrainSettings):  # a re-declaration would be a field of its own, maybe unlike
+            assert repr(side.model_fields[name]) == repr(declared), (side.__name__, name)
     default = TrainConfig()
     cfg = load_config(None, [f"train={NOT_DEFAULT}"])
     for name in NOT_DEFAULT:

@@ -6,9 +6,10 @@
 what a GPU node runs alone. The exceptions, named in SHARED: the trainer imports the config's sections that its
 job spec carries as they are, each defined once: `grpo_pipeline.configs.layout` (the distributed layout and its
 two rules: world size, TRL's batch rule), `.health` (the health rules' table and section), `.sampling` (the
-curriculum and dynamic sampling), `.rewards` (the RewardSet) and `.dtypes` (the base's quantization modes and
-dtypes), and `.base` (`StrictModel`, what the job spec's models and those sections build on); each imports nothing
-of the project itself but those.
+curriculum and dynamic sampling), `.rewards` (the RewardSet), `.dtypes` (the base's quantization modes and
+dtypes), `.trainer_fields` (the train.* fields the trainer reads, which the config builds on too), and `.base`
+(`StrictModel`, what the job spec's models and those sections build on); each imports nothing of the project
+itself but those.
 Every import is read with `ast`, those inside functions included.
 """
 
@@ -31,6 +32,7 @@ SHARED = {
         "grpo_pipeline.configs.sampling",
         "grpo_pipeline.configs.rewards",
         "grpo_pipeline.configs.dtypes",
+        "grpo_pipeline.configs.trainer_fields",
     }
 }
 

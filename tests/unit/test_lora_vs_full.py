@@ -17,6 +17,7 @@ from bench.lora_vs_full import (
     plateau,
     resolves,
     skill_reward,
+    step_cuts,
     summarise_task,
     table_rows,
     task_rows,
@@ -145,6 +146,24 @@ def test_the_summary_compares_each_arm_at_its_validation_rate_and_withholds_the_
     rows = fair_rows(result)
     assert rows and all("not fair" in r.benchmark and r.note == "not fair" for r in rows if "gap" in r.benchmark)
     assert len(table_rows({"lora_vs_full_fair": result}.get)) == len(rows)  # no earlier results saved here
+
+
+def test_every_arm_runs_the_trainers_step_cuts_as_the_task_config_switches_them_and_full_merges_nothing():
+    """The cuts go to the pipeline's own trainer class (StepTrainer) as the config's switches: unset runs a cut where
+    it applies, false leaves TRL's path; full fine-tuning has no adapter to merge."""
+    import dataclasses
+
+    from grpo_pipeline.configs.schema import TrainConfig
+
+    train = TrainConfig(skip_zero_advantage=False)
+    full, full_names = step_cuts(train, "full")
+    lora, lora_names = step_cuts(train, "lora")
+    assert full.merged_generation is False and lora.merged_generation is None  # None: where it can apply
+    assert full.skip_zero_advantage is False and full.share_prompt_forward is None
+    assert "merged_generation" in lora_names and "merged_generation" not in full_names
+    assert "skip_zero_advantage" not in full_names and "share_prompt_forward" in full_names
+    assert full.curriculum is None and full.dynamic_sampling is None  # the same prompts for every arm
+    assert dataclasses.replace(lora, merged_generation=False) == full
 
 
 def test_the_skill_reward_is_named_per_task():

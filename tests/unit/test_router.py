@@ -36,6 +36,7 @@ from grpo_pipeline.tasks.serve.api import (
     validate_generation,
 )
 from grpo_pipeline.tasks.serve.router import Router
+from tests.serve_world import base_a_router
 
 
 def share_in_interval(hits: int, n: int, p: float, level: float = 0.99) -> bool:
@@ -179,19 +180,7 @@ def closed_port() -> int:
 
 def make_router(tmp_path, request_log, fraction: float = 0.5, api_key=None, **kw) -> Router:
     """A router over `request_log` serving champion v1 and (with a fraction) challenger v2 on base-a."""
-    router = Router(
-        engine=None,
-        client=None,
-        request_log=request_log,
-        spool=tmp_path / "unlogged.jsonl",
-        challenger_fraction=fraction,
-        api_key=api_key,
-        base="base-a",
-        base_sha256="aaa",
-        max_rank=16,
-        request_timeout_s=30,
-        **kw,
-    )
+    router = base_a_router(request_log, tmp_path / "unlogged.jsonl", fraction=fraction, api_key=api_key, **kw)
     router.arms = {CHAMPION: adapter(), CHALLENGER: adapter("challenger", "2")} if fraction else {CHAMPION: adapter()}
     return router
 
