@@ -93,7 +93,9 @@ class TrainConfig(TrainerFields):
     which rewards it is launched."""
 
     rewards: list[RewardEntry] = Field(
-        default_factory=lambda: [RewardEntry(name="correct_answer"), RewardEntry(name="number_only")],
+        # the skill alone: a format reward beside it is learned first and can displace the skill
+        # (configs/demo-cpu.yaml says what it cost); the evaluation reports the format all the same
+        default_factory=lambda: [RewardEntry(name="correct_answer")],
         description="the rewards, one entry each: {name, weight (1.0), args ({}), role (skill|shaping)}, or a bare "
         "name; names from grpo_pipeline.trainer.rewards.REWARDS (`grpo-pipeline rewards` lists them) or dotted paths "
         "'package.module:function'. Their weighted sum is what GRPO normalizes per group; the skill reward (the "

@@ -46,13 +46,12 @@ def test_reasoning_recipes(path):
 
 
 def test_the_demo_stays_the_default():
-    cfg = load_config(None)  # no YAML: the demo's task and model, and its two rewards
+    cfg = load_config(None)  # no YAML: the demo's task and model, and its one reward, the skill
     assert cfg.data.source is None and cfg.model.base == "smollm2-135m-instruct"
-    assert cfg.train.reward_set().names == ("correct_answer", "number_only") and cfg.train.reward_set().weights == (
-        1.0,
-        1.0,
-    )
-    assert cfg.train.reward_set().skill == "correct_answer" and cfg.train.reward_set().shaping == ("number_only",)
+    rewards = cfg.train.reward_set()
+    assert rewards.names == ("correct_answer",) and rewards.weights == (1.0,)
+    assert rewards.skill == "correct_answer" and rewards.shaping == ()
+    assert cfg.evaluate.format_reward == "number_only"  # the format is still reported, apart from the skill
 
 
 def test_real_data_cpu_recipe_reads_the_prepared_slice():

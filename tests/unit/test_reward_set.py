@@ -25,6 +25,7 @@ from grpo_pipeline.configs.schema import ConfigError, PipelineConfig, Quantizati
 from grpo_pipeline.tasks.data.demo_task import make_row
 
 WEIGHED = "train.rewards=[correct_answer, {name: number_only, weight: 0.2}]"
+UNWEIGHTED = "train.rewards=[correct_answer, number_only]"  # the default is the skill alone
 ENGINE = "evaluate.engine=transformers"  # "auto" would import torch to look for a GPU
 
 
@@ -85,7 +86,7 @@ def fake_generation(monkeypatch, val8):
 def test_the_config_resolves_one_frozen_value_with_trls_weights():
     rewards = load_config(None, [WEIGHED]).train.reward_set()
     assert rewards == RewardSet(names=("correct_answer", "number_only"), weights=(1.0, 0.2))
-    assert load_config(None).train.reward_set().weights == (1.0, 1.0)  # unweighted: TRL's default
+    assert load_config(None, [UNWEIGHTED]).train.reward_set().weights == (1.0, 1.0)  # unweighted: TRL's default
     assert rewards.total({"correct_answer": 0.0, "number_only": 1.0}) == 0.2
     with pytest.raises(ValidationError, match="frozen"):
         rewards.entries = ()
@@ -196,7 +197,7 @@ def test_base_selection_picks_by_the_weighted_total(fake_generation, val8, tmp_p
     )
 
     def chosen(*overrides: str) -> tuple[str, dict[str, float]]:
-        cfg = load_config(None, ["model.candidates=[terse, wordy]", ENGINE, *overrides])
+        cfg = load_config(None, ["model.candidates=[terse, wordy]", ENGINE, UNWEIGHTED, *overrides])
         selection = select_base_model(
             cfg.model, cfg.train, cfg.plan, cfg.evaluate, cfg.train.reward_set(), val8, tmp_path
         )
@@ -210,7 +211,7 @@ def test_the_quantization_cost_is_the_weighted_totals_drop(fake_generation, val8
     from grpo_pipeline.tasks.quantize import measure_quantization_cost
 
     def cost(*overrides: str):
-        cfg = load_config(None, ["model.quantization=nf4", *overrides])
+        cfg = load_config(None, ["model.quantization=nf4", UNWEIGHTED, *overrides])
         return measure_quantization_cost(
             "wordy", cfg.model, val8, cfg.train.reward_set(), cfg.evaluate, QuantizationBound(rows=8)
         )
