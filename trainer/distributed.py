@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
@@ -199,9 +199,12 @@ def record(kind: str, value: int) -> None:
 
 
 def _grpo_defaults() -> dict[str, Any]:
-    from trl import GRPOConfig
+    """TRL's GRPOConfig defaults from the project's snapshot of the class (a test compares it with the installed
+    one), not from TRL itself: importing TRL loads torch and transformers (10-20 s on a busy CPU), which the node
+    launcher's check paid for and then the trainer it execs paid again."""
+    from grpo_pipeline.configs.library_fields import fields as library_fields
 
-    return {f.name: f.default for f in fields(GRPOConfig)}
+    return {name: f.default for name, f in library_fields("GRPOConfig").items()}
 
 
 def problems(spec: JobSpec, gpus_per_node: int, defaults: dict[str, Any] | None = None) -> list[str]:

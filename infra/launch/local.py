@@ -65,6 +65,10 @@ class LocalLauncher:
                 str(spec_path),
                 "--master-port",
                 str(free_port()),
+                # what this process found (check_launch asked already): the node launcher need not import
+                # torch (seconds) to count them again before it execs the trainer, which imports it anyway
+                "--gpus-per-node",
+                str(detect_gpus()),
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

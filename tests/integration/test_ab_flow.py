@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from datetime import timedelta
+from typing import NamedTuple
 
 import mlflow
 import pytest
@@ -18,31 +19,38 @@ from tests.ab_world import NAME, make_registry, overrides
 
 pytestmark = pytest.mark.integration
 
-# Runs the flow `times` times in one process (one ephemeral server start), then reads the Prefect artifact back.
+# Runs each world's flows in turn in one process (one Python start-up, one ephemeral server start), each world with
+# its own request log, and reads the Prefect artifact back after each world's runs.
 SCRIPT = """
-import json, sys
+import json, os, sys
 from prefect.artifacts import Artifact
 from grpo_pipeline.flows.ab import ab_decide
-results = [ab_decide(overrides=sys.argv[2:]) for _ in range(int(sys.argv[1]))]
-artifact = Artifact.get("ab-decision")
-print("RESULT " + json.dumps({"runs": results, "artifact": artifact.data if artifact else None}))
+out = []
+for world in json.loads(sys.argv[1]):
+    os.environ[world["log_env"]] = world["log_url"]
+    results = [ab_decide(overrides=world["overrides"]) for _ in range(world["times"])]
+    artifact = Artifact.get("ab-decision")
+    out.append({"runs": results, "artifact": artifact.data if artifact else None})
+print("RESULT " + json.dumps(out))
 """
 
 
-@pytest.fixture
-def world(tmp_path):
+class World(NamedTuple):
+    log: RequestLog
+    registry: Registry
+    client: mlflow.MlflowClient
+    overrides: list[str]
+    log_url: str
+
+
+def make_world(folder, empty_db) -> World:
     """A registry with versions 1 (champion) and 2 (challenger), an empty request log, the flow's overrides."""
-    uri, client = make_registry(tmp_path)
-    url = f"sqlite:///{tmp_path / 'ab.sqlite'}"
-    log = RequestLog.open(url)
-    env = {
-        **os.environ,
-        LOG_URL_ENV: url,
-        "PREFECT_HOME": str(tmp_path / "prefect"),
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-    }
-    yield log, Registry(client, NAME), client, [f"data_dir={tmp_path / 'data'}", *overrides(uri)], env
-    log.close()
+    folder.mkdir()
+    uri, client = make_registry(folder, empty_db)
+    url = f"sqlite:///{folder / 'ab.sqlite'}"
+    return World(
+        RequestLog.open(url), Registry(client, NAME), client, [f"data_dir={folder / 'data'}", *overrides(uri)], url
+    )
 
 
 def fill(log: RequestLog, challenger_score: float, challenger_latency: float = 0.2) -> None:
@@ -50,13 +58,34 @@ def fill(log: RequestLog, challenger_score: float, challenger_latency: float = 0
     ab_world.fill(log, challenger_score, challenger_latency, per_arm=60, step=timedelta(minutes=1))
 
 
-def run_flow(overrides: list[str], env: dict, times: int = 1) -> dict:
+@pytest.fixture(scope="module")
+def decided(tmp_path_factory):
+    """Two worlds, each decided by the flow in one worker-like process: `better` (a clearly better challenger,
+    one run) and `breach` (better scores but five times slower, two runs). -> {name: (world, flow output)}."""
+    root = tmp_path_factory.mktemp("ab-flow")
+    empty_db = root / "empty.db"  # MLflow's tables made once (its migrations take seconds), copied per world
+    mlflow.MlflowClient(f"sqlite:///{empty_db}").search_registered_models()
+    worlds = {"better": make_world(root / "better", empty_db), "breach": make_world(root / "breach", empty_db)}
+    fill(worlds["better"].log, challenger_score=1.0)
+    fill(worlds["breach"].log, challenger_score=1.0, challenger_latency=1.0)
+    times = {"better": 1, "breach": 2}
+    jobs = [
+        {"log_env": LOG_URL_ENV, "log_url": w.log_url, "overrides": w.overrides, "times": times[name]}
+        for name, w in worlds.items()
+    ]
+    env = {**os.environ, "PREFECT_HOME": str(root / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    env.pop(LOG_URL_ENV, None)
     proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(times), *overrides], env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, "-c", SCRIPT, json.dumps(jobs)], env=env, capture_output=True, text=True, timeout=900
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    (line,) = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    return json.loads(line.removeprefix("RESULT "))
+    try:
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        (line,) = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+        outputs = json.loads(line.removeprefix("RESULT "))
+        yield {name: (w, out) for (name, w), out in zip(worlds.items(), outputs, strict=True)}
+    finally:
+        for w in worlds.values():
+            w.log.close()
 
 
 def decision_runs(client: mlflow.MlflowClient) -> list:
@@ -64,10 +93,8 @@ def decision_runs(client: mlflow.MlflowClient) -> list:
     return client.search_runs([experiment.experiment_id]) if experiment else []
 
 
-def test_a_clearly_better_challenger_is_promoted_and_the_decision_recorded(world):
-    log, registry, client, overrides, env = world
-    fill(log, challenger_score=1.0)
-    out = run_flow(overrides, env)
+def test_a_clearly_better_challenger_is_promoted_and_the_decision_recorded(decided):
+    (_, registry, client, _, _), out = decided["better"]
     (result,) = out["runs"]
     assert result["action"] == "promote" and result["applied"] == "yes", result
     assert registry.aliases() == {CHAMPION: "2", CHALLENGER: None, PREVIOUS: "1"}
@@ -90,10 +117,9 @@ def test_a_clearly_better_challenger_is_promoted_and_the_decision_recorded(world
     assert client.get_model_version("ab-test", "2").tags["ab_decision"] == "promote"
 
 
-def test_a_guardrail_breach_rolls_back_and_the_next_run_finds_no_test(world):
-    log, registry, client, overrides, env = world
-    fill(log, challenger_score=1.0, challenger_latency=1.0)  # better scores, but five times slower
-    first, second = run_flow(overrides, env, times=2)["runs"]
+def test_a_guardrail_breach_rolls_back_and_the_next_run_finds_no_test(decided):
+    (_, registry, client, _, _), out = decided["breach"]  # better scores, but five times slower
+    first, second = out["runs"]
     assert first["action"] == "rollback" and first["breaches"] == ["latency_p95_ratio"], first
     assert registry.aliases() == {CHAMPION: "1", CHALLENGER: None, PREVIOUS: None}
     assert second["action"] is None and second["challenger"] is None  # quiet until the next canary

@@ -359,16 +359,16 @@ def test_secrets_in_the_environment_leave_no_trace(manual_run, stack, worker, en
 FORM_SECRET = "hf_grpoSentinelFormToken0a1b2c3d4e5f6a7b8c9d"
 
 
-def test_secrets_in_a_config_or_a_forms_overrides_are_refused_and_leave_no_trace(
-    deployed, worker, env, stack, tmp_path
-):
-    """A secret in a form's overrides (a credential field, a field the deployment allows, a verifier header) or in
-    a config file the run names fails the run before any work: no MLflow run, and the secret is in no log and no
-    S3 object. Only the flow run's own parameters hold it, as the trigger sent them."""
+@pytest.fixture(scope="module")
+def refused_runs(deployed, worker, env, stack, tmp_path_factory):
+    """A trigger's asks that carry a secret: in a form's overrides (a credential field, a field the deployment
+    allows, a verifier header) or in a config file the run names. Each is a flow run of `ci` on the worker, all
+    queued at once (the worker starts them side by side; none of them trains). -> ({what: (finished flow run,
+    the message its refusal must give)}, the MLflow runs that appeared meanwhile)."""
+    from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
 
-    proc, log = worker
-    leaky = tmp_path / "leaky.yaml"
+    leaky = tmp_path_factory.mktemp("leaky") / "leaky.yaml"
     leaky.write_text(yaml.safe_dump({"train": {"grpo": {"hub_token": FORM_SECRET}}}))
     asks = {
         "a credential field": (
@@ -394,17 +394,34 @@ def test_secrets_in_a_config_or_a_forms_overrides_are_refused_and_leave_no_trace
     experiments = [e.experiment_id for e in client.search_experiments()]
     before = {r.info.run_id for r in client.search_runs(experiments)}
     with prefect_api(env):
-        runs = {
-            what: run_deployment("grpo-pipeline/ci", parameters=parameters, timeout=300, poll_interval=2)
+        queued = {
+            what: run_deployment("grpo-pipeline/ci", parameters=parameters, timeout=0)
             for what, (parameters, _) in asks.items()
         }
-    for what, run in runs.items():
-        assert run.state.is_failed(), (what, run.state)
-        assert asks[what][1] in run.state.message, (what, run.state.message)
-        assert FORM_SECRET not in run.state.message, what
-    assert {r.info.run_id for r in client.search_runs(experiments)} == before  # no MLflow run, no work
+        deadline = time.monotonic() + 600
+        with get_client(sync_client=True) as prefect:
+            while True:
+                runs = {what: prefect.read_flow_run(run.id) for what, run in queued.items()}
+                if all(run.state.is_final() for run in runs.values()):
+                    break
+                assert time.monotonic() < deadline, {what: run.state for what, run in runs.items()}
+                time.sleep(2)
+    appeared = {r.info.run_id for r in client.search_runs(experiments)} - before
+    return {what: (run, asks[what][1]) for what, run in runs.items()}, appeared
 
-    places = {f"prefect logs of {what}": _flow_run_logs(env, run.id) for what, run in runs.items()}
+
+def test_secrets_in_a_config_or_a_forms_overrides_are_refused_and_leave_no_trace(refused_runs, worker, env, stack):
+    """Each ask fails the run before any work: no MLflow run, and the secret is in no log and no S3 object. Only
+    the flow run's own parameters hold it, as the trigger sent them."""
+    proc, log = worker
+    runs, appeared = refused_runs
+    for what, (run, says) in runs.items():
+        assert run.state.is_failed(), (what, run.state)
+        assert says in run.state.message, (what, run.state.message)
+        assert FORM_SECRET not in run.state.message, what
+    assert not appeared  # no MLflow run, no work
+
+    places = {f"prefect logs of {what}": _flow_run_logs(env, run.id) for what, (run, _) in runs.items()}
     places["worker output"] = log.read_text(errors="replace")
     s3 = services.s3_client(stack.service("s3").url, *stack.credentials)
     for page in s3.get_paginator("list_objects_v2").paginate(Bucket="ckpt"):
@@ -416,23 +433,18 @@ def test_secrets_in_a_config_or_a_forms_overrides_are_refused_and_leave_no_trace
     assert not [where for where, text in places.items() if FORM_SECRET in text]
 
 
-def test_a_failed_run_notifies_the_block(manual_run, env):
-    """The failure automation tells the notification block (here a webhook on loopback) about a failed run."""
-    from prefect.deployments import run_deployment
-
-    Hook.received.clear()
-    with prefect_api(env):
-        failed = run_deployment(
-            "grpo-pipeline/ci", parameters={"config_path": "/no/such/config.yaml"}, timeout=300, poll_interval=2
-        )
+def test_a_failed_run_notifies_the_block(refused_runs):
+    """The failure automation tells the notification block (here a webhook on loopback) about a failed run: the
+    run that named a config file the deployment does not run, refused by the trigger policy before it is read."""
+    failed, _ = refused_runs[0]["a config file"]
     assert failed.state.is_failed(), failed.state
     deadline = time.monotonic() + 90
     while not any(failed.name.encode() in body for body in Hook.received) and time.monotonic() < deadline:
         time.sleep(1)
     message = next((json.loads(body)["text"] for body in Hook.received if failed.name.encode() in body), None)
     assert message is not None, f"no notification for {failed.name}; got {Hook.received}"
-    # a config file the deployment does not name is refused by the trigger policy before it is looked for
     assert "Failed" in message and "config_path: this deployment runs" in message
+    assert FORM_SECRET not in message  # the notification repeats the refusal, not the secret
 
 
 def _status(url: str, login: str | None = None, body: dict | None = None) -> int | None:

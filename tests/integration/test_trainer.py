@@ -122,15 +122,15 @@ def test_sigterm_checkpoints_and_exits_with_the_retry_code(tmp_path, tiny_model,
     assert len(steps) == 1 and 0 < steps[0] < 400
 
 
-def test_bad_spec_exits_2(tmp_path):
+def test_bad_spec_exits_2(tmp_path, caplog):
+    """The trainer's entry point in this process: a process of its own would pay torch's and TRL's imports
+    again only to read a bad file (the tests above run `python -m grpo_pipeline.trainer` for real, exit codes
+    included)."""
+    from grpo_pipeline.trainer.train import main
+
     (tmp_path / "job.json").write_text('{"model_path": 1}')
-    proc = subprocess.run(
-        [sys.executable, "-m", "grpo_pipeline.trainer", "--spec", str(tmp_path / "job.json")],
-        capture_output=True,
-        text=True,
-    )
-    assert proc.returncode == 2
-    assert "bad job spec" in proc.stderr
+    assert main(str(tmp_path / "job.json")) == 2
+    assert "bad job spec" in caplog.text
 
 
 def test_early_stopping_on_validation_reward(tmp_path, tiny_model, tiny_splits, tiny_config):

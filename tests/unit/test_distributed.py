@@ -2,7 +2,6 @@
 written), the torchrun and vLLM commands, and the strategy config files read by accelerate's own classes."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -123,32 +122,46 @@ def test_zero2_keeps_a_quantized_base_and_ddp_fits(tmp_path):
     assert problems(_spec(tmp_path, "nf4"), 8, DEFAULTS) == []  # one process per GPU, 8 x 8 completions
 
 
-def _launch(spec_path, *args, env=None):
-    return subprocess.run(
-        [sys.executable, "-m", "grpo_pipeline.trainer.launch", "--spec", str(spec_path), *args],
+def test_bad_launch_exits_2_before_anything_starts(tmp_path):
+    """The node launcher as SkyPilot's run command starts it: a real process, its exit code and stderr."""
+    spec = _spec(tmp_path, processes_per_node=3, grpo={"per_device_train_batch_size": 2, "num_generations": 4})
+    proc = subprocess.run(
+        [sys.executable, "-m", "grpo_pipeline.trainer.launch", "--spec", str(spec.write(tmp_path / "job.json"))]
+        + ["--gpus-per-node", "0"],
         capture_output=True,
         text=True,
         timeout=120,
-        env={**os.environ, **(env or {})},
     )
-
-
-def test_bad_launch_exits_2_before_anything_starts(tmp_path):
-    spec = _spec(tmp_path, processes_per_node=3, grpo={"per_device_train_batch_size": 2, "num_generations": 4})
-    proc = _launch(spec.write(tmp_path / "job.json"), "--gpus-per-node", "0")
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "2 x 3 x 1 = 6 completions" in proc.stderr and "per_device_train_batch_size=4" in proc.stderr
     assert not (tmp_path / "work").exists() and not (tmp_path / "ckpt").exists()  # nothing half-written
 
 
-def test_node_count_must_match_the_job(tmp_path):
+@pytest.fixture
+def launch(capsys, caplog, monkeypatch):
+    """The node launcher's `main` in this process (a dry run starts nothing, and a subprocess would only add
+    its start-up and imports): `launch(spec_path, *args, env=...)` -> (exit code, stdout, log)."""
+    from grpo_pipeline.trainer.launch import main
+
+    def run(spec_path, *args, env=None):
+        for key, value in (env or {}).items():
+            monkeypatch.setenv(key, value)
+        capsys.readouterr()
+        caplog.clear()
+        code = main(["--spec", str(spec_path), *args])
+        return code, capsys.readouterr().out, caplog.text
+
+    return run
+
+
+def test_node_count_must_match_the_job(tmp_path, launch):
     spec = _spec(tmp_path, nodes=2, checkpoint_uri="s3://b/p")
-    proc = _launch(spec.write(tmp_path / "job.json"), "--nnodes", "3", "--gpus-per-node", "0", "--dry-run")
-    assert proc.returncode == 2 and "--nnodes 3 (SKYPILOT_NUM_NODES) differs" in proc.stderr
+    code, _, log = launch(spec.write(tmp_path / "job.json"), "--nnodes", "3", "--gpus-per-node", "0", "--dry-run")
+    assert code == 2 and "--nnodes 3 (SKYPILOT_NUM_NODES) differs" in log
 
 
-def test_dry_run_shows_torchrun_for_two_processes_and_the_plain_trainer_for_one(tmp_path):
-    two = _launch(
+def test_dry_run_shows_torchrun_for_two_processes_and_the_plain_trainer_for_one(tmp_path, launch):
+    code, two, log = launch(
         _spec(tmp_path, processes_per_node=2, grpo={"per_device_train_batch_size": 4}).write(tmp_path / "two.json"),
         "--gpus-per-node",
         "0",
@@ -156,34 +169,34 @@ def test_dry_run_shows_torchrun_for_two_processes_and_the_plain_trainer_for_one(
         "--master-port",
         "29999",
     )
-    assert two.returncode == 0, two.stderr[-2000:]
-    assert "-m torch.distributed.run --nnodes 1 --node-rank 0 --nproc-per-node 2" in two.stdout
-    assert "--master-port 29999" in two.stdout and "-m grpo_pipeline.trainer --spec" in two.stdout
-    one = _launch(_spec(tmp_path).write(tmp_path / "one.json"), "--gpus-per-node", "0", "--dry-run")
-    assert one.stdout.split()[1:] == ["-m", "grpo_pipeline.trainer", "--spec", str(tmp_path / "one.json")]
+    assert code == 0, log
+    assert "-m torch.distributed.run --nnodes 1 --node-rank 0 --nproc-per-node 2" in two
+    assert "--master-port 29999" in two and "-m grpo_pipeline.trainer --spec" in two
+    code, one, _ = launch(_spec(tmp_path).write(tmp_path / "one.json"), "--gpus-per-node", "0", "--dry-run")
+    assert code == 0 and one.split()[1:] == ["-m", "grpo_pipeline.trainer", "--spec", str(tmp_path / "one.json")]
 
 
-def test_vllm_server_mode_splits_the_gpus_without_overlap(tmp_path):
+def test_vllm_server_mode_splits_the_gpus_without_overlap(tmp_path, launch):
     spec = _spec(
         tmp_path, vllm_server_gpus=2, grpo={"use_vllm": True, "vllm_mode": "server", "per_device_train_batch_size": 4}
     )
-    proc = _launch(spec.write(tmp_path / "job.json"), "--gpus-per-node", "8", "--dry-run")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    server, trainers = proc.stdout.strip().splitlines()
+    code, out, log = launch(spec.write(tmp_path / "job.json"), "--gpus-per-node", "8", "--dry-run")
+    assert code == 0, log
+    server, trainers = out.strip().splitlines()
     assert server.startswith("CUDA_VISIBLE_DEVICES=6,7 ") and "vllm-serve --model m --tensor-parallel-size 2" in server
     assert "CUDA_VISIBLE_DEVICES=0,1,2,3,4,5" in trainers and "--nproc-per-node 6" in trainers
     assert "GRPO_VLLM_SERVER_HOST=127.0.0.1" in trainers
     assert "--host 127.0.0.1 " in server  # no auth: its trainers share its node, so nobody else need reach it
 
 
-def test_a_vllm_node_of_its_own_listens_on_its_own_address_only(tmp_path):
+def test_a_vllm_node_of_its_own_listens_on_its_own_address_only(tmp_path, launch):
     spec = _spec(
         tmp_path,
         vllm_server_node=True,
         checkpoint_uri="s3://b/p",
         grpo={"use_vllm": True, "vllm_mode": "server", "per_device_train_batch_size": 4},
     )
-    proc = _launch(
+    code, out, log = launch(
         spec.write(tmp_path / "job.json"),
         "--nnodes",
         "2",
@@ -194,8 +207,8 @@ def test_a_vllm_node_of_its_own_listens_on_its_own_address_only(tmp_path):
         "--dry-run",
         env={"SKYPILOT_NODE_IPS": "10.0.0.1\n10.0.0.2"},
     )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "vllm-serve" in proc.stdout and "--host 10.0.0.2 " in proc.stdout and "0.0.0.0" not in proc.stdout
+    assert code == 0, log
+    assert "vllm-serve" in out and "--host 10.0.0.2 " in out and "0.0.0.0" not in out
 
 
 # ------------------------------------------------------------- strategy configs, read by accelerate's own code

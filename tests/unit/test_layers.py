@@ -7,9 +7,10 @@ what a GPU node runs alone. The exceptions, named in SHARED: the trainer imports
 job spec carries as they are, each defined once: `grpo_pipeline.configs.layout` (the distributed layout and its
 two rules: world size, TRL's batch rule), `.health` (the health rules' table and section), `.sampling` (the
 curriculum and dynamic sampling), `.rewards` (the RewardSet), `.dtypes` (the base's quantization modes and
-dtypes), `.trainer_fields` (the train.* fields the trainer reads, which the config builds on too), and `.base`
-(`StrictModel`, what the job spec's models and those sections build on); each imports nothing of the project
-itself but those.
+dtypes), `.trainer_fields` (the train.* fields the trainer reads, which the config builds on too), `.base`
+(`StrictModel`, what the job spec's models and those sections build on), and `.library_fields` (TRL's defaults
+from the snapshot, for the node launcher's batch check without importing TRL); each imports nothing of the
+project itself but those.
 Every import is read with `ast`, those inside functions included.
 """
 
@@ -33,6 +34,7 @@ SHARED = {
         "grpo_pipeline.configs.rewards",
         "grpo_pipeline.configs.dtypes",
         "grpo_pipeline.configs.trainer_fields",
+        "grpo_pipeline.configs.library_fields",
     }
 }
 

@@ -71,7 +71,7 @@ def test_a_70b_bf16_lora_plan_asks_for_several_gpus_and_launches_one_process_on_
         capture_output=True,
         text=True,
         timeout=120,
-    )
+    )  # the node's own command, as a real process once; the tests below call its `main` in this process
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"--nproc-per-node {count}" in proc.stdout
     assert "ACCELERATE_USE_FSDP=true" in proc.stdout and "FSDP_VERSION=2" in proc.stdout
@@ -83,15 +83,18 @@ def test_a_local_run_keeps_its_own_distributed_section():
     assert apply_plan(cfg, plan).train.distributed == cfg.train.distributed
 
 
-def _dry_run(job_dir, *args):
-    proc = subprocess.run(
-        [sys.executable, "-m", "grpo_pipeline.trainer.launch", "--spec", str(job_dir / "job.json"), *args, "--dry-run"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return proc.stdout
+@pytest.fixture
+def dry_run(capsys, caplog):
+    """The node launcher's dry run, its `main` in this process (a subprocess adds only its start-up and
+    imports): `dry_run(job_dir, *args)` -> what it prints."""
+    from grpo_pipeline.trainer.launch import main
+
+    def run(job_dir, *args):
+        capsys.readouterr()
+        assert main(["--spec", str(job_dir / "job.json"), *args, "--dry-run"]) == 0, caplog.text
+        return capsys.readouterr().out
+
+    return run
 
 
 def _job(tmp_path, planned, model="meta-llama/Llama-3.1-70B-Instruct"):
@@ -112,7 +115,7 @@ SERVER = [
 ]
 
 
-def test_a_70b_server_mode_plan_shards_the_trainers_and_prices_the_server_gpus(tmp_path):
+def test_a_70b_server_mode_plan_shards_the_trainers_and_prices_the_server_gpus(tmp_path, dry_run):
     cfg = load_config(None, SERVER + ["train.grpo.vllm_mode=server"])
     model_config = load_model_config("llama-3.1-70b")[1]
     plan = plan_for_config(cfg.model, cfg.train, cfg.plan, model_config, "llama-3.1-70b")
@@ -139,7 +142,7 @@ def test_a_70b_server_mode_plan_shards_the_trainers_and_prices_the_server_gpus(t
     assert [dict(r.accelerators) for r in task.resources][0] == {s.gpu: s.count} and task.num_nodes == 1
 
     # the node launcher splits the node's GPUs as the plan says: trainers first, the server on the last ones
-    out = _dry_run(job_dir, "--nnodes", "1", "--gpus-per-node", str(s.count))
+    out = dry_run(job_dir, "--nnodes", "1", "--gpus-per-node", str(s.count))
     trainers = ",".join(map(str, range(s.processes_per_node)))
     server = ",".join(map(str, range(s.processes_per_node, s.count)))
     assert f"CUDA_VISIBLE_DEVICES={server} " in out and f"--tensor-parallel-size {s.vllm_tensor_parallel}" in out
@@ -147,7 +150,7 @@ def test_a_70b_server_mode_plan_shards_the_trainers_and_prices_the_server_gpus(t
     assert f"GPUs {s.processes_per_node}-{s.count - 1}" in s.server_gpus()  # what the plan's table says
 
 
-def test_the_70b_recipe_plans_its_own_launch_with_a_server_node(tmp_path):
+def test_the_70b_recipe_plans_its_own_launch_with_a_server_node(tmp_path, dry_run):
     from grpo_pipeline.configs.files import packaged
     from grpo_pipeline.tasks.plan import plan_run
 
@@ -170,13 +173,13 @@ def test_the_70b_recipe_plans_its_own_launch_with_a_server_node(tmp_path):
     spec, job_dir = _job(tmp_path, planned)
     assert build_task(spec, job_dir, planned.train.sky, 3, environ={}).num_nodes == s.nodes
     nodes = ["--nnodes", str(s.nodes), "--gpus-per-node", str(s.count)]
-    serving = _dry_run(job_dir, *nodes, "--node-rank", str(s.nodes - 1))
+    serving = dry_run(job_dir, *nodes, "--node-rank", str(s.nodes - 1))
     assert "vllm-serve" in serving and f"--tensor-parallel-size {s.vllm_tensor_parallel}" in serving
-    training = _dry_run(job_dir, *nodes, "--node-rank", "0")
+    training = dry_run(job_dir, *nodes, "--node-rank", "0")
     assert f"--nnodes {s.train_nodes} " in training and f"--nproc-per-node {s.processes_per_node}" in training
 
 
-def test_a_server_mode_config_with_its_own_server_gpus_launches_the_planned_strategy_and_processes(tmp_path):
+def test_a_server_mode_config_with_its_own_server_gpus_launches_the_planned_strategy_and_processes(tmp_path, dry_run):
     """Server mode always sets vllm_server_gpus (or vllm_server_node), so the planned layout is written field by
     field: the user's server GPUs stay, the planned strategy and processes fill the rest. Before, setting any of
     them kept every one at its default: Qwen2.5-32B planned as FSDP over 2 trainers launched DDP (out of memory)."""
@@ -213,7 +216,7 @@ def test_a_server_mode_config_with_its_own_server_gpus_launches_the_planned_stra
     assert [dict(r.accelerators) for r in task.resources][0] == {"L40S": 4} and task.num_nodes == 1
     assert JobSpec.read(job_dir / "job.json").train.distributed.strategy == "fsdp"
 
-    out = _dry_run(job_dir, "--nnodes", "1", "--gpus-per-node", "4")
+    out = dry_run(job_dir, "--nnodes", "1", "--gpus-per-node", "4")
     assert "CUDA_VISIBLE_DEVICES=2,3 " in out and "--tensor-parallel-size 2" in out  # the server: the last 2 GPUs
     assert "CUDA_VISIBLE_DEVICES=0,1 " in out and "--nproc-per-node 2" in out  # two trainers, sharded
     assert "ACCELERATE_USE_FSDP=true" in out

@@ -302,19 +302,19 @@ def test_evaluation_scores_with_the_training_rewards():
     assert [e["key"] for e in fixed["fixed"]] == ["a"] and fixed["broken"] == []
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "grpo_pipeline.cli", "rewards", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+def _cli(*args: str):
+    """`grpo-pipeline rewards ...` in this process (typer's runner): exit code, stdout and stderr as a user sees
+    them, without a Python start-up and the training stack's imports per call. The last test runs it for real."""
+    from typer.testing import CliRunner
+
+    from grpo_pipeline.cli import app
+
+    return CliRunner().invoke(app, ["rewards", *args])
 
 
 def test_rewards_cli_lists_and_checks(tmp_path):
     listed = _cli("--json")
-    assert listed.returncode == 0, listed.stderr
+    assert listed.exit_code == 0, listed.stderr
     assert {e["name"] for e in json.loads(listed.stdout)} == set(REWARDS)
     samples = tmp_path / "samples.jsonl"
     samples.write_text(
@@ -328,22 +328,35 @@ def test_rewards_cli_lists_and_checks(tmp_path):
         )
     )
     checked = _cli("check", "math_answer", "--input", str(samples), "--json")
-    assert checked.returncode == 0, checked.stderr
+    assert checked.exit_code == 0, checked.stderr
     assert json.loads(checked.stdout)["scores"] == [1.0, 1.0, 0.0]
     table = _cli("check", "think_format_strict", "--input", str(samples))
-    assert table.returncode == 0 and "mean 0.3333" in table.stdout
+    assert table.exit_code == 0 and "mean 0.3333" in table.stdout
 
 
 def test_rewards_cli_bad_input_exits_2_and_a_failing_reward_1(tmp_path):
     samples = tmp_path / "samples.jsonl"
     samples.write_text(json.dumps({"completion": "72", "solution": "72"}) + "\n")
-    missing = _cli("check", "math_answer", "--input", str(samples), "--json")
-    assert missing.returncode == 2 and "needs the column 'answer'" in json.loads(missing.stdout)["error"]
-    assert _cli("check", "nope", "--input", str(samples)).returncode == 2
-    assert _cli("check", "math_answer", "--input", str(tmp_path / "absent.jsonl")).returncode == 2
-    assert _cli("check", "math_answer", "--input", str(samples), "--arg", "bogus=1").returncode == 2
+    assert _cli("check", "nope", "--input", str(samples)).exit_code == 2
+    assert _cli("check", "math_answer", "--input", str(tmp_path / "absent.jsonl")).exit_code == 2
+    assert _cli("check", "math_answer", "--input", str(samples), "--arg", "bogus=1").exit_code == 2
     failing = _cli("check", f"{__name__}:bad_nan", "--input", str(samples), "--json")
-    assert failing.returncode == 0  # no '?' in the completion: a finite score
+    assert failing.exit_code == 0  # no '?' in the completion: a finite score
     samples.write_text(json.dumps({"completion": "why?"}) + "\n")
     failing = _cli("check", "tests.unit.test_rewards:bad_nan", "--input", str(samples), "--json")
-    assert failing.returncode == 1 and "returned nan for row 0" in json.loads(failing.stdout)["error"]
+    assert failing.exit_code == 1 and "returned nan for row 0" in json.loads(failing.stdout)["error"]
+
+
+def test_rewards_cli_exits_2_as_a_process_on_a_missing_column(tmp_path):
+    """The console script for real once: a process's exit code and its JSON failure on stdout."""
+    samples = tmp_path / "samples.jsonl"
+    samples.write_text(json.dumps({"completion": "72", "solution": "72"}) + "\n")
+    missing = subprocess.run(
+        [sys.executable, "-m", "grpo_pipeline.cli", "rewards", "check", "math_answer", "--input", str(samples)]
+        + ["--json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert missing.returncode == 2 and "needs the column 'answer'" in json.loads(missing.stdout)["error"]
