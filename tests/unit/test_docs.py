@@ -178,6 +178,7 @@ def test_the_readmes_recipe_figures_are_the_saved_benchmarks():
     seeds = [demo["per_seed"][str(seed)] for seed in demo["seeds"]]
     (base,) = {pct(s["skill"]["base"]) for s in seeds}  # one holdout, one base model: one base accuracy
     trained = [pct(s["skill"]["trained"]) for s in seeds]
+
     def listed(task: str) -> str:  # "19.2 % -> 40.4, 41.2 and 4.3 %": every seed of an untuned task
         trained = [pct(skill(task, seed)["trained"]).removesuffix(".0") for seed in saved[task]["seeds"]]
         return f"{pct(skill(task, saved[task]['seeds'][0])['base']).removesuffix('.0')} % -> " + (
