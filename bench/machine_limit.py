@@ -252,10 +252,14 @@ def main(argv: list[str] | None = None) -> dict:
         "disable_tqdm": True,
         "logging_steps": opts.steps,
     }
+    args = GRPOConfig(output_dir=str(work / "out"), save_strategy="no", **grpo)
     trainer = _probed_trainer()(
         model=model,
-        reward_funcs=[resolve_reward(e.name, e.args) for e in cfg.train.rewards],
-        args=GRPOConfig(output_dir=str(work / "out"), save_strategy="no", **grpo),
+        # as the trainer does: a length reward (the recipe's overlong_penalty) scores against the run's own cap
+        reward_funcs=[
+            resolve_reward(e.name, e.args, max_completion_length=args.max_completion_length) for e in cfg.train.rewards
+        ],
+        args=args,
         train_dataset=load_dataset("json", data_files=str(splits["train"]), split="train"),
         processing_class=tokenizer,
         peft_config=LoraConfig(task_type="CAUSAL_LM", **cfg.train.lora),
