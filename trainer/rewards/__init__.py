@@ -29,7 +29,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from grpo_pipeline.trainer.rewards.answers import correct_answer, math_answer
+from grpo_pipeline.trainer.rewards.answers import correct_answer, math_answer, near_answer
 from grpo_pipeline.trainer.rewards.base import RewardError, RewardFn, RewardUnavailable, completion_text
 from grpo_pipeline.trainer.rewards.formats import number_only, overlong_penalty, think_format, think_format_strict
 from grpo_pipeline.trainer.rewards.model import reward_model
@@ -59,6 +59,7 @@ REWARDS: dict[str, RewardFn] = {
     "remote_verifier": remote_verifier,
     "correct_answer": correct_answer,
     "number_only": number_only,
+    "near_answer": near_answer,
 }
 
 # Checks of a reward's argument values that can run before any work (preflight), not only at its first call:

@@ -45,6 +45,30 @@ def correct_answer(completions: list, answer: list[str], **_: object) -> list[fl
     return scores
 
 
+def near_answer(completions: list, answer: list[str], **_: object) -> list[float]:
+    """Partial credit for a final answer near the reference number: 1 - |answer - reference| / max(|reference|, 1),
+    floored at 0; 0 with no number, or for a reference that is not a number.
+
+    Shaping, not the skill: where the base model is almost never right (a sequence's next term from a 135M model),
+    every sampled group scores 0 on `correct_answer` and GRPO has nothing to learn from; a nearer wrong answer
+    still ranks above a farther one, so the groups point toward the right one. A right answer scores 1, so it never
+    pays more than being right.
+
+    >>> near_answer(["73", "The sequence is 13, 28, 43, 58.", "100", "I do not know"], answer=["73"] * 4)
+    [1.0, 0.7945205479452055, 0.6301369863013699, 0.0]
+    """
+    scores = []
+    for completion, ref in zip(completions, answer, strict=True):
+        span = final_answer(completion_text(completion))
+        value = _number(span) if span is not None else None
+        reference = _number(str(ref))
+        if value is None or reference is None:
+            scores.append(0.0)
+            continue
+        scores.append(max(0.0, 1.0 - float(abs(value - reference)) / max(float(abs(reference)), 1.0)))
+    return scores
+
+
 def _last_boxed(text: str) -> str | None:
     """The content of the last `\\boxed{...}`, braces matched.
 
