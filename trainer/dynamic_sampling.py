@@ -1,6 +1,7 @@
 """DAPO-style dynamic sampling (Yu et al. 2025, "DAPO", arXiv:2503.14476, §3.2): a group whose completions all got
 the same reward has zero advantage and teaches nothing, so each generation makes more groups than the step
-trains on and keeps the ones whose rewards differ.
+trains on and keeps the ones whose rewards differ: first those whose skill reward differs (DAPO keeps the groups whose
+accuracy is neither all right nor all wrong), then those where only the total does.
 
 TRL 1.16 has no such option, and the curriculum (`grpo_pipeline.trainer.sampling`) cannot help a run that draws
 each prompt about once (it learns from a prompt's earlier groups). So `DynamicSampling` stands in for TRL's
@@ -59,20 +60,23 @@ def extra_prompts(n: int, count: int, seed: int | None, rank: int, step: int) ->
     return picks
 
 
-def choose_groups(informative: list[bool], keep: int) -> list[int]:
-    """Which of the generated groups to train on (their indices, ascending): those with reward variance first,
-    in generation order (the dataloader's own groups come before the extras), then flat ones to fill `keep`.
+def choose_groups(priority: list[int], keep: int) -> list[int]:
+    """Which of the generated groups to train on (their indices, ascending): the highest `priority` first (2: the
+    skill reward differs in the group, 1: only the total does, 0: flat), in generation order within a priority
+    (the dataloader's own groups come before the extras), flat ones only to fill `keep`.
 
-    >>> choose_groups([False, True, False, True], 2)
+    >>> choose_groups([0, 1, 0, 1], 2)
     [1, 3]
-    >>> choose_groups([False, True, False, False], 2)  # too few with variance: the first flat one fills up
+    >>> choose_groups([0, 1, 0, 0], 2)  # too few with variance: the first flat one fills up
     [0, 1]
-    >>> choose_groups([True, True, True, True], 2)  # plenty: the dataloader's own groups
+    >>> choose_groups([1, 1, 2, 1], 2)  # a group that differs on the skill before one that differs on length
+    [0, 2]
+    >>> choose_groups([1, 1, 1, 1], 2)  # plenty: the dataloader's own groups
     [0, 1]
     """
-    if keep > len(informative):
-        raise ValueError(f"cannot keep {keep} groups of {len(informative)}")
-    order = [i for i, x in enumerate(informative) if x] + [i for i, x in enumerate(informative) if not x]
+    if keep > len(priority):
+        raise ValueError(f"cannot keep {keep} groups of {len(priority)}")
+    order = sorted(range(len(priority)), key=lambda i: -priority[i])  # stable: generation order within a priority
     return sorted(order[:keep])
 
 
@@ -84,7 +88,7 @@ def informative_groups(rewards: Any, num_generations: int) -> list[bool]:  # Any
     >>> informative_groups(torch.tensor([1.0, 1.0, 0.0, 1.0, float("nan"), float("nan")]), 2)
     [False, True, False]
     """
-    std = nanstd(rewards.view(-1, num_generations), dim=1)
+    std = nanstd(rewards.reshape(-1, num_generations), dim=1)
     flat = torch.isclose(std, torch.zeros_like(std)) | ~torch.isfinite(std)
     return (~flat).tolist()
 
@@ -95,7 +99,7 @@ class DynamicSampling:
     computed for them (`record`, from `_calculate_rewards`). Refuses (ValueError) what it cannot cut: a streamed
     dataset, a process's batch that is not whole groups."""
 
-    def __init__(self, trainer: Any, settings: DynamicSamplingConfig) -> None:
+    def __init__(self, trainer: Any, settings: DynamicSamplingConfig, skill: str | None = None) -> None:
         if isinstance(trainer.train_dataset, IterableDataset):
             raise ValueError(
                 "train.dynamic_sampling needs a map-style training dataset (it draws extra prompts by index); "
@@ -108,6 +112,9 @@ class DynamicSampling:
                 f"is not a multiple of num_generations ({trainer.num_generations})"
             )
         self.settings = settings
+        # DAPO keeps the groups whose accuracy differs: a group that differs only on a shaping reward (its lengths)
+        # teaches the shape, not the task, so it ranks below one where the skill reward differs
+        self.skill_column = trainer.reward_func_names.index(skill) if skill in trainer.reward_func_names else None
         self._rewards_seen: Any = None
 
     def record(self, rewards_per_func: Any) -> None:
@@ -135,10 +142,16 @@ class DynamicSampling:
         rewards[torch.isnan(self._rewards_seen).all(dim=1)] = torch.nan
         per_rank = len(extended) // g  # every rank generated as many groups, so each rank's choice is known
         informative = informative_groups(rewards, g)
+        skill_informative = (
+            informative_groups(self._rewards_seen[:, self.skill_column], g)
+            if self.skill_column is not None
+            else [False] * len(informative)
+        )
+        priority = [int(total) + int(skill) for total, skill in zip(informative, skill_informative, strict=True)]
         kept_flat = 0
         mine: list[int] = []
-        for other in range(len(informative) // per_rank):
-            verdicts = informative[other * per_rank : (other + 1) * per_rank]
+        for other in range(len(priority) // per_rank):
+            verdicts = priority[other * per_rank : (other + 1) * per_rank]
             chosen = choose_groups(verdicts, groups)
             kept_flat += sum(not verdicts[i] for i in chosen)
             if other == rank:
@@ -155,6 +168,7 @@ class DynamicSampling:
         metrics = trainer._metrics["train"]
         metrics["dynamic_sampling/generated_groups"].append(float(len(informative)))
         metrics["dynamic_sampling/informative_groups"].append(float(sum(informative)))
+        metrics["dynamic_sampling/skill_groups"].append(float(sum(skill_informative)))
         trained = groups * (len(informative) // per_rank)
         metrics["dynamic_sampling/trained_zero_std"].append(kept_flat / trained)
         return output

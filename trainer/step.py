@@ -40,9 +40,12 @@ from grpo_pipeline.trainer.zero_advantage import ZeroAdvantageSkip
 
 class StepTrainer(GRPOTrainer):
     """GRPOTrainer running `cuts` (`Cuts()`: none, TRL's step as it ships). `curriculum_state`: the curriculum's
-    state from the checkpoint a run resumes from (`sampling.read_curriculum_state`)."""
+        state from the checkpoint a run resumes from (`sampling.read_curriculum_state`). `skill`: the reward that says
+    whether the task was done (dynamic sampling prefers the groups where it differs)."""
 
-    def __init__(self, *args: Any, cuts: Cuts, curriculum_state: dict | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, cuts: Cuts, curriculum_state: dict | None = None, skill: str | None = None, **kwargs: Any
+    ) -> None:
         self.cuts = cuts
         self._lm_head = CompactLMHead(cuts.compact_lm_head)
         # outermost first: the prefill's forward runs on the merged weights
@@ -55,7 +58,7 @@ class StepTrainer(GRPOTrainer):
         super().__init__(*args, **kwargs)
         # these two read the trainer's data and batch shape
         self._curriculum = CurriculumCut(self, cuts.curriculum, curriculum_state) if cuts.curriculum else None
-        self._dynamic = DynamicSampling(self, cuts.dynamic_sampling) if cuts.dynamic_sampling else None
+        self._dynamic = DynamicSampling(self, cuts.dynamic_sampling, skill) if cuts.dynamic_sampling else None
 
     @property
     def curriculum(self) -> Curriculum | None:

@@ -325,6 +325,7 @@ def _attempt(
         callbacks=callbacks,
         cuts=Cuts.of(spec.train),
         curriculum_state=sampling.read_curriculum_state(resume),
+        skill=spec.train.rewards.skill,
     )
     print_logs_once(trainer)  # one line per log, with its step, for the parent's progress
     try:

@@ -11,7 +11,7 @@ import pytest
 from grpo_pipeline.configs.sampling import DynamicSamplingConfig
 from grpo_pipeline.tasks.job import model_load, train_settings
 from grpo_pipeline.trainer.spec import JobSpec
-from tests.integration.curriculum_rewards import same_for_some
+from tests.integration.curriculum_rewards import same_for_some, varied_shape
 
 pytestmark = pytest.mark.integration
 REWARD = "tests.integration.curriculum_rewards:same_for_some"
@@ -87,6 +87,46 @@ def test_one_generation_keeps_the_batch_size_and_trains_on_a_group_with_variance
     trainer.model.eval()  # evaluation generates what it is given, nothing more
     assert trainer._generate_and_score_completions(batch)["advantages"].size(0) == 4
     assert metrics["dynamic_sampling/generated_groups"] == [4.0]
+
+
+@pytest.mark.parametrize(("skill", "allowed"), [("same_for_some", {"1", "3"}), (None, {"0"})])
+def test_a_group_that_differs_on_the_skill_ranks_above_one_that_differs_only_on_shaping(
+    tmp_path, tiny_model, skill, allowed
+):
+    """Every group differs on the shaping reward; only the "varied" prompts (1 and 3) differ on the skill. Told
+    the skill, the step trains on one of those (DAPO's accuracy filter); not told, the dataloader's own group."""
+    from datasets import Dataset
+    from trl import GRPOConfig
+
+    from grpo_pipeline.trainer.cuts import Cuts
+    from grpo_pipeline.trainer.step import StepTrainer
+
+    data = Dataset.from_list(_rows())
+    args = GRPOConfig(
+        output_dir=str(tmp_path),
+        num_generations=4,
+        per_device_train_batch_size=4,
+        max_completion_length=4,
+        max_steps=1,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+    )
+    trainer = StepTrainer(
+        model=str(tiny_model),
+        reward_funcs=[same_for_some, varied_shape],
+        args=args,
+        train_dataset=data,
+        cuts=Cuts(dynamic_sampling=DynamicSamplingConfig(enabled=True, oversample=4)),
+        skill=skill,
+    )
+    trainer.model.train()
+    out = trainer._generate_and_score_completions([dict(data[0]) for _ in range(4)])  # a "same" prompt's group
+    prompts = {trainer.processing_class.decode(ids, skip_special_tokens=True) for ids in out["prompt_ids"]}
+    kept = {i for i in "0123" if any(f"What is {i} + 1?" in p for p in prompts)}
+    assert len(kept) == 1 and kept <= allowed  # the step's one group
+    groups = trainer._metrics["train"]["dynamic_sampling/skill_groups"]
+    assert (groups[0] >= 1) if skill else (groups == [0.0])  # the "varied" groups counted, told the skill
 
 
 def test_a_run_with_dynamic_sampling_reports_the_trained_and_the_generated_zero_signal(

@@ -19,6 +19,7 @@ from grpo_pipeline.trainer.rewards import (
     check_columns,
     correct_answer,
     describe,
+    near_answer,
     number_only,
     resolve_reward,
     resolve_rewards,
@@ -41,6 +42,14 @@ def test_negative_and_misaligned():
     assert correct_answer(["-4"], answer=["-4"]) == [1.0]
     with pytest.raises(ValueError):
         correct_answer(["1", "2"], answer=["1"])
+
+
+def test_near_answer_ranks_wrong_answers_by_distance_and_never_pays_more_than_right():
+    scores = near_answer(["The next one is 20.", "19", "25", "-20", "twenty", "20"], answer=["20"] * 6)
+    assert scores[0] == scores[5] == 1.0  # right, whatever the words around it
+    assert 1.0 > scores[1] > scores[2] > 0.0 and scores[3] == scores[4] == 0.0
+    assert near_answer(["1", "3"], answer=["0", "0"]) == [0.0, 0.0]  # a zero reference: distance in units
+    assert near_answer(["0.5", "7"], answer=["1/2", "an hour"]) == [1.0, 0.0]  # not a number: no credit
 
 
 def test_dotted_path_escape_hatch():
