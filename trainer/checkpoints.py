@@ -223,6 +223,17 @@ def checkpoint_name(step: int) -> str:
     return f"checkpoint-{step}"
 
 
+def read_checkpoint_json(checkpoint: Path | None, name: str) -> dict:
+    """A state file a checkpoint holds beside the model's (the health monitor's `health.json`, the curriculum's
+    `curriculum.json`); empty for no checkpoint, or one written without it.
+
+    >>> read_checkpoint_json(None, "health.json")
+    {}
+    """
+    path = Path(checkpoint) / name if checkpoint else None
+    return json.loads(path.read_text()) if path and path.is_file() else {}
+
+
 class LocalStore:
     def __init__(self, root: str | Path):
         self.root = Path(root).expanduser()

@@ -40,7 +40,7 @@ from grpo_pipeline.trainer.zero_advantage import ZeroAdvantageSkip
 
 class StepTrainer(GRPOTrainer):
     """GRPOTrainer running `cuts` (`Cuts()`: none, TRL's step as it ships). `curriculum_state`: the curriculum's
-    state from the checkpoint a run resumes from (`sampling.read_curriculum_state`)."""
+    state from the checkpoint a run resumes from (its `curriculum.json`, `checkpoints.read_checkpoint_json`)."""
 
     def __init__(self, *args: Any, cuts: Cuts, curriculum_state: dict | None = None, **kwargs: Any) -> None:
         self.cuts = cuts
