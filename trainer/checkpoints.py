@@ -306,7 +306,7 @@ class LocalStore:
     def write_record(self, name: str, body: bytes, expect: str | None) -> bool:
         """Write `name` only if it is still as read (`expect`: its tag, None for absent); False if another
         writer came first. A lock file serialises writers on this filesystem; the rename is atomic."""
-        import fcntl
+        import fcntl  # POSIX only: the rest of the module (and the CLI that imports it) loads anywhere
 
         self.root.mkdir(parents=True, exist_ok=True)
         with open(self.root / f".{name}.lock", "w") as lock:
