@@ -178,10 +178,10 @@ def check_rewards(rewards: RewardSet, evaluate: EvalConfig) -> None:
     names the field to fix and, for arguments, the valid ones: a typo fails here, before any stage runs,
     not in each search trial after it trained.
 
-    >>> check_rewards(RewardSet(names=("correct_answer",)), EvalConfig(accuracy_reward="corect_answer"))
+    >>> check_rewards(RewardSet(names=("correct_answer",)), EvalConfig(accuracy_reward="corect_answer"))  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    grpo_pipeline.configs.schema.ConfigError: evaluate.accuracy_reward: unknown reward 'corect_answer'; did you mean 'correct_answer'? (registered: math_answer, think_format, think_format_strict, overlong_penalty, reward_model, remote_verifier, correct_answer, number_only, or use 'package.module:function')
+    grpo_pipeline.configs.schema.ConfigError: evaluate.accuracy_reward: unknown reward 'corect_answer'; did you mean 'correct_answer'? (registered: math_answer, ..., or use 'package.module:function')
     """
     for field, name in reward_fields(rewards, evaluate):
         try:
