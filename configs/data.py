@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import Field, field_validator
@@ -126,8 +127,6 @@ class DataConfig(StrictModel):
     @field_validator("answer_regex")
     @classmethod
     def _answer_regex(cls, v: str | None, info: Any) -> str | None:
-        import re
-
         if v is not None:
             try:
                 compiled = re.compile(v)

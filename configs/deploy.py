@@ -3,6 +3,8 @@ notifications) and what a run started through Prefect may set (`deploy.trigger`,
 
 from __future__ import annotations
 
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
 from pydantic import Field, field_validator
 
 from grpo_pipeline.configs.base import StrictModel
@@ -31,8 +33,6 @@ class DeployConfig(StrictModel):
     @field_validator("timezone")
     @classmethod
     def _known_zone(cls, v: str) -> str:
-        from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
-
         try:
             ZoneInfo(v)
         except (ZoneInfoNotFoundError, ValueError):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import importlib
 import json
 import types
 import typing
@@ -105,8 +106,6 @@ def _jsonable(value: Any) -> Any:
 
 
 def take_snapshot() -> dict[str, dict[str, dict[str, Any]]]:
-    import importlib
-
     snapshot = {}
     for cls_name, (module, attr) in CLASSES.items():
         cls = getattr(importlib.import_module(module), attr)

@@ -3,6 +3,8 @@ candidates the base is chosen among, the bound on what quantization may cost, an
 
 from __future__ import annotations
 
+import re
+
 from pydantic import Field, field_validator
 
 from grpo_pipeline.configs.base import StrictModel
@@ -66,8 +68,6 @@ def init_adapter_uri_problem(uri: str) -> str | None:
     >>> init_adapter_uri_problem("/tmp/adapter")
     "'/tmp/adapter' is not 'none', 'champion', models:/<name>/<version>, models:/<name>@<alias> or runs:/<run_id>/<path>"
     """
-    import re
-
     if re.fullmatch(r"models:/[^/@]+(/\d+|@[\w-]+)", uri) or re.fullmatch(r"runs:/[0-9a-zA-Z]+/\S+", uri):
         return None
     return (

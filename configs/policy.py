@@ -20,6 +20,7 @@ from __future__ import annotations
 import re
 import typing
 from pathlib import Path
+from urllib.parse import parse_qsl, urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -152,8 +153,6 @@ def url_secret(value: str) -> str | None:
     >>> url_secret("https://x.example.com/data.parquet?X-Amz-Signature=abc")
     "the query parameter 'X-Amz-Signature'"
     """
-    from urllib.parse import parse_qsl, urlsplit
-
     if "://" not in value:
         return None
     try:

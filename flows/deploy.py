@@ -25,6 +25,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import urllib.request
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
@@ -163,7 +164,6 @@ def check_server() -> str:
             "PREFECT_API_URL is not set: start a server (`grpo-pipeline stack up`, then "
             '`eval "$(grpo-pipeline stack env)"`, or docker compose up) or point it at yours'
         )
-    import urllib.request
 
     try:
         with urllib.request.urlopen(f"{url.rstrip('/')}/health", timeout=10) as response:

@@ -6,6 +6,7 @@ retry reaches the stage again)."""
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -124,8 +125,6 @@ def system_metrics_of(run_id: str) -> Iterator[None]:
 def log_dataset_inputs(run_id: str, dataset: DatasetVersion) -> None:
     """The dataset splits a run trains on (train, val), as its MLflow dataset inputs: the same digests the
     data stage's run lists, so the UI links them."""
-    import warnings
-
     from mlflow.data.dataset_source_registry import resolve_dataset_source
     from mlflow.data.meta_dataset import MetaDataset
     from mlflow.entities import DatasetInput, InputTag

@@ -20,6 +20,7 @@ over that lifecycle, and a cut between them would split a namespace no caller sp
 from __future__ import annotations
 
 import base64
+import importlib.util
 import json
 import os
 import secrets
@@ -33,6 +34,8 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+import warnings
+import xmlrpc.client
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass, field
@@ -111,8 +114,6 @@ def python_tool(module: str, package: str | None = None) -> list[str]:
     ...     print(str(refused).endswith(f"fix: {sys.executable} -m pip install no-such-tool"))
     True
     """
-    import importlib.util
-
     if importlib.util.find_spec(module) is None:
         raise Refused(
             f"{module} is not installed for {sys.executable}, which runs the stack; fix: "
@@ -580,8 +581,6 @@ def start_supervised(
 def supervised_state(service: Service) -> dict[str, Any] | None:
     """supervisord's view of its program: `statename` (STARTING, RUNNING, BACKOFF, EXITED, FATAL...), `pid`,
     `exitstatus`, `start` (epoch seconds); None while supervisord does not answer."""
-    import xmlrpc.client
-
     from supervisor.xmlrpc import SupervisorTransport  # type: ignore[import-untyped]
 
     transport = SupervisorTransport(None, None, f"unix://{service.extra['socket']}")
@@ -638,8 +637,6 @@ def start_postgres(workdir: Path, databases: tuple[str, ...] = (), recovery_s: f
     server is left running (`cleanup_mode=None`) and stopped later through `stop` (SIGINT: fast shutdown,
     which does not wait for clients to disconnect).
     """
-    import warnings
-
     import psutil
 
     with warnings.catch_warnings():  # platformdirs warns at import when XDG_RUNTIME_DIR is unset (CI, root)

@@ -9,6 +9,7 @@ of `evaluate.accuracy_reward` and `evaluate.format_reward`, scored even when tra
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import statistics
@@ -428,8 +429,6 @@ VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # the ranks vLLM accepts 
 
 def vllm_usable() -> bool:
     """vLLM generates on CUDA GPUs; the [gpu] extra installs it."""
-    import importlib.util
-
     import torch
 
     return importlib.util.find_spec("vllm") is not None and torch.cuda.is_available()

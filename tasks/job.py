@@ -18,6 +18,7 @@ from grpo_pipeline.configs.schema import DEMO_MODEL, ConfigError, EvalConfig, Mo
 from grpo_pipeline.configs.trainer_fields import TrainerFields
 from grpo_pipeline.trainer.checkpoints import open_store
 from grpo_pipeline.trainer.loading import adapter_mismatch
+from grpo_pipeline.trainer.rewards import REWARDS, check_columns, describe, resolve_reward
 from grpo_pipeline.trainer.spec import JobSpec, ModelLoad, TrainSettings
 
 DATA_COLUMNS = (
@@ -177,13 +178,11 @@ def check_rewards(rewards: RewardSet, evaluate: EvalConfig) -> None:
     names the field to fix and, for arguments, the valid ones: a typo fails here, before any stage runs,
     not in each search trial after it trained.
 
-    >>> check_rewards(RewardSet(names=("correct_answer",)), EvalConfig(accuracy_reward="corect_answer"))
+    >>> check_rewards(RewardSet(names=("correct_answer",)), EvalConfig(accuracy_reward="corect_answer"))  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    grpo_pipeline.configs.schema.ConfigError: evaluate.accuracy_reward: unknown reward 'corect_answer'; did you mean 'correct_answer'? (registered: math_answer, think_format, think_format_strict, overlong_penalty, reward_model, remote_verifier, correct_answer, number_only, or use 'package.module:function')
+    grpo_pipeline.configs.schema.ConfigError: evaluate.accuracy_reward: unknown reward 'corect_answer'; did you mean 'correct_answer'? (registered: math_answer, ..., or use 'package.module:function')
     """
-    from grpo_pipeline.trainer.rewards import REWARDS, check_columns, describe, resolve_reward
-
     for field, name in reward_fields(rewards, evaluate):
         try:
             describe(name)  # the name alone

@@ -95,7 +95,7 @@ def render_markdown(
         lineage_line(warm_start, rows),
         "",
         *([f"**Drift alert**: {drift.alert_reason}", ""] if drift is not None and drift.alert else []),
-        *([f"**{decision.stats['format_only'].capitalize()}.**", ""] if decision.stats.get("format_only") else []),
+        *([f"**{decision.stats['shaping_only'].capitalize()}.**", ""] if decision.stats.get("shaping_only") else []),
         *skill_lines(holdout),
         *(best_step_lines(train) + health_lines(train) if train is not None else []),
         "## Reasons",

@@ -8,6 +8,7 @@ decision to stop after a SIGTERM is taken by all ranks together."""
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -25,6 +26,7 @@ from transformers import PrinterCallback, ProgressCallback, TrainerCallback
 from grpo_pipeline.configs.rewards import RewardSet
 from grpo_pipeline.trainer.checkpoints import CheckpointStore, checkpoint_name, prune
 from grpo_pipeline.trainer.distributed import Ranks
+from grpo_pipeline.trainer.health import STATE_FILE, Monitor, decide, is_step_log, scale_learning_rate
 from grpo_pipeline.trainer.spec import progress_line
 from grpo_pipeline.trainer.tracking import CommittedMetrics
 
@@ -316,8 +318,6 @@ class HealthCallback(TrainerCallback):
         lr_factor: float = 1.0,
         rewards: RewardSet | None = None,
     ):
-        from grpo_pipeline.trainer.health import Monitor
-
         self.settings, self.ledger, self.ranks = settings, ledger, ranks or Ranks()
         self.client, self.run_id = client, run_id
         self.monitor = Monitor(settings, rewards=rewards)  # the rewards' roles: for format_hacking
@@ -336,8 +336,6 @@ class HealthCallback(TrainerCallback):
         lr_scheduler: Any = None,
         **kwargs: Any,
     ) -> None:
-        from grpo_pipeline.trainer.health import scale_learning_rate
-
         self.monitor.check_grad_norm = not args.fp16  # the fp16 GradScaler logs inf grad norms on steps it skips
         if self.restored:
             self.monitor.load(self.restored)
@@ -352,8 +350,6 @@ class HealthCallback(TrainerCallback):
         logs: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> TrainerControl:
-        from grpo_pipeline.trainer.health import decide, is_step_log
-
         if not logs or not is_step_log(logs):
             return control
         started = time.perf_counter()
@@ -401,10 +397,6 @@ class HealthCallback(TrainerCallback):
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         """The windows and the events so far, beside the checkpoint HF just wrote (rank 0's folder is the one
         uploaded; `CheckpointSync` runs after this callback)."""
-        import json
-
-        from grpo_pipeline.trainer.health import STATE_FILE
-
         if not self.ranks.is_main:
             return
         folder = Path(args.output_dir) / checkpoint_name(state.global_step)

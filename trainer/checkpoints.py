@@ -223,6 +223,17 @@ def checkpoint_name(step: int) -> str:
     return f"checkpoint-{step}"
 
 
+def read_checkpoint_json(checkpoint: Path | None, name: str) -> dict:
+    """A state file a checkpoint holds beside the model's (the health monitor's `health.json`, the curriculum's
+    `curriculum.json`); empty for no checkpoint, or one written without it.
+
+    >>> read_checkpoint_json(None, "health.json")
+    {}
+    """
+    path = Path(checkpoint) / name if checkpoint else None
+    return json.loads(path.read_text()) if path and path.is_file() else {}
+
+
 class LocalStore:
     def __init__(self, root: str | Path):
         self.root = Path(root).expanduser()
@@ -295,7 +306,7 @@ class LocalStore:
     def write_record(self, name: str, body: bytes, expect: str | None) -> bool:
         """Write `name` only if it is still as read (`expect`: its tag, None for absent); False if another
         writer came first. A lock file serialises writers on this filesystem; the rename is atomic."""
-        import fcntl
+        import fcntl  # POSIX only: the rest of the module (and the CLI that imports it) loads anywhere
 
         self.root.mkdir(parents=True, exist_ok=True)
         with open(self.root / f".{name}.lock", "w") as lock:

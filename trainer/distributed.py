@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from grpo_pipeline.configs.layout import batch_problem
+from grpo_pipeline.configs.library_fields import fields as library_fields
 from grpo_pipeline.trainer.spec import JobSpec
 
 log = logging.getLogger(__name__)
@@ -202,8 +203,6 @@ def _grpo_defaults() -> dict[str, Any]:
     """TRL's GRPOConfig defaults from the project's snapshot of the class (a test compares it with the installed
     one), not from TRL itself: importing TRL loads torch and transformers (10-20 s on a busy CPU), which the node
     launcher's check paid for and then the trainer it execs paid again."""
-    from grpo_pipeline.configs.library_fields import fields as library_fields
-
     return {name: f.default for name, f in library_fields("GRPOConfig").items()}
 
 

@@ -21,7 +21,6 @@ import logging
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, TypeGuard
 
 from grpo_pipeline.configs.health import FORMAT_HACKING, NON_FINITE, RULES, SHORT_TOKENS, SKILL_FLAT, HealthConfig
@@ -320,10 +319,3 @@ def scale_learning_rate(optimizer: Any, scheduler: Any, factor: float) -> None: 
     if inner is not None and hasattr(inner, "base_lrs"):
         inner.base_lrs = [lr * factor for lr in inner.base_lrs]
         inner._last_lr = [group["lr"] for group in optimizer.param_groups]
-
-
-def read_health_state(checkpoint: Path | None) -> dict:
-    """The health monitor's state a checkpoint holds (its `health.json`: the rules' windows, the events so far, the
-    learning-rate scale and rollbacks baked in); empty for no checkpoint, or one written without it."""
-    path = Path(checkpoint) / STATE_FILE if checkpoint else None
-    return json.loads(path.read_text()) if path and path.is_file() else {}

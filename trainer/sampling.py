@@ -223,13 +223,6 @@ def summarize(log_history: list[dict], curriculum: Curriculum | None) -> ZeroSig
     )
 
 
-def read_curriculum_state(checkpoint: Path | None) -> dict:
-    """The curriculum's state a checkpoint holds (its `curriculum.json`, `Curriculum.state()`); empty for no
-    checkpoint, or one written without it (the curriculum off)."""
-    path = Path(checkpoint) / STATE_FILE if checkpoint else None
-    return json.loads(path.read_text()) if path and path.is_file() else {}
-
-
 def curriculum_sampler(curriculum: Curriculum, mini_repeat_count: int, repeat_count: int) -> Any:  # a torch Sampler
     """A torch Sampler yielding RepeatSampler's index stream for the curriculum's chunks."""
     from torch.utils.data import Sampler

@@ -19,14 +19,14 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
 # the config's own sections, one definition each (tests/unit/test_layers.py: the only modules the trainer imports)
-from grpo_pipeline.configs.base import StrictModel as _Strict
+from grpo_pipeline.configs.base import StrictModel
 from grpo_pipeline.configs.dtypes import DType, Quantization
 from grpo_pipeline.configs.health import Action
 from grpo_pipeline.configs.rewards import RewardSet
 from grpo_pipeline.configs.trainer_fields import TrainerFields
 
 
-class ModelLoad(_Strict):
+class ModelLoad(StrictModel):
     """How the base model is loaded: precision and bitsandbytes quantization."""
 
     quantization: Quantization
@@ -113,7 +113,7 @@ class TrainSettings(TrainerFields):
 SPEC_VERSION = 2
 
 
-class JobSpec(_Strict):
+class JobSpec(StrictModel):
     version: int = SPEC_VERSION  # absent from older specs; their rewards' shape tells theirs (TrainSettings)
     model_path: str  # resolved: a local directory or a hub id
     model: ModelLoad

@@ -40,8 +40,8 @@ from grpo_pipeline.trainer.zero_advantage import ZeroAdvantageSkip
 
 class StepTrainer(GRPOTrainer):
     """GRPOTrainer running `cuts` (`Cuts()`: none, TRL's step as it ships). `curriculum_state`: the curriculum's
-        state from the checkpoint a run resumes from (`sampling.read_curriculum_state`). `skill`: the reward that says
-    whether the task was done (dynamic sampling prefers the groups where it differs)."""
+    state from the checkpoint a run resumes from (its `curriculum.json`, `checkpoints.read_checkpoint_json`).
+    `skill`: the reward that says whether the task was done (dynamic sampling prefers the groups where it differs)."""
 
     def __init__(
         self, *args: Any, cuts: Cuts, curriculum_state: dict | None = None, skill: str | None = None, **kwargs: Any

@@ -42,6 +42,7 @@ from grpo_pipeline.trainer.checkpoints import (
     collect_final,
     fetch_init_adapter,
     open_store,
+    read_checkpoint_json,
 )
 from grpo_pipeline.trainer.cuts import Cuts
 from grpo_pipeline.trainer.distributed import Ranks
@@ -324,7 +325,7 @@ def _attempt(
         peft_config=None if spec.init_adapter else LoraConfig(task_type="CAUSAL_LM", **spec.train.lora),
         callbacks=callbacks,
         cuts=Cuts.of(spec.train),
-        curriculum_state=sampling.read_curriculum_state(resume),
+        curriculum_state=read_checkpoint_json(resume, sampling.STATE_FILE),
         skill=spec.train.rewards.skill,
     )
     print_logs_once(trainer)  # one line per log, with its step, for the parent's progress
@@ -353,7 +354,7 @@ def _resume(
         if metrics:  # in case the kill came between the checkpoint's manifest and its MLflow commit
             metrics.commit(CommittedMetrics.read(resume))
     _same_resume_point(ranks, resume)
-    restored = health_state.read_health_state(resume)
+    restored = read_checkpoint_json(resume, health_state.STATE_FILE)
     baked = float(restored.get("lr_scale", 1.0))  # the scale the checkpoint's optimizer and scheduler hold
     if not from_store:  # no rollback recorded in the store: the checkpoint's own record is the whole story
         ledger.lr_scale = baked

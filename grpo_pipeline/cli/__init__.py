@@ -13,6 +13,10 @@ one paragraph on stderr that names the field or resource, what was found and the
 from `deploy`, whose stdout is JSON) the failure object {"status": "failed", "error", "exit_code"} as the last
 line of stdout. `run` and `hpo` run the preflight checks before the flow starts, so a refused input leaves no
 failed flow run behind; `stack up` checks its ports before it starts anything.
+
+Every command module is imported here at start-up, so each command imports what it runs (flows, stages, the
+registry, the stack) inside its function: `config` and `plan` load no torch and no Prefect (tests/unit/test_layers.py,
+test_plan.py), and `--help` answers at once.
 """
 
 from __future__ import annotations

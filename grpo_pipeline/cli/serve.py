@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import logging
+import os
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -24,10 +27,6 @@ def serve(
     /v1/completions, /v1/models, /v1/feedback): one vLLM engine, the live A/B split, every request logged.
     Exit 2: no registry yet, no engine Python (`make serve-env`), no API key off loopback, the log store or the
     registry unreachable, no champion; 1: the engine did not start (its log's tail is shown)."""
-    import logging
-    import os
-    from pathlib import Path
-
     from grpo_pipeline.registry_store import missing, mlflow_warnings_only
     from grpo_pipeline.tasks.serve.ab_log import LogStoreError, RequestLog, log_url
     from grpo_pipeline.tasks.serve.adapters import AdapterError

@@ -20,6 +20,7 @@ from grpo_pipeline.configs.schema import DataConfig
 from grpo_pipeline.tasks.data.demo_task import generate as demo_rows
 from grpo_pipeline.tasks.data.sources import RawBatch, Reject, iter_source, json_kind
 from grpo_pipeline.tasks.data.splits import SPLITS
+from grpo_pipeline.trainer.rewards import describe, resolve_reward
 
 MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])
 
@@ -40,8 +41,6 @@ def verifier_args(rewards: RewardSet | None) -> dict[str, dict[str, Any]]:
     """The answer-checking rewards of `rewards` (those that take the `answer` column) and their configured
     arguments; none for None. The others are not resolved here: they do not judge a reference answer, and some
     need what only training offers (remote_verifier's service)."""
-    from grpo_pipeline.trainer.rewards import describe
-
     if rewards is None:
         return {}
     return {name: rewards.args_for(name) or {} for name in rewards.names if "answer" in describe(name)["columns"]}
@@ -51,8 +50,6 @@ class RowContext:
     """What the chain needs that comes from the configuration, resolved once."""
 
     def __init__(self, cfg: DataConfig, rewards: RewardSet | None):
-        from grpo_pipeline.trainer.rewards import resolve_reward
-
         self.cfg = cfg
         prefix, _, suffix = cfg.prompt_template.partition("{prompt}")
         self.prefix, self.suffix = prefix, suffix

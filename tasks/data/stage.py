@@ -64,6 +64,7 @@ from grpo_pipeline.tasks.data.versions import (
     sweep_dead_work,
     version_from,
 )
+from grpo_pipeline.tasks.model import resolve_base_model
 
 # The stage's surface, where the flows, the CLI and the tests import it from; its parts live in the modules beside it.
 __all__ = [
@@ -275,7 +276,6 @@ def resolve_tokenizer(data: DataConfig, model: ModelConfig, data_dir: Path, give
     for path in on_disk:
         if path.is_dir() and any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
             return str(path)
-    from grpo_pipeline.tasks.model import resolve_base_model
 
     try:
         return resolve_base_model(model, data_dir / "models")

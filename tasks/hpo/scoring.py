@@ -19,6 +19,7 @@ from grpo_pipeline.configs.schema import (
     HPOConfig,
     ModelConfig,
 )
+from grpo_pipeline.tasks.evaluate import evaluate_model, read_jsonl, sampled_means, write_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +68,6 @@ class NotEnoughPrompts(ConfigError):
 def prepare_validation(hpo: HPOConfig, rewards: RewardSet, val_file: Path | None, out_dir: Path) -> Validation:
     """Split the val split into the selection and re-scoring prompt sets (and the rung subset), after checking
     that it holds enough prompts for `hpo.target_standard_error` on `rewards`' skill reward."""
-    from grpo_pipeline.tasks.evaluate import read_jsonl, write_jsonl
-
     needed, sd = prompts_needed(hpo, rewards)
     rows = read_jsonl(Path(val_file)) if val_file and Path(val_file).is_file() else []
     if hpo.trial_score == "trainer":  # no scoring pass: the trainer's rung checks use the first prompts
@@ -139,8 +138,6 @@ def greedy_scorer(model: ModelConfig, evaluate: EvalConfig, rewards: RewardSet, 
     total a format alone can raise."""
 
     def score(adapter_dir: str, prompts: Path, whole: bool = False) -> list[float]:  # always whole
-        from grpo_pipeline.tasks.evaluate import evaluate_model
-
         result = evaluate_model(
             model_path,
             model,
@@ -182,8 +179,6 @@ def sampled_scorer(
     prompts in the same order, so two scores share the shorter one's prompts."""
 
     def score(adapter_dir: str, prompts: Path, whole: bool = False) -> list[float]:
-        from grpo_pipeline.tasks.evaluate import sampled_means
-
         return sampled_means(
             model_path,
             model,

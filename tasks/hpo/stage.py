@@ -21,6 +21,7 @@ from grpo_pipeline.configs.schema import (
     ModelConfig,
     TrainConfig,
 )
+from grpo_pipeline.tasks.evaluate import read_jsonl, write_jsonl
 from grpo_pipeline.tasks.hpo.result import HPOFailed, HPOResult, failure_report, summarize
 from grpo_pipeline.tasks.hpo.scoring import (
     Scorer,
@@ -247,8 +248,6 @@ def rescore(
     smaller than either SE: on GSM8K, 16 prompts left a 95 % interval of +-0.25 around a 0.1 gap. Several
     looks at one decision: each is taken at a Bonferroni share of the 5 %, so deciding early is as sure as
     deciding at the end. Each look's re-scores are kept on the study: a resumed search scores no look twice."""
-    from grpo_pipeline.tasks.evaluate import read_jsonl, write_jsonl
-
     rows = read_jsonl(validation.rescore)
     ends = look_ends(len(rows), hpo.min_prompts)
     confidence = 1 - 0.05 / len(ends)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import re
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -53,8 +54,6 @@ def _reason(exc: BaseException) -> str:
     >>> _reason(RuntimeError("trainer exited with code 1; log: x\\nTraceback ...\\nValueError: boom\\n 50%|#  | 1/2"))
     'trainer exited with code 1; log: x ... ValueError: boom'
     """
-    import re
-
     lines = [line for line in str(exc).splitlines() if line.strip()]
     if not lines:
         return type(exc).__name__

@@ -207,10 +207,10 @@ def decide_promotion(
                 for name in rewards.shaping
                 if (g := summary["guardrails"].get(name)) and g["candidate"] > g["baseline"]
             ]
-            summary["format_only"] = (
+            summary["shaping_only"] = (
                 f"not promoted: the skill ({metric}) did not improve beyond noise, although the total rose "
                 f"{total['baseline']:.3f} -> {total['candidate']:.3f}"
-                + (f" (the format: {', '.join(gained)})" if gained else "")
+                + (f" (shaping: {', '.join(gained)})" if gained else "")
             )
-            reasons.append(summary["format_only"])
+            reasons.append(summary["shaping_only"])
     return PromotionDecision(promote=win and guards_ok, reasons=reasons, stats=summary)

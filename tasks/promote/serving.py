@@ -36,6 +36,8 @@ if TYPE_CHECKING:  # MLflow and the config loaded lazily: a lookup of the module
 
     from grpo_pipeline.configs.schema import EvalConfig, ModelConfig
 
+from types import SimpleNamespace
+
 from grpo_pipeline.tasks.chat_prompts import prompt_text  # the served model's input; re-exported for the flow
 
 MODEL_CODE = Path(__file__).with_name("serving_model.py")
@@ -155,8 +157,6 @@ def _log(name: str, artifacts: dict[str, str], model_config: dict, example: str,
     and the serving check does it properly, in a clean process. `pyfunc.log_model` does not pass that option
     on, so `Model.log` is called with pyfunc's `save_model` minus the option.
     """
-    from types import SimpleNamespace
-
     import mlflow
     import pandas as pd
 

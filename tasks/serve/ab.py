@@ -36,6 +36,7 @@ from numpy.typing import ArrayLike
 from pydantic import BaseModel
 
 from grpo_pipeline.configs.ab import ABConfig
+from grpo_pipeline.tasks.promote.registry import CHALLENGER, CHAMPION, AliasMove, plan_promotion
 
 if TYPE_CHECKING:
     from grpo_pipeline.tasks.promote.registry import AliasMove, Registry
@@ -306,8 +307,6 @@ def plan_ab_moves(action: Action, champion: str | None, challenger: str) -> list
     >>> plan_ab_moves("rollback", "3", "4"), plan_ab_moves("stop", "3", "4")
     ([AliasMove(alias='challenger', version=None)], [])
     """
-    from grpo_pipeline.tasks.promote.registry import CHALLENGER, AliasMove, plan_promotion
-
     if action == "promote":
         return plan_promotion(champion, challenger, promote=True)
     if action == "rollback":
@@ -318,8 +317,6 @@ def plan_ab_moves(action: Action, champion: str | None, challenger: str) -> list
 def settle(registry: Registry, decision: ABDecision, champion: str | None, challenger: str) -> list[AliasMove]:
     """Move the aliases for `decision` under the registry's lock, unless they moved since the log was read
     (then the decision was about other versions: `AliasesMoved`, nothing moves)."""
-    from grpo_pipeline.tasks.promote.registry import CHALLENGER, CHAMPION
-
     moves = plan_ab_moves(decision.action, champion, challenger)
     if not moves:
         return []

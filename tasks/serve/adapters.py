@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from grpo_pipeline.tasks.promote.download import download
+
 if TYPE_CHECKING:
     from grpo_pipeline.tasks.promote.registry import Registry
 
@@ -97,8 +99,6 @@ def resolve(registry: Registry, alias: str, tracking_uri: str, cache: Path) -> A
         return None
     target = Path(cache) / registry.name / str(version)
     if not (target / "MLmodel").is_file():
-        from grpo_pipeline.tasks.promote.download import download
-
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".download-"))
         try:

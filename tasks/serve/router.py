@@ -51,9 +51,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Lifespan
 
+from grpo_pipeline.tasks.promote.registry import Registry, RegistryServiceError
+from grpo_pipeline.tasks.promote.registry_client import open_client
 from grpo_pipeline.tasks.serve import ab_spool
 from grpo_pipeline.tasks.serve.ab_log import LogStoreError, RequestLog, UnknownRequest
-from grpo_pipeline.tasks.serve.adapters import Adapter, refusal
+from grpo_pipeline.tasks.serve.adapters import Adapter, local_base, refusal, resolve
 from grpo_pipeline.tasks.serve.api import (
     API_KEY_ENV,
     ARM_HEADER,
@@ -75,6 +77,7 @@ from grpo_pipeline.tasks.serve.api import (
     validate_feedback,
     validate_generation,
 )
+from grpo_pipeline.tasks.serve.engine import Engine, EngineError
 from grpo_pipeline.tasks.serve.request_rows import RequestRows, StreamRow
 from grpo_pipeline.tasks.serve.streaming import LoggedStream, Relay, ask_for_usage, relay_events
 
@@ -385,8 +388,6 @@ class Router:
         tail and `stop` stops the server, which exits non-zero so that its own supervisor restarts it."""
         from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
-        from grpo_pipeline.tasks.serve.engine import EngineError
-
         self.restarting = True
         adapters = dict(self.loaded)
         log.error("%s; restarting it with %s", reason, ", ".join(adapters) or "no adapter")
@@ -548,11 +549,6 @@ def serve(cfg: PipelineConfig, host: str, port: int, api_key: str | None, reques
     """Resolve the aliases, start the engine with their adapters, serve until stopped (SIGINT/SIGTERM).
     The caller checks what needs no download first: the log store opened (and proven reachable), `api_key` from
     `api_key_policy`, the engine's `python` from `engine.engine_python`."""
-    from grpo_pipeline.tasks.promote.registry import Registry, RegistryServiceError
-    from grpo_pipeline.tasks.promote.registry_client import open_client
-    from grpo_pipeline.tasks.serve.adapters import local_base, resolve
-    from grpo_pipeline.tasks.serve.engine import Engine
-
     serve_cfg = cfg.ab.serve
     registry = Registry(open_client(cfg.mlflow_uri), cfg.tracking.registered_model)
     cache = Path(cfg.data_dir) / "serve" / "adapters"

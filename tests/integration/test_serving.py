@@ -5,7 +5,6 @@ evaluation generates; and `mlflow models serve` answering on 127.0.0.1."""
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ import pytest
 from grpo_pipeline.configs.schema import load_config
 from grpo_pipeline.tasks.promote import serving
 from grpo_pipeline.tasks.promote.registry import CHAMPION, AliasMove, Registry
+from grpo_pipeline.trainer.launch import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -144,14 +144,8 @@ def test_the_isolated_process_cannot_import_the_project(champion, tmp_path):
     assert proc.returncode != 0 and "not importable where the model is served" in proc.stderr
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_mlflow_models_serve_answers_on_loopback(champion, tmp_path):
-    port = _free_port()
+    port = free_port()
     env = serving.isolated_env(champion["uri"], tmp_path, cache_dir=tmp_path / "cache")
     # MLflow starts the scoring server as `uvicorn` from PATH: the environment's bin, as in an activated venv
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"

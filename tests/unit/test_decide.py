@@ -50,10 +50,10 @@ def test_a_format_only_gain_is_not_promoted_and_says_so_in_one_line():
     decision = decide_promotion(cand, base, POLICY, DEMO)
     assert not decision.promote
     assert decision.stats["correct_answer"]["ci_low"] <= 0 < decision.stats["guardrails"]["total"]["candidate"] - 0.9
-    line = decision.stats["format_only"]
+    line = decision.stats["shaping_only"]
     assert line in decision.reasons and "\n" not in line
     assert line.startswith("not promoted: the skill (correct_answer) did not improve beyond noise")
-    assert "number_only 0.011 -> 1.000" in line
+    assert line.endswith("(shaping: number_only 0.011 -> 1.000)")  # the shaping rewards that rose, by name
     # judged on the total, as before, the same candidate passes: the default is what refuses it
     assert decide_promotion(cand, base, POLICY.model_copy(update={"metric": "total"}), DEMO).promote
 
@@ -62,7 +62,7 @@ def test_a_skill_gain_with_a_flat_format_is_promoted():
     fmt = [1] * 200
     decision = decide_promotion(_demo_rows(_coin(0.6, 200, 8), fmt), _demo_rows(_coin(0.2, 200, 9), fmt), POLICY, DEMO)
     assert decision.promote, decision.reasons
-    assert decision.stats["guardrails"]["number_only"]["regression"] == 0.0 and "format_only" not in decision.stats
+    assert decision.stats["guardrails"]["number_only"]["regression"] == 0.0 and "shaping_only" not in decision.stats
 
 
 def test_a_format_that_drops_beyond_noise_blocks_a_skill_gain_and_a_drop_inside_it_does_not():
