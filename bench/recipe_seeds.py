@@ -62,6 +62,7 @@ from bench.harness import (
     keep_runs,
     open_work,
     pipeline_run,
+    prune_weights,
     save,
     torch_threads,
 )
@@ -698,6 +699,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             state["runs"][key] = measure(summary, seconds, task) | {"overrides": run_sets, "threads": threads}
             keep_runs(work / "runs.json", state)
+            prune_weights(work / f"{name}-{seed}")  # measured: the records stay, the weights would fill the disk
             print(f"[{NAME}] {key}: {json.dumps(state['runs'][key])} ({(time.monotonic() - started) / 60:.1f} min)")
     tasks = {}
     for name in TASKS:
