@@ -46,14 +46,14 @@ def _spec(tmp_path, tiny_model, tiny_config, *overrides: str) -> JobSpec:
     )
 
 
-def test_one_generation_keeps_the_batch_size_and_trains_on_a_group_with_variance(tmp_path, tiny_model):
+def _trainer(tmp_path, tiny_model, reward_funcs, skill=None):
+    """A StepTrainer in training mode on `_rows()`, one group of four a step, dynamic sampling at oversample 4."""
     from datasets import Dataset
     from trl import GRPOConfig
 
     from grpo_pipeline.trainer.cuts import Cuts
     from grpo_pipeline.trainer.step import StepTrainer
 
-    data = Dataset.from_list(_rows())
     args = GRPOConfig(
         output_dir=str(tmp_path),
         num_generations=4,
@@ -66,13 +66,19 @@ def test_one_generation_keeps_the_batch_size_and_trains_on_a_group_with_variance
     )
     trainer = StepTrainer(
         model=str(tiny_model),
-        reward_funcs=[same_for_some],
+        reward_funcs=reward_funcs,
         args=args,
-        train_dataset=data,
+        train_dataset=Dataset.from_list(_rows()),
         cuts=Cuts(dynamic_sampling=DynamicSamplingConfig(enabled=True, oversample=4)),
+        skill=skill,
     )
     trainer.model.train()
-    batch = [dict(data[0]) for _ in range(4)]  # the dataloader's group: a "same" prompt, flat whatever is said
+    return trainer
+
+
+def test_one_generation_keeps_the_batch_size_and_trains_on_a_group_with_variance(tmp_path, tiny_model):
+    trainer = _trainer(tmp_path, tiny_model, [same_for_some])
+    batch = [dict(_rows()[0]) for _ in range(4)]  # the dataloader's group: a "same" prompt, flat whatever is said
     out = trainer._generate_and_score_completions(batch)
 
     assert {
@@ -95,33 +101,8 @@ def test_a_group_that_differs_on_the_skill_ranks_above_one_that_differs_only_on_
 ):
     """Every group differs on the shaping reward; only the "varied" prompts (1 and 3) differ on the skill. Told
     the skill, the step trains on one of those (DAPO's accuracy filter); not told, the dataloader's own group."""
-    from datasets import Dataset
-    from trl import GRPOConfig
-
-    from grpo_pipeline.trainer.cuts import Cuts
-    from grpo_pipeline.trainer.step import StepTrainer
-
-    data = Dataset.from_list(_rows())
-    args = GRPOConfig(
-        output_dir=str(tmp_path),
-        num_generations=4,
-        per_device_train_batch_size=4,
-        max_completion_length=4,
-        max_steps=1,
-        report_to=[],
-        use_cpu=True,
-        seed=0,
-    )
-    trainer = StepTrainer(
-        model=str(tiny_model),
-        reward_funcs=[same_for_some, varied_shape],
-        args=args,
-        train_dataset=data,
-        cuts=Cuts(dynamic_sampling=DynamicSamplingConfig(enabled=True, oversample=4)),
-        skill=skill,
-    )
-    trainer.model.train()
-    out = trainer._generate_and_score_completions([dict(data[0]) for _ in range(4)])  # a "same" prompt's group
+    trainer = _trainer(tmp_path, tiny_model, [same_for_some, varied_shape], skill)
+    out = trainer._generate_and_score_completions([dict(_rows()[0]) for _ in range(4)])  # a "same" prompt's group
     prompts = {trainer.processing_class.decode(ids, skip_special_tokens=True) for ids in out["prompt_ids"]}
     kept = {i for i in "0123" if any(f"What is {i} + 1?" in p for p in prompts)}
     assert len(kept) == 1 and kept <= allowed  # the step's one group
