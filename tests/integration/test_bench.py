@@ -128,6 +128,8 @@ def test_step_profile_compares_two_arms_side_by_side(results):
             "fp32",
             "--set",  # the skill alone: the tiny model never answers right, so every batch is flat (the recipe's
             "train.rewards=[correct_answer]",  # overlong penalty would vary with its random lengths)
+            "--set",  # one generation per step, as drawn: the recipe's dynamic sampling draws more groups
+            "train.dynamic_sampling.enabled=false",
             "--baseline",
             "train.skip_zero_advantage=false",
             "--candidate",

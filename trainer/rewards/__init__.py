@@ -136,7 +136,7 @@ def resolve_reward(name: str, args: Mapping[str, Any] | None = None, **context: 
     >>> resolve_reward("nope")
     Traceback (most recent call last):
     ...
-    grpo_pipeline.trainer.rewards.base.RewardError: unknown reward 'nope'; registered: math_answer, think_format, think_format_strict, overlong_penalty, reward_model, remote_verifier, correct_answer, number_only, or use 'package.module:function'
+    grpo_pipeline.trainer.rewards.base.RewardError: unknown reward 'nope'; registered: math_answer, think_format, think_format_strict, overlong_penalty, reward_model, remote_verifier, correct_answer, number_only, near_answer, or use 'package.module:function'
     >>> resolve_reward("remote_verifier")
     Traceback (most recent call last):
     ...
