@@ -38,8 +38,7 @@ def correct_answer(completions: list, answer: list[str], **_: object) -> list[fl
     """
     scores = []
     for completion, ref in zip(completions, answer, strict=True):
-        span = final_answer(completion_text(completion))
-        value = _number(span) if span is not None else None
+        value = final_number(completion)
         reference = str(ref).strip()  # an integer task's answer: a decimal or a date can never score (unverifiable)
         scores.append(float(value is not None and _WHOLE.fullmatch(reference) is not None and value == int(reference)))
     return scores
@@ -49,24 +48,34 @@ def near_answer(completions: list, answer: list[str], **_: object) -> list[float
     """Partial credit for a final answer near the reference number: 1 - |answer - reference| / max(|reference|, 1),
     floored at 0; 0 with no number, or for a reference that is not a number.
 
-    Shaping, not the skill: where the base model is almost never right (a sequence's next term from a 135M model),
-    every sampled group scores 0 on `correct_answer` and GRPO has nothing to learn from; a nearer wrong answer
-    still ranks above a farther one, so the groups point toward the right one. A right answer scores 1, so it never
-    pays more than being right.
+    Shaping, not the skill: where the base model is almost never right, every sampled group scores 0 on
+    `correct_answer`, and a nearer wrong answer still ranks above a farther one. A right answer scores 1, so it
+    never pays more than being right. Measured on a sequence's next term (SmolLM2-135M, base 0 %), it taught the
+    sequence's last term, near and wrong (bench/results/recipe_candidates.json): a near answer is not always a step
+    toward the right one.
 
     >>> near_answer(["73", "The sequence is 13, 28, 43, 58.", "100", "I do not know"], answer=["73"] * 4)
     [1.0, 0.7945205479452055, 0.6301369863013699, 0.0]
     """
     scores = []
     for completion, ref in zip(completions, answer, strict=True):
-        span = final_answer(completion_text(completion))
-        value = _number(span) if span is not None else None
+        value = final_number(completion)
         reference = _number(str(ref))
         if value is None or reference is None:
             scores.append(0.0)
             continue
         scores.append(max(0.0, 1.0 - float(abs(value - reference)) / max(float(abs(reference)), 1.0)))
     return scores
+
+
+def final_number(completion: str | list[dict]) -> Fraction | None:
+    """The completion's final answer as an exact number (`final_answer`, then `_number`), or None.
+
+    >>> final_number("3 + 14 = 17"), final_number([{"role": "assistant", "content": "It is 1/2."}]), final_number("no")
+    (Fraction(17, 1), Fraction(1, 2), None)
+    """
+    span = final_answer(completion_text(completion))
+    return _number(span) if span is not None else None
 
 
 def _last_boxed(text: str) -> str | None:
