@@ -40,6 +40,10 @@ Role = Literal["skill", "shaping"]
 SKILL_REWARDS = frozenset({"correct_answer", "math_answer", "remote_verifier", "reward_model"})
 SHAPING_REWARDS = frozenset({"near_answer", "number_only", "think_format", "think_format_strict", "overlong_penalty"})
 
+# The entry that names no reward: the skill reward that can judge the task's answers, chosen from them before any
+# work (`grpo_pipeline.tasks.data.shape.task_rewards`; the demo's integers: correct_answer).
+AUTO = "auto"
+
 ENTRY_FORM = "train.rewards: [{name: correct_answer, role: skill}, {name: number_only, weight: 0.2}]"
 
 
@@ -50,7 +54,7 @@ def default_role(name: str) -> Role | None:
     >>> default_role("math_answer"), default_role("think_format_strict"), default_role("pkg.mod:grade")
     ('skill', 'shaping', None)
     """
-    if name in SKILL_REWARDS:
+    if name in SKILL_REWARDS or name == AUTO:
         return "skill"
     if name in SHAPING_REWARDS or name.startswith("think_format"):
         return "shaping"
@@ -75,6 +79,9 @@ class RewardEntry(BaseModel):
         None,
         description="skill (does the task: the answer checkers) or shaping (format, length); unset: the shipped "
         "reward's own, and a lone custom reward is the skill",
+    )
+    chosen_by: str | None = Field(
+        None, description="set by the run when this entry was `auto`: what in the task's answers chose the reward"
     )
 
     @model_validator(mode="before")

@@ -34,6 +34,7 @@ from grpo_pipeline.configs.model import DEMO_MODEL, ModelConfig, QuantizationBou
 from grpo_pipeline.configs.plan import PlanConfig
 from grpo_pipeline.configs.policy import ENV_NAME, ENV_NAME_SUFFIXES, credential_key, secret_shape
 from grpo_pipeline.configs.promote import PromotionPolicy
+from grpo_pipeline.configs.rewards import AUTO, RewardEntry
 from grpo_pipeline.configs.tracking import TrackingConfig
 from grpo_pipeline.configs.train import GRPO_OWNED, SkyConfig, TrainConfig, dynamic_sampling_problem
 
@@ -160,6 +161,19 @@ class PipelineConfig(StrictModel):
         if "train" in info.data:  # absent when train itself failed validation (reported on its own)
             v.check_against(info.data["train"])
         return v
+
+    @model_validator(mode="after")
+    def _demo_skill(self) -> PipelineConfig:
+        """`auto` on the demo task (no source): its answers are integers, judged by correct_answer. A source's
+        answers choose it at the run's start (`grpo_pipeline.tasks.data.shape.task_rewards`), not here: the
+        configuration reads no data."""
+        if self.data.source is None and any(e.name == AUTO for e in self.train.rewards):
+            chosen = RewardEntry(name="correct_answer", role="skill", chosen_by="the demo task's answers are integers")
+            self.train.rewards = [
+                chosen.model_copy(update={"weight": e.weight, "args": e.args}) if e.name == AUTO else e
+                for e in self.train.rewards
+            ]
+        return self
 
     @model_validator(mode="after")
     def _warm_start_fits(self) -> PipelineConfig:

@@ -17,7 +17,7 @@ from grpo_pipeline.configs.base import StrictModel, close_match
 from grpo_pipeline.configs.health import NON_FINITE
 from grpo_pipeline.configs.launchers import LAUNCHERS, LauncherName, launcher_help, rented
 from grpo_pipeline.configs.layout import batch_problem
-from grpo_pipeline.configs.rewards import ENTRY_FORM, RewardEntry, RewardSet
+from grpo_pipeline.configs.rewards import AUTO, ENTRY_FORM, RewardEntry, RewardSet
 from grpo_pipeline.configs.trainer_fields import TrainerFields
 
 
@@ -95,7 +95,7 @@ class TrainConfig(TrainerFields):
     rewards: list[RewardEntry] = Field(
         # the skill alone: a format reward beside it is learned first and can displace the skill
         # (configs/demo-cpu.yaml says what it cost); the evaluation reports the format all the same
-        default_factory=lambda: [RewardEntry(name="correct_answer")],
+        default_factory=lambda: [RewardEntry(name=AUTO)],  # chosen from the task's answers (tasks/data/shape.py)
         description="the rewards, one entry each: {name, weight (1.0), args ({}), role (skill|shaping)}, or a bare "
         "name; names from grpo_pipeline.trainer.rewards.REWARDS (`grpo-pipeline rewards` lists them) or dotted paths "
         "'package.module:function'. Their weighted sum is what GRPO normalizes per group; the skill reward (the "

@@ -23,6 +23,7 @@ from grpo_pipeline.flows.preflight import preflight
 from grpo_pipeline.flows.runs import parent_run, setup_tracking
 from grpo_pipeline.flows.warm_start import warm_start_stage
 from grpo_pipeline.infra.launch import make_launcher
+from grpo_pipeline.tasks.data.shape import task_rewards
 from grpo_pipeline.tasks.data.stage import data_task
 from grpo_pipeline.tasks.hpo import HPOResult, Tracking, TrialJob, TrialOutcome, run_trial, search
 from grpo_pipeline.tasks.job import WarmStart
@@ -82,7 +83,7 @@ def hpo_flow(config_path: str | None = None, overrides: list[str] | None = None)
         overrides: `stage.key=value` assignments applied on top, e.g. `hpo.trials=12`.
     """
     # a run of a deployment of this flow may set only what the deployment allows (docs/security.md)
-    cfg = load_config(config_path, trigger.enforce(config_path, overrides or [], _own_overrides))
+    cfg = task_rewards(load_config(config_path, trigger.enforce(config_path, overrides or [], _own_overrides)))
     preflight(cfg)
     return run_search(cfg)
 

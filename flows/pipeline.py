@@ -56,6 +56,7 @@ from grpo_pipeline.flows.stages.promote import (
 from grpo_pipeline.flows.stages.report import report, skipped
 from grpo_pipeline.flows.stages.train import month_stage, train_stage
 from grpo_pipeline.flows.warm_start import lineage_tags, warm_start_stage
+from grpo_pipeline.tasks.data.shape import task_rewards
 from grpo_pipeline.tasks.data.stage import config_hash
 from grpo_pipeline.tasks.hpo import apply_best
 from grpo_pipeline.tasks.plan import Plan, apply_plan
@@ -93,6 +94,7 @@ def grpo_pipeline(
     # before the config file is read or anything runs (docs/security.md). A refusal is logged as its message.
     with trigger.refusals_logged_plainly():
         cfg = trigger.checked_config(config_path, flow_overrides(overrides, launcher, budget_usd), deployment_overrides)
+        cfg = task_rewards(cfg)  # `auto`: the skill reward the source's answers need
         priced = preflight(cfg)
     return run_pipeline(cfg, priced)
 
@@ -196,6 +198,9 @@ def run_pipeline(cfg: PipelineConfig, priced: Plan | None = None) -> RunSummary:
             rows=rows,
             drift=drift,
             config_hash=cfg_hash,
+            skill_choice=next(
+                ({"reward": e.name, "why": e.chosen_by} for e in tuned.train.rewards if e.chosen_by), None
+            ),
             holdout=Holdout.of(base, trained, champion, tuned.train.reward_set().skill),
             train=result,
             plan=plan.summary(),

@@ -18,14 +18,9 @@ from grpo_pipeline.configs.schema import DEMO_MODEL, ConfigError, EvalConfig, Mo
 from grpo_pipeline.configs.trainer_fields import TrainerFields
 from grpo_pipeline.trainer.checkpoints import open_store
 from grpo_pipeline.trainer.loading import adapter_mismatch
-from grpo_pipeline.trainer.rewards import REWARDS, check_columns, describe, resolve_reward
+from grpo_pipeline.trainer.rewards import REWARDS, describe, resolve_reward
 from grpo_pipeline.trainer.spec import JobSpec, ModelLoad, TrainSettings
 
-DATA_COLUMNS = (
-    "prompt",
-    "answer",
-    "key",
-)  # what every row of the data stage's splits holds (grpo_pipeline.tasks.data.stage)
 SHOWN_METRICS = ("reward", "reward_std", "loss", "completions/mean_length", "step_time")
 
 
@@ -174,9 +169,10 @@ def reward_fields(rewards: RewardSet, evaluate: EvalConfig) -> list[tuple[str, s
 def check_rewards(rewards: RewardSet, evaluate: EvalConfig) -> None:
     """Every reward name the config holds (`reward_fields`) resolves (a registered name, with the closest one
     suggested, or an importable 'package.module:function'), takes the arguments its `train.rewards` entry gives it
-    and has those it requires, and finds the columns it needs among those the data stage writes. Each failure
+    and has those it requires. Each failure
     names the field to fix and, for arguments, the valid ones: a typo fails here, before any stage runs,
-    not in each search trial after it trained.
+    not in each search trial after it trained. The columns a reward needs come from the source with each row
+    (the data stage carries them, and quarantines a row that lacks one, naming the column).
 
     >>> check_rewards(RewardSet(names=("correct_answer",)), EvalConfig(accuracy_reward="corect_answer"))  # doctest: +ELLIPSIS
     Traceback (most recent call last):
@@ -202,10 +198,6 @@ def check_rewards(rewards: RewardSet, evaluate: EvalConfig) -> None:
                 else f"{field} (not in train.rewards, so bound with no arguments)"
             )
             raise ConfigError(f"{where}: {exc}") from None
-        try:
-            check_columns([name], DATA_COLUMNS)
-        except ValueError as exc:
-            raise ConfigError(f"{field}: {exc}") from None
 
 
 def check_store(train: TrainConfig) -> None:

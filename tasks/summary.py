@@ -217,6 +217,8 @@ class RunSummary(BaseModel):
     config_hash: str | None = (
         None  # the configuration as it decides what trains (grpo_pipeline.tasks.data.stage.config_hash)
     )
+    # train.rewards said `auto`: the skill reward the task's answers chose, and why (tasks/data/shape.py)
+    skill_choice: dict[str, str] | None = None
     holdout: Holdout | None = None
     train: TrainResult | None = None  # with .health (every rule that fired: rule, step, value, threshold, action,
     # taken), .stopped_by (the health stop, if one ended training) and .rollbacks

@@ -33,12 +33,14 @@ def data_cmd(
 ) -> None:
     """Build the dataset version (load, validate, dedup, split, decontaminate) and print its report."""
     _, cfg = load(config, overrides, as_json)
+    from grpo_pipeline.tasks.data.shape import task_rewards
     from grpo_pipeline.tasks.data.sources import check_local_sources
     from grpo_pipeline.tasks.data.stage import DataQualityError, build_dataset, resolve_tokenizer
 
     failure = None
     try:
         check_local_sources(cfg.data)
+        cfg = task_rewards(cfg)  # `auto`: the skill reward the answers need judges them
         tok = resolve_tokenizer(
             cfg.data, cfg.model, cfg.data_dir, tokenizer
         )  # the token bounds apply, or the stage refuses

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import traceback
 from typing import TYPE_CHECKING, Annotated
 
@@ -43,14 +44,21 @@ def _input_errors() -> tuple[type[BaseException], ...]:
     return ConfigError, ModelNotFound, CheckpointStoreError, SkyPreflightError  # budget, quantization: ConfigError
 
 
-def _preflight_or_exit(cfg: PipelineConfig, as_json: bool) -> Plan | None:
+def _preflight_or_exit(cfg: PipelineConfig, as_json: bool) -> tuple[PipelineConfig, Plan | None]:
     """The flows' own first checks, run before a flow run exists: a refused input leaves no Failed run on
     the Prefect server (whose notification would fire) and no engine traceback before the one useful line.
-    Returns what they return (the plan the budget was priced with), for the flow, which does not check again."""
+    Returns the configuration with its task's skill reward resolved (`auto`: chosen from the source's answers,
+    said on stderr) and what the checks return (the plan the budget was priced with), for the flow, which does not
+    check again."""
     from grpo_pipeline.flows.preflight import preflight
+    from grpo_pipeline.tasks.data.shape import task_rewards
 
     try:
-        return preflight(cfg)
+        cfg = task_rewards(cfg)
+        for entry in cfg.train.rewards:
+            if entry.chosen_by:
+                print(f"skill reward: {entry.name} ({entry.chosen_by})", file=sys.stderr)
+        return cfg, preflight(cfg)
     except _input_errors() as exc:
         _fail(as_json, str(exc), EXIT_CONFIG)
     except Exception as exc:  # a fault of a check, not of the input: the traceback too, and still the JSON
@@ -67,7 +75,7 @@ def run(
     """Run the pipeline (the CPU demo by default), print base and trained holdout reward and the decision."""
     path, cfg = load(config, overrides, as_json)
     _ephemeral_prefect_defaults()
-    priced = _preflight_or_exit(cfg, as_json)
+    cfg, priced = _preflight_or_exit(cfg, as_json)
     # heavy imports only once the config is known to be good
     from grpo_pipeline.flows.pipeline import checked_pipeline
     from grpo_pipeline.tasks.promote.registry import ChampionMoved
@@ -151,7 +159,7 @@ def hpo(
     extra = [*(overrides or []), "hpo.enabled=true", *([f"hpo.trials={trials}"] if trials else [])]
     path, cfg = load(config, extra, as_json)
     _ephemeral_prefect_defaults()
-    _preflight_or_exit(cfg, as_json)
+    cfg, _ = _preflight_or_exit(cfg, as_json)
     from grpo_pipeline.flows.hpo import checked_hpo
     from grpo_pipeline.tasks.hpo import HPOFailed
 

@@ -12,6 +12,7 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
+import orjson
 import pyarrow as pa
 
 from grpo_pipeline.configs.schema import DataConfig
@@ -171,12 +172,14 @@ class Chain:
         flat = messages.flatten()
         roles, contents = flat.field("role").to_pylist(), flat.field("content").to_pylist()
         answers, keys = table.column("answer").to_pylist(), table.column("key").to_pylist()
+        extras = table.column("extra").to_pylist()  # the other columns the rewards read: beside the answer
         out.writelines(
             jsonl_line(
                 {
                     "prompt": [{"role": roles[j], "content": contents[j]} for j in range(offsets[i], offsets[i + 1])],
                     "answer": answers[i],
                     "key": keys[i],
+                    **(orjson.loads(extras[i]) if extras[i] else {}),
                 }
             )
             for i in range(len(answers))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 
 import numpy as np
+import orjson
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -15,6 +16,7 @@ from grpo_pipeline.configs.schema import ConfigError, DataConfig
 from grpo_pipeline.tasks.data.rows import RowContext, reject_rows
 from grpo_pipeline.tasks.data.sources import Reject
 from grpo_pipeline.tasks.data.text import PromptTokens
+from grpo_pipeline.trainer.rewards import reference_problem
 
 _GSM8K = r"(?s)^.*####\s*(?P<answer>.*?)\s*$"
 
@@ -42,25 +44,40 @@ def extract_answers(answers: pa.Array, cfg: DataConfig) -> pa.Array:
     return pc.if_else(pc.equal(out, ""), pa.scalar(None, pa.string()), out)
 
 
-def _unverifiable(answers: list[str], ctx: RowContext) -> list[str | None]:
-    """Per answer: why the rewards cannot check it, or None. Each answer-checking reward is offered the
-    reference answer itself as the completion (in TRL's conversational format); it must score above 0."""
+def _unverifiable(answers: list[str], extras: list[dict], ctx: RowContext) -> list[str | None]:
+    """Per reference (an answer and the row's other columns): why the rewards cannot judge it, or None. Each
+    reward's own check of a reference speaks first (a label outside the task's labels, a JSON answer that is no
+    object, a code row without tests); then each answer-checking reward is offered the reference itself as the
+    completion (in TRL's conversational format), with the row's columns: it must score above 0."""
     why: list[str | None] = [None] * len(answers)
-    completions = [[{"role": "assistant", "content": a}] for a in answers]
+    rewards = ctx.rewards
+    for i, (answer, extra) in enumerate(zip(answers, extras, strict=True)):
+        for name in rewards.names if rewards is not None else ():
+            if why[i] is None:
+                why[i] = reference_problem(name, rewards.args_for(name) if rewards else None, answer, extra)
+    # rows with the same columns are judged in one call; a row whose reward breaks is found one at a time
+    groups: dict[tuple[str, ...], list[int]] = {}
+    for i, extra in enumerate(extras):
+        if why[i] is None:
+            groups.setdefault(tuple(sorted(extra)), []).append(i)
     for name, fn in ctx.verifiers.items():
-        scores: list[float | str]
-        try:
-            scores = list(fn(completions, answer=answers))
-        except Exception:  # find the rows that break it, one at a time
-            scores = []
-            for c, a in zip(completions, answers, strict=True):
-                try:
-                    scores.append(fn([c], answer=[a])[0])
-                except Exception as exc:
-                    scores.append(f"{type(exc).__name__}: {exc}")
-        for i, s in enumerate(scores):
-            if why[i] is None and (isinstance(s, str) or s is None or not s > 0):
-                why[i] = f"reward '{name}' gives {s!r} to the answer {answers[i]!r} itself"
+        for columns, rows in groups.items():
+            rows = [i for i in rows if why[i] is None]
+            completions = [[{"role": "assistant", "content": answers[i]}] for i in rows]
+            inputs = {"answer": [answers[i] for i in rows], **{c: [extras[i][c] for i in rows] for c in columns}}
+            scores: list[float | str]
+            try:
+                scores = list(fn(completions, **inputs)) if rows else []
+            except Exception:  # find the rows that break it, one at a time
+                scores = []
+                for j, c in enumerate(completions):
+                    try:
+                        scores.append(fn([c], **{k: v[j : j + 1] for k, v in inputs.items()})[0])
+                    except Exception as exc:
+                        scores.append(f"{type(exc).__name__}: {exc}")
+            for i, s in zip(rows, scores, strict=True):
+                if why[i] is None and (isinstance(s, str) or s is None or not s > 0):
+                    why[i] = f"reward '{name}' gives {s!r} to the answer {answers[i]!r} itself"
     return why
 
 
@@ -88,11 +105,16 @@ def validate(table: pa.Table, cfg: DataConfig, ctx: RowContext) -> tuple[pa.Tabl
     rejects += reject_rows(table, failed, "answer_extraction_failed", how)
     table = table.filter(pa.array(~failed))
     table = table.set_column(table.column_names.index("answer"), "answer", extracted.filter(pa.array(~failed)))
-    if ctx.verifiers and table.num_rows:
-        # Each distinct answer once: answers repeat a lot (GSM8K: ~50k rows, ~2k distinct answers).
-        answers = pc.dictionary_encode(table.column("answer").combine_chunks())
-        why_unique = _unverifiable(answers.dictionary.to_pylist(), ctx)
-        index = answers.indices.to_numpy(zero_copy_only=False)
+    if (ctx.verifiers or ctx.carried) and table.num_rows:
+        # Each distinct reference once: answers repeat a lot (GSM8K: ~50k rows, ~2k distinct answers). A reference
+        # is the answer and the row's other columns; NUL, refused above, cannot occur in either.
+        extra = table.column("extra").combine_chunks().fill_null("")
+        references = pc.dictionary_encode(
+            pc.binary_join_element_wise(table.column("answer").combine_chunks(), extra, "\x00")
+        )
+        unique = [r.partition("\x00") for r in references.dictionary.to_pylist()]
+        why_unique = _unverifiable([a for a, _, _ in unique], [orjson.loads(e or "{}") for _, _, e in unique], ctx)
+        index = references.indices.to_numpy(zero_copy_only=False)
         bad = np.array([w is not None for w in why_unique], bool)[index] if len(why_unique) else np.zeros(0, bool)
         rejects += reject_rows(
             table, bad, "answer_unverifiable", [why_unique[i] if b else "" for i, b in zip(index, bad, strict=True)]

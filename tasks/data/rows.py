@@ -7,20 +7,23 @@ stage reads besides its source: the demo task's rows (`demo_batches`) and the pr
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import orjson
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from grpo_pipeline.configs.rewards import RewardSet
+from grpo_pipeline.configs.data import ROW_FIELDS
 from grpo_pipeline.configs.schema import DataConfig
 from grpo_pipeline.tasks.data.demo_task import generate as demo_rows
 from grpo_pipeline.tasks.data.sources import RawBatch, Reject, iter_source, json_kind
 from grpo_pipeline.tasks.data.splits import SPLITS
-from grpo_pipeline.trainer.rewards import describe, resolve_reward
+from grpo_pipeline.trainer.rewards import RUNNER_INPUTS, describe, optional_columns, required_columns, resolve_reward
+from grpo_pipeline.trainer.rewards import target as reward_function
 
 MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])
 
@@ -33,17 +36,71 @@ CANONICAL = pa.schema(
         ("raw", pa.string()),
         ("answer", pa.string()),
         ("key", pa.string()),
+        ("extra", pa.string()),  # the other columns the rewards read (`RowContext.carried`), as one JSON object
     ]
 )
 
 
+def carried_columns(cfg: DataConfig, rewards: RewardSet | None) -> tuple[dict[str, str], frozenset[str]]:
+    """The columns a row carries besides its prompt, answer and key: each reward's own columns (those it needs,
+    and those it reads when present, such as `aliases`) and every column `data.columns` maps, as {the reward's
+    name: the source's}; and the ones a reward cannot do without (a row lacking one is quarantined).
+
+    >>> carried_columns(DataConfig(columns={"aliases": "also"}), RewardSet(names=("correct_answer",)))
+    ({'aliases': 'also'}, frozenset())
+    """
+    names: dict[str, bool] = {}  # column -> required by some reward
+    for name in rewards.names if rewards is not None else ():
+        fn = reward_function(name)
+        for column in required_columns(fn):
+            names[column] = True
+        for column in optional_columns(fn):
+            names.setdefault(column, False)
+    names.update({c: names.get(c, False) for c in cfg.columns})
+    carried = {c: cfg.columns.get(c, c) for c in names if c not in ROW_FIELDS and c not in RUNNER_INPUTS}
+    return carried, frozenset(c for c in carried if names[c])
+
+
+def carried_value(value: Any) -> Any:
+    """A carried column's value as the split files hold it: text, numbers, booleans and lists of text as they
+    are; anything else (objects, nested or mixed lists) as its JSON text, so every row of a column has one type
+    for the trainer's Arrow reader.
+
+    >>> carried_value(["a", "b"]), carried_value({"x": 1}), carried_value([1, "a"]), carried_value(3)
+    (['a', 'b'], '{"x":1}', '[1,"a"]', 3)
+    """
+    if isinstance(value, str | int | float | bool) or (
+        isinstance(value, list) and all(isinstance(v, str) for v in value)
+    ):
+        return value
+    return orjson.dumps(value, option=orjson.OPT_SORT_KEYS).decode()
+
+
+def _kind(value: Any) -> str:
+    return "number" if isinstance(value, int | float) and not isinstance(value, bool) else json_kind(value)
+
+
+def answer_text(answer: Any) -> str:
+    """A reference answer as the rewards read it: text as it is, a number as written, an object or a list as its
+    JSON (keys sorted: the same object is the same text).
+
+    >>> answer_text(42), answer_text({"name": "Ann", "age": 34}), answer_text([1, 2])
+    ('42', '{"age": 34, "name": "Ann"}', '[1, 2]')
+    """
+    if isinstance(answer, dict | list):
+        import json  # ensure_ascii off and ", " separators: the text a model would write
+
+        return json.dumps(answer, sort_keys=True, ensure_ascii=False)
+    return str(answer)
+
+
 def verifier_args(rewards: RewardSet | None) -> dict[str, dict[str, Any]]:
-    """The answer-checking rewards of `rewards` (those that take the `answer` column) and their configured
-    arguments; none for None. The others are not resolved here: they do not judge a reference answer, and some
-    need what only training offers (remote_verifier's service)."""
+    """The answer-checking rewards of `rewards` (those that need a column of the row: the `answer`, a `code_tests`
+    row's `tests`) and their configured arguments; none for None. The others are not resolved here: they judge no
+    reference answer, and some need what only training offers (remote_verifier's service, a reward model)."""
     if rewards is None:
         return {}
-    return {name: rewards.args_for(name) or {} for name in rewards.names if "answer" in describe(name)["columns"]}
+    return {name: rewards.args_for(name) or {} for name in rewards.names if describe(name)["columns"]}
 
 
 class RowContext:
@@ -53,6 +110,9 @@ class RowContext:
         self.cfg = cfg
         prefix, _, suffix = cfg.prompt_template.partition("{prompt}")
         self.prefix, self.suffix = prefix, suffix
+        self.carried, self.required = carried_columns(cfg, rewards)
+        self.kinds: dict[str, str] = {}  # a carried column's type, set by the first row that has it
+        self.rewards = rewards
         # bound with train.reward_args, as the trainer binds them: a checker's required argument is given,
         # and a row is kept or quarantined by the reward as configured
         self.verifiers = {name: resolve_reward(name, args) for name, args in verifier_args(rewards).items()}
@@ -64,9 +124,10 @@ def reject_rows(table: pa.Table, mask: np.ndarray, reason: str, details: Sequenc
         return []
     picked = table.take(pa.array(idx))
     pos, src = picked.column("pos").to_pylist(), picked.column("source").to_pylist()
-    rows = picked.select(["messages", "answer", "key"]).to_pylist()
+    rows = picked.select(["messages", "answer", "key", "extra"]).to_pylist()
     for row in rows:
         row["prompt"] = row.pop("messages")
+        row.update(orjson.loads(row.pop("extra") or "{}"))
     detail = [details] * len(idx) if isinstance(details, str) else [details[i] for i in idx.tolist()]
     return [Reject(reason, d, s, p, r) for d, s, p, r in zip(detail, src, pos, rows, strict=True)]
 
@@ -100,8 +161,26 @@ def _canonical_record(
         for value, column in ((prompt, cfg.prompt_column), (answer, cfg.answer_column)):
             if value is None:
                 return missing(column)
-        if isinstance(answer, bool) or not isinstance(answer, str | int | float):
-            return None, ("wrong_type", f"'{cfg.answer_column}' is {json_kind(answer)}, not text or a number")
+        if isinstance(answer, bool) or not isinstance(answer, str | int | float | dict | list):
+            return None, (
+                "wrong_type",
+                f"'{cfg.answer_column}' is {json_kind(answer)}, not text, a number or a JSON object or list",
+            )
+        extra = {}
+        for column, source in ctx.carried.items():
+            value = text(rec.get(source), column)
+            if value is None:
+                if column in ctx.required:
+                    return missing(source)
+                continue
+            value = carried_value(value)
+            kind = ctx.kinds.setdefault(column, _kind(value))
+            if _kind(value) != kind:
+                return None, (
+                    "wrong_type",
+                    f"'{source}' is {_kind(value)} here and {kind} in the rows before: one type per column",
+                )
+            extra[column] = value
         system = text(rec.get(cfg.system_column), "system") if cfg.system_column else None
         if system is not None and not isinstance(system, str):
             return None, ("wrong_type", f"'{cfg.system_column}' is {json_kind(system)}, not text")
@@ -134,7 +213,13 @@ def _canonical_record(
                 return missing(cfg.key_column)
             if isinstance(key, bool) or not isinstance(key, str | int):
                 return None, ("wrong_type", f"'{cfg.key_column}' is {json_kind(key)}, not text or an integer")
-        return {"messages": messages, "raw": raw, "answer": str(answer), "key": None if key is None else str(key)}, None
+        return {
+            "messages": messages,
+            "raw": raw,
+            "answer": answer_text(answer),
+            "key": None if key is None else str(key),
+            "extra": orjson.dumps(extra).decode() if extra else None,
+        }, None
     except _RowError as exc:
         return None, (exc.reason, exc.detail)
 
@@ -233,6 +318,7 @@ def _plain_table(columns: dict[str, pa.Array | None], cfg: DataConfig, ctx: RowC
             "raw": prompt,
             "answer": answer,
             "key": key if key is not None else pa.nulls(n, pa.string()),
+            "extra": pa.nulls(n, pa.string()),
         }
     )
 
@@ -266,7 +352,16 @@ def canonical_batch(raw: RawBatch, cfg: DataConfig, ctx: RowContext) -> tuple[pa
     positions = np.asarray(raw.positions, np.int64)
     parts = []
     columns: dict[str, pa.Array | None] | None
-    if raw.records is not None:
+    wanted = _mapped(cfg) + [c for c in ctx.carried.values() if c not in _mapped(cfg)]
+    if ctx.carried:  # the fast path builds the canonical columns alone: each row's other columns one by one
+        columns, plain, fields = None, np.zeros(len(positions), bool), None
+        if raw.records is not None:
+            records = raw.records
+        else:
+            assert raw.table is not None  # a batch is a table or records
+            fields = raw.table.column_names
+            records = _records(raw.table.select([c for c in wanted if c in fields]))
+    elif raw.records is not None:
         columns, plain = _record_columns(raw.records, cfg)
         records = [r for r, ok in zip(raw.records, plain, strict=True) if not ok]
         fields = None
@@ -280,7 +375,6 @@ def canonical_batch(raw: RawBatch, cfg: DataConfig, ctx: RowContext) -> tuple[pa
         assert columns is not None  # rows are plain only where the columns were built
         parts.append(_with_position(_plain_table(columns, cfg, ctx), raw.source, positions[plain]))
     rows, kept_pos = [], []
-    wanted = _mapped(cfg)
     for pos, rec in zip(positions[~plain].tolist(), records, strict=True):
         row, problem = _canonical_record(rec, cfg, ctx, fields)
         if problem:  # the mapped columns only: a huge or deep unused field stays out of the quarantine
