@@ -37,8 +37,14 @@ Role = Literal["skill", "shaping"]
 # The shipped rewards' roles (grpo_pipeline.trainer.rewards.REWARDS; tests/unit/test_reward_set.py checks that
 # every registered reward has one). The answer checkers and the judges say whether the task was done; the
 # formats and the length penalty say how the completion looks.
-SKILL_REWARDS = frozenset({"correct_answer", "math_answer", "remote_verifier", "reward_model"})
-SHAPING_REWARDS = frozenset({"near_answer", "number_only", "think_format", "think_format_strict", "overlong_penalty"})
+SKILL_REWARDS = frozenset(
+    {"correct_answer", "math_answer", "remote_verifier", "reward_model", "exact_match", "label", "json_fields"}
+)
+SHAPING_REWARDS = frozenset(
+    {"near_answer", "number_only", "think_format", "think_format_strict", "overlong_penalty", "json_schema"}
+)
+# A skill reward that an argument turns into partial credit, which shapes: reward -> that argument.
+PARTIAL_CREDIT = {"json_fields": "partial"}
 
 # The entry that names no reward: the skill reward that can judge the task's answers, chosen from them before any
 # work (`grpo_pipeline.tasks.data.shape.task_rewards`; the demo's integers: correct_answer).
@@ -47,13 +53,18 @@ AUTO = "auto"
 ENTRY_FORM = "train.rewards: [{name: correct_answer, role: skill}, {name: number_only, weight: 0.2}]"
 
 
-def default_role(name: str) -> Role | None:
-    """A reward's role when its entry names none: the shipped rewards' own; None for a custom reward, whose role
-    the rest of the set decides (`RewardSet`).
+def default_role(name: str, args: Mapping[str, Any] | None = None) -> Role | None:
+    """A reward's role when its entry names none, given the arguments it is bound with: the shipped rewards' own
+    (partial credit shapes: `json_fields` with `partial: true`); None for a custom reward, whose role the rest of
+    the set decides (`RewardSet`).
 
     >>> default_role("math_answer"), default_role("think_format_strict"), default_role("pkg.mod:grade")
     ('skill', 'shaping', None)
+    >>> default_role("json_fields"), default_role("json_fields", {"partial": True}), default_role("json_schema")
+    ('skill', 'shaping', 'shaping')
     """
+    if name in PARTIAL_CREDIT and (args or {}).get(PARTIAL_CREDIT[name]) is True:
+        return "shaping"
     if name in SKILL_REWARDS or name == AUTO:
         return "skill"
     if name in SHAPING_REWARDS or name.startswith("think_format"):
@@ -98,7 +109,7 @@ class RewardEntry(BaseModel):
 
 
 def _listing(entries: tuple[RewardEntry, ...]) -> str:
-    return ", ".join(f"{e.name} ({e.role or default_role(e.name) or 'custom'})" for e in entries)
+    return ", ".join(f"{e.name} ({e.role or default_role(e.name, e.args) or 'custom'})" for e in entries)
 
 
 def resolve_roles(entries: tuple[RewardEntry, ...]) -> tuple[RewardEntry, ...]:
@@ -108,10 +119,12 @@ def resolve_roles(entries: tuple[RewardEntry, ...]) -> tuple[RewardEntry, ...]:
 
     >>> [e.role for e in resolve_roles((RewardEntry(name="pkg:grade"), RewardEntry(name="number_only")))]
     ['skill', 'shaping']
+    >>> [e.role for e in resolve_roles((RewardEntry(name="label"), RewardEntry(name="json_fields", args={"partial": True})))]
+    ['skill', 'shaping']
     """
     declared = [e for e in entries if e.role == "skill"]
-    shipped = [e for e in entries if e.role is None and default_role(e.name) == "skill"]
-    custom = [e for e in entries if e.role is None and default_role(e.name) is None]
+    shipped = [e for e in entries if e.role is None and default_role(e.name, e.args) == "skill"]
+    custom = [e for e in entries if e.role is None and default_role(e.name, e.args) is None]
     candidates = declared or shipped or custom
     if len(candidates) != 1:
         problem = (

@@ -3,8 +3,9 @@
 Completions arrive as plain strings, or as message lists for conversational prompts; dataset columns
 (such as `answer`) arrive as keyword lists aligned with the completions. A reward's positional parameters
 without a default are the columns it needs; its keyword-only parameters are its arguments, bound by
-`resolve_reward`. Register a new reward in `REWARDS`, or name any
-importable function as 'package.module:function'.
+`resolve_reward`. Its positional parameters with a default are optional columns (`optional_columns`: read
+when the data has them, such as `label`'s `labels`), each of which may instead be bound once as an argument.
+Register a new reward in `REWARDS`, or name any importable function as 'package.module:function'.
 
 Every resolved reward is checked on each call: a missing column, an exception, the wrong number of
 scores, or a score that is not a finite number is a `RewardError` that names the reward and the row. It
@@ -35,6 +36,19 @@ from grpo_pipeline.trainer.rewards.formats import number_only, overlong_penalty,
 from grpo_pipeline.trainer.rewards.model import reward_model
 from grpo_pipeline.trainer.rewards.remote import check_arguments as check_remote_arguments
 from grpo_pipeline.trainer.rewards.remote import remote_verifier
+from grpo_pipeline.trainer.rewards.text import (
+    check_exact_match_arguments,
+    check_json_fields_arguments,
+    check_json_schema_arguments,
+    check_label_arguments,
+    exact_match,
+    exact_match_reference_problem,
+    json_fields,
+    json_fields_reference_problem,
+    json_schema,
+    label,
+    label_reference_problem,
+)
 
 __all__ = [
     "REWARDS",
@@ -44,6 +58,8 @@ __all__ = [
     "check_columns",
     "completion_text",
     "describe",
+    "optional_columns",
+    "reference_problem",
     "required_columns",
     "resolve_reward",
     "resolve_rewards",
@@ -60,11 +76,29 @@ REWARDS: dict[str, RewardFn] = {
     "correct_answer": correct_answer,
     "number_only": number_only,
     "near_answer": near_answer,
+    "exact_match": exact_match,
+    "label": label,
+    "json_fields": json_fields,
+    "json_schema": json_schema,
 }
 
 # Checks of a reward's argument values that can run before any work (preflight), not only at its first call:
 # each takes some of the reward's arguments by name and raises RewardError.
-ARGUMENT_CHECKS: dict[RewardFn, Callable[..., None]] = {remote_verifier: check_remote_arguments}
+ARGUMENT_CHECKS: dict[RewardFn, Callable[..., None]] = {
+    remote_verifier: check_remote_arguments,
+    exact_match: check_exact_match_arguments,
+    label: check_label_arguments,
+    json_fields: check_json_fields_arguments,
+    json_schema: check_json_schema_arguments,
+}
+
+# Why a row's reference answer cannot be judged by a reward (the data stage quarantines the row with the reason):
+# each takes the answer and, by name, some of the reward's arguments and optional columns; None when it can.
+REFERENCE_CHECKS: dict[RewardFn, Callable[..., str | None]] = {
+    exact_match: exact_match_reference_problem,
+    label: label_reference_problem,
+    json_fields: json_fields_reference_problem,
+}
 
 # What the runner (TRL's trainer, the evaluation, `rewards check`) passes itself: never a data column.
 RUNNER_INPUTS = frozenset(
@@ -121,9 +155,33 @@ def required_columns(fn: RewardFn) -> list[str]:
     ]
 
 
+def optional_columns(fn: RewardFn) -> list[str]:
+    """The data columns a reward reads when the data has them: its positional parameters with a default, runner
+    inputs aside. Each may instead be bound once as an argument (`label`'s `labels`), never both.
+
+    >>> optional_columns(label), optional_columns(exact_match), optional_columns(math_answer)
+    (['labels'], ['aliases'], [])
+    """
+    return [
+        p.name
+        for p in _parameters(fn)[1:]
+        if p.name not in RUNNER_INPUTS and p.default is not REQUIRED and p.kind is p.POSITIONAL_OR_KEYWORD
+    ]
+
+
 def arguments(fn: RewardFn) -> dict[str, Any]:
-    """A reward's arguments (keyword-only parameters) and their defaults; `REQUIRED` where there is none."""
-    return {p.name: p.default for p in _parameters(fn) if p.kind is p.KEYWORD_ONLY and p.name not in RUNNER_INPUTS}
+    """A reward's arguments and their defaults (`REQUIRED` where there is none): its keyword-only parameters and
+    its optional columns, in signature order.
+
+    >>> arguments(label)
+    {'labels': None, 'marker': None, 'answer_tag': 'answer'}
+    """
+    optional = set(optional_columns(fn))
+    return {
+        p.name: p.default
+        for p in _parameters(fn)
+        if (p.kind is p.KEYWORD_ONLY or p.name in optional) and p.name not in RUNNER_INPUTS
+    }
 
 
 def resolve_reward(name: str, args: Mapping[str, Any] | None = None, **context: Any) -> RewardFn:
@@ -133,10 +191,12 @@ def resolve_reward(name: str, args: Mapping[str, Any] | None = None, **context: 
 
     >>> resolve_reward("number_only")(["12", "twelve"])
     [1.0, 0.0]
-    >>> resolve_reward("nope")
+    >>> resolve_reward("label", {"labels": ["positive", "negative"]})(["Positive."], answer=["positive"])
+    [1.0]
+    >>> resolve_reward("nope")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    grpo_pipeline.trainer.rewards.base.RewardError: unknown reward 'nope'; registered: math_answer, think_format, think_format_strict, overlong_penalty, reward_model, remote_verifier, correct_answer, number_only, near_answer, or use 'package.module:function'
+    grpo_pipeline.trainer.rewards.base.RewardError: unknown reward 'nope'; registered: math_answer, ..., or use 'package.module:function'
     >>> resolve_reward("remote_verifier")
     Traceback (most recent call last):
     ...
@@ -159,7 +219,8 @@ def resolve_reward(name: str, args: Mapping[str, Any] | None = None, **context: 
         raise RewardError(f"reward '{name}' needs the argument{'s' if len(missing) > 1 else ''} {', '.join(missing)}")
     if (check := ARGUMENT_CHECKS.get(fn)) is not None:
         check(**{k: v for k, v in bound.items() if k in inspect.signature(check).parameters})
-    return _checked(functools.partial(fn, **bound) if bound else fn, name, required_columns(fn))
+    as_argument = [c for c in optional_columns(fn) if c in bound]
+    return _checked(functools.partial(fn, **bound) if bound else fn, name, required_columns(fn), as_argument)
 
 
 def resolve_rewards(
@@ -193,8 +254,35 @@ def check_columns(names: Sequence[str], columns: Sequence[str]) -> None:
             )
 
 
+def reference_problem(name: str, args: Mapping[str, Any] | None, answer: str, columns: Mapping[str, Any]) -> str | None:
+    """Why reward `name`, bound with `args`, cannot judge a row whose reference answer is `answer`, in words a user
+    can act on; None when it can, and for a reward without a reference check (`REFERENCE_CHECKS`). `columns` is
+    the row's own values (one row, not lists) of the reward's optional columns, where the data has them.
+
+    >>> reference_problem("label", {"labels": ["positive", "negative"]}, "maybe", {})
+    "the answer 'maybe' is not among the labels (negative, positive): add it to labels or fix the row"
+    >>> reference_problem("label", None, "neutral", {"labels": ["neutral", "not neutral"]}) is None
+    True
+    >>> reference_problem("json_fields", {"fields": ["age"]}, '{"name": "Ann"}', {})
+    "the answer lacks the field 'age' that json_fields' fields names"
+    >>> reference_problem("math_answer", None, "anything", {}) is None
+    True
+    """
+    fn = _target(name)
+    check = REFERENCE_CHECKS.get(fn)
+    if check is None:
+        return None
+    bound = dict(args or {})
+    row = {c: columns[c] for c in optional_columns(fn) if c in columns}
+    if both := sorted(set(row) & set(bound)):
+        return f"{', '.join(both)} is given both as an argument of {name} and as a column of the row: keep one"
+    takes = inspect.signature(check).parameters
+    return check(answer, **{k: v for k, v in (bound | row).items() if k in takes})
+
+
 def describe(name: str) -> dict[str, Any]:
-    """What a reward checks (its docstring's first line), the columns it needs and its arguments.
+    """What a reward checks (its docstring's first line), the columns it needs, those it reads when the data has
+    them, and its arguments.
 
     >>> describe("overlong_penalty")["arguments"]
     {'max_completion_length': None, 'buffer': None}
@@ -205,6 +293,7 @@ def describe(name: str) -> dict[str, Any]:
         "name": name,
         "statement": doc.split("\n\n")[0].replace("\n", " ").strip(),
         "columns": required_columns(fn),
+        "optional_columns": optional_columns(fn),
         "arguments": {k: ("required" if v is REQUIRED else v) for k, v in arguments(fn).items()},
     }
 
@@ -236,11 +325,17 @@ def transient(exc: BaseException) -> bool:
     return oom is not None and isinstance(exc, oom)
 
 
-def _checked(fn: RewardFn, name: str, columns: list[str]) -> RewardFn:
-    """`fn` that refuses to hand the trainer garbage: each failure names the reward and the row."""
+def _checked(fn: RewardFn, name: str, columns: list[str], as_argument: Sequence[str] = ()) -> RewardFn:
+    """`fn` that refuses to hand the trainer garbage: each failure names the reward and the row. `as_argument`:
+    optional columns bound as arguments, which the data must not also hold (which would win is no one's guess)."""
 
     def reward(completions: list, *args: Any, **kwargs: Any) -> list[float]:
         n = len(completions)
+        if both := [c for c in as_argument if c in kwargs]:
+            raise RewardError(
+                f"reward '{name}' has {', '.join(both)} both as an argument and as a data column: keep one "
+                "(drop the argument, or the column)"
+            )
         lacking = [c for c in columns if c not in kwargs]
         if lacking:
             given = sorted(k for k in kwargs if k not in RUNNER_INPUTS)
