@@ -37,7 +37,7 @@ Role = Literal["skill", "shaping"]
 # The shipped rewards' roles (grpo_pipeline.trainer.rewards.REWARDS; tests/unit/test_reward_set.py checks that
 # every registered reward has one). The answer checkers and the judges say whether the task was done; the
 # formats and the length penalty say how the completion looks.
-SKILL_REWARDS = frozenset({"correct_answer", "math_answer", "remote_verifier", "reward_model"})
+SKILL_REWARDS = frozenset({"correct_answer", "math_answer", "remote_verifier", "reward_model", "code_tests"})
 SHAPING_REWARDS = frozenset({"near_answer", "number_only", "think_format", "think_format_strict", "overlong_penalty"})
 
 ENTRY_FORM = "train.rewards: [{name: correct_answer, role: skill}, {name: number_only, weight: 0.2}]"

@@ -31,6 +31,7 @@ from typing import Any
 
 from grpo_pipeline.trainer.rewards.answers import correct_answer, math_answer, near_answer
 from grpo_pipeline.trainer.rewards.base import RewardError, RewardFn, RewardUnavailable, completion_text
+from grpo_pipeline.trainer.rewards.code import check_code_arguments, code_tests
 from grpo_pipeline.trainer.rewards.formats import number_only, overlong_penalty, think_format, think_format_strict
 from grpo_pipeline.trainer.rewards.model import reward_model
 from grpo_pipeline.trainer.rewards.remote import check_arguments as check_remote_arguments
@@ -60,11 +61,15 @@ REWARDS: dict[str, RewardFn] = {
     "correct_answer": correct_answer,
     "number_only": number_only,
     "near_answer": near_answer,
+    "code_tests": code_tests,
 }
 
 # Checks of a reward's argument values that can run before any work (preflight), not only at its first call:
 # each takes some of the reward's arguments by name and raises RewardError.
-ARGUMENT_CHECKS: dict[RewardFn, Callable[..., None]] = {remote_verifier: check_remote_arguments}
+ARGUMENT_CHECKS: dict[RewardFn, Callable[..., None]] = {
+    remote_verifier: check_remote_arguments,
+    code_tests: check_code_arguments,
+}
 
 # What the runner (TRL's trainer, the evaluation, `rewards check`) passes itself: never a data column.
 RUNNER_INPUTS = frozenset(
