@@ -65,10 +65,12 @@ def test_right_code_passes_and_wrong_code_and_near_misses_fail():
         fenced(fib),
         fenced(off_by_one),  # a near miss
         fenced("def fib(n):\n    return 1\n"),  # passes two of the three asserts
-        fenced("import sys\ndef add(a, b):\n    return a + b\nsys.exit(0)\n"),  # exits 0 before the tests run
+        # exiting 0 before the tests run is not passing them
+        fenced("import sys\ndef add(a, b):\n    return 0\nsys.exit(0)\n"),
+        fenced("import os\ndef add(a, b):\n    return 0\nos._exit(0)\n"),
     ]
-    tests = [ADD_TESTS] * 7 + [FIB_TESTS] * 3 + [ADD_TESTS]
-    assert code_tests(completions, tests, timeout_s=SLOW) == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 1.0]
+    tests = [ADD_TESTS] * 7 + [FIB_TESTS] * 3 + [ADD_TESTS] * 2
+    assert code_tests(completions, tests, timeout_s=SLOW) == [1.0, 1.0, 1.0] + [0.0] * 4 + [1.0] + [0.0] * 4
 
 
 def test_the_last_fenced_block_is_the_code():

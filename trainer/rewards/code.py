@@ -110,8 +110,8 @@ def code_tests(
 
     The code is the completion's last fenced code block (```python or ```), else the whole completion. It runs
     first, as a module named `solution`; the tests run after it in the same namespace, so they see its
-    functions. Right means: nothing raised (an `assert` that fails, a `NameError` for a function the code
-    lacks, ...) and nothing was exited with a non-zero status. Code that does not compile, runs too long, uses
+    functions. Right means: the tests ran to their end and nothing raised (an `assert` that fails, a
+    `NameError` for a function the code lacks, ...); exiting early, even with status 0, is not passing. Code that does not compile, runs too long, uses
     too much memory, or tries what the sandbox refuses (network, subprocesses, writes outside its folder,
     ctypes) scores 0 and is logged; it never stops the run. A row's completions run concurrently, at most one
     per CPU.
@@ -140,5 +140,5 @@ def code_tests(
         raise RewardError(f"reward 'code_tests' got {len(tests)} rows of tests for {n} completions")
     if n == 0:
         return []
-    with ThreadPoolExecutor(max_workers=min(n, os.cpu_count() or 1)) as pool:
+    with ThreadPoolExecutor(max_workers=min(n, len(os.sched_getaffinity(0)) or 1)) as pool:
         return list(pool.map(score, range(n)))

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import secrets
 import selectors
 import shutil
 import signal
@@ -52,7 +53,10 @@ EXIT_FAILED, EXIT_COMPILE, EXIT_MEMORY, EXIT_REFUSED, EXIT_CPU = 1, 2, 3, 4, 5
 # namespace. It is trusted; everything after `sys.addaudithook` is not.
 RUNNER = r"""
 import os, resource, signal, sys
-cpu_s, memory, fsize, nofile = (int(a) for a in sys.argv[1:5])
+cpu_s, memory, fsize, nofile, result_fd = (int(a) for a in sys.argv[1:6])
+with open(".nonce", "rb") as f:  # the parent's proof that the tests ran to their end; gone before the program runs
+    finished = (lambda nonce: lambda: os.write(result_fd, nonce))(f.read())
+os.remove(".nonce")
 for limit, value in ((resource.RLIMIT_CPU, (cpu_s, cpu_s + 1)), (resource.RLIMIT_AS, (memory, memory)),
                      (resource.RLIMIT_FSIZE, (fsize, fsize)), (resource.RLIMIT_NOFILE, (nofile, nofile)),
                      (resource.RLIMIT_CORE, (0, 0)), (resource.RLIMIT_NPROC, (0, 0))):
@@ -71,8 +75,7 @@ BLOCKED = ("socket.", "subprocess.", "os.exec", "os.posix_spawn", "os.spawn", "o
            "os.system", "os.kill", "os.killpg", "signal.pthread_kill", "ctypes.", "pty.", "os.setuid",
            "os.setgid", "os.setresuid", "os.setresgid", "os.chroot", "os.unshare", "os.setns")
 PATHS = ("os.remove", "os.rmdir", "os.mkdir", "os.rename", "os.symlink", "os.link", "os.truncate", "os.chmod",
-         "os.chown", "os.chflags", "os.utime", "os.mkfifo", "os.mknod", "shutil.", "os.setxattr",
-         "os.removexattr")
+         "os.chown", "os.chflags", "os.utime", "os.mkfifo", "os.mknod", "os.setxattr", "os.removexattr")
 def inside(path):
     if isinstance(path, int):
         return True  # an fd: opening it was checked
@@ -103,7 +106,7 @@ def hook(event, args):
         bad = [a for a in args if isinstance(a, (str, bytes, os.PathLike)) and not inside(a)]
         if bad:
             refuse(event, repr(bad[0]))
-MARKER = sys.argv[5]
+MARKER = sys.argv[6]
 sys.addaudithook(hook)
 del f
 status = 0
@@ -117,15 +120,14 @@ try:
     else:
         exec(program, scope)
         exec(compile(tests, "tests.py", "exec"), scope)
+        if not refused:
+            finished()
 except MemoryError:
     status = 3
-except BaseException as exc:
-    if isinstance(exc, SystemExit) and exc.code in (None, 0):
-        status = 0
-    else:
-        import traceback
-        traceback.print_exc()
-        status = 1
+except BaseException:  # SystemExit too: exiting, even with 0, before the tests end is not passing them
+    import traceback
+    traceback.print_exc()
+    status = 1
 sys.stdout.flush()
 os._exit(4 if refused else status)
 """
@@ -224,44 +226,46 @@ def run_python(box: Sandbox, code: str, tests: str, limits: Limits) -> Outcome:
     """Run `code`, then `tests` in its namespace, in a fresh sandbox; never raises for what the program does
     (an `OSError` means the sandbox could not be started: the machine's problem, not the program's)."""
     with tempfile.TemporaryDirectory(prefix="code_tests-", ignore_cleanup_errors=True) as folder:
-        for name, text in (("solution.py", code), ("tests.py", tests)):
+        nonce = secrets.token_hex(16)
+        for name, text in (("solution.py", code), ("tests.py", tests), (".nonce", nonce)):
             with open(os.path.join(folder, name), "w", encoding="utf-8") as f:
                 f.write(text)
         if box.as_root:
             os.chown(folder, SANDBOX_UID, SANDBOX_GID)
         cpu_s = max(1, int(limits.timeout_s + 0.999))
-        argv = [
-            *box.prefix,
-            box.python,
-            "-I",
-            "-S",
-            "-B",
-            "-X",
-            "utf8",
-            "-c",
-            RUNNER,
-            str(cpu_s),
-            str(limits.memory_mb << 20),
-            str(MAX_FILE_BYTES),
-            str(MAX_OPEN_FILES),
-            MARKER,
-        ]
-        proc = subprocess.Popen(
-            argv,
-            cwd=folder,
-            env={},
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own process group, killed whole on overrun
-            close_fds=True,
-        )
+        # the runner writes the nonce to this pipe after the tests end, and nothing else does
+        result_r, result_w = os.pipe()
+        try:
+            limits_argv = [str(cpu_s), str(limits.memory_mb << 20), str(MAX_FILE_BYTES), str(MAX_OPEN_FILES)]
+            argv = [*box.prefix, box.python, "-I", "-S", "-B", "-X", "utf8", "-c", RUNNER]
+            proc = subprocess.Popen(
+                [*argv, *limits_argv, str(result_w), MARKER],
+                cwd=folder,
+                env={},
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own process group, killed whole on overrun
+                close_fds=True,
+                pass_fds=(result_w,),
+            )
+        except BaseException:
+            os.close(result_r)
+            raise
+        finally:
+            os.close(result_w)
         try:
             output, timed_out = _read_bounded(proc, limits.timeout_s)
         finally:
             _kill(proc)
             proc.stdout.close()  # type: ignore[union-attr]
-        return _outcome(proc.returncode, output, timed_out, limits)
+            os.set_blocking(result_r, False)
+            try:
+                result = os.read(result_r, 64)
+            except BlockingIOError:
+                result = b""
+            os.close(result_r)
+        return _outcome(proc.returncode, output, timed_out, limits, result == nonce.encode())
 
 
 def _read_bounded(proc: subprocess.Popen, timeout_s: float) -> tuple[str, bool]:
@@ -297,14 +301,16 @@ def _kill(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def _outcome(code: int, output: str, timed_out: bool, limits: Limits) -> Outcome:
+def _outcome(code: int, output: str, timed_out: bool, limits: Limits, finished: bool) -> Outcome:
     if MARKER in output:
         refused = output.split(MARKER, 1)[1].strip().splitlines()[0]
         return Outcome(False, f"refused by the sandbox: {refused}", output, hostile=True)
     if timed_out:
         return Outcome(False, f"timeout: still running after {limits.timeout_s:g} s (killed)", output, hostile=True)
-    if code == 0:
+    if code == 0 and finished:
         return Outcome(True, "passed", output)
+    if code == 0:
+        return Outcome(False, "exited 0 before its tests ended", output, hostile=True)
     if code == EXIT_FAILED:
         return Outcome(False, "the tests failed", output)
     if code == EXIT_COMPILE:
