@@ -32,6 +32,7 @@ from typing import Any
 
 from grpo_pipeline.trainer.rewards.answers import correct_answer, math_answer, near_answer
 from grpo_pipeline.trainer.rewards.base import RewardError, RewardFn, RewardUnavailable, completion_text
+from grpo_pipeline.trainer.rewards.code import check_code_arguments, code_tests, code_tests_reference_problem
 from grpo_pipeline.trainer.rewards.formats import number_only, overlong_penalty, think_format, think_format_strict
 from grpo_pipeline.trainer.rewards.model import reward_model
 from grpo_pipeline.trainer.rewards.remote import check_arguments as check_remote_arguments
@@ -63,6 +64,7 @@ __all__ = [
     "required_columns",
     "resolve_reward",
     "resolve_rewards",
+    "target",
     "transient",
 ]
 
@@ -80,12 +82,14 @@ REWARDS: dict[str, RewardFn] = {
     "label": label,
     "json_fields": json_fields,
     "json_schema": json_schema,
+    "code_tests": code_tests,
 }
 
 # Checks of a reward's argument values that can run before any work (preflight), not only at its first call:
 # each takes some of the reward's arguments by name and raises RewardError.
 ARGUMENT_CHECKS: dict[RewardFn, Callable[..., None]] = {
     remote_verifier: check_remote_arguments,
+    code_tests: check_code_arguments,
     exact_match: check_exact_match_arguments,
     label: check_label_arguments,
     json_fields: check_json_fields_arguments,
@@ -98,6 +102,7 @@ REFERENCE_CHECKS: dict[RewardFn, Callable[..., str | None]] = {
     exact_match: exact_match_reference_problem,
     label: label_reference_problem,
     json_fields: json_fields_reference_problem,
+    code_tests: code_tests_reference_problem,
 }
 
 # What the runner (TRL's trainer, the evaluation, `rewards check`) passes itself: never a data column.
@@ -116,7 +121,7 @@ RUNNER_INPUTS = frozenset(
 REQUIRED = inspect.Parameter.empty
 
 
-def _target(name: str) -> RewardFn:
+def target(name: str) -> RewardFn:
     if name in REWARDS:
         return REWARDS[name]
     module, sep, attr = name.partition(":")
@@ -202,7 +207,7 @@ def resolve_reward(name: str, args: Mapping[str, Any] | None = None, **context: 
     ...
     grpo_pipeline.trainer.rewards.base.RewardError: reward 'remote_verifier' needs the argument url
     """
-    fn = _target(name)
+    fn = target(name)
     takes = arguments(fn)
     bound = dict(args or {})
     unknown = sorted(set(bound) - set(takes))
@@ -246,7 +251,7 @@ def check_columns(names: Sequence[str], columns: Sequence[str]) -> None:
     grpo_pipeline.trainer.rewards.base.RewardError: reward 'math_answer' needs the column 'answer', which the data does not have (it has: prompt, key)
     """
     for name in names:
-        lacking = [c for c in required_columns(_target(name)) if c not in columns]
+        lacking = [c for c in required_columns(target(name)) if c not in columns]
         if lacking:
             raise RewardError(
                 f"reward '{name}' needs the column{'s' if len(lacking) > 1 else ''} {', '.join(map(repr, lacking))}, "
@@ -268,12 +273,12 @@ def reference_problem(name: str, args: Mapping[str, Any] | None, answer: str, co
     >>> reference_problem("math_answer", None, "anything", {}) is None
     True
     """
-    fn = _target(name)
+    fn = target(name)
     check = REFERENCE_CHECKS.get(fn)
     if check is None:
         return None
     bound = dict(args or {})
-    row = {c: columns[c] for c in optional_columns(fn) if c in columns}
+    row = {c: columns[c] for c in [*optional_columns(fn), *required_columns(fn)] if c in columns and c != "answer"}
     if both := sorted(set(row) & set(bound)):
         return f"{', '.join(both)} is given both as an argument of {name} and as a column of the row: keep one"
     takes = inspect.signature(check).parameters
@@ -287,7 +292,7 @@ def describe(name: str) -> dict[str, Any]:
     >>> describe("overlong_penalty")["arguments"]
     {'max_completion_length': None, 'buffer': None}
     """
-    fn = _target(name)
+    fn = target(name)
     doc = inspect.getdoc(fn) or ""
     return {
         "name": name,
