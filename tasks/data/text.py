@@ -127,6 +127,14 @@ def ngram_hashes(word_lists: pa.ListArray, n: int) -> tuple[np.ndarray, np.ndarr
     return hashed_ngrams(*token_hashes(word_lists), n)
 
 
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer: a non-linear 64-bit mix."""
+    with np.errstate(over="ignore"):
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
+
+
 def varying_words(h: np.ndarray, lengths: np.ndarray, k: int, template: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Each row's words (hashed, as `token_hashes` gives them) with what it shares with many rows taken out: a word
     inside a k-word window whose hash is in `template` (sorted) is template, and each run of template words becomes
@@ -157,9 +165,9 @@ def varying_words(h: np.ndarray, lengths: np.ndarray, k: int, template: np.ndarr
     runs = np.flatnonzero(run_start[covered])
     out = h.copy()
     if len(runs):
-        with np.errstate(over="ignore"):
-            # Order-free (a sum), salted so that a run of one word is not that word.
-            out[run_start] = np.add.reduceat(h[covered], runs) * _MULT + np.uint64(0x5BD1E995)
+        # Order-free (a sum), then mixed: n-gram hashes are linear in their words' hashes, and a linear marker
+        # would let 'a <run holding b>' and 'b <run holding a>' hash alike.
+        out[run_start] = _mix(np.add.reduceat(h[covered], runs))
     keep = ~covered | run_start
     return out[keep], np.bincount(row_of[keep], minlength=len(lengths)).astype(np.int64)
 
