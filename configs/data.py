@@ -97,6 +97,19 @@ class DataConfig(StrictModel):
         default_factory=list,
         description="more sets to decontaminate against (same kinds as source, same prompt_column)",
     )
+    template_min_rows: int | None = Field(
+        10,
+        ge=2,
+        description="a template_ngram held by at least this many rows of a batch is template (a fixed instruction "
+        "around varying inputs): contamination and near-dedup judge each row's words outside it, what varies; "
+        "fewer = more is template; None: off, rows are judged whole",
+    )
+    template_ngram: int = Field(
+        5,
+        ge=2,
+        description="words per n-gram that template_min_rows counts rows of; must fit between a template's "
+        "varying parts to see the words there as fixed (13 would not see a 20-word sentence around two numbers)",
+    )
     # --- split and bounds
     holdout_share: float = Field(0.3, gt=0, lt=1, description="share of keys in the holdout; changing it moves rows")
     val_share: float = Field(

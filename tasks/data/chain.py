@@ -3,6 +3,10 @@ duplicates. `Chain.feed` takes a source's batch through reading (`rows`) and che
 key dedup, the token bounds, near dedup and the split (`split_of`): val and holdout rows are written at once and
 their n-grams kept; train rows wait in an Arrow IPC file until `Chain.finish` checks them for contamination and
 writes them.
+
+Both checks judge what varies between rows, not what the rows share: a `data.template_ngram`-gram held by at least
+`data.template_min_rows` rows of a batch is template (a fixed instruction around varying inputs), and near-dedup and
+contamination compare each row's `varying_words` (its words with each run of template words made one word).
 """
 
 from __future__ import annotations
@@ -23,12 +27,16 @@ from grpo_pipeline.tasks.data.splits import jsonl_line, split_of
 from grpo_pipeline.tasks.data.text import (
     NearDuplicateIndex,
     PromptTokens,
+    document_frequency,
     ngram_hashes,
     normalize,
     overlap_fraction,
     sorted_unique,
+    varying_ngrams,
     words,
 )
+
+REFERENCE = pa.schema([("raw", pa.string())])
 
 
 class Chain:
@@ -43,6 +51,10 @@ class Chain:
         self.near = (
             NearDuplicateIndex(cfg.near_dup_threshold, cfg.near_dup_num_perm) if cfg.near_dup_threshold else None
         )
+        # Template n-grams (sorted hashes) of the batches seen so far, see `_learn_template`.
+        self.template = np.empty(0, np.uint64)
+        # The evaluation sets' n-grams; the holdout and val prompts wait in an Arrow IPC file, since what is
+        # template is known only when the last batch is in.
         self.reference: list[np.ndarray] = []
         self.dropped: Counter[str] = Counter()
         self.rows_read = 0
@@ -52,6 +64,8 @@ class Chain:
         self.outputs = {s: (work / f"{s}.jsonl").open("wb") for s in ("val", "holdout")}
         self.pending_path = work / "train.pending.arrow"
         self.pending = pa.ipc.new_stream(str(self.pending_path), CANONICAL)
+        self.reference_path = work / "reference.pending.arrow"
+        self.reference_texts = pa.ipc.new_stream(str(self.reference_path), REFERENCE)
 
     def drop(self, rejects: list[Reject]) -> None:
         for r in rejects:
@@ -140,7 +154,9 @@ class Chain:
 
     def _near_dedup(self, table: pa.Table, keys: list[str], index: NearDuplicateIndex) -> tuple[pa.Table, list[str]]:
         """The rows that are no near duplicate (MinHash Jaccard) of a row kept before them."""
-        gram, rows = ngram_hashes(words(table.column("raw").combine_chunks()), self.cfg.near_dup_ngram)
+        word_lists = words(table.column("raw").combine_chunks())
+        self._learn_template(word_lists)
+        gram, rows = self._varying(word_lists, self.cfg.near_dup_ngram)
         found = index.check(gram, rows, table.num_rows, keys)
         near = np.array([f is not None for f in found])
         self.drop(
@@ -148,18 +164,34 @@ class Chain:
         )
         return table.filter(pa.array(~near)), [k for k, f in zip(keys, found, strict=True) if f is None]
 
+    def _learn_template(self, word_lists: pa.ListArray) -> None:
+        """Add to the template the n-grams that data.template_min_rows rows of this batch hold. Near-dedup streams,
+        so what is template is learned batch by batch: a source of at most data.batch_rows rows is one batch (exact);
+        a template spread thinner than that over a longer source is not seen, and its rows are judged whole."""
+        if self.cfg.template_min_rows is None:
+            return
+        unique, df = document_frequency(*ngram_hashes(word_lists, self.cfg.template_ngram))
+        new = unique[df >= self.cfg.template_min_rows]
+        if len(new):
+            self.template = sorted_unique(np.concatenate([self.template, new]))
+
+    def _varying(self, word_lists: pa.ListArray, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """The n-grams of what varies in each row (`varying_words`), with the rows they belong to."""
+        return varying_ngrams(word_lists, n, self.cfg.template_ngram, self.template)
+
     def _split(self, table: pa.Table, keys: list[str]) -> None:
         """Each row to its split by its key: val and holdout written now (their n-grams kept for the
         contamination check), train waiting for `finish`."""
         cfg = self.cfg
         split = np.array([split_of(k, cfg.holdout_share, cfg.val_share) for k in keys])
+        if self.near is None:  # near-dedup learns the template where it runs
+            self._learn_template(words(table.column("raw").combine_chunks()))
         for name in ("val", "holdout"):
             part = table.filter(pa.array(split == name))
             if part.num_rows:
                 self._write(name, part)
                 if cfg.contamination_threshold is not None:
-                    gram, _ = ngram_hashes(words(part.column("raw").combine_chunks()), cfg.contamination_ngram)
-                    self.reference.append(sorted_unique(gram))
+                    self.reference_texts.write_table(part.select(["raw"]))
         train = table.filter(pa.array(split == "train"))
         if train.num_rows:
             self.pending.write_table(train)
@@ -187,12 +219,20 @@ class Chain:
         self.kept[split] += table.num_rows
 
     def add_reference(self, texts: pa.Array) -> None:
-        gram, _ = ngram_hashes(words(texts), self.cfg.contamination_ngram)
+        """An evaluation set's prompts, after the source's last batch: the n-grams of what varies in them, the
+        source's template taken out (a benchmark that shares the source's instruction shares no item by it)."""
+        gram, _ = self._varying(words(texts), self.cfg.contamination_ngram)
         self.reference.append(sorted_unique(gram))
 
     def finish(self) -> None:
         """Second pass: train rows against the holdout, val and evaluation n-grams, then written."""
         self.pending.close()
+        self.reference_texts.close()
+        with pa.OSFile(str(self.reference_path)) as source:
+            for batch in pa.ipc.open_stream(source):
+                gram, _ = self._varying(words(batch.column("raw")), self.cfg.contamination_ngram)
+                self.reference.append(sorted_unique(gram))
+        self.reference_path.unlink()
         reference = sorted_unique(np.concatenate(self.reference)) if self.reference else np.empty(0, np.uint64)
         self.reference = []
         self.outputs["train"] = (self.work / "train.jsonl").open("wb")
@@ -202,7 +242,7 @@ class Chain:
             for batch in pa.ipc.open_stream(source):
                 table = pa.Table.from_batches([batch])
                 if cfg.contamination_threshold is not None and len(reference):
-                    gram, rows = ngram_hashes(words(table.column("raw").combine_chunks()), cfg.contamination_ngram)
+                    gram, rows = self._varying(words(table.column("raw").combine_chunks()), cfg.contamination_ngram)
                     share = overlap_fraction(gram, rows, table.num_rows, reference)
                     dirty = share >= cfg.contamination_threshold
                     self.drop(
@@ -212,6 +252,7 @@ class Chain:
                             "contaminated",
                             [
                                 f"{s:.0%} of its {cfg.contamination_ngram}-grams appear in the holdout, val or eval sets"
+                                f"{' (template words aside)' if len(self.template) else ''}"
                                 for s in share
                             ],
                         )

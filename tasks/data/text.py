@@ -1,5 +1,6 @@
 """Text measures for the data stage, computed on whole Arrow batches: normalized text, word n-gram
-hashes, prompt length in the model's own tokens, and a MinHash LSH index for near duplicates.
+hashes, what varies between rows (their words with the template's taken out), prompt length in the model's own
+tokens, and a MinHash LSH index for near duplicates.
 
 Words are maximal runs of letters and digits, or single punctuation marks (so '3 + 4' and '3 - 4' stay
 different), lower-cased. N-gram hashes are 64-bit, computed with numpy over every row of a batch at once;
@@ -63,6 +64,59 @@ def sorted_unique(values: np.ndarray) -> np.ndarray:
     return s[np.concatenate(([True], s[1:] != s[:-1]))] if len(s) else s
 
 
+def token_hashes(word_lists: pa.ListArray) -> tuple[np.ndarray, np.ndarray]:
+    """A 64-bit hash per word (all rows' words in order) and each row's number of words.
+
+    >>> h, lengths = token_hashes(words(pa.array(["a b a", "", "b"])))
+    >>> lengths.tolist(), bool(h[0] == h[2]), bool(h[1] == h[3])
+    ([3, 0, 1], True, True)
+    """
+    lengths = pc.list_value_length(word_lists).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
+    flat = word_lists.flatten()
+    if len(flat) == 0:
+        return np.empty(0, np.uint64), lengths
+    # Hash each distinct word once (pandas' SipHash with its fixed key: the same on every run).
+    encoded = pc.dictionary_encode(flat)
+    word_hash = pd.util.hash_array(encoded.dictionary.to_numpy(zero_copy_only=False), categorize=False)
+    return word_hash[encoded.indices.to_numpy(zero_copy_only=False)], lengths
+
+
+def _windows(h: np.ndarray, lengths: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Hashes of the full n-word windows of every row, their first word's index into `h`, and each word's row."""
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    row_of = np.repeat(np.arange(len(lengths)), lengths)
+    pos = np.arange(len(h)) - starts[row_of]
+    with np.errstate(over="ignore"):
+        full = np.zeros(max(len(h) - n + 1, 0), np.uint64)
+        for k in range(n):
+            full = full * _MULT + h[k : k + len(full)]
+    # Full n-grams: windows that start at pos <= length - n of their row.
+    first = np.flatnonzero(pos[: len(full)] + n <= lengths[row_of[: len(full)]])
+    return full[first], first, row_of
+
+
+def hashed_ngrams(h: np.ndarray, lengths: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """`ngram_hashes` over words already hashed (`token_hashes`, `varying_words`)."""
+    if len(h) == 0:
+        return np.empty(0, np.uint64), np.empty(0, np.int64)
+    full, first, row_of = _windows(h, lengths, n)
+    grams, gram_rows = [full], [row_of[first]]
+    # Short rows (0 < length < n): one gram of all their words, salted by the length.
+    short = np.flatnonzero((lengths > 0) & (lengths < n))
+    if len(short):
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        acc = np.zeros(len(short), np.uint64)
+        with np.errstate(over="ignore"):
+            for k in range(int(lengths[short].max())):
+                live = k < lengths[short]
+                acc[live] = acc[live] * _MULT + h[starts[short][live] + k]
+        grams.append(acc ^ lengths[short].astype(np.uint64))
+        gram_rows.append(short)
+    gram, rows = np.concatenate(grams), np.concatenate(gram_rows)
+    order = np.argsort(rows, kind="stable")
+    return gram[order], rows[order]
+
+
 def ngram_hashes(word_lists: pa.ListArray, n: int) -> tuple[np.ndarray, np.ndarray]:
     """64-bit hashes of every word n-gram, and the row each belongs to (rows in order).
 
@@ -70,36 +124,99 @@ def ngram_hashes(word_lists: pa.ListArray, n: int) -> tuple[np.ndarray, np.ndarr
     >>> rows.tolist(), bool(h[1] == h[2]), bool(h[0] == h[2])
     ([0, 0, 1, 2], False, True)
     """
-    lengths = pc.list_value_length(word_lists).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
-    flat = word_lists.flatten()
-    if len(flat) == 0:
-        return np.empty(0, np.uint64), np.empty(0, np.int64)
-    # Hash each distinct word once (pandas' SipHash with its fixed key: the same on every run).
-    encoded = pc.dictionary_encode(flat)
-    word_hash = pd.util.hash_array(encoded.dictionary.to_numpy(zero_copy_only=False), categorize=False)
-    h = word_hash[encoded.indices.to_numpy(zero_copy_only=False)]
-    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-    row_of = np.repeat(np.arange(len(lengths)), lengths)
-    pos = np.arange(len(h)) - starts[row_of]
+    return hashed_ngrams(*token_hashes(word_lists), n)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer: a non-linear 64-bit mix."""
     with np.errstate(over="ignore"):
-        # Full n-grams: windows that start at pos <= length - n of their row.
-        full = np.zeros(max(len(h) - n + 1, 0), np.uint64)
-        for k in range(n):
-            full = full * _MULT + h[k : k + len(full)]
-        ok = pos[: len(full)] + n <= lengths[row_of[: len(full)]]
-        grams, gram_rows = [full[ok]], [row_of[: len(full)][ok]]
-        # Short rows (0 < length < n): one gram of all their words, salted by the length.
-        short = np.flatnonzero((lengths > 0) & (lengths < n))
-        if len(short):
-            acc = np.zeros(len(short), np.uint64)
-            for k in range(int(lengths[short].max())):
-                live = k < lengths[short]
-                acc[live] = acc[live] * _MULT + h[starts[short][live] + k]
-            grams.append(acc ^ lengths[short].astype(np.uint64))
-            gram_rows.append(short)
-    gram, rows = np.concatenate(grams), np.concatenate(gram_rows)
-    order = np.argsort(rows, kind="stable")
-    return gram[order], rows[order]
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
+
+
+def varying_words(h: np.ndarray, lengths: np.ndarray, k: int, template: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's words (hashed, as `token_hashes` gives them) with what it shares with many rows taken out: a word
+    inside a k-word window whose hash is in `template` (sorted) is template, and each run of template words becomes
+    one word, a hash of the run's words. What is left is what varies, in order, with the template's place kept:
+    two rows of one template differ there only, and the same numbers in another template still differ.
+
+    >>> h, lengths = token_hashes(words(pa.array(["we have 3 red apples and 4 green pears", "we have 5 red apples"])))
+    >>> fixed, _ = ngram_hashes(words(pa.array(["have 3 red apples and", "red apples and 4 green"])), 2)
+    >>> v, n = varying_words(h, lengths, 2, np.sort(fixed[[2, 3]]))  # 'red apples', 'apples and': template
+    >>> n.tolist()  # 'we have 3 <red apples and> 4 green pears', 'we have 5 <red apples>'
+    [7, 4]
+    >>> bool(v[2] == h[2]), bool(v[4] == h[6]), bool(v[3] == h[3]), bool(v[3] == v[10])
+    (True, True, False, False)
+    """
+    if not len(template) or not len(h):
+        return h, lengths
+    full, first, row_of = _windows(h, lengths, k)
+    hit = np.zeros(len(h) + 1, np.int64)
+    hit[first[found_in(full, template)]] = 1
+    # A word is covered when a template window starts at most k - 1 words before it (a window never crosses rows).
+    covered_starts = np.concatenate([[0], np.cumsum(hit[:-1])])
+    index = np.arange(len(h))
+    covered = covered_starts[index + 1] - covered_starts[np.maximum(index - k + 1, 0)] > 0
+    row_start = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    at_start = np.zeros(len(h), bool)
+    at_start[row_start[lengths > 0]] = True
+    run_start = covered & (at_start | ~np.concatenate([[False], covered[:-1]]))
+    runs = np.flatnonzero(run_start[covered])
+    out = h.copy()
+    if len(runs):
+        # Order-free (a sum), then mixed: n-gram hashes are linear in their words' hashes, and a linear marker
+        # would let 'a <run holding b>' and 'b <run holding a>' hash alike.
+        out[run_start] = _mix(np.add.reduceat(h[covered], runs))
+    keep = ~covered | run_start
+    return out[keep], np.bincount(row_of[keep], minlength=len(lengths)).astype(np.int64)
+
+
+def varying_ngrams(word_lists: pa.ListArray, n: int, k: int, template: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`ngram_hashes` of each row's `varying_words`: the n-grams of what varies between rows.
+
+    >>> texts = pa.array([f"Multiply {a} by {b} and write the product as a whole number, please." for a, b in
+    ...                   [(3, 4), (3, 5), (6, 4)]])
+    >>> template, _ = ngram_hashes(words(pa.array(["and write the product as a whole number , please ."])), 3)
+    >>> g, rows = varying_ngrams(words(texts), 3, 3, np.sort(template))
+    >>> rows.tolist()  # each row 'multiply a by b <the template>': 5 words, 3 trigrams
+    [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    >>> [len(set(g[rows == 0]) & set(g[rows == r])) for r in (1, 2)]  # 'multiply 3 by'; 'by 4 <template>'
+    [1, 1]
+    """
+    return hashed_ngrams(*varying_words(*token_hashes(word_lists), k, template), n)
+
+
+def document_frequency(gram: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct n-gram hashes of a batch, sorted, and in how many rows each occurs (a row counts once).
+
+    >>> u, df = document_frequency(np.array([7, 7, 8, 7, 9], np.uint64), np.array([0, 0, 0, 1, 2]))
+    >>> u.tolist(), df.tolist()
+    ([7, 8, 9], [2, 1, 1])
+    """
+    if not len(gram):
+        return gram, np.zeros(0, np.int64)
+    # One (row, gram) pair per row: a sort by gram then row puts a row's repeats side by side.
+    order = np.lexsort((rows, gram))
+    g, r = gram[order], rows[order]
+    g = g[np.concatenate(([True], (g[1:] != g[:-1]) | (r[1:] != r[:-1])))]
+    first = np.flatnonzero(np.concatenate(([True], g[1:] != g[:-1])))
+    return g[first], np.diff(np.append(first, len(g)))
+
+
+def found_in(values: np.ndarray, reference: np.ndarray) -> np.ndarray:
+    """Which values occur in `reference`, a sorted array (np.isin by binary search: no hash table).
+
+    >>> found_in(np.array([3, 1, 4], np.uint64), np.array([1, 2, 3], np.uint64)).tolist()
+    [True, True, False]
+    """
+    if len(reference) == 0 or len(values) == 0:
+        return np.zeros(len(values), bool)
+    order = np.argsort(values)  # sorted queries walk the reference in order: ~4x faster than random probes
+    idx = np.searchsorted(reference, values[order]).clip(max=len(reference) - 1)
+    hit = np.empty(len(values), bool)
+    hit[order] = reference[idx] == values[order]
+    return hit
 
 
 def overlap_fraction(gram: np.ndarray, rows: np.ndarray, n_rows: int, reference: np.ndarray) -> np.ndarray:
@@ -110,10 +227,7 @@ def overlap_fraction(gram: np.ndarray, rows: np.ndarray, n_rows: int, reference:
     """
     if len(reference) == 0 or len(gram) == 0:
         return np.zeros(n_rows)
-    order = np.argsort(gram)  # sorted queries walk the reference in order: ~4x faster than random probes
-    idx = np.searchsorted(reference, gram[order]).clip(max=len(reference) - 1)
-    hit = np.empty(len(gram), bool)
-    hit[order] = reference[idx] == gram[order]
+    hit = found_in(gram, reference)
     total = np.bincount(rows, minlength=n_rows)
     return np.divide(np.bincount(rows, weights=hit, minlength=n_rows), total, out=np.zeros(n_rows), where=total > 0)
 
