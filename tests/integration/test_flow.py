@@ -44,6 +44,8 @@ def tiny_yaml(tmp_path, tiny_model):
             "lora": {"r": 4, "target_modules": "all-linear"},
         },
         "evaluate": {"max_new_tokens": 6, "batch_size": 4},
+        # a random model answers nothing right: too_hard, which would refuse the run; these tests train anyway
+        "check": {"prompts": 2, "on_too_hard": "warn"},
     }
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -72,6 +74,7 @@ def test_run_json_summary_and_mlflow_lineage(tmp_path, tiny_yaml):
     assert set(by_name) == {
         "data",
         "model",
+        "task-check",
         "plan",
         "evaluate-base",
         "train",
