@@ -64,6 +64,9 @@ def test_run_json_summary_and_mlflow_lineage(tmp_path, tiny_yaml):
     assert holdout["n"] == 6
     assert {"base_reward", "trained_reward"} <= holdout.keys()
     assert summary["train"]["global_step"] == 2
+    # the random base is never right: too_hard, and check.on_too_hard=warn trained anyway, saying so
+    assert summary["task_check"]["verdict"] == "too_hard" and summary["task_check"]["prompts"] == 2
+    assert "training anyway (check.on_too_hard=warn)" in proc.stdout + proc.stderr
 
     client = mlflow.MlflowClient(summary["mlflow"]["tracking_uri"])
     parent = summary["mlflow"]["run_id"]
