@@ -1,8 +1,8 @@
 """Typed pipeline configuration: one pydantic model per stage, composed into `PipelineConfig`.
 
-Each section is a module of its own (`configs/data.py`, `model.py`, `plan.py`, `train.py`, `hpo.py`, `evaluate.py`,
-`merge.py`, `promote.py`, `tracking.py`, `deploy.py`, `ab.py`, on `configs/base.py`); this module composes them,
-reads YAML and `--set` overrides, and names what is wrong, and every section's names are importable from here
+Each section is a module of its own (`configs/data.py`, `model.py`, `plan.py`, `train.py`, `check.py`, `hpo.py`,
+`evaluate.py`, `merge.py`, `promote.py`, `tracking.py`, `deploy.py`, `ab.py`, on `configs/base.py`); this module composes
+them, reads YAML and `--set` overrides, and names what is wrong, and every section's names are importable from here
 as before. A YAML file holds only what differs from the defaults; `--set stage.key=value` overrides it. TRL's
 `GRPOConfig` and PEFT's `LoraConfig` fields pass through `train.grpo` and `train.lora` and are checked
 against those classes' own fields and types, so nothing here re-declares them.
@@ -25,6 +25,7 @@ from pydantic import BaseModel, Field, ValidationError, ValidationInfo, field_va
 from grpo_pipeline.configs import library_fields, library_ranges
 from grpo_pipeline.configs.ab import ABConfig
 from grpo_pipeline.configs.base import StrictModel, close_match
+from grpo_pipeline.configs.check import CheckConfig
 from grpo_pipeline.configs.data import DataConfig, DemoTaskConfig
 from grpo_pipeline.configs.deploy import DeployConfig
 from grpo_pipeline.configs.evaluate import EvalConfig
@@ -48,6 +49,7 @@ __all__ = [
     "PASSTHROUGH",
     "SEARCHABLE",
     "ABConfig",
+    "CheckConfig",
     "ConfigError",
     "DataConfig",
     "DemoTaskConfig",
@@ -129,6 +131,7 @@ class PipelineConfig(StrictModel):
     model: ModelConfig = ModelConfig()
     plan: PlanConfig = PlanConfig()
     train: TrainConfig = TrainConfig()
+    check: CheckConfig = CheckConfig()
     hpo: HPOConfig = HPOConfig()
     evaluate: EvalConfig = EvalConfig()
     merge: MergeConfig = MergeConfig()

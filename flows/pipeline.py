@@ -3,6 +3,9 @@ hyperparameter search (when enabled) -> evaluate base -> GRPO train -> evaluate 
 merge (when enabled) -> decide -> register (MLflow models: the adapter on a base anyone can load, the merged
 model) -> serving check (a clean process loads the version by its registry URI) -> move aliases -> report.
 
+The task check (`check.*`) runs after the model stage: a task with no group GRPO could learn from ends the run
+there, before the search and training.
+
 `run_pipeline` reads as that outline: each stage a call that takes typed values and returns a typed result,
 each in its own nested MLflow run under one parent run (`grpo_pipeline.flows.runs`); what a stage does inside its
 run (call its task, log what it found) is in `grpo_pipeline.flows.stages`, one module per part of the outline.
@@ -35,6 +38,7 @@ from grpo_pipeline.flows import trigger
 from grpo_pipeline.flows.hpo import search_stage
 from grpo_pipeline.flows.preflight import preflight
 from grpo_pipeline.flows.runs import parent_run, setup_tracking, stage_run
+from grpo_pipeline.flows.stages.check import check_stage
 from grpo_pipeline.flows.stages.daily import (
     HOLDOUT_TAG,
     drift_stage,
@@ -145,6 +149,10 @@ def run_pipeline(cfg: PipelineConfig, priced: Plan | None = None) -> RunSummary:
         drift = drift_stage(cfg, registry, dataset, run_dir, pid)
         with stage_run(pid, "model"):
             selected, model_path = model_stage(cfg, base_path, splits["val"])
+        task_check = None
+        if selected.check.enabled:  # can GRPO learn it on this base? too_hard ends the run here (check.on_too_hard)
+            with stage_run(pid, "task-check"):
+                task_check = check_stage(selected, dataset, model_path)
         with stage_run(pid, "plan"):  # preflight's plan holds while the base is the configured one
             plan = plan_stage(selected, model_path, priced if selected.model == cfg.model else None)
         planned = apply_plan(selected, plan)
@@ -195,6 +203,7 @@ def run_pipeline(cfg: PipelineConfig, priced: Plan | None = None) -> RunSummary:
             data={"fingerprint": dataset.fingerprint, **dataset.report.model_dump(mode="json")},
             model=BaseChoice(base=tuned.model.base, path=model_path, quantization=tuned.model.quantization),
             warm_start=warm_start,
+            task_check=task_check,
             rows=rows,
             drift=drift,
             config_hash=cfg_hash,

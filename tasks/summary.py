@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from grpo_pipeline.tasks.check import TaskCheck
 from grpo_pipeline.tasks.data.drift import Drift
 from grpo_pipeline.tasks.evaluate import EvalResult
 from grpo_pipeline.tasks.job import WarmStart
@@ -210,6 +211,8 @@ class RunSummary(BaseModel):
     data: dict[str, Any]  # the dataset's fingerprint and the data stage's report
     model: BaseChoice
     warm_start: WarmStart | None = None  # the adapter training continued (model.init_adapter), None: from the base
+    # can GRPO learn it: the base's sampled accuracy, its mixed groups, the verdict (check.enabled; None: not run)
+    task_check: TaskCheck | None = None
     rows: TrainRows | None = None  # what was trained on: new and replayed rows
     # today's new rows against the champion's (prompt length, answer type, its reward on them against its holdout),
     # .alert when that reward fell past data.drift_alert; .skipped_reason when nothing was measured (no champion)

@@ -1,7 +1,7 @@
 """`grpo-pipeline`: the console script. This module makes the command tree and holds the contract every command
 keeps; each command group lives in a module of its own in this package: `run` (run, hpo), `plan`, `data`, `registry`
-(registry, rollback, promote), `deploy`, `serve`, and the sub-apps `stack`, `rewards`, `ab`. `python -m grpo_pipeline.cli`
-runs it too (`__main__.py`).
+(registry, rollback, promote), `deploy`, `serve`, and the sub-apps `stack`, `rewards`, `ab`, `task`. `python -m
+grpo_pipeline.cli` runs it too (`__main__.py`).
 
 Exit codes (for CI): 0 completed; 1 the pipeline failed; 2 the configuration or an input is invalid
 (unknown key, wrong type, missing model, unreachable or unwritable checkpoint store, no SkyPilot cloud);
@@ -28,7 +28,7 @@ from typing import Annotated
 
 import typer
 
-from grpo_pipeline.cli import ab, data, deploy, plan, registry, rewards, run, serve, stack
+from grpo_pipeline.cli import ab, data, deploy, plan, registry, rewards, run, serve, stack, task
 from grpo_pipeline.failure import EXIT_CHAMPION_MOVED, EXIT_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_REJECTED, Commands
 from grpo_pipeline.loading import ConfigOpt, SetOpt, load
 
@@ -80,6 +80,7 @@ app.command()(serve.serve)
 app.add_typer(stack.app, name="stack")
 app.add_typer(rewards.app, name="rewards")
 app.add_typer(ab.app, name="ab")
+app.add_typer(task.app, name="task")
 
 
 def summary(doc: str) -> str:

@@ -44,6 +44,8 @@ def tiny_yaml(tmp_path, tiny_model):
             "lora": {"r": 4, "target_modules": "all-linear"},
         },
         "evaluate": {"max_new_tokens": 6, "batch_size": 4},
+        # a random model answers nothing right: too_hard, which would refuse the run; these tests train anyway
+        "check": {"prompts": 2, "on_too_hard": "warn"},
     }
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -62,6 +64,9 @@ def test_run_json_summary_and_mlflow_lineage(tmp_path, tiny_yaml):
     assert holdout["n"] == 6
     assert {"base_reward", "trained_reward"} <= holdout.keys()
     assert summary["train"]["global_step"] == 2
+    # the random base is never right: too_hard, and check.on_too_hard=warn trained anyway, saying so
+    assert summary["task_check"]["verdict"] == "too_hard" and summary["task_check"]["prompts"] == 2
+    assert "training anyway (check.on_too_hard=warn)" in proc.stdout + proc.stderr
 
     client = mlflow.MlflowClient(summary["mlflow"]["tracking_uri"])
     parent = summary["mlflow"]["run_id"]
@@ -72,6 +77,7 @@ def test_run_json_summary_and_mlflow_lineage(tmp_path, tiny_yaml):
     assert set(by_name) == {
         "data",
         "model",
+        "task-check",
         "plan",
         "evaluate-base",
         "train",
