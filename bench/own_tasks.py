@@ -5,8 +5,8 @@ The tasks are the files under `examples/` (a team's JSONL and its config, as a u
 shape, written by the generators below (`write_examples` keeps the files and the generators equal):
 
 - `sentiment`: a label: "Is the review positive or negative?", reviews with negations and "but" (skill `label`);
-- `longest-word`: a short text answer: "Which of these words is the longest: forest, hat, apple, notebook?" ->
-  "notebook" (skill `exact_match`: many distinct answers, not a label set);
+- `odd-word`: a short text answer: "Which word does not belong: frost, boat, car, train?" -> "frost" (skill
+  `exact_match`: 80 distinct answers, not a label set);
 - `extract-json`: a JSON extraction: name, age and city out of a sentence (skill `json_fields`);
 - `word-problems`: an integer from templated prompts: multiplication word problems written from eight sentence
   templates (skill `correct_answer`), which the contamination check once took for leakage.
@@ -101,39 +101,39 @@ def sentiment_rows(n: int, seed: int = DATA_SEED) -> list[dict]:
     return rows
 
 
-WORDS = (
-    "cat", "dog", "sun", "map", "cup", "pen", "box", "egg", "hat", "key", "bird", "tree", "fish", "lamp", "rain",
-    "ship", "milk", "door", "rock", "leaf", "apple", "chair", "table", "plant", "river", "cloud", "bread", "train",
-    "stone", "horse", "garden", "window", "pencil", "rabbit", "forest", "bottle", "candle", "mirror", "butter",
-    "planet", "kitchen", "blanket", "teacher", "chicken", "morning", "picture", "lantern", "village", "captain",
-    "diamond", "elephant", "mountain", "sandwich", "umbrella", "hospital", "computer", "dinosaur", "notebook",
-    "calendar", "painting", "adventure", "chocolate", "butterfly", "telephone", "newspaper", "strawberry",
-    "basketball", "restaurant", "television", "watermelon", "helicopter", "microscope",
-)
+CATEGORIES = {
+    "fruit": ("apple", "banana", "cherry", "grape", "mango", "peach", "pear", "plum", "lemon", "orange"),
+    "animal": ("dog", "cat", "horse", "lion", "tiger", "rabbit", "mouse", "bear", "wolf", "fox"),
+    "color": ("red", "blue", "green", "yellow", "purple", "pink", "brown", "black", "white", "gray"),
+    "vehicle": ("car", "bus", "truck", "bicycle", "train", "plane", "boat", "taxi", "tractor", "scooter"),
+    "instrument": ("piano", "guitar", "violin", "drum", "flute", "trumpet", "harp", "cello", "banjo", "organ"),
+    "clothing": ("shirt", "hat", "sock", "coat", "scarf", "glove", "boot", "dress", "jacket", "skirt"),
+    "furniture": ("chair", "table", "sofa", "bed", "desk", "shelf", "stool", "bench", "cabinet", "dresser"),
+    "weather": ("rain", "snow", "wind", "fog", "hail", "storm", "thunder", "sleet", "frost", "drizzle"),
+}
 
 
-def longest_word_rows(n: int, seed: int = DATA_SEED) -> list[dict]:
-    """n distinct lists of four words of different lengths and the longest of them: a short text answer, the word
-    itself. The longest sits at each of the four places equally often.
+def odd_word_rows(n: int, seed: int = DATA_SEED) -> list[dict]:
+    """n distinct lists of four words, three of one kind (fruit, animals, colours, ...) and one of another, and the
+    one that does not belong: a short text answer, the word itself. The odd one sits at each place equally often.
 
-    >>> rows = longest_word_rows(800)
+    >>> rows = odd_word_rows(800)
     >>> rows[0], len({r["words"] for r in rows})
-    ({'words': 'umbrella, diamond, pen, rabbit', 'answer': 'umbrella'}, 800)
+    ({'words': 'frost, boat, car, train', 'answer': 'frost'}, 800)
     >>> [sum(r["words"].split(", ").index(r["answer"]) == i for r in rows) for i in range(4)]
     [200, 200, 200, 200]
     """
     rng, rows, seen = random.Random(seed), [], set()
+    kinds = sorted(CATEGORIES)
     while len(rows) < n:
-        words = rng.sample(WORDS, 4)
-        if len({len(w) for w in words}) < 4:
-            continue  # one longest word, never a tie
-        top = max(words, key=len)
-        words.remove(top)
-        words.insert(len(rows) % 4, top)
+        same, other = rng.sample(kinds, 2)
+        words = rng.sample(CATEGORIES[same], 3)
+        odd = rng.choice(CATEGORIES[other])
+        words.insert(len(rows) % 4, odd)
         listed = ", ".join(words)
         if listed not in seen:
             seen.add(listed)
-            rows.append({"words": listed, "answer": top})
+            rows.append({"words": listed, "answer": odd})
     return rows
 
 
@@ -222,7 +222,7 @@ TASKS = {
     e.name: e
     for e in (
         Example("sentiment", "a label: positive or negative (label)", 1000, sentiment_rows),
-        Example("longest-word", "a short text: the longest of four words (exact_match)", 800, longest_word_rows),
+        Example("odd-word", "a short text: the word that does not belong (exact_match)", 800, odd_word_rows),
         Example("extract-json", "a JSON extraction: name, age, city (json_fields)", 900, person_rows),
         Example("word-problems", "an integer from 8 prompt templates (correct_answer)", 800, word_problem_rows),
     )
@@ -304,7 +304,10 @@ def main(argv: list[str] | None = None) -> int:
     except MixedWorkFolder as exc:
         print(f"[{NAME}] {exc}", file=sys.stderr)
         return 2
-    extra = tiny_sets(work) + ["check.prompts=4"] if opts.tiny else []
+    # the check ran once above (`grpo-pipeline task check`); every run trains whatever it said: what training
+    # then did is what the verdict is judged against
+    checking = tiny_sets(work) + ["check.prompts=4"] if opts.tiny else []
+    extra = [*checking, "check.enabled=false"]
     lock = threading.Lock()
 
     def keep(key: str, record: dict) -> None:
@@ -315,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in opts.tasks:  # the checks first: each is minutes of sampling, and says what to expect
         if f"{name}/check" not in state["runs"]:
             started = time.monotonic()
-            found = task_check(TASKS[name], work, extra)
+            found = task_check(TASKS[name], work, checking)
             keep(f"{name}/check", found | {"wall_s": round(time.monotonic() - started, 1)})
             print(f"[{NAME}] {name}: task check says {found.get('verdict')} ({found.get('reason')})", flush=True)
 
@@ -338,7 +341,9 @@ def main(argv: list[str] | None = None) -> int:
             future.result()
     report = {"name": NAME, "tiny": opts.tiny, "fingerprint": state["fingerprint"], "tasks": {}}
     for name in TASKS:
-        by_seed = {int(k.split("/")[1]): v for k, v in state["runs"].items() if k.startswith(f"{name}/") and "check" not in k}
+        by_seed = {
+            int(k.split("/")[1]): v for k, v in state["runs"].items() if k.startswith(f"{name}/") and "check" not in k
+        }
         if not by_seed:
             continue
         check = state["runs"].get(f"{name}/check") or {}
@@ -390,7 +395,9 @@ def table_rows(load) -> list[Row]:
                 "",
                 note=f"gain (95% CI) {per}; above 0 on {skill['seeds_above_zero']}/{skill['seeds']} seeds; length "
                 f"(tokens) {lengths}; task check: {check.get('verdict')} (agrees: {t['check_agrees']}); "
-                f"{t['minutes']['mean']:.1f} min a run" if t.get("minutes") else "",
+                f"{t['minutes']['mean']:.1f} min a run"
+                if t.get("minutes")
+                else "",
                 unit="",
             )
         )

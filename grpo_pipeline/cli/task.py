@@ -51,6 +51,7 @@ def check_cmd(
     _, cfg = load(config, extra, as_json)
     # heavy imports only once the config is known to be good
     from grpo_pipeline.tasks.check import cache_dir, run_check
+    from grpo_pipeline.tasks.data.shape import task_rewards
     from grpo_pipeline.tasks.data.sources import check_local_sources
     from grpo_pipeline.tasks.data.stage import DataQualityError, build_dataset, resolve_tokenizer
     from grpo_pipeline.tasks.job import check_rewards
@@ -58,8 +59,9 @@ def check_cmd(
 
     failure = None
     try:
-        rewards = cfg.train.reward_set()
         check_local_sources(cfg.data)
+        cfg = task_rewards(cfg)  # `auto`: the skill reward the answers need, as the run chooses it
+        rewards = cfg.train.reward_set()
         check_model_paths(cfg.model)
         check_rewards(rewards, cfg.evaluate)
         # the dataset version as `grpo-pipeline data` builds it (or finds it), the base as a run resolves it

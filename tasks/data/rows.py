@@ -7,7 +7,7 @@ stage reads besides its source: the demo task's rows (`demo_batches`) and the pr
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +16,8 @@ import orjson
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from grpo_pipeline.configs.rewards import RewardSet
 from grpo_pipeline.configs.data import ROW_FIELDS
+from grpo_pipeline.configs.rewards import RewardSet
 from grpo_pipeline.configs.schema import DataConfig
 from grpo_pipeline.tasks.data.demo_task import generate as demo_rows
 from grpo_pipeline.tasks.data.sources import RawBatch, Reject, iter_source, json_kind

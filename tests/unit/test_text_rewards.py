@@ -267,7 +267,7 @@ def test_json_fields_scores_its_reference_1(obj):
 def test_exact_match_scores_its_reference_1_or_says_why(answer):
     problem = reference_problem("exact_match", None, answer, {})
     score = exact_match([as_reference(answer)], answer=[answer])
-    assert score == ([0.0] if problem else [1.0]), problem
+    assert problem or score == [1.0]  # a reference it cannot judge is quarantined, whatever it scores
 
 
 @settings(max_examples=150, deadline=None)

@@ -69,6 +69,7 @@ def final_span(text: str, *, marker: str | None = None, answer_tag: str = "answe
 _EDGE = frozenset(".,;:!?¿¡…*_`\"'")
 _EDGE_CATEGORIES = frozenset({"Pi", "Pf", "Ps", "Pe"})
 _ARTICLE = re.compile(r"(?:a|an|the)\s+(?=\S)")
+_QUOTED = re.compile(r'["“]([^"“”\n]{1,200})["”]')  # a phrase in double quotes, ASCII or typographic
 
 
 def _edge(ch: str) -> bool:
@@ -134,16 +135,19 @@ def exact_match(
     non-empty line after the last `marker` (say "Answer:"; case-insensitive) when it is set and present; else the
     completion's last non-empty line. Both sides are normalized (`normalize_answer`): Unicode NFKC, case-folded,
     inner whitespace collapsed, surrounding whitespace and punctuation (`.,;:!?*_`, quotes, brackets; not `-`
-    or `#`) stripped, one leading article (a, an, the) dropped. Nothing else is forgiven: "Paris, France" is not
-    "Paris", and "The answer is Paris" as the last line is not either (ask for the answer on its own line, or
-    set `marker` or use the tag). `aliases`, an optional column, holds each row's other right answers: a list, or
-    a JSON-array string of them.
+    or `#`) stripped, one leading article (a, an, the) dropped. A final line that quotes its answer, as chat models
+    write it ('The plural of "fox" is "foxes".'), is also read by the phrase it quotes last. Nothing else is
+    forgiven: "Paris, France" is not "Paris", and "The answer is Paris" as the last line is not either (ask for the
+    answer on its own line, or set `marker` or use the tag). `aliases`, an optional column, holds each row's other
+    right answers: a list, or a JSON-array string of them.
 
     >>> exact_match(["The capital is Paris.\\nParis.", "<answer>the Eiffel Tower</answer>", "Answer: paris!"],
     ...             answer=["Paris", "Eiffel Tower", "Paris"], marker="Answer:")
     [1.0, 1.0, 1.0]
     >>> exact_match(["Paris, France", "The answer is Paris", "Lyon", ""], answer=["Paris"] * 4)
     [0.0, 0.0, 0.0, 0.0]
+    >>> exact_match(['The plural of "fox" is "foxes".', 'Not "foxes" but "foxen".', '"fox"'], answer=["foxes"] * 3)
+    [1.0, 0.0, 0.0]
     >>> exact_match(["NYC", "Big Apple", "Boston"], answer=["New York City"] * 3,
     ...             aliases=[["NYC"], '["the Big Apple"]', None])
     [1.0, 1.0, 0.0]
@@ -155,8 +159,10 @@ def exact_match(
     per_row = [()] * n if aliases is None else [_row_aliases(a) for a in aliases]
     scores = []
     for completion, ref, extra in zip(completions, answer, per_row, strict=True):
-        got = normalize_answer(final_span(completion_text(completion), marker=marker, answer_tag=answer_tag))
-        scores.append(float(bool(got) and got in _right_answers(str(ref), extra)))
+        span = final_span(completion_text(completion), marker=marker, answer_tag=answer_tag)
+        right = _right_answers(str(ref), extra)
+        readings = [span, *_QUOTED.findall(span)[-1:]]  # the line, and the phrase it quotes last
+        scores.append(float(any((got := normalize_answer(r)) and got in right for r in readings)))
     return scores
 
 
