@@ -85,6 +85,12 @@ SUITE = (
         210,
     ),
     Bench("warm_start", "day 2 warm-started on new rows + replay vs from the base on all rows: reward, time", 40),
+    Bench(
+        "own_tasks",
+        "a team's own tasks (a label, a short text, a JSON extraction, templated integers), 3 seeds: the skill's "
+        "gain per seed, and the task check's verdict against it",
+        75,
+    ),
 )
 
 

@@ -38,7 +38,16 @@ Role = Literal["skill", "shaping"]
 # every registered reward has one). The answer checkers and the judges say whether the task was done; the
 # formats and the length penalty say how the completion looks.
 SKILL_REWARDS = frozenset(
-    {"correct_answer", "math_answer", "remote_verifier", "reward_model", "exact_match", "label", "json_fields", "code_tests"}
+    {
+        "correct_answer",
+        "math_answer",
+        "remote_verifier",
+        "reward_model",
+        "exact_match",
+        "label",
+        "json_fields",
+        "code_tests",
+    }
 )
 SHAPING_REWARDS = frozenset(
     {"near_answer", "number_only", "think_format", "think_format_strict", "overlong_penalty", "json_schema"}

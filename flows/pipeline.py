@@ -150,7 +150,9 @@ def run_pipeline(cfg: PipelineConfig, priced: Plan | None = None) -> RunSummary:
         with stage_run(pid, "model"):
             selected, model_path = model_stage(cfg, base_path, splits["val"])
         task_check = None
-        if selected.check.enabled:  # can GRPO learn it on this base? too_hard ends the run here (check.on_too_hard)
+        # can GRPO learn it on this base? too_hard ends the run here (check.on_too_hard). A run that continues an
+        # adapter (warm start) starts from what it learned, not from the base the check samples: no check
+        if selected.check.enabled and warm_start is None:
             with stage_run(pid, "task-check"):
                 task_check = check_stage(selected, dataset, model_path)
         with stage_run(pid, "plan"):  # preflight's plan holds while the base is the configured one

@@ -97,7 +97,8 @@ def score(
     >>> score([{"answer": "3"}], ["3"], RewardSet(names=("correct_answer", "number_only"), weights=(1.0, 0.5)), [1]).reward
     1.5
     """
-    columns = {k: [row[k] for row in rows] for k in rows[0] if k != "prompt"} if rows else {}
+    names = dict.fromkeys(k for row in rows for k in row if k != "prompt")  # a column one row lacks is null there
+    columns = {k: [row.get(k) for row in rows] for k in names}
     logged: dict[str, float] = defaultdict(float)
 
     def log_metric(name: str, value: float) -> None:

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from grpo_pipeline.configs.rewards import RewardSet
+from grpo_pipeline.configs.rewards import AUTO, RewardSet
 from grpo_pipeline.configs.schema import DEMO_MODEL, ConfigError, EvalConfig, ModelConfig, TrainConfig
 from grpo_pipeline.configs.trainer_fields import TrainerFields
 from grpo_pipeline.trainer.checkpoints import open_store
@@ -180,6 +180,11 @@ def check_rewards(rewards: RewardSet, evaluate: EvalConfig) -> None:
     grpo_pipeline.configs.schema.ConfigError: evaluate.accuracy_reward: unknown reward 'corect_answer'; did you mean 'correct_answer'? (registered: math_answer, ..., or use 'package.module:function')
     """
     for field, name in reward_fields(rewards, evaluate):
+        if name == AUTO:  # every entry point resolves it first (grpo_pipeline.tasks.data.shape.task_rewards)
+            raise ConfigError(
+                f"{field}: '{AUTO}' is chosen from the source's answers before the run's checks, and was not: name "
+                "the skill reward (grpo-pipeline rewards lists them)"
+            )
         try:
             describe(name)  # the name alone
         except ValueError as exc:

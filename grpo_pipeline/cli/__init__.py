@@ -29,6 +29,7 @@ from typing import Annotated
 import typer
 
 from grpo_pipeline.cli import ab, data, deploy, plan, registry, rewards, run, serve, stack, task
+from grpo_pipeline.configs.schema import ConfigError
 from grpo_pipeline.failure import EXIT_CHAMPION_MOVED, EXIT_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_REJECTED, Commands
 from grpo_pipeline.loading import ConfigOpt, SetOpt, load
 
@@ -61,8 +62,15 @@ def _root(
 
 
 def show_config(config: ConfigOpt = None, overrides: SetOpt = None) -> None:
-    """Print the resolved configuration (defaults + YAML + --set) as JSON."""
+    """Print the resolved configuration (defaults + YAML + --set, `auto` as the source's answers choose it) as JSON."""
     _, cfg = load(config, overrides)
+    if cfg.data.source is not None:
+        from grpo_pipeline.tasks.data.shape import task_rewards
+
+        try:
+            cfg = task_rewards(cfg)
+        except ConfigError as exc:  # shown as configured, with why the skill reward is not resolved
+            print(f"train.rewards not resolved: {exc}", file=sys.stderr)
     print(cfg.model_dump_json(indent=2))
 
 

@@ -10,6 +10,7 @@ from typing import Annotated
 
 import typer
 
+from grpo_pipeline.configs.schema import ConfigError
 from grpo_pipeline.failure import EXIT_CONFIG, EXIT_FAILED
 from grpo_pipeline.failure import fail as _fail
 from grpo_pipeline.loading import ConfigOpt, SetOpt, load
@@ -35,6 +36,12 @@ def serve(
     from grpo_pipeline.tasks.serve.router import serve as run_router
 
     _, cfg = load(config, overrides)
+    from grpo_pipeline.tasks.data.shape import task_rewards
+
+    try:
+        cfg = task_rewards(cfg)  # `auto`: the skill reward the task's answers chose, which scores `reference` feedback
+    except ConfigError as exc:
+        _fail(False, str(exc), EXIT_CONFIG)
     # What needs no download, before anything is opened: in a folder where nothing ran, MLflow would create an
     # empty store there (and say so at INFO) and the request log its file, for a serve that cannot start.
     if nothing := missing(cfg.mlflow_uri):

@@ -204,13 +204,17 @@ class Chain:
         flat = messages.flatten()
         roles, contents = flat.field("role").to_pylist(), flat.field("content").to_pylist()
         answers, keys = table.column("answer").to_pylist(), table.column("key").to_pylist()
-        extras = table.column("extra").to_pylist()  # the other columns the rewards read: beside the answer
+        # the other columns the rewards read, beside the answer: every one on every row (null where a row has none),
+        # so a reader that takes its columns from one row (the evaluation, TRL's JSON reader) sees them all
+        extras = table.column("extra").to_pylist()
+        carried = dict.fromkeys(self.ctx.carried)
         out.writelines(
             jsonl_line(
                 {
                     "prompt": [{"role": roles[j], "content": contents[j]} for j in range(offsets[i], offsets[i + 1])],
                     "answer": answers[i],
                     "key": keys[i],
+                    **carried,
                     **(orjson.loads(extras[i]) if extras[i] else {}),
                 }
             )

@@ -23,7 +23,14 @@ IDENTITY_FIELDS: dict[str, Any] = {
     "deploy": True,
     "plan": True,
     "data": {"skip_unchanged": True, "drift_alert": True},
-    "train": {"launcher": True, "sky": True, "checkpoint_uri": True, "s3_endpoint_url": True, "max_restarts": True},
+    "train": {
+        "launcher": True,
+        "sky": True,
+        "checkpoint_uri": True,
+        "s3_endpoint_url": True,
+        "max_restarts": True,
+        "rewards": {"__all__": {"chosen_by": True}},  # how `auto` was chosen (sample counts), not what was chosen
+    },
 }
 
 

@@ -18,11 +18,18 @@ import pyarrow.compute as pc
 
 from grpo_pipeline.configs.data import ROW_FIELDS
 from grpo_pipeline.configs.rewards import RewardSet
-from grpo_pipeline.configs.schema import DataConfig
+from grpo_pipeline.configs.schema import ConfigError, DataConfig
 from grpo_pipeline.tasks.data.demo_task import generate as demo_rows
 from grpo_pipeline.tasks.data.sources import RawBatch, Reject, iter_source, json_kind
 from grpo_pipeline.tasks.data.splits import SPLITS
-from grpo_pipeline.trainer.rewards import RUNNER_INPUTS, describe, optional_columns, required_columns, resolve_reward
+from grpo_pipeline.trainer.rewards import (
+    REWARDS,
+    RUNNER_INPUTS,
+    describe,
+    optional_columns,
+    required_columns,
+    resolve_reward,
+)
 from grpo_pipeline.trainer.rewards import target as reward_function
 
 MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])
@@ -56,6 +63,11 @@ def carried_columns(cfg: DataConfig, rewards: RewardSet | None) -> tuple[dict[st
             names[column] = True
         for column in optional_columns(fn):
             names.setdefault(column, False)
+    if runner := sorted(set(cfg.columns) & RUNNER_INPUTS):
+        raise ConfigError(
+            f"data.columns: {', '.join(runner)} is what the trainer passes a reward itself, never a data column; map "
+            "the columns a reward reads from the rows (e.g. {aliases: other_answers})"
+        )
     names.update({c: names.get(c, False) for c in cfg.columns})
     carried = {c: cfg.columns.get(c, c) for c in names if c not in ROW_FIELDS and c not in RUNNER_INPUTS}
     return carried, frozenset(c for c in carried if names[c])
@@ -77,7 +89,7 @@ def carried_value(value: Any) -> Any:
 
 
 def _kind(value: Any) -> str:
-    return "number" if isinstance(value, int | float) and not isinstance(value, bool) else json_kind(value)
+    return "a number" if isinstance(value, int | float) and not isinstance(value, bool) else json_kind(value)
 
 
 def answer_text(answer: Any) -> str:
@@ -95,12 +107,17 @@ def answer_text(answer: Any) -> str:
 
 
 def verifier_args(rewards: RewardSet | None) -> dict[str, dict[str, Any]]:
-    """The answer-checking rewards of `rewards` (those that need a column of the row: the `answer`, a `code_tests`
-    row's `tests`) and their configured arguments; none for None. The others are not resolved here: they judge no
-    reference answer, and some need what only training offers (remote_verifier's service, a reward model)."""
+    """The answer-checking rewards of `rewards` (those that take the `answer` column, and the shipped ones that need
+    another column of the row: `code_tests`' `tests`) and their configured arguments; none for None. The others are
+    not resolved here: they judge no reference answer (a custom reward of other columns need not score one 1), and
+    some need what only training offers (remote_verifier's service, a reward model)."""
     if rewards is None:
         return {}
-    return {name: rewards.args_for(name) or {} for name in rewards.names if describe(name)["columns"]}
+    return {
+        name: rewards.args_for(name) or {}
+        for name in rewards.names
+        if "answer" in (columns := describe(name)["columns"]) or (columns and name in REWARDS)
+    }
 
 
 class RowContext:
@@ -173,14 +190,13 @@ def _canonical_record(
                 if column in ctx.required:
                     return missing(source)
                 continue
-            value = carried_value(value)
-            kind = ctx.kinds.setdefault(column, _kind(value))
+            kind = ctx.kinds.setdefault(column, _kind(value))  # as the source holds it: an object is no text
             if _kind(value) != kind:
                 return None, (
                     "wrong_type",
                     f"'{source}' is {_kind(value)} here and {kind} in the rows before: one type per column",
                 )
-            extra[column] = value
+            extra[column] = carried_value(value)
         system = text(rec.get(cfg.system_column), "system") if cfg.system_column else None
         if system is not None and not isinstance(system, str):
             return None, ("wrong_type", f"'{cfg.system_column}' is {json_kind(system)}, not text")

@@ -27,7 +27,7 @@ from grpo_pipeline.configs.evaluate import EvalConfig
 from grpo_pipeline.configs.rewards import AUTO, RewardEntry
 from grpo_pipeline.configs.schema import ConfigError, DataConfig, PipelineConfig
 
-SAMPLE_ROWS = 2000  # answers read to choose or check the skill reward: enough to see every label of a task
+SAMPLE_ROWS = 10_000  # answers read from the source's start to choose or check the skill reward
 MOSTLY = 0.95  # the share of sampled answers that must have a shape for the task to have it (the rest: quarantine)
 MAX_LABELS = 20  # more distinct answers than this is text, not a label set
 LABEL_REPEATS = 5  # each label seen this many times on average in the sample: a set, not free text that repeats
@@ -94,7 +94,7 @@ def choose_skill(answers: Sequence[Any], columns: Sequence[str] = ()) -> SkillCh
         return SkillChoice(reward="label", why="the rows have a `labels` column: one of each row's labels named")
     counts = Counter(text)
     short = all(len(a.split()) <= LABEL_WORDS for a in counts)
-    if len(text) == n and short and len(counts) <= MAX_LABELS and n >= LABEL_REPEATS * len(counts):
+    if len(text) == n and short and 2 <= len(counts) <= MAX_LABELS and n >= LABEL_REPEATS * len(counts):
         labels = sorted(counts)
         return SkillChoice(
             reward="label",
@@ -213,11 +213,11 @@ def _check_skill(cfg: PipelineConfig, answers: list[Any], columns: list[str], ch
     needs = describe(skill)["columns"]
     if needs != ["answer"]:  # a custom grader of other columns, a service, a model: the data stage checks rows
         return
-    references = sorted({answer_text(a) for a in answers})[:SAMPLE_ROWS]
-    fn = resolve_reward(skill, rewards.args_for(skill))
+    references = sorted({answer_text(a) for a in answers})
     try:
+        fn = resolve_reward(skill, rewards.args_for(skill))
         scores = fn([[{"role": "assistant", "content": r}] for r in references], answer=references)
-    except Exception:  # a reward that breaks on the task's answers: the data stage names the rows
+    except Exception:  # a bad argument (preflight names the field) or a reward that breaks (the data stage the rows)
         return
     unjudged = [r for r, s in zip(references, scores, strict=True) if not s > 0]
     if len(unjudged) / len(references) <= cfg.data.max_dropped_fraction:

@@ -99,6 +99,9 @@ def dataset_key(cfg: DataConfig, tokenizer_path: str | None, rewards: RewardSet)
     digest = hashlib.sha256(orjson.dumps(built, option=orjson.OPT_SORT_KEYS))
     here = Path(__file__).parent
     digest.update("".join(file_digest(here / f) for f in _CODE_FILES).encode())
+    # the rewards' own code decides which references are judged (their reference checks, their normalization)
+    rewards_code = here.parent.parent / "trainer" / "rewards"
+    digest.update("".join(file_digest(f) for f in sorted(rewards_code.glob("*.py"))).encode())
     digest.update(f"\0{_tokenizer_digest(tokenizer_path)}\0{list(rewards.names)}".encode())
     checker_args = {name: args for name, args in verifier_args(rewards).items() if args}
     if checker_args:  # only what changes a row: another url for remote_verifier rebuilds nothing

@@ -80,6 +80,7 @@ from grpo_pipeline.tasks.serve.api import (
 from grpo_pipeline.tasks.serve.engine import Engine, EngineError
 from grpo_pipeline.tasks.serve.request_rows import RequestRows, StreamRow
 from grpo_pipeline.tasks.serve.streaming import LoggedStream, Relay, ask_for_usage, relay_events
+from grpo_pipeline.trainer.rewards.base import RewardError
 
 if TYPE_CHECKING:
     from grpo_pipeline.configs.ab import ServeConfig
@@ -332,7 +333,12 @@ class Router:
                 "is off): send a score instead"
             )
         assert self.rewards is not None
-        return await anyio.to_thread.run_sync(score_reference, self.rewards, completion, reference, tokens)
+        try:
+            return await anyio.to_thread.run_sync(score_reference, self.rewards, completion, reference, tokens)
+        except RewardError as exc:  # a skill that reads more than the answer (a row's tests, its labels): a score
+            raise BadRequest(
+                f"{exc}: this task's reference alone cannot be scored here, send a score instead"
+            ) from None
 
     async def models(self, request: Request) -> JSONResponse:
         if (denied := self._denied(request)) is not None:

@@ -220,3 +220,88 @@ def test_the_reward_is_registered_and_refused_at_start_where_the_sandbox_cannot_
         monkeypatch.undo()
         check_sandbox.cache_clear()
     assert check_sandbox().python
+
+
+def holders(marker: str) -> list[int]:
+    """The host pids of the processes that hold a file open whose path names `marker`."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+        except OSError:  # gone, or not ours to look at
+            continue
+        if any(marker in link for link in links):
+            found.append(int(pid))
+    return found
+
+
+@pytest.mark.parametrize("hook", ["with the audit hook", "without it"])
+def test_a_program_that_leaves_its_process_group_dies_with_its_run(hook, request):
+    """`os.setsid()` raises no audit event and takes the program out of the process group that is killed on
+    overrun (and, as root, `unshare --kill-child`'s death signal is cleared by its setuid): the run must still
+    leave nothing behind. The program holds a file open whose name is this test's marker, so the host can find
+    it in /proc whatever its pid."""
+    if hook == "without it":
+        request.getfixturevalue("no_audit_hook")
+    marker = f"alive-{uuid.uuid4().hex}"
+    code = f"import os, time\nheld = open({marker!r}, 'w')\nos.setsid()\nprint('ready', flush=True)\ntime.sleep(120)\n"
+    outcome = run_python(check_sandbox(), code, "", Limits(timeout_s=4.0, memory_mb=256))
+    assert "ready" in outcome.output, outcome.output  # it got as far as leaving its process group
+    assert not outcome.passed and outcome.hostile and outcome.reason.startswith("timeout")
+    assert holders(marker) == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="as root the runs are user 65534; otherwise this user")
+def test_without_the_audit_hook_a_run_cannot_find_other_runs_folders(no_audit_hook):
+    """All runs are user 65534: each one's folder sits, under a random name, in a folder of root's that others
+    may pass through but not list, so a run cannot find (and rewrite) a concurrent run's files."""
+    probe = (
+        "import os, stat\ntry:\n    os.listdir('..')\n    listed = True\nexcept PermissionError:\n    listed = False\n"
+    )
+    probe += "mode = stat.S_IMODE(os.stat('.').st_mode)\n"
+    assert run(probe, "assert not listed\nassert mode == 0o700, oct(mode)").passed
+
+
+@pytest.mark.parametrize(
+    "output",
+    [
+        "hello\n" + sandbox_module.MARKER,  # printed bare at the end
+        "x" * (MAX_OUTPUT_BYTES - len(sandbox_module.MARKER)) + sandbox_module.MARKER,  # cut at the output limit
+        sandbox_module.MARKER + "   \n\n",
+        sandbox_module.MARKER * 3,
+    ],
+)
+def test_a_marker_the_program_prints_scores_it_zero_and_never_raises(output):
+    outcome = sandbox_module._outcome(0, output, False, Limits(), True)
+    assert not outcome.passed and outcome.hostile
+    assert outcome.reason == "refused by the sandbox"
+
+
+def test_the_reason_never_carries_what_the_program_printed(caplog):
+    leak = "import os\nprint('@@sandbox-refused@@ ' + repr(open('/etc/passwd').read()))\n"
+    fake_event = "import sys\nsys.audit('socket.' + open('/etc/passwd').read().replace('\\n', '_'))\n"
+    long_event = "import sys\nsys.audit('os.fork' + 'x' * 5000)\n"
+    caplog.set_level(logging.WARNING, logger="grpo_pipeline.trainer.rewards.code")
+    scores = code_tests(
+        [leak, fake_event, long_event, fenced("import os\nos.fork()\n")], [ADD_TESTS] * 4, timeout_s=SLOW
+    )
+    assert scores == [0.0] * 4
+    reasons = [r.getMessage().split(" scored 0: ", 1)[1] for r in caplog.records]
+    assert sorted(reasons) == sorted(
+        [
+            "refused by the sandbox",
+            "refused by the sandbox: socket.*",
+            "refused by the sandbox: os.fork*",
+            "refused by the sandbox: os.fork",
+        ]
+    ), reasons
+    assert "root" not in "".join(reasons)
+    with open("/etc/passwd") as f:
+        assert f.readline().split(":")[0] not in "\n".join(r.getMessage() for r in caplog.records)
+
+
+def test_tests_too_large_or_too_deep_to_compile_are_a_problem_not_a_crash():
+    too_deep = "the tests are too deeply nested or too large to compile"
+    assert tests_problem("assert " + "-" * 200000 + "1") == too_deep  # MemoryError in the parser
+    assert tests_problem("assert 1" + "+1" * 300000) == too_deep  # RecursionError in the parser
+    assert tests_problem(["assert 1" + "+1" * 300000]) == too_deep

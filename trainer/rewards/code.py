@@ -1,8 +1,9 @@
 """`code_tests`: a completion's Python code run against its row's tests in a sandbox (`sandbox.py`).
 
 The row's `tests` column is Python that fails by raising: the `assert`s of an MBPP row's `test_list` (a list of
-strings) or a HumanEval `test` (its `check(candidate)` must be called, e.g. `check(add)` appended by the data
-stage). `tests_problem` says why a row's tests cannot judge anything; the data stage quarantines such rows.
+strings) or a HumanEval-style `test`, which must call its check function itself (e.g. end with `check(add)`):
+nothing appends that call. `tests_problem` says why a row's tests cannot judge anything (tests that only define
+`check` and call nothing among them, since any code would pass); the data stage quarantines such rows.
 What the sandbox isolates, and what it does not: docs/security.md ("Code answers: `code_tests`").
 """
 
@@ -48,6 +49,10 @@ def tests_problem(tests: object) -> str | None:
     ('the tests are empty', 'the row has no tests', 'the tests are a dict, not a string of Python or a list of strings')
     >>> tests_problem("def check(candidate):\\n    assert candidate(1) == 2")
     'the tests never assert anything at their top level nor call anything that may: any code would pass'
+    >>> tests_problem("def check(candidate):\\n    assert candidate(1) == 2\\n\\ncheck(f)") is None
+    True
+    >>> tests_problem("assert 1" + "+1" * 300000)
+    'the tests are too deeply nested or too large to compile'
     """
     if tests is None:
         return "the row has no tests"
@@ -68,6 +73,8 @@ def tests_problem(tests: object) -> str | None:
         tree = ast.parse(source)
     except (SyntaxError, ValueError) as exc:
         return f"the tests do not compile: {exc}"
+    except (MemoryError, RecursionError):  # the parser's own limits: a long chain of operators, deep nesting
+        return "the tests are too deeply nested or too large to compile"
     # A definition asserts nothing until it is called: top-level asserts, or top-level calls, or it passes all.
     top = [n for n in tree.body if not isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)]
     if not any(isinstance(n, ast.Assert | ast.Call | ast.Raise) for stmt in top for n in ast.walk(stmt)):

@@ -5,18 +5,21 @@ One run (`run_python`) is one fresh process, started as
     unshare --net --pid --ipc --mount-proc --fork --kill-child [--setuid 65534 --setgid 65534 | --map-root-user]
         -- python3 -I -S -B -X utf8 -c RUNNER LIMITS...
 
-in a new temporary folder (its working directory, removed afterwards), with an empty environment, stdin closed,
+in a folder of its own (its working directory, mode 0700, under a random name inside a temporary folder of the
+caller's that others may pass through but not list; removed afterwards), with an empty environment, stdin closed,
 and stdout + stderr captured through one pipe, of which the first `MAX_OUTPUT_BYTES` are kept. What that gives,
 and what it does not, is in docs/security.md ("Code answers: `code_tests`"); in short:
 
 - no network: a new network namespace has only a loopback device, down;
 - no other processes: a new PID namespace (the program is its PID 1 and sees only itself in /proc), and
   RLIMIT_NPROC 0, so `fork`, threads and subprocesses fail;
-- bounded: wall time (the parent SIGKILLs the whole process group, which takes the namespace with it), CPU time
-  (RLIMIT_CPU), address space (RLIMIT_AS), file size (RLIMIT_FSIZE), open files, no core dumps;
+- bounded: wall time (on overrun, and after every run, the parent SIGKILLs the PID namespace's first process,
+  which makes the kernel kill everything in the namespace, then `unshare`: a program that left its process group
+  with `os.setsid()` dies too), CPU time (RLIMIT_CPU), address space (RLIMIT_AS), file size (RLIMIT_FSIZE), open
+  files, no core dumps;
 - as root, the program runs as the unprivileged user 65534 (`nobody`): it can write only where anyone may
-  (its folder, and world-writable places such as /tmp); not root, it runs as the calling user in a user
-  namespace, and can write wherever that user can;
+  (its folder, and world-writable places such as /tmp), and cannot find another run's folder; not root, it
+  runs as the calling user in a user namespace, and can write wherever that user can;
 - a Python audit hook refuses writes outside the folder, sockets, subprocesses, exec, fork, signals to other
   processes and ctypes: defence in depth only, since audit hooks are not a security boundary.
 
@@ -46,6 +49,32 @@ MAX_FILE_BYTES = 8 << 20  # RLIMIT_FSIZE: the largest file the program may write
 MAX_OPEN_FILES = 64
 MARKER = "@@sandbox-refused@@"  # the audit hook's line on stderr; a program that prints it only scores itself 0
 
+# What the audit hook refuses: events that start with one of these (BLOCKED), and these with a path outside the
+# folder (PATHS); besides "open" for writing outside it and importing ctypes.
+BLOCKED = (
+    *("socket.", "subprocess.", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty", "os.system"),
+    *("os.kill", "os.killpg", "signal.pthread_kill", "ctypes.", "pty.", "os.setuid", "os.setgid", "os.setresuid"),
+    *("os.setresgid", "os.chroot", "os.unshare", "os.setns"),
+)
+PATHS = (
+    *("os.remove", "os.rmdir", "os.mkdir", "os.rename", "os.symlink", "os.link", "os.truncate", "os.chmod"),
+    *("os.chown", "os.chflags", "os.utime", "os.mkfifo", "os.mknod", "os.setxattr", "os.removexattr"),
+)
+# The audit events (CPython's) a refusal names in `Outcome.reason`; another event that starts with a refused
+# prefix (`sys.audit` raises any name) is named by its prefix and "*". Nothing the program wrote goes into a
+# reason: it is logged, and a program could otherwise print a file's contents into the trainer's log.
+KNOWN_EVENTS = frozenset(
+    {
+        *("socket.__new__", "socket.bind", "socket.connect", "socket.getaddrinfo", "socket.gethostbyaddr"),
+        *("socket.gethostbyname", "socket.gethostname", "socket.getnameinfo", "socket.getservbyname"),
+        *("socket.getservbyport", "socket.sendmsg", "socket.sendto", "socket.sethostname", "subprocess.Popen"),
+        *("ctypes.addressof", "ctypes.call_function", "ctypes.cdata", "ctypes.cdata/buffer", "ctypes.dlopen"),
+        *("ctypes.create_string_buffer", "ctypes.create_unicode_buffer", "ctypes.dlsym", "ctypes.dlsym/handle"),
+        *("ctypes.get_errno", "ctypes.set_errno", "ctypes.string_at", "ctypes.wstring_at", "pty.spawn"),
+        *(name for name in BLOCKED + PATHS if not name.endswith(".")),
+    }
+)
+
 # What the child's exit says (besides 0: passed, and a signal).
 EXIT_FAILED, EXIT_COMPILE, EXIT_MEMORY, EXIT_REFUSED, EXIT_CPU = 1, 2, 3, 4, 5
 
@@ -71,11 +100,7 @@ with open("tests.py", encoding="utf-8") as f:
 home = os.path.realpath(os.getcwd())
 refused = []
 WRITES = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
-BLOCKED = ("socket.", "subprocess.", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty",
-           "os.system", "os.kill", "os.killpg", "signal.pthread_kill", "ctypes.", "pty.", "os.setuid",
-           "os.setgid", "os.setresuid", "os.setresgid", "os.chroot", "os.unshare", "os.setns")
-PATHS = ("os.remove", "os.rmdir", "os.mkdir", "os.rename", "os.symlink", "os.link", "os.truncate", "os.chmod",
-         "os.chown", "os.chflags", "os.utime", "os.mkfifo", "os.mknod", "os.setxattr", "os.removexattr")
+BLOCKED, PATHS = BLOCKED_AND_PATHS
 def inside(path):
     if isinstance(path, int):
         return True  # an fd: opening it was checked
@@ -130,7 +155,7 @@ except BaseException:  # SystemExit too: exiting, even with 0, before the tests 
     status = 1
 sys.stdout.flush()
 os._exit(4 if refused else status)
-"""
+""".replace("BLOCKED_AND_PATHS", repr((BLOCKED, PATHS)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,7 +250,12 @@ def check_sandbox() -> Sandbox:
 def run_python(box: Sandbox, code: str, tests: str, limits: Limits) -> Outcome:
     """Run `code`, then `tests` in its namespace, in a fresh sandbox; never raises for what the program does
     (an `OSError` means the sandbox could not be started: the machine's problem, not the program's)."""
-    with tempfile.TemporaryDirectory(prefix="code_tests-", ignore_cleanup_errors=True) as folder:
+    with tempfile.TemporaryDirectory(prefix="code_tests-", ignore_cleanup_errors=True) as outer:
+        # All runs are user 65534: each one's folder (0700, its) has a random name inside a folder of ours that
+        # others may pass through but not list, so a run cannot find a concurrent run's folder to rewrite it.
+        os.chmod(outer, 0o711)
+        folder = os.path.join(outer, secrets.token_hex(16))
+        os.mkdir(folder, 0o700)
         nonce = secrets.token_hex(16)
         for name, text in (("solution.py", code), ("tests.py", tests), (".nonce", nonce)):
             with open(os.path.join(folder, name), "w", encoding="utf-8") as f:
@@ -292,19 +322,80 @@ def _read_bounded(proc: subprocess.Popen, timeout_s: float) -> tuple[str, bool]:
 
 
 def _kill(proc: subprocess.Popen) -> None:
-    """SIGKILL its process group (unshare and the program; the program's PID namespace dies with it)."""
+    """End the run, whatever it did: SIGKILL the first process of its PID namespace (`unshare`'s child), which
+    makes the kernel SIGKILL everything else in the namespace, wait until it is dead, then SIGKILL `unshare`'s
+    process group. Killing the group alone is not enough: the program may have left it with `os.setsid()`
+    (no audit event), and as root `unshare --kill-child`'s death signal does not reach it (the kernel clears a
+    death signal when the process changes its uid, and `unshare` sets it before `--setuid`).
+
+    `unshare` is stopped first, so that it can neither fork nor reap while its children are read: a child's pid
+    cannot be reused before `unshare` reaps it. `unshare` exits only after its child did, so once it has exited
+    (the usual end of a run) the namespace is gone already."""
     if proc.poll() is None:
         try:
+            os.kill(proc.pid, signal.SIGSTOP)
+            _wait_for_state(proc.pid, "TZX")  # stopped outside any system call (a fork finished), or dead
+            children = _children(proc.pid)
+            for child in children:
+                try:
+                    os.kill(child, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            for child in children:  # a zombie once everything in its namespace has died (it waits for them)
+                _wait_for_state(child, "ZX")
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
     proc.wait()
 
 
+_KILL_WAIT_S = 30.0  # how long `_kill` waits for a SIGKILLed or SIGSTOPped process: the kernel's part, generous
+
+
+def _state(pid: int) -> str:
+    """The process's state letter from /proc (R, S, T, Z, ...), "X" when it no longer exists."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return "X"
+    fields = stat.rpartition(b")")[2].split()
+    return fields[0].decode() if fields else "X"
+
+
+def _wait_for_state(pid: int, states: str) -> None:
+    deadline = time.monotonic() + _KILL_WAIT_S
+    pause = 0.0005
+    while _state(pid) not in states and time.monotonic() < deadline:
+        time.sleep(pause)
+        pause = min(pause * 2, 0.02)
+
+
+def _children(pid: int) -> list[int]:
+    """The pids of `pid`'s child processes (`unshare --fork` has one: the namespace's first process)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children", encoding="ascii") as f:
+            return [int(child) for child in f.read().split()]
+    except FileNotFoundError:  # a kernel without CONFIG_PROC_CHILDREN, or `pid` is gone: ask every process
+        pass
+    except OSError:
+        return []
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    fields = f.read().rpartition(b")")[2].split()
+            except OSError:
+                continue
+            if len(fields) > 1 and fields[1] == str(pid).encode():
+                found.append(int(entry))
+    return found
+
+
 def _outcome(code: int, output: str, timed_out: bool, limits: Limits, finished: bool) -> Outcome:
     if MARKER in output:
-        refused = output.split(MARKER, 1)[1].strip().splitlines()[0]
-        return Outcome(False, f"refused by the sandbox: {refused}", output, hostile=True)
+        return Outcome(False, _refusal(output), output, hostile=True)
     if timed_out:
         return Outcome(False, f"timeout: still running after {limits.timeout_s:g} s (killed)", output, hostile=True)
     if code == 0 and finished:
@@ -324,3 +415,30 @@ def _outcome(code: int, output: str, timed_out: bool, limits: Limits, finished: 
     if code < 0:
         return Outcome(False, f"killed by {signal.Signals(-code).name}", output, hostile=True)
     return Outcome(False, f"exit status {code}", output)
+
+
+def _refusal(output: str) -> str:
+    """The reason for a run whose output holds the marker, in fixed words only: the first refusal whose event
+    is one the hook refuses, named from `KNOWN_EVENTS` or its refused prefix (the program may print the marker
+    itself, followed by anything: a file's contents, or nothing).
+
+    >>> _refusal("\\n@@sandbox-refused@@ socket.connect (<socket.socket ...>, ('10.0.0.1', 80))\\n")
+    'refused by the sandbox: socket.connect'
+    >>> _refusal("@@sandbox-refused@@ open for writing: '/etc/x'"), _refusal("@@sandbox-refused@@ import ctypes")
+    ('refused by the sandbox: open for writing', 'refused by the sandbox: import ctypes')
+    >>> _refusal("@@sandbox-refused@@ socket.root:x:0:0 ..."), _refusal("hello\\n@@sandbox-refused@@")
+    ('refused by the sandbox: socket.*', 'refused by the sandbox')
+    """
+    for part in output.split(MARKER)[1:]:
+        words = part[:200].split(maxsplit=2)
+        event = words[0] if words else ""
+        if event == "open" and words[1:2] == ["for"]:
+            return "refused by the sandbox: open for writing"
+        if event == "import" and words[1:2] in (["ctypes"], ["_ctypes"]):
+            return f"refused by the sandbox: import {words[1]}"
+        if event in KNOWN_EVENTS:
+            return f"refused by the sandbox: {event}"
+        prefix = next((p for p in BLOCKED + PATHS if event.startswith(p)), None)
+        if prefix is not None:
+            return f"refused by the sandbox: {prefix}*"
+    return "refused by the sandbox"
