@@ -292,6 +292,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", nargs="+", type=int, default=list(SEEDS))
     parser.add_argument("--tiny", action="store_true", help="a tiny random model, 2 steps: the chain, not the gain")
     parser.add_argument("--write-examples", action="store_true", help="rewrite examples/*/rows.jsonl and stop")
+    parser.add_argument(
+        "--adopt",
+        action="store_true",
+        help="keep the runs of a work folder made by another code version (each run's record names its own), "
+        "for a fix that changes no figure; the report lists every code version it holds",
+    )
     add_work_options(parser, WORK)
     opts = parser.parse_args(argv)
     if opts.write_examples:
@@ -299,11 +305,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{NAME}] wrote {path.relative_to(ROOT)}")
         return 0
     work = opts.work / "tiny" if opts.tiny else opts.work
+    code = harness_fingerprint(json.dumps({"tiny": opts.tiny}), CODE, ROOT)
     try:
-        state = open_work(work, harness_fingerprint(json.dumps({"tiny": opts.tiny}), CODE, ROOT), opts.fresh)
+        state = open_work(work, code, opts.fresh)
     except MixedWorkFolder as exc:
-        print(f"[{NAME}] {exc}", file=sys.stderr)
-        return 2
+        if not opts.adopt:
+            print(f"[{NAME}] {exc}", file=sys.stderr)
+            return 2
+        kept = json.loads((work / "runs.json").read_text())
+        for record in kept["runs"].values():
+            record.setdefault("code", kept["fingerprint"])
+        print(f"[{NAME}] adopting {len(kept['runs'])} runs of code {kept['fingerprint'][:12]} (now {code[:12]})")
+        state = {**kept, "fingerprint": code}
     # the check ran once above (`grpo-pipeline task check`); every run trains whatever it said: what training
     # then did is what the verdict is judged against
     checking = tiny_sets(work) + ["check.prompts=4"] if opts.tiny else []
@@ -312,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def keep(key: str, record: dict) -> None:
         with lock:
-            state["runs"][key] = record
+            state["runs"][key] = record | {"code": code}
             keep_runs(work / "runs.json", state)
 
     for name in opts.tasks:  # the checks first: each is minutes of sampling, and says what to expect
@@ -336,10 +349,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{NAME}] {name}/{seed}: {(time.monotonic() - started) / 60:.1f} min", flush=True)
 
     pending = [(n, s) for n in opts.tasks for s in opts.seeds if f"{n}/{s}" not in state["runs"]]
-    with ThreadPoolExecutor(SIDE_BY_SIDE) as pool:
-        for future in [pool.submit(one, n, s) for n, s in pending]:
-            future.result()
-    report = {"name": NAME, "tiny": opts.tiny, "fingerprint": state["fingerprint"], "tasks": {}}
+    failed = []
+    with ThreadPoolExecutor(SIDE_BY_SIDE) as pool:  # a failed run is named at the end; the others go on
+        for (n, s), future in [((n, s), pool.submit(one, n, s)) for n, s in pending]:
+            try:
+                future.result()
+            except SystemExit as exc:
+                failed.append(f"{n}/{s}: {str(exc)[-300:]}")
+    codes = sorted({r.get("code", state["fingerprint"]) for r in state["runs"].values()})
+    report = {"name": NAME, "tiny": opts.tiny, "fingerprint": state["fingerprint"], "codes": codes, "tasks": {}}
     for name in TASKS:
         by_seed = {
             int(k.split("/")[1]): v for k, v in state["runs"].items() if k.startswith(f"{name}/") and "check" not in k
@@ -363,7 +381,9 @@ def main(argv: list[str] | None = None) -> int:
     for row in table_rows(lambda _name: report):
         print(f"[{NAME}] {row.benchmark}: {row.baseline} | {row.candidate} | {row.note}", flush=True)
     print(f"[{NAME}] goals: {json.dumps(report['goals'])}", flush=True)
-    return 0
+    for failure in failed:
+        print(f"[{NAME}] failed: {failure}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def table_rows(load) -> list[Row]:

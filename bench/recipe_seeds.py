@@ -694,7 +694,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             started = time.monotonic()
             # the recipe trains each task whatever the task check says (a benchmark measures what training does)
-            run_sets = [*sets, f"train.grpo.seed={seed}", "check.on_too_hard=warn"]
+            run_sets = ["check.on_too_hard=warn", *sets, f"train.grpo.seed={seed}"]
             summary, seconds = pipeline_run(
                 work / f"{name}-{seed}", run_sets, threads, config=task.config or opts.recipe
             )

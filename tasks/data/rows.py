@@ -61,8 +61,10 @@ def carried_columns(cfg: DataConfig, rewards: RewardSet | None) -> tuple[dict[st
         fn = reward_function(name)
         for column in required_columns(fn):
             names[column] = True
+        bound = rewards.args_for(name) or {} if rewards is not None else {}
         for column in optional_columns(fn):
-            names.setdefault(column, False)
+            if column not in bound:  # an argument given once for every row (label's labels) is no column
+                names.setdefault(column, False)
     if runner := sorted(set(cfg.columns) & RUNNER_INPUTS):
         raise ConfigError(
             f"data.columns: {', '.join(runner)} is what the trainer passes a reward itself, never a data column; map "

@@ -4,8 +4,12 @@ own tests is quarantined with the reason."""
 
 from __future__ import annotations
 
+import pytest
+
 from tests.unit.test_data import read
 from tests.unit.test_own_task import built, write
+
+pytestmark = pytest.mark.integration  # the sandbox runs each reference solution in a subprocess
 
 
 def test_a_code_task_keeps_rows_whose_reference_passes_and_quarantines_the_rest(tmp_path):

@@ -55,6 +55,17 @@ def test_each_example_task_is_kept_whole_and_judged_by_the_skill_its_answers_cho
     assert scored.per_reward[skill] == 1.0
     if name == "extract-json":
         assert all(isinstance(json.loads(r["answer"]), dict) for r in rows)  # an object answer travels as its JSON
+    if name == "sentiment":  # labels given once as the argument: no labels column beside it
+        assert all("labels" not in r for r in rows)
+
+
+def test_an_argument_holds_beside_a_column_of_nulls_and_is_refused_beside_a_column_of_values():
+    from grpo_pipeline.trainer.rewards import RewardError, resolve_reward
+
+    label = resolve_reward("label", {"labels": ["negative", "positive"]})
+    assert label(["positive", "so: negative"], answer=["positive", "positive"], labels=[None, None]) == [1.0, 0.0]
+    with pytest.raises(RewardError, match="both as an argument and as a data column"):
+        label(["positive"], answer=["positive"], labels=[["positive", "neutral"]])
 
 
 def test_the_columns_a_reward_reads_are_carried_under_its_names_and_mapped_from_the_sources(tmp_path):
@@ -136,3 +147,11 @@ def test_the_cli_refuses_a_skill_reward_that_cannot_judge_the_answers_before_any
     failure = json.loads(result.stdout.strip().splitlines()[-1])
     assert "'correct_answer' cannot judge" in failure["error"] and "label could" in failure["error"]
     assert not (tmp_path / "grpo" / "datasets").exists()  # nothing built
+
+
+def test_every_example_file_is_what_its_generator_writes():
+    from bench.own_tasks import TASKS, example_lines
+
+    for example in TASKS.values():
+        assert (example.folder / "rows.jsonl").read_text() == example_lines(example), example.name
+        assert example.config.is_file()

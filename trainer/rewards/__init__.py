@@ -332,10 +332,14 @@ def transient(exc: BaseException) -> bool:
 
 def _checked(fn: RewardFn, name: str, columns: list[str], as_argument: Sequence[str] = ()) -> RewardFn:
     """`fn` that refuses to hand the trainer garbage: each failure names the reward and the row. `as_argument`:
-    optional columns bound as arguments, which the data must not also hold (which would win is no one's guess)."""
+    optional columns bound as arguments, which the data must not also hold (which would win is no one's guess); a
+    column of nulls only (a reader that fills every row's columns) holds nothing, and the argument holds."""
 
     def reward(completions: list, *args: Any, **kwargs: Any) -> list[float]:
         n = len(completions)
+        for c in as_argument:
+            if c in kwargs and isinstance(kwargs[c], list) and all(v is None for v in kwargs[c]):
+                del kwargs[c]
         if both := [c for c in as_argument if c in kwargs]:
             raise RewardError(
                 f"reward '{name}' has {', '.join(both)} both as an argument and as a data column: keep one "
