@@ -208,6 +208,9 @@ class Example:
     what: str
     rows: int
     generate: object  # (n) -> rows
+    # the format reported beside the skill (paid by nothing): a reward scored on the holdout's replies; None: the
+    # reply's length alone (a label or a word has no form of its own to report)
+    format: str | None = None
 
     @property
     def folder(self) -> Path:
@@ -223,8 +226,14 @@ TASKS = {
     for e in (
         Example("sentiment", "a label: positive or negative (label)", 1000, sentiment_rows),
         Example("odd-word", "a short text: the word that does not belong (exact_match)", 800, odd_word_rows),
-        Example("extract-json", "a JSON extraction: name, age, city (json_fields)", 900, person_rows),
-        Example("word-problems", "an integer from 8 prompt templates (correct_answer)", 800, word_problem_rows),
+        Example("extract-json", "a JSON extraction: name, age, city (json_fields)", 900, person_rows, "json_schema"),
+        Example(
+            "word-problems",
+            "an integer from 8 prompt templates (correct_answer)",
+            800,
+            word_problem_rows,
+            "number_only",
+        ),
     )
 }
 
@@ -278,6 +287,47 @@ def agreement(verdict: str, gained: list[bool]) -> bool | None:
     return None
 
 
+def format_figures(run_dir: Path, reward: str) -> dict:
+    """The format reward's holdout mean, base -> trained, with its gain's paired interval, scored on the replies the
+    run logged (its evaluate stages' per-prompt tables in its own MLflow store): a format no training reward pays is
+    not in those tables' columns, so it is scored here from the completions.
+
+    >>> format_figures(Path("/nonexistent"), "number_only")
+    Traceback (most recent call last):
+    ...
+    FileNotFoundError: /nonexistent/mlflow.db: the run's MLflow store is gone
+    """
+    import tempfile
+
+    from mlflow import MlflowClient
+
+    from bench.recipe_seeds import evaluation_rows, reward_figures
+    from grpo_pipeline.trainer.rewards import resolve_reward
+
+    store = run_dir / "mlflow.db"
+    if not store.is_file():
+        raise FileNotFoundError(f"{store}: the run's MLflow store is gone")
+    uri = f"sqlite:///{store}"
+    client = MlflowClient(uri)
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    (stage,) = client.search_runs(experiments, "attributes.run_name = 'evaluate-base'", max_results=1)
+    summary = {
+        "mlflow": {
+            "tracking_uri": uri,
+            "run_id": stage.data.tags["mlflow.parentRunId"],
+            "experiment_id": stage.info.experiment_id,
+        }
+    }
+    with tempfile.TemporaryDirectory() as dst:
+        base, trained = evaluation_rows(summary, Path(dst))
+    if reward not in base[0]:
+        score = resolve_reward(reward)
+        for rows in (base, trained):
+            for row, value in zip(rows, score([r["completion"] for r in rows]), strict=True):
+                row[reward] = value
+    return {"reward": reward, **reward_figures(base, trained, reward)}
+
+
 def length_figures(summary: dict) -> dict:
     holdout = summary.get("holdout") or {}
     return {
@@ -325,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def keep(key: str, record: dict) -> None:
         with lock:
-            state["runs"][key] = record | {"code": code}
+            state["runs"][key] = {"code": code} | record  # an adopted run keeps its own
             keep_runs(work / "runs.json", state)
 
     for name in opts.tasks:  # the checks first: each is minutes of sampling, and says what to expect
@@ -343,6 +393,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         skill = (summary.get("holdout") or {}).get("skill")
         figures = measure(summary, seconds, Task(name, example.what, SEEDS, skill, None))
+        if example.format:
+            figures["format"] = format_figures(work / f"{name}-{seed}", example.format)
         keep(f"{name}/{seed}", figures | length_figures(summary) | {"skill_choice": summary.get("skill_choice")})
         prune_weights(work / f"{name}-{seed}")
         print(f"[{NAME}] {name}/{seed}: {json.dumps(state['runs'][f'{name}/{seed}'])[:400]}", flush=True)
@@ -356,6 +408,10 @@ def main(argv: list[str] | None = None) -> int:
                 future.result()
             except SystemExit as exc:
                 failed.append(f"{n}/{s}: {str(exc)[-300:]}")
+    for key, record in state["runs"].items():  # runs kept before their format was measured: from their tables
+        name, _, seed = key.partition("/")
+        if seed != "check" and name in TASKS and TASKS[name].format and not record.get("format"):
+            keep(key, record | {"format": format_figures(work / f"{name}-{seed}", TASKS[name].format)})
     codes = sorted({r.get("code", state["fingerprint"]) for r in state["runs"].values()})
     report = {"name": NAME, "tiny": opts.tiny, "fingerprint": state["fingerprint"], "codes": codes, "tasks": {}}
     for name in TASKS:
@@ -405,6 +461,12 @@ def table_rows(load) -> list[Row]:
             for run in t["per_seed"].values()
         )
         check = t["check"]
+        fmt = t.get("format")
+        shape = (
+            f"; format ({fmt['reward']}) {fmt['base']:.3f} -> " + ", ".join(f"{v:.3f}" for v in fmt["trained"].values())
+            if fmt
+            else ""
+        )
         rows.append(
             Row(
                 f"{bench}, {name}: {TASKS[name].what if name in TASKS else name}, {len(t['seeds'])} seeds: "
@@ -413,11 +475,9 @@ def table_rows(load) -> list[Row]:
                 "trained: " + ", ".join(f"{v:.3f}" for v in skill["trained"].values()),
                 skill["mean_gain"],
                 "",
-                note=f"gain (95% CI) {per}; above 0 on {skill['seeds_above_zero']}/{skill['seeds']} seeds; length "
-                f"(tokens) {lengths}; task check: {check.get('verdict')} (agrees: {t['check_agrees']}); "
-                f"{t['minutes']['mean']:.1f} min a run"
-                if t.get("minutes")
-                else "",
+                note=f"gain (95% CI) {per}; above 0 on {skill['seeds_above_zero']}/{skill['seeds']} seeds{shape}; "
+                f"length (tokens) {lengths}; task check: {check.get('verdict')} (agrees: {t['check_agrees']})"
+                + (f"; {t['minutes']['mean']:.1f} min a run" if t.get("minutes") else ""),
                 unit="",
             )
         )
