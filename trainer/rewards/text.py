@@ -229,15 +229,24 @@ def _label_pattern(keys: tuple[str, ...]) -> re.Pattern[str] | None:
 
 def named_labels(span: str, labels: Sequence[str]) -> set[str]:
     """The labels (case-folded) a span names: each a whole-word, case-insensitive match; where labels overlap,
-    the longest match at a position wins and matches do not overlap ("not neutral" names only "not neutral").
+    the longest match at a position wins and matches do not overlap ("not neutral" names only "not neutral"). A
+    label of one character (a multiple choice's A-D) matches in its own case: the article "a" names no choice A.
 
     >>> sorted(named_labels("Not  Neutral.", ["neutral", "not neutral"]))
     ['not neutral']
     >>> sorted(named_labels("positive or negative", ["positive", "negative"])), named_labels("nonpositive", ["positive"])
     (['negative', 'positive'], set())
+    >>> named_labels("The answer is B, as a result of the rule.", ["A", "B", "C", "D"])
+    {'b'}
     """
-    pattern = _label_pattern(tuple(_fold(label) for label in labels))
-    return set() if pattern is None else {m.group(0) for m in pattern.finditer(_fold(span))}
+    words = tuple(_fold(label) for label in labels if len(_fold(label)) > 1)
+    letters = tuple(unicodedata.normalize("NFKC", label).strip() for label in labels if len(_fold(label)) == 1)
+    found: set[str] = set()
+    if (pattern := _label_pattern(words)) is not None:
+        found |= {m.group(0) for m in pattern.finditer(_fold(span))}
+    if (exact := _label_pattern(letters)) is not None:
+        found |= {_fold(m.group(0)) for m in exact.finditer(unicodedata.normalize("NFKC", span))}
+    return found
 
 
 def _row_labels(labels: Any, n: int) -> list[Sequence[str]]:
@@ -276,7 +285,8 @@ def label(
 
     The final answer is found as `exact_match` finds it (the last `<answer>` block, else the line after the
     last `marker`, else the last non-empty line). A label is named by a whole-word, case-insensitive match
-    (Unicode NFKC, whitespace collapsed) anywhere in that span: "Sentiment: Positive." names positive,
+    (Unicode NFKC, whitespace collapsed; a one-letter label, a multiple choice's A-D, in its own case, so the article
+    "a" is no choice A) anywhere in that span: "Sentiment: Positive." names positive,
     "nonpositive" names nothing. Where labels overlap the longest match wins ("not neutral" names not neutral,
     not neutral). Naming two labels ("positive or negative") or none scores 0. `labels` is bound once as an
     argument (`args: {labels: [positive, negative]}`, the same for every row) or is a column (a list per row).
