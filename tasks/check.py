@@ -20,6 +20,9 @@ fixes; `grpo-pipeline task check` prints it, and a run (`check.*`) refuses a `to
 
 Pure functions first (`pick_prompts`, `read_samples`, `verdict`, `estimate_training`, `cache_key`), the model's part
 in `run_check`, and the Prefect task at the bottom. A result is cached on disk, keyed by everything it depends on.
+
+One module, the stage's: its value (`TaskCheck`), its readings and verdict, its cache and its sampling are one
+measurement's parts, each read by the others, as `tasks/evaluate.py` holds the evaluation's.
 """
 
 from __future__ import annotations

@@ -97,8 +97,8 @@ def score(
     >>> score([{"answer": "3"}], ["3"], RewardSet(names=("correct_answer", "number_only"), weights=(1.0, 0.5)), [1]).reward
     1.5
     """
-    names = dict.fromkeys(k for row in rows for k in row if k != "prompt")  # a column one row lacks is null there
-    columns = {k: [row.get(k) for row in rows] for k in names}
+    keys = dict.fromkeys(k for row in rows for k in row if k != "prompt")  # a column one row lacks is null there
+    columns = {k: [row.get(k) for row in rows] for k in keys}
     logged: dict[str, float] = defaultdict(float)
 
     def log_metric(name: str, value: float) -> None:

@@ -222,3 +222,22 @@ def test_the_benchmarks_page_quotes_the_demo_recipes_accuracy_and_format_from_th
     accuracy = listed([f"{100 * r['per_reward']['correct_answer']:.1f} %" for r in hand])
     fmt = listed([percent(r["per_reward"]["number_only"]) for r in hand])
     assert f"total {total}; accuracy {accuracy}; format {fmt}" in text
+
+
+def test_the_readmes_own_task_figures_are_the_saved_benchmark():
+    """The README's "your own task" paragraph quotes bench.own_tasks' saved result (bench/results/own_tasks.json):
+    each example task's accuracy, base -> every seed's trained, and the task check's verdict on it."""
+    import json
+
+    saved = json.loads((ROOT / "bench" / "results" / "own_tasks.json").read_text())["tasks"]
+    text = " ".join(README.read_text().split())
+
+    def pct(x: float) -> str:
+        return f"{100 * x:.1f}".removesuffix(".0")
+
+    for name, task in saved.items():
+        trained = [pct(task["skill"]["trained"][seed]) for seed in sorted(task["skill"]["trained"])]
+        figure = f"{pct(task['skill']['base'])} % -> {', '.join(trained[:-1])} and {trained[-1]} %"
+        assert figure in text, f"the README's {name} figures are not the saved ones ({figure})"
+    verdicts = {task["check"]["verdict"] for task in saved.values()}
+    assert verdicts == {"learnable"} and "the task check called each `learnable`" in text

@@ -76,7 +76,7 @@ KNOWN_EVENTS = frozenset(
 )
 
 # What the child's exit says (besides 0: passed, and a signal).
-EXIT_FAILED, EXIT_COMPILE, EXIT_MEMORY, EXIT_REFUSED, EXIT_CPU = 1, 2, 3, 4, 5
+CHILD_FAILED, CHILD_COMPILE, CHILD_MEMORY, CHILD_REFUSED, CHILD_CPU = 1, 2, 3, 4, 5
 
 # Runs in the child before any of its code: limits, the audit hook, then the program, then the tests, in one
 # namespace. It is trusted; everything after `sys.addaudithook` is not.
@@ -402,15 +402,15 @@ def _outcome(code: int, output: str, timed_out: bool, limits: Limits, finished: 
         return Outcome(True, "passed", output)
     if code == 0:
         return Outcome(False, "exited 0 before its tests ended", output, hostile=True)
-    if code == EXIT_FAILED:
+    if code == CHILD_FAILED:
         return Outcome(False, "the tests failed", output)
-    if code == EXIT_COMPILE:
+    if code == CHILD_COMPILE:
         return Outcome(False, "the code does not compile", output)
-    if code == EXIT_MEMORY:
+    if code == CHILD_MEMORY:
         return Outcome(False, f"memory: past its {limits.memory_mb} MiB", output, hostile=True)
-    if code == EXIT_REFUSED:
+    if code == CHILD_REFUSED:
         return Outcome(False, "refused by the sandbox", output, hostile=True)
-    if code == EXIT_CPU or code == -signal.SIGKILL:
+    if code == CHILD_CPU or code == -signal.SIGKILL:
         return Outcome(False, "cpu time: past its limit (killed)", output, hostile=True)
     if code < 0:
         return Outcome(False, f"killed by {signal.Signals(-code).name}", output, hostile=True)

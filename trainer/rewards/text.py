@@ -4,6 +4,10 @@ JSON object (`json_fields`, and the shaping `json_schema`).
 Each scores its own reference 1.0 when offered it as the completion (the data stage's check), and each has a
 reference check (`*_reference_problem`) that says, in words a user can act on, why a row's reference cannot be
 judged. Hostile completions (huge, deeply nested, ambiguous JSON) score 0; none raises or hangs.
+
+One module, not one per reward: the three skill rewards read the final answer the same way (`final_span`,
+`normalize_answer`) and `json_schema` finds the reply's object as `json_fields` does; cut apart they would import
+each other's parts.
 """
 
 from __future__ import annotations
