@@ -424,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
         summary = summarize(by_seed, name)
         gained = [by_seed[s]["skill"]["ci_low"] > 0 for s in sorted(by_seed)]
         report["tasks"][name] = summary | {
-            "check": {k: check.get(k) for k in ("verdict", "reason", "accuracy", "mixed_share", "wall_s")},
+            "check": {k: check.get(k) for k in ("verdict", "reason", "accuracy", "mixed_fraction", "wall_s")},
             "check_agrees": agreement(check.get("verdict", ""), gained),
         }
     tasks = report["tasks"]
