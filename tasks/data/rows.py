@@ -180,10 +180,10 @@ def _canonical_record(
         for value, column in ((prompt, cfg.prompt_column), (answer, cfg.answer_column)):
             if value is None:
                 return missing(column)
-        if isinstance(answer, bool) or not isinstance(answer, str | int | float | dict | list):
+        if isinstance(answer, bool) or not isinstance(answer, str | int | float | dict):
             return None, (
                 "wrong_type",
-                f"'{cfg.answer_column}' is {json_kind(answer)}, not text, a number or a JSON object or list",
+                f"'{cfg.answer_column}' is {json_kind(answer)}, not text, a number or a JSON object",
             )
         extra = {}
         for column, source in ctx.carried.items():

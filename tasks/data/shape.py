@@ -86,9 +86,10 @@ def choose_skill(answers: Sequence[Any], columns: Sequence[str] = ()) -> SkillCh
     text = [str(a).strip() for a in answers if not isinstance(a, dict | list)]
     if _share(answers, _json_object) >= MOSTLY:
         return SkillChoice(reward="json_fields", why=f"{n} sampled answers are JSON objects: their fields compared")
-    if len(text) == n and _share(text, _INTEGER.fullmatch) >= MOSTLY:
+    # shares of all the answers: a few of another kind (an object among numbers) are the quarantine's, not the task's
+    if sum(1 for a in text if _INTEGER.fullmatch(a)) / n >= MOSTLY:
         return SkillChoice(reward="correct_answer", why=f"{n} sampled answers are integers: the final number compared")
-    if len(text) == n and _share(text, lambda a: _NUMBER.fullmatch(a.replace(",", ""))) >= MOSTLY:
+    if sum(1 for a in text if _NUMBER.fullmatch(a.replace(",", ""))) / n >= MOSTLY:
         return SkillChoice(reward="math_answer", why=f"{n} sampled answers are numbers: compared numerically")
     if "labels" in columns:
         return SkillChoice(reward="label", why="the rows have a `labels` column: one of each row's labels named")

@@ -79,7 +79,10 @@ def malformed_corpus(tmp_path: Path) -> tuple[Path, Path, list[str], dict[str, s
         "empty": ("empty_prompt", {"id": "empty", "prompt": "  \n\t ", "answer": "5"}),
         "no-answer": ("missing_field", {"id": "no-answer", "prompt": question(rng, 80)[0]}),
         "int-prompt": ("wrong_type", {"id": "int-prompt", "prompt": 123, "answer": "5"}),
-        "dict-answer": ("wrong_type", {"id": "dict-answer", "prompt": question(rng, 81)[0], "answer": {"value": 5}}),
+        "dict-answer": (
+            "answer_unverifiable",
+            {"id": "dict-answer", "prompt": question(rng, 81)[0], "answer": {"value": 5}},
+        ),
         "decimal": ("answer_unverifiable", {"id": "decimal", "prompt": question(rng, 82)[0], "answer": "3.5"}),
     }
     lines = [json.dumps(r).encode() for r in valid]

@@ -248,7 +248,7 @@ def test_nul_is_refused_in_every_format_and_messages_name_null_and_kinds(tmp_pat
     assert details == [
         "'question' is null",
         "no 'question' (the row has: answer, id)",
-        "'answer' is an array, not text or a number",
+        "'answer' is an array, not text, a number or a JSON object",
         "'id' is null",
         "'id' is a number with a fraction, not text or an integer",
     ]

@@ -89,7 +89,6 @@ def test_references_a_reward_cannot_judge_are_quarantined_with_the_reason_never_
     rows = [{"prompt": f"Review {i}: it was fine", "answer": "positive" if i % 2 else "negative"} for i in range(40)]
     rows += [
         {"prompt": "Review x: meh", "answer": "maybe"},  # not among the labels
-        {"prompt": "Review y: ok", "answer": "positive", "labels": "positive"},  # a column of the wrong type
     ]
     source = write(tmp_path / "labels.jsonl", rows)
     _, version = built(tmp_path, source, "train.rewards=[{name: label, args: {labels: [negative, positive]}}]")
@@ -102,7 +101,7 @@ def test_references_a_reward_cannot_judge_are_quarantined_with_the_reason_never_
 
 def test_a_json_reference_that_is_no_object_and_a_column_of_two_types_are_quarantined(tmp_path):
     rows = [{"prompt": f"Person {i}", "answer": {"name": f"P{i}", "age": i}} for i in range(30)]
-    rows += [{"prompt": "Person list", "answer": [1, 2]}, {"prompt": "Person text", "answer": "Ann, 34"}]
+    rows += [{"prompt": "Person list", "answer": "[1, 2]"}, {"prompt": "Person text", "answer": "Ann, 34"}]
     source = write(tmp_path / "people.jsonl", rows)
     _, version = built(tmp_path, source, "train.rewards=[json_fields]")
     why = {q["row"]["prompt"][-1]["content"]: q for q in read(version.quarantine)}

@@ -246,10 +246,17 @@ def named_labels(span: str, labels: Sequence[str]) -> set[str]:
     words = tuple(_fold(label) for label in labels if len(_fold(label)) > 1)
     letters = tuple(unicodedata.normalize("NFKC", label).strip() for label in labels if len(_fold(label)) == 1)
     found: set[str] = set()
+    taken: list[tuple[int, int]] = []  # a longer label's match holds its letters: none of them is a label too
     if (pattern := _label_pattern(words)) is not None:
-        found |= {m.group(0) for m in pattern.finditer(_fold(span))}
+        for m in pattern.finditer(folded := _fold(span)):
+            found.add(m.group(0))
+            taken.append(m.span())
     if (exact := _label_pattern(letters)) is not None:
-        found |= {_fold(m.group(0)) for m in exact.finditer(unicodedata.normalize("NFKC", span))}
+        text = " ".join(unicodedata.normalize("NFKC", span).split())  # the same positions as the folded text's
+        same = len(text) == len(folded) if pattern is not None else True
+        for m in exact.finditer(text):
+            if not (same and any(a <= m.start() < b for a, b in taken)):
+                found.add(_fold(m.group(0)))
     return found
 
 
