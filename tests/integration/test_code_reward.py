@@ -19,7 +19,9 @@ from grpo_pipeline.trainer.rewards.base import RewardError
 from grpo_pipeline.trainer.rewards.code import check_code_arguments, code_of, code_tests, tests_problem
 from grpo_pipeline.trainer.rewards.sandbox import MAX_OUTPUT_BYTES, Limits, check_sandbox, run_python
 
-pytestmark = pytest.mark.integration
+# `make test-slow`: each hostile program runs to its limit in the sandbox; the code task through the data stage stays
+# in the default run (tests/integration/test_code_task.py)
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 ADD = "def add(a, b):\n    return a + b\n"
 ADD_TESTS = ["assert add(2, 3) == 5", "assert add(-1, 1) == 0", "assert add(0, 0) == 0"]

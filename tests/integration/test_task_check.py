@@ -12,7 +12,9 @@ import pytest
 from grpo_pipeline.configs.schema import load_config
 from tests.integration.test_flow import _cli, tiny_yaml  # noqa: F401  (tiny_yaml: the fixture)
 
-pytestmark = pytest.mark.integration
+# `make test-slow`: CLI processes and a run on the tiny model, over a minute in all; the verdict rule, its interval and
+# cache are unit-tested in tests/unit/test_task_check.py, and the run's check stage in test_flow.py
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 RIGHT = "tests.integration.check_rewards:always_right"
