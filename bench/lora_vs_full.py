@@ -58,10 +58,6 @@ from pathlib import Path
 
 from bench.harness import (
     ROOT,
-    MixedWorkFolder,
-    fingerprint,
-    keep_runs,
-    open_work,
     peak_rss_mb,
     reset_peak_rss,
     save,
@@ -111,13 +107,41 @@ def holdout_needed(
     variance of a paired difference of 0/1 scores is at most that share), `seeds` independent repeats. The
     interval the benchmark achieves is reported beside it (`resolves`).
 
-    >>> holdout_needed(), holdout_needed(accuracy=0.9), holdout_needed(seeds=1)
-    (837, 259, 2509)
+    >>> holdout_needed(), holdout_needed(accuracy=0.7), holdout_needed(seeds=1)
+    (837, 427, 2509)
     """
     return math.ceil(z**2 * discordant / (seeds * (half_width_pct / 100 * accuracy) ** 2))
 
 
+# Full fine-tuning's planned skill at its plateau, per task: the demo's recipe reaches 0.77-0.82 on 5 seeds
+# (bench/results/recipe_seeds.json), planned lower; GSM8K's calculator task at the conservative half.
+PLANNING_ACCURACY = {"demo": 0.7, "gsm8k": 0.5}
+
+
+def min_holdout(task: str) -> int:
+    """The holdout a task needs for a fair verdict (`holdout_needed` at its planned accuracy).
+
+    >>> min_holdout("demo"), min_holdout("gsm8k")
+    (427, 837)
+    """
+    return holdout_needed(accuracy=PLANNING_ACCURACY[task])
+
+
 MIN_HOLDOUT = holdout_needed()
+
+
+def detectable_gain(prompts: int, discordant: float = 0.2, alpha: float = 0.05, power: float = 0.8) -> float:
+    """The smallest gain between two evaluations of `prompts` validation prompts that the plateau's paired
+    one-sided test sees at `alpha` with `power` (planning: `discordant` as in `holdout_needed`); a smaller one
+    passes as noise, so a curve that still rises more slowly than this per evaluation counts as a plateau.
+
+    >>> round(detectable_gain(300), 3), round(detectable_gain(1200), 3)
+    (0.064, 0.032)
+    """
+    from statistics import NormalDist
+
+    z = NormalDist().inv_cdf(1 - alpha) + NormalDist().inv_cdf(power)
+    return z * math.sqrt(discordant / prompts)
 
 
 # ---------------------------------------------------------------- the rules (pure)
@@ -370,6 +394,83 @@ def _task_config(task: str, overrides: Sequence[str]):
     return load_config(CONFIGS[task], list(overrides))
 
 
+# ---------------------------------------------------------------- what a kept run was made with
+
+# The code a run's result depends on: the trainer's step and what it runs (generation, the rewards), the
+# evaluation, the tasks' data. A change anywhere else (this file's report, the pipeline's flows) keeps the runs.
+RUN_CODE = (
+    "trainer/step.py",
+    "trainer/cuts.py",
+    "trainer/generation.py",
+    "trainer/lm_head.py",
+    "trainer/shared_prompt.py",
+    "trainer/zero_advantage.py",
+    "trainer/sampling.py",
+    "trainer/loading.py",
+    "trainer/rewards",
+    "tasks/evaluate.py",
+    "tasks/data/demo_task.py",
+    "bench/gsm8k_calc.py",
+)
+RUNNER = 2  # how `train_run` and `base_run` make a record: raised when that changes what a record means
+
+
+def code_hashes(paths: Sequence[str] = RUN_CODE, root: Path = ROOT) -> dict[str, str]:
+    """Each source file of `paths` (files and folders under `root`) by a short hash of its bytes.
+
+    >>> h = code_hashes(("bench/harness.py",)); list(h), len(h["bench/harness.py"])
+    (['bench/harness.py'], 12)
+    """
+    import hashlib
+
+    out = {}
+    for entry in paths:
+        path = root / entry
+        files = sorted(p for p in path.rglob("*.py") if "__pycache__" not in p.parts) if path.is_dir() else [path]
+        for file in files:
+            out[str(file.relative_to(root))] = hashlib.sha256(file.read_bytes()).hexdigest()[:12]
+    return out
+
+
+def differences(kept: Mapping, now: Mapping, prefix: str = "") -> list[str]:
+    """What differs between the identity a run was kept with and this invocation's, one phrase per setting
+    (nested settings by dotted name; a source file as changed, added or gone).
+
+    >>> differences({"holdout": 1000, "config": {"lr": 1}, "code": {"a.py": "1"}},
+    ...             {"holdout": 600, "config": {"lr": 1}, "code": {"a.py": "2", "b.py": "3"}})
+    ['holdout 1000 (now 600)', 'code a.py changed', 'code b.py added']
+    """
+    out = []
+    for key in dict.fromkeys([*kept, *now]):
+        a, b = kept.get(key), now.get(key)
+        name = f"{prefix}{key}"
+        if a == b:
+            continue
+        if prefix.startswith("code"):
+            out.append(f"{prefix.rstrip('.')} {key} " + ("added" if a is None else "gone" if b is None else "changed"))
+        elif isinstance(a, Mapping) and isinstance(b, Mapping):
+            out += differences(a, b, f"{name}.")
+        else:
+            out.append(f"{name} {json.dumps(a)} (now {json.dumps(b)})")
+    return out
+
+
+def next_rate_out(rates: Sequence[float], chosen: float) -> float | None:
+    """The next rate beyond a grid's edge when the chosen rate lies on it (one grid step further, by the ratio of
+    the two outermost rates on that side), else None: a best rate at an edge may be no best at all.
+
+    >>> next_rate_out([1e-5, 3e-5, 1e-4], 1e-4), next_rate_out([1e-5, 3e-5, 1e-4], 1e-5)
+    (0.000333, 3.33e-06)
+    >>> next_rate_out([1e-5, 3e-5, 1e-4], 3e-5) is None, next_rate_out([1e-4], 1e-4)
+    (True, None)
+    """
+    grid = sorted(set(rates))
+    if len(grid) < 2 or grid[0] < chosen < grid[-1]:
+        return None
+    out = grid[-1] * grid[-1] / grid[-2] if chosen == grid[-1] else grid[0] * grid[0] / grid[1]
+    return float(f"{out:.3g}")  # a rate as a person writes it: the record's name holds it
+
+
 # ---------------------------------------------------------------- one run (in its own process)
 
 # the step's cuts, each a train.* switch (grpo_pipeline.trainer.cuts.Cuts)
@@ -392,30 +493,40 @@ def step_cuts(train_cfg, arm: str) -> tuple[Cuts, list[str]]:
     return Cuts(**switches), names
 
 
-def _evaluator(rows: list[dict], tokenizer, rewards, skill: str, max_new_tokens: int, batch: int):
+def _evaluator(rows: list[dict], tokenizer, cfg, skill: str, batch: int):
     """Greedy scores of `rows`: per prompt, the weighted total and the skill reward, in the rows' order."""
     from grpo_pipeline.tasks.evaluate import generate, score
     from grpo_pipeline.trainer.rewards import completion_text
 
+    max_new = cfg.evaluate.max_new_tokens
+
     def evaluate(model) -> dict[str, list[float]]:
         was_training = model.training
         model.eval()
-        completions, lengths = generate(model, tokenizer, [r["prompt"] for r in rows], max_new_tokens, batch)
+        completions, lengths = generate(model, tokenizer, [r["prompt"] for r in rows], max_new, batch)
         model.train(was_training)
-        result = score(rows, [completion_text(c) for c in completions], rewards, lengths, extra=(skill,))
-        return {"total": [r["total"] for r in result.rows], "skill": [float(r[skill]) for r in result.rows]}
+        texts = [completion_text(c) for c in completions]
+        result = score(rows, texts, cfg.train.reward_set(), lengths, extra=(skill,), max_completion_length=max_new)
+        return {"total": [round(r["total"], 4) for r in result.rows], "skill": [float(r[skill]) for r in result.rows]}
 
     return evaluate
 
 
-def _curve_callback(evaluate, every: int):
-    """Validation every `every` steps off the training clocks (wall and CPU), and the stop at the plateau."""
+def _mean(scores: Sequence[float]) -> float:
+    return sum(scores) / len(scores)
+
+
+def _curve_callback(evaluate, every: int, start: Mapping[str, list[float]]):
+    """Validation every `every` steps off the training clocks (wall and CPU), and the stop at the plateau. The
+    curve's step 0 is `start`, the base's validation scores (the same for every arm on that base: an adapter starts
+    as the identity), scored once by `base_run`."""
     from transformers import TrainerCallback
 
     class Curve(TrainerCallback):
         def __init__(self):
-            self.curve: list[dict] = []
-            self.scores: list[dict[str, list[float]]] = []
+            self.scores: list[Mapping[str, list[float]]] = [start]
+            point = {"step": 0, "train_s": 0.0, "train_cpu_s": 0.0}
+            self.curve: list[dict] = [point | {k: _mean(start[k]) for k in ("total", "skill")}]
             self.step_s: list[float] = []
             self.plateau_step: int | None = None
             self.eval_s = self.eval_cpu_s = 0.0
@@ -427,10 +538,10 @@ def _curve_callback(evaluate, every: int):
             self.curve.append(
                 {
                     "step": step,
-                    "train_s": (started - self.t0) - self.eval_s,
-                    "train_cpu_s": (started_cpu - self.t0_cpu) - self.eval_cpu_s,
-                    "total": sum(scores["total"]) / len(scores["total"]),
-                    "skill": sum(scores["skill"]) / len(scores["skill"]),
+                    "train_s": round((started - self.t0) - self.eval_s, 2),
+                    "train_cpu_s": round((started_cpu - self.t0_cpu) - self.eval_cpu_s, 2),
+                    "total": _mean(scores["total"]),
+                    "skill": _mean(scores["skill"]),
                 }
             )
             self.eval_s += time.perf_counter() - started
@@ -443,15 +554,13 @@ def _curve_callback(evaluate, every: int):
             )
 
         def on_train_begin(self, args, state, control, **kw):
-            self.t0, self.t0_cpu, self.eval_s, self.eval_cpu_s = time.perf_counter(), time.process_time(), 0.0, 0.0
-            if not self.curve:  # step 0, before any training
-                self.point(kw["model"], 0)
+            self.t0, self.t0_cpu = time.perf_counter(), time.process_time()
 
         def on_step_begin(self, args, state, control, **kw):
             self.step_started = time.perf_counter()
 
         def on_step_end(self, args, state, control, model=None, **kw):
-            self.step_s.append(time.perf_counter() - self.step_started)
+            self.step_s.append(round(time.perf_counter() - self.step_started, 3))
             if state.global_step % every == 0 or state.global_step == state.max_steps:
                 self.point(model, state.global_step)
                 # the plateau rule on the total, the objective the run optimises (the skill is a part of it)
@@ -462,40 +571,63 @@ def _curve_callback(evaluate, every: int):
     return Curve()
 
 
-def train_run(settings: Mapping, task: str, arm: str, lr: float, seed: int, base_holdout: bool) -> dict:
-    """One arm at one rate and seed: trained to its plateau or the cap; its validation curve, its holdout scores at
-    the end (and of its base before training when `base_holdout`), step times and memory."""
+def _load(settings: Mapping, task: str, quantization: str):
+    """The task's config and data, and its base model (NF4 for QLoRA) with the settings' torch threads."""
+    import torch
+
+    from grpo_pipeline.tasks.evaluate import read_jsonl
+    from grpo_pipeline.tasks.job import model_load
+    from grpo_pipeline.trainer.loading import load_model
+
+    torch.set_num_threads(settings["threads"])  # before any torch work, as the trainer does
+    cfg = _task_config(task, settings["overrides"])
+    data = {s: read_jsonl(Path(settings["work"]) / task / f"{s}.jsonl") for s in ("train", "val", "holdout")}
+    model, tokenizer = load_model(
+        settings["model"], model_load(cfg.model.model_copy(update={"quantization": quantization}))
+    )
+    return cfg, data, model, tokenizer
+
+
+def base_run(settings: Mapping, task: str, quantization: str) -> dict:
+    """The base's greedy scores (fp32, or NF4 for QLoRA) on validation and the holdout: every run on that base
+    starts its curve from them, and the NF4 base's holdout against the fp32 one's is what quantization alone costs."""
+    started = time.perf_counter()
+    cfg, data, model, tokenizer = _load(settings, task, quantization)
+    skill, batch = skill_reward(task), settings["eval_batch"]
+    return {
+        "task": task,
+        "kind": "base",
+        "quantization": quantization,
+        "validation": _evaluator(data["val"], tokenizer, cfg, skill, batch)(model),
+        "holdout": _evaluator(data["holdout"], tokenizer, cfg, skill, batch)(model),
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+
+
+def train_run(settings: Mapping, task: str, arm: str, lr: float, seed: int, base: Mapping) -> dict:
+    """One arm at one rate and seed, from its base's scores (`base_run`): trained to its plateau or the cap; its
+    validation curve, its holdout scores at the end, step and evaluation times, memory."""
     import torch
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import PrinterCallback
     from trl import GRPOConfig
 
-    from grpo_pipeline.tasks.evaluate import read_jsonl
-    from grpo_pipeline.tasks.job import model_load
-    from grpo_pipeline.trainer.loading import keep_adapter_fp32, load_model
+    from grpo_pipeline.trainer.loading import keep_adapter_fp32
     from grpo_pipeline.trainer.rewards import resolve_rewards
     from grpo_pipeline.trainer.step import StepTrainer
 
-    cfg = _task_config(task, settings["overrides"])
-    if cfg.train.cpu_threads:  # before any torch work, as the trainer does
-        torch.set_num_threads(cfg.train.cpu_threads)
-    work = Path(settings["work"])
-    data = {s: read_jsonl(work / task / f"{s}.jsonl") for s in ("train", "val", "holdout")}
-    rewards, skill = cfg.train.reward_set(), skill_reward(task)
+    started = time.perf_counter()
     quantization = "nf4" if arm == "qlora" else "none"
-    model, tokenizer = load_model(
-        settings["model"], model_load(cfg.model.model_copy(update={"quantization": quantization}))
-    )
+    cfg, data, model, tokenizer = _load(settings, task, quantization)
     load_peak = peak_rss_mb()
     reset_peak_rss()  # from here on, the peak is training's own
 
-    batch = settings["eval_batch"]
-    max_new = cfg.evaluate.max_new_tokens
-    evaluate_val = _evaluator(data["val"], tokenizer, rewards, skill, max_new, batch)
-    evaluate_holdout = _evaluator(data["holdout"], tokenizer, rewards, skill, max_new, batch)
-    base = evaluate_holdout(model) if base_holdout else None
-    curve = _curve_callback(evaluate_val, settings["eval_every"])
+    rewards, skill, batch = cfg.train.reward_set(), skill_reward(task), settings["eval_batch"]
+    evaluate_holdout = _evaluator(data["holdout"], tokenizer, cfg, skill, batch)
+    curve = _curve_callback(
+        _evaluator(data["val"], tokenizer, cfg, skill, batch), settings["eval_every"], base["validation"]
+    )
     cuts, cut_names = step_cuts(cfg.train, arm)
     grpo = dict(cfg.train.grpo) | {
         "max_steps": settings["max_steps"],
@@ -515,7 +647,7 @@ def train_run(settings: Mapping, task: str, arm: str, lr: float, seed: int, base
             rewards.names, rewards.args, max_completion_length=grpo.get("max_completion_length")
         ),
         args=GRPOConfig(
-            output_dir=str(work / "hf" / f"{task}-{arm}"),
+            output_dir=str(Path(settings["work"]) / "hf" / f"{task}-{arm}-{lr:g}-{seed}"),
             save_strategy="no",
             reward_weights=list(rewards.weights),
             **grpo,
@@ -528,10 +660,13 @@ def train_run(settings: Mapping, task: str, arm: str, lr: float, seed: int, base
     trainer.remove_callback(PrinterCallback)  # the curve prints one line per evaluation instead
     cpu_started = time.process_time()
     trainer.train()
+    cpu_s = time.process_time() - cpu_started - curve.eval_cpu_s
     train_peak = peak_rss_mb()
+    holdout_started = time.perf_counter()
     holdout = evaluate_holdout(trainer.model)
+    holdout_s = time.perf_counter() - holdout_started
     params = list(trainer.model.parameters())
-    last = curve.curve[-1]
+    seconds = time.perf_counter() - started
     return {
         "task": task,
         "arm": arm,
@@ -545,13 +680,16 @@ def train_run(settings: Mapping, task: str, arm: str, lr: float, seed: int, base
         "total_params": sum(p.numel() for p in params),
         "adapter_dtypes": sorted({str(p.dtype) for p in params if p.requires_grad}),
         "curve": curve.curve,
-        "validation": {"total": last["total"], "skill": last["skill"], "scores": curve.scores},
-        "holdout": {"total": holdout["total"], "skill": holdout["skill"]},
-        "base_holdout": base,
+        # the last evaluation's per-prompt scores, beside the base's (the run's first): did the run gain at all
+        "validation": {"total": curve.curve[-1]["total"], "skill": curve.curve[-1]["skill"], "last": curve.scores[-1]},
+        "holdout": holdout,
         "step_s": curve.step_s,
-        "cpu_s": time.process_time() - cpu_started - curve.eval_cpu_s,
-        "peak_rss_train_mb": train_peak,
-        "peak_rss_load_mb": load_peak,
+        "cpu_s": round(cpu_s, 1),
+        "seconds": round(seconds, 1),
+        # evaluation's share of the run: validation passes and the holdout, against the whole process
+        "eval_share": round((curve.eval_s + holdout_s) / seconds, 3),
+        "peak_rss_train_mb": round(train_peak),
+        "peak_rss_load_mb": round(load_peak),
     }
 
 
@@ -596,27 +734,58 @@ def measure_savings(settings: Mapping) -> dict:
     return out
 
 
+def record_path(records: Path, key: str) -> Path:
+    """Where a run's record is kept: one small JSON file per run, under the records folder by task.
+
+    >>> [record_path(Path("r"), k).as_posix() for k in ("demo/full/3e-05/0", "demo/base/nf4", "savings")]
+    ['r/demo/full-3e-05-s0.json', 'r/demo/base-nf4.json', 'r/savings.json']
+    """
+    parts = key.split("/")
+    if parts == ["savings"]:
+        return records / "savings.json"
+    if parts[1] == "base":
+        return records / parts[0] / f"base-{parts[2]}.json"
+    task, arm, lr, seed = parts
+    return records / task / f"{arm}-{lr}-s{seed}.json"
+
+
 def _child(opts: argparse.Namespace) -> None:
-    """One run of the parent's plan, its result as JSON beside the work folder's runs (the parent keeps it)."""
-    work = Path(opts.work)
-    settings = json.loads((work / "settings.json").read_text())
-    if opts.child == "savings":
-        result = measure_savings(settings)
+    """One run of the parent's plan, its record written into the records folder as it ends (aside, then renamed:
+    a run killed mid-way leaves no record, and the next invocation runs it again)."""
+    settings = json.loads((Path(opts.work) / "settings.json").read_text())
+    records, parts = Path(settings["records"]), opts.child.split("/")
+    if parts == ["savings"]:
+        task, result = "demo", measure_savings(settings)
+    elif parts[1] == "base":
+        task, result = parts[0], base_run(settings, parts[0], parts[2])
     else:
-        task, arm, lr, seed = opts.child.split("/")
-        result = train_run(settings, task, arm, float(lr), int(seed), opts.base_holdout)
-    target = work / "result.json"
-    target.with_suffix(".tmp").write_text(json.dumps(result))
-    target.with_suffix(".tmp").replace(target)
+        task, arm, lr, seed = parts
+        base = json.loads(record_path(records, f"{task}/base/{'nf4' if arm == 'qlora' else 'none'}").read_text())
+        result = train_run(settings, task, arm, float(lr), int(seed), base)
+    path = record_path(records, opts.child)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(result | {"identity": settings["identity"][task], **stamp()}))
+    tmp.replace(path)
 
 
 # ---------------------------------------------------------------- the comparison (pure, on the kept runs)
 
 
-def summarise_task(runs: Sequence[Mapping], arms: Sequence[str], seeds: Sequence[int], problems: Sequence[str]) -> dict:
-    """One task's comparison from its runs: each arm's rate chosen on validation at the first seed, its holdout
-    scores at that rate over the seeds, the gaps to full (total and skill) with their intervals, time to 95 % of
-    full's plateau, the verdict on the skill (only without `problems`), and the NF4 base against the fp32 one."""
+def summarise_task(
+    runs: Sequence[Mapping],
+    bases: Mapping[str, Mapping],
+    arms: Sequence[str],
+    seeds: Sequence[int],
+    problems: Sequence[str],
+    grids: Mapping[str, Mapping] | None = None,
+) -> dict:
+    """One task's comparison from its kept runs and its bases' scores (`base_run`, by quantization): each arm's
+    rate chosen on validation at the first seed, its holdout scores at that rate over the seeds, the gaps to full
+    (total and skill) with their intervals, time to 95 % of full's plateau, the verdict on the skill (only without
+    `problems`, and for an arm run at fewer than `MIN_SEEDS` seeds none), the NF4 base against the fp32 one.
+    `grids`: each swept arm's rates as tried, those added beyond the first grid's edge, and whether the chosen rate
+    still lies on an edge."""
     import numpy as np
 
     out: dict = {"fair": not problems, "problems": list(problems), "arms": {}}
@@ -628,8 +797,10 @@ def summarise_task(runs: Sequence[Mapping], arms: Sequence[str], seeds: Sequence
         rate = choose_rate(sweep)
         at[arm] = {r["seed"]: r for r in runs if r["arm"] == arm and r["learning_rate"] == rate}
         chosen = [at[arm][s] for s in seeds if s in at[arm]]
+        base = bases.get("nf4" if arm == "qlora" else "none")
         out["arms"][arm] = {
             "learning_rate": rate,
+            "grid": (grids or {}).get(arm),
             "validation_by_rate": {
                 f"{r['learning_rate']:g}": {"total": r["validation"]["total"], "skill": r["validation"]["skill"]}
                 for r in sorted(sweep, key=lambda r: r["learning_rate"])
@@ -643,12 +814,14 @@ def summarise_task(runs: Sequence[Mapping], arms: Sequence[str], seeds: Sequence
                     "steps": r["steps"],
                     "stopped": r["stopped"],
                     # a plateau at the level it started from: a rate that did not learn (the sweep's others may)
-                    "gained_over_base": gained(
-                        r["validation"]["scores"][0]["total"], r["validation"]["scores"][-1]["total"]
-                    ),
+                    "gained_over_base": gained(base["validation"]["total"], r["validation"]["last"]["total"])
+                    if base
+                    else None,
                     "holdout_total": float(np.mean(r["holdout"]["total"])),
                     "holdout_skill": float(np.mean(r["holdout"]["skill"])),
                     "cpu_s": r["cpu_s"],
+                    "minutes": r["seconds"] / 60,
+                    "eval_share": r["eval_share"],
                 }
                 for r in chosen
             ],
@@ -669,11 +842,12 @@ def summarise_task(runs: Sequence[Mapping], arms: Sequence[str], seeds: Sequence
                 )
                 g["resolves_3_vs_10"] = resolves(g["low_pct"], g["high_pct"])
                 entry[f"gap_{key}"] = g
-            entry["verdict"] = (
-                verdict(entry["gap_skill"]["low_pct"], entry["gap_skill"]["high_pct"])
-                if not problems
-                else "not fair: " + "; ".join(problems)
-            )
+            if problems:
+                entry["verdict"] = "not fair: " + "; ".join(problems)
+            elif len(common) < MIN_SEEDS:
+                entry["verdict"] = f"not judged: {len(common)} seed{'s' if len(common) != 1 else ''} (figures only)"
+            else:
+                entry["verdict"] = verdict(entry["gap_skill"]["low_pct"], entry["gap_skill"]["high_pct"])
         # time to 95 % of full's plateau, on the validation curves (the holdout is scored once, at the end)
         times = {}
         for key in ("total", "skill"):
@@ -692,24 +866,17 @@ def summarise_task(runs: Sequence[Mapping], arms: Sequence[str], seeds: Sequence
                 "train_cpu_s": float(np.median([h["train_cpu_s"] for h in reached])) if reached else None,
             }
         entry["time_to_95"] = times
-    bases = {}
-    for quantization, arm in (("none", "full"), ("none", "lora"), ("nf4", "qlora")):
-        base = next((r["base_holdout"] for r in runs if r["arm"] == arm and r.get("base_holdout")), None)
-        if base and quantization not in bases:
-            bases[quantization] = {
-                "total": float(np.mean(base["total"])),
-                "skill": float(np.mean(base["skill"])),
-                "scores": base,
-            }
+    summary = {
+        q: {"total": float(np.mean(b["holdout"]["total"])), "skill": float(np.mean(b["holdout"]["skill"]))}
+        for q, b in bases.items()
+    }
     if {"none", "nf4"} <= set(bases):  # QLoRA's starting point apart from its training
         loss = {
-            key: gap_interval([bases["none"]["scores"][key]], [bases["nf4"]["scores"][key]])
+            key: gap_interval([bases["none"]["holdout"][key]], [bases["nf4"]["holdout"][key]])
             for key in ("total", "skill")
         }
-        out["nf4_base"] = {"fp32": bases["none"], "nf4": bases["nf4"], "loss": loss}
-    for b in bases.values():
-        b.pop("scores")
-    out["bases"] = bases
+        out["nf4_base"] = {"fp32": summary["none"], "nf4": summary["nf4"], "loss": loss}
+    out["bases"] = summary
     return out
 
 
@@ -723,14 +890,24 @@ def report_lines(summary: Mapping) -> list[str]:
             continue
         skill = skill_reward(task)
         lines.append(
-            f"[{NAME}] {task}: holdout {t['holdout']} prompts, validation {t['validation']}; skill reward {skill}"
+            f"[{NAME}] {task}: holdout {t['holdout']} prompts, validation {t['validation']} (the plateau sees a gain "
+            f"of {t['plateau_sees']:.3f} between evaluations); skill reward {skill}"
             + ("" if t["fair"] else " -- NOT FAIR, no verdict: " + "; ".join(t["problems"]))
         )
         for arm, a in t["arms"].items():
+            grid = a.get("grid") or {}
+            how = "at LoRA's rate" if arm == "qlora" and not grid else "chosen on validation"
+            if grid.get("added"):
+                how += f", {', '.join(f'{x:g}' for x in grid['added'])} added beyond the grid's edge"
+            if grid.get("at_edge"):
+                how += ", still at its grid's edge"
+            per = a["per_seed"]
             line = (
-                f"[{NAME}]   {LABEL[arm]:12s} lr {a['learning_rate']:g} (chosen on validation), seeds {a['seeds']}: "
+                f"[{NAME}]   {LABEL[arm]:12s} lr {a['learning_rate']:g} ({how}), seeds {a['seeds']}: "
                 f"holdout total {a['holdout_total']:.3f}, {skill} {a['holdout_skill']:.3f}; steps "
-                f"{[p['steps'] for p in a['per_seed']]} ({', '.join(p['stopped'] for p in a['per_seed'])})"
+                f"{[p['steps'] for p in per]} ({', '.join(p['stopped'] for p in per)}); "
+                f"{sum(p['minutes'] for p in per) / len(per):.1f} min a run, evaluation "
+                f"{sum(p['eval_share'] for p in per) / len(per):.0%} of it"
             )
             for key in ("total", "skill"):
                 g = a.get(f"gap_{key}")
@@ -1272,23 +1449,41 @@ def _floats(text: str) -> list[float]:
 
 def options(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tasks", default=",".join(TASKS), help="comma-separated subset of demo,gsm8k")
+    parser.add_argument("--tasks", default="demo", help="comma-separated subset of demo,gsm8k")
     parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of full,lora,qlora (with full)")
     parser.add_argument(
         "--full-rates", default="1e-5,3e-5,1e-4", help="full fine-tuning's learning rates (its best is chosen)"
     )
     parser.add_argument(
-        "--adapter-rates", default="1e-4,3e-4,1e-3", help="LoRA's and QLoRA's (~10x full's: the usual rule)"
+        "--adapter-rates",
+        default="1e-4,3e-4,1e-3",
+        help="LoRA's (~10x full's: the usual rule); QLoRA's too when LoRA is not an arm",
     )
     parser.add_argument("--seeds", default="0,1,2", help="training seeds (data order and sampling); rates at the first")
+    parser.add_argument(
+        "--qlora-seeds", type=int, default=1, help="QLoRA runs at LoRA's chosen rate at this many of the seeds"
+    )
+    parser.add_argument(
+        "--max-extensions",
+        type=int,
+        default=1,
+        help="rates added beyond a grid's edge when the chosen rate lies on it, per arm",
+    )
     parser.add_argument("--max-steps", type=int, default=MIN_CAP, help="the cap of a run that has not plateaued")
-    parser.add_argument("--eval-every", type=int, default=8, help="steps between validation evaluations")
+    parser.add_argument(
+        "--eval-every",
+        type=int,
+        default=16,
+        help="steps between validation evaluations: at 16, evaluation stays under half a run's time on a CPU",
+    )
     parser.add_argument("--validation", type=int, default=300, help="validation prompts (the plateau and the rate)")
     parser.add_argument(
         "--holdout",
         type=int,
-        default=1000,
-        help=f"holdout prompts per task, at most what it has (fair: >= {MIN_HOLDOUT})",
+        default=600,
+        help="holdout prompts per task, at most what it has (fair: "
+        + ", ".join(f"{t} >= {min_holdout(t)}" for t in TASKS)
+        + ")",
     )
     parser.add_argument(
         "--demo-max-operand",
@@ -1307,12 +1502,24 @@ def options(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--set", dest="overrides", action="append", default=[], help="task-config override for both tasks, repeatable"
     )
-    parser.add_argument("--work", type=Path, default=None, help="the work folder (default .grpo/bench-lora-vs-full)")
-    parser.add_argument("--fresh", action="store_true", help="forget the work folder's runs and measure all again")
+    parser.add_argument("--side-by-side", type=int, default=2, help="runs at a time, each in its own process")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads per run (2 side by side at 1 each on 2 cores)"
+    )
+    parser.add_argument(
+        "--results",
+        type=Path,
+        default=None,
+        help="where each run's record is kept (default bench/results/lora_vs_full)",
+    )
+    parser.add_argument("--work", type=Path, default=None, help="the data and logs (default .grpo/bench-lora-vs-full)")
+    parser.add_argument("--fresh", action="store_true", help="forget the kept records of these tasks, measure again")
+    parser.add_argument("--report-only", action="store_true", help="summarise the kept records; run nothing")
     parser.add_argument("--no-savings", action="store_true", help="skip the memory and checkpoint measurement")
     parser.add_argument("--tiny", action="store_true", help="a tiny random model, 2 steps: the chain in seconds")
-    parser.add_argument("--child", help=argparse.SUPPRESS)  # internal: one run, task/arm/rate/seed or 'savings'
-    parser.add_argument("--base-holdout", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--child", help=argparse.SUPPRESS
+    )  # internal: one run, task/arm/rate/seed, task/base/q, savings
     opts = parser.parse_args(argv)
     if opts.tiny:  # small everything, unless given
         given = set(argv if argv is not None else sys.argv[1:])
@@ -1323,8 +1530,7 @@ def options(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _settings(opts: argparse.Namespace, tasks: list[str]) -> dict:
-    """What every run's meaning depends on: the fingerprint's identity (the rates, seeds and arms only choose which
-    runs happen; each run is kept under its own rate and seed)."""
+    """The invocation's settings, as the children read them (`settings.json`)."""
     return {
         "tasks": tasks,
         "max_steps": opts.max_steps,
@@ -1334,14 +1540,55 @@ def _settings(opts: argparse.Namespace, tasks: list[str]) -> dict:
         "demo_max_operand": opts.demo_max_operand,
         "gsm8k_max_operand": opts.gsm8k_max_operand,
         "eval_batch": opts.eval_batch,
+        "threads": opts.threads,
         "overrides": list(opts.overrides),
         "tiny": opts.tiny,
     }
 
 
+def identity(settings: Mapping, task: str, data: Path) -> dict:
+    """What a task's runs mean, kept in each record: the settings that change a result, the task config's training
+    settings as resolved (not its file: a comment changes nothing), the data's bytes and the step's code
+    (`RUN_CODE`). A kept record whose identity differs is refused, naming the difference (`differences`)."""
+    import hashlib
+
+    cfg = _task_config(task, settings["overrides"])
+    per_run = ("max_steps", "learning_rate", "seed", "logging_steps", "report_to", "disable_tqdm", "output_dir")
+    rewards = cfg.train.reward_set()
+    resolved = {
+        "grpo": {k: v for k, v in dict(cfg.train.grpo).items() if k not in per_run},
+        "lora": dict(cfg.train.lora),
+        "rewards": {"names": rewards.names, "weights": rewards.weights, "args": rewards.args},
+        "cuts": {name: getattr(cfg.train, name) for name in STEP_CUTS},
+        "max_new_tokens": cfg.evaluate.max_new_tokens,
+    }
+    digest = hashlib.sha256()
+    for split in ("train", "val", "holdout"):
+        digest.update((data / f"{split}.jsonl").read_bytes())
+    return json.loads(
+        json.dumps(
+            {
+                "runner": RUNNER,
+                "model": Path(settings["model"]).name,
+                "threads": settings["threads"],
+                **{k: settings[k] for k in ("max_steps", "eval_every", "validation", "holdout", "eval_batch")},
+                "max_operand": settings[f"{task}_max_operand"],
+                "config": resolved,
+                "data": digest.hexdigest()[:16],
+                "code": code_hashes(),
+            },
+            default=str,
+        )
+    )
+
+
 def _bad_input(message: str) -> SystemExit:
     print(f"[{NAME}] {message}", file=sys.stderr)
     return SystemExit(2)
+
+
+class RunFailed(Exception):
+    """A child run exited non-zero; the records before it are kept."""
 
 
 def main(argv: list[str] | None = None) -> dict | None:
@@ -1355,12 +1602,18 @@ def main(argv: list[str] | None = None) -> dict | None:
         raise _bad_input(f"--arms {opts.arms!r}: give full (the baseline) and lora and/or qlora")
     if not set(tasks) <= set(TASKS) or not tasks:
         raise _bad_input(f"--tasks {opts.tasks!r}: give demo and/or gsm8k")
-    rates = {arm: _floats(opts.full_rates if arm == "full" else opts.adapter_rates) for arm in arms}
+    # QLoRA follows LoRA: it runs at LoRA's chosen rate (what quantization costs at the same settings); without a
+    # LoRA arm it is swept on its own
+    follows = "qlora" in arms and "lora" in arms
+    swept = [a for a in arms if not (a == "qlora" and follows)]
+    rates = {arm: _floats(opts.full_rates if arm == "full" else opts.adapter_rates) for arm in swept}
     seeds = [int(x) for x in opts.seeds.split(",") if x.strip()]
     if not seeds or any(not r or min(r) <= 0 for r in rates.values()):
         raise _bad_input("--seeds and each rate list need at least one value, rates above 0")
     if opts.eval_every < 1 or opts.max_steps < opts.eval_every:
         raise _bad_input(f"--eval-every {opts.eval_every} must be at least 1 and at most --max-steps {opts.max_steps}")
+    if opts.side_by_side < 1 or opts.threads < 1 or opts.qlora_seeds < 0 or opts.max_extensions < 0:
+        raise _bad_input("--side-by-side and --threads must be at least 1, --qlora-seeds and --max-extensions >= 0")
     for override in opts.overrides:  # an override either task config refuses is bad input before anything runs
         for task in tasks:
             try:
@@ -1368,108 +1621,204 @@ def main(argv: list[str] | None = None) -> dict | None:
             except Exception as exc:  # the config's own error names the field
                 raise _bad_input(f"--set {override}: {exc}") from None
 
-    work = (opts.work or ROOT / ".grpo" / ("bench-lora-vs-full" + ("-tiny" if opts.tiny else ""))).resolve()
-    settings = _settings(opts, tasks)
-    try:
-        state = open_work(work, fingerprint(json.dumps(settings, sort_keys=True), CODE), opts.fresh)
-    except MixedWorkFolder as exc:
-        raise _bad_input(str(exc)) from None
+    from bench.harness import RESULTS
+    from grpo_pipeline.tasks.evaluate import read_jsonl, write_jsonl
+
+    suffix = "-tiny" if opts.tiny else ""
+    work = (opts.work or ROOT / ".grpo" / f"bench-lora-vs-full{suffix}").resolve()
+    records = (opts.results or RESULTS / f"lora_vs_full{suffix.replace('-', '_')}").resolve()
     work.mkdir(parents=True, exist_ok=True)
-    settings["work"] = str(work)
-    if "model" not in state:
-        if opts.tiny:
-            from tests.tiny_model import create_random_model
+    (work / "logs").mkdir(exist_ok=True)
+    settings = _settings(opts, tasks) | {"work": str(work), "records": str(records)}
+    if opts.tiny:
+        from tests.tiny_model import create_random_model
 
-            state["model"] = str(create_random_model(work / "tiny").resolve())
-        else:
-            from grpo_pipeline.tasks.model import ensure_demo_model
+        settings["model"] = str(create_random_model(work / "tiny").resolve())
+    else:
+        from grpo_pipeline.tasks.model import ensure_demo_model
 
-            demo = _task_config("demo", opts.overrides)
-            state["model"] = str(ensure_demo_model(ROOT / demo.data_dir / "models").resolve())
-    settings["model"] = state["model"]
-    from grpo_pipeline.tasks.evaluate import read_jsonl
+        demo = _task_config("demo", opts.overrides)
+        settings["model"] = str(ensure_demo_model(ROOT / demo.data_dir / "models").resolve())
 
+    # each task's data (rebuilt every time: it follows from the settings), then its identity
+    available = []
+    settings["identity"] = {}
+    for task in tasks:
+        if task == "gsm8k" and not (opts.gsm8k / "test.jsonl").is_file():
+            print(
+                f"[{NAME}] gsm8k: skipped: {opts.gsm8k} has no GSM8K (train.jsonl, test.jsonl); pass --gsm8k DIR, "
+                "or --tasks demo",
+                flush=True,
+            )
+            continue
+        folder = work / task
+        folder.mkdir(exist_ok=True)
+        try:
+            rows = task_rows(task, settings, opts.gsm8k)
+        except ValueError as exc:  # e.g. more demo questions asked than the operand range has
+            raise _bad_input(f"{task}: {exc}") from None
+        for split, split_rows in rows.items():
+            write_jsonl(folder / f"{split}.jsonl", split_rows)
+        settings["identity"][task] = identity(settings, task, folder)
+        available.append(task)
+    # kept records of other settings are refused before any work, naming what differs
+    for task in available:
+        for path in sorted((records / task).glob("*.json")):
+            if opts.fresh:
+                path.unlink()
+                continue
+            try:
+                kept_identity = json.loads(path.read_text()).get("identity", {})
+            except (OSError, ValueError):
+                continue  # unreadable: measured again when the plan reaches it
+            if diff := differences(kept_identity, settings["identity"][task]):
+                raise _bad_input(
+                    f"{path} was measured with other settings: {'; '.join(diff)}. Its runs cannot be compared with "
+                    "new ones: pass --fresh to measure them again (the kept records are replaced), or --results DIR "
+                    "to keep both."
+                )
     (work / "settings.json").write_text(json.dumps(settings, indent=1))
-    keep_runs(work / "runs.json", state)
     started = time.monotonic()
 
-    def child(key: str, *flags: str) -> dict:
-        """One run in its own process (its memory and CPU time its own), kept as soon as it ends."""
-        if key in state["runs"]:
-            return state["runs"][key]
-        print(f"[{NAME}] {key}", flush=True)
+    def kept(key: str) -> dict | None:
+        path = record_path(records, key)
+        if not path.is_file():
+            return None
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            print(f"[{NAME}] {path}: unreadable ({exc}); measured again", flush=True)
+            return None
+
+    def child(key: str) -> dict | None:
+        """One run in its own process (its memory and CPU time its own), its record kept as soon as it ends."""
+        if (record := kept(key)) is not None or opts.report_only:
+            return record
+        log = work / "logs" / (key.replace("/", "_") + ".log")
+        print(f"[{NAME}] {key}: started (log {log})", flush=True)
         # Waiting OpenMP threads sleep instead of spinning: spinning burns CPU seconds that are not work, and
-        # the arms are compared on CPU seconds.
-        env = os.environ | {"OMP_WAIT_POLICY": "PASSIVE"}
-        cmd = [sys.executable, "-m", "bench.lora_vs_full", "--child", key, "--work", str(work), *flags]
-        if subprocess.run(cmd, env=env, cwd=ROOT).returncode != 0:
-            raise SystemExit(
-                f"[{NAME}] the run {key} failed (its output is above); the runs before it are kept in {work}"
-            )
-        state["runs"][key] = json.loads((work / "result.json").read_text())
-        keep_runs(work / "runs.json", state)
-        return state["runs"][key]
+        # the arms are compared on CPU seconds. One thread per run: two side by side on two cores.
+        threads = str(opts.threads)
+        env = os.environ | {"OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+        cmd = [sys.executable, "-m", "bench.lora_vs_full", "--child", key, "--work", str(work)]
+        with open(log, "w") as out:
+            code = subprocess.run(cmd, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT).returncode
+        if code != 0:
+            tail = log.read_text(errors="replace")[-1500:]
+            raise RunFailed(f"the run {key} exited {code} (its log: {log}); the records before it are kept:\n{tail}")
+        record = kept(key)
+        done = f"{record['seconds'] / 60:.1f} min" if record and "seconds" in record else "done"
+        print(f"[{NAME}] {key}: {done}", flush=True)
+        return record
 
-    def compare(task: str) -> dict:
-        """One task: its data, the rate sweep at the first seed, the further seeds at the chosen rates."""
-        if task == "gsm8k" and not (opts.gsm8k / "test.jsonl").is_file():
-            skipped = f"{opts.gsm8k} has no GSM8K (train.jsonl, test.jsonl); pass --gsm8k DIR, or --tasks demo"
-            print(f"[{NAME}] gsm8k: skipped: {skipped}", flush=True)
-            return {"skipped": skipped}
-        folder = work / task
-        if not (folder / "holdout.jsonl").is_file() or opts.fresh:
-            from grpo_pipeline.tasks.evaluate import write_jsonl
+    grids: dict[str, dict[str, dict]] = {task: {} for task in available}
 
-            folder.mkdir(exist_ok=True)
-            try:
-                rows = task_rows(task, settings, opts.gsm8k)
-            except ValueError as exc:  # e.g. more demo questions asked than the operand range has
-                raise _bad_input(f"{task}: {exc}") from None
-            for split, split_rows in rows.items():
-                write_jsonl(folder / f"{split}.jsonl", split_rows)
-        sizes = {s: len(read_jsonl(folder / f"{s}.jsonl")) for s in ("val", "holdout")}
-        problems = fairness_problems(rates, seeds, sizes["holdout"], opts.max_steps)
-        if problems:
-            print(f"[{NAME}] {task}: the comparison is NOT FAIR, figures only: " + "; ".join(problems), flush=True)
+    def arm_plan(task: str, arm: str) -> None:
+        """An arm's rate sweep at the first seed (one grid step further where the chosen rate lies on an edge), its
+        further seeds at the chosen rate, and QLoRA at LoRA's chosen rate after LoRA."""
+        tried = list(rates[arm])
+        sweep = [r for r in (child(f"{task}/{arm}/{lr:g}/{seeds[0]}") for lr in tried) if r]
+        for _ in range(opts.max_extensions):
+            out = next_rate_out(tried, choose_rate(sweep)) if sweep else None
+            if out is None:
+                break
+            tried.append(out)
+            if (record := child(f"{task}/{arm}/{tried[-1]:g}/{seeds[0]}")) is not None:
+                sweep.append(record)
+        if not sweep:
+            return
+        chosen = choose_rate(sweep)
+        grids[task][arm] = {
+            "rates": sorted(tried),
+            "added": tried[len(rates[arm]) :],
+            "at_edge": next_rate_out(tried, chosen) is not None,
+        }
+        for seed in seeds[1:]:
+            child(f"{task}/{arm}/{chosen:g}/{seed}")
+        if arm == "lora" and follows:
+            for seed in seeds[: opts.qlora_seeds]:
+                child(f"{task}/qlora/{chosen:g}/{seed}")
 
-        def run(arm: str, lr: float, seed: int, base: bool = False) -> dict:
-            return child(f"{task}/{arm}/{lr:g}/{seed}", *(["--base-holdout"] if base else []))
+    from concurrent.futures import ThreadPoolExecutor
 
-        # the rate sweep at the first seed, arms interleaved (a partial result stays balanced); the first rate's
-        # run also scores its base on the holdout (the fp32 base for full and LoRA, the NF4 one for QLoRA)
-        swept: dict[tuple[str, float], dict] = {}
-        for i in range(max(len(r) for r in rates.values())):
-            for arm in arms:
-                if i < len(rates[arm]):
-                    swept[arm, rates[arm][i]] = run(arm, rates[arm][i], seeds[0], base=i == 0)
-        sweep = {arm: [swept[arm, lr] for lr in rates[arm]] for arm in arms}
-        chosen = {arm: choose_rate(sweep[arm]) for arm in arms}
-        # this invocation's runs only: a kept run at a rate or seed not asked for now does not count
-        runs = [r for arm in arms for r in sweep[arm]]
-        runs += [run(arm, chosen[arm], seed) for seed in seeds[1:] for arm in arms]
-        return summarise_task(runs, arms, seeds, problems) | {"validation": sizes["val"], "holdout": sizes["holdout"]}
+    failures: list[str] = []
 
-    summary: dict = {"tasks": {task: {} for task in tasks}}
-    if not opts.no_savings:
-        summary["savings"] = child("savings")
+    def side_by_side(jobs) -> None:
+        with ThreadPoolExecutor(opts.side_by_side) as pool:  # a failed run is named at the end; the others go on
+            for future in [pool.submit(fn, *args) for fn, *args in jobs]:
+                try:
+                    future.result()
+                except RunFailed as exc:
+                    failures.append(str(exc))
+
+    quantizations = ["none"] + (["nf4"] if "qlora" in arms else [])
+    planned = sum(len(rates[a]) + len(seeds) - 1 for a in swept) + (min(opts.qlora_seeds, len(seeds)) if follows else 0)
+    done = [r for t in available for r in (records / t).glob("*-s*.json")]
+    minutes = [json.loads(p.read_text()).get("seconds", 0) / 60 for p in done]
+    left = max(0, planned * len(available) - len(done))
+    print(
+        f"[{NAME}] plan: {planned * len(available)} runs (and the bases), {len(done)} kept"
+        + (
+            f", about {left * sum(minutes) / len(minutes) / opts.side_by_side:.0f} min left at {opts.side_by_side} "
+            f"side by side (the kept runs took {sum(minutes) / len(minutes):.1f} min each)"
+            if minutes and not opts.report_only
+            else ""
+        ),
+        flush=True,
+    )
+    savings = None if opts.no_savings or not available else child("savings")
+    side_by_side([(child, f"{task}/base/{q}") for task in available for q in quantizations])
+    if not failures:
+        side_by_side([(arm_plan, task, arm) for task in available for arm in swept])
+
+    summary: dict = {"tasks": {}}
     for task in tasks:
-        summary["tasks"][task] = compare(task)
+        if task not in available:
+            summary["tasks"][task] = {"skipped": f"{opts.gsm8k} has no GSM8K"}
+            continue
+        runs = [json.loads(p.read_text()) for p in sorted((records / task).glob("*-s*.json"))]
+        runs = [r for r in runs if r["arm"] in arms and r["seed"] in seeds]
+        bases = {q: b for q in quantizations if (b := kept(f"{task}/base/{q}"))}
+        tried = {a: grids[task].get(a, {}).get("rates", rates[a]) for a in swept}
+        problems = fairness_problems(
+            {a: tried[a] for a in swept if a != "qlora"} or tried,
+            seeds,
+            len(read_jsonl(work / task / "holdout.jsonl")),
+            opts.max_steps,
+            min_holdout(task),
+        )
+        missing = [
+            f"{a} seed {s}" for a in swept for s in seeds if not any(r["arm"] == a and r["seed"] == s for r in runs)
+        ]
+        if missing:
+            problems.append(f"runs not made yet: {', '.join(missing)}")
+        summary["tasks"][task] = summarise_task(runs, bases, arms, seeds, problems, grids[task]) | {
+            "validation": opts.validation,
+            "holdout": opts.holdout,
+            "plateau_sees": detectable_gain(opts.validation),
+        }
+    if savings:
+        summary["savings"] = {k: v for k, v in savings.items() if k in ("full", "lora")}
 
     result = {
         "name": NAME,
-        "settings": {k: v for k, v in settings.items() if k != "work"},
+        "settings": {k: v for k, v in settings.items() if k not in ("work", "records", "identity", "model")},
         "rates": rates,
         "seeds": seeds,
         "arms": arms,
-        "min_holdout": MIN_HOLDOUT,
+        "min_holdout": {t: min_holdout(t) for t in tasks},
         "max_steps": opts.max_steps,
         **summary,
+        "failures": failures,
         "seconds": time.monotonic() - started,
         **stamp(),
     }
     save(NAME + ("_tiny" if opts.tiny else ""), result)
     for line in report_lines(result):
         print(line, flush=True)
+    if failures:
+        print(f"[{NAME}] " + "\n".join(failures), file=sys.stderr)
+        raise SystemExit(1)
     return result
 
 
