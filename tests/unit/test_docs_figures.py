@@ -97,6 +97,11 @@ def _zero_signal(task: str) -> str:
     return f"{dynamic:.3f} / {plain:.3f}"
 
 
+def _rows_per_s(stage: str, per_row: str) -> str:
+    median = _saved("data_throughput")["median"]
+    return f"{median[stage]:,.0f} / {median[per_row]:,.0f}"
+
+
 def _calc(key: str) -> float:
     return float(_saved("gsm8k_calc")["holdout"][key])
 
@@ -133,6 +138,24 @@ QUANTITIES = [
         "GSM8K calculator run, minutes",
         (r"32 steps,? (\d+\.\d) min",),
         lambda: f"{_saved('gsm8k_calc')['wall_s'] / 60:.1f}",
+    ),
+    Quantity(
+        "the data stage against per-row Python, rows/s without near-dedup",
+        (
+            r"([\d,]+) rows/s without near-dedup against ([\d,]+)",
+            r"([\d,]+) rows/s against ([\d,]+) without near-dedup",
+        ),
+        lambda: _rows_per_s("arrow", "baseline"),
+    ),
+    Quantity(
+        "the data stage against per-row Python, rows/s with near-dedup",
+        (r"([\d,]+) with it against ([\d,]+)", r"([\d,]+) against ([\d,]+) with it"),
+        lambda: _rows_per_s("arrow_near", "baseline_near"),
+    ),
+    Quantity(
+        "the health rules' own time per logged step",
+        (r"(\d+) µs per logged step",),
+        lambda: f"{_saved('health_overhead')['rules']['seconds_per_step']['median'] * 1e6:.0f}",
     ),
     Quantity(
         "dynamic sampling's demo holdout, dynamic / plain",
