@@ -1,6 +1,6 @@
 """The benchmark suite: run benchmarks, save `bench/results/*.json`, regenerate the results table in docs/benchmarks.md.
 
-    python -m bench all                  # every benchmark (~13.5 hours on 2 CPU cores), then the table
+    python -m bench all                  # every benchmark (~14.5 hours on 2 CPU cores), then the table
     python -m bench lora_vs_full ...     # one or more by name, then the table
     python -m bench table                # only regenerate the table from the saved results
     python -m bench list                 # names, what each compares, rough minutes
