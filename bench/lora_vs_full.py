@@ -14,31 +14,42 @@ forward, the compact LM head, the zero-advantage skip and no gradient checkpoint
 fine-tuning as to the adapters; generation from merged weights needs an adapter (and falls back on an NF4 base).
 
 What makes the comparison fair, and is checked before a verdict is printed (`fairness_problems`):
-- each arm at its best of at least 3 learning rates, chosen on the VALIDATION score at the first seed
-  (`choose_rate`; the holdout is never read for it), then every further seed at that rate; 3 seeds at least;
+- full and LoRA each at its best of at least 3 learning rates, chosen on the VALIDATION score at the first seed
+  (`choose_rate`; the holdout is never read for it); a best rate on the grid's edge gets the next rate out
+  (`next_rate_out`, said in the report); then every further seed at that rate; 3 seeds at least;
+- QLoRA at LoRA's chosen rate (what the NF4 base costs at the same settings), at `--qlora-seeds` seeds: its figures
+  are reported, its verdict only from 3 seeds on;
 - each run trained to a plateau: it stops when two successive validation evaluations gain nothing over the best
-  before them, by a one-sided paired t-test at 5 % on the validation prompts (`plateau`), or at the cap
-  (`--max-steps`, at least 80);
+  before them, by a one-sided paired t-test at 5 % on the validation prompts (`plateau`; the gain it can see,
+  `detectable_gain`, is reported), or at the cap (`--max-steps`, at least 80);
 - the same prompts in the same order: one seed gives every arm the same data order, and every evaluation scores
   the same validation and holdout prompts in the same order, so the holdout scores pair prompt by prompt;
-- a holdout of at least `MIN_HOLDOUT` prompts (`holdout_needed`), and the interval it achieves is reported with
-  whether it can tell a 3 % gap from a 10 % one (`resolves`).
+- a holdout of at least `min_holdout(task)` prompts (`holdout_needed` at the task's planned accuracy), and the
+  interval it achieves is reported with whether it can tell a 3 % gap from a 10 % one (`resolves`).
+
+Fitted to a 2-core CPU: each base (fp32, NF4) is scored once on validation and the holdout, and every run on it
+starts its curve from those scores (an adapter starts as the identity); validation every 16 steps keeps
+evaluation under about half of a run; two runs side by side at one torch thread each (`--side-by-side`,
+`--threads`).
 
 Reported per task and arm: the holdout reward at the plateau, total and skill; the gap to full in % on both, with a
 95 % interval from a two-way paired bootstrap over seeds and holdout prompts (`gap_interval`); the step and the CPU
 time (process time, evaluations excluded: the machine is shared) at which each arm first reaches 95 % of full's
 plateau on the validation curve (`time_to_target`); the verdict "within 3 %" on the skill reward; the NF4 base's
-own holdout scores beside the fp32 base's. Plus what LoRA saves on this CPU (`--savings`: optimizer state,
-gradients, checkpoint size, measured on the model).
+own holdout scores beside the fp32 base's. Plus what LoRA saves on this CPU (optimizer state, gradients,
+checkpoint size, measured on the model).
 
-    python -m bench.lora_vs_full                                  # the whole comparison (many hours on 2 cores)
-    python -m bench.lora_vs_full --tasks demo --seeds 0 --full-rates 1e-5,3e-5 --adapter-rates 1e-4,3e-4
+    python -m bench.lora_vs_full                                  # the demo's comparison (hours on 2 cores)
+    python -m bench.lora_vs_full --tasks demo,gsm8k               # and GSM8K's calculator task
+    python -m bench.lora_vs_full --report-only                    # the comparison from the runs kept so far
     python -m bench.lora_vs_full --tiny                           # a tiny random model, 2 steps: the chain only
-    python -m bench.lora_vs_full --set train.lora.r=32            # any task-config override, on both tasks
+    python -m bench.lora_vs_full --set train.lora.r=1             # any task-config override, on every task
 
-Every (task, arm, rate, seed) run happens in its own process and is kept in the work folder (`--work`) as soon as
-it ends: a killed benchmark resumes at the next run. A folder made with another configuration or another version of
-the code it runs is refused (exit 2, naming it); `--fresh` starts it over.
+Every run happens in its own process and writes its small record (settings, per-evaluation means, the holdout's
+per-prompt scores, times) under `bench/results/lora_vs_full/` as it ends: a stopped invocation loses at most the
+runs in flight, and the next one runs only what has no record. A record made with other settings, another task
+config or another version of the step's code (`RUN_CODE`) is refused (exit 2, naming what differs); `--fresh`
+measures those runs again.
 
 One module, past the ~600 lines a module is cut at, as every benchmark here: a benchmark is read whole, its arms,
 its runner, its statistics and its report in one file, what it shares with the others in `bench/harness.py`.

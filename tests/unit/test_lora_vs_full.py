@@ -6,7 +6,6 @@ import json
 import numpy as np
 import pytest
 
-from bench.harness import keep_runs
 from bench.lora_vs_full import (
     MIN_HOLDOUT,
     choose_rate,
@@ -14,6 +13,8 @@ from bench.lora_vs_full import (
     fairness_problems,
     gap_interval,
     main,
+    min_holdout,
+    next_rate_out,
     plateau,
     resolves,
     skill_reward,
@@ -79,7 +80,7 @@ def test_one_rate_few_seeds_a_small_holdout_or_a_short_cap_is_not_fair():
     assert [p.split(" ")[0] for p in problems] == ["full", "2", "a"]  # a repeated rate or seed counts once
 
 
-def _run(arm, lr, seed, val_skill, holdout_skill, curve_skill, base=None, prompts=200):
+def _run(arm, lr, seed, val_skill, holdout_skill, curve_skill, prompts=200):
     """A kept run as train_run writes it; holdout skill per prompt: the first share of prompts right."""
     right = int(holdout_skill * prompts)
     skill = [1.0] * right + [0.0] * (prompts - right)
@@ -91,56 +92,60 @@ def _run(arm, lr, seed, val_skill, holdout_skill, curve_skill, base=None, prompt
         "steps": 8 * (len(curve_skill) - 1),
         "stopped": "plateau",
         "cpu_s": 100.0,
+        "seconds": 600.0,
+        "eval_share": 0.4,
         "trainable_params": 1000 if arm == "full" else 10,
         "cuts": ["prefill_once"],
         "curve": [
             {"step": 8 * i, "train_s": 10.0 * i, "train_cpu_s": 20.0 * i, "skill": s, "total": 1 + s}
             for i, s in enumerate(curve_skill)
         ],
-        "validation": {
-            "skill": val_skill,
-            "total": 1 + val_skill,
-            "scores": [{"total": [1.0] * 5 + [0.0] * 5}, {"total": [1.0] * 10}],
-        },
+        "validation": {"skill": val_skill, "total": 1 + val_skill, "last": {"total": [1.0] * 10}},
         "holdout": {"skill": skill, "total": [1 + x for x in skill]},
-        "base_holdout": base,
     }
 
 
+BASES = {
+    "none": {
+        "validation": {"total": [1.0] * 5 + [0.0] * 5},
+        "holdout": {"skill": [1.0] * 20 + [0.0] * 180, "total": [0.0] * 200},
+    },
+    "nf4": {"validation": {"total": [0.0] * 10}, "holdout": {"skill": [1.0] * 10 + [0.0] * 190, "total": [0.0] * 200}},
+}
+
+
 def _fake_runs():
-    fp32 = {"skill": [1.0] * 20 + [0.0] * 180, "total": [0.0] * 200}
-    nf4 = {"skill": [1.0] * 10 + [0.0] * 190, "total": [0.0] * 200}
     runs = [
-        _run("full", 1e-5, 0, 0.40, 0.90, [0.1, 0.3, 0.4], base=fp32),
+        _run("full", 1e-5, 0, 0.40, 0.90, [0.1, 0.3, 0.4]),
         _run("full", 3e-5, 0, 0.60, 0.50, [0.1, 0.5, 0.6]),  # best on validation, worse on the holdout
-        _run("lora", 1e-4, 0, 0.50, 0.50, [0.1, 0.2, 0.5], base=fp32),
+        _run("lora", 1e-4, 0, 0.50, 0.50, [0.1, 0.2, 0.5]),
         _run("lora", 3e-4, 0, 0.55, 0.45, [0.1, 0.58, 0.55]),
-        _run("qlora", 3e-4, 0, 0.50, 0.40, [0.05, 0.3, 0.5], base=nf4),
+        _run("qlora", 3e-4, 0, 0.50, 0.40, [0.05, 0.3, 0.5]),
     ]
     for seed in (1, 2):
         runs += [
             _run("full", 3e-5, seed, 0.60, 0.50, [0.1, 0.5, 0.6]),
             _run("lora", 3e-4, seed, 0.55, 0.45, [0.1, 0.58, 0.55]),
-            _run("qlora", 3e-4, seed, 0.50, 0.40, [0.05, 0.3, 0.5]),
         ]
     return runs
 
 
 def test_the_summary_compares_each_arm_at_its_validation_rate_and_withholds_the_verdict_when_not_fair():
-    fair = summarise_task(_fake_runs(), ["full", "lora", "qlora"], [0, 1, 2], [])
+    fair = summarise_task(_fake_runs(), BASES, ["full", "lora", "qlora"], [0, 1, 2], [])
     full, lora, qlora = (fair["arms"][a] for a in ("full", "lora", "qlora"))
     assert (full["learning_rate"], lora["learning_rate"]) == (3e-5, 3e-4)  # validation's picks, not the holdout's
     assert all(p["gained_over_base"] for p in lora["per_seed"])
     assert full["holdout_skill"] == pytest.approx(0.5) and lora["holdout_skill"] == pytest.approx(0.45)
     assert lora["gap_skill"]["gap_pct"] == pytest.approx(10.0) and lora["verdict"] == "missed"
     assert qlora["gap_skill"]["gap_pct"] == pytest.approx(20.0)
+    assert qlora["verdict"] == "not judged: 1 seed (figures only)"  # QLoRA at LoRA's rate, one seed: no verdict
     # 95 % of full's plateau validation skill (0.6) is 0.57: LoRA gets there at its second evaluation, QLoRA never
     assert lora["time_to_95"]["skill"]["step"] == 8 and lora["time_to_95"]["skill"]["train_cpu_s"] == 20.0
-    assert qlora["time_to_95"]["skill"]["step"] is None and qlora["time_to_95"]["skill"]["reached"] == "0 of 3"
+    assert qlora["time_to_95"]["skill"]["step"] is None and qlora["time_to_95"]["skill"]["reached"] == "0 of 1"
     assert fair["nf4_base"]["fp32"]["skill"] == pytest.approx(0.1) and fair["nf4_base"]["nf4"]["skill"] == 0.05
     assert fair["nf4_base"]["loss"]["skill"]["gap_pct"] == pytest.approx(50.0)
 
-    unfair = summarise_task(_fake_runs(), ["full", "lora", "qlora"], [0, 1, 2], ["1 seed (0): ..."])
+    unfair = summarise_task(_fake_runs(), BASES, ["full", "lora", "qlora"], [0, 1, 2], ["1 seed (0): ..."])
     assert unfair["fair"] is False and unfair["arms"]["lora"]["verdict"].startswith("not fair: 1 seed")
     result = {"tasks": {"demo": unfair}}
     rows = fair_rows(result)
@@ -186,15 +191,17 @@ def test_gsm8k_rows_keep_every_test_question_out_of_training(tmp_path):
     assert rows["holdout"][0]["prompt"][0]["content"] == "What is 3 + 4? Reply with just the number."
 
 
-def test_bad_arms_and_a_work_folder_of_another_configuration_exit_2_naming_it(tmp_path, capsys):
+def test_bad_arms_and_a_bad_override_exit_2_naming_them(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["--arms", "lora,qlora", "--work", str(tmp_path)])
     assert exc.value.code == 2 and "full (the baseline)" in capsys.readouterr().err
-    keep_runs(tmp_path / "runs.json", {"fingerprint": "another", "runs": {"demo/full/1e-05/0": {}}})
-    with pytest.raises(SystemExit) as exc:
-        main(["--tiny", "--work", str(tmp_path)])
-    err = capsys.readouterr().err
-    assert exc.value.code == 2 and str(tmp_path) in err and "another configuration or code version" in err
     with pytest.raises(SystemExit) as exc:
         main(["--set", "train.grpo.no_such_field=1", "--work", str(tmp_path / "new")])
     assert exc.value.code == 2 and "no_such_field" in capsys.readouterr().err
+
+
+def test_a_rate_chosen_at_its_grids_edge_gets_the_next_one_out_and_the_holdout_follows_the_task():
+    assert next_rate_out([1e-4, 3e-4, 1e-3], 1e-3) == pytest.approx(3.33e-3)  # the best was the highest
+    assert next_rate_out([1e-4, 3e-4, 1e-3], 1e-4) == pytest.approx(3.33e-5)
+    assert next_rate_out([1e-4, 3e-4, 1e-3], 3e-4) is None  # inside the grid: nothing to add
+    assert min_holdout("demo") < MIN_HOLDOUT == min_holdout("gsm8k")  # a more accurate task needs fewer prompts
