@@ -70,10 +70,11 @@ def init_adapter_uri_problem(uri: str) -> str | None:
     >>> init_adapter_uri_problem("models:/grpo-adapter/3") is None, init_adapter_uri_problem("runs:/abc/adapter") is None
     (True, True)
     >>> init_adapter_uri_problem("/tmp/adapter")
-    "'/tmp/adapter' is not 'none', 'champion', models:/<name>/<version>, models:/<name>@<alias> or runs:/<run_id>/<path>"
+    "'/tmp/adapter' is not 'none', 'champion', 'champion_or_base', models:/<name>/<version>, models:/<name>@<alias> or runs:/<run_id>/<path>"
     """
     if re.fullmatch(r"models:/[^/@]+(/\d+|@[\w-]+)", uri) or re.fullmatch(r"runs:/[0-9a-zA-Z]+/\S+", uri):
         return None
     return (
-        f"{uri!r} is not 'none', 'champion', models:/<name>/<version>, models:/<name>@<alias> or runs:/<run_id>/<path>"
+        f"{uri!r} is not 'none', 'champion', 'champion_or_base', models:/<name>/<version>, models:/<name>@<alias> or "
+        "runs:/<run_id>/<path>"
     )

@@ -31,7 +31,13 @@ from grpo_pipeline.configs.deploy import DeployConfig
 from grpo_pipeline.configs.evaluate import EvalConfig
 from grpo_pipeline.configs.hpo import SEARCHABLE, HPOConfig, SearchDim, SearchSpace
 from grpo_pipeline.configs.merge import MergeConfig
-from grpo_pipeline.configs.model import CHAMPION_OR_BASE, DEMO_MODEL, ModelConfig, QuantizationBound, init_adapter_uri_problem
+from grpo_pipeline.configs.model import (
+    CHAMPION_OR_BASE,
+    DEMO_MODEL,
+    ModelConfig,
+    QuantizationBound,
+    init_adapter_uri_problem,
+)
 from grpo_pipeline.configs.plan import PlanConfig
 from grpo_pipeline.configs.policy import ENV_NAME, ENV_NAME_SUFFIXES, credential_key, secret_shape
 from grpo_pipeline.configs.promote import PromotionPolicy
