@@ -118,6 +118,14 @@ class DataConfig(StrictModel):
     max_dropped_fraction: float = Field(
         0.2, ge=0, le=1, description="fail the stage when more rows than this are dropped"
     )
+    max_malformed_per_file: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="fail the stage when more than this share of one file's rows is malformed (unreadable, a "
+        "missing or mistyped field, an answer no reward can read): a day's broken file in a folder of dated files, "
+        "which the whole source's max_dropped_fraction would dilute; duplicates and bounds count only there. None: off",
+    )
     batch_rows: int = Field(8192, ge=64, description="rows per Arrow batch: memory stays bounded by this")
     # --- daily retraining (docs/operations.md, "Daily retraining"): what is new since the champion
     skip_unchanged: bool = Field(

@@ -11,6 +11,9 @@ from grpo_pipeline.configs.base import StrictModel
 from grpo_pipeline.configs.dtypes import DType, Quantization
 
 DEMO_MODEL = "smollm2-135m-instruct"
+# model.init_adapter: continue the champion when the registry has one, else train a fresh adapter (a cold run). What
+# a daily schedule wants: its first day has no champion yet, and 'champion' refuses that (exit 2) on purpose.
+CHAMPION_OR_BASE = "champion_or_base"
 
 
 class QuantizationBound(StrictModel):
@@ -47,7 +50,8 @@ class ModelConfig(StrictModel):
     init_adapter: str = Field(
         "none",
         description="the LoRA adapter training starts from: 'none' (a fresh adapter on the base), 'champion' "
-        "(the registry's champion), or a URI: models:/<name>/<version>, models:/<name>@<alias>, runs:/<run_id>/<path>; "
+        "(the registry's champion; refused while there is none), 'champion_or_base' (the champion once there is one, "
+        "a fresh adapter on the base until then: a daily schedule's first day), or a URI: models:/<name>/<version>, models:/<name>@<alias>, runs:/<run_id>/<path>; "
         "same base and LoRA shape (train.lora r, target_modules), optimizer and step count fresh",
     )
 
@@ -55,7 +59,7 @@ class ModelConfig(StrictModel):
     @classmethod
     def _init_adapter(cls, v: str) -> str:
         v = v.strip()
-        if v in ("none", "champion") or init_adapter_uri_problem(v) is None:
+        if v in ("none", "champion", CHAMPION_OR_BASE) or init_adapter_uri_problem(v) is None:
             return v
         raise ValueError(init_adapter_uri_problem(v))
 
@@ -66,10 +70,11 @@ def init_adapter_uri_problem(uri: str) -> str | None:
     >>> init_adapter_uri_problem("models:/grpo-adapter/3") is None, init_adapter_uri_problem("runs:/abc/adapter") is None
     (True, True)
     >>> init_adapter_uri_problem("/tmp/adapter")
-    "'/tmp/adapter' is not 'none', 'champion', models:/<name>/<version>, models:/<name>@<alias> or runs:/<run_id>/<path>"
+    "'/tmp/adapter' is not 'none', 'champion', 'champion_or_base', models:/<name>/<version>, models:/<name>@<alias> or runs:/<run_id>/<path>"
     """
     if re.fullmatch(r"models:/[^/@]+(/\d+|@[\w-]+)", uri) or re.fullmatch(r"runs:/[0-9a-zA-Z]+/\S+", uri):
         return None
     return (
-        f"{uri!r} is not 'none', 'champion', models:/<name>/<version>, models:/<name>@<alias> or runs:/<run_id>/<path>"
+        f"{uri!r} is not 'none', 'champion', 'champion_or_base', models:/<name>/<version>, models:/<name>@<alias> or "
+        "runs:/<run_id>/<path>"
     )

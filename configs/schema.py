@@ -31,7 +31,13 @@ from grpo_pipeline.configs.deploy import DeployConfig
 from grpo_pipeline.configs.evaluate import EvalConfig
 from grpo_pipeline.configs.hpo import SEARCHABLE, HPOConfig, SearchDim, SearchSpace
 from grpo_pipeline.configs.merge import MergeConfig
-from grpo_pipeline.configs.model import DEMO_MODEL, ModelConfig, QuantizationBound, init_adapter_uri_problem
+from grpo_pipeline.configs.model import (
+    CHAMPION_OR_BASE,
+    DEMO_MODEL,
+    ModelConfig,
+    QuantizationBound,
+    init_adapter_uri_problem,
+)
 from grpo_pipeline.configs.plan import PlanConfig
 from grpo_pipeline.configs.policy import ENV_NAME, ENV_NAME_SUFFIXES, credential_key, secret_shape
 from grpo_pipeline.configs.promote import PromotionPolicy
@@ -44,6 +50,7 @@ if TYPE_CHECKING:
 
 # Every section's names, importable from here as before the sections had modules of their own.
 __all__ = [
+    "CHAMPION_OR_BASE",
     "DEMO_MODEL",
     "GRPO_OWNED",
     "PASSTHROUGH",
@@ -184,7 +191,7 @@ class PipelineConfig(StrictModel):
         if self.data.incremental and self.model.init_adapter == "none":
             raise ValueError(
                 "data.incremental trains on the rows the parent adapter has not seen, so it needs one: set "
-                "model.init_adapter=champion (or a models:/ version), or data.incremental=false"
+                "model.init_adapter=champion_or_base (or champion, or a models:/ version), or data.incremental=false"
             )
         # A warm start trains its adapter's own shape (rank and scale, in the trials too): a searched one would not
         # be what trains.

@@ -95,7 +95,7 @@ def render(
     >>> daily["description"].startswith("Daily at 02:00 Europe/Berlin.")
     True
     >>> shipped = render(spec, DeployConfig(), workdir=Path("/srv/team"))["deployments"][0]["parameters"]["config_path"]
-    >>> shipped == str(packaged("demo-cpu.yaml"))  # outside the folder the runs work in: absolute
+    >>> shipped == str(packaged("daily-cpu.yaml"))  # outside the folder the runs work in: absolute
     True
     """
     spec = copy.deepcopy(spec)

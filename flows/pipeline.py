@@ -59,7 +59,7 @@ from grpo_pipeline.flows.stages.promote import (
 )
 from grpo_pipeline.flows.stages.report import report, skipped
 from grpo_pipeline.flows.stages.train import month_stage, train_stage
-from grpo_pipeline.flows.warm_start import lineage_tags, warm_start_stage
+from grpo_pipeline.flows.warm_start import cold_start_note, lineage_tags, warm_start_stage
 from grpo_pipeline.tasks.data.shape import task_rewards
 from grpo_pipeline.tasks.data.stage import config_hash
 from grpo_pipeline.tasks.hpo import apply_best
@@ -131,10 +131,17 @@ def run_pipeline(cfg: PipelineConfig, priced: Plan | None = None) -> RunSummary:
     registry = Registry(mlflow.MlflowClient(cfg.mlflow_uri), cfg.tracking.registered_model)
     # before any work: a missing champion, an unknown URI, another base or LoRA shape end the run here (exit 2)
     warm_start = warm_start_stage(cfg, registry, run_dir)
+    cold_start = cold_start_note(cfg, warm_start)  # champion_or_base with no champion yet: said, not refused
+    if warm_start is not None:
+        print(f"warm start: continuing {warm_start.parent} ({warm_start.uri})")
+    elif cold_start:
+        print(f"warm start: {cold_start}")
     cfg_hash = config_hash(cfg)  # as configured, before the plan and the search fill fields in
     with parent_run(flow_run.id or "local", "grpo-pipeline", flow_run.scheduled_start_time) as parent:
         pid = parent.info.run_id
-        mlflow.set_tags({"config_hash": cfg_hash, **lineage_tags(warm_start)})
+        mlflow.set_tags(
+            {"config_hash": cfg_hash, **lineage_tags(warm_start), **({"cold_start": cold_start} if cold_start else {})}
+        )
         with stage_run(pid, "data"):
             dataset, base_path = data_stage(cfg)
         base_choice = BaseChoice(base=cfg.model.base, path=base_path, quantization=cfg.model.quantization)
@@ -205,6 +212,7 @@ def run_pipeline(cfg: PipelineConfig, priced: Plan | None = None) -> RunSummary:
             data={"fingerprint": dataset.fingerprint, **dataset.report.model_dump(mode="json")},
             model=BaseChoice(base=tuned.model.base, path=model_path, quantization=tuned.model.quantization),
             warm_start=warm_start,
+            cold_start=cold_start,
             task_check=task_check,
             rows=rows,
             drift=drift,

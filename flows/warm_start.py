@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from grpo_pipeline.configs.schema import ConfigError, PipelineConfig
+from grpo_pipeline.configs.schema import CHAMPION_OR_BASE, ConfigError, PipelineConfig
 from grpo_pipeline.tasks.job import RunAdapter, WarmStart, base_names, check_init_adapter, parse_init_adapter
 from grpo_pipeline.tasks.promote.download import download
 from grpo_pipeline.tasks.promote.registry import MISSING, Registry
@@ -14,8 +14,9 @@ from grpo_pipeline.trainer.loading import read_adapter_config
 
 def warm_start_stage(cfg: PipelineConfig, registry: Registry, run_dir: Path) -> WarmStart | None:
     """The adapter `model.init_adapter` names, downloaded into the run directory and checked against the base
-    and train.lora; None for 'none'. Raises ConfigError (exit 2), before any work, for a champion that does not
-    exist yet, a version, alias or run the registry does not know, and an adapter of another base or shape."""
+    and train.lora; None for 'none', and for 'champion_or_base' while the registry has no champion (a cold run:
+    `cold_start_note` says so). Raises ConfigError (exit 2), before any work, for a champion that does not exist yet
+    ('champion'), a version, alias or run the registry does not know, and an adapter of another base or shape."""
     ref = parse_init_adapter(cfg.model.init_adapter, registry.name)
     if ref is None:
         return None
@@ -27,6 +28,8 @@ def warm_start_stage(cfg: PipelineConfig, registry: Registry, run_dir: Path) -> 
     else:
         model = ref.model
         version = registry.version_of(ref.ref, model) if ref.kind == "alias" else ref.ref
+        if version is None and cfg.model.init_adapter == CHAMPION_OR_BASE:
+            return None
         if version is None:
             raise ConfigError(
                 f"{field}: registered model {model!r} has no {ref.ref!r} alias yet (no run was promoted); train from the "
@@ -55,6 +58,24 @@ def warm_start_stage(cfg: PipelineConfig, registry: Registry, run_dir: Path) -> 
         bases.add(portable)
     check_init_adapter(adapter_config, bases, cfg.train.lora, uri)
     return WarmStart(requested=cfg.model.init_adapter, uri=uri, model=model, version=version, adapter_dir=adapter)
+
+
+def cold_start_note(cfg: PipelineConfig, warm_start: WarmStart | None) -> str | None:
+    """Why a run that would continue the champion trains from the base instead (`champion_or_base` on a registry
+    with no champion: a schedule's first day), in words for the summary, the log and the report; None otherwise.
+
+    >>> from grpo_pipeline.configs.schema import load_config
+    >>> cold_start_note(load_config(None, ["model.init_adapter=champion_or_base"]), None)
+    "no champion in registered model 'grpo-adapter' yet: a cold run, a fresh adapter on the base model; the next run continues the champion this one may become"
+    >>> cold_start_note(load_config(None), None) is None
+    True
+    """
+    if warm_start is not None or cfg.model.init_adapter != CHAMPION_OR_BASE:
+        return None
+    return (
+        f"no champion in registered model {cfg.tracking.registered_model!r} yet: a cold run, a fresh adapter on the "
+        "base model; the next run continues the champion this one may become"
+    )
 
 
 def fetch_adapter(source: str, dst: Path, field: str, tracking_uri: str) -> str:

@@ -14,7 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel
 
 from grpo_pipeline.configs.rewards import AUTO, RewardSet
-from grpo_pipeline.configs.schema import DEMO_MODEL, ConfigError, EvalConfig, ModelConfig, TrainConfig
+from grpo_pipeline.configs.schema import CHAMPION_OR_BASE, DEMO_MODEL, ConfigError, EvalConfig, ModelConfig, TrainConfig
 from grpo_pipeline.configs.trainer_fields import TrainerFields
 from grpo_pipeline.trainer.checkpoints import open_store
 from grpo_pipeline.trainer.loading import adapter_mismatch
@@ -105,6 +105,8 @@ def parse_init_adapter(value: str, registered_model: str) -> AdapterRef | None:
 
     >>> parse_init_adapter("champion", "grpo-adapter")
     RegisteredAdapter(kind='alias', model='grpo-adapter', ref='champion')
+    >>> parse_init_adapter("champion_or_base", "grpo-adapter")  # the same alias; the caller decides what none means
+    RegisteredAdapter(kind='alias', model='grpo-adapter', ref='champion')
     >>> parse_init_adapter("models:/other/7", "grpo-adapter")
     RegisteredAdapter(kind='version', model='other', ref='7')
     >>> parse_init_adapter("runs:/0a1b/adapter", "grpo-adapter").kind
@@ -112,7 +114,7 @@ def parse_init_adapter(value: str, registered_model: str) -> AdapterRef | None:
     """
     if value == "none":
         return None
-    if value == "champion":
+    if value in ("champion", CHAMPION_OR_BASE):
         return RegisteredAdapter(kind="alias", model=registered_model, ref="champion")
     if match := re.fullmatch(r"models:/([^/@]+)/(\d+)", value):
         return RegisteredAdapter(kind="version", model=match[1], ref=match[2])

@@ -17,16 +17,20 @@ PROMPT_CHARS = 400  # of a prompt shown with an example: the question, not a who
 CELL_CHARS = 80  # of a reference in a table cell
 
 
-def lineage_line(warm_start: WarmStart | None, rows: TrainRows | None) -> str:
-    """Where the candidate started and what it trained on, in one sentence.
+def lineage_line(warm_start: WarmStart | None, rows: TrainRows | None, cold_start: str | None = None) -> str:
+    """Where the candidate started and what it trained on, in one sentence; `cold_start`: why it started from the base
+    though the champion was asked for (`RunSummary.cold_start`).
 
     >>> ws = WarmStart(requested="champion", uri="models:/m/3", model="m", version="3", adapter_dir="/a")
     >>> lineage_line(ws, TrainRows(incremental=True, new=40, replayed=10, seen_before=200))
     'Continued from v3 (models:/m/3) on 40 new rows and 10 replayed ones (of 200 seen before).'
     >>> lineage_line(None, None)
     'Trained from the base model.'
+    >>> lineage_line(None, TrainRows(incremental=True, new=70, replayed=0, seen_before=0), "no champion yet")
+    'Trained from the base model (no champion yet) on 70 new rows and 0 replayed ones (of 0 seen before).'
     """
     start = f"Continued from {warm_start.parent} ({warm_start.uri})" if warm_start else "Trained from the base model"
+    start += f" ({cold_start})" if cold_start and not warm_start else ""
     if rows is None or not rows.incremental:
         return f"{start}."
     held = f"; {rows.new_holdout} new rows went to the holdout" if rows.new_holdout else ""
@@ -82,6 +86,7 @@ def render_markdown(
     rows: TrainRows | None = None,
     train: TrainResult | None = None,
     drift: Drift | None = None,
+    cold_start: str | None = None,
 ) -> str:
     """The decision, its reasons and the holdout numbers, as Markdown (MLflow artifact, Prefect artifact); with
     the training's result, whether the candidate came from a run that a health rule stopped or rolled back; with
@@ -92,7 +97,7 @@ def render_markdown(
         f"# GRPO run: candidate **{verdict(decision, registry)}**",
         "",
         f"Candidate version {registry.candidate_version} against {baseline} on {holdout.n} holdout prompts (greedy).",
-        lineage_line(warm_start, rows),
+        lineage_line(warm_start, rows, cold_start),
         "",
         *([f"**Drift alert**: {drift.alert_reason}", ""] if drift is not None and drift.alert else []),
         *([f"**{decision.stats['shaping_only'].capitalize()}.**", ""] if decision.stats.get("shaping_only") else []),

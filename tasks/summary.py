@@ -211,6 +211,9 @@ class RunSummary(BaseModel):
     data: dict[str, Any]  # the dataset's fingerprint and the data stage's report
     model: BaseChoice
     warm_start: WarmStart | None = None  # the adapter training continued (model.init_adapter), None: from the base
+    # why a run asked to continue the champion trained from the base (model.init_adapter=champion_or_base and no
+    # champion yet: a schedule's first day); None when it continued one or was asked for none
+    cold_start: str | None = None
     # can GRPO learn it: the base's sampled accuracy, its mixed groups, the verdict (check.enabled; None: not run)
     task_check: TaskCheck | None = None
     rows: TrainRows | None = None  # what was trained on: new and replayed rows

@@ -72,6 +72,7 @@ def report(summary: RunSummary, run_dir: Path) -> None:
         summary.rows,
         train=summary.train,
         drift=summary.drift,
+        cold_start=summary.cold_start,
     )
     mlflow.log_text(markdown, "report.md")
     chart = plot_comparison(holdout.baseline, holdout.trained, decision.stats, run_dir / "comparison.png")

@@ -37,6 +37,23 @@ from grpo_pipeline.tasks.data.text import (
 )
 
 REFERENCE = pa.schema([("raw", pa.string())])
+# The drop reasons that say a row itself is broken, whatever the rows around it: what `data.max_malformed_per_file`
+# counts in each file. Duplicates, token bounds and contamination depend on the other rows and the model.
+MALFORMED = frozenset(
+    {
+        "bad_json",
+        "invalid_utf8",
+        "line_too_long",
+        "too_deep",
+        "nul_character",
+        "bad_csv",
+        "missing_field",
+        "wrong_type",
+        "empty_prompt",
+        "answer_extraction_failed",
+        "answer_unverifiable",
+    }
+)
 
 
 class Chain:
@@ -58,6 +75,9 @@ class Chain:
         self.reference: list[np.ndarray] = []
         self.dropped: Counter[str] = Counter()
         self.rows_read = 0
+        # per source file: rows read, and those dropped as MALFORMED (data.max_malformed_per_file)
+        self.read_by_file: Counter[str] = Counter()
+        self.malformed_by_file: Counter[str] = Counter()
         self.kept: Counter[str] = Counter()
         self.work = work
         self.quarantine = (work / "quarantine.jsonl").open("wb")
@@ -70,10 +90,13 @@ class Chain:
     def drop(self, rejects: list[Reject]) -> None:
         for r in rejects:
             self.dropped[r.reason] += 1
+            if r.reason in MALFORMED:
+                self.malformed_by_file[r.source] += 1
             self.quarantine.write(jsonl_line(r.as_dict()))
 
     def feed(self, raw: RawBatch) -> None:
         self.rows_read += len(raw.positions) + len(raw.rejects)
+        self.read_by_file[raw.source] += len(raw.positions) + len(raw.rejects)
         table, rejects = canonical_batch(raw, self.cfg, self.ctx)
         self.drop(rejects)
         if table.num_rows:

@@ -70,11 +70,43 @@ def check_local_sources(data: DataConfig) -> None:
     ):
         for source in sources:
             path = str(Path(source).expanduser())
+            if looks_local(source) and (hint := empty_folder_problem(source)):
+                raise DataSourceError(f"{field_name}: {hint}")
             if looks_local(source) and not (glob.glob(path) if glob.has_magic(path) else Path(path).exists()):
                 raise DataSourceError(
                     f"{field_name}: {source} does not exist; give a JSONL/Parquet/CSV file, a glob or directory of "
                     "them, a datasets.save_to_disk directory, s3://bucket/key or a hub id such as 'openai/gsm8k'"
                 )
+
+
+def empty_folder_problem(source: str) -> str | None:
+    """What is wrong with a local source that names a folder (no data file extension, no glob) which does not exist
+    or holds no data file yet, with where to put the rows: a growing source (a daily schedule's folder of dated files)
+    starts out so. None for anything else (a file, a glob, a folder with files, a saved dataset).
+
+    >>> import tempfile
+    >>> folder = Path(tempfile.mkdtemp())
+    >>> empty_folder_problem(str(folder / "daily")).startswith(f"{folder}/daily does not exist: create the folder")
+    True
+    >>> print(empty_folder_problem(str(folder)))  # doctest: +ELLIPSIS
+    /... holds no .jsonl, .json, ... file yet: put the rows there, one JSONL file per day ..., e.g. /.../2026-12-07.jsonl
+    >>> _ = (folder / "2026-12-07.jsonl").write_text('{"prompt": "1 + 1?", "answer": "2"}')
+    >>> empty_folder_problem(str(folder)) is None, empty_folder_problem(str(folder / "x.jsonl")) is None
+    (True, True)
+    """
+    path = Path(source).expanduser()
+    if glob.has_magic(str(path)) or source.lower().removesuffix(".gz").endswith(DATA_EXTENSIONS):
+        return None
+    example = path / "2026-12-07.jsonl"
+    where = f"one JSONL file per day (a row per line: prompt, answer), e.g. {example}"
+    if not path.exists():
+        return (
+            f"{source} does not exist: create the folder ({path.absolute()}) and put the rows there, {where}; "
+            "or point data.source at your data"
+        )
+    if path.is_dir() and not is_datasets_dir(path) and not any(_is_data_file(p.name, "auto") for p in path.rglob("*")):
+        return f"{source} holds no {', '.join(DATA_EXTENSIONS)} file yet: put the rows there, {where}"
+    return None
 
 
 class DataSourceError(ConfigError):

@@ -175,6 +175,7 @@ def run_chain(cfg: DataConfig, work: Path, tokenizer_path: str | None, rewards: 
         checks=_checks(cfg, ctx, tokens, tokenizer_path),
         eval_rows=eval_rows,
         seconds=round(time.perf_counter() - started, 3),
+        malformed_by_file={f: [n, chain.read_by_file[f]] for f, n in sorted(chain.malformed_by_file.items())},
     )
 
 
@@ -218,8 +219,8 @@ def build_dataset(
     reference answer, and the key follows their names and those arguments, not the weights, which change no row.
 
     Raises ConfigError for a source that cannot be read or token bounds without a tokenizer,
-    DataQualityError when more than `max_dropped_fraction` of the rows were dropped (the quarantine is then
-    kept in out_dir/<key>.rejected). The version is written aside and renamed into place, so a failure
+    DataQualityError when more than `max_dropped_fraction` of the rows were dropped, or more than
+    `max_malformed_per_file` of one file's rows were malformed (the quarantine is then kept in out_dir/<key>.rejected). The version is written aside and renamed into place, so a failure
     leaves nothing half-written: the work directory goes on an exception, on SIGTERM or SIGHUP (see
     `removed_on_exit`), and after a SIGKILL with the next build in the same out_dir.
     """
@@ -243,13 +244,17 @@ def build_dataset(
         (work / "report.json").write_bytes(orjson.dumps(report.model_dump(mode="json"), option=orjson.OPT_INDENT_2))
         if report.rows_read == 0:
             raise DataQualityError(f"data.source {cfg.source} holds no rows", report)
+        worst = ", ".join(f"{r} {n}" for r, n in Counter(report.dropped).most_common(3))
+        if broken := malformed_files(report, cfg.max_malformed_per_file):
+            rejected = _set_aside(work, out_dir / f"{key[:16]}.rejected")
+            raise DataQualityError(
+                f"{'; '.join(broken)}: more than data.max_malformed_per_file={cfg.max_malformed_per_file} of "
+                f"the file's rows ({worst} over the whole source); see {rejected / 'quarantine.jsonl'}, then fix or "
+                "remove the file (or raise the bound); nothing was trained on any file",
+                report,
+            )
         if report.dropped_fraction > cfg.max_dropped_fraction:
-            rejected = out_dir / f"{key[:16]}.rejected"
-            shutil.rmtree(rejected, ignore_errors=True)
-            for name in SPLITS:
-                (work / f"{name}.jsonl").unlink(missing_ok=True)
-            work.rename(rejected)
-            worst = ", ".join(f"{r} {n}" for r, n in Counter(report.dropped).most_common(3))
+            rejected = _set_aside(work, out_dir / f"{key[:16]}.rejected")
             raise DataQualityError(
                 f"{report.dropped_fraction:.1%} of {report.rows_read} rows were dropped ({worst}), more than "
                 f"data.max_dropped_fraction={cfg.max_dropped_fraction}; see {rejected / 'quarantine.jsonl'} "
@@ -263,6 +268,35 @@ def build_dataset(
         except OSError:  # another run finished the same version first: theirs is identical
             pass
         return load_version(target) or version
+
+
+def malformed_files(report: DataReport, bound: float | None) -> list[str]:
+    """The files more than `bound` of whose rows are malformed (`data.max_malformed_per_file`), each in words.
+
+    >>> r = DataReport(source="d", rows_read=100, rows_kept=80, splits={}, dropped={"bad_json": 20},
+    ...                dropped_fraction=0.2, max_dropped_fraction=0.2, checks={},
+    ...                malformed_by_file={"d/2026-12-05.jsonl": [0, 60], "d/2026-12-06.jsonl": [20, 40]})
+    >>> malformed_files(r, 0.2)
+    ['d/2026-12-06.jsonl: 20 of 40 rows malformed (50.0%)']
+    >>> malformed_files(r, 0.5), malformed_files(r, None)
+    ([], [])
+    """
+    if bound is None:
+        return []
+    return [
+        f"{name}: {bad} of {read} rows malformed ({bad / read:.1%})"
+        for name, (bad, read) in report.malformed_by_file.items()
+        if read and bad / read > bound
+    ]
+
+
+def _set_aside(work: Path, rejected: Path) -> Path:
+    """A refused build's work directory, without its splits, as `rejected`: its quarantine and report stay to look at."""
+    shutil.rmtree(rejected, ignore_errors=True)
+    for name in SPLITS:
+        (work / f"{name}.jsonl").unlink(missing_ok=True)
+    work.rename(rejected)
+    return rejected
 
 
 def resolve_tokenizer(data: DataConfig, model: ModelConfig, data_dir: Path, given: str | None = None) -> str | None:

@@ -57,6 +57,8 @@ class DataReport(BaseModel):
     checks: dict[str, str]
     eval_rows: int = 0
     seconds: float = 0.0
+    # per source file with a malformed row (chain.MALFORMED): [malformed rows, rows read]
+    malformed_by_file: dict[str, list[int]] = {}
 
 
 class DatasetVersion(BaseModel):

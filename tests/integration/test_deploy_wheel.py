@@ -129,7 +129,8 @@ def test_the_wheel_deploys_from_another_folder(deployed, team, installed):
             assert step == "prefect.deployments.steps.set_working_directory" and len(d.pull_steps or []) == 1
             assert Path(settings["directory"]).resolve() == team["folder"].resolve()
             # the shipped recipe, where the wheel installed it: the team's folder has no configs/
-            assert d.parameters["config_path"] == str(site / "configs" / "demo-cpu.yaml"), name
+            recipe = "daily-cpu.yaml" if name.endswith(DAILY) else "demo-cpu.yaml"  # the daily builds on yesterday
+            assert d.parameters["config_path"] == str(site / "configs" / recipe), name
             assert {"config_path", "overrides"} <= set(d.parameter_openapi_schema["properties"])
     # the entrypoint as a worker of that environment loads it, in that folder: the flow from the wheel, no fallback
     probe = (

@@ -160,3 +160,37 @@ def test_incremental_split_is_new_rows_plus_a_reproducible_replay(tmp_path):
     rows = [json.loads(line) for line in train.read_text().splitlines()]
     assert incremental_rows(rows[::-1], seen, 0.25, "fp1")[0] == incremental_rows(rows, seen, 0.25, "fp1")[0][::-1]
     assert incremental_rows(rows, seen, 0.0, "fp1")[1:] == (20, 0) and incremental_rows(rows, seen, 1.0, "fp1")[2] == 80
+
+
+def test_champion_or_base_continues_the_champion_once_there_is_one(tmp_path):
+    """The daily recipe's warm start: the champion when the registry has one; none yet (a schedule's first day) is a
+    cold run, said in words (`cold_start_note`), where `champion` refuses it."""
+    from grpo_pipeline.flows.warm_start import cold_start_note
+
+    cfg = _cfg(tmp_path, "model.init_adapter=champion_or_base", "data.incremental=true")  # incremental allowed
+    ws = warm_start_stage(cfg, _registry(tmp_path), tmp_path / "run")
+    assert (ws.uri, ws.version) == ("models:/grpo-adapter/3", "3") and cold_start_note(cfg, ws) is None
+    assert warm_start_stage(cfg, _registry(tmp_path, aliases={}), tmp_path / "run") is None
+    assert "no champion in registered model 'grpo-adapter' yet: a cold run" in cold_start_note(cfg, None)
+    # a champion of another shape is still refused, not silently replaced by a cold run
+    with pytest.raises(ConfigError, match="LoRA rank r=16"):
+        warm_start_stage(cfg, _registry(tmp_path, r=16), tmp_path / "run")
+
+
+def test_the_daily_recipe_without_its_folder_says_where_to_put_the_files(tmp_path, monkeypatch):
+    """configs/daily-cpu.yaml reads data/daily where the runs work: missing or empty, preflight stops naming it."""
+    from grpo_pipeline.tasks.data.sources import DataSourceError, check_local_sources
+
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "daily-cpu.yaml")
+    assert cfg.model.init_adapter == "champion_or_base" and cfg.data.incremental and cfg.data.skip_unchanged
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DataSourceError, match=r"data\.source: \./data/daily does not exist: create the folder \(.*"):
+        check_local_sources(cfg.data)
+    (tmp_path / "data" / "daily").mkdir(parents=True)
+    (tmp_path / "data" / "daily" / "2026-12-07.jsonl.part").write_text("{}\n")  # still being written: not read
+    with pytest.raises(
+        DataSourceError, match=r"\./data/daily holds no .* file yet: put the rows there.*2026-12-07\.jsonl"
+    ):
+        check_local_sources(cfg.data)
+    (tmp_path / "data" / "daily" / "2026-12-07.jsonl.part").rename(tmp_path / "data" / "daily" / "2026-12-07.jsonl")
+    check_local_sources(cfg.data)

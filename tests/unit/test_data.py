@@ -448,3 +448,30 @@ def test_a_build_takes_the_reward_set_whole_and_another_weight_rebuilds_nothing(
     )
     reweighted = RewardSet(names=rewards.names, args=rewards.args, weights=(0.5,) * len(rewards.names))
     assert build_dataset(cfg, tmp_path, None, reweighted) == first
+
+
+def test_a_days_broken_file_fails_the_stage_though_the_folder_stays_under_its_bound(tmp_path):
+    """A folder of dated files: half of one day's lines broken is 10 of 70 rows over the folder (under
+    max_dropped_fraction, 0.2, so the stage alone would train on the rest), 10 of 20 in that file: past
+    max_malformed_per_file, the stage stops naming the file, writes no version and keeps the quarantine."""
+    from grpo_pipeline.tasks.data.demo_task import make_row
+
+    folder = tmp_path / "daily"
+    folder.mkdir()
+    rows = [make_row(a, b) for a in range(10) for b in range(10)]
+    (folder / "2026-12-05.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:50]))
+    broken = [json.dumps(r) for r in rows[50:60]] + ['{"prompt": "cut off'] * 5 + ['{"answer": "3"}'] * 5
+    (folder / "2026-12-06.jsonl").write_text("".join(line + "\n" for line in broken))
+    cfg = DataConfig(source=str(folder), key_column="key", max_prompt_tokens=None)
+    version = build_dataset(cfg, tmp_path / "out")  # off by default: the folder's bound alone holds
+    assert version.report.dropped_fraction == pytest.approx(10 / 70)
+    assert version.report.malformed_by_file == {str(folder / "2026-12-06.jsonl"): [10, 20]}
+    with pytest.raises(DataQualityError) as info:
+        build_dataset(cfg.model_copy(update={"max_malformed_per_file": 0.2}), tmp_path / "out2")
+    message = str(info.value)
+    assert f"{folder / '2026-12-06.jsonl'}: 10 of 20 rows malformed (50.0%)" in message
+    assert "data.max_malformed_per_file=0.2" in message and "2026-12-05" not in message
+    assert not [p for p in (tmp_path / "out2").iterdir() if not p.name.endswith(".rejected")]  # no version
+    quarantine = next((tmp_path / "out2").glob("*.rejected")) / "quarantine.jsonl"
+    reasons = [json.loads(line)["reason"] for line in quarantine.read_text().splitlines()]
+    assert sorted(set(reasons)) == ["bad_json", "missing_field"] and len(reasons) == 10
