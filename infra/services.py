@@ -372,21 +372,21 @@ def http_status(url: str, headers: dict[str, str] | None = None, timeout_s: floa
         return None
 
 
-def http_json(url: str, timeout_s: float = 10) -> dict | None:
-    """The JSON object `url` answers a GET with, whatever its status (a 503 says why in its body); None when
-    nothing answers or the body is not a JSON object."""
+def http_answer(url: str, timeout_s: float = 10) -> tuple[int | None, dict | None]:
+    """The HTTP status `url` answers a GET with, and its body when that is a JSON object (a 503 says why in its
+    body); (None, None) when nothing answers."""
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as response:
-            raw = response.read()
+            status, raw = response.status, response.read()
     except urllib.error.HTTPError as exc:
-        raw = exc.read()
+        status, raw = exc.code, exc.read()
     except OSError:
-        return None
+        return None, None
     try:
         body = json.loads(raw)
     except ValueError:
-        return None
-    return body if isinstance(body, dict) else None
+        return status, None
+    return status, body if isinstance(body, dict) else None
 
 
 def _http_ok(url: str) -> bool:

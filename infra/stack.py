@@ -519,9 +519,9 @@ def router_status(service: Service) -> dict:
     engine's state as the router sees it), `engine_restarts` and, when not ready, `reason`."""
     program = services.supervised_state(service) if services.alive(service) else None
     restarts = services.supervised_restarts(service) if program is not None else None
-    health = services.http_json(f"{service.url}/health")
-    ready = services.http_json(f"{service.url}/ready")
-    up = ready is not None and ready.get("status") == "ready"
+    health = services.http_answer(f"{service.url}/health")[1]
+    code, ready = services.http_answer(f"{service.url}/ready")
+    up = code == 200
     if not services.alive(service) or (program is not None and program["statename"] in SUPERVISED_STOPPED):
         state = "stopped"
     elif up:
@@ -533,7 +533,7 @@ def router_status(service: Service) -> dict:
     return {
         "state": state,
         "restarts": restarts,
-        "router_pid": program["pid"] if program and program["statename"] == "RUNNING" else None,
+        "router_pid": (program["pid"] or None) if program and program["statename"] not in SUPERVISED_STOPPED else None,
         "engine": (health or {}).get("engine"),
         "engine_restarts": (health or {}).get("restarts"),
         **({"reason": ready["reason"]} if ready and not up and ready.get("reason") else {}),

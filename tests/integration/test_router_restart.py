@@ -92,16 +92,13 @@ def test_a_killed_router_answers_again_within_seconds_on_the_engine_it_left(stac
     starting = threading.Thread(target=start)
     starting.start()
     # Bound before its engine answers: liveness at once, a request told to come back, `stack status` says starting.
-    health = until(lambda: services.http_json(f"{url}/health"), 120, "the router's /health")
+    health = until(lambda: services.http_answer(f"{url}/health")[1], 120, "the router's /health")
     assert health["engine"] == "starting", health
     early = httpx.post(f"{url}/v1/chat/completions", json=BODY, timeout=30)
     assert early.status_code == 503 and early.headers["Retry-After"] == "1", early.text
     assert "the engine is starting" in early.json()["error"]["message"]
-    assert services.http_json(f"{url}/ready") == {
-        "status": "not ready",
-        "restarts": 0,
-        "reason": "the engine is starting",
-    }
+    not_ready = {"status": "not ready", "restarts": 0, "reason": "the engine is starting"}
+    assert services.http_answer(f"{url}/ready") == (503, not_ready)
     starting.join(ENGINE_START_S + 300)
     assert "error" not in seen and not starting.is_alive(), seen
     status = stack.status()["serve"]
