@@ -268,8 +268,8 @@ class Engine:
             return self.process.pid
         return self.adopted.pid if self.adopted is not None else None
 
-    def _command(self, adapters: dict[str, Path]) -> list[str]:
-        return engine_command(self.python, self.base, self.port, self.cfg, adapters, self.lora)
+    def _command(self, adapters: dict[str, Path], port: int | None = None) -> list[str]:
+        return engine_command(self.python, self.base, port or self.port, self.cfg, adapters, self.lora)
 
     def start(self, adapters: dict[str, Path]) -> None:
         """Start the process (call from the main thread: the death signal follows the thread that forks). With a
@@ -310,8 +310,7 @@ class Engine:
             return f"the recorded engine (pid {record.pid}) is gone"
         if record.owner_runs():
             return f"the recorded engine (pid {record.pid}) belongs to a router that runs (pid {record.owner_pid})"
-        wanted = engine_command(self.python, self.base, record.port, self.cfg, {}, self.lora)
-        if record.command != wanted:
+        if record.command != self._command({}, record.port):
             _stop_group(record.pid, None, 30)
             return f"the recorded engine (pid {record.pid}) ran another command line; stopped it"
         self.port, self.key, self.url = record.port, record.key, f"http://{HOST}:{record.port}"
