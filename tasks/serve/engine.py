@@ -278,15 +278,18 @@ class Engine:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.adopted = None
         with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(
-                self._command(adapters),
-                env=engine_env(dict(os.environ), self.key),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-                preexec_fn=None if self.record else _die_with_parent,
-            )
+            try:
+                self.process = subprocess.Popen(
+                    self._command(adapters),
+                    env=engine_env(dict(os.environ), self.key),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                    preexec_fn=None if self.record else _die_with_parent,
+                )
+            except OSError as e:  # not executable, not a program: what the user fixes, said as a start that failed
+                raise EngineError(f"the engine's Python {self.python} could not be run: {e}") from e
         if self.record is not None:
             started = _started_at(self.process.pid)
             if started is not None:  # None: it died at once; the start-up's check says why

@@ -598,10 +598,15 @@ class Router:
     async def _up_then_supervise(self, cfg: ServeConfig) -> None:
         """The engine brought up (unless the caller started it and waited for it), then supervised."""
         self.probe_timeout_s = cfg.probe_timeout_s
-        if self.engine.pid is None or self.engine.exit_status() is not None or self.engine.adopted is not None:
-            await self.bring_up(cfg.restart_limit)
-        if self.gave_up is None:
-            await self.supervise(cfg.probe_s, cfg.probe_timeout_s, cfg.restart_limit)
+        try:
+            if self.engine.pid is None or self.engine.exit_status() is not None or self.engine.adopted is not None:
+                await self.bring_up(cfg.restart_limit)
+            if self.gave_up is None:
+                await self.supervise(cfg.probe_s, cfg.probe_timeout_s, cfg.restart_limit)
+        except Exception as e:  # a background task's error is seen by no one: the router would serve 503s forever
+            log.exception("the engine's supervision failed")
+            self.gave_up = EngineError(f"the engine's supervision failed ({type(e).__name__}: {e})")
+            self.stop()
 
     def lifespan(self, resolve: Callable[[str], Adapter | None] | None, cfg: ServeConfig) -> Lifespan[Starlette]:
         """What `serve` runs beside the app: the engine's HTTP client, the engine brought up in the background
