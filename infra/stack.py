@@ -479,9 +479,9 @@ class ServeOptions:
         return (self.config, self.engine_python) != (recorded.get("config"), recorded.get("engine_python"))
 
 
-UI_LOGIN = {
-    "mlflow": "user MLFLOW_TRACKING_USERNAME, password MLFLOW_TRACKING_PASSWORD (from `grpo-pipeline stack env`)",
-    "prefect": "the whole PREFECT_API_AUTH_STRING (user:password, from `grpo-pipeline stack env`) as the password",
+UI_LOGIN = {  # where the credentials are, never what they are
+    "mlflow": "user MLFLOW_TRACKING_USERNAME, password MLFLOW_TRACKING_PASSWORD, from `grpo-pipeline stack env`",
+    "prefect": "password: the whole PREFECT_API_AUTH_STRING, user:password, from `grpo-pipeline stack env`",
 }
 
 

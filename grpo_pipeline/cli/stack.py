@@ -171,8 +171,8 @@ def status_table(report: dict[str, dict]) -> str:
     ...     "serve": {"healthy": False, "running": True, "url": "http://127.0.0.1:8000", "state": "restarting",
     ...               "restarts": 1, "engine": "up", "engine_restarts": 0},
     ... }))
-    MLflow      healthy     UI http://127.0.0.1:5000 (log in: user ...)
-    the router  restarting  http://127.0.0.1:8000, restarted 1 time by supervisord, engine up (0 engine restarts)
+    MLflow         healthy       UI http://127.0.0.1:5000  log in: user ...
+    the router     restarting    http://127.0.0.1:8000, restarted 1 time by supervisord, engine up (0 engine restarts)
     """
     from grpo_pipeline.infra.stack import TITLES
 
@@ -190,10 +190,10 @@ def status_table(report: dict[str, dict]) -> str:
                 where += f": {s['reason']}"
         else:
             state = "healthy" if s["healthy"] else ("not answering" if s["running"] else "stopped")
-            where = f"UI {s['ui']} (log in: {s['login']})" if s.get("ui") else (s["url"] or "")
+            where = f"UI {s['ui']}  log in: {s['login']}" if s.get("ui") else (s["url"] or "")
             if name == "postgres" and s["url"]:
                 where = "Unix socket"
-        lines.append(f"{TITLES[name]:<11} {state:<11} {where}")
+        lines.append(f"{TITLES[name]:<14} {state:<13} {where}")
     return "\n".join(lines)
 
 

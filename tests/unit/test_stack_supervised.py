@@ -185,7 +185,7 @@ def test_stack_status_reports_the_routers_own_state_and_supervisords_restarts(tm
         assert again["state"] == "restarting" and again["router_pid"] != up["router_pid"], again
         flag.touch()
         assert until(lambda: (s := stack.status()["serve"])["state"] == "up" and s, 60, "up again")["restarts"] == 1
-        assert "the router  up" in status_table(stack.status())
+        assert "\nthe router     up  " in status_table(stack.status())
     finally:
         services.stop(service)
     stopped = stack.status()["serve"]
