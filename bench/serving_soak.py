@@ -74,7 +74,9 @@ def replica_main(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     root, aliases = Path(args.root), Path(args.aliases)
-    cfg = ServeConfig(poll_s=args.poll_s, probe_s=1.0, probe_timeout_s=10.0, retry_after_s=1, dtype="float32")
+    cfg = ServeConfig(
+        poll_s=args.poll_s, probe_s=1.0, probe_timeout_s=10.0, retry_after_s=1, dtype="float32", reattach_engine=True
+    )
 
     def resolve(alias: str):
         version = json.loads(aliases.read_text()).get(alias)
@@ -84,7 +86,8 @@ def replica_main(args: argparse.Namespace) -> int:
     spool = root / "unlogged.jsonl"
     with suppress(Exception):  # the store may be down at this start: the next write replays
         ab_spool.replay(spool, request_log)
-    engine = Engine(args.engine_python, args.base, cfg, root / "engine.log")
+    # recorded, as the stack's router: a killed router's engine keeps running and its successor attaches to it
+    engine = Engine(args.engine_python, args.base, cfg, root / "engine.log", record=root / "engine.json")
     router = Router(
         engine=engine,
         client=None,
@@ -100,10 +103,8 @@ def replica_main(args: argparse.Namespace) -> int:
     )
     router.arms = {a: found for a in (CHAMPION, CHALLENGER) if (found := resolve(a)) is not None}
     router.loaded = {a.engine_name: a.path for a in router.arms.values()}
-    engine.start(router.loaded)
     try:
-        engine.wait_ready()
-        run(router, "127.0.0.1", args.port, resolve, cfg)
+        run(router, "127.0.0.1", args.port, resolve, cfg)  # bound at once; the engine started or attached behind
     except EngineError as e:
         print(e, file=sys.stderr)
         return 1
@@ -387,7 +388,7 @@ def inject(name: str, replicas: list, stack, aliases: Path, args: argparse.Names
         router = router_pid(replicas[1])
         if router is None:
             return {"_at": at, "what": "no router 1 running", "recovery_s": None}
-        os.kill(router, signal.SIGKILL)  # its engine dies with it (PR_SET_PDEATHSIG); supervisord starts both
+        os.kill(router, signal.SIGKILL)  # its engine keeps running; supervisord starts the router, which attaches
         time.sleep(0.5)
         return {
             "_at": at,

@@ -82,6 +82,12 @@ class ServeConfig(StrictModel):
         5, ge=1, description="engine starts in a row that may fail before the router gives up and exits (status 1)"
     )
     retry_after_s: int = Field(5, ge=1, description="Retry-After of the 503 a request gets while the engine restarts")
+    reattach_engine: bool = Field(
+        False,
+        description="a killed router leaves its engine running and the next router on the same data_dir attaches "
+        "to it (for a supervisor that restarts the router, as the stack's does: seconds, not an engine start); "
+        "off: the engine dies with its router",
+    )
     log_completions: bool = Field(
         True,
         description="keep each answer's text in the request log, so feedback with a `reference` can be scored by "

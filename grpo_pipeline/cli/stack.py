@@ -80,20 +80,36 @@ def stack_up(
         _fail(False, f"stack up failed: {exc}", EXIT_FAILED)
     env = stack.env()
     # stdout carries only the exports, so `eval "$(...)"` works; where things are goes to stderr
-    # Both UIs ask for a login: say where it is, not what it is.
-    err.print(
-        f"MLflow UI:  {env['MLFLOW_TRACKING_URI']} (user {env['MLFLOW_TRACKING_USERNAME']}, password: "
-        "MLFLOW_TRACKING_PASSWORD in `stack env`)\n"
-        f"Prefect UI: {env['PREFECT_API_URL'].removesuffix('/api')} (asks for PREFECT_API_AUTH_STRING from "
-        "`stack env`)\n"
-        f"S3 API:     {env['AWS_ENDPOINT_URL_S3']} (bucket '{stack.bucket}')\n"
-        + (f"Router:     {env['GRPO_SERVE_URL']} (key: GRPO_SERVE_API_KEY in `stack env`)\n" if serve else "")
-        + f'Use it from a shell with:  eval "$(grpo-pipeline stack env --dir {root})"',
-        markup=False,
-        highlight=False,
-    )
+    err.print(where_things_are(env, stack.bucket, root, serve), markup=False, highlight=False)
     if not sys.stdout.isatty():
         print(exports(env))
+
+
+def where_things_are(env: dict[str, str], bucket: str, root: Path, serve: bool) -> str:
+    """What `stack up` says on stderr: each UI and API, and how to log in. Both UIs ask for a login: the lines say
+    where the credentials are, never what they are (a terminal's scrollback is no place for them). Prefect's UI
+    has one password field that takes the whole auth string, user:password.
+
+    >>> env = {"MLFLOW_TRACKING_URI": "http://127.0.0.1:5000", "MLFLOW_TRACKING_USERNAME": "admin",
+    ...        "PREFECT_API_URL": "http://127.0.0.1:4200/api", "AWS_ENDPOINT_URL_S3": "http://127.0.0.1:9000"}
+    >>> print(where_things_are(env, "grpo", Path(".grpo/stack"), False))  # doctest: +NORMALIZE_WHITESPACE
+    MLflow UI:  http://127.0.0.1:5000  log in as admin, password: MLFLOW_TRACKING_PASSWORD from `grpo-pipeline stack env`
+    Prefect UI: http://127.0.0.1:4200  password: the whole PREFECT_API_AUTH_STRING (grpo:...) from `grpo-pipeline stack env`
+    S3 API:     http://127.0.0.1:9000  (bucket 'grpo')
+    Use it from a shell with:  eval "$(grpo-pipeline stack env)"
+    """
+    env_cmd = "grpo-pipeline stack env" if root == DEFAULT_ROOT else f"grpo-pipeline stack env --dir {root}"
+    lines = [
+        f"MLflow UI:  {env['MLFLOW_TRACKING_URI']}  log in as {env['MLFLOW_TRACKING_USERNAME']}, password: "
+        f"MLFLOW_TRACKING_PASSWORD from `{env_cmd}`",
+        f"Prefect UI: {env['PREFECT_API_URL'].removesuffix('/api')}  password: the whole PREFECT_API_AUTH_STRING "
+        f"(grpo:...) from `{env_cmd}`",
+        f"S3 API:     {env['AWS_ENDPOINT_URL_S3']}  (bucket '{bucket}')",
+    ]
+    if serve:
+        lines.append(f"Router:     {env['GRPO_SERVE_URL']}  key: GRPO_SERVE_API_KEY from `{env_cmd}`")
+    lines.append(f'Use it from a shell with:  eval "$({env_cmd})"')
+    return "\n".join(lines)
 
 
 def _serve_options(config: Path | None) -> ServeOptions:
@@ -135,11 +151,50 @@ def stack_env(root: RootOpt = DEFAULT_ROOT) -> None:
 
 
 @app.command("status")
-def stack_status(root: RootOpt = DEFAULT_ROOT) -> None:
-    """Each service's health as JSON; exit 1 when any is not healthy."""
+def stack_status(
+    root: RootOpt = DEFAULT_ROOT,
+    as_json: Annotated[bool, typer.Option("--json", help="the report as JSON (the UIs' URLs included)")] = False,
+) -> None:
+    """Each service's health, the UIs' addresses, and the router's own state (up, starting, restarting, stopped)
+    with its restarts; exit 1 when any is not healthy."""
     report = _stack(root).status()
-    print(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2) if as_json else status_table(report))
     raise typer.Exit(EXIT_OK if all(s["healthy"] for s in report.values()) else EXIT_FAILED)
+
+
+def status_table(report: dict[str, dict]) -> str:
+    """`stack status` for a person: a line per service, its state and where it is.
+
+    >>> print(status_table({
+    ...     "mlflow": {"healthy": True, "running": True, "url": "http://127.0.0.1:5000", "ui": "http://127.0.0.1:5000",
+    ...                "login": "user ..."},
+    ...     "serve": {"healthy": False, "running": True, "url": "http://127.0.0.1:8000", "state": "restarting",
+    ...               "restarts": 1, "engine": "up", "engine_restarts": 0},
+    ... }))
+    MLflow         healthy       UI http://127.0.0.1:5000  log in: user ...
+    the router     restarting    http://127.0.0.1:8000, restarted 1 time by supervisord, engine up (0 engine restarts)
+    """
+    from grpo_pipeline.infra.stack import TITLES
+
+    lines = []
+    for name, s in report.items():
+        if name == "serve":
+            state = s["state"]
+            where = f"{s['url']}, restarted {s['restarts'] if s['restarts'] is not None else '?'} time" + (
+                "s" if s["restarts"] != 1 else ""
+            )
+            where += " by supervisord"
+            if s.get("engine"):
+                where += f", engine {s['engine']} ({s['engine_restarts']} engine restarts)"
+            if s.get("reason"):
+                where += f": {s['reason']}"
+        else:
+            state = "healthy" if s["healthy"] else ("not answering" if s["running"] else "stopped")
+            where = f"UI {s['ui']}  log in: {s['login']}" if s.get("ui") else (s["url"] or "")
+            if name == "postgres" and s["url"]:
+                where = "Unix socket"
+        lines.append(f"{TITLES[name]:<14} {state:<13} {where}")
+    return "\n".join(lines)
 
 
 @app.command("down")

@@ -25,6 +25,11 @@ replicas behind any load balancer agree.
   counted by `ab status` and replayed into the store by the next successful write.
 - **Feedback** takes a `score`, or a `reference` that the pipeline's own rewards (the config's `RewardSet`,
   weighted total) score the logged completion against: one judge for training, holdout and production.
+- **Up before its engine.** The router binds its port at once: `/health` answers while the engine starts (minutes
+  for vLLM), and requests get a 503 with `Retry-After` until it answers, as during an engine restart. With
+  `ab.serve.reattach_engine` (the stack's router) a killed router's engine keeps running, and the router started
+  after it attaches to it (`Engine.adopt`, checked with the engine's key and its adapters set right): serving again
+  within seconds of the kill, not after an engine start.
 - **Alias moves.** Every `ab.serve.poll_s` the registry is read; a moved alias gets its new adapter loaded,
   requests switched to it, and the old one unloaded once its requests in flight have finished. An adapter
   of another base (or a rank above the engine's) is refused with the reason, and the old one keeps serving.
@@ -35,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import secrets
 import time
 import uuid
@@ -141,10 +147,12 @@ class Router:
         # name: the arms and any old version still draining), whether one is under way, how many were done, and
         # the error that ended the router when the engine would not come back.
         self.loaded: dict[str, Path] = {}
+        self.starting = False  # the engine's first start (or the attach to a running one), in the background
         self.restarting = False
         self.restarts = 0
         self.gave_up: EngineError | None = None
         self.retry_after_s = retry_after_s
+        self.started = time.time()  # what tells this process from the one before it (`health`)
         self.stop: Callable[[], None] = lambda: None  # stops the server: set by `run`, called on giving up
 
     @property
@@ -163,15 +171,25 @@ class Router:
         return self.arms[arm], hashed
 
     def engine_down(self) -> bool:
-        """Whether the engine is known not to serve: restarting, or its process gone (before the next check)."""
-        return self.restarting or (self.engine is not None and self.engine.exit_status() is not None)
+        """Whether the engine is known not to serve: starting, restarting, or its process gone (before the next
+        check)."""
+        return self.starting or self.restarting or (self.engine is not None and self.engine.exit_status() is not None)
+
+    @property
+    def engine_state(self) -> str:
+        """The engine as the router knows it: starting, restarting, gave up or up (as of its last check)."""
+        if self.gave_up is not None:
+            return "gave up"
+        if self.starting:
+            return "starting"
+        return "restarting" if self.engine_down() else "up"
 
     def unavailable(self) -> JSONResponse:
-        """The fast answer while the engine restarts: not the arm's failure, so not logged (the A/B counts it
-        against neither arm); `Retry-After` tells a client when to come back."""
+        """The fast answer while the engine starts or restarts: not the arm's failure, so not logged (the A/B
+        counts it against neither arm); `Retry-After` tells a client when to come back."""
         return error_response(
             503,
-            f"the engine is restarting; retry in {self.retry_after_s} s",
+            f"the engine is {'starting' if self.starting else 'restarting'}; retry in {self.retry_after_s} s",
             "service_unavailable",
             headers={"Retry-After": str(self.retry_after_s)},
         )
@@ -357,15 +375,28 @@ class Router:
         return JSONResponse({"object": "list", "data": data})
 
     async def health(self, request: Request) -> JSONResponse:
-        """Liveness: the router process answers (a load balancer or Kubernetes restarts it when not). No key,
-        nothing about the models."""
-        return JSONResponse({"status": "ok", "restarts": self.restarts, "unlogged": self.unlogged})
+        """Liveness: the router process answers (a load balancer or Kubernetes restarts it when not), from its
+        first second, whatever its engine does. No key, nothing about the models: the engine's state
+        (`engine_state`), its restarts, the rows spooled, and this process's pid and start time (`stack status`
+        tells a restarted router by them)."""
+        return JSONResponse(
+            {
+                "status": "ok",
+                "engine": self.engine_state,
+                "restarts": self.restarts,
+                "unlogged": self.unlogged,
+                "pid": os.getpid(),
+                "started": self.started,
+            }
+        )
 
     async def ready(self, request: Request) -> JSONResponse:
         """Readiness: the champion is loaded and the engine answers now (a load balancer sends traffic only
         here); 503 while the engine starts or restarts, with the reason."""
         reason = None
-        if CHAMPION not in self.arms:
+        if self.starting:
+            reason = "the engine is starting"
+        elif CHAMPION not in self.arms:
             reason = "no champion adapter is loaded"
         elif self.restarting:
             reason = "the engine is restarting"
@@ -388,15 +419,28 @@ class Router:
                 await self.restart_engine(reason, restart_limit)
 
     async def restart_engine(self, reason: str, restart_limit: int) -> None:
-        """Start the engine again with every adapter it held, `restart_limit` tries with exponential backoff
-        (1, 2, 4, ... s, at most 30: a start that failed for want of memory may succeed once it is freed).
-        Meanwhile requests get a fast 503. After the last try, `gave_up` holds the error with the engine log's
-        tail and `stop` stops the server, which exits non-zero so that its own supervisor restarts it."""
-        from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
-
+        """Start the engine again with every adapter it held (`_start_engine`); meanwhile requests get a fast 503.
+        The restart is counted, and recorded in the A/B log."""
         self.restarting = True
         adapters = dict(self.loaded)
         log.error("%s; restarting it with %s", reason, ", ".join(adapters) or "no adapter")
+        if not await self._start_engine(adapters, restart_limit, reason, first=False):
+            return
+        self.restarts += 1
+        self.restarting = False
+        log.warning("the engine is back (restart %d) with %s", self.restarts, ", ".join(adapters) or "no adapter")
+        try:
+            await anyio.to_thread.run_sync(self.log.engine_restarted, reason)
+        except LogStoreError as e:
+            log.error("the restart was not recorded in the A/B log (%s); `ab status` will not count it", e)
+
+    async def _start_engine(self, adapters: dict[str, Path], restart_limit: int, reason: str, first: bool) -> bool:
+        """Start the engine with `adapters`, `restart_limit` tries with exponential backoff (1, 2, 4, ... s, at most
+        30: a start that failed for want of memory may succeed once it is freed). After the last try, `gave_up`
+        holds the error with the engine log's tail and `stop` stops the server, which exits non-zero so that its
+        own supervisor restarts it; returns whether the engine is up."""
+        from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
+
         try:
             async for attempt in AsyncRetrying(
                 stop=stop_after_attempt(restart_limit),
@@ -411,23 +455,66 @@ class Router:
                 reraise=True,
             ):
                 with attempt:
-                    await self.engine.restart(self.client, adapters)
+                    await self.engine.restart(
+                        self.client, adapters, marker=not first or attempt.retry_state.attempt_number > 1
+                    )
         except EngineError as e:
             self.engine.kill()
             self.gave_up = EngineError(
-                f"the engine did not come back after {restart_limit} starts (ab.serve.restart_limit); the first "
-                f"fault: {reason}; the last start: {e}"
+                f"the engine did not start after {restart_limit} tries (ab.serve.restart_limit); the last: {e}"
+                if first
+                else f"the engine did not come back after {restart_limit} starts (ab.serve.restart_limit); the "
+                f"first fault: {reason}; the last start: {e}"
             )
             log.error("%s", self.gave_up)
             self.stop()
-            return
-        self.restarts += 1
-        self.restarting = False
-        log.warning("the engine is back (restart %d) with %s", self.restarts, ", ".join(adapters) or "no adapter")
-        try:
-            await anyio.to_thread.run_sync(self.log.engine_restarted, reason)
-        except LogStoreError as e:
-            log.error("the restart was not recorded in the A/B log (%s); `ab status` will not count it", e)
+            return False
+        return True
+
+    async def bring_up(self, restart_limit: int) -> None:
+        """The engine's first start, in the background while the router already answers (503 meanwhile): attach
+        to the engine an earlier router left (`Engine.adopt` found it; it must answer with its key, and gets the
+        arms' adapters loaded and the others unloaded), else start one with the arms' adapters."""
+        self.starting = True
+        if self.engine.adopted is not None:
+            reason = await self.engine.probe(self.client, min(self.probe_timeout_s, 10.0))
+            if reason is None:
+                try:
+                    await self._match_adapters()
+                except (EngineError, httpx.HTTPError) as e:
+                    reason = f"setting its adapters failed ({e})"
+            if reason is None:
+                self.starting = False
+                log.warning(
+                    "serving with the engine an earlier router left (pid %s, %s) holding %s",
+                    self.engine.pid,
+                    self.engine.url,
+                    ", ".join(self.loaded),
+                )
+                return
+            log.error("the engine an earlier router left does not serve (%s); starting a new one", reason)
+            self.engine.kill()
+        log.warning(
+            "starting the engine (%s) on %s with %s; its log: %s",
+            self.engine.python,
+            self.engine.url,
+            ", ".join(self.loaded) or "no adapter",
+            self.engine.log_path,
+        )
+        if await self._start_engine(dict(self.loaded), restart_limit, "", first=True):
+            self.starting = False
+            log.warning("the engine answers; serving %s", ", ".join(self.arms))
+
+    async def _match_adapters(self) -> None:
+        """An adopted engine holds what the router before held: load the arms' adapters it lacks, unload the
+        others (an old version that was draining when that router died)."""
+        wanted = {a.engine_name: a.path for a in self.arms.values()}
+        held = await self.engine.models(self.client) - {self.engine.base}
+        for name in wanted.keys() - held:
+            await self.engine.load(self.client, name, wanted[name])
+        for name in held - wanted.keys():
+            await self.engine.unload(self.client, name)
+        self.loaded = wanted
 
     # --- alias moves
 
@@ -508,18 +595,34 @@ class Router:
     def client(self, client: httpx.AsyncClient) -> None:
         self._client = client
 
+    async def _up_then_supervise(self, cfg: ServeConfig) -> None:
+        """The engine brought up (unless the caller started it and waited for it), then supervised."""
+        self.probe_timeout_s = cfg.probe_timeout_s
+        try:
+            if self.engine.pid is None or self.engine.exit_status() is not None or self.engine.adopted is not None:
+                await self.bring_up(cfg.restart_limit)
+            if self.gave_up is None:
+                await self.supervise(cfg.probe_s, cfg.probe_timeout_s, cfg.restart_limit)
+        except Exception as e:  # a background task's error is seen by no one: the router would serve 503s forever
+            log.exception("the engine's supervision failed")
+            self.gave_up = EngineError(f"the engine's supervision failed ({type(e).__name__}: {e})")
+            self.stop()
+
     def lifespan(self, resolve: Callable[[str], Adapter | None] | None, cfg: ServeConfig) -> Lifespan[Starlette]:
-        """What `serve` runs beside the app: the engine's HTTP client, the alias follower (with `resolve`) and
-        the engine's supervisor."""
+        """What `serve` runs beside the app: the engine's HTTP client, the engine brought up in the background
+        (uvicorn binds the port only once this returns control: the router answers from its first second), its
+        supervisor, and the alias follower (with `resolve`)."""
 
         @contextlib.asynccontextmanager
         async def lifespan(_app: Starlette) -> AsyncIterator[None]:
+            if self.engine.pid is None and self.engine.record is not None:
+                log.warning("%s", self.engine.adopt())  # its port and key decide the client's
             limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
             async with httpx.AsyncClient(
                 base_url=self.engine.url, headers=self.engine.headers, limits=limits, timeout=cfg.request_timeout_s
             ) as client:
                 self.client = client
-                tasks = [asyncio.create_task(self.supervise(cfg.probe_s, cfg.probe_timeout_s, cfg.restart_limit))]
+                tasks = [asyncio.create_task(self._up_then_supervise(cfg))]
                 if resolve is not None:
                     tasks.append(asyncio.create_task(self.follow(resolve, cfg.poll_s)))
                 try:
@@ -580,7 +683,9 @@ def serve(cfg: PipelineConfig, host: str, port: int, api_key: str | None, reques
         log.warning("replayed the requests an earlier run answered while the log store was unreachable")
 
     base = local_base(champion.base, champion.base_sha256, cfg.mlflow_uri)
-    engine = Engine(python, base, serve_cfg, Path(cfg.data_dir) / "serve" / "engine.log")
+    serve_dir = Path(cfg.data_dir) / "serve"
+    record = serve_dir / "engine.json" if serve_cfg.reattach_engine else None
+    engine = Engine(python, base, serve_cfg, serve_dir / "engine.log", record=record)
     initial, refused = {champion.alias: champion}, {}
     if challenger is not None:
         reason = refusal(challenger, champion.base, champion.base_sha256, serve_cfg.max_lora_rank)
@@ -591,16 +696,7 @@ def serve(cfg: PipelineConfig, host: str, port: int, api_key: str | None, reques
             initial[CHALLENGER] = challenger
     if (reason := refusal(champion, champion.base, champion.base_sha256, serve_cfg.max_lora_rank)) is not None:
         raise ServeSetupError(reason)
-    log.warning(
-        "starting the engine (%s) on %s with %s; its log: %s",
-        python,
-        engine.url,
-        ", ".join(a.engine_name for a in initial.values()),
-        engine.log_path,
-    )
-    engine.start({a.engine_name: a.path for a in initial.values()})  # main thread: the death signal follows it
     try:
-        engine.wait_ready()
         router = Router(
             engine=engine,
             client=None,
@@ -618,16 +714,18 @@ def serve(cfg: PipelineConfig, host: str, port: int, api_key: str | None, reques
         )
         router.arms, router.refused = initial, refused
         router.loaded = {a.engine_name: a.path for a in initial.values()}
-        run(router, host, port, resolve_alias, serve_cfg)
+        run(router, host, port, resolve_alias, serve_cfg)  # the engine starts (or is attached) in the background
     finally:
-        engine.stop()
+        engine.stop()  # a clean stop takes the engine along; a killed router leaves it for the next (record)
 
 
 def run(router: Router, host: str, port: int, resolve: Callable[[str], Adapter | None], cfg: ServeConfig) -> None:
-    """Serve `router` (its engine started and answering) under uvicorn until stopped (SIGINT/SIGTERM), following
-    the aliases with `resolve` and supervising the engine; raise the engine's `EngineError` when it would not
-    come back (`ab.serve.restart_limit`), so that the process exits non-zero and its own supervisor (the stack,
-    the container) restarts it."""
+    """Serve `router` under uvicorn until stopped (SIGINT/SIGTERM): the port answers at once, the engine is started
+    (or attached, or was started and waited for by the caller) in the background, then supervised, and the
+    aliases followed with `resolve`; raise the engine's `EngineError` when it would not start or come back
+    (`ab.serve.restart_limit`), so that the process exits non-zero and its own supervisor (the stack, the
+    container) restarts it. Start the server on the main thread: the engine's death signal follows the thread
+    that forks it (a thread that lives as long as the server also does)."""
     import uvicorn
 
     log.warning(

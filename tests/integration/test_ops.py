@@ -464,7 +464,7 @@ def _status(url: str, login: str | None = None, body: dict | None = None) -> int
 
 def test_stack_cli_reports_health_and_exports(stack):
     status = subprocess.run(
-        [sys.executable, "-m", "grpo_pipeline.cli", "stack", "status", "--dir", str(stack.root)],
+        [sys.executable, "-m", "grpo_pipeline.cli", "stack", "status", "--json", "--dir", str(stack.root)],
         capture_output=True,
         text=True,
         timeout=120,

@@ -141,7 +141,7 @@ def serving_stack(walk):
     refused = serve_up(walk)
     assert refused.returncode == 2, refused.stderr[-3000:]
     assert "no champion alias in the registry" in refused.stderr and "stack up --serve` again" in refused.stderr
-    status = json.loads(cli("stack", "status", "--dir", walk["dir"], env=walk["env"]).stdout)
+    status = json.loads(cli("stack", "status", "--json", "--dir", walk["dir"], env=walk["env"]).stdout)
     assert "serve" not in status and all(s["healthy"] for s in status.values())  # the rest still runs
 
     v1 = register(walk, 1)

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from grpo_pipeline.cli.stack import status_table
 from grpo_pipeline.infra import services
 
 # answers /ready with 200 on the port it is given; exits 2 (the router's refusal) when told to
@@ -136,3 +137,56 @@ def test_the_stacks_router_refusal_is_serve_refused_with_its_words_and_nothing_l
         )
     assert "stack up --serve` again" in str(caught.value)
     assert not (tmp_path / "stack" / "serve" / "supervisord.pid").exists()  # supervisord stopped, and its program
+
+
+# answers /health with what the router says of itself, and /ready 200 only while the file READY_FLAG names exists
+STATEFUL = """
+import http.server as h, json, os, sys
+class H(h.BaseHTTPRequestHandler):
+    def do_GET(self):
+        ready = os.path.exists(os.environ["READY_FLAG"])
+        if self.path == "/health":
+            status, body = 200, {"status": "ok", "engine": "up" if ready else "starting", "restarts": 0}
+        else:
+            status = 200 if ready else 503
+            body = {"status": "ready"} if ready else {"status": "not ready", "reason": "the engine is starting"}
+        raw = json.dumps(body).encode()
+        self.send_response(status); self.send_header("Content-Length", str(len(raw))); self.end_headers()
+        self.wfile.write(raw)
+    def log_message(self, *a):
+        pass
+h.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def test_stack_status_reports_the_routers_own_state_and_supervisords_restarts(tmp_path, monkeypatch):
+    from grpo_pipeline.infra.stack import Stack
+
+    program, flag = tmp_path / "stateful.py", tmp_path / "ready"
+    program.write_text(STATEFUL)
+    monkeypatch.setenv("READY_FLAG", str(flag))
+    port = services.free_port()
+    service = services.start_supervised(
+        "serve", [sys.executable, str(program), str(port)], tmp_path / "serve", {}, settled=(2,)
+    )
+    service.url = f"http://127.0.0.1:{port}"
+    stack = Stack(tmp_path / "stack")
+    stack.state["services"]["serve"] = service.to_dict()
+    try:
+        starting = until(lambda: (s := stack.status()["serve"])["engine"] and s, 60, "the router's answer")
+        assert (starting["state"], starting["restarts"], starting["healthy"]) == ("starting", 0, False)
+        assert starting["reason"] == "the engine is starting" and starting["router_pid"] not in (None, service.pid)
+        flag.touch()
+        up = until(lambda: (s := stack.status()["serve"])["state"] == "up" and s, 60, "up")
+        assert (up["restarts"], up["healthy"], up["engine"]) == (0, True, "up")
+        flag.unlink()  # the next start is not ready at once: a restart under way
+        os.kill(up["router_pid"], signal.SIGKILL)
+        again = until(lambda: (s := stack.status()["serve"])["restarts"] == 1 and s["engine"] and s, 60, "restart")
+        assert again["state"] == "restarting" and again["router_pid"] != up["router_pid"], again
+        flag.touch()
+        assert until(lambda: (s := stack.status()["serve"])["state"] == "up" and s, 60, "up again")["restarts"] == 1
+        assert "\nthe router     up  " in status_table(stack.status())
+    finally:
+        services.stop(service)
+    stopped = stack.status()["serve"]
+    assert (stopped["state"], stopped["healthy"], stopped["router_pid"]) == ("stopped", False, None)
