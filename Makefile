@@ -7,7 +7,7 @@ SKY_VENV ?= .venv-sky
 SKY_PY := $(SKY_VENV)/bin/python
 SKY_STAMP := $(SKY_VENV)/.installed
 
-.PHONY: install demo test test-slow lint e2e bench check-deps clean serve-env
+.PHONY: install demo test test-slow lint e2e bench check-deps clean serve-env chromium
 
 # Order-only: every target that needs the main environment gets SkyPilot's too (the launcher's tests parse
 # task YAMLs there), and a change to sky/requirements.txt rebuilds only that one.
@@ -40,8 +40,15 @@ TEST_WORKERS ?= 2
 test: lint
 	$(PY) -m pytest -m "not e2e and not slow" -n $(TEST_WORKERS) --dist loadfile
 
-test-slow: $(STAMP)  # the checks that leave the default run for its 15-minute budget (markers: slow)
+test-slow: $(STAMP) chromium  # the checks that leave the default run for its 15-minute budget (markers: slow)
 	$(PY) -m pytest -m slow -n $(TEST_WORKERS) --dist loadfile
+
+# The browser test of the Prefect UI (tests/e2e/test_prefect_ui.py) drives Debian's Chromium through Playwright,
+# which downloads no browser of its own; without root or apt the test skips and says why.
+chromium:
+	@command -v chromium >/dev/null || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && \
+		apt-get update -qq && apt-get install -y -qq chromium >/dev/null; } || \
+		echo "no chromium: the Prefect UI's browser test will skip (apt-get install -y chromium)"
 
 # ruff's findings, then mypy's over the package (pyproject.toml [tool.ruff], [tool.mypy]): zero, or the test run
 # stops before pytest. mypy caches in .mypy_cache: a first run takes minutes, a later one seconds.
@@ -50,7 +57,7 @@ lint: $(STAMP)
 	$(PY) -m ruff format --check .
 	$(PY) -m tests.typecheck
 
-e2e: $(STAMP)
+e2e: $(STAMP) chromium
 	$(PY) -m pytest -m e2e
 
 bench: $(STAMP)  # every benchmark (~13.5 hours on 2 cores: `python -m bench list`), then the table in docs/benchmarks.md

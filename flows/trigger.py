@@ -114,34 +114,53 @@ def enforce(
 
 
 LOGGED = "grpo_logged_plainly"  # set on a ConfigError whose message the flow run's log holds already
+# What the engine's last line of a refused run says instead of repeating the refusal as a Python repr
+FINISHED_REFUSED = "Finished in state Failed: refused before any work, for the reason logged above"
 
 
 class _LoggedRefusals(logging.Filter):
-    """Drops the records of an exception the flow logged already: Prefect's engine logs the exception that ends a
+    """Keeps a refusal to one plain record in the flow run's log. Prefect's engine logs the exception that ends a
     flow run twice, each with its traceback ("Encountered exception during execution", and "Engine execution
-    exited with unexpected exception" on a worker)."""
+    exited with unexpected exception" on a worker): dropped. Its last line, "Finished in state Failed('...')",
+    repeats the whole message as a repr (its line breaks as literal `\\n`): said once, plainly, instead."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refused_runs: set[str] = set()  # flow run ids whose refusal was logged
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
-        return not getattr(exc, LOGGED, False)
+        if getattr(exc, LOGGED, False):
+            return False
+        if str(getattr(record, "flow_run_id", "")) in self.refused_runs and str(record.msg).startswith(
+            "Finished in state Failed"
+        ):
+            record.msg, record.args = FINISHED_REFUSED, ()
+        return True
 
 
 @contextmanager
 def refusals_logged_plainly() -> Iterator[None]:
     """Inside a flow run: a ConfigError raised here is logged once, as its message alone, and raised on, so the run
     still fails with it as its state message (what a failure notification sends) and its process still exits 1;
-    Prefect's own records of it, with their tracebacks, are dropped. Outside a flow run (the flow's function called
-    directly, as tests do) it is raised untouched."""
+    Prefect's own records of it, with their tracebacks, are dropped, and its closing "Finished in state" line
+    does not repeat it. Outside a flow run (the flow's function called directly, as tests do) it is raised
+    untouched."""
     from prefect.context import FlowRunContext
     from prefect.logging import get_run_logger
 
     try:
         yield
     except ConfigError as exc:
-        if FlowRunContext.get() is not None:
+        context = FlowRunContext.get()
+        if context is not None:
             get_run_logger().error(str(exc))
             setattr(exc, LOGGED, True)
             runs = logging.getLogger("prefect.flow_runs")  # the engine's logger of flow runs
-            if not any(isinstance(f, _LoggedRefusals) for f in runs.filters):
-                runs.addFilter(_LoggedRefusals())
+            plain = next((f for f in runs.filters if isinstance(f, _LoggedRefusals)), None)
+            if plain is None:
+                plain = _LoggedRefusals()
+                runs.addFilter(plain)
+            if context.flow_run is not None:
+                plain.refused_runs.add(str(context.flow_run.id))
         raise

@@ -15,6 +15,10 @@ from grpo_pipeline.trainer.distributed import record  # noqa: E402
 
 record("pid", os.getpid())  # first: the node launcher forwards a SIGTERM to the pids it finds
 
+from grpo_pipeline.trainer.loading import import_bitsandbytes_offline  # noqa: E402
+
+import_bitsandbytes_offline()  # before train imports peft, which imports bitsandbytes with its hub lookup
+
 from grpo_pipeline.trainer.train import main  # noqa: E402
 
 parser = argparse.ArgumentParser(prog="python -m grpo_pipeline.trainer", description=__doc__)

@@ -19,6 +19,11 @@ from grpo_pipeline.tasks.serve.ab import ABDecision, decide, settle
 from grpo_pipeline.tasks.serve.ab_log import RequestLog
 
 NO_TEST = "no challenger alias: no test is running"
+# A fresh registry (no pipeline run has registered a version yet): what the hourly schedule says until one has.
+NOTHING_YET = (
+    "nothing to decide yet: the registry holds no champion and no challenger; a pipeline run that registers a "
+    "version makes the first champion"
+)
 OFFLINE = (
     "promote.mode is offline: the challenger alias holds the candidate the offline gate rejected, which is "
     "never served nor tested live; set promote.mode=canary for a live test"
@@ -76,13 +81,14 @@ class Round(BaseModel):
 def decide_round(ab: ABConfig, log: RequestLog, registry: Registry, canary: bool = True) -> Round:
     """The decision on the running test (nothing moves). A champion-less challenger is compared with nothing
     (no champion requests): it continues until `ab.max_duration_h`, then stops. Without `canary`
-    (`promote.mode: offline`) no test runs: there `challenger` is the offline gate's reject."""
+    (`promote.mode: offline`) no test runs: there `challenger` is the offline gate's reject. No challenger alias
+    (a fresh registry included) is said plainly before the mode: there is nothing to decide either way."""
     aliases = registry.aliases()
     champion, challenger = aliases[CHAMPION], aliases[CHALLENGER]
+    if not challenger:
+        return Round(champion=champion, challenger=None, reasons=[NO_TEST if champion else NOTHING_YET])
     if not canary:
         return Round(champion=champion, challenger=None, reasons=[OFFLINE])
-    if not challenger:
-        return Round(champion=champion, challenger=None, reasons=[NO_TEST])
     a, b, hours = log.samples(champion, challenger)
     return Round(champion=champion, challenger=challenger, decision=decide(a, b, ab, hours))
 

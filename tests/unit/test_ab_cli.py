@@ -2,6 +2,7 @@
 decision read from the log, the aliases moved under the lock, the failures named with exit 2."""
 
 import json
+import shutil
 
 import mlflow
 import pytest
@@ -9,6 +10,7 @@ from typer.testing import CliRunner
 
 from grpo_pipeline.cli import app
 from grpo_pipeline.tasks.promote.registry import CHALLENGER, CHAMPION, PREVIOUS, Registry
+from grpo_pipeline.tasks.serve.ab_apply import NO_TEST, NOTHING_YET
 from grpo_pipeline.tasks.serve.ab_log import LOG_URL_ENV, RequestLog, RequestRow
 from tests.ab_world import NAME, fill, make_registry, overrides
 
@@ -98,6 +100,26 @@ def test_offline_promotion_tests_nothing_live_and_moves_nothing(world):
     code, out = run("decide", *args, "--set", "promote.mode=offline")
     assert code == 0 and out["action"] is None and "promote.mode is offline" in " ".join(out["reasons"]), out
     assert registry.aliases() == {CHAMPION: "1", CHALLENGER: "2", PREVIOUS: None}
+
+
+@pytest.mark.parametrize("mode", ["offline", "canary"])
+def test_a_fresh_registry_has_nothing_to_decide_yet_in_either_mode(tmp_path, monkeypatch, empty_registry_db, mode):
+    """The hourly schedule on a fresh stack (no version registered, no aliases): it says plainly that there is
+    nothing to decide, not that the challenger alias holds a rejected candidate."""
+    shutil.copy(empty_registry_db, tmp_path / "mlflow.db")
+    monkeypatch.setenv(LOG_URL_ENV, f"sqlite:///{tmp_path / 'ab.sqlite'}")
+    settings = [*overrides(f"sqlite:///{tmp_path / 'mlflow.db'}"), f"promote.mode={mode}"]
+    code, out = run("decide", *(arg for o in settings for arg in ("--set", o)))
+    assert code == 0 and out["action"] is None and (out["champion"], out["challenger"]) == (None, None), out
+    assert out["reasons"] == [NOTHING_YET] and "nothing to decide yet" in NOTHING_YET
+    assert not any("offline gate" in reason for reason in out["reasons"])
+
+
+def test_a_champion_without_a_challenger_runs_no_test_in_offline_mode_either(world):
+    _, registry, args = world
+    registry.client.delete_registered_model_alias(NAME, CHALLENGER)
+    code, out = run("decide", *args, "--set", "promote.mode=offline")
+    assert code == 0 and out["action"] is None and out["reasons"] == [NO_TEST], out
 
 
 def test_a_slow_challenger_is_rolled_back_and_traffic_returns_to_the_champion(world):
