@@ -29,7 +29,7 @@ from grpo_pipeline.tasks.hpo import HPOResult, Tracking, TrialJob, TrialOutcome,
 from grpo_pipeline.tasks.job import WarmStart
 from grpo_pipeline.tasks.model import resolve_model_task
 from grpo_pipeline.tasks.promote.registry import Registry
-from grpo_pipeline.trainer.loading import import_bitsandbytes_offline
+from grpo_pipeline.trainer.offline import import_bitsandbytes_offline
 
 
 @task(name="hpo-trial", task_run_name="trial-{trial.number}", cache_policy=NO_CACHE)
@@ -103,7 +103,7 @@ def checked_hpo(cfg: PipelineConfig, config_path: str | None, overrides: list[st
 
 def run_search(cfg: PipelineConfig) -> dict:
     """Data, base model, study on a preflighted config, inside the flow run; the result as JSON."""
-    import_bitsandbytes_offline()  # before any stage imports peft: no hub lookup for code (trainer/loading.py)
+    import_bitsandbytes_offline()  # before any stage imports peft: no hub lookup for code (trainer/offline.py)
     rewards = cfg.train.reward_set()  # resolved once, as the pipeline does
     run_dir = cfg.data_dir / "runs" / f"{datetime.now():%Y%m%d-%H%M%S}-{(flow_run.id or 'local')[:8]}-hpo"
     model_path = resolve_model_task(cfg.model, cfg.data_dir / "models")

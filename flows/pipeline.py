@@ -66,7 +66,7 @@ from grpo_pipeline.tasks.hpo import apply_best
 from grpo_pipeline.tasks.plan import Plan, apply_plan
 from grpo_pipeline.tasks.promote.registry import CHAMPION, Registry
 from grpo_pipeline.tasks.summary import BaseChoice, Holdout, MlflowRef, RunSummary, Search
-from grpo_pipeline.trainer.loading import import_bitsandbytes_offline
+from grpo_pipeline.trainer.offline import import_bitsandbytes_offline
 
 
 @flow(name="grpo-pipeline", log_prints=True)
@@ -127,7 +127,7 @@ def run_pipeline(cfg: PipelineConfig, priced: Plan | None = None) -> RunSummary:
     called inside the Prefect flow so each task is tracked. `cfg` is the config as given; each stage that
     changes it returns a new value under its own name: `selected` (the base model chosen), `planned` (the
     plan's batch split and GPUs), `tuned` (the search's best values), which is what trains."""
-    import_bitsandbytes_offline()  # before any stage imports peft: no hub lookup for code (trainer/loading.py)
+    import_bitsandbytes_offline()  # before any stage imports peft: no hub lookup for code (trainer/offline.py)
     run_dir = _run_dir(cfg)
     experiment_id = setup_tracking(cfg.mlflow_uri, cfg.tracking.experiment, cfg.data_dir / "mlartifacts")
     registry = Registry(mlflow.MlflowClient(cfg.mlflow_uri), cfg.tracking.registered_model)

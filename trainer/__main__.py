@@ -15,7 +15,7 @@ from grpo_pipeline.trainer.distributed import record  # noqa: E402
 
 record("pid", os.getpid())  # first: the node launcher forwards a SIGTERM to the pids it finds
 
-from grpo_pipeline.trainer.loading import import_bitsandbytes_offline  # noqa: E402
+from grpo_pipeline.trainer.offline import import_bitsandbytes_offline  # noqa: E402
 
 import_bitsandbytes_offline()  # before train imports peft, which imports bitsandbytes with its hub lookup
 

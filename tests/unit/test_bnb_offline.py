@@ -38,7 +38,7 @@ def get_kernel(repo_id, *args, **kwargs):
     return real(repo_id, *args, **kwargs)
 kernels.get_kernel = get_kernel
 if sys.argv[1] == "pipeline":
-    from grpo_pipeline.trainer.loading import import_bitsandbytes_offline
+    from grpo_pipeline.trainer.offline import import_bitsandbytes_offline
     import_bitsandbytes_offline()
 import bitsandbytes  # as peft imports it in the pipeline's stages
 import torch
