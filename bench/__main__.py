@@ -1,6 +1,6 @@
 """The benchmark suite: run benchmarks, save `bench/results/*.json`, regenerate the results table in docs/benchmarks.md.
 
-    python -m bench all                  # every benchmark (~14.5 hours on 2 CPU cores), then the table
+    python -m bench all                  # every benchmark (~18 hours on 2 CPU cores), then the table
     python -m bench lora_vs_full ...     # one or more by name, then the table
     python -m bench table                # only regenerate the table from the saved results
     python -m bench list                 # names, what each compares, rough minutes
@@ -57,7 +57,7 @@ SUITE = (
     Bench("scoring_precision", "the search's sampled trial score in bf16 vs fp32: seconds per scoring, scores", 3),
     Bench("machine_limit", "GRPO step FLOP/s and tokens/s vs measured matmul peak and bandwidth", 2),
     Bench("step_profile", "one GRPO demo step by phase: generation, rewards, log-prob passes, backward, the rest", 3),
-    Bench("lora_vs_full", "LoRA and QLoRA vs full-parameter GRPO: quality, time to quality, memory", 17),
+    Bench("lora_vs_full", "LoRA and QLoRA vs full-parameter GRPO on the skill: best rates, plateaus, 3 seeds", 220),
     Bench(
         "gpu_check",
         "bf16 LoRA / NF4 QLoRA on 0.5B-7B: GPU memory vs the planner (GPU only)",
