@@ -325,16 +325,16 @@ def _why_missed(store: Path, parts: dict[str, str], label: str) -> str:
     return f"{label}'s holdout scores are not in the cache: the closest kept entry differs in {changed}; recomputing"
 
 
-def lookup(store: Path, key: str, parts: dict[str, str], rows: list[dict], columns: list[str], label: str) -> Lookup:
+def lookup(where: Path, key: str, parts: dict[str, str], rows: list[dict], columns: list[str], label: str) -> Lookup:
     """The entry for `key`, checked against the holdout's rows (`check_entry`); a missing, corrupt, foreign or
     unreadable entry is a miss, said in the note (and, when something is wrong, a warning)."""
-    path = entry_path(store, key)
+    path = entry_path(where, key)
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
-        return Lookup(None, _why_missed(store, parts, label))
+        return Lookup(None, _why_missed(where, parts, label))
     except OSError as exc:
-        note = f"the baseline cache {store} cannot be read ({exc}); computing {label}'s holdout scores without it"
+        note = f"the baseline cache {where} cannot be read ({exc}); computing {label}'s holdout scores without it"
         log.warning(note)
         return Lookup(None, note)
     try:
@@ -357,25 +357,25 @@ def _touch(path: Path) -> None:
         pass  # a read-only store still answers
 
 
-def store(store: Path, key: str, parts: dict[str, str], label: str, result: EvalResult) -> str | None:
+def store(where: Path, key: str, parts: dict[str, str], label: str, result: EvalResult) -> str | None:
     """Keep `result` under `key`: written aside in the store and renamed into place, so a reader never sees half
     an entry; the oldest entries beyond `KEEP` go. A store that cannot be written returns the warning (the run
     goes on without the cache)."""
     entry = Entry(format=FORMAT, key=key, parts=parts, label=label, result=result.model_copy(update={"examples": []}))
     tmp: Path | None = None
     try:
-        Path(store).mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=store, suffix=".tmp", delete=False, encoding="utf-8") as f:
+        Path(where).mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=where, suffix=".tmp", delete=False, encoding="utf-8") as f:
             tmp = Path(f.name)
             f.write(entry.model_dump_json())
-        tmp.replace(entry_path(store, key))
+        tmp.replace(entry_path(where, key))
         tmp = None
-        for old in _entries_newest_first(Path(store))[KEEP:]:
+        for old in _entries_newest_first(Path(where))[KEEP:]:
             old.unlink(missing_ok=True)
     except OSError as exc:
         if tmp is not None:
             tmp.unlink(missing_ok=True)
-        note = f"the baseline cache {store} cannot be written ({exc}); the run goes on without keeping {label}'s scores"
+        note = f"the baseline cache {where} cannot be written ({exc}); the run goes on without keeping {label}'s scores"
         log.warning(note)
         return note
     return None

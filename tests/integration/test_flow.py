@@ -14,7 +14,7 @@ import yaml
 pytestmark = pytest.mark.integration
 
 
-def _cli(*args, cwd, prefect_home, extra_env=None):
+def _cli(*args, cwd, prefect_home, extra_env=None, timeout=900):
     env = {**os.environ, "PREFECT_HOME": str(prefect_home), **(extra_env or {})}
     return subprocess.run(
         [sys.executable, "-m", "grpo_pipeline.cli", *args],
@@ -22,7 +22,7 @@ def _cli(*args, cwd, prefect_home, extra_env=None):
         env=env,
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=timeout,
     )
 
 
@@ -141,7 +141,8 @@ def test_the_next_run_reads_the_base_scores_from_the_cache_and_decides_alike(tmp
     from grpo_pipeline.tasks.promote.decide import PromotionDecision, decide_promotion
 
     strict = ["--set", "promote.min_effect=10"]
-    home = {"cwd": tmp_path, "prefect_home": tmp_path / "prefect"}
+    # a generous deadline: two whole runs, on a machine that may be shared
+    home = {"cwd": tmp_path, "prefect_home": tmp_path / "prefect", "timeout": 2400}
     runs = [_cli("run", "--config", str(tiny_yaml), "--json", *strict, **home) for _ in range(2)]
     for proc in runs:
         assert proc.returncode == 0, proc.stderr[-4000:]
