@@ -39,3 +39,8 @@ class EvalConfig(StrictModel):
     examples: int = Field(
         3, ge=0, description="right and as many wrong holdout completions kept per model for the report"
     )
+    cache_baseline: bool = Field(
+        True,
+        description="keep the baseline's (base or champion) per-prompt holdout scores under data_dir/baseline-scores "
+        "and reuse them while the model, holdout, settings, rewards and code are the same; false: score it every run",
+    )

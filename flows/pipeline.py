@@ -183,7 +183,7 @@ def run_pipeline(cfg: PipelineConfig, priced: Plan | None = None) -> RunSummary:
         tuned = apply_best(planned, search.overrides) if search else planned
         log_resolved_config(tuned, dataset, model_path)  # what trains is what the run shows
         with stage_run(pid, "evaluate-base"):
-            base = evaluate_stage(tuned, model_path, splits["holdout"], "base")
+            base = evaluate_stage(tuned, model_path, splits["holdout"], "base", baseline=True)
         result, cost = train_stage(tuned, model_path, splits, run_dir, dataset, plan, warm_start, experiment_id, pid)
         month = month_stage(tuned, experiment_id, plan)
         with stage_run(pid, "evaluate-candidate"):

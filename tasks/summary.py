@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from grpo_pipeline.tasks.baseline_cache import BaselineResult
 from grpo_pipeline.tasks.check import TaskCheck
 from grpo_pipeline.tasks.data.drift import Drift
 from grpo_pipeline.tasks.evaluate import EvalResult
@@ -61,6 +62,10 @@ class Holdout(BaseModel):
     champion_reward: float | None = None
     champion: dict[str, float] | None = None
     examples: list[Example] = []
+    # whether the baseline's scores were read from the cache (`grpo_pipeline.tasks.baseline_cache`) rather than
+    # computed this run; None: the cache was off (evaluate.cache_baseline), or there was no champion
+    base_cached: bool | None = None
+    champion_cached: bool | None = None
 
     @classmethod
     def of(cls, base: EvalResult, trained: EvalResult, champion: EvalResult | None, skill: str) -> Holdout:
@@ -81,12 +86,19 @@ class Holdout(BaseModel):
             champion_reward=champion.reward if champion else None,
             champion=champion.per_reward | champion.metrics if champion else None,
             examples=trained.examples,
+            base_cached=_cached(base),
+            champion_cached=_cached(champion),
         )
 
     @property
     def baseline(self) -> dict[str, float]:
         """What the candidate was decided against: the champion, or the base model when there is none."""
         return self.champion or self.base
+
+
+def _cached(result: EvalResult | None) -> bool | None:
+    """Whether a baseline's scores came from the cache; None when the cache was off or it is no baseline's."""
+    return result.cached if isinstance(result, BaselineResult) and result.cache_key else None
 
 
 class Search(BaseModel):

@@ -1,6 +1,7 @@
 """Evaluation: a model on a file of rows (the holdout, or the drift's new rows), scored by the run's weighted
 total; the base, the candidate, and the champion on the base it was trained on (its adapter fetched from the
-registry)."""
+registry). A baseline (the base, the champion) is scored once: its scores are kept under data_dir and reused while
+nothing that changes them has changed (`grpo_pipeline.tasks.baseline_cache`; `evaluate.cache_baseline`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import mlflow
 from grpo_pipeline.configs.schema import ModelConfig, PipelineConfig
 from grpo_pipeline.flows.retries import registry_task
 from grpo_pipeline.flows.stages import resumable
+from grpo_pipeline.tasks.baseline_cache import baseline_scores
 from grpo_pipeline.tasks.evaluate import EvalResult, evaluate_task
 from grpo_pipeline.tasks.model import resolve_model_task
 from grpo_pipeline.tasks.promote.download import download
@@ -25,18 +27,41 @@ def evaluate_stage(
     adapter: str | None = None,
     model: ModelConfig | None = None,
     label: str | None = None,
+    baseline: bool = False,
 ) -> EvalResult:
-    """`name` (base, candidate, champion) names its artifacts; `label` (else `name`) the model in progress lines."""
-    # scored by the run's rewards: the skill, each reward and the weighted total GRPO optimised (`RewardSet.total`)
-    result = resumable(evaluate_task)(
-        model_path,
-        model or cfg.model,
-        holdout,
-        cfg.train.reward_set(),
-        cfg.evaluate,
-        adapter=adapter,
-        label=label or name,
-    )
+    """`name` (base, candidate, champion) names its artifacts; `label` (else `name`) the model in progress lines.
+    `baseline`: a model the candidate is compared with, whose scores come from the cache when it holds them; the
+    stage run's tag `baseline.cached` says whether they did."""
+    model = model or cfg.model
+    rewards = cfg.train.reward_set()
+    label = label or name
+
+    def evaluate() -> EvalResult:
+        # scored by the run's rewards: the skill, each reward and the weighted total GRPO optimised (`RewardSet.total`)
+        return resumable(evaluate_task)(model_path, model, holdout, rewards, cfg.evaluate, adapter=adapter, label=label)
+
+    if baseline:
+        scored = baseline_scores(
+            evaluate,
+            data_dir=cfg.data_dir if cfg.evaluate.cache_baseline else None,
+            model_path=model_path,
+            model_cfg=model,
+            holdout=holdout,
+            rewards=rewards,
+            cfg=cfg.evaluate,
+            adapter=adapter,
+            label=label,
+            say=print,  # the flow logs prints: the run's log says where the baseline's scores came from
+        )
+        mlflow.set_tags(
+            {
+                "baseline.cached": str(scored.cached).lower(),
+                **({"baseline.cache_key": scored.cache_key} if scored.cache_key else {"baseline.cache": "off"}),
+            }
+        )
+        result: EvalResult = scored
+    else:
+        result = evaluate()
     mlflow.log_metrics(
         {"reward": result.reward, **{f"reward/{k}": v for k, v in result.per_reward.items()}, **result.metrics}
     )
@@ -79,4 +104,4 @@ def champion_stage(
     trained on; `fetched`: `champion_model`'s answer, when already at hand."""
     path, adapter, model = fetched or champion_model(cfg, registry, version, run_dir)
     label = f"champion v{version}" + ("" if name == "champion" else f" ({name})")
-    return evaluate_stage(cfg, path, holdout, name, adapter=adapter, model=model, label=label)
+    return evaluate_stage(cfg, path, holdout, name, adapter=adapter, model=model, label=label, baseline=True)

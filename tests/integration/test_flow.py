@@ -14,7 +14,7 @@ import yaml
 pytestmark = pytest.mark.integration
 
 
-def _cli(*args, cwd, prefect_home, extra_env=None):
+def _cli(*args, cwd, prefect_home, extra_env=None, timeout=900):
     env = {**os.environ, "PREFECT_HOME": str(prefect_home), **(extra_env or {})}
     return subprocess.run(
         [sys.executable, "-m", "grpo_pipeline.cli", *args],
@@ -22,7 +22,7 @@ def _cli(*args, cwd, prefect_home, extra_env=None):
         env=env,
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=timeout,
     )
 
 
@@ -125,6 +125,53 @@ def test_run_json_summary_and_mlflow_lineage(tmp_path, tiny_yaml):
     assert summary["registry"]["decided_against"] is None  # no champion yet: the base model is the baseline
     alias = "champion" if decision["promote"] else "challenger"
     assert summary["registry"]["aliases"][alias] == summary["registry"]["candidate_version"]
+
+
+def _samples(client, run, name):
+    """A stage run's per-prompt rows, as `evaluate_stage` logged them (`<name>_samples.json`, a table)."""
+    table = json.loads(Path(client.download_artifacts(run.info.run_id, f"{name}_samples.json")).read_text())
+    return [dict(zip(table["columns"], values, strict=True)) for values in table["data"]]
+
+
+@pytest.mark.slow
+def test_the_next_run_reads_the_base_scores_from_the_cache_and_decides_alike(tmp_path, tiny_yaml):
+    """Two runs against the same baseline (nothing promoted: the base stays it): the second's base evaluation
+    comes from the cache the first filled, row for row, and its decision is the one fresh base scores give."""
+    from grpo_pipeline.configs.schema import load_config
+    from grpo_pipeline.tasks.promote.decide import PromotionDecision, decide_promotion
+
+    strict = ["--set", "promote.min_effect=10"]
+    # a generous deadline: two whole runs, on a machine that may be shared
+    home = {"cwd": tmp_path, "prefect_home": tmp_path / "prefect", "timeout": 2400}
+    runs = [_cli("run", "--config", str(tiny_yaml), "--json", *strict, **home) for _ in range(2)]
+    for proc in runs:
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    first, second = (json.loads(proc.stdout) for proc in runs)
+    assert (first["holdout"]["base_cached"], second["holdout"]["base_cached"]) == (False, True)
+    log = runs[1].stdout + runs[1].stderr
+    assert "base's holdout scores come from the cache" in log, log[-3000:]
+    assert "evaluating base:" not in log and "evaluating candidate: 6/6" in log  # the base was not generated again
+    assert first["holdout"]["base"] == second["holdout"]["base"]
+
+    client = mlflow.MlflowClient(second["mlflow"]["tracking_uri"])
+    stages = []
+    for summary in (first, second):
+        children = client.search_runs(
+            [summary["mlflow"]["experiment_id"]],
+            filter_string=f"tags.mlflow.parentRunId = '{summary['mlflow']['run_id']}'",
+        )
+        stages.append({r.info.run_name: r for r in children})
+    tags = [s["evaluate-base"].data.tags for s in stages]
+    assert [t["baseline.cached"] for t in tags] == ["false", "true"]
+    assert tags[0]["baseline.cache_key"] == tags[1]["baseline.cache_key"]
+    fresh_base = _samples(client, stages[0]["evaluate-base"], "base")
+    assert _samples(client, stages[1]["evaluate-base"], "base") == fresh_base  # each prompt's scores, in order
+
+    cfg = load_config(str(tiny_yaml), ["promote.min_effect=10"])
+    candidate = _samples(client, stages[1]["evaluate-candidate"], "candidate")
+    against_fresh = decide_promotion(candidate, fresh_base, cfg.promote, cfg.train.reward_set())
+    decided = PromotionDecision.model_validate(second["decision"])
+    assert decided.model_dump_json() == against_fresh.model_dump_json()
 
 
 @pytest.mark.slow
