@@ -14,7 +14,7 @@ from grpo_pipeline.tasks.evaluate import evaluate_model, read_jsonl
 from grpo_pipeline.tasks.promote.decide import decide_promotion
 from tests.tiny_model import create_random_adapter
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # two tiny flows: make test-slow
 
 REWARDS = RewardSet(entries=["correct_answer", {"name": "number_only", "weight": 0.2}])
 CFG = EvalConfig(engine="transformers", max_new_tokens=6, batch_size=3)
