@@ -310,14 +310,32 @@ def test_preflight_checks_every_reward_name_the_config_holds(override, message):
     assert str(err.value).startswith(message)
 
 
-def test_every_shipped_recipe_names_rewards_and_columns_that_exist():
+def _resolved(path, tmp_path):
+    """A shipped recipe as a run resolves it: `auto` on a source (the daily recipe's dated files) is chosen from
+    the source's answers at the run's start, here from a day's file of the demo's rows."""
+    import json
+
+    from grpo_pipeline.tasks.data.demo_task import make_row
+    from grpo_pipeline.tasks.data.shape import task_rewards
+
+    cfg = load_config(path)
+    if cfg.data.source is None or all(e.name != "auto" for e in cfg.train.rewards):
+        return cfg
+    folder = tmp_path / path.stem
+    folder.mkdir(parents=True)
+    rows = "".join(json.dumps(make_row(a, b)) + "\n" for a in range(8) for b in range(8))
+    (folder / "2026-12-07.jsonl").write_text(rows)
+    return task_rewards(load_config(path, [f"data.source={folder}"]))
+
+
+def test_every_shipped_recipe_names_rewards_and_columns_that_exist(tmp_path):
     from grpo_pipeline.configs.files import recipes
     from grpo_pipeline.tasks.evaluate import score_columns
     from grpo_pipeline.tasks.job import check_rewards
     from grpo_pipeline.tasks.promote.decide import check_policy
 
     for path in recipes():
-        cfg = load_config(path)
+        cfg = _resolved(path, tmp_path)
         check_rewards(cfg.train.reward_set(), cfg.evaluate)
         check_policy(cfg.promote, score_columns(cfg.train.reward_set(), cfg.evaluate), cfg.train.reward_set())
 
@@ -375,7 +393,7 @@ def test_early_stopping_and_the_published_checkpoint_follow_the_skill_not_the_to
     assert [p["val_reward"] for p in printed if p] == [0.1, 0.1, 0.4, 0.3, 0.2]
 
 
-def test_every_registered_reward_has_a_role_and_each_shipped_task_names_its_skill():
+def test_every_registered_reward_has_a_role_and_each_shipped_task_names_its_skill(tmp_path):
     """The roles' table (configs/rewards.py) covers the registry (trainer/rewards), and every shipped recipe, the
     demo and a data.source task with the shipped rewards resolve the skill they are judged by."""
     from grpo_pipeline.configs.files import recipes
@@ -383,7 +401,7 @@ def test_every_registered_reward_has_a_role_and_each_shipped_task_names_its_skil
     from grpo_pipeline.trainer.rewards import REWARDS
 
     assert {name: default_role(name) is not None for name in REWARDS} == dict.fromkeys(REWARDS, True)
-    skills = {path.name: load_config(path).train.reward_set().skill for path in recipes()}
+    skills = {path.name: _resolved(path, tmp_path / "skills").train.reward_set().skill for path in recipes()}
     assert set(skills.values()) <= {"correct_answer", "math_answer"} and skills
     assert load_config(None).train.reward_set().skill == "correct_answer"  # the demo and the arithmetic tasks
     source = load_config(None, ["data.source=rows.jsonl", "train.rewards=[math_answer, think_format]"])
