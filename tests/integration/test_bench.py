@@ -39,6 +39,7 @@ def test_gpu_check_dry_run_takes_the_gpu_code_path_on_the_cpu(tmp_path):
         assert m["adapter_moved_min"] > 0.99, case["quantization"]  # bf16 rounding left as little as 0.43
 
 
+@pytest.mark.slow  # a whole pipeline run of the recipe benchmark's chain: make test-slow (the default run's 12-minute budget)
 def test_recipe_seeds_tiny_runs_the_shipped_recipe_through_the_pipeline_on_an_untuned_task(tmp_path, results):
     from bench.recipe_seeds import main
 

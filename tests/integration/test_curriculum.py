@@ -49,6 +49,7 @@ def _run(tmp_path, tiny_model, cfg, name, **extra):
     )
 
 
+@pytest.mark.slow  # two trainings side by side: make test-slow (the default run's 12-minute budget)
 def test_prompts_that_always_score_the_same_are_drawn_less_and_fewer_steps_are_wasted(
     tmp_path, tiny_model, tiny_config
 ):

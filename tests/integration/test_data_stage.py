@@ -56,6 +56,7 @@ def test_an_s3_prefix_reads_like_the_same_local_files(tmp_path, s3_endpoint, tin
         )
 
 
+@pytest.mark.slow  # two Prefect flow runs of the data stage: make test-slow (the default run's 12-minute budget)
 def test_the_prefect_task_reruns_nothing_on_unchanged_data(tmp_path):  # no token bounds: no tokenizer needed
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in _rows(40)))

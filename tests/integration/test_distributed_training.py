@@ -151,6 +151,7 @@ def test_two_processes_through_the_pipeline(tmp_path, tiny_model):
     assert sorted(m.step for m in history) == [1, 2, 3, 4]  # each step once, from rank 0 alone
 
 
+@pytest.mark.slow  # two nodes' ranks; one and two processes stay in the default run: make test-slow (the default run's 12-minute budget)
 def test_two_nodes_on_loopback_started_by_the_sky_run_command(
     tmp_path, s3_endpoint, tiny_model, tiny_splits, tiny_config
 ):

@@ -163,6 +163,7 @@ def _cli_hpo(tmp_path, hpo_yaml, *sets):
     )
 
 
+@pytest.mark.slow  # a search's flow to its refusal: make test-slow (the default run's 12-minute budget)
 def test_a_target_standard_error_the_data_cannot_meet_exits_2_naming_the_prompts_needed(tmp_path, hpo_yaml):
     proc = _cli_hpo(tmp_path, hpo_yaml, "hpo.trial_score=greedy", "hpo.target_standard_error=0.1")
     assert proc.returncode == 2, proc.stderr[-3000:]

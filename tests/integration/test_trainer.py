@@ -63,6 +63,7 @@ def test_trains_logs_to_mlflow_and_saves_a_loadable_adapter(tmp_path, tiny_model
     assert "adapter/adapter_model.safetensors" in [f.path for f in client.list_artifacts(run_.info.run_id, "adapter")]
 
 
+@pytest.mark.slow  # a killed trainer and its rerun (as docs/reliability.md says): make test-slow (the default run's 12-minute budget)
 def test_sigkill_then_rerun_resumes_from_the_last_complete_checkpoint(tmp_path, tiny_model, tiny_splits, tiny_config):
     cfg = tiny_config("train.grpo.max_steps=40", "train.checkpoint_every=4", "train.keep_checkpoints=2")
     spec = _spec(tmp_path, tiny_model, tiny_splits, cfg)
