@@ -99,6 +99,15 @@ MIN_CAP = 80
 TARGET = 0.95  # time to quality: the first evaluation at 95 % of full's plateau
 
 
+def base_of(arm: str) -> str:
+    """The quantization of an arm's base, which names its base's scores (`base_run`): NF4 for QLoRA.
+
+    >>> base_of("qlora"), base_of("lora")
+    ('nf4', 'none')
+    """
+    return "nf4" if arm == "qlora" else "none"
+
+
 def skill_reward(task: str) -> str:
     """The reward that measures the task's skill (accuracy), apart from the format's shaping rewards; the verdict is
     judged on it. One place per task, so that it can follow the reward set's own declaration of its skill reward.
@@ -629,7 +638,7 @@ def train_run(settings: Mapping, task: str, arm: str, lr: float, seed: int, base
     from grpo_pipeline.trainer.step import StepTrainer
 
     started = time.perf_counter()
-    quantization = "nf4" if arm == "qlora" else "none"
+    quantization = base_of(arm)
     cfg, data, model, tokenizer = _load(settings, task, quantization)
     load_peak = peak_rss_mb()
     reset_peak_rss()  # from here on, the peak is training's own
@@ -771,7 +780,7 @@ def _child(opts: argparse.Namespace) -> None:
         task, result = parts[0], base_run(settings, parts[0], parts[2])
     else:
         task, arm, lr, seed = parts
-        base = json.loads(record_path(records, f"{task}/base/{'nf4' if arm == 'qlora' else 'none'}").read_text())
+        base = json.loads(record_path(records, f"{task}/base/{base_of(arm)}").read_text())
         result = train_run(settings, task, arm, float(lr), int(seed), base)
     path = record_path(records, opts.child)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -808,7 +817,7 @@ def summarise_task(
         rate = choose_rate(sweep)
         at[arm] = {r["seed"]: r for r in runs if r["arm"] == arm and r["learning_rate"] == rate}
         chosen = [at[arm][s] for s in seeds if s in at[arm]]
-        base = bases.get("nf4" if arm == "qlora" else "none")
+        base = bases.get(base_of(arm))
         out["arms"][arm] = {
             "learning_rate": rate,
             "grid": (grids or {}).get(arm),

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
@@ -123,9 +123,14 @@ def replica(
         engine.stop()
 
 
-def wait_for(check: Callable[[], bool], within_s: float, what: str) -> None:
-    """Until `check()` holds; fails naming `what` after `within_s` (generous: a busy machine is slow, not wrong)."""
+T = TypeVar("T")
+
+
+def wait_for(check: Callable[[], T], within_s: float, what: str) -> T:
+    """Until `check()` holds, returning what it returned; fails naming `what` after `within_s` (generous: a busy
+    machine is slow, not wrong)."""
     deadline = time.monotonic() + within_s
-    while not check():
+    while not (value := check()):
         assert time.monotonic() < deadline, f"{what} did not happen within {within_s:g} s"
         time.sleep(0.05)
+    return value

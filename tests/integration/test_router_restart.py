@@ -27,6 +27,7 @@ from grpo_pipeline.infra import stack as stack_module
 from grpo_pipeline.infra.stack import ServeOptions, Stack, engine_record
 from grpo_pipeline.tasks.serve.engine import EngineRecord
 from tests.engine_python import STAND_IN_VLLM
+from tests.serve_world import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]  # an engine start-up of 30 s, a router restart
 
@@ -40,14 +41,6 @@ def runs(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
-
-
-def until(check, within_s: float, what: str):
-    deadline = time.monotonic() + within_s
-    while not (value := check()):
-        assert time.monotonic() < deadline, f"{what} did not happen within {within_s:g} s"
-        time.sleep(0.1)
-    return value
 
 
 @pytest.fixture
@@ -92,7 +85,7 @@ def test_a_killed_router_answers_again_within_seconds_on_the_engine_it_left(stac
     starting = threading.Thread(target=start)
     starting.start()
     # Bound before its engine answers: liveness at once, a request told to come back, `stack status` says starting.
-    health = until(lambda: services.http_answer(f"{url}/health")[1], 120, "the router's /health")
+    health = wait_for(lambda: services.http_answer(f"{url}/health")[1], 120, "the router's /health")
     assert health["engine"] == "starting", health
     early = httpx.post(f"{url}/v1/chat/completions", json=BODY, timeout=30)
     assert early.status_code == 503 and early.headers["Retry-After"] == "1", early.text
@@ -126,14 +119,14 @@ def test_a_killed_router_answers_again_within_seconds_on_the_engine_it_left(stac
     traffic = threading.Thread(target=client)
     traffic.start()
     try:
-        until(lambda: sum(code == 200 for _, code, _ in outcomes) >= 20, 120, "answers before the kill")
+        wait_for(lambda: sum(code == 200 for _, code, _ in outcomes) >= 20, 120, "answers before the kill")
         first_router = status["router_pid"]
         killed_at = time.monotonic()
         os.kill(first_router, signal.SIGKILL)
-        back = until(
+        back = wait_for(
             lambda: next((t for t, code, _ in outcomes if t > killed_at and code == 200), None), 300, "an answer"
         )
-        until(lambda: sum(t > back and code == 200 for t, code, _ in outcomes) >= 20, 120, "answers after")
+        wait_for(lambda: sum(t > back and code == 200 for t, code, _ in outcomes) >= 20, 120, "answers after")
     finally:
         stop.set()
         traffic.join(60)
@@ -152,5 +145,5 @@ def test_a_killed_router_answers_again_within_seconds_on_the_engine_it_left(stac
     assert set(answered) <= set(ids) and len(ids) == len(set(ids))  # every answer logged, once
 
     stack.down()
-    until(lambda: not runs(engine_pid), 60, "the engine's stop")
+    wait_for(lambda: not runs(engine_pid), 60, "the engine's stop")
     assert not record.exists()

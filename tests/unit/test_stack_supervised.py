@@ -11,6 +11,7 @@ import pytest
 
 from grpo_pipeline.cli.stack import status_table
 from grpo_pipeline.infra import services
+from tests.serve_world import wait_for
 
 # answers /ready with 200 on the port it is given; exits 2 (the router's refusal) when told to
 PROGRAM = """
@@ -27,14 +28,6 @@ class H(h.BaseHTTPRequestHandler):
 print("serving", flush=True)
 h.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
 """
-
-
-def until(check, within_s: float, what: str):
-    deadline = time.monotonic() + within_s
-    while not (value := check()):
-        assert time.monotonic() < deadline, f"{what} did not happen within {within_s:g} s"
-        time.sleep(0.1)
-    return value
 
 
 @pytest.fixture
@@ -64,11 +57,11 @@ def running_pid(service) -> int:
 
 def test_a_killed_program_is_started_again_and_stopping_the_record_stops_it(supervised):
     service = supervised()
-    until(lambda: services.http_status(f"{service.url}/ready") == 200, 60, "the first start")
-    first = until(lambda: running_pid(service), 60, "the RUNNING state")
+    wait_for(lambda: services.http_status(f"{service.url}/ready") == 200, 60, "the first start")
+    first = wait_for(lambda: running_pid(service), 60, "the RUNNING state")
     os.kill(first, signal.SIGKILL)
-    second = until(lambda: (pid := running_pid(service)) != first and pid, 60, "the restart")
-    until(lambda: services.http_status(f"{service.url}/ready") == 200, 60, "the restarted program's answer")
+    second = wait_for(lambda: (pid := running_pid(service)) != first and pid, 60, "the restart")
+    wait_for(lambda: services.http_status(f"{service.url}/ready") == 200, 60, "the restarted program's answer")
     assert "serving\nserving" in open(service.log).read()  # one log across restarts
     services.stop(service)
     assert not services.alive(service)
@@ -78,7 +71,7 @@ def test_a_killed_program_is_started_again_and_stopping_the_record_stops_it(supe
 
 def test_a_refusal_is_not_restarted_and_says_why(supervised):
     service = supervised({"STUB_REFUSE": "1"})
-    state = until(
+    state = wait_for(
         lambda: (
             (s := services.supervised_state(service)) and s["exitstatus"] == 2 and s["statename"] != "RUNNING" and s
         ),
@@ -119,10 +112,10 @@ def test_the_stacks_router_comes_back_after_a_kill_and_status_follows_readiness(
     service = stack._start_router(tmp_path / "stack" / "serve", services.free_port(), stack._recorded("postgres"))
     stack.state["services"]["serve"] = service.to_dict()
     assert stack.status()["serve"]["healthy"]
-    first = until(lambda: running_pid(service), 60, "the RUNNING state")
+    first = wait_for(lambda: running_pid(service), 60, "the RUNNING state")
     os.kill(first, signal.SIGKILL)
-    until(lambda: running_pid(service) not in (0, first), 60, "the restart")
-    until(lambda: stack.healthy("serve"), 60, "readiness after the restart")
+    wait_for(lambda: running_pid(service) not in (0, first), 60, "the restart")
+    wait_for(lambda: stack.healthy("serve"), 60, "readiness after the restart")
 
 
 def test_the_stacks_router_refusal_is_serve_refused_with_its_words_and_nothing_left_running(
@@ -173,18 +166,18 @@ def test_stack_status_reports_the_routers_own_state_and_supervisords_restarts(tm
     stack = Stack(tmp_path / "stack")
     stack.state["services"]["serve"] = service.to_dict()
     try:
-        starting = until(lambda: (s := stack.status()["serve"])["engine"] and s, 60, "the router's answer")
+        starting = wait_for(lambda: (s := stack.status()["serve"])["engine"] and s, 60, "the router's answer")
         assert (starting["state"], starting["restarts"], starting["healthy"]) == ("starting", 0, False)
         assert starting["reason"] == "the engine is starting" and starting["router_pid"] not in (None, service.pid)
         flag.touch()
-        up = until(lambda: (s := stack.status()["serve"])["state"] == "up" and s, 60, "up")
+        up = wait_for(lambda: (s := stack.status()["serve"])["state"] == "up" and s, 60, "up")
         assert (up["restarts"], up["healthy"], up["engine"]) == (0, True, "up")
         flag.unlink()  # the next start is not ready at once: a restart under way
         os.kill(up["router_pid"], signal.SIGKILL)
-        again = until(lambda: (s := stack.status()["serve"])["restarts"] == 1 and s["engine"] and s, 60, "restart")
+        again = wait_for(lambda: (s := stack.status()["serve"])["restarts"] == 1 and s["engine"] and s, 60, "restart")
         assert again["state"] == "restarting" and again["router_pid"] != up["router_pid"], again
         flag.touch()
-        assert until(lambda: (s := stack.status()["serve"])["state"] == "up" and s, 60, "up again")["restarts"] == 1
+        assert wait_for(lambda: (s := stack.status()["serve"])["state"] == "up" and s, 60, "up again")["restarts"] == 1
         assert "\nthe router     up  " in status_table(stack.status())
     finally:
         services.stop(service)
