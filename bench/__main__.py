@@ -72,6 +72,7 @@ SUITE = (
         "curriculum sampler on vs off (equal steps), dynamic sampling vs off (equal train time): zero-signal groups and holdout reward",
         180,
     ),
+    Bench("dynamic_cost", "the recipe's train time with dynamic sampling (fixed, carried) vs without, 5 seeds", 75),
     Bench("ab_decision", "online A/B: A/A false decisions under peeking; responses to a decision vs fixed-sample", 1),
     Bench(
         "serving",

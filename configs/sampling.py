@@ -31,10 +31,11 @@ class CurriculumConfig(StrictModel):
 
 class DynamicSamplingConfig(StrictModel):
     """DAPO-style dynamic sampling (docs/training.md#dynamic-sampling; Yu et al. 2025, arXiv:2503.14476, §3.2):
-    each generation makes `oversample` times the groups a step trains on, in one batched generate, and the step
-    trains on the groups whose rewards differ (flat groups only fill up when too few differ). It pays more
-    generation per step for fewer zero-signal groups, where the curriculum cannot help: prompts seen once
-    (`grpo_pipeline.trainer.dynamic_sampling`)."""
+    each generation makes more groups than a step trains on, in one batched generate, and the step trains on the
+    groups whose rewards differ (flat groups only fill up when too few differ). Mixed groups left over are trained
+    on at the next step (`carry`), and the extra groups follow the measured share of mixed groups (`adaptive`), up
+    to `oversample` times the groups trained. It pays some generation per step for fewer zero-signal groups, where
+    the curriculum cannot help: prompts seen once (`grpo_pipeline.trainer.dynamic_sampling`)."""
 
     enabled: bool = Field(
         False,
@@ -45,6 +46,19 @@ class DynamicSamplingConfig(StrictModel):
         2.0,
         gt=1,
         allow_inf_nan=False,
-        description="groups generated per group trained on (> 1; extra groups per process = ceil((oversample - 1) "
-        "x its groups)); 2: DAPO's budget finds a group with variance for most slots when half the groups are flat",
+        description="the most groups generated per group trained on (> 1; extra groups per process at most "
+        "ceil((oversample - 1) x its groups)); 2: DAPO's budget finds a group with variance for most slots when half "
+        "the groups are flat",
+    )
+    # both off until bench.dynamic_cost has measured them on the recipe over 5 seeds: the recipe's published gains
+    # were measured with the fixed budget
+    carry: bool = Field(
+        False,
+        description="keep the mixed groups a step generated but did not train on, and train on them first at the "
+        "next step (at most one generation old; verl's and prime-rl's bounded off-policy); false: discard them",
+    )
+    adaptive: bool = Field(
+        False,
+        description="generate only the extra groups that the measured share of mixed groups (the last steps') and "
+        "the carried groups say are needed to fill the step, `oversample` being the most; false: always the most",
     )

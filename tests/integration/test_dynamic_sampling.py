@@ -7,6 +7,7 @@ import ast
 import json
 
 import pytest
+import torch
 
 from grpo_pipeline.configs.sampling import DynamicSamplingConfig
 from grpo_pipeline.tasks.job import model_load, train_settings
@@ -46,8 +47,9 @@ def _spec(tmp_path, tiny_model, tiny_config, *overrides: str) -> JobSpec:
     )
 
 
-def _trainer(tmp_path, tiny_model, reward_funcs, skill=None):
-    """A StepTrainer in training mode on `_rows()`, one group of four a step, dynamic sampling at oversample 4."""
+def _trainer(tmp_path, tiny_model, reward_funcs, skill=None, **settings):
+    """A StepTrainer in training mode on `_rows()`, one group of four a step, dynamic sampling at oversample 4 (and
+    `settings`)."""
     from datasets import Dataset
     from trl import GRPOConfig
 
@@ -69,7 +71,7 @@ def _trainer(tmp_path, tiny_model, reward_funcs, skill=None):
         reward_funcs=reward_funcs,
         args=args,
         train_dataset=Dataset.from_list(_rows()),
-        cuts=Cuts(dynamic_sampling=DynamicSamplingConfig(enabled=True, oversample=4)),
+        cuts=Cuts(dynamic_sampling=DynamicSamplingConfig(enabled=True, oversample=4, **settings)),
         skill=skill,
     )
     trainer.model.train()
@@ -95,6 +97,49 @@ def test_one_generation_keeps_the_batch_size_and_trains_on_a_group_with_variance
     assert metrics["dynamic_sampling/generated_groups"] == [4.0]
 
 
+def _group(kind_index: int) -> list[dict]:
+    """The data loader's group for `_rows()[kind_index]`: its prompt four times."""
+    return [dict(_rows()[kind_index]) for _ in range(4)]
+
+
+def test_a_spare_mixed_group_is_trained_on_at_the_next_step_once_and_saves_its_generation(tmp_path, tiny_model):
+    """Step 1 trains on its own "varied" group and keeps a spare "varied" extra; step 2's own group is flat, and it
+    trains on the spare group, as generated, without generating any extra; step 3 has nothing carried (a group
+    is trained on once) and generates extra groups again, as many as the share of mixed groups measured says."""
+    trainer = _trainer(tmp_path, tiny_model, [same_for_some], carry=True, adaptive=True)
+    metrics = trainer._metrics["train"]
+    pad = trainer.processing_class.pad_token_id
+
+    trainer._generate_and_score_completions(_group(1))
+    assert metrics["dynamic_sampling/generated_groups"] == [4.0]  # the prior share: the most, 1 + 3
+    spare = {k: v.clone() for k, v in trainer._dynamic._carried_rows.items()}
+    assert spare["completion_ids"].size(0) == 4  # one whole group carried
+
+    out = trainer._generate_and_score_completions(_group(0))  # a "same" prompt: flat
+    assert metrics["dynamic_sampling/generated_groups"][-1] == 1.0  # the carried group fills the step
+    assert metrics["dynamic_sampling/carried_groups"][-1] == 1.0
+    assert metrics["dynamic_sampling/trained_zero_std"][-1] == 0.0
+    assert out["advantages"].abs().sum() > 0 and out["advantages"].size(0) == 4
+    assert torch.equal(out["advantages"], spare["advantages"])
+    for trained, kept in zip(out["completion_ids"], spare["completion_ids"], strict=True):  # the rows as generated
+        assert [t for t in trained.tolist() if t != pad] == [t for t in kept.tolist() if t != pad]
+    assert out["num_items_in_batch"].item() == out["completion_mask"].sum().item()
+
+    trainer._generate_and_score_completions(_group(0))
+    assert metrics["dynamic_sampling/carried_groups"][-1] == 0.0  # trained once: not carried again
+    share = metrics["dynamic_sampling/mixed_share"][-2]  # measured over the first two generations
+    assert 0 < share < 1 and 1 < metrics["dynamic_sampling/generated_groups"][-1] <= 4.0
+
+
+def test_by_default_every_step_generates_the_most_and_keeps_nothing(tmp_path, tiny_model):
+    trainer = _trainer(tmp_path, tiny_model, [same_for_some])
+    for kind in (1, 0, 0):
+        trainer._generate_and_score_completions(_group(kind))
+    metrics = trainer._metrics["train"]
+    assert metrics["dynamic_sampling/generated_groups"] == [4.0] * 3
+    assert metrics["dynamic_sampling/carried_groups"] == [0.0] * 3 and trainer._dynamic._carried_rows is None
+
+
 @pytest.mark.parametrize(("skill", "allowed"), [("same_for_some", {"1", "3"}), (None, {"0"})])
 def test_a_group_that_differs_on_the_skill_ranks_above_one_that_differs_only_on_shaping(
     tmp_path, tiny_model, skill, allowed
@@ -110,13 +155,15 @@ def test_a_group_that_differs_on_the_skill_ranks_above_one_that_differs_only_on_
     assert (groups[0] >= 1) if skill else (groups == [0.0])  # the "varied" groups counted, told the skill
 
 
+@pytest.mark.parametrize("carried", [False, True], ids=["fixed", "carried"])
 def test_a_run_with_dynamic_sampling_reports_the_trained_and_the_generated_zero_signal(
-    tmp_path, tiny_model, tiny_config
+    tmp_path, tiny_model, tiny_config, carried
 ):
     from grpo_pipeline.trainer.train import run
 
-    # the curriculum (on by default) runs over the same prompts
-    result = run(_spec(tmp_path, tiny_model, tiny_config, "train.grpo.max_steps=4", "train.checkpoint_every=4"))
+    # the curriculum (on by default) runs over the same prompts; carried: groups of other widths padded into a step
+    sets = [f"train.dynamic_sampling.carry={carried}", f"train.dynamic_sampling.adaptive={carried}"]
+    result = run(_spec(tmp_path, tiny_model, tiny_config, "train.grpo.max_steps=4", "train.checkpoint_every=4", *sets))
     zero = result.zero_signal
     assert result.global_step == 4 and zero.logged_steps == 4
     assert zero.trained_fraction == 0.0 and zero.trained_wasted_steps == 0  # every step found a group with variance
