@@ -310,6 +310,7 @@ def test_sigterm_to_one_rank_then_to_the_job_checkpoints_exits_75_everywhere_and
     assert (result.resumed_from_step, result.global_step) == (steps[1], steps[1] + 2)
 
 
+@pytest.mark.slow  # make test-slow: two trainings of 4 steps (60 s on 2 cores)
 def test_one_and_two_processes_train_on_the_same_global_batch(tmp_path, tiny_model, tiny_splits, tiny_config):
     """Same seed, same global batch (8 completions of 2 prompts per step): one process of 8, or two of 4.
 

@@ -523,6 +523,7 @@ def test_the_stacks_servers_refuse_requests_without_credentials(stack):
         client.read_deployments(limit=1)
 
 
+@pytest.mark.slow  # make test-slow: a stack of its own, up, killed, restarted (31 s)
 def test_a_dead_service_is_restarted_on_its_port_and_down_stops_it(tmp_path):
     stack = Stack(tmp_path / "stack", ports={"s3": 0})
     first = stack.up(["s3"])["s3"]

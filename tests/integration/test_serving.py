@@ -144,6 +144,7 @@ def test_the_isolated_process_cannot_import_the_project(champion, tmp_path):
     assert proc.returncode != 0 and "not importable where the model is served" in proc.stderr
 
 
+@pytest.mark.slow  # make test-slow: MLflow's own scoring server starts in a fresh environment (52 s)
 def test_mlflow_models_serve_answers_on_loopback(champion, tmp_path):
     port = free_port()
     env = serving.isolated_env(champion["uri"], tmp_path, cache_dir=tmp_path / "cache")

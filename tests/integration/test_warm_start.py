@@ -76,6 +76,7 @@ def test_another_rank_exits_2_before_the_model_loads(tmp_path, tiny_model, tiny_
     assert not (tmp_path / "work").exists()  # no work done
 
 
+@pytest.mark.slow  # make test-slow: a real search trial through the local launcher (20 s)
 def test_search_trials_continue_the_adapter_the_run_continues(tmp_path, tiny_model, tiny_splits, tiny_config):
     """A daily run that continues an adapter searches from it too: a real trial (the local launcher) trains the
     parent's weights further, and its study records where its trials started."""
