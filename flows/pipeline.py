@@ -37,7 +37,7 @@ from grpo_pipeline.configs.schema import PipelineConfig
 from grpo_pipeline.flows import trigger
 from grpo_pipeline.flows.hpo import search_stage
 from grpo_pipeline.flows.preflight import preflight
-from grpo_pipeline.flows.runs import parent_run, setup_tracking, stage_run
+from grpo_pipeline.flows.runs import parent_run, setup_tracking, stage_run, timed
 from grpo_pipeline.flows.stages.check import check_stage
 from grpo_pipeline.flows.stages.daily import (
     HOLDOUT_TAG,
@@ -128,11 +128,13 @@ def run_pipeline(cfg: PipelineConfig, priced: Plan | None = None) -> RunSummary:
     changes it returns a new value under its own name: `selected` (the base model chosen), `planned` (the
     plan's batch split and GPUs), `tuned` (the search's best values), which is what trains."""
     import_bitsandbytes_offline()  # before any stage imports peft: no hub lookup for code (trainer/offline.py)
+    clock: dict[str, float] = {}  # wall seconds by stage, in the order they ran (the summary's `timings`)
     run_dir = _run_dir(cfg)
-    experiment_id = setup_tracking(cfg.mlflow_uri, cfg.tracking.experiment, cfg.data_dir / "mlartifacts")
-    registry = Registry(mlflow.MlflowClient(cfg.mlflow_uri), cfg.tracking.registered_model)
-    # before any work: a missing champion, an unknown URI, another base or LoRA shape end the run here (exit 2)
-    warm_start = warm_start_stage(cfg, registry, run_dir)
+    with timed(clock, "setup"):
+        experiment_id = setup_tracking(cfg.mlflow_uri, cfg.tracking.experiment, cfg.data_dir / "mlartifacts")
+        registry = Registry(mlflow.MlflowClient(cfg.mlflow_uri), cfg.tracking.registered_model)
+        # before any work: a missing champion, an unknown URI, another base or LoRA shape end the run here (exit 2)
+        warm_start = warm_start_stage(cfg, registry, run_dir)
     cold_start = cold_start_note(cfg, warm_start)  # champion_or_base with no champion yet: said, not refused
     if warm_start is not None:
         print(f"warm start: continuing {warm_start.parent} ({warm_start.uri})")
@@ -144,7 +146,7 @@ def run_pipeline(cfg: PipelineConfig, priced: Plan | None = None) -> RunSummary:
         mlflow.set_tags(
             {"config_hash": cfg_hash, **lineage_tags(warm_start), **({"cold_start": cold_start} if cold_start else {})}
         )
-        with stage_run(pid, "data"):
+        with stage_run(pid, "data", clock):
             dataset, base_path = data_stage(cfg)
         base_choice = BaseChoice(base=cfg.model.base, path=base_path, quantization=cfg.model.quantization)
         if cfg.data.skip_unchanged and (reason := unchanged_stage(registry, dataset, cfg_hash)):
@@ -152,24 +154,26 @@ def run_pipeline(cfg: PipelineConfig, priced: Plan | None = None) -> RunSummary:
         # the warm start's registered version: the keys its lineage trained on and was judged on
         lineage_model, lineage_version = (warm_start.model, warm_start.version) if warm_start else (None, None)
         seen = seen_keys(registry, lineage_model, lineage_version)
-        splits, rows = train_rows_stage(
-            cfg, dataset, seen, run_dir, seen_keys(registry, lineage_model, lineage_version, tag=HOLDOUT_TAG)
-        )
-        drift = drift_stage(cfg, registry, dataset, run_dir, pid)
-        with stage_run(pid, "model"):
+        with timed(clock, "rows"):
+            splits, rows = train_rows_stage(
+                cfg, dataset, seen, run_dir, seen_keys(registry, lineage_model, lineage_version, tag=HOLDOUT_TAG)
+            )
+        with timed(clock, "drift"):
+            drift = drift_stage(cfg, registry, dataset, run_dir, pid)
+        with stage_run(pid, "model", clock):
             selected, model_path = model_stage(cfg, base_path, splits["val"])
         task_check = None
         # can GRPO learn it on this base? too_hard ends the run here (check.on_too_hard). A run that continues an
         # adapter (warm start) starts from what it learned, not from the base the check samples: no check
         if selected.check.enabled and warm_start is None:
-            with stage_run(pid, "task-check"):
+            with stage_run(pid, "task-check", clock):
                 task_check = check_stage(selected, dataset, model_path)
-        with stage_run(pid, "plan"):  # preflight's plan holds while the base is the configured one
+        with stage_run(pid, "plan", clock):  # preflight's plan holds while the base is the configured one
             plan = plan_stage(selected, model_path, priced if selected.model == cfg.model else None)
         planned = apply_plan(selected, plan)
         search = None
         if planned.hpo.enabled:
-            with stage_run(pid, "hpo") as run:
+            with stage_run(pid, "hpo", clock) as run:
                 search = search_stage(
                     planned,
                     model_path,
@@ -182,32 +186,36 @@ def run_pipeline(cfg: PipelineConfig, priced: Plan | None = None) -> RunSummary:
                 )
         tuned = apply_best(planned, search.overrides) if search else planned
         log_resolved_config(tuned, dataset, model_path)  # what trains is what the run shows
-        with stage_run(pid, "evaluate-base"):
+        with stage_run(pid, "evaluate-base", clock):
             base = evaluate_stage(tuned, model_path, splits["holdout"], "base", baseline=True)
-        result, cost = train_stage(tuned, model_path, splits, run_dir, dataset, plan, warm_start, experiment_id, pid)
+        with timed(clock, "train"):
+            result, cost = train_stage(
+                tuned, model_path, splits, run_dir, dataset, plan, warm_start, experiment_id, pid
+            )
         month = month_stage(tuned, experiment_id, plan)
-        with stage_run(pid, "evaluate-candidate"):
+        with stage_run(pid, "evaluate-candidate", clock):
             trained = evaluate_stage(tuned, model_path, splits["holdout"], "candidate", adapter=result.adapter_dir)
         champion_version = registry.version_of(CHAMPION)  # the baseline: the champion, or the base model
         champion = None
         if champion_version:
-            with stage_run(pid, "evaluate-champion"):
+            with stage_run(pid, "evaluate-champion", clock):
                 champion = champion_stage(tuned, registry, champion_version, splits["holdout"], run_dir)
         merged = None
         if tuned.merge.enabled:
-            with stage_run(pid, "merge") as run:
+            with stage_run(pid, "merge", clock) as run:
                 merged = merge_stage(tuned, model_path, result, splits["holdout"], run_dir, run.info.run_id)
-        with stage_run(pid, "decide"):
+        with stage_run(pid, "decide", clock):
             decision = decide_stage(tuned, trained, champion or base)
-        with stage_run(pid, "register"):
+        with stage_run(pid, "register", clock):
             lineage = {"config_hash": cfg_hash, **lineage_tags(warm_start), **record_seen(seen, splits)}
             registered = register_stage(
                 tuned, registry, dataset, model_path, result, merged, pid, splits["holdout"], lineage
             )
-        with stage_run(pid, "serving-check"):
+        with stage_run(pid, "serving-check", clock):
             check = serving_stage(tuned, registry, registered, splits["holdout"], trained)
         decision = blocked_unless_served(decision, check)
-        outcome = promote_stage(registry, registered, champion_version, decision, check, cfg.promote.mode)
+        with timed(clock, "promote"):
+            outcome = promote_stage(registry, registered, champion_version, decision, check, cfg.promote.mode)
         summary = RunSummary(
             mlflow=MlflowRef(tracking_uri=tuned.mlflow_uri, run_id=pid, experiment_id=experiment_id),
             run_dir=str(run_dir.resolve()),
@@ -231,7 +239,9 @@ def run_pipeline(cfg: PipelineConfig, priced: Plan | None = None) -> RunSummary:
             merge=merged,
             decision=decision,
             registry=outcome,
+            timings=clock,
         )
+        print("time by stage: " + ", ".join(f"{stage} {seconds:.1f} s" for stage, seconds in clock.items()))
         report(summary, run_dir)
     return summary
 

@@ -6,6 +6,7 @@ retry reaches the stage again)."""
 from __future__ import annotations
 
 import os
+import time
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -86,11 +87,30 @@ def _child(parent_run_id: str, name: str) -> str | None:
 
 
 @contextmanager
-def stage_run(parent_run_id: str, name: str) -> Iterator[mlflow.ActiveRun]:
-    """The stage's nested MLflow run, reopened when a retry of this flow run reaches the stage again."""
+def stage_run(parent_run_id: str, name: str, clock: dict[str, float] | None = None) -> Iterator[mlflow.ActiveRun]:
+    """The stage's nested MLflow run, reopened when a retry of this flow run reaches the stage again; its wall
+    seconds added to `clock[name]` when given (`timed`)."""
     existing = _child(parent_run_id, name)
-    with mlflow.start_run(run_id=existing, run_name=None if existing else name, nested=True) as run:
+    with timed(clock, name), mlflow.start_run(run_id=existing, run_name=None if existing else name, nested=True) as run:
         yield run
+
+
+@contextmanager
+def timed(clock: dict[str, float] | None, name: str) -> Iterator[None]:
+    """The block's wall seconds added to `clock[name]` (the run summary's `timings`), also when it raises.
+
+    >>> clock = {}
+    >>> with timed(clock, "data"):
+    ...     pass
+    >>> list(clock), clock["data"] < 1
+    (['data'], True)
+    """
+    started = time.monotonic()
+    try:
+        yield
+    finally:
+        if clock is not None:
+            clock[name] = round(clock.get(name, 0.0) + time.monotonic() - started, 2)
 
 
 def stage_run_for_another_process(experiment_id: str, parent_run_id: str, name: str) -> str:

@@ -247,3 +247,6 @@ class RunSummary(BaseModel):
     merge: Merged | None = None
     decision: PromotionDecision | None = None
     registry: RegistryOutcome | None = None
+    # wall seconds by stage, in the order they ran (data, model, task-check, plan, hpo, evaluate-base, train, ...,
+    # promote): where a run's time went; the report and the process start-up are outside it
+    timings: dict[str, float] = {}

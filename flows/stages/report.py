@@ -100,6 +100,7 @@ def headline_metrics(summary: RunSummary) -> dict[str, float]:
         "serving_check_passed": float(outcome.serving_check.passed),
         "train/global_step": train.global_step,
         "train/runtime_s": train.train_runtime_s,
+        **{f"seconds/{stage}": seconds for stage, seconds in summary.timings.items()},  # where the run's time went
     }
     # the names earlier runs used, so they stay comparable
     out |= {"holdout/base_reward": holdout.base_reward, "holdout/trained_reward": holdout.trained_reward}

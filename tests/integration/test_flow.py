@@ -95,6 +95,13 @@ def test_run_json_summary_and_mlflow_lineage(tmp_path, tiny_yaml):
     assert params["lora.r"] == "4" and params["grpo.max_steps"] == "2" and "grpo.learning_rate" in params
     assert params["dataset_fingerprint"] == summary["data"]["fingerprint"]
     assert {"holdout/candidate_reward", "holdout/base_reward", "holdout/gain"} <= parent_run.data.metrics.keys()
+    # where the run's time went, stage by stage in the order they ran, in the summary and as the parent's metrics
+    timings = summary["timings"]
+    stages = ["setup", "data", "rows", "drift", "model", "task-check", "plan", "evaluate-base", "train"]
+    assert list(timings)[: len(stages)] == stages and all(seconds >= 0 for seconds in timings.values())
+    assert timings["train"] > 0 and {"evaluate-candidate", "register", "promote"} <= timings.keys()
+    assert parent_run.data.metrics["seconds/train"] == timings["train"]
+    assert "time by stage: setup " in proc.stdout + proc.stderr
     assert {d.dataset.name for d in by_name["train"].inputs.dataset_inputs} == {"train", "val"}
     # progress: step x/N with the time left, in the flow's log
     assert re.search(r"step 2/2 \(100%\)", proc.stderr + proc.stdout), proc.stderr[-3000:]
