@@ -101,6 +101,7 @@ def measure(summary: dict, seconds: float) -> dict:
         "train_runtime_s": round(train["train_runtime_s"], 1),
         "trained_zero_fraction": zero.get("trained_fraction"),
         "wall_s": round(seconds, 1),
+        "timings": summary.get("timings") or {},  # the run's wall seconds by stage
     }
 
 
