@@ -10,12 +10,19 @@
    every weight once per token, so tokens/s <= bandwidth / model bytes; GRPO generates a batch of B sequences
    at once, bounded by min(B·bandwidth / model bytes, peak / 2·N) (the roofline). Fraction = measured / bound.
 
-    python -m bench.machine_limit [--steps 5] [--repeats 5] [--tiny]
+    python -m bench.machine_limit [--steps 5] [--repeats 5] [--tiny] [--anyway]
+
+A fraction of the machine's limits means nothing when other work shares the cores: the peak, the bandwidth and the
+step would each be measured against a different share of them. So the benchmark reads the 1-minute load average
+before it starts and when it ends (`other_work`); when other work kept a core busy, it says so, exits 3 and keeps
+the saved results as they were (`--anyway` measures and saves, marked `loaded`; `--tiny`, a smoke test, is not
+judged).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -179,12 +186,51 @@ def flops(arch, lora: int, step: dict) -> dict:
     return {"train": train, "generation": gen}
 
 
+LOADED_EXIT = 3
+BUSY = 0.5  # another job's share of a core (load average beyond this run's own threads) that spoils a fraction
+
+
+def other_work(load_before: float, load_after: float, threads: int) -> str | None:
+    """Why this run's fractions cannot be trusted: the load average beyond its own `threads` before it started or
+    when it ended says another job kept a core busy (`BUSY`); None when the machine was this run's.
+
+    >>> other_work(0.1, 2.2, threads=2) is None
+    True
+    >>> other_work(1.3, 2.1, threads=2)
+    'the 1-minute load average was 1.3 before the run started: other work is using the cores'
+    >>> other_work(0.2, 3.4, threads=2)
+    'the 1-minute load average was 3.4 at the end, 1.4 beyond its own 2 threads: other work shared the cores'
+    """
+    if load_before >= BUSY:
+        return f"the 1-minute load average was {load_before:.1f} before the run started: other work is using the cores"
+    if load_after - threads >= BUSY:
+        return (
+            f"the 1-minute load average was {load_after:.1f} at the end, {load_after - threads:.1f} beyond its own "
+            f"{threads} threads: other work shared the cores"
+        )
+    return None
+
+
+def _refuse(reason: str) -> SystemExit:
+    print(
+        f"[machine_limit] not measured: {reason}. A fraction of the limits would measure the other work too; run it "
+        "on a quiet machine (nothing else running), or pass --anyway to measure and save it marked as loaded",
+        flush=True,
+    )
+    return SystemExit(LOADED_EXIT)
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=5, help="GRPO steps; the first is a warm-up and not counted")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--anyway", action="store_true", help="measure on a loaded machine too (saved as loaded)")
     opts = parser.parse_args(argv)
+    judged = not (opts.anyway or opts.tiny)  # --tiny's figures are a smoke test's, never tabled
+    load_before = os.getloadavg()[0]
+    if judged and (reason := other_work(load_before, 0.0, threads=0)):
+        raise _refuse(reason)
 
     import torch
     from datasets import load_dataset
@@ -329,6 +375,10 @@ def main(argv: list[str] | None = None) -> dict:
         "steps": steps,
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
     }
+    loaded = other_work(load_before, os.getloadavg()[0], torch.get_num_threads())
+    if loaded and judged:
+        raise _refuse(loaded)
+    report["loaded"] = loaded  # None: the machine was this run's
     save(report["name"], report)
     print(
         f"[machine_limit] training phase {train['median'] / 1e9:.2f} GFLOP/s = "

@@ -16,6 +16,7 @@ def test_machine_limit_counts_flops_and_bounds(results):
     assert 0 < report["train_phase"]["fraction"] and 0 < report["decode_batch1"]["fraction"]
     step = report["steps"][0]
     assert step["gen_s"] < step["step_s"] and step["train_s"] > 0 and step["seqs"] == 16
+    assert "loaded" in report  # the load it saw, said beside the fractions (None: the machine was its own)
 
 
 def test_gpu_check_dry_run_takes_the_gpu_code_path_on_the_cpu(tmp_path):
