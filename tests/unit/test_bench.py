@@ -3,23 +3,7 @@
 import pytest
 
 from bench.__main__ import available, main, rows
-from bench.lora_vs_full import analyse, time_to_quality
-from bench.lora_vs_full import table_rows as lora_rows
 from bench.table import END, START, Row, render, replace_block, update_page, verdict
-
-
-def _curve(points):
-    return [{"step": s, "train_s": t, "train_cpu_s": 2 * t, "reward": r} for s, t, r in points]
-
-
-def _arm(points, totals, rss, trainable):
-    return {
-        "curve": _curve(points),
-        "final_totals": totals,
-        "peak_rss_train_mb": rss,
-        "trainable_params": trainable,
-        "step_s": [10.0, 11.0, 12.0],
-    }
 
 
 def test_every_benchmark_gives_rows_before_anything_ran():
@@ -62,57 +46,6 @@ def test_missing_markers_and_bad_goals_are_named():
         replace_block("no table here", "x")
     with pytest.raises(ValueError, match="expected '<op> <number>'"):
         verdict(1.0, "about 1")
-
-
-def test_time_to_quality_speedup_is_bracketed_by_the_evaluation_interval():
-    full = _arm([(0, 0, 0.1), (4, 40, 0.6), (8, 80, 1.2)], [1.0, 2.0] * 10, 3000.0, 1000)
-    lora = _arm([(0, 0, 0.1), (4, 20, 1.1), (8, 40, 1.3)], [1.0, 2.0] * 10, 2000.0, 10)
-    out = analyse({"full": full, "lora": lora}, threshold=1.0)["lora"]
-    ttq = out["time_to_quality"]
-    assert ttq["ratio"] == pytest.approx(80 / 20)
-    assert ttq["spread"] is None  # LoRA crossed at its first evaluation: no upper bound on the speedup
-    assert out["quality"]["gap_pct"] == pytest.approx(0.0)
-    assert out["memory"]["ratio"] == pytest.approx(2000 / 3000)
-
-
-def test_speedup_bracket_when_both_cross_between_evaluations():
-    full = _arm([(0, 0, 0.1), (4, 40, 0.6), (8, 80, 1.2)], [1.0] * 4, 3000.0, 1000)
-    lora = _arm([(0, 0, 0.1), (4, 20, 0.9), (8, 40, 1.3)], [1.0] * 4, 2000.0, 10)
-    ttq = analyse({"full": full, "lora": lora}, threshold=1.0)["lora"]["time_to_quality"]
-    assert ttq["ratio"] == pytest.approx(2.0) and ttq["spread"] == pytest.approx([1.0, 4.0])
-
-
-def test_full_never_reaching_the_threshold_gives_a_lower_bound_not_a_ratio():
-    full = _arm([(0, 0, 0.1), (4, 40, 0.5), (8, 80, 0.7)], [0.5, 1.0] * 10, 3000.0, 1000)
-    lora = _arm([(0, 0, 0.1), (4, 20, 1.1), (8, 40, 1.3)], [1.0, 2.0] * 10, 2000.0, 10)
-    result = {
-        "steps": 8,
-        "threshold": 1.0,
-        "arms": {"full": full, "lora": lora},
-        "analysis": analyse({"full": full, "lora": lora}, threshold=1.0),
-    }
-    ttq = result["analysis"]["lora"]["time_to_quality"]
-    assert "ratio" not in ttq and ttq["ratio_at_least"] == pytest.approx(80 / 20)
-    table = {r.benchmark: r for r in lora_rows({"lora_vs_full": result}.get)}
-    speed = next(r for name, r in table.items() if "speedup" in name)
-    assert speed.verdict == "meets (≥ 4.00)" and "not in 8 steps" in speed.baseline
-    gap = next(r for name, r in table.items() if "gap" in name)
-    assert gap.ratio < 0 and gap.verdict == "meets"  # LoRA scored higher than full: a negative gap
-    assert time_to_quality(full["curve"], 1.0) is None
-
-
-def test_an_adapter_that_never_gets_there_bounds_the_speedup_from_above():
-    full = _arm([(0, 0, 0.1), (4, 40, 0.6), (8, 80, 1.2)], [1.0, 2.0] * 10, 3000.0, 1000)
-    lora = _arm([(0, 0, 0.1), (4, 50, 0.2), (8, 100, 0.7)], [0.5, 1.0] * 10, 2000.0, 10)
-    result = {
-        "steps": 8,
-        "threshold": 1.0,
-        "arms": {"full": full, "lora": lora},
-        "analysis": analyse({"full": full, "lora": lora}, threshold=1.0),
-    }
-    assert result["analysis"]["lora"]["time_to_quality"]["ratio_at_most"] == pytest.approx(80 / 100)
-    speed = next(r for r in lora_rows({"lora_vs_full": result}.get) if "speedup" in r.benchmark)
-    assert speed.verdict == "misses (≤ 0.80)" and "LoRA: not in 8 steps (200 CPU s)" == speed.candidate
 
 
 def test_suite_rejects_unknown_names(capsys):
@@ -200,27 +133,6 @@ def test_step_profile_refuses_bad_input_before_loading_a_model(capsys):
         with pytest.raises(SystemExit) as exc:
             main(["--precision", "bf16"])
         assert exc.value.code == 2 and "avx512_bf16" in capsys.readouterr().err
-
-
-def _gain_run(arm, seed, base, end):
-    return {"arm": arm, "seed": seed, "learning_rate": 3e-4, "curve": _curve([(0, 0.0, base), (24, 9.0, end)])}
-
-
-@pytest.mark.parametrize(
-    "qlora_ends, verdict",
-    [
-        ([0.30, 0.42, 0.28], "within noise"),  # QLoRA gains less on average, but the seeds' interval covers LoRA's
-        ([0.15, 0.14, 0.16], "misses"),  # less on every seed, beyond the interval
-        ([0.50, 0.47, 0.55], "meets"),
-    ],
-)
-def test_qlora_against_lora_is_judged_on_each_arms_gain_over_its_own_base(qlora_ends, verdict):
-    runs = [_gain_run("lora", s, 0.15, end) for s, end in enumerate([0.45, 0.40, 0.50])]
-    runs += [_gain_run("qlora", s, 0.08, end) for s, end in enumerate(qlora_ends)]
-    result = {"name": "qlora_vs_lora", "status": "complete", "steps": 24, "seeds": [0, 1, 2], "runs": runs}
-    (row,) = lora_rows({"qlora_vs_lora": result}.get)
-    assert row.benchmark.startswith("QLoRA (NF4) vs LoRA: gain over each one's own base")
-    assert row.verdict == verdict, (row.ratio, row.spread)
 
 
 def test_a_results_machine_stamp_names_the_cpu_model_and_falls_back_where_cpuinfo_has_none(tmp_path):
