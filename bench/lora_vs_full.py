@@ -987,8 +987,14 @@ def fair_rows(result: Mapping) -> list[Row]:
                 continue
             rows.append(
                 gap_row(
-                    f"{LABEL[arm]} vs full, {task}: holdout {skill} at the plateau, {len(a['seeds'])} seeds, each at its "
-                    f"best rate on validation, gap % (`bench.lora_vs_full`){fair}",
+                    f"{LABEL[arm]} vs full, {task}: holdout {skill} at the plateau, {len(a['seeds'])} "
+                    f"seed{'s' if len(a['seeds']) != 1 else ''}, "
+                    + (
+                        "at LoRA's rate"
+                        if arm == "qlora" and "lora" in t["arms"]
+                        else "each at its best rate on validation"
+                    )
+                    + f", gap % (`bench.lora_vs_full`){fair}",
                     f"full (lr {full['learning_rate']:g}): {full['holdout_skill']:.3f}",
                     f"{LABEL[arm]} (lr {a['learning_rate']:g}): {a['holdout_skill']:.3f}",
                     a["gap_skill"],
