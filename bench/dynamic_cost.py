@@ -123,6 +123,14 @@ def report(runs: dict) -> dict:
     }
 
 
+def _seeds(seeds: list[int]) -> str:
+    """
+    >>> _seeds([0]), _seeds([0, 1])
+    ('1 seed', '2 seeds')
+    """
+    return f"{len(seeds)} seed{'' if len(seeds) == 1 else 's'}"
+
+
 def table_rows(load) -> list[Row]:
     r = load(NAME)
     bench = "dynamic sampling's cost: train time against no dynamic sampling, paired by seed (`bench.dynamic_cost`)"
@@ -136,10 +144,10 @@ def table_rows(load) -> list[Row]:
                 Row(
                     f"{bench}: {arm}",
                     "no dynamic sampling",
-                    f"{arm}, {len(t['seeds'])} seeds",
+                    f"{arm}, {_seeds(t['seeds'])}",
                     t["mean_ratio"],
                     f"<= {GOAL}" if arm == "carried" else "",
-                    spread=(min(t["ratios"]), max(t["ratios"])),
+                    spread=(min(t["ratios"]), max(t["ratios"])) if len(t["ratios"]) > 1 else None,
                 )
             )
     s = r.get("skill_carried_vs_fixed")
@@ -152,7 +160,7 @@ def table_rows(load) -> list[Row]:
                 "carried",
                 None,
                 "",
-                note=f"mean difference {s['mean_diff']:+.3f} over {len(s['seeds'])} seeds{ci}",
+                note=f"mean difference {s['mean_diff']:+.3f} over {_seeds(s['seeds'])}{ci}",
             )
         )
     return rows
