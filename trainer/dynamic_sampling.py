@@ -273,7 +273,7 @@ class DynamicSampling:
         total = len(extended)
         fresh = {k: v for k, v in output.items() if isinstance(v, torch.Tensor) and v.dim() > 0 and v.size(0) == total}
         trained = self._select(fresh, [i - first_mine for i in mine if i >= first_mine], g)
-        if first_mine and (old := [i for i in mine if i < first_mine]):
+        if self._carried_rows is not None and (old := [i for i in mine if i < first_mine]):
             trained = cat_rows(self._select(self._carried_rows, old, g), trained, trainer.processing_class.pad_token_id)
         self._carried_rows = self._select(fresh, [i - first_mine for i in mine_carry], g) if mine_carry else None
         output.update(trained)
