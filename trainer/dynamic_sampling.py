@@ -72,8 +72,8 @@ def groups_to_generate(groups: int, carried: int, share: float, oversample: floa
 
 
 class MixedShare:
-    """The share of generated groups that were mixed (the rewards that rank first differ), over the last
-    `window` generations; before any, `prior`.
+    """The share of generated groups that were mixed (their first-ranked reward differs: the skill where the task
+    declares one, else the total), over the last `window` generations; before any, `prior`.
 
     >>> share = MixedShare(prior=0.5, window=2)
     >>> share.value, share.add(3, 4), share.add(1, 4), share.add(0, 4), share.value
