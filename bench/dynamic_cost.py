@@ -84,9 +84,9 @@ def paired(runs: dict, arm: str, against: str, field: str) -> dict | None:
         "mean_diff": statistics.mean(diffs),
         "ci": None,
     }
-    if len(seeds) > 1:
-        half = stats.t.ppf(0.975, len(seeds) - 1) * statistics.stdev(diffs) / len(seeds) ** 0.5
-        out["ci"] = [out["mean_diff"] - half, out["mean_diff"] + half]
+    if len(seeds) > 1:  # the t interval over seeds, as scipy computes it
+        ci = stats.ttest_1samp(diffs, 0.0).confidence_interval(0.95)
+        out["ci"] = [float(ci.low), float(ci.high)]
     return out
 
 
